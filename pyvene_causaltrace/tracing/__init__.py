@@ -1,0 +1,1 @@
+"""Causal tracing: noise scale, metrics, and runs of specs on a model."""

