@@ -51,7 +51,7 @@ def test_noise_add_changes_exactly_the_chosen_positions_by_the_recipe(tiny):
     pv_model = intervenable_model_class()([{"component": embed, "intervention": noise}], model)
     noised = capture(model, {}, [embed], run=lambda: pv_model(base={"input_ids": ids}))[embed]
     hidden = adapter.hidden_size(model)
-    for row, (seed, chosen) in enumerate(zip(seeds, positions)):
+    for row, (seed, chosen) in enumerate(zip(seeds, positions, strict=True)):
         others = [p for p in range(SEQ) if p not in chosen]
         assert torch.equal(noised[row, others], clean[row, others])
         expected = recipe_noise(seed, len(chosen), hidden, SCALE, SIGMA)

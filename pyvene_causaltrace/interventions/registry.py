@@ -13,7 +13,6 @@ Specs name interventions by string; this table turns the string into a pyvene
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from importlib.metadata import entry_points
 
 logger = logging.getLogger(__name__)

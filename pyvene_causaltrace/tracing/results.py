@@ -76,6 +76,7 @@ class SpecRunResult:
             lines.append(f"noise: scale {self.scale} x sigma {self.sigma:.4f}")
         lines.append(f"{'seed':>6} {'corrupt P':>10} {'intervened P':>13} {'recovery':>9}")
         seeds = self.seeds if self.seeds is not None else ["-"]
-        for seed, c, p, r in zip(seeds, self.corrupt_probs, self.intervened_probs, self.recovery):
+        for seed, c, p, r in zip(seeds, self.corrupt_probs, self.intervened_probs, self.recovery,
+                              strict=True):
             lines.append(f"{seed!s:>6} {c:>10.4f} {p:>13.4f} {r:>9.3f}")
         return "\n".join(lines)

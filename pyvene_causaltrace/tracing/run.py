@@ -31,7 +31,7 @@ from ..locations import component_layers, component_path, resolve_layers, resolv
 from ..models import get_adapter
 from ..prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
 from ..pyvene_compat import import_pyvene, intervenable_model_class
-from ..specs import ExperimentSpec, SpecError, load_spec
+from ..specs import ExperimentSpec, InterventionSpec, SpecError, load_spec
 from .metrics import answer_probs, recovery
 from .noise_scale import resolve_sigma
 from .results import SpecRunResult
@@ -69,17 +69,59 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+@dataclass(frozen=True)
+class _Site:
+    """One spec entry at one layer: where it acts and at which positions."""
+
+    item: InterventionSpec
+    layer: int | None
+    component: str
+    positions: list[int]
+
+    @property
+    def donor_run(self) -> str | None:
+        """Which run's states this site needs: ``"clean"``, ``"corrupted"`` or none."""
+        if self.item.type in ("clean_restore", "window_restore"):
+            return "clean"
+        if self.item.type == "freeze":
+            return self.item.get("run", "corrupted")
+        return None
+
+
 def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> Plan:
     """Resolve ``spec`` on ``model``: tokens, answer, sigma, and one intervention per site."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     adapter = get_adapter(model)
-    n_layers = adapter.n_layers(model)
     prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence)
-    device = _device(model)
-    ids = prompt.input_ids.to(device)
+    ids = prompt.input_ids.to(_device(model))
+    sites = _sites(spec, prompt, adapter, adapter.n_layers(model))
 
-    # Sites first, so the clean run captures every donor it needs in one forward.
-    sites: list[tuple[int, Any, str, list[int]]] = []  # (entry index, entry, component, positions)
+    # One clean forward gives the clean probabilities and every clean donor.
+    box: dict[str, torch.Tensor] = {}
+    clean_states = capture(
+        model, {}, [s.component for s in sites if s.donor_run == "clean"],
+        run=lambda: box.setdefault("logits", model(input_ids=ids).logits),
+    )
+    clean_probs = box["logits"][0, -1].double().softmax(-1)
+    answer_id = (answer_token_id(tokenizer, spec.answer) if spec.answer is not None
+                 else int(clean_probs.argmax()))
+
+    noise, seeds, sigma, scale = _noise(spec, prompt, adapter, model, tokenizer)
+    corrupt_states, corrupt_probs = _corrupted_run(
+        model, ids, noise, [s.component for s in sites if s.donor_run == "corrupted"], seeds)
+    donors = {"clean": clean_states, "corrupted": corrupt_states}
+
+    interventions = ([noise] if noise else []) + [
+        (site.component, _make(site, donors)) for site in sites]
+    for index, item in enumerate(spec.interventions):
+        if item.type == "frozen_layernorm":
+            interventions.extend(_frozen_norms(item, adapter, adapter.n_layers(model), index))
+    return Plan(spec, prompt, answer_id, tokenizer.decode([answer_id]), seeds, sigma, scale,
+                clean_probs, corrupt_probs, interventions, noise)
+
+
+def _sites(spec: ExperimentSpec, prompt, adapter, n_layers: int) -> list[_Site]:
+    sites = []
     for index, item in enumerate(spec.interventions):
         path = f"$.interventions[{index}]"
         if item.type in ("noise_add", "frozen_layernorm"):
@@ -87,79 +129,49 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
         positions = resolve_positions(item.get("positions", "all"), prompt, path + ".positions")
         if item.type == "window_restore":
             center = resolve_layers(item.get("center"), n_layers, path + ".center")[0]
-            for layer in window_layers(center, item.get("window"), n_layers):
-                component = component_path(_SUBLAYER_COMPONENT[item.get("sublayer")], layer, adapter)
-                sites.append((index, item, component, positions))
-            continue
-        component = item.get("component", "block_output")
-        layers = item.get("layers", "all" if item.type == "freeze" else None)
-        for layer in component_layers(component, layers, n_layers, path):
-            sites.append((index, item, component_path(component, layer, adapter), positions))
-
-    clean_needed = [c for _, item, c, _ in sites
-                    if item.type in ("clean_restore", "window_restore")
-                    or (item.type == "freeze" and item.get("run", "corrupted") == "clean")]
-    logits_box: dict[str, torch.Tensor] = {}
-    clean_states = capture(
-        model, {}, clean_needed,
-        run=lambda: logits_box.setdefault("logits", model(input_ids=ids).logits),
-    )
-    clean_probs = logits_box["logits"][0, -1].double().softmax(-1)
-    if spec.answer is not None:
-        answer_id = answer_token_id(tokenizer, spec.answer)
-    else:
-        answer_id = int(clean_probs.argmax())
-    answer = tokenizer.decode([answer_id])
-
-    noise = None
-    seeds = sigma = scale = None
-    if spec.noise is not None:
-        item = spec.noise
-        path = f"$.interventions[{spec.interventions.index(item)}]"
-        seeds = item.get("seeds")
-        seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
-        try:
-            sigma = resolve_sigma(item.get("sigma", "rome"), model, tokenizer, spec.subject)
-        except ValueError as error:
-            raise SpecError(path + ".sigma", str(error)) from None
-        scale = float(item.get("scale", 3.0))
-        positions = resolve_positions(item.get("positions", "subject"), prompt, path + ".positions")
-        noise = (component_path("embed", None, adapter), NoiseAdd(
-            seeds=seeds, positions=positions, scale=scale, sigma=sigma,
-            distribution=item.get("distribution", "gaussian"),
-        ))
-
-    corrupt_needed = [c for _, item, c, _ in sites
-                      if item.type == "freeze" and item.get("run", "corrupted") == "corrupted"]
-    corrupt_states, corrupt_probs = _corrupted_run(model, ids, noise, corrupt_needed, seeds)
-
-    interventions: list[tuple[str, Any]] = [noise] if noise else []
-    for index, item, component, positions in sites:
-        if item.type == "clean_restore":
-            made = CleanRestore(positions=positions, states=clean_states[component])
-        elif item.type == "window_restore":
-            made = WindowRestore(
-                positions=positions, states=clean_states[component], sublayer=item.get("sublayer"),
-                window_layer=_layer_of(component), center=item.get("center"),
-                window=item.get("window"),
-            )
-        elif item.type == "freeze":
-            run = item.get("run", "corrupted")
-            states = (clean_states if run == "clean" else corrupt_states)[component]
-            made = Freeze(positions=positions, states=states, run=run)
-        else:  # a third-party registered type
-            cls = get_intervention(item.type)
-            made = cls(positions=positions, **item.get("params", {}))
-        interventions.append((component, made))
-    for index, item in enumerate(spec.interventions):
-        if item.type == "frozen_layernorm":
-            interventions.extend(_frozen_norms(item, adapter, n_layers, index))
-    return Plan(spec, prompt, answer_id, answer, seeds, sigma, scale, clean_probs,
-                corrupt_probs, interventions, noise)
+            component = _SUBLAYER_COMPONENT[item.get("sublayer")]
+            layers = window_layers(center, item.get("window"), n_layers)
+        else:
+            component = item.get("component", "block_output")
+            default = "all" if item.type == "freeze" else None
+            layers = component_layers(component, item.get("layers", default), n_layers, path)
+        sites.extend(_Site(item, layer, component_path(component, layer, adapter), positions)
+                     for layer in layers)
+    return sites
 
 
-def _layer_of(component: str) -> int:
-    return int(component.split("[", 1)[1].split("]", 1)[0])
+def _noise(spec: ExperimentSpec, prompt, adapter, model, tokenizer):
+    """``((component, NoiseAdd) | None, seeds, sigma, scale)`` for the spec's noise entry."""
+    item = spec.noise
+    if item is None:
+        return None, None, None, None
+    path = f"$.interventions[{spec.interventions.index(item)}]"
+    seeds = item.get("seeds")
+    seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    try:
+        sigma = resolve_sigma(item.get("sigma", "rome"), model, tokenizer, spec.subject)
+    except ValueError as error:
+        raise SpecError(path + ".sigma", str(error)) from None
+    scale = float(item.get("scale", 3.0))
+    positions = resolve_positions(item.get("positions", "subject"), prompt, path + ".positions")
+    noise = NoiseAdd(seeds=seeds, positions=positions, scale=scale, sigma=sigma,
+                     distribution=item.get("distribution", "gaussian"))
+    return (component_path("embed", None, adapter), noise), seeds, sigma, scale
+
+
+def _make(site: _Site, donors: dict[str, dict[str, torch.Tensor]]):
+    item = site.item
+    states = donors[site.donor_run][site.component] if site.donor_run else None
+    if item.type == "clean_restore":
+        return CleanRestore(positions=site.positions, states=states)
+    if item.type == "window_restore":
+        return WindowRestore(positions=site.positions, states=states,
+                             sublayer=item.get("sublayer"), window_layer=site.layer,
+                             center=item.get("center"), window=item.get("window"))
+    if item.type == "freeze":
+        return Freeze(positions=site.positions, states=states, run=site.donor_run)
+    # a third-party registered type
+    return get_intervention(item.type)(positions=site.positions, **item.get("params", {}))
 
 
 def _frozen_norms(item, adapter, n_layers: int, index: int) -> list[tuple[str, Any]]:
@@ -167,9 +179,8 @@ def _frozen_norms(item, adapter, n_layers: int, index: int) -> list[tuple[str, A
     layers = resolve_layers(item.get("layers", "all"), n_layers, path + ".layers")
     out = []
     for norm in item.get("norms", list(_NORM_PART)):
-        part = _NORM_PART[norm]
         module_paths = ([adapter.final_norm] if norm == "final"
-                        else [adapter.module_path(part, layer) for layer in layers])
+                        else [adapter.module_path(_NORM_PART[norm], layer) for layer in layers])
         out.extend((p + ".output", FrozenLayerNorm(kind=adapter.norm_kind)) for p in module_paths)
     return out
 

@@ -1,0 +1,93 @@
+"""Architecture adapters, pyvene registration of missing architectures, and load_model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ALL_ARCHS, make_tiny_model
+
+from pyvene_causaltrace.models import (
+    ADAPTERS,
+    UnsupportedModelError,
+    get_adapter,
+    get_module,
+    load_model,
+)
+from pyvene_causaltrace.pyvene_compat import import_pyvene
+
+pv = import_pyvene()
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_adapter_paths_resolve_to_the_right_modules(arch):
+    model = make_tiny_model(arch)
+    adapter = get_adapter(model)
+    assert adapter.n_layers(model) == 3 and adapter.hidden_size(model) == 32
+    assert isinstance(get_module(model, adapter.embed), torch.nn.Embedding)
+    assert get_module(model, adapter.unembed) is model.get_output_embeddings()
+    for layer in range(3):
+        block = get_module(model, adapter.module_path("block", layer))
+        for part in ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm"):
+            module = get_module(model, adapter.module_path(part, layer))
+            assert any(module is m for m in block.modules())
+    norm = get_module(model, adapter.final_norm)
+    assert norm.weight.shape == (32,)
+    # the pre-MLP norm's output is what the MLP reads
+    seen = {}
+    mlp = get_module(model, adapter.module_path("mlp", 1))
+    pre = get_module(model, adapter.module_path("pre_mlp_norm", 1))
+    h1 = mlp.register_forward_pre_hook(lambda m, a: seen.__setitem__("mlp_in", a[0]))
+    h2 = pre.register_forward_hook(lambda m, a, o: seen.__setitem__("norm_out", o))
+    model(input_ids=torch.ones(1, 4, dtype=torch.long))
+    h1.remove(), h2.remove()
+    assert torch.equal(seen["mlp_in"], seen["norm_out"])
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_config(tf.OPTConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+        num_attention_heads=2, word_embed_proj_dim=16))
+    with pytest.raises(UnsupportedModelError) as error:
+        get_adapter(model)
+    for name in ("gpt2", "llama", "qwen3", "gemma2"):
+        assert name in str(error.value)
+    assert set(ADAPTERS) >= {"gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma2"}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_architectures_missing_from_pyvene_are_registered(arch):
+    model = make_tiny_model(arch)
+    pv_model = pv.IntervenableModel(
+        [{"layer": 1, "component": "block_output", "intervention_type": pv.ZeroIntervention}],
+        model)
+    with torch.no_grad():
+        _, out = pv_model(base={"input_ids": torch.ones(1, 4, dtype=torch.long)},
+                          unit_locations={"base": 2})
+        plain = model(input_ids=torch.ones(1, 4, dtype=torch.long)).logits
+    assert torch.equal(out.logits[:, :2], plain[:, :2])
+    assert not torch.allclose(out.logits[:, 2:], plain[:, 2:])
+
+
+def test_load_model_from_a_local_directory(tmp_path, tokenizer):
+    model = make_tiny_model("qwen3")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded, loaded_tokenizer = load_model(str(tmp_path))
+    ids = torch.ones(1, 5, dtype=torch.long)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert not loaded.training
+    assert loaded_tokenizer("The")["input_ids"] == tokenizer("The")["input_ids"]
+
+
+def test_load_model_refuses_an_unsupported_architecture(tmp_path, tokenizer):
+    import transformers as tf
+
+    tf.AutoModelForCausalLM.from_config(tf.OPTConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, ffn_dim=32,
+        num_attention_heads=2, word_embed_proj_dim=16)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="supported"):
+        load_model(str(tmp_path))

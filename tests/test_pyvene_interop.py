@@ -1,0 +1,203 @@
+"""Our types inside plain pyvene: next to pyvene's own interventions, through pyvene's
+save/load in a fresh process, and leaving the user's model working afterwards."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import PROMPT, SUBJECT, make_tiny_model
+from reference import add_at, edit_output, recipe_noise
+
+from pyvene_causaltrace.capture import capture
+from pyvene_causaltrace.interventions.frozen import FrozenLayerNorm
+from pyvene_causaltrace.interventions.noise import NoiseAdd
+from pyvene_causaltrace.interventions.restore import CleanRestore, Freeze, WindowRestore
+from pyvene_causaltrace.models import get_adapter, get_module
+from pyvene_causaltrace.pyvene_compat import import_pyvene, intervenable_model_class
+from pyvene_causaltrace.tracing.run import run_spec
+
+pv = import_pyvene()
+SEQ = 6
+
+
+def _ids(model, seed=0, rows=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, model.config.vocab_size, (rows, SEQ), generator=g)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3"])
+def test_with_vanilla_intervention_equals_both_by_hand(arch):
+    model = make_tiny_model(arch)
+    adapter = get_adapter(model)
+    block = adapter.module_path("block", 2)
+    base, source = _ids(model, 0), _ids(model, 1)
+    pv_model = pv.IntervenableModel([
+        {"component": adapter.embed + ".output",
+         "intervention": NoiseAdd(seeds=[7], positions=[1, 2], scale=3.0, sigma=0.4)},
+        {"component": block + ".output", "intervention_type": pv.VanillaIntervention},
+    ], model)
+    with torch.no_grad():
+        _, out = pv_model(
+            base={"input_ids": base}, sources=[None, {"input_ids": source}],
+            unit_locations={"sources->base": ([None, [[3, 4]]], [None, [[3, 4]]])},
+        )
+    donor = capture(model, {"input_ids": source}, [block + ".output"])[block + ".output"]
+
+    def swap(output):
+        output = output.clone()
+        output[:, [3, 4]] = donor[:, [3, 4]]
+        return output
+
+    delta = recipe_noise(7, 2, adapter.hidden_size(model), 3.0, 0.4)
+    with edit_output(model, adapter.embed, add_at(delta, [1, 2])), \
+            edit_output(model, block, swap), torch.no_grad():
+        expected = model(input_ids=base).logits
+    torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=0)
+
+
+def test_with_rotated_space_intervention_equals_both_by_hand():
+    model = make_tiny_model("llama")
+    adapter = get_adapter(model)
+    base, source = _ids(model, 0), _ids(model, 1)
+    pv_model = pv.IntervenableModel([
+        {"component": adapter.embed + ".output",
+         "intervention": NoiseAdd(seeds=[2], positions=[0, 1], scale=3.0, sigma=0.4)},
+        {"layer": 1, "component": "block_output", "intervention_type":
+         pv.RotatedSpaceIntervention},
+    ], model)
+    rotated = list(pv_model.interventions.values())[1]
+    rotated.set_interchange_dim(8)
+    with torch.no_grad():
+        _, out = pv_model(
+            base={"input_ids": base}, sources=[None, {"input_ids": source}],
+            unit_locations={"sources->base": ([None, [[5]]], [None, [[5]]])},
+        )
+        rotation = rotated.rotate_layer.weight.detach()
+    block = adapter.module_path("block", 1)
+    donor = capture(model, {"input_ids": source}, [block + ".output"])[block + ".output"]
+
+    def rotate_swap(output):
+        output = output.clone()
+        b, s = output[:, 5] @ rotation, donor[:, 5] @ rotation
+        b[:, :8] = s[:, :8]
+        output[:, 5] = b @ rotation.T
+        return output
+
+    delta = recipe_noise(2, 2, adapter.hidden_size(model), 3.0, 0.4)
+    with edit_output(model, adapter.embed, add_at(delta, [0, 1])), \
+            edit_output(model, block, rotate_swap), torch.no_grad():
+        expected = model(input_ids=base).logits
+    torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=0)
+
+
+def _every_type(model):
+    """One instance of every registered type on a tiny Llama, as representation dicts."""
+    adapter = get_adapter(model)
+    ids = _ids(model, 0, rows=2)
+    clean = capture(model, {"input_ids": ids[:1]},
+                    [adapter.module_path("block", 0) + ".output",
+                     adapter.module_path("mlp", 1) + ".output"])
+    other = capture(model, {"input_ids": _ids(model, 5)},
+                    [adapter.module_path("attn", 2) + ".output"])
+    return ids, [
+        {"component": adapter.embed + ".output",
+         "intervention": NoiseAdd(seeds=[1, 2], positions=[[0, 1], [2]], scale=4.0, sigma=0.3,
+                                  distribution="uniform")},
+        {"component": adapter.module_path("block", 0) + ".output",
+         "intervention": CleanRestore(positions=[[1], []],
+                                      states=clean[adapter.module_path("block", 0) + ".output"])},
+        {"component": adapter.module_path("mlp", 1) + ".output",
+         "intervention": WindowRestore(positions=[2, 3],
+                                       states=clean[adapter.module_path("mlp", 1) + ".output"],
+                                       sublayer="mlp", window_layer=1, center=1, window=3)},
+        {"component": adapter.module_path("attn", 2) + ".output",
+         "intervention": Freeze(positions=[[4], [5]],
+                                states=other[adapter.module_path("attn", 2) + ".output"],
+                                run="other")},
+        {"component": adapter.module_path("pre_mlp_norm", 2) + ".output",
+         "intervention": FrozenLayerNorm(kind=adapter.norm_kind)},
+    ]
+
+
+def test_pyvene_save_then_load_in_a_fresh_process_reproduces_logits(tmp_path):
+    model = make_tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    ids, representations = _every_type(model)
+    pv_model = intervenable_model_class()(representations, model)
+    with torch.no_grad():
+        logits = pv_model(base={"input_ids": ids})[1].logits
+        plain = model(input_ids=ids).logits
+    assert (logits - plain).abs().max() > 1e-3
+    pv_model.save(str(tmp_path / "saved"))
+    torch.save({"ids": ids, "logits": logits}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import contextlib, io, torch, transformers
+        with contextlib.redirect_stdout(io.StringIO()):
+            import pyvene as pv
+        model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r})
+        loaded = pv.IntervenableModel.load({str(tmp_path / 'saved')!r}, model.eval())
+        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        with torch.no_grad():
+            logits = loaded(base={{"input_ids": expected["ids"]}})[1].logits
+        names = sorted(type(v).__name__ for v in loaded.interventions.values())
+        print("TYPES", ",".join(names))
+        print("EQUAL", torch.equal(logits, expected["logits"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TYPES CleanRestore,Freeze,FrozenLayerNorm,NoiseAdd,WindowRestore" in done.stdout
+    assert "EQUAL True" in done.stdout
+
+
+def test_state_dict_round_trip_restores_config_and_tensors():
+    noise = NoiseAdd(seeds=[4, 5], positions=[[1], [0, 2]], scale=2.5, sigma=0.1)
+    fresh = NoiseAdd()
+    fresh.load_state_dict(noise.state_dict())
+    assert fresh.config() == noise.config()
+    assert torch.equal(fresh.seeds, noise.seeds) and torch.equal(fresh.positions, noise.positions)
+    with pytest.raises(RuntimeError, match="noise_add"):
+        CleanRestore().load_state_dict(noise.state_dict())
+
+
+def test_user_model_still_works_after_our_calls(tokenizer):
+    model = make_tiny_model("llama")
+    seen = []
+    handle = get_module(model, "model.layers.1").register_forward_hook(
+        lambda *_: seen.append(1))
+    flags = [p.requires_grad for p in model.parameters()]
+    spec = {"schema_version": 1, "prompt": PROMPT, "subject": SUBJECT, "interventions": [
+        {"type": "noise_add", "seeds": 2},
+        {"type": "clean_restore", "layers": 1, "positions": "last"},
+        {"type": "frozen_layernorm"}]}
+    run_spec(spec, model, tokenizer)
+    out = model(input_ids=_ids(model), output_hidden_states=True)
+    assert out.hidden_states is not None and len(out.hidden_states) == 4
+    before = len(seen)
+    model(input_ids=_ids(model))
+    assert len(seen) == before + 1  # the user's hook survived
+    assert [p.requires_grad for p in model.parameters()] == flags
+    handle.remove()
+    model(input_ids=_ids(model))
+    assert len(seen) == before + 1  # and its handle still removes it
+
+
+def test_plain_pyvene_breaks_hidden_states_and_preserve_hooks_mends_it():
+    """The fact behind IntervenableModel/preserve_hooks, so the test above can fail."""
+    from pyvene_causaltrace.pyvene_compat import preserve_hooks
+
+    model = make_tiny_model("llama")
+    model(input_ids=_ids(model), output_hidden_states=True)  # transformers installs its hooks
+    pv_model = pv.IntervenableModel(
+        [{"component": "model.layers[0].output",
+          "intervention": CleanRestore(positions=[0], states=torch.zeros(1, SEQ, 32))}], model)
+    with preserve_hooks(model):
+        pv_model(base={"input_ids": _ids(model)})
+    assert len(model(input_ids=_ids(model), output_hidden_states=True).hidden_states) == 4
+    pv_model(base={"input_ids": _ids(model)})
+    broken = model(input_ids=_ids(model), output_hidden_states=True).hidden_states
+    assert not broken
