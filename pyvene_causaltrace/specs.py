@@ -50,7 +50,7 @@ class ExperimentSpec:
     prompt: str
     interventions: tuple[InterventionSpec, ...]
     subject: str | None = None
-    subject_occurrence: int = 0
+    subject_occurrence: int | None = None  # None: first occurrence, field absent
     answer: str | None = None
     model: str | None = None
     name: str | None = None
@@ -68,7 +68,7 @@ class ExperimentSpec:
                 for item in data["interventions"]
             ),
             subject=data.get("subject"),
-            subject_occurrence=data.get("subject_occurrence", 0),
+            subject_occurrence=data.get("subject_occurrence"),
             answer=data.get("answer"),
             model=data.get("model"),
             name=data.get("name"),
@@ -83,7 +83,7 @@ class ExperimentSpec:
         for key in ("name", "description", "model", "prompt", "subject"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
-        if self.subject_occurrence:
+        if self.subject_occurrence is not None:
             out["subject_occurrence"] = self.subject_occurrence
         if self.answer is not None:
             out["answer"] = self.answer
@@ -107,7 +107,7 @@ def validate_spec(data: Any) -> None:
     import jsonschema
 
     validator = jsonschema.Draft202012Validator(spec_schema())
-    errors = sorted(validator.iter_errors(data), key=lambda e: (-len(e.absolute_path), e.path))
+    errors = sorted(validator.iter_errors(data), key=lambda e: -len(e.absolute_path))
     if errors:
         error = _most_specific(errors[0])
         raise SpecError(error.json_path, _expected(error))

@@ -240,3 +240,12 @@ def test_frozen_layernorm_outside_pyvene_is_a_clear_error():
         FrozenLayerNorm(kind="rms")(torch.zeros(1, 2, 4))
     with pytest.raises(ValueError, match="kind"):
         FrozenLayerNorm(kind="batch")
+
+
+def test_frozen_layernorm_refuses_gathered_positions():
+    model = make_tiny_model("llama")
+    pv_model = pv.IntervenableModel(
+        [{"component": "model.norm.output", "intervention": FrozenLayerNorm(kind="rms")}], model)
+    with pytest.raises(ValueError, match="unit_locations=None"):
+        pv_model(base={"input_ids": torch.ones(1, 4, dtype=torch.long)},
+                 unit_locations={"base": [[[1]]]})

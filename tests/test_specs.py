@@ -192,3 +192,48 @@ def test_spec_result_tables_and_json(tokenizer):
     again = type(result).from_json(result.to_json())
     assert again == result
     assert "recovery" in result.summary()
+
+
+def test_round_trip_keeps_every_field():
+    data = dict(BASE, name="x", description="y", model="m", answer=" Paris",
+                subject_occurrence=0, **{"$schema": "s.json"})
+    assert load_spec(data).to_dict() == data
+    assert load_spec(load_spec(data).to_dict()) == load_spec(data)
+
+
+def test_third_party_type_in_a_spec(tokenizer, monkeypatch):
+    from pyvene_causaltrace.interventions import register_intervention, registry
+    from pyvene_causaltrace.interventions.base import (
+        CausalTraceIntervention,
+        fit_mask,
+        positions_to_mask,
+    )
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+    class ScaleAt(CausalTraceIntervention):
+        """Multiply the output at some positions by ``factor``."""
+        registered_name = "scale_at"
+        tensor_fields = ("positions",)
+
+        def _setup(self, positions, factor=1.0):
+            self._set_tensor("positions", positions_to_mask(positions))
+            self._config = {"factor": factor}
+
+        def forward(self, base, source=None, subspaces=None, **kwargs):
+            mask = fit_mask(self.positions, *base.shape[:2]).unsqueeze(-1)
+            return torch.where(mask, base * self._config["factor"], base)
+
+    register_intervention("scale_at", ScaleAt)
+    model = make_tiny_model("qwen3")
+    spec = with_change(["interventions"], [
+        {"type": "scale_at", "component": "model.layers[{layer}].mlp.output", "layers": [0, 2],
+         "positions": "last", "params": {"factor": 0.0}}])
+    pv_model, plan = build_intervenable(spec, model, tokenizer)
+    assert [c for c, _ in plan.interventions] == ["model.layers[0].mlp.output",
+                                                  "model.layers[2].mlp.output"]
+    with torch.no_grad():
+        logits = pv_model(base=plan.base_inputs)[1].logits
+        plain = model(input_ids=plan.prompt.input_ids).logits
+    assert torch.equal(logits[:, :-1], plain[:, :-1])
+    assert not torch.allclose(logits[:, -1], plain[:, -1])

@@ -69,6 +69,11 @@ class FrozenLayerNorm(CausalTraceIntervention):
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         module, x = _hooked_module_and_input()
+        if x.shape != base.shape:
+            raise ValueError(
+                f"frozen_layernorm needs the norm's whole output {tuple(x.shape)}, got "
+                f"{tuple(base.shape)}: give it unit_locations=None"
+            )
         xf = x.float()
         dx = xf - xf.detach()  # zero in value; carries the gradient to x
         frozen = xf.detach()

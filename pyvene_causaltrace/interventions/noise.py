@@ -86,13 +86,15 @@ class NoiseAdd(CausalTraceIntervention):
         rows_for(batch, self.seeds.numel(), "seeds")
         mask = fit_mask(self.positions.cpu(), batch, seq_len)
         delta = torch.zeros(batch, seq_len, hidden, dtype=torch.float32)
+        draws: dict[tuple[int, int], torch.Tensor] = {}  # rows often share a seed
         for row in range(batch):
             seed = int(self.seeds[row if self.seeds.numel() > 1 else 0])
             where = mask[row].nonzero().squeeze(-1)
-            delta[row, where] = noise_recipe(
-                seed, where.numel(), hidden, self._config["scale"], self._config["sigma"],
-                self._config["distribution"],
-            )
+            key = (seed, where.numel())
+            if key not in draws:
+                draws[key] = noise_recipe(seed, where.numel(), hidden, self._config["scale"],
+                                          self._config["sigma"], self._config["distribution"])
+            delta[row, where] = draws[key]
         return delta
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:

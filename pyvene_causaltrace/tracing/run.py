@@ -92,7 +92,7 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
     """Resolve ``spec`` on ``model``: tokens, answer, sigma, and one intervention per site."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     adapter = get_adapter(model)
-    prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence)
+    prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence or 0)
     ids = prompt.input_ids.to(_device(model))
     sites = _sites(spec, prompt, adapter, adapter.n_layers(model))
 
