@@ -29,6 +29,16 @@ def _ids(model, seed=0, rows=1):
     return torch.randint(1, model.config.vocab_size, (rows, SEQ), generator=g)
 
 
+def _noise_and_edit_by_hand(model, ids, seed, noised, block, edit):
+    """Logits with recipe noise (scale 3, sigma 0.4) at ``noised`` and ``edit`` on ``block``,
+    with plain hooks."""
+    adapter = get_adapter(model)
+    delta = recipe_noise(seed, len(noised), adapter.hidden_size(model), 3.0, 0.4)
+    with edit_output(model, adapter.embed, add_at(delta, noised)), \
+            edit_output(model, block, edit), torch.no_grad():
+        return model(input_ids=ids).logits
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3"])
 def test_with_vanilla_intervention_equals_both_by_hand(arch):
     model = make_tiny_model(arch)
@@ -52,10 +62,7 @@ def test_with_vanilla_intervention_equals_both_by_hand(arch):
         output[:, [3, 4]] = donor[:, [3, 4]]
         return output
 
-    delta = recipe_noise(7, 2, adapter.hidden_size(model), 3.0, 0.4)
-    with edit_output(model, adapter.embed, add_at(delta, [1, 2])), \
-            edit_output(model, block, swap), torch.no_grad():
-        expected = model(input_ids=base).logits
+    expected = _noise_and_edit_by_hand(model, base, 7, [1, 2], block, swap)
     torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=0)
 
 
@@ -87,10 +94,7 @@ def test_with_rotated_space_intervention_equals_both_by_hand():
         output[:, 5] = b @ rotation.T
         return output
 
-    delta = recipe_noise(2, 2, adapter.hidden_size(model), 3.0, 0.4)
-    with edit_output(model, adapter.embed, add_at(delta, [0, 1])), \
-            edit_output(model, block, rotate_swap), torch.no_grad():
-        expected = model(input_ids=base).logits
+    expected = _noise_and_edit_by_hand(model, base, 2, [0, 1], block, rotate_swap)
     torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=0)
 
 
