@@ -91,3 +91,27 @@ def test_load_model_refuses_an_unsupported_architecture(tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="supported"):
         load_model(str(tmp_path))
+
+
+def test_load_model_by_hub_id_from_the_offline_hub_cache(tmp_path, tokenizer, monkeypatch):
+    """A hub id resolves through huggingface_hub (here from a filled cache, offline)."""
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "0123abc"
+    make_tiny_model("llama").save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("0123abc")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    model, _ = load_model("tiny-org/tiny-llama")
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 3
+
+
+def test_importing_the_package_has_no_heavy_side_effects():
+    import subprocess
+    import sys
+
+    code = ("import sys, pyvene_causaltrace as p; "
+            "print('pyvene' in sys.modules, 'transformers' in sys.modules, p.__version__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.split()[:2] == ["False", "False"], done.stdout + done.stderr
