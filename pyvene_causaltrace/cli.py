@@ -1,6 +1,7 @@
 """``pyvene-causaltrace``: the command line. Parses arguments, calls the library, writes files.
 
     pyvene-causaltrace trace                     # Eiffel Tower prompt on the bundled SmolLM2
+    pyvene-causaltrace trace --kind residual,mlp,attn --seeds 10 --out out/
     pyvene-causaltrace run intervention_specs/residual_trace.json --out out/
     pyvene-causaltrace validate intervention_specs/*.json
     pyvene-causaltrace interventions
@@ -9,7 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -18,7 +18,6 @@ EIFFEL = {
     "subject": "The Eiffel Tower",
     "answer": " Paris",
 }
-_KIND_COMPONENT = {"residual": "block_output", "mlp": "mlp_output", "attn": "attn_output"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,19 +25,31 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     trace = commands.add_parser(
-        "trace", help="noise the subject, restore one layer at a time, print recovery per layer")
-    trace.add_argument("--model", default="smollm2-135m")
+        "trace", help="causal trace: noise the subject, restore every (layer, position) cell")
+    trace.add_argument("--spec", type=Path, default=None,
+                       help="a trace spec (intervention_specs/trace_*.json); other options "
+                            "override nothing but --model/--out/--budget-mb/--controls")
+    trace.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
     trace.add_argument("--prompt", default=EIFFEL["prompt"])
     trace.add_argument("--subject", default=EIFFEL["subject"])
     trace.add_argument("--answer", default=None,
-                       help="target string (first token); default ' Paris' for the default "
+                       help="target string (its first token); default ' Paris' for the default "
                             "prompt, else the clean argmax")
-    trace.add_argument("--kind", choices=sorted(_KIND_COMPONENT), default="residual")
-    trace.add_argument("--positions", default="last_subject,last",
-                       help="comma-separated position names or indices, each traced separately")
-    trace.add_argument("--seeds", type=int, default=5)
-    trace.add_argument("--scale", type=float, default=3.0)
-    trace.add_argument("--out", type=Path, default=None, help="write trace.json here")
+    trace.add_argument("--kind", default="residual",
+                       help="residual|mlp|attn|severed-mlp|severed-attn, or several, "
+                            "comma-separated (they share the clean and corrupted runs)")
+    trace.add_argument("--seeds", type=int, default=10)
+    trace.add_argument("--scale", default="auto",
+                       help="noise in units of sigma, or 'auto' (smallest scale whose worst "
+                            "seed leaves P(answer) below 5%% of clean)")
+    trace.add_argument("--sigma", default="rome", help="rome | embedding_matrix | a number")
+    trace.add_argument("--window", type=int, default=10)
+    trace.add_argument("--budget-mb", type=float, default=2048.0,
+                       help="memory budget for one batch of rows")
+    trace.add_argument("--controls", action="store_true",
+                       help="also run the controls (corrupted-donor, window vs single layer)")
+    trace.add_argument("--out", type=Path, default=None,
+                       help="write trace_<kind>.json and trace_<kind>.png here")
 
     run = commands.add_parser("run", help="run a JSON spec and print its probabilities")
     run.add_argument("spec", type=Path)
@@ -52,58 +63,62 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _position(text: str):
+def _number_or_name(text: str):
     try:
-        return int(text)
+        return float(text)
     except ValueError:
         return text
 
 
 def _trace(args) -> int:
-    import torch
     from tqdm import tqdm
 
-    from .models import load_model
-    from .tracing.run import run_spec
+    from .models import OFFLINE_DEFAULT, load_model
+    from .tracing.trace import Tracer, tracer_from_spec
 
-    model, tokenizer = load_model(args.model)
-    answer = args.answer
-    if answer is None and args.prompt == EIFFEL["prompt"]:
-        answer = EIFFEL["answer"]
-    n_layers = model.config.num_hidden_layers
-    positions = [_position(p) for p in args.positions.split(",")]
-    base = {"schema_version": 1, "prompt": args.prompt, "subject": args.subject,
-            **({"answer": answer} if answer else {})}
-    noise = {"type": "noise_add", "seeds": args.seeds, "scale": args.scale}
-    rows = []
-    with torch.no_grad():
-        for layer in tqdm(range(n_layers), desc=f"{args.kind} trace", unit="layer"):
-            cells = []
-            for position in positions:
-                spec = dict(base, interventions=[noise, {
-                    "type": "clean_restore", "component": _KIND_COMPONENT[args.kind],
-                    "layers": layer, "positions": position}])
-                result = run_spec(spec, model, tokenizer)
-                cells.append(sum(result.recovery) / len(result.recovery))
-            rows.append(cells)
-    print(f"tokens: {result.tokens}   subject tokens {result.subject_range}")
-    print(f"answer {result.answer!r}: clean P = {result.clean_prob:.4f}; corrupted P per seed = "
-          + " ".join(f"{p:.4f}" for p in result.corrupt_probs)
-          + f"  (noise {args.scale} x sigma {result.sigma:.4f})")
-    print("mean recovery over seeds when one layer's output is restored at:")
-    print(f"{'layer':>5} " + " ".join(f"{str(p):>14}" for p in positions))
-    for layer, cells in enumerate(rows):
-        print(f"{layer:>5} " + " ".join(f"{c:>14.3f}" for c in cells))
+    options = {"memory_budget_mb": args.budget_mb}
+    if args.spec is not None:
+        from .specs import load_spec
+
+        spec = load_spec(args.spec)
+        model, tokenizer = load_model(args.model or spec.model or OFFLINE_DEFAULT)
+        tracer = tracer_from_spec(spec, model, tokenizer, **options)
+        kinds, window = [spec.trace["kind"]], spec.trace.get("window", 10)
+    else:
+        model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+        answer = args.answer
+        if answer is None and args.prompt == EIFFEL["prompt"]:
+            answer = EIFFEL["answer"]
+        kinds, window = [k.strip() for k in args.kind.split(",")], args.window
+        from .tracing.engine import get_kind
+
+        for kind in kinds:
+            get_kind(kind)
+        if window <= 0:
+            raise ValueError(f"window must be positive, got {window}")
+        tracer = Tracer(model, tokenizer, args.prompt, args.subject, answer=answer,
+                        seeds=args.seeds, scale=_number_or_name(args.scale),
+                        sigma=_number_or_name(args.sigma), **options)
+    if tracer.sweep is not None:
+        print(tracer.sweep.summary() + "\n")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "trace.json").write_text(json.dumps({
-            "tokens": result.tokens, "subject_range": result.subject_range,
-            "answer": result.answer, "clean_prob": result.clean_prob,
-            "corrupt_probs": result.corrupt_probs, "kind": args.kind, "scale": args.scale,
-            "sigma": result.sigma, "seeds": result.seeds, "positions": positions,
-            "mean_recovery": rows, "versions": result.versions,
-        }, indent=2))
-        print(f"wrote {args.out / 'trace.json'}")
+    for kind in kinds:
+        rows = len(tracer.seeds) * len(tracer.cells())
+        with tqdm(total=rows, desc=f"{kind} trace", unit="row") as bar:
+            result = tracer.trace(kind, window=window, progress=bar.update)
+        print(result.summary())
+        print(result.table(every=max(1, result.n_layers // 12)))
+        print()
+        if args.out:
+            (args.out / f"trace_{kind}.json").write_text(result.to_json())
+            result.plot(str(args.out / f"trace_{kind}.png"))
+            print(f"wrote {args.out / f'trace_{kind}.json'} and .png\n")
+    if args.controls:
+        report = tracer.controls(window=window)
+        print(report.summary())
+        if not report.passed:
+            return 1
     return 0
 
 
@@ -113,6 +128,9 @@ def _run(args) -> int:
     from .tracing.run import run_spec
 
     spec = load_spec(args.spec)
+    if spec.trace is not None:
+        return _trace(argparse.Namespace(spec=args.spec, model=args.model, out=args.out,
+                                         budget_mb=2048.0, controls=False))
     model, tokenizer = load_model(args.model or spec.model or OFFLINE_DEFAULT)
     result = run_spec(spec, model, tokenizer)
     print(result.summary())

@@ -179,6 +179,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     get_adapter(model)  # fail early, naming the supported architectures
+    model.pvct_source = name_or_path  # what specs written from this model should name
     return model.to(device).eval(), tokenizer
 
 

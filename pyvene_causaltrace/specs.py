@@ -56,6 +56,7 @@ class ExperimentSpec:
     name: str | None = None
     description: str | None = None
     schema_version: int = SCHEMA_VERSION
+    trace: dict[str, Any] | None = None  # {"kind", "window"}: a whole causal trace
     extra: dict[str, Any] = field(default_factory=dict)  # "$schema" and the like
 
     @classmethod
@@ -74,6 +75,7 @@ class ExperimentSpec:
             name=data.get("name"),
             description=data.get("description"),
             schema_version=data["schema_version"],
+            trace=data.get("trace"),
             extra={k: v for k, v in data.items() if k.startswith("$")},
         )
 
@@ -88,6 +90,8 @@ class ExperimentSpec:
         if self.answer is not None:
             out["answer"] = self.answer
         out["interventions"] = [item.to_dict() for item in self.interventions]
+        if self.trace is not None:
+            out["trace"] = self.trace
         return out
 
     @property
@@ -114,6 +118,13 @@ def validate_spec(data: Any) -> None:
     noises = [i for i, item in enumerate(data["interventions"]) if item["type"] == "noise_add"]
     if len(noises) > 1:
         raise SpecError(f"$.interventions[{noises[1]}]", "a spec has at most one noise_add")
+    if "trace" in data and [i["type"] for i in data["interventions"]] != ["noise_add"]:
+        raise SpecError("$.interventions", "a trace spec holds exactly one noise_add; the trace "
+                        "makes the restores")
+    if "trace" not in data:
+        for i, item in enumerate(data["interventions"]):
+            if item.get("scale") == "auto":
+                raise SpecError(f"$.interventions[{i}].scale", "'auto' is for trace specs only")
     uses_subject = _mentions_subject(data["interventions"])
     if uses_subject and "subject" not in data:
         raise SpecError("$.subject", f"required by the position name {uses_subject!r}")

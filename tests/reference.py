@@ -48,3 +48,52 @@ def add_at(delta: torch.Tensor, positions: list[int]):
         output[:, positions] += delta.to(output.dtype)
         return output
     return edit
+
+
+def reference_cell(model, ids, seed, noise_positions, scale, sigma, answer_id,
+                   restores=(), freezes=()) -> float:
+    """P(answer) of one row, batch 1, plain hooks: recipe noise at the input embeddings,
+    ``restores`` = [(module path, states [1, seq, hidden], position)] written at that
+    position, ``freezes`` likewise (states of this seed's corrupted run)."""
+    from pyvene_causaltrace.models import get_adapter
+
+    adapter = get_adapter(model)
+    delta = recipe_noise(seed, len(noise_positions), adapter.hidden_size(model), scale, sigma)
+    edits = [(adapter.embed, add_at(delta, list(noise_positions)))]
+    edits += [(path, set_positions(states, [pos])) for path, states, pos in [*restores, *freezes]]
+    with torch.no_grad():
+        with _all(model, edits):
+            logits = model(input_ids=ids).logits
+    return float(logits[0, -1].double().softmax(-1)[answer_id])
+
+
+def corrupted_states(model, ids, seed, noise_positions, scale, sigma, paths) -> dict:
+    """Outputs of ``paths`` in the batch-1 corrupted run of ``seed`` (plain hooks)."""
+    from pyvene_causaltrace.models import get_adapter
+
+    adapter = get_adapter(model)
+    delta = recipe_noise(seed, len(noise_positions), adapter.hidden_size(model), scale, sigma)
+    found = {}
+    hooks = []
+    for path in paths:
+        def keep(_m, _a, output, _path=path):
+            found[_path] = (output[0] if isinstance(output, tuple) else output).detach().clone()
+        hooks.append(get_module(model, path).register_forward_hook(keep))
+    try:
+        with torch.no_grad(), edit_output(model, adapter.embed,
+                                          add_at(delta, list(noise_positions))):
+            model(input_ids=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
+
+
+@contextmanager
+def _all(model, edits):
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        for path, edit in edits:
+            stack.enter_context(edit_output(model, path, edit))
+        yield

@@ -56,10 +56,38 @@ def test_run_a_spec_and_write_json(model_dir, tmp_path, capsys):
     assert "recovery" in capsys.readouterr().out
 
 
-def test_trace_and_clear_errors(model_dir, tmp_path, capsys):
-    assert main(["trace", "--model", str(model_dir), "--seeds", "2", "--out",
-                 str(tmp_path / "t")]) == 0
-    trace = json.loads((tmp_path / "t" / "trace.json").read_text())
-    assert len(trace["mean_recovery"]) == 3 and len(trace["mean_recovery"][0]) == 2
-    assert main(["trace", "--model", str(model_dir), "--subject", "Louvre"]) == 2
-    assert "Louvre" in capsys.readouterr().err
+def test_trace_writes_json_and_png_per_kind(model_dir, tmp_path, capsys):
+    out = tmp_path / "t"
+    code = main(["trace", "--model", str(model_dir), "--seeds", "2", "--scale", "3",
+                 "--kind", "residual,mlp", "--window", "2", "--controls", "--out", str(out)])
+    assert code == 0
+    for kind in ("residual", "mlp"):
+        data = json.loads((out / f"trace_{kind}.json").read_text())
+        assert len(data["recovery"]) == 2 and len(data["recovery"][0]) == 3  # seeds, layers
+        assert (out / f"trace_{kind}.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "controls pass" in printed and "residual trace" in printed
+
+
+def test_trace_from_a_spec_and_run_dispatch(model_dir, tmp_path):
+    spec = json.loads((SPEC_DIR / "trace_attn.json").read_text())
+    spec["interventions"][0].update(seeds=2, scale=3.0)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(spec))
+    assert main(["trace", "--spec", str(path), "--model", str(model_dir),
+                 "--out", str(tmp_path / "a")]) == 0
+    assert main(["run", str(path), "--model", str(model_dir), "--out", str(tmp_path / "b")]) == 0
+    assert (tmp_path / "a" / "trace_attn.json").exists()
+    assert (tmp_path / "b" / "trace_attn.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--subject", "Louvre"], "Louvre"),
+    (["--kind", "mlps"], "unknown trace kind"),
+    (["--window", "0"], "window"),
+    (["--seeds", "0"], "seeds"),
+    (["--prompt", "", "--subject", "x"], "empty"),
+])
+def test_trace_bad_requests_exit_2(model_dir, capsys, args, message):
+    assert main(["trace", "--model", str(model_dir), "--scale", "3", *args]) == 2
+    assert message in capsys.readouterr().err

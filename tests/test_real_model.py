@@ -48,6 +48,8 @@ def test_every_shipped_spec_runs_and_shows_the_measured_structure(smollm2):
     for path in sorted(SPEC_DIR.glob("*.json")):
         spec = load_spec(path)
         assert spec.model == "smollm2-135m"
+        if spec.trace is not None:  # whole traces: test_real_model_tracing.py
+            continue
         result = run_spec(spec, model, tokenizer)
         assert len(result.recovery) == len(result.seeds) == 5
         recovery[path.stem] = _mean(result.recovery)

@@ -48,6 +48,9 @@ class NoiseAdd(CausalTraceIntervention):
         scale: noise size in units of ``sigma``.
         sigma: the noise unit (ROME: std of the subject's input embeddings).
         distribution: ``"gaussian"`` or ``"uniform"``.
+        offset: the absolute position of the component's first position, when the positions
+            before it come from a KV cache; ``positions`` stay absolute and a row's draw is the
+            same as without the cache (its rows for positions before ``offset`` are skipped).
     """
 
     registered_name = "noise_add"
@@ -60,14 +63,17 @@ class NoiseAdd(CausalTraceIntervention):
         scale: float = 3.0,
         sigma: float = 1.0,
         distribution: str = "gaussian",
+        offset: int = 0,
         **pyvene_kwargs: Any,
     ) -> None:
         own = {} if seeds is None else dict(
-            seeds=seeds, positions=positions, scale=scale, sigma=sigma, distribution=distribution
+            seeds=seeds, positions=positions, scale=scale, sigma=sigma, distribution=distribution,
+            offset=offset,
         )
         super().__init__(**own, **pyvene_kwargs)
 
-    def _setup(self, seeds, positions, scale=3.0, sigma=1.0, distribution="gaussian") -> None:
+    def _setup(self, seeds, positions, scale=3.0, sigma=1.0, distribution="gaussian",
+               offset=0) -> None:
         if distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
         if positions is None:
@@ -78,13 +84,14 @@ class NoiseAdd(CausalTraceIntervention):
         self._set_tensor("seeds", seeds)
         self._set_tensor("positions", positions_to_mask(positions))
         self._config = {"scale": float(scale), "sigma": float(sigma),
-                        "distribution": distribution}
+                        "distribution": distribution, "offset": int(offset)}
         self._cache: tuple[tuple, torch.Tensor] | None = None
 
     def noise(self, batch: int, seq_len: int, hidden: int) -> torch.Tensor:
         """The ``[batch, seq_len, hidden]`` float32 tensor this intervention adds."""
         rows_for(batch, self.seeds.numel(), "seeds")
-        mask = fit_mask(self.positions.cpu(), batch, seq_len)
+        offset = self._config["offset"]
+        mask = fit_mask(self.positions.cpu(), batch, offset + seq_len)
         delta = torch.zeros(batch, seq_len, hidden, dtype=torch.float32)
         draws: dict[tuple[int, int], torch.Tensor] = {}  # rows often share a seed
         for row in range(batch):
@@ -94,7 +101,8 @@ class NoiseAdd(CausalTraceIntervention):
             if key not in draws:
                 draws[key] = noise_recipe(seed, where.numel(), hidden, self._config["scale"],
                                           self._config["sigma"], self._config["distribution"])
-            delta[row, where] = draws[key]
+            kept = where >= offset
+            delta[row, where[kept] - offset] = draws[key][kept]
         return delta
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:

@@ -9,8 +9,10 @@ Three registered names share one mechanism and differ in what the stored states 
 - ``freeze``: the states a component had in another run, typically the corrupted one (ROME's
   severed traces).
 
-Row ``r`` of the batch takes ``states[r]`` (or the single row of ``states``) at the positions
-where ``positions[r]`` is True; a row whose mask is empty is returned untouched, bit for bit.
+Row ``r`` of the batch takes ``states[r]`` (or the single row of ``states``, or
+``states[state_rows[r]]`` when ``state_rows`` maps rows to donors, e.g. to their noise seed's
+corrupted run) at the positions where ``positions[r]`` is True; a row whose mask is empty is
+returned untouched, bit for bit.
 
     restore = CleanRestore(states=clean_block_out, positions=[[4], [], [8]])
     pv_model = IntervenableModel([{"component": "model.layers[3].output",
@@ -39,19 +41,19 @@ def window_layers(center: int, window: int, n_layers: int) -> list[int]:
 
 
 class _Overwrite(CausalTraceIntervention):
-    tensor_fields = ("states", "positions")
+    tensor_fields = ("states", "positions", "state_rows")
     _config_keys: tuple[str, ...] = ()
 
     def __init__(self, positions: Any = None, states: torch.Tensor | None = None,
-                 **kwargs: Any) -> None:
+                 state_rows: torch.Tensor | None = None, **kwargs: Any) -> None:
         own = {k: kwargs.pop(k) for k in self._config_keys if k in kwargs}
         if positions is not None:
-            own.update(positions=positions, states=states)
+            own.update(positions=positions, states=states, state_rows=state_rows)
         elif own:
             raise ValueError(f"{self.registered_name} needs positions")
         super().__init__(**own, **kwargs)
 
-    def _setup(self, positions, states=None, **config: Any) -> None:
+    def _setup(self, positions, states=None, state_rows=None, **config: Any) -> None:
         mask = positions_to_mask(positions)
         if states is not None:
             if states.dim() == 2:
@@ -59,8 +61,15 @@ class _Overwrite(CausalTraceIntervention):
             if states.dim() != 3:
                 raise ValueError(f"states must be [rows, seq, hidden], got {tuple(states.shape)}")
             states = states.detach().clone()
+        if state_rows is not None:
+            if states is None:
+                raise ValueError("state_rows needs states")
+            state_rows = torch.as_tensor(state_rows, dtype=torch.int64).reshape(-1)
+            if state_rows.numel() and int(state_rows.max()) >= states.shape[0]:
+                raise ValueError(f"state_rows points past the {states.shape[0]} donor rows")
         self._set_tensor("positions", mask)
         self._set_tensor("states", states)
+        self._set_tensor("state_rows", state_rows)
         self.is_source_constant = states is not None
         missing = [k for k in self._config_keys if k not in config]
         if missing:
@@ -79,10 +88,13 @@ class _Overwrite(CausalTraceIntervention):
                 f"{self.registered_name}: donor states are {tuple(donor.shape)}, the component "
                 f"output is {tuple(base.shape)}"
             )
-        rows_for(batch, donor.shape[0], "the donor states")
         mask = fit_mask(self.positions.to(base.device), batch, seq_len)
         if not bool(mask.any()):
             return base
+        if self.state_rows is not None:
+            rows_for(batch, self.state_rows.numel(), "state_rows")
+            donor = donor.index_select(0, self.state_rows.to(donor.device))
+        rows_for(batch, donor.shape[0], "the donor states")
         return torch.where(mask.unsqueeze(-1), donor.to(base.device, base.dtype), base)
 
 

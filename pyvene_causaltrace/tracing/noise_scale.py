@@ -10,6 +10,7 @@ some models.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,3 +52,113 @@ def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer, subject: str 
     if sigma == "embedding_matrix":
         return embedding_matrix_sigma(model)
     raise ValueError(f"sigma must be a number or one of {SIGMA_METHODS}, got {sigma!r}")
+
+
+# ------------------------------------------------------------------------ scale sweep
+
+#: A scale collapses the answer when every seed leaves P(answer) below this fraction of the
+#: clean probability. The seed's absolute 0.01 was 1.25% of Qwen3-8B's clean 0.80; on small
+#: models the answer keeps a floor of a few percent that no scale removes (SmolLM2's " Paris"
+#: after "... is in the city of": 0.02-0.05 at every scale from 2 to 10 sigma), so the
+#: criterion is relative: every seed removes at least 95% of the answer's probability.
+COLLAPSE_FRACTION = 0.05
+DEFAULT_SCALES = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+
+
+@dataclass(frozen=True)
+class NoiseScaleSweep:
+    """Corrupted P(answer) per scale and seed, and the scale chosen from them.
+
+    ``chosen`` is the smallest scale whose *worst* seed leaves P(answer) below ``threshold``
+    (``COLLAPSE_FRACTION`` of the clean probability unless given). Judge a scale by its worst
+    seed: one seed that barely corrupts has a recovery denominator near zero and dominates any
+    average. ``None`` when no scale collapses every seed.
+    """
+
+    scales: list[float]
+    seeds: list[int]
+    clean_prob: float
+    corrupt_probs: list[list[float]]  # [scale][seed]
+    threshold: float
+    sigma: float
+    sigma_method: str
+
+    @property
+    def worst(self) -> list[float]:
+        return [max(row) for row in self.corrupt_probs]
+
+    @property
+    def mean(self) -> list[float]:
+        return [sum(row) / len(row) for row in self.corrupt_probs]
+
+    @property
+    def chosen(self) -> float | None:
+        return next((s for s, w in zip(self.scales, self.worst, strict=True)
+                     if w < self.threshold), None)
+
+    def reason(self) -> str:
+        if self.chosen is None:
+            return (f"no scale up to {max(self.scales):g} sigma brings every seed below "
+                    f"{self.threshold:.4f} (worst seeds: "
+                    + ", ".join(f"{s:g}: {w:.4f}" for s, w in zip(self.scales, self.worst,
+                                                                    strict=True)) + ")")
+        index = self.scales.index(self.chosen)
+        below = [f"{s:g} sigma worst {w:.4f}" for s, w in
+                 zip(self.scales[:index], self.worst[:index], strict=True)]
+        return (f"{self.chosen:g} sigma: worst seed {self.worst[index]:.4f} < {self.threshold:.4f}"
+                f" (clean {self.clean_prob:.4f})" + (f"; smaller scales fail: {', '.join(below)}"
+                                                     if below else ""))
+
+    def to_dataframe(self):
+        import pandas as pd
+
+        return pd.DataFrame([
+            {"scale": scale, "seed": seed, "corrupt_prob": p}
+            for scale, row in zip(self.scales, self.corrupt_probs, strict=True)
+            for seed, p in zip(self.seeds, row, strict=True)
+        ])
+
+    def summary(self) -> str:
+        lines = [f"clean P = {self.clean_prob:.4f}; sigma_{self.sigma_method} = {self.sigma:.4f}",
+                 f"{'scale':>6} {'mean':>8} {'worst':>8}"]
+        lines += [f"{s:>6g} {m:>8.4f} {w:>8.4f}"
+                  for s, m, w in zip(self.scales, self.mean, self.worst, strict=True)]
+        lines.append(f"chosen: {self.reason()}")
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def sweep_noise_scale(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    noise_positions: Sequence[int],
+    answer_id: int,
+    seeds: Sequence[int],
+    sigma: float,
+    *,
+    sigma_method: str = "given",
+    scales: Sequence[float] = DEFAULT_SCALES,
+    threshold: float | None = None,
+    distribution: str = "gaussian",
+) -> NoiseScaleSweep:
+    """Corrupted P(answer) for every scale and seed (one forward of ``len(seeds)`` rows per
+    scale). ``threshold`` defaults to ``COLLAPSE_FRACTION`` x the clean probability."""
+    from ..interventions.noise import NoiseAdd
+    from ..pyvene_compat import intervenable_model_class
+
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    clean = float(model(input_ids=ids, logits_to_keep=1).logits[0, -1].double()
+                  .softmax(-1)[answer_id])
+    embed = get_adapter(model).embed + ".output"
+    rows = []
+    for scale in scales:
+        noise = NoiseAdd(seeds=list(seeds), positions=list(noise_positions), scale=scale,
+                         sigma=sigma, distribution=distribution)
+        runner = intervenable_model_class()([{"component": embed, "intervention": noise}], model)
+        logits = runner(base={"input_ids": ids.repeat(len(seeds), 1), "logits_to_keep": 1})[1]
+        rows.append(logits.logits[:, -1].double().softmax(-1)[:, answer_id].tolist())
+    if threshold is None:
+        threshold = COLLAPSE_FRACTION * clean
+    return NoiseScaleSweep(list(map(float, scales)), list(seeds), clean, rows, threshold, sigma,
+                           sigma_method)

@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 
 def package_versions() -> dict[str, str]:
     """Versions of the packages a result depends on, for the record."""
@@ -80,3 +82,198 @@ class SpecRunResult:
                               strict=True):
             lines.append(f"{seed!s:>6} {c:>10.4f} {p:>13.4f} {r:>9.3f}")
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, eq=False)
+class TraceResult:
+    """A causal trace of one prompt: restored P(answer) for every seed, layer and position.
+
+    ``restored_probs[s, l, t]`` is P(answer) with seed ``s``'s noise on the subject and the
+    kind's restoration at cell ``(l, t)`` (for window kinds, ``l`` is the window's centre).
+    ``recovery = (restored - corrupt_s) / (clean - corrupt_s)`` per seed. Grids are
+    ``[layer, position]``; per-seed arrays ``[seed, layer, position]``.
+    """
+
+    tokens: list[str]
+    subject_range: tuple[int, int]
+    noise_positions: list[int]
+    answer: str
+    answer_id: int
+    kind: str
+    window: int | None
+    scale: float
+    sigma: float
+    sigma_method: str
+    seeds: list[int]
+    clean_prob: float
+    corrupt_probs: np.ndarray  # [seed]
+    restored_probs: np.ndarray  # [seed, layer, position]
+    spec: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=package_versions)
+
+    # ---------------------------------------------------------------------- quantities
+    @property
+    def n_layers(self) -> int:
+        return int(self.restored_probs.shape[1])
+
+    @property
+    def total_effect(self) -> np.ndarray:
+        """``[seed]``: clean - corrupt."""
+        return self.clean_prob - self.corrupt_probs
+
+    @property
+    def indirect_effect(self) -> np.ndarray:
+        """``[seed, layer, position]``: restored - corrupt."""
+        return self.restored_probs - self.corrupt_probs[:, None, None]
+
+    @property
+    def recovery(self) -> np.ndarray:
+        """``[seed, layer, position]``: indirect effect / total effect, per seed."""
+        return self.indirect_effect / self.total_effect[:, None, None]
+
+    def grid(self, value: str = "recovery") -> np.ndarray:
+        """Mean over seeds of ``"recovery"``, ``"prob"`` or ``"ie"``: ``[layer, position]``."""
+        arrays = {"recovery": self.recovery, "prob": self.restored_probs,
+                  "ie": self.indirect_effect}
+        return arrays[value].mean(0)
+
+    @property
+    def roles(self) -> list[str]:
+        from .roles import token_roles
+
+        return token_roles(self.subject_range, len(self.tokens))
+
+    def peaks(self) -> dict[str, dict[str, Any]]:
+        """Per-seed peak layer and peak recovery of the subject site (recovery averaged over
+        the subject's tokens) and the last-token site, with the range they span.
+
+        The seed's stability check: every seed should put a site on the same side of the model,
+        while the exact peak layer moves between seeds — report the site, not one seed's layer.
+        """
+        start, stop = self.subject_range
+        last = self.recovery[:, :, -1]
+        if self.kind in ("residual", "severed-mlp", "severed-attn"):
+            last = last[:, :-1]  # the last block at the last token reproduces any donor
+        curves = {"subject": self.recovery[:, :, start:stop].mean(-1), "last": last}
+        out = {}
+        for site, curve in curves.items():
+            layers = curve.argmax(1)
+            out[site] = {
+                "peak_layer_per_seed": layers.tolist(),
+                "peak_recovery_per_seed": curve.max(1).tolist(),
+                "peak_layers_span": [int(layers.min()), int(layers.max())],
+                "mean_curve_peak_layer": int(curve.mean(0).argmax()),
+                "mean_curve_peak_recovery": float(curve.mean(0).max()),
+            }
+        return out
+
+    def diagnose(self) -> list[str]:
+        """Plain-words reasons a trace may be empty or untrustworthy (empty list: none)."""
+        notes = []
+        if self.clean_prob < 0.1:
+            notes.append(f"clean confidence too low: the model gives {self.answer!r} only "
+                         f"p={self.clean_prob:.3f}; trace a fact it knows")
+        worst = int(self.corrupt_probs.argmax())
+        if self.corrupt_probs[worst] > 0.5 * self.clean_prob:
+            notes.append(f"total effect too small: seed {self.seeds[worst]} leaves "
+                         f"p={self.corrupt_probs[worst]:.3f} of the clean {self.clean_prob:.3f}; "
+                         "its recovery denominator is small; raise the noise scale")
+        grid = self.grid()
+        away = grid.copy()
+        away[-1, -1] = -np.inf  # restoring the last token at the last block is the identity
+        layer, position = np.unravel_index(int(away.argmax()), away.shape)
+        if away[layer, position] < 0.2:
+            notes.append("no site apart from the last-token/last-layer corner: elsewhere the "
+                         f"best mean recovery is {away[layer, position]:.3f} "
+                         f"(layer {layer}, token {self.tokens[position]!r})")
+        if self.kind in ("residual", "mlp"):
+            start, stop = self.subject_range
+            subject = grid[:, start:stop]
+            layer, offset = np.unravel_index(int(subject.argmax()), subject.shape)
+            if subject[layer, offset] < 0.1:
+                notes.append("no early site at the subject: its best mean recovery is "
+                             f"{subject[layer, offset]:.3f} (layer {layer}, token "
+                             f"{self.tokens[start + offset]!r})")
+        return notes
+
+    # ---------------------------------------------------------------------- exports
+    def to_dataframe(self):
+        """Long form: ``seed, layer, position, token, role, prob, recovery``."""
+        import pandas as pd
+
+        s, layers, t = np.meshgrid(np.arange(len(self.seeds)), np.arange(self.n_layers),
+                                   np.arange(len(self.tokens)), indexing="ij")
+        roles = np.array(self.roles)
+        return pd.DataFrame({
+            "seed": np.array(self.seeds)[s.ravel()],
+            "layer": layers.ravel(),
+            "position": t.ravel(),
+            "token": np.array(self.tokens, dtype=object)[t.ravel()],
+            "role": roles[t.ravel()],
+            "prob": self.restored_probs.ravel(),
+            "recovery": self.recovery.ravel(),
+        })
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens, "subject_range": list(self.subject_range),
+            "noise_positions": self.noise_positions, "answer": self.answer,
+            "answer_id": self.answer_id, "kind": self.kind, "window": self.window,
+            "scale": self.scale, "sigma": self.sigma, "sigma_method": self.sigma_method,
+            "seeds": self.seeds, "clean_prob": self.clean_prob,
+            "corrupt_probs": self.corrupt_probs.tolist(),
+            "restored_probs": self.restored_probs.tolist(),
+            "recovery": self.recovery.tolist(),
+            "mean_recovery": self.grid().tolist(),
+            "total_effect": self.total_effect.tolist(),
+            "peaks": self.peaks(), "diagnosis": self.diagnose(),
+            "spec": self.spec, "versions": self.versions,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> TraceResult:
+        data = json.loads(text)
+        derived = ("recovery", "mean_recovery", "total_effect", "peaks", "diagnosis")
+        for key in derived:
+            data.pop(key)
+        data["subject_range"] = tuple(data["subject_range"])
+        data["corrupt_probs"] = np.asarray(data["corrupt_probs"], dtype=np.float64)
+        data["restored_probs"] = np.asarray(data["restored_probs"], dtype=np.float64)
+        return cls(**data)
+
+    def table(self, value: str = "recovery", every: int = 1) -> str:
+        """Tokens down, layers across (every ``every``-th), subject tokens marked ``*``."""
+        grid = self.grid(value)
+        start, stop = self.subject_range
+        layers = range(0, self.n_layers, every)
+        head = f"{'token':>14} " + "".join(f"{'L' + str(layer):>7}" for layer in layers)
+        lines = [head]
+        for t, token in enumerate(self.tokens):
+            label = ("*" if start <= t < stop else " ") + repr(token)
+            lines.append(f"{label:>14} " + "".join(f"{grid[layer, t]:>7.3f}" for layer in layers))
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        peaks = self.peaks()
+        window = f", window {self.window}" if self.window else ""
+        lines = [
+            f"{self.kind} trace{window}: answer {self.answer!r}, clean P = {self.clean_prob:.4f}",
+            f"noise {self.scale:g} x sigma_{self.sigma_method} {self.sigma:.4f}; corrupted P per "
+            "seed: " + " ".join(f"{p:.4f}" for p in self.corrupt_probs),
+        ]
+        for site, name in (("subject", "subject site"), ("last", "last-token site")):
+            p = peaks[site]
+            lines.append(
+                f"{name}: mean-curve peak {p['mean_curve_peak_recovery']:.3f} at layer "
+                f"{p['mean_curve_peak_layer']}; per-seed peak layers {p['peak_layer_per_seed']}")
+        lines += [f"note: {note}" for note in self.diagnose()]
+        return "\n".join(lines)
+
+    def plot(self, path: str | None = None, value: str = "prob", ax=None):
+        """ROME-style heatmap; see :func:`pyvene_causaltrace.tracing.plots.plot_trace`."""
+        from .plots import plot_trace
+
+        return plot_trace(self, path=path, value=value, ax=ax)

@@ -91,6 +91,9 @@ class _Site:
 def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> Plan:
     """Resolve ``spec`` on ``model``: tokens, answer, sigma, and one intervention per site."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
+    if spec.trace is not None:
+        raise SpecError("$.trace", "this is a trace spec: run it with tracer_from_spec "
+                        "(or `pyvene-causaltrace run`)")
     adapter = get_adapter(model)
     prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence or 0)
     ids = prompt.input_ids.to(_device(model))

@@ -1,0 +1,53 @@
+"""Pictures of traces (matplotlib is imported inside the functions)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .results import TraceResult
+
+_CMAPS = {"residual": "Purples", "mlp": "Greens", "attn": "Reds",
+          "severed-mlp": "Purples", "severed-attn": "Purples"}
+
+
+def plot_trace(result: TraceResult, path: str | None = None, value: str = "prob", ax=None):
+    """ROME-style heatmap: tokens down, layers across, subject tokens marked with ``*``.
+
+    ``value="prob"`` colours the mean restored P(answer) from the mean corrupted probability
+    (the floor) upwards; ``"recovery"`` colours mean recovery from 0. Saves to ``path`` if
+    given; returns the figure.
+    """
+    import matplotlib
+
+    if ax is None:
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    grid = result.grid(value).T  # [position, layer]
+    floor = float(result.corrupt_probs.mean()) if value == "prob" else 0.0
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(max(4.0, result.n_layers * 0.22 + 2),
+                                        len(result.tokens) * 0.32 + 1.2), dpi=150)
+    else:
+        fig = ax.figure
+    image = ax.pcolor(grid, cmap=_CMAPS.get(result.kind, "Purples"), vmin=floor)
+    ax.invert_yaxis()
+    start, stop = result.subject_range
+    ax.set_yticks([t + 0.5 for t in range(len(result.tokens))])
+    ax.set_yticklabels([repr(tok) + (" *" if start <= t < stop else "")
+                        for t, tok in enumerate(result.tokens)])
+    step = max(1, result.n_layers // 10)
+    ax.set_xticks([layer + 0.5 for layer in range(0, result.n_layers, step)])
+    ax.set_xticklabels(list(range(0, result.n_layers, step)))
+    what = {"residual": "single restored layer", "severed-mlp": "restored layer (MLPs severed)",
+            "severed-attn": "restored layer (attention severed)"}.get(
+        result.kind, f"centre of {result.window}-layer {result.kind} window")
+    ax.set_xlabel(what)
+    ax.set_title(f"{result.kind}: clean P({result.answer!r}) = {result.clean_prob:.3f}, "
+                 f"corrupted {result.corrupt_probs.mean():.3f}", fontsize=9)
+    bar = fig.colorbar(image, ax=ax)
+    bar.set_label(f"mean restored P({result.answer!r})" if value == "prob" else "mean recovery")
+    if path is not None:
+        fig.savefig(path, bbox_inches="tight")
+    return fig

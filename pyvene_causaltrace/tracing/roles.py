@@ -1,0 +1,44 @@
+"""ROME's token roles, for reading a trace by what each position is.
+
+ROME's six buckets, plus one for tokens before the subject (ROME's prompts mostly start with
+the subject; known_1000 has some that do not). When buckets overlap the subject roles win, then
+"Last token":
+
+    token_role(3, subject_range=(1, 4), seq_len=9)   # "Last subject token"
+"""
+
+from __future__ import annotations
+
+ROLES = (
+    "First subject token",
+    "Middle subject tokens",
+    "Last subject token",
+    "First subsequent token",
+    "Further tokens",
+    "Last token",
+)
+BEFORE_SUBJECT = "Before subject"
+
+
+def token_role(position: int, subject_range: tuple[int, int], seq_len: int) -> str:
+    """The role of ``position`` given the subject's ``[start, stop)`` token range."""
+    start, stop = subject_range
+    if not (0 <= position < seq_len and 0 <= start < stop <= seq_len):
+        raise ValueError(f"position {position} / subject {subject_range} outside {seq_len} tokens")
+    if position == stop - 1:
+        return "Last subject token"
+    if position == start:
+        return "First subject token"
+    if start < position < stop:
+        return "Middle subject tokens"
+    if position == seq_len - 1:
+        return "Last token"
+    if position == stop:
+        return "First subsequent token"
+    if position > stop:
+        return "Further tokens"
+    return BEFORE_SUBJECT
+
+
+def token_roles(subject_range: tuple[int, int], seq_len: int) -> list[str]:
+    return [token_role(p, subject_range, seq_len) for p in range(seq_len)]

@@ -1,0 +1,245 @@
+"""Causal tracing of one prompt: the seeds' whole single-prompt protocol in a few calls.
+
+    model, tokenizer = load_model("smollm2-135m")
+    tracer = Tracer(model, tokenizer, "The Eiffel Tower is in the city of", "The Eiffel Tower",
+                    answer=" Paris", seeds=10, scale=3.0)
+    result = tracer.trace("residual")            # also "mlp", "attn", "severed-mlp", ...
+    result.plot("residual.png"); result.to_dataframe()
+    tracer.controls()                            # the two checks that can fail
+
+    trace(model, tokenizer, prompt, subject, kind="mlp", window=10)   # one-shot form
+
+``scale="auto"`` sweeps the noise scale first and takes the smallest whose worst seed leaves
+P(answer) below 5% of its clean value
+(:func:`~pyvene_causaltrace.tracing.noise_scale.sweep_noise_scale`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from torch import nn
+
+from ..prompts import answer_token_id, tokenize_prompt
+from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
+from .noise_scale import (
+    DEFAULT_SCALES,
+    NoiseScaleSweep,
+    embedding_matrix_sigma,
+    rome_sigma,
+    sweep_noise_scale,
+)
+from .results import TraceResult
+
+WINDOWED = {name for name, kind in KINDS.items() if kind.windowed}
+
+
+@dataclass(frozen=True)
+class ControlReport:
+    """The controls that can fail (the grid's corners cannot: they hold for any donor).
+
+    - ``corrupted_donor_max_abs``: restoring every cell from the corrupted run's own states must
+      leave P(answer) at its corrupted value; the largest change over all cells and seeds.
+    - ``window_vs_single``: at the last position, a residual restore over a window of layers
+      equals the single-layer restore at the window's last layer; ``(window layers,
+      |difference|)`` per window tried.
+    """
+
+    corrupted_donor_max_abs: float
+    window_vs_single: list[tuple[list[int], float]]
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return (self.corrupted_donor_max_abs <= self.tolerance
+                and all(diff <= self.tolerance for _, diff in self.window_vs_single))
+
+    def summary(self) -> str:
+        lines = [f"restore from the corrupted run's own states: max |change in P| = "
+                 f"{self.corrupted_donor_max_abs:.2e}"]
+        for layers, diff in self.window_vs_single:
+            lines.append(f"last position, residual window layers {layers[0]}..{layers[-1]} vs "
+                         f"layer {layers[-1]} alone: |difference| = {diff:.2e}")
+        lines.append(f"controls {'pass' if self.passed else 'FAIL'} "
+                     f"(tolerance {self.tolerance:g})")
+        return "\n".join(lines)
+
+
+class Tracer:
+    """One prompt, its clean and corrupted runs, and every trace kind on top of them.
+
+    Args:
+        prompt, subject: the subject must occur in the prompt (``occurrence`` picks which).
+        answer: target string (its first token; a warning if it has more) or the clean argmax.
+        seeds: a count ``n`` (seeds ``0..n-1``) or a list.
+        scale: noise in units of sigma, or ``"auto"`` (:attr:`sweep` says why).
+        sigma: ``"rome"`` (std of the subject's input embeddings), ``"embedding_matrix"`` or a
+            number.
+        memory_budget_mb: rows per forward are chosen to fit this.
+        reuse_prefix: start each row at its restored position, taking earlier positions' keys
+            and values from the corrupted run (exact; turn off only to compare).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        prompt: str,
+        subject: str,
+        *,
+        answer: str | None = None,
+        seeds: int | Sequence[int] = 10,
+        scale: float | str = 3.0,
+        sigma: str | float = "rome",
+        occurrence: int = 0,
+        distribution: str = "gaussian",
+        memory_budget_mb: float = 2048.0,
+        reuse_prefix: bool = True,
+        scales: Sequence[float] = DEFAULT_SCALES,
+    ) -> None:
+        if isinstance(seeds, int):
+            if seeds <= 0:
+                raise ValueError(f"seeds must be a positive count or a non-empty list, got {seeds}")
+            seeds = list(range(seeds))
+        seeds = [int(s) for s in seeds]
+        if not seeds:
+            raise ValueError("seeds must be a positive count or a non-empty list")
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds repeat: {seeds}")
+        self.model, self.tokenizer = model, tokenizer
+        self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
+        self.seeds = seeds
+        self.noise_positions = list(range(*self.prompt.subject_range))
+        self.sigma_method, self.sigma = _sigma(sigma, model, tokenizer, subject)
+        probe = model(input_ids=self.prompt.input_ids.to(next(model.parameters()).device),
+                      logits_to_keep=1).logits[0, -1]
+        self.answer_text = answer  # as given: a spec written from this tracer repeats it
+        self.answer_id = (answer_token_id(tokenizer, answer) if answer is not None
+                          else int(probe.argmax()))
+        self.sweep: NoiseScaleSweep | None = None
+        if scale == "auto":
+            self.sweep = sweep_noise_scale(
+                model, self.prompt.input_ids, self.noise_positions, self.answer_id, seeds,
+                self.sigma, sigma_method=self.sigma_method, scales=scales,
+                distribution=distribution)
+            if self.sweep.chosen is None:
+                raise ValueError(f"scale='auto': {self.sweep.reason()}")
+            scale = self.sweep.chosen
+        if not isinstance(scale, (int, float)) or scale <= 0:
+            raise ValueError(f"scale must be a positive number or 'auto', got {scale!r}")
+        self.scale = float(scale)
+        self.distribution = distribution
+        self.engine = TraceEngine(
+            model, self.prompt.input_ids, self.noise_positions, seeds, self.scale, self.sigma,
+            self.answer_id, distribution=distribution, memory_budget_mb=memory_budget_mb,
+            reuse_prefix=reuse_prefix)
+
+    @property
+    def clean_prob(self) -> float:
+        return float(self.engine.clean_probs[self.answer_id])
+
+    @property
+    def corrupt_probs(self) -> np.ndarray:
+        return self.engine.corrupt_probs[:, self.answer_id].numpy()
+
+    def cells(self) -> list[tuple[int, int]]:
+        return [(layer, pos) for layer in range(self.engine.n_layers)
+                for pos in range(self.prompt.seq_len)]
+
+    def trace(self, kind: str = "residual", *, window: int = 10,
+              progress: Callable[[int], None] | None = None) -> TraceResult:
+        """Every (layer, position) cell of ``kind``, for every seed."""
+        trace_kind = get_kind(kind)
+        if window <= 0:
+            raise ValueError(f"window must be positive, got {window}")
+        cells = self.cells()
+        probs = self.engine.run(trace_kind, cells, window=window, progress=progress)
+        restored = probs.numpy().reshape(len(self.seeds), self.engine.n_layers,
+                                         self.prompt.seq_len)
+        return TraceResult(
+            tokens=list(self.prompt.tokens), subject_range=self.prompt.subject_range,
+            noise_positions=self.noise_positions,
+            answer=self.tokenizer.decode([self.answer_id]), answer_id=self.answer_id,
+            kind=kind, window=window if trace_kind.windowed else None, scale=self.scale,
+            sigma=self.sigma, sigma_method=self.sigma_method, seeds=self.seeds,
+            clean_prob=self.clean_prob, corrupt_probs=self.corrupt_probs,
+            restored_probs=restored, spec=self.spec(kind, window),
+        )
+
+    def spec(self, kind: str, window: int = 10) -> dict:
+        """The JSON spec that reproduces ``trace(kind)`` (see ``intervention_specs/``)."""
+        model = getattr(self.model, "pvct_source", None) or getattr(
+            self.model.config, "_name_or_path", None)
+        sigma = self.sigma if self.sigma_method == "given" else self.sigma_method
+        spec = {"schema_version": 1}
+        if model:
+            spec["model"] = model
+        spec.update(prompt=self.prompt.text, subject=self.prompt.subject)
+        if self.answer_text is not None:  # otherwise the clean argmax, found again
+            spec["answer"] = self.answer_text
+        spec["interventions"] = [{"type": "noise_add", "positions": "subject",
+                                  "seeds": self.seeds, "scale": self.scale, "sigma": sigma,
+                                  "distribution": self.distribution}]
+        spec["trace"] = {"kind": kind, "window": window}
+        return spec
+
+    def controls(self, *, window: int = 10, tolerance: float = 1e-5) -> ControlReport:
+        """Run the two controls that can fail (see :class:`ControlReport`)."""
+        residual = KINDS["residual"]
+        cells = self.cells()
+        donor = self.engine.run(residual, cells, donor="corrupted")
+        corrupt = self.engine.corrupt_probs[:, self.answer_id][:, None]
+        last = self.prompt.seq_len - 1
+        n_layers = self.engine.n_layers
+        centres = sorted({0, n_layers // 3, (2 * n_layers) // 3, n_layers - 1})
+        windowed = self.engine.run(RESIDUAL_WINDOW, [(c, last) for c in centres], window=window)
+        ends = [self.engine.restore_layers(RESIDUAL_WINDOW, c, window) for c in centres]
+        single = self.engine.run(residual, [(layers[-1], last) for layers in ends])
+        pairs = [(layers, float((windowed[:, i] - single[:, i]).abs().max()))
+                 for i, layers in enumerate(ends)]
+        return ControlReport(float((donor - corrupt).abs().max()), pairs, tolerance)
+
+
+def _sigma(sigma, model, tokenizer, subject) -> tuple[str, float]:
+    if isinstance(sigma, (int, float)) and not isinstance(sigma, bool):
+        if sigma <= 0:
+            raise ValueError(f"sigma must be positive, got {sigma}")
+        return "given", float(sigma)
+    if sigma == "rome":
+        return "rome", rome_sigma(model, tokenizer, [subject])
+    if sigma == "embedding_matrix":
+        return "embedding_matrix", embedding_matrix_sigma(model)
+    raise ValueError(f"sigma must be 'rome', 'embedding_matrix' or a number, got {sigma!r}")
+
+
+def trace(model: nn.Module, tokenizer, prompt: str, subject: str, *, kind: str = "residual",
+          window: int = 10, **options) -> TraceResult:
+    """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments."""
+    get_kind(kind)
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    return Tracer(model, tokenizer, prompt, subject, **options).trace(kind, window=window)
+
+
+def tracer_from_spec(spec, model: nn.Module, tokenizer, **options) -> Tracer:
+    """A :class:`Tracer` for a trace spec (one with ``"trace"``); ``options`` add Tracer
+    keyword arguments such as ``memory_budget_mb``."""
+    from ..specs import ExperimentSpec, SpecError, load_spec
+
+    spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
+    if spec.trace is None:
+        raise SpecError("$.trace", "not a trace spec: add {\"trace\": {\"kind\": ...}}")
+    if spec.subject is None:
+        raise SpecError("$.subject", "a trace needs a subject")
+    noise = spec.noise
+    positions = noise.get("positions", "subject")
+    if positions != "subject":
+        raise SpecError("$.interventions[0].positions",
+                        f"a trace noises the subject; got {positions!r}")
+    return Tracer(
+        model, tokenizer, spec.prompt, spec.subject, answer=spec.answer,
+        seeds=noise.get("seeds"), scale=noise.get("scale", 3.0),
+        sigma=noise.get("sigma", "rome"), occurrence=spec.subject_occurrence or 0,
+        distribution=noise.get("distribution", "gaussian"), **options)

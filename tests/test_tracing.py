@@ -1,0 +1,193 @@
+"""Causal tracing on tiny models: the batched engine against the batch-1 loop for every kind,
+controls, results, noise sweep, roles and bad requests."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import PROMPT, SPEC_DIR, SUBJECT, make_tiny_model
+from reference import corrupted_states, reference_cell
+
+from pyvene_causaltrace.models import get_adapter
+from pyvene_causaltrace.prompts import SubjectNotFoundError
+from pyvene_causaltrace.specs import SpecError, load_spec
+from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine
+from pyvene_causaltrace.tracing.noise_scale import NoiseScaleSweep
+from pyvene_causaltrace.tracing.results import TraceResult
+from pyvene_causaltrace.tracing.roles import token_roles
+from pyvene_causaltrace.tracing.trace import Tracer, trace, tracer_from_spec
+
+N_LAYERS, SEQ, SCALE, SIGMA, ANSWER = 4, 7, 3.0, 0.5, 11
+NOISED, SEEDS = [1, 2, 3], [0, 5]
+
+
+def _ids():
+    return torch.randint(1, 400, (1, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("reuse_prefix", [True, False], ids=["prefix-reused", "full-rows"])
+def test_engine_equals_batch_one_loop_for_every_kind(arch, reuse_prefix):
+    model = make_tiny_model(arch, n_layers=N_LAYERS)
+    adapter = get_adapter(model)
+    ids = _ids()
+    engine = TraceEngine(model, ids, NOISED, SEEDS, SCALE, SIGMA, ANSWER,
+                         reuse_prefix=reuse_prefix, memory_budget_mb=0.05)  # several chunks
+    cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
+    for name, kind in KINDS.items():
+        got = engine.run(kind, cells, window=3)
+        for s, seed in enumerate(SEEDS):
+            sever = ([adapter.module_path(kind.sever, x) for x in range(N_LAYERS)]
+                     if kind.sever else [])
+            held = corrupted_states(model, ids, seed, NOISED, SCALE, SIGMA, sever)
+            for c, (layer, pos) in enumerate(cells):
+                restores = [(adapter.module_path(kind.restore, x),
+                             engine.clean_states[adapter.module_path(kind.restore, x) + ".output"],
+                             pos) for x in engine.restore_layers(kind, layer, 3)]
+                freezes = [(path, held[path], pos) for path in sever]
+                expected = reference_cell(model, ids, seed, NOISED, SCALE, SIGMA, ANSWER,
+                                          restores, freezes)
+                assert got[s, c].item() == pytest.approx(expected, rel=1e-5, abs=1e-9), (
+                    name, seed, layer, pos)
+    # the kinds differ, so the comparison above was not trivially true
+    residual = engine.run(KINDS["residual"], cells)
+    severed = engine.run(KINDS["severed-mlp"], cells)
+    assert (residual - severed).abs().max() > 1e-6
+    assert (residual.max(1).values - residual.min(1).values).min() > 1e-6
+
+
+def test_chunking_does_not_change_results():
+    model = make_tiny_model("llama", n_layers=N_LAYERS)
+    cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
+    small = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER, memory_budget_mb=0.01)
+    large = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER, memory_budget_mb=512)
+    assert small.rows_per_chunk(0) < 4 < large.rows_per_chunk(0)
+    for kind in ("residual", "mlp"):
+        torch.testing.assert_close(small.run(KINDS[kind], cells), large.run(KINDS[kind], cells),
+                                   rtol=1e-6, atol=1e-10)
+
+
+@pytest.fixture(scope="module")
+def tiny_tracer(tokenizer):
+    model = make_tiny_model("qwen3", n_layers=N_LAYERS)
+    return Tracer(model, tokenizer, PROMPT, SUBJECT, seeds=3, scale=3.0)
+
+
+def test_controls_pass(tiny_tracer):
+    report = tiny_tracer.controls(window=2)
+    assert report.passed, report.summary()
+    assert report.corrupted_donor_max_abs < 1e-6
+    assert len(report.window_vs_single) >= 2
+    assert "controls pass" in report.summary()
+
+
+def test_trace_result_tables_json_plot(tiny_tracer, tmp_path):
+    result = tiny_tracer.trace("mlp", window=2)
+    n_tokens = len(result.tokens)
+    assert result.restored_probs.shape == (3, N_LAYERS, n_tokens)
+    assert result.window == 2 and result.kind == "mlp"
+    frame = result.to_dataframe()
+    assert list(frame.columns) == ["seed", "layer", "position", "token", "role", "prob",
+                                   "recovery"]
+    assert len(frame) == 3 * N_LAYERS * n_tokens
+    row = frame[(frame.seed == 1) & (frame.layer == 2) & (frame.position == 4)].iloc[0]
+    assert row.prob == result.restored_probs[1, 2, 4]
+    assert row.recovery == pytest.approx(
+        (row.prob - result.corrupt_probs[1]) / (result.clean_prob - result.corrupt_probs[1]))
+    data = json.loads(result.to_json())
+    for key in ("tokens", "subject_range", "answer", "clean_prob", "corrupt_probs", "kind",
+                "window", "scale", "sigma", "seeds", "restored_probs", "recovery", "spec",
+                "versions"):
+        assert key in data
+    assert np.array(data["recovery"]).shape == (3, N_LAYERS, n_tokens)
+    again = TraceResult.from_json(result.to_json())
+    np.testing.assert_array_equal(again.restored_probs, result.restored_probs)
+    assert again.tokens == result.tokens and again.spec == result.spec
+    result.plot(str(tmp_path / "mlp.png"))
+    assert (tmp_path / "mlp.png").stat().st_size > 10_000
+    peaks = result.peaks()
+    assert len(peaks["subject"]["peak_layer_per_seed"]) == 3
+    assert "subject site" in result.summary()
+    assert result.table().count("\n") == n_tokens
+
+
+def test_diagnosis_of_an_empty_trace(tiny_tracer):
+    notes = tiny_tracer.trace("residual").diagnose()
+    assert any("clean confidence too low" in note for note in notes)  # random weights
+
+
+def test_trace_spec_reproduces_the_trace(tiny_tracer):
+    result = tiny_tracer.trace("attn", window=2)
+    again = tracer_from_spec(result.spec, tiny_tracer.model, tiny_tracer.tokenizer).trace(
+        "attn", window=2)
+    np.testing.assert_array_equal(again.restored_probs, result.restored_probs)
+
+
+@pytest.mark.parametrize("path", sorted(SPEC_DIR.glob("trace_*.json")), ids=lambda p: p.stem)
+def test_shipped_trace_specs_run(path, tokenizer):
+    data = json.loads(path.read_text())
+    # random weights have no answer to collapse, so 'auto' would rightly refuse: fix the scale
+    data["interventions"][0]["scale"] = 3.0
+    spec = load_spec(data)
+    model = make_tiny_model("gpt2", n_layers=3)
+    tracer = tracer_from_spec(spec, model, tokenizer, memory_budget_mb=64)
+    result = tracer.trace(spec.trace["kind"], window=spec.trace.get("window", 10))
+    assert result.kind == spec.trace["kind"]
+    assert result.restored_probs.shape[0] == len(tracer.seeds)
+
+
+def test_noise_scale_choice_uses_the_worst_seed():
+    sweep = NoiseScaleSweep([1.0, 3.0, 5.0], [0, 1], 0.8,
+                            [[0.5, 0.6], [0.001, 0.3], [0.002, 0.004]], 0.01, 0.1, "rome")
+    assert sweep.worst == [0.6, 0.3, 0.004]
+    assert sweep.chosen == 5.0  # 3 sigma's mean is low but one seed keeps 0.3
+    assert "worst seed 0.0040" in sweep.reason() and "3 sigma worst 0.3000" in sweep.reason()
+    assert len(sweep.to_dataframe()) == 6
+    none = NoiseScaleSweep([1.0], [0], 0.8, [[0.5]], 0.01, 0.1, "rome")
+    assert none.chosen is None and "no scale" in none.reason()
+
+
+def test_auto_scale_refuses_when_nothing_collapses(tokenizer):
+    """A random model has no fact to destroy: P(argmax) ~ 1/vocab at every scale."""
+    model = make_tiny_model("llama", n_layers=N_LAYERS)
+    with pytest.raises(ValueError, match="scale='auto': no scale up to 50 sigma"):
+        Tracer(model, tokenizer, PROMPT, SUBJECT, seeds=2, scale="auto", scales=(1.0, 2.0, 50.0))
+
+
+@pytest.mark.parametrize("subject_range, seq_len, expected", [
+    ((0, 3), 6, ["First subject token", "Middle subject tokens", "Last subject token",
+                 "First subsequent token", "Further tokens", "Last token"]),
+    ((2, 4), 7, ["Before subject", "Before subject", "First subject token",
+                 "Last subject token", "First subsequent token", "Further tokens",
+                 "Last token"]),
+    ((1, 2), 4, ["Before subject", "Last subject token", "First subsequent token",
+                 "Last token"]),
+    ((0, 2), 3, ["First subject token", "Last subject token", "Last token"]),
+])
+def test_token_roles(subject_range, seq_len, expected):
+    assert token_roles(subject_range, seq_len) == expected
+
+
+def test_bad_requests(tokenizer):
+    model = make_tiny_model("llama", n_layers=2)
+    with pytest.raises(SubjectNotFoundError, match="Louvre"):
+        trace(model, tokenizer, PROMPT, "Louvre")
+    with pytest.raises(ValueError, match="empty"):
+        trace(model, tokenizer, "", SUBJECT)
+    with pytest.raises(ValueError, match="seeds"):
+        trace(model, tokenizer, PROMPT, SUBJECT, seeds=0)
+    with pytest.raises(ValueError, match="window"):
+        trace(model, tokenizer, PROMPT, SUBJECT, kind="mlp", window=0)
+    with pytest.raises(ValueError, match="unknown trace kind 'mlps'.*severed-attn"):
+        trace(model, tokenizer, PROMPT, SUBJECT, kind="mlps")
+    with pytest.raises(ValueError, match="scale"):
+        trace(model, tokenizer, PROMPT, SUBJECT, scale=-1.0)
+    with pytest.raises(SpecError) as error:
+        load_spec({"schema_version": 1, "prompt": PROMPT, "subject": SUBJECT,
+                   "trace": {"kind": "residual"},
+                   "interventions": [{"type": "noise_add", "seeds": 2},
+                                     {"type": "clean_restore", "layers": 0, "positions": 0}]})
+    assert error.value.path == "$.interventions"
