@@ -1,8 +1,8 @@
 """Causal tracing and CLT attribution graphs as registered pyvene interventions.
 
-    from pyvene_causaltrace import load_model, load_spec, run_spec
+    from pyvene_causaltrace import load_model, trace
     model, tokenizer = load_model("smollm2-135m")
-    result = run_spec(load_spec("intervention_specs/residual_trace.json"), model, tokenizer)
+    result = trace(model, tokenizer, "The Eiffel Tower is in the city of", "The Eiffel Tower")
 
 Names are imported lazily: importing the package imports neither pyvene nor transformers and
 changes nothing but this package's own registry.
@@ -29,6 +29,9 @@ _EXPORTS = {
     "validate_spec": ".specs",
     "SpecError": ".specs",
     "ExperimentSpec": ".specs",
+    "trace": ".tracing.trace",
+    "Tracer": ".tracing.trace",
+    "TraceResult": ".tracing.results",
     "run_spec": ".tracing.run",
     "build_intervenable": ".tracing.run",
     "build_interventions": ".tracing.run",
