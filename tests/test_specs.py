@@ -237,3 +237,25 @@ def test_third_party_type_in_a_spec(tokenizer, monkeypatch):
         plain = model(input_ids=plan.prompt.input_ids).logits
     assert torch.equal(logits[:, :-1], plain[:, :-1])
     assert not torch.allclose(logits[:, -1], plain[:, -1])
+
+
+def test_subject_span_with_a_sentencepiece_style_tokenizer():
+    """Metaspace pieces carry their leading space ('▁Tower'): the span must cover exactly the
+    pieces with subject characters, not a neighbour whose offsets start at a space."""
+    from conftest import _CORPUS
+    from tokenizers import SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(_CORPUS, vocab_size=120, min_frequency=1, special_tokens=["<s>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=sp)
+    offsets = tokenizer(PROMPT, return_offsets_mapping=True)["offset_mapping"]
+    for subject in ("Eiffel", "The Eiffel", "Tower", "Eiffel Tower is"):
+        start = PROMPT.index(subject)
+        stop = start + len(subject)
+        span = tokenize_prompt(tokenizer, PROMPT, subject).subject_range
+        text = lambda i: PROMPT[offsets[i][0]:offsets[i][1]].strip()  # noqa: E731
+        inside = "".join(text(i) for i in range(*span))
+        assert inside == subject.replace(" ", ""), (subject, inside)
+        assert all(offsets[i][1] <= start or offsets[i][0] >= stop or not text(i)
+                   for i in range(len(offsets)) if not span[0] <= i < span[1])

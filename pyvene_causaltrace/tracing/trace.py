@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from torch import nn
 
 from ..prompts import answer_token_id, tokenize_prompt
@@ -113,11 +114,13 @@ class Tracer:
         self.seeds = seeds
         self.noise_positions = list(range(*self.prompt.subject_range))
         self.sigma_method, self.sigma = _sigma(sigma, model, tokenizer, subject)
-        probe = model(input_ids=self.prompt.input_ids.to(next(model.parameters()).device),
-                      logits_to_keep=1).logits[0, -1]
         self.answer_text = answer  # as given: a spec written from this tracer repeats it
-        self.answer_id = (answer_token_id(tokenizer, answer) if answer is not None
-                          else int(probe.argmax()))
+        if answer is not None:
+            self.answer_id = answer_token_id(tokenizer, answer)
+        else:
+            with torch.no_grad():
+                ids = self.prompt.input_ids.to(next(model.parameters()).device)
+                self.answer_id = int(model(input_ids=ids, logits_to_keep=1).logits[0, -1].argmax())
         self.sweep: NoiseScaleSweep | None = None
         if scale == "auto":
             self.sweep = sweep_noise_scale(
