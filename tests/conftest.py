@@ -59,17 +59,20 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>")
 
 
-def make_tiny_model(arch: str, vocab_size: int = 420, n_layers: int = 3, seed: int = 0):
-    """A random-init causal LM of architecture ``arch`` (float32, eval mode)."""
+def make_tiny_model(arch: str, vocab_size: int = 420, n_layers: int = 3, seed: int = 0,
+                    init: float = 0.02):
+    """A random-init causal LM of architecture ``arch`` (float32, eval mode). ``init`` is the
+    weights' std: 0.2 gives MLPs whose outputs matter to the logits (the CLT tests need that)."""
     import transformers as tf
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                   num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=64)
+                  head_dim=8, max_position_embeddings=256, initializer_range=init)
     if arch == "gpt2":
         config = tf.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=n_layers, n_head=4,
-                               n_positions=64, bos_token_id=0, eos_token_id=0)
+                               n_positions=256, bos_token_id=0, eos_token_id=0,
+                               initializer_range=init)
     else:
         config_class = {
             "llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
@@ -84,6 +87,24 @@ def make_tiny_model(arch: str, vocab_size: int = 420, n_layers: int = 3, seed: i
                 if "norm" in name:
                     p.normal_(0, 0.3)
     return model
+
+
+def train_tiny_lm(model, tokenizer, texts, steps: int = 300, lr: float = 3e-3, seed: int = 0):
+    """A few seconds of next-token training, so that the tiny model's MLPs matter to its loss
+    (random weights have no language-modelling loss worth anchoring a CLT to)."""
+    g = torch.Generator().manual_seed(seed)
+    encoded = [torch.tensor(tokenizer(t)["input_ids"]) for t in texts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        batch = [encoded[i] for i in torch.randint(0, len(encoded), (16,), generator=g)]
+        n = min(len(b) for b in batch)
+        ids = torch.stack([b[:n] for b in batch])
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
 
 
 @pytest.fixture(params=CORE_ARCHS)

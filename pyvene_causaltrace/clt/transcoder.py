@@ -142,6 +142,11 @@ class CrossLayerTranscoder(nn.Module):
             recon[layer:] += flat.reshape(n_layers - layer, n_pos, self.cfg.d_model)
         return recon
 
+    def __deepcopy__(self, memo) -> CrossLayerTranscoder:
+        # Read-only and possibly gigabytes backed by open file maps: copies share it (pyvene
+        # deep-copies its config, which holds interventions that hold the CLT).
+        return self
+
     def extra_repr(self) -> str:
         c = self.cfg
         lazy = "mmapped" if self._handles else "resident"

@@ -8,9 +8,11 @@ name                   class
 ``window_restore``     :class:`~.restore.WindowRestore`
 ``freeze``             :class:`~.restore.Freeze`
 ``frozen_layernorm``   :class:`~.frozen.FrozenLayerNorm`
+``clt_splice``         :class:`~.clt_splice.CLTSplice`
+``feature_ablate``     :class:`~.clt_splice.FeatureAblate`
 =====================  ==========================================================
 
-``frozen_attention``, ``clt_splice`` and ``feature_ablate`` are reserved for later milestones.
+``frozen_attention`` is reserved for the attribution-graph milestone.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ def _register_builtins() -> None:
     if _builtins_registered:
         return
     _builtins_registered = True
+    from .clt_splice import CLTSplice, FeatureAblate
     from .frozen import FrozenLayerNorm
     from .noise import NoiseAdd
     from .restore import CleanRestore, Freeze, WindowRestore
 
-    for cls in (NoiseAdd, CleanRestore, WindowRestore, Freeze, FrozenLayerNorm):
+    for cls in (NoiseAdd, CleanRestore, WindowRestore, Freeze, FrozenLayerNorm, CLTSplice,
+                FeatureAblate):
         register_intervention(cls.registered_name, cls)
 
 

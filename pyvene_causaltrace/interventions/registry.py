@@ -24,9 +24,7 @@ _entry_points_loaded = False
 
 #: Names kept for types that later milestones add; looking them up says where they come from.
 RESERVED: dict[str, str] = {
-    "frozen_attention": "frozen attention patterns (lands with CLT attribution graphs)",
-    "clt_splice": "MLP outputs replaced by a cross-layer transcoder (lands with the CLT loader)",
-    "feature_ablate": "CLT feature ablation inside clt_splice (lands with the CLT loader)",
+    "frozen_attention": "frozen attention patterns (lands with the attribution graphs)",
 }
 
 

@@ -1,0 +1,116 @@
+"""Fit a small CLT to a model's MLPs: enough to exercise the pairing check and the anchor on a
+dictionary that really belongs to its model (random weights cannot show either works).
+
+The activation is JumpReLU with every threshold at 0, i.e. ReLU, trained with Adam on
+normalised reconstruction error plus an L1 penalty on activations weighted by decoder norms (the
+usual transcoder recipe, without a straight-through threshold estimate). Encoders read
+``hook_resid_mid``, decoders write every later layer's ``hook_mlp_out``; BOS positions are left out.
+
+    clt = fit_clt(model, tokenizer, texts, d_transcoder=256, steps=400)
+    clt.save_model("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted")
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..capture import capture
+from ..models import get_adapter
+from .transcoder import CrossLayerTranscoder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FitStats:
+    n_tokens: int
+    steps: int
+    seconds: float
+    final_loss: float
+    train_fvu: float
+
+
+@torch.no_grad()
+def collect_pairs(model: nn.Module, tokenizer, texts: Sequence[str]):
+    """``(resid_mid, mlp_out)``, each ``[tokens, L, D]``, over ``texts`` without BOS."""
+    adapter = get_adapter(model)
+    n_layers = adapter.n_layers(model)
+    mids = [adapter.module_path("pre_mlp_norm", layer) + ".input" for layer in range(n_layers)]
+    outs = [adapter.module_path("mlp", layer) + ".output" for layer in range(n_layers)]
+    device = next(model.parameters()).device
+    xs, ys = [], []
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt")["input_ids"].to(device)
+        found = capture(model, {"input_ids": ids}, mids + outs)
+        xs.append(torch.stack([found[p][0, 1:] for p in mids], 1))
+        ys.append(torch.stack([found[p][0, 1:] for p in outs], 1))
+    return torch.cat(xs).float(), torch.cat(ys).float()
+
+
+def fit_clt(
+    model: nn.Module,
+    tokenizer,
+    texts: Sequence[str],
+    *,
+    d_transcoder: int = 128,
+    steps: int = 300,
+    batch_size: int = 256,
+    lr: float = 5e-3,
+    l1: float = 1e-3,
+    seed: int = 0,
+    model_name: str | None = None,
+) -> tuple[CrossLayerTranscoder, FitStats]:
+    """Fit a CLT on the MLPs of ``model`` over ``texts``; returns it (float32, in memory) and
+    the fitting statistics."""
+    start = time.perf_counter()
+    x, y = collect_pairs(model, tokenizer, texts)
+    n_tokens, n_layers, d_model = x.shape
+    g = torch.Generator().manual_seed(seed)
+    x_scale = x.pow(2).mean((0, 2)).sqrt()[:, None]  # [L, 1] per-layer input scale
+    y_var = (y - y.mean(0)).pow(2).mean((0, 2))  # [L] per-layer output variance
+    W_enc = nn.Parameter(torch.randn(n_layers, d_transcoder, d_model, generator=g)
+                         / d_model**0.5 / x_scale[:, :, None])
+    b_enc = nn.Parameter(torch.zeros(n_layers, d_transcoder))
+    W_dec = nn.ParameterList(
+        nn.Parameter(torch.randn(d_transcoder, n_layers - layer, d_model, generator=g)
+                     * 0.1 / d_transcoder**0.5)
+        for layer in range(n_layers))
+    b_dec = nn.Parameter(y.mean(0).clone())
+    params = [W_enc, b_enc, b_dec, *W_dec]
+    optimizer = torch.optim.Adam(params, lr=lr)
+
+    def forward(xb):
+        acts = torch.relu(torch.einsum("bld,lfd->blf", xb, W_enc) + b_enc)  # [B, L, F]
+        recon = b_dec.expand(xb.shape[0], -1, -1).clone()
+        for layer in range(n_layers):
+            recon[:, layer:] += torch.einsum("bf,ftd->btd", acts[:, layer], W_dec[layer])
+        return acts, recon
+
+    loss = torch.tensor(0.0)
+    for step in range(steps):
+        index = torch.randint(0, n_tokens, (min(batch_size, n_tokens),), generator=g)
+        acts, recon = forward(x[index])
+        mse = ((recon - y[index]).pow(2).mean((0, 2)) / y_var).mean()
+        dec_norm = torch.stack([w.norm(dim=-1).sum(-1) for w in W_dec])  # [L, F]
+        sparsity = (acts * dec_norm).sum((1, 2)).mean() / (n_layers * d_transcoder)
+        loss = mse + l1 * sparsity
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 100 == 0:
+            logger.info("step %d loss %.4f mse %.4f", step, loss.item(), mse.item())
+    with torch.no_grad():
+        _, recon = forward(x)
+        fvu = float(((recon - y).pow(2).sum((0, 2)) / (y - y.mean(0)).pow(2).sum((0, 2))).mean())
+    name = model_name or getattr(model, "pvct_source", None) or model.config._name_or_path
+    clt = CrossLayerTranscoder.from_tensors(
+        name, W_enc.detach(), b_enc.detach(), torch.zeros(n_layers, d_transcoder),
+        b_dec.detach(), [w.detach() for w in W_dec])
+    stats = FitStats(n_tokens, steps, time.perf_counter() - start, loss.item(), fvu)
+    return clt, stats

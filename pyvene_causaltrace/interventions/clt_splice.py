@@ -1,0 +1,173 @@
+"""``clt_splice`` and ``feature_ablate``: run a cross-layer transcoder inside the model.
+
+A splice is two registered interventions per layer, built by :func:`clt_splice_representations`:
+
+- ``role="encode"`` on ``hook_resid_mid`` (the pre-MLP norm's input): computes the layer's
+  JumpReLU features and keeps them, with the decoder rows of the features that fired, in the
+  CLT's per-forward session (positions before ``from_position`` zeroed);
+- ``role="decode"`` on ``hook_mlp_out`` (the MLP's output): replaces positions
+  ``>= from_position`` by ``b_dec[t] + sum_{l <= t} a_l @ W_dec[l][:, t - l]``, plus, with
+  ``add_error``, the frozen error ``(mlp_out - recon).detach()`` so the forward is the original
+  one while gradients flow through the features.
+
+``feature_ablate`` sits on the same input hook after the encoder and scales chosen features
+(zero by default) before any decoder reads them. The default ``from_position=1`` never splices
+BOS: no dictionary is trained on the attention sink there, and splicing it wrecks the model.
+
+The interventions refer to their CLT by its directory (``clt.source``), so ``pv.IntervenableModel
+.save``/``load`` round-trips them; loading reads the CLT once per process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import CausalTraceIntervention
+
+_CLTS: dict[str, Any] = {}  # source directory -> CrossLayerTranscoder, shared per process
+
+
+def _resolve(source: str | None, clt=None):
+    if clt is not None:
+        if clt.source is not None:
+            _CLTS.setdefault(clt.source, clt)
+        return clt
+    if source is None:
+        raise ValueError("clt_splice needs a CLT (an object, or the directory it was loaded from)")
+    if source not in _CLTS:
+        from ..clt.loaders import from_pretrained
+
+        _CLTS[source] = from_pretrained(source)
+    return _CLTS[source]
+
+
+class _CLTIntervention(CausalTraceIntervention):
+    _config_keys: tuple[str, ...] = ()
+
+    def __init__(self, clt=None, **kwargs: Any) -> None:
+        # a plain reference, not a submodule: the CLT must not enter pyvene's state dicts
+        self.__dict__["_clt_object"] = clt
+        own = {k: kwargs.pop(k) for k in self._config_keys if k in kwargs}
+        super().__init__(**own, **kwargs)
+
+    @property
+    def clt(self):
+        return _resolve(self._config.get("source"), self._clt_object)
+
+    def _source_of(self) -> str | None:
+        return self._clt_object.source if self._clt_object is not None else None
+
+
+class CLTSplice(_CLTIntervention):
+    """One role of a CLT splice at one layer (see module docstring)."""
+
+    registered_name = "clt_splice"
+    _config_keys = ("role", "clt_layer", "from_position", "add_error", "reset", "source")
+
+    def _setup(self, role: str, clt_layer: int, from_position: int = 1, add_error: bool = False,
+               reset: bool = False, source: str | None = None) -> None:
+        if role not in ("encode", "decode"):
+            raise ValueError(f"role must be 'encode' or 'decode', got {role!r}")
+        if from_position < 0:
+            raise ValueError(f"from_position must be >= 0, got {from_position}")
+        self._config = {"role": role, "clt_layer": int(clt_layer),
+                        "from_position": int(from_position),
+                        "add_error": bool(add_error), "reset": bool(reset),
+                        "source": source if source is not None else self._source_of()}
+
+    def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
+        clt, layer = self.clt, self._config["clt_layer"]
+        start = self._config["from_position"]
+        session = clt.__dict__.setdefault("_session", {})
+        if self._config["role"] == "encode":
+            if self._config["reset"]:
+                session.clear()
+            acts = clt.encode(base, layer)
+            acts = torch.cat([torch.zeros_like(acts[:, :start]), acts[:, start:]], dim=1)
+            session[layer] = acts
+            return base
+        recon = clt.b_dec[layer].to(base.dtype).expand_as(base)
+        for source_layer in range(layer + 1):
+            if source_layer not in session:
+                continue
+            acts = session[source_layer]
+            active = (acts != 0).reshape(-1, acts.shape[-1]).any(0).nonzero().squeeze(-1)
+            if active.numel() == 0:
+                continue
+            rows = clt.decoder_rows(source_layer, active)[:, layer - source_layer]  # [n, D]
+            recon = recon + (acts[..., active] @ rows).to(base.dtype)
+        if self._config["add_error"]:
+            recon = recon + (base - recon).detach()
+        return torch.cat([base[:, :start], recon[:, start:]], dim=1)
+
+
+class FeatureAblate(_CLTIntervention):
+    """Scale (default: zero) ``features`` of layer ``clt_layer`` at ``positions`` (None: all)
+    inside a splice; ``features="all"`` switches the whole layer off (its decoders then add
+    nothing, leaving b_dec)."""
+
+    registered_name = "feature_ablate"
+    _config_keys = ("clt_layer", "features", "positions", "scale", "source")
+
+    def _setup(self, clt_layer: int, features: list[int] | str,
+               positions: list[int] | None = None, scale: float = 0.0,
+               source: str | None = None) -> None:
+        if features != "all":
+            features = [int(f) for f in features]
+        self._config = {"clt_layer": int(clt_layer), "features": features,
+                        "positions": None if positions is None else [int(p) for p in positions],
+                        "scale": float(scale),
+                        "source": source if source is not None else self._source_of()}
+
+    def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
+        session = self.clt.__dict__.setdefault("_session", {})
+        layer = self._config["clt_layer"]
+        if layer not in session:
+            raise RuntimeError(f"feature_ablate at layer {layer} needs a clt_splice encoder "
+                               "at the same layer, placed before it")
+        acts = session[layer].clone()
+        positions = self._config["positions"]
+        where = slice(None) if positions is None else positions
+        features = self._config["features"]
+        columns = slice(None) if features == "all" else features
+        chosen = acts[:, where][..., columns] * self._config["scale"]
+        if positions is None:
+            acts[..., columns] = chosen
+        else:
+            block = acts[:, positions]
+            block[..., columns] = chosen
+            acts[:, positions] = block
+        session[layer] = acts
+        return base
+
+
+def clt_splice_representations(
+    clt, model, *, layers: list[int] | None = None, from_position: int = 1,
+    add_error: bool = False, ablations: list[dict] | None = None,
+) -> list[dict]:
+    """pyvene representation dicts that splice ``clt`` into ``model`` at ``layers`` (all by
+    default), with ``ablations`` (``feature_ablate`` keyword dicts with ``clt_layer``) after
+    their layer's encoder."""
+    from ..clt.transcoder import check_fits
+    from ..models import get_adapter
+
+    check_fits(clt, model)
+    adapter = get_adapter(model)
+    layers = list(range(clt.n_layers)) if layers is None else sorted(layers)
+    out = []
+    for index, layer in enumerate(layers):
+        hooks = clt.cfg.hf_hooks(adapter, layer)
+        out.append({"component": hooks["input"], "intervention": CLTSplice(
+            clt=clt, role="encode", clt_layer=layer, from_position=from_position,
+            add_error=add_error, reset=index == 0)})
+        for ablation in ablations or []:
+            if ablation["clt_layer"] == layer:
+                out.append({"component": hooks["input"],
+                            "intervention": FeatureAblate(clt=clt, **ablation)})
+    for layer in layers:
+        out.append({"component": clt.cfg.hf_hooks(adapter, layer)["output"],
+                    "intervention": CLTSplice(clt=clt, role="decode", clt_layer=layer,
+                                              from_position=from_position, add_error=add_error)})
+    return out
