@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from pathlib import Path
 
 from pyvene_causaltrace import load_model
@@ -30,13 +29,12 @@ def main() -> None:
     parser.add_argument("--train-facts", type=int, default=1000)
     parser.add_argument("--data", type=Path, default=KNOWN)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     model, tokenizer = load_model("smollm2-135m")
     facts = json.loads(args.data.read_text())
     texts = [f"{f['prompt']} {f['attribute']}" for f in facts]
     train, held_out = texts[:args.train_facts], texts[-100:]
     clt, stats = fit_clt(model, tokenizer, train, d_transcoder=args.features, steps=args.steps,
-                         model_name="smollm2-135m")
+                         model_name="smollm2-135m", progress=True)
     out = cache_dir() / "clts" / f"smollm2-135m-fitted-{args.features}"
     clt.save_model(str(out))
     clt = load_from_disk(out)

@@ -4,12 +4,14 @@
     pyvene-causaltrace trace --kind residual,mlp,attn --seeds 10 --out out/
     pyvene-causaltrace run intervention_specs/residual_trace.json --out out/
     pyvene-causaltrace validate intervention_specs/*.json
+    pyvene-causaltrace clt-check --clt DIR --data held_out.txt
     pyvene-causaltrace interventions
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -58,6 +60,18 @@ def _parser() -> argparse.ArgumentParser:
 
     validate = commands.add_parser("validate", help="check JSON specs against the schema")
     validate.add_argument("specs", type=Path, nargs="+")
+
+    check = commands.add_parser(
+        "clt-check", help="pairing check and replacement-model anchor of a CLT on a model")
+    check.add_argument("--model", default="smollm2-135m")
+    check.add_argument("--clt", required=True, help="CLT directory (mntss layout) or hub id")
+    check.add_argument("--data", type=Path, required=True,
+                       help="held-out text: a .txt file (one text per line) or known_1000-style "
+                            "JSON (prompt + attribute)")
+    check.add_argument("--limit", type=int, default=100, help="texts to use")
+    check.add_argument("--prompt", default=EIFFEL["prompt"])
+    check.add_argument("--answer", default=None)
+    check.add_argument("--out", type=Path, default=None, help="write clt_check.json here")
 
     commands.add_parser("interventions", help="list the registered intervention types")
     return parser
@@ -141,6 +155,41 @@ def _run(args) -> int:
     return 0
 
 
+def _texts(path: Path, limit: int) -> list[str]:
+    if path.suffix == ".json":
+        records = json.loads(path.read_text())
+        texts = [f"{r['prompt']} {r['attribute']}" for r in records]
+    else:
+        texts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    if not texts:
+        raise ValueError(f"{path} holds no text")
+    return texts[:limit]
+
+
+def _clt_check(args) -> int:
+    from .clt import CrossLayerTranscoder
+    from .clt.checks import check_pairing, replacement_anchor
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model)
+    clt = CrossLayerTranscoder.from_pretrained(args.clt)
+    texts = _texts(args.data, args.limit)
+    pairing = check_pairing(clt, model, tokenizer, texts)
+    print(pairing.verdict())
+    print("FVU per layer: " + " ".join(f"{v:.3f}" for v in pairing.fvu_per_layer))
+    answer = args.answer
+    if answer is None and args.prompt == EIFFEL["prompt"]:
+        answer = EIFFEL["answer"]
+    anchor = replacement_anchor(clt, model, tokenizer, texts, prompt=args.prompt, answer=answer)
+    print(anchor.summary())
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "clt_check.json").write_text(json.dumps(
+            {"pairing": pairing.to_dict(), "anchor": anchor.to_dict()}, indent=2))
+        print(f"wrote {args.out / 'clt_check.json'}")
+    return 0 if pairing.paired else 1
+
+
 def _validate(args) -> int:
     from .specs import SpecError, load_spec
 
@@ -168,7 +217,7 @@ def _interventions(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"trace": _trace, "run": _run, "validate": _validate,
+    handler = {"trace": _trace, "run": _run, "validate": _validate, "clt-check": _clt_check,
                "interventions": _interventions}[args.command]
     try:
         return handler(args)

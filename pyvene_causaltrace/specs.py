@@ -115,9 +115,14 @@ def validate_spec(data: Any) -> None:
     if errors:
         error = _most_specific(errors[0])
         raise SpecError(error.json_path, _expected(error))
-    noises = [i for i, item in enumerate(data["interventions"]) if item["type"] == "noise_add"]
-    if len(noises) > 1:
-        raise SpecError(f"$.interventions[{noises[1]}]", "a spec has at most one noise_add")
+    types = [item["type"] for item in data["interventions"]]
+    for unique in ("noise_add", "clt_splice"):
+        found = [i for i, kind in enumerate(types) if kind == unique]
+        if len(found) > 1:
+            raise SpecError(f"$.interventions[{found[1]}]", f"a spec has at most one {unique}")
+    if "feature_ablate" in types and "clt_splice" not in types:
+        raise SpecError(f"$.interventions[{types.index('feature_ablate')}]",
+                        "feature_ablate acts inside a clt_splice: add one")
     if "trace" in data and [i["type"] for i in data["interventions"]] != ["noise_add"]:
         raise SpecError("$.interventions", "a trace spec holds exactly one noise_add; the trace "
                         "makes the restores")

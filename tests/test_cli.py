@@ -91,3 +91,28 @@ def test_trace_from_a_spec_and_run_dispatch(model_dir, tmp_path):
 def test_trace_bad_requests_exit_2(model_dir, capsys, args, message):
     assert main(["trace", "--model", str(model_dir), "--scale", "3", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_clt_check(tmp_path, tokenizer, capsys):
+    from clt_fixtures import random_clt_tensors, write_clt
+    from conftest import KNOWN_FACTS, train_tiny_lm
+
+    from pyvene_causaltrace.clt.fit import fit_clt
+
+    facts = json.loads(KNOWN_FACTS.read_text())
+    texts = [f"{f['prompt']} {f['attribute']}" for f in facts]
+    model = train_tiny_lm(make_tiny_model("llama"), tokenizer, texts[:1000])
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    clt, _ = fit_clt(model, tokenizer, texts[:150], d_transcoder=128, steps=300)
+    clt.save_model(str(tmp_path / "fitted"))
+    (tmp_path / "held_out.txt").write_text("\n".join(texts[1000:1020]))
+    args = ["clt-check", "--model", str(tmp_path / "m"), "--data",
+            str(tmp_path / "held_out.txt"), "--prompt", texts[1100]]
+    assert main([*args, "--clt", str(tmp_path / "fitted"), "--out", str(tmp_path / "o")]) == 0
+    report = json.loads((tmp_path / "o" / "clt_check.json").read_text())
+    assert report["pairing"]["paired"] and report["anchor"]["gap_recovered"] > 0.8
+    assert "fraction of the clean->zero gap recovered" in capsys.readouterr().out
+    write_clt(tmp_path / "random", random_clt_tensors(3, 32, 48))
+    assert main([*args, "--clt", str(tmp_path / "random")]) == 1
+    assert "MISPAIRED" in capsys.readouterr().out

@@ -64,7 +64,8 @@ def _spliced_by_hand(model, clt, ids, from_position=1, ablate=None):
 
 @pytest.fixture
 def fixture_clt(tmp_path):
-    write_clt(tmp_path / "clt", random_clt_tensors(L, D, F))
+    # thresholds near 0 so that features fire on a tiny model's small activations
+    write_clt(tmp_path / "clt", random_clt_tensors(L, D, F, threshold=0.0))
     return load_from_disk(tmp_path / "clt")
 
 
@@ -81,6 +82,8 @@ def test_clt_splice_equals_hooks_by_hand(arch, fixture_clt):
                              model)(base={"input_ids": ids})[1].logits
             expected = _spliced_by_hand(model, fixture_clt, ids, from_position)
             torch.testing.assert_close(spliced, expected, atol=1e-5, rtol=1e-5)
+            fired = sum(int((a != 0).sum()) for a in fixture_clt._session.values())
+            assert fired > 50  # features really fired, so the decoders were exercised
             assert (spliced - clean).abs().max() > 1e-3
         exact = runner(clt_splice_representations(fixture_clt, model, add_error=True),
                        model)(base={"input_ids": ids})[1].logits
@@ -155,3 +158,29 @@ def test_pairing_flags_a_random_clt(fixture_clt, tokenizer):
     assert not report.paired
     with pytest.raises(ValueError, match="MISPAIRED"):
         report.raise_if_mispaired()
+
+
+def test_shipped_clt_spec_runs_with_a_fixture_clt(tmp_path, tokenizer):
+    from conftest import SPEC_DIR
+
+    from pyvene_causaltrace.specs import SpecError, load_spec
+    from pyvene_causaltrace.tracing.run import run_spec
+
+    data = json.loads((SPEC_DIR / "clt_splice.json").read_text())
+    data["interventions"][0]["clt"] = str(write_clt(tmp_path / "clt",
+                                                    random_clt_tensors(L, D, F, threshold=0.0)))
+    model = make_tiny_model("qwen3", n_layers=L)
+    result = run_spec(load_spec(data), model, tokenizer)
+    assert result.intervened_probs[0] != pytest.approx(result.clean_prob, abs=1e-6)
+    data["interventions"].append({"type": "feature_ablate", "clt_layer": 0, "features": "all"})
+    ablated = run_spec(load_spec(data), model, tokenizer)
+    assert ablated.intervened_probs[0] != result.intervened_probs[0]
+    data["interventions"][0]["add_error"] = True
+    exact = run_spec(load_spec(data), model, tokenizer)
+    assert exact.intervened_probs[0] == pytest.approx(exact.clean_prob, abs=1e-5)
+    data["interventions"][0]["clt"] = str(tmp_path / "missing")
+    with pytest.raises(SpecError) as error:
+        run_spec(load_spec(data), model, tokenizer)
+    assert error.value.path == "$.interventions[0].clt"
+    with pytest.raises(SpecError, match="inside a clt_splice"):
+        load_spec(dict(data, interventions=data["interventions"][1:]))

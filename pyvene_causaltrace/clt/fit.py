@@ -65,6 +65,7 @@ def fit_clt(
     l1: float = 1e-3,
     seed: int = 0,
     model_name: str | None = None,
+    progress: bool = False,
 ) -> tuple[CrossLayerTranscoder, FitStats]:
     """Fit a CLT on the MLPs of ``model`` over ``texts``; returns it (float32, in memory) and
     the fitting statistics."""
@@ -93,7 +94,10 @@ def fit_clt(
         return acts, recon
 
     loss = torch.tensor(0.0)
-    for step in range(steps):
+    from tqdm import tqdm
+
+    bar = tqdm(range(steps), desc="fitting CLT", unit="step", disable=not progress)
+    for step in bar:
         index = torch.randint(0, n_tokens, (min(batch_size, n_tokens),), generator=g)
         acts, recon = forward(x[index])
         mse = ((recon - y[index]).pow(2).mean((0, 2)) / y_var).mean()
@@ -103,8 +107,9 @@ def fit_clt(
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if step % 100 == 0:
-            logger.info("step %d loss %.4f mse %.4f", step, loss.item(), mse.item())
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.4f}", fvu=f"{mse.item():.4f}")
+            logger.debug("step %d loss %.4f mse %.4f", step, loss.item(), mse.item())
     with torch.no_grad():
         _, recon = forward(x)
         fvu = float(((recon - y).pow(2).sum((0, 2)) / (y - y.mean(0)).pow(2).sum((0, 2))).mean())

@@ -119,6 +119,8 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
     for index, item in enumerate(spec.interventions):
         if item.type == "frozen_layernorm":
             interventions.extend(_frozen_norms(item, adapter, adapter.n_layers(model), index))
+        if item.type == "clt_splice":
+            interventions.extend(_clt_splice(spec, item, model, index))
     return Plan(spec, prompt, answer_id, tokenizer.decode([answer_id]), seeds, sigma, scale,
                 clean_probs, corrupt_probs, interventions, noise)
 
@@ -127,7 +129,7 @@ def _sites(spec: ExperimentSpec, prompt, adapter, n_layers: int) -> list[_Site]:
     sites = []
     for index, item in enumerate(spec.interventions):
         path = f"$.interventions[{index}]"
-        if item.type in ("noise_add", "frozen_layernorm"):
+        if item.type in ("noise_add", "frozen_layernorm", "clt_splice", "feature_ablate"):
             continue
         positions = resolve_positions(item.get("positions", "all"), prompt, path + ".positions")
         if item.type == "window_restore":
@@ -175,6 +177,23 @@ def _make(site: _Site, donors: dict[str, dict[str, torch.Tensor]]):
         return Freeze(positions=site.positions, states=states, run=site.donor_run)
     # a third-party registered type
     return get_intervention(item.type)(positions=site.positions, **item.get("params", {}))
+
+
+def _clt_splice(spec: ExperimentSpec, item, model, index: int) -> list[tuple[str, Any]]:
+    from ..interventions.clt_splice import _resolve, clt_splice_representations
+
+    path = f"$.interventions[{index}]"
+    try:
+        clt = _resolve(item.get("clt"))
+    except (OSError, ValueError) as error:
+        raise SpecError(path + ".clt", str(error)) from None
+    layers = resolve_layers(item.get("layers", "all"), clt.n_layers, path + ".layers")
+    ablations = [{k: v for k, v in entry.to_dict().items() if k != "type"}
+                 for entry in spec.interventions if entry.type == "feature_ablate"]
+    reps = clt_splice_representations(
+        clt, model, layers=layers, from_position=item.get("from_position", 1),
+        add_error=item.get("add_error", False), ablations=ablations)
+    return [(rep["component"], rep["intervention"]) for rep in reps]
 
 
 def _frozen_norms(item, adapter, n_layers: int, index: int) -> list[tuple[str, Any]]:
