@@ -143,3 +143,37 @@ def test_clt_must_fit_the_model(tmp_path, tensors):
     check_fits(clt, make_tiny_model("llama", n_layers=L))  # 3 layers x 32: fits
     with pytest.raises(CLTMismatchError, match="3 layers x d_model 32; the model has 4"):
         check_fits(clt, make_tiny_model("llama", n_layers=4))
+
+
+def test_sae_lens_views_and_converters(tmp_path, tensors):
+    from sae_lens import SAE
+    from sae_lens.saes.transcoder import JumpReLUTranscoder
+
+    from pyvene_causaltrace.clt.sae_lens_interop import disk_converter, hub_converter, to_sae_lens
+
+    write_clt(tmp_path, tensors, model_name="org/tiny")
+    clt = load_from_disk(tmp_path, dtype=torch.float64)
+    x = _resid()[1].double()
+    acts = clt.encode(x, 1)
+    view = to_sae_lens(clt, 1, target=2)
+    assert isinstance(view, JumpReLUTranscoder)
+    torch.testing.assert_close(view.encode(x.float()).double(), acts, atol=1e-5, rtol=0)
+    # the view's decoder is the layer-1 -> layer-2 slice plus b_dec[2]
+    torch.testing.assert_close(view.decode(acts.float()).double(),
+                               acts @ clt.W_dec[1][:, 1].double() + clt.b_dec[2],
+                               atol=1e-5, rtol=0)
+    # summing the views over source layers gives the CLT's reconstruction of layer 2
+    resid = _resid()
+    all_acts = clt.encode_all(resid)
+    total = clt.b_dec[2] + sum(
+        (to_sae_lens(clt, s, 2).decode(all_acts[s].float()).double() - clt.b_dec[2])
+        for s in range(3))
+    torch.testing.assert_close(total, clt.reconstruct(all_acts)[2], atol=1e-5, rtol=0)
+    loaded = JumpReLUTranscoder.load_from_disk(str(tmp_path), converter=disk_converter(0))
+    assert loaded.cfg.metadata.hook_name == "blocks.0.hook_resid_mid"
+    assert loaded.cfg.metadata.hook_name_out == "blocks.0.hook_mlp_out"
+    torch.testing.assert_close(loaded.threshold.double(), clt.threshold[0])
+    via_hub = SAE.from_pretrained(str(tmp_path), "layer_0_to_1", converter=hub_converter)
+    assert via_hub.cfg.metadata.hook_name_out == "blocks.1.hook_mlp_out"
+    with pytest.raises(ValueError, match="layer <= target"):
+        to_sae_lens(clt, 2, target=1)
