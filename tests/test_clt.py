@@ -73,7 +73,7 @@ def test_save_model_round_trip_is_byte_exact(tmp_path, tensors, disk_dtype):
     clt.save_model(str(tmp_path / "copy"))
     for file in sorted(source.iterdir()):
         assert (tmp_path / "copy" / file.name).read_bytes() == file.read_bytes(), file.name
-    again = CrossLayerTranscoder.from_pretrained(str(tmp_path / "copy"))
+    again = CrossLayerTranscoder.load_from_disk(str(tmp_path / "copy"))
     assert again.cfg == clt.cfg
     resid = _resid()
     torch.testing.assert_close(again.reconstruct(again.encode_all(resid)),

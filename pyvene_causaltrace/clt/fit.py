@@ -1,9 +1,10 @@
 """Fit a small CLT to a model's MLPs: enough to exercise the pairing check and the anchor on a
 dictionary that really belongs to its model (random weights cannot show either works).
 
-The activation is JumpReLU with every threshold at 0, i.e. ReLU, trained with Adam on
-normalised reconstruction error plus an L1 penalty on activations weighted by decoder norms (the
-usual transcoder recipe, without a straight-through threshold estimate). Encoders read
+The activation is JumpReLU with every threshold at 0, i.e. ReLU, trained with Adam (linearly
+decayed learning rate, clipped gradients) on normalised reconstruction error plus an L1 penalty on
+activations weighted by decoder norms (the usual transcoder recipe, without a straight-through
+threshold estimate). Encoders read
 ``hook_resid_mid``, decoders write every later layer's ``hook_mlp_out``; BOS positions are left out.
 
     clt = fit_clt(model, tokenizer, texts, d_transcoder=256, steps=400)
@@ -85,6 +86,9 @@ def fit_clt(
     b_dec = nn.Parameter(y.mean(0).clone())
     params = [W_enc, b_enc, b_dec, *W_dec]
     optimizer = torch.optim.Adam(params, lr=lr)
+    # linear decay to zero and clipped gradients: rare tokens with huge MLP outputs otherwise
+    # knock the fit off course late in training
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
 
     def forward(xb):
         acts = torch.relu(torch.einsum("bld,lfd->blf", xb, W_enc) + b_enc)  # [B, L, F]
@@ -106,7 +110,9 @@ def fit_clt(
         loss = mse + l1 * sparsity
         optimizer.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        schedule.step()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}", fvu=f"{mse.item():.4f}")
             logger.debug("step %d loss %.4f mse %.4f", step, loss.item(), mse.item())

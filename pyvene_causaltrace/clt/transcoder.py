@@ -86,6 +86,13 @@ class CrossLayerTranscoder(nn.Module):
 
         return from_pretrained(repo_id_or_dir, **kwargs)
 
+    @classmethod
+    def load_from_disk(cls, path: str, **kwargs) -> CrossLayerTranscoder:
+        """Load a local directory (see :func:`~pyvene_causaltrace.clt.loaders.load_from_disk`)."""
+        from .loaders import load_from_disk
+
+        return load_from_disk(path, **kwargs)
+
     def save_model(self, path: str) -> None:
         """Write the mntss layout (see :func:`~pyvene_causaltrace.clt.loaders.save_model`)."""
         from .loaders import save_model
