@@ -13,6 +13,7 @@ floating point raises a :class:`CLTFormatError` naming the file. Nothing is half
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,9 +119,9 @@ def load_from_disk(
         b_dec = torch.stack([h.get_tensor(f"b_dec_{i}") for i, h in enumerate(enc_handles)])
         W_enc = None if lazy_encoder else torch.stack(
             [h.get_tensor(f"W_enc_{i}").to(dtype) for i, h in enumerate(enc_handles)])
-        dec_handles = [_open(root / f"W_dec_{layer}.safetensors") for layer in range(L)]
-        # get_tensor on CPU returns a tensor backed by the file's memory map
-        W_dec = [h.get_tensor(f"W_dec_{i}") for i, h in enumerate(dec_handles)]
+        maps = [_mmap_tensor(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}")
+                for layer in range(L)]
+        W_dec = [tensor for tensor, _ in maps]
     except Exception as error:  # a truncated data section surfaces only here
         raise CLTFormatError(f"{root}: could not read tensors: {error}") from None
     if not lazy_decoder:
@@ -134,8 +135,35 @@ def load_from_disk(
         cfg, b_enc=b_enc, threshold=threshold, b_dec=b_dec, W_enc=W_enc, W_dec=W_dec,
         encoder_loader=encoder_loader, dtype=dtype, device=device, source=str(root))
     if lazy_decoder:
-        clt._handles = dec_handles
+        clt._handles = [handle for _, handle in maps]
     return clt
+
+
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "F64": torch.float64}
+
+
+def _mmap_tensor(path: Path, name: str):
+    """``(tensor, mmap)``: ``name`` from a safetensors file as a view of a read-only memory map
+    advised for random access (decoder rows are read a few at a time, scattered over the file).
+    The layout is safetensors': an 8-byte header length, a JSON header, then raw data."""
+    import json
+    import mmap
+
+    with open(path, "rb") as file:
+        header_len = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(header_len))
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    info = header[name]
+    start, stop = (8 + header_len + offset for offset in info["data_offsets"])
+    dtype = _TORCH_DTYPES[info["dtype"]]
+    with warnings.catch_warnings():  # the buffer is read-only; we never write to it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mapped, dtype=dtype, count=(stop - start) // dtype.itemsize,
+                                offset=start)
+    return flat.view(info["shape"]), mapped
 
 
 def _open_ctx(path: Path):

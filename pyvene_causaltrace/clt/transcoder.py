@@ -127,8 +127,8 @@ class CrossLayerTranscoder(nn.Module):
     def decoder_rows(self, layer: int, feature_ids: torch.Tensor) -> torch.Tensor:
         """``W_dec[layer][feature_ids]`` ``[n, L - layer, D]``, gathered (only these rows are
         read from a mmapped decoder) and converted to the compute dtype."""
-        ids = feature_ids.to("cpu") if self.W_dec[layer].device.type == "cpu" else feature_ids
-        return self.W_dec[layer][ids].to(self.device_, self.dtype)
+        ids = feature_ids.to(self.W_dec[layer].device)
+        return self.W_dec[layer].index_select(0, ids).to(self.device_, self.dtype)
 
     def reconstruct(self, acts: torch.Tensor) -> torch.Tensor:
         """``[L, P, F]`` activations -> ``[L, P, D]`` reconstructed MLP outputs (with b_dec)."""
