@@ -97,3 +97,38 @@ def _all(model, edits):
         for path, edit in edits:
             stack.enter_context(edit_output(model, path, edit))
         yield
+
+
+def reload_in_fresh_process(tmp_path, model, pv_model, ids) -> tuple[list[str], bool]:
+    """Save ``model`` and ``pv_model`` (pyvene's own ``save``), load both back with plain
+    ``pv.IntervenableModel.load`` in a new Python process and run ``ids`` there. Returns the
+    loaded intervention class names (sorted, unique) and whether the logits are bit-identical
+    to this process's."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    model.save_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        logits = pv_model(base={"input_ids": ids})[1].logits
+    pv_model.save(str(tmp_path / "saved"))
+    torch.save({"ids": ids, "logits": logits}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import contextlib, io, json, torch, transformers
+        with contextlib.redirect_stdout(io.StringIO()):
+            import pyvene as pv
+        model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r})
+        loaded = pv.IntervenableModel.load({str(tmp_path / 'saved')!r}, model.eval())
+        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        with torch.no_grad():
+            logits = loaded(base={{"input_ids": expected["ids"]}})[1].logits
+        names = sorted({{type(v).__name__ for v in loaded.interventions.values()}})
+        print("RESULT " + json.dumps([names, torch.equal(logits, expected["logits"])]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    names, equal = json.loads(line.removeprefix("RESULT "))
+    return names, equal

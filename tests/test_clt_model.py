@@ -4,14 +4,12 @@ check and replacement anchor on CLTs fitted to tiny GPT-2, Llama and Qwen3 model
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 from clt_fixtures import random_clt_tensors, write_clt
 from conftest import KNOWN_FACTS, PROMPT, make_tiny_model, train_tiny_lm
+from reference import reload_in_fresh_process
 
 from pyvene_causaltrace.clt import CLTMismatchError, load_from_disk
 from pyvene_causaltrace.clt.checks import check_pairing, replacement_anchor
@@ -102,32 +100,12 @@ def test_splice_refuses_a_clt_for_another_model(fixture_clt):
 
 def test_clt_splice_survives_pyvene_save_load_in_a_fresh_process(tmp_path, fixture_clt):
     model = make_tiny_model("llama", n_layers=L)
-    model.save_pretrained(tmp_path / "model")
     ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(1))
     reps = clt_splice_representations(fixture_clt, model,
                                       ablations=[{"clt_layer": 0, "features": [1, 2, 3]}])
-    pv_model = intervenable_model_class()(reps, model)
-    with torch.no_grad():
-        logits = pv_model(base={"input_ids": ids})[1].logits
-    pv_model.save(str(tmp_path / "saved"))
-    torch.save({"ids": ids, "logits": logits}, tmp_path / "expected.pt")
-    script = textwrap.dedent(f"""
-        import contextlib, io, torch, transformers
-        with contextlib.redirect_stdout(io.StringIO()):
-            import pyvene as pv
-        model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r})
-        loaded = pv.IntervenableModel.load({str(tmp_path / 'saved')!r}, model.eval())
-        expected = torch.load({str(tmp_path / 'expected.pt')!r})
-        with torch.no_grad():
-            logits = loaded(base={{"input_ids": expected["ids"]}})[1].logits
-        print("TYPES", sorted({{type(v).__name__ for v in loaded.interventions.values()}}))
-        print("EQUAL", torch.equal(logits, expected["logits"]))
-    """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "TYPES ['CLTSplice', 'FeatureAblate']" in done.stdout
-    assert "EQUAL True" in done.stdout
+    names, equal = reload_in_fresh_process(tmp_path, model, intervenable_model_class()(reps, model),
+                                           ids)
+    assert names == ["CLTSplice", "FeatureAblate"] and equal
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3"])
