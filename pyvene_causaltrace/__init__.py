@@ -36,6 +36,7 @@ _EXPORTS = {
     "build_intervenable": ".tracing.run",
     "build_interventions": ".tracing.run",
     "to_pv_config": ".tracing.run",
+    "CrossLayerTranscoder": ".clt",
     "register_intervention": ".interventions",
     "get_intervention": ".interventions",
     "list_interventions": ".interventions",
