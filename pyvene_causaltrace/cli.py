@@ -85,38 +85,50 @@ def _number_or_name(text: str):
 
 
 def _trace(args) -> int:
+    from .models import OFFLINE_DEFAULT, load_model
+    from .tracing.trace import Tracer
+
+    if args.spec is not None:
+        return _trace_spec(args.spec, args.model, args.out, args.budget_mb, args.controls)
+    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+    answer = args.answer
+    if answer is None and args.prompt == EIFFEL["prompt"]:
+        answer = EIFFEL["answer"]
+    kinds = [k.strip() for k in args.kind.split(",")]
+    from .tracing.engine import get_kind
+
+    for kind in kinds:
+        get_kind(kind)
+    if args.window <= 0:
+        raise ValueError(f"window must be positive, got {args.window}")
+    tracer = Tracer(model, tokenizer, args.prompt, args.subject, answer=answer,
+                    seeds=args.seeds, scale=_number_or_name(args.scale),
+                    sigma=_number_or_name(args.sigma), memory_budget_mb=args.budget_mb)
+    return _report_traces(tracer, kinds, args.window, args.out, args.controls)
+
+
+def _trace_spec(path: Path, model_name: str | None, out: Path | None, budget_mb: float,
+                controls: bool) -> int:
+    from .models import OFFLINE_DEFAULT, load_model
+    from .specs import load_spec
+    from .tracing.trace import tracer_from_spec
+
+    spec = load_spec(path)
+    model, tokenizer = load_model(model_name or spec.model or OFFLINE_DEFAULT)
+    tracer = tracer_from_spec(spec, model, tokenizer, memory_budget_mb=budget_mb)
+    return _report_traces(tracer, [spec.trace["kind"]], spec.trace.get("window", 10), out,
+                          controls)
+
+
+def _report_traces(tracer, kinds: list[str], window: int, out: Path | None,
+                   controls: bool) -> int:
+    """Run ``kinds`` on ``tracer``: progress bar, terminal table, JSON and PNG under ``out``."""
     from tqdm import tqdm
 
-    from .models import OFFLINE_DEFAULT, load_model
-    from .tracing.trace import Tracer, tracer_from_spec
-
-    options = {"memory_budget_mb": args.budget_mb}
-    if args.spec is not None:
-        from .specs import load_spec
-
-        spec = load_spec(args.spec)
-        model, tokenizer = load_model(args.model or spec.model or OFFLINE_DEFAULT)
-        tracer = tracer_from_spec(spec, model, tokenizer, **options)
-        kinds, window = [spec.trace["kind"]], spec.trace.get("window", 10)
-    else:
-        model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
-        answer = args.answer
-        if answer is None and args.prompt == EIFFEL["prompt"]:
-            answer = EIFFEL["answer"]
-        kinds, window = [k.strip() for k in args.kind.split(",")], args.window
-        from .tracing.engine import get_kind
-
-        for kind in kinds:
-            get_kind(kind)
-        if window <= 0:
-            raise ValueError(f"window must be positive, got {window}")
-        tracer = Tracer(model, tokenizer, args.prompt, args.subject, answer=answer,
-                        seeds=args.seeds, scale=_number_or_name(args.scale),
-                        sigma=_number_or_name(args.sigma), **options)
     if tracer.sweep is not None:
         print(tracer.sweep.summary() + "\n")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
     for kind in kinds:
         rows = len(tracer.seeds) * len(tracer.cells())
         with tqdm(total=rows, desc=f"{kind} trace", unit="row") as bar:
@@ -124,11 +136,11 @@ def _trace(args) -> int:
         print(result.summary())
         print(result.table(every=max(1, result.n_layers // 12)))
         print()
-        if args.out:
-            (args.out / f"trace_{kind}.json").write_text(result.to_json())
-            result.plot(str(args.out / f"trace_{kind}.png"))
-            print(f"wrote {args.out / f'trace_{kind}.json'} and .png\n")
-    if args.controls:
+        if out:
+            (out / f"trace_{kind}.json").write_text(result.to_json())
+            result.plot(str(out / f"trace_{kind}.png"))
+            print(f"wrote {out / f'trace_{kind}.json'} and .png\n")
+    if controls:
         report = tracer.controls(window=window)
         print(report.summary())
         if not report.passed:
@@ -143,8 +155,7 @@ def _run(args) -> int:
 
     spec = load_spec(args.spec)
     if spec.trace is not None:
-        return _trace(argparse.Namespace(spec=args.spec, model=args.model, out=args.out,
-                                         budget_mb=2048.0, controls=False))
+        return _trace_spec(args.spec, args.model, args.out, budget_mb=2048.0, controls=False)
     model, tokenizer = load_model(args.model or spec.model or OFFLINE_DEFAULT)
     result = run_spec(spec, model, tokenizer)
     print(result.summary())

@@ -70,13 +70,16 @@ class PairingReport:
         return {**asdict(self), "paired": self.paired, "verdict": self.verdict()}
 
 
-def _hook_states(clt: CrossLayerTranscoder, model: nn.Module, ids: torch.Tensor):
+def hook_states(model: nn.Module, ids: torch.Tensor,
+                kinds: Sequence[str] = ("pre", "mid", "out")) -> dict[str, torch.Tensor]:
+    """``hook_resid_pre`` (``"pre"``), ``hook_resid_mid`` (``"mid"``) and ``hook_mlp_out``
+    (``"out"``) of every layer for one prompt ``ids [1, P]``: ``{kind: [L, P, D]}``, one forward."""
     adapter = get_adapter(model)
-    paths = {kind: [f"{adapter.module_path(part, layer)}.{suffix}"
-                    for layer in range(clt.n_layers)]
-             for kind, (part, suffix) in {"pre": ("pre_attn_norm", "input"),
-                                          "mid": ("pre_mlp_norm", "input"),
-                                          "out": ("mlp", "output")}.items()}
+    where = {"pre": ("pre_attn_norm", "input"), "mid": ("pre_mlp_norm", "input"),
+             "out": ("mlp", "output")}
+    paths = {kind: [f"{adapter.module_path(where[kind][0], layer)}.{where[kind][1]}"
+                    for layer in range(adapter.n_layers(model))]
+             for kind in kinds}
     found = capture(model, {"input_ids": ids}, [p for ps in paths.values() for p in ps])
     return {kind: torch.stack([found[p][0] for p in ps]) for kind, ps in paths.items()}
 
@@ -93,7 +96,7 @@ def check_pairing(clt: CrossLayerTranscoder, model: nn.Module, tokenizer,
     l0 = l0_pre = 0.0
     n_tokens = 0
     for text in texts:
-        states = _hook_states(clt, model, _ids(tokenizer, text, device))
+        states = hook_states(model, _ids(tokenizer, text, device))
         acts = clt.encode_all(states["mid"])
         recon = clt.reconstruct(acts)
         err, dev = _fvu_parts(recon, states["out"])

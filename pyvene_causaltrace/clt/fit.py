@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..capture import capture
-from ..models import get_adapter
+from .checks import hook_states
 from .transcoder import CrossLayerTranscoder
 
 logger = logging.getLogger(__name__)
@@ -40,17 +39,13 @@ class FitStats:
 @torch.no_grad()
 def collect_pairs(model: nn.Module, tokenizer, texts: Sequence[str]):
     """``(resid_mid, mlp_out)``, each ``[tokens, L, D]``, over ``texts`` without BOS."""
-    adapter = get_adapter(model)
-    n_layers = adapter.n_layers(model)
-    mids = [adapter.module_path("pre_mlp_norm", layer) + ".input" for layer in range(n_layers)]
-    outs = [adapter.module_path("mlp", layer) + ".output" for layer in range(n_layers)]
     device = next(model.parameters()).device
     xs, ys = [], []
     for text in texts:
         ids = tokenizer(text, return_tensors="pt")["input_ids"].to(device)
-        found = capture(model, {"input_ids": ids}, mids + outs)
-        xs.append(torch.stack([found[p][0, 1:] for p in mids], 1))
-        ys.append(torch.stack([found[p][0, 1:] for p in outs], 1))
+        states = hook_states(model, ids, kinds=("mid", "out"))
+        xs.append(states["mid"][:, 1:].transpose(0, 1))
+        ys.append(states["out"][:, 1:].transpose(0, 1))
     return torch.cat(xs).float(), torch.cat(ys).float()
 
 

@@ -146,7 +146,8 @@ class TraceEngine:
         config = self.model.config
         hidden = self.adapter.hidden_size(self.model)
         inner = int(getattr(config, "intermediate_size", None) or 4 * hidden)
-        kv_width = sum(k.shape[1] * k.shape[3] for k, _ in self._kv[:1])
+        keys, _ = self._kv[0]  # [seeds, kv_heads, seq, head_dim]
+        kv_width = keys.shape[1] * keys.shape[3]
         span = self.seq_len - prefix
         floats = (2 * self.n_layers * self.seq_len * kv_width  # cache, grown to full length
                   + 8 * span * max(hidden, inner)  # live activations

@@ -41,16 +41,20 @@ def embedding_matrix_sigma(model: nn.Module) -> float:
     return float(embed.weight.float().std())
 
 
-def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer, subject: str | None) -> float:
-    """A number for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a number."""
-    if isinstance(sigma, (int, float)):
-        return float(sigma)
+def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer,
+                  subject: str | None) -> tuple[str, float]:
+    """``(method, value)`` for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a
+    positive number (method ``"given"``)."""
+    if isinstance(sigma, (int, float)) and not isinstance(sigma, bool):
+        if sigma <= 0:
+            raise ValueError(f"sigma must be positive, got {sigma}")
+        return "given", float(sigma)
     if sigma == "rome":
         if subject is None:
             raise ValueError("sigma 'rome' needs a subject")
-        return rome_sigma(model, tokenizer, [subject])
+        return "rome", rome_sigma(model, tokenizer, [subject])
     if sigma == "embedding_matrix":
-        return embedding_matrix_sigma(model)
+        return "embedding_matrix", embedding_matrix_sigma(model)
     raise ValueError(f"sigma must be a number or one of {SIGMA_METHODS}, got {sigma!r}")
 
 

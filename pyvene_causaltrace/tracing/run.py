@@ -154,7 +154,7 @@ def _noise(spec: ExperimentSpec, prompt, adapter, model, tokenizer):
     seeds = item.get("seeds")
     seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
     try:
-        sigma = resolve_sigma(item.get("sigma", "rome"), model, tokenizer, spec.subject)
+        _, sigma = resolve_sigma(item.get("sigma", "rome"), model, tokenizer, spec.subject)
     except ValueError as error:
         raise SpecError(path + ".sigma", str(error)) from None
     scale = float(item.get("scale", 3.0))

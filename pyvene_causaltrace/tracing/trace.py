@@ -25,13 +25,7 @@ from torch import nn
 
 from ..prompts import answer_token_id, tokenize_prompt
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
-from .noise_scale import (
-    DEFAULT_SCALES,
-    NoiseScaleSweep,
-    embedding_matrix_sigma,
-    rome_sigma,
-    sweep_noise_scale,
-)
+from .noise_scale import DEFAULT_SCALES, NoiseScaleSweep, resolve_sigma, sweep_noise_scale
 from .results import TraceResult
 
 WINDOWED = {name for name, kind in KINDS.items() if kind.windowed}
@@ -113,7 +107,7 @@ class Tracer:
         self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
         self.seeds = seeds
         self.noise_positions = list(range(*self.prompt.subject_range))
-        self.sigma_method, self.sigma = _sigma(sigma, model, tokenizer, subject)
+        self.sigma_method, self.sigma = resolve_sigma(sigma, model, tokenizer, subject)
         self.answer_text = answer  # as given: a spec written from this tracer repeats it
         if answer is not None:
             self.answer_id = answer_token_id(tokenizer, answer)
@@ -203,18 +197,6 @@ class Tracer:
         pairs = [(layers, float((windowed[:, i] - single[:, i]).abs().max()))
                  for i, layers in enumerate(ends)]
         return ControlReport(float((donor - corrupt).abs().max()), pairs, tolerance)
-
-
-def _sigma(sigma, model, tokenizer, subject) -> tuple[str, float]:
-    if isinstance(sigma, (int, float)) and not isinstance(sigma, bool):
-        if sigma <= 0:
-            raise ValueError(f"sigma must be positive, got {sigma}")
-        return "given", float(sigma)
-    if sigma == "rome":
-        return "rome", rome_sigma(model, tokenizer, [subject])
-    if sigma == "embedding_matrix":
-        return "embedding_matrix", embedding_matrix_sigma(model)
-    raise ValueError(f"sigma must be 'rome', 'embedding_matrix' or a number, got {sigma!r}")
 
 
 def trace(model: nn.Module, tokenizer, prompt: str, subject: str, *, kind: str = "residual",
