@@ -5,6 +5,10 @@
     pyvene-causaltrace run intervention_specs/residual_trace.json --out out/
     pyvene-causaltrace validate intervention_specs/*.json
     pyvene-causaltrace clt-check --clt DIR --data held_out.txt
+    pyvene-causaltrace dataset --data known_1000.json --limit 200 --kinds residual,mlp,attn \
+        --seeds 3 --out runs/known                   # resumable; under torchrun it shards
+    pyvene-causaltrace dataset --task agreement --out runs/agreement
+    pyvene-causaltrace aggregate runs/known          # re-aggregate (merges shards if needed)
     pyvene-causaltrace interventions
 """
 
@@ -72,6 +76,31 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--prompt", default=EIFFEL["prompt"])
     check.add_argument("--answer", default=None)
     check.add_argument("--out", type=Path, default=None, help="write clt_check.json here")
+
+    data = commands.add_parser(
+        "dataset", help="average indirect effects over a fact dataset or a task (resumable)")
+    source = data.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", type=Path,
+                        help="known_1000.json-style JSON or JSONL of {prompt, subject, attribute}")
+    source.add_argument("--task", help="a built-in task: agreement | retrieval | arithmetic")
+    data.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    data.add_argument("--limit", type=int, default=None, help="facts to trace (after the screen)")
+    data.add_argument("--kinds", default="residual,mlp,attn")
+    data.add_argument("--seeds", type=int, default=3)
+    data.add_argument("--scale", type=float, default=3.0, help="noise in units of sigma")
+    data.add_argument("--sigma", default="rome", help="rome | embedding_matrix | a number")
+    data.add_argument("--window", type=int, default=10)
+    data.add_argument("--known", default=None, choices=("argmax", "none"),
+                      help="argmax: trace only facts whose clean prediction is the target "
+                           "(default; a built-in task may default to none)")
+    data.add_argument("--budget-mb", type=float, default=2048.0)
+    data.add_argument("--boot", type=int, default=1000, help="bootstrap resamples")
+    data.add_argument("--out", type=Path, required=True,
+                      help="run directory: rows stream here; rerun to resume")
+
+    agg = commands.add_parser("aggregate", help="aggregate a dataset run directory")
+    agg.add_argument("out", type=Path)
+    agg.add_argument("--boot", type=int, default=1000)
 
     commands.add_parser("interventions", help="list the registered intervention types")
     return parser
@@ -201,6 +230,54 @@ def _clt_check(args) -> int:
     return 0 if pairing.paired else 1
 
 
+def _dataset(args) -> int:
+    from .dataset import get_task, read_records
+    from .dataset.run import trace_dataset_distributed
+    from .models import OFFLINE_DEFAULT, load_model
+
+    known = args.known or "argmax"
+    if args.task:
+        task = get_task(args.task)
+        records, errors, known = list(task.records), [], args.known or task.known
+    else:
+        records, errors = read_records(args.data)
+    for error in errors[:10]:
+        print(f"skipping malformed record {error}", file=sys.stderr)
+    if len(errors) > 10:
+        print(f"... and {len(errors) - 10} more malformed records", file=sys.stderr)
+    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+    result = trace_dataset_distributed(
+        model, tokenizer, records, out=args.out, kinds=args.kinds.split(","), seeds=args.seeds,
+        scale=args.scale, sigma=_number_or_name(args.sigma), window=args.window,
+        known=known, limit=args.limit, memory_budget_mb=args.budget_mb, errors=errors,
+        n_boot=args.boot)
+    if result is not None:  # rank 0, or a single process
+        _write_dataset_report(result, args.out)
+    return 0
+
+
+def _write_dataset_report(result, out: Path) -> None:
+    (out / "aggregate.json").write_text(result.to_json())
+    result.to_dataframe().to_csv(out / "aie.csv", index=False)
+    result.peaks().to_csv(out / "peaks.csv", index=False)
+    result.plot(out / "figure1.png")
+    result.plot_curves(out / "curves.png")
+    print(result.summary())
+    print(f"wrote aggregate.json, aie.csv, peaks.csv, figure1.png, curves.png to {out}")
+
+
+def _aggregate(args) -> int:
+    from .dataset.run import load_dataset_result, merge_shards
+
+    shards = sorted(args.out.glob("shard-*-of-*"))
+    if shards and not (args.out / "results.jsonl").exists():
+        result = merge_shards(args.out, int(shards[0].name.rsplit("-", 1)[1]), n_boot=args.boot)
+    else:
+        result = load_dataset_result(args.out, n_boot=args.boot)
+    _write_dataset_report(result, args.out)
+    return 0
+
+
 def _validate(args) -> int:
     from .specs import SpecError, load_spec
 
@@ -229,6 +306,7 @@ def _interventions(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"trace": _trace, "run": _run, "validate": _validate, "clt-check": _clt_check,
+               "dataset": _dataset, "aggregate": _aggregate,
                "interventions": _interventions}[args.command]
     try:
         return handler(args)

@@ -42,3 +42,27 @@ def token_role(position: int, subject_range: tuple[int, int], seq_len: int) -> s
 
 def token_roles(subject_range: tuple[int, int], seq_len: int) -> list[str]:
     return [token_role(p, subject_range, seq_len) for p in range(seq_len)]
+
+
+def role_positions(subject_range: tuple[int, int], seq_len: int) -> dict[str, list[int]]:
+    """ROME's bucketing for averaging over facts: the positions each role averages over.
+
+    Unlike :func:`token_role` (one role per position, for labelling a single trace) buckets
+    may share a position and may be empty, as in ROME's averaging code: a single-token subject
+    is both its first and its last subject token; a subject that ends right before the last
+    token makes that token both the first subsequent token and the last token, and leaves
+    "Further tokens" empty. Middle and further tokens are averaged within a prompt first.
+    """
+    start, stop = subject_range
+    if not (0 <= start < stop <= seq_len - 1):
+        raise ValueError(f"subject {subject_range} must end before the last of {seq_len} tokens")
+    last = seq_len - 1
+    return {
+        BEFORE_SUBJECT: list(range(0, start)),
+        "First subject token": [start],
+        "Middle subject tokens": list(range(start + 1, stop - 1)),
+        "Last subject token": [stop - 1],
+        "First subsequent token": [stop],
+        "Further tokens": list(range(stop + 1, last)),
+        "Last token": [last],
+    }

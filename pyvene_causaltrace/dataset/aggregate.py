@@ -1,0 +1,114 @@
+"""Average indirect effects over facts, by ROME's token roles, with bootstrap intervals.
+
+For fact ``f``, kind ``k`` and seed ``s``: ``IE[l, t] = restored[l, t] - corrupt`` (a
+probability gap, as in the seed). A role's curve is the mean of ``IE`` over the role's
+positions (:func:`~pyvene_causaltrace.tracing.roles.role_positions`), then over the fact's
+seeds; the AIE is the mean over facts that have the role, with a percentile bootstrap interval
+over facts. The total effect is ``clean - corrupt`` per fact (seeds averaged).
+
+Aggregation does not depend on the order of rows: per-fact values are kept by (fact, kind,
+seed) and combined in sorted order, so a merged sharded run gives exactly the single-process
+numbers. Only per-fact role curves are held ([roles, layers] per fact and kind), never grids.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from ..tracing.roles import BEFORE_SUBJECT, ROLES, role_positions
+from .results import DatasetResult, package_versions
+
+ROLE_ORDER = (BEFORE_SUBJECT, *ROLES)
+
+
+def _nanmean(values: np.ndarray) -> np.ndarray:
+    """Mean over the first axis ignoring NaN; NaN (no warning) where every value is NaN."""
+    present = ~np.isnan(values)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(present, values, 0.0).sum(0) / present.sum(0)
+
+
+def role_curves(restored: np.ndarray, corrupt: float, subject_range: Sequence[int]) -> np.ndarray:
+    """``[roles, layers]`` mean IE per role (NaN for a role with no position)."""
+    ie = np.asarray(restored, dtype=np.float64) - corrupt
+    buckets = role_positions(tuple(subject_range), ie.shape[1])
+    out = np.full((len(ROLE_ORDER), ie.shape[0]), np.nan)
+    for r, role in enumerate(ROLE_ORDER):
+        if buckets[role]:
+            out[r] = ie[:, buckets[role]].mean(1)
+    return out
+
+
+def bootstrap_interval(values: np.ndarray, *, n_boot: int = 1000, level: float = 0.95,
+                       seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Percentile bootstrap over the first axis of ``values [F, ...]`` (NaN = missing) of the
+    mean; returns ``(low, high)`` shaped ``values.shape[1:]``."""
+    n = values.shape[0]
+    flat = values.reshape(n, -1)
+    present = ~np.isnan(flat)
+    filled = np.where(present, flat, 0.0)
+    rng = np.random.default_rng(seed)
+    weights = np.zeros((n_boot, n))
+    draws = rng.integers(0, n, size=(n_boot, n))
+    np.add.at(weights, (np.arange(n_boot)[:, None], draws), 1.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        boots = (weights @ filled) / (weights @ present)
+    tail = (1 - level) / 2
+    with warnings.catch_warnings():  # a role no fact has: NaN, said once by n_facts == 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        low = np.nanquantile(boots, tail, axis=0)
+        high = np.nanquantile(boots, 1 - tail, axis=0)
+    return low.reshape(values.shape[1:]), high.reshape(values.shape[1:])
+
+
+def aggregate_rows(rows: Iterable[dict], *, kinds: Sequence[str], manifest: dict | None = None,
+                   screen: Sequence[dict] = (), n_boot: int = 1000,
+                   level: float = 0.95) -> DatasetResult:
+    """A :class:`DatasetResult` from result rows (any order; duplicates must agree)."""
+    curves: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    effects: dict[tuple[int, str], dict[int, tuple[float, float]]] = {}
+    n_layers = None
+    for row in rows:
+        key = (int(row["index"]), row["kind"])
+        curve = role_curves(row["restored"], row["corrupt"], row["subject_range"])
+        n_layers = curve.shape[1] if n_layers is None else n_layers
+        if curve.shape[1] != n_layers:
+            raise ValueError(f"fact {row['fact']}: {curve.shape[1]} layers, expected {n_layers}")
+        curves.setdefault(key, {})[int(row["seed"])] = curve
+        effects.setdefault(key, {})[int(row["seed"])] = (row["clean"], row["corrupt"])
+    if n_layers is None:
+        raise ValueError("no result rows to aggregate")
+
+    aie, low, high, n_facts, totals = {}, {}, {}, {}, {}
+    for kind in kinds:
+        facts = sorted(index for index, k in curves if k == kind)
+        if not facts:
+            continue
+        per_fact = np.stack([np.mean([curves[(f, kind)][s] for s in sorted(curves[(f, kind)])],
+                                     axis=0) for f in facts])  # [F, R, L]
+        te = np.array([np.mean([c - r for c, r in (effects[(f, kind)][s]
+                                                   for s in sorted(effects[(f, kind)]))])
+                       for f in facts])
+        clean = np.array([effects[(f, kind)][min(effects[(f, kind)])][0] for f in facts])
+        corrupt = np.array([np.mean([effects[(f, kind)][s][1] for s in sorted(effects[(f, kind)])])
+                            for f in facts])
+        aie[kind] = _nanmean(per_fact)
+        low[kind], high[kind] = bootstrap_interval(per_fact, n_boot=n_boot, level=level)
+        n_facts[kind] = (~np.isnan(per_fact[:, :, 0])).sum(0).tolist()
+        te_low, te_high = bootstrap_interval(te[:, None], n_boot=n_boot, level=level)
+        totals[kind] = {"n_facts": len(facts), "total_effect": float(te.mean()),
+                        "total_effect_ci": [float(te_low[0]), float(te_high[0])],
+                        "clean_prob": float(clean.mean()), "corrupt_prob": float(corrupt.mean())}
+    reasons = Counter((line.get("reason") or "kept").split(":")[0] for line in screen)
+    return DatasetResult(
+        kinds=[k for k in kinds if k in aie], roles=list(ROLE_ORDER), n_layers=int(n_layers),
+        aie={k: v.tolist() for k, v in aie.items()},
+        ci_low={k: v.tolist() for k, v in low.items()},
+        ci_high={k: v.tolist() for k, v in high.items()},
+        n_facts=n_facts, effects=totals, level=level, n_boot=n_boot,
+        screen=dict(sorted(reasons.items())), manifest=dict(manifest or {}),
+        versions=package_versions())

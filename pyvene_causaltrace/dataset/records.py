@@ -1,0 +1,118 @@
+"""Fact records: ROME's ``known_1000.json`` or JSONL of ``{prompt, subject, attribute}``.
+
+A record names a prompt, the span to corrupt (``subject``, with ``occurrence`` when it appears
+more than once) and the target (``attribute``; the scored token is the first token of
+``" " + attribute`` unless the attribute already starts with whitespace, as in ROME).
+Malformed records do not stop a run: :func:`read_records` returns them as
+:class:`RecordError`s naming the record, and the caller reports them and goes on.
+
+    records, errors = read_records("../shared/data/known_1000.json")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class FactRecord:
+    """One prompt to trace. ``id`` is unique within a dataset (``known_id`` or the index)."""
+
+    id: str
+    prompt: str
+    subject: str
+    attribute: str
+    occurrence: int = 0
+
+    @property
+    def target(self) -> str:
+        """The string whose first token is scored."""
+        return self.attribute if self.attribute[:1].isspace() else " " + self.attribute
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RecordError:
+    """A record that cannot be traced, and why (``where``: file and line or index)."""
+
+    where: str
+    id: str | None
+    reason: str
+
+    def __str__(self) -> str:
+        name = f" (id {self.id})" if self.id is not None else ""
+        return f"{self.where}{name}: {self.reason}"
+
+
+def parse_record(raw: object, index: int, where: str) -> FactRecord | RecordError:
+    """One raw JSON object -> a record, or the error that names it."""
+    if not isinstance(raw, dict):
+        return RecordError(where, None, f"expected an object, got {type(raw).__name__}")
+    rid = raw.get("known_id", raw.get("id", index))
+    rid = None if rid is None else str(rid)
+    for key in ("prompt", "subject", "attribute"):
+        value = raw.get(key)
+        if not isinstance(value, str) or not value.strip():
+            return RecordError(where, rid, f"field {key!r} must be a non-empty string, "
+                                           f"got {value!r}")
+    occurrence = raw.get("occurrence", 0)
+    if not isinstance(occurrence, int) or isinstance(occurrence, bool) or occurrence < 0:
+        return RecordError(where, rid, f"field 'occurrence' must be a non-negative integer, "
+                                       f"got {occurrence!r}")
+    if raw["prompt"].count(raw["subject"]) <= occurrence:
+        return RecordError(where, rid, f"subject {raw['subject']!r} does not occur "
+                                       f"{occurrence + 1} time(s) in prompt {raw['prompt']!r}")
+    return FactRecord(rid, raw["prompt"], raw["subject"], raw["attribute"], occurrence)
+
+
+def read_records(path: str | Path) -> tuple[list[FactRecord], list[RecordError]]:
+    """Records from a JSON list (ROME's format) or a JSONL file (one object per line)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no dataset at {path}")
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: not valid JSON: {error}") from None
+        return _collect((raw, i, f"{path}[{i}]") for i, raw in enumerate(items))
+    parsed: list[tuple[object, int, str]] = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_no}"
+        try:
+            parsed.append((json.loads(line), line_no - 1, where))
+        except json.JSONDecodeError as error:
+            parsed.append((_Bad(str(error)), line_no - 1, where))
+    return _collect(parsed)
+
+
+class _Bad:
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _collect(items: Iterable[tuple[object, int, str]]):
+    records: list[FactRecord] = []
+    errors: list[RecordError] = []
+    seen: set[str] = set()
+    for raw, index, where in items:
+        if isinstance(raw, _Bad):
+            errors.append(RecordError(where, None, f"not valid JSON: {raw.reason}"))
+            continue
+        made = parse_record(raw, index, where)
+        if isinstance(made, FactRecord) and made.id in seen:
+            made = RecordError(where, made.id, "duplicate id")
+        if isinstance(made, RecordError):
+            errors.append(made)
+        else:
+            seen.add(made.id)
+            records.append(made)
+    return records, errors

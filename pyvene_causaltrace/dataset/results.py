@@ -1,0 +1,106 @@
+"""The result of a dataset run: AIE by token role x layer per kind, with intervals."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..tracing.results import package_versions
+
+__all__ = ["DatasetResult", "package_versions"]
+
+
+@dataclass(frozen=True)
+class DatasetResult:
+    """Average indirect effects over facts (see :mod:`~pyvene_causaltrace.dataset.aggregate`).
+
+    ``aie[kind][role][layer]`` with ``ci_low``/``ci_high`` the bootstrap interval at ``level``;
+    ``n_facts[kind][role]`` facts that have the role; ``effects[kind]`` the average total
+    effect (with interval), clean and corrupted P(answer); ``screen`` counts kept and skipped
+    records by reason; ``manifest`` the run's settings.
+    """
+
+    kinds: list[str]
+    roles: list[str]
+    n_layers: int
+    aie: dict[str, list[list[float]]]
+    ci_low: dict[str, list[list[float]]]
+    ci_high: dict[str, list[list[float]]]
+    n_facts: dict[str, list[int]]
+    effects: dict[str, dict[str, Any]]
+    level: float
+    n_boot: int
+    screen: dict[str, int]
+    manifest: dict[str, Any]
+    versions: dict[str, str] = field(default_factory=package_versions)
+
+    def to_dataframe(self):
+        """Long form: kind, role, layer, relative depth, aie, ci_low, ci_high, n_facts."""
+        import pandas as pd
+
+        rows = []
+        for kind in self.kinds:
+            for r, role in enumerate(self.roles):
+                for layer in range(self.n_layers):
+                    rows.append({"kind": kind, "role": role, "layer": layer,
+                                 "depth": layer / max(1, self.n_layers - 1),
+                                 "aie": self.aie[kind][r][layer],
+                                 "ci_low": self.ci_low[kind][r][layer],
+                                 "ci_high": self.ci_high[kind][r][layer],
+                                 "n_facts": self.n_facts[kind][r]})
+        return pd.DataFrame(rows)
+
+    def peaks(self):
+        """Peak layer and AIE per kind and role (relative depth = layer / (layers - 1))."""
+        import pandas as pd
+
+        rows = []
+        for kind in self.kinds:
+            for r, role in enumerate(self.roles):
+                curve = np.asarray(self.aie[kind][r], dtype=float)
+                if self.n_facts[kind][r] == 0 or np.isnan(curve).all():
+                    continue
+                layer = int(np.nanargmax(curve))
+                rows.append({"kind": kind, "role": role, "peak_layer": layer,
+                             "depth": layer / max(1, self.n_layers - 1),
+                             "peak_aie": float(curve[layer]),
+                             "ci_low": self.ci_low[kind][r][layer],
+                             "ci_high": self.ci_high[kind][r][layer],
+                             "n_facts": self.n_facts[kind][r]})
+        return pd.DataFrame(rows)
+
+    def summary(self) -> str:
+        lines = [f"screen: {self.screen}"]
+        for kind in self.kinds:
+            e = self.effects[kind]
+            lines.append(f"[{kind}] {e['n_facts']} facts: clean P {e['clean_prob']:.3f}, "
+                         f"corrupted P {e['corrupt_prob']:.3f}, average total effect "
+                         f"{e['total_effect']:.3f} ({100 * self.level:.0f}% CI "
+                         f"{e['total_effect_ci'][0]:.3f}..{e['total_effect_ci'][1]:.3f})")
+        peaks = self.peaks()
+        if len(peaks):
+            lines.append(peaks.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, allow_nan=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DatasetResult:
+        return cls(**json.loads(text))
+
+    def plot(self, path: str | None = None):
+        """ROME's Figure 1: a role x layer AIE heatmap per kind."""
+        from .plots import plot_role_heatmaps
+
+        return plot_role_heatmaps(self, path)
+
+    def plot_curves(self, path: str | None = None,
+                    roles: tuple[str, ...] = ("Last subject token", "Last token")):
+        """AIE against layer for ``roles``, one panel per kind, interval bands."""
+        from .plots import plot_role_curves
+
+        return plot_role_curves(self, path, roles)

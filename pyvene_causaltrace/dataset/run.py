@@ -1,0 +1,256 @@
+"""Causal traces over a dataset of facts (or task prompts), streamed to disk and resumable.
+
+    records, errors = read_records("known_1000.json")
+    result = trace_dataset(model, tokenizer, records, out="runs/known", limit=200,
+                           kinds=("residual", "mlp", "attn"), seeds=3)
+    result.to_dataframe(); result.plot("figure1.png")
+
+Steps: *screen* every record in order (the subject must be in the prompt and end before the
+last token; with ``known="argmax"`` the clean prediction must be the target's first token)
+until ``limit`` facts are kept; compute ROME's sigma once over the kept subjects; trace every
+kept fact for every kind with one :class:`~pyvene_causaltrace.tracing.Tracer` per fact (the
+clean and corrupted runs are shared by the kinds); write each (fact, kind, seed) row as soon as
+its kind is done. Rerunning into the same directory skips what is there.
+
+``shard=(rank, world)`` traces every ``world``-th kept fact into ``out/shard-RR-of-WW``;
+:func:`merge_shards` joins the shards, and the aggregate equals a single-process run's exactly
+(aggregation is independent of row order). :func:`trace_dataset_distributed` does both under
+``torchrun``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..prompts import SubjectNotFoundError, tokenize_prompt
+from ..tracing.engine import get_kind
+from ..tracing.noise_scale import resolve_sigma, rome_sigma
+from .aggregate import aggregate_rows
+from .records import FactRecord, RecordError
+from .results import DatasetResult
+from .store import RESULTS, SCREEN, RunDirectory, read_jsonl
+
+logger = logging.getLogger(__name__)
+KNOWN_RULES = ("argmax", "none")
+
+
+def shard_dir(out: Path, rank: int, world: int) -> Path:
+    return Path(out) / f"shard-{rank:02d}-of-{world:02d}"
+
+
+def _records_digest(records: Sequence[FactRecord]) -> str:
+    text = json.dumps([r.to_dict() for r in records], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def target_split(tokenizer, prompt: str, target: str) -> tuple[str, int, int]:
+    """``(prompt, target token id, target length in tokens)``. A leading whitespace-only token
+    of the target moves into the prompt (SmolLM2 writes " 9" as " ", "9")."""
+    ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"target {target!r} tokenizes to nothing")
+    first = tokenizer.decode([ids[0]])
+    if len(ids) > 1 and first and not first.strip():
+        return prompt + first, int(ids[1]), len(ids) - 1
+    return prompt, int(ids[0]), len(ids)
+
+
+@torch.no_grad()
+def screen_record(model: nn.Module, tokenizer, record: FactRecord, index: int,
+                  known: str) -> dict:
+    """One line of ``screen.jsonl``: is ``record`` traced, and if not, why."""
+    line = {"fact": record.id, "index": index, "kept": False}
+    try:
+        prompt, target_id, n_target = target_split(tokenizer, record.prompt, record.target)
+        tokenized = tokenize_prompt(tokenizer, prompt, record.subject, record.occurrence)
+    except (SubjectNotFoundError, ValueError) as error:
+        return {**line, "reason": f"malformed: {error}"}
+    start, stop = tokenized.subject_range
+    if stop >= tokenized.seq_len:
+        return {**line, "reason": "malformed: the subject ends at the last token; nothing "
+                                  "follows it to read the answer from"}
+    ids = tokenized.input_ids.to(next(model.parameters()).device)
+    probs = model(input_ids=ids, logits_to_keep=1).logits[0, -1].double().softmax(-1)
+    predicted = int(probs.argmax())
+    line.update(prompt=prompt, target_id=target_id, target=tokenizer.decode([target_id]),
+                target_tokens=n_target, clean_prob=float(probs[target_id]),
+                predicted=tokenizer.decode([predicted]))
+    if known == "argmax" and predicted != target_id:
+        return {**line, "reason": f"not known: predicts {line['predicted']!r}, target "
+                                  f"{line['target']!r} has p={line['clean_prob']:.3f}"}
+    return {**line, "kept": True, "reason": None}
+
+
+def _screen(model, tokenizer, records, known, limit, run: RunDirectory,
+            errors: Sequence[RecordError]) -> list[dict]:
+    """Kept screen lines, in record order, reusing lines screened before."""
+    screened = {line["fact"]: line for line in run.rows(SCREEN)}
+    if not screened and errors:
+        run.append(SCREEN, [{"fact": e.id, "index": None, "kept": False,
+                             "reason": f"malformed: {e}", "where": e.where} for e in errors])
+    kept = []
+    for index, record in enumerate(records):
+        if limit is not None and len(kept) >= limit:
+            break
+        line = screened.get(record.id)
+        if line is None:
+            line = screen_record(model, tokenizer, record, index, known)
+            run.append(SCREEN, [line])
+        if line["kept"]:
+            kept.append(line)
+    return kept
+
+
+def trace_dataset(
+    model: nn.Module,
+    tokenizer,
+    records: Sequence[FactRecord],
+    *,
+    out: str | Path | None = None,
+    kinds: Sequence[str] = ("residual", "mlp", "attn"),
+    seeds: int | Sequence[int] = 3,
+    scale: float = 3.0,
+    sigma: str | float = "rome",
+    window: int = 10,
+    known: str = "argmax",
+    limit: int | None = None,
+    memory_budget_mb: float = 2048.0,
+    shard: tuple[int, int] | None = None,
+    errors: Sequence[RecordError] = (),
+    progress: bool = True,
+    n_boot: int = 1000,
+) -> DatasetResult:
+    """Trace ``records`` (see module docstring); returns the aggregate of what ``out`` holds
+    (of this shard only when ``shard`` is given)."""
+    from tqdm import tqdm
+
+    from ..tracing.trace import Tracer
+
+    kinds = list(kinds)
+    for kind in kinds:
+        get_kind(kind)
+    if known not in KNOWN_RULES:
+        raise ValueError(f"known must be one of {KNOWN_RULES}, got {known!r}")
+    seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be a positive count or distinct integers, got {seeds}")
+    if not isinstance(scale, (int, float)) or scale <= 0:
+        raise ValueError(f"a dataset run needs one fixed positive noise scale, got {scale!r}")
+    if limit is not None and limit <= 0:
+        raise ValueError(f"limit must be positive, got {limit}")
+    rank, world = shard or (0, 1)
+    if not 0 <= rank < world:
+        raise ValueError(f"shard rank {rank} outside world size {world}")
+    out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pvct-dataset-"))
+    manifest = {
+        "model": getattr(model, "pvct_source", None) or model.config._name_or_path,
+        "records": _records_digest(records), "n_records": len(records), "kinds": kinds,
+        "seeds": seeds, "scale": float(scale), "sigma": sigma, "window": window,
+        "known": known, "limit": limit, "shard": [rank, world],
+    }
+    run = RunDirectory(shard_dir(out, rank, world) if shard else out, manifest)
+    kept = _screen(model, tokenizer, records, known, limit, run, errors)
+    if not kept:
+        raise ValueError(f"no record passed the screen (see {run.path / SCREEN})")
+    by_id = {r.id: r for r in records}
+    if isinstance(sigma, str) and sigma == "rome":  # ROME: one sigma over the dataset's subjects
+        sigma_value = rome_sigma(model, tokenizer, [by_id[k["fact"]].subject for k in kept])
+    else:
+        sigma_value = resolve_sigma(sigma, model, tokenizer, None)[1]
+
+    mine = kept[rank::world]
+    done = run.done()
+    todo = [(line, [k for k in kinds if any((line["fact"], k, s) not in done for s in seeds)])
+            for line in mine]
+    bar = tqdm(total=len(mine) * len(kinds), initial=sum(len(kinds) - len(t) for _, t in todo),
+               desc="dataset trace", unit="trace", disable=not progress)
+    for line, todo_kinds in todo:
+        record = by_id[line["fact"]]
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for kind in todo_kinds:
+            missing = tuple(s for s in seeds if (record.id, kind, s) not in done)
+            groups.setdefault(missing, []).append(kind)
+        for missing, group in groups.items():
+            tracer = Tracer(model, tokenizer, line["prompt"], record.subject,
+                            answer=line["target"], seeds=list(missing), scale=scale,
+                            sigma=sigma_value, occurrence=record.occurrence,
+                            memory_budget_mb=memory_budget_mb)
+            if tracer.answer_id != line["target_id"]:
+                raise RuntimeError(f"fact {record.id}: target token changed between screen "
+                                   f"and trace ({line['target_id']} -> {tracer.answer_id})")
+            for kind in group:
+                result = tracer.trace(kind, window=window)
+                run.append(RESULTS, [{
+                    "index": line["index"], "fact": record.id, "kind": kind, "seed": seed,
+                    "tokens": result.tokens, "subject_range": list(result.subject_range),
+                    "answer": result.answer, "clean": result.clean_prob,
+                    "corrupt": float(result.corrupt_probs[i]), "scale": float(scale),
+                    "sigma": sigma_value, "restored": result.restored_probs[i].tolist(),
+                } for i, seed in enumerate(missing)])
+                bar.update(1)
+    bar.close()
+    return load_dataset_result(run.path, n_boot=n_boot)
+
+
+def load_dataset_result(path: str | Path, *, n_boot: int = 1000) -> DatasetResult:
+    """The aggregate of a run directory (a finished, interrupted or merged one)."""
+    path = Path(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    screen = list(read_jsonl(path / SCREEN))
+    return aggregate_rows(read_jsonl(path / RESULTS), kinds=manifest["kinds"],
+                          manifest=manifest, screen=screen, n_boot=n_boot)
+
+
+def merge_shards(out: str | Path, world: int, *, n_boot: int = 1000) -> DatasetResult:
+    """Join ``out/shard-*-of-WW`` into ``out`` (rows streamed, not held) and aggregate."""
+    out = Path(out)
+    shards = [shard_dir(out, rank, world) for rank in range(world)]
+    manifests = []
+    for path in shards:
+        if not (path / "manifest.json").exists():
+            raise FileNotFoundError(f"shard {path} is missing: did every rank finish?")
+        manifests.append(json.loads((path / "manifest.json").read_text()))
+    base = {k: v for k, v in manifests[0].items() if k != "shard"}
+    for path, manifest in zip(shards, manifests, strict=True):
+        if {k: v for k, v in manifest.items() if k != "shard"} != base:
+            raise ValueError(f"shard {path} ran with other settings than {shards[0]}")
+    tmp = out / (RESULTS + ".tmp")
+    with open(tmp, "w") as handle:
+        for path in shards:
+            for row in read_jsonl(path / RESULTS):
+                handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+    os.replace(tmp, out / RESULTS)
+    (out / SCREEN).write_text((shards[0] / SCREEN).read_text())
+    (out / "manifest.json").write_text(json.dumps({**base, "shard": [0, 1], "merged": world},
+                                                  indent=2, sort_keys=True))
+    return load_dataset_result(out, n_boot=n_boot)
+
+
+def trace_dataset_distributed(model, tokenizer, records, *, out, **options) -> DatasetResult | None:
+    """:func:`trace_dataset` under ``torchrun``: each rank traces its shard; rank 0 merges after
+    all ranks finish and returns the aggregate (other ranks return ``None``). Without a
+    ``torchrun`` environment it is a plain single-process run."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return trace_dataset(model, tokenizer, records, out=out, **options)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    options["progress"] = options.get("progress", True) and rank == 0
+    trace_dataset(model, tokenizer, records, out=out, shard=(rank, world), **options)
+    dist.barrier()
+    merged = merge_shards(out, world, n_boot=options.get("n_boot", 1000)) if rank == 0 else None
+    dist.barrier()
+    dist.destroy_process_group()
+    return merged
