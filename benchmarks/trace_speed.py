@@ -44,7 +44,7 @@ def rome_method(model, ids, subject, seeds, scale, sigma, answer_id, cells):
 
     def add_noise(_m, _a, output):
         output = output.clone()
-        output[1:, subject] += noise
+        output[1:, subject] += noise.to(output.device, output.dtype)
         return output
 
     handle = embed.register_forward_hook(add_noise)
