@@ -130,6 +130,27 @@ def test_fitted_clt_passes_pairing_and_anchor(arch, tokenizer):
     assert anchor.prompt["kl"] >= 0
 
 
+def test_jumprelu_fit_learns_thresholds_and_stays_paired(tokenizer, tmp_path):
+    """The straight-through JumpReLU fit: thresholds move off their start, the code is much
+    sparser than the ReLU fit's, the CLT still pairs with its model and survives a round trip."""
+    model = train_tiny_lm(make_tiny_model("llama", n_layers=L), tokenizer, _facts(1000))
+    texts, held_out = _facts(150), _facts(20, start=1000)
+    relu, _ = fit_clt(model, tokenizer, texts, d_transcoder=128, steps=300)
+    jump, stats = fit_clt(model, tokenizer, texts, d_transcoder=128, steps=300,
+                          activation="jumprelu", l0=0.01, init_threshold=0.5)
+    assert not torch.allclose(jump.threshold, torch.full_like(jump.threshold, 0.5))
+    assert bool((jump.threshold > 0).all())
+    relu_report = check_pairing(relu, model, tokenizer, held_out)
+    jump_report = check_pairing(jump, model, tokenizer, held_out)
+    assert jump_report.mean_l0 < 0.5 * relu_report.mean_l0
+    assert jump_report.paired and jump_report.fvu < 0.5, jump_report.verdict()
+    jump.save_model(tmp_path / "jump")
+    again = load_from_disk(tmp_path / "jump")
+    assert torch.equal(again.threshold, jump.threshold)
+    with pytest.raises(ValueError, match="activation"):
+        fit_clt(model, tokenizer, texts[:2], activation="gelu")
+
+
 def test_pairing_flags_a_random_clt(fixture_clt, tokenizer):
     model = make_tiny_model("llama", n_layers=L, init=0.2)
     report = check_pairing(fixture_clt, model, tokenizer, _facts(5))

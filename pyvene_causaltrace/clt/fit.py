@@ -1,11 +1,19 @@
 """Fit a small CLT to a model's MLPs: enough to exercise the pairing check and the anchor on a
 dictionary that really belongs to its model (random weights cannot show either works).
 
-The activation is JumpReLU with every threshold at 0, i.e. ReLU, trained with Adam (linearly
-decayed learning rate, clipped gradients) on normalised reconstruction error plus an L1 penalty on
-activations weighted by decoder norms (the usual transcoder recipe, without a straight-through
-threshold estimate). Encoders read
-``hook_resid_mid``, decoders write every later layer's ``hook_mlp_out``; BOS positions are left out.
+Two activations, both trained with Adam (linearly decayed learning rate, clipped gradients) on
+normalised reconstruction error:
+
+- ``"relu"`` (default): JumpReLU with every threshold at 0, with an L1 penalty on activations
+  weighted by decoder norms. Continuous in its input.
+- ``"jumprelu"``: learned per-feature thresholds ``theta`` (``a = z * 1[z > theta]``, as in the
+  published CLTs), trained with straight-through estimates of the step's derivative (a
+  rectangle kernel of width ``bandwidth``) and an L0 penalty, the Gemma Scope / circuit-tracing
+  recipe. A feature that crosses its threshold jumps to at least ``theta``, which is what makes
+  such a dictionary fail loudly on an input it was not trained for.
+
+Encoders read ``hook_resid_mid``, decoders write every later layer's ``hook_mlp_out``; BOS
+positions are left out.
 
     clt = fit_clt(model, tokenizer, texts, d_transcoder=256, steps=400)
     clt.save_model("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted")
@@ -36,6 +44,40 @@ class FitStats:
     train_fvu: float
 
 
+class _JumpReLU(torch.autograd.Function):
+    """``z * 1[z > theta]``; the step's derivative in ``theta`` by a rectangle kernel."""
+
+    @staticmethod
+    def forward(ctx, z, theta, bandwidth):
+        ctx.save_for_backward(z, theta)
+        ctx.bandwidth = bandwidth
+        return z * (z > theta)
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, theta = ctx.saved_tensors
+        near = ((z - theta).abs() < ctx.bandwidth / 2).to(grad.dtype)
+        grad_theta = -(theta / ctx.bandwidth) * near * grad
+        return grad * (z > theta), grad_theta.sum_to_size(theta.shape), None
+
+
+class _Step(torch.autograd.Function):
+    """``1[z > theta]`` (for the L0 penalty); same kernel."""
+
+    @staticmethod
+    def forward(ctx, z, theta, bandwidth):
+        ctx.save_for_backward(z, theta)
+        ctx.bandwidth = bandwidth
+        return (z > theta).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, theta = ctx.saved_tensors
+        near = ((z - theta).abs() < ctx.bandwidth / 2).to(grad.dtype)
+        grad_theta = -(1.0 / ctx.bandwidth) * near * grad
+        return None, grad_theta.sum_to_size(theta.shape), None
+
+
 @torch.no_grad()
 def collect_pairs(model: nn.Module, tokenizer, texts: Sequence[str]):
     """``(resid_mid, mlp_out)``, each ``[tokens, L, D]``, over ``texts`` without BOS."""
@@ -59,12 +101,20 @@ def fit_clt(
     batch_size: int = 256,
     lr: float = 5e-3,
     l1: float = 1e-3,
+    activation: str = "relu",
+    l0: float = 1e-3,
+    bandwidth: float = 0.05,
+    init_threshold: float = 0.05,
     seed: int = 0,
     model_name: str | None = None,
     progress: bool = False,
 ) -> tuple[CrossLayerTranscoder, FitStats]:
     """Fit a CLT on the MLPs of ``model`` over ``texts``; returns it (float32, in memory) and
-    the fitting statistics."""
+    the fitting statistics. ``l1`` weighs the ReLU fit's sparsity penalty; ``l0``,
+    ``bandwidth`` and ``init_threshold`` are the JumpReLU fit's (in units of the encoder's
+    pre-activation, which the initialisation scales to about 1)."""
+    if activation not in ("relu", "jumprelu"):
+        raise ValueError(f"activation must be 'relu' or 'jumprelu', got {activation!r}")
     start = time.perf_counter()
     x, y = collect_pairs(model, tokenizer, texts)
     n_tokens, n_layers, d_model = x.shape
@@ -79,14 +129,20 @@ def fit_clt(
                      * 0.1 / d_transcoder**0.5)
         for layer in range(n_layers))
     b_dec = nn.Parameter(y.mean(0).clone())
-    params = [W_enc, b_enc, b_dec, *W_dec]
+    log_theta = nn.Parameter(torch.full((n_layers, d_transcoder), float(init_threshold)).log())
+    params = [W_enc, b_enc, b_dec, *W_dec] + ([log_theta] if activation == "jumprelu" else [])
     optimizer = torch.optim.Adam(params, lr=lr)
     # linear decay to zero and clipped gradients: rare tokens with huge MLP outputs otherwise
     # knock the fit off course late in training
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
 
     def forward(xb):
-        acts = torch.relu(torch.einsum("bld,lfd->blf", xb, W_enc) + b_enc)  # [B, L, F]
+        z = torch.einsum("bld,lfd->blf", xb, W_enc) + b_enc  # [B, L, F]
+        if activation == "relu":
+            acts = torch.relu(z)
+        else:
+            acts = _JumpReLU.apply(z, log_theta.exp(), bandwidth)
+            forward.fired = _Step.apply(z, log_theta.exp(), bandwidth)
         recon = b_dec.expand(xb.shape[0], -1, -1).clone()
         for layer in range(n_layers):
             recon[:, layer:] += torch.einsum("bf,ftd->btd", acts[:, layer], W_dec[layer])
@@ -100,9 +156,11 @@ def fit_clt(
         index = torch.randint(0, n_tokens, (min(batch_size, n_tokens),), generator=g)
         acts, recon = forward(x[index])
         mse = ((recon - y[index]).pow(2).mean((0, 2)) / y_var).mean()
-        dec_norm = torch.stack([w.norm(dim=-1).sum(-1) for w in W_dec])  # [L, F]
-        sparsity = (acts * dec_norm).sum((1, 2)).mean() / (n_layers * d_transcoder)
-        loss = mse + l1 * sparsity
+        if activation == "relu":
+            dec_norm = torch.stack([w.norm(dim=-1).sum(-1) for w in W_dec])  # [L, F]
+            loss = mse + l1 * (acts * dec_norm).sum((1, 2)).mean() / (n_layers * d_transcoder)
+        else:  # mean L0 per layer and token
+            loss = mse + l0 * forward.fired.sum(2).mean()
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -115,8 +173,10 @@ def fit_clt(
         _, recon = forward(x)
         fvu = float(((recon - y).pow(2).sum((0, 2)) / (y - y.mean(0)).pow(2).sum((0, 2))).mean())
     name = model_name or getattr(model, "pvct_source", None) or model.config._name_or_path
+    threshold = (log_theta.detach().exp() if activation == "jumprelu"
+                 else torch.zeros(n_layers, d_transcoder))
     clt = CrossLayerTranscoder.from_tensors(
-        name, W_enc.detach(), b_enc.detach(), torch.zeros(n_layers, d_transcoder),
+        name, W_enc.detach(), b_enc.detach(), threshold,
         b_dec.detach(), [w.detach() for w in W_dec])
     stats = FitStats(n_tokens, steps, time.perf_counter() - start, loss.item(), fvu)
     return clt, stats
