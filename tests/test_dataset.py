@@ -47,8 +47,8 @@ def assert_same_aggregate(a: dict, b: dict) -> None:
     for key in ("aie", "ci_low", "ci_high"):
         assert a[key].keys() == b[key].keys()
         for kind in a[key]:
-            assert np.array_equal(np.array(a[key][kind]), np.array(b[key][kind]),
-                                  equal_nan=True), (key, kind)
+            assert np.array_equal(np.array(a[key][kind], dtype=float),
+                                  np.array(b[key][kind], dtype=float), equal_nan=True), (key, kind)
     assert a["effects"] == b["effects"] and a["n_facts"] == b["n_facts"]
 
 
@@ -199,7 +199,11 @@ def test_outputs_tables_json_and_figures(tmp_path, tokenizer):
     assert len(frame) == 2 * len(result.roles) * result.n_layers
     peaks = result.peaks()
     assert set(peaks["kind"]) == {"residual", "attn"}
-    assert DatasetResult.from_json(result.to_json()).to_json() == result.to_json()
+    text = result.to_json()
+    assert "NaN" not in text and json.loads(text)["aie"]["residual"][0][0] is None
+    back = DatasetResult.from_json(text)
+    assert back.to_json() == text
+    assert_same_aggregate(vars(back), vars(result))
     result.plot(tmp_path / "fig.png")
     result.plot_curves(tmp_path / "curves.png")
     assert (tmp_path / "fig.png").stat().st_size > 10_000

@@ -13,6 +13,16 @@ from ..tracing.results import package_versions
 __all__ = ["DatasetResult", "package_versions"]
 
 
+def _nan_to_none(value):
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return value
+
+
 @dataclass(frozen=True)
 class DatasetResult:
     """Average indirect effects over facts (see :mod:`~pyvene_causaltrace.dataset.aggregate`).
@@ -86,11 +96,16 @@ class DatasetResult:
         return "\n".join(lines)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, allow_nan=True)
+        """Strict JSON: a role no fact has is ``null`` (NaN in the arrays)."""
+        return json.dumps(_nan_to_none(asdict(self)), indent=2, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> DatasetResult:
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        for key in ("aie", "ci_low", "ci_high"):
+            data[key] = {kind: np.array(grid, dtype=float).tolist()
+                         for kind, grid in data[key].items()}
+        return cls(**data)
 
     def plot(self, path: str | None = None):
         """ROME's Figure 1: a role x layer AIE heatmap per kind."""
