@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_trace import LLAMA_3_2_1B  # noqa: E402
 from trace_speed import batch1_loop, rome_method  # noqa: E402
 
 from pyvene_causaltrace.dataset import aggregate_rows, read_records, trace_dataset  # noqa: E402
@@ -41,10 +42,6 @@ from pyvene_causaltrace.tracing import Tracer  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN = next(p for p in (ROOT.parent / "shared" / "data" / "known_1000.json",
                          ROOT / ".devdata" / "known_1000.json") if p.exists())
-LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                    head_dim=64, rope_theta=500000.0, tie_word_embeddings=True,
-                    max_position_embeddings=4096)
 SYNTHETIC = {"llama1b": LLAMA_3_2_1B,
              "tiny": dict(vocab_size=8000, hidden_size=64, intermediate_size=128,
                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
