@@ -210,6 +210,18 @@ def test_outputs_tables_json_and_figures(tmp_path, tokenizer):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
+def test_limit_stops_the_screen_and_a_finished_run_reruns_as_a_no_op(tmp_path, tokenizer):
+    first = _run(tokenizer, tmp_path, "run", n=6, kinds=["residual"], seeds=1, limit=2)
+    assert first.effects["residual"]["n_facts"] == 2
+    screen = tmp_path / "run" / "screen.jsonl"
+    results = tmp_path / "run" / "results.jsonl"
+    assert sum(1 for _ in screen.open()) == 2  # the screen stops once the limit is kept
+    before = (screen.read_text(), results.read_text())
+    again = _run(tokenizer, tmp_path, "run", n=6, kinds=["residual"], seeds=1, limit=2)
+    assert (screen.read_text(), results.read_text()) == before
+    assert again.to_json() == first.to_json()
+
+
 def test_resume_with_other_settings_is_refused(tmp_path, tokenizer):
     _run(tokenizer, tmp_path, "run", kinds=["residual"], seeds=1)
     with pytest.raises(ValueError, match="seeds"):
