@@ -18,8 +18,8 @@ def _figure(n_panels: int, width: float, height: float):
 
 
 def plot_role_heatmaps(result, path: str | None = None):
-    """One heatmap per kind: rows are roles (those some fact has), columns layers; the peak of
-    each row is outlined."""
+    """One heatmap per kind: rows are roles (those some fact has), columns layers; a row's peak is
+    outlined when it reaches a tenth of the panel's largest value (flat rows have no site)."""
     plt, fig, axes = _figure(len(result.kinds), 5.0, 3.2)
     for ax, kind in zip(axes, result.kinds, strict=True):
         rows = [r for r, _ in enumerate(result.roles) if result.n_facts[kind][r] > 0]
@@ -30,8 +30,9 @@ def plot_role_heatmaps(result, path: str | None = None):
         ax.set_xlabel("layer")
         n = result.effects[kind]["n_facts"]
         ax.set_title(f"{kind}: AIE over {n} facts", fontsize=9)
+        top = np.nanmax(grid) if not np.isnan(grid).all() else 0.0
         for i, row in enumerate(grid):
-            if not np.isnan(row).all():
+            if not np.isnan(row).all() and np.nanmax(row) >= 0.1 * top > 0:
                 j = int(np.nanargmax(row))
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=0.8,
                                            color="black"))
