@@ -44,8 +44,13 @@ class FitStats:
     train_fvu: float
 
 
+def _kernel(z: torch.Tensor, theta: torch.Tensor, bandwidth: float) -> torch.Tensor:
+    """The rectangle kernel that stands in for the step's derivative at ``z = theta``."""
+    return ((z - theta).abs() < bandwidth / 2).to(z.dtype) / bandwidth
+
+
 class _JumpReLU(torch.autograd.Function):
-    """``z * 1[z > theta]``; the step's derivative in ``theta`` by a rectangle kernel."""
+    """``z * 1[z > theta]``; d/d theta = ``-theta * kernel``."""
 
     @staticmethod
     def forward(ctx, z, theta, bandwidth):
@@ -56,13 +61,12 @@ class _JumpReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         z, theta = ctx.saved_tensors
-        near = ((z - theta).abs() < ctx.bandwidth / 2).to(grad.dtype)
-        grad_theta = -(theta / ctx.bandwidth) * near * grad
+        grad_theta = -theta * _kernel(z, theta, ctx.bandwidth) * grad
         return grad * (z > theta), grad_theta.sum_to_size(theta.shape), None
 
 
 class _Step(torch.autograd.Function):
-    """``1[z > theta]`` (for the L0 penalty); same kernel."""
+    """``1[z > theta]`` for the L0 penalty; d/d theta = ``-kernel``, none to ``z``."""
 
     @staticmethod
     def forward(ctx, z, theta, bandwidth):
@@ -73,8 +77,7 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         z, theta = ctx.saved_tensors
-        near = ((z - theta).abs() < ctx.bandwidth / 2).to(grad.dtype)
-        grad_theta = -(1.0 / ctx.bandwidth) * near * grad
+        grad_theta = -_kernel(z, theta, ctx.bandwidth) * grad
         return None, grad_theta.sum_to_size(theta.shape), None
 
 
