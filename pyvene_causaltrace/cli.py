@@ -235,12 +235,12 @@ def _dataset(args) -> int:
     from .dataset.run import trace_dataset_distributed
     from .models import OFFLINE_DEFAULT, load_model
 
-    known = args.known or "argmax"
     if args.task:
         task = get_task(args.task)
-        records, errors, known = list(task.records), [], args.known or task.known
+        records, errors, default_known = list(task.records), [], task.known
     else:
-        records, errors = read_records(args.data)
+        (records, errors), default_known = read_records(args.data), "argmax"
+    known = args.known or default_known
     for error in errors[:10]:
         print(f"skipping malformed record {error}", file=sys.stderr)
     if len(errors) > 10:

@@ -326,13 +326,16 @@ def test_each_task_runs_on_a_tiny_model(task, tmp_path, tokenizer):
     assert abs(result.aie["residual"][last][-1] - te) < 1e-6
 
 
-def test_cli_runs_a_task_and_a_user_task_file(tmp_path, model_dir, capsys):
+def test_cli_runs_a_task_and_a_user_task_file(tmp_path, model_dir):
     from pyvene_causaltrace.cli import main
 
-    assert main(["dataset", "--model", str(model_dir), "--task", "retrieval", "--known", "none",
+    # arithmetic screens with known="none" unless told otherwise: all six prompts are traced
+    assert main(["dataset", "--model", str(model_dir), "--task", "arithmetic",
                  "--kinds", "residual", "--seeds", "1", "--boot", "50",
                  "--out", str(tmp_path / "task")]) == 0
-    assert "retrieval" not in capsys.readouterr().err
+    traced = json.loads((tmp_path / "task" / "aggregate.json").read_text())
+    assert traced["effects"]["residual"]["n_facts"] == len(TASKS["arithmetic"].records)
+    assert json.loads((tmp_path / "task" / "manifest.json").read_text())["known"] == "none"
     user = tmp_path / "user.jsonl"
     write_jsonl(user, [{"prompt": "The keys to the cabinet", "subject": "keys",
                         "attribute": "are"}])

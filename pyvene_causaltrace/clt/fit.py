@@ -145,11 +145,10 @@ def fit_clt(
             acts = torch.relu(z)
         else:
             acts = _JumpReLU.apply(z, log_theta.exp(), bandwidth)
-            forward.fired = _Step.apply(z, log_theta.exp(), bandwidth)
         recon = b_dec.expand(xb.shape[0], -1, -1).clone()
         for layer in range(n_layers):
             recon[:, layer:] += torch.einsum("bf,ftd->btd", acts[:, layer], W_dec[layer])
-        return acts, recon
+        return z, acts, recon
 
     loss = torch.tensor(0.0)
     from tqdm import tqdm
@@ -157,13 +156,14 @@ def fit_clt(
     bar = tqdm(range(steps), desc="fitting CLT", unit="step", disable=not progress)
     for step in bar:
         index = torch.randint(0, n_tokens, (min(batch_size, n_tokens),), generator=g)
-        acts, recon = forward(x[index])
+        z, acts, recon = forward(x[index])
         mse = ((recon - y[index]).pow(2).mean((0, 2)) / y_var).mean()
         if activation == "relu":
             dec_norm = torch.stack([w.norm(dim=-1).sum(-1) for w in W_dec])  # [L, F]
             loss = mse + l1 * (acts * dec_norm).sum((1, 2)).mean() / (n_layers * d_transcoder)
         else:  # mean L0 per layer and token
-            loss = mse + l0 * forward.fired.sum(2).mean()
+            fired = _Step.apply(z, log_theta.exp(), bandwidth)
+            loss = mse + l0 * fired.sum(2).mean()
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -173,7 +173,7 @@ def fit_clt(
             bar.set_postfix(loss=f"{loss.item():.4f}", fvu=f"{mse.item():.4f}")
             logger.debug("step %d loss %.4f mse %.4f", step, loss.item(), mse.item())
     with torch.no_grad():
-        _, recon = forward(x)
+        _, _, recon = forward(x)
         fvu = float(((recon - y).pow(2).sum((0, 2)) / (y - y.mean(0)).pow(2).sum((0, 2))).mean())
     name = model_name or getattr(model, "pvct_source", None) or model.config._name_or_path
     threshold = (log_theta.detach().exp() if activation == "jumprelu"

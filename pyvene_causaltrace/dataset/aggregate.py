@@ -69,33 +69,30 @@ def aggregate_rows(rows: Iterable[dict], *, kinds: Sequence[str], manifest: dict
                    screen: Sequence[dict] = (), n_boot: int = 1000,
                    level: float = 0.95) -> DatasetResult:
     """A :class:`DatasetResult` from result rows (any order; duplicates must agree)."""
-    curves: dict[tuple[int, str], dict[int, np.ndarray]] = {}
-    effects: dict[tuple[int, str], dict[int, tuple[float, float]]] = {}
+    # (fact index, kind) -> seed -> (role curves, clean P, corrupted P)
+    seen: dict[tuple[int, str], dict[int, tuple[np.ndarray, float, float]]] = {}
     n_layers = None
     for row in rows:
-        key = (int(row["index"]), row["kind"])
         curve = role_curves(row["restored"], row["corrupt"], row["subject_range"])
         n_layers = curve.shape[1] if n_layers is None else n_layers
         if curve.shape[1] != n_layers:
             raise ValueError(f"fact {row['fact']}: {curve.shape[1]} layers, expected {n_layers}")
-        curves.setdefault(key, {})[int(row["seed"])] = curve
-        effects.setdefault(key, {})[int(row["seed"])] = (row["clean"], row["corrupt"])
+        seen.setdefault((int(row["index"]), row["kind"]), {})[int(row["seed"])] = (
+            curve, row["clean"], row["corrupt"])
     if n_layers is None:
         raise ValueError("no result rows to aggregate")
 
     aie, low, high, n_facts, totals = {}, {}, {}, {}, {}
     for kind in kinds:
-        facts = sorted(index for index, k in curves if k == kind)
+        facts = sorted(index for index, k in seen if k == kind)
         if not facts:
             continue
-        per_fact = np.stack([np.mean([curves[(f, kind)][s] for s in sorted(curves[(f, kind)])],
-                                     axis=0) for f in facts])  # [F, R, L]
-        te = np.array([np.mean([c - r for c, r in (effects[(f, kind)][s]
-                                                   for s in sorted(effects[(f, kind)]))])
-                       for f in facts])
-        clean = np.array([effects[(f, kind)][min(effects[(f, kind)])][0] for f in facts])
-        corrupt = np.array([np.mean([effects[(f, kind)][s][1] for s in sorted(effects[(f, kind)])])
-                            for f in facts])
+        by_seed = [[seen[(f, kind)][s] for s in sorted(seen[(f, kind)])] for f in facts]
+        per_fact = np.stack([np.mean([c for c, _, _ in seeds], axis=0)
+                             for seeds in by_seed])  # [F, R, L]
+        clean = np.array([seeds[0][1] for seeds in by_seed])  # one clean run per fact
+        corrupt = np.array([np.mean([r for _, _, r in seeds]) for seeds in by_seed])
+        te = clean - corrupt
         aie[kind] = _nanmean(per_fact)
         low[kind], high[kind] = bootstrap_interval(per_fact, n_boot=n_boot, level=level)
         n_facts[kind] = (~np.isnan(per_fact[:, :, 0])).sum(0).tolist()

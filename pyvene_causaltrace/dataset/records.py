@@ -84,19 +84,17 @@ def read_records(path: str | Path) -> tuple[list[FactRecord], list[RecordError]]
         return _collect((raw, i, f"{path}[{i}]") for i, raw in enumerate(items))
     parsed: list[tuple[object, int, str]] = []
     for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{line_no}"
-        try:
-            parsed.append((json.loads(line), line_no - 1, where))
-        except json.JSONDecodeError as error:
-            parsed.append((_Bad(str(error)), line_no - 1, where))
+        if line.strip():
+            parsed.append((_json_or_error(line, f"{path}:{line_no}"), line_no - 1,
+                           f"{path}:{line_no}"))
     return _collect(parsed)
 
 
-class _Bad:
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
+def _json_or_error(line: str, where: str) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as error:
+        return RecordError(where, None, f"not valid JSON: {error}")
 
 
 def _collect(items: Iterable[tuple[object, int, str]]):
@@ -104,10 +102,7 @@ def _collect(items: Iterable[tuple[object, int, str]]):
     errors: list[RecordError] = []
     seen: set[str] = set()
     for raw, index, where in items:
-        if isinstance(raw, _Bad):
-            errors.append(RecordError(where, None, f"not valid JSON: {raw.reason}"))
-            continue
-        made = parse_record(raw, index, where)
+        made = raw if isinstance(raw, RecordError) else parse_record(raw, index, where)
         if isinstance(made, FactRecord) and made.id in seen:
             made = RecordError(where, made.id, "duplicate id")
         if isinstance(made, RecordError):

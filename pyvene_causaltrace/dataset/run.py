@@ -12,7 +12,9 @@ kept fact for every kind with one :class:`~pyvene_causaltrace.tracing.Tracer` pe
 clean and corrupted runs are shared by the kinds); write each (fact, kind, seed) row as soon as
 its kind is done. Rerunning into the same directory skips what is there.
 
-``shard=(rank, world)`` traces every ``world``-th kept fact into ``out/shard-RR-of-WW``;
+``shard=(rank, world)`` traces every ``world``-th kept fact into ``out/shard-RR-of-WW``
+(every shard screens every record itself: one clean forward each, small next to tracing, and
+it keeps shards independent of each other);
 :func:`merge_shards` joins the shards, and the aggregate equals a single-process run's exactly
 (aggregation is independent of row order). :func:`trace_dataset_distributed` does both under
 ``torchrun``.
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..prompts import SubjectNotFoundError, tokenize_prompt
+from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..tracing.engine import get_kind
 from ..tracing.noise_scale import resolve_sigma, rome_sigma
 from .aggregate import aggregate_rows
@@ -39,7 +40,6 @@ from .records import FactRecord, RecordError
 from .results import DatasetResult
 from .store import RESULTS, SCREEN, RunDirectory, read_jsonl
 
-logger = logging.getLogger(__name__)
 KNOWN_RULES = ("argmax", "none")
 
 
@@ -74,6 +74,9 @@ def screen_record(model: nn.Module, tokenizer, record: FactRecord, index: int,
         tokenized = tokenize_prompt(tokenizer, prompt, record.subject, record.occurrence)
     except (SubjectNotFoundError, ValueError) as error:
         return {**line, "reason": f"malformed: {error}"}
+    if answer_token_id(tokenizer, tokenizer.decode([target_id])) != target_id:
+        return {**line, "reason": "malformed: the target's first token does not survive "
+                                  "decoding and re-encoding"}
     start, stop = tokenized.subject_range
     if stop >= tokenized.seq_len:
         return {**line, "reason": "malformed: the subject ends at the last token; nothing "
@@ -162,7 +165,7 @@ def trace_dataset(
     if not kept:
         raise ValueError(f"no record passed the screen (see {run.path / SCREEN})")
     by_id = {r.id: r for r in records}
-    if isinstance(sigma, str) and sigma == "rome":  # ROME: one sigma over the dataset's subjects
+    if sigma == "rome":  # ROME: one sigma over the dataset's subjects
         sigma_value = rome_sigma(model, tokenizer, [by_id[k["fact"]].subject for k in kept])
     else:
         sigma_value = resolve_sigma(sigma, model, tokenizer, None)[1]
@@ -184,9 +187,6 @@ def trace_dataset(
                             answer=line["target"], seeds=list(missing), scale=scale,
                             sigma=sigma_value, occurrence=record.occurrence,
                             memory_budget_mb=memory_budget_mb)
-            if tracer.answer_id != line["target_id"]:
-                raise RuntimeError(f"fact {record.id}: target token changed between screen "
-                                   f"and trace ({line['target_id']} -> {tracer.answer_id})")
             for kind in group:
                 result = tracer.trace(kind, window=window)
                 run.append(RESULTS, [{
