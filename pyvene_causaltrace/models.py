@@ -36,7 +36,9 @@ class ArchAdapter:
     stream between attention and MLP); ``mlp``'s output is ``hook_mlp_out`` (before any
     post-MLP norm and the residual add). ``norm_kind`` says how the norms compute their output:
     ``"layer"`` (LayerNorm with bias), ``"rms"`` (``w * x / rms``), ``"rms_offset"``
-    (``(1 + w) * x / rms``, Gemma).
+    (``(1 + w) * x / rms``, Gemma). ``position_embed`` is a learned position embedding added to
+    the token embedding (GPT-2); ``post_norms`` are block norms applied to a sublayer's output
+    before the residual add (Gemma): attribution freezes them as well.
     """
 
     model_type: str
@@ -51,6 +53,8 @@ class ArchAdapter:
     norm_kind: str
     n_layers_key: str = "num_hidden_layers"
     hidden_key: str = "hidden_size"
+    position_embed: str | None = None
+    post_norms: tuple[str, ...] = ()
 
     def n_layers(self, model: nn.Module) -> int:
         return int(getattr(model.config, self.n_layers_key))
@@ -60,7 +64,7 @@ class ArchAdapter:
 
     def module_path(self, part: str, layer: int | None = None) -> str:
         """Module path of ``part`` (a field name of this adapter), per layer for block parts."""
-        if part in ("embed", "final_norm", "unembed"):
+        if part in ("embed", "final_norm", "unembed", "position_embed"):
             return getattr(self, part)
         if part == "block":
             return f"{self.blocks}[{layer}]"
@@ -72,7 +76,7 @@ class ArchAdapter:
 
 
 def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
-                norm_kind: str = "rms") -> ArchAdapter:
+                norm_kind: str = "rms", post_norms: tuple[str, ...] = ()) -> ArchAdapter:
     return ArchAdapter(
         model_type=model_type,
         embed="model.embed_tokens",
@@ -84,8 +88,11 @@ def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
         final_norm="model.norm",
         unembed="lm_head",
         norm_kind=norm_kind,
+        post_norms=post_norms,
     )
 
+
+_GEMMA_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
 
 ADAPTERS: dict[str, ArchAdapter] = {
     "gpt2": ArchAdapter(
@@ -101,6 +108,7 @@ ADAPTERS: dict[str, ArchAdapter] = {
         norm_kind="layer",
         n_layers_key="n_layer",
         hidden_key="n_embd",
+        position_embed="transformer.wpe",
     ),
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
@@ -108,8 +116,10 @@ ADAPTERS: dict[str, ArchAdapter] = {
     "qwen3": _llama_like("qwen3"),
     # Gemma applies post_attention_layernorm to the attention output; the MLP reads
     # pre_feedforward_layernorm, and the MLP output is normed again before the residual add.
-    "gemma2": _llama_like("gemma2", "pre_feedforward_layernorm", "rms_offset"),
-    "gemma3_text": _llama_like("gemma3_text", "pre_feedforward_layernorm", "rms_offset"),
+    "gemma2": _llama_like("gemma2", "pre_feedforward_layernorm", "rms_offset",
+                          _GEMMA_POST_NORMS),
+    "gemma3_text": _llama_like("gemma3_text", "pre_feedforward_layernorm", "rms_offset",
+                               _GEMMA_POST_NORMS),
 }
 
 

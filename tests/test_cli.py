@@ -39,7 +39,7 @@ def test_interventions_lists_builtins_and_reserved(capsys):
     assert main(["interventions"]) == 0
     out = capsys.readouterr().out
     for name in ("noise_add", "clean_restore", "window_restore", "freeze", "frozen_layernorm",
-                 "clt_splice"):
+                 "frozen_attention", "clt_splice", "feature_ablate", "gradient_leaf"):
         assert name in out
 
 

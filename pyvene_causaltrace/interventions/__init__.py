@@ -8,11 +8,11 @@ name                   class
 ``window_restore``     :class:`~.restore.WindowRestore`
 ``freeze``             :class:`~.restore.Freeze`
 ``frozen_layernorm``   :class:`~.frozen.FrozenLayerNorm`
+``frozen_attention``   :class:`~.frozen.FrozenAttention`
 ``clt_splice``         :class:`~.clt_splice.CLTSplice`
 ``feature_ablate``     :class:`~.clt_splice.FeatureAblate`
+``gradient_leaf``      :class:`~.leaf.GradientLeaf`
 =====================  ==========================================================
-
-``frozen_attention`` is reserved for the attribution-graph milestone.
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ def _register_builtins() -> None:
         return
     _builtins_registered = True
     from .clt_splice import CLTSplice, FeatureAblate
-    from .frozen import FrozenLayerNorm
+    from .frozen import FrozenAttention, FrozenLayerNorm
+    from .leaf import GradientLeaf
     from .noise import NoiseAdd
     from .restore import CleanRestore, Freeze, WindowRestore
 
-    for cls in (NoiseAdd, CleanRestore, WindowRestore, Freeze, FrozenLayerNorm, CLTSplice,
-                FeatureAblate):
+    for cls in (NoiseAdd, CleanRestore, WindowRestore, Freeze, FrozenLayerNorm,
+                FrozenAttention, CLTSplice, FeatureAblate, GradientLeaf):
         register_intervention(cls.registered_name, cls)
 
 

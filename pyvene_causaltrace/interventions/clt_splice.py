@@ -10,6 +10,15 @@ A splice is two registered interventions per layer, built by :func:`clt_splice_r
   ``add_error``, the frozen error ``(mlp_out - recon).detach()`` so the forward is the original
   one while gradients flow through the features.
 
+With ``leaves=True`` (the attribution graph's local replacement model) the encoder keeps the
+layer's active features as one autograd leaf vector (:class:`ActiveFeatures`, values cut from
+the residual stream), and the decoder builds every position's output from those leaves, a
+``b_dec`` leaf and the error ``mlp_out - recon`` as a leaf constant: the forward is still the
+original one, and ``torch.autograd.grad`` on the leaves gives each feature's, error's and bias's
+direct effect. The encoder also keeps its input (``hook_resid_mid``, live) so each feature's
+pre-activation can be a gradient target. Features before ``from_position`` are zero, but the
+decoder covers every position (the error carries BOS exactly).
+
 ``feature_ablate`` sits on the same input hook after the encoder and scales chosen features
 (zero by default) before any decoder reads them. The default ``from_position=1`` never splices
 BOS: no dictionary is trained on the attention sink there, and splicing it wrecks the model.
@@ -20,6 +29,7 @@ The interventions refer to their CLT by its directory (``clt.source``), so ``pv.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +53,22 @@ def _resolve(source: str | None, clt=None):
     return _CLTS[source]
 
 
+@dataclass
+class ActiveFeatures:
+    """The active features of one layer in a leaf-mode splice: batch row, position, feature id
+    and value (an autograd leaf) of each, and their decoder rows ``[n, L - layer, D]``."""
+
+    row: torch.Tensor
+    position: torch.Tensor
+    feature: torch.Tensor
+    value: torch.Tensor
+    decoder: torch.Tensor
+
+
+def _leaf_session(session: dict) -> dict:
+    return session.setdefault("leaves", {"features": {}, "errors": {}, "resid_mid": {}})
+
+
 class _CLTIntervention(CausalTraceIntervention):
     _config_keys: tuple[str, ...] = ()
 
@@ -64,10 +90,11 @@ class CLTSplice(_CLTIntervention):
     """One role of a CLT splice at one layer (see module docstring)."""
 
     registered_name = "clt_splice"
-    _config_keys = ("role", "clt_layer", "from_position", "add_error", "reset", "source")
+    _config_keys = ("role", "clt_layer", "from_position", "add_error", "reset", "leaves",
+                    "source")
 
     def _setup(self, role: str, clt_layer: int, from_position: int = 1, add_error: bool = False,
-               reset: bool = False, source: str | None = None) -> None:
+               reset: bool = False, leaves: bool = False, source: str | None = None) -> None:
         if role not in ("encode", "decode"):
             raise ValueError(f"role must be 'encode' or 'decode', got {role!r}")
         if from_position < 0:
@@ -75,15 +102,18 @@ class CLTSplice(_CLTIntervention):
         self._config = {"role": role, "clt_layer": int(clt_layer),
                         "from_position": int(from_position),
                         "add_error": bool(add_error), "reset": bool(reset),
+                        "leaves": bool(leaves),
                         "source": source if source is not None else self._source_of()}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         clt, layer = self.clt, self._config["clt_layer"]
         start = self._config["from_position"]
         session = clt.__dict__.setdefault("_session", {})
+        if self._config["reset"] and self._config["role"] == "encode":
+            session.clear()
+        if self._config["leaves"]:
+            return self._leaf_forward(base, clt, layer, start, _leaf_session(session))
         if self._config["role"] == "encode":
-            if self._config["reset"]:
-                session.clear()
             acts = clt.encode(base, layer)
             acts = torch.cat([torch.zeros_like(acts[:, :start]), acts[:, start:]], dim=1)
             session[layer] = acts
@@ -101,6 +131,34 @@ class CLTSplice(_CLTIntervention):
         if self._config["add_error"]:
             recon = recon + (base - recon).detach()
         return torch.cat([base[:, :start], recon[:, start:]], dim=1)
+
+    def _leaf_forward(self, base: torch.Tensor, clt, layer: int, start: int,
+                      leaves: dict) -> torch.Tensor:
+        if self._config["role"] == "encode":
+            with torch.no_grad():
+                acts = clt.encode(base, layer)
+                acts[:, :start] = 0
+                row, position, feature = acts.nonzero(as_tuple=True)
+                unique, inverse = feature.unique(return_inverse=True)
+                decoder = clt.decoder_rows(layer, unique)[inverse]
+            value = acts[row, position, feature].detach().requires_grad_(True)
+            leaves["features"][layer] = ActiveFeatures(row, position, feature, value, decoder)
+            leaves["resid_mid"][layer] = base
+            if "b_dec" not in leaves:
+                leaves["b_dec"] = clt.b_dec.detach().clone().requires_grad_(True)
+            return base
+        batch, n_pos, d_model = base.shape
+        flat = torch.zeros(batch * n_pos, d_model, dtype=clt.dtype, device=base.device)
+        for source_layer in range(layer + 1):
+            active = leaves["features"].get(source_layer)
+            if active is None or active.value.numel() == 0:
+                continue
+            contrib = active.value[:, None] * active.decoder[:, layer - source_layer]
+            flat = flat.index_add(0, active.row * n_pos + active.position, contrib)
+        recon = (flat.reshape(batch, n_pos, d_model) + leaves["b_dec"][layer]).to(base.dtype)
+        error = (base - recon).detach().requires_grad_(True)
+        leaves["errors"][layer] = error
+        return recon + error
 
 
 class FeatureAblate(_CLTIntervention):
@@ -145,11 +203,14 @@ class FeatureAblate(_CLTIntervention):
 
 def clt_splice_representations(
     clt, model, *, layers: list[int] | None = None, from_position: int = 1,
-    add_error: bool = False, ablations: list[dict] | None = None,
+    add_error: bool = False, ablations: list[dict] | None = None, leaves: bool = False,
 ) -> list[dict]:
     """pyvene representation dicts that splice ``clt`` into ``model`` at ``layers`` (all by
     default), with ``ablations`` (``feature_ablate`` keyword dicts with ``clt_layer``) after
-    their layer's encoder."""
+    their layer's encoder; ``leaves=True`` builds the attribution graph's leaf-mode splice
+    (always with the error term, see module docstring)."""
+    if leaves and ablations:
+        raise ValueError("a leaf-mode splice does not take ablations")
     from ..clt.transcoder import check_fits
     from ..models import get_adapter
 
@@ -161,7 +222,7 @@ def clt_splice_representations(
         hooks = clt.cfg.hf_hooks(adapter, layer)
         out.append({"component": hooks["input"], "intervention": CLTSplice(
             clt=clt, role="encode", clt_layer=layer, from_position=from_position,
-            add_error=add_error, reset=index == 0)})
+            add_error=add_error or leaves, reset=index == 0, leaves=leaves)})
         for ablation in ablations or []:
             if ablation["clt_layer"] == layer:
                 out.append({"component": hooks["input"],
@@ -169,5 +230,6 @@ def clt_splice_representations(
     for layer in layers:
         out.append({"component": clt.cfg.hf_hooks(adapter, layer)["output"],
                     "intervention": CLTSplice(clt=clt, role="decode", clt_layer=layer,
-                                              from_position=from_position, add_error=add_error)})
+                                              from_position=from_position,
+                                              add_error=add_error or leaves, leaves=leaves)})
     return out

@@ -23,9 +23,7 @@ _REGISTRY: dict[str, type] = {}
 _entry_points_loaded = False
 
 #: Names kept for types that later milestones add; looking them up says where they come from.
-RESERVED: dict[str, str] = {
-    "frozen_attention": "frozen attention patterns (lands with the attribution graphs)",
-}
+RESERVED: dict[str, str] = {}
 
 
 class UnknownInterventionError(KeyError):

@@ -1,0 +1,175 @@
+"""Edges: ``x_i * d(row target) / d(x_i)`` for every node ``i``, and the closure check.
+
+A row of the adjacency belongs to a target — the answer's :class:`~.targets.Target` or one
+active feature's pre-activation ``W_enc[l, f] . resid_mid[l, pos]`` — and has one column per
+node: features, then errors (layer-major, then position), then tokens (one per position: token
+and position embeddings together). What the model's additive constants (``b_dec``, attention and
+LayerNorm biases) contribute is kept beside the row, so ``row.sum() + constant == target`` is a
+check, not a definition.
+
+:func:`feature_rows` computes many feature rows per backward pass by batching the gradient
+seeds (``torch.autograd.grad(..., is_grads_batched=True)``): the forward graph is built once
+and never replicated. :func:`feature_rows_loop` is the obviously correct one-backward-per-node
+reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .replacement import ReplacementRun
+from .targets import Target
+
+
+class MemoryCapError(MemoryError):
+    """Not even one gradient row fits the memory cap the user set."""
+
+
+def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
+                     batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [B, n_nodes], constant [B])`` from gradients on ``run.inputs()`` (leading batch
+    dim ``B`` when ``batch`` is given; ``None`` gradients are zeros)."""
+    inputs = run.inputs()
+    lead = () if batch is None else (batch,)
+    grads = [torch.zeros(*lead, *x.shape, dtype=x.dtype, device=x.device) if g is None else g
+             for x, g in zip(inputs, grads, strict=True)]
+    if batch is None:
+        grads = [g[None] for g in grads]
+    n_layers, n_emb = run.n_layers, len(run.embeddings)
+    k = len(run.feature_values)
+    feature_grads = grads[:k]
+    error_grads = grads[k:k + n_layers]
+    emb_grads = grads[k + n_layers:k + n_layers + n_emb]
+    bias_grads = grads[k + n_layers + n_emb:]
+    parts = [(v.detach() * g) for v, g in zip(run.feature_values, feature_grads, strict=True)]
+    for e, g in zip(run.errors, error_grads, strict=True):
+        parts.append((e.detach() * g).sum(-1).reshape(g.shape[0], -1))
+    tokens = sum((e.detach() * g).sum(-1).reshape(g.shape[0], -1)
+                 for e, g in zip(run.embeddings, emb_grads, strict=True))
+    parts.append(tokens)
+    rows = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
+    constant = sum((c.detach() * g).reshape(g.shape[0], -1).sum(1)
+                   for c, g in zip([run.b_dec, *run.constants], bias_grads, strict=True))
+    return rows.float(), torch.as_tensor(constant).float().reshape(-1)
+
+
+@dataclass(frozen=True)
+class Closure:
+    """How well a row's edges (plus constants) add up to its target."""
+
+    target: float
+    edges: float
+    constant: float
+
+    @property
+    def residual(self) -> float:
+        return self.edges + self.constant - self.target
+
+    @property
+    def relative(self) -> float:
+        return abs(self.residual) / max(abs(self.target), 1e-12)
+
+    def to_dict(self) -> dict:
+        return {"target": self.target, "edges": self.edges, "constant": self.constant,
+                "residual": self.residual, "relative": self.relative}
+
+
+def target_row(run: ReplacementRun, target: Target) -> tuple[torch.Tensor, float, Closure]:
+    """The target's row (one backward), its constant and its :class:`Closure`."""
+    value = target(run.logits)
+    grads = torch.autograd.grad(value, run.inputs(), retain_graph=True, allow_unused=True)
+    rows, constant = edges_from_grads(run, grads)
+    closure = Closure(float(value.detach()), float(rows.double().sum()), float(constant[0]))
+    return rows[0], float(constant[0]), closure
+
+
+def feature_targets(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:
+    """Pre-activations ``W_enc[l, f] . resid_mid[l, pos]`` (no ``b_enc``) of feature nodes."""
+    layers, positions = run.feature_layer[index], run.feature_position[index]
+    states = torch.stack([run.resid_mid[layer][pos]
+                          for layer, pos in zip(layers.tolist(), positions.tolist(), strict=True)])
+    return (states.to(run.encoder_rows.dtype) * run.encoder_rows[index]).sum(-1)
+
+
+def _seeds(run: ReplacementRun, index: torch.Tensor) -> tuple[list, list]:
+    """Batched gradient seeds: for each layer the rows of ``index`` live in, a
+    ``[B, P, D]`` tensor holding each row's encoder vector at its position."""
+    layers = run.feature_layer[index]
+    outputs, seeds = [], []
+    for layer in layers.unique().tolist():
+        state = run.resid_mid[layer]
+        seed = torch.zeros(len(index), *state.shape, dtype=state.dtype, device=state.device)
+        rows = (layers == layer).nonzero().squeeze(-1)
+        seed[rows, run.feature_position[index[rows]]] = \
+            run.encoder_rows[index[rows]].to(state.dtype)
+        outputs.append(state)
+        seeds.append(seed)
+    return outputs, seeds
+
+
+def feature_rows(run: ReplacementRun, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the feature nodes ``index`` from one batched backward pass."""
+    if len(index) == 0:
+        width = run.n_features + (run.n_layers + 1) * run.n_pos
+        return torch.zeros(0, width), torch.zeros(0)
+    outputs, seeds = _seeds(run, index)
+    grads = torch.autograd.grad(outputs, run.inputs(), seeds, retain_graph=True,
+                                allow_unused=True, is_grads_batched=True)
+    return edges_from_grads(run, grads, batch=len(index))
+
+
+def feature_rows_loop(run: ReplacementRun,
+                      index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: one backward per feature node."""
+    rows, constants = [], []
+    for i in index.tolist():
+        value = feature_targets(run, torch.tensor([i]))[0]
+        grads = torch.autograd.grad(value, run.inputs(), retain_graph=True, allow_unused=True)
+        row, constant = edges_from_grads(run, grads)
+        rows.append(row[0])
+        constants.append(constant[0])
+    return torch.stack(rows), torch.stack(constants)
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def graph_bytes(run: ReplacementRun) -> int:
+    """Bytes of the leaves and constants one gradient row produces."""
+    return sum(x.numel() * x.element_size() for x in run.inputs())
+
+
+def row_bytes(run: ReplacementRun, forward_bytes: int) -> int:
+    """Estimated bytes one batched gradient row costs: its leaf gradients and edge row, plus
+    one copy of the forward's saved activations (an upper bound on the gradients alive at
+    once during the backward)."""
+    width = run.n_features + (run.n_layers + 1) * run.n_pos
+    return 2 * graph_bytes(run) + 4 * width + forward_bytes
+
+
+def batch_size_for(run: ReplacementRun, forward_bytes: int, memory_mb: float,
+                   max_batch: int = 1024) -> int:
+    """Rows per backward that fit ``memory_mb`` beside the forward graph; raises
+    :class:`MemoryCapError` when not even one does."""
+    budget = memory_mb * 2**20 - forward_bytes
+    per_row = row_bytes(run, forward_bytes)
+    if budget < per_row:
+        need = (forward_bytes + per_row) / 2**20
+        raise MemoryCapError(
+            f"the prompt ({run.n_pos} tokens, {run.n_features} active features) needs about "
+            f"{need:.0f} MB for its forward graph and one gradient row; the memory cap is "
+            f"{memory_mb:.0f} MB. Shorten the prompt or raise memory_mb.")
+    return max(1, min(max_batch, int(budget // per_row)))
+
+
+def batches(n: int, size: int) -> Iterator[torch.Tensor]:
+    for start in range(0, n, size):
+        yield torch.arange(start, min(n, start + size))
+
+
+def n_batches(n: int, size: int) -> int:
+    return math.ceil(n / size) if n else 0

@@ -1,0 +1,208 @@
+"""The local replacement model: the original forward, rebuilt so it is linear in its leaves.
+
+Built only from registered interventions on a plain ``IntervenableModel``:
+
+- ``gradient_leaf`` on the embedding output(s): token nodes;
+- ``clt_splice`` in leaf mode at every layer: active features and ``b_dec`` as leaves, every
+  MLP output = CLT reconstruction + error, the error a leaf constant;
+- with ``freeze=True``: ``frozen_layernorm`` on every norm in the residual path and
+  ``frozen_attention`` on every attention module.
+
+The forward value is the clean model's (to float rounding). Under the freezes the logits are a
+linear function of the leaves plus the model's additive constants (attention/LayerNorm biases,
+``b_dec``), so ``sum_i x_i * d target / d x_i`` over leaves and constants equals the target
+exactly (Euler's identity): the closure check.
+
+    run = run_local_replacement(model, clt, ids)
+    run.logits                                  # live, differentiable
+    run.inputs()                                # every leaf and constant, for autograd.grad
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..clt.transcoder import CrossLayerTranscoder, check_fits
+from ..interventions.clt_splice import ActiveFeatures, clt_splice_representations
+from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
+from ..interventions.leaf import GradientLeaf
+from ..models import get_adapter
+
+
+class UnsupportedAttributionError(ValueError):
+    """The model cannot be made linear in its leaves (e.g. a final logit soft-cap)."""
+
+
+@dataclass
+class ReplacementRun:
+    """One forward of the local replacement model: live outputs and every leaf.
+
+    Feature nodes are ordered layer, then position, then feature id; ``feature_layer`` etc. give
+    each node's coordinates and ``activation`` its value. ``errors[l]`` is ``[1, P, D]``;
+    ``embeddings`` are the token (and position) embedding outputs ``[1, P, D]``; ``constants`` are
+    the model's additive bias parameters; ``resid_mid[l]`` is the live ``[P, D]`` input of
+    layer ``l``'s feature encoders.
+    """
+
+    input_ids: torch.Tensor
+    logits: torch.Tensor
+    feature_values: list[torch.Tensor]
+    features: list[ActiveFeatures]
+    errors: list[torch.Tensor]
+    embeddings: list[torch.Tensor]
+    b_dec: torch.Tensor
+    constants: list[torch.Tensor]
+    resid_mid: list[torch.Tensor]
+    encoder_rows: torch.Tensor
+    frozen: bool
+    forward_bytes: int
+    feature_layer: torch.Tensor = field(init=False)
+    feature_position: torch.Tensor = field(init=False)
+    feature_id: torch.Tensor = field(init=False)
+    activation: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.feature_layer = torch.cat([torch.full_like(f.position, layer)
+                                        for layer, f in enumerate(self.features)])
+        self.feature_position = torch.cat([f.position for f in self.features])
+        self.feature_id = torch.cat([f.feature for f in self.features])
+        self.activation = torch.cat([v.detach() for v in self.feature_values])
+
+    @property
+    def n_features(self) -> int:
+        return int(self.activation.numel())
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.errors)
+
+    @property
+    def n_pos(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def node_inputs(self) -> list[torch.Tensor]:
+        """Leaves whose edges are graph columns: features (one tensor per layer), errors,
+        embeddings."""
+        return [*self.feature_values, *self.errors, *self.embeddings]
+
+    def inputs(self) -> list[torch.Tensor]:
+        """Every tensor the logits depend on linearly: node leaves, then ``b_dec`` and the
+        model's bias constants."""
+        return [*self.node_inputs(), self.b_dec, *self.constants]
+
+
+def _norm_representations(adapter, model, freeze_attention: bool) -> list[dict]:
+    reps = []
+    for layer in range(adapter.n_layers(model)):
+        names = [adapter.pre_attn_norm, *adapter.post_norms, adapter.pre_mlp_norm]
+        for name in names:
+            path = f"{adapter.module_path('block', layer)}.{name}"
+            reps.append({"component": f"{path}.output",
+                         "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
+        if freeze_attention:
+            reps.append({"component": f"{adapter.module_path('attn', layer)}.output",
+                         "intervention": FrozenAttention()})
+    reps.append({"component": f"{adapter.final_norm}.output",
+                 "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
+    return reps
+
+
+def constant_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The model's bias parameters: under the freezes they enter the logits additively."""
+    return [p for name, p in model.named_parameters() if name.endswith("bias")]
+
+
+def check_linearisable(model: nn.Module) -> None:
+    """Refuse models whose logits cannot be made linear in the residual stream."""
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        raise UnsupportedAttributionError(
+            f"{model.config.model_type} soft-caps its logits (final_logit_softcapping={cap}); "
+            "the local replacement model would not be linear. Set "
+            "model.config.final_logit_softcapping = None to attribute the uncapped logits.")
+
+
+def run_local_replacement(
+    model: nn.Module, clt: CrossLayerTranscoder, input_ids: torch.Tensor, *,
+    freeze: bool = True, from_position: int = 1,
+) -> ReplacementRun:
+    """Run ``input_ids`` (``[1, P]``) through the local replacement model (module docstring).
+
+    ``freeze=False`` leaves attention patterns and norm scales live (the closure check's
+    control: the edges then no longer sum to the target).
+    """
+    from ..pyvene_compat import intervenable_model_class
+
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"attribution takes one prompt: input_ids [1, P], got "
+                         f"{tuple(input_ids.shape)}")
+    check_fits(clt, model)
+    check_linearisable(model)
+    adapter = get_adapter(model)
+    embed_leaves = [GradientLeaf()]
+    reps = [{"component": f"{adapter.embed}.output", "intervention": embed_leaves[0]}]
+    if adapter.position_embed is not None:
+        embed_leaves.append(GradientLeaf())
+        reps.append({"component": f"{adapter.position_embed}.output",
+                     "intervention": embed_leaves[1]})
+    if freeze:
+        reps += _norm_representations(adapter, model, freeze_attention=True)
+    reps += clt_splice_representations(clt, model, from_position=from_position, leaves=True)
+
+    constants = constant_parameters(model)
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in constants:
+            p.requires_grad_(True)
+        pv_model = intervenable_model_class()(reps, model)
+        with torch.enable_grad(), _count_saved_bytes() as saved:
+            _, out = pv_model(base={"input_ids": input_ids, "use_cache": False})
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+    leaves = clt.__dict__["_session"].pop("leaves")
+    features = [leaves["features"][layer] for layer in range(clt.n_layers)]
+    encoder_rows = torch.cat([
+        clt.encoder_weight(layer)[f.feature] if f.feature.numel() else
+        torch.zeros(0, clt.cfg.d_model, dtype=clt.dtype, device=clt.device_)
+        for layer, f in enumerate(features)])
+    embeddings = [leaf.leaf for leaf in embed_leaves]
+    return ReplacementRun(
+        input_ids=input_ids,
+        logits=out.logits,
+        feature_values=[f.value for f in features],
+        features=features,
+        errors=[leaves["errors"][layer] for layer in range(clt.n_layers)],
+        embeddings=embeddings,
+        b_dec=leaves["b_dec"],
+        constants=constants,
+        resid_mid=[leaves["resid_mid"][layer][0] for layer in range(clt.n_layers)],
+        encoder_rows=encoder_rows,
+        frozen=freeze,
+        forward_bytes=saved["bytes"],
+    )
+
+
+@contextmanager
+def _count_saved_bytes() -> Iterator[dict]:
+    """Bytes of the distinct tensors autograd saves for the backward inside the block."""
+    seen: set[int] = set()
+    total = {"bytes": 0}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total["bytes"] += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield total
+
