@@ -76,16 +76,25 @@ def _subject_span(prompt: str, subject: str, occurrence: int, offsets) -> tuple[
     return inside[0], inside[-1] + 1
 
 
-def answer_token_id(tokenizer, answer: str) -> int:
+class MultiTokenAnswerError(ValueError):
+    """The answer is several tokens where exactly one is needed."""
+
+
+def answer_token_id(tokenizer, answer: str, strict: bool = False) -> int:
     """The first token of ``answer`` (tokenized without special tokens).
 
-    Warns when the answer spans several tokens: only the first is the target.
+    Warns when the answer spans several tokens: only the first is the target. With ``strict``
+    that is a :class:`MultiTokenAnswerError` instead.
     """
     ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError(f"answer {answer!r} tokenizes to nothing")
     if len(ids) > 1:
         pieces = [tokenizer.decode([i]) for i in ids]
+        if strict:
+            raise MultiTokenAnswerError(
+                f"answer {answer!r} is {len(ids)} tokens {pieces}; attribution explains one "
+                f"logit: give a single-token answer (e.g. {pieces[0]!r})")
         warnings.warn(
             f"answer {answer!r} is {len(ids)} tokens {pieces}; the target is its first token "
             f"{pieces[0]!r}",

@@ -162,7 +162,7 @@ def run_local_replacement(
         for p in constants:
             p.requires_grad_(True)
         pv_model = intervenable_model_class()(reps, model)
-        with torch.enable_grad(), _count_saved_bytes() as saved:
+        with torch.enable_grad(), _count_saved_bytes(model) as saved:
             _, out = pv_model(base={"input_ids": input_ids, "use_cache": False})
     finally:
         for p, flag in flags:
@@ -191,9 +191,10 @@ def run_local_replacement(
 
 
 @contextmanager
-def _count_saved_bytes() -> Iterator[dict]:
-    """Bytes of the distinct tensors autograd saves for the backward inside the block."""
-    seen: set[int] = set()
+def _count_saved_bytes(model: nn.Module) -> Iterator[dict]:
+    """Bytes of the distinct tensors autograd saves for the backward inside the block (the
+    model's own weights, which exist anyway, not counted)."""
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
     total = {"bytes": 0}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ A splice is two registered interventions per layer, built by :func:`clt_splice_r
 - ``role="decode"`` on ``hook_mlp_out`` (the MLP's output): replaces positions
   ``>= from_position`` by ``b_dec[t] + sum_{l <= t} a_l @ W_dec[l][:, t - l]``, plus, with
   ``add_error``, the frozen error ``(mlp_out - recon).detach()`` so the forward is the original
-  one while gradients flow through the features.
+  one while gradients flow through the features; or plus a fixed ``error`` tensor ``[1, P, D]``
+  (the clean run's error, :func:`clean_errors`), so that ablating features changes the output
+  while the part the dictionary misses stays as it was.
 
 With ``leaves=True`` (the attribution graph's local replacement model) the encoder keeps the
 layer's active features as one autograd leaf vector (:class:`ActiveFeatures`, values cut from
@@ -90,15 +92,20 @@ class CLTSplice(_CLTIntervention):
     """One role of a CLT splice at one layer (see module docstring)."""
 
     registered_name = "clt_splice"
+    tensor_fields = ("error",)
     _config_keys = ("role", "clt_layer", "from_position", "add_error", "reset", "leaves",
-                    "source")
+                    "source", "error")
 
     def _setup(self, role: str, clt_layer: int, from_position: int = 1, add_error: bool = False,
-               reset: bool = False, leaves: bool = False, source: str | None = None) -> None:
+               reset: bool = False, leaves: bool = False, source: str | None = None,
+               error: torch.Tensor | None = None) -> None:
         if role not in ("encode", "decode"):
             raise ValueError(f"role must be 'encode' or 'decode', got {role!r}")
         if from_position < 0:
             raise ValueError(f"from_position must be >= 0, got {from_position}")
+        if error is not None and (add_error or role != "decode"):
+            raise ValueError("a fixed error goes on a decoder, instead of add_error")
+        self._set_tensor("error", error)
         self._config = {"role": role, "clt_layer": int(clt_layer),
                         "from_position": int(from_position),
                         "add_error": bool(add_error), "reset": bool(reset),
@@ -130,6 +137,8 @@ class CLTSplice(_CLTIntervention):
             recon = recon + (acts[..., active] @ rows).to(base.dtype)
         if self._config["add_error"]:
             recon = recon + (base - recon).detach()
+        elif self.error is not None:
+            recon = recon + self.error[..., :base.shape[1], :].to(base.dtype)
         return torch.cat([base[:, :start], recon[:, start:]], dim=1)
 
     def _leaf_forward(self, base: torch.Tensor, clt, layer: int, start: int,
@@ -201,14 +210,26 @@ class FeatureAblate(_CLTIntervention):
         return base
 
 
+def clean_errors(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The clean run's CLT error ``mlp_out - recon`` per layer, ``[L, 1, P, D]``, for a splice
+    with a fixed error."""
+    from ..clt.checks import hook_states
+
+    states = hook_states(model, input_ids, ("mid", "out"))
+    recon = clt.reconstruct(clt.encode_all(states["mid"].to(clt.dtype)))
+    return (states["out"] - recon.to(states["out"].dtype))[:, None]
+
+
 def clt_splice_representations(
     clt, model, *, layers: list[int] | None = None, from_position: int = 1,
     add_error: bool = False, ablations: list[dict] | None = None, leaves: bool = False,
+    errors: torch.Tensor | None = None,
 ) -> list[dict]:
     """pyvene representation dicts that splice ``clt`` into ``model`` at ``layers`` (all by
     default), with ``ablations`` (``feature_ablate`` keyword dicts with ``clt_layer``) after
     their layer's encoder; ``leaves=True`` builds the attribution graph's leaf-mode splice
-    (always with the error term, see module docstring)."""
+    (always with the error term, see module docstring); ``errors`` (``[L, 1, P, D]``, from
+    :func:`clean_errors`) fixes each decoder's error term."""
     if leaves and ablations:
         raise ValueError("a leaf-mode splice does not take ablations")
     from ..clt.transcoder import check_fits
@@ -231,5 +252,6 @@ def clt_splice_representations(
         out.append({"component": clt.cfg.hf_hooks(adapter, layer)["output"],
                     "intervention": CLTSplice(clt=clt, role="decode", clt_layer=layer,
                                               from_position=from_position,
-                                              add_error=add_error or leaves, leaves=leaves)})
+                                              add_error=add_error or leaves, leaves=leaves,
+                                              error=None if errors is None else errors[layer])})
     return out

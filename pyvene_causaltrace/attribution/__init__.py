@@ -1,0 +1,33 @@
+"""CLT attribution graphs: local replacement model, exact edges, reading, export, validation.
+
+    from pyvene_causaltrace.attribution import attribute
+    graph = attribute(model, tokenizer, clt, "The Eiffel Tower is in the city of", " Paris")
+    graph.closure.relative            # ~1e-7: the edges sum to the target
+    graph.direct_attributions(10)
+    graph.to_json("eiffel.json")      # opens in the circuit-tracer / Neuronpedia viewer
+
+Data flows one way: :mod:`.replacement` (one forward of the local replacement model) ->
+:mod:`.edges` (rows of the adjacency, closure) -> :mod:`.graph` (the result object) ->
+:mod:`.reading` (influence, pruning, scores), :mod:`.export`, :mod:`.plots`;
+:mod:`.validate` ablates the graph's top features in the real (spliced) model.
+"""
+
+from .attribute import attribute, make_target
+from .edges import Closure, MemoryCapError
+from .graph import AttributionGraph
+from .replacement import ReplacementRun, UnsupportedAttributionError, run_local_replacement
+from .targets import Target, demeaned_logit, logit_difference
+
+__all__ = [
+    "AttributionGraph",
+    "Closure",
+    "MemoryCapError",
+    "ReplacementRun",
+    "Target",
+    "UnsupportedAttributionError",
+    "attribute",
+    "demeaned_logit",
+    "logit_difference",
+    "make_target",
+    "run_local_replacement",
+]

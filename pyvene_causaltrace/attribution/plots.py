@@ -1,0 +1,78 @@
+"""A static picture of the pruned attribution graph (matplotlib is imported inside).
+
+Positions across (token labels), layers up: tokens at the bottom, the target logit at the top,
+features as circles and errors as squares at (position, layer); edges drawn with width and
+opacity by |weight| (blue positive, red negative). Nodes at the same (layer, position) are
+spread sideways.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+
+def _positions(graph, keep) -> dict[int, tuple[float, float]]:
+    cells: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i in keep:
+        kind = graph.node_kind(i)
+        layer, pos, _, _ = graph._coordinates(i, kind)
+        row = {"token": -1, "logit": graph.n_layers}.get(kind, layer)
+        cells[(row, pos)].append(i)
+    xy = {}
+    for (row, pos), members in cells.items():
+        width = min(0.8, 0.12 * (len(members) - 1))
+        for j, i in enumerate(sorted(members)):
+            offset = 0.0 if len(members) == 1 else -width / 2 + width * j / (len(members) - 1)
+            xy[i] = (pos + offset, row)
+    return xy
+
+
+def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.8,
+               edge_threshold: float = 0.98, max_edges: int = 400):
+    """Figure of ``graph`` pruned at the thresholds (the ``max_edges`` strongest edges drawn);
+    saved to ``path`` when given. Returns the figure."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    pruned = graph.prune(node_threshold, edge_threshold)
+    full = graph.square()
+    edges = (full * pruned.edge_mask)
+    target, source = edges.nonzero(as_tuple=True)
+    weights = edges[target, source]
+    order = weights.abs().argsort(descending=True)[:max_edges]
+    keep = sorted(set(target[order].tolist()) | set(source[order].tolist())
+                  | set(range(graph.layout.tokens.start, graph.layout.n_nodes)))
+    xy = _positions(graph, keep)
+    fig, ax = plt.subplots(figsize=(max(6.0, graph.n_pos * 1.1),
+                                    max(5.0, graph.n_layers * 0.3 + 2)), dpi=150)
+    top = float(weights.abs().max()) if len(weights) else 1.0
+    for k in reversed(order.tolist()):
+        t, s, w = int(target[k]), int(source[k]), float(weights[k])
+        (x0, y0), (x1, y1) = xy[s], xy[t]
+        strength = abs(w) / top
+        ax.plot([x0, x1], [y0, y1], color="tab:blue" if w > 0 else "tab:red",
+                linewidth=0.3 + 2.5 * strength, alpha=0.15 + 0.75 * strength, zorder=1)
+    style = {"feature": ("o", "tab:orange"), "error": ("s", "0.55"), "token": ("^", "black"),
+             "logit": ("*", "tab:green")}
+    for kind, (marker, colour) in style.items():
+        points = [xy[i] for i in keep if graph.node_kind(i) == kind]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.scatter(xs, ys, marker=marker, s=60 if kind == "logit" else 22, c=colour,
+                       label=kind, zorder=2, edgecolors="none")
+    ax.set_xticks(range(graph.n_pos))
+    ax.set_xticklabels([repr(t) for t in graph.tokens], rotation=45, ha="right", fontsize=8)
+    ax.set_yticks([-1, *range(0, graph.n_layers, max(1, graph.n_layers // 8)), graph.n_layers])
+    ax.set_yticklabels(["emb", *[str(v) for v in range(0, graph.n_layers,
+                                                      max(1, graph.n_layers // 8))], "logit"])
+    ax.set_ylabel("layer")
+    ax.set_title(f"{graph.prompt!r} -> {graph.answer!r}: {int(pruned.node_mask.sum())} nodes, "
+                 f"{int(pruned.edge_mask.sum())} edges kept", fontsize=9)
+    ax.legend(loc="upper left", fontsize=7, frameon=False)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(str(path))
+    return fig
