@@ -1,0 +1,209 @@
+"""Attribution graphs on tiny GPT-2, Llama, Qwen2 and Qwen3 with fixture CLTs written in the
+real on-disk layout: the local replacement model, targets, closure, batched rows against the
+per-node loop, reading (influence, pruning, scores), export, pictures, bad requests."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from clt_fixtures import random_clt_tensors, write_clt
+from conftest import CORE_ARCHS, PROMPT, make_tiny_model
+
+from pyvene_causaltrace.attribution import (
+    AttributionGraph,
+    MemoryCapError,
+    UnsupportedAttributionError,
+    attribute,
+    demeaned_logit,
+    logit_difference,
+    run_local_replacement,
+)
+from pyvene_causaltrace.attribution.edges import (
+    batch_size_for,
+    feature_rows,
+    feature_rows_loop,
+    feature_targets,
+    target_row,
+)
+from pyvene_causaltrace.attribution.export import node_ids
+from pyvene_causaltrace.attribution.reading import (
+    Layout,
+    compute_influence,
+    graph_scores,
+    normalize_matrix,
+    prune,
+)
+from pyvene_causaltrace.clt import CLTMismatchError, load_from_disk
+from pyvene_causaltrace.prompts import MultiTokenAnswerError
+
+
+def _setup(arch, tmp_path, threshold=0.1, n_layers=3):
+    model = make_tiny_model(arch, init=0.2, n_layers=n_layers)
+    tensors = random_clt_tensors(n_layers, 32, 48, threshold=threshold)
+    clt = load_from_disk(str(write_clt(tmp_path / f"clt-{arch}", tensors)))
+    return model, clt
+
+
+@pytest.mark.parametrize("arch", CORE_ARCHS)
+def test_local_replacement_is_the_model_and_closes(arch, tmp_path, tokenizer):
+    model, clt = _setup(arch, tmp_path)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    clean = model(input_ids=ids).logits
+    run = run_local_replacement(model, clt, ids)
+    assert run.n_features > 50
+    assert (run.logits.detach() - clean).abs().max() < 1e-4
+    target = demeaned_logit(clean, int(clean[0, -1].argmax()))
+    _, _, closure = target_row(run, target)
+    assert closure.relative < 1e-4, closure
+    # without the freezes the edges are total derivatives and miss the target
+    loose = run_local_replacement(model, clt, ids, freeze=False)
+    _, _, unfrozen = target_row(loose, target)
+    assert unfrozen.relative > 5e-4 and abs(unfrozen.residual) > 100 * abs(closure.residual)
+
+
+@pytest.mark.parametrize("arch", CORE_ARCHS)
+def test_batched_rows_equal_the_per_node_loop(arch, tmp_path, tokenizer):
+    model, clt = _setup(arch, tmp_path)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    run = run_local_replacement(model, clt, ids)
+    index = torch.randperm(run.n_features, generator=torch.Generator().manual_seed(1))[:40]
+    loop_rows, loop_constants = feature_rows_loop(run, index)
+    for size in (1, 7, 40):
+        parts = [feature_rows(run, index[i:i + size]) for i in range(0, len(index), size)]
+        rows = torch.cat([p[0] for p in parts])
+        constants = torch.cat([p[1] for p in parts])
+        assert torch.allclose(rows, loop_rows, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(constants, loop_constants, atol=1e-5)
+    # each feature row closes on the feature's pre-activation
+    values = feature_targets(run, index).detach()
+    assert (loop_rows.double().sum(1) + loop_constants - values).abs().max() < 1e-4
+
+
+def test_targets_are_the_seed_conventions():
+    logits = torch.randn(1, 4, 50, generator=torch.Generator().manual_seed(0))
+    last = logits[0, -1]
+    target = demeaned_logit(logits, 7, k=10)
+    expected = last[7] - last[last.topk(10).indices].mean()
+    assert torch.allclose(target(logits), expected, atol=1e-6)
+    vocab = demeaned_logit(logits, 7, demean="vocab")
+    assert torch.allclose(vocab(logits), last[7] - last.mean(), atol=1e-6)
+    diff = logit_difference(50, 7, 3)
+    assert torch.allclose(diff(logits), last[7] - last[3])
+    with pytest.raises(ValueError, match="two different"):
+        logit_difference(50, 3, 3)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        demeaned_logit(logits, 99)
+
+
+def test_logit_difference_graph_closes(tmp_path, tokenizer):
+    model, clt = _setup("llama", tmp_path)
+    graph = attribute(model, tokenizer, clt, PROMPT, " the", target="difference",
+                      other=" city")
+    assert graph.target["name"].startswith("logit difference")
+    assert graph.closure.relative < 1e-4
+    assert graph.feature_closure() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory, tokenizer):
+    model, clt = _setup("llama", tmp_path_factory.mktemp("g"))
+    return attribute(model, tokenizer, clt, PROMPT, batch_size=16)
+
+
+def test_attribute_builds_the_full_adjacency(graph, tokenizer, tmp_path):
+    lay = graph.layout
+    assert graph.adjacency.shape == (graph.n_features + 1, lay.n_nodes - 1)
+    assert graph.closure.relative < 1e-4 and graph.feature_closure() < 1e-4
+    # a feature only reads earlier layers: no edge from a same-or-later-layer feature
+    layers = graph.feature_layer
+    same_or_later = layers[None, :] >= layers[:, None]
+    assert graph.adjacency[:-1, :graph.n_features][same_or_later].abs().max() == 0
+    # memory-capped batching and the loop give the same matrix
+    model, clt = _setup("llama", tmp_path)
+    looped = attribute(model, tokenizer, clt, PROMPT, loop=True)
+    assert torch.allclose(graph.adjacency, looped.adjacency, atol=1e-5, rtol=1e-5)
+    parts = graph.decomposition()
+    total = parts["features"] + parts["errors"] + parts["tokens"] + parts["constants"]
+    assert abs(total - parts["target"]) < 1e-4 * abs(parts["target"])
+
+
+def test_memory_cap_sets_the_batch_and_refuses_a_prompt_that_cannot_fit(tmp_path, tokenizer):
+    model, clt = _setup("llama", tmp_path)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    run = run_local_replacement(model, clt, ids)
+    small, large = (batch_size_for(run, run.forward_bytes, mb) for mb in (20, 200))
+    assert 1 <= small < large
+    with pytest.raises(MemoryCapError, match="memory cap"):
+        attribute(model, tokenizer, clt, PROMPT * 4, memory_mb=0.5)
+
+
+def test_influence_and_pruning_follow_circuit_tracer():
+    # features 0, 1; errors 2; tokens 3, 4; logit 5 -- a DAG
+    lay = Layout(n_features=2, n_errors=1, n_tokens=2)
+    adj = torch.zeros(6, 6)
+    adj[0, 3], adj[0, 4] = 2.0, -1.0
+    adj[1, 0], adj[1, 2] = 1.0, 1.0
+    adj[5, 1], adj[5, 0], adj[5, 4] = 3.0, -1.0, 0.001
+    norm = normalize_matrix(adj)
+    weights = torch.zeros(6)
+    weights[5] = 1
+    series = compute_influence(norm, weights)
+    closed = weights @ (torch.linalg.inv(torch.eye(6) - norm) - torch.eye(6))
+    assert torch.allclose(series, closed, atol=1e-6)
+    result = prune(adj, lay, node_threshold=0.8, edge_threshold=0.98)
+    assert result.node_mask[3:].all()  # tokens and the logit always stay
+    assert not result.edge_mask[5, 4]  # a negligible edge goes
+    everything = prune(adj, lay, node_threshold=1.0, edge_threshold=1.0)
+    assert torch.equal(everything.edge_mask, adj != 0)
+    scores = graph_scores(adj, lay)
+    assert 0 < scores["replacement"] < 1 and 0 < scores["completeness"] < 1
+    no_errors = adj.clone()
+    no_errors[:, 2] = 0
+    assert graph_scores(no_errors, lay) == {"replacement": 1.0, "completeness": 1.0}
+
+
+def test_reading_tables_export_and_round_trip(graph, tmp_path):
+    top = graph.direct_attributions(5)
+    assert list(top.columns) == ["node", "label", "edge"]
+    assert top["edge"].abs().is_monotonic_decreasing
+    nodes = graph.nodes()
+    assert len(nodes) == graph.layout.n_nodes
+    assert set(nodes["kind"]) == {"feature", "error", "token", "logit"}
+    edges = graph.to_dataframe(pruned=True)
+    assert 0 < len(edges) < len(graph.to_dataframe())
+    payload = graph.to_json(tmp_path / "graph.json", slug="tiny")
+    assert set(payload) == {"metadata", "qParams", "nodes", "links"}
+    assert json.loads((tmp_path / "graph.json").read_text()) == payload
+    ids = {n["node_id"] for n in payload["nodes"]}
+    assert all(link["source"] in ids and link["target"] in ids for link in payload["links"])
+    kinds = {n["feature_type"] for n in payload["nodes"]}
+    assert {"cross layer transcoder", "embedding", "logit"} <= kinds
+    assert len(set(node_ids(graph))) == graph.layout.n_nodes  # ids never collide
+    logit = [n for n in payload["nodes"] if n["feature_type"] == "logit"][0]
+    assert logit["node_id"] == f"{graph.n_layers + 1}_{graph.target['token']}_{graph.n_pos - 1}"
+    graph.save(tmp_path / "graph.pt")
+    back = AttributionGraph.load(tmp_path / "graph.pt")
+    assert torch.equal(back.adjacency, graph.adjacency) and back.closure == graph.closure
+    graph.plot(tmp_path / "graph.png")
+    assert (tmp_path / "graph.png").stat().st_size > 10_000
+
+
+def test_bad_requests_get_clear_errors(tmp_path, tokenizer):
+    model, clt = _setup("llama", tmp_path)
+    with pytest.raises(MultiTokenAnswerError, match="single-token"):
+        attribute(model, tokenizer, clt, PROMPT, " Paris is lovely")
+    other_model = make_tiny_model("llama", n_layers=4)
+    with pytest.raises(CLTMismatchError, match="model has 4 layers"):
+        attribute(other_model, tokenizer, clt, PROMPT)
+    with pytest.raises(ValueError, match="empty"):
+        attribute(model, tokenizer, clt, "")
+    gemma = make_tiny_model("gemma2")
+    gemma.config.final_logit_softcapping = 30.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gemma_clt = load_from_disk(str(write_clt(tmp_path / "g2", random_clt_tensors(3, 32, 48))))
+    with pytest.raises(UnsupportedAttributionError, match="soft-caps"):
+        attribute(gemma, tokenizer, gemma_clt, PROMPT)
