@@ -102,6 +102,31 @@ def _parser() -> argparse.ArgumentParser:
     agg.add_argument("out", type=Path)
     agg.add_argument("--boot", type=int, default=1000)
 
+    graph = commands.add_parser(
+        "attribute", help="CLT attribution graph of the answer: edges, pruning, export, ablation")
+    graph.add_argument("--spec", type=Path, default=None,
+                       help="an attribution spec (intervention_specs/attribution_graph.json); "
+                            "--model/--clt/--out/--memory-mb override it")
+    graph.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    graph.add_argument("--clt", default=None, help="CLT directory (mntss layout) or hub id")
+    graph.add_argument("--prompt", default=EIFFEL["prompt"])
+    graph.add_argument("--answer", default=None,
+                       help="a single-token answer; default ' Paris' for the default prompt, "
+                            "else the clean argmax")
+    graph.add_argument("--target", default="demeaned",
+                       choices=("demeaned", "demeaned_vocab", "difference"))
+    graph.add_argument("--other", default=None, help="the subtracted token of --target difference")
+    graph.add_argument("--k", type=int, default=10, help="top-k logits the target is demeaned by")
+    graph.add_argument("--memory-mb", type=float, default=None,
+                       help="cap on the forward graph plus batched gradient rows (default 4096)")
+    graph.add_argument("--node-threshold", type=float, default=0.8)
+    graph.add_argument("--edge-threshold", type=float, default=0.98)
+    graph.add_argument("--validate", action="store_true",
+                       help="ablate the top 5/10/20 features vs 10 random draws of as many")
+    graph.add_argument("--out", type=Path, required=True,
+                       help="writes graph.json (viewer format), graph.pt, nodes.csv, "
+                            "edges.csv, graph.png, summary.json")
+
     commands.add_parser("interventions", help="list the registered intervention types")
     return parser
 
@@ -303,14 +328,90 @@ def _interventions(args) -> int:
     return 0
 
 
+def _attribution_settings(args) -> dict:
+    """The attribution settings: the spec's (if any), then the command line's."""
+    settings = {"model": None, "prompt": args.prompt, "answer": args.answer,
+                "target": args.target, "other": args.other, "k": args.k, "memory_mb": 4096.0,
+                "node_threshold": args.node_threshold, "edge_threshold": args.edge_threshold,
+                "validate": {"sizes": [5, 10, 20], "draws": 10} if args.validate else None,
+                "clt": None}
+    if args.spec is not None:
+        from .specs import load_spec
+
+        spec = load_spec(args.spec)
+        if spec.attribution is None:
+            raise ValueError(f"{args.spec} has no 'attribution' block")
+        settings.update({"model": spec.model, "prompt": spec.prompt, "answer": spec.answer},
+                        **spec.attribution)
+    elif settings["answer"] is None and settings["prompt"] == EIFFEL["prompt"]:
+        settings["answer"] = EIFFEL["answer"]
+    for key in ("model", "clt"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
+    if args.memory_mb is not None:
+        settings["memory_mb"] = args.memory_mb
+    if settings["clt"] is None:
+        raise ValueError("attribute needs a CLT: --clt DIR or a spec with attribution.clt")
+    settings["clt"] = str(Path(settings["clt"]).expanduser())
+    return settings
+
+
+def _attribute(args) -> int:
+    from .attribution import attribute
+    from .attribution.validate import ablation_test
+    from .clt import CrossLayerTranscoder
+    from .models import OFFLINE_DEFAULT, load_model
+
+    s = _attribution_settings(args)
+    model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
+    clt = CrossLayerTranscoder.from_pretrained(s["clt"])
+    graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=s["target"],
+                      other=s["other"], k=s["k"], memory_mb=s["memory_mb"], progress=True)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    c = graph.closure
+    print(f"{graph.prompt!r} -> {graph.answer!r} (p={graph.answer_prob:.4f}); "
+          f"{graph.n_features} active features, {graph.metadata['batch_size']} rows/backward")
+    print(f"closure: target {c.target:.6f}, edges + constants {c.edges + c.constant:.6f}, "
+          f"residual {c.residual:+.2e} ({c.relative:.1e} relative); feature rows "
+          f"{graph.feature_closure():.1e}")
+    parts, scores = graph.decomposition(), graph.scores()
+    print("decomposition: " + ", ".join(f"{k} {v:+.4f}" for k, v in parts.items()))
+    print(f"replacement score {scores['replacement']:.3f}, completeness "
+          f"{scores['completeness']:.3f}")
+    print(graph.direct_attributions(10).to_string(index=False))
+    pruned = graph.prune(s["node_threshold"], s["edge_threshold"])
+    print(f"pruned: {int(pruned.node_mask.sum())} nodes, {int(pruned.edge_mask.sum())} edges")
+    graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
+                  edge_threshold=s["edge_threshold"])
+    graph.save(out / "graph.pt")
+    graph.nodes().to_csv(out / "nodes.csv", index=False)
+    graph.to_dataframe(pruned=True).to_csv(out / "edges.csv", index=False)
+    graph.plot(out / "graph.png", node_threshold=s["node_threshold"],
+               edge_threshold=s["edge_threshold"])
+    summary = {"settings": s, "closure": c.to_dict(), "feature_closure": graph.feature_closure(),
+               "decomposition": parts, "scores": scores, "metadata": graph.metadata,
+               "pruned": {"nodes": int(pruned.node_mask.sum()),
+                          "edges": int(pruned.edge_mask.sum())}}
+    if s["validate"]:
+        result = ablation_test(model, clt, graph, sizes=tuple(s["validate"].get("sizes", (5,))),
+                               draws=s["validate"].get("draws", 10),
+                               rank_by=s["validate"].get("rank_by", "influence"))
+        print(result.to_dataframe().to_string(index=False))
+        summary["ablation"] = result.to_dict()
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(f"wrote {out}/graph.json, graph.pt, nodes.csv, edges.csv, graph.png, summary.json")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"trace": _trace, "run": _run, "validate": _validate, "clt-check": _clt_check,
-               "dataset": _dataset, "aggregate": _aggregate,
+               "dataset": _dataset, "aggregate": _aggregate, "attribute": _attribute,
                "interventions": _interventions}[args.command]
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError, NotImplementedError) as error:
+    except (ValueError, FileNotFoundError, NotImplementedError, MemoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -57,6 +57,7 @@ class ExperimentSpec:
     description: str | None = None
     schema_version: int = SCHEMA_VERSION
     trace: dict[str, Any] | None = None  # {"kind", "window"}: a whole causal trace
+    attribution: dict[str, Any] | None = None  # {"clt", "target", ...}: an attribution graph
     extra: dict[str, Any] = field(default_factory=dict)  # "$schema" and the like
 
     @classmethod
@@ -76,6 +77,7 @@ class ExperimentSpec:
             description=data.get("description"),
             schema_version=data["schema_version"],
             trace=data.get("trace"),
+            attribution=data.get("attribution"),
             extra={k: v for k, v in data.items() if k.startswith("$")},
         )
 
@@ -92,6 +94,8 @@ class ExperimentSpec:
         out["interventions"] = [item.to_dict() for item in self.interventions]
         if self.trace is not None:
             out["trace"] = self.trace
+        if self.attribution is not None:
+            out["attribution"] = self.attribution
         return out
 
     @property
@@ -126,6 +130,15 @@ def validate_spec(data: Any) -> None:
     if "trace" in data and [i["type"] for i in data["interventions"]] != ["noise_add"]:
         raise SpecError("$.interventions", "a trace spec holds exactly one noise_add; the trace "
                         "makes the restores")
+    if "attribution" in data:
+        if data["interventions"]:
+            raise SpecError("$.interventions", "an attribution spec holds no interventions; the "
+                            "method builds the local replacement model")
+        if "trace" in data:
+            raise SpecError("$.attribution", "a spec is a trace or an attribution, not both")
+        if data["attribution"].get("target") == "difference" and \
+                "other" not in data["attribution"]:
+            raise SpecError("$.attribution.other", "a 'difference' target needs 'other'")
     if "trace" not in data:
         for i, item in enumerate(data["interventions"]):
             if item.get("scale") == "auto":

@@ -116,3 +116,27 @@ def test_clt_check(tmp_path, tokenizer, capsys):
     write_clt(tmp_path / "random", random_clt_tensors(3, 32, 48))
     assert main([*args, "--clt", str(tmp_path / "random")]) == 1
     assert "MISPAIRED" in capsys.readouterr().out
+
+
+def test_attribute_writes_the_graph_files(model_dir, tmp_path, capsys):
+    from clt_fixtures import random_clt_tensors, write_clt
+
+    clt_dir = write_clt(tmp_path / "clt", random_clt_tensors(3, 32, 48, threshold=0.1))
+    out = tmp_path / "graph"
+    assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--prompt",
+                 PROMPT, "--answer", " the", "--validate", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "closure: target" in printed and "top_prob" in printed
+    for name in ("graph.json", "graph.pt", "nodes.csv", "edges.csv", "graph.png",
+                 "summary.json"):
+        assert (out / name).stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["closure"]["relative"] < 1e-4
+    assert set(summary["ablation"]["top"]) == {"5", "10", "20"}
+    # a multi-token answer is a clear error, not a traceback
+    assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--answer",
+                 " Paris is lovely", "--out", str(out)]) == 2
+    assert "single-token" in capsys.readouterr().err
+    assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--answer",
+                 " the", "--memory-mb", "0.05", "--out", str(out)]) == 2
+    assert "memory cap" in capsys.readouterr().err

@@ -9,7 +9,8 @@ from conftest import PROMPT, SUBJECT, make_tiny_model
 from reference import add_at, edit_output, recipe_noise, reload_in_fresh_process
 
 from pyvene_causaltrace.capture import capture
-from pyvene_causaltrace.interventions.frozen import FrozenLayerNorm
+from pyvene_causaltrace.interventions.frozen import FrozenAttention, FrozenLayerNorm
+from pyvene_causaltrace.interventions.leaf import GradientLeaf
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.interventions.restore import CleanRestore, Freeze, WindowRestore
 from pyvene_causaltrace.models import get_adapter, get_module
@@ -120,6 +121,10 @@ def _every_type(model):
                                 run="other")},
         {"component": adapter.module_path("pre_mlp_norm", 2) + ".output",
          "intervention": FrozenLayerNorm(kind=adapter.norm_kind)},
+        {"component": adapter.module_path("attn", 1) + ".output",
+         "intervention": FrozenAttention()},
+        {"component": adapter.module_path("mlp", 0) + ".output",
+         "intervention": GradientLeaf()},
     ]
 
 
@@ -131,7 +136,8 @@ def test_pyvene_save_then_load_in_a_fresh_process_reproduces_logits(tmp_path):
         changed = pv_model(base={"input_ids": ids})[1].logits - model(input_ids=ids).logits
     assert changed.abs().max() > 1e-3
     names, equal = reload_in_fresh_process(tmp_path, model, pv_model, ids)
-    assert names == ["CleanRestore", "Freeze", "FrozenLayerNorm", "NoiseAdd", "WindowRestore"]
+    assert names == ["CleanRestore", "Freeze", "FrozenAttention", "FrozenLayerNorm",
+                     "GradientLeaf", "NoiseAdd", "WindowRestore"]
     assert equal
 
 

@@ -172,9 +172,18 @@ class FrozenAttention(CausalTraceIntervention):
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         module, args, call_kwargs = _hooked_call()
-        if any(call_kwargs.get(name) is not None for name in _CACHE_KWARGS):
-            raise ValueError("frozen_attention recomputes the attention module: run the model "
-                             "with use_cache=False")
+        for name in _CACHE_KWARGS:
+            cache = call_kwargs.get(name)
+            if cache is None:
+                continue
+            # The original call already wrote this layer's keys. Recomputing without the cache
+            # is exact when it held nothing else (a plain forward); not when earlier tokens
+            # are cached (generation).
+            layer = getattr(module, "layer_idx", 0)
+            if int(cache.get_seq_length(layer)) != base.shape[1]:
+                raise ValueError("frozen_attention cannot recompute attention over cached "
+                                 "tokens: run the whole sequence with use_cache=False")
+            call_kwargs[name] = None
         with frozen_qk(module):
             out = module.forward(*args, **call_kwargs)
         out = out[0] if isinstance(out, tuple) else out
