@@ -2,7 +2,9 @@
 # The one device run (see ../.library/device): GPU timings on random-init models of
 # Llama-3.2-1B's shape. Installs only the carried wheels in .whl (pyvene 0.1.8, transformers
 # 5.24.0); writes logs under $OUT. Run with carry: [".whl", ".devdata"].
+#   bash benchmarks/gpu_check.sh [all|trace|dataset|attribution]
 set -u
+SECTION=${1:-all}
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -10,9 +12,19 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, pyvene; print(torch.__version__, transformers.__version__)"
+if [ "$SECTION" = all ] || [ "$SECTION" = trace ]; then
 echo "== causal trace, residual, 10 seeds (issue 3)"
 timeout 180 python3 benchmarks/gpu_trace.py --seeds 10 2>&1 | tee "$OUT/gpu_trace.txt"
+fi
+if [ "$SECTION" = all ] || [ "$SECTION" = dataset ]; then
 echo "== dataset throughput, residual, 3 seeds (issue 5)"
 timeout 240 python3 benchmarks/dataset_speed.py --synthetic llama1b --device cuda --facts 20 \
     --compare-facts 3 --skip-loop --skip-memory --budgets 1024,4096,16384 \
     --out "$OUT/dataset_gpu.json" 2>&1 | tee "$OUT/dataset_gpu.txt"
+fi
+if [ "$SECTION" = all ] || [ "$SECTION" = attribution ]; then
+echo "== attribution adjacency rows, random Llama-3.2-1B + CLT 16 x 32768, ~12 features/pos (issue 6)"
+timeout 400 python3 benchmarks/attribution_speed.py --synthetic llama1b --device cuda \
+    --batches 32,128,512 --memory-caps 8192 --out "$OUT/attribution_gpu.json" 2>&1 \
+    | tee "$OUT/attribution_gpu.txt"
+fi

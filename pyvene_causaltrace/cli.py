@@ -210,6 +210,9 @@ def _run(args) -> int:
     spec = load_spec(args.spec)
     if spec.trace is not None:
         return _trace_spec(args.spec, args.model, args.out, budget_mb=2048.0, controls=False)
+    if spec.attribution is not None:
+        raise ValueError(f"{args.spec} is an attribution spec: run "
+                         f"pyvene-causaltrace attribute --spec {args.spec} --out DIR")
     model, tokenizer = load_model(args.model or spec.model or OFFLINE_DEFAULT)
     result = run_spec(spec, model, tokenizer)
     print(result.summary())

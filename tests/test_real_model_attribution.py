@@ -24,10 +24,17 @@ from pyvene_causaltrace.clt import load_from_disk
 FITTED = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted-256"))
 
 
+def _fixture_clt(tmp_path):
+    """A CLT of SmolLM2's shape (30 x 64 features) with ~200 active features on the Eiffel
+    prompt (SmolLM2's residual has a few massive dimensions: the encoder is scaled down)."""
+    tensors = random_clt_tensors(30, 576, 64, threshold=0.6, seed=3)
+    tensors["W_enc"] *= 0.02
+    return load_from_disk(str(write_clt(tmp_path / "clt", tensors, model_name="smollm2-135m")))
+
+
 def test_smollm2_graph_closes_and_batches_exactly(smollm2, tmp_path):
     model, tokenizer = smollm2
-    tensors = random_clt_tensors(30, 576, 64, threshold=2.2, seed=3)
-    clt = load_from_disk(str(write_clt(tmp_path / "clt", tensors, model_name="smollm2-135m")))
+    clt = _fixture_clt(tmp_path)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         clean = model(input_ids=ids).logits
@@ -60,3 +67,22 @@ def test_smollm2_top_features_matter_more_than_random(smollm2):
     assert abs(result.spliced_prob - result.clean_prob) < 1e-4
     for n in (5, 10):
         assert result.top[n] < 0.5 * min(result.random[n])
+
+
+def test_shipped_attribution_spec_runs_from_the_cli(smollm2, tmp_path, capsys):
+    """The shipped spec, with a fixture CLT of SmolLM2's shape in place of the fitted one."""
+    from conftest import SPEC_DIR
+
+    from pyvene_causaltrace.cli import main
+
+    clt_dir = _fixture_clt(tmp_path).source
+    out = tmp_path / "graph"
+    assert main(["attribute", "--spec", str(SPEC_DIR / "attribution_graph.json"), "--clt",
+                 str(clt_dir), "--out", str(out)]) == 0
+    summary = __import__("json").loads((out / "summary.json").read_text())
+    assert summary["settings"]["answer"] == " Paris"
+    assert summary["closure"]["relative"] < 1e-4
+    assert summary["feature_closure"] < 1e-4
+    assert set(summary["ablation"]["top"]) == {"5", "10", "20"}
+    assert main(["run", str(SPEC_DIR / "attribution_graph.json")]) == 2
+    assert "attribute --spec" in capsys.readouterr().err

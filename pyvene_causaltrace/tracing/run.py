@@ -240,6 +240,9 @@ def build_intervenable(spec: ExperimentSpec | dict | str, model: nn.Module, toke
 @torch.no_grad()
 def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> SpecRunResult:
     """Run a spec: clean, noise-only (if noised) and intervened probabilities of the answer."""
+    if isinstance(spec, ExperimentSpec) and spec.attribution is not None:
+        raise ValueError("an attribution spec builds a graph: use "
+                         "pyvene_causaltrace.attribution.attribute or the attribute command")
     pv_model, plan = build_intervenable(spec, model, tokenizer)
     device = _device(model)
     base = {k: v.to(device) for k, v in plan.base_inputs.items()}

@@ -1,0 +1,169 @@
+"""Adjacency rows: milliseconds per row and peak memory, batched gradient seeds vs the
+per-node loop, side by side on the same prompt and the same rows.
+
+    python benchmarks/attribution_speed.py                       # SmolLM2, CPU (~5 min)
+    python benchmarks/attribution_speed.py --synthetic llama1b --device cuda
+        # random-init Llama-3.2-1B shape + random CLT of the real shape, ~12 features/position
+
+Each method runs in a fresh process (so peak memory is its own): build the local replacement
+model once, then every feature row either one backward per node (the loop) or ``B`` rows per
+backward (``torch.autograd.grad(..., is_grads_batched=True)``: one forward graph, batched
+seeds). Memory is reported as the peak above the process's state after the forward (RSS on
+CPU, ``max_memory_allocated`` on GPU); the forward graph's own size and the memory cap's
+estimate are printed beside it. Rows are compared with the loop's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+PROMPTS = {
+    "eiffel": "The Eiffel Tower is in the city of",
+    "long": "The Eiffel Tower, which was built for the 1889 World's Fair and is visited by "
+            "millions every year, is in the city of",
+}
+FITTED = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted-256"))
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def current_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def load(args):
+    from pyvene_causaltrace.clt import load_from_disk
+
+    if args.synthetic:
+        from synthetic_clt import synthetic_model_and_clt
+
+        return synthetic_model_and_clt(args.synthetic, args.device, args.features_per_position)
+    from pyvene_causaltrace.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m", device=args.device)
+    if not FITTED.exists():
+        raise SystemExit("run examples/fit_smollm2_clt.py first (or pass --synthetic)")
+    return model, tokenizer, load_from_disk(str(FITTED), device=args.device)
+
+
+def one(args) -> dict:
+    """One method in this process; prints a JSON line."""
+    from pyvene_causaltrace.attribution.edges import (
+        batch_size_for,
+        batches,
+        feature_rows,
+        feature_rows_loop,
+    )
+    from pyvene_causaltrace.attribution.replacement import run_local_replacement
+
+    model, tokenizer, clt = load(args)
+    ids = tokenizer(PROMPTS[args.prompt], return_tensors="pt")["input_ids"].to(args.device)
+    cuda = args.device.startswith("cuda")
+    run = run_local_replacement(model, clt, ids)
+    n = run.n_features if args.rows is None else min(args.rows, run.n_features)
+    index = torch.linspace(0, run.n_features - 1, n).round().long().unique()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        base = current_rss_mb()
+    if args.method == "loop":
+        size = 1
+    elif args.memory_mb:
+        size = batch_size_for(run, run.forward_bytes, args.memory_mb)
+    else:
+        size = args.batch
+    start = time.perf_counter()
+    out = []
+    for chunk in batches(len(index), size):
+        rows = (feature_rows_loop if args.method == "loop" else feature_rows)(
+            run, index[chunk].to(run.feature_layer.device))[0]
+        out.append(rows.cpu())
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb()) - base
+    rows = torch.cat(out)
+    if args.save:
+        torch.save(rows, args.save)
+    return {"method": args.method, "batch": size, "prompt": args.prompt,
+            "tokens": int(ids.shape[1]), "features": run.n_features, "rows": len(index),
+            "ms_per_row": 1000 * seconds / len(index), "seconds": seconds,
+            "peak_extra_mb": peak, "forward_graph_mb": run.forward_bytes / 2**20,
+            "device": args.device}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--synthetic", default=None, help="llama1b | tiny: random model + CLT")
+    parser.add_argument("--features-per-position", type=float, default=12.0)
+    parser.add_argument("--prompts", default="eiffel,long")
+    parser.add_argument("--batches", default="8,32,128")
+    parser.add_argument("--memory-caps", default="1024", help="MB; batch from the cap's estimate")
+    parser.add_argument("--rows", type=int, default=None, help="feature rows (default: all)")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON results here")
+    # one-method mode (used by the driver)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--method", default="batched", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=32, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-mb", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prompt", default="eiffel", help=argparse.SUPPRESS)
+    parser.add_argument("--save", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args)))
+        return
+
+    common = ["--device", args.device, "--features-per-position",
+              str(args.features_per_position)]
+    if args.synthetic:
+        common += ["--synthetic", args.synthetic]
+    if args.rows:
+        common += ["--rows", str(args.rows)]
+    results = []
+    tmp = Path(tempfile.mkdtemp())
+    for prompt in args.prompts.split(","):
+        runs = [("loop", ["--method", "loop"])]
+        runs += [(f"batched B={b}", ["--batch", b]) for b in args.batches.split(",")]
+        runs += [(f"batched cap {c} MB", ["--memory-mb", c]) for c in args.memory_caps.split(",")
+                 if c]
+        reference = None
+        for label, extra in runs:
+            save = tmp / f"{prompt}-{len(results)}.pt"
+            cmd = [sys.executable, __file__, "--one", "--prompt", prompt, "--save", str(save),
+                   *common, *extra]
+            line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            result = json.loads(line.strip().splitlines()[-1])
+            rows = torch.load(save)
+            reference = rows if reference is None else reference
+            result["label"] = label
+            result["max_abs_diff_vs_loop"] = float((rows - reference).abs().max())
+            results.append(result)
+            print(f"{prompt:>6} {result['tokens']:>3} tok {result['features']:>5} feat  "
+                  f"{label:<20} {result['ms_per_row']:8.2f} ms/row  peak +"
+                  f"{result['peak_extra_mb']:8.1f} MB  (forward graph "
+                  f"{result['forward_graph_mb']:.0f} MB)  |diff| "
+                  f"{result['max_abs_diff_vs_loop']:.1e}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
