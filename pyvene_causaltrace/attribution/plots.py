@@ -3,13 +3,17 @@
 Positions across (token labels), layers up: tokens at the bottom, the target logit at the top,
 features as circles and errors as squares at (position, layer); edges drawn with width and
 opacity by |weight| (blue positive, red negative). Nodes at the same (layer, position) are
-spread sideways.
+spread sideways. Of the pruned graph, the ``max_nodes`` most influential feature and error
+nodes are drawn (with every token and the target), and the strongest ``max_edges`` edges among
+them.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+
+import torch
 
 
 def _positions(graph, keep) -> dict[int, tuple[float, float]]:
@@ -29,17 +33,24 @@ def _positions(graph, keep) -> dict[int, tuple[float, float]]:
 
 
 def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.8,
-               edge_threshold: float = 0.98, max_edges: int = 400):
-    """Figure of ``graph`` pruned at the thresholds (the ``max_edges`` strongest edges drawn);
-    saved to ``path`` when given. Returns the figure."""
+               edge_threshold: float = 0.98, max_nodes: int = 60, max_edges: int = 300):
+    """Figure of ``graph`` pruned at the thresholds (module docstring); saved to ``path`` when
+    given. Returns the figure."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
     pruned = graph.prune(node_threshold, edge_threshold)
-    full = graph.square()
-    edges = (full * pruned.edge_mask)
+    lay = graph.layout
+    influence = graph.influence()
+    inner = pruned.node_mask.clone()
+    inner[lay.tokens.start:] = False
+    ranked = (influence * inner).argsort(descending=True)[:int(inner.sum())][:max_nodes]
+    shown = torch.zeros_like(inner)
+    shown[ranked] = True
+    shown[lay.tokens.start:] = True
+    edges = graph.square() * (pruned.edge_mask & shown[:, None] & shown[None, :])
     target, source = edges.nonzero(as_tuple=True)
     weights = edges[target, source]
     order = weights.abs().argsort(descending=True)[:max_edges]
@@ -69,8 +80,9 @@ def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.
     ax.set_yticklabels(["emb", *[str(v) for v in range(0, graph.n_layers,
                                                       max(1, graph.n_layers // 8))], "logit"])
     ax.set_ylabel("layer")
-    ax.set_title(f"{graph.prompt!r} -> {graph.answer!r}: {int(pruned.node_mask.sum())} nodes, "
-                 f"{int(pruned.edge_mask.sum())} edges kept", fontsize=9)
+    ax.set_title(f"{graph.prompt!r} -> {graph.answer!r}: pruned graph "
+                 f"{int(pruned.node_mask.sum())} nodes, {int(pruned.edge_mask.sum())} edges; "
+                 f"drawn {len(keep)} nodes, {len(order)} edges", fontsize=9)
     ax.legend(loc="upper left", fontsize=7, frameon=False)
     fig.tight_layout()
     if path is not None:
