@@ -82,6 +82,27 @@ def test_batched_rows_equal_the_per_node_loop(arch, tmp_path, tokenizer):
     assert (loop_rows.double().sum(1) + loop_constants - values).abs().max() < 1e-4
 
 
+def test_float64_closure_is_exact_and_batches_equal_the_loop(tmp_path, tokenizer):
+    """In float64 batched rows equal the loop to rounding. (Closure stays ~1e-8: transformers'
+    RMSNorm computes in float32 even for float64 inputs, so the forward value is float32-exact
+    while the frozen-norm gradient is float64.)"""
+    model = make_tiny_model("qwen2", init=0.2).double()
+    tensors = random_clt_tensors(3, 32, 48, threshold=0.1)
+    clt = load_from_disk(str(write_clt(tmp_path / "clt64", tensors)), dtype=torch.float64)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    run = run_local_replacement(model, clt, ids)
+    target = demeaned_logit(run.logits.detach(), 5)
+    _, _, closure = target_row(run, target)
+    assert closure.relative < 1e-6
+    index = torch.arange(run.n_features)
+    rows, constants = feature_rows(run, index)
+    assert rows.dtype == torch.float64
+    loop_rows, _ = feature_rows_loop(run, index)
+    assert (rows - loop_rows).abs().max() < 1e-12
+    values = feature_targets(run, index).detach()
+    assert (rows.sum(1) + constants - values).abs().max() < 1e-6 * values.abs().max()
+
+
 def test_targets_are_the_seed_conventions():
     logits = torch.randn(1, 4, 50, generator=torch.Generator().manual_seed(0))
     last = logits[0, -1]

@@ -79,12 +79,13 @@ def attribute(
     compute = feature_rows_loop if loop else feature_rows
     for index in chunks:
         r, c = compute(run, index.to(run.feature_layer.device))
-        rows.append(r.cpu())
-        constants.append(c.cpu())
+        rows.append(r.float().cpu())
+        constants.append(c.float().cpu())
     with torch.no_grad():
         row_targets = feature_targets(run, torch.arange(n, device=run.feature_layer.device))
+    logit_row = logit_row.float().cpu()
     width = logit_row.numel()
-    adjacency = torch.cat([*rows, logit_row.cpu()[None]]) if rows else logit_row.cpu()[None]
+    adjacency = torch.cat([*rows, logit_row[None]]) if rows else logit_row[None]
     constants_all = torch.cat([*constants, torch.tensor([logit_constant])])
     probs = clean[0, -1].float().softmax(-1)
     tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]

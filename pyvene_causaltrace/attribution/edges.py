@@ -32,7 +32,7 @@ class MemoryCapError(MemoryError):
 def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
                      batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [B, n_nodes], constant [B])`` from gradients on ``run.inputs()`` (leading batch
-    dim ``B`` when ``batch`` is given; ``None`` gradients are zeros)."""
+    dim ``B`` when ``batch`` is given; ``None`` gradients are zeros), in the leaves' dtype."""
     inputs = run.inputs()
     lead = () if batch is None else (batch,)
     grads = [torch.zeros(*lead, *x.shape, dtype=x.dtype, device=x.device) if g is None else g
@@ -54,7 +54,7 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
     rows = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
     constant = sum((c.detach() * g).reshape(g.shape[0], -1).sum(1)
                    for c, g in zip([run.b_dec, *run.constants], bias_grads, strict=True))
-    return rows.float(), torch.as_tensor(constant).float().reshape(-1)
+    return rows, torch.as_tensor(constant, dtype=rows.dtype).reshape(-1)
 
 
 @dataclass(frozen=True)

@@ -95,11 +95,11 @@ class FrozenLayerNorm(CausalTraceIntervention):
                 f"frozen_layernorm needs the norm's whole output {tuple(x.shape)}, got "
                 f"{tuple(base.shape)}: give it unit_locations=None"
             )
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         dx = xf - xf.detach()  # zero in value; carries the gradient to x
         frozen = xf.detach()
         kind = self._config["kind"]
-        weight = module.weight.float()
+        weight = module.weight.to(xf.dtype)
         if kind == "layer":
             dx = dx - dx.mean(-1, keepdim=True)
             scale = torch.sqrt(frozen.var(-1, keepdim=True, unbiased=False) + _eps(module))
