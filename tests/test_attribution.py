@@ -47,7 +47,7 @@ def _setup(arch, tmp_path, threshold=0.1, n_layers=3):
     return model, clt
 
 
-@pytest.mark.parametrize("arch", CORE_ARCHS)
+@pytest.mark.parametrize("arch", CORE_ARCHS + ("mistral", "gemma3_text"))
 def test_local_replacement_is_the_model_and_closes(arch, tmp_path, tokenizer):
     model, clt = _setup(arch, tmp_path)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]

@@ -34,7 +34,7 @@ def node_ids(graph) -> list[str]:
     lay, ids = graph.layout, []
     for i in range(lay.n_nodes):
         kind = graph.node_kind(i)
-        layer, pos, feature, _ = graph._coordinates(i, kind)
+        layer, pos, feature, _ = graph.coordinates(i, kind)
         if kind == "feature":
             ids.append(f"{layer}_{feature}_{pos}")
         elif kind == "error":
@@ -62,7 +62,7 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         kind = graph.node_kind(i)
         if kind in ("feature", "error") and not (pruned.node_mask[i] and touched[i]):
             continue
-        layer, pos, feature, activation = graph._coordinates(i, kind)
+        layer, pos, feature, activation = graph.coordinates(i, kind)
         influence = float(pruned.cumulative_scores[i])
         if kind == "feature":
             nodes.append(_node(ids[i], _cantor(layer, feature), str(layer), pos,

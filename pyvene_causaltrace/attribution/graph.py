@@ -86,14 +86,16 @@ class AttributionGraph:
         records = []
         for i in range(lay.n_nodes):
             kind = self.node_kind(i)
-            layer, pos, feature, act = self._coordinates(i, kind)
+            layer, pos, feature, act = self.coordinates(i, kind)
             records.append({"node": i, "kind": kind, "layer": layer, "position": pos,
                             "token": self.tokens[pos], "feature": feature, "activation": act,
                             "label": self.label(i), "direct": float(direct[i]),
                             "influence": float(influence[i])})
         return pd.DataFrame.from_records(records)
 
-    def _coordinates(self, i: int, kind: str) -> tuple[int | None, int, int | None, float | None]:
+    def coordinates(self, i: int, kind: str) -> tuple[int | None, int, int | None, float | None]:
+        """``(layer, position, feature, activation)`` of node ``i`` of ``kind`` (``None`` where
+        a kind has none; the logit's "feature" is its token id)."""
         lay = self.layout
         if kind == "feature":
             return (int(self.feature_layer[i]), int(self.feature_position[i]),
@@ -108,7 +110,7 @@ class AttributionGraph:
     def label(self, i: int) -> str:
         """``F L2/#9970 @3 'iff'``, ``ERR L15 @10 ' of'``, ``TOK @3 'iff'``, ``LOGIT ' Paris'``."""
         kind = self.node_kind(i)
-        layer, pos, feature, _ = self._coordinates(i, kind)
+        layer, pos, feature, _ = self.coordinates(i, kind)
         token = repr(self.tokens[pos])
         if kind == "feature":
             return f"F L{layer}/#{feature} @{pos} {token}"
@@ -168,11 +170,12 @@ class AttributionGraph:
         if pruned:
             full = full * self.prune().edge_mask
         target, source = full.nonzero(as_tuple=True)
+        labels = pd.Series([self.label(i) for i in range(self.layout.n_nodes)])
         return pd.DataFrame({
             "source": source.tolist(), "target": target.tolist(),
             "weight": full[target, source].tolist(),
-            "source_label": [self.label(int(i)) for i in source],
-            "target_label": [self.label(int(i)) for i in target]})
+            "source_label": labels[source.numpy()].to_numpy(),
+            "target_label": labels[target.numpy()].to_numpy()})
 
     def to_json(self, path: str | Path | None = None, **kwargs: Any) -> dict:
         """The circuit-tracer / Neuronpedia graph JSON (:func:`~.export.graph_json`); written

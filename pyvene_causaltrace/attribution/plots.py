@@ -20,7 +20,7 @@ def _positions(graph, keep) -> dict[int, tuple[float, float]]:
     cells: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in keep:
         kind = graph.node_kind(i)
-        layer, pos, _, _ = graph._coordinates(i, kind)
+        layer, pos, _, _ = graph.coordinates(i, kind)
         row = {"token": -1, "logit": graph.n_layers}.get(kind, layer)
         cells[(row, pos)].append(i)
     xy = {}
