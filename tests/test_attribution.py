@@ -128,10 +128,12 @@ def test_logit_difference_graph_closes(tmp_path, tokenizer):
     assert graph.feature_closure() < 1e-4
 
 
-@pytest.fixture(scope="module")
-def graph(tmp_path_factory, tokenizer):
-    model, clt = _setup("llama", tmp_path_factory.mktemp("g"))
-    return attribute(model, tokenizer, clt, PROMPT, batch_size=16)
+@pytest.fixture(scope="module", params=("gpt2", "llama", "qwen3"))
+def graph(request, tmp_path_factory, tokenizer):
+    model, clt = _setup(request.param, tmp_path_factory.mktemp("g"))
+    graph = attribute(model, tokenizer, clt, PROMPT, batch_size=16)
+    graph.metadata["arch"] = request.param
+    return graph
 
 
 def test_attribute_builds_the_full_adjacency(graph, tokenizer, tmp_path):
@@ -143,7 +145,7 @@ def test_attribute_builds_the_full_adjacency(graph, tokenizer, tmp_path):
     same_or_later = layers[None, :] >= layers[:, None]
     assert graph.adjacency[:-1, :graph.n_features][same_or_later].abs().max() == 0
     # memory-capped batching and the loop give the same matrix
-    model, clt = _setup("llama", tmp_path)
+    model, clt = _setup(graph.metadata["arch"], tmp_path)
     looped = attribute(model, tokenizer, clt, PROMPT, loop=True)
     assert torch.allclose(graph.adjacency, looped.adjacency, atol=1e-5, rtol=1e-5)
     parts = graph.decomposition()
