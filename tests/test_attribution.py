@@ -157,8 +157,10 @@ def test_memory_cap_sets_the_batch_and_refuses_a_prompt_that_cannot_fit(tmp_path
     model, clt = _setup("llama", tmp_path)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     run = run_local_replacement(model, clt, ids)
-    small, large = (batch_size_for(run, run.forward_bytes, mb) for mb in (20, 200))
+    small, large = (batch_size_for(run, run.forward_bytes, mb, max_batch=4096)
+                    for mb in (5, 50))
     assert 1 <= small < large
+    assert batch_size_for(run, run.forward_bytes, 50) == 8  # the CPU default's ceiling
     with pytest.raises(MemoryCapError, match="memory cap"):
         attribute(model, tokenizer, clt, PROMPT * 4, memory_mb=0.5)
 
