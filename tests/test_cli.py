@@ -138,5 +138,5 @@ def test_attribute_writes_the_graph_files(model_dir, tmp_path, capsys):
                  " Paris is lovely", "--out", str(out)]) == 2
     assert "single-token" in capsys.readouterr().err
     assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--answer",
-                 " the", "--memory-mb", "0.05", "--out", str(out)]) == 2
+                 " the", "--memory-mb", "0.001", "--out", str(out)]) == 2
     assert "memory cap" in capsys.readouterr().err

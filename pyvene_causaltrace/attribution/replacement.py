@@ -31,7 +31,7 @@ from ..clt.transcoder import CrossLayerTranscoder, check_fits
 from ..interventions.clt_splice import ActiveFeatures, clt_splice_representations
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
 from ..interventions.leaf import GradientLeaf
-from ..models import get_adapter
+from ..models import get_adapter, get_module
 
 
 class UnsupportedAttributionError(ValueError):
@@ -162,7 +162,10 @@ def run_local_replacement(
         for p in constants:
             p.requires_grad_(True)
         pv_model = intervenable_model_class()(reps, model)
-        with torch.enable_grad(), _count_saved_bytes(model) as saved:
+        replaced = [get_module(model, adapter.module_path(part, layer))
+                    for layer in range(clt.n_layers)
+                    for part in (("mlp", "attn") if freeze else ("mlp",))]
+        with torch.enable_grad(), _count_saved_bytes(model) as saved, _no_grad_inside(replaced):
             _, out = pv_model(base={"input_ids": input_ids, "use_cache": False})
     finally:
         for p, flag in flags:
@@ -188,6 +191,38 @@ def run_local_replacement(
         frozen=freeze,
         forward_bytes=saved["bytes"],
     )
+
+
+@contextmanager
+def _no_grad_inside(modules: list[nn.Module]) -> Iterator[None]:
+    """Run ``modules`` without building an autograd graph.
+
+    Their outputs are replaced (MLPs by the splice, attention by its frozen recomputation),
+    but pyvene writes a replacement *into* the original output tensor, which would keep the
+    original computation in the graph: every backward pass — one per batch of adjacency rows —
+    would push zeros through it. Our hooks run before pyvene's (registered first), so the
+    interventions see grad mode restored.
+    """
+    handles = []
+    for module in modules:
+        def off(_module, _args):
+            _module.__dict__["_pvct_grad"] = torch.is_grad_enabled()
+            torch.set_grad_enabled(False)
+
+        def on(_module, _args, output):
+            torch.set_grad_enabled(_module.__dict__.pop("_pvct_grad", True))
+            # a fresh tensor, not a no-grad view: pyvene writes into it in place
+            if isinstance(output, tuple):
+                return (output[0].clone(), *output[1:])
+            return output.clone()
+
+        handles += [module.register_forward_pre_hook(off), module.register_forward_hook(on)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        torch.set_grad_enabled(True)
 
 
 @contextmanager

@@ -68,7 +68,8 @@ class ActiveFeatures:
 
 
 def _leaf_session(session: dict) -> dict:
-    return session.setdefault("leaves", {"features": {}, "errors": {}, "resid_mid": {}})
+    return session.setdefault("leaves", {"features": {}, "writes": {}, "errors": {},
+                                         "resid_mid": {}})
 
 
 class _CLTIntervention(CausalTraceIntervention):
@@ -144,6 +145,8 @@ class CLTSplice(_CLTIntervention):
     def _leaf_forward(self, base: torch.Tensor, clt, layer: int, start: int,
                       leaves: dict) -> torch.Tensor:
         if self._config["role"] == "encode":
+            if base.shape[0] != 1:
+                raise ValueError("a leaf-mode splice runs one prompt (batch 1)")
             with torch.no_grad():
                 acts = clt.encode(base, layer)
                 acts[:, :start] = 0
@@ -151,23 +154,46 @@ class CLTSplice(_CLTIntervention):
                 unique, inverse = feature.unique(return_inverse=True)
                 decoder = clt.decoder_rows(layer, unique)[inverse]
             value = acts[row, position, feature].detach().requires_grad_(True)
-            leaves["features"][layer] = ActiveFeatures(row, position, feature, value, decoder)
+            active = ActiveFeatures(row, position, feature, value, decoder)
+            leaves["features"][layer] = active
+            leaves["writes"][layer] = _writes(active, base.shape[1], clt.n_layers - layer,
+                                              clt.cfg.d_model)
             leaves["resid_mid"][layer] = base
             if "b_dec" not in leaves:
                 leaves["b_dec"] = clt.b_dec.detach().clone().requires_grad_(True)
             return base
-        batch, n_pos, d_model = base.shape
-        flat = torch.zeros(batch * n_pos, d_model, dtype=clt.dtype, device=base.device)
+        recon = leaves["b_dec"][layer].expand(base.shape[1], -1)
         for source_layer in range(layer + 1):
-            active = leaves["features"].get(source_layer)
-            if active is None or active.value.numel() == 0:
-                continue
-            contrib = active.value[:, None] * active.decoder[:, layer - source_layer]
-            flat = flat.index_add(0, active.row * n_pos + active.position, contrib)
-        recon = (flat.reshape(batch, n_pos, d_model) + leaves["b_dec"][layer]).to(base.dtype)
+            writes = leaves["writes"].get(source_layer)
+            if writes is not None:
+                recon = recon + writes[layer - source_layer]
+        recon = recon[None].to(base.dtype)
         error = (base - recon).detach().requires_grad_(True)
         leaves["errors"][layer] = error
         return recon + error
+
+
+def _writes(active: ActiveFeatures, n_pos: int, n_targets: int,
+            d_model: int) -> tuple[torch.Tensor, ...] | None:
+    """What one layer's leaf features write into each later layer: ``n_targets`` tensors
+    ``[P, D]``. One matrix product per position (features there times their decoder rows), so
+    that the backward pass — run once per adjacency row — is a few matrix products that read
+    each decoder row once per batch of rows, not an elementwise product per (source, target)
+    layer pair."""
+    if active.value.numel() == 0:
+        return None
+    counts = torch.bincount(active.position, minlength=n_pos).tolist()
+    zeros = active.decoder.new_zeros(n_targets * d_model)
+    per_position, offset = [], 0
+    for count in counts:
+        if count == 0:
+            per_position.append(zeros)
+            continue
+        values = active.value[offset:offset + count]
+        rows = active.decoder[offset:offset + count].reshape(count, -1)
+        per_position.append(values @ rows)
+        offset += count
+    return torch.stack(per_position).reshape(n_pos, n_targets, d_model).unbind(1)
 
 
 class FeatureAblate(_CLTIntervention):
