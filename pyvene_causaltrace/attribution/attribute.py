@@ -57,7 +57,7 @@ def attribute(
 
     ``memory_mb`` caps the forward graph plus the batched gradient rows (a prompt whose graph
     and one row exceed it raises :class:`~.edges.MemoryCapError`); rows per backward are as many
-    as fit, at most ``max_batch`` (default: 8 on CPU, 512 on GPU, the fastest measured);
+    as fit, at most ``max_batch`` (default: 32 on CPU, the fastest measured; 512 on GPU);
     ``batch_size`` fixes them instead; ``loop=True`` uses one backward per node (the reference).
     """
     if not prompt:

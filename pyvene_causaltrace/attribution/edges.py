@@ -146,15 +146,16 @@ def graph_bytes(run: ReplacementRun) -> int:
 def row_bytes(run: ReplacementRun, forward_bytes: int) -> int:
     """Estimated bytes one batched gradient row costs: its leaf gradients (twice: computed and
     accumulated), its edge row, and an eighth of the forward's saved activations for the
-    batched activation gradients alive at once. Measured on SmolLM2 (CPU, 9 tokens): 5.7-10.6
-    MB per row against this estimate's 17.7 MB (benchmarks/attribution_speed.py)."""
+    batched activation gradients alive at once. Measured on SmolLM2 (CPU, 9 tokens, forward
+    graph 63 MB): 2.2-4.6 MB per row at 8-128 rows per backward, against this estimate's 9.3 MB
+    (benchmarks/attribution_speed.py)."""
     width = run.n_features + (run.n_layers + 1) * run.n_pos
     return 2 * graph_bytes(run) + 4 * width + forward_bytes // 8
 
 
-#: Rows per backward when the memory cap allows more: on 2 CPU cores 6-8 rows per backward were
-#: fastest (17-19 ms/row against 24-27 at 32-128 rows, SmolLM2); GPUs want wide batches.
-DEFAULT_MAX_BATCH = {"cpu": 8, "cuda": 512}
+#: Rows per backward when the memory cap allows more: on 2 CPU cores 32 rows per backward were
+#: fastest (SmolLM2: 2.7 ms/row against 4.0 at 8 and 3.4 at 128); GPUs want wide batches.
+DEFAULT_MAX_BATCH = {"cpu": 32, "cuda": 512}
 
 
 def batch_size_for(run: ReplacementRun, forward_bytes: int, memory_mb: float,

@@ -58,7 +58,7 @@ def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.
                   | set(range(graph.layout.tokens.start, graph.layout.n_nodes)))
     xy = _positions(graph, keep)
     fig, ax = plt.subplots(figsize=(max(6.0, graph.n_pos * 1.1),
-                                    max(5.0, graph.n_layers * 0.3 + 2)), dpi=150)
+                                    max(5.0, graph.n_layers * 0.3 + 2)), dpi=100)
     top = float(weights.abs().max()) if len(weights) else 1.0
     for k in reversed(order.tolist()):
         t, s, w = int(target[k]), int(source[k]), float(weights[k])
