@@ -3,6 +3,7 @@
     from pyvene_causaltrace import load_model, trace
     model, tokenizer = load_model("smollm2-135m")
     result = trace(model, tokenizer, "The Eiffel Tower is in the city of", "The Eiffel Tower")
+    graph = attribute(model, tokenizer, clt, "The Eiffel Tower is in the city of", " Paris")
 
 Names are imported lazily: importing the package imports neither pyvene nor transformers and
 changes nothing but this package's own registry.
@@ -37,6 +38,8 @@ _EXPORTS = {
     "build_interventions": ".tracing.run",
     "to_pv_config": ".tracing.run",
     "CrossLayerTranscoder": ".clt",
+    "attribute": ".attribution",
+    "AttributionGraph": ".attribution",
     "register_intervention": ".interventions",
     "get_intervention": ".interventions",
     "list_interventions": ".interventions",
