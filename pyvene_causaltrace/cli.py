@@ -125,7 +125,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="ablate the top 5/10/20 features vs 10 random draws of as many")
     graph.add_argument("--out", type=Path, required=True,
                        help="writes graph.json (viewer format), graph.pt, nodes.csv, "
-                            "edges.csv, graph.png, summary.json")
+                            "edges.csv, graph.png, summary.json; rows computed so far are "
+                            "kept in rows.partial.pt, so an interrupted run resumes")
 
     commands.add_parser("interventions", help="list the registered intervention types")
     return parser
@@ -368,10 +369,11 @@ def _attribute(args) -> int:
     s = _attribution_settings(args)
     model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
     clt = CrossLayerTranscoder.from_pretrained(s["clt"])
-    graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=s["target"],
-                      other=s["other"], k=s["k"], memory_mb=s["memory_mb"], progress=True)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=s["target"],
+                      other=s["other"], k=s["k"], memory_mb=s["memory_mb"], progress=True,
+                      checkpoint=out / "rows.partial.pt")  # an interrupted run resumes
     c = graph.closure
     print(f"{graph.prompt!r} -> {graph.answer!r} (p={graph.answer_prob:.4f}); "
           f"{graph.n_features} active features, {graph.metadata['batch_size']} rows/backward")

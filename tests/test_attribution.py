@@ -5,6 +5,7 @@ per-node loop, reading (influence, pruning, scores), export, pictures, bad reque
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import pytest
@@ -204,6 +205,16 @@ def test_reading_tables_export_and_round_trip(graph, tmp_path):
     assert json.loads((tmp_path / "graph.json").read_text()) == payload
     ids = {n["node_id"] for n in payload["nodes"]}
     assert all(link["source"] in ids and link["target"] in ids for link in payload["links"])
+    # the field order and id formats of circuit-tracer's own fixture graphs
+    assert list(payload["nodes"][0]) == [
+        "node_id", "feature", "layer", "ctx_idx", "feature_type", "token_prob",
+        "is_target_logit", "run_idx", "reverse_ctx_idx", "jsNodeId", "clerp", "influence",
+        "activation"]
+    for node in payload["nodes"]:
+        kind, node_id = node["feature_type"], node["node_id"]
+        pattern = {"cross layer transcoder": r"\d+_\d+_\d+", "mlp reconstruction error":
+                   r"\d+_-1_\d+", "embedding": r"E_\d+_\d+", "logit": r"\d+_\d+_\d+"}[kind]
+        assert re.fullmatch(pattern, node_id), node_id
     kinds = {n["feature_type"] for n in payload["nodes"]}
     assert {"cross layer transcoder", "embedding", "logit"} <= kinds
     assert len(set(node_ids(graph))) == graph.layout.n_nodes  # ids never collide
@@ -232,3 +243,32 @@ def test_bad_requests_get_clear_errors(tmp_path, tokenizer):
         gemma_clt = load_from_disk(str(write_clt(tmp_path / "g2", random_clt_tensors(3, 32, 48))))
     with pytest.raises(UnsupportedAttributionError, match="soft-caps"):
         attribute(gemma, tokenizer, gemma_clt, PROMPT)
+
+
+def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
+    import importlib
+
+    attribute_module = importlib.import_module("pyvene_causaltrace.attribution.attribute")
+
+    model, clt = _setup("llama", tmp_path)
+    whole = attribute(model, tokenizer, clt, PROMPT, batch_size=16)
+    monkeypatch.setattr(attribute_module, "SAVE_EVERY_S", 0.0)
+    real, calls, interrupt = attribute_module.feature_rows, [], [True]
+
+    def failing(run, index):
+        calls.append(len(index))
+        if len(calls) == 4 and interrupt:
+            interrupt.clear()
+            raise RuntimeError("interrupted")
+        return real(run, index)
+
+    monkeypatch.setattr(attribute_module, "feature_rows", failing)
+    checkpoint = tmp_path / "rows.pt"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
+    assert torch.load(checkpoint, weights_only=False)["rows"].shape[0] == 48
+    calls.clear()
+    resumed = attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
+    assert sum(calls) == whole.n_features - 48  # only the missing rows were computed
+    assert torch.equal(resumed.adjacency, whole.adjacency)
+    assert not checkpoint.exists()

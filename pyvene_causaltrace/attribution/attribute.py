@@ -7,6 +7,11 @@ memory cap (:mod:`.edges`); package the graph.
 
 from __future__ import annotations
 
+import os
+import time
+import warnings
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -24,6 +29,49 @@ from .edges import (
 from .graph import AttributionGraph
 from .replacement import run_local_replacement
 from .targets import Target, demeaned_logit, logit_difference
+
+#: How often a checkpointed run saves its rows.
+SAVE_EVERY_S = 30.0
+
+
+def _run_key(run, goal: Target, clt: CrossLayerTranscoder, freeze: bool) -> dict:
+    """What must match for saved rows to belong to this graph."""
+    return {"input_ids": run.input_ids[0].tolist(), "target": goal.describe(),
+            "clt": clt.source or clt.cfg.model_name, "freeze": freeze,
+            "features": [run.feature_layer.tolist(), run.feature_position.tolist(),
+                         run.feature_id.tolist()]}
+
+
+class _Checkpoint:
+    """Rows computed so far, on disk (atomic replace), keyed by :func:`_run_key`."""
+
+    def __init__(self, path: str | Path | None, key: dict) -> None:
+        self.path = None if path is None else Path(path)
+        self.key = key
+        self.last = time.monotonic()
+
+    def load(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self.path is None or not self.path.exists():
+            return [], []
+        saved = torch.load(self.path, weights_only=False)
+        if saved.get("key") != self.key:
+            warnings.warn(f"{self.path} holds rows of another graph; starting afresh",
+                          stacklevel=3)
+            return [], []
+        return [saved["rows"]], [saved["constants"]]
+
+    def maybe_save(self, rows: list[torch.Tensor], constants: list[torch.Tensor]) -> None:
+        if self.path is None or time.monotonic() - self.last < SAVE_EVERY_S:
+            return
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        torch.save({"key": self.key, "rows": torch.cat(rows),
+                    "constants": torch.cat(constants)}, tmp)
+        os.replace(tmp, self.path)
+        self.last = time.monotonic()
+
+    def remove(self) -> None:
+        if self.path is not None and self.path.exists():
+            self.path.unlink()
 
 
 def make_target(logits: torch.Tensor, tokenizer, answer: str | None, *, kind: str = "demeaned",
@@ -50,7 +98,7 @@ def attribute(
     answer: str | None = None, *, target: str = "demeaned", other: str | None = None,
     k: int = 10, memory_mb: float = 4096, batch_size: int | None = None,
     max_batch: int | None = None, freeze: bool = True, loop: bool = False,
-    progress: bool = False,
+    progress: bool = False, checkpoint: str | Path | None = None,
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next-token ``answer`` (a single token; default:
     the clean argmax) through ``clt``.
@@ -59,6 +107,9 @@ def attribute(
     and one row exceed it raises :class:`~.edges.MemoryCapError`); rows per backward are as many
     as fit, at most ``max_batch`` (default: 32 on CPU, the fastest measured; 512 on GPU);
     ``batch_size`` fixes them instead; ``loop=True`` uses one backward per node (the reference).
+    With ``checkpoint`` (a file path) the rows computed so far are saved every ``SAVE_EVERY_S``
+    seconds and an interrupted call with the same inputs resumes from them; the file is removed
+    when the graph is complete.
     """
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -72,17 +123,22 @@ def attribute(
 
     n = run.n_features
     size = batch_size or batch_size_for(run, run.forward_bytes, memory_mb, max_batch)
-    rows, constants = [], []
-    chunks = batches(n, size)
+    store = _Checkpoint(checkpoint, _run_key(run, goal, clt, freeze))
+    rows, constants = store.load()
+    done = sum(len(r) for r in rows)
+    chunks = (index + done for index in batches(n - done, size))
     if progress:
         from tqdm.auto import tqdm
 
-        chunks = tqdm(chunks, total=n_batches(n, size), desc="adjacency rows", unit="batch")
+        chunks = tqdm(chunks, total=n_batches(n - done, size), desc="adjacency rows",
+                      unit="batch")
     compute = feature_rows_loop if loop else feature_rows
     for index in chunks:
         r, c = compute(run, index.to(run.feature_layer.device))
         rows.append(r.float().cpu())
         constants.append(c.float().cpu())
+        store.maybe_save(rows, constants)
+    store.remove()
     with torch.no_grad():
         row_targets = feature_targets(run, torch.arange(n, device=run.feature_layer.device))
     logit_row = logit_row.float().cpu()
