@@ -272,3 +272,22 @@ def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, m
     assert sum(calls) == whole.n_features - 48  # only the missing rows were computed
     assert torch.equal(resumed.adjacency, whole.adjacency)
     assert not checkpoint.exists()
+
+
+def test_ablation_test_runs_in_the_spliced_model_with_the_clean_error(tmp_path, tokenizer):
+    from pyvene_causaltrace.attribution.validate import ablation_test, answer_prob
+    from pyvene_causaltrace.interventions.clt_splice import clean_errors
+
+    model, clt = _setup("qwen3", tmp_path)
+    graph = attribute(model, tokenizer, clt, PROMPT)
+    result = ablation_test(model, clt, graph, sizes=(3, 1000), draws=2)
+    assert abs(result.spliced_prob - result.clean_prob) < 1e-5
+    everything = graph.n_features
+    assert set(result.top) == {3, everything}  # sizes are capped at the active features
+    # ablating every active feature leaves b_dec + the clean error: one number, any order
+    assert result.random[everything][0] == pytest.approx(result.top[everything], abs=1e-6)
+    ids = torch.tensor([graph.input_ids])
+    one = answer_prob(model, clt, ids, clean_errors(clt, model, ids), graph.target["token"],
+                      [0], graph)
+    assert one != pytest.approx(result.spliced_prob, abs=1e-9)
+    assert list(result.to_dataframe().columns)[:3] == ["n_ablated", "top_prob", "random_mean"]

@@ -84,5 +84,9 @@ def test_shipped_attribution_spec_runs_from_the_cli(smollm2, tmp_path, capsys):
     assert summary["closure"]["relative"] < 1e-4
     assert summary["feature_closure"] < 1e-4
     assert set(summary["ablation"]["top"]) == {"5", "10", "20"}
+    # the spliced model with the clean error fixed is the model until something is ablated
+    ablation = summary["ablation"]
+    assert abs(ablation["spliced_prob"] - ablation["clean_prob"]) < 1e-4
+    assert ablation["top"]["20"] != ablation["spliced_prob"]
     assert main(["run", str(SPEC_DIR / "attribution_graph.json")]) == 2
     assert "attribute --spec" in capsys.readouterr().err
