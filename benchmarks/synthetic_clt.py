@@ -80,9 +80,11 @@ def synthetic_model_and_clt(shape: str, device: str = "cpu", features_per_positi
     ids = tokenizer(calibration, return_tensors="pt")["input_ids"].to(device)
     with torch.no_grad():
         mid = hook_states(model, ids, ("mid",))["mid"]  # [L, P, D]
-        k = max(1, int(round(features_per_position)))
+        # per layer: the value exceeded by features_per_position x (P - 1) pre-activations
+        # over positions 1.. (position 0 is zeroed anyway)
+        count = max(1, int(round(features_per_position * (mid.shape[1] - 1))))
         threshold = torch.stack([
-            (mid[layer] @ W_enc[layer].T).topk(k + 1, dim=-1).values[:, -1].median()
+            (mid[layer, 1:] @ W_enc[layer].T).flatten().topk(count + 1).values[-1]
             .expand(n_features) for layer in range(n_layers)])
     W_dec = [RepeatingDecoder(n_features, n_layers - layer, d_model, device, seed=layer)
              for layer in range(n_layers)]
