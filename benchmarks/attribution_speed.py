@@ -6,9 +6,11 @@ per-node loop, side by side on the same prompt and the same rows.
         # random-init Llama-3.2-1B shape + random CLT of the real shape, ~12 features/position
 
 Each method runs in a fresh process (so peak memory is its own): build the local replacement
-model once, then every feature row either one backward per node (the loop) or ``B`` rows per
+model once, then every feature row either one backward per node (the loop), ``B`` rows per
 backward (``torch.autograd.grad(..., is_grads_batched=True)``: one forward graph, batched
-seeds). Memory is reported as the peak above the process's state after the forward (RSS on
+seeds), or circuit-tracer's way (``replicated``: the prompt copied into a batch of ``B`` rows,
+one forward, then one backward per ``B`` feature rows, each batch row seeded with its own
+target). Memory is reported as the peak above the process's state after the forward (RSS on
 CPU, ``max_memory_allocated`` on GPU); the forward graph's own size and the memory cap's
 estimate are printed beside it. Rows are compared with the loop's.
 """
@@ -61,6 +63,49 @@ def load(args):
     return model, tokenizer, load_from_disk(str(FITTED), device=args.device)
 
 
+def replicated_rows(model, clt, ids, index: torch.Tensor, size: int):
+    """circuit-tracer's method: ``size`` copies of the prompt in one forward; each backward
+    seeds copy ``b`` with the ``b``-th target's encoder row. Returns the rows of ``index``."""
+    from pyvene_causaltrace.attribution.edges import batches
+    from pyvene_causaltrace.attribution.replacement import run_local_replacement
+
+    rep = run_local_replacement(model, clt, ids.expand(size, -1).contiguous())
+    counts = [f.value.numel() // size for f in rep.features]
+    if any(f.value.numel() != c * size for f, c in zip(rep.features, counts, strict=True)):
+        raise RuntimeError("the copies activate different features (batch-shape rounding)")
+    starts = torch.tensor([0, *counts]).cumsum(0)
+    layer_of = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    inputs = rep.node_inputs()
+    out = []
+    for chunk in batches(len(index), size):
+        nodes = index[chunk]
+        layers = layer_of[nodes]
+        outputs, seeds = [], []
+        for layer in layers.unique().tolist():
+            state = rep.resid_mid[layer]
+            seed = torch.zeros_like(state)
+            for b in (layers == layer).nonzero().squeeze(-1).tolist():
+                local = int(nodes[b] - starts[layer])
+                f = rep.features[layer]
+                pos, fid = int(f.position[local]), int(f.feature[local])
+                seed[b, pos] = clt.encoder_weight(layer)[fid].to(state.dtype)
+            outputs.append(state)
+            seeds.append(seed)
+        grads = torch.autograd.grad(outputs, inputs, seeds, retain_graph=True, allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads,
+                                                                         strict=True)]
+        n_layers = len(counts)
+        for b in range(len(nodes)):
+            parts = [(v.detach().reshape(size, -1)[b] * g.reshape(size, -1)[b])
+                     for v, g in zip(rep.feature_values, grads[:n_layers], strict=True)]
+            parts += [(e.detach()[b] * g[b]).sum(-1)
+                      for e, g in zip(rep.errors, grads[n_layers:2 * n_layers], strict=True)]
+            parts.append(sum((e.detach()[b] * g[b]).sum(-1)
+                             for e, g in zip(rep.embeddings, grads[2 * n_layers:], strict=True)))
+            out.append(torch.cat(parts).float().cpu())
+    return torch.stack(out)
+
+
 def one(args) -> dict:
     """One method in this process; prints a JSON line."""
     from pyvene_causaltrace.attribution.edges import (
@@ -74,6 +119,8 @@ def one(args) -> dict:
     model, tokenizer, clt = load(args)
     ids = tokenizer(PROMPTS[args.prompt], return_tensors="pt")["input_ids"].to(args.device)
     cuda = args.device.startswith("cuda")
+    if args.method == "replicated":  # circuit-tracer's: its own forward of batch B
+        return _replicated(args, model, clt, ids, cuda)
     run = run_local_replacement(model, clt, ids)
     n = run.n_features if args.rows is None else min(args.rows, run.n_features)
     index = torch.linspace(0, run.n_features - 1, n).round().long().unique()
@@ -109,6 +156,34 @@ def one(args) -> dict:
             "device": args.device}
 
 
+def _replicated(args, model, clt, ids, cuda: bool) -> dict:
+    from pyvene_causaltrace.attribution.replacement import run_local_replacement
+
+    with torch.no_grad():
+        n_features = run_local_replacement(model, clt, ids).n_features
+    n = n_features if args.rows is None else min(args.rows, n_features)
+    index = torch.linspace(0, n_features - 1, n).round().long().unique()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        base = current_rss_mb()
+    start = time.perf_counter()
+    rows = replicated_rows(model, clt, ids, index, args.batch)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb()) - base
+    if args.save:
+        torch.save(rows, args.save)
+    return {"method": "replicated", "batch": args.batch, "prompt": args.prompt,
+            "tokens": int(ids.shape[1]), "features": n_features, "rows": len(index),
+            "ms_per_row": 1000 * seconds / len(index), "seconds": seconds,
+            "peak_extra_mb": peak, "forward_graph_mb": float("nan"), "device": args.device,
+            "note": "peak includes its own batch-B forward"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -117,6 +192,8 @@ def main() -> None:
     parser.add_argument("--prompts", default="eiffel,long")
     parser.add_argument("--batches", default="8,32,128")
     parser.add_argument("--memory-caps", default="1024", help="MB; batch from the cap's estimate")
+    parser.add_argument("--replicated", default="32",
+                        help="batch sizes for circuit-tracer's replicated forward ('' = none)")
     parser.add_argument("--rows", type=int, default=None, help="feature rows (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON results here")
     # one-method mode (used by the driver)
@@ -144,6 +221,8 @@ def main() -> None:
         runs += [(f"batched B={b}", ["--batch", b]) for b in args.batches.split(",")]
         runs += [(f"batched cap {c} MB", ["--memory-mb", c]) for c in args.memory_caps.split(",")
                  if c]
+        runs += [(f"replicated B={b}", ["--method", "replicated", "--batch", b])
+                 for b in args.replicated.split(",") if b]
         reference = None
         for label, extra in runs:
             save = tmp / f"{prompt}-{len(results)}.pt"

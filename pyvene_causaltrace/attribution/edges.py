@@ -80,6 +80,8 @@ class Closure:
 
 def target_row(run: ReplacementRun, target: Target) -> tuple[torch.Tensor, float, Closure]:
     """The target's row (one backward), its constant and its :class:`Closure`."""
+    if run.input_ids.shape[0] != 1:
+        raise ValueError("edges are computed for one prompt: run input_ids of shape [1, P]")
     value = target(run.logits)
     grads = torch.autograd.grad(value, run.inputs(), retain_graph=True, allow_unused=True)
     rows, constant = edges_from_grads(run, grads)
@@ -90,21 +92,21 @@ def target_row(run: ReplacementRun, target: Target) -> tuple[torch.Tensor, float
 def feature_targets(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:
     """Pre-activations ``W_enc[l, f] . resid_mid[l, pos]`` (no ``b_enc``) of feature nodes."""
     layers, positions = run.feature_layer[index], run.feature_position[index]
-    states = torch.stack([run.resid_mid[layer][pos]
+    states = torch.stack([run.resid_mid[layer][0, pos]
                           for layer, pos in zip(layers.tolist(), positions.tolist(), strict=True)])
     return (states.to(run.encoder_rows.dtype) * run.encoder_rows[index]).sum(-1)
 
 
 def _seeds(run: ReplacementRun, index: torch.Tensor) -> tuple[list, list]:
     """Batched gradient seeds: for each layer the rows of ``index`` live in, a
-    ``[B, P, D]`` tensor holding each row's encoder vector at its position."""
+    ``[B, 1, P, D]`` tensor holding each row's encoder vector at its position."""
     layers = run.feature_layer[index]
     outputs, seeds = [], []
     for layer in layers.unique().tolist():
         state = run.resid_mid[layer]
         seed = torch.zeros(len(index), *state.shape, dtype=state.dtype, device=state.device)
         rows = (layers == layer).nonzero().squeeze(-1)
-        seed[rows, run.feature_position[index[rows]]] = \
+        seed[rows, 0, run.feature_position[index[rows]]] = \
             run.encoder_rows[index[rows]].to(state.dtype)
         outputs.append(state)
         seeds.append(seed)

@@ -45,7 +45,7 @@ class ReplacementRun:
     Feature nodes are ordered layer, then position, then feature id; ``feature_layer`` etc. give
     each node's coordinates and ``activation`` its value. ``errors[l]`` is ``[1, P, D]``;
     ``embeddings`` are the token (and position) embedding outputs ``[1, P, D]``; ``constants`` are
-    the model's additive bias parameters; ``resid_mid[l]`` is the live ``[P, D]`` input of
+    the model's additive bias parameters; ``resid_mid[l]`` is the live ``[1, P, D]`` input of
     layer ``l``'s feature encoders.
     """
 
@@ -131,16 +131,18 @@ def run_local_replacement(
     model: nn.Module, clt: CrossLayerTranscoder, input_ids: torch.Tensor, *,
     freeze: bool = True, from_position: int = 1,
 ) -> ReplacementRun:
-    """Run ``input_ids`` (``[1, P]``) through the local replacement model (module docstring).
+    """Run ``input_ids`` through the local replacement model (module docstring).
+
+    The edge functions take one prompt (``[1, P]``); a batch of copies is what circuit-tracer's
+    replicated-forward method runs (``benchmarks/attribution_speed.py`` compares with it).
 
     ``freeze=False`` leaves attention patterns and norm scales live (the closure check's
     control: the edges then no longer sum to the target).
     """
     from ..pyvene_compat import intervenable_model_class
 
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"attribution takes one prompt: input_ids [1, P], got "
-                         f"{tuple(input_ids.shape)}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, P], got {tuple(input_ids.shape)}")
     check_fits(clt, model)
     check_linearisable(model)
     adapter = get_adapter(model)
@@ -186,7 +188,7 @@ def run_local_replacement(
         embeddings=embeddings,
         b_dec=leaves["b_dec"],
         constants=constants,
-        resid_mid=[leaves["resid_mid"][layer][0] for layer in range(clt.n_layers)],
+        resid_mid=[leaves["resid_mid"][layer] for layer in range(clt.n_layers)],
         encoder_rows=encoder_rows,
         frozen=freeze,
         forward_bytes=saved["bytes"],

@@ -145,8 +145,6 @@ class CLTSplice(_CLTIntervention):
     def _leaf_forward(self, base: torch.Tensor, clt, layer: int, start: int,
                       leaves: dict) -> torch.Tensor:
         if self._config["role"] == "encode":
-            if base.shape[0] != 1:
-                raise ValueError("a leaf-mode splice runs one prompt (batch 1)")
             with torch.no_grad():
                 acts = clt.encode(base, layer)
                 acts[:, :start] = 0
@@ -156,33 +154,35 @@ class CLTSplice(_CLTIntervention):
             value = acts[row, position, feature].detach().requires_grad_(True)
             active = ActiveFeatures(row, position, feature, value, decoder)
             leaves["features"][layer] = active
-            leaves["writes"][layer] = _writes(active, base.shape[1], clt.n_layers - layer,
+            leaves["writes"][layer] = _writes(active, base.shape[:2], clt.n_layers - layer,
                                               clt.cfg.d_model)
             leaves["resid_mid"][layer] = base
             if "b_dec" not in leaves:
                 leaves["b_dec"] = clt.b_dec.detach().clone().requires_grad_(True)
             return base
-        recon = leaves["b_dec"][layer].expand(base.shape[1], -1)
+        recon = leaves["b_dec"][layer].expand(base.shape)
         for source_layer in range(layer + 1):
             writes = leaves["writes"].get(source_layer)
             if writes is not None:
                 recon = recon + writes[layer - source_layer]
-        recon = recon[None].to(base.dtype)
+        recon = recon.to(base.dtype)
         error = (base - recon).detach().requires_grad_(True)
         leaves["errors"][layer] = error
         return recon + error
 
 
-def _writes(active: ActiveFeatures, n_pos: int, n_targets: int,
+def _writes(active: ActiveFeatures, shape: tuple[int, int], n_targets: int,
             d_model: int) -> tuple[torch.Tensor, ...] | None:
     """What one layer's leaf features write into each later layer: ``n_targets`` tensors
-    ``[P, D]``. One matrix product per position (features there times their decoder rows), so
-    that the backward pass — run once per adjacency row — is a few matrix products that read
-    each decoder row once per batch of rows, not an elementwise product per (source, target)
-    layer pair."""
+    ``[B, P, D]``. One matrix product per (row, position) (features there times their decoder
+    rows), so that the backward pass — run once per adjacency row — is a few matrix products
+    that read each decoder row once per batch of rows, not an elementwise product per (source,
+    target) layer pair. Features come sorted by row, then position (``nonzero`` order)."""
     if active.value.numel() == 0:
         return None
-    counts = torch.bincount(active.position, minlength=n_pos).tolist()
+    batch, n_pos = shape
+    cells = active.row * n_pos + active.position
+    counts = torch.bincount(cells, minlength=batch * n_pos).tolist()
     zeros = active.decoder.new_zeros(n_targets * d_model)
     per_position, offset = [], 0
     for count in counts:
@@ -193,7 +193,7 @@ def _writes(active: ActiveFeatures, n_pos: int, n_targets: int,
         rows = active.decoder[offset:offset + count].reshape(count, -1)
         per_position.append(values @ rows)
         offset += count
-    return torch.stack(per_position).reshape(n_pos, n_targets, d_model).unbind(1)
+    return torch.stack(per_position).reshape(batch, n_pos, n_targets, d_model).unbind(2)
 
 
 class FeatureAblate(_CLTIntervention):
