@@ -63,51 +63,64 @@ def load(args):
     return model, tokenizer, load_from_disk(str(FITTED), device=args.device)
 
 
-def replicated_rows(model, clt, ids, index: torch.Tensor, size: int):
+def replicated_rows(model, clt, ids, run, index: torch.Tensor, size: int) -> torch.Tensor:
     """circuit-tracer's method: ``size`` copies of the prompt in one forward; each backward
-    seeds copy ``b`` with the ``b``-th target's encoder row. Returns the rows of ``index``."""
-    from pyvene_causaltrace.attribution.edges import batches
+    seeds copy ``b`` with the ``b``-th target's encoder row. Returns the rows of ``index`` (node
+    order and leaf values of the batch-1 ``run``)."""
+    from pyvene_causaltrace.attribution.edges import batches, edges_from_grads
     from pyvene_causaltrace.attribution.replacement import run_local_replacement
 
     rep = run_local_replacement(model, clt, ids.expand(size, -1).contiguous())
-    counts = [f.value.numel() // size for f in rep.features]
-    if any(f.value.numel() != c * size for f, c in zip(rep.features, counts, strict=True)):
+    if rep.n_features != size * run.n_features:
         raise RuntimeError("the copies activate different features (batch-shape rounding)")
-    starts = torch.tensor([0, *counts]).cumsum(0)
-    layer_of = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
     inputs = rep.node_inputs()
     out = []
     for chunk in batches(len(index), size):
         nodes = index[chunk]
-        layers = layer_of[nodes]
+        layers = run.feature_layer[nodes]
         outputs, seeds = [], []
         for layer in layers.unique().tolist():
-            state = rep.resid_mid[layer]
+            state = rep.resid_mid[layer]  # [size, P, D]
             seed = torch.zeros_like(state)
-            for b in (layers == layer).nonzero().squeeze(-1).tolist():
-                local = int(nodes[b] - starts[layer])
-                f = rep.features[layer]
-                pos, fid = int(f.position[local]), int(f.feature[local])
-                seed[b, pos] = clt.encoder_weight(layer)[fid].to(state.dtype)
+            rows = (layers == layer).nonzero().squeeze(-1)
+            seed[rows, run.feature_position[nodes[rows]]] = \
+                run.encoder_rows[nodes[rows]].to(state.dtype)
             outputs.append(state)
             seeds.append(seed)
         grads = torch.autograd.grad(outputs, inputs, seeds, retain_graph=True, allow_unused=True)
-        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads,
-                                                                         strict=True)]
-        n_layers = len(counts)
-        for b in range(len(nodes)):
-            parts = [(v.detach().reshape(size, -1)[b] * g.reshape(size, -1)[b])
-                     for v, g in zip(rep.feature_values, grads[:n_layers], strict=True)]
-            parts += [(e.detach()[b] * g[b]).sum(-1)
-                      for e, g in zip(rep.errors, grads[n_layers:2 * n_layers], strict=True)]
-            parts.append(sum((e.detach()[b] * g[b]).sum(-1)
-                             for e, g in zip(rep.embeddings, grads[2 * n_layers:], strict=True)))
-            out.append(torch.cat(parts).float().cpu())
-    return torch.stack(out)
+        # copy b's gradients, shaped as a batch of gradients on the batch-1 run's leaves
+        batched = [None if g is None else g.reshape(size, *x.shape)
+                   for x, g in zip(run.node_inputs(), grads, strict=True)]
+        batched += [None] * (len(run.inputs()) - len(batched))  # constants: not compared
+        out.append(edges_from_grads(run, batched, batch=size)[0][:len(nodes)].float().cpu())
+    return torch.cat(out)
+
+
+def _row_index(n_features: int, rows: int | None) -> torch.Tensor:
+    """All feature rows, or ``rows`` of them spread evenly over the node order (layers)."""
+    n = n_features if rows is None else min(rows, n_features)
+    return torch.linspace(0, n_features - 1, n).round().long().unique()
+
+
+def _measure(compute, cuda: bool) -> tuple[torch.Tensor, float, float]:
+    """``(compute(), seconds, peak MB above the memory in use before it)``."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        base = current_rss_mb()
+    start = time.perf_counter()
+    value = compute()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb()) - base
+    return value, seconds, peak
 
 
 def one(args) -> dict:
-    """One method in this process; prints a JSON line."""
+    """One method in this process; returns its JSON record."""
     from pyvene_causaltrace.attribution.edges import (
         batch_size_for,
         batches,
@@ -118,70 +131,34 @@ def one(args) -> dict:
 
     model, tokenizer, clt = load(args)
     ids = tokenizer(PROMPTS[args.prompt], return_tensors="pt")["input_ids"].to(args.device)
-    cuda = args.device.startswith("cuda")
-    if args.method == "replicated":  # circuit-tracer's: its own forward of batch B
-        return _replicated(args, model, clt, ids, cuda)
     run = run_local_replacement(model, clt, ids)
-    n = run.n_features if args.rows is None else min(args.rows, run.n_features)
-    index = torch.linspace(0, run.n_features - 1, n).round().long().unique()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
-    else:
-        base = current_rss_mb()
-    if args.method == "loop":
-        size = 1
-    elif args.memory_mb:
-        size = batch_size_for(run, run.forward_bytes, args.memory_mb)
-    else:
+    index = _row_index(run.n_features, args.rows).to(run.feature_layer.device)
+    record = {"method": args.method, "prompt": args.prompt, "tokens": int(ids.shape[1]),
+              "features": run.n_features, "rows": len(index), "device": args.device,
+              "forward_graph_mb": run.forward_bytes / 2**20}
+    if args.method == "replicated":  # circuit-tracer's: its own forward of batch B
         size = args.batch
-    start = time.perf_counter()
-    out = []
-    for chunk in batches(len(index), size):
-        rows = (feature_rows_loop if args.method == "loop" else feature_rows)(
-            run, index[chunk].to(run.feature_layer.device))[0]
-        out.append(rows.cpu())
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb()) - base
-    rows = torch.cat(out)
-    if args.save:
-        torch.save(rows, args.save)
-    return {"method": args.method, "batch": size, "prompt": args.prompt,
-            "tokens": int(ids.shape[1]), "features": run.n_features, "rows": len(index),
-            "ms_per_row": 1000 * seconds / len(index), "seconds": seconds,
-            "peak_extra_mb": peak, "forward_graph_mb": run.forward_bytes / 2**20,
-            "device": args.device}
+        record["note"] = "peak includes its own batch-B forward"
 
-
-def _replicated(args, model, clt, ids, cuda: bool) -> dict:
-    from pyvene_causaltrace.attribution.replacement import run_local_replacement
-
-    with torch.no_grad():
-        n_features = run_local_replacement(model, clt, ids).n_features
-    n = n_features if args.rows is None else min(args.rows, n_features)
-    index = torch.linspace(0, n_features - 1, n).round().long().unique()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() / 2**20
+        def compute():
+            return replicated_rows(model, clt, ids, run, index, size)
     else:
-        base = current_rss_mb()
-    start = time.perf_counter()
-    rows = replicated_rows(model, clt, ids, index, args.batch)
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb()) - base
+        if args.method == "loop":
+            size = 1
+        elif args.memory_mb:
+            size = batch_size_for(run, run.forward_bytes, args.memory_mb)
+        else:
+            size = args.batch
+        method = feature_rows_loop if args.method == "loop" else feature_rows
+
+        def compute():
+            return torch.cat([method(run, index[chunk])[0].cpu()
+                              for chunk in batches(len(index), size)])
+    rows, seconds, peak = _measure(compute, args.device.startswith("cuda"))
     if args.save:
         torch.save(rows, args.save)
-    return {"method": "replicated", "batch": args.batch, "prompt": args.prompt,
-            "tokens": int(ids.shape[1]), "features": n_features, "rows": len(index),
-            "ms_per_row": 1000 * seconds / len(index), "seconds": seconds,
-            "peak_extra_mb": peak, "forward_graph_mb": float("nan"), "device": args.device,
-            "note": "peak includes its own batch-B forward"}
+    return {**record, "batch": size, "ms_per_row": 1000 * seconds / len(index),
+            "seconds": seconds, "peak_extra_mb": peak}
 
 
 def main() -> None:
@@ -218,7 +195,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     for prompt in args.prompts.split(","):
         runs = [("loop", ["--method", "loop"])]
-        runs += [(f"batched B={b}", ["--batch", b]) for b in args.batches.split(",")]
+        runs += [(f"batched B={b}", ["--batch", b]) for b in args.batches.split(",") if b]
         runs += [(f"batched cap {c} MB", ["--memory-mb", c]) for c in args.memory_caps.split(",")
                  if c]
         runs += [(f"replicated B={b}", ["--method", "replicated", "--batch", b])

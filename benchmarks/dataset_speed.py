@@ -54,18 +54,9 @@ def load(args):
 
         return load_model(args.model)
     import transformers as tf
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from synthetic_clt import known_facts_tokenizer
 
-    records, _ = read_records(KNOWN)
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=8000, special_tokens=["<bos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator([f"{r.prompt} {r.attribute}" for r in records], trainer)
-    from tokenizers import decoders
-
-    bpe.decoder = decoders.ByteLevel()
-    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>")
+    tokenizer = known_facts_tokenizer()
     torch.manual_seed(0)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     config = tf.LlamaConfig(**SYNTHETIC[args.synthetic])

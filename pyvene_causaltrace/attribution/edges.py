@@ -116,8 +116,7 @@ def _seeds(run: ReplacementRun, index: torch.Tensor) -> tuple[list, list]:
 def feature_rows(run: ReplacementRun, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the feature nodes ``index`` from one batched backward pass."""
     if len(index) == 0:
-        width = run.n_features + (run.n_layers + 1) * run.n_pos
-        return torch.zeros(0, width), torch.zeros(0)
+        return torch.zeros(0, run.n_columns), torch.zeros(0)
     outputs, seeds = _seeds(run, index)
     grads = torch.autograd.grad(outputs, run.inputs(), seeds, retain_graph=True,
                                 allow_unused=True, is_grads_batched=True)
@@ -151,8 +150,7 @@ def row_bytes(run: ReplacementRun, forward_bytes: int) -> int:
     batched activation gradients alive at once. Measured on SmolLM2 (CPU, 9 tokens, forward
     graph 63 MB): 2.2-4.6 MB per row at 8-128 rows per backward, against this estimate's 9.3 MB
     (benchmarks/attribution_speed.py)."""
-    width = run.n_features + (run.n_layers + 1) * run.n_pos
-    return 2 * graph_bytes(run) + 4 * width + forward_bytes // 8
+    return 2 * graph_bytes(run) + 4 * run.n_columns + forward_bytes // 8
 
 
 #: Rows per backward when the memory cap allows more: on 2 CPU cores 32 rows per backward were

@@ -51,7 +51,6 @@ class ReplacementRun:
 
     input_ids: torch.Tensor
     logits: torch.Tensor
-    feature_values: list[torch.Tensor]
     features: list[ActiveFeatures]
     errors: list[torch.Tensor]
     embeddings: list[torch.Tensor]
@@ -59,7 +58,6 @@ class ReplacementRun:
     constants: list[torch.Tensor]
     resid_mid: list[torch.Tensor]
     encoder_rows: torch.Tensor
-    frozen: bool
     forward_bytes: int
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)
@@ -74,8 +72,18 @@ class ReplacementRun:
         self.activation = torch.cat([v.detach() for v in self.feature_values])
 
     @property
+    def feature_values(self) -> list[torch.Tensor]:
+        """The feature leaves, one tensor per layer."""
+        return [f.value for f in self.features]
+
+    @property
     def n_features(self) -> int:
         return int(self.activation.numel())
+
+    @property
+    def n_columns(self) -> int:
+        """Source nodes of a row: features, errors (layer x position), tokens."""
+        return self.n_features + (self.n_layers + 1) * self.n_pos
 
     @property
     def n_layers(self) -> int:
@@ -96,7 +104,9 @@ class ReplacementRun:
         return [*self.node_inputs(), self.b_dec, *self.constants]
 
 
-def _norm_representations(adapter, model, freeze_attention: bool) -> list[dict]:
+def _freeze_representations(adapter, model) -> list[dict]:
+    """``frozen_layernorm`` on every norm in the residual path, ``frozen_attention`` on every
+    attention module."""
     reps = []
     for layer in range(adapter.n_layers(model)):
         names = [adapter.pre_attn_norm, *adapter.post_norms, adapter.pre_mlp_norm]
@@ -104,9 +114,8 @@ def _norm_representations(adapter, model, freeze_attention: bool) -> list[dict]:
             path = f"{adapter.module_path('block', layer)}.{name}"
             reps.append({"component": f"{path}.output",
                          "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
-        if freeze_attention:
-            reps.append({"component": f"{adapter.module_path('attn', layer)}.output",
-                         "intervention": FrozenAttention()})
+        reps.append({"component": f"{adapter.module_path('attn', layer)}.output",
+                     "intervention": FrozenAttention()})
     reps.append({"component": f"{adapter.final_norm}.output",
                  "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
     return reps
@@ -153,7 +162,7 @@ def run_local_replacement(
         reps.append({"component": f"{adapter.position_embed}.output",
                      "intervention": embed_leaves[1]})
     if freeze:
-        reps += _norm_representations(adapter, model, freeze_attention=True)
+        reps += _freeze_representations(adapter, model)
     reps += clt_splice_representations(clt, model, from_position=from_position, leaves=True)
 
     constants = constant_parameters(model)
@@ -174,15 +183,12 @@ def run_local_replacement(
             p.requires_grad_(flag)
     leaves = clt.__dict__["_session"].pop("leaves")
     features = [leaves["features"][layer] for layer in range(clt.n_layers)]
-    encoder_rows = torch.cat([
-        clt.encoder_weight(layer)[f.feature] if f.feature.numel() else
-        torch.zeros(0, clt.cfg.d_model, dtype=clt.dtype, device=clt.device_)
-        for layer, f in enumerate(features)])
+    encoder_rows = torch.cat([clt.encoder_weight(layer)[f.feature]
+                              for layer, f in enumerate(features)])
     embeddings = [leaf.leaf for leaf in embed_leaves]
     return ReplacementRun(
         input_ids=input_ids,
         logits=out.logits,
-        feature_values=[f.value for f in features],
         features=features,
         errors=[leaves["errors"][layer] for layer in range(clt.n_layers)],
         embeddings=embeddings,
@@ -190,7 +196,6 @@ def run_local_replacement(
         constants=constants,
         resid_mid=[leaves["resid_mid"][layer] for layer in range(clt.n_layers)],
         encoder_rows=encoder_rows,
-        frozen=freeze,
         forward_bytes=saved["bytes"],
     )
 
@@ -205,26 +210,26 @@ def _no_grad_inside(modules: list[nn.Module]) -> Iterator[None]:
     would push zeros through it. Our hooks run before pyvene's (registered first), so the
     interventions see grad mode restored.
     """
-    handles = []
-    for module in modules:
-        def off(_module, _args):
-            _module.__dict__["_pvct_grad"] = torch.is_grad_enabled()
-            torch.set_grad_enabled(False)
+    def off(module, _args):
+        module.__dict__["_pvct_grad"] = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)
 
-        def on(_module, _args, output):
-            torch.set_grad_enabled(_module.__dict__.pop("_pvct_grad", True))
-            # a fresh tensor, not a no-grad view: pyvene writes into it in place
-            if isinstance(output, tuple):
-                return (output[0].clone(), *output[1:])
-            return output.clone()
+    def on(module, _args, output):
+        torch.set_grad_enabled(module.__dict__.pop("_pvct_grad", True))
+        # a fresh tensor, not a no-grad view: pyvene writes into it in place
+        if isinstance(output, tuple):
+            return (output[0].clone(), *output[1:])
+        return output.clone()
 
-        handles += [module.register_forward_pre_hook(off), module.register_forward_hook(on)]
+    mode = torch.is_grad_enabled()
+    handles = [hook for module in modules for hook in (
+        module.register_forward_pre_hook(off), module.register_forward_hook(on))]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
-        torch.set_grad_enabled(True)
+        torch.set_grad_enabled(mode)
 
 
 @contextmanager
