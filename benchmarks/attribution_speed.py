@@ -4,6 +4,7 @@ per-node loop, side by side on the same prompt and the same rows.
     python benchmarks/attribution_speed.py                       # SmolLM2, CPU (~5 min)
     python benchmarks/attribution_speed.py --synthetic llama1b --device cuda
         # random-init Llama-3.2-1B shape + random CLT of the real shape, ~12 features/position
+    --prompts p64,p256: prompts of 64 and 256 tokens (benchmarks/attribution_scale.py's text)
 
 Each method runs in a fresh process (so peak memory is its own): build the local replacement
 model once, then every feature row either one backward per node (the loop), ``B`` rows per
@@ -39,6 +40,15 @@ PROMPTS = {
 FITTED = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted-256"))
 
 
+def prompt_text(tokenizer, name: str) -> str:
+    """A named prompt, or ``p<N>``: a prompt of N tokens ending with the Eiffel question."""
+    if name in PROMPTS:
+        return PROMPTS[name]
+    from attribution_scale import prompt_of
+
+    return prompt_of(tokenizer, int(name.removeprefix("p")))
+
+
 def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -67,7 +77,7 @@ def replicated_rows(model, clt, ids, run, index: torch.Tensor, size: int) -> tor
     """circuit-tracer's method: ``size`` copies of the prompt in one forward; each backward
     seeds copy ``b`` with the ``b``-th target's encoder row. Returns the rows of ``index`` (node
     order and leaf values of the batch-1 ``run``)."""
-    from pyvene_causaltrace.attribution.edges import batches, edges_from_grads
+    from pyvene_causaltrace.attribution.edges import edges_from_grads
     from pyvene_causaltrace.attribution.replacement import run_local_replacement
 
     rep = run_local_replacement(model, clt, ids.expand(size, -1).contiguous())
@@ -75,8 +85,8 @@ def replicated_rows(model, clt, ids, run, index: torch.Tensor, size: int) -> tor
         raise RuntimeError("the copies activate different features (batch-shape rounding)")
     inputs = rep.node_inputs()
     out = []
-    for chunk in batches(len(index), size):
-        nodes = index[chunk]
+    for start in range(0, len(index), size):
+        nodes = index[start:start + size]
         layers = run.feature_layer[nodes]
         outputs, seeds = [], []
         for layer in layers.unique().tolist():
@@ -121,16 +131,13 @@ def _measure(compute, cuda: bool) -> tuple[torch.Tensor, float, float]:
 
 def one(args) -> dict:
     """One method in this process; returns its JSON record."""
-    from pyvene_causaltrace.attribution.edges import (
-        batch_size_for,
-        batches,
-        feature_rows,
-        feature_rows_loop,
-    )
+    from pyvene_causaltrace.attribution.budget import batch_size_for
+    from pyvene_causaltrace.attribution.edges import batches, feature_rows, feature_rows_loop
     from pyvene_causaltrace.attribution.replacement import run_local_replacement
 
     model, tokenizer, clt = load(args)
-    ids = tokenizer(PROMPTS[args.prompt], return_tensors="pt")["input_ids"].to(args.device)
+    ids = tokenizer(prompt_text(tokenizer, args.prompt), return_tensors="pt")["input_ids"]
+    ids = ids.to(args.device)
     run = run_local_replacement(model, clt, ids)
     index = _row_index(run.n_features, args.rows).to(run.feature_layer.device)
     record = {"method": args.method, "prompt": args.prompt, "tokens": int(ids.shape[1]),
@@ -146,14 +153,13 @@ def one(args) -> dict:
         if args.method == "loop":
             size = 1
         elif args.memory_mb:
-            size = batch_size_for(run, run.forward_bytes, args.memory_mb)
+            size = batch_size_for(run, args.memory_mb)
         else:
             size = args.batch
         method = feature_rows_loop if args.method == "loop" else feature_rows
 
         def compute():
-            return torch.cat([method(run, index[chunk])[0].cpu()
-                              for chunk in batches(len(index), size)])
+            return torch.cat([method(run, chunk)[0].cpu() for chunk in batches(index, size)])
     rows, seconds, peak = _measure(compute, args.device.startswith("cuda"))
     if args.save:
         torch.save(rows, args.save)
@@ -172,6 +178,8 @@ def main() -> None:
     parser.add_argument("--replicated", default="32",
                         help="batch sizes for circuit-tracer's replicated forward ('' = none)")
     parser.add_argument("--rows", type=int, default=None, help="feature rows (default: all)")
+    parser.add_argument("--skip-loop", action="store_true",
+                        help="no one-backward-per-node reference (rows compared with the first)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON results here")
     # one-method mode (used by the driver)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
@@ -194,7 +202,7 @@ def main() -> None:
     results = []
     tmp = Path(tempfile.mkdtemp())
     for prompt in args.prompts.split(","):
-        runs = [("loop", ["--method", "loop"])]
+        runs = [] if args.skip_loop else [("loop", ["--method", "loop"])]
         runs += [(f"batched B={b}", ["--batch", b]) for b in args.batches.split(",") if b]
         runs += [(f"batched cap {c} MB", ["--memory-mb", c]) for c in args.memory_caps.split(",")
                  if c]
@@ -210,7 +218,7 @@ def main() -> None:
             rows = torch.load(save)
             reference = rows if reference is None else reference
             result["label"] = label
-            result["max_abs_diff_vs_loop"] = float((rows - reference).abs().max())
+            result["max_abs_diff_vs_loop"] = float((rows - reference).abs().max())  # or first
             results.append(result)
             print(f"{prompt:>6} {result['tokens']:>3} tok {result['features']:>5} feat  "
                   f"{label:<20} {result['ms_per_row']:8.2f} ms/row  peak +"

@@ -2,7 +2,7 @@
 # The one device run (see ../.library/device): GPU timings on random-init models of
 # Llama-3.2-1B's shape. Installs only the carried wheels in .whl (pyvene 0.1.8, transformers
 # 5.24.0); writes logs under $OUT. Run with carry: [".whl", ".devdata"].
-#   bash benchmarks/gpu_check.sh [all|trace|dataset|attribution]
+#   bash benchmarks/gpu_check.sh [all|trace|dataset|attribution|scale]
 set -u
 SECTION=${1:-all}
 OUT=${OUT:-/tmp/gpu_check}
@@ -27,4 +27,18 @@ echo "== attribution adjacency rows, random Llama-3.2-1B + CLT 16 x 32768, ~12 f
 timeout 400 python3 benchmarks/attribution_speed.py --synthetic llama1b --device cuda \
     --batches 32,128,512 --memory-caps 8192 --out "$OUT/attribution_gpu.json" 2>&1 \
     | tee "$OUT/attribution_gpu.txt"
+fi
+if [ "$SECTION" = all ] || [ "$SECTION" = scale ]; then
+echo "== attribution at published density: random Llama-3.2-1B + CLT 16 x 32768, ~50 features/pos,"
+echo "   64 and 256 tokens, budget 7500, beside circuit-tracer's replicated forward (issue 11)"
+# the replicated forward copies every active feature's decoder rows per copy: B = 8 at 64 tokens
+# (~31 GB); at 256 tokens (~16 GB per copy) only ours runs
+timeout 200 python3 benchmarks/attribution_speed.py --synthetic llama1b --device cuda \
+    --features-per-position 50 --prompts p64 --batches 512 --memory-caps "" --skip-loop \
+    --replicated 8 --rows 7500 --out "$OUT/attribution_scale_gpu_64.json" 2>&1 \
+    | tee "$OUT/attribution_scale_gpu.txt"
+timeout 200 python3 benchmarks/attribution_speed.py --synthetic llama1b --device cuda \
+    --features-per-position 50 --prompts p256 --batches 128,512 --memory-caps "" --skip-loop \
+    --replicated "" --rows 7500 --out "$OUT/attribution_scale_gpu_256.json" 2>&1 \
+    | tee -a "$OUT/attribution_scale_gpu.txt"
 fi

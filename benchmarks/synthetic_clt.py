@@ -61,20 +61,17 @@ def known_facts_tokenizer():
     return tf.PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>")
 
 
-def synthetic_model_and_clt(shape: str, device: str = "cpu", features_per_position: float = 12.0,
-                            calibration: str = "The Eiffel Tower is in the city of"):
-    """``(model, tokenizer, clt)``: float32 random-init model and CLT of ``shape``'s sizes."""
-    import transformers as tf
-
+def synthetic_clt_for(model, tokenizer, n_features: int, features_per_position: float,
+                      calibration: str, device: str = "cpu", source: str | None = None):
+    """A random CLT of ``n_features`` per layer for ``model``'s shape (float32), thresholds per
+    layer set so that ``features_per_position`` features fire per position on ``calibration``
+    (positions >= 1; other texts fire about as many)."""
     from pyvene_causaltrace.clt.checks import hook_states
     from pyvene_causaltrace.clt.transcoder import CrossLayerTranscoder
+    from pyvene_causaltrace.models import get_adapter
 
-    config_kwargs, n_features = SHAPES[shape]
-    torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**config_kwargs)).to(device).eval()
-    model.pvct_source = f"random-init {shape}"
-    tokenizer = known_facts_tokenizer()
-    n_layers, d_model = config_kwargs["num_hidden_layers"], config_kwargs["hidden_size"]
+    adapter = get_adapter(model)
+    n_layers, d_model = adapter.n_layers(model), adapter.hidden_size(model)
     g = torch.Generator(device=device).manual_seed(1)
     W_enc = torch.randn(n_layers, n_features, d_model, generator=g, device=device)
     W_enc /= d_model**0.5
@@ -86,11 +83,25 @@ def synthetic_model_and_clt(shape: str, device: str = "cpu", features_per_positi
         # over positions 1.. (position 0 is zeroed anyway)
         count = max(1, int(round(features_per_position * (mid.shape[1] - 1))))
         threshold = torch.stack([
-            (mid[layer, 1:] @ W_enc[layer].T).flatten().topk(count + 1).values[-1]
+            (mid[layer, 1:].float() @ W_enc[layer].T).flatten().topk(count + 1).values[-1]
             .expand(n_features) for layer in range(n_layers)])
     W_dec = [RepeatingDecoder(n_features, n_layers - layer, d_model, device, seed=layer)
              for layer in range(n_layers)]
-    clt = CrossLayerTranscoder.from_tensors(
-        model.pvct_source, W_enc, b_enc, threshold, torch.zeros(n_layers, d_model), W_dec,
-        device=device)
+    name = source or getattr(model, "pvct_source", None) or model.config._name_or_path
+    return CrossLayerTranscoder.from_tensors(
+        name, W_enc, b_enc, threshold, torch.zeros(n_layers, d_model), W_dec, device=device)
+
+
+def synthetic_model_and_clt(shape: str, device: str = "cpu", features_per_position: float = 12.0,
+                            calibration: str = "The Eiffel Tower is in the city of"):
+    """``(model, tokenizer, clt)``: float32 random-init model and CLT of ``shape``'s sizes."""
+    import transformers as tf
+
+    config_kwargs, n_features = SHAPES[shape]
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**config_kwargs)).to(device).eval()
+    model.pvct_source = f"random-init {shape}"
+    tokenizer = known_facts_tokenizer()
+    clt = synthetic_clt_for(model, tokenizer, n_features, features_per_position, calibration,
+                            device)
     return model, tokenizer, clt

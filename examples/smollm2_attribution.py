@@ -53,16 +53,16 @@ def main() -> None:
                 "|---|---|---|---|---|---|---|"]
     summary = {}
     for name, prompt, _, answer in FACTS:
-        saved = GRAPHS / f"{name}.pt"
+        saved = GRAPHS / f"{name}.safetensors"
         start = time.perf_counter()
         if args.from_saved:
             graph = AttributionGraph.load(saved)
         else:
             graph = attribute(model, tokenizer, clt, prompt, answer)
-            graph.metadata["seconds"] = time.perf_counter() - start
+            graph.metadata["wall_seconds"] = time.perf_counter() - start
             GRAPHS.mkdir(parents=True, exist_ok=True)
             graph.save(saved)
-        seconds = graph.metadata["seconds"]
+        seconds = graph.metadata["wall_seconds"]
         result = ablation_test(model, clt, graph, sizes=SIZES, draws=DRAWS)
         direct = ablation_test(model, clt, graph, sizes=SIZES, draws=1, rank_by="direct")
         out = OUT / name

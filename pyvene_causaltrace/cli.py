@@ -118,15 +118,19 @@ def _parser() -> argparse.ArgumentParser:
     graph.add_argument("--other", default=None, help="the subtracted token of --target difference")
     graph.add_argument("--k", type=int, default=10, help="top-k logits the target is demeaned by")
     graph.add_argument("--memory-mb", type=float, default=None,
-                       help="cap on the forward graph plus batched gradient rows (default 4096)")
+                       help="cap on the forward graph, batched gradient rows and stored rows "
+                            "(default 4096)")
+    graph.add_argument("--max-feature-nodes", type=int, default=None,
+                       help="compute rows for at most this many features, the most "
+                            "influential (default: every feature whose row fits --memory-mb)")
     graph.add_argument("--node-threshold", type=float, default=0.8)
     graph.add_argument("--edge-threshold", type=float, default=0.98)
     graph.add_argument("--validate", action="store_true",
                        help="ablate the top 5/10/20 features vs 10 random draws of as many")
     graph.add_argument("--out", type=Path, required=True,
-                       help="writes graph.json (viewer format), graph.pt, nodes.csv, "
-                            "edges.csv, graph.png, summary.json; rows computed so far are "
-                            "kept in rows.partial.pt, so an interrupted run resumes")
+                       help="writes graph.json (viewer format), graph.safetensors, "
+                            "nodes.csv, edges.csv, graph.png, summary.json; rows computed so "
+                            "far are kept in rows.partial/, so an interrupted run resumes")
 
     commands.add_parser("interventions", help="list the registered intervention types")
     return parser
@@ -336,6 +340,7 @@ def _attribution_settings(args) -> dict:
     """The attribution settings: the spec's (if any), then the command line's."""
     settings = {"model": None, "prompt": args.prompt, "answer": args.answer,
                 "target": args.target, "other": args.other, "k": args.k, "memory_mb": 4096.0,
+                "max_feature_nodes": None,
                 "node_threshold": args.node_threshold, "edge_threshold": args.edge_threshold,
                 "validate": {"sizes": [5, 10, 20], "draws": 10} if args.validate else None,
                 "clt": None}
@@ -352,8 +357,9 @@ def _attribution_settings(args) -> dict:
     for key in ("model", "clt"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
-    if args.memory_mb is not None:
-        settings["memory_mb"] = args.memory_mb
+    for key in ("memory_mb", "max_feature_nodes"):
+        if getattr(args, key) is not None:
+            settings[key] = getattr(args, key)
     if settings["clt"] is None:
         raise ValueError("attribute needs a CLT: --clt DIR or a spec with attribution.clt")
     settings["clt"] = str(Path(settings["clt"]).expanduser())
@@ -372,11 +378,13 @@ def _attribute(args) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=s["target"],
-                      other=s["other"], k=s["k"], memory_mb=s["memory_mb"], progress=True,
-                      checkpoint=out / "rows.partial.pt")  # an interrupted run resumes
+                      other=s["other"], k=s["k"], memory_mb=s["memory_mb"],
+                      max_feature_nodes=s["max_feature_nodes"], progress=True,
+                      checkpoint=out / "rows.partial")  # an interrupted run resumes
     c = graph.closure
     print(f"{graph.prompt!r} -> {graph.answer!r} (p={graph.answer_prob:.4f}); "
-          f"{graph.n_features} active features, {graph.metadata['batch_size']} rows/backward")
+          f"{graph.n_features} active features, {graph.n_explored} with rows, "
+          f"{graph.metadata['batch_size']} rows/backward")
     print(f"closure: target {c.target:.6f}, edges + constants {c.edges + c.constant:.6f}, "
           f"residual {c.residual:+.2e} ({c.relative:.1e} relative); feature rows "
           f"{graph.feature_closure():.1e}")
@@ -386,18 +394,17 @@ def _attribute(args) -> int:
           f"{scores['completeness']:.3f}")
     print(graph.direct_attributions(10).to_string(index=False))
     pruned = graph.prune(s["node_threshold"], s["edge_threshold"])
-    print(f"pruned: {int(pruned.node_mask.sum())} nodes, {int(pruned.edge_mask.sum())} edges")
+    print(f"pruned: {pruned.n_nodes} nodes, {pruned.n_edges} edges")
     graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
                   edge_threshold=s["edge_threshold"])
-    graph.save(out / "graph.pt")
+    graph.save(out / "graph.safetensors")
     graph.nodes().to_csv(out / "nodes.csv", index=False)
     graph.to_dataframe(pruned=True).to_csv(out / "edges.csv", index=False)
     graph.plot(out / "graph.png", node_threshold=s["node_threshold"],
                edge_threshold=s["edge_threshold"])
     summary = {"settings": s, "closure": c.to_dict(), "feature_closure": graph.feature_closure(),
                "decomposition": parts, "scores": scores, "metadata": graph.metadata,
-               "pruned": {"nodes": int(pruned.node_mask.sum()),
-                          "edges": int(pruned.edge_mask.sum())}}
+               "pruned": {"nodes": pruned.n_nodes, "edges": pruned.n_edges}}
     if s["validate"]:
         result = ablation_test(model, clt, graph, sizes=tuple(s["validate"].get("sizes", (5,))),
                                draws=s["validate"].get("draws", 10),
@@ -405,7 +412,8 @@ def _attribute(args) -> int:
         print(result.to_dataframe().to_string(index=False))
         summary["ablation"] = result.to_dict()
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    print(f"wrote {out}/graph.json, graph.pt, nodes.csv, edges.csv, graph.png, summary.json")
+    print(f"wrote {out}/graph.json, graph.safetensors, nodes.csv, edges.csv, graph.png, "
+          "summary.json")
     return 0
 
 

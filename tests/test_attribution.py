@@ -12,6 +12,7 @@ import pytest
 import torch
 from clt_fixtures import random_clt_tensors, write_clt
 from conftest import CORE_ARCHS, PROMPT, make_tiny_model
+from dense_reading import compute_influence, graph_scores, normalize_matrix, prune, square
 
 from pyvene_causaltrace.attribution import (
     AttributionGraph,
@@ -22,21 +23,15 @@ from pyvene_causaltrace.attribution import (
     logit_difference,
     run_local_replacement,
 )
+from pyvene_causaltrace.attribution.budget import batch_size_for
 from pyvene_causaltrace.attribution.edges import (
-    batch_size_for,
     feature_rows,
     feature_rows_loop,
     feature_targets,
     target_row,
 )
-from pyvene_causaltrace.attribution.export import node_ids
-from pyvene_causaltrace.attribution.reading import (
-    Layout,
-    compute_influence,
-    graph_scores,
-    normalize_matrix,
-    prune,
-)
+from pyvene_causaltrace.attribution.export import check_graph_json, node_ids
+from pyvene_causaltrace.attribution.reading import Layout
 from pyvene_causaltrace.clt import CLTMismatchError, load_from_disk
 from pyvene_causaltrace.prompts import MultiTokenAnswerError
 
@@ -138,17 +133,19 @@ def graph(request, tmp_path_factory, tokenizer):
 
 
 def test_attribute_builds_the_full_adjacency(graph, tokenizer, tmp_path):
-    lay = graph.layout
-    assert graph.adjacency.shape == (graph.n_features + 1, lay.n_nodes - 1)
+    assert graph.rows.n_rows == graph.n_features + 1 and graph.explored.all()
     assert graph.closure.relative < 1e-4 and graph.feature_closure() < 1e-4
     # a feature only reads earlier layers: no edge from a same-or-later-layer feature
+    full = square(graph)
     layers = graph.feature_layer
     same_or_later = layers[None, :] >= layers[:, None]
-    assert graph.adjacency[:-1, :graph.n_features][same_or_later].abs().max() == 0
+    assert full[:graph.n_features, :graph.n_features][same_or_later].abs().max() == 0
+    # the store keeps exactly the nonzero entries
+    assert graph.rows.nnz == int((full != 0).sum())
     # memory-capped batching and the loop give the same matrix
     model, clt = _setup(graph.metadata["arch"], tmp_path)
     looped = attribute(model, tokenizer, clt, PROMPT, loop=True)
-    assert torch.allclose(graph.adjacency, looped.adjacency, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(full, square(looped), atol=1e-5, rtol=1e-5)
     parts = graph.decomposition()
     total = parts["features"] + parts["errors"] + parts["tokens"] + parts["constants"]
     assert abs(total - parts["target"]) < 1e-4 * abs(parts["target"])
@@ -158,15 +155,14 @@ def test_memory_cap_sets_the_batch_and_refuses_a_prompt_that_cannot_fit(tmp_path
     model, clt = _setup("llama", tmp_path)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     run = run_local_replacement(model, clt, ids)
-    small, large = (batch_size_for(run, run.forward_bytes, mb, max_batch=4096)
-                    for mb in (5, 50))
+    small, large = (batch_size_for(run, mb, max_batch=4096) for mb in (5, 50))
     assert 1 <= small < large
-    assert batch_size_for(run, run.forward_bytes, 500) == 32  # the CPU default's ceiling
+    assert batch_size_for(run, 500) == 32  # the CPU default's ceiling
     with pytest.raises(MemoryCapError, match="memory cap"):
         attribute(model, tokenizer, clt, PROMPT * 4, memory_mb=0.5)
 
 
-def test_influence_and_pruning_follow_circuit_tracer():
+def test_dense_reference_follows_circuit_tracer():
     # features 0, 1; errors 2; tokens 3, 4; logit 5 -- a DAG
     lay = Layout(n_features=2, n_errors=1, n_tokens=2)
     adj = torch.zeros(6, 6)
@@ -199,8 +195,9 @@ def test_reading_tables_export_and_round_trip(graph, tmp_path):
     assert len(nodes) == graph.layout.n_nodes
     assert set(nodes["kind"]) == {"feature", "error", "token", "logit"}
     edges = graph.to_dataframe(pruned=True)
-    assert 0 < len(edges) < len(graph.to_dataframe())
+    assert 0 < len(edges) < len(graph.to_dataframe()) == graph.rows.nnz
     payload = graph.to_json(tmp_path / "graph.json", slug="tiny")
+    check_graph_json(payload)
     assert set(payload) == {"metadata", "qParams", "nodes", "links"}
     assert json.loads((tmp_path / "graph.json").read_text()) == payload
     ids = {n["node_id"] for n in payload["nodes"]}
@@ -220,9 +217,13 @@ def test_reading_tables_export_and_round_trip(graph, tmp_path):
     assert len(set(node_ids(graph))) == graph.layout.n_nodes  # ids never collide
     logit = [n for n in payload["nodes"] if n["feature_type"] == "logit"][0]
     assert logit["node_id"] == f"{graph.n_layers + 1}_{graph.target['token']}_{graph.n_pos - 1}"
-    graph.save(tmp_path / "graph.pt")
-    back = AttributionGraph.load(tmp_path / "graph.pt")
-    assert torch.equal(back.adjacency, graph.adjacency) and back.closure == graph.closure
+    graph.save(tmp_path / "graph.safetensors")
+    back = AttributionGraph.load(tmp_path / "graph.safetensors")
+    assert torch.equal(square(back), square(graph)) and back.closure == graph.closure
+    for name, tensor in graph.rows.state().items():
+        assert torch.equal(back.rows.state()[name], tensor), name
+    assert back.target == graph.target and back.tokens == graph.tokens
+    assert torch.equal(back.influence(), graph.influence())
     graph.plot(tmp_path / "graph.png")
     assert (tmp_path / "graph.png").stat().st_size > 10_000
 
@@ -263,14 +264,19 @@ def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, m
         return real(run, index)
 
     monkeypatch.setattr(attribute_module, "feature_rows", failing)
-    checkpoint = tmp_path / "rows.pt"
+    checkpoint = tmp_path / "rows.partial"
     with pytest.raises(RuntimeError, match="interrupted"):
         attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
-    assert torch.load(checkpoint, weights_only=False)["rows"].shape[0] == 48
+    saved = json.loads((checkpoint / "manifest.json").read_text())
+    from safetensors.torch import load_file
+
+    nodes = [load_file(str(checkpoint / name))["rows.nodes"] for name in saved["shards"]]
+    assert sum(len(n) for n in nodes) == 1 + 48  # the logit row and three batches of 16
+    assert not list(checkpoint.glob("*.pt"))  # safetensors and JSON only
     calls.clear()
     resumed = attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
     assert sum(calls) == whole.n_features - 48  # only the missing rows were computed
-    assert torch.equal(resumed.adjacency, whole.adjacency)
+    assert torch.equal(square(resumed), square(whole))
     assert not checkpoint.exists()
 
 

@@ -127,11 +127,21 @@ def test_attribute_writes_the_graph_files(model_dir, tmp_path, capsys):
                  PROMPT, "--answer", " the", "--validate", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "closure: target" in printed and "top_prob" in printed
-    for name in ("graph.json", "graph.pt", "nodes.csv", "edges.csv", "graph.png",
+    for name in ("graph.json", "graph.safetensors", "nodes.csv", "edges.csv", "graph.png",
                  "summary.json"):
         assert (out / name).stat().st_size > 0
+    assert not (out / "rows.partial").exists()  # the checkpoint goes once the graph is whole
     summary = json.loads((out / "summary.json").read_text())
     assert summary["closure"]["relative"] < 1e-4
+    assert summary["metadata"]["max_feature_nodes"] == summary["metadata"]["active_features"]
+    # a feature-node budget from the command line
+    assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--prompt",
+                 PROMPT, "--answer", " the", "--max-feature-nodes", "20", "--out",
+                 str(tmp_path / "budget")]) == 0
+    assert "20 with rows" in capsys.readouterr().out
+    budget = json.loads((tmp_path / "budget" / "summary.json").read_text())
+    assert budget["metadata"]["max_feature_nodes"] == 20
+    assert abs(budget["decomposition"]["unexplored"]) > 0
     assert set(summary["ablation"]["top"]) == {"5", "10", "20"}
     # a multi-token answer is a clear error, not a traceback
     assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--answer",

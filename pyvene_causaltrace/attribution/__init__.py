@@ -7,20 +7,24 @@
     graph.to_json("eiffel.json")      # opens in the circuit-tracer / Neuronpedia viewer
 
 Data flows one way: :mod:`.replacement` (one forward of the local replacement model) ->
-:mod:`.edges` (rows of the adjacency, closure) -> :mod:`.graph` (the result object) ->
-:mod:`.reading` (influence, pruning, scores), :mod:`.export`, :mod:`.plots`;
+:mod:`.edges` (rows of the adjacency, closure; :mod:`.budget` plans their memory) ->
+:mod:`.store` (sparse rows) -> :mod:`.graph` (the result object; :mod:`.checkpoint` for
+interrupted runs) -> :mod:`.reading` (influence, pruning, scores), :mod:`.export`,
+:mod:`.plots`;
 :mod:`.validate` ablates the graph's top features in the real (spliced) model.
 """
 
 from .attribute import attribute, make_target
-from .edges import Closure, MemoryCapError
-from .graph import AttributionGraph
+from .budget import MemoryCapError
+from .edges import Closure
+from .graph import AttributionGraph, GraphFileError
 from .replacement import ReplacementRun, UnsupportedAttributionError, run_local_replacement
 from .targets import Target, demeaned_logit, logit_difference
 
 __all__ = [
     "AttributionGraph",
     "Closure",
+    "GraphFileError",
     "MemoryCapError",
     "ReplacementRun",
     "Target",

@@ -1,15 +1,21 @@
 """``attribute``: prompt + answer -> :class:`~.graph.AttributionGraph`.
 
-Steps: tokenize; run the local replacement model once (:mod:`.replacement`); the target row by
-one backward and its closure check; every feature row in batches of gradient seeds sized to the
-memory cap (:mod:`.edges`); package the graph.
+Steps: tokenize; check that the forward graph fits the memory cap (:mod:`.budget`); run the
+local replacement model once (:mod:`.replacement`); the target row over every active feature by
+one backward and its closure check; then feature rows in batches of gradient seeds
+(:mod:`.edges`) into a sparse :class:`~.store.RowStore`:
+
+- every feature, in node order, when no budget binds;
+- with ``max_feature_nodes=N`` below the active count (or a memory cap that cannot hold every
+  row), the ``N`` features of largest estimated influence: ranked by the influence of the rows
+  computed so far (circuit-tracer's partial influence), re-ranked every ``update_interval``
+  batches (or every ``budget / RERANKS`` rows, if more). Features left without a row stay in
+  the graph as leaves.
 """
 
 from __future__ import annotations
 
-import os
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -17,61 +23,20 @@ from torch import nn
 
 from ..clt.transcoder import CrossLayerTranscoder
 from ..prompts import answer_token_id
-from .edges import (
-    batch_size_for,
-    batches,
-    feature_rows,
-    feature_rows_loop,
-    feature_targets,
-    n_batches,
-    target_row,
-)
+from .budget import active_counts, batch_size_for, check_forward_fits, feature_budget
+from .checkpoint import Checkpoint, tensor_digest
+from .edges import feature_rows, feature_rows_loop, feature_targets, target_row
 from .graph import AttributionGraph
-from .replacement import run_local_replacement
+from .reading import influence
+from .replacement import ReplacementRun, run_local_replacement
+from .store import RowStore
 from .targets import Target, demeaned_logit, logit_difference
 
 #: How often a checkpointed run saves its rows.
 SAVE_EVERY_S = 30.0
-
-
-def _run_key(run, goal: Target, clt: CrossLayerTranscoder, freeze: bool) -> dict:
-    """What must match for saved rows to belong to this graph."""
-    return {"input_ids": run.input_ids[0].tolist(), "target": goal.describe(),
-            "clt": clt.source or clt.cfg.model_name, "freeze": freeze,
-            "features": [run.feature_layer.tolist(), run.feature_position.tolist(),
-                         run.feature_id.tolist()]}
-
-
-class _Checkpoint:
-    """Rows computed so far, on disk (atomic replace), keyed by :func:`_run_key`."""
-
-    def __init__(self, path: str | Path | None, key: dict) -> None:
-        self.path = None if path is None else Path(path)
-        self.key = key
-        self.last = time.monotonic()
-
-    def load(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        if self.path is None or not self.path.exists():
-            return [], []
-        saved = torch.load(self.path, weights_only=False)
-        if saved.get("key") != self.key:
-            warnings.warn(f"{self.path} holds rows of another graph; starting afresh",
-                          stacklevel=3)
-            return [], []
-        return [saved["rows"]], [saved["constants"]]
-
-    def maybe_save(self, rows: list[torch.Tensor], constants: list[torch.Tensor]) -> None:
-        if self.path is None or time.monotonic() - self.last < SAVE_EVERY_S:
-            return
-        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
-        torch.save({"key": self.key, "rows": torch.cat(rows),
-                    "constants": torch.cat(constants)}, tmp)
-        os.replace(tmp, self.path)
-        self.last = time.monotonic()
-
-    def remove(self) -> None:
-        if self.path is not None and self.path.exists():
-            self.path.unlink()
+#: At most this many rankings per graph: each reads every stored row, so on big graphs the
+#: queue between rankings grows to budget / RERANKS rows.
+RERANKS = 16
 
 
 def make_target(logits: torch.Tensor, tokenizer, answer: str | None, *, kind: str = "demeaned",
@@ -93,73 +58,130 @@ def make_target(logits: torch.Tensor, tokenizer, answer: str | None, *, kind: st
     raise ValueError(f"target kind must be demeaned, demeaned_vocab or difference, got {kind!r}")
 
 
+def _run_key(run: ReplacementRun, goal: Target, clt: CrossLayerTranscoder, settings: dict) -> dict:
+    """What must match for saved rows to belong to this graph."""
+    return {"input_ids": run.input_ids[0].tolist(), "target": goal.describe(),
+            "clt": clt.source or clt.cfg.model_name, **settings,
+            "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id)}
+
+
+class _Ranking:
+    """Which feature rows to compute next: all in node order, or by partial influence."""
+
+    def __init__(self, run: ReplacementRun, budget: int, queue: int) -> None:
+        self.n = run.n_features
+        self.n_nodes = run.n_columns + 1
+        self.budget = budget
+        self.queue = queue
+
+    def next_queue(self, store: RowStore, done: torch.Tensor) -> torch.Tensor:
+        """Unexplored features to compute next (``done``: bool per feature)."""
+        if self.budget >= self.n:
+            return (~done).nonzero().squeeze(-1)
+        weights = torch.zeros(self.n_nodes, dtype=torch.float64)
+        weights[-1] = 1.0
+        estimate = influence(store, weights)[:self.n]
+        order = estimate.argsort(descending=True, stable=True)
+        left = self.budget - int(done.sum())
+        return order[~done[order]][:min(self.queue, left)]
+
+
 def attribute(
     model: nn.Module, tokenizer, clt: CrossLayerTranscoder, prompt: str,
     answer: str | None = None, *, target: str = "demeaned", other: str | None = None,
-    k: int = 10, memory_mb: float = 4096, batch_size: int | None = None,
-    max_batch: int | None = None, freeze: bool = True, loop: bool = False,
-    progress: bool = False, checkpoint: str | Path | None = None,
+    k: int = 10, max_feature_nodes: int | None = None, memory_mb: float = 4096,
+    batch_size: int | None = None, max_batch: int | None = None, update_interval: int = 4,
+    freeze: bool = True, loop: bool = False, progress: bool = False,
+    checkpoint: str | Path | None = None,
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next-token ``answer`` (a single token; default:
     the clean argmax) through ``clt``.
 
-    ``memory_mb`` caps the forward graph plus the batched gradient rows (a prompt whose graph
-    and one row exceed it raises :class:`~.edges.MemoryCapError`); rows per backward are as many
-    as fit, at most ``max_batch`` (default: 32 on CPU, the fastest measured; 512 on GPU);
+    ``max_feature_nodes`` bounds the feature rows (module docstring); default: every active
+    feature if their rows fit ``memory_mb``, otherwise as many as fit (logged). ``memory_mb``
+    caps the forward graph, the batched gradient rows and the stored rows: a prompt whose
+    forward graph alone exceeds it raises :class:`~.budget.MemoryCapError` before it runs. Rows
+    per backward are as many as fit, at most ``max_batch`` (default: 32 on CPU, 512 on GPU);
     ``batch_size`` fixes them instead; ``loop=True`` uses one backward per node (the reference).
-    With ``checkpoint`` (a file path) the rows computed so far are saved every ``SAVE_EVERY_S``
-    seconds and an interrupted call with the same inputs resumes from them; the file is removed
-    when the graph is complete.
+    With ``checkpoint`` (a directory) the rows computed so far are saved every
+    ``SAVE_EVERY_S`` seconds and an interrupted call with the same inputs resumes from them
+    exactly; the directory is removed when the graph is complete.
     """
     if not prompt:
         raise ValueError("the prompt is empty")
+    if memory_mb <= 0:
+        raise ValueError(f"memory_mb must be positive, got {memory_mb}")
+    if update_interval < 1:
+        raise ValueError(f"update_interval must be >= 1, got {update_interval}")
+    clock = {"start": time.perf_counter(), "ranking": 0.0}
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
     with torch.no_grad():
         clean = model(input_ids=ids).logits
     goal = make_target(clean, tokenizer, answer, kind=target, other=other, k=k)
+    check_forward_fits(model, clt, ids, memory_mb, active_counts(model, clt, ids))
     run = run_local_replacement(model, clt, ids, freeze=freeze)
     logit_row, logit_constant, closure = target_row(run, goal)
+    clock["forward"] = time.perf_counter() - clock["start"]
 
-    n = run.n_features
-    size = batch_size or batch_size_for(run, run.forward_bytes, memory_mb, max_batch)
-    store = _Checkpoint(checkpoint, _run_key(run, goal, clt, freeze))
-    rows, constants = store.load()
-    done = sum(len(r) for r in rows)
-    chunks = (index + done for index in batches(n - done, size))
+    n, logit_node = run.n_features, run.n_columns
+    size = batch_size or batch_size_for(run, memory_mb, max_batch)
+    first_guess = logit_row[:n].abs().argsort(descending=True).cpu()
+    budget = feature_budget(run, memory_mb, size, max_feature_nodes, first_guess)
+    ranking = _Ranking(run, budget, max(update_interval * size, -(-budget // RERANKS)))
+    settings = {"freeze": freeze, "budget": budget, "batch": size, "loop": loop,
+                "update_interval": update_interval}
+    store_file = Checkpoint(checkpoint, _run_key(run, goal, clt, settings), SAVE_EVERY_S)
+    restored = store_file.load(run.n_columns)
+    if restored is None:
+        store, pending = RowStore(run.n_columns), torch.zeros(0, dtype=torch.long)
+        store.append(torch.tensor([logit_node]), logit_row[None],
+                     torch.tensor([logit_constant]), torch.tensor([closure.target]))
+    else:
+        store, pending = restored
+    done = torch.zeros(n, dtype=torch.bool)
+    done[store.nodes[store.nodes < n]] = True
+
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        chunks = tqdm(chunks, total=n_batches(n - done, size), desc="adjacency rows",
-                      unit="batch")
+        bar = tqdm(total=budget, initial=int(done.sum()), desc="feature rows", unit="row")
     compute = feature_rows_loop if loop else feature_rows
-    for index in chunks:
-        r, c = compute(run, index.to(run.feature_layer.device))
-        rows.append(r.float().cpu())
-        constants.append(c.float().cpu())
-        store.maybe_save(rows, constants)
-    store.remove()
-    with torch.no_grad():
-        row_targets = feature_targets(run, torch.arange(n, device=run.feature_layer.device))
-    logit_row = logit_row.float().cpu()
-    width = logit_row.numel()
-    adjacency = torch.cat([*rows, logit_row[None]]) if rows else logit_row[None]
-    constants_all = torch.cat([*constants, torch.tensor([logit_constant])])
+    on = run.feature_layer.device
+    while int(done.sum()) < budget:
+        if len(pending) == 0:
+            start = time.perf_counter()
+            pending = ranking.next_queue(store, done)
+            clock["ranking"] += time.perf_counter() - start
+        chunk, pending = pending[:size], pending[size:]
+        rows, constants = compute(run, chunk.to(on))
+        with torch.no_grad():
+            targets = feature_targets(run, chunk.to(on))
+        store.append(chunk, rows, constants, targets)
+        done[chunk] = True
+        store_file.maybe_save(store, pending)
+        if bar is not None:
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    store_file.remove()
+    seconds = {"total": time.perf_counter() - clock["start"], "forward": clock["forward"],
+               "ranking": clock["ranking"]}
+    seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]
+
     probs = clean[0, -1].float().softmax(-1)
-    tokens = [tokenizer.decode([i]) for i in ids[0].tolist()]
-    graph = AttributionGraph(
-        prompt=prompt, tokens=tokens, input_ids=ids[0].tolist(), target=goal.describe(),
+    return AttributionGraph(
+        prompt=prompt, tokens=[tokenizer.decode([i]) for i in ids[0].tolist()],
+        input_ids=ids[0].tolist(), target=goal.describe(),
         answer=tokenizer.decode([goal.token]), answer_prob=float(probs[goal.token]),
         n_layers=run.n_layers, feature_layer=run.feature_layer.cpu(),
         feature_position=run.feature_position.cpu(), feature_id=run.feature_id.cpu(),
-        activation=run.activation.float().cpu(), adjacency=adjacency.reshape(-1, width),
-        constants=constants_all,
-        row_targets=torch.cat([row_targets.detach().float().cpu(),
-                               torch.tensor([closure.target])]),
-        closure=closure,
+        activation=run.activation.float().cpu(), rows=store, closure=closure,
         metadata={"model": getattr(model, "pvct_source", None)
                   or getattr(model.config, "_name_or_path", ""),
                   "clt": clt.source or clt.cfg.model_name, "frozen": freeze,
-                  "batch_size": size, "forward_mb": run.forward_bytes / 2**20,
+                  "batch_size": size, "max_feature_nodes": budget,
+                  "active_features": n, "forward_mb": run.forward_bytes / 2**20,
+                  "rows_mb": store.nbytes / 2**20, "seconds": seconds,
                   "max_logit_change": float((run.logits.detach() - clean).abs().max())})
-    return graph

@@ -25,10 +25,6 @@ from .replacement import ReplacementRun
 from .targets import Target
 
 
-class MemoryCapError(MemoryError):
-    """Not even one gradient row fits the memory cap the user set."""
-
-
 def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
                      batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [B, n_nodes], constant [B])`` from gradients on ``run.inputs()`` (leading batch
@@ -136,49 +132,10 @@ def feature_rows_loop(run: ReplacementRun,
     return torch.stack(rows), torch.stack(constants)
 
 
-# ------------------------------------------------------------------------------ memory
-
-
-def graph_bytes(run: ReplacementRun) -> int:
-    """Bytes of the leaves and constants one gradient row produces."""
-    return sum(x.numel() * x.element_size() for x in run.inputs())
-
-
-def row_bytes(run: ReplacementRun, forward_bytes: int) -> int:
-    """Estimated bytes one batched gradient row costs: its leaf gradients (twice: computed and
-    accumulated), its edge row, and an eighth of the forward's saved activations for the
-    batched activation gradients alive at once. Measured on SmolLM2 (CPU, 9 tokens, forward
-    graph 63 MB): 2.2-4.6 MB per row at 8-128 rows per backward, against this estimate's 9.3 MB
-    (benchmarks/attribution_speed.py)."""
-    return 2 * graph_bytes(run) + 4 * run.n_columns + forward_bytes // 8
-
-
-#: Rows per backward when the memory cap allows more: on 2 CPU cores 32 rows per backward were
-#: fastest (SmolLM2: 2.7 ms/row against 4.0 at 8 and 3.4 at 128); GPUs want wide batches.
-DEFAULT_MAX_BATCH = {"cpu": 32, "cuda": 512}
-
-
-def batch_size_for(run: ReplacementRun, forward_bytes: int, memory_mb: float,
-                   max_batch: int | None = None) -> int:
-    """Rows per backward that fit ``memory_mb`` beside the forward graph (at most
-    ``max_batch``, default :data:`DEFAULT_MAX_BATCH` for the device); raises
-    :class:`MemoryCapError` when not even one does."""
-    if max_batch is None:
-        max_batch = DEFAULT_MAX_BATCH.get(run.logits.device.type, 64)
-    budget = memory_mb * 2**20 - forward_bytes
-    per_row = row_bytes(run, forward_bytes)
-    if budget < per_row:
-        need = (forward_bytes + per_row) / 2**20
-        raise MemoryCapError(
-            f"the prompt ({run.n_pos} tokens, {run.n_features} active features) needs about "
-            f"{need:.0f} MB for its forward graph and one gradient row; the memory cap is "
-            f"{memory_mb:.0f} MB. Shorten the prompt or raise memory_mb.")
-    return max(1, min(max_batch, int(budget // per_row)))
-
-
-def batches(n: int, size: int) -> Iterator[torch.Tensor]:
-    for start in range(0, n, size):
-        yield torch.arange(start, min(n, start + size))
+def batches(index: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
+    """``index`` in consecutive pieces of ``size``."""
+    for start in range(0, len(index), size):
+        yield index[start:start + size]
 
 
 def n_batches(n: int, size: int) -> int:

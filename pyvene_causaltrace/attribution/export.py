@@ -4,12 +4,57 @@ Top level ``metadata``, ``qParams``, ``nodes``, ``links``. Node ids follow circu
 current format: feature ``"{layer}_{feature}_{pos}"``, error ``"{layer}_-1_{pos}"`` (the older
 ``"0_{layer}_{pos}"`` collided with feature ids), token ``"E_{token_id}_{pos}"``, logit
 ``"{n_layers + 1}_{token_id}_{pos}"``. Only the pruned graph is exported: kept nodes touched by a
-kept link, plus every token and the logit; links carry the raw signed edge weight.
+kept link, plus every token and the logit; links carry the signed edge weight. Numbers are
+written with 6 significant digits and the JSON without spaces, so a pruned graph of thousands of
+features stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` holds the fields Neuronpedia's graph
+schema requires; :func:`check_graph_json` checks a payload against it.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+
+#: The required fields of Neuronpedia's attribution-graph schema (a JSON Schema).
+NEURONPEDIA_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["metadata", "qParams", "nodes", "links"],
+    "properties": {
+        "metadata": {"type": "object", "required": ["slug", "scan", "prompt_tokens", "prompt"],
+                     "properties": {"slug": _STR, "scan": _STR, "prompt": _STR,
+                                    "prompt_tokens": {"type": "array", "items": _STR}}},
+        "qParams": {"type": "object"},
+        "nodes": {"type": "array", "items": {
+            "type": "object",
+            "required": ["node_id", "feature", "layer", "ctx_idx", "feature_type", "jsNodeId",
+                         "clerp"],
+            "properties": {"node_id": _STR, "feature": _INT, "layer": _STR, "ctx_idx": _INT,
+                           "feature_type": {"enum": ["cross layer transcoder",
+                                                     "mlp reconstruction error", "embedding",
+                                                     "logit"]},
+                           "jsNodeId": _STR, "clerp": _STR}}},
+        "links": {"type": "array", "items": {
+            "type": "object", "required": ["source", "target", "weight"],
+            "properties": {"source": _STR, "target": _STR, "weight": {"type": "number"}}}},
+    },
+}
+
+
+def check_graph_json(payload: dict) -> None:
+    """Raise ``jsonschema.ValidationError`` unless ``payload`` has every field Neuronpedia's
+    schema requires, or ``ValueError`` if a link names a node that is not exported."""
+    import jsonschema
+
+    jsonschema.validate(payload, NEURONPEDIA_SCHEMA)
+    ids = {node["node_id"] for node in payload["nodes"]}
+    for link in payload["links"]:
+        if link["source"] not in ids or link["target"] not in ids:
+            raise ValueError(f"link {link['source']} -> {link['target']} names a missing node")
 
 
 def _cantor(x: int, y: int) -> int:
@@ -20,30 +65,35 @@ def _clean(token: str) -> str:
     return token.replace("\n", "⏎").replace("\t", "→").replace("\r", "↵")
 
 
+def _num(x: float | None) -> float | None:
+    return None if x is None else float(f"{x:.6g}")
+
+
 def _node(node_id: str, feature: int, layer: str, pos: int, kind: str, js_id: str, *,
           clerp: str = "", influence: float | None = None, activation: float | None = None,
           token_prob: float = 0.0, is_target: bool = False) -> dict[str, Any]:
     return {"node_id": node_id, "feature": feature, "layer": layer, "ctx_idx": pos,
             "feature_type": kind, "token_prob": token_prob, "is_target_logit": is_target,
             "run_idx": 0, "reverse_ctx_idx": 0, "jsNodeId": js_id, "clerp": clerp,
-            "influence": influence, "activation": activation}
+            "influence": _num(influence), "activation": _num(activation)}
+
+
+def node_id(graph, i: int) -> str:
+    """Node ``i``'s exported id."""
+    kind = graph.node_kind(i)
+    layer, pos, feature, _ = graph.coordinates(i, kind)
+    if kind == "feature":
+        return f"{layer}_{feature}_{pos}"
+    if kind == "error":
+        return f"{layer}_-1_{pos}"
+    if kind == "token":
+        return f"E_{graph.input_ids[pos]}_{pos}"
+    return f"{graph.n_layers + 1}_{graph.target['token']}_{pos}"
 
 
 def node_ids(graph) -> list[str]:
-    """Each node's exported id, in node order."""
-    lay, ids = graph.layout, []
-    for i in range(lay.n_nodes):
-        kind = graph.node_kind(i)
-        layer, pos, feature, _ = graph.coordinates(i, kind)
-        if kind == "feature":
-            ids.append(f"{layer}_{feature}_{pos}")
-        elif kind == "error":
-            ids.append(f"{layer}_-1_{pos}")
-        elif kind == "token":
-            ids.append(f"E_{graph.input_ids[pos]}_{pos}")
-        else:
-            ids.append(f"{graph.n_layers + 1}_{graph.target['token']}_{pos}")
-    return ids
+    """Every node's exported id, in node order (small graphs)."""
+    return [node_id(graph, i) for i in range(graph.layout.n_nodes)]
 
 
 def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
@@ -52,16 +102,14 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
     from .. import __version__
 
     pruned = graph.prune(node_threshold, edge_threshold)
-    full = graph.square()
-    edge = pruned.edge_mask
-    touched = edge.any(0) | edge.any(1)
-    ids = node_ids(graph)
+    touched = set(pruned.edge_target.tolist()) | set(pruned.edge_source.tolist())
     lay = graph.layout
+    shown = [i for i in pruned.node_mask.nonzero().squeeze(-1).tolist()
+             if i >= lay.tokens.start or i in touched]
+    ids = {i: node_id(graph, i) for i in shown}
     nodes = []
-    for i in range(lay.n_nodes):
+    for i in shown:
         kind = graph.node_kind(i)
-        if kind in ("feature", "error") and not (pruned.node_mask[i] and touched[i]):
-            continue
         layer, pos, feature, activation = graph.coordinates(i, kind)
         influence = float(pruned.cumulative_scores[i])
         if kind == "feature":
@@ -80,11 +128,10 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
                                f"L_{token}-{pos}", token_prob=graph.answer_prob, is_target=True,
                                clerp=f'Output "{_clean(graph.answer)}" '
                                      f'(p={graph.answer_prob:.3f})'))
-    kept = {node["node_id"] for node in nodes}
-    target, source = edge.nonzero(as_tuple=True)
-    links = [{"source": ids[s], "target": ids[t], "weight": float(full[t, s])}
-             for t, s in zip(target.tolist(), source.tolist(), strict=True)
-             if ids[s] in kept and ids[t] in kept]
+    links = [{"source": ids[s], "target": ids[t], "weight": _num(w)}
+             for t, s, w in zip(pruned.edge_target.tolist(), pruned.edge_source.tolist(),
+                                pruned.edge_weight.tolist(), strict=True)
+             if s in ids and t in ids]
     metadata = {
         "slug": slug or "pyvene-causaltrace-graph",
         "scan": str(graph.metadata.get("model", "")),
@@ -94,10 +141,17 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         "node_threshold": node_threshold,
         "schema_version": 1,
         "info": {"generator": {"name": "pyvene-causaltrace", "version": __version__},
-                 "transcoder_set": str(graph.metadata.get("clt", ""))},
+                 "transcoder_set": str(graph.metadata.get("clt", "")),
+                 "feature_nodes": {"active": graph.n_features, "explored": graph.n_explored}},
         "pruning_settings": {"node_threshold": node_threshold, "edge_threshold": edge_threshold},
-        "generation_settings": {"target": graph.target["name"]},
+        "generation_settings": {"target": graph.target["name"],
+                                "max_feature_nodes": graph.metadata.get("max_feature_nodes")},
     }
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",
                 "sg_pos": ""}
     return {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
+
+
+def write_json(payload: dict, path: str | Path) -> None:
+    """Write ``payload`` compactly (no spaces)."""
+    Path(path).write_text(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))

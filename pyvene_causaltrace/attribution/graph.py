@@ -1,16 +1,22 @@
-"""The attribution graph of one prompt: nodes, the exact edge matrix, and ways to read it.
+"""The attribution graph of one prompt: nodes, the computed rows of the edge matrix, and ways to
+read them.
 
-Nodes, in circuit-tracer's order: active features (layer, position, feature id), errors (one per
-layer x position, layer-major), tokens (one per position), and the target (the logit node).
-``adjacency`` holds a row per feature node plus the target row: ``adjacency[r, c]`` is source
-node ``c``'s direct effect on row ``r``'s target. ``constants`` is what the model's biases and
-``b_dec`` add to each row, so ``adjacency[r].sum() + constants[r]`` is the row's target.
+Nodes, in circuit-tracer's order: every active feature (layer, position, feature id), errors (one
+per layer x position, layer-major), tokens (one per position), and the target (the logit node).
+``rows`` (a sparse :class:`~.store.RowStore`) holds the logit's row and the rows of the features
+that were *explored*: with a feature-node budget (``attribute(..., max_feature_nodes=N)``) only
+the ``N`` most influential features get a row; the others stay in the graph as leaves, their
+direct effects on every computed row kept, so each row still closes:
+``row.sum() + constant == target``. Edges between two unexplored features are never seen.
 
     graph = attribute(model, tokenizer, clt, "The Eiffel Tower is in the city of", " Paris")
     graph.closure                       # target, sum of edges, residual
     graph.direct_attributions(10)       # DataFrame
-    graph.prune()                       # PruneResult (node and edge masks)
+    graph.prune()                       # PruneResult (node mask, kept edges)
     graph.to_json("graph.json")         # circuit-tracer / Neuronpedia viewer format
+    graph.save("graph.safetensors")     # tensors + JSON header, never a pickle
+
+Derived results (influence, pruning, scores) are memoised on the graph.
 """
 
 from __future__ import annotations
@@ -24,7 +30,17 @@ import pandas as pd
 import torch
 
 from .edges import Closure
-from .reading import Layout, graph_scores, node_influence, prune
+from .reading import Layout, PruneResult, graph_scores, influence, logit_weights, prune
+from .store import RowStore
+
+#: The graph file format (safetensors + JSON header); bump on incompatible changes.
+GRAPH_FORMAT = "pyvene_causaltrace.attribution_graph"
+SCHEMA_VERSION = 2
+_FEATURE_TENSORS = ("feature_layer", "feature_position", "feature_id", "activation")
+
+
+class GraphFileError(ValueError):
+    """A file is not a graph this package wrote (or one of an unsupported schema version)."""
 
 
 @dataclass
@@ -42,11 +58,10 @@ class AttributionGraph:
     feature_position: torch.Tensor
     feature_id: torch.Tensor
     activation: torch.Tensor
-    adjacency: torch.Tensor
-    constants: torch.Tensor
-    row_targets: torch.Tensor
+    rows: RowStore
     closure: Closure
     metadata: dict[str, Any] = field(default_factory=dict)
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ----------------------------------------------------------------------- layout
     @property
@@ -61,13 +76,32 @@ class AttributionGraph:
     def layout(self) -> Layout:
         return Layout(self.n_features, self.n_layers * self.n_pos, self.n_pos, 1)
 
-    def square(self) -> torch.Tensor:
-        """``[N, N]`` adjacency over all nodes (rows = targets; error and token rows empty)."""
-        lay = self.layout
-        full = torch.zeros(lay.n_nodes, lay.n_nodes, dtype=self.adjacency.dtype)
-        full[:lay.n_features, :lay.logits.start] = self.adjacency[:-1]
-        full[-1, :lay.logits.start] = self.adjacency[-1]
-        return full
+    @property
+    def logit_node(self) -> int:
+        return self.layout.n_nodes - 1
+
+    @property
+    def explored(self) -> torch.Tensor:
+        """``[n_features]`` bool: the features whose rows were computed."""
+        return self.rows.row_of_node(self.layout.n_nodes)[:self.n_features] >= 0
+
+    @property
+    def n_explored(self) -> int:
+        return int(self.explored.sum())
+
+    def row(self, node: int) -> torch.Tensor:
+        """Dense row of ``node`` (``[n_nodes - 1]``: every source node's direct effect on its
+        target); raises for a node without a row."""
+        index = int(self.rows.row_of_node(self.layout.n_nodes)[node])
+        if index < 0:
+            raise KeyError(f"node {node} ({self.label(node)}) has no computed row")
+        return self.rows.dense([index])[0]
+
+    def target_row(self) -> torch.Tensor:
+        """The logit's row: every node's direct effect on the target."""
+        if "target_row" not in self._memo:
+            self._memo["target_row"] = self.row(self.logit_node)
+        return self._memo["target_row"]
 
     def node_kind(self, index: int) -> str:
         lay = self.layout
@@ -76,22 +110,6 @@ class AttributionGraph:
         if index < lay.tokens.start:
             return "error"
         return "token" if index < lay.logits.start else "logit"
-
-    def nodes(self) -> pd.DataFrame:
-        """One row per node: kind, layer, position, token, feature, activation, label, direct
-        effect on the target and influence."""
-        lay = self.layout
-        influence = self.influence()
-        direct = torch.cat([self.adjacency[-1], torch.zeros(1)])
-        records = []
-        for i in range(lay.n_nodes):
-            kind = self.node_kind(i)
-            layer, pos, feature, act = self.coordinates(i, kind)
-            records.append({"node": i, "kind": kind, "layer": layer, "position": pos,
-                            "token": self.tokens[pos], "feature": feature, "activation": act,
-                            "label": self.label(i), "direct": float(direct[i]),
-                            "influence": float(influence[i])})
-        return pd.DataFrame.from_records(records)
 
     def coordinates(self, i: int, kind: str) -> tuple[int | None, int, int | None, float | None]:
         """``(layer, position, feature, activation)`` of node ``i`` of ``kind`` (``None`` where
@@ -120,71 +138,129 @@ class AttributionGraph:
             return f"TOK @{pos} {token}"
         return f"LOGIT {self.answer!r}"
 
+    def labels(self, nodes: torch.Tensor) -> list[str]:
+        return [self.label(int(i)) for i in nodes]
+
+    def nodes(self) -> pd.DataFrame:
+        """One row per node: kind, layer, position, token, feature, activation, whether its row
+        was computed, label, direct effect on the target and influence."""
+        lay, n = self.layout, self.layout.n_nodes
+        kind = (["feature"] * lay.n_features + ["error"] * lay.n_errors
+                + ["token"] * lay.n_tokens + ["logit"])
+        errors = torch.arange(lay.n_errors)
+        layer = torch.cat([self.feature_layer.float(), (errors // self.n_pos).float(),
+                           torch.full((lay.n_tokens,), float("nan")),
+                           torch.tensor([float(self.n_layers)])])
+        position = torch.cat([self.feature_position, errors % self.n_pos,
+                              torch.arange(self.n_pos), torch.tensor([self.n_pos - 1])])
+        feature = torch.cat([self.feature_id.float(), torch.full((lay.n_errors + lay.n_tokens,),
+                                                                 float("nan")),
+                             torch.tensor([float(self.target["token"])])])
+        activation = torch.cat([self.activation.float(), torch.full((n - lay.n_features,),
+                                                                    float("nan"))])
+        has_row = self.rows.row_of_node(n) >= 0
+        frame = pd.DataFrame({
+            "node": range(n), "kind": kind, "layer": pd.array(layer.tolist(), dtype="Int64"),
+            "position": position.tolist(),
+            "token": [self.tokens[p] for p in position.tolist()],
+            "feature": pd.array(feature.tolist(), dtype="Int64"),
+            "activation": activation.tolist(), "explored": has_row.tolist(),
+            "direct": torch.cat([self.target_row(), torch.zeros(1)]).tolist(),
+            "influence": self.influence().tolist()})
+        frame.insert(7, "label", self.labels(torch.arange(n)))
+        return frame
+
     # ---------------------------------------------------------------------- reading
     def influence(self) -> torch.Tensor:
         """Each node's influence on the target (``A + A^2 + ...`` on row-normalised ``|A|``)."""
-        return node_influence(self.square(), self.layout)
+        if "influence" not in self._memo:
+            self._memo["influence"] = influence(self.rows, logit_weights(self.layout))
+        return self._memo["influence"]
 
     def direct_attributions(self, n: int = 10) -> pd.DataFrame:
         """The ``n`` largest direct effects on the target, by magnitude, with labels."""
-        row = self.adjacency[-1]
+        row = self.target_row()
         order = row.abs().argsort(descending=True)[:n]
-        return pd.DataFrame({"node": order.tolist(), "label": [self.label(int(i)) for i in order],
+        return pd.DataFrame({"node": order.tolist(), "label": self.labels(order),
                              "edge": row[order].tolist()})
 
     def decomposition(self) -> dict[str, float]:
-        """The target split by node kind (features, errors, tokens) plus the constants."""
-        lay, row = self.layout, self.adjacency[-1].double()
-        parts = {"features": float(row[:lay.n_features].sum()),
+        """The target split by node kind — explored features, unexplored features (no row of
+        their own), errors, tokens — plus the constants, and the shares of errors and of
+        unexplored features."""
+        lay, row = self.layout, self.target_row().double()
+        features = row[:lay.n_features]
+        explored = self.explored
+        parts = {"features": float(features[explored].sum()),
+                 "unexplored": float(features[~explored].sum()),
                  "errors": float(row[lay.errors].sum()),
                  "tokens": float(row[lay.tokens].sum()),
-                 "constants": float(self.constants[-1])}
+                 "constants": float(self.rows.constants[self._logit_row()])}
         parts["target"] = self.closure.target
         parts["error_share"] = parts["errors"] / self.closure.target  # the seed's 5.3%
+        parts["unexplored_share"] = parts["unexplored"] / self.closure.target
         return parts
 
-    def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98):
-        """circuit-tracer's pruning (:func:`~.reading.prune`)."""
-        return prune(self.square(), self.layout, node_threshold, edge_threshold)
+    def _logit_row(self) -> int:
+        return int(self.rows.row_of_node(self.layout.n_nodes)[self.logit_node])
+
+    def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
+        """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds."""
+        key = ("prune", node_threshold, edge_threshold)
+        if key not in self._memo:
+            self._memo[key] = prune(self.rows, self.layout, node_threshold, edge_threshold)
+        return self._memo[key]
 
     def scores(self) -> dict[str, float]:
-        """Replacement and completeness scores, and the error nodes' share of the target."""
-        out = graph_scores(self.square(), self.layout)
-        out["error_share"] = self.decomposition()["error_share"]
-        return out
+        """Replacement and completeness scores, the error nodes' share of the target, and the
+        share of influence that ends on unexplored features."""
+        if "scores" not in self._memo:
+            out = graph_scores(self.rows, self.layout)
+            out["error_share"] = self.decomposition()["error_share"]
+            leaf = self.influence()[:self.n_features][~self.explored].sum()
+            out["unexplored_influence"] = float(leaf / self.influence().sum().clamp(min=1e-30))
+            self._memo["scores"] = out
+        return self._memo["scores"]
+
+    def closures(self) -> torch.Tensor:
+        """Per computed row: ``row.sum() + constant - target`` (float64)."""
+        return self.rows.sums() + self.rows.constants - self.rows.targets
 
     def feature_closure(self) -> float:
         """Largest closure residual over the feature rows, relative to the largest feature
         pre-activation (rows near zero make per-row ratios meaningless)."""
-        if self.n_features == 0:
+        features = self.rows.nodes < self.n_features
+        if not features.any():
             return 0.0
-        rows = self.adjacency[:-1].double().sum(1) + self.constants[:-1].double()
-        targets = self.row_targets[:-1].double()
-        return float((rows - targets).abs().max() / targets.abs().max().clamp(min=1e-12))
+        targets = self.rows.targets[features]
+        return float(self.closures()[features].abs().max() / targets.abs().max().clamp(min=1e-12))
 
     # ------------------------------------------------------------------------ output
     def to_dataframe(self, pruned: bool = False) -> pd.DataFrame:
         """Long-form edges (nonzero only; with ``pruned``, the pruned graph's): source, target,
         weight and both labels."""
-        full = self.square()
         if pruned:
-            full = full * self.prune().edge_mask
-        target, source = full.nonzero(as_tuple=True)
-        labels = pd.Series([self.label(i) for i in range(self.layout.n_nodes)])
+            kept = self.prune()
+            target, source, weight = kept.edge_target, kept.edge_source, kept.edge_weight
+        else:
+            parts = [(self.rows.nodes[r], c, v) for r, c, v in self.rows.chunks()]
+            target, source, weight = (torch.cat([p[i] for p in parts]) if parts
+                                      else torch.zeros(0) for i in range(3))
+        used = torch.unique(torch.cat([target, source]).long())
+        names = pd.Series(self.labels(used), index=used.tolist())
         return pd.DataFrame({
-            "source": source.tolist(), "target": target.tolist(),
-            "weight": full[target, source].tolist(),
-            "source_label": labels[source.numpy()].to_numpy(),
-            "target_label": labels[target.numpy()].to_numpy()})
+            "source": source.tolist(), "target": target.tolist(), "weight": weight.tolist(),
+            "source_label": names.reindex(source.tolist()).to_numpy(),
+            "target_label": names.reindex(target.tolist()).to_numpy()})
 
     def to_json(self, path: str | Path | None = None, **kwargs: Any) -> dict:
         """The circuit-tracer / Neuronpedia graph JSON (:func:`~.export.graph_json`); written
-        to ``path`` when given."""
-        from .export import graph_json
+        compactly to ``path`` when given."""
+        from .export import graph_json, write_json
 
         payload = graph_json(self, **kwargs)
         if path is not None:
-            Path(path).write_text(json.dumps(payload))
+            write_json(payload, path)
         return payload
 
     def plot(self, path: str | Path | None = None, **kwargs: Any):
@@ -193,14 +269,53 @@ class AttributionGraph:
 
         return plot_graph(self, path, **kwargs)
 
+    # ---------------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:
-        """Write the whole graph (tensors and metadata) to one ``.pt`` file."""
-        torch.save({"format": "pyvene_causaltrace.attribution_graph/1", **self.__dict__,
-                    "closure": self.closure.to_dict()}, str(path))
+        """Write the graph to one safetensors file: tensors, and everything else as JSON in its
+        header (no pickle: loading never runs code)."""
+        from safetensors.torch import save_file
+
+        header = {"prompt": self.prompt, "tokens": self.tokens, "target": self.target,
+                  "answer": self.answer, "answer_prob": self.answer_prob,
+                  "n_layers": self.n_layers, "n_columns": self.rows.n_columns,
+                  "closure": self.closure.to_dict(), "metadata": self.metadata}
+        tensors = {name: getattr(self, name).contiguous() for name in _FEATURE_TENSORS}
+        tensors["input_ids"] = torch.tensor(self.input_ids, dtype=torch.long)
+        tensors.update(self.rows.state())
+        save_file(tensors, str(path), metadata={
+            "format": GRAPH_FORMAT, "schema_version": str(SCHEMA_VERSION),
+            "graph": json.dumps(header, default=str)})
 
     @classmethod
     def load(cls, path: str | Path) -> AttributionGraph:
-        state = torch.load(str(path), weights_only=False)
-        state.pop("format")
-        c = state.pop("closure")
-        return cls(**state, closure=Closure(c["target"], c["edges"], c["constant"]))
+        """Read a file written by :meth:`save`. Anything else — a pickle, a ``.pt`` of an older
+        version, another safetensors file — is refused with :class:`GraphFileError`."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                meta = handle.metadata() or {}
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        except FileNotFoundError:
+            raise
+        except Exception as error:  # safetensors raises its own error types on a bad header
+            raise GraphFileError(
+                f"{path} is not an attribution graph file (a safetensors file is expected; "
+                f"pickled graphs are never loaded): {error}") from None
+        if meta.get("format") != GRAPH_FORMAT:
+            raise GraphFileError(f"{path} is a safetensors file but not an attribution graph")
+        if meta.get("schema_version") != str(SCHEMA_VERSION):
+            raise GraphFileError(f"{path} has graph schema version {meta.get('schema_version')}; "
+                                 f"this version reads {SCHEMA_VERSION}")
+        header = json.loads(meta["graph"])
+        target = header["target"]
+        target["coefficients"] = {int(k): v for k, v in target.get("coefficients", {}).items()}
+        c = header["closure"]
+        return cls(prompt=header["prompt"], tokens=header["tokens"],
+                   input_ids=tensors["input_ids"].tolist(), target=target,
+                   answer=header["answer"], answer_prob=header["answer_prob"],
+                   n_layers=header["n_layers"],
+                   **{name: tensors[name] for name in _FEATURE_TENSORS},
+                   rows=RowStore.from_state(header["n_columns"], tensors),
+                   closure=Closure(c["target"], c["edges"], c["constant"]),
+                   metadata=header["metadata"])

@@ -50,12 +50,12 @@ def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.
     shown = torch.zeros_like(inner)
     shown[ranked] = True
     shown[lay.tokens.start:] = True
-    edges = graph.square() * (pruned.edge_mask & shown[:, None] & shown[None, :])
-    target, source = edges.nonzero(as_tuple=True)
-    weights = edges[target, source]
+    drawn = shown[pruned.edge_target] & shown[pruned.edge_source]
+    target, source = pruned.edge_target[drawn], pruned.edge_source[drawn]
+    weights = pruned.edge_weight[drawn]
     order = weights.abs().argsort(descending=True)[:max_edges]
     keep = sorted(set(target[order].tolist()) | set(source[order].tolist())
-                  | set(range(graph.layout.tokens.start, graph.layout.n_nodes)))
+                  | set(range(lay.tokens.start, lay.n_nodes)))
     xy = _positions(graph, keep)
     fig, ax = plt.subplots(figsize=(max(6.0, graph.n_pos * 1.1),
                                     max(5.0, graph.n_layers * 0.3 + 2)), dpi=100)
@@ -81,7 +81,7 @@ def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.
                                                       max(1, graph.n_layers // 8))], "logit"])
     ax.set_ylabel("layer")
     ax.set_title(f"{graph.prompt!r} -> {graph.answer!r}: pruned graph "
-                 f"{int(pruned.node_mask.sum())} nodes, {int(pruned.edge_mask.sum())} edges; "
+                 f"{pruned.n_nodes} nodes, {pruned.n_edges} edges; "
                  f"drawn {len(keep)} nodes, {len(order)} edges", fontsize=9)
     ax.legend(loc="upper left", fontsize=7, frameon=False)
     fig.tight_layout()

@@ -1,27 +1,33 @@
-"""Reading a graph: influence, pruning and scores, with circuit-tracer's semantics.
+"""Reading a graph: influence, pruning and scores, with circuit-tracer's semantics, from the
+sparse rows of a :class:`~.store.RowStore` — never an ``N x N`` matrix.
 
-All functions take the square adjacency ``A[target, source]`` over nodes ordered features,
-errors, tokens, logits (circuit-tracer's order) and are pure. The graph is acyclic (a node only
-reads earlier layers), so the influence series ``A + A^2 + ...`` ends after at most
-``n_layers + 2`` terms.
+Nodes are ordered features (every active feature), errors, tokens, logits (circuit-tracer's
+order); ``A[t, s]`` is source ``s``'s direct effect on target ``t``, nonzero only in the rows the
+store holds (the logit and the features whose rows were computed; every other node is a leaf).
 
-- :func:`normalize_matrix`: ``|A|`` with every row scaled to sum to 1;
-- :func:`compute_influence`: ``w @ (A + A^2 + ...)`` for logit weights ``w``;
+- influence: ``w @ (N + N^2 + ...)`` with ``N`` = ``|A|``, each row scaled to sum to 1, and ``w``
+  the logit weights. Only nodes with rows pass influence on, so the series runs on the rows x
+  row-nodes part of ``N`` and one last pass spreads it to every column. The graph is acyclic (a
+  node reads earlier layers only), so the series ends after at most ``n_layers + 2`` terms.
 - :func:`prune`: keep the nodes carrying ``node_threshold`` of the cumulative influence (tokens
   and logits always), then the edges carrying ``edge_threshold`` of the cumulative edge score
-  ``|A|_norm[t, s] * (influence[t] + w[t])``, then drop nodes left without edges;
+  ``N_kept[t, s] * (influence_kept[t] + w[t])``, then drop nodes left without edges;
 - :func:`graph_scores`: replacement score (token influence / (token + error influence)) and
   completeness score (influence-weighted share of incoming edge weight not from errors).
 
-Pruning keeps to sorts over nodes and over the edges of kept nodes only (circuit-tracer sorts all
-``n^2`` edge scores).
+Thresholds are found by :func:`threshold_for` without sorting all edges: a histogram over the
+scores' float bits finds the bucket where the cumulative share crosses, and only that bucket is
+sorted (circuit-tracer sorts all ``n^2`` edge scores, its OOM at ~63k nodes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+
+from .store import RowStore
 
 
 @dataclass(frozen=True)
@@ -51,107 +57,223 @@ class Layout:
         return slice(self.n_nodes - self.n_logits, self.n_nodes)
 
 
-def normalize_matrix(matrix: torch.Tensor) -> torch.Tensor:
-    """``|A|`` with each row divided by its sum (rows of zeros stay zero)."""
-    normalized = matrix.abs()
-    return normalized / normalized.sum(dim=1, keepdim=True).clamp(min=1e-10)
-
-
-def compute_influence(normalized: torch.Tensor, weights: torch.Tensor,
-                      max_iter: int = 1000) -> torch.Tensor:
-    """``weights @ (A + A^2 + ...)``; raises if the series has not ended after ``max_iter``
-    terms (a cycle: not an attribution graph)."""
-    current = weights @ normalized
-    influence = current.clone()
-    for _ in range(max_iter):
-        if not current.any():
-            return influence
-        current = current @ normalized
-        influence += current
-    raise RuntimeError(f"influence did not converge after {max_iter} iterations")
-
-
 def logit_weights(layout: Layout, probabilities: torch.Tensor | None = None) -> torch.Tensor:
-    """Weights on the logit nodes (their probabilities; 1 for a single target)."""
-    weights = torch.zeros(layout.n_nodes)
-    weights[layout.logits] = 1.0 if probabilities is None else probabilities
+    """Weights on the logit nodes (their probabilities; 1 for a single target), float64."""
+    weights = torch.zeros(layout.n_nodes, dtype=torch.float64)
+    weights[layout.logits] = 1.0 if probabilities is None else probabilities.double()
     return weights
 
 
-def node_influence(adjacency: torch.Tensor, layout: Layout,
-                   probabilities: torch.Tensor | None = None) -> torch.Tensor:
-    """Every node's total (direct and indirect) influence on the weighted logits."""
-    weights = logit_weights(layout, probabilities).to(adjacency.dtype)
-    return compute_influence(normalize_matrix(adjacency), weights)
+# ------------------------------------------------------------------------- influence
 
 
-def threshold_for(scores: torch.Tensor, fraction: float) -> torch.Tensor:
+def _kept_entries(store: RowStore, keep: torch.Tensor | None):
+    """Chunks of ``(row, column, |value|)``, restricted to entries whose row node and column
+    are both kept when ``keep`` (a node mask) is given."""
+    nodes = store.nodes
+    for rows, cols, values in store.chunks():
+        weight = values.abs()
+        if keep is not None:
+            mask = keep[nodes[rows]] & keep[cols]
+            rows, cols, weight = rows[mask], cols[mask], weight[mask]
+        yield rows, cols, weight
+
+
+def row_denominators(store: RowStore, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_s |A[r, s]|`` per row over kept entries (all: memoised in the store)."""
+    if keep is None:
+        return store.abs_sums()
+    out = torch.zeros(store.n_rows, dtype=torch.float64)
+    for rows, _, weight in _kept_entries(store, keep):
+        out.index_add_(0, rows, weight.double())
+    return out
+
+
+def influence(store: RowStore, weights: torch.Tensor, keep: torch.Tensor | None = None,
+              max_iter: int = 1000) -> torch.Tensor:
+    """``weights @ (N + N^2 + ...)`` over all ``len(weights)`` nodes (module docstring); with
+    ``keep``, of the graph restricted to the kept nodes. Raises if the series has not ended
+    after ``max_iter`` terms (a cycle: not an attribution graph)."""
+    n_nodes = len(weights)
+    nodes = store.nodes
+    scale = 1.0 / row_denominators(store, keep).clamp(min=1e-10)
+    row_of_node = store.row_of_node(n_nodes)
+    targets, sources, links = [], [], []  # the rows x row-nodes part of N
+    for rows, cols, weight in _kept_entries(store, keep):
+        source_row = row_of_node[cols]
+        inner = source_row >= 0
+        targets.append(rows[inner])
+        sources.append(source_row[inner])
+        links.append(weight[inner].double() * scale[rows[inner]])
+    targets, sources = torch.cat(targets or [torch.zeros(0, dtype=torch.long)]), \
+        torch.cat(sources or [torch.zeros(0, dtype=torch.long)])
+    links = torch.cat(links or [torch.zeros(0, dtype=torch.float64)])
+    current = weights.double()[nodes]
+    reach = current.clone()  # sum over k >= 0 of the k-th term, on the row nodes
+    for _ in range(max_iter):
+        current = torch.zeros_like(current).index_add_(0, sources, links * current[targets])
+        if not current.any():
+            break
+        reach += current
+    else:
+        raise RuntimeError(f"influence did not converge after {max_iter} iterations")
+    spread = scale * reach
+    out = torch.zeros(n_nodes, dtype=torch.float64)
+    for rows, cols, weight in _kept_entries(store, keep):
+        out.index_add_(0, cols, weight.double() * spread[rows])
+    return out
+
+
+# ------------------------------------------------------------------------ thresholds
+
+_SHIFT = 12  # histogram buckets: float32 bit patterns >> 12 (relative width ~5e-4)
+
+
+def threshold_for(chunks: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
+                  fraction: float) -> float:
     """The smallest score among the top scores that together carry ``fraction`` of the total
-    (clamped to the last nonzero score, so ``fraction=1`` never keeps zeros)."""
+    (clamped to the smallest nonzero score; ``fraction=1`` keeps every nonzero score, never
+    zeros); ``inf`` when all scores are zero.
+
+    ``chunks``: the (nonnegative) scores as one tensor, a list of tensors, or a callable that
+    yields them afresh (it is called twice), so that scores need never be held at once.
+    Equals sorting every score descending and taking the first where the cumulative sum
+    reaches ``fraction`` of the total (float64 sums).
+    """
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"a threshold is a fraction in [0, 1], got {fraction}")
-    ordered = torch.sort(scores.flatten(), descending=True).values
-    total = ordered.sum()
+    if isinstance(chunks, torch.Tensor):
+        chunks = [chunks]
+    fresh = chunks if callable(chunks) else (lambda: chunks)
+    n_buckets = (0x7F800000 >> _SHIFT) + 1
+    sums = torch.zeros(n_buckets, dtype=torch.float64)
+    smallest = float("inf")
+    for scores in fresh():
+        positive = scores.detach().reshape(-1).float()
+        positive = positive[positive > 0]
+        if positive.numel() == 0:
+            continue
+        smallest = min(smallest, float(positive.min()))
+        keys = positive.view(torch.int32).long() >> _SHIFT
+        sums += torch.bincount(keys, weights=positive.double(), minlength=n_buckets)
+    total = float(sums.sum())
     if total <= 0:
-        return torch.tensor(float("inf"))
-    cumulative = torch.cumsum(ordered, 0) / total
-    index = int(torch.searchsorted(cumulative, torch.tensor(fraction, dtype=cumulative.dtype)))
-    last_nonzero = int((ordered > 0).sum()) - 1
-    return ordered[min(index, last_nonzero)]
+        return float("inf")
+    if fraction >= 1.0:
+        return smallest
+    goal = fraction * total
+    at_or_above = sums.flip(0).cumsum(0).flip(0)  # sum of buckets >= k
+    crossing = ((at_or_above >= goal) & (sums > 0)).nonzero()
+    if crossing.numel() == 0:
+        return smallest
+    bucket = int(crossing.max())
+    above = float(at_or_above[bucket] - sums[bucket])
+    members = []
+    for scores in fresh():
+        values = scores.detach().reshape(-1).float()
+        values = values[values > 0]
+        members.append(values[(values.view(torch.int32).long() >> _SHIFT) == bucket])
+    ordered = torch.cat(members).sort(descending=True).values
+    cumulative = (above + ordered.double().cumsum(0)) / total
+    index = int(torch.searchsorted(cumulative, torch.tensor([fraction], dtype=torch.float64)))
+    return float(ordered[index]) if index < len(ordered) else smallest
+
+
+# --------------------------------------------------------------------------- pruning
 
 
 @dataclass
 class PruneResult:
-    """Boolean node and edge masks, and each node's cumulative influence share (circuit-tracer's
-    exported ``influence``: smaller = more important)."""
+    """The pruned graph: a node mask, the kept edges (target node, source node, signed weight)
+    and each node's cumulative influence share (circuit-tracer's exported ``influence``:
+    smaller = more important)."""
 
     node_mask: torch.Tensor
-    edge_mask: torch.Tensor
+    edge_target: torch.Tensor
+    edge_source: torch.Tensor
+    edge_weight: torch.Tensor
     cumulative_scores: torch.Tensor
 
+    @property
+    def n_nodes(self) -> int:
+        return int(self.node_mask.sum())
 
-def prune(adjacency: torch.Tensor, layout: Layout, node_threshold: float = 0.8,
+    @property
+    def n_edges(self) -> int:
+        return int(self.edge_target.numel())
+
+    def edge_mask(self) -> torch.Tensor:
+        """Dense ``[N, N]`` boolean mask of kept edges (small graphs only: tests, plots)."""
+        n = len(self.node_mask)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask[self.edge_target, self.edge_source] = True
+        return mask
+
+
+def prune(store: RowStore, layout: Layout, node_threshold: float = 0.8,
           edge_threshold: float = 0.98,
           probabilities: torch.Tensor | None = None) -> PruneResult:
     """Prune as circuit-tracer's ``prune_graph`` does (module docstring)."""
-    weights = logit_weights(layout, probabilities).to(adjacency.dtype)
-    influence = compute_influence(normalize_matrix(adjacency), weights)
-    node_mask = influence >= threshold_for(influence, node_threshold)
+    weights = logit_weights(layout, probabilities)
+    node_influence = influence(store, weights)
+    # thresholds are float32 values: compare float32 scores with them
+    node_mask = node_influence.float() >= threshold_for(node_influence, node_threshold)
     node_mask[layout.tokens.start:] = True  # tokens and logits always stay
-    pruned = adjacency.clone()
-    pruned[~node_mask] = 0
-    pruned[:, ~node_mask] = 0
-    normalized = normalize_matrix(pruned)
-    edge_scores = normalized * (compute_influence(normalized, weights) + weights)[:, None]
-    kept = edge_scores[node_mask][:, node_mask]
-    edge_mask = edge_scores >= threshold_for(kept, edge_threshold)
-    edge_mask &= node_mask[:, None] & node_mask[None, :]
-    edge_mask &= edge_scores > 0
+    kept_influence = influence(store, weights, keep=node_mask)
+    scale = 1.0 / row_denominators(store, node_mask).clamp(min=1e-10)
+    row_weight = scale * (kept_influence + weights)[store.nodes]
+
+    def scores():
+        for rows, _, weight in _kept_entries(store, node_mask):
+            yield (weight.double() * row_weight[rows]).float()
+
+    cut = threshold_for(scores, edge_threshold)
+    nodes = store.nodes
+    targets, sources, values = [], [], []
+    for rows, cols, value in store.chunks():
+        score = (value.abs().double() * row_weight[rows]).float()
+        keep = node_mask[nodes[rows]] & node_mask[cols] & (score >= cut) & (score > 0)
+        targets.append(nodes[rows[keep]])
+        sources.append(cols[keep])
+        values.append(value[keep])
+    target = torch.cat(targets or [torch.zeros(0, dtype=torch.long)])
+    source = torch.cat(sources or [torch.zeros(0, dtype=torch.long)])
+    weight = torch.cat(values or [torch.zeros(0)])
     n_inner = layout.tokens.start  # features and errors
     while True:
         before = node_mask.clone()
-        edge_mask[~node_mask] = False
-        edge_mask[:, ~node_mask] = False
-        node_mask[:n_inner] &= edge_mask[:, :n_inner].any(0)  # must feed something kept
-        node_mask[:layout.n_features] &= edge_mask[:layout.n_features].any(1)  # and be fed
+        alive = node_mask[target] & node_mask[source]
+        target, source, weight = target[alive], source[alive], weight[alive]
+        feeds = torch.zeros_like(node_mask)
+        feeds[source] = True
+        fed = torch.zeros_like(node_mask)
+        fed[target] = True
+        node_mask[:n_inner] &= feeds[:n_inner]  # must feed something kept
+        node_mask[:layout.n_features] &= fed[:layout.n_features]  # and be fed
         if torch.equal(before, node_mask):
             break
-    order = torch.sort(influence, descending=True)
-    cumulative = torch.empty_like(influence)
+    order = torch.sort(node_influence, descending=True)
+    cumulative = torch.empty_like(node_influence)
     total = order.values.sum().clamp(min=1e-30)
     cumulative[order.indices] = torch.cumsum(order.values, 0) / total
-    return PruneResult(node_mask, edge_mask, cumulative)
+    return PruneResult(node_mask, target, source, weight, cumulative)
 
 
-def graph_scores(adjacency: torch.Tensor, layout: Layout,
+def graph_scores(store: RowStore, layout: Layout,
                  probabilities: torch.Tensor | None = None) -> dict[str, float]:
     """circuit-tracer's replacement and completeness scores of the unpruned graph."""
-    weights = logit_weights(layout, probabilities).to(adjacency.dtype)
-    normalized = normalize_matrix(adjacency)
-    influence = compute_influence(normalized, weights)
-    token = influence[layout.tokens].sum()
-    error = influence[layout.errors].sum()
-    non_error = 1 - normalized[:, layout.errors].sum(dim=-1)
-    output = influence + weights
+    weights = logit_weights(layout, probabilities)
+    node_influence = influence(store, weights)
+    token = node_influence[layout.tokens].sum()
+    error = node_influence[layout.errors].sum()
+    is_error = torch.zeros(layout.n_nodes, dtype=torch.bool)
+    is_error[layout.errors] = True
+    error_share = torch.zeros(store.n_rows, dtype=torch.float64)
+    for rows, cols, weight in _kept_entries(store, None):
+        keep = is_error[cols]
+        error_share.index_add_(0, rows[keep], weight[keep].double())
+    error_share /= row_denominators(store).clamp(min=1e-10)
+    output = node_influence + weights
+    incomplete = (error_share * output[store.nodes]).sum()
     return {"replacement": float(token / (token + error).clamp(min=1e-30)),
-            "completeness": float((non_error * output).sum() / output.sum())}
+            "completeness": float((output.sum() - incomplete) / output.sum())}

@@ -86,6 +86,11 @@ class ReplacementRun:
         return self.n_features + (self.n_layers + 1) * self.n_pos
 
     @property
+    def decoder_bytes(self) -> int:
+        """Bytes of the active features' decoder rows the forward keeps for the backward."""
+        return sum(f.decoder.numel() * f.decoder.element_size() for f in self.features)
+
+    @property
     def n_layers(self) -> int:
         return len(self.errors)
 

@@ -74,7 +74,7 @@ def ranking(graph, rank_by: str = "influence") -> list[int]:
     if rank_by == "influence":
         score = graph.influence()[:n]
     elif rank_by == "direct":
-        score = graph.adjacency[-1, :n]
+        score = graph.target_row()[:n]
     else:
         raise ValueError(f"rank_by must be 'influence' or 'direct', got {rank_by!r}")
     return score.argsort(descending=True).tolist()

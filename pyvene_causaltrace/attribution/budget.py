@@ -1,0 +1,169 @@
+"""Memory planning for an attribution graph: what the forward graph, a batch of gradient rows and
+the stored rows will cost, decided before anything large is allocated.
+
+- :func:`check_forward_fits` (before the local replacement forward): the decoder rows of every
+  active feature — the leaf-mode splice keeps ``[L - l, D]`` per active feature of layer ``l``,
+  which dominates on real transcoders — plus the model's saved activations;
+- :func:`batch_size_for`: rows per backward that fit beside the forward graph;
+- :func:`feature_budget`: how many feature rows the sparse row store can hold; each row's
+  nonzero entries are bounded by its causal cone (features and errors of earlier layers at the
+  same or earlier positions, tokens at the same or earlier positions).
+
+Every refusal is a :class:`MemoryCapError` that says what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .store import CHUNK_ENTRIES
+
+log = logging.getLogger("pyvene_causaltrace.attribution")
+
+#: Rows per backward when the memory cap allows more: on 2 CPU cores 32 rows per backward were
+#: fastest (SmolLM2: 2.7 ms/row against 4.0 at 8 and 3.4 at 128); GPUs want wide batches.
+DEFAULT_MAX_BATCH = {"cpu": 32, "cuda": 512}
+
+#: Saved activations per token, layer and d_model unit besides the decoder rows (float32
+#: bytes / (P * L * D)), measured with ``_count_saved_bytes``: SmolLM2 14.9-15.3 (9-64 tokens),
+#: tiny Llama/GPT-2 15.0-19.6. Taken with a margin.
+ACTIVATION_UNITS = 24
+
+#: Bytes per stored row entry (float32 value + int32 column).
+ENTRY_BYTES = 8
+#: Transient bytes per entry of a reading chunk (row/column int64, values as float64, masks).
+CHUNK_BYTES = 48
+
+
+class MemoryCapError(MemoryError):
+    """What was asked does not fit the memory cap the user set."""
+
+
+def active_counts(model: nn.Module, clt, input_ids: torch.Tensor,
+                  from_position: int = 1) -> torch.Tensor:
+    """``[L]``: active features per layer on ``input_ids`` (no graph, one forward)."""
+    from ..clt.checks import hook_states
+
+    with torch.no_grad():
+        mid = hook_states(model, input_ids, ("mid",))["mid"]
+        return torch.tensor([int((clt.encode(mid[layer, from_position:], layer) != 0).sum())
+                             for layer in range(clt.n_layers)])
+
+
+def forward_estimate(model: nn.Module, clt, input_ids: torch.Tensor,
+                     counts: torch.Tensor) -> tuple[int, int]:
+    """``(decoder_bytes, activation_bytes)`` the local replacement forward will keep: the
+    decoder and encoder rows of the active features, and the model's activations."""
+    n_layers, d_model = clt.n_layers, clt.cfg.d_model
+    item = torch.empty(0, dtype=clt.dtype).element_size()
+    targets = torch.tensor([n_layers - layer + 1 for layer in range(n_layers)])
+    decoder = int((counts * targets).sum()) * d_model * item
+    n_pos = int(input_ids.shape[-1])
+    heads = getattr(model.config, "num_attention_heads", None) or model.config.n_head
+    activations = ACTIVATION_UNITS * n_pos * n_layers * d_model * 4 \
+        + 2 * n_pos * n_pos * heads * n_layers * 4
+    return decoder, activations
+
+
+def check_forward_fits(model: nn.Module, clt, input_ids: torch.Tensor, memory_mb: float,
+                       counts: torch.Tensor) -> int:
+    """Raise :class:`MemoryCapError` unless the forward graph fits ``memory_mb``; returns its
+    estimated bytes."""
+    decoder, activations = forward_estimate(model, clt, input_ids, counts)
+    need = decoder + activations
+    if need > memory_mb * 2**20:
+        raise MemoryCapError(
+            f"the prompt ({input_ids.shape[-1]} tokens, {int(counts.sum())} active features) "
+            f"needs about {need / 2**20:,.0f} MB for its forward graph ({decoder / 2**20:,.0f} "
+            f"MB of decoder rows of active features, {activations / 2**20:,.0f} MB of "
+            f"activations) and the memory cap is {memory_mb:,.0f} MB. Raise memory_mb, "
+            "shorten the prompt, or use a transcoder that fires fewer features.")
+    return need
+
+
+def graph_bytes(run) -> int:
+    """Bytes of the leaves and constants one gradient row produces."""
+    return sum(x.numel() * x.element_size() for x in run.inputs())
+
+
+def row_bytes(run) -> int:
+    """Estimated bytes one batched gradient row costs: its leaf gradients (twice: computed and
+    accumulated), its dense edge row, and an eighth of the forward's saved activations (not the
+    decoder rows) for the batched activation gradients alive at once. Measured on SmolLM2 (CPU,
+    9 tokens, forward graph 63 MB): 2.2-4.6 MB per row at 8-128 rows per backward, against this
+    estimate's 9.3 MB (benchmarks/attribution_speed.py)."""
+    activations = max(0, run.forward_bytes - run.decoder_bytes)
+    return 2 * graph_bytes(run) + 8 * run.n_columns + activations // 8
+
+
+def batch_size_for(run, memory_mb: float, max_batch: int | None = None) -> int:
+    """Rows per backward that fit ``memory_mb`` beside the forward graph (at most
+    ``max_batch``, default :data:`DEFAULT_MAX_BATCH` for the device); raises
+    :class:`MemoryCapError` when not even one does."""
+    if max_batch is None:
+        max_batch = DEFAULT_MAX_BATCH.get(run.logits.device.type, 64)
+    budget = memory_mb * 2**20 - run.forward_bytes
+    per_row = row_bytes(run)
+    if budget < per_row:
+        need = (run.forward_bytes + per_row) / 2**20
+        raise MemoryCapError(
+            f"the prompt ({run.n_pos} tokens, {run.n_features} active features) needs about "
+            f"{need:.0f} MB for its forward graph and one gradient row; the memory cap is "
+            f"{memory_mb:.0f} MB. Shorten the prompt or raise memory_mb.")
+    return max(1, min(max_batch, int(budget // per_row)))
+
+
+def row_entry_bounds(run) -> torch.Tensor:
+    """``[n_features]``: at most how many nonzero entries each feature's row has — the active
+    features, errors and tokens in its causal cone (earlier layers, same or earlier
+    positions)."""
+    layers, positions = run.feature_layer.cpu(), run.feature_position.cpu()
+    n_layers, n_pos = run.n_layers, run.n_pos
+    grid = torch.zeros(n_layers, n_pos, dtype=torch.long)
+    grid.index_put_((layers, positions), torch.ones_like(layers), accumulate=True)
+    # cone[l, p] = features at layers < l and positions <= p
+    below = torch.cat([torch.zeros(1, n_pos, dtype=torch.long), grid.cumsum(0)[:-1]])
+    cone = below.cumsum(1)
+    return cone[layers, positions] + layers * (positions + 1) + positions + 1
+
+
+def feature_budget(run, memory_mb: float, batch: int, requested: int | None,
+                   order: torch.Tensor) -> int:
+    """Feature rows to compute: ``requested`` (capped at the active features) when given;
+    otherwise every feature if their rows fit ``memory_mb`` beside the forward graph and a batch
+    of gradient rows, else the largest number that fits, taken in ``order`` (one log line says
+    so). Row sizes are their causal cones' (an upper bound). Raises :class:`MemoryCapError`
+    when not even one row fits, or the requested rows cannot."""
+    n = run.n_features
+    bounds = row_entry_bounds(run)[order.cpu()].double()
+    encoder = run.encoder_rows.numel() * run.encoder_rows.element_size()
+    free = memory_mb * 2**20 - run.forward_bytes - encoder - batch * row_bytes(run)
+    entries = bounds.cumsum(0)
+    cost = entries * ENTRY_BYTES + 64 * torch.arange(1, n + 1) \
+        + CHUNK_BYTES * entries.clamp(max=CHUNK_ENTRIES)
+    if requested is not None:
+        if requested < 0:
+            raise ValueError(f"max_feature_nodes must be >= 0, got {requested}")
+        requested = min(requested, n)
+        if requested and cost[requested - 1] > free:
+            raise MemoryCapError(
+                f"max_feature_nodes={requested} needs up to "
+                f"{(cost[requested - 1] + memory_mb * 2**20 - free) / 2**20:,.0f} MB (forward "
+                f"graph {run.forward_bytes / 2**20:,.0f} MB, rows of up to "
+                f"{int(bounds[:requested].sum()):,} entries) and the memory cap is "
+                f"{memory_mb:,.0f} MB; raise memory_mb or lower max_feature_nodes")
+        return requested
+    fits = int((cost <= free).sum())
+    if fits >= n:
+        return n
+    if fits == 0:
+        raise MemoryCapError(
+            f"no feature row fits beside the forward graph ({run.forward_bytes / 2**20:.0f} MB) "
+            f"in the memory cap of {memory_mb:.0f} MB; raise memory_mb or shorten the prompt")
+    log.warning("attribution: %d of %d feature rows fit in memory_mb=%.0f; computing the %d "
+                "most influential (set max_feature_nodes or raise memory_mb to change this)",
+                fits, n, memory_mb, fits)
+    return fits

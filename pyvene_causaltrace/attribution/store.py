@@ -1,0 +1,192 @@
+"""The computed rows of an attribution graph, held sparsely.
+
+A row belongs to one node with a target (the logit, or a feature whose row was computed) and has
+one column per source node (every active feature, then errors, then tokens). Rows are dense in
+what autograd returns but mostly zero in what they mean: a feature only reads features of earlier
+layers at the same or earlier positions, so a row at layer ``l``, position ``p`` is zero for every
+later layer or position. Only the nonzero entries are kept, in blocks as they were computed:
+
+- ``counts`` ``[b]`` (entries per row), ``columns`` ``[nnz]`` int32, ``values`` ``[nnz]``;
+- per row: its node (``nodes``), what the model's constants add (``constants``) and its target's
+  value (``targets``), so ``row.sum() + constant == target`` stays a check.
+
+Readers iterate :meth:`RowStore.chunks` (bounded entry counts, global row index per entry) and
+never build an ``N x N`` matrix. Derived per-row quantities (``|row|`` sums) are memoised until
+the next :meth:`RowStore.append`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+#: Entries per chunk handed to readers: bounds their transient memory (4 M entries).
+CHUNK_ENTRIES = 1 << 22
+
+
+@dataclass
+class RowBlock:
+    """Rows appended together: nodes, nonzero entries (CSR without the leading zero) and the
+    per-row scalars."""
+
+    nodes: torch.Tensor
+    counts: torch.Tensor
+    columns: torch.Tensor
+    values: torch.Tensor
+    constants: torch.Tensor
+    targets: torch.Tensor
+
+    @property
+    def nnz(self) -> int:
+        return int(self.values.numel())
+
+
+@dataclass
+class RowStore:
+    """Sparse rows over ``n_columns`` source nodes (module docstring)."""
+
+    n_columns: int
+    blocks: list[RowBlock] = field(default_factory=list)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ----------------------------------------------------------------------- writing
+    def append(self, nodes: torch.Tensor, rows: torch.Tensor, constants: torch.Tensor,
+               targets: torch.Tensor) -> None:
+        """Add dense ``rows`` ``[b, n_columns]`` of ``nodes`` (zeros are dropped)."""
+        rows = rows.detach().cpu()
+        if rows.dim() != 2 or rows.shape[1] != self.n_columns:
+            raise ValueError(f"rows must be [b, {self.n_columns}], got {tuple(rows.shape)}")
+        mask = rows != 0
+        row_index, columns = mask.nonzero(as_tuple=True)
+        self.blocks.append(RowBlock(
+            nodes=torch.as_tensor(nodes).cpu().long().reshape(-1),
+            counts=mask.sum(1).long(),
+            columns=columns.int(),
+            values=rows[row_index, columns],
+            constants=torch.as_tensor(constants).detach().cpu().double().reshape(-1),
+            targets=torch.as_tensor(targets).detach().cpu().double().reshape(-1)))
+        self._cache.clear()
+
+    # ----------------------------------------------------------------------- reading
+    @property
+    def n_rows(self) -> int:
+        return sum(len(b.nodes) for b in self.blocks)
+
+    @property
+    def nnz(self) -> int:
+        return sum(b.nnz for b in self.blocks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.values.numel() * b.values.element_size() + 4 * b.nnz + 8 * len(b.nodes) * 4
+                   for b in self.blocks)
+
+    def _cat(self, name: str) -> torch.Tensor:
+        if name not in self._cache:
+            parts = [getattr(b, name) for b in self.blocks]
+            self._cache[name] = torch.cat(parts) if parts else torch.zeros(0)
+        return self._cache[name]
+
+    @property
+    def nodes(self) -> torch.Tensor:
+        """Each row's node, in row order ``[R]``."""
+        return self._cat("nodes").long()
+
+    @property
+    def constants(self) -> torch.Tensor:
+        return self._cat("constants")
+
+    @property
+    def targets(self) -> torch.Tensor:
+        return self._cat("targets")
+
+    def row_of_node(self, n_nodes: int) -> torch.Tensor:
+        """``[n_nodes]``: each node's row index, -1 for nodes without a row."""
+        key = ("row_of_node", n_nodes)
+        if key not in self._cache:
+            out = torch.full((n_nodes,), -1, dtype=torch.long)
+            out[self.nodes] = torch.arange(self.n_rows)
+            self._cache[key] = out
+        return self._cache[key]
+
+    def chunks(self, max_entries: int = CHUNK_ENTRIES
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(row, column, value)`` per entry, row-aligned chunks of at most ``max_entries``
+        entries (one row may exceed it alone); ``row`` is the global row index (int64)."""
+        first = 0
+        for block in self.blocks:
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), block.counts.cumsum(0)])
+            start_row, n = 0, len(block.counts)
+            while start_row < n:
+                limit = int(offsets[start_row]) + max_entries
+                end_row = int(torch.searchsorted(offsets, limit, right=True)) - 1
+                end_row = min(n, max(end_row, start_row + 1))
+                lo, hi = int(offsets[start_row]), int(offsets[end_row])
+                rows = torch.repeat_interleave(
+                    torch.arange(first + start_row, first + end_row),
+                    block.counts[start_row:end_row])
+                yield rows, block.columns[lo:hi].long(), block.values[lo:hi]
+                start_row = end_row
+            first += n
+
+    def abs_sums(self) -> torch.Tensor:
+        """``sum_c |A[r, c]|`` per row (float64), memoised."""
+        if "abs_sums" not in self._cache:
+            out = torch.zeros(self.n_rows, dtype=torch.float64)
+            for rows, _, values in self.chunks():
+                out.index_add_(0, rows, values.abs().double())
+            self._cache["abs_sums"] = out
+        return self._cache["abs_sums"]
+
+    def sums(self, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """``sum_c A[r, c]`` per row (float64) over all columns, or over the columns where the
+        boolean ``columns`` ``[n_columns]`` is true."""
+        out = torch.zeros(self.n_rows, dtype=torch.float64)
+        for rows, cols, values in self.chunks():
+            if columns is not None:
+                keep = columns[cols]
+                rows, values = rows[keep], values[keep]
+            out.index_add_(0, rows, values.double())
+        return out
+
+    def dense(self, rows: torch.Tensor | list[int]) -> torch.Tensor:
+        """Dense ``[len(rows), n_columns]`` copies of the given rows (row indices)."""
+        rows = torch.as_tensor(rows, dtype=torch.long).reshape(-1)
+        dtype = self.blocks[0].values.dtype if self.blocks else torch.float32
+        out = torch.zeros(len(rows), self.n_columns, dtype=dtype)
+        where = torch.full((self.n_rows,), -1, dtype=torch.long)
+        where[rows] = torch.arange(len(rows))
+        for r, cols, values in self.chunks():
+            slot = where[r]
+            keep = slot >= 0
+            out[slot[keep], cols[keep]] = values[keep]
+        return out
+
+    # ----------------------------------------------------------------- safetensors
+    def state(self, prefix: str = "rows.") -> dict[str, torch.Tensor]:
+        """Flat tensors for safetensors (blocks concatenated)."""
+        names = ("nodes", "counts", "columns", "values", "constants", "targets")
+        return {f"{prefix}{name}": torch.cat([getattr(b, name) for b in self.blocks]).contiguous()
+                if self.blocks else torch.zeros(0) for name in names}
+
+    @classmethod
+    def from_state(cls, n_columns: int, tensors: dict[str, torch.Tensor],
+                   prefix: str = "rows.") -> RowStore:
+        """Inverse of :meth:`state`; checks that the arrays agree with each other."""
+        t = {name: tensors[f"{prefix}{name}"] for name in
+             ("nodes", "counts", "columns", "values", "constants", "targets")}
+        n = len(t["nodes"])
+        if not (len(t["counts"]) == len(t["constants"]) == len(t["targets"]) == n):
+            raise ValueError("row arrays of different lengths")
+        if int(t["counts"].sum()) != len(t["values"]) or len(t["columns"]) != len(t["values"]):
+            raise ValueError("row entry counts do not match the stored entries")
+        if len(t["columns"]) and int(t["columns"].max()) >= n_columns:
+            raise ValueError("a stored column is outside the graph")
+        store = cls(n_columns)
+        if n:
+            store.blocks.append(RowBlock(t["nodes"].long(), t["counts"].long(),
+                                         t["columns"].int(), t["values"],
+                                         t["constants"].double(), t["targets"].double()))
+        return store
