@@ -125,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
                             "influential (default: every feature whose row fits --memory-mb)")
     graph.add_argument("--node-threshold", type=float, default=0.8)
     graph.add_argument("--edge-threshold", type=float, default=0.98)
+    graph.add_argument("--max-links", type=int, default=400_000,
+                       help="graph.json holds at most this many links, those of largest edge "
+                            "score (default 400000, ~25 MB)")
     graph.add_argument("--validate", action="store_true",
                        help="ablate the top 5/10/20 features vs 10 random draws of as many")
     graph.add_argument("--out", type=Path, required=True,
@@ -396,7 +399,7 @@ def _attribute(args) -> int:
     pruned = graph.prune(s["node_threshold"], s["edge_threshold"])
     print(f"pruned: {pruned.n_nodes} nodes, {pruned.n_edges} edges")
     graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
-                  edge_threshold=s["edge_threshold"])
+                  edge_threshold=s["edge_threshold"], max_links=args.max_links)
     graph.save(out / "graph.safetensors")
     graph.nodes().to_csv(out / "nodes.csv", index=False)
     graph.to_dataframe(pruned=True).to_csv(out / "edges.csv", index=False)

@@ -24,7 +24,7 @@ from dense_reading import threshold_for as sorted_threshold
 
 from pyvene_causaltrace.attribution import AttributionGraph, GraphFileError, attribute
 from pyvene_causaltrace.attribution.edges import feature_rows_loop
-from pyvene_causaltrace.attribution.export import check_graph_json
+from pyvene_causaltrace.attribution.export import check_graph_json, node_id
 from pyvene_causaltrace.attribution.reading import threshold_for
 from pyvene_causaltrace.attribution.replacement import run_local_replacement
 from pyvene_causaltrace.clt import load_from_disk
@@ -103,6 +103,12 @@ def test_sparse_reading_equals_the_dense_reference(tmp_path, tokenizer):
             assert scores[name] == pytest.approx(expected[name], abs=1e-6)
     assert part.scores()["unexplored_influence"] > 0 == full.scores()["unexplored_influence"]
     assert graph.prune() is graph.prune()  # memoised
+    # the budgeted graph's rows are the unbudgeted graph's rows, exactly (one backward each)
+    full, part = (attribute(model, tokenizer, clt, PROMPT, max_feature_nodes=budget, loop=True)
+                  for budget in (None, 60))
+    nodes = part.explored.nonzero().squeeze(-1)
+    assert len(nodes) == 60 and full.n_explored == full.n_features
+    assert torch.equal(square(part)[nodes], square(full)[nodes])
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -194,6 +200,16 @@ def test_exports_carry_neuronpedia_required_fields(budgeted, tmp_path):
                     for i in graph.explored.nonzero().squeeze(-1).tolist()}
     features = [n for n in payload["nodes"] if n["feature_type"] == "cross layer transcoder"]
     assert features and all(n["node_id"] in explored_ids for n in features)
+    # a link cap keeps the links of largest edge score, and says so
+    pruned = graph.prune()
+    capped = graph.to_json(max_links=10)
+    check_graph_json(capped)
+    assert len(capped["links"]) == 10 < pruned.n_edges
+    assert capped["metadata"]["pruning_settings"]["max_links"] == 10
+    top = pruned.edge_score.topk(10).indices
+    expected = {(node_id(graph, int(pruned.edge_source[i])),
+                 node_id(graph, int(pruned.edge_target[i]))) for i in top}
+    assert {(link["source"], link["target"]) for link in capped["links"]} == expected
     broken = json.loads(json.dumps(payload))
     del broken["nodes"][0]["jsNodeId"]
     with pytest.raises(jsonschema.ValidationError):

@@ -55,6 +55,31 @@ def test_smollm2_graph_closes_and_batches_exactly(smollm2, tmp_path):
     assert residual < 1e-4 * values.abs().max()
 
 
+def test_smollm2_budgeted_graph_closes_and_reads_like_the_dense_reference(smollm2, tmp_path):
+    """A feature-node budget on the real model: every computed row closes with the unexplored
+    features as leaves, rows equal the per-node loop's, and the sparse reading equals the dense
+    one."""
+    from dense_reading import node_influence, prune, square
+
+    model, tokenizer = smollm2
+    clt = _fixture_clt(tmp_path)
+    graph = attribute(model, tokenizer, clt, PROMPT, " Paris", max_feature_nodes=40)
+    assert graph.n_explored == 40 < graph.n_features
+    residual = graph.closures().abs()
+    assert (residual <= 1e-4 * graph.rows.targets.abs().clamp(min=1e-3)).all(), residual.max()
+    assert graph.decomposition()["unexplored"] != 0.0
+    run = run_local_replacement(model, clt, tokenizer(PROMPT, return_tensors="pt")["input_ids"])
+    explored = graph.explored.nonzero().squeeze(-1)
+    looped, _ = feature_rows_loop(run, explored)
+    rows = graph.rows.dense(graph.rows.row_of_node(graph.layout.n_nodes)[explored])
+    assert torch.allclose(rows, looped, atol=5e-5, rtol=1e-4)
+    dense = square(graph).double()
+    assert torch.allclose(graph.influence(), node_influence(dense, graph.layout), atol=1e-6)
+    reference = prune(dense, graph.layout)
+    assert torch.equal(graph.prune().node_mask, reference.node_mask)
+    assert torch.equal(graph.prune().edge_mask(), reference.edge_mask)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not FITTED.exists(), reason="run examples/fit_smollm2_clt.py first")
 def test_smollm2_top_features_matter_more_than_random(smollm2):

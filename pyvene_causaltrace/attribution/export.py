@@ -5,16 +5,20 @@ current format: feature ``"{layer}_{feature}_{pos}"``, error ``"{layer}_-1_{pos}
 ``"0_{layer}_{pos}"`` collided with feature ids), token ``"E_{token_id}_{pos}"``, logit
 ``"{n_layers + 1}_{token_id}_{pos}"``. Only the pruned graph is exported: kept nodes touched by a
 kept link, plus every token and the logit; links carry the signed edge weight. Numbers are
-written with 6 significant digits and the JSON without spaces, so a pruned graph of thousands of
-features stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` holds the fields Neuronpedia's graph
+written with 6 significant digits and the JSON without spaces, and at most :data:`MAX_LINKS`
+links (those of largest edge score), so a pruned graph of thousands of features stays a few
+tens of MB. :data:`NEURONPEDIA_SCHEMA` holds the fields Neuronpedia's graph
 schema requires; :func:`check_graph_json` checks a payload against it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("pyvene_causaltrace.attribution")
 
 _STR = {"type": "string"}
 _INT = {"type": "integer"}
@@ -96,13 +100,30 @@ def node_ids(graph) -> list[str]:
     return [node_id(graph, i) for i in range(graph.layout.n_nodes)]
 
 
+#: Links written at most: the viewers slow down long before a million links, and ~60 bytes each
+#: keep a capped export near 25 MB.
+MAX_LINKS = 400_000
+
+
 def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
-               edge_threshold: float = 0.98) -> dict[str, Any]:
-    """The viewer's JSON for ``graph`` pruned at the two thresholds."""
+               edge_threshold: float = 0.98, max_links: int | None = MAX_LINKS
+               ) -> dict[str, Any]:
+    """The viewer's JSON for ``graph`` pruned at the two thresholds; when the pruned graph has
+    more than ``max_links`` edges, the ``max_links`` of largest edge score are written (and
+    the metadata says so)."""
     from .. import __version__
 
     pruned = graph.prune(node_threshold, edge_threshold)
-    touched = set(pruned.edge_target.tolist()) | set(pruned.edge_source.tolist())
+    edge_target, edge_source, edge_weight = pruned.edge_target, pruned.edge_source, \
+        pruned.edge_weight
+    capped = max_links is not None and pruned.n_edges > max_links
+    if capped:
+        top = pruned.edge_score.topk(max_links).indices.sort().values
+        edge_target, edge_source, edge_weight = edge_target[top], edge_source[top], \
+            edge_weight[top]
+        log.warning("export: %d pruned edges, writing the %d of largest edge score "
+                    "(max_links)", pruned.n_edges, max_links)
+    touched = set(edge_target.tolist()) | set(edge_source.tolist())
     lay = graph.layout
     shown = [i for i in pruned.node_mask.nonzero().squeeze(-1).tolist()
              if i >= lay.tokens.start or i in touched]
@@ -129,8 +150,8 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
                                clerp=f'Output "{_clean(graph.answer)}" '
                                      f'(p={graph.answer_prob:.3f})'))
     links = [{"source": ids[s], "target": ids[t], "weight": _num(w)}
-             for t, s, w in zip(pruned.edge_target.tolist(), pruned.edge_source.tolist(),
-                                pruned.edge_weight.tolist(), strict=True)
+             for t, s, w in zip(edge_target.tolist(), edge_source.tolist(),
+                                edge_weight.tolist(), strict=True)
              if s in ids and t in ids]
     metadata = {
         "slug": slug or "pyvene-causaltrace-graph",
@@ -143,7 +164,9 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         "info": {"generator": {"name": "pyvene-causaltrace", "version": __version__},
                  "transcoder_set": str(graph.metadata.get("clt", "")),
                  "feature_nodes": {"active": graph.n_features, "explored": graph.n_explored}},
-        "pruning_settings": {"node_threshold": node_threshold, "edge_threshold": edge_threshold},
+        "pruning_settings": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
+                             "pruned_edges": pruned.n_edges,
+                             "max_links": max_links if capped else None},
         "generation_settings": {"target": graph.target["name"],
                                 "max_feature_nodes": graph.metadata.get("max_feature_nodes")},
     }

@@ -184,14 +184,15 @@ def threshold_for(chunks: Iterable[torch.Tensor] | Callable[[], Iterable[torch.T
 
 @dataclass
 class PruneResult:
-    """The pruned graph: a node mask, the kept edges (target node, source node, signed weight)
-    and each node's cumulative influence share (circuit-tracer's exported ``influence``:
-    smaller = more important)."""
+    """The pruned graph: a node mask, the kept edges (target node, source node, signed weight,
+    and the edge score pruning ranked them by) and each node's cumulative influence share
+    (circuit-tracer's exported ``influence``: smaller = more important)."""
 
     node_mask: torch.Tensor
     edge_target: torch.Tensor
     edge_source: torch.Tensor
     edge_weight: torch.Tensor
+    edge_score: torch.Tensor
     cumulative_scores: torch.Tensor
 
     @property
@@ -229,21 +230,24 @@ def prune(store: RowStore, layout: Layout, node_threshold: float = 0.8,
 
     cut = threshold_for(scores, edge_threshold)
     nodes = store.nodes
-    targets, sources, values = [], [], []
+    targets, sources, values, edge_scores = [], [], [], []
     for rows, cols, value in store.chunks():
         score = (value.abs().double() * row_weight[rows]).float()
         keep = node_mask[nodes[rows]] & node_mask[cols] & (score >= cut) & (score > 0)
         targets.append(nodes[rows[keep]])
         sources.append(cols[keep])
         values.append(value[keep])
+        edge_scores.append(score[keep])
     target = torch.cat(targets or [torch.zeros(0, dtype=torch.long)])
     source = torch.cat(sources or [torch.zeros(0, dtype=torch.long)])
     weight = torch.cat(values or [torch.zeros(0)])
+    edge_score = torch.cat(edge_scores or [torch.zeros(0)])
     n_inner = layout.tokens.start  # features and errors
     while True:
         before = node_mask.clone()
         alive = node_mask[target] & node_mask[source]
-        target, source, weight = target[alive], source[alive], weight[alive]
+        target, source = target[alive], source[alive]
+        weight, edge_score = weight[alive], edge_score[alive]
         feeds = torch.zeros_like(node_mask)
         feeds[source] = True
         fed = torch.zeros_like(node_mask)
@@ -256,7 +260,7 @@ def prune(store: RowStore, layout: Layout, node_threshold: float = 0.8,
     cumulative = torch.empty_like(node_influence)
     total = order.values.sum().clamp(min=1e-30)
     cumulative[order.indices] = torch.cumsum(order.values, 0) / total
-    return PruneResult(node_mask, target, source, weight, cumulative)
+    return PruneResult(node_mask, target, source, weight, edge_score, cumulative)
 
 
 def graph_scores(store: RowStore, layout: Layout,

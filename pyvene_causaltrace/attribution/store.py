@@ -54,17 +54,18 @@ class RowStore:
     # ----------------------------------------------------------------------- writing
     def append(self, nodes: torch.Tensor, rows: torch.Tensor, constants: torch.Tensor,
                targets: torch.Tensor) -> None:
-        """Add dense ``rows`` ``[b, n_columns]`` of ``nodes`` (zeros are dropped)."""
-        rows = rows.detach().cpu()
+        """Add dense ``rows`` ``[b, n_columns]`` of ``nodes`` (zeros are dropped; the entries
+        are found on the rows' device, then kept on the CPU)."""
+        rows = rows.detach()
         if rows.dim() != 2 or rows.shape[1] != self.n_columns:
             raise ValueError(f"rows must be [b, {self.n_columns}], got {tuple(rows.shape)}")
         mask = rows != 0
         row_index, columns = mask.nonzero(as_tuple=True)
         self.blocks.append(RowBlock(
             nodes=torch.as_tensor(nodes).cpu().long().reshape(-1),
-            counts=mask.sum(1).long(),
-            columns=columns.int(),
-            values=rows[row_index, columns],
+            counts=mask.sum(1).long().cpu(),
+            columns=columns.int().cpu(),
+            values=rows[row_index, columns].cpu(),
             constants=torch.as_tensor(constants).detach().cpu().double().reshape(-1),
             targets=torch.as_tensor(targets).detach().cpu().double().reshape(-1)))
         self._cache.clear()
