@@ -219,3 +219,35 @@ def test_exports_carry_neuronpedia_required_fields(budgeted, tmp_path):
                             "weight": 1.0})
     with pytest.raises(ValueError, match="missing node"):
         check_graph_json(broken)
+
+
+def test_row_store_chunks_round_trip_and_checks():
+    from pyvene_causaltrace.attribution.store import RowStore
+
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(9, 13, generator=g) * (torch.rand(9, 13, generator=g) < 0.4)
+    dense[4] = 0  # a row with no entries
+    store = RowStore(13)
+    store.append(torch.arange(5), dense[:5], torch.zeros(5), torch.zeros(5))
+    store.append(torch.arange(5, 9), dense[5:], torch.zeros(4), dense[5:].sum(1))
+    assert store.nnz == int((dense != 0).sum()) and store.n_rows == 9
+    for size in (1, 3, 7, 1000):  # chunks are row-aligned and cover every entry once
+        rebuilt = torch.zeros_like(dense)
+        seen = 0
+        for rows, cols, values in store.chunks(max_entries=size):
+            rebuilt[rows, cols] = values
+            seen += len(values)
+            assert len(values) <= max(size, int((dense != 0).sum(1).max()))
+        assert torch.equal(rebuilt, dense) and seen == store.nnz
+    assert torch.equal(store.dense(torch.arange(9)), dense)
+    assert torch.allclose(store.abs_sums(), dense.abs().sum(1).double())
+    back = RowStore.from_state(13, store.state())
+    assert torch.equal(back.dense(torch.arange(9)), dense)
+    state = store.state()
+    state["rows.counts"][0] += 1
+    with pytest.raises(ValueError, match="counts"):
+        RowStore.from_state(13, state)
+    with pytest.raises(ValueError, match="outside"):
+        RowStore.from_state(5, store.state())
+    with pytest.raises(ValueError, match="rows must be"):
+        store.append(torch.tensor([0]), torch.zeros(1, 12), torch.zeros(1), torch.zeros(1))

@@ -63,6 +63,11 @@ class AttributionGraph:
     metadata: dict[str, Any] = field(default_factory=dict)
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __repr__(self) -> str:
+        return (f"AttributionGraph({self.prompt!r} -> {self.answer!r}: {self.n_features:,} "
+                f"active features, {self.n_explored:,} with rows, {self.rows.nnz:,} stored "
+                f"edges; closure {self.closure.relative:.1e})")
+
     # ----------------------------------------------------------------------- layout
     @property
     def n_pos(self) -> int:

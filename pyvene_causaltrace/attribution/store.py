@@ -51,6 +51,10 @@ class RowStore:
     blocks: list[RowBlock] = field(default_factory=list)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def __repr__(self) -> str:
+        return (f"RowStore({self.n_rows:,} rows x {self.n_columns:,} columns, {self.nnz:,} "
+                f"entries, {self.nbytes / 2**20:,.1f} MB)")
+
     # ----------------------------------------------------------------------- writing
     def append(self, nodes: torch.Tensor, rows: torch.Tensor, constants: torch.Tensor,
                targets: torch.Tensor) -> None:
