@@ -213,14 +213,15 @@ class AttributionGraph:
         """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds."""
         key = ("prune", node_threshold, edge_threshold)
         if key not in self._memo:
-            self._memo[key] = prune(self.rows, self.layout, node_threshold, edge_threshold)
+            self._memo[key] = prune(self.rows, self.layout, node_threshold, edge_threshold,
+                                    node_influence=self.influence())
         return self._memo[key]
 
     def scores(self) -> dict[str, float]:
         """Replacement and completeness scores, the error nodes' share of the target, and the
         share of influence that ends on unexplored features."""
         if "scores" not in self._memo:
-            out = graph_scores(self.rows, self.layout)
+            out = graph_scores(self.rows, self.layout, node_influence=self.influence())
             out["error_share"] = self.decomposition()["error_share"]
             leaf = self.influence()[:self.n_features][~self.explored].sum()
             out["unexplored_influence"] = float(leaf / self.influence().sum().clamp(min=1e-30))

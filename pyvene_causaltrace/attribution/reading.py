@@ -212,11 +212,13 @@ class PruneResult:
 
 
 def prune(store: RowStore, layout: Layout, node_threshold: float = 0.8,
-          edge_threshold: float = 0.98,
-          probabilities: torch.Tensor | None = None) -> PruneResult:
-    """Prune as circuit-tracer's ``prune_graph`` does (module docstring)."""
+          edge_threshold: float = 0.98, probabilities: torch.Tensor | None = None,
+          node_influence: torch.Tensor | None = None) -> PruneResult:
+    """Prune as circuit-tracer's ``prune_graph`` does (module docstring); ``node_influence``:
+    the unpruned graph's influence, if already computed."""
     weights = logit_weights(layout, probabilities)
-    node_influence = influence(store, weights)
+    if node_influence is None:
+        node_influence = influence(store, weights)
     # thresholds are float32 values: compare float32 scores with them
     node_mask = node_influence.float() >= threshold_for(node_influence, node_threshold)
     node_mask[layout.tokens.start:] = True  # tokens and logits always stay
@@ -263,11 +265,12 @@ def prune(store: RowStore, layout: Layout, node_threshold: float = 0.8,
     return PruneResult(node_mask, target, source, weight, edge_score, cumulative)
 
 
-def graph_scores(store: RowStore, layout: Layout,
-                 probabilities: torch.Tensor | None = None) -> dict[str, float]:
+def graph_scores(store: RowStore, layout: Layout, probabilities: torch.Tensor | None = None,
+                 node_influence: torch.Tensor | None = None) -> dict[str, float]:
     """circuit-tracer's replacement and completeness scores of the unpruned graph."""
     weights = logit_weights(layout, probabilities)
-    node_influence = influence(store, weights)
+    if node_influence is None:
+        node_influence = influence(store, weights)
     token = node_influence[layout.tokens].sum()
     error = node_influence[layout.errors].sum()
     is_error = torch.zeros(layout.n_nodes, dtype=torch.bool)
