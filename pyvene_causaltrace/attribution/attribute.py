@@ -27,7 +27,7 @@ from .budget import active_counts, batch_size_for, check_forward_fits, feature_b
 from .checkpoint import Checkpoint, tensor_digest
 from .edges import feature_rows, feature_rows_loop, feature_targets, target_row
 from .graph import AttributionGraph
-from .reading import influence
+from .reading import Layout, influence, logit_weights
 from .replacement import ReplacementRun, run_local_replacement
 from .store import RowStore
 from .targets import Target, demeaned_logit, logit_difference
@@ -70,7 +70,7 @@ class _Ranking:
 
     def __init__(self, run: ReplacementRun, budget: int, queue: int) -> None:
         self.n = run.n_features
-        self.n_nodes = run.n_columns + 1
+        self.weights = logit_weights(Layout(run.n_features, run.n_layers * run.n_pos, run.n_pos))
         self.budget = budget
         self.queue = queue
 
@@ -78,9 +78,7 @@ class _Ranking:
         """Unexplored features to compute next (``done``: bool per feature)."""
         if self.budget >= self.n:
             return (~done).nonzero().squeeze(-1)
-        weights = torch.zeros(self.n_nodes, dtype=torch.float64)
-        weights[-1] = 1.0
-        estimate = influence(store, weights)[:self.n]
+        estimate = influence(store, self.weights)[:self.n]
         order = estimate.argsort(descending=True, stable=True)
         left = self.budget - int(done.sum())
         return order[~done[order]][:min(self.queue, left)]

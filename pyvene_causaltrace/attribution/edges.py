@@ -15,7 +15,6 @@ reference it is tested against.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -136,7 +135,3 @@ def batches(index: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
     """``index`` in consecutive pieces of ``size``."""
     for start in range(0, len(index), size):
         yield index[start:start + size]
-
-
-def n_batches(n: int, size: int) -> int:
-    return math.ceil(n / size) if n else 0

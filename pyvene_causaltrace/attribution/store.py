@@ -85,8 +85,9 @@ class RowStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(b.values.numel() * b.values.element_size() + 4 * b.nnz + 8 * len(b.nodes) * 4
-                   for b in self.blocks)
+        per_row = 4 * 8  # node, count, constant, target
+        return sum(b.values.numel() * b.values.element_size() + 4 * b.nnz
+                   + per_row * len(b.nodes) for b in self.blocks)
 
     def _cat(self, name: str) -> torch.Tensor:
         if name not in self._cache:
@@ -145,14 +146,10 @@ class RowStore:
             self._cache["abs_sums"] = out
         return self._cache["abs_sums"]
 
-    def sums(self, columns: torch.Tensor | None = None) -> torch.Tensor:
-        """``sum_c A[r, c]`` per row (float64) over all columns, or over the columns where the
-        boolean ``columns`` ``[n_columns]`` is true."""
+    def sums(self) -> torch.Tensor:
+        """``sum_c A[r, c]`` per row (float64)."""
         out = torch.zeros(self.n_rows, dtype=torch.float64)
-        for rows, cols, values in self.chunks():
-            if columns is not None:
-                keep = columns[cols]
-                rows, values = rows[keep], values[keep]
+        for rows, _, values in self.chunks():
             out.index_add_(0, rows, values.double())
         return out
 
