@@ -59,7 +59,7 @@ def current_rss_mb() -> float:
 
 
 def load(args):
-    from pyvene_causaltrace.clt import load_from_disk
+    from pyvene_causaltrace.transcoders import load_from_disk
 
     if args.synthetic:
         from synthetic_clt import synthetic_model_and_clt
@@ -90,7 +90,7 @@ def replicated_rows(model, clt, ids, run, index: torch.Tensor, size: int) -> tor
         layers = run.feature_layer[nodes]
         outputs, seeds = [], []
         for layer in layers.unique().tolist():
-            state = rep.resid_mid[layer]  # [size, P, D]
+            state = rep.encoder_inputs[layer]  # [size, P, D]
             seed = torch.zeros_like(state)
             rows = (layers == layer).nonzero().squeeze(-1)
             seed[rows, run.feature_position[nodes[rows]]] = \

@@ -21,7 +21,7 @@ import torch
 
 MEASURE = r'''
 import json, sys, time, torch
-from pyvene_causaltrace.clt import load_from_disk
+from pyvene_causaltrace.transcoders import load_from_disk
 def rss():
     # anonymous resident memory: what the process allocated (file-backed pages of a memory
     # map are page cache the kernel may drop; they are reported apart as file_mb)

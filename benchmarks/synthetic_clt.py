@@ -66,9 +66,9 @@ def synthetic_clt_for(model, tokenizer, n_features: int, features_per_position: 
     """A random CLT of ``n_features`` per layer for ``model``'s shape (float32), thresholds per
     layer set so that ``features_per_position`` features fire per position on ``calibration``
     (positions >= 1; other texts fire about as many)."""
-    from pyvene_causaltrace.clt.checks import hook_states
-    from pyvene_causaltrace.clt.transcoder import CrossLayerTranscoder
     from pyvene_causaltrace.models import get_adapter
+    from pyvene_causaltrace.transcoders.checks import hook_states
+    from pyvene_causaltrace.transcoders.transcoder import Transcoder
 
     adapter = get_adapter(model)
     n_layers, d_model = adapter.n_layers(model), adapter.hidden_size(model)
@@ -78,7 +78,7 @@ def synthetic_clt_for(model, tokenizer, n_features: int, features_per_position: 
     b_enc = torch.zeros(n_layers, n_features, device=device)
     ids = tokenizer(calibration, return_tensors="pt")["input_ids"].to(device)
     with torch.no_grad():
-        mid = hook_states(model, ids, ("mid",))["mid"]  # [L, P, D]
+        mid = hook_states(model, ids, {"mid": "hook_resid_mid"})["mid"]  # [L, P, D]
         # per layer: the value exceeded by features_per_position x (P - 1) pre-activations
         # over positions 1.. (position 0 is zeroed anyway)
         count = max(1, int(round(features_per_position * (mid.shape[1] - 1))))
@@ -88,7 +88,7 @@ def synthetic_clt_for(model, tokenizer, n_features: int, features_per_position: 
     W_dec = [RepeatingDecoder(n_features, n_layers - layer, d_model, device, seed=layer)
              for layer in range(n_layers)]
     name = source or getattr(model, "pvct_source", None) or model.config._name_or_path
-    return CrossLayerTranscoder.from_tensors(
+    return Transcoder.from_tensors(
         name, W_enc, b_enc, threshold, torch.zeros(n_layers, d_model), W_dec, device=device)
 
 

@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 
 from pyvene_causaltrace import load_model
-from pyvene_causaltrace.clt import load_from_disk
-from pyvene_causaltrace.clt.checks import check_pairing, replacement_anchor
-from pyvene_causaltrace.clt.fit import fit_clt
 from pyvene_causaltrace.models import cache_dir
+from pyvene_causaltrace.transcoders import load_from_disk
+from pyvene_causaltrace.transcoders.checks import check_pairing, replacement_anchor
+from pyvene_causaltrace.transcoders.fit import fit_clt
 
 KNOWN = Path(__file__).resolve().parents[2] / "shared" / "data" / "known_1000.json"
 

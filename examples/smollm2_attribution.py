@@ -26,7 +26,7 @@ from smollm2_traces import FACTS
 from pyvene_causaltrace import load_model
 from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.attribution.validate import ablation_test
-from pyvene_causaltrace.clt import load_from_disk
+from pyvene_causaltrace.transcoders import load_from_disk
 
 CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted-256"))
 OUT = Path(__file__).parent / "results" / "attribution"

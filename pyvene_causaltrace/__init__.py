@@ -37,7 +37,7 @@ _EXPORTS = {
     "build_intervenable": ".tracing.run",
     "build_interventions": ".tracing.run",
     "to_pv_config": ".tracing.run",
-    "CrossLayerTranscoder": ".clt",
+    "Transcoder": ".clt",
     "attribute": ".attribution",
     "AttributionGraph": ".attribution",
     "register_intervention": ".interventions",

@@ -26,6 +26,12 @@ EIFFEL = {
 }
 
 
+_TRANSCODER_HELP = ("transcoder: an mntss CLT directory, a circuit-tracer config.yaml, a "
+                    "GemmaScope / sae-lens / sparsify directory, or a hub id")
+_FORMAT_HELP = ("the transcoder's layout: mntss, circuit_tracer, gemmascope, sae_lens or "
+                "sparsify (default: detected)")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyvene-causaltrace", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -68,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "clt-check", help="pairing check and replacement-model anchor of a CLT on a model")
     check.add_argument("--model", default="smollm2-135m")
-    check.add_argument("--clt", required=True, help="CLT directory (mntss layout) or hub id")
+    check.add_argument("--clt", required=True, help=_TRANSCODER_HELP)
+    check.add_argument("--format", default=None, help=_FORMAT_HELP)
     check.add_argument("--data", type=Path, required=True,
                        help="held-out text: a .txt file (one text per line) or known_1000-style "
                             "JSON (prompt + attribute)")
@@ -108,7 +115,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="an attribution spec (intervention_specs/attribution_graph.json); "
                             "--model/--clt/--out/--memory-mb override it")
     graph.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
-    graph.add_argument("--clt", default=None, help="CLT directory (mntss layout) or hub id")
+    graph.add_argument("--clt", default=None, help=_TRANSCODER_HELP)
+    graph.add_argument("--format", default=None, help=_FORMAT_HELP)
+    graph.add_argument("--labels", type=Path, default=None,
+                       help="feature labels for graph.json's clerp: CSV/TSV/JSON with columns "
+                            "layer, feature, label")
     graph.add_argument("--prompt", default=EIFFEL["prompt"])
     graph.add_argument("--answer", default=None,
                        help="a single-token answer; default ' Paris' for the default prompt, "
@@ -243,12 +254,12 @@ def _texts(path: Path, limit: int) -> list[str]:
 
 
 def _clt_check(args) -> int:
-    from .clt import CrossLayerTranscoder
-    from .clt.checks import check_pairing, replacement_anchor
     from .models import load_model
+    from .transcoders import load_transcoder
+    from .transcoders.checks import check_pairing, replacement_anchor
 
     model, tokenizer = load_model(args.model)
-    clt = CrossLayerTranscoder.from_pretrained(args.clt)
+    clt = load_transcoder(args.clt, format=args.format)
     texts = _texts(args.data, args.limit)
     pairing = check_pairing(clt, model, tokenizer, texts)
     print(pairing.verdict())
@@ -346,7 +357,7 @@ def _attribution_settings(args) -> dict:
                 "max_feature_nodes": None,
                 "node_threshold": args.node_threshold, "edge_threshold": args.edge_threshold,
                 "validate": {"sizes": [5, 10, 20], "draws": 10} if args.validate else None,
-                "clt": None}
+                "clt": None, "format": None, "labels": None}
     if args.spec is not None:
         from .specs import load_spec
 
@@ -357,7 +368,7 @@ def _attribution_settings(args) -> dict:
                         **spec.attribution)
     elif settings["answer"] is None and settings["prompt"] == EIFFEL["prompt"]:
         settings["answer"] = EIFFEL["answer"]
-    for key in ("model", "clt"):
+    for key in ("model", "clt", "format", "labels"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     for key in ("memory_mb", "max_feature_nodes"):
@@ -366,18 +377,22 @@ def _attribution_settings(args) -> dict:
     if settings["clt"] is None:
         raise ValueError("attribute needs a CLT: --clt DIR or a spec with attribution.clt")
     settings["clt"] = str(Path(settings["clt"]).expanduser())
+    if settings["labels"] is not None:
+        settings["labels"] = str(Path(settings["labels"]).expanduser())
     return settings
 
 
 def _attribute(args) -> int:
     from .attribution import attribute
+    from .attribution.export import read_labels
     from .attribution.validate import ablation_test
-    from .clt import CrossLayerTranscoder
     from .models import OFFLINE_DEFAULT, load_model
+    from .transcoders import load_transcoder
 
     s = _attribution_settings(args)
     model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
-    clt = CrossLayerTranscoder.from_pretrained(s["clt"])
+    clt = load_transcoder(s["clt"], format=s["format"])
+    labels = read_labels(s["labels"]) if s["labels"] is not None else None
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=s["target"],
@@ -399,7 +414,7 @@ def _attribute(args) -> int:
     pruned = graph.prune(s["node_threshold"], s["edge_threshold"])
     print(f"pruned: {pruned.n_nodes} nodes, {pruned.n_edges} edges")
     graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
-                  edge_threshold=s["edge_threshold"], max_links=args.max_links)
+                  edge_threshold=s["edge_threshold"], max_links=args.max_links, labels=labels)
     graph.save(out / "graph.safetensors")
     graph.nodes().to_csv(out / "nodes.csv", index=False)
     graph.to_dataframe(pruned=True).to_csv(out / "edges.csv", index=False)

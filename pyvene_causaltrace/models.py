@@ -33,12 +33,14 @@ class ArchAdapter:
 
     Paths are relative to the ``*ForCausalLM`` model. ``{blocks}[l].{attn}`` is block ``l``'s
     attention module, and so on. ``pre_mlp_norm``'s input is ``hook_resid_mid`` (the residual
-    stream between attention and MLP); ``mlp``'s output is ``hook_mlp_out`` (before any
+    stream between attention and MLP); ``mlp``'s output is the MLP module's (before any
     post-MLP norm and the residual add). ``norm_kind`` says how the norms compute their output:
     ``"layer"`` (LayerNorm with bias), ``"rms"`` (``w * x / rms``), ``"rms_offset"``
     (``(1 + w) * x / rms``, Gemma). ``position_embed`` is a learned position embedding added to
     the token embedding (GPT-2); ``post_norms`` are block norms applied to a sublayer's output
-    before the residual add (Gemma): attribution freezes them as well.
+    before the residual add (Gemma): attribution freezes them as well. ``mlp_out`` is the block
+    module whose output is TransformerLens's ``hook_mlp_out`` — what the MLP adds to the
+    residual stream: the MLP itself, or Gemma's post-feedforward norm after it.
     """
 
     model_type: str
@@ -55,6 +57,7 @@ class ArchAdapter:
     hidden_key: str = "hidden_size"
     position_embed: str | None = None
     post_norms: tuple[str, ...] = ()
+    mlp_out: str | None = None
 
     def n_layers(self, model: nn.Module) -> int:
         return int(getattr(model.config, self.n_layers_key))
@@ -68,15 +71,17 @@ class ArchAdapter:
             return getattr(self, part)
         if part == "block":
             return f"{self.blocks}[{layer}]"
-        if part in ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm"):
+        if part in ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm", "mlp_out"):
             if layer is None:
                 raise ValueError(f"part {part!r} needs a layer")
-            return f"{self.blocks}[{layer}].{getattr(self, part)}"
+            name = getattr(self, part) if part != "mlp_out" else (self.mlp_out or self.mlp)
+            return f"{self.blocks}[{layer}].{name}"
         raise ValueError(f"unknown part {part!r}")
 
 
 def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
-                norm_kind: str = "rms", post_norms: tuple[str, ...] = ()) -> ArchAdapter:
+                norm_kind: str = "rms", post_norms: tuple[str, ...] = (),
+                mlp_out: str | None = None) -> ArchAdapter:
     return ArchAdapter(
         model_type=model_type,
         embed="model.embed_tokens",
@@ -89,6 +94,7 @@ def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
         unembed="lm_head",
         norm_kind=norm_kind,
         post_norms=post_norms,
+        mlp_out=mlp_out,
     )
 
 
@@ -117,9 +123,9 @@ ADAPTERS: dict[str, ArchAdapter] = {
     # Gemma applies post_attention_layernorm to the attention output; the MLP reads
     # pre_feedforward_layernorm, and the MLP output is normed again before the residual add.
     "gemma2": _llama_like("gemma2", "pre_feedforward_layernorm", "rms_offset",
-                          _GEMMA_POST_NORMS),
+                          _GEMMA_POST_NORMS, "post_feedforward_layernorm"),
     "gemma3_text": _llama_like("gemma3_text", "pre_feedforward_layernorm", "rms_offset",
-                               _GEMMA_POST_NORMS),
+                               _GEMMA_POST_NORMS, "post_feedforward_layernorm"),
 }
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from dense_reading import compute_influence, graph_scores, normalize_matrix, pru
 from pyvene_causaltrace.attribution import (
     AttributionGraph,
     MemoryCapError,
-    UnsupportedAttributionError,
     attribute,
     demeaned_logit,
     logit_difference,
@@ -32,8 +30,8 @@ from pyvene_causaltrace.attribution.edges import (
 )
 from pyvene_causaltrace.attribution.export import check_graph_json, node_ids
 from pyvene_causaltrace.attribution.reading import Layout
-from pyvene_causaltrace.clt import CLTMismatchError, load_from_disk
 from pyvene_causaltrace.prompts import MultiTokenAnswerError
+from pyvene_causaltrace.transcoders import CLTMismatchError, load_from_disk
 
 
 def _setup(arch, tmp_path, threshold=0.1, n_layers=3):
@@ -237,13 +235,6 @@ def test_bad_requests_get_clear_errors(tmp_path, tokenizer):
         attribute(other_model, tokenizer, clt, PROMPT)
     with pytest.raises(ValueError, match="empty"):
         attribute(model, tokenizer, clt, "")
-    gemma = make_tiny_model("gemma2")
-    gemma.config.final_logit_softcapping = 30.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        gemma_clt = load_from_disk(str(write_clt(tmp_path / "g2", random_clt_tensors(3, 32, 48))))
-    with pytest.raises(UnsupportedAttributionError, match="soft-caps"):
-        attribute(gemma, tokenizer, gemma_clt, PROMPT)
 
 
 def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):

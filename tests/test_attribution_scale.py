@@ -27,7 +27,7 @@ from pyvene_causaltrace.attribution.edges import feature_rows_loop
 from pyvene_causaltrace.attribution.export import check_graph_json, node_id
 from pyvene_causaltrace.attribution.reading import threshold_for
 from pyvene_causaltrace.attribution.replacement import run_local_replacement
-from pyvene_causaltrace.clt import load_from_disk
+from pyvene_causaltrace.transcoders import load_from_disk
 
 LONG_PROMPT = PROMPT + " Paris, and the Space Needle is in the city of"
 BUDGET = 500

@@ -97,7 +97,7 @@ def test_clt_check(tmp_path, tokenizer, capsys):
     from clt_fixtures import random_clt_tensors, write_clt
     from conftest import KNOWN_FACTS, train_tiny_lm
 
-    from pyvene_causaltrace.clt.fit import fit_clt
+    from pyvene_causaltrace.transcoders.fit import fit_clt
 
     facts = json.loads(KNOWN_FACTS.read_text())
     texts = [f"{f['prompt']} {f['attribute']}" for f in facts]

@@ -8,10 +8,10 @@ import torch
 from clt_fixtures import dense_reference, random_clt_tensors, write_clt
 from conftest import make_tiny_model
 
-from pyvene_causaltrace.clt import (
+from pyvene_causaltrace.transcoders import (
     CLTFormatError,
     CLTMismatchError,
-    CrossLayerTranscoder,
+    Transcoder,
     check_fits,
     load_from_disk,
     read_config,
@@ -68,12 +68,12 @@ def test_jumprelu_threshold_is_strict_and_bos_is_zeroed(tmp_path, tensors):
 @pytest.mark.parametrize("disk_dtype", [torch.float32, torch.bfloat16])
 def test_save_model_round_trip_is_byte_exact(tmp_path, tensors, disk_dtype):
     source = write_clt(tmp_path / "src", tensors, model_name="org/tiny", dtype=disk_dtype)
-    clt = CrossLayerTranscoder.from_pretrained(str(source))
+    clt = Transcoder.from_pretrained(str(source))
     assert clt.cfg.disk_dtype == str(disk_dtype).removeprefix("torch.")
     clt.save_model(str(tmp_path / "copy"))
     for file in sorted(source.iterdir()):
         assert (tmp_path / "copy" / file.name).read_bytes() == file.read_bytes(), file.name
-    again = CrossLayerTranscoder.load_from_disk(str(tmp_path / "copy"))
+    again = Transcoder.load_from_disk(str(tmp_path / "copy"))
     assert again.cfg == clt.cfg
     resid = _resid()
     torch.testing.assert_close(again.reconstruct(again.encode_all(resid)),
@@ -100,10 +100,10 @@ def test_hub_id_from_the_offline_cache(tmp_path, tensors, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    clt = CrossLayerTranscoder.from_pretrained("org/tiny-clt")
+    clt = Transcoder.from_pretrained("org/tiny-clt")
     assert clt.cfg.n_layers == L
-    with pytest.raises(CLTFormatError, match="neither a directory nor a reachable hub repo"):
-        CrossLayerTranscoder.from_pretrained("org/not-cached")
+    with pytest.raises(CLTFormatError, match="neither a local path nor a reachable hub repo"):
+        Transcoder.from_pretrained("org/not-cached")
 
 
 def test_bad_directories_are_refused(tmp_path, tensors):
@@ -149,7 +149,11 @@ def test_sae_lens_views_and_converters(tmp_path, tensors):
     from sae_lens import SAE
     from sae_lens.saes.transcoder import JumpReLUTranscoder
 
-    from pyvene_causaltrace.clt.sae_lens_interop import disk_converter, hub_converter, to_sae_lens
+    from pyvene_causaltrace.transcoders.formats.sae_lens import (
+        disk_converter,
+        hub_converter,
+        to_sae_lens,
+    )
 
     write_clt(tmp_path, tensors, model_name="org/tiny")
     clt = load_from_disk(tmp_path, dtype=torch.float64)
@@ -175,5 +179,5 @@ def test_sae_lens_views_and_converters(tmp_path, tensors):
     torch.testing.assert_close(loaded.threshold.double(), clt.threshold[0])
     via_hub = SAE.from_pretrained(str(tmp_path), "layer_0_to_1", converter=hub_converter)
     assert via_hub.cfg.metadata.hook_name_out == "blocks.1.hook_mlp_out"
-    with pytest.raises(ValueError, match="layer <= target"):
+    with pytest.raises(ValueError, match="do not write layer"):
         to_sae_lens(clt, 2, target=1)

@@ -11,12 +11,12 @@ from clt_fixtures import random_clt_tensors, write_clt
 from conftest import KNOWN_FACTS, PROMPT, make_tiny_model, train_tiny_lm
 from reference import reload_in_fresh_process
 
-from pyvene_causaltrace.clt import CLTMismatchError, load_from_disk
-from pyvene_causaltrace.clt.checks import check_pairing, replacement_anchor
-from pyvene_causaltrace.clt.fit import fit_clt
 from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
 from pyvene_causaltrace.models import get_adapter, get_module
 from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+from pyvene_causaltrace.transcoders import CLTMismatchError, load_from_disk
+from pyvene_causaltrace.transcoders.checks import check_pairing, replacement_anchor
+from pyvene_causaltrace.transcoders.fit import fit_clt
 
 L, D, F = 3, 32, 48
 
@@ -80,7 +80,7 @@ def test_clt_splice_equals_hooks_by_hand(arch, fixture_clt):
                              model)(base={"input_ids": ids})[1].logits
             expected = _spliced_by_hand(model, fixture_clt, ids, from_position)
             torch.testing.assert_close(spliced, expected, atol=1e-5, rtol=1e-5)
-            fired = sum(int((a != 0).sum()) for a in fixture_clt._session.values())
+            fired = sum(int((a != 0).sum()) for a in fixture_clt._session["acts"].values())
             assert fired > 50  # features really fired, so the decoders were exercised
             assert (spliced - clean).abs().max() > 1e-3
         exact = runner(clt_splice_representations(fixture_clt, model, add_error=True),

@@ -19,7 +19,7 @@ from pyvene_causaltrace.attribution.edges import (
     feature_targets,
     target_row,
 )
-from pyvene_causaltrace.clt import load_from_disk
+from pyvene_causaltrace.transcoders import load_from_disk
 
 FITTED = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted-256"))
 

@@ -18,7 +18,7 @@ from .attribute import attribute, make_target
 from .budget import MemoryCapError
 from .edges import Closure
 from .graph import AttributionGraph, GraphFileError
-from .replacement import ReplacementRun, UnsupportedAttributionError, run_local_replacement
+from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
 from .targets import Target, demeaned_logit, logit_difference
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     "MemoryCapError",
     "ReplacementRun",
     "Target",
-    "UnsupportedAttributionError",
+    "pre_softcap_logits",
     "attribute",
     "demeaned_logit",
     "logit_difference",

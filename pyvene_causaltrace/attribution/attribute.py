@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..clt.transcoder import CrossLayerTranscoder
 from ..prompts import answer_token_id
+from ..transcoders.transcoder import Transcoder
 from .budget import active_counts, batch_size_for, check_forward_fits, feature_budget
 from .checkpoint import Checkpoint, tensor_digest
 from .edges import feature_rows, feature_rows_loop, feature_targets, target_row
 from .graph import AttributionGraph
 from .reading import Layout, influence, logit_weights
-from .replacement import ReplacementRun, run_local_replacement
+from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
 from .store import RowStore
 from .targets import Target, demeaned_logit, logit_difference
 
@@ -58,7 +58,7 @@ def make_target(logits: torch.Tensor, tokenizer, answer: str | None, *, kind: st
     raise ValueError(f"target kind must be demeaned, demeaned_vocab or difference, got {kind!r}")
 
 
-def _run_key(run: ReplacementRun, goal: Target, clt: CrossLayerTranscoder, settings: dict) -> dict:
+def _run_key(run: ReplacementRun, goal: Target, clt: Transcoder, settings: dict) -> dict:
     """What must match for saved rows to belong to this graph."""
     return {"input_ids": run.input_ids[0].tolist(), "target": goal.describe(),
             "clt": clt.source or clt.cfg.model_name, **settings,
@@ -85,7 +85,7 @@ class _Ranking:
 
 
 def attribute(
-    model: nn.Module, tokenizer, clt: CrossLayerTranscoder, prompt: str,
+    model: nn.Module, tokenizer, clt: Transcoder, prompt: str,
     answer: str | None = None, *, target: str = "demeaned", other: str | None = None,
     k: int = 10, max_feature_nodes: int | None = None, memory_mb: float = 4096,
     batch_size: int | None = None, max_batch: int | None = None, update_interval: int = 4,
@@ -104,6 +104,12 @@ def attribute(
     With ``checkpoint`` (a directory) the rows computed so far are saved every
     ``SAVE_EVERY_S`` seconds and an interrupted call with the same inputs resumes from them
     exactly; the directory is removed when the graph is complete.
+
+    ``clt`` is any :class:`~..transcoders.Transcoder`: cross-layer or a per-layer set (a skip
+    path is a linear route from the input it reads: its effect reaches the graph through the
+    nodes upstream of that input). A model whose logits are soft-capped (Gemma-2) is explained
+    before the cap, which is switched off while the graph is built and restored after
+    (``metadata["logit_softcap"]``); ``answer_prob`` is the real, capped model's.
     """
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -116,7 +122,9 @@ def attribute(
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
     with torch.no_grad():
         clean = model(input_ids=ids).logits
-    goal = make_target(clean, tokenizer, answer, kind=target, other=other, k=k)
+        with pre_softcap_logits(model) as cap:
+            uncapped = clean if cap is None else model(input_ids=ids).logits
+    goal = make_target(uncapped, tokenizer, answer, kind=target, other=other, k=k)
     check_forward_fits(model, clt, ids, memory_mb, active_counts(model, clt, ids))
     run = run_local_replacement(model, clt, ids, freeze=freeze)
     logit_row, logit_constant, closure = target_row(run, goal)
@@ -168,7 +176,7 @@ def attribute(
                "ranking": clock["ranking"]}
     seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]
 
-    probs = clean[0, -1].float().softmax(-1)
+    probs = clean[0, -1].float().softmax(-1)  # the real (capped) model's
     return AttributionGraph(
         prompt=prompt, tokens=[tokenizer.decode([i]) for i in ids[0].tolist()],
         input_ids=ids[0].tolist(), target=goal.describe(),
@@ -178,8 +186,22 @@ def attribute(
         activation=run.activation.float().cpu(), rows=store, closure=closure,
         metadata={"model": getattr(model, "pvct_source", None)
                   or getattr(model.config, "_name_or_path", ""),
-                  "clt": clt.source or clt.cfg.model_name, "frozen": freeze,
+                  "clt": clt.source or clt.cfg.model_name,
+                  "transcoder": transcoder_metadata(clt), "frozen": freeze,
+                  "logit_softcap": None if cap is None else {
+                      "cap": cap, "target": "pre-soft-cap logits (cap off while the graph was "
+                                            "built, restored after)"},
                   "batch_size": size, "max_feature_nodes": budget,
                   "active_features": n, "forward_mb": run.forward_bytes / 2**20,
                   "rows_mb": store.nbytes / 2**20, "seconds": seconds,
-                  "max_logit_change": float((run.logits.detach() - clean).abs().max())})
+                  "max_logit_change": float((run.logits.detach() - uncapped).abs().max())})
+
+
+def transcoder_metadata(transcoder: Transcoder) -> dict:
+    """What a graph's reader needs to know about the transcoder it was built with."""
+    cfg = transcoder.cfg
+    return {"source": transcoder.source, "model_name": cfg.model_name,
+            "kind": cfg.model_kind, "activation": cfg.activation, "k": cfg.k, "skip": cfg.skip,
+            "d_transcoder": cfg.d_transcoder, "scan": cfg.scan,
+            "feature_input_hook": cfg.feature_input_hook,
+            "feature_output_hook": cfg.feature_output_hook}

@@ -2,8 +2,9 @@
 the stored rows will cost, decided before anything large is allocated.
 
 - :func:`check_forward_fits` (before the local replacement forward): the decoder rows of every
-  active feature — the leaf-mode splice keeps ``[L - l, D]`` per active feature of layer ``l``,
-  which dominates on real transcoders — plus the model's saved activations;
+  active feature — the leaf-mode splice keeps ``[T_l, D]`` per active feature of layer ``l``
+  (``T_l = L - l`` for a CLT, 1 for a per-layer set), which dominates on real transcoders —
+  plus the model's saved activations;
 - :func:`batch_size_for`: rows per backward that fit beside the forward graph;
 - :func:`feature_budget`: how many feature rows the sparse row store can hold; each row's
   nonzero entries are bounded by its causal cone (features and errors of earlier layers at the
@@ -45,10 +46,10 @@ class MemoryCapError(MemoryError):
 def active_counts(model: nn.Module, clt, input_ids: torch.Tensor,
                   from_position: int = 1) -> torch.Tensor:
     """``[L]``: active features per layer on ``input_ids`` (no graph, one forward)."""
-    from ..clt.checks import hook_states
+    from ..transcoders.checks import hook_states
 
     with torch.no_grad():
-        mid = hook_states(model, input_ids, ("mid",))["mid"]
+        mid = hook_states(model, input_ids, {"x": clt.cfg.feature_input_hook})["x"]
         return torch.tensor([int((clt.encode(mid[layer, from_position:], layer) != 0).sum())
                              for layer in range(clt.n_layers)])
 
@@ -59,7 +60,7 @@ def forward_estimate(model: nn.Module, clt, input_ids: torch.Tensor,
     decoder and encoder rows of the active features, and the model's activations."""
     n_layers, d_model = clt.n_layers, clt.cfg.d_model
     item = torch.empty(0, dtype=clt.dtype).element_size()
-    targets = torch.tensor([n_layers - layer + 1 for layer in range(n_layers)])
+    targets = torch.tensor([clt.cfg.n_targets(layer) + 1 for layer in range(n_layers)])
     decoder = int((counts * targets).sum()) * d_model * item
     n_pos = int(input_ids.shape[-1])
     heads = getattr(model.config, "num_attention_heads", None) or model.config.n_head

@@ -1,7 +1,7 @@
 """Edges: ``x_i * d(row target) / d(x_i)`` for every node ``i``, and the closure check.
 
 A row of the adjacency belongs to a target — the answer's :class:`~.targets.Target` or one
-active feature's pre-activation ``W_enc[l, f] . resid_mid[l, pos]`` — and has one column per
+active feature's pre-activation ``W_enc[l, f] . x[l, pos]`` — and has one column per
 node: features, then errors (layer-major, then position), then tokens (one per position: token
 and position embeddings together). What the model's additive constants (``b_dec``, attention and
 LayerNorm biases) contribute is kept beside the row, so ``row.sum() + constant == target`` is a
@@ -85,9 +85,9 @@ def target_row(run: ReplacementRun, target: Target) -> tuple[torch.Tensor, float
 
 
 def feature_targets(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:
-    """Pre-activations ``W_enc[l, f] . resid_mid[l, pos]`` (no ``b_enc``) of feature nodes."""
+    """Pre-activations ``W_enc[l, f] . x[l, pos]`` (no ``b_enc``) of feature nodes."""
     layers, positions = run.feature_layer[index], run.feature_position[index]
-    states = torch.stack([run.resid_mid[layer][0, pos]
+    states = torch.stack([run.encoder_inputs[layer][0, pos]
                           for layer, pos in zip(layers.tolist(), positions.tolist(), strict=True)])
     return (states.to(run.encoder_rows.dtype) * run.encoder_rows[index]).sum(-1)
 
@@ -98,7 +98,7 @@ def _seeds(run: ReplacementRun, index: torch.Tensor) -> tuple[list, list]:
     layers = run.feature_layer[index]
     outputs, seeds = [], []
     for layer in layers.unique().tolist():
-        state = run.resid_mid[layer]
+        state = run.encoder_inputs[layer]
         seed = torch.zeros(len(index), *state.shape, dtype=state.dtype, device=state.device)
         rows = (layers == layer).nonzero().squeeze(-1)
         seed[rows, 0, run.feature_position[index[rows]]] = \

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +107,13 @@ MAX_LINKS = 400_000
 
 
 def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
-               edge_threshold: float = 0.98, max_links: int | None = MAX_LINKS
-               ) -> dict[str, Any]:
+               edge_threshold: float = 0.98, max_links: int | None = MAX_LINKS,
+               labels: Mapping[tuple[int, int], str] | None = None) -> dict[str, Any]:
     """The viewer's JSON for ``graph`` pruned at the two thresholds; when the pruned graph has
     more than ``max_links`` edges, the ``max_links`` of largest edge score are written (and
-    the metadata says so)."""
+    the metadata says so). ``labels`` (``{(layer, feature): text}``, see :func:`read_labels`)
+    become the features' ``clerp``; ``metadata.scan`` is the transcoder's Neuronpedia scan when
+    it has one (so the viewer links features to their pages), else the model's name."""
     from .. import __version__
 
     pruned = graph.prune(node_threshold, edge_threshold)
@@ -136,7 +139,8 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         if kind == "feature":
             nodes.append(_node(ids[i], _cantor(layer, feature), str(layer), pos,
                                "cross layer transcoder", f"{layer}_{feature}-0",
-                               influence=influence, activation=activation))
+                               influence=influence, activation=activation,
+                               clerp=(labels or {}).get((layer, feature), "")))
         elif kind == "error":
             nodes.append(_node(ids[i], -1, str(layer), pos, "mlp reconstruction error",
                                f"{layer}_-1-{pos}", influence=influence))
@@ -155,7 +159,8 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
              if s in ids and t in ids]
     metadata = {
         "slug": slug or "pyvene-causaltrace-graph",
-        "scan": str(graph.metadata.get("model", "")),
+        "scan": str((graph.metadata.get("transcoder") or {}).get("scan")
+                    or graph.metadata.get("model", "")),
         "transcoder_list": [],
         "prompt_tokens": [_clean(t) for t in graph.tokens],
         "prompt": graph.prompt,
@@ -163,6 +168,8 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         "schema_version": 1,
         "info": {"generator": {"name": "pyvene-causaltrace", "version": __version__},
                  "transcoder_set": str(graph.metadata.get("clt", "")),
+                 "transcoder": graph.metadata.get("transcoder"),
+                 "logit_softcap": graph.metadata.get("logit_softcap"),
                  "feature_nodes": {"active": graph.n_features, "explored": graph.n_explored}},
         "pruning_settings": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
                              "pruned_edges": pruned.n_edges,
@@ -178,3 +185,34 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
 def write_json(payload: dict, path: str | Path) -> None:
     """Write ``payload`` compactly (no spaces)."""
     Path(path).write_text(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+
+
+def read_labels(path: str | Path) -> dict[tuple[int, int], str]:
+    """Feature labels from a table: CSV/TSV (columns ``layer``, ``feature`` and ``label``,
+    ``clerp`` or ``description``) or JSON (a list of such records, or ``{"layer/feature":
+    label}``). Raises ``ValueError`` naming the file and row on anything else."""
+    import pandas as pd
+
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"labels file {path} does not exist")
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        if isinstance(data, dict):
+            data = [{"layer": key.split("/")[0], "feature": key.split("/")[-1], "label": value}
+                    for key, value in data.items()]
+        table = pd.DataFrame(data)
+    else:
+        table = pd.read_csv(path, sep="\t" if path.suffix in (".tsv", ".tab") else ",")
+    text = next((c for c in ("label", "clerp", "description") if c in table.columns), None)
+    if text is None or not {"layer", "feature"} <= set(table.columns):
+        raise ValueError(f"{path}: need columns layer, feature and label (or clerp / "
+                         f"description); found {list(table.columns)}")
+    labels = {}
+    for row, record in enumerate(table.to_dict("records")):
+        try:
+            labels[(int(record["layer"]), int(record["feature"]))] = str(record[text])
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: row {row + 1} has layer {record['layer']!r}, feature "
+                             f"{record['feature']!r}: not integers") from None
+    return labels

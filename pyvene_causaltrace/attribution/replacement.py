@@ -4,11 +4,14 @@ Built only from registered interventions on a plain ``IntervenableModel``:
 
 - ``gradient_leaf`` on the embedding output(s): token nodes;
 - ``clt_splice`` in leaf mode at every layer: active features and ``b_dec`` as leaves, every
-  MLP output = CLT reconstruction + error, the error a leaf constant;
+  MLP output (the transcoder's output hook) = reconstruction + skip path + error, the error a
+  leaf constant;
 - with ``freeze=True``: ``frozen_layernorm`` on every norm in the residual path and
   ``frozen_attention`` on every attention module.
 
-The forward value is the clean model's (to float rounding). Under the freezes the logits are a
+The forward value is the clean model's (to float rounding), before any final logit soft-cap
+(Gemma-2's ``cap * tanh(logits / cap)`` is not linear; the graph explains the pre-cap logits, as
+circuit-tracer's does). Under the freezes the logits are a
 linear function of the leaves plus the model's additive constants (attention/LayerNorm biases,
 ``b_dec``), so ``sum_i x_i * d target / d x_i`` over leaves and constants equals the target
 exactly (Euler's identity): the closure check.
@@ -27,15 +30,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..clt.transcoder import CrossLayerTranscoder, check_fits
 from ..interventions.clt_splice import ActiveFeatures, clt_splice_representations
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
 from ..interventions.leaf import GradientLeaf
 from ..models import get_adapter, get_module
-
-
-class UnsupportedAttributionError(ValueError):
-    """The model cannot be made linear in its leaves (e.g. a final logit soft-cap)."""
+from ..transcoders.transcoder import Transcoder, check_fits
 
 
 @dataclass
@@ -45,7 +44,7 @@ class ReplacementRun:
     Feature nodes are ordered layer, then position, then feature id; ``feature_layer`` etc. give
     each node's coordinates and ``activation`` its value. ``errors[l]`` is ``[1, P, D]``;
     ``embeddings`` are the token (and position) embedding outputs ``[1, P, D]``; ``constants`` are
-    the model's additive bias parameters; ``resid_mid[l]`` is the live ``[1, P, D]`` input of
+    the model's additive bias parameters; ``encoder_inputs[l]`` is the live ``[1, P, D]`` input of
     layer ``l``'s feature encoders.
     """
 
@@ -56,9 +55,10 @@ class ReplacementRun:
     embeddings: list[torch.Tensor]
     b_dec: torch.Tensor
     constants: list[torch.Tensor]
-    resid_mid: list[torch.Tensor]
+    encoder_inputs: list[torch.Tensor]
     encoder_rows: torch.Tensor
     forward_bytes: int
+    logit_softcap: float | None = None
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)
     feature_id: torch.Tensor = field(init=False)
@@ -109,16 +109,18 @@ class ReplacementRun:
         return [*self.node_inputs(), self.b_dec, *self.constants]
 
 
-def _freeze_representations(adapter, model) -> list[dict]:
+def _freeze_representations(adapter, model, replaced: set[str] = frozenset()) -> list[dict]:
     """``frozen_layernorm`` on every norm in the residual path, ``frozen_attention`` on every
-    attention module."""
+    attention module; not on norms whose output the splice replaces (``replaced``: Gemma's
+    post-feedforward norm when the transcoder writes TransformerLens's ``hook_mlp_out``)."""
     reps = []
     for layer in range(adapter.n_layers(model)):
         names = [adapter.pre_attn_norm, *adapter.post_norms, adapter.pre_mlp_norm]
         for name in names:
-            path = f"{adapter.module_path('block', layer)}.{name}"
-            reps.append({"component": f"{path}.output",
-                         "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
+            component = f"{adapter.module_path('block', layer)}.{name}.output"
+            if component not in replaced:
+                reps.append({"component": component,
+                             "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
         reps.append({"component": f"{adapter.module_path('attn', layer)}.output",
                      "intervention": FrozenAttention()})
     reps.append({"component": f"{adapter.final_norm}.output",
@@ -131,18 +133,25 @@ def constant_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if name.endswith("bias")]
 
 
-def check_linearisable(model: nn.Module) -> None:
-    """Refuse models whose logits cannot be made linear in the residual stream."""
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        raise UnsupportedAttributionError(
-            f"{model.config.model_type} soft-caps its logits (final_logit_softcapping={cap}); "
-            "the local replacement model would not be linear. Set "
-            "model.config.final_logit_softcapping = None to attribute the uncapped logits.")
+@contextmanager
+def pre_softcap_logits(model: nn.Module) -> Iterator[float | None]:
+    """Inside the block the model returns its logits before the final soft-cap
+    (``cap * tanh(logits / cap)``, Gemma-2), which are linear in the residual stream; yields the
+    cap (None without one) and restores it after, also on error."""
+    config = model.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    if not cap:
+        yield None
+        return
+    config.final_logit_softcapping = None
+    try:
+        yield float(cap)
+    finally:
+        config.final_logit_softcapping = cap
 
 
 def run_local_replacement(
-    model: nn.Module, clt: CrossLayerTranscoder, input_ids: torch.Tensor, *,
+    model: nn.Module, clt: Transcoder, input_ids: torch.Tensor, *,
     freeze: bool = True, from_position: int = 1,
 ) -> ReplacementRun:
     """Run ``input_ids`` through the local replacement model (module docstring).
@@ -151,14 +160,14 @@ def run_local_replacement(
     replicated-forward method runs (``benchmarks/attribution_speed.py`` compares with it).
 
     ``freeze=False`` leaves attention patterns and norm scales live (the closure check's
-    control: the edges then no longer sum to the target).
+    control: the edges then no longer sum to the target). A final logit soft-cap is switched
+    off for the forward (:func:`pre_softcap_logits`): ``logits`` are the pre-cap ones.
     """
     from ..pyvene_compat import intervenable_model_class
 
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, P], got {tuple(input_ids.shape)}")
     check_fits(clt, model)
-    check_linearisable(model)
     adapter = get_adapter(model)
     embed_leaves = [GradientLeaf()]
     reps = [{"component": f"{adapter.embed}.output", "intervention": embed_leaves[0]}]
@@ -167,7 +176,8 @@ def run_local_replacement(
         reps.append({"component": f"{adapter.position_embed}.output",
                      "intervention": embed_leaves[1]})
     if freeze:
-        reps += _freeze_representations(adapter, model)
+        outputs = {clt.cfg.hf_hooks(adapter, layer)["output"] for layer in range(clt.n_layers)}
+        reps += _freeze_representations(adapter, model, outputs)
     reps += clt_splice_representations(clt, model, from_position=from_position, leaves=True)
 
     constants = constant_parameters(model)
@@ -181,7 +191,8 @@ def run_local_replacement(
         replaced = [get_module(model, adapter.module_path(part, layer))
                     for layer in range(clt.n_layers)
                     for part in (("mlp", "attn") if freeze else ("mlp",))]
-        with torch.enable_grad(), _count_saved_bytes(model) as saved, _no_grad_inside(replaced):
+        with torch.enable_grad(), _count_saved_bytes(model) as saved, \
+                _no_grad_inside(replaced), pre_softcap_logits(model) as cap:
             _, out = pv_model(base={"input_ids": input_ids, "use_cache": False})
     finally:
         for p, flag in flags:
@@ -199,9 +210,10 @@ def run_local_replacement(
         embeddings=embeddings,
         b_dec=leaves["b_dec"],
         constants=constants,
-        resid_mid=[leaves["resid_mid"][layer] for layer in range(clt.n_layers)],
+        encoder_inputs=[leaves["inputs"][layer] for layer in range(clt.n_layers)],
         encoder_rows=encoder_rows,
         forward_bytes=saved["bytes"],
+        logit_softcap=cap,
     )
 
 

@@ -15,8 +15,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..clt.transcoder import CrossLayerTranscoder
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
+from ..transcoders.transcoder import Transcoder
 
 
 @dataclass
@@ -55,7 +55,7 @@ def _ablations(graph, nodes: list[int]) -> list[dict]:
             for (layer, pos), features in sorted(groups.items())]
 
 
-def answer_prob(model: nn.Module, clt: CrossLayerTranscoder, ids: torch.Tensor,
+def answer_prob(model: nn.Module, clt: Transcoder, ids: torch.Tensor,
                 errors: torch.Tensor, token: int, ablate: list[int], graph) -> float:
     """P(token) in the spliced model with the feature nodes ``ablate`` zeroed."""
     from ..pyvene_compat import intervenable_model_class
@@ -80,7 +80,7 @@ def ranking(graph, rank_by: str = "influence") -> list[int]:
     return score.argsort(descending=True).tolist()
 
 
-def ablation_test(model: nn.Module, clt: CrossLayerTranscoder, graph,
+def ablation_test(model: nn.Module, clt: Transcoder, graph,
                   sizes: tuple[int, ...] = (5, 10, 20), draws: int = 10, seed: int = 0,
                   rank_by: str = "influence") -> AblationResult:
     """Ablate the graph's top ``n`` features vs ``draws`` random sets of ``n`` (each ``n`` in

@@ -1,32 +1,35 @@
-"""``clt_splice`` and ``feature_ablate``: run a cross-layer transcoder inside the model.
+"""``clt_splice`` and ``feature_ablate``: run a transcoder (cross-layer or a per-layer set) inside
+the model.
 
 A splice is two registered interventions per layer, built by :func:`clt_splice_representations`:
 
-- ``role="encode"`` on ``hook_resid_mid`` (the pre-MLP norm's input): computes the layer's
-  JumpReLU features and keeps them, with the decoder rows of the features that fired, in the
-  CLT's per-forward session (positions before ``from_position`` zeroed);
-- ``role="decode"`` on ``hook_mlp_out`` (the MLP's output): replaces positions
-  ``>= from_position`` by ``b_dec[t] + sum_{l <= t} a_l @ W_dec[l][:, t - l]``, plus, with
-  ``add_error``, the frozen error ``(mlp_out - recon).detach()`` so the forward is the original
-  one while gradients flow through the features; or plus a fixed ``error`` tensor ``[1, P, D]``
-  (the clean run's error, :func:`clean_errors`), so that ablating features changes the output
-  while the part the dictionary misses stays as it was.
+- ``role="encode"`` on the transcoder's input hook (``hook_resid_mid``, or the MLP's normalised
+  input): computes the layer's features and keeps them, with the decoder rows of the features
+  that fired and the hook's value (for a skip path), in the transcoder's per-forward session
+  (positions before ``from_position`` zeroed);
+- ``role="decode"`` on its output hook (``hook_mlp_out``): replaces positions
+  ``>= from_position`` by ``b_dec[t] + sum_{l writing t} a_l @ W_dec[l][:, t - l] + skip_t(x_t)``,
+  plus, with ``add_error``, the frozen error ``(out - recon).detach()`` so the forward is the
+  original one while gradients flow through the features; or plus a fixed ``error`` tensor
+  ``[1, P, D]`` (the clean run's error, :func:`clean_errors`), so that ablating features changes
+  the output while the part the dictionary misses stays as it was.
 
 With ``leaves=True`` (the attribution graph's local replacement model) the encoder keeps the
 layer's active features as one autograd leaf vector (:class:`ActiveFeatures`, values cut from
 the residual stream), and the decoder builds every position's output from those leaves, a
-``b_dec`` leaf and the error ``mlp_out - recon`` as a leaf constant: the forward is still the
-original one, and ``torch.autograd.grad`` on the leaves gives each feature's, error's and bias's
-direct effect. The encoder also keeps its input (``hook_resid_mid``, live) so each feature's
-pre-activation can be a gradient target. Features before ``from_position`` are zero, but the
-decoder covers every position (the error carries BOS exactly).
+``b_dec`` leaf, the skip path of the live input (linear: its edges run to whatever feeds that
+input) and the error ``out - recon`` as a leaf constant: the forward is still the original one,
+and ``torch.autograd.grad`` on the leaves gives each feature's, error's and bias's direct effect.
+The encoder also keeps its input live so each feature's pre-activation can be a gradient target.
+Features before ``from_position`` are zero, but the decoder covers every position (the error
+carries BOS exactly).
 
 ``feature_ablate`` sits on the same input hook after the encoder and scales chosen features
 (zero by default) before any decoder reads them. The default ``from_position=1`` never splices
 BOS: no dictionary is trained on the attention sink there, and splicing it wrecks the model.
 
-The interventions refer to their CLT by its directory (``clt.source``), so ``pv.IntervenableModel
-.save``/``load`` round-trips them; loading reads the CLT once per process.
+The interventions refer to their transcoder by its path (``clt.source``), so
+``pv.IntervenableModel.save``/``load`` round-trips them; loading reads it once per process.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ from typing import Any
 
 import torch
 
+from ..transcoders.hooks import norm_settings, normalize
 from .base import CausalTraceIntervention
 
-_CLTS: dict[str, Any] = {}  # source directory -> CrossLayerTranscoder, shared per process
+_CLTS: dict[str, Any] = {}  # source directory -> Transcoder, shared per process
 
 
 def _resolve(source: str | None, clt=None):
@@ -47,11 +51,12 @@ def _resolve(source: str | None, clt=None):
             _CLTS.setdefault(clt.source, clt)
         return clt
     if source is None:
-        raise ValueError("clt_splice needs a CLT (an object, or the directory it was loaded from)")
+        raise ValueError("clt_splice needs a transcoder (an object, or the path it was loaded "
+                         "from)")
     if source not in _CLTS:
-        from ..clt.loaders import from_pretrained
+        from ..transcoders.formats import load_transcoder
 
-        _CLTS[source] = from_pretrained(source)
+        _CLTS[source] = load_transcoder(source)
     return _CLTS[source]
 
 
@@ -69,7 +74,7 @@ class ActiveFeatures:
 
 def _leaf_session(session: dict) -> dict:
     return session.setdefault("leaves", {"features": {}, "writes": {}, "errors": {},
-                                         "resid_mid": {}})
+                                         "inputs": {}})
 
 
 class _CLTIntervention(CausalTraceIntervention):
@@ -95,11 +100,11 @@ class CLTSplice(_CLTIntervention):
     registered_name = "clt_splice"
     tensor_fields = ("error",)
     _config_keys = ("role", "clt_layer", "from_position", "add_error", "reset", "leaves",
-                    "source", "error")
+                    "source", "error", "normalize")
 
     def _setup(self, role: str, clt_layer: int, from_position: int = 1, add_error: bool = False,
                reset: bool = False, leaves: bool = False, source: str | None = None,
-               error: torch.Tensor | None = None) -> None:
+               error: torch.Tensor | None = None, normalize: dict | None = None) -> None:
         if role not in ("encode", "decode"):
             raise ValueError(f"role must be 'encode' or 'decode', got {role!r}")
         if from_position < 0:
@@ -111,7 +116,8 @@ class CLTSplice(_CLTIntervention):
                         "from_position": int(from_position),
                         "add_error": bool(add_error), "reset": bool(reset),
                         "leaves": bool(leaves),
-                        "source": source if source is not None else self._source_of()}
+                        "source": source if source is not None else self._source_of(),
+                        "normalize": None if normalize is None else dict(normalize)}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         clt, layer = self.clt, self._config["clt_layer"]
@@ -122,15 +128,22 @@ class CLTSplice(_CLTIntervention):
         if self._config["leaves"]:
             return self._leaf_forward(base, clt, layer, start, _leaf_session(session))
         if self._config["role"] == "encode":
-            acts = clt.encode(base, layer)
+            x = self._input(base)
+            acts = clt.encode(x, layer)
             acts = torch.cat([torch.zeros_like(acts[:, :start]), acts[:, start:]], dim=1)
-            session[layer] = acts
+            session.setdefault("acts", {})[layer] = acts
+            session.setdefault("inputs", {})[layer] = x
             return base
         recon = clt.b_dec[layer].to(base.dtype).expand_as(base)
-        for source_layer in range(layer + 1):
-            if source_layer not in session:
+        if clt.W_skip is not None:
+            inputs = session.get("inputs", {})
+            if layer not in inputs:
+                raise RuntimeError(f"the skip path of layer {layer} needs its encoder")
+            recon = recon + clt.skip(inputs[layer], layer).to(base.dtype)
+        for source_layer in clt.cfg.sources(layer):
+            acts = session.get("acts", {}).get(source_layer)
+            if acts is None:
                 continue
-            acts = session[source_layer]
             active = (acts != 0).reshape(-1, acts.shape[-1]).any(0).nonzero().squeeze(-1)
             if active.numel() == 0:
                 continue
@@ -142,11 +155,18 @@ class CLTSplice(_CLTIntervention):
             recon = recon + self.error[..., :base.shape[1], :].to(base.dtype)
         return torch.cat([base[:, :start], recon[:, start:]], dim=1)
 
+    def _input(self, base: torch.Tensor, frozen: bool = False) -> torch.Tensor:
+        """The transcoder's input from the hook's value: itself, or normalised before the
+        norm's gain (``ln2.hook_normalized``; frozen statistic in leaf mode)."""
+        norm = self._config.get("normalize")
+        return base if norm is None else normalize(base, norm["kind"], norm["eps"], frozen)
+
     def _leaf_forward(self, base: torch.Tensor, clt, layer: int, start: int,
                       leaves: dict) -> torch.Tensor:
         if self._config["role"] == "encode":
+            x = self._input(base, frozen=True)
             with torch.no_grad():
-                acts = clt.encode(base, layer)
+                acts = clt.encode(x, layer)
                 acts[:, :start] = 0
                 row, position, feature = acts.nonzero(as_tuple=True)
                 unique, inverse = feature.unique(return_inverse=True)
@@ -154,14 +174,17 @@ class CLTSplice(_CLTIntervention):
             value = acts[row, position, feature].detach().requires_grad_(True)
             active = ActiveFeatures(row, position, feature, value, decoder)
             leaves["features"][layer] = active
-            leaves["writes"][layer] = _writes(active, base.shape[:2], clt.n_layers - layer,
+            leaves["writes"][layer] = _writes(active, base.shape[:2], clt.cfg.n_targets(layer),
                                               clt.cfg.d_model)
-            leaves["resid_mid"][layer] = base
+            leaves["inputs"][layer] = x
             if "b_dec" not in leaves:
                 leaves["b_dec"] = clt.b_dec.detach().clone().requires_grad_(True)
             return base
         recon = leaves["b_dec"][layer].expand(base.shape)
-        for source_layer in range(layer + 1):
+        skip = clt.skip(leaves["inputs"][layer], layer)
+        if skip is not None:
+            recon = recon + skip
+        for source_layer in clt.cfg.sources(layer):
             writes = leaves["writes"].get(source_layer)
             if writes is not None:
                 recon = recon + writes[layer - source_layer]
@@ -215,7 +238,7 @@ class FeatureAblate(_CLTIntervention):
                         "source": source if source is not None else self._source_of()}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
-        session = self.clt.__dict__.setdefault("_session", {})
+        session = self.clt.__dict__.setdefault("_session", {}).setdefault("acts", {})
         layer = self._config["clt_layer"]
         if layer not in session:
             raise RuntimeError(f"feature_ablate at layer {layer} needs a clt_splice encoder "
@@ -237,13 +260,14 @@ class FeatureAblate(_CLTIntervention):
 
 
 def clean_errors(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
-    """The clean run's CLT error ``mlp_out - recon`` per layer, ``[L, 1, P, D]``, for a splice
-    with a fixed error."""
-    from ..clt.checks import hook_states
+    """The clean run's transcoder error ``out - recon`` per layer, ``[L, 1, P, D]``, for a
+    splice with a fixed error."""
+    from ..transcoders.checks import transcoder_states
 
-    states = hook_states(model, input_ids, ("mid", "out"))
-    recon = clt.reconstruct(clt.encode_all(states["mid"].to(clt.dtype)))
-    return (states["out"] - recon.to(states["out"].dtype))[:, None]
+    states = transcoder_states(clt, model, input_ids)
+    inputs = states["input"].to(clt.dtype)
+    recon = clt.reconstruct(clt.encode_all(inputs), inputs)
+    return (states["output"] - recon.to(states["output"].dtype))[:, None]
 
 
 def clt_splice_representations(
@@ -258,8 +282,8 @@ def clt_splice_representations(
     :func:`clean_errors`) fixes each decoder's error term."""
     if leaves and ablations:
         raise ValueError("a leaf-mode splice does not take ablations")
-    from ..clt.transcoder import check_fits
     from ..models import get_adapter
+    from ..transcoders.transcoder import check_fits
 
     check_fits(clt, model)
     adapter = get_adapter(model)
@@ -269,7 +293,8 @@ def clt_splice_representations(
         hooks = clt.cfg.hf_hooks(adapter, layer)
         out.append({"component": hooks["input"], "intervention": CLTSplice(
             clt=clt, role="encode", clt_layer=layer, from_position=from_position,
-            add_error=add_error or leaves, reset=index == 0, leaves=leaves)})
+            add_error=add_error or leaves, reset=index == 0, leaves=leaves,
+            normalize=norm_settings(model, clt.cfg.feature_input_hook, layer))})
         for ablation in ablations or []:
             if ablation["clt_layer"] == layer:
                 out.append({"component": hooks["input"],

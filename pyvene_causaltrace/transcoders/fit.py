@@ -1,5 +1,6 @@
-"""Fit a small CLT to a model's MLPs: enough to exercise the pairing check and the anchor on a
-dictionary that really belongs to its model (random weights cannot show either works).
+"""Fit a small transcoder to a model's MLPs — cross-layer (CLT) or a per-layer set (PLT, with or
+without a skip path): enough to exercise the pairing check, the anchor and attribution on a
+dictionary that really belongs to its model (random weights cannot show any of them works).
 
 Two activations, both trained with Adam (linearly decayed learning rate, clipped gradients) on
 normalised reconstruction error:
@@ -12,10 +13,13 @@ normalised reconstruction error:
   recipe. A feature that crosses its threshold jumps to at least ``theta``, which is what makes
   such a dictionary fail loudly on an input it was not trained for.
 
-Encoders read ``hook_resid_mid``, decoders write every later layer's ``hook_mlp_out``; BOS
-positions are left out.
+Encoders read ``hook_resid_mid``; a CLT's decoders write every later layer's ``hook_mlp_out``, a
+per-layer set's only their own layer's (``kind="per_layer"``), beside a linear ``W_skip`` from
+the layer's input with ``skip=True`` (initialised at zero, so the dictionary starts as a plain
+PLT); BOS positions are left out.
 
-    clt = fit_clt(model, tokenizer, texts, d_transcoder=256, steps=400)
+    clt, stats = fit_clt(model, tokenizer, texts, d_transcoder=256, steps=400)
+    plt, stats = fit_clt(model, tokenizer, texts, kind="per_layer", skip=True)
     clt.save_model("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted")
 """
 
@@ -30,7 +34,7 @@ import torch
 from torch import nn
 
 from .checks import hook_states
-from .transcoder import CrossLayerTranscoder
+from .transcoder import Transcoder
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +92,9 @@ def collect_pairs(model: nn.Module, tokenizer, texts: Sequence[str]):
     xs, ys = [], []
     for text in texts:
         ids = tokenizer(text, return_tensors="pt")["input_ids"].to(device)
-        states = hook_states(model, ids, kinds=("mid", "out"))
-        xs.append(states["mid"][:, 1:].transpose(0, 1))
-        ys.append(states["out"][:, 1:].transpose(0, 1))
+        states = hook_states(model, ids, {"x": "hook_resid_mid", "y": "hook_mlp_out"})
+        xs.append(states["x"][:, 1:].transpose(0, 1))
+        ys.append(states["y"][:, 1:].transpose(0, 1))
     return torch.cat(xs).float(), torch.cat(ys).float()
 
 
@@ -109,15 +113,22 @@ def fit_clt(
     bandwidth: float = 0.05,
     init_threshold: float = 0.05,
     seed: int = 0,
+    kind: str = "cross_layer",
+    skip: bool = False,
     model_name: str | None = None,
     progress: bool = False,
-) -> tuple[CrossLayerTranscoder, FitStats]:
-    """Fit a CLT on the MLPs of ``model`` over ``texts``; returns it (float32, in memory) and
+) -> tuple[Transcoder, FitStats]:
+    """Fit a transcoder (``kind`` ``"cross_layer"`` or ``"per_layer"``, ``skip`` for a per-layer
+    skip path) on the MLPs of ``model`` over ``texts``; returns it (float32, in memory) and
     the fitting statistics. ``l1`` weighs the ReLU fit's sparsity penalty; ``l0``,
     ``bandwidth`` and ``init_threshold`` are the JumpReLU fit's (in units of the encoder's
     pre-activation, which the initialisation scales to about 1)."""
     if activation not in ("relu", "jumprelu"):
         raise ValueError(f"activation must be 'relu' or 'jumprelu', got {activation!r}")
+    if kind not in ("cross_layer", "per_layer"):
+        raise ValueError(f"kind must be 'cross_layer' or 'per_layer', got {kind!r}")
+    if skip and kind != "per_layer":
+        raise ValueError("a skip path belongs to a per-layer set (kind='per_layer')")
     start = time.perf_counter()
     x, y = collect_pairs(model, tokenizer, texts)
     n_tokens, n_layers, d_model = x.shape
@@ -127,13 +138,16 @@ def fit_clt(
     W_enc = nn.Parameter(torch.randn(n_layers, d_transcoder, d_model, generator=g)
                          / d_model**0.5 / x_scale[:, :, None])
     b_enc = nn.Parameter(torch.zeros(n_layers, d_transcoder))
+    n_targets = [n_layers - layer if kind == "cross_layer" else 1 for layer in range(n_layers)]
     W_dec = nn.ParameterList(
-        nn.Parameter(torch.randn(d_transcoder, n_layers - layer, d_model, generator=g)
+        nn.Parameter(torch.randn(d_transcoder, n_targets[layer], d_model, generator=g)
                      * 0.1 / d_transcoder**0.5)
         for layer in range(n_layers))
+    W_skip = nn.Parameter(torch.zeros(n_layers, d_model, d_model))
     b_dec = nn.Parameter(y.mean(0).clone())
     log_theta = nn.Parameter(torch.full((n_layers, d_transcoder), float(init_threshold)).log())
-    params = [W_enc, b_enc, b_dec, *W_dec] + ([log_theta] if activation == "jumprelu" else [])
+    params = [W_enc, b_enc, b_dec, *W_dec] + ([log_theta] if activation == "jumprelu" else []) \
+        + ([W_skip] if skip else [])
     optimizer = torch.optim.Adam(params, lr=lr)
     # linear decay to zero and clipped gradients: rare tokens with huge MLP outputs otherwise
     # knock the fit off course late in training
@@ -146,14 +160,17 @@ def fit_clt(
         else:
             acts = _JumpReLU.apply(z, log_theta.exp(), bandwidth)
         recon = b_dec.expand(xb.shape[0], -1, -1).clone()
+        if skip:
+            recon = recon + torch.einsum("bld,lod->blo", xb, W_skip)  # x @ W_skip[l].T
         for layer in range(n_layers):
-            recon[:, layer:] += torch.einsum("bf,ftd->btd", acts[:, layer], W_dec[layer])
+            end = layer + n_targets[layer]
+            recon[:, layer:end] += torch.einsum("bf,ftd->btd", acts[:, layer], W_dec[layer])
         return z, acts, recon
 
     loss = torch.tensor(0.0)
     from tqdm import tqdm
 
-    bar = tqdm(range(steps), desc="fitting CLT", unit="step", disable=not progress)
+    bar = tqdm(range(steps), desc=f"fitting {kind} transcoder", unit="step", disable=not progress)
     for step in bar:
         index = torch.randint(0, n_tokens, (min(batch_size, n_tokens),), generator=g)
         z, acts, recon = forward(x[index])
@@ -178,8 +195,10 @@ def fit_clt(
     name = model_name or getattr(model, "pvct_source", None) or model.config._name_or_path
     threshold = (log_theta.detach().exp() if activation == "jumprelu"
                  else torch.zeros(n_layers, d_transcoder))
-    clt = CrossLayerTranscoder.from_tensors(
+    clt = Transcoder.from_tensors(
         name, W_enc.detach(), b_enc.detach(), threshold,
-        b_dec.detach(), [w.detach() for w in W_dec])
+        b_dec.detach(), [w.detach() for w in W_dec],
+        list(W_skip.detach()) if skip else None,
+        model_kind="cross_layer_transcoder" if kind == "cross_layer" else "transcoder_set")
     stats = FitStats(n_tokens, steps, time.perf_counter() - start, loss.item(), fvu)
     return clt, stats

@@ -1,12 +1,14 @@
-"""Is this CLT the right one for this model, and does the model still work through it?
+"""Is this transcoder the right one for this model, and does the model still work through it?
 
-- :func:`check_pairing` (seed section 1): FVU of every layer's MLP output from the CLT fed the
-  stated hook, mean L0, and two controls that must be worse — encoding ``hook_resid_pre`` (one
-  module too early) and scoring layer ``t``'s reconstruction against layer ``t + 1``. A verdict in
-  words; :meth:`PairingReport.raise_if_mispaired` stops a pipeline before it uses a wrong CLT.
+- :func:`check_pairing` (seed section 1): FVU of every layer's output hook from the transcoder
+  fed its input hook, mean L0, and two controls that must be worse — encoding the same kind of
+  state one module too early (``hook_resid_pre`` for ``hook_resid_mid``, the attention norm's
+  output for the MLP norm's) and scoring layer ``t``'s reconstruction against layer ``t + 1``.
+  A verdict in words; :meth:`PairingReport.raise_if_mispaired` stops a pipeline before it uses a
+  wrong transcoder.
 - :func:`replacement_anchor` (seed section 3): next-token cross-entropy on held-out text (every
-  target token, as the seed) for the
-  clean model, the CLT spliced from position 1, spliced at all positions, ``b_dec`` only, and MLPs
+  target token, as the seed) for the clean model, the transcoder spliced from position 1,
+  spliced at all positions, ``b_dec`` only (every feature off; a skip path stays), and MLPs
   zeroed; the fraction of the clean-to-zero gap the splice recovers; answer probability, top-1 and
   KL on a prompt.
 
@@ -24,7 +26,8 @@ from torch import nn
 
 from ..capture import capture
 from ..models import get_adapter
-from .transcoder import CrossLayerTranscoder, check_fits
+from .hooks import CONTROL_HOOKS, hook_component, hook_name, norm_settings, normalize
+from .transcoder import Transcoder, check_fits
 
 
 def _ids(tokenizer, text: str, device) -> torch.Tensor:
@@ -56,11 +59,13 @@ class PairingReport:
     def verdict(self) -> str:
         if self.paired:
             return (f"paired: FVU {self.fvu:.3f} (mean L0 {self.mean_l0:.1f}) beats reading "
-                    f"resid_pre ({self.fvu_wrong_hook:.3f}, L0 {self.mean_l0_wrong_hook:.1f}) "
-                    f"and scoring against the next layer ({self.fvu_wrong_layer:.3f})")
-        return (f"MISPAIRED: FVU {self.fvu:.3f} with the stated hooks (controls: resid_pre "
-                f"{self.fvu_wrong_hook:.3f}, next layer {self.fvu_wrong_layer:.3f}); this CLT "
-                "does not reconstruct this model's MLP outputs — wrong model, layer or hook")
+                    f"the earlier hook ({self.fvu_wrong_hook:.3f}, L0 "
+                    f"{self.mean_l0_wrong_hook:.1f}) and scoring against the next layer "
+                    f"({self.fvu_wrong_layer:.3f})")
+        return (f"MISPAIRED: FVU {self.fvu:.3f} with the stated hooks (controls: earlier hook "
+                f"{self.fvu_wrong_hook:.3f}, next layer {self.fvu_wrong_layer:.3f}); this "
+                "transcoder does not reconstruct this model's MLP outputs — wrong model, layer "
+                "or hook")
 
     def raise_if_mispaired(self) -> None:
         if not self.paired:
@@ -71,21 +76,37 @@ class PairingReport:
 
 
 def hook_states(model: nn.Module, ids: torch.Tensor,
-                kinds: Sequence[str] = ("pre", "mid", "out")) -> dict[str, torch.Tensor]:
-    """``hook_resid_pre`` (``"pre"``), ``hook_resid_mid`` (``"mid"``) and ``hook_mlp_out``
-    (``"out"``) of every layer for one prompt ``ids [1, P]``: ``{kind: [L, P, D]}``, one forward."""
+                hooks: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The values of TransformerLens hooks (``{key: hook name}``, e.g.
+    ``{"out": "hook_mlp_out"}``) at every layer for one prompt ``ids [1, P]``:
+    ``{key: [L, P, D]}``, one forward."""
     adapter = get_adapter(model)
-    where = {"pre": ("pre_attn_norm", "input"), "mid": ("pre_mlp_norm", "input"),
-             "out": ("mlp", "output")}
-    paths = {kind: [f"{adapter.module_path(where[kind][0], layer)}.{where[kind][1]}"
-                    for layer in range(adapter.n_layers(model))]
-             for kind in kinds}
+    paths = {key: [hook_component(adapter, hook, layer)
+                   for layer in range(adapter.n_layers(model))]
+             for key, hook in hooks.items()}
     found = capture(model, {"input_ids": ids}, [p for ps in paths.values() for p in ps])
-    return {kind: torch.stack([found[p][0] for p in ps]) for kind, ps in paths.items()}
+    out = {}
+    for key, ps in paths.items():
+        states = [found[p][0] for p in ps]
+        norms = [norm_settings(model, hooks[key], layer) for layer in range(len(ps))]
+        out[key] = torch.stack([x if norm is None else normalize(x, **norm)
+                                for x, norm in zip(states, norms, strict=True)])
+    return out
+
+
+def transcoder_states(transcoder: Transcoder, model: nn.Module, ids: torch.Tensor,
+                      control: bool = False) -> dict[str, torch.Tensor]:
+    """``{"input", "output"}`` (and ``"control"``: the pairing check's wrong input hook) of
+    ``transcoder``'s hooks at every layer, ``[L, P, D]`` each, one forward."""
+    cfg = transcoder.cfg
+    hooks = {"input": cfg.feature_input_hook, "output": cfg.feature_output_hook}
+    if control:
+        hooks["control"] = CONTROL_HOOKS[hook_name(cfg.feature_input_hook)]
+    return hook_states(model, ids, hooks)
 
 
 @torch.no_grad()
-def check_pairing(clt: CrossLayerTranscoder, model: nn.Module, tokenizer,
+def check_pairing(clt: Transcoder, model: nn.Module, tokenizer,
                   texts: Sequence[str]) -> PairingReport:
     """Pairing check on ``texts`` (see module docstring)."""
     check_fits(clt, model)
@@ -96,17 +117,17 @@ def check_pairing(clt: CrossLayerTranscoder, model: nn.Module, tokenizer,
     l0 = l0_pre = 0.0
     n_tokens = 0
     for text in texts:
-        states = hook_states(model, _ids(tokenizer, text, device))
-        acts = clt.encode_all(states["mid"])
-        recon = clt.reconstruct(acts)
-        err, dev = _fvu_parts(recon, states["out"])
+        states = transcoder_states(clt, model, _ids(tokenizer, text, device), control=True)
+        acts = clt.encode_all(states["input"])
+        recon = clt.reconstruct(acts, states["input"])
+        err, dev = _fvu_parts(recon, states["output"])
         totals["err"] += err
         totals["dev"] += dev
-        acts_pre = clt.encode_all(states["pre"])
-        err, dev = _fvu_parts(clt.reconstruct(acts_pre), states["out"])
+        acts_pre = clt.encode_all(states["control"])
+        err, dev = _fvu_parts(clt.reconstruct(acts_pre, states["control"]), states["output"])
         totals["err_pre"] += err
         totals["dev_pre"] += dev
-        err, dev = _fvu_parts(recon[:-1], states["out"][1:])
+        err, dev = _fvu_parts(recon[:-1], states["output"][1:])
         wrong_layer += torch.stack([err.sum(), dev.sum()])
         n = acts.shape[1] - 1
         n_tokens += n
@@ -168,7 +189,7 @@ def _condition_representations(name: str, clt, model, n_pos: int) -> list[dict]:
         return clt_splice_representations(clt, model, ablations=ablations)
     adapter = get_adapter(model)
     zeros = torch.zeros(1, n_pos, clt.cfg.d_model)
-    return [{"component": adapter.module_path("mlp", layer) + ".output",
+    return [{"component": clt.cfg.hf_hooks(adapter, layer)["output"],
              "intervention": CleanRestore(positions=list(range(1, n_pos)), states=zeros)}
             for layer in range(clt.n_layers)]
 
@@ -188,7 +209,7 @@ def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]
 
 
 @torch.no_grad()
-def replacement_anchor(clt: CrossLayerTranscoder, model: nn.Module, tokenizer,
+def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer,
                        texts: Sequence[str], *, prompt: str | None = None,
                        answer: str | None = None) -> AnchorReport:
     """The replacement-model anchor (see module docstring)."""

@@ -1,0 +1,43 @@
+"""Transcoders: cross-layer (CLT) and per-layer sets (PLT, optionally with skip), one module;
+loaders for every layout people publish; pairing and replacement checks; fitting.
+
+    from pyvene_causaltrace.transcoders import load_transcoder
+    clt = load_transcoder("mntss/clt-llama-3.2-1b-524k")
+    plt = load_transcoder("path/to/circuit-tracer/config.yaml")
+"""
+
+from __future__ import annotations
+
+from .config import CLTConfig, TranscoderConfig
+from .formats import FORMATS, detect_format, load_transcoder, save_transcoder
+from .formats.common import TranscoderFormatError
+from .formats.mntss import from_pretrained, load_from_disk, read_config, save_model
+from .transcoder import (
+    CLTMismatchError,
+    CrossLayerTranscoder,
+    Transcoder,
+    TranscoderMismatchError,
+    check_fits,
+)
+
+CLTFormatError = TranscoderFormatError
+
+__all__ = [
+    "CLTConfig",
+    "CLTFormatError",
+    "CLTMismatchError",
+    "CrossLayerTranscoder",
+    "FORMATS",
+    "Transcoder",
+    "TranscoderConfig",
+    "TranscoderFormatError",
+    "TranscoderMismatchError",
+    "check_fits",
+    "detect_format",
+    "from_pretrained",
+    "load_from_disk",
+    "load_transcoder",
+    "read_config",
+    "save_model",
+    "save_transcoder",
+]

@@ -1,0 +1,97 @@
+"""Loaders, one per on-disk layout, looked up by name (sae-lens's convention).
+
+=================  =====================================================================
+``mntss``          the mntss cross-layer transcoder directory (:mod:`.mntss`)
+``circuit_tracer`` circuit-tracer's ``config.yaml``: a ``transcoder_set`` of per-layer
+                   safetensors files (local or ``hf://``), or a ``cross_layer_transcoder``
+                   pointing at a CLT repo (:mod:`.circuit_tracer`)
+``gemmascope``     GemmaScope per-layer ``params.npz`` files (:mod:`.gemmascope`)
+``sae_lens``       sae-lens transcoders, one per layer, through sae-lens's own loading
+                   (:mod:`.sae_lens`)
+``sparsify``       EleutherAI sparsify TopK transcoders, one directory per hookpoint
+                   (:mod:`.sparsify`)
+=================  =====================================================================
+
+Every loader checks everything before it returns: a missing file or layer, mixed widths, an
+unknown activation or hook, a ``W_skip`` of the wrong shape raise
+:class:`~.common.TranscoderFormatError` naming the file; nothing is half-loaded.
+
+    tc = load_transcoder("mntss/clt-llama-3.2-1b-524k")          # layout detected
+    tc = load_transcoder("path/to/config.yaml", format="circuit_tracer")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from ..transcoder import Transcoder
+from . import circuit_tracer, gemmascope, mntss, sae_lens, sparsify
+from .common import TranscoderFormatError, hub_snapshot
+
+#: Loader by layout name: ``loader(source, *, device, dtype, lazy_decoder, ...) -> Transcoder``.
+FORMATS: dict[str, Callable[..., Transcoder]] = {
+    "mntss": mntss.from_pretrained,
+    "circuit_tracer": circuit_tracer.load,
+    "gemmascope": gemmascope.load,
+    "sae_lens": sae_lens.load,
+    "sparsify": sparsify.load,
+}
+#: Which layout a local path holds, tried in this order.
+_DETECTORS = (("mntss", mntss.is_layout), ("circuit_tracer", circuit_tracer.is_layout),
+              ("sparsify", sparsify.is_layout), ("gemmascope", gemmascope.is_layout),
+              ("sae_lens", sae_lens.is_layout))
+
+
+def detect_format(path: str | Path) -> str:
+    """The layout of a local path (a directory or a config file)."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise TranscoderFormatError(f"missing path {root}")
+    for name, matches in _DETECTORS:
+        if matches(root):
+            return name
+    raise TranscoderFormatError(
+        f"{root} holds no transcoder layout we know ({', '.join(FORMATS)}); pass format=...")
+
+
+def load_transcoder(source: str | Path | list, *, format: str | None = None,
+                    **kwargs) -> Transcoder:
+    """A transcoder from a local path, a hub reference or (GemmaScope, sae-lens) a list of
+    per-layer paths, in layout ``format`` (detected when None). Keyword arguments go to the
+    loader (``device``, ``dtype``, ``lazy_decoder``, ...).
+
+    A hub reference (``org/repo[/subfolder][@revision]``) with a ``config.yaml`` is read as
+    circuit-tracer's config (which also covers mntss CLT repos); any other repo is fetched whole
+    and its layout detected. ``HF_HUB_OFFLINE=1`` serves both from the local cache."""
+    if format is not None:
+        if format not in FORMATS:
+            raise ValueError(f"unknown format {format!r}; known: {', '.join(FORMATS)}")
+        return FORMATS[format](source, **kwargs)
+    if isinstance(source, list | tuple):
+        raise ValueError("a list of per-layer files needs format='gemmascope' or 'sae_lens'")
+    path = Path(str(source)).expanduser()
+    if path.exists():
+        return FORMATS[detect_format(path)](path, **kwargs)
+    if str(source).startswith((".", "/", "~")) or str(source).count("/") < 1:
+        raise TranscoderFormatError(f"missing path {path}")
+    try:
+        return circuit_tracer.load(str(source), **kwargs)
+    except TranscoderFormatError as error:
+        if "config.yaml" not in str(error) or str(source).count("/") != 1:
+            raise
+    path = hub_snapshot(str(source), kwargs.pop("revision", None),
+                        ["*.yaml", "*.json", "*.safetensors", "*.npz"])
+    return FORMATS[detect_format(path)](path, **kwargs)
+
+
+def save_transcoder(transcoder: Transcoder, path: str | Path) -> None:
+    """A CLT in the mntss layout, a per-layer set in circuit-tracer's."""
+    if transcoder.cfg.cross_layer:
+        mntss.save_model(transcoder, path)
+    else:
+        circuit_tracer.save(transcoder, path)
+
+
+__all__ = ["FORMATS", "TranscoderFormatError", "detect_format", "load_transcoder",
+           "save_transcoder"]

@@ -1,0 +1,278 @@
+"""circuit-tracer's transcoder configs: a ``config.yaml`` naming a per-layer set or a CLT.
+
+    model_kind: transcoder_set            # or cross_layer_transcoder (weights beside it, mntss)
+    model_name: google/gemma-2-2b
+    feature_input_hook: ln2.hook_normalized
+    feature_output_hook: hook_mlp_out
+    activation: topk                      # optional: relu | topk | jumprelu (default: jumprelu
+    k: 64                                 #   when the files hold thresholds, else relu)
+    scan: gemmascope-transcoders          # optional; default: the hub reference it came from
+    transcoders:                          # one per layer, in layer order; optional: default
+      - hf://org/repo/layer_0.safetensors?revision=main   #   layer_{l}.safetensors beside it
+      - local/path/layer_1.safetensors                     # relative to the config
+      - hf://google/gemma-scope-2b-pt-transcoders/layer_2/width_16k/average_l0_41/params.npz
+
+A per-layer file (circuit-tracer's ``single_layer_transcoder``) holds ``W_enc [F, D]``,
+``W_dec [F, D]``, ``b_enc [F]``, ``b_dec [D]``, optionally ``activation_function.threshold [F]``,
+``W_skip [D, D]`` (``skip(x) = x @ W_skip.T``) and ``k`` (TopK). Older files store ``W_dec`` as
+``[D, F]``; GemmaScope-2 files use ``w_enc [D, F]``, ``w_dec``, ``threshold`` and
+``affine_skip_connection [D_in, D_out]``: orientations are told apart by the biases' lengths.
+``.npz`` entries are GemmaScope files (:mod:`.gemmascope`). The old list-of-dicts form
+(``{id, layer, filepath}``) is read too.
+
+A hub reference to a config is ``org/repo[/subfolder][@revision]``; per-layer ``hf://`` files
+resolve through the hub cache (offline with ``HF_HUB_OFFLINE=1``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
+from ..transcoder import Transcoder
+from .common import (
+    LayerTensors,
+    TranscoderFormatError,
+    assemble_set,
+    hub_file,
+    hub_snapshot,
+    mmap_tensor,
+    open_safetensors,
+    resolve_reference,
+    shapes_of,
+)
+
+CONFIG = "config.yaml"
+REQUIRED = ("model_kind", "feature_input_hook", "feature_output_hook")
+
+
+def _config_file(path: Path) -> Path | None:
+    if path.is_file() and path.suffix in (".yaml", ".yml"):
+        return path
+    if path.is_dir() and (path / CONFIG).exists():
+        return path / CONFIG
+    return None
+
+
+def is_layout(path: Path) -> bool:
+    """A circuit-tracer config (or a directory holding one) that is not an mntss CLT directory
+    (those :mod:`.mntss` reads)."""
+    import yaml
+
+    config = _config_file(path)
+    if config is None:
+        return False
+    try:
+        meta = yaml.safe_load(config.read_text()) or {}
+    except yaml.YAMLError:
+        return False
+    return isinstance(meta, dict) and meta.get("model_kind") in MODEL_KINDS
+
+
+def read_config(config: Path) -> dict:
+    import yaml
+
+    try:
+        meta = yaml.safe_load(config.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise TranscoderFormatError(f"{config} is not YAML: {error}") from None
+    if not isinstance(meta, dict):
+        raise TranscoderFormatError(f"{config} is not a mapping")
+    missing = [key for key in REQUIRED if key not in meta]
+    if missing:
+        raise TranscoderFormatError(f"{config} lacks {', '.join(missing)}")
+    if meta["model_kind"] not in MODEL_KINDS:
+        raise TranscoderFormatError(f"{config}: model_kind {meta['model_kind']!r} is not one of "
+                                    f"{', '.join(MODEL_KINDS)}")
+    return meta
+
+
+# --------------------------------------------------------------------- per-layer files
+_RENAMES = {"activation_function.threshold": "threshold", "w_enc": "W_enc", "w_dec": "W_dec",
+            "affine_skip_connection": "W_skip_in_out"}
+_KNOWN = {"W_enc", "W_dec", "b_enc", "b_dec", "threshold", "W_skip", "W_skip_in_out", "k"}
+
+
+def read_layer_file(path: Path, *, lazy_decoder: bool = True) -> tuple[LayerTensors, int | None]:
+    """One per-layer safetensors file in our orientation, and its ``k`` (None if absent)."""
+    handle = open_safetensors(path)
+    shapes = {_RENAMES.get(key, key): shape for key, shape in shapes_of(handle).items()}
+    unknown = sorted(set(shapes) - _KNOWN)
+    missing = sorted({"W_enc", "W_dec", "b_enc", "b_dec"} - set(shapes))
+    if unknown or missing:
+        raise TranscoderFormatError(f"{path}: " + "; ".join(
+            part for part in (f"missing {', '.join(missing)}" if missing else "",
+                              f"unknown tensors {', '.join(unknown)}" if unknown else "") if part))
+    d_transcoder, d_model = shapes["b_enc"][0], shapes["b_dec"][0]
+    names = {_RENAMES.get(key, key): key for key in handle.keys()}
+    try:
+        tensors = {ours: handle.get_tensor(theirs) for ours, theirs in names.items()
+                   if ours != "W_dec" or not lazy_decoder}
+    except Exception as error:  # a truncated data section surfaces only here
+        raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
+    handles = []
+    if lazy_decoder:
+        tensors["W_dec"], mapped = mmap_tensor(path, names["W_dec"])
+        handles.append(mapped)
+    for name in ("W_enc", "W_dec"):  # [F, D] is ours; [D, F] is transposed
+        shape = tuple(tensors[name].shape)
+        if shape == (d_model, d_transcoder) and d_model != d_transcoder:
+            tensors[name] = tensors[name].T
+            if name == "W_dec" and lazy_decoder:  # rows of a transposed map are not rows
+                tensors[name] = tensors[name].contiguous()
+                handles = []
+    if "W_skip_in_out" in tensors:  # x @ affine_skip_connection == x @ W_skip.T
+        tensors["W_skip"] = tensors.pop("W_skip_in_out").T
+    k = tensors.pop("k", None)
+    layer = LayerTensors(str(path), W_enc=tensors["W_enc"], W_dec=tensors["W_dec"],
+                         b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
+                         threshold=tensors.get("threshold"), W_skip=tensors.get("W_skip"),
+                         handles=handles)
+    return layer, None if k is None else int(k.reshape(-1)[0])
+
+
+def _read_layer(path: Path, lazy_decoder: bool) -> tuple[LayerTensors, int | None]:
+    if path.suffix == ".npz":
+        from .gemmascope import read_npz
+
+        return read_npz(path), None
+    return read_layer_file(path, lazy_decoder=lazy_decoder)
+
+
+def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | None) -> list[Path]:
+    entries = meta.get("transcoders")
+    if entries is None:  # circuit-tracer's default: layer_{l}.safetensors beside the config
+        if hub is not None:
+            repo, revision, sub = hub
+            root = hub_snapshot(repo, revision, [f"{sub}layer_*.safetensors"]) / sub
+        else:
+            root = config.parent
+        found = {int(p.stem.removeprefix("layer_")): p for p in root.glob("layer_*.safetensors")
+                 if p.stem.removeprefix("layer_").isdigit()}
+        if not found:
+            raise TranscoderFormatError(f"{config}: no 'transcoders' list and no "
+                                        "layer_<l>.safetensors files beside it")
+        missing = sorted(set(range(max(found) + 1)) - set(found))
+        if missing:
+            raise TranscoderFormatError(f"{root}: missing layer_<l>.safetensors for layer(s) "
+                                        f"{missing}")
+        return [found[layer] for layer in range(len(found))]
+    if not isinstance(entries, list) or not entries:
+        raise TranscoderFormatError(f"{config}: 'transcoders' must be a list of files")
+    if all(isinstance(e, dict) for e in entries):  # the old {id, layer, filepath} form
+        layers = [e.get("layer") for e in entries]
+        if sorted(layers) != list(range(len(layers))):
+            raise TranscoderFormatError(f"{config}: transcoders for layers {sorted(layers)}; "
+                                        f"expected 0..{len(layers) - 1}")
+        entries = [e["filepath"] for e in sorted(entries, key=lambda e: e["layer"])]
+    paths = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, str):
+            raise TranscoderFormatError(f"{config}: transcoders[{index}] is not a path")
+        ref, _, query = entry.partition("?revision=")
+        if query and ref.startswith("hf://"):
+            parts = ref.removeprefix("hf://").split("/")
+            ref = f"hf://{parts[0]}/{parts[1]}@{query}/" + "/".join(parts[2:])
+        paths.append(resolve_reference(ref, config.parent))
+    return paths
+
+
+def load(source: str | Path, *, device: str | torch.device = "cpu",
+         dtype: torch.dtype = torch.float32, lazy_decoder: bool = True,
+         lazy_encoder: bool = False, revision: str | None = None) -> Transcoder:
+    """A transcoder from a circuit-tracer config: a local ``config.yaml`` (or its directory) or
+    a hub reference ``org/repo[/subfolder][@revision]`` (module docstring)."""
+    local = Path(str(source)).expanduser()
+    hub = None
+    config = _config_file(local) if local.exists() else None
+    if config is None:
+        if local.exists():
+            raise TranscoderFormatError(f"{local} has no {CONFIG}")
+        ref, _, at = str(source).partition("@")
+        parts = ref.strip("/").split("/")
+        if len(parts) < 2:
+            raise TranscoderFormatError(f"{source!r} is neither a local path nor a hub "
+                                        "reference org/repo[/subfolder][@revision]")
+        repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
+        sub = f"{sub}/" if sub else ""
+        hub = (repo, at or revision, sub)
+        config = hub_file(repo, f"{sub}{CONFIG}", at or revision)
+    meta = read_config(config)
+    scan = meta.get("scan")
+    if scan is None and hub is not None:
+        scan = hub[0] + (f"//{hub[2].rstrip('/')}" if hub[2] else "") \
+            + (f"@{hub[1]}" if hub[1] else "")
+    if meta["model_kind"] == CROSS_LAYER:
+        from . import mntss
+
+        root = config.parent
+        if hub is not None:
+            repo, rev, sub = hub
+            root = hub_snapshot(repo, rev, [f"{sub}*.safetensors", f"{sub}{CONFIG}"]) / sub
+        clt = mntss.load_from_disk(root, device=device, dtype=dtype, lazy_decoder=lazy_decoder,
+                                   lazy_encoder=lazy_encoder)
+        if scan is not None:
+            from dataclasses import replace
+
+            clt.cfg = replace(clt.cfg, scan=str(scan))
+        return clt
+    assert meta["model_kind"] == TRANSCODER_SET
+    layers, ks = [], set()
+    for path in _layer_files(meta, config, hub):
+        layer, k = _read_layer(path, lazy_decoder)
+        layers.append(layer)
+        ks.add(k)
+    has_threshold = layers[0].threshold is not None
+    activation = meta.get("activation") or ("jumprelu" if has_threshold else "relu")
+    activation = {"jump_relu": "jumprelu", "jumprelu": "jumprelu"}.get(activation, activation)
+    k = meta.get("k")
+    if k is None and activation == "topk":
+        ks.discard(None)
+        if len(ks) != 1:
+            raise TranscoderFormatError(f"{config}: activation topk needs k (the config's or "
+                                        f"the files'); found {sorted(ks) or 'none'}")
+        k = ks.pop()
+    return assemble_set(layers, model_name=str(meta.get("model_name") or ""),
+                        activation=activation, k=k,
+                        feature_input_hook=meta["feature_input_hook"],
+                        feature_output_hook=meta["feature_output_hook"],
+                        scan=None if scan is None else str(scan),
+                        source=str(config if hub is None else source), dtype=dtype,
+                        device=device, lazy_decoder=lazy_decoder)
+
+
+def save(transcoder: Transcoder, path: str | Path) -> None:
+    """Write a per-layer set as circuit-tracer's layout: ``config.yaml`` (its ``transcoders``
+    the relative ``layer_{l}.safetensors`` files) and one native file per layer, in the set's
+    on-disk dtype."""
+    import yaml
+    from safetensors.torch import save_file
+
+    cfg = transcoder.cfg
+    if cfg.cross_layer:
+        raise ValueError("a cross-layer transcoder is written in the mntss layout")
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, cfg.disk_dtype)
+    ids = torch.arange(cfg.d_transcoder)
+    for layer in range(cfg.n_layers):
+        tensors = {"W_enc": transcoder.encoder_weight(layer),
+                   "W_dec": transcoder.decoder_rows(layer, ids)[:, 0],
+                   "b_enc": transcoder.b_enc[layer], "b_dec": transcoder.b_dec[layer]}
+        if cfg.activation == "jumprelu":
+            tensors["activation_function.threshold"] = transcoder.threshold[layer]
+        if transcoder.W_skip is not None:
+            tensors["W_skip"] = transcoder.W_skip[layer]
+        tensors = {k: v.to(dtype).contiguous().cpu() for k, v in tensors.items()}
+        save_file(tensors, str(root / f"layer_{layer}.safetensors"))
+    meta = {"model_name": cfg.model_name, "model_kind": TRANSCODER_SET,
+            "feature_input_hook": cfg.feature_input_hook,
+            "feature_output_hook": cfg.feature_output_hook, "activation": cfg.activation}
+    if cfg.k is not None:
+        meta["k"] = cfg.k
+    if cfg.scan is not None:
+        meta["scan"] = cfg.scan
+    meta["transcoders"] = [f"layer_{layer}.safetensors" for layer in range(cfg.n_layers)]
+    (root / CONFIG).write_text(yaml.safe_dump(meta, sort_keys=False))

@@ -1,0 +1,203 @@
+"""What every layout's loader shares: the format error, safetensors access (headers, memory-mapped
+tensors), hub references resolved through huggingface_hub, and assembling per-layer tensors into
+one checked :class:`~..transcoder.Transcoder`."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import TRANSCODER_SET, TranscoderConfig
+from ..transcoder import Transcoder
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                "F64": torch.float64}
+
+
+class TranscoderFormatError(ValueError):
+    """A transcoder's files are missing, incomplete, corrupted or inconsistent."""
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+
+
+# ------------------------------------------------------------------------------ safetensors
+def open_safetensors(path: Path):
+    """A ``safe_open`` handle, or a :class:`TranscoderFormatError` naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    if not Path(path).exists():
+        raise TranscoderFormatError(f"missing file {path}")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as error:
+        raise TranscoderFormatError(f"{path} is not a readable safetensors file: {error}") \
+            from None
+
+
+def shapes_of(handle) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+
+
+def read_tensors(path: Path, names=None) -> dict[str, torch.Tensor]:
+    """Every tensor (or ``names``) of a safetensors file; format errors name the file."""
+    handle = open_safetensors(path)
+    try:
+        return {name: handle.get_tensor(name) for name in (names or handle.keys())}
+    except Exception as error:  # a truncated data section surfaces only here
+        raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
+
+
+def mmap_tensor(path: Path, name: str) -> tuple[torch.Tensor, mmap.mmap]:
+    """``(tensor, mmap)``: ``name`` from a safetensors file as a view of a read-only memory map
+    advised for random access (decoder rows are read a few at a time, scattered over the file).
+    The layout is safetensors': an 8-byte header length, a JSON header, then raw data."""
+    with open(path, "rb") as file:
+        header_len = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(header_len))
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_RANDOM"):
+        mapped.madvise(mmap.MADV_RANDOM)
+    info = header[name]
+    start, stop = (8 + header_len + offset for offset in info["data_offsets"])
+    dtype = TORCH_DTYPES[info["dtype"]]
+    with warnings.catch_warnings():  # the buffer is read-only; we never write to it
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(mapped, dtype=dtype, count=(stop - start) // dtype.itemsize,
+                                offset=start)
+    return flat.view(info["shape"]), mapped
+
+
+# ------------------------------------------------------------------------------------- hub
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")
+
+
+def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
+    """One file of a hub repo, downloaded or (``HF_HUB_OFFLINE=1``) from the local cache."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id, filename, revision=revision))
+    except (LocalEntryNotFoundError, EntryNotFoundError, OSError) as error:
+        hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline() else ""
+        raise TranscoderFormatError(
+            f"missing file {filename!r} of hub repo {repo_id!r}{hint}: {error}") from None
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None,
+                 allow_patterns: list[str] | None = None) -> Path:
+    """A hub repo's files (matching ``allow_patterns``), downloaded or from the local cache."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns))
+    except (LocalEntryNotFoundError, OSError, ValueError) as error:
+        hint = " (HF_HUB_OFFLINE is set and it is not in the local cache)" if offline() else ""
+        raise TranscoderFormatError(f"{repo_id!r} is neither a local path nor a reachable hub "
+                                    f"repo{hint}: {error}") from None
+
+
+def resolve_reference(ref: str, base: Path | None = None) -> Path:
+    """A file named by a config: ``hf://org/repo/path/in/repo`` (``org/repo@revision/...`` for a
+    revision) through the hub cache, else a path (relative to ``base``)."""
+    if ref.startswith("hf://"):
+        parts = ref.removeprefix("hf://").split("/")
+        if len(parts) < 3:
+            raise TranscoderFormatError(f"bad hub reference {ref!r}: need hf://org/repo/file")
+        repo, revision = f"{parts[0]}/{parts[1]}", None
+        if "@" in repo:
+            repo, revision = repo.split("@", 1)
+        return hub_file(repo, "/".join(parts[2:]), revision)
+    path = Path(ref).expanduser()
+    if not path.is_absolute() and base is not None:
+        path = base / path
+    if not path.exists():
+        raise TranscoderFormatError(f"missing file {path}")
+    return path
+
+
+# ------------------------------------------------------------------------------ assembling
+@dataclass
+class LayerTensors:
+    """One layer of a per-layer set in our orientation: ``W_enc [F, D]``, ``W_dec [F, D]``,
+    ``b_enc [F]``, ``b_dec [D]``, ``threshold [F]`` or None, ``W_skip [D, D]`` or None
+    (``skip(x) = x @ W_skip.T``); ``origin`` names the file for error messages."""
+
+    origin: str
+    W_enc: torch.Tensor
+    W_dec: torch.Tensor
+    b_enc: torch.Tensor
+    b_dec: torch.Tensor
+    threshold: torch.Tensor | None = None
+    W_skip: torch.Tensor | None = None
+    handles: list = field(default_factory=list)
+
+
+def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str,
+                 k: int | None = None, feature_input_hook: str, feature_output_hook: str,
+                 scan: str | None = None, source: str | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 lazy_decoder: bool = True) -> Transcoder:
+    """A per-layer set from its layers, every shape and dtype checked first."""
+    check_dtype(dtype)
+    if not layers:
+        raise TranscoderFormatError(f"{source}: no layers")
+    d_transcoder, d_model = layers[0].W_enc.shape
+    has_skip = layers[0].W_skip is not None
+    for index, layer in enumerate(layers):
+        want = {"W_enc": (d_transcoder, d_model), "W_dec": (d_transcoder, d_model),
+                "b_enc": (d_transcoder,), "b_dec": (d_model,)}
+        if layer.threshold is not None:
+            want["threshold"] = (d_transcoder,)
+        if layer.W_skip is not None:
+            want["W_skip"] = (d_model, d_model)
+        got = {name: tuple(getattr(layer, name).shape) for name in want}
+        if got != want:
+            wrong = {name: got[name] for name in want if got[name] != want[name]}
+            raise TranscoderFormatError(
+                f"{layer.origin} (layer {index}): shapes {wrong} disagree with layer 0 "
+                f"(d_transcoder {d_transcoder}, d_model {d_model}; expected {want})")
+        if (layer.W_skip is not None) != has_skip:
+            raise TranscoderFormatError(f"{layer.origin} (layer {index}): W_skip "
+                                        f"{'present' if layer.W_skip is not None else 'missing'}"
+                                        f" while layer 0 {'has' if has_skip else 'has none'}")
+        if activation == "jumprelu" and layer.threshold is None:
+            raise TranscoderFormatError(f"{layer.origin}: a jumprelu transcoder needs thresholds")
+        for name in want:
+            if not getattr(layer, name).is_floating_point():
+                raise TranscoderFormatError(f"{layer.origin}: {name} is "
+                                            f"{getattr(layer, name).dtype}, not floating point")
+    disk_dtype = str(layers[0].W_enc.dtype).removeprefix("torch.")
+    try:
+        cfg = TranscoderConfig(model_name, len(layers), d_model, d_transcoder,
+                               feature_input_hook, feature_output_hook, TRANSCODER_SET,
+                               disk_dtype, activation, k, has_skip, scan)
+    except ValueError as error:
+        raise TranscoderFormatError(f"{source}: {error}") from None
+    thresholds = None if activation != "jumprelu" else torch.stack(
+        [layer.threshold.to(dtype) for layer in layers])
+    W_dec = [layer.W_dec[:, None, :] for layer in layers]
+    if not lazy_decoder or not all(layer.handles for layer in layers):
+        W_dec = [w.to(device, dtype).clone() for w in W_dec]
+    transcoder = Transcoder(
+        cfg, b_enc=torch.stack([layer.b_enc.to(dtype) for layer in layers]), threshold=thresholds,
+        b_dec=torch.stack([layer.b_dec.to(dtype) for layer in layers]),
+        W_enc=torch.stack([layer.W_enc.to(dtype) for layer in layers]), W_dec=W_dec,
+        W_skip=[layer.W_skip for layer in layers] if has_skip else None,
+        dtype=dtype, device=device, source=source)
+    if lazy_decoder:
+        transcoder._handles = [h for layer in layers for h in layer.handles]
+    return transcoder

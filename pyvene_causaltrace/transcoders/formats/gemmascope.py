@@ -1,0 +1,91 @@
+"""GemmaScope transcoders: one ``params.npz`` per layer (``google/gemma-scope-2b-pt-transcoders``).
+
+    root/layer_{l}/width_16k/average_l0_{N}/params.npz
+        W_enc [D, F]   W_dec [F, D]   b_enc [F]   b_dec [D]   threshold [F]
+
+JumpReLU (``z * 1[z > threshold]``), reading TransformerLens's ``ln2.hook_normalized`` (the MLP
+norm's input over its RMS, before the gain) and writing ``hook_mlp_out`` (after Gemma-2's
+post-feedforward norm) — circuit-tracer's and sae-lens's reading of these files. A root with
+several ``average_l0_*`` variants of a layer needs a choice: pass the files, one per layer.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ..transcoder import Transcoder
+from .common import LayerTensors, TranscoderFormatError, assemble_set, resolve_reference
+
+INPUT_HOOK = "ln2.hook_normalized"
+OUTPUT_HOOK = "hook_mlp_out"
+KEYS = ("W_enc", "W_dec", "b_enc", "b_dec", "threshold")
+
+
+def read_npz(path: Path) -> LayerTensors:
+    """One GemmaScope file in our orientation (``W_enc`` transposed to ``[F, D]``)."""
+    import numpy as np
+
+    if not path.exists():
+        raise TranscoderFormatError(f"missing file {path}")
+    try:
+        with np.load(path) as data:
+            arrays = {key.lower(): data[key] for key in data.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as error:
+        raise TranscoderFormatError(f"{path} is not a readable npz file: {error}") from None
+    missing = [key for key in KEYS if key.lower() not in arrays]
+    if missing:
+        raise TranscoderFormatError(f"{path}: missing {', '.join(missing)} "
+                                    f"(holds {sorted(arrays)})")
+    tensors = {key: torch.from_numpy(np.ascontiguousarray(arrays[key.lower()])) for key in KEYS}
+    if tensors["W_enc"].dim() != 2:
+        raise TranscoderFormatError(f"{path}: W_enc has shape {tuple(tensors['W_enc'].shape)}")
+    return LayerTensors(str(path), W_enc=tensors["W_enc"].T, W_dec=tensors["W_dec"],
+                        b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
+                        threshold=tensors["threshold"])
+
+
+def _layer_dirs(root: Path) -> dict[int, Path]:
+    return {int(p.name.removeprefix("layer_")): p for p in root.glob("layer_*")
+            if p.is_dir() and p.name.removeprefix("layer_").isdigit()}
+
+
+def is_layout(path: Path) -> bool:
+    """A directory of ``layer_{l}/.../params.npz`` files."""
+    return path.is_dir() and any(any(d.rglob("params.npz")) for d in _layer_dirs(path).values())
+
+
+def _files(root: Path) -> list[Path]:
+    layers = _layer_dirs(root)
+    missing = sorted(set(range(max(layers) + 1)) - set(layers)) if layers else []
+    if not layers or missing:
+        raise TranscoderFormatError(f"{root}: missing layer_<l> directories for layer(s) "
+                                    f"{missing or [0]}")
+    files = []
+    for layer in range(len(layers)):
+        found = sorted(layers[layer].rglob("params.npz"))
+        if len(found) != 1:
+            raise TranscoderFormatError(
+                f"{layers[layer]}: {len(found)} params.npz files "
+                f"({', '.join(str(f.relative_to(root)) for f in found) or 'none'}); pass one "
+                "file per layer instead")
+        files.append(found[0])
+    return files
+
+
+def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
+         device: str | torch.device = "cpu", model_name: str = "gemma-2-2b",
+         scan: str | None = None, **_ignored) -> Transcoder:
+    """A per-layer set from GemmaScope files: a root directory (one ``params.npz`` under each
+    ``layer_{l}``) or a list of files, one per layer in order (local paths or ``hf://`` hub
+    references)."""
+    if isinstance(source, list | tuple):
+        files = [resolve_reference(str(ref)) for ref in source]
+    else:
+        files = _files(Path(source).expanduser())
+    return assemble_set([read_npz(path) for path in files], model_name=model_name,
+                        activation="jumprelu", feature_input_hook=INPUT_HOOK,
+                        feature_output_hook=OUTPUT_HOOK, scan=scan, source=str(source),
+                        dtype=dtype, device=device, lazy_decoder=False)

@@ -1,0 +1,261 @@
+"""sae-lens transcoders in, and sae-lens views of our transcoders out (the only module that imports
+sae_lens, and only when called).
+
+**In** (:func:`load`, :func:`load_release`): one sae-lens ``Transcoder``, ``SkipTranscoder``,
+``JumpReLUTranscoder`` or ``JumpReLUSkipTranscoder`` per layer, loaded by sae-lens itself
+(``SAE.load_from_disk`` / ``SAE.from_pretrained``), assembled into a per-layer set. sae-lens holds
+``W_enc [d_in, d_sae]``, ``W_dec [d_sae, d_out]``, ``W_skip [d_out, d_in]`` (``x @ W_skip.T``), and
+its JumpReLU is ``relu(z) * 1[z > threshold]``, which is ours (``z * 1[z > threshold]``) with the
+threshold raised to 0 where it is negative — exactly. Hooks come from each config's metadata
+(``hook_name``, ``hook_name_out``, ``blocks.{l}.`` prefixes giving the layer); the release name
+and id are the Neuronpedia scan.
+
+**Out** (:func:`to_sae_lens`, the converters): a CLT is not one sae-lens object: feature ``f`` of
+layer ``l`` writes into every layer ``t >= l``. :func:`to_sae_lens` gives a per-layer
+``JumpReLUTranscoder`` whose *encoder is exact* (same W_enc, b_enc, threshold for the input hook
+of layer ``l``) and whose *decoder is one slice of the cross-layer decoder*:
+``W_dec[l][:, target - l]``, i.e. what layer ``l``'s features write into layer ``target``'s output
+(``target = l`` by default), plus ``b_dec[target]``. Summing these views over source layers
+``l <= t`` (with ``b_dec[t]`` once) is the CLT's reconstruction of layer ``t``; one view alone is
+not. sae-lens's own loading entry points read our CLT directories through the converters:
+
+    JumpReLUTranscoder.load_from_disk(clt_dir, converter=disk_converter(layer=3))
+    JumpReLUTranscoder.from_pretrained("org/clt-repo", "layer_3", converter=hub_converter)
+
+Unlike sae-lens's built-in mntss loader, nothing is summed over target layers and thresholds are
+kept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..transcoder import Transcoder
+from .common import LayerTensors, TranscoderFormatError, assemble_set
+from .mntss import from_pretrained, load_from_disk
+
+
+def _sae_lens_version() -> str:
+    from importlib.metadata import version
+
+    return version("sae-lens")
+
+
+def _cfg_and_state(clt: Transcoder, layer: int, target: int | None,
+                   device: str, dtype: str = "float32") -> tuple[dict, dict]:
+    target = layer if target is None else target
+    if not 0 <= layer <= target < layer + clt.cfg.n_targets(layer) <= clt.n_layers:
+        raise ValueError(f"layer {layer}'s features do not write layer {target}")
+    if clt.cfg.activation not in ("jumprelu", "relu"):
+        raise ValueError(f"sae-lens has no {clt.cfg.activation} transcoder")
+    torch_dtype = getattr(torch, dtype)
+    rows = clt.decoder_rows(layer, torch.arange(clt.cfg.d_transcoder))[:, target - layer]
+    state = {
+        "W_enc": clt.encoder_weight(layer).T.contiguous(),
+        "b_enc": clt.b_enc[layer],
+        "threshold": clt.threshold[layer],
+        "W_dec": rows.contiguous(),
+        "b_dec": clt.b_dec[target],
+    }
+    skip = clt.W_skip is not None
+    if skip:
+        state["W_skip"] = clt.W_skip[layer]
+    state = {k: v.detach().to(device, torch_dtype).clone() for k, v in state.items()}
+    cfg = {
+        "architecture": "jumprelu_skip_transcoder" if skip else "jumprelu_transcoder",
+        "d_in": clt.cfg.d_model, "d_sae": clt.cfg.d_transcoder, "d_out": clt.cfg.d_model,
+        "dtype": dtype, "device": device, "apply_b_dec_to_input": False,
+        "normalize_activations": "none",
+        "metadata": {
+            "model_name": clt.cfg.model_name,
+            "hook_name": f"blocks.{layer}.{clt.cfg.feature_input_hook}",
+            "hook_name_out": f"blocks.{target}.{clt.cfg.feature_output_hook}",
+            "neuronpedia_id": None,
+            "sae_lens_version": _sae_lens_version(),  # a 6.x config: no pre-6.0 rewriting
+        },
+    }
+    return cfg, state
+
+
+def to_sae_lens(clt: Transcoder, layer: int, target: int | None = None,
+                device: str = "cpu"):
+    """A sae-lens ``JumpReLUTranscoder`` (``JumpReLUSkipTranscoder`` with a skip path) for
+    ``layer`` (see module docstring)."""
+    from sae_lens.saes.transcoder import (
+        JumpReLUSkipTranscoder,
+        JumpReLUSkipTranscoderConfig,
+        JumpReLUTranscoder,
+        JumpReLUTranscoderConfig,
+    )
+
+    cfg, state = _cfg_and_state(clt, layer, target, device)
+    if "W_skip" in state:
+        transcoder = JumpReLUSkipTranscoder(JumpReLUSkipTranscoderConfig.from_dict(cfg))
+    else:
+        transcoder = JumpReLUTranscoder(JumpReLUTranscoderConfig.from_dict(cfg))
+    transcoder.load_state_dict(state)
+    return transcoder
+
+
+def disk_converter(layer: int, target: int | None = None):
+    """A sae-lens disk converter for ``SAE.load_from_disk(clt_dir, converter=...)``."""
+
+    def convert(path: str | Path, device: str = "cpu",
+                cfg_overrides: dict[str, Any] | None = None) -> tuple[dict, dict]:
+        dtype = (cfg_overrides or {}).get("dtype") or "float32"
+        return _cfg_and_state(load_from_disk(path), layer, target, device, dtype)
+
+    return convert
+
+
+def hub_converter(repo_id: str, folder_name: str, device: str = "cpu",
+                  force_download: bool = False, cfg_overrides: dict[str, Any] | None = None):
+    """A sae-lens hub converter: ``folder_name`` is ``"layer_<l>"`` or
+    ``"layer_<l>_to_<t>"``. Returns ``(cfg, state_dict, None)``."""
+    parts = folder_name.removeprefix("layer_").split("_to_")
+    layer = int(parts[0])
+    target = int(parts[1]) if len(parts) > 1 else None
+    dtype = (cfg_overrides or {}).get("dtype") or "float32"
+    cfg, state = _cfg_and_state(from_pretrained(repo_id), layer, target, device, dtype)
+    return cfg, state, None
+
+
+# ------------------------------------------------------------------------------------- in
+TRANSCODER_ARCHITECTURES = ("transcoder", "skip_transcoder", "jumprelu_transcoder",
+                            "jumprelu_skip_transcoder")
+
+
+def is_layout(path: Path) -> bool:
+    """A directory of sae-lens transcoder directories (``cfg.json`` + ``sae_weights.safetensors``
+    each)."""
+    return path.is_dir() and any((sub / "cfg.json").exists()
+                                 and (sub / "sae_weights.safetensors").exists()
+                                 for sub in path.iterdir() if sub.is_dir())
+
+
+def _layer_of(hook: str | None, origin: str) -> int:
+    parts = (hook or "").split(".")
+    if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
+        raise TranscoderFormatError(f"{origin}: hook_name {hook!r} does not name a layer "
+                                    "(blocks.<l>.<hook>)")
+    return int(parts[1])
+
+
+def _layer_tensors(sae, origin: str) -> tuple[int, LayerTensors, dict]:
+    """(layer, tensors in our orientation, hooks) of one sae-lens transcoder."""
+    architecture = sae.cfg.architecture()
+    if architecture not in TRANSCODER_ARCHITECTURES:
+        raise TranscoderFormatError(f"{origin}: architecture {architecture!r} is not a "
+                                    f"transcoder ({', '.join(TRANSCODER_ARCHITECTURES)})")
+    meta = sae.cfg.metadata
+    hooks = {"input": meta.hook_name, "output": getattr(meta, "hook_name_out", None)}
+    if hooks["output"] is None:
+        raise TranscoderFormatError(f"{origin}: the config has no metadata.hook_name_out")
+    layer = _layer_of(hooks["input"], origin)
+    if _layer_of(hooks["output"], origin) != layer:
+        raise TranscoderFormatError(f"{origin}: reads layer {layer} but writes "
+                                    f"{hooks['output']!r}")
+    state = {k: v.detach().cpu() for k, v in sae.state_dict().items()}
+    threshold = state.get("threshold")
+    if threshold is not None:
+        threshold = threshold.clamp(min=0)  # relu(z) * 1[z > t] == z * 1[z > max(t, 0)]
+    tensors = LayerTensors(origin, W_enc=state["W_enc"].T.contiguous(), W_dec=state["W_dec"],
+                           b_enc=state["b_enc"], b_dec=state["b_dec"], threshold=threshold,
+                           W_skip=state.get("W_skip"))
+    activation = "jumprelu" if threshold is not None else "relu"
+    return layer, tensors, {**hooks, "activation": activation,
+                            "model_name": getattr(meta, "model_name", None) or ""}
+
+
+def _assemble(saes: list, origins: list[str], *, scan: str | None, source: str,
+              dtype: torch.dtype, device: str | torch.device) -> Transcoder:
+    layers = {}
+    for sae, origin in zip(saes, origins, strict=True):
+        layer, tensors, info = _layer_tensors(sae, origin)
+        if layer in layers:
+            raise TranscoderFormatError(f"{origin}: a second transcoder for layer {layer} "
+                                        f"(first: {layers[layer][0].origin})")
+        layers[layer] = (tensors, info)
+    missing = sorted(set(range(max(layers) + 1)) - set(layers))
+    if missing:
+        raise TranscoderFormatError(f"{source}: no transcoder for layer(s) {missing}")
+    infos = [layers[layer][1] for layer in range(len(layers))]
+    for key in ("activation",):
+        if len({info[key] for info in infos}) > 1:
+            raise TranscoderFormatError(f"{source}: layers mix {key}s "
+                                        f"{sorted({info[key] for info in infos})}")
+    hooks = {role: {info[role].split(".", 2)[2] for info in infos} for role in ("input", "output")}
+    if any(len(names) > 1 for names in hooks.values()):
+        raise TranscoderFormatError(f"{source}: layers read or write different hooks {hooks}")
+    return assemble_set([layers[layer][0] for layer in range(len(layers))],
+                        model_name=infos[0]["model_name"], activation=infos[0]["activation"],
+                        feature_input_hook=hooks["input"].pop(),
+                        feature_output_hook=hooks["output"].pop(), scan=scan, source=source,
+                        dtype=dtype, device=device, lazy_decoder=False)
+
+
+def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
+         device: str | torch.device = "cpu", scan: str | None = None,
+         **_ignored) -> Transcoder:
+    """A per-layer set from sae-lens transcoder directories: ``source`` is a directory holding
+    one per layer (any names; the layer comes from each ``hook_name``), or a list of them. Each
+    is read by ``SAE.load_from_disk``."""
+    from sae_lens import SAE
+
+    if isinstance(source, list | tuple):
+        dirs = [Path(p).expanduser() for p in source]
+    else:
+        root = Path(source).expanduser()
+        dirs = sorted(sub for sub in root.iterdir() if (sub / "cfg.json").exists())
+    if not dirs:
+        raise TranscoderFormatError(f"{source}: no sae-lens transcoder directories")
+    saes = []
+    for path in dirs:
+        for name in ("cfg.json", "sae_weights.safetensors"):
+            if not (path / name).exists():
+                raise TranscoderFormatError(f"missing file {path / name}")
+        try:
+            saes.append(SAE.load_from_disk(str(path), device="cpu"))
+        except (KeyError, ValueError, RuntimeError, OSError) as error:
+            raise TranscoderFormatError(f"{path}: sae-lens could not load it: {error}") from None
+    return _assemble(saes, [str(p) for p in dirs], scan=scan, source=str(source), dtype=dtype,
+                     device=device)
+
+
+def release_ids(release: str) -> list[str]:
+    """The ids of a sae-lens release, from sae-lens's pretrained directory."""
+    from sae_lens.loading.pretrained_saes_directory import get_pretrained_saes_directory
+
+    directory = get_pretrained_saes_directory()
+    if release not in directory:
+        raise TranscoderFormatError(f"{release!r} is not a sae-lens release")
+    return list(directory[release].saes_map)
+
+
+def load_release(release: str, sae_ids: list[str] | None = None, *,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+                 ) -> Transcoder:
+    """A per-layer set from a sae-lens release, one ``SAE.from_pretrained(release, id)`` per
+    layer (the hub cache serves it offline). ``sae_ids`` default: every id of the release, which
+    must then hold one transcoder per layer (GemmaScope's holds several L0s per layer: choose)."""
+    from sae_lens import SAE
+
+    ids = release_ids(release) if sae_ids is None else list(sae_ids)
+    saes = []
+    for sae_id in ids:
+        try:
+            saes.append(SAE.from_pretrained(release, sae_id, device="cpu"))
+        except (KeyError, ValueError, OSError) as error:
+            raise TranscoderFormatError(f"{release}/{sae_id}: sae-lens could not load it: "
+                                        f"{error}") from None
+    try:
+        return _assemble(saes, [f"{release}/{i}" for i in ids], scan=release, source=release,
+                         dtype=dtype, device=device)
+    except TranscoderFormatError as error:
+        if sae_ids is None and "second transcoder" in str(error):
+            raise TranscoderFormatError(f"{release} holds several transcoders per layer; pass "
+                                        "sae_ids=[one per layer] (see release_ids)") from None
+        raise

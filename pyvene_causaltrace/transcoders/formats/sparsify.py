@@ -1,0 +1,98 @@
+"""EleutherAI sparsify TopK transcoders: one directory per hookpoint.
+
+    root/layers.{l}.mlp/cfg.json          k, num_latents, d_in, transcode, skip_connection, ...
+    root/layers.{l}.mlp/sae.safetensors   encoder.weight [F, D], encoder.bias [F], W_dec [F, D],
+                                          b_dec [D], W_skip [D, D] (skip_connection)
+
+(``h.{l}.mlp`` for GPT-2.) The transcoder reads the MLP module's input and predicts its output
+(circuit-tracer's ``mlp.hook_in`` / ``mlp.hook_out``). Encode: ``relu(x @ W_enc.T + b_enc)``, then
+the ``k`` largest per token; decode adds ``x @ W_skip.T``. Files written before sparsify stored
+``transcode`` subtracted ``b_dec`` from the input first: that is folded exactly into the encoder
+bias (``b_enc - W_enc @ b_dec``). ``transcode: false`` marks a plain SAE, which is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ..transcoder import Transcoder
+from .common import LayerTensors, TranscoderFormatError, assemble_set, mmap_tensor, read_tensors
+
+HOOKPOINT = re.compile(r"^(?:.*\.)?(?:layers|h)\.(\d+)\.mlp$")
+KEYS = {"encoder.weight", "encoder.bias", "W_dec", "b_dec"}
+
+
+def _hookpoints(root: Path) -> dict[int, Path]:
+    found = {}
+    for sub in root.iterdir() if root.is_dir() else ():
+        match = HOOKPOINT.match(sub.name)
+        if match and (sub / "cfg.json").exists():
+            found[int(match.group(1))] = sub
+    return found
+
+
+def is_layout(path: Path) -> bool:
+    return bool(_hookpoints(path))
+
+
+def _read(sub: Path, lazy_decoder: bool) -> tuple[LayerTensors, dict]:
+    cfg_file, weights = sub / "cfg.json", sub / "sae.safetensors"
+    if not weights.exists():
+        raise TranscoderFormatError(f"missing file {weights}")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as error:
+        raise TranscoderFormatError(f"{cfg_file} is not JSON: {error}") from None
+    if cfg.get("transcode") is False:
+        raise TranscoderFormatError(f"{cfg_file}: transcode is false — a sparse autoencoder, "
+                                    "not a transcoder")
+    if cfg.get("activation", "topk") != "topk":
+        raise TranscoderFormatError(f"{cfg_file}: unknown activation {cfg['activation']!r} "
+                                    "(only topk is supported)")
+    skip = bool(cfg.get("skip_connection", False))
+    names = KEYS | ({"W_skip"} if skip else set())
+    tensors = read_tensors(weights, sorted(names - ({"W_dec"} if lazy_decoder else set())))
+    handles = []
+    if lazy_decoder:
+        tensors["W_dec"], mapped = mmap_tensor(weights, "W_dec")
+        handles.append(mapped)
+    b_enc = tensors["encoder.bias"]
+    if "transcode" not in cfg:  # the input was x - b_dec: fold it into the encoder's bias
+        W = tensors["encoder.weight"]
+        b_enc = (b_enc.double() - W.double() @ tensors["b_dec"].double()).to(b_enc.dtype)
+    layer = LayerTensors(str(weights), W_enc=tensors["encoder.weight"], W_dec=tensors["W_dec"],
+                         b_enc=b_enc, b_dec=tensors["b_dec"], W_skip=tensors.get("W_skip"),
+                         handles=handles)
+    return layer, cfg
+
+
+def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
+         device: str | torch.device = "cpu", lazy_decoder: bool = True,
+         model_name: str = "", scan: str | None = None, **_ignored) -> Transcoder:
+    """A per-layer TopK set from a sparsify run directory (one subdirectory per layer's MLP)."""
+    root = Path(source).expanduser()
+    found = _hookpoints(root)
+    if not found:
+        raise TranscoderFormatError(f"{root}: no <layers|h>.<l>.mlp directories with cfg.json")
+    missing = sorted(set(range(max(found) + 1)) - set(found))
+    if missing:
+        raise TranscoderFormatError(f"{root}: no transcoder for layer(s) {missing}")
+    layers, ks = [], set()
+    for layer in range(len(found)):
+        tensors, cfg = _read(found[layer], lazy_decoder)
+        layers.append(tensors)
+        ks.add(cfg.get("k"))
+    if len(ks) != 1 or not isinstance(next(iter(ks)), int):
+        raise TranscoderFormatError(f"{root}: layers disagree on k or lack it: "
+                                    f"{sorted(ks, key=str)}")
+    run_config = root / "config.json"
+    if not model_name and run_config.exists():
+        model_name = str(json.loads(run_config.read_text()).get("model", ""))
+    return assemble_set(layers, model_name=model_name, activation="relu_topk", k=ks.pop(),
+                        feature_input_hook="mlp.hook_in", feature_output_hook="mlp.hook_out",
+                        scan=scan, source=str(root), dtype=dtype, device=device,
+                        lazy_decoder=lazy_decoder)

@@ -1,0 +1,248 @@
+"""The transcoder: per-layer encoders, decoders into the same or every later layer, optional skip.
+
+Shapes (``L`` layers, ``F`` features per layer, ``D`` = d_model, ``T_l`` = the number of layers
+layer ``l`` writes: ``L - l`` for a cross-layer transcoder, 1 for a per-layer set):
+
+- ``W_enc[l]`` ``[F, D]``, ``b_enc[l]`` ``[F]``, ``threshold[l]`` ``[F]``, ``b_dec[l]`` ``[D]``;
+- ``W_dec[l]`` ``[F, T_l, D]``: feature ``f`` born at layer ``l`` writes ``W_dec[l][f, t - l]``
+  into target layer ``t``;
+- ``W_skip[l]`` ``[D, D]`` (per-layer sets only, optional): ``skip_l(x) = x @ W_skip[l].T``.
+
+Encode: ``z = x @ W_enc[l].T + b_enc[l]`` with ``x`` the input hook's value at layer ``l``, then
+the activation: ``jumprelu`` ``z * 1[z > threshold]``, ``relu`` ``max(z, 0)``, ``topk`` the ``k``
+largest of ``z`` per token (circuit-tracer), ``relu_topk`` the ``k`` largest of ``relu(z)``
+(sparsify). Reconstruct:
+``out_t ~= b_dec[t] + sum_{l writing t} sum_f a[l, f] * W_dec[l][f, t - l] + skip_t(x_t)``.
+Features at position 0 (BOS) are zeroed: no dictionary is trained on the attention sink there.
+
+The decoder is usually far larger than everything else (18 GB for the 1B model's CLT): it can
+stay memory-mapped on disk, and only the rows of features that fired are read.
+
+    tc = Transcoder.from_pretrained("path/or/hub-id")
+    acts = tc.encode_all(inputs)              # [L, P, F], position 0 zeroed
+    recon = tc.reconstruct(acts, inputs)      # [L, P, D]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .config import TranscoderConfig
+
+
+class Transcoder(nn.Module):
+    """A transcoder held as buffers (encoder side) and per-layer decoder tensors (resident or
+    mmapped). Build one with :func:`~pyvene_causaltrace.transcoders.load_transcoder` (any
+    layout), :meth:`from_pretrained` (mntss CLT layout) or :meth:`from_tensors`."""
+
+    def __init__(
+        self,
+        cfg: TranscoderConfig,
+        *,
+        b_enc: torch.Tensor,
+        threshold: torch.Tensor | None,
+        b_dec: torch.Tensor,
+        W_enc: torch.Tensor | None,
+        W_dec: list[torch.Tensor],
+        W_skip: list[torch.Tensor] | None = None,
+        encoder_loader: Callable[[int], torch.Tensor] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        source: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device_ = torch.device(device)
+        self.source = source
+        if threshold is None:
+            threshold = torch.zeros_like(b_enc)
+        self.register_buffer("b_enc", b_enc.to(self.device_, dtype))
+        self.register_buffer("threshold", threshold.to(self.device_, dtype))
+        self.register_buffer("b_dec", b_dec.to(self.device_, dtype))
+        self.W_enc = None if W_enc is None else W_enc.to(self.device_, dtype)
+        self._encoder_loader = encoder_loader
+        if W_enc is None and encoder_loader is None:
+            raise ValueError("a streamed encoder needs an encoder_loader")
+        if cfg.skip != (W_skip is not None):
+            raise ValueError("cfg.skip must say whether W_skip is given")
+        self.W_skip = None if W_skip is None else [w.to(self.device_, dtype) for w in W_skip]
+        # Decoders are not buffers: a mmapped one must not be copied by .to() or state_dict().
+        self.W_dec = W_dec
+        self._handles: list = []  # file maps that keep mmapped decoders valid
+
+    # ----------------------------------------------------------------------- building
+    @classmethod
+    def from_tensors(cls, model_name: str, W_enc, b_enc, threshold, b_dec, W_dec,
+                     W_skip=None, *, model_kind: str | None = None, activation: str = "jumprelu",
+                     k: int | None = None, feature_input_hook: str = "hook_resid_mid",
+                     feature_output_hook: str = "hook_mlp_out", scan: str | None = None,
+                     **kwargs) -> Transcoder:
+        """From stacked ``W_enc [L, F, D]``, ``b_enc``/``threshold [L, F]`` (threshold may be
+        None), ``b_dec [L, D]``, a list of ``W_dec[l] [F, T_l, D]`` and optionally a list of
+        ``W_skip[l] [D, D]``. The kind follows from the decoders' shapes unless given."""
+        n_layers, d_transcoder, d_model = W_enc.shape
+        if model_kind is None:
+            per_layer = n_layers > 1 and all(w.shape[1] == 1 for w in W_dec)
+            model_kind = "transcoder_set" if per_layer or W_skip is not None \
+                else "cross_layer_transcoder"
+        cfg = TranscoderConfig(model_name, n_layers, d_model, d_transcoder,
+                               feature_input_hook, feature_output_hook, model_kind,
+                               str(W_enc.dtype).removeprefix("torch."), activation, k,
+                               W_skip is not None, scan)
+        return cls(cfg, b_enc=b_enc, threshold=threshold, b_dec=b_dec, W_enc=W_enc,
+                   W_dec=list(W_dec), W_skip=None if W_skip is None else list(W_skip), **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, repo_id_or_dir: str, **kwargs) -> Transcoder:
+        """Load any supported layout from a local path or hub id (see
+        :func:`~pyvene_causaltrace.transcoders.load_transcoder`)."""
+        from .formats import load_transcoder
+
+        return load_transcoder(repo_id_or_dir, **kwargs)
+
+    @classmethod
+    def load_from_disk(cls, path: str, **kwargs) -> Transcoder:
+        """Load a local directory or file (see
+        :func:`~pyvene_causaltrace.transcoders.load_transcoder`)."""
+        from .formats import load_transcoder
+
+        return load_transcoder(path, **kwargs)
+
+    def save_model(self, path: str) -> None:
+        """Write a CLT in the mntss layout, a per-layer set in circuit-tracer's
+        (see :mod:`~pyvene_causaltrace.transcoders.formats`)."""
+        from .formats import save_transcoder
+
+        save_transcoder(self, path)
+
+    # ------------------------------------------------------------------------ encoder
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    def encoder_weight(self, layer: int) -> torch.Tensor:
+        """``W_enc[layer]`` ``[F, D]`` in the compute dtype (read from disk if streamed)."""
+        if self.W_enc is not None:
+            return self.W_enc[layer]
+        return self._encoder_loader(layer).to(self.device_, self.dtype)
+
+    def encode(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """Features ``[..., F]`` of the input hook's values ``x [..., D]`` at ``layer``."""
+        z = x.to(self.dtype) @ self.encoder_weight(layer).T + self.b_enc[layer]
+        return activate(z, self.cfg.activation, self.threshold[layer], self.cfg.k)
+
+    def encode_all(self, inputs: torch.Tensor, zero_bos: bool = True) -> torch.Tensor:
+        """``[L, P, D]`` -> ``[L, P, F]``; position 0 zeroed unless ``zero_bos=False``."""
+        acts = torch.stack([self.encode(inputs[layer], layer) for layer in range(self.n_layers)])
+        if zero_bos:
+            acts[:, 0] = 0
+        return acts
+
+    # ------------------------------------------------------------------------ decoder
+    def decoder_rows(self, layer: int, feature_ids: torch.Tensor) -> torch.Tensor:
+        """``W_dec[layer][feature_ids]`` ``[n, T_layer, D]``, gathered (only these rows are
+        read from a mmapped decoder) and converted to the compute dtype."""
+        ids = feature_ids.to(self.W_dec[layer].device)
+        return self.W_dec[layer].index_select(0, ids).to(self.device_, self.dtype)
+
+    def skip(self, x: torch.Tensor, layer: int) -> torch.Tensor | None:
+        """The skip path's output ``x @ W_skip[layer].T`` (None without one)."""
+        if self.W_skip is None:
+            return None
+        return x.to(self.dtype) @ self.W_skip[layer].T
+
+    def reconstruct(self, acts: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """``[L, P, F]`` activations -> ``[L, P, D]`` reconstructed outputs (with ``b_dec``, and
+        the skip path of ``inputs [L, P, D]`` when the transcoder has one)."""
+        n_layers, n_pos, _ = acts.shape
+        if self.W_skip is not None and inputs is None:
+            raise ValueError("a transcoder with a skip path reconstructs from its inputs too")
+        recon = self.b_dec[:, None, :].expand(n_layers, n_pos, -1).clone()
+        for layer in range(n_layers):
+            if self.W_skip is not None:
+                recon[layer] += self.skip(inputs[layer], layer)
+            pos, fid = acts[layer].nonzero(as_tuple=True)
+            if pos.numel() == 0:
+                continue
+            n_targets = self.cfg.n_targets(layer)
+            unique, inverse = fid.unique(return_inverse=True)  # read each row once
+            rows = self.decoder_rows(layer, unique)[inverse]  # [n, T, D]
+            contrib = rows * acts[layer, pos, fid][:, None, None]
+            flat = torch.zeros(n_targets * n_pos, self.cfg.d_model,
+                               dtype=self.dtype, device=self.device_)
+            targets = torch.arange(n_targets, device=self.device_)
+            index = (targets[None, :] * n_pos + pos[:, None]).reshape(-1)
+            flat.index_add_(0, index, contrib.reshape(-1, self.cfg.d_model))
+            recon[layer:layer + n_targets] += flat.reshape(n_targets, n_pos, self.cfg.d_model)
+        return recon
+
+    def __deepcopy__(self, memo) -> Transcoder:
+        # Read-only and possibly gigabytes backed by open file maps: copies share it (pyvene
+        # deep-copies its config, which holds interventions that hold the transcoder).
+        return self
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        lazy = "mmapped" if self._handles else "resident"
+        kind = "cross-layer" if c.cross_layer else "per-layer" + (" + skip" if c.skip else "")
+        act = f"{c.activation}(k={c.k})" if c.k is not None else c.activation
+        return (f"{c.model_name}: {kind}, {c.n_layers} layers x {c.d_transcoder} features, "
+                f"d_model={c.d_model}, {act}, decoder {lazy}, dtype={self.dtype}")
+
+
+def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = None,
+             k: int | None = None) -> torch.Tensor:
+    """Feature activations from pre-activations ``z [..., F]``."""
+    if activation == "jumprelu":
+        return z * (z > threshold)
+    if activation == "relu":
+        return torch.relu(z)
+    if activation in ("topk", "relu_topk"):
+        source = torch.relu(z) if activation == "relu_topk" else z
+        values, index = source.topk(k, dim=-1)
+        return torch.zeros_like(z).scatter(-1, index, values)
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+#: The name the class had when every transcoder was a CLT.
+CrossLayerTranscoder = Transcoder
+
+
+class TranscoderMismatchError(ValueError):
+    """A transcoder's shape or hooks do not fit the model it is used with."""
+
+
+CLTMismatchError = TranscoderMismatchError
+
+
+def check_fits(transcoder: Transcoder, model: nn.Module) -> None:
+    """Raise :class:`TranscoderMismatchError` unless ``transcoder`` has the model's layer count
+    and width and its hooks exist in the model; warn when the names differ (the shapes may
+    agree by accident: run the pairing check)."""
+    import warnings
+
+    from ..models import get_adapter, get_module
+
+    adapter = get_adapter(model)
+    n_layers, d_model = adapter.n_layers(model), adapter.hidden_size(model)
+    cfg = transcoder.cfg
+    if (cfg.n_layers, cfg.d_model) != (n_layers, d_model):
+        raise TranscoderMismatchError(
+            f"the transcoder ({cfg.model_name}) has {cfg.n_layers} layers x d_model "
+            f"{cfg.d_model}; the model has {n_layers} layers x {d_model}")
+    for role, component in cfg.hf_hooks(adapter, 0).items():
+        path = component.rsplit(".", 1)[0]
+        try:
+            get_module(model, path)
+        except (AttributeError, IndexError, TypeError):
+            raise TranscoderMismatchError(
+                f"the transcoder's {role} hook {getattr(cfg, f'feature_{role}_hook')!r} maps to "
+                f"{path}, which {model.config.model_type} does not have") from None
+    name = getattr(model, "pvct_source", None) or getattr(model.config, "_name_or_path", "")
+    if cfg.model_name and name and cfg.model_name not in (name, name.split("/")[-1]):
+        warnings.warn(f"the transcoder was made for {cfg.model_name!r}, the model is {name!r}; "
+                      "run check_pairing before trusting it", stacklevel=2)
