@@ -150,3 +150,27 @@ def test_attribute_writes_the_graph_files(model_dir, tmp_path, capsys):
     assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--answer",
                  " the", "--memory-mb", "0.001", "--out", str(out)]) == 2
     assert "memory cap" in capsys.readouterr().err
+
+
+def test_attribute_with_a_per_layer_set_and_labels(model_dir, tmp_path, capsys):
+    from transcoder_fixtures import random_set, write_sparsify
+
+    root = write_sparsify(tmp_path / "sparsify", random_set(3, 32, 48, activation="relu_topk",
+                                                            k=6, skip=True))
+    rows = "".join(f"{layer}\t{f}\tL{layer} F{f}\n" for layer in range(3) for f in range(48))
+    (tmp_path / "labels.tsv").write_text("layer\tfeature\tclerp\n" + rows)
+    out = tmp_path / "plt"
+    assert main(["attribute", "--model", str(model_dir), "--clt", str(root), "--prompt", PROMPT,
+                 "--answer", " the", "--labels", str(tmp_path / "labels.tsv"), "--out",
+                 str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["closure"]["relative"] < 1e-4
+    assert summary["metadata"]["transcoder"]["activation"] == "relu_topk"
+    graph = json.loads((out / "graph.json").read_text())
+    features = [n for n in graph["nodes"] if n["feature_type"] == "cross layer transcoder"]
+    assert features and all(
+        n["clerp"] == "L{} F{}".format(*n["node_id"].split("_")[:2]) for n in features)
+    capsys.readouterr()
+    assert main(["attribute", "--model", str(model_dir), "--clt", str(root), "--format",
+                 "gemmascope", "--answer", " the", "--out", str(out)]) == 2
+    assert "layer_<l> directories" in capsys.readouterr().err

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..prompts import answer_token_id
-from ..transcoders.transcoder import Transcoder
+from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, batch_size_for, check_forward_fits, feature_budget
 from .checkpoint import Checkpoint, tensor_digest
 from .edges import feature_rows, feature_rows_loop, feature_targets, target_row
@@ -117,6 +117,7 @@ def attribute(
         raise ValueError(f"memory_mb must be positive, got {memory_mb}")
     if update_interval < 1:
         raise ValueError(f"update_interval must be >= 1, got {update_interval}")
+    check_fits(clt, model)
     clock = {"start": time.perf_counter(), "ranking": 0.0}
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)

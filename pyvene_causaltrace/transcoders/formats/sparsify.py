@@ -63,7 +63,7 @@ def _read(sub: Path, lazy_decoder: bool) -> tuple[LayerTensors, dict]:
     b_enc = tensors["encoder.bias"]
     if "transcode" not in cfg:  # the input was x - b_dec: fold it into the encoder's bias
         W = tensors["encoder.weight"]
-        b_enc = (b_enc.double() - W.double() @ tensors["b_dec"].double()).to(b_enc.dtype)
+        b_enc = b_enc.double() - W.double() @ tensors["b_dec"].double()  # kept in float64
     layer = LayerTensors(str(weights), W_enc=tensors["encoder.weight"], W_dec=tensors["W_dec"],
                          b_enc=b_enc, b_dec=tensors["b_dec"], W_skip=tensors.get("W_skip"),
                          handles=handles)
