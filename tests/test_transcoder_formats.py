@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 import yaml
-from safetensors.torch import save_file
 from clt_fixtures import random_clt_tensors, write_clt
+from safetensors.torch import save_file
 from transcoder_fixtures import (
     dense_reference,
     random_set,

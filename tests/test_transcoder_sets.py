@@ -4,6 +4,7 @@ pre-soft-cap logit); pairing check and anchor run; Gemma-2's hooks are the Trans
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -249,7 +250,7 @@ def test_export_carries_the_scan_and_user_labels(tmp_path, tokenizer):
         all(n["layer"] == str(layer) and n["node_id"].split("_")[1] == str(feature)
             for n in labelled)
     # JSON tables and bad tables
-    (tmp_path / "labels.json").write_text('{"%d/%d": "city names"}' % (layer, feature))
+    (tmp_path / "labels.json").write_text(json.dumps({f"{layer}/{feature}": "city names"}))
     assert read_labels(tmp_path / "labels.json") == {(layer, feature): "city names"}
     (tmp_path / "bad.csv").write_text("layer,feature\n1,2\n")
     with pytest.raises(ValueError, match="need columns layer, feature and label"):
