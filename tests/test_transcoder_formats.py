@@ -282,3 +282,27 @@ def test_bad_sets_are_refused_with_the_file_named(tmp_path):
         load_transcoder(tmp_path / "empty")
     with pytest.raises(ValueError, match="unknown format"):
         load_transcoder(tmp_path / "empty", format="nope")
+
+
+def test_bad_sae_lens_and_gemmascope_sets(tmp_path):
+    import shutil
+
+    root = write_sae_lens(tmp_path / "sl", random_set(L, D, F))
+    shutil.rmtree(root / "transcoder_layer_1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(TranscoderFormatError, match=r"no transcoder for layer\(s\) \[1\]"):
+            load_transcoder(root)
+        mixed = write_sae_lens(tmp_path / "mixed", random_set(2, D, F))
+        write_sae_lens(tmp_path / "other", random_set(3, D, F), output_hook="mlp.hook_out")
+        shutil.copytree(tmp_path / "other" / "transcoder_layer_2", mixed / "transcoder_layer_2")
+        with pytest.raises(TranscoderFormatError, match="different hooks"):
+            load_transcoder(mixed)
+    gs = write_gemmascope(tmp_path / "gs", random_set(L, D, F))
+    shutil.rmtree(gs / "layer_0")
+    with pytest.raises(TranscoderFormatError, match=r"missing layer_<l> directories .*\[0\]"):
+        load_transcoder(gs, format="gemmascope")
+    npz = gs / "layer_1" / "width_16k" / "average_l0_41" / "params.npz"
+    npz.write_bytes(b"garbage")
+    with pytest.raises(TranscoderFormatError, match="params.npz is not a readable npz"):
+        load_transcoder([npz], format="gemmascope")

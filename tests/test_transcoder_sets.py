@@ -258,3 +258,11 @@ def test_export_carries_the_scan_and_user_labels(tmp_path, tokenizer):
     (tmp_path / "bad2.tsv").write_text("layer\tfeature\tlabel\none\t2\tx\n")
     with pytest.raises(ValueError, match="row 1 has layer 'one'"):
         read_labels(tmp_path / "bad2.tsv")
+
+
+def test_a_hook_the_model_lacks_is_refused_before_anything_runs(tmp_path, tokenizer):
+    model, tc, _ = _set("gemma2", tmp_path, "gemmascope")
+    del model.model.layers[0].post_feedforward_layernorm
+    with pytest.raises(TranscoderMismatchError,
+                       match="'hook_mlp_out' maps to model.layers.0..post_feedforward_layernorm"):
+        attribute(model, tokenizer, tc, PROMPT)
