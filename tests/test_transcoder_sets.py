@@ -72,7 +72,8 @@ def _set(arch, tmp_path, layout):
 
 SETUPS = [("gpt2", "circuit_tracer"), ("gpt2", "sparsify"), ("llama", "sparsify"),
           ("llama", "circuit_tracer_topk"), ("qwen3", "sae_lens"), ("qwen3", "circuit_tracer"),
-          ("gemma2", "gemmascope"), ("gemma2", "circuit_tracer_topk")]
+          ("gemma2", "gemmascope"), ("gemma2", "circuit_tracer_topk"),
+          ("gemma2", "circuit_tracer")]
 
 
 @pytest.mark.parametrize("arch,layout", SETUPS)
