@@ -183,3 +183,29 @@ def test_shipped_clt_spec_runs_with_a_fixture_clt(tmp_path, tokenizer):
     assert error.value.path == "$.interventions[0].clt"
     with pytest.raises(SpecError, match="inside a clt_splice"):
         load_spec(dict(data, interventions=data["interventions"][1:]))
+
+
+def test_fitted_per_layer_sets_pair_and_round_trip(tokenizer, tmp_path):
+    """Per-layer sets fitted like the CLT: both pair with their model, the skip path (linear,
+    from the layer's input) lowers the FVU, and the set round-trips through circuit-tracer's
+    layout exactly."""
+    from pyvene_causaltrace.transcoders import load_transcoder
+
+    model = train_tiny_lm(make_tiny_model("llama", n_layers=L), tokenizer, _facts(1000))
+    texts, held_out = _facts(150), _facts(20, start=1000)
+    plain, _ = fit_clt(model, tokenizer, texts, d_transcoder=128, steps=300, kind="per_layer")
+    skip, _ = fit_clt(model, tokenizer, texts, d_transcoder=128, steps=300, kind="per_layer",
+                      skip=True)
+    assert not plain.cfg.cross_layer and skip.cfg.skip and not plain.cfg.skip
+    assert all(w.shape[1] == 1 for w in plain.W_dec)
+    reports = [check_pairing(tc, model, tokenizer, held_out) for tc in (plain, skip)]
+    assert all(r.paired for r in reports), [r.verdict() for r in reports]
+    assert reports[1].fvu < reports[0].fvu
+    anchor = replacement_anchor(skip, model, tokenizer, held_out)
+    assert anchor.gap_recovered > 0.8, anchor.summary()
+    skip.save_model(tmp_path / "skip")
+    again = load_transcoder(tmp_path / "skip")
+    assert torch.equal(torch.stack(again.W_skip), torch.stack(skip.W_skip))
+    assert check_pairing(again, model, tokenizer, held_out).fvu == reports[1].fvu
+    with pytest.raises(ValueError, match="per-layer set"):
+        fit_clt(model, tokenizer, texts[:2], skip=True)
