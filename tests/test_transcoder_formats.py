@@ -148,7 +148,10 @@ def test_sae_lens_release_is_assembled_through_sae_lens(tmp_path, monkeypatch):
         tc = fmt.load_release("some-release", ids, dtype=torch.float64)
     assert asked == [("some-release", i) for i in ids] and tc.cfg.scan == "some-release"
     _assert_matches(tc, tensors)
+    assert load_transcoder("some-release", format="sae_lens", sae_ids=ids).cfg.skip
     assert "layer_0/width_16k/average_l0_76" in fmt.release_ids("gemma-scope-2b-pt-transcoders")
+    with pytest.raises(TranscoderFormatError, match="not a sae-lens release"):
+        fmt.release_ids("no-such-release")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

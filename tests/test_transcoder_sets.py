@@ -220,6 +220,12 @@ def test_gemma2_attributes_the_pre_softcap_logit(tmp_path, tokenizer):
     assert graph.closure.relative < 1e-4
     assert graph.metadata["logit_softcap"]["cap"] == cap
     assert abs(graph.answer_prob - float(capped[0, -1].softmax(-1)[token])) < 1e-5
+    # the ablation test runs the real, capped model
+    from pyvene_causaltrace.attribution.validate import ablation_test
+
+    result = ablation_test(model, tc, graph, sizes=(3,), draws=2)
+    assert abs(result.clean_prob - graph.answer_prob) < 1e-5
+    assert abs(result.spliced_prob - graph.answer_prob) < 1e-4
     # a failure while the cap is off restores it too
     with pytest.raises(RuntimeError, match="boom"), pre_softcap_logits(model) as off:
         assert off == cap and model.config.final_logit_softcapping is None

@@ -135,11 +135,11 @@ class CLTSplice(_CLTIntervention):
             session.setdefault("inputs", {})[layer] = x
             return base
         recon = clt.b_dec[layer].to(base.dtype).expand_as(base)
-        if clt.W_skip is not None:
-            inputs = session.get("inputs", {})
-            if layer not in inputs:
-                raise RuntimeError(f"the skip path of layer {layer} needs its encoder")
-            recon = recon + clt.skip(inputs[layer], layer).to(base.dtype)
+        inputs = session.get("inputs", {})
+        if layer not in inputs:
+            raise RuntimeError(f"the decoder of layer {layer} needs its encoder, placed before "
+                               "it in the same forward")
+        recon = recon + clt.skip(inputs[layer], layer).to(base.dtype)
         for source_layer in clt.cfg.sources(layer):
             acts = session.get("acts", {}).get(source_layer)
             if acts is None:
@@ -181,9 +181,7 @@ class CLTSplice(_CLTIntervention):
                 leaves["b_dec"] = clt.b_dec.detach().clone().requires_grad_(True)
             return base
         recon = leaves["b_dec"][layer].expand(base.shape)
-        skip = clt.skip(leaves["inputs"][layer], layer)
-        if skip is not None:
-            recon = recon + skip
+        recon = recon + clt.skip(leaves["inputs"][layer], layer)
         for source_layer in clt.cfg.sources(layer):
             writes = leaves["writes"].get(source_layer)
             if writes is not None:

@@ -149,10 +149,11 @@ class Transcoder(nn.Module):
         ids = feature_ids.to(self.W_dec[layer].device)
         return self.W_dec[layer].index_select(0, ids).to(self.device_, self.dtype)
 
-    def skip(self, x: torch.Tensor, layer: int) -> torch.Tensor | None:
-        """The skip path's output ``x @ W_skip[layer].T`` (None without one)."""
+    def skip(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """The skip path's output ``x @ W_skip[layer].T`` (zeros without one)."""
         if self.W_skip is None:
-            return None
+            return torch.zeros(x.shape[:-1] + (self.cfg.d_model,), dtype=self.dtype,
+                               device=x.device)
         return x.to(self.dtype) @ self.W_skip[layer].T
 
     def reconstruct(self, acts: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,7 +164,7 @@ class Transcoder(nn.Module):
             raise ValueError("a transcoder with a skip path reconstructs from its inputs too")
         recon = self.b_dec[:, None, :].expand(n_layers, n_pos, -1).clone()
         for layer in range(n_layers):
-            if self.W_skip is not None:
+            if inputs is not None:
                 recon[layer] += self.skip(inputs[layer], layer)
             pos, fid = acts[layer].nonzero(as_tuple=True)
             if pos.numel() == 0:

@@ -199,12 +199,15 @@ def _assemble(saes: list, origins: list[str], *, scan: str | None, source: str,
 
 def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu", scan: str | None = None,
-         **_ignored) -> Transcoder:
+         sae_ids: list[str] | None = None, **_ignored) -> Transcoder:
     """A per-layer set from sae-lens transcoder directories: ``source`` is a directory holding
-    one per layer (any names; the layer comes from each ``hook_name``), or a list of them. Each
-    is read by ``SAE.load_from_disk``."""
+    one per layer (any names; the layer comes from each ``hook_name``), or a list of them, each
+    read by ``SAE.load_from_disk``; or the name of a sae-lens release (:func:`load_release`,
+    with ``sae_ids``)."""
     from sae_lens import SAE
 
+    if isinstance(source, str) and not Path(source).expanduser().exists():
+        return load_release(source, sae_ids, dtype=dtype, device=device)
     if isinstance(source, list | tuple):
         dirs = [Path(p).expanduser() for p in source]
     else:
