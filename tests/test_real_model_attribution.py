@@ -115,3 +115,33 @@ def test_shipped_attribution_spec_runs_from_the_cli(smollm2, tmp_path, capsys):
     assert ablation["top"]["20"] != ablation["spliced_prob"]
     assert main(["run", str(SPEC_DIR / "attribution_graph.json")]) == 2
     assert "attribute --spec" in capsys.readouterr().err
+
+
+def test_smollm2_with_a_fitted_per_layer_skip_set(smollm2):
+    """A per-layer set with a skip path, fitted briefly to the real model's MLPs: the splice with
+    its error is the model, and a budgeted graph closes (the skip path's edges included)."""
+    from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
+    from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+    from pyvene_causaltrace.transcoders.checks import check_pairing
+    from pyvene_causaltrace.transcoders.fit import fit_clt
+
+    model, tokenizer = smollm2
+    texts = [PROMPT + " Paris", "Trento is located in the country of Italy",
+             "Danish pastry was created in the country of Denmark",
+             "Miles Davis plays the trumpet", "The Space Needle is in the city of Seattle",
+             "Toko Yasuda plays the guitar", "Paris is the capital of France"] * 3
+    tc, stats = fit_clt(model, tokenizer, texts, d_transcoder=64, steps=60, kind="per_layer",
+                        skip=True)
+    assert stats.train_fvu < 1 and tc.cfg.skip
+    assert check_pairing(tc, model, tokenizer, texts[:7]).fvu < 1
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        clean = model(input_ids=ids).logits
+        spliced = intervenable_model_class()(
+            clt_splice_representations(tc, model, add_error=True), model)(
+            base={"input_ids": ids})[1].logits
+    assert (spliced - clean).abs().max() < 1e-4
+    graph = attribute(model, tokenizer, tc, PROMPT, " Paris", max_feature_nodes=150)
+    assert graph.n_features > 150 and graph.n_explored == 150
+    assert graph.closure.relative < 1e-4, graph.closure
+    assert graph.feature_closure() < 1e-4

@@ -252,6 +252,10 @@ def test_export_carries_the_scan_and_user_labels(tmp_path, tokenizer):
     check_graph_json(payload)
     assert payload["metadata"]["scan"] == "org/tiny-plt"
     assert payload["metadata"]["info"]["transcoder"]["skip"] is True
+    features = [n for n in payload["nodes"] if n["feature_type"] == "cross layer transcoder"]
+    # circuit-tracer's Neuronpedia numbering: feature + 10**ceil(log10(48)) * layer
+    assert features and all(n["feature"] == int(n["layer"]) * 100 + int(n["node_id"].split("_")[1])
+                            for n in features)
     labelled = [n for n in payload["nodes"] if n["clerp"] == "city names"]
     assert [(int(n["layer"]), n["node_id"].split("_")[1]) for n in labelled] and \
         all(n["layer"] == str(layer) and n["node_id"].split("_")[1] == str(feature)

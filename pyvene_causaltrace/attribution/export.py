@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -62,8 +63,11 @@ def check_graph_json(payload: dict) -> None:
             raise ValueError(f"link {link['source']} -> {link['target']} names a missing node")
 
 
-def _cantor(x: int, y: int) -> int:
-    return (x + y) * (x + y + 1) // 2 + y
+def feature_index(layer: int, feature: int, d_transcoder: int) -> int:
+    """The node's ``feature`` number as circuit-tracer writes it for Neuronpedia:
+    ``feature + 10**ceil(log10(d_transcoder)) * layer`` (layer 3, feature 17 of 16,384 ->
+    300017), so the viewer finds the feature's page in the graph's ``scan``."""
+    return feature + 10 ** math.ceil(math.log10(max(d_transcoder, 2))) * layer
 
 
 def _clean(token: str) -> str:
@@ -128,6 +132,8 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
                     "(max_links)", pruned.n_edges, max_links)
     touched = set(edge_target.tolist()) | set(edge_source.tolist())
     lay = graph.layout
+    d_transcoder = (graph.metadata.get("transcoder") or {}).get("d_transcoder") \
+        or int(graph.feature_id.max()) + 1 if graph.n_features else 1
     shown = [i for i in pruned.node_mask.nonzero().squeeze(-1).tolist()
              if i >= lay.tokens.start or i in touched]
     ids = {i: node_id(graph, i) for i in shown}
@@ -137,7 +143,7 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         layer, pos, feature, activation = graph.coordinates(i, kind)
         influence = float(pruned.cumulative_scores[i])
         if kind == "feature":
-            nodes.append(_node(ids[i], _cantor(layer, feature), str(layer), pos,
+            nodes.append(_node(ids[i], feature_index(layer, feature, d_transcoder), str(layer), pos,
                                "cross layer transcoder", f"{layer}_{feature}-0",
                                influence=influence, activation=activation,
                                clerp=(labels or {}).get((layer, feature), "")))
