@@ -36,7 +36,7 @@ from .config import TranscoderConfig
 class Transcoder(nn.Module):
     """A transcoder held as buffers (encoder side) and per-layer decoder tensors (resident or
     mmapped). Build one with :func:`~pyvene_causaltrace.transcoders.load_transcoder` (any
-    layout), :meth:`from_pretrained` (mntss CLT layout) or :meth:`from_tensors`."""
+    layout; :meth:`from_pretrained` is the same) or :meth:`from_tensors`."""
 
     def __init__(
         self,
