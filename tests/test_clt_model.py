@@ -11,7 +11,10 @@ from clt_fixtures import random_clt_tensors, write_clt
 from conftest import KNOWN_FACTS, PROMPT, make_tiny_model, train_tiny_lm
 from reference import reload_in_fresh_process
 
-from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
+from pyvene_causaltrace.interventions.clt_splice import (
+    clt_splice_representations,
+    splice_session,
+)
 from pyvene_causaltrace.models import get_adapter, get_module
 from pyvene_causaltrace.pyvene_compat import intervenable_model_class
 from pyvene_causaltrace.transcoders import CLTMismatchError, load_from_disk
@@ -80,7 +83,10 @@ def test_clt_splice_equals_hooks_by_hand(arch, fixture_clt):
                              model)(base={"input_ids": ids})[1].logits
             expected = _spliced_by_hand(model, fixture_clt, ids, from_position)
             torch.testing.assert_close(spliced, expected, atol=1e-5, rtol=1e-5)
-            fired = sum(int((a != 0).sum()) for a in fixture_clt._session["acts"].values())
+            reps = clt_splice_representations(fixture_clt, model, from_position=from_position)
+            runner(reps, model)(base={"input_ids": ids})
+            fired = sum(int((a != 0).sum()) for a in splice_session(reps).acts.values())
+            assert "_session" not in fixture_clt.__dict__
             assert fired > 50  # features really fired, so the decoders were exercised
             assert (spliced - clean).abs().max() > 1e-3
         exact = runner(clt_splice_representations(fixture_clt, model, add_error=True),
@@ -209,3 +215,26 @@ def test_fitted_per_layer_sets_pair_and_round_trip(tokenizer, tmp_path):
     assert check_pairing(again, model, tokenizer, held_out).fvu == reports[1].fvu
     with pytest.raises(ValueError, match="per-layer set"):
         fit_clt(model, tokenizer, texts[:2], skip=True)
+
+
+def test_splice_state_is_a_session_object_and_the_cache_follows_the_files(tmp_path, tokenizer):
+    """The splice's state is the session its caller holds (nothing on the transcoder); a
+    transcoder read by path is read again when its files change."""
+    from pyvene_causaltrace.interventions.clt_splice import SpliceSession, resolve_transcoder
+
+    path = write_clt(tmp_path / "clt", random_clt_tensors(L, D, F, threshold=0.0))
+    first = resolve_transcoder(str(path))
+    assert resolve_transcoder(str(path)) is first
+    model = make_tiny_model("llama", n_layers=L)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    session = SpliceSession()
+    reps = clt_splice_representations(first, model, session=session,
+                                      ablations=[{"clt_layer": 0, "features": [0, 1]}])
+    assert splice_session(reps) is session
+    intervenable_model_class()(reps, model)(base={"input_ids": ids})
+    assert sorted(session.acts) == list(range(L)) and sorted(session.inputs) == list(range(L))
+    assert not session.acts[0][..., :2].any()  # the ablation acted on this session's features
+    assert "_session" not in first.__dict__
+    write_clt(path, random_clt_tensors(L, D, F, seed=7))  # new files at the same path
+    second = resolve_transcoder(str(path))
+    assert second is not first and not torch.equal(second.b_enc, first.b_enc)

@@ -30,7 +30,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..interventions.clt_splice import ActiveFeatures, clt_splice_representations
+from ..interventions.clt_splice import (
+    ActiveFeatures,
+    SpliceSession,
+    clt_splice_representations,
+)
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
 from ..interventions.leaf import GradientLeaf
 from ..models import get_adapter, get_module
@@ -178,7 +182,9 @@ def run_local_replacement(
     if freeze:
         outputs = {clt.cfg.hf_hooks(adapter, layer)["output"] for layer in range(clt.n_layers)}
         reps += _freeze_representations(adapter, model, outputs)
-    reps += clt_splice_representations(clt, model, from_position=from_position, leaves=True)
+    session = SpliceSession()
+    reps += clt_splice_representations(clt, model, from_position=from_position, leaves=True,
+                                       session=session)
 
     constants = constant_parameters(model)
     flags = [(p, p.requires_grad) for p in model.parameters()]
@@ -197,7 +203,8 @@ def run_local_replacement(
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
-    leaves = clt.__dict__["_session"].pop("leaves")
+    leaves = dict(session.leaves)
+    session.clear()
     features = [leaves["features"][layer] for layer in range(clt.n_layers)]
     encoder_rows = torch.cat([clt.encoder_weight(layer)[f.feature]
                               for layer, f in enumerate(features)])

@@ -28,13 +28,20 @@ carries BOS exactly).
 (zero by default) before any decoder reads them. The default ``from_position=1`` never splices
 BOS: no dictionary is trained on the attention sink there, and splicing it wrecks the model.
 
-The interventions refer to their transcoder by its path (``clt.source``), so
-``pv.IntervenableModel.save``/``load`` round-trips them; loading reads it once per process.
+What one splice's interventions share during a forward — each layer's features and inputs,
+and in leaf mode the leaves — is a :class:`SpliceSession`, handed to the caller (pass your own
+with ``session=``, or read ``splice_session(reps)``), never stored on the transcoder. Its
+interventions carry the session's id in their configuration, so a splice loaded by
+``pv.IntervenableModel.load`` finds one session again. They refer to their transcoder by its path
+(``clt.source``); loading reads it once per process and reads it again when its files change.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,22 +49,83 @@ import torch
 from ..transcoders.hooks import norm_settings, normalize
 from .base import CausalTraceIntervention
 
-_CLTS: dict[str, Any] = {}  # source directory -> Transcoder, shared per process
+#: Transcoders read by path, keyed by the files' identity (see :func:`file_identity`).
+_TRANSCODERS: dict[tuple, Any] = {}
 
 
-def _resolve(source: str | None, clt=None):
+def file_identity(source: str) -> tuple:
+    """What identifies a transcoder's files: the resolved path and each file's size and
+    modification time (a directory's files, or a config file and the files beside it); a hub
+    id as it is."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return (source,)
+    root = path if path.is_dir() else path.parent
+    files = sorted(p for p in root.iterdir() if p.is_file())
+    return (str(path.resolve()),
+            *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+def resolve_transcoder(source: str | None, clt=None):
+    """``clt`` itself, or the transcoder at ``source`` (read once per version of its files)."""
     if clt is not None:
         if clt.source is not None:
-            _CLTS.setdefault(clt.source, clt)
+            _TRANSCODERS.setdefault(file_identity(clt.source), clt)
         return clt
     if source is None:
         raise ValueError("clt_splice needs a transcoder (an object, or the path it was loaded "
                          "from)")
-    if source not in _CLTS:
+    key = file_identity(source)
+    if key not in _TRANSCODERS:
         from ..transcoders.formats import load_transcoder
 
-        _CLTS[source] = load_transcoder(source)
-    return _CLTS[source]
+        _TRANSCODERS[key] = load_transcoder(source)
+    return _TRANSCODERS[key]
+
+
+@dataclass(eq=False)
+class SpliceSession:
+    """What one splice's interventions share during a forward: per layer the features
+    (``acts``, after any ``feature_ablate``) and the transcoder's inputs; in leaf mode
+    ``leaves`` — ``features`` (:class:`ActiveFeatures`), ``writes``, ``errors``, ``inputs`` per
+    layer and the ``b_dec`` leaf. The first encoder of a forward clears it."""
+
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    acts: dict[int, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    leaves: dict[str, Any] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.acts.clear()
+        self.inputs.clear()
+        self.leaves.clear()
+
+    def __deepcopy__(self, memo) -> SpliceSession:
+        # pyvene deep-copies its config, which holds the interventions: they must keep sharing
+        # the session their caller holds
+        return self
+
+
+#: Live sessions by id, so interventions rebuilt from a saved configuration share one.
+_SESSIONS: weakref.WeakValueDictionary[str, SpliceSession] = weakref.WeakValueDictionary()
+
+
+def _session_for(session_id: str | None) -> SpliceSession:
+    if session_id is not None and session_id in _SESSIONS:
+        return _SESSIONS[session_id]
+    session = SpliceSession() if session_id is None else SpliceSession(id=session_id)
+    _SESSIONS[session.id] = session
+    return session
+
+
+def splice_session(representations: list[dict]) -> SpliceSession:
+    """The session of the splice in ``representations`` (from
+    :func:`clt_splice_representations`)."""
+    for rep in representations:
+        intervention = rep["intervention"]
+        if isinstance(intervention, _CLTIntervention):
+            return intervention.session
+    raise ValueError("no clt_splice among these representations")
 
 
 @dataclass
@@ -72,23 +140,44 @@ class ActiveFeatures:
     decoder: torch.Tensor
 
 
-def _leaf_session(session: dict) -> dict:
-    return session.setdefault("leaves", {"features": {}, "writes": {}, "errors": {},
-                                         "inputs": {}})
+def _leaf_session(session: SpliceSession) -> dict:
+    if not session.leaves:
+        session.leaves.update({"features": {}, "writes": {}, "errors": {}, "inputs": {}})
+    return session.leaves
 
 
 class _CLTIntervention(CausalTraceIntervention):
     _config_keys: tuple[str, ...] = ()
 
-    def __init__(self, clt=None, **kwargs: Any) -> None:
-        # a plain reference, not a submodule: the CLT must not enter pyvene's state dicts
+    def __init__(self, clt=None, session: SpliceSession | None = None, **kwargs: Any) -> None:
+        # plain references, not submodules: they must not enter pyvene's state dicts
         self.__dict__["_clt_object"] = clt
+        self.__dict__["_session_object"] = session
         own = {k: kwargs.pop(k) for k in self._config_keys if k in kwargs}
         super().__init__(**own, **kwargs)
 
     @property
     def clt(self):
-        return _resolve(self._config.get("source"), self._clt_object)
+        return resolve_transcoder(self._config.get("source"), self._clt_object)
+
+    @property
+    def session(self) -> SpliceSession:
+        """The splice's shared state (found again by id after a pyvene load)."""
+        if self.__dict__["_session_object"] is None:
+            self.__dict__["_session_object"] = _session_for(self._config.get("session"))
+            self._config["session"] = self.__dict__["_session_object"].id
+        return self.__dict__["_session_object"]
+
+    def _session_id(self, session_id: str | None, source: str | None) -> str:
+        """The id of the session given to the constructor, else the saved one, else the
+        transcoder's default session (interventions built one by one share it)."""
+        given = self.__dict__.get("_session_object")
+        if given is not None:
+            _SESSIONS[given.id] = given
+            return given.id
+        if session_id is not None:
+            return session_id
+        return f"default:{source if source is not None else id(self._clt_object)}"
 
     def _source_of(self) -> str | None:
         return self._clt_object.source if self._clt_object is not None else None
@@ -100,11 +189,13 @@ class CLTSplice(_CLTIntervention):
     registered_name = "clt_splice"
     tensor_fields = ("error",)
     _config_keys = ("role", "clt_layer", "from_position", "add_error", "reset", "leaves",
-                    "source", "error", "normalize")
+                    "source", "error", "normalize", "session")
 
     def _setup(self, role: str, clt_layer: int, from_position: int = 1, add_error: bool = False,
                reset: bool = False, leaves: bool = False, source: str | None = None,
-               error: torch.Tensor | None = None, normalize: dict | None = None) -> None:
+               error: torch.Tensor | None = None, normalize: dict | None = None,
+               session: str | None = None) -> None:
+        source = source if source is not None else self._source_of()
         if role not in ("encode", "decode"):
             raise ValueError(f"role must be 'encode' or 'decode', got {role!r}")
         if from_position < 0:
@@ -116,13 +207,14 @@ class CLTSplice(_CLTIntervention):
                         "from_position": int(from_position),
                         "add_error": bool(add_error), "reset": bool(reset),
                         "leaves": bool(leaves),
-                        "source": source if source is not None else self._source_of(),
-                        "normalize": None if normalize is None else dict(normalize)}
+                        "source": source,
+                        "normalize": None if normalize is None else dict(normalize),
+                        "session": self._session_id(session, source)}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         clt, layer = self.clt, self._config["clt_layer"]
         start = self._config["from_position"]
-        session = clt.__dict__.setdefault("_session", {})
+        session = self.session
         if self._config["reset"] and self._config["role"] == "encode":
             session.clear()
         if self._config["leaves"]:
@@ -131,17 +223,17 @@ class CLTSplice(_CLTIntervention):
             x = self._input(base)
             acts = clt.encode(x, layer)
             acts = torch.cat([torch.zeros_like(acts[:, :start]), acts[:, start:]], dim=1)
-            session.setdefault("acts", {})[layer] = acts
-            session.setdefault("inputs", {})[layer] = x
+            session.acts[layer] = acts
+            session.inputs[layer] = x
             return base
         recon = clt.b_dec[layer].to(base.dtype).expand_as(base)
-        inputs = session.get("inputs", {})
+        inputs = session.inputs
         if layer not in inputs:
             raise RuntimeError(f"the decoder of layer {layer} needs its encoder, placed before "
                                "it in the same forward")
         recon = recon + clt.skip(inputs[layer], layer).to(base.dtype)
         for source_layer in clt.cfg.sources(layer):
-            acts = session.get("acts", {}).get(source_layer)
+            acts = session.acts.get(source_layer)
             if acts is None:
                 continue
             active = (acts != 0).reshape(-1, acts.shape[-1]).any(0).nonzero().squeeze(-1)
@@ -223,20 +315,21 @@ class FeatureAblate(_CLTIntervention):
     nothing, leaving b_dec)."""
 
     registered_name = "feature_ablate"
-    _config_keys = ("clt_layer", "features", "positions", "scale", "source")
+    _config_keys = ("clt_layer", "features", "positions", "scale", "source", "session")
 
     def _setup(self, clt_layer: int, features: list[int] | str,
                positions: list[int] | None = None, scale: float = 0.0,
-               source: str | None = None) -> None:
+               source: str | None = None, session: str | None = None) -> None:
+        source = source if source is not None else self._source_of()
         if features != "all":
             features = [int(f) for f in features]
         self._config = {"clt_layer": int(clt_layer), "features": features,
                         "positions": None if positions is None else [int(p) for p in positions],
-                        "scale": float(scale),
-                        "source": source if source is not None else self._source_of()}
+                        "scale": float(scale), "source": source,
+                        "session": self._session_id(session, source)}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
-        session = self.clt.__dict__.setdefault("_session", {}).setdefault("acts", {})
+        session = self.session.acts
         layer = self._config["clt_layer"]
         if layer not in session:
             raise RuntimeError(f"feature_ablate at layer {layer} needs a clt_splice encoder "
@@ -271,13 +364,14 @@ def clean_errors(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
 def clt_splice_representations(
     clt, model, *, layers: list[int] | None = None, from_position: int = 1,
     add_error: bool = False, ablations: list[dict] | None = None, leaves: bool = False,
-    errors: torch.Tensor | None = None,
+    errors: torch.Tensor | None = None, session: SpliceSession | None = None,
 ) -> list[dict]:
     """pyvene representation dicts that splice ``clt`` into ``model`` at ``layers`` (all by
     default), with ``ablations`` (``feature_ablate`` keyword dicts with ``clt_layer``) after
     their layer's encoder; ``leaves=True`` builds the attribution graph's leaf-mode splice
     (always with the error term, see module docstring); ``errors`` (``[L, 1, P, D]``, from
-    :func:`clean_errors`) fixes each decoder's error term."""
+    :func:`clean_errors`) fixes each decoder's error term. The interventions share ``session``
+    (a new :class:`SpliceSession` by default; :func:`splice_session` finds it)."""
     if leaves and ablations:
         raise ValueError("a leaf-mode splice does not take ablations")
     from ..models import get_adapter
@@ -285,21 +379,25 @@ def clt_splice_representations(
 
     check_fits(clt, model)
     adapter = get_adapter(model)
+    session = SpliceSession() if session is None else session
     layers = list(range(clt.n_layers)) if layers is None else sorted(layers)
     out = []
     for index, layer in enumerate(layers):
         hooks = clt.cfg.hf_hooks(adapter, layer)
         out.append({"component": hooks["input"], "intervention": CLTSplice(
-            clt=clt, role="encode", clt_layer=layer, from_position=from_position,
+            clt=clt, session=session, role="encode", clt_layer=layer,
+            from_position=from_position,
             add_error=add_error or leaves, reset=index == 0, leaves=leaves,
             normalize=norm_settings(model, clt.cfg.feature_input_hook, layer))})
         for ablation in ablations or []:
             if ablation["clt_layer"] == layer:
                 out.append({"component": hooks["input"],
-                            "intervention": FeatureAblate(clt=clt, **ablation)})
+                            "intervention": FeatureAblate(clt=clt, session=session,
+                                                          **ablation)})
     for layer in layers:
         out.append({"component": clt.cfg.hf_hooks(adapter, layer)["output"],
-                    "intervention": CLTSplice(clt=clt, role="decode", clt_layer=layer,
+                    "intervention": CLTSplice(clt=clt, session=session, role="decode",
+                                              clt_layer=layer,
                                               from_position=from_position,
                                               add_error=add_error or leaves, leaves=leaves,
                                               error=None if errors is None else errors[layer])})

@@ -180,11 +180,11 @@ def _make(site: _Site, donors: dict[str, dict[str, torch.Tensor]]):
 
 
 def _clt_splice(spec: ExperimentSpec, item, model, index: int) -> list[tuple[str, Any]]:
-    from ..interventions.clt_splice import _resolve, clt_splice_representations
+    from ..interventions.clt_splice import clt_splice_representations, resolve_transcoder
 
     path = f"$.interventions[{index}]"
     try:
-        clt = _resolve(item.get("clt"))
+        clt = resolve_transcoder(item.get("clt"))
     except (OSError, ValueError) as error:
         raise SpecError(path + ".clt", str(error)) from None
     layers = resolve_layers(item.get("layers", "all"), clt.n_layers, path + ".layers")
