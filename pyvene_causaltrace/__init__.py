@@ -11,52 +11,30 @@ changes nothing but this package's own registry.
 
 from __future__ import annotations
 
-from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+
+from ._lazy import lazy_exports
 
 try:
     __version__ = version("pyvene-causaltrace")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
-_EXPORTS = {
+#: The verbs and result types most work needs; everything else lives in the subpackages
+#: (``tracing``, ``dataset``, ``attribution``, ``transcoders``, ``interventions``, ``specs``,
+#: ``models``, ``pyvene_compat``).
+__getattr__, __all__ = lazy_exports(__name__, {
     "load_model": ".models",
-    "get_adapter": ".models",
-    "ADAPTERS": ".models",
-    "UnsupportedModelError": ".models",
-    "load_spec": ".specs",
-    "save_spec": ".specs",
-    "validate_spec": ".specs",
-    "SpecError": ".specs",
-    "ExperimentSpec": ".specs",
     "trace": ".tracing.trace",
     "Tracer": ".tracing.trace",
     "TraceResult": ".tracing.results",
+    "trace_dataset": ".dataset.run",
+    "load_spec": ".specs",
     "run_spec": ".tracing.run",
-    "build_intervenable": ".tracing.run",
-    "build_interventions": ".tracing.run",
-    "to_pv_config": ".tracing.run",
-    "Transcoder": ".transcoders",
-    "CrossLayerTranscoder": ".transcoders",
-    "load_transcoder": ".transcoders",
-    "attribute": ".attribution",
-    "AttributionGraph": ".attribution",
+    "SpecError": ".specs",
+    "attribute": ".attribution.attribute",
+    "AttributionGraph": ".attribution.graph",
+    "load_transcoder": ".transcoders.formats",
     "register_intervention": ".interventions",
-    "get_intervention": ".interventions",
-    "list_interventions": ".interventions",
     "IntervenableModel": ".pyvene_compat",
-    "preserve_hooks": ".pyvene_compat",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if name == "IntervenableModel":
-        from .pyvene_compat import intervenable_model_class
-
-        return intervenable_model_class()
-    return getattr(import_module(_EXPORTS[name], __name__), name)
+})

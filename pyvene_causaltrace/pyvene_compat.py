@@ -148,3 +148,9 @@ def intervenable_model_class():
     if _intervenable_class is None:
         _intervenable_class = _make_intervenable_class()
     return _intervenable_class
+
+
+def __getattr__(name: str):
+    if name == "IntervenableModel":  # built on first use: it subclasses pyvene's
+        return intervenable_model_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

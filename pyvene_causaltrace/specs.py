@@ -114,6 +114,11 @@ def validate_spec(data: Any) -> None:
     """Raise :class:`SpecError` for the first problem in ``data``, naming its JSON path."""
     import jsonschema
 
+    items = data.get("interventions") if isinstance(data, dict) else None
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        if isinstance(item, dict) and isinstance(item.get("type"), str):
+            _check_type(item["type"], f"$.interventions[{i}].type")  # before the schema's
+            # branches, which would misread a typo as a third-party type missing its fields
     validator = jsonschema.Draft202012Validator(spec_schema())
     errors = sorted(validator.iter_errors(data), key=lambda e: -len(e.absolute_path))
     if errors:
@@ -146,6 +151,32 @@ def validate_spec(data: Any) -> None:
     uses_subject = _mentions_subject(data["interventions"])
     if uses_subject and "subject" not in data:
         raise SpecError("$.subject", f"required by the position name {uses_subject!r}")
+
+
+#: Registered types that a spec cannot hold, and why.
+SPECLESS = {
+    "frozen_attention": "frozen_attention is part of the attribution method's local replacement "
+                        "model; use an 'attribution' block (or the Python API)",
+    "gradient_leaf": "gradient_leaf is part of the attribution method's local replacement "
+                     "model; use an 'attribution' block (or the Python API)",
+}
+
+
+def _check_type(kind: str, path: str) -> None:
+    """Refuse a type no spec can hold, or one nobody registered (naming the closest)."""
+    import difflib
+
+    from .interventions import list_interventions
+
+    if kind in SPECLESS:
+        raise SpecError(path, SPECLESS[kind])
+    known = list_interventions()
+    if kind not in known:
+        close = difflib.get_close_matches(kind, known, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise SpecError(path, f"unknown intervention type {kind!r}; {hint}registered: "
+                              f"{', '.join(known)} (a plugin registers its types when imported "
+                              "or through the 'pyvene_causaltrace.interventions' entry point)")
 
 
 def _most_specific(error):

@@ -18,6 +18,7 @@ from pyvene_causaltrace.specs import (
     load_spec,
     save_spec,
     spec_schema,
+    validate_spec,
 )
 from pyvene_causaltrace.tracing.run import build_intervenable, run_spec, to_pv_config
 
@@ -259,3 +260,25 @@ def test_subject_span_with_a_sentencepiece_style_tokenizer():
         assert inside == subject.replace(" ", ""), (subject, inside)
         assert all(offsets[i][1] <= start or offsets[i][0] >= stop or not text(i)
                    for i in range(len(offsets)) if not span[0] <= i < span[1])
+
+
+def test_validate_refuses_typos_specless_types_and_missing_modules(tokenizer):
+    """A misspelt type is refused by validate with the closest registered names; types that only
+    the attribution method builds are refused with the reason; a raw module path the model lacks
+    is a SpecError at its entry's path, not an AttributeError."""
+    typo = with_change(["interventions"], [{"type": "clean_restor", "positions": "last",
+                                            "layers": [0], "params": {}}])
+    with pytest.raises(SpecError, match=r"\$\.interventions\[0\]\.type.*did you mean "
+                                        r"'clean_restore'"):
+        validate_spec(typo)
+    for kind in ("frozen_attention", "gradient_leaf"):
+        spec = with_change(["interventions"], [{"type": kind, "params": {}}])
+        with pytest.raises(SpecError, match=f"{kind} is part of the attribution method"):
+            validate_spec(spec)
+    model = make_tiny_model("llama")
+    wrong = with_change(["interventions"], [
+        {"type": "clean_restore", "component": "model.layers[{layer}].mlpp.output",
+         "layers": [0], "positions": "last"}])
+    with pytest.raises(SpecError, match=r"\$\.interventions\[0\]\.component.*llama has no "
+                                        r"module 'model.layers\[0\].mlpp'"):
+        build_intervenable(wrong, model, tokenizer)

@@ -6,20 +6,12 @@ resumable runs and sharding.
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from .._lazy import lazy_exports
 
-_EXPORTS = {
+__getattr__, __all__ = lazy_exports(__name__, {
     "FactRecord": ".records", "RecordError": ".records", "read_records": ".records",
     "TASKS": ".tasks", "get_task": ".tasks", "DatasetResult": ".results",
     "trace_dataset": ".run", "trace_dataset_distributed": ".run", "merge_shards": ".run",
     "load_dataset_result": ".run", "aggregate_rows": ".aggregate",
     "role_curves": ".aggregate", "bootstrap_interval": ".aggregate",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name], __name__), name)
+})

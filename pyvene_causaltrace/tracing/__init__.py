@@ -5,19 +5,11 @@
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from .._lazy import lazy_exports
 
-_EXPORTS = {
+__getattr__, __all__ = lazy_exports(__name__, {
     "Tracer": ".trace", "trace": ".trace", "tracer_from_spec": ".trace",
     "ControlReport": ".trace", "TraceResult": ".results", "SpecRunResult": ".results",
     "KINDS": ".engine", "TraceEngine": ".engine", "sweep_noise_scale": ".noise_scale",
     "NoiseScaleSweep": ".noise_scale", "token_role": ".roles", "ROLES": ".roles",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(_EXPORTS[name], __name__), name)
+})

@@ -28,7 +28,7 @@ from ..interventions.frozen import FrozenLayerNorm
 from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore, window_layers
 from ..locations import component_layers, component_path, resolve_layers, resolve_positions
-from ..models import get_adapter
+from ..models import get_adapter, get_module
 from ..prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
 from ..pyvene_compat import import_pyvene, intervenable_model_class
 from ..specs import ExperimentSpec, InterventionSpec, SpecError, load_spec
@@ -98,6 +98,7 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
     prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence or 0)
     ids = prompt.input_ids.to(_device(model))
     sites = _sites(spec, prompt, adapter, adapter.n_layers(model))
+    _check_modules(spec, sites, model)
 
     # One clean forward gives the clean probabilities and every clean donor.
     box: dict[str, torch.Tensor] = {}
@@ -143,6 +144,23 @@ def _sites(spec: ExperimentSpec, prompt, adapter, n_layers: int) -> list[_Site]:
         sites.extend(_Site(item, layer, component_path(component, layer, adapter), positions)
                      for layer in layers)
     return sites
+
+
+def _check_modules(spec: ExperimentSpec, sites: list[_Site], model: nn.Module) -> None:
+    """A site whose module the model lacks is a :class:`SpecError` at its entry's path."""
+    for site in sites:
+        module_path, _, kind = site.component.rpartition(".")
+        try:
+            get_module(model, module_path)
+        except (AttributeError, IndexError, TypeError):
+            index = next(i for i, item in enumerate(spec.interventions) if item is site.item)
+            raise SpecError(f"$.interventions[{index}].component",
+                            f"{model.config.model_type} has no module {module_path!r} "
+                            f"(from {site.item.get('component')!r})") from None
+        if kind not in ("input", "output"):
+            index = next(i for i, item in enumerate(spec.interventions) if item is site.item)
+            raise SpecError(f"$.interventions[{index}].component",
+                            f"{site.component!r} must end in .output or .input")
 
 
 def _noise(spec: ExperimentSpec, prompt, adapter, model, tokenizer):
