@@ -133,8 +133,28 @@ class UnsupportedModelError(ValueError):
     """The model's architecture has no adapter."""
 
 
+class PyveneModelError(TypeError):
+    """A ``pv.IntervenableModel`` was passed where the model it wraps belongs."""
+
+
+def check_not_intervenable(model: object) -> None:
+    """Refuse a pyvene ``IntervenableModel``: our calls build their own around the plain model,
+    so the interventions it holds would silently not run. The message says what to pass."""
+    if type(model).__module__.startswith("pyvene.") and hasattr(model, "interventions"):
+        inner = type(getattr(model, "model", None)).__name__
+        raise PyveneModelError(
+            f"this is a pyvene IntervenableModel around a {inner} holding "
+            f"{len(model.interventions)} intervention(s) of its own; pass the model itself "
+            "(pv_model.model). Our calls build their own IntervenableModel, and yours would "
+            "not run inside them: to combine your interventions with ours, add ours to your "
+            "config (every registered type is a pyvene intervention; see build_interventions "
+            "and to_pv_config).")
+
+
 def get_adapter(model_or_type: nn.Module | str) -> ArchAdapter:
     """The adapter for a model (or a ``config.model_type`` string)."""
+    if not isinstance(model_or_type, str):
+        check_not_intervenable(model_or_type)
     model_type = (
         model_or_type if isinstance(model_or_type, str) else model_or_type.config.model_type
     )
