@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from .defaults import DATASET_SEEDS, NOISE_SCALE, TRACE_SEEDS, WINDOW
+
 EIFFEL = {
     "prompt": "The Eiffel Tower is in the city of",
     "subject": "The Eiffel Tower",
@@ -50,12 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--kind", default="residual",
                        help="residual|mlp|attn|severed-mlp|severed-attn, or several, "
                             "comma-separated (they share the clean and corrupted runs)")
-    trace.add_argument("--seeds", type=int, default=10)
+    trace.add_argument("--seeds", type=int, default=TRACE_SEEDS)
     trace.add_argument("--scale", default="auto",
                        help="noise in units of sigma, or 'auto' (smallest scale whose worst "
                             "seed leaves P(answer) below 5%% of clean)")
     trace.add_argument("--sigma", default="rome", help="rome | embedding_matrix | a number")
-    trace.add_argument("--window", type=int, default=10)
+    trace.add_argument("--window", type=int, default=WINDOW)
     trace.add_argument("--budget-mb", type=float, default=2048.0,
                        help="memory budget for one batch of rows")
     trace.add_argument("--controls", action="store_true",
@@ -93,10 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     data.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
     data.add_argument("--limit", type=int, default=None, help="facts to trace (after the screen)")
     data.add_argument("--kinds", default="residual,mlp,attn")
-    data.add_argument("--seeds", type=int, default=3)
-    data.add_argument("--scale", type=float, default=3.0, help="noise in units of sigma")
+    data.add_argument("--seeds", type=int, default=DATASET_SEEDS)
+    data.add_argument("--scale", type=float, default=NOISE_SCALE,
+                      help="noise in units of sigma")
     data.add_argument("--sigma", default="rome", help="rome | embedding_matrix | a number")
-    data.add_argument("--window", type=int, default=10)
+    data.add_argument("--window", type=int, default=WINDOW)
     data.add_argument("--known", default=None, choices=("argmax", "none"),
                       help="argmax: trace only facts whose clean prediction is the target "
                            "(default; a built-in task may default to none)")
@@ -189,7 +192,7 @@ def _trace_spec(path: Path, model_name: str | None, out: Path | None, budget_mb:
     spec = load_spec(path)
     model, tokenizer = load_model(model_name or spec.model or OFFLINE_DEFAULT)
     tracer = tracer_from_spec(spec, model, tokenizer, memory_budget_mb=budget_mb)
-    return _report_traces(tracer, [spec.trace["kind"]], spec.trace.get("window", 10), out,
+    return _report_traces(tracer, [spec.trace["kind"]], spec.trace.get("window", WINDOW), out,
                           controls)
 
 

@@ -166,6 +166,12 @@ def get_adapter(model_or_type: nn.Module | str) -> ArchAdapter:
         ) from None
 
 
+def model_name(model: nn.Module) -> str:
+    """What results and specs name a model by: what :func:`load_model` was given, else the
+    checkpoint's ``_name_or_path`` ("" if neither)."""
+    return getattr(model, "pvct_source", None) or getattr(model.config, "_name_or_path", "") or ""
+
+
 def get_module(model: nn.Module, path: str) -> nn.Module:
     """Resolve a pyvene-style path such as ``"model.layers[3].mlp"``."""
     module = model

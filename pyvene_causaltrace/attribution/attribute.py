@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..models import model_name
 from ..prompts import answer_token_id
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, batch_size_for, check_forward_fits, feature_budget
@@ -185,8 +186,7 @@ def attribute(
         n_layers=run.n_layers, feature_layer=run.feature_layer.cpu(),
         feature_position=run.feature_position.cpu(), feature_id=run.feature_id.cpu(),
         activation=run.activation.float().cpu(), rows=store, closure=closure,
-        metadata={"model": getattr(model, "pvct_source", None)
-                  or getattr(model.config, "_name_or_path", ""),
+        metadata={"model": model_name(model),
                   "clt": clt.source or clt.cfg.model_name,
                   "transcoder": transcoder_metadata(clt), "frozen": freeze,
                   "logit_softcap": None if cap is None else {

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..defaults import DATASET_SEEDS, NOISE_SCALE, WINDOW
+from ..models import model_name
 from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..tracing.engine import get_kind
 from ..tracing.noise_scale import resolve_sigma, rome_sigma
@@ -120,10 +122,10 @@ def trace_dataset(
     *,
     out: str | Path | None = None,
     kinds: Sequence[str] = ("residual", "mlp", "attn"),
-    seeds: int | Sequence[int] = 3,
-    scale: float = 3.0,
+    seeds: int | Sequence[int] = DATASET_SEEDS,
+    scale: float = NOISE_SCALE,
     sigma: str | float = "rome",
-    window: int = 10,
+    window: int = WINDOW,
     known: str = "argmax",
     limit: int | None = None,
     memory_budget_mb: float = 2048.0,
@@ -155,7 +157,7 @@ def trace_dataset(
         raise ValueError(f"shard rank {rank} outside world size {world}")
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pvct-dataset-"))
     manifest = {
-        "model": getattr(model, "pvct_source", None) or model.config._name_or_path,
+        "model": model_name(model),
         "records": _records_digest(records), "n_records": len(records), "kinds": kinds,
         "seeds": seeds, "scale": float(scale), "sigma": sigma, "window": window,
         "known": known, "limit": limit, "shard": [rank, world],

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..defaults import NOISE_SCALE
 from .base import CausalTraceIntervention, fit_mask, positions_to_mask, rows_for
 
 DISTRIBUTIONS = ("gaussian", "uniform")
@@ -60,7 +61,7 @@ class NoiseAdd(CausalTraceIntervention):
         self,
         seeds: int | Sequence[int] | torch.Tensor | None = None,
         positions: Any = None,
-        scale: float = 3.0,
+        scale: float = NOISE_SCALE,
         sigma: float = 1.0,
         distribution: str = "gaussian",
         offset: int = 0,
@@ -72,7 +73,7 @@ class NoiseAdd(CausalTraceIntervention):
         )
         super().__init__(**own, **pyvene_kwargs)
 
-    def _setup(self, seeds, positions, scale=3.0, sigma=1.0, distribution="gaussian",
+    def _setup(self, seeds, positions, scale=NOISE_SCALE, sigma=1.0, distribution="gaussian",
                offset=0) -> None:
         if distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")

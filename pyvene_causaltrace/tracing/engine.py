@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..capture import capture
+from ..defaults import WINDOW
 from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore, window_layers
 from ..models import get_adapter
@@ -161,7 +162,7 @@ class TraceEngine:
         kind: TraceKind,
         cells: Sequence[tuple[int, int]],
         *,
-        window: int = 10,
+        window: int = WINDOW,
         donor: str = "clean",
         progress: Callable[[int], None] | None = None,
     ) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..capture import capture
+from ..defaults import NOISE_SCALE
 from ..interventions import get_intervention
 from ..interventions.frozen import FrozenLayerNorm
 from ..interventions.noise import NoiseAdd
@@ -175,7 +176,7 @@ def _noise(spec: ExperimentSpec, prompt, adapter, model, tokenizer):
         _, sigma = resolve_sigma(item.get("sigma", "rome"), model, tokenizer, spec.subject)
     except ValueError as error:
         raise SpecError(path + ".sigma", str(error)) from None
-    scale = float(item.get("scale", 3.0))
+    scale = float(item.get("scale", NOISE_SCALE))
     positions = resolve_positions(item.get("positions", "subject"), prompt, path + ".positions")
     noise = NoiseAdd(seeds=seeds, positions=positions, scale=scale, sigma=sigma,
                      distribution=item.get("distribution", "gaussian"))

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
+from ..models import model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
 from .noise_scale import DEFAULT_SCALES, NoiseScaleSweep, resolve_sigma, sweep_noise_scale
@@ -85,8 +87,8 @@ class Tracer:
         subject: str,
         *,
         answer: str | None = None,
-        seeds: int | Sequence[int] = 10,
-        scale: float | str = 3.0,
+        seeds: int | Sequence[int] = TRACE_SEEDS,
+        scale: float | str = NOISE_SCALE,
         sigma: str | float = "rome",
         occurrence: int = 0,
         distribution: str = "gaussian",
@@ -145,7 +147,7 @@ class Tracer:
         return [(layer, pos) for layer in range(self.engine.n_layers)
                 for pos in range(self.prompt.seq_len)]
 
-    def trace(self, kind: str = "residual", *, window: int = 10,
+    def trace(self, kind: str = "residual", *, window: int = WINDOW,
               progress: Callable[[int], None] | None = None) -> TraceResult:
         """Every (layer, position) cell of ``kind``, for every seed."""
         trace_kind = get_kind(kind)
@@ -165,10 +167,9 @@ class Tracer:
             restored_probs=restored, spec=self.spec(kind, window),
         )
 
-    def spec(self, kind: str, window: int = 10) -> dict:
+    def spec(self, kind: str, window: int = WINDOW) -> dict:
         """The JSON spec that reproduces ``trace(kind)`` (see ``intervention_specs/``)."""
-        model = getattr(self.model, "pvct_source", None) or getattr(
-            self.model.config, "_name_or_path", None)
+        model = model_name(self.model)
         sigma = self.sigma if self.sigma_method == "given" else self.sigma_method
         spec = {"schema_version": 1}
         if model:
@@ -182,7 +183,7 @@ class Tracer:
         spec["trace"] = {"kind": kind, "window": window}
         return spec
 
-    def controls(self, *, window: int = 10, tolerance: float = 1e-5) -> ControlReport:
+    def controls(self, *, window: int = WINDOW, tolerance: float = 1e-5) -> ControlReport:
         """Run the two controls that can fail (see :class:`ControlReport`)."""
         residual = KINDS["residual"]
         cells = self.cells()
@@ -200,7 +201,7 @@ class Tracer:
 
 
 def trace(model: nn.Module, tokenizer, prompt: str, subject: str, *, kind: str = "residual",
-          window: int = 10, **options) -> TraceResult:
+          window: int = WINDOW, **options) -> TraceResult:
     """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments."""
     get_kind(kind)
     if window <= 0:
@@ -225,6 +226,6 @@ def tracer_from_spec(spec, model: nn.Module, tokenizer, **options) -> Tracer:
                         f"a trace noises the subject; got {positions!r}")
     return Tracer(
         model, tokenizer, spec.prompt, spec.subject, answer=spec.answer,
-        seeds=noise.get("seeds"), scale=noise.get("scale", 3.0),
+        seeds=noise.get("seeds"), scale=noise.get("scale", NOISE_SCALE),
         sigma=noise.get("sigma", "rome"), occurrence=spec.subject_occurrence or 0,
         distribution=noise.get("distribution", "gaussian"), **options)

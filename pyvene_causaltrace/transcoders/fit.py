@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..models import model_name as name_of
 from .checks import hook_states
 from .transcoder import Transcoder
 
@@ -192,7 +193,7 @@ def fit_clt(
     with torch.no_grad():
         _, _, recon = forward(x)
         fvu = float(((recon - y).pow(2).sum((0, 2)) / (y - y.mean(0)).pow(2).sum((0, 2))).mean())
-    name = model_name or getattr(model, "pvct_source", None) or model.config._name_or_path
+    name = model_name or name_of(model)
     threshold = (log_theta.detach().exp() if activation == "jumprelu"
                  else torch.zeros(n_layers, d_transcoder))
     clt = Transcoder.from_tensors(

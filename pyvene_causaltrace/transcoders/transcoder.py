@@ -226,7 +226,7 @@ def check_fits(transcoder: Transcoder, model: nn.Module) -> None:
     agree by accident: run the pairing check)."""
     import warnings
 
-    from ..models import get_adapter, get_module
+    from ..models import get_adapter, get_module, model_name
 
     adapter = get_adapter(model)
     n_layers, d_model = adapter.n_layers(model), adapter.hidden_size(model)
@@ -243,7 +243,7 @@ def check_fits(transcoder: Transcoder, model: nn.Module) -> None:
             raise TranscoderMismatchError(
                 f"the transcoder's {role} hook {getattr(cfg, f'feature_{role}_hook')!r} maps to "
                 f"{path}, which {model.config.model_type} does not have") from None
-    name = getattr(model, "pvct_source", None) or getattr(model.config, "_name_or_path", "")
+    name = model_name(model)
     if cfg.model_name and name and cfg.model_name not in (name, name.split("/")[-1]):
         warnings.warn(f"the transcoder was made for {cfg.model_name!r}, the model is {name!r}; "
                       "run check_pairing before trusting it", stacklevel=2)
