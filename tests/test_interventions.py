@@ -249,3 +249,13 @@ def test_frozen_layernorm_refuses_gathered_positions():
     with pytest.raises(ValueError, match="unit_locations=None"):
         pv_model(base={"input_ids": torch.ones(1, 4, dtype=torch.long)},
                  unit_locations={"base": [[[1]]]})
+
+
+def test_seed_list_is_the_one_seed_rule():
+    """Traces, specs and dataset runs read seeds through one function."""
+    from pyvene_causaltrace.interventions.noise import seed_list
+
+    assert seed_list(3) == [0, 1, 2] and seed_list([5, 2]) == [5, 2]
+    for bad, message in ((0, "positive count"), ([], "non-empty"), ([1, 1], "repeat")):
+        with pytest.raises(ValueError, match=message):
+            seed_list(bad)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..defaults import DATASET_SEEDS, NOISE_SCALE, WINDOW
+from ..interventions.noise import seed_list
 from ..models import model_name
 from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..tracing.engine import get_kind
@@ -145,9 +146,7 @@ def trace_dataset(
         get_kind(kind)
     if known not in KNOWN_RULES:
         raise ValueError(f"known must be one of {KNOWN_RULES}, got {known!r}")
-    seeds = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds must be a positive count or distinct integers, got {seeds}")
+    seeds = seed_list(seeds)
     if not isinstance(scale, (int, float)) or scale <= 0:
         raise ValueError(f"a dataset run needs one fixed positive noise scale, got {scale!r}")
     if limit is not None and limit <= 0:

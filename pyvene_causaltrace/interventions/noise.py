@@ -39,6 +39,20 @@ def noise_recipe(
     return draw * scale * sigma
 
 
+def seed_list(seeds: int | Sequence[int]) -> list[int]:
+    """Seeds as distinct integers: a count ``n`` is ``0..n-1``; a list is kept in order."""
+    if isinstance(seeds, int):
+        if seeds <= 0:
+            raise ValueError(f"seeds must be a positive count or a non-empty list, got {seeds}")
+        return list(range(seeds))
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise ValueError("seeds must be a positive count or a non-empty list")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds repeat: {seeds}")
+    return seeds
+
+
 class NoiseAdd(CausalTraceIntervention):
     """Add :func:`noise_recipe` noise; row ``r`` uses ``seeds[r]`` at its own positions.
 

@@ -26,7 +26,7 @@ from ..capture import capture
 from ..defaults import NOISE_SCALE
 from ..interventions import get_intervention
 from ..interventions.frozen import FrozenLayerNorm
-from ..interventions.noise import NoiseAdd
+from ..interventions.noise import NoiseAdd, seed_list
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore, window_layers
 from ..locations import component_layers, component_path, resolve_layers, resolve_positions
 from ..models import get_adapter, get_module
@@ -170,8 +170,10 @@ def _noise(spec: ExperimentSpec, prompt, adapter, model, tokenizer):
     if item is None:
         return None, None, None, None
     path = f"$.interventions[{spec.interventions.index(item)}]"
-    seeds = item.get("seeds")
-    seeds = list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+    try:
+        seeds = seed_list(item.get("seeds"))
+    except (TypeError, ValueError) as error:
+        raise SpecError(path + ".seeds", str(error)) from None
     try:
         _, sigma = resolve_sigma(item.get("sigma", "rome"), model, tokenizer, spec.subject)
     except ValueError as error:

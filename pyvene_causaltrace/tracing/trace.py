@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
+from ..interventions.noise import seed_list
 from ..models import model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
@@ -96,15 +97,7 @@ class Tracer:
         reuse_prefix: bool = True,
         scales: Sequence[float] = DEFAULT_SCALES,
     ) -> None:
-        if isinstance(seeds, int):
-            if seeds <= 0:
-                raise ValueError(f"seeds must be a positive count or a non-empty list, got {seeds}")
-            seeds = list(range(seeds))
-        seeds = [int(s) for s in seeds]
-        if not seeds:
-            raise ValueError("seeds must be a positive count or a non-empty list")
-        if len(set(seeds)) != len(seeds):
-            raise ValueError(f"seeds repeat: {seeds}")
+        seeds = seed_list(seeds)
         self.model, self.tokenizer = model, tokenizer
         self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
         self.seeds = seeds
