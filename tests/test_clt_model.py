@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import KNOWN_FACTS, PROMPT, make_tiny_model, train_tiny_lm
+from conftest import PROMPT, known_facts, make_tiny_model, train_tiny_lm
 from reference import reload_in_fresh_process
 
 from pyvene_causaltrace.interventions.clt_splice import (
@@ -25,7 +25,7 @@ L, D, F = 3, 32, 48
 
 
 def _facts(n: int, start: int = 0) -> list[str]:
-    facts = json.loads(KNOWN_FACTS.read_text())
+    facts = json.loads(known_facts().read_text())
     return [f"{f['prompt']} {f['attribute']}" for f in facts[start:start + n]]
 
 

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import KNOWN_FACTS, make_tiny_model
+from conftest import known_facts, make_tiny_model
 
 from pyvene_causaltrace.dataset import (
     TASKS,
@@ -111,7 +111,7 @@ def test_bootstrap_interval_brackets_the_mean_and_ignores_missing():
 # ------------------------------------------------------------------------------ records
 
 def test_known_1000_reads_without_errors():
-    records, errors = read_records(KNOWN_FACTS)
+    records, errors = read_records(known_facts())
     assert len(records) == 1209 and not errors
     first = records[0]
     assert (first.id, first.subject, first.target) == ("0", "Vinson Massif", " Antarctica")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import KNOWN_FACTS
+from conftest import known_facts
 
 from pyvene_causaltrace.dataset import TASKS, read_records, trace_dataset
 
@@ -18,7 +18,7 @@ def _last_token_last_layer(result, kind="residual"):
 
 def test_known_facts_screen_and_trace(smollm2, tmp_path):
     model, tokenizer = smollm2
-    records, _ = read_records(KNOWN_FACTS)
+    records, _ = read_records(known_facts())
     result = trace_dataset(model, tokenizer, records, out=tmp_path, limit=3,
                            kinds=["residual"], seeds=2, progress=False, n_boot=200)
     screen = [json.loads(line) for line in (tmp_path / "screen.jsonl").open()]
