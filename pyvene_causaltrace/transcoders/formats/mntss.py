@@ -28,10 +28,6 @@ from .common import (
     shapes_of,
 )
 
-CLTFormatError = TranscoderFormatError
-_open = open_safetensors
-_shapes = shapes_of
-
 
 def is_layout(path: Path) -> bool:
     """A directory with an mntss ``config.yaml`` and per-layer encoder files."""
@@ -45,30 +41,30 @@ def read_config(path: str | Path) -> TranscoderConfig:
     root = Path(path)
     config_file = root / "config.yaml"
     if not config_file.exists():
-        raise CLTFormatError(f"{root} has no config.yaml: not a CLT directory")
+        raise TranscoderFormatError(f"{root} has no config.yaml: not a CLT directory")
     meta = yaml.safe_load(config_file.read_text()) or {}
     missing = [key for key in YAML_KEYS if key not in meta]
     if missing:
-        raise CLTFormatError(f"{config_file} lacks {', '.join(missing)}")
+        raise TranscoderFormatError(f"{config_file} lacks {', '.join(missing)}")
     if meta["model_kind"] != CROSS_LAYER:
-        raise CLTFormatError(f"{config_file}: model_kind is {meta['model_kind']!r}, "
+        raise TranscoderFormatError(f"{config_file}: model_kind is {meta['model_kind']!r}, "
                              f"expected {CROSS_LAYER!r}")
     layers = sorted(int(p.stem.split("_")[-1]) for p in root.glob("W_enc_*.safetensors"))
     if not layers or layers != list(range(len(layers))):
-        raise CLTFormatError(f"{root}: encoder files for layers {layers}; expected 0..L-1")
+        raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected 0..L-1")
     n_layers = len(layers)
     d_transcoder = d_model = None
     disk_dtype = None
     thresholds = None
     for layer in range(n_layers):
-        enc = _open(root / f"W_enc_{layer}.safetensors")
-        shapes = _shapes(enc)
+        enc = open_safetensors(root / f"W_enc_{layer}.safetensors")
+        shapes = shapes_of(enc)
         if thresholds is None:
             thresholds = f"threshold_{layer}" in shapes
         expected = {f"W_enc_{layer}", f"b_enc_{layer}", f"b_dec_{layer}"} \
             | ({f"threshold_{layer}"} if thresholds else set())
         if set(shapes) != expected:
-            raise CLTFormatError(f"W_enc_{layer}.safetensors holds {sorted(shapes)}, "
+            raise TranscoderFormatError(f"W_enc_{layer}.safetensors holds {sorted(shapes)}, "
                                  f"expected {sorted(expected)}")
         if d_transcoder is None:
             d_transcoder, d_model = shapes[f"W_enc_{layer}"]
@@ -77,8 +73,8 @@ def read_config(path: str | Path) -> TranscoderConfig:
                 f"b_dec_{layer}": (d_model,)} \
             | ({f"threshold_{layer}": (d_transcoder,)} if thresholds else {})
         _check_shapes(f"W_enc_{layer}.safetensors", shapes, want)
-        dec = _open(root / f"W_dec_{layer}.safetensors")
-        _check_shapes(f"W_dec_{layer}.safetensors", _shapes(dec),
+        dec = open_safetensors(root / f"W_dec_{layer}.safetensors")
+        _check_shapes(f"W_dec_{layer}.safetensors", shapes_of(dec),
                       {f"W_dec_{layer}": (d_transcoder, n_layers - layer, d_model)})
     try:
         return TranscoderConfig(meta["model_name"], n_layers, d_model, d_transcoder,
@@ -87,13 +83,13 @@ def read_config(path: str | Path) -> TranscoderConfig:
                                 activation="jumprelu" if thresholds else "relu",
                                 scan=meta.get("scan"))
     except ValueError as error:
-        raise CLTFormatError(f"{config_file}: {error}") from None
+        raise TranscoderFormatError(f"{config_file}: {error}") from None
 
 
 def _check_shapes(name: str, shapes: dict, want: dict) -> None:
     if shapes != want:
         wrong = {k: shapes.get(k) for k in want if shapes.get(k) != want[k]}
-        raise CLTFormatError(f"{name}: shapes {wrong} disagree with the other layers "
+        raise TranscoderFormatError(f"{name}: shapes {wrong} disagree with the other layers "
                              f"(expected {want})")
 
 
@@ -111,7 +107,7 @@ def load_from_disk(
     root = Path(path)
     cfg = read_config(root)
     L = cfg.n_layers
-    enc_handles = [_open(root / f"W_enc_{layer}.safetensors") for layer in range(L)]
+    enc_handles = [open_safetensors(root / f"W_enc_{layer}.safetensors") for layer in range(L)]
     try:
         b_enc = torch.stack([h.get_tensor(f"b_enc_{i}") for i, h in enumerate(enc_handles)])
         threshold = None if cfg.activation == "relu" else torch.stack(
@@ -123,12 +119,12 @@ def load_from_disk(
                 for layer in range(L)]
         W_dec = [tensor for tensor, _ in maps]
     except Exception as error:  # a truncated data section surfaces only here
-        raise CLTFormatError(f"{root}: could not read tensors: {error}") from None
+        raise TranscoderFormatError(f"{root}: could not read tensors: {error}") from None
     if not lazy_decoder:
         W_dec = [w.to(device, dtype).clone() for w in W_dec]
 
     def encoder_loader(layer: int) -> torch.Tensor:
-        with _open_ctx(root / f"W_enc_{layer}.safetensors") as handle:
+        with open_safetensors(root / f"W_enc_{layer}.safetensors") as handle:
             return handle.get_tensor(f"W_enc_{layer}")
 
     clt = Transcoder(
@@ -137,12 +133,6 @@ def load_from_disk(
     if lazy_decoder:
         clt._handles = [handle for _, handle in maps]
     return clt
-
-
-def _open_ctx(path: Path):
-    from safetensors import safe_open
-
-    return safe_open(str(path), framework="pt", device="cpu")
 
 
 def from_pretrained(

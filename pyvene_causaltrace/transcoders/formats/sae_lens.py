@@ -183,10 +183,9 @@ def _assemble(saes: list, origins: list[str], *, scan: str | None, source: str,
     if missing:
         raise TranscoderFormatError(f"{source}: no transcoder for layer(s) {missing}")
     infos = [layers[layer][1] for layer in range(len(layers))]
-    for key in ("activation",):
-        if len({info[key] for info in infos}) > 1:
-            raise TranscoderFormatError(f"{source}: layers mix {key}s "
-                                        f"{sorted({info[key] for info in infos})}")
+    activations = sorted({info["activation"] for info in infos})
+    if len(activations) > 1:
+        raise TranscoderFormatError(f"{source}: layers mix activations {activations}")
     hooks = {role: {info[role].split(".", 2)[2] for info in infos} for role in ("input", "output")}
     if any(len(names) > 1 for names in hooks.values()):
         raise TranscoderFormatError(f"{source}: layers read or write different hooks {hooks}")
