@@ -30,7 +30,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "TraceResult": ".tracing.results",
     "trace_dataset": ".dataset.run",
     "load_spec": ".specs",
-    "run_spec": ".tracing.run",
+    "run_spec": ".execute",
     "SpecError": ".specs",
     "attribute": ".attribution.attribute",
     "AttributionGraph": ".attribution.graph",

@@ -225,9 +225,9 @@ def _report_traces(tracer, kinds: list[str], window: int, out: Path | None,
 
 
 def _run(args) -> int:
+    from .execute import run_spec
     from .models import OFFLINE_DEFAULT, load_model
     from .specs import load_spec
-    from .tracing.run import run_spec
 
     spec = load_spec(args.spec)
     if spec.trace is not None:

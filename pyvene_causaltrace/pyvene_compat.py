@@ -3,6 +3,8 @@
 - :func:`import_pyvene` imports pyvene without its import-time ``print``.
 - :func:`register_architectures` adds the architectures our adapters support but pyvene's
   tables lack (Qwen3, Gemma-3 text), reusing the entries of their closest relative.
+- pyvene hands an intervention only the module's output; :func:`hooked_call` finds the module
+  and its inputs in the hook frame that calls it (``frozen_layernorm``, ``frozen_attention``).
 - pyvene removes *every* forward hook on the model before and after each call, including
   transformers 5's output-capturing hooks (``output_hidden_states`` then returns nothing) and any
   hook the user registered. :func:`preserve_hooks` puts them back; :class:`IntervenableModel` is
@@ -14,12 +16,35 @@ from __future__ import annotations
 
 import contextlib
 import io
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def hooked_call() -> tuple[nn.Module, tuple, dict]:
+    """The module, positional and keyword inputs of the pyvene forward hook calling the caller.
+
+    pyvene 0.1.x hands an intervention only the module's output; its hook closure
+    (``hook_callback(model, args, kwargs, output)``) holds the module and its inputs, a few
+    frames up the stack.
+    """
+    frame = sys._getframe(1)
+    for _ in range(14):
+        if frame is None:
+            break
+        if frame.f_code.co_name == "hook_callback" and "args" in frame.f_locals:
+            local = frame.f_locals
+            if local.get("output") is not None:
+                return local["model"], tuple(local["args"]), dict(local.get("kwargs") or {})
+        frame = frame.f_back
+    raise RuntimeError(
+        "frozen_layernorm / frozen_attention must run on a module's output inside a pyvene "
+        "IntervenableModel"
+    )
 
 
 def import_pyvene():
@@ -154,3 +179,75 @@ def __getattr__(name: str):
     if name == "IntervenableModel":  # built on first use: it subclasses pyvene's
         return intervenable_model_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ------------------------------------------------------------- a user's IntervenableModel
+
+
+def is_intervenable(model: object) -> bool:
+    """Whether ``model`` is a pyvene ``IntervenableModel`` (pyvene's or ours)."""
+    return any(klass.__name__ == "IntervenableModel" and
+               klass.__module__.startswith(("pyvene.", __name__))
+               for klass in type(model).__mro__) and hasattr(model, "interventions")
+
+
+def accepts_intervenable(function):
+    """Let ``function(model, ...)`` take a pyvene ``IntervenableModel`` as ``model``: it runs on
+    the wrapped model with the wrapper's interventions applied (:func:`applied_interventions`)."""
+    import functools
+
+    @functools.wraps(function)
+    def wrapper(model, *args, **kwargs):
+        with applied_interventions(model) as inner:
+            return function(inner, *args, **kwargs)
+
+    return wrapper
+
+
+def _needs_source(intervention: nn.Module) -> bool:
+    return not getattr(intervention, "is_source_constant", False)
+
+
+@contextlib.contextmanager
+def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
+    """Yield the model to run: ``model`` itself, or — for a pyvene ``IntervenableModel`` — the
+    model it wraps with the wrapper's interventions applied to every forward inside the block.
+
+    They act at every position (as with ``unit_locations=None``) in every run our calls make —
+    clean, corrupted and intervened alike — so a trace or a graph is one *of the intervened
+    model*. An intervention that needs a source at call time (``VanillaIntervention``, a restore
+    without stored states) is refused with :class:`~pyvene_causaltrace.models.PyveneModelError`:
+    our runs have no source to give it. The hooks are gone when the block ends.
+    """
+    if not is_intervenable(model):
+        yield model
+        return
+    from .models import PyveneModelError
+
+    needy = [key for key, made in model.interventions.items() if _needs_source(made)]
+    if needy:
+        raise PyveneModelError(
+            f"this IntervenableModel's {', '.join(needy)} need a source at call time; our runs "
+            "(clean, corrupted, restored) have none to give. Pass pv_model.model, or keep in "
+            "the IntervenableModel only interventions that hold their own values (zero, "
+            "constant, noise_add, restores with states)")
+    handles = []
+    try:
+        for key, made in model.interventions.items():
+            register = model.intervention_hooks[key]
+            handles.append(register(_hook(made, register.__name__ == "register_forward_pre_hook")))
+        yield model.model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hook(intervention: nn.Module, pre: bool):
+    def apply(value):
+        if isinstance(value, tuple):
+            return (intervention(value[0], None), *value[1:])
+        return intervention(value, None)
+
+    if pre:
+        return lambda module, args: (apply(args[0]), *args[1:]) if args else None
+    return lambda module, args, output: apply(output)

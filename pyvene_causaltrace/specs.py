@@ -106,33 +106,84 @@ class ExperimentSpec:
 
 @lru_cache(maxsize=1)
 def spec_schema() -> dict[str, Any]:
-    """The JSON Schema every spec is checked against."""
+    """The JSON Schema of a spec, as shipped for editors: the spec's own fields, the shared
+    ``$defs``, and one branch per built-in intervention type, written from each type's
+    ``spec_schema()`` (:func:`write_schema`)."""
     return json.loads(SCHEMA_PATH.read_text())
 
 
+def _spec_level_schema() -> dict[str, Any]:
+    """The schema without the per-type branches: entries are checked through the registry."""
+    schema = json.loads(json.dumps(spec_schema()))
+    schema["$defs"]["intervention"] = {"type": "object", "required": ["type"],
+                                       "properties": {"type": {"type": "string",
+                                                               "minLength": 1}}}
+    return schema
+
+
+def entry_schemas() -> dict[str, Any]:
+    """``$defs.intervention`` as written from the registered types: one if/then branch per
+    type (a refused type's branch says why), the rest open to third-party types."""
+    from .interventions import get_intervention, list_interventions
+    from .interventions.spec_entry import entry_of, generic_schema
+
+    names = list_interventions()
+    branches = []
+    for name in names:
+        entry = entry_of(get_intervention(name))
+        then = ({"not": True, "description": entry.spec_refusal} if entry.spec_refusal
+                else entry.spec_schema())
+        branches.append({"if": {"properties": {"type": {"const": name}}}, "then": then})
+    branches.append({"if": {"properties": {"type": {"not": {"enum": names}}}},
+                     "then": generic_schema()})
+    return {"type": "object", "required": ["type"],
+            "properties": {"type": {"type": "string", "minLength": 1}}, "allOf": branches}
+
+
+def write_schema(path: str | Path = SCHEMA_PATH) -> None:
+    """Rewrite ``spec.schema.json``'s per-type branches from the registered types."""
+    from .models import SITES
+
+    schema = json.loads(Path(path).read_text())
+    schema["$defs"]["component"]["anyOf"][0]["enum"] = list(SITES)
+    schema["$defs"]["intervention"] = entry_schemas()
+    Path(path).write_text(json.dumps(schema, indent=2) + "\n")
+    spec_schema.cache_clear()
+
+
 def validate_spec(data: Any) -> None:
-    """Raise :class:`SpecError` for the first problem in ``data``, naming its JSON path."""
+    """Raise :class:`SpecError` for the first problem in ``data``, naming its JSON path.
+
+    The spec's own fields are checked against the schema; each intervention entry against its
+    registered type's ``spec_schema()`` and rules (unique, requires, ``check_spec``), so a
+    type registered by a plugin is checked exactly as a built-in is."""
     import jsonschema
 
-    items = data.get("interventions") if isinstance(data, dict) else None
-    for i, item in enumerate(items if isinstance(items, list) else []):
-        if isinstance(item, dict) and isinstance(item.get("type"), str):
-            _check_type(item["type"], f"$.interventions[{i}].type")  # before the schema's
-            # branches, which would misread a typo as a third-party type missing its fields
-    validator = jsonschema.Draft202012Validator(spec_schema())
+    validator = jsonschema.Draft202012Validator(_spec_level_schema())
     errors = sorted(validator.iter_errors(data), key=lambda e: -len(e.absolute_path))
     if errors:
         error = _most_specific(errors[0])
         raise SpecError(error.json_path, _expected(error))
+    entries = [(f"$.interventions[{i}]", item, _entry(item["type"], f"$.interventions[{i}].type"))
+               for i, item in enumerate(data["interventions"])]
+    defs = spec_schema()["$defs"]
+    for path, item, entry in entries:
+        schema = {"type": "object", **entry.spec_schema(), "$defs": defs}
+        found = sorted(jsonschema.Draft202012Validator(schema).iter_errors(item),
+                       key=lambda e: -len(e.absolute_path))
+        if found:
+            error = _most_specific(found[0])
+            raise SpecError(path + error.json_path[1:], _expected(error))
     types = [item["type"] for item in data["interventions"]]
-    for unique in ("noise_add", "clt_splice"):
-        found = [i for i, kind in enumerate(types) if kind == unique]
-        if len(found) > 1:
-            raise SpecError(f"$.interventions[{found[1]}]", f"a spec has at most one {unique}")
-    if "feature_ablate" in types and "clt_splice" not in types:
-        raise SpecError(f"$.interventions[{types.index('feature_ablate')}]",
-                        "feature_ablate acts inside a clt_splice: add one")
-    if "trace" in data and [i["type"] for i in data["interventions"]] != ["noise_add"]:
+    for path, item, entry in entries:
+        if entry.spec_unique and types.count(item["type"]) > 1:
+            later = [p for p, other, _ in entries if other["type"] == item["type"]][1]
+            raise SpecError(later, f"a spec has at most one {item['type']}")
+        for needed in entry.spec_requires:
+            if needed not in types:
+                raise SpecError(path, f"{item['type']} acts inside a {needed}: add one")
+        entry.check_spec(item, data, path)
+    if "trace" in data and types != ["noise_add"]:
         raise SpecError("$.interventions", "a trace spec holds exactly one noise_add; the trace "
                         "makes the restores")
     if "attribution" in data:
@@ -144,32 +195,19 @@ def validate_spec(data: Any) -> None:
         if data["attribution"].get("target") == "difference" and \
                 "other" not in data["attribution"]:
             raise SpecError("$.attribution.other", "a 'difference' target needs 'other'")
-    if "trace" not in data:
-        for i, item in enumerate(data["interventions"]):
-            if item.get("scale") == "auto":
-                raise SpecError(f"$.interventions[{i}].scale", "'auto' is for trace specs only")
-    uses_subject = _mentions_subject(data["interventions"])
+    uses_subject = _mentions_subject([(item, entry) for _, item, entry in entries])
     if uses_subject and "subject" not in data:
         raise SpecError("$.subject", f"required by the position name {uses_subject!r}")
 
 
-#: Registered types that a spec cannot hold, and why.
-SPECLESS = {
-    "frozen_attention": "frozen_attention is part of the attribution method's local replacement "
-                        "model; use an 'attribution' block (or the Python API)",
-    "gradient_leaf": "gradient_leaf is part of the attribution method's local replacement "
-                     "model; use an 'attribution' block (or the Python API)",
-}
-
-
-def _check_type(kind: str, path: str) -> None:
-    """Refuse a type no spec can hold, or one nobody registered (naming the closest)."""
+def _entry(kind: str, path: str):
+    """The spec questions' answerer for type ``kind``; an unknown type names the closest
+    registered ones, a type no spec can hold says why."""
     import difflib
 
-    from .interventions import list_interventions
+    from .interventions import get_intervention, list_interventions
+    from .interventions.spec_entry import entry_of
 
-    if kind in SPECLESS:
-        raise SpecError(path, SPECLESS[kind])
     known = list_interventions()
     if kind not in known:
         close = difflib.get_close_matches(kind, known, n=3, cutoff=0.6)
@@ -177,6 +215,10 @@ def _check_type(kind: str, path: str) -> None:
         raise SpecError(path, f"unknown intervention type {kind!r}; {hint}registered: "
                               f"{', '.join(known)} (a plugin registers its types when imported "
                               "or through the 'pyvene_causaltrace.interventions' entry point)")
+    entry = entry_of(get_intervention(kind))
+    if entry.spec_refusal:
+        raise SpecError(path, entry.spec_refusal)
+    return entry
 
 
 def _most_specific(error):
@@ -199,9 +241,10 @@ def _expected(error) -> str:
 _SUBJECT_NAMES = ("subject", "first_subject", "last_subject", "after_subject")
 
 
-def _mentions_subject(interventions: list[dict[str, Any]]) -> str | None:
-    for item in interventions:
-        positions = item.get("positions", "subject" if item["type"] == "noise_add" else None)
+def _mentions_subject(entries: list[tuple[dict[str, Any], Any]]) -> str | None:
+    for item, entry in entries:
+        default = entry.spec_schema().get("properties", {}).get("positions", {})
+        positions = item.get("positions", default.get("default") if default else None)
         for value in positions if isinstance(positions, list) else [positions]:
             if value in _SUBJECT_NAMES:
                 return value

@@ -168,8 +168,8 @@ def test_pairing_flags_a_random_clt(fixture_clt, tokenizer):
 def test_shipped_clt_spec_runs_with_a_fixture_clt(tmp_path, tokenizer):
     from conftest import SPEC_DIR
 
+    from pyvene_causaltrace.execute import run_spec
     from pyvene_causaltrace.specs import SpecError, load_spec
-    from pyvene_causaltrace.tracing.run import run_spec
 
     data = json.loads((SPEC_DIR / "clt_splice.json").read_text())
     data["interventions"][0]["clt"] = str(write_clt(tmp_path / "clt",

@@ -9,13 +9,13 @@ from conftest import PROMPT, SUBJECT, make_tiny_model
 from reference import add_at, edit_output, recipe_noise, reload_in_fresh_process
 
 from pyvene_causaltrace.capture import capture
+from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.interventions.frozen import FrozenAttention, FrozenLayerNorm
 from pyvene_causaltrace.interventions.leaf import GradientLeaf
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.interventions.restore import CleanRestore, Freeze, WindowRestore
 from pyvene_causaltrace.models import get_adapter, get_module
 from pyvene_causaltrace.pyvene_compat import import_pyvene, intervenable_model_class
-from pyvene_causaltrace.tracing.run import run_spec
 
 pv = import_pyvene()
 SEQ = 6
@@ -188,25 +188,3 @@ def test_plain_pyvene_breaks_hidden_states_and_preserve_hooks_mends_it():
     pv_model(base={"input_ids": _ids(model)})
     broken = model(input_ids=_ids(model), output_hidden_states=True).hidden_states
     assert not broken
-
-
-def test_a_pyvene_intervenable_model_is_refused_with_what_to_pass(tokenizer):
-    """trace, run_spec and attribute given a pv.IntervenableModel say to pass pv_model.model
-    (their own interventions would not run inside ours), instead of a misleading
-    'model_type not supported'."""
-    from pyvene_causaltrace import attribute, trace
-    from pyvene_causaltrace.models import PyveneModelError
-
-    pv = import_pyvene()
-    model = make_tiny_model("llama")
-    pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
-                                      "intervention_type": pv.VanillaIntervention}], model)
-    spec = {"schema_version": 1, "prompt": PROMPT, "subject": SUBJECT, "interventions": [
-        {"type": "noise_add", "seeds": [0]}]}
-    for call in (lambda: trace(pv_model, tokenizer, PROMPT, SUBJECT),
-                 lambda: run_spec(spec, pv_model, tokenizer),
-                 lambda: attribute(pv_model, tokenizer, None, PROMPT)):
-        with pytest.raises(PyveneModelError, match=r"around a LlamaForCausalLM holding 1 "
-                                                   r"intervention.*pv_model\.model"):
-            call()
-    assert trace(pv_model.model, tokenizer, PROMPT, SUBJECT, kind="residual").kind == "residual"

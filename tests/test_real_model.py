@@ -7,9 +7,9 @@ import pytest
 import torch
 from conftest import SPEC_DIR
 
+from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.prompts import tokenize_prompt
 from pyvene_causaltrace.specs import load_spec
-from pyvene_causaltrace.tracing.run import run_spec
 
 pytestmark = pytest.mark.real_model
 

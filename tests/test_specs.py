@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import PROMPT, SPEC_DIR, SUBJECT, make_tiny_model
 
+from pyvene_causaltrace.execute import build_intervenable, run_spec, to_pv_config
 from pyvene_causaltrace.locations import resolve_layers, resolve_positions
 from pyvene_causaltrace.prompts import SubjectNotFoundError, tokenize_prompt
 from pyvene_causaltrace.specs import (
@@ -20,7 +21,6 @@ from pyvene_causaltrace.specs import (
     spec_schema,
     validate_spec,
 )
-from pyvene_causaltrace.tracing.run import build_intervenable, run_spec, to_pv_config
 
 SPEC_FILES = sorted(SPEC_DIR.glob("*.json"))
 
@@ -229,7 +229,7 @@ def test_third_party_type_in_a_spec(tokenizer, monkeypatch):
     model = make_tiny_model("qwen3")
     spec = with_change(["interventions"], [
         {"type": "scale_at", "component": "model.layers[{layer}].mlp.output", "layers": [0, 2],
-         "positions": "last", "params": {"factor": 0.0}}])
+         "positions": "last", "factor": 0.0}])
     pv_model, plan = build_intervenable(spec, model, tokenizer)
     assert [c for c, _ in plan.interventions] == ["model.layers[0].mlp.output",
                                                   "model.layers[2].mlp.output"]

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..models import model_name
 from ..prompts import answer_token_id
+from ..pyvene_compat import accepts_intervenable
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, batch_size_for, check_forward_fits, feature_budget
 from .checkpoint import Checkpoint, tensor_digest
@@ -85,6 +86,7 @@ class _Ranking:
         return order[~done[order]][:min(self.queue, left)]
 
 
+@accepts_intervenable
 def attribute(
     model: nn.Module, tokenizer, clt: Transcoder, prompt: str,
     answer: str | None = None, *, target: str = "demeaned", other: str | None = None,
@@ -111,6 +113,9 @@ def attribute(
     nodes upstream of that input). A model whose logits are soft-capped (Gemma-2) is explained
     before the cap, which is switched off while the graph is built and restored after
     (``metadata["logit_softcap"]``); ``answer_prob`` is the real, capped model's.
+
+    ``model`` may be a ``pv.IntervenableModel``: the graph is then one of the model with its
+    interventions applied (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`).
     """
     if not prompt:
         raise ValueError("the prompt is empty")

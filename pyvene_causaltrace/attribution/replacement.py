@@ -119,15 +119,13 @@ def _freeze_representations(adapter, model, replaced: set[str] = frozenset()) ->
     post-feedforward norm when the transcoder writes TransformerLens's ``hook_mlp_out``)."""
     reps = []
     for layer in range(adapter.n_layers(model)):
-        names = [adapter.pre_attn_norm, *adapter.post_norms, adapter.pre_mlp_norm]
-        for name in names:
-            component = f"{adapter.module_path('block', layer)}.{name}.output"
+        for component in adapter.norm_sites(layer):
             if component not in replaced:
                 reps.append({"component": component,
                              "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
-        reps.append({"component": f"{adapter.module_path('attn', layer)}.output",
+        reps.append({"component": adapter.site("attn_output", layer),
                      "intervention": FrozenAttention()})
-    reps.append({"component": f"{adapter.final_norm}.output",
+    reps.append({"component": adapter.site("final_norm"),
                  "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
     return reps
 
@@ -174,10 +172,10 @@ def run_local_replacement(
     check_fits(clt, model)
     adapter = get_adapter(model)
     embed_leaves = [GradientLeaf()]
-    reps = [{"component": f"{adapter.embed}.output", "intervention": embed_leaves[0]}]
+    reps = [{"component": adapter.site("embed"), "intervention": embed_leaves[0]}]
     if adapter.position_embed is not None:
         embed_leaves.append(GradientLeaf())
-        reps.append({"component": f"{adapter.position_embed}.output",
+        reps.append({"component": adapter.site("position_embed"),
                      "intervention": embed_leaves[1]})
     if freeze:
         outputs = {clt.cfg.hf_hooks(adapter, layer)["output"] for layer in range(clt.n_layers)}

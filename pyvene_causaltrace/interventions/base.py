@@ -1,9 +1,16 @@
 """The shared base of our pyvene interventions.
 
-Every type here sees the *whole* ``[batch, seq, hidden]`` output of its component: pass
-``unit_locations=None`` for it (or ``None`` in its slot of a multi-intervention call). Which rows
-and positions it touches is its own state — per-row masks and seeds — because pyvene's
-``unit_locations`` cannot skip rows and turns sticky (``use_fast``) once given an int.
+Positions, two ways. With its own ``positions`` (a list, a list per row, or a ``[rows, seq]``
+mask) a type acts on those positions of the component's whole ``[batch, seq, hidden]`` output —
+pass ``unit_locations=None`` (or ``None`` in its slot): this is how per-row masks and seeds work,
+which pyvene's ``unit_locations`` cannot express (they cannot skip a row and turn sticky once
+given an int). Without ``positions`` it acts on every position pyvene hands it, so pyvene's
+``unit_locations`` choose them, as for pyvene's built-ins.
+
+pyvene can build every type from the class: ``intervention_type=NoiseAdd`` gives the defaults,
+and ``NoiseAdd.configured(seeds=[0], sigma=0.1)`` is a class whose instances have those settings,
+for ``RepresentationConfig(..., intervention_type=...)``, ``intervention_types=[...]`` and
+``IntervenableConfig.add_intervention``.
 
 State is a few JSON scalars (:meth:`config`) plus tensors (buffers). Both travel in
 ``state_dict()``, so ``pv.IntervenableModel.save`` / ``load`` round-trips them: the class inherits
@@ -45,17 +52,81 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
 
     registered_name: ClassVar[str] = ""
     tensor_fields: ClassVar[tuple[str, ...]] = ()
+    #: Whether an instance built bare (only pyvene's keyword arguments) sets itself up with
+    #: defaults; None: when every argument of ``_setup`` has one. A type that needs settings
+    #: (a splice needs its transcoder) is set up by pyvene's load, or built ``configured``.
+    bare_defaults: ClassVar[bool | None] = None
+
+    # -- the spec entry (see spec_entry.py): the generic shape unless a subclass says more
+    spec_refusal: ClassVar[str | None] = None
+    spec_unique: ClassVar[bool] = False
+    spec_requires: ClassVar[tuple[str, ...]] = ()
+    spec_corrupts: ClassVar[bool] = False
 
     def __init__(self, **kwargs: Any) -> None:
         pyvene_kwargs = {k: v for k, v in kwargs.items() if k in _PYVENE_KWARGS}
-        own = {k: v for k, v in kwargs.items() if k not in _PYVENE_KWARGS}
+        own = {k: v for k, v in kwargs.items() if k not in _PYVENE_KWARGS and v is not None}
         super().__init__(**{k: v for k, v in pyvene_kwargs.items() if k != "source_representation"})
         self.trainable = False
         self.is_source_constant = True
         self.keep_last_dim = True  # pyvene would otherwise flatten [b, s, d] to [b, s*d]
         self._config: dict[str, Any] = {}
-        if own:
+        if own or self._has_bare_defaults():
             self._setup(**own)
+
+    @classmethod
+    def _has_bare_defaults(cls) -> bool:
+        if cls.bare_defaults is not None:
+            return cls.bare_defaults
+        import inspect
+
+        return all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                   for p in inspect.signature(cls._setup).parameters.values()
+                   if p.name != "self")
+
+    @classmethod
+    def configured(cls, **settings: Any) -> type:
+        """This class with ``settings`` as its constructor's defaults: what pyvene builds from
+        a class (``intervention_type=NoiseAdd.configured(seeds=[0, 1], sigma=0.1)``).
+
+        It keeps the class's name and module, so a saved model loads back as the plain class
+        (the settings travel in the state dict)."""
+        def __init__(self, **kwargs: Any) -> None:
+            cls.__init__(self, **{**settings, **kwargs})
+
+        return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                           "__qualname__": cls.__qualname__,
+                                           "settings": dict(settings)})
+
+    # -- spec entry: the generic shape ----------------------------------------------------
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        """JSON Schema of this type's spec entry (see :mod:`.spec_entry`)."""
+        from .spec_entry import generic_schema
+
+        return generic_schema()
+
+    @classmethod
+    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
+        """Rules across fields of the whole spec that the schema cannot say (raise SpecError)."""
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+        """Where an entry acts: its component at each of its layers, at its positions."""
+        return ctx.component_sites(entry, index)
+
+    @classmethod
+    def from_spec(cls, entry: dict, site, ctx, states: torch.Tensor | None = None):
+        """The instance at one site; the entry's other fields are constructor keywords."""
+        from .spec_entry import extra_fields
+
+        return cls(positions=site.positions, **extra_fields(entry))
+
+    def to_spec(self, site) -> dict[str, Any]:
+        """The single-site entry that rebuilds this instance (``site``: where it acts)."""
+        return {"type": self.registered_name, "component": site.component,
+                **({"positions": list(site.positions)} if site.positions is not None else {}),
+                **self.config()}
 
     # -- state ---------------------------------------------------------------------------
     def _setup(self, **kwargs: Any) -> None:  # pragma: no cover - abstract
@@ -116,12 +187,16 @@ def rows_for(batch: int, rows: int, what: str) -> None:
 
 
 def positions_to_mask(
-    positions: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor, seq_len: int | None = None
-) -> torch.Tensor:
-    """A ``[rows, seq]`` bool mask from a bool mask, one position list, or one list per row.
+    positions: Sequence[int] | Sequence[Sequence[int]] | torch.Tensor | None,
+    seq_len: int | None = None,
+) -> torch.Tensor | None:
+    """A ``[rows, seq]`` bool mask from a bool mask, one position list, or one list per row;
+    None stays None (every position).
 
     Negative positions count from the end and need ``seq_len``.
     """
+    if positions is None:
+        return None
     if isinstance(positions, torch.Tensor) and positions.dtype == torch.bool:
         mask = positions
         return mask.unsqueeze(0) if mask.dim() == 1 else mask
@@ -143,8 +218,11 @@ def positions_to_mask(
     return mask
 
 
-def fit_mask(mask: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
-    """Broadcast a ``[rows, width]`` mask to ``[batch, seq_len]`` (padding with False)."""
+def fit_mask(mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tensor:
+    """Broadcast a ``[rows, width]`` mask to ``[batch, seq_len]`` (padding with False); None
+    (every position) is all True."""
+    if mask is None:
+        return torch.ones(batch, seq_len, dtype=torch.bool)
     rows_for(batch, mask.shape[0], "the position mask")
     if mask.shape[1] > seq_len:
         if mask[:, seq_len:].any():

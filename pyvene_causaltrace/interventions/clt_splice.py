@@ -211,6 +211,55 @@ class CLTSplice(_CLTIntervention):
                         "normalize": None if normalize is None else dict(normalize),
                         "session": self._session_id(session, source)}
 
+    # -- spec entry: one entry is the whole splice (every layer's encoder and decoder, with the
+    # spec's feature_ablate entries after their layer's encoder), sharing one session
+    spec_unique = True
+
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        return {"additionalProperties": False, "required": ["clt"], "properties": {
+            "type": True,
+            "clt": {"type": "string", "minLength": 1,
+                    "description": "The transcoder: an mntss CLT directory, a circuit-tracer "
+                                   "config.yaml, a GemmaScope / sae-lens / sparsify directory, "
+                                   "or a hub id (layout detected)."},
+            "layers": {"$ref": "#/$defs/layers", "default": "all"},
+            "from_position": {"type": "integer", "minimum": 0, "default": 1,
+                              "description": "First spliced position; 1 leaves BOS alone."},
+            "add_error": {"type": "boolean", "default": False,
+                          "description": "Add the frozen error so the forward is exact."}}}
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+        from ..specs import SpecError
+        from .spec_entry import Site
+
+        try:
+            clt = resolve_transcoder(entry["clt"])
+        except (OSError, ValueError) as error:
+            raise SpecError(ctx.path(index, "clt"), str(error)) from None
+        from ..locations import resolve_layers
+
+        layers = resolve_layers(entry.get("layers", "all"), clt.n_layers,
+                                ctx.path(index, "layers"))
+        ablations = [{k: v for k, v in item.to_dict().items() if k != "type"}
+                     for item in ctx.spec.interventions if item.type == "feature_ablate"]
+        reps = clt_splice_representations(
+            clt, ctx.model, layers=layers, from_position=entry.get("from_position", 1),
+            add_error=entry.get("add_error", False), ablations=ablations)
+        return [Site(index, rep["component"], rep["intervention"].config()["clt_layer"],
+                     where=ctx.path(index, "clt"), made=rep["intervention"]) for rep in reps]
+
+    @classmethod
+    def from_spec(cls, entry: dict, site, ctx, states=None):
+        return site.made
+
+    def to_spec(self, site) -> dict[str, Any]:
+        return {"type": self.registered_name, "clt": self._config["source"],
+                "layers": [self._config["clt_layer"]],
+                "from_position": self._config["from_position"],
+                "add_error": self._config["add_error"]}
+
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         clt, layer = self.clt, self._config["clt_layer"]
         start = self._config["from_position"]
@@ -327,6 +376,29 @@ class FeatureAblate(_CLTIntervention):
                         "positions": None if positions is None else [int(p) for p in positions],
                         "scale": float(scale), "source": source,
                         "session": self._session_id(session, source)}
+
+    # -- spec entry: read by the spec's clt_splice, which places it after its layer's encoder
+    spec_requires = ("clt_splice",)
+
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        return {"additionalProperties": False, "required": ["clt_layer", "features"],
+                "properties": {
+                    "type": True, "clt_layer": {"type": "integer", "minimum": 0},
+                    "features": {"oneOf": [{"const": "all"}, {
+                        "type": "array", "minItems": 1,
+                        "items": {"type": "integer", "minimum": 0}}]},
+                    "positions": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    "scale": {"type": "number", "default": 0.0}}}
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+        return []  # built by the clt_splice entry
+
+    def to_spec(self, site) -> dict[str, Any]:
+        return {"type": self.registered_name,
+                **{k: self._config[k] for k in ("clt_layer", "features", "positions", "scale")
+                   if self._config[k] is not None}}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         session = self.session.acts

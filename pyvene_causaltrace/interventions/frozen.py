@@ -27,7 +27,9 @@ attention, Gemma).
                                    "intervention": FrozenAttention()}], model)
 
 Both read the hooked module and its inputs from the pyvene hook that calls them (see
-:func:`_hooked_call`), so they run only inside an ``IntervenableModel``.
+:func:`~pyvene_causaltrace.pyvene_compat.hooked_call`), so they run only inside an
+``IntervenableModel``. ``FrozenLayerNorm()`` without a ``kind`` reads it off the module's own
+output on the first call (which formula reproduces it), so pyvene can build it from the class.
 """
 
 from __future__ import annotations
@@ -40,31 +42,10 @@ from typing import Any
 
 import torch
 
+from ..pyvene_compat import hooked_call as _hooked_call
 from .base import CausalTraceIntervention
 
 NORM_KINDS = ("layer", "rms", "rms_offset")
-
-
-def _hooked_call() -> tuple[torch.nn.Module, tuple, dict]:
-    """The module, positional and keyword inputs of the pyvene forward hook calling us.
-
-    pyvene hands an intervention only the module's output. Its hook closure
-    (``hook_callback(model, args, kwargs, output)`` in pyvene 0.1.x) holds the module and its
-    inputs, a few frames up the stack.
-    """
-    frame = sys._getframe(1)
-    for _ in range(12):
-        if frame is None:
-            break
-        if frame.f_code.co_name == "hook_callback" and "args" in frame.f_locals:
-            local = frame.f_locals
-            if local.get("output") is not None:
-                return local["model"], tuple(local["args"]), dict(local.get("kwargs") or {})
-        frame = frame.f_back
-    raise RuntimeError(
-        "frozen_layernorm / frozen_attention must run on a module's output inside a pyvene "
-        "IntervenableModel"
-    )
 
 
 def _eps(module: torch.nn.Module) -> float:
@@ -75,17 +56,71 @@ def _eps(module: torch.nn.Module) -> float:
 
 
 class FrozenLayerNorm(CausalTraceIntervention):
-    """Freeze a LayerNorm/RMSNorm's scale (see module docstring); ``kind`` in ``NORM_KINDS``."""
+    """Freeze a LayerNorm/RMSNorm's scale (see module docstring); ``kind`` in ``NORM_KINDS``,
+    or None to read it off the module on the first call."""
 
     registered_name = "frozen_layernorm"
 
     def __init__(self, kind: str | None = None, **pyvene_kwargs: Any) -> None:
-        super().__init__(**({} if kind is None else {"kind": kind}), **pyvene_kwargs)
+        super().__init__(kind=kind, **pyvene_kwargs)
 
-    def _setup(self, kind: str) -> None:
-        if kind not in NORM_KINDS:
+    def _setup(self, kind: str | None = None) -> None:
+        if kind is not None and kind not in NORM_KINDS:
             raise ValueError(f"kind must be one of {NORM_KINDS}, got {kind!r}")
         self._config = {"kind": kind}
+
+    # -- spec entry: which norms, at which layers
+    _NORMS = ("pre_attn", "pre_mlp", "final")
+
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        return {"additionalProperties": False, "properties": {
+            "type": True,
+            "norms": {"type": "array", "minItems": 1, "items": {"enum": list(cls._NORMS)},
+                      "default": list(cls._NORMS)},
+            "layers": {"$ref": "#/$defs/layers", "default": "all"}}}
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+        from .spec_entry import Site
+
+        layers = ctx.layers(entry.get("layers", "all"), ctx.path(index, "layers"))
+        sites = []
+        for norm in entry.get("norms", cls._NORMS):
+            if norm == "final":
+                sites.append(Site(index, ctx.adapter.site("final_norm"), where=ctx.path(index),
+                                  settings={"norm": norm}))
+            else:
+                sites.extend(Site(index, ctx.adapter.site(f"{norm}_norm", layer), layer,
+                                  where=ctx.path(index), settings={"norm": norm})
+                             for layer in layers)
+        return sites
+
+    @classmethod
+    def from_spec(cls, entry: dict, site, ctx, states=None):
+        return cls(kind=ctx.adapter.norm_kind)
+
+    def to_spec(self, site) -> dict[str, Any]:
+        return {"type": self.registered_name, "norms": [site.settings["norm"]],
+                **({"layers": [site.layer]} if site.layer is not None else {})}
+
+    def _kind(self, module: torch.nn.Module, x: torch.Tensor, base: torch.Tensor) -> str:
+        """The configured kind, else the one whose formula gives the module's output."""
+        if self._config["kind"] is not None:
+            return self._config["kind"]
+        with torch.no_grad():
+            xf = x.double()
+            w = module.weight.double()
+            rms = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + _eps(module))
+            centred = xf - xf.mean(-1, keepdim=True)
+            std = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + _eps(module))
+            bias = getattr(module, "bias", None)
+            bias = bias.double() if isinstance(bias, torch.Tensor) else 0.0
+            candidates = {"layer": w * centred / std + bias, "rms": w * xf / rms,
+                          "rms_offset": (1 + w) * xf / rms}
+            errors = {k: float((v - base.double()).abs().max()) for k, v in candidates.items()}
+        self._config["kind"] = min(errors, key=errors.get)
+        return self._config["kind"]
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         module, args, kwargs = _hooked_call()
@@ -98,7 +133,7 @@ class FrozenLayerNorm(CausalTraceIntervention):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         dx = xf - xf.detach()  # zero in value; carries the gradient to x
         frozen = xf.detach()
-        kind = self._config["kind"]
+        kind = self._kind(module, x, base)
         weight = module.weight.to(xf.dtype)
         if kind == "layer":
             dx = dx - dx.mean(-1, keepdim=True)
@@ -163,6 +198,8 @@ class FrozenAttention(CausalTraceIntervention):
     """Freeze an attention module's pattern (see module docstring). No settings."""
 
     registered_name = "frozen_attention"
+    spec_refusal = ("frozen_attention is part of the attribution method's local replacement "
+                    "model; use an 'attribution' block (or the Python API)")
 
     def __init__(self, **pyvene_kwargs: Any) -> None:
         super().__init__(**pyvene_kwargs)

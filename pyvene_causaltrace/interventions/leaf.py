@@ -25,6 +25,8 @@ class GradientLeaf(CausalTraceIntervention):
     """Replace the output by a detached copy that requires grad; keep it as ``self.leaf``."""
 
     registered_name = "gradient_leaf"
+    spec_refusal = ("gradient_leaf is part of the attribution method's local replacement "
+                    "model; use an 'attribution' block (or the Python API)")
 
     def __init__(self, **pyvene_kwargs: Any) -> None:
         super().__init__(**pyvene_kwargs)

@@ -9,6 +9,12 @@ The noise recipe (DESIGN.md) makes a JSON spec reproduce the same corruption any
     pv_model = IntervenableModel([{"component": "model.embed_tokens.output",
                                    "intervention": noise}], model)
     _, out = pv_model(base=inputs3)          # row r carries seed r's draw
+
+The noise unit sigma: ROME's (the default in specs and traces) is the standard deviation over all
+elements of the input-embedding module's outputs for the subject strings tokenized alone (no
+special tokens) — the spread of the embeddings a subject actually uses. The embedding matrix's
+standard deviation is an option with its own name; the seed shows the two differ enough that
+3 sigma of the matrix fails to corrupt some models.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..defaults import NOISE_SCALE
+from ..models import get_adapter, get_module
 from .base import CausalTraceIntervention, fit_mask, positions_to_mask, rows_for
 
 DISTRIBUTIONS = ("gaussian", "uniform")
@@ -53,15 +61,57 @@ def seed_list(seeds: int | Sequence[int]) -> list[int]:
     return seeds
 
 
+SIGMA_METHODS = ("rome", "embedding_matrix")
+
+
+@torch.no_grad()
+def rome_sigma(model: nn.Module, tokenizer, subjects: Sequence[str]) -> float:
+    """Std of the input-embedding outputs of ``subjects`` tokenized alone."""
+    embed = get_module(model, get_adapter(model).embed)
+    device = next(model.parameters()).device
+    outputs = []
+    for subject in subjects:
+        ids = tokenizer(subject, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        if ids.numel() == 0:
+            raise ValueError(f"subject {subject!r} tokenizes to nothing")
+        outputs.append(embed(ids.to(device)).float().reshape(-1))
+    return float(torch.cat(outputs).std())
+
+
+@torch.no_grad()
+def embedding_matrix_sigma(model: nn.Module) -> float:
+    """Std of the input-embedding weight matrix."""
+    embed = get_module(model, get_adapter(model).embed)
+    return float(embed.weight.float().std())
+
+
+def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer,
+                  subject: str | None) -> tuple[str, float]:
+    """``(method, value)`` for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a
+    positive number (method ``"given"``)."""
+    if isinstance(sigma, (int, float)) and not isinstance(sigma, bool):
+        if sigma <= 0:
+            raise ValueError(f"sigma must be positive, got {sigma}")
+        return "given", float(sigma)
+    if sigma == "rome":
+        if subject is None:
+            raise ValueError("sigma 'rome' needs a subject")
+        return "rome", rome_sigma(model, tokenizer, [subject])
+    if sigma == "embedding_matrix":
+        return "embedding_matrix", embedding_matrix_sigma(model)
+    raise ValueError(f"sigma must be a number or one of {SIGMA_METHODS}, got {sigma!r}")
+
+
 class NoiseAdd(CausalTraceIntervention):
     """Add :func:`noise_recipe` noise; row ``r`` uses ``seeds[r]`` at its own positions.
 
     Args:
-        seeds: one seed, or one per batch row.
+        seeds: one seed, or one per batch row (default 0).
         positions: the noised positions — one list for every row, a list per row, or a
-            ``[rows, seq]`` bool mask. Negative positions count from the end.
+            ``[rows, seq]`` bool mask. Negative positions count from the end. None (default):
+            every position it is handed, e.g. those pyvene's ``unit_locations`` choose.
         scale: noise size in units of ``sigma``.
-        sigma: the noise unit (ROME: std of the subject's input embeddings).
+        sigma: the noise unit (ROME: std of the subject's input embeddings; default 1).
         distribution: ``"gaussian"`` or ``"uniform"``.
         offset: the absolute position of the component's first position, when the positions
             before it come from a KV cache; ``positions`` stay absolute and a row's draw is the
@@ -75,24 +125,19 @@ class NoiseAdd(CausalTraceIntervention):
         self,
         seeds: int | Sequence[int] | torch.Tensor | None = None,
         positions: Any = None,
-        scale: float = NOISE_SCALE,
-        sigma: float = 1.0,
-        distribution: str = "gaussian",
-        offset: int = 0,
+        scale: float | None = None,
+        sigma: float | None = None,
+        distribution: str | None = None,
+        offset: int | None = None,
         **pyvene_kwargs: Any,
     ) -> None:
-        own = {} if seeds is None else dict(
-            seeds=seeds, positions=positions, scale=scale, sigma=sigma, distribution=distribution,
-            offset=offset,
-        )
-        super().__init__(**own, **pyvene_kwargs)
+        super().__init__(seeds=seeds, positions=positions, scale=scale, sigma=sigma,
+                         distribution=distribution, offset=offset, **pyvene_kwargs)
 
-    def _setup(self, seeds, positions, scale=NOISE_SCALE, sigma=1.0, distribution="gaussian",
-               offset=0) -> None:
+    def _setup(self, seeds=0, positions=None, scale=NOISE_SCALE, sigma=1.0,
+               distribution="gaussian", offset=0) -> None:
         if distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
-        if positions is None:
-            raise ValueError("noise_add needs positions")
         seeds = torch.as_tensor(seeds, dtype=torch.int64).reshape(-1)
         if seeds.numel() == 0:
             raise ValueError("noise_add needs at least one seed")
@@ -106,7 +151,8 @@ class NoiseAdd(CausalTraceIntervention):
         """The ``[batch, seq_len, hidden]`` float32 tensor this intervention adds."""
         rows_for(batch, self.seeds.numel(), "seeds")
         offset = self._config["offset"]
-        mask = fit_mask(self.positions.cpu(), batch, offset + seq_len)
+        mask = fit_mask(None if self.positions is None else self.positions.cpu(), batch,
+                        offset + seq_len)
         delta = torch.zeros(batch, seq_len, hidden, dtype=torch.float32)
         draws: dict[tuple[int, int], torch.Tensor] = {}  # rows often share a seed
         for row in range(batch):
@@ -125,3 +171,65 @@ class NoiseAdd(CausalTraceIntervention):
         if self._cache is None or self._cache[0] != key:
             self._cache = (key, self.noise(*base.shape).to(base.device, base.dtype))
         return base + self._cache[1]
+
+    # -- spec entry ----------------------------------------------------------------------
+    spec_unique = True
+    spec_corrupts = True
+
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        return {"additionalProperties": False, "required": ["seeds"], "properties": {
+            "type": True,
+            "positions": {"$ref": "#/$defs/positions", "default": "subject"},
+            "seeds": {"$ref": "#/$defs/seeds"},
+            "scale": {"description": "Noise in units of sigma, or auto: the smallest scale whose "
+                                     "worst seed leaves P(answer) below 5% of clean (traces "
+                                     "only).",
+                      "oneOf": [{"type": "number", "exclusiveMinimum": 0}, {"const": "auto"}],
+                      "default": NOISE_SCALE},
+            "sigma": {"description": "rome (std of the subject's input embeddings), "
+                                     "embedding_matrix (std of the embedding weights) or a "
+                                     "number.",
+                      "oneOf": [{"enum": list(SIGMA_METHODS)},
+                                {"type": "number", "exclusiveMinimum": 0}],
+                      "default": "rome"},
+            "distribution": {"enum": list(DISTRIBUTIONS), "default": "gaussian"}}}
+
+    @classmethod
+    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
+        from ..specs import SpecError
+
+        if entry.get("scale") == "auto" and "trace" not in spec:
+            raise SpecError(path + ".scale", "'auto' is for trace specs only")
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+        from .spec_entry import Site
+
+        path = ctx.path(index, "positions")
+        positions = ctx.positions(entry.get("positions", "subject"), path)
+        return [Site(index, ctx.adapter.site("embed"), None, positions, where=path)]
+
+    @classmethod
+    def from_spec(cls, entry: dict, site, ctx, states=None) -> NoiseAdd:
+        from ..specs import SpecError
+
+        path = ctx.path(site.index)
+        try:
+            seeds = seed_list(entry.get("seeds"))
+        except (TypeError, ValueError) as error:
+            raise SpecError(path + ".seeds", str(error)) from None
+        try:
+            _, sigma = resolve_sigma(entry.get("sigma", "rome"), ctx.model, ctx.tokenizer,
+                                     ctx.spec.subject)
+        except ValueError as error:
+            raise SpecError(path + ".sigma", str(error)) from None
+        return cls(seeds=seeds, positions=site.positions, scale=float(entry.get("scale",
+                                                                                NOISE_SCALE)),
+                   sigma=sigma, distribution=entry.get("distribution", "gaussian"))
+
+    def to_spec(self, site) -> dict[str, Any]:
+        return {"type": self.registered_name,
+                "positions": "all" if site.positions is None else list(site.positions),
+                "seeds": self.seeds.tolist(), "scale": self._config["scale"],
+                "sigma": self._config["sigma"], "distribution": self._config["distribution"]}

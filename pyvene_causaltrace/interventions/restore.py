@@ -28,32 +28,19 @@ from typing import Any
 
 import torch
 
+from ..locations import window_layers
 from .base import CausalTraceIntervention, fit_mask, positions_to_mask, rows_for
-
-
-def window_layers(center: int, window: int, n_layers: int) -> list[int]:
-    """ROME's window of ``window`` layers around ``center``, clipped to the model."""
-    if window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
-    if not 0 <= center < n_layers:
-        raise ValueError(f"centre layer {center} is outside 0..{n_layers - 1}")
-    return list(range(max(0, center - window // 2), min(n_layers, center - (-window // 2))))
 
 
 class _Overwrite(CausalTraceIntervention):
     tensor_fields = ("states", "positions", "state_rows")
-    _config_keys: tuple[str, ...] = ()
+    _config_defaults: dict[str, Any] = {}
 
     def __init__(self, positions: Any = None, states: torch.Tensor | None = None,
                  state_rows: torch.Tensor | None = None, **kwargs: Any) -> None:
-        own = {k: kwargs.pop(k) for k in self._config_keys if k in kwargs}
-        if positions is not None:
-            own.update(positions=positions, states=states, state_rows=state_rows)
-        elif own:
-            raise ValueError(f"{self.registered_name} needs positions")
-        super().__init__(**own, **kwargs)
+        super().__init__(positions=positions, states=states, state_rows=state_rows, **kwargs)
 
-    def _setup(self, positions, states=None, state_rows=None, **config: Any) -> None:
+    def _setup(self, positions=None, states=None, state_rows=None, **config: Any) -> None:
         mask = positions_to_mask(positions)
         if states is not None:
             if states.dim() == 2:
@@ -71,10 +58,11 @@ class _Overwrite(CausalTraceIntervention):
         self._set_tensor("states", states)
         self._set_tensor("state_rows", state_rows)
         self.is_source_constant = states is not None
-        missing = [k for k in self._config_keys if k not in config]
-        if missing:
-            raise ValueError(f"{self.registered_name} needs {', '.join(missing)}")
-        self._config = {k: config[k] for k in self._config_keys}
+        unknown = set(config) - set(self._config_defaults)
+        if unknown:
+            raise TypeError(f"{self.registered_name} got unexpected settings "
+                            f"{', '.join(sorted(unknown))}")
+        self._config = {**self._config_defaults, **config}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         donor = self.states if self.states is not None else source
@@ -88,7 +76,8 @@ class _Overwrite(CausalTraceIntervention):
                 f"{self.registered_name}: donor states are {tuple(donor.shape)}, the component "
                 f"output is {tuple(base.shape)}"
             )
-        mask = fit_mask(self.positions.to(base.device), batch, seq_len)
+        mask = fit_mask(None if self.positions is None else self.positions.to(base.device),
+                        batch, seq_len).to(base.device)
         if not bool(mask.any()):
             return base
         if self.state_rows is not None:
@@ -97,11 +86,40 @@ class _Overwrite(CausalTraceIntervention):
         rows_for(batch, donor.shape[0], "the donor states")
         return torch.where(mask.unsqueeze(-1), donor.to(base.device, base.dtype), base)
 
+    # -- spec entry: component, layers, positions; the donor run's states at each site
+    @classmethod
+    def from_spec(cls, entry: dict, site, ctx, states=None):
+        return cls(positions=site.positions, states=states)
+
+    def to_spec(self, site) -> dict[str, Any]:
+        return {"type": self.registered_name, "component": site.component,
+                "positions": "all" if site.positions is None else list(site.positions),
+                **{k: v for k, v in self._config.items() if k in self.spec_schema()["properties"]}}
+
+
+def _site_schema(required: list[str], **extra: Any) -> dict[str, Any]:
+    return {"additionalProperties": False, "required": required, "properties": {
+        "type": True, "component": {"$ref": "#/$defs/component"},
+        "layers": {"$ref": "#/$defs/layers"}, "positions": {"$ref": "#/$defs/positions"},
+        **extra}}
+
 
 class CleanRestore(_Overwrite):
     """Overwrite with clean-run states at per-row positions (see module docstring)."""
 
     registered_name = "clean_restore"
+
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        schema = _site_schema(["positions"])
+        schema["properties"]["component"] = {"$ref": "#/$defs/component",
+                                             "default": "block_output"}
+        return schema
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+        return ctx.component_sites(entry, index, default_component="block_output",
+                                   default_positions=None, donor="clean")
 
 
 class WindowRestore(_Overwrite):
@@ -109,11 +127,59 @@ class WindowRestore(_Overwrite):
     ``"attn"``, and ``center``/``window`` record the window the layer belongs to."""
 
     registered_name = "window_restore"
-    _config_keys = ("sublayer", "window_layer", "center", "window")
+    _config_defaults = {"sublayer": None, "window_layer": None, "center": None, "window": None}
+
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        return {"additionalProperties": False,
+                "required": ["sublayer", "center", "window", "positions"],
+                "properties": {"type": True, "sublayer": {"enum": ["mlp", "attn"]},
+                               "center": {"type": "integer"},
+                               "window": {"type": "integer", "minimum": 1},
+                               "positions": {"$ref": "#/$defs/positions"}}}
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+        from .spec_entry import Site
+
+        center = ctx.layers(entry["center"], ctx.path(index, "center"))[0]
+        positions = ctx.positions(entry["positions"], ctx.path(index, "positions"))
+        component = f"{entry['sublayer']}_output"
+        return [Site(index, ctx.adapter.site(component, layer), layer, positions, "clean",
+                     ctx.path(index, "sublayer"))
+                for layer in window_layers(center, entry["window"], ctx.n_layers)]
+
+    @classmethod
+    def from_spec(cls, entry: dict, site, ctx, states=None):
+        return cls(positions=site.positions, states=states, sublayer=entry["sublayer"],
+                   window_layer=site.layer, center=entry["center"], window=entry["window"])
+
+    def to_spec(self, site) -> dict[str, Any]:
+        """The whole window's entry (it rebuilds this layer and its window's others)."""
+        return {"type": self.registered_name, "sublayer": self._config["sublayer"],
+                "center": self._config["center"], "window": self._config["window"],
+                "positions": "all" if site.positions is None else list(site.positions)}
 
 
 class Freeze(_Overwrite):
     """Hold a component at the values it had in another run (``run`` names it)."""
 
     registered_name = "freeze"
-    _config_keys = ("run",)
+    _config_defaults = {"run": "corrupted"}
+
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        schema = _site_schema(["component"], run={"enum": ["corrupted", "clean"],
+                                                  "default": "corrupted"})
+        schema["properties"]["layers"]["default"] = "all"
+        schema["properties"]["positions"]["default"] = "all"
+        return schema
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+        return ctx.component_sites(entry, index, default_layers="all",
+                                   donor=entry.get("run", "corrupted"))
+
+    @classmethod
+    def from_spec(cls, entry: dict, site, ctx, states=None):
+        return cls(positions=site.positions, states=states, run=site.donor)

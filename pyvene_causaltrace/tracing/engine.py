@@ -27,7 +27,8 @@ from torch import nn
 from ..capture import capture
 from ..defaults import WINDOW
 from ..interventions.noise import NoiseAdd
-from ..interventions.restore import CleanRestore, Freeze, WindowRestore, window_layers
+from ..interventions.restore import CleanRestore, Freeze, WindowRestore
+from ..locations import window_layers
 from ..models import get_adapter
 from ..pyvene_compat import intervenable_model_class
 
@@ -110,8 +111,7 @@ class TraceEngine:
 
         parts = ("block", "mlp", "attn")
         self._paths = {
-            part: [self.adapter.module_path(part, layer) + ".output"
-                   for layer in range(self.n_layers)]
+            part: [self.adapter.site(f"{part}_output", layer) for layer in range(self.n_layers)]
             for part in parts
         }
         every = [p for part in parts for p in self._paths[part]]
@@ -137,7 +137,7 @@ class TraceEngine:
                         **self.noise_config)
 
     def _embed(self, noise: NoiseAdd) -> dict:
-        return {"component": self.adapter.embed + ".output", "intervention": noise}
+        return {"component": self.adapter.site("embed"), "intervention": noise}
 
     def restore_layers(self, kind: TraceKind, layer: int, window: int) -> list[int]:
         return window_layers(layer, window, self.n_layers) if kind.windowed else [layer]

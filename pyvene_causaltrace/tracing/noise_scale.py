@@ -1,10 +1,7 @@
-"""The noise unit ``sigma``.
+"""The noise scale: which multiple of sigma corrupts the answer (a sweep over scales).
 
-ROME's sigma (the default) is the standard deviation over all elements of the input-embedding
-module's outputs for the subject strings tokenized alone (no special tokens) — the spread of the
-embeddings a subject actually uses. The embedding matrix's standard deviation is an option with
-its own name; the seed shows the two differ enough that 3 sigma of the matrix fails to corrupt
-some models.
+The noise unit sigma itself (ROME's, the embedding matrix's, or a number) is
+:func:`~pyvene_causaltrace.interventions.noise.resolve_sigma`, re-exported here.
 """
 
 from __future__ import annotations
@@ -15,48 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models import get_adapter, get_module
-
-SIGMA_METHODS = ("rome", "embedding_matrix")
-
-
-@torch.no_grad()
-def rome_sigma(model: nn.Module, tokenizer, subjects: Sequence[str]) -> float:
-    """Std of the input-embedding outputs of ``subjects`` tokenized alone."""
-    embed = get_module(model, get_adapter(model).embed)
-    device = next(model.parameters()).device
-    outputs = []
-    for subject in subjects:
-        ids = tokenizer(subject, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        if ids.numel() == 0:
-            raise ValueError(f"subject {subject!r} tokenizes to nothing")
-        outputs.append(embed(ids.to(device)).float().reshape(-1))
-    return float(torch.cat(outputs).std())
-
-
-@torch.no_grad()
-def embedding_matrix_sigma(model: nn.Module) -> float:
-    """Std of the input-embedding weight matrix."""
-    embed = get_module(model, get_adapter(model).embed)
-    return float(embed.weight.float().std())
-
-
-def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer,
-                  subject: str | None) -> tuple[str, float]:
-    """``(method, value)`` for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a
-    positive number (method ``"given"``)."""
-    if isinstance(sigma, (int, float)) and not isinstance(sigma, bool):
-        if sigma <= 0:
-            raise ValueError(f"sigma must be positive, got {sigma}")
-        return "given", float(sigma)
-    if sigma == "rome":
-        if subject is None:
-            raise ValueError("sigma 'rome' needs a subject")
-        return "rome", rome_sigma(model, tokenizer, [subject])
-    if sigma == "embedding_matrix":
-        return "embedding_matrix", embedding_matrix_sigma(model)
-    raise ValueError(f"sigma must be a number or one of {SIGMA_METHODS}, got {sigma!r}")
-
+from ..interventions.noise import (  # noqa: F401 - re-exported
+    SIGMA_METHODS,
+    embedding_matrix_sigma,
+    resolve_sigma,
+    rome_sigma,
+)
+from ..models import get_adapter
 
 # ------------------------------------------------------------------------ scale sweep
 
@@ -154,7 +116,7 @@ def sweep_noise_scale(
     ids = input_ids.to(device)
     clean = float(model(input_ids=ids, logits_to_keep=1).logits[0, -1].double()
                   .softmax(-1)[answer_id])
-    embed = get_adapter(model).embed + ".output"
+    embed = get_adapter(model).site("embed")
     rows = []
     for scale in scales:
         noise = NoiseAdd(seeds=list(seeds), positions=list(noise_positions), scale=scale,

@@ -27,6 +27,7 @@ from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
 from ..interventions.noise import seed_list
 from ..models import model_name
 from ..prompts import answer_token_id, tokenize_prompt
+from ..pyvene_compat import applied_interventions
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
 from .noise_scale import DEFAULT_SCALES, NoiseScaleSweep, resolve_sigma, sweep_noise_scale
 from .results import TraceResult
@@ -68,6 +69,9 @@ class ControlReport:
 class Tracer:
     """One prompt, its clean and corrupted runs, and every trace kind on top of them.
 
+    ``model`` may be a ``pv.IntervenableModel``: its interventions then act in every run
+    (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`).
+
     Args:
         prompt, subject: the subject must occur in the prompt (``occurrence`` picks which).
         answer: target string (its first token; a warning if it has more) or the clean argmax.
@@ -98,35 +102,38 @@ class Tracer:
         scales: Sequence[float] = DEFAULT_SCALES,
     ) -> None:
         seeds = seed_list(seeds)
-        self.model, self.tokenizer = model, tokenizer
-        self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
-        self.seeds = seeds
-        self.noise_positions = list(range(*self.prompt.subject_range))
-        self.sigma_method, self.sigma = resolve_sigma(sigma, model, tokenizer, subject)
-        self.answer_text = answer  # as given: a spec written from this tracer repeats it
-        if answer is not None:
-            self.answer_id = answer_token_id(tokenizer, answer)
-        else:
-            with torch.no_grad():
-                ids = self.prompt.input_ids.to(next(model.parameters()).device)
-                self.answer_id = int(model(input_ids=ids, logits_to_keep=1).logits[0, -1].argmax())
-        self.sweep: NoiseScaleSweep | None = None
-        if scale == "auto":
-            self.sweep = sweep_noise_scale(
-                model, self.prompt.input_ids, self.noise_positions, self.answer_id, seeds,
-                self.sigma, sigma_method=self.sigma_method, scales=scales,
-                distribution=distribution)
-            if self.sweep.chosen is None:
-                raise ValueError(f"scale='auto': {self.sweep.reason()}")
-            scale = self.sweep.chosen
-        if not isinstance(scale, (int, float)) or scale <= 0:
-            raise ValueError(f"scale must be a positive number or 'auto', got {scale!r}")
-        self.scale = float(scale)
-        self.distribution = distribution
-        self.engine = TraceEngine(
-            model, self.prompt.input_ids, self.noise_positions, seeds, self.scale, self.sigma,
-            self.answer_id, distribution=distribution, memory_budget_mb=memory_budget_mb,
-            reuse_prefix=reuse_prefix)
+        self._given = model  # a pv.IntervenableModel: its interventions act in every run
+        with applied_interventions(model) as model:
+            self.model, self.tokenizer = model, tokenizer
+            self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
+            self.seeds = seeds
+            self.noise_positions = list(range(*self.prompt.subject_range))
+            self.sigma_method, self.sigma = resolve_sigma(sigma, model, tokenizer, subject)
+            self.answer_text = answer  # as given: a spec written from this tracer repeats it
+            if answer is not None:
+                self.answer_id = answer_token_id(tokenizer, answer)
+            else:
+                with torch.no_grad():
+                    ids = self.prompt.input_ids.to(next(model.parameters()).device)
+                    logits = model(input_ids=ids, logits_to_keep=1).logits
+                    self.answer_id = int(logits[0, -1].argmax())
+            self.sweep: NoiseScaleSweep | None = None
+            if scale == "auto":
+                self.sweep = sweep_noise_scale(
+                    model, self.prompt.input_ids, self.noise_positions, self.answer_id, seeds,
+                    self.sigma, sigma_method=self.sigma_method, scales=scales,
+                    distribution=distribution)
+                if self.sweep.chosen is None:
+                    raise ValueError(f"scale='auto': {self.sweep.reason()}")
+                scale = self.sweep.chosen
+            if not isinstance(scale, (int, float)) or scale <= 0:
+                raise ValueError(f"scale must be a positive number or 'auto', got {scale!r}")
+            self.scale = float(scale)
+            self.distribution = distribution
+            self.engine = TraceEngine(
+                model, self.prompt.input_ids, self.noise_positions, seeds, self.scale, self.sigma,
+                self.answer_id, distribution=distribution, memory_budget_mb=memory_budget_mb,
+                reuse_prefix=reuse_prefix)
 
     @property
     def clean_prob(self) -> float:
@@ -147,7 +154,8 @@ class Tracer:
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
         cells = self.cells()
-        probs = self.engine.run(trace_kind, cells, window=window, progress=progress)
+        with applied_interventions(self._given):
+            probs = self.engine.run(trace_kind, cells, window=window, progress=progress)
         restored = probs.numpy().reshape(len(self.seeds), self.engine.n_layers,
                                          self.prompt.seq_len)
         return TraceResult(
@@ -178,6 +186,10 @@ class Tracer:
 
     def controls(self, *, window: int = WINDOW, tolerance: float = 1e-5) -> ControlReport:
         """Run the two controls that can fail (see :class:`ControlReport`)."""
+        with applied_interventions(self._given):
+            return self._controls(window, tolerance)
+
+    def _controls(self, window: int, tolerance: float) -> ControlReport:
         residual = KINDS["residual"]
         cells = self.cells()
         donor = self.engine.run(residual, cells, donor="corrupted")

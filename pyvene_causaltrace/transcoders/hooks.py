@@ -2,8 +2,8 @@
 
 Transcoder configs name their hooks as TransformerLens does (``hook_resid_mid``,
 ``ln2.hook_normalized``, ``hook_mlp_out``, circuit-tracer's ``mlp.hook_in``/``mlp.hook_out``), with
-or without a ``blocks.{l}.`` prefix. :data:`HOOKS` says, through the architecture adapter, which
-module's input or output each one is. Two need care:
+or without a ``blocks.{l}.`` prefix. :data:`HOOKS` names each one's site in the adapter's
+vocabulary (:data:`~pyvene_causaltrace.models.SITES`). Two need care:
 
 - ``ln2.hook_normalized`` is the MLP norm's input *normalised but before its gain* (``x / rms(x)``,
   or ``(x - mean) / std`` for LayerNorm) — not the norm module's output. The site is the norm's
@@ -21,22 +21,21 @@ import torch
 
 @dataclass(frozen=True)
 class HookSite:
-    """``part`` of the adapter, its ``"input"`` or ``"output"``; ``normalized``: the value is
-    that tensor normalised by the norm's statistic, without its gain."""
+    """The adapter ``site`` a hook reads; ``normalized``: the value is that tensor (a norm's
+    input) normalised by the norm's statistic, without its gain."""
 
-    part: str
-    kind: str
+    site: str
     normalized: bool = False
 
 
 HOOKS = {
-    "hook_resid_pre": HookSite("pre_attn_norm", "input"),
-    "ln1.hook_normalized": HookSite("pre_attn_norm", "input", normalized=True),
-    "hook_resid_mid": HookSite("pre_mlp_norm", "input"),
-    "ln2.hook_normalized": HookSite("pre_mlp_norm", "input", normalized=True),
-    "mlp.hook_in": HookSite("pre_mlp_norm", "output"),  # the MLP's input, after the norm's gain
-    "mlp.hook_out": HookSite("mlp", "output"),
-    "hook_mlp_out": HookSite("mlp_out", "output"),
+    "hook_resid_pre": HookSite("resid_pre"),
+    "ln1.hook_normalized": HookSite("resid_pre", normalized=True),
+    "hook_resid_mid": HookSite("resid_mid"),
+    "ln2.hook_normalized": HookSite("resid_mid", normalized=True),
+    "mlp.hook_in": HookSite("mlp_input"),
+    "mlp.hook_out": HookSite("mlp_output"),
+    "hook_mlp_out": HookSite("mlp_contribution"),
 }
 INPUT_HOOKS = ("hook_resid_mid", "ln2.hook_normalized", "mlp.hook_in")
 OUTPUT_HOOKS = ("hook_mlp_out", "mlp.hook_out")
@@ -62,8 +61,7 @@ def hook_site(hook: str) -> HookSite:
 
 def hook_component(adapter, hook: str, layer: int) -> str:
     """The pyvene component string of hook ``hook``'s site at ``layer``."""
-    site = hook_site(hook)
-    return f"{adapter.module_path(site.part, layer)}.{site.kind}"
+    return adapter.site(hook_site(hook).site, layer)
 
 
 def norm_settings(model, hook: str, layer: int) -> dict | None:
@@ -74,7 +72,7 @@ def norm_settings(model, hook: str, layer: int) -> dict | None:
     if not site.normalized:
         return None
     adapter = get_adapter(model)
-    module = get_module(model, adapter.module_path(site.part, layer))
+    module = get_module(model, adapter.site(site.site, layer).rpartition(".")[0])
     eps = next((float(getattr(module, name)) for name in ("eps", "variance_epsilon")
                 if hasattr(module, name)), None)
     if eps is None:

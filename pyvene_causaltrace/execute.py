@@ -1,0 +1,232 @@
+"""Spec → registered interventions → ``pv.IntervenableConfig`` → run → :class:`SpecRunResult`.
+
+    spec = load_spec("intervention_specs/residual_trace.json")
+    model, tokenizer = load_model(spec.model)
+    result = run_spec(spec, model, tokenizer)
+    result.to_dataframe()
+
+The executor knows no intervention type by name. For each entry it asks the registered type
+(:mod:`~pyvene_causaltrace.interventions.spec_entry`) where it acts — its sites, and whose
+states (the clean run's, the corrupted run's) it needs — then makes those two runs, one forward
+each, and asks the type to build one intervention per site. An entry whose type ``spec_corrupts``
+(``noise_add``) makes the corrupted run; its seeds are the batch rows.
+
+For composing a spec with other pyvene interventions, :func:`build_interventions` returns the
+resolved ``(component, intervention)`` pairs and :func:`to_pv_config` a ``pv.IntervenableConfig``
+(its representations hold the intervention instances); add yours to it and build
+``IntervenableModel(config, model)``. Batch rows are the noise seeds: feed ``plan.base_inputs``.
+:func:`resolve_sites` resolves a spec's sites on a model without running it (``validate
+--model``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .capture import capture
+from .interventions import get_intervention
+from .interventions.spec_entry import Site, SpecContext, entry_of
+from .models import get_adapter, get_module
+from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
+from .pyvene_compat import applied_interventions, import_pyvene, intervenable_model_class
+from .specs import ExperimentSpec, SpecError, load_spec
+from .tracing.metrics import answer_probs, recovery
+from .tracing.results import SpecRunResult
+
+
+@dataclass
+class Plan:
+    """A spec resolved against one model and tokenizer."""
+
+    spec: ExperimentSpec
+    prompt: TokenizedPrompt
+    answer_id: int
+    answer: str
+    seeds: list[int] | None
+    sigma: float | None
+    scale: float | None
+    clean_probs: torch.Tensor  # [vocab] float64 at the last position
+    corrupt_probs: torch.Tensor | None  # [rows, vocab] float64 with only the noise
+    interventions: list[tuple[str, Any]]  # (pyvene component, intervention instance)
+    sites: list[Site]  # where each of ``interventions`` acts, in the same order
+
+    @property
+    def rows(self) -> int:
+        return len(self.seeds) if self.seeds else 1
+
+    @property
+    def base_inputs(self) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.prompt.input_ids.repeat(self.rows, 1)}
+
+    def to_spec(self) -> list[dict[str, Any]]:
+        """Each intervention's own single-site entry (``to_spec``), in order."""
+        return [made.to_spec(site) for (_, made), site in zip(self.interventions, self.sites,
+                                                             strict=True)]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def resolve_sites(spec: ExperimentSpec | dict | str, model: nn.Module,
+                  tokenizer) -> tuple[SpecContext, list[tuple[Any, list[Site]]]]:
+    """The context and each entry's (answerer, sites) of ``spec`` on ``model``; checks layers,
+    positions and that every site's module exists (errors are :class:`SpecError` with the
+    entry's JSON path). Runs nothing."""
+    spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
+    adapter = get_adapter(model)
+    prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence or 0)
+    ctx = SpecContext(spec, model, tokenizer, adapter, prompt)
+    resolved = []
+    for index, item in enumerate(spec.interventions):
+        entry = entry_of(get_intervention(item.type))
+        sites = entry.spec_sites(item.to_dict(), index, ctx)
+        for site in sites:
+            _check_module(model, site, item.to_dict())
+        resolved.append((entry, sites))
+    return ctx, resolved
+
+
+def _check_module(model: nn.Module, site: Site, item: dict) -> None:
+    """A site whose module the model lacks is a :class:`SpecError` at the field that named it."""
+    module_path, _, kind = site.component.rpartition(".")
+    if kind not in ("input", "output"):
+        raise SpecError(site.where, f"{site.component!r} must end in .output or .input")
+    try:
+        get_module(model, module_path)
+    except (AttributeError, IndexError, TypeError):
+        raise SpecError(site.where, f"{model.config.model_type} has no module {module_path!r}"
+                        + (f" (from {item['component']!r})" if "component" in item else "")
+                        ) from None
+
+
+def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> Plan:
+    """Resolve ``spec`` on ``model``: tokens, answer, the noise, and one intervention per site."""
+    spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
+    if spec.trace is not None:
+        raise SpecError("$.trace", "this is a trace spec: run it with tracer_from_spec "
+                        "(or `pyvene-causaltrace run`)")
+    if spec.attribution is not None:
+        raise SpecError("$.attribution", "an attribution spec builds a graph: use "
+                        "pyvene_causaltrace.attribute or the attribute command")
+    ctx, resolved = resolve_sites(spec, model, tokenizer)
+    ids = ctx.prompt.input_ids.to(_device(model))
+    items = [item.to_dict() for item in spec.interventions]
+
+    def build(index: int, states: dict[str, dict[str, torch.Tensor]]) -> list:
+        entry, sites = resolved[index]
+        try:
+            return [entry.from_spec(items[index], site, ctx,
+                                    states[site.donor][site.component] if site.donor else None)
+                    for site in sites]
+        except (TypeError, ValueError) as error:
+            if isinstance(error, SpecError):
+                raise
+            raise SpecError(ctx.path(index), f"{items[index]['type']}: {error}") from None
+
+    corrupting = [i for i, (entry, _) in enumerate(resolved) if entry.spec_corrupts]
+    made = {i: build(i, {}) for i in corrupting}
+    needs = {run: [s.component for _, sites in resolved for s in sites if s.donor == run]
+             for run in ("clean", "corrupted")}
+
+    # One clean forward gives the clean probabilities and every clean donor.
+    box: dict[str, torch.Tensor] = {}
+    clean_states = capture(model, {}, needs["clean"],
+                           run=lambda: box.setdefault("logits", model(input_ids=ids).logits))
+    clean_probs = box["logits"][0, -1].double().softmax(-1)
+    answer_id = (answer_token_id(ctx.tokenizer, spec.answer) if spec.answer is not None
+                 else int(clean_probs.argmax()))
+
+    noise = [(site.component, m) for i in corrupting
+             for site, m in zip(resolved[i][1], made[i], strict=True)]
+    rows = max((int(getattr(m, "seeds", torch.zeros(1)).numel()) for _, m in noise), default=1)
+    corrupt_states, corrupt_probs = _corrupted_run(model, ids, noise, needs["corrupted"], rows)
+    states = {"clean": clean_states, "corrupted": corrupt_states}
+    for index in range(len(resolved)):
+        if index not in made:
+            made[index] = build(index, states)
+
+    interventions, sites = [], []
+    for index in corrupting + [i for i in range(len(resolved)) if i not in corrupting]:
+        for site, m in zip(resolved[index][1], made[index], strict=True):
+            interventions.append((site.component, m))
+            sites.append(site)
+    first = noise[0][1] if noise else None
+    return Plan(spec, ctx.prompt, answer_id, ctx.tokenizer.decode([answer_id]),
+                first.seeds.tolist() if first is not None else None,
+                first.config()["sigma"] if first is not None else None,
+                first.config()["scale"] if first is not None else None,
+                clean_probs, corrupt_probs, interventions, sites)
+
+
+def _corrupted_run(model, ids, noise: list[tuple[str, Any]], components: list[str], rows: int):
+    """States of ``components`` and last-position probabilities with only the noise."""
+    if not noise:
+        if components:
+            raise SpecError("$.interventions", "freeze of the corrupted run needs a noise_add")
+        return {}, None
+    pv_model = intervenable_model_class()(
+        [{"component": c, "intervention": m} for c, m in noise], model)
+    inputs = {"input_ids": ids.repeat(rows, 1)}
+    box: dict[str, Any] = {}
+    states = capture(model, inputs, components,
+                     run=lambda: box.setdefault("out", pv_model(base=inputs)[1]))
+    return states, box["out"].logits[:, -1].double().softmax(-1).cpu()
+
+
+def to_pv_config(plan: Plan):
+    """A ``pv.IntervenableConfig`` holding the plan's intervention instances."""
+    pv = import_pyvene()
+    return pv.IntervenableConfig(
+        [{"component": component, "intervention": made} for component, made in plan.interventions]
+    )
+
+
+def build_intervenable(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer):
+    """``(IntervenableModel, plan)`` for ``spec``; call it with ``base=plan.base_inputs``."""
+    plan = build_interventions(spec, model, tokenizer)
+    return intervenable_model_class()(to_pv_config(plan), model), plan
+
+
+@torch.no_grad()
+def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> SpecRunResult:
+    """Run a spec: clean, noise-only (if noised) and intervened probabilities of the answer.
+
+    ``model`` may be a ``pv.IntervenableModel``: its interventions then act in every run
+    (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`)."""
+    with applied_interventions(model) as model:
+        pv_model, plan = build_intervenable(spec, model, tokenizer)
+        device = _device(model)
+        base = {k: v.to(device) for k, v in plan.base_inputs.items()}
+        _, out = pv_model(base=base)
+    probs = answer_probs(out.logits, plan.answer_id).cpu()
+    clean = float(plan.clean_probs[plan.answer_id])
+    if plan.corrupt_probs is not None:
+        corrupt = plan.corrupt_probs[:, plan.answer_id]
+        rec = recovery(probs, corrupt, clean)
+    else:
+        corrupt = torch.full_like(probs, clean)
+        rec = torch.full_like(probs, float("nan"))
+    return SpecRunResult(
+        spec=plan.spec.to_dict(),
+        tokens=list(plan.prompt.tokens),
+        subject_range=plan.prompt.subject_range,
+        answer=plan.answer,
+        answer_id=plan.answer_id,
+        seeds=plan.seeds,
+        sigma=plan.sigma,
+        scale=plan.scale,
+        clean_prob=clean,
+        corrupt_probs=corrupt.tolist(),
+        intervened_probs=probs.tolist(),
+        recovery=rec.tolist(),
+        components=[component for component, _ in plan.interventions],
+    )
+
+
+__all__ = ["Plan", "build_intervenable", "build_interventions", "resolve_sites", "run_spec",
+           "to_pv_config"]

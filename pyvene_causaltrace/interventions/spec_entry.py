@@ -1,0 +1,138 @@
+"""How a registered type lives in a JSON spec: its entry's schema, where it acts, how it is built.
+
+Every registered type answers three questions, asked by :mod:`pyvene_causaltrace.execute` (which
+runs specs) and :func:`pyvene_causaltrace.specs.validate_spec` — neither knows any type by name:
+
+- ``spec_schema()``: the JSON Schema of the entry's fields (``$ref``\\ s may point at the shared
+  ``#/$defs`` of ``spec.schema.json``: ``positions``, ``layers``, ``component``, ``seeds``);
+- ``spec_sites(entry, index, ctx)``: the :class:`Site`\\ s the entry acts at — a pyvene
+  component, its layer and positions, and whose states (``clean`` or ``corrupted`` run) it needs;
+- ``from_spec(entry, site, ctx, states)``: the intervention instance at one site; ``to_spec(site)``
+  on an instance writes back the single-site entry that rebuilds it.
+
+:class:`~.base.CausalTraceIntervention` gives every subclass the *generic shape* — ``component``
+(a site name such as ``"mlp_output"`` or a raw module path), ``layers``, ``positions``, and any
+other field passed to the constructor as a keyword — so a third-party type needs nothing more
+than registering. A plain ``pyvene.Intervention`` subclass gets the same shape through
+:func:`entry_of` (its fields go to the constructor; it acts at every position). Class attributes
+add cross-entry rules: ``spec_refusal`` (a spec cannot hold the type, and why),
+``spec_unique`` (at most one entry), ``spec_requires`` (another type that must be present),
+``spec_corrupts`` (the entry makes the corrupted run: the noise).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The fields of the generic shape and the site they name.
+SITE_FIELDS = ("component", "layers", "positions")
+
+
+def generic_schema(*, open_fields: bool = True, positions: bool = True) -> dict[str, Any]:
+    """The generic entry: a component, its layers and positions, and (``open_fields``) any
+    other field, passed to the constructor."""
+    properties: dict[str, Any] = {"type": True, "component": {"$ref": "#/$defs/component"},
+                                  "layers": {"$ref": "#/$defs/layers"}}
+    if positions:
+        properties["positions"] = {"$ref": "#/$defs/positions", "default": "all"}
+    return {"description": "A registered type: built once per layer of its component, with its "
+                           "other fields as keyword arguments.",
+            "required": ["component"], "properties": properties,
+            "additionalProperties": open_fields}
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place an entry acts: ``component`` (a pyvene component string) at ``layer`` (None
+    for a component without layers), ``positions`` (None: every position), ``donor`` (the run
+    whose states of ``component`` the intervention holds: ``"clean"``, ``"corrupted"`` or None).
+    ``where`` is the JSON path of the entry field that named the component; ``made`` an
+    instance built while resolving (an entry whose sites share one object, e.g. a splice)."""
+
+    index: int
+    component: str
+    layer: int | None = None
+    positions: list[int] | None = None
+    donor: str | None = None
+    where: str = ""
+    made: Any = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SpecContext:
+    """What an entry is resolved against: the spec, the model and its adapter, the tokenized
+    prompt."""
+
+    spec: Any  # ExperimentSpec
+    model: Any
+    tokenizer: Any
+    adapter: Any  # ArchAdapter
+    prompt: Any  # TokenizedPrompt
+
+    @property
+    def n_layers(self) -> int:
+        return self.adapter.n_layers(self.model)
+
+    @staticmethod
+    def path(index: int, name: str | None = None) -> str:
+        return f"$.interventions[{index}]" + (f".{name}" if name else "")
+
+    def positions(self, value: Any, path: str) -> list[int]:
+        from ..locations import resolve_positions
+
+        return resolve_positions(value, self.prompt, path)
+
+    def layers(self, value: Any, path: str) -> list[int]:
+        from ..locations import resolve_layers
+
+        return resolve_layers(value, self.n_layers, path)
+
+    def component_sites(self, entry: dict, index: int, *, default_component: str | None = None,
+                        default_layers: Any = None, default_positions: Any = "all",
+                        donor: str | None = None) -> list[Site]:
+        """The generic shape's sites: ``component`` at each of ``layers``, at ``positions``."""
+        from ..locations import component_layers, component_path
+
+        component = entry.get("component", default_component)
+        positions = self.positions(entry.get("positions", default_positions),
+                                   self.path(index, "positions"))
+        layers = component_layers(component, entry.get("layers", default_layers), self.n_layers,
+                                  self.path(index), self.adapter)
+        return [Site(index, component_path(component, layer, self.adapter), layer, positions,
+                     donor, self.path(index, "component")) for layer in layers]
+
+
+def extra_fields(entry: dict) -> dict[str, Any]:
+    """An entry's fields other than ``type`` and the generic site fields."""
+    return {k: v for k, v in entry.items() if k != "type" and k not in SITE_FIELDS}
+
+
+class _PlainPyveneEntry:
+    """The generic shape for a registered ``pyvene.Intervention`` that is not one of ours."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.spec_refusal = getattr(cls, "spec_refusal", None)
+        self.spec_unique = getattr(cls, "spec_unique", False)
+        self.spec_requires = getattr(cls, "spec_requires", ())
+        self.spec_corrupts = getattr(cls, "spec_corrupts", False)
+
+    def spec_schema(self) -> dict[str, Any]:
+        return generic_schema(positions=False)
+
+    def check_spec(self, entry: dict, spec: dict, path: str) -> None:
+        return None
+
+    def spec_sites(self, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
+        return ctx.component_sites(entry, index, default_positions="all")
+
+    def from_spec(self, entry: dict, site: Site, ctx: SpecContext, states=None):
+        return self.cls(**extra_fields(entry))
+
+
+def entry_of(cls: type):
+    """The object answering the spec questions for registered class ``cls``: the class itself
+    when it has them (ours and their subclasses), else the generic shape around it."""
+    return cls if hasattr(cls, "spec_sites") else _PlainPyveneEntry(cls)
