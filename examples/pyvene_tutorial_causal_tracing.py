@@ -1,8 +1,8 @@
 """pyvene's own causal-tracing tutorial, with our types swapped in, and the same run as a spec.
 
 pyvene's tutorial (tutorials/advanced_tutorials/Causal_Tracing.ipynb) writes a
-``NoiseIntervention`` by hand, builds ``IntervenableConfig``\\ s with ``RepresentationConfig``\\ s and
-``intervention_types``, and calls the ``IntervenableModel`` with ``sources`` and
+``NoiseIntervention`` by hand, builds an ``IntervenableConfig`` from ``RepresentationConfig``
+entries and ``intervention_types``, and calls the ``IntervenableModel`` with ``sources`` and
 ``unit_locations``. Here the setup and the calls are the tutorial's, on the bundled SmolLM2 (which
 splits "The Space Needle is in downtown" exactly as GPT-2 does, subject at positions 0-3); only
 the types differ: ``NoiseAdd.configured(...)`` for its noise (seeded, ROME's 3 sigma) and

@@ -70,8 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=None, help="overrides the spec's model")
     run.add_argument("--out", type=Path, default=None, help="write result.json here")
 
-    validate = commands.add_parser("validate", help="check JSON specs against the schema")
+    validate = commands.add_parser(
+        "validate", help="check JSON specs against the schema (and, with --model, against a "
+                         "model: layers, positions, modules, transcoder)")
     validate.add_argument("specs", type=Path, nargs="+")
+    validate.add_argument("--model", default=None,
+                          help="also resolve each spec on this model, without running it")
 
     check = commands.add_parser(
         "clt-check", help="pairing check and replacement-model anchor of a CLT on a model")
@@ -331,11 +335,19 @@ def _aggregate(args) -> int:
 def _validate(args) -> int:
     from .specs import SpecError, load_spec
 
+    loaded = None
+    if args.model is not None:
+        from .execute import check_on_model
+        from .models import load_model
+
+        loaded = load_model(args.model)
     failed = 0
     for path in args.specs:
         try:
-            load_spec(path)
-            print(f"ok      {path}")
+            spec = load_spec(path)
+            if loaded is not None:
+                check_on_model(spec, *loaded)
+            print(f"ok      {path}" + (f" (on {args.model})" if loaded else ""))
         except SpecError as error:
             failed += 1
             print(f"invalid {path}: {error}")

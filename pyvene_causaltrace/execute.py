@@ -15,8 +15,8 @@ For composing a spec with other pyvene interventions, :func:`build_interventions
 resolved ``(component, intervention)`` pairs and :func:`to_pv_config` a ``pv.IntervenableConfig``
 (its representations hold the intervention instances); add yours to it and build
 ``IntervenableModel(config, model)``. Batch rows are the noise seeds: feed ``plan.base_inputs``.
-:func:`resolve_sites` resolves a spec's sites on a model without running it (``validate
---model``).
+:func:`resolve_sites` resolves a spec's sites on a model without running it, and
+:func:`check_on_model` is everything ``validate --model`` checks.
 """
 
 from __future__ import annotations
@@ -89,6 +89,34 @@ def resolve_sites(spec: ExperimentSpec | dict | str, model: nn.Module,
             _check_module(model, site, item.to_dict())
         resolved.append((entry, sites))
     return ctx, resolved
+
+
+def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> None:
+    """What ``validate --model`` checks beyond the schema, without running the model: the
+    subject is in the prompt, every layer, position and module of every entry exists on
+    ``model``, the answer tokenizes, and an attribution spec's transcoder loads and fits."""
+    spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
+    if spec.answer is not None:
+        try:
+            answer_token_id(tokenizer, spec.answer, strict=spec.attribution is not None)
+        except ValueError as error:
+            raise SpecError("$.answer", str(error)) from None
+    if spec.attribution is None:
+        try:
+            resolve_sites(spec, model, tokenizer)
+        except SpecError:
+            raise
+        except ValueError as error:  # the subject is not in the prompt
+            raise SpecError("$.subject" if spec.subject else "$.prompt", str(error)) from None
+        return
+    from .transcoders.formats import load_transcoder
+    from .transcoders.transcoder import check_fits
+
+    block = spec.attribution
+    try:
+        check_fits(load_transcoder(block["clt"], format=block.get("format")), model)
+    except (OSError, ValueError) as error:
+        raise SpecError("$.attribution.clt", str(error)) from None
 
 
 def _check_module(model: nn.Module, site: Site, item: dict) -> None:
@@ -228,5 +256,5 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> 
     )
 
 
-__all__ = ["Plan", "build_intervenable", "build_interventions", "resolve_sites", "run_spec",
-           "to_pv_config"]
+__all__ = ["Plan", "build_intervenable", "build_interventions", "check_on_model",
+           "resolve_sites", "run_spec", "to_pv_config"]

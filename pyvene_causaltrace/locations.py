@@ -103,8 +103,9 @@ def component_path(component: str, layer: int | None, adapter: ArchAdapter) -> s
 
 
 def component_layers(component: str, layers: Any, n_layers: int, path: str,
-                     adapter: ArchAdapter) -> list[int | None]:
-    """The layers a component spans: ``[None]`` for layer-free components."""
+                     adapter: ArchAdapter, default: Any = None) -> list[int | None]:
+    """The layers a component spans (``layers``, else ``default`` for a component that has
+    layers): ``[None]`` for layer-free components."""
     if component in SITES and not adapter.has_site(component):
         raise SpecError(path + ".component", f"{adapter.model_type} has no {component!r}")
     layered = adapter.layered(component) if component in SITES else "{layer}" in component
@@ -112,6 +113,7 @@ def component_layers(component: str, layers: Any, n_layers: int, path: str,
         if layers is not None:
             raise SpecError(path + ".layers", f"component {component!r} has no layers")
         return [None]
+    layers = default if layers is None else layers
     if layers is None:
         raise SpecError(path, f"component {component!r} needs layers")
     return resolve_layers(layers, n_layers, path + ".layers")

@@ -174,3 +174,34 @@ def test_attribute_with_a_per_layer_set_and_labels(model_dir, tmp_path, capsys):
     assert main(["attribute", "--model", str(model_dir), "--clt", str(root), "--format",
                  "gemmascope", "--answer", " the", "--out", str(out)]) == 2
     assert "layer_<l> directories" in capsys.readouterr().err
+
+
+def test_validate_with_a_model_checks_layers_positions_and_modules(model_dir, tmp_path, capsys):
+    """The schema cannot know the model; --model resolves each spec on it without running it:
+    a layer past the model's last, a subject not in the prompt, a module the model lacks."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"schema_version": 1, "prompt": PROMPT, "subject": SUBJECT,
+                                "interventions": [{"type": "noise_add", "seeds": 2},
+                                                  {"type": "clean_restore", "layers": 2,
+                                                   "positions": "last"}]}))
+    cases = {"layer": ({"type": "clean_restore", "layers": 3, "positions": "last"},
+                       r"$.interventions[1].layers: layer 3 is outside 0..2"),
+             "module": ({"type": "freeze", "component": "model.layers[{layer}].mlpp.output"},
+                        r"$.interventions[1].component: llama has no module "
+                        "'model.layers[0].mlpp'"),
+             "position": ({"type": "clean_restore", "layers": 0, "positions": 40},
+                          r"$.interventions[1].positions: position 40 is outside")}
+    for name, (entry, message) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"schema_version": 1, "prompt": PROMPT, "subject": SUBJECT,
+                                    "interventions": [{"type": "noise_add", "seeds": 2}, entry]}))
+        assert main(["validate", str(path)]) == 0, name  # the schema alone cannot tell
+        capsys.readouterr()
+        assert main(["validate", str(path), "--model", str(model_dir)]) == 1, name
+        assert message in capsys.readouterr().out, name
+    absent = tmp_path / "absent.json"
+    absent.write_text(json.dumps({"schema_version": 1, "prompt": PROMPT, "subject": "Rome",
+                                  "interventions": [{"type": "noise_add", "seeds": 2}]}))
+    assert main(["validate", str(good), str(absent), "--model", str(model_dir)]) == 1
+    out = capsys.readouterr().out
+    assert f"ok      {good} (on {model_dir})" in out and "$.subject" in out

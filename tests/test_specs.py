@@ -238,6 +238,12 @@ def test_third_party_type_in_a_spec(tokenizer, monkeypatch):
         plain = model(input_ids=plan.prompt.input_ids).logits
     assert torch.equal(logits[:, :-1], plain[:, :-1])
     assert not torch.allclose(logits[:, -1], plain[:, -1])
+    # the old shape, settings in a ``params`` sub-dict, is a SpecError naming the entry
+    old = with_change(["interventions"], [
+        {"type": "scale_at", "component": "mlp_output", "layers": [0], "positions": "last",
+         "params": {"factor": 0.0}}])
+    with pytest.raises(SpecError, match=r"\$\.interventions\[0\]: scale_at: .*'params'"):
+        build_intervenable(old, model, tokenizer)
 
 
 def test_subject_span_with_a_sentencepiece_style_tokenizer():

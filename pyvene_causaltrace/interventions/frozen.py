@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..pyvene_compat import hooked_call as _hooked_call
+from ..pyvene_compat import hooked_call
 from .base import CausalTraceIntervention
 
 NORM_KINDS = ("layer", "rms", "rms_offset")
@@ -123,7 +123,7 @@ class FrozenLayerNorm(CausalTraceIntervention):
         return self._config["kind"]
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
-        module, args, kwargs = _hooked_call()
+        module, args, kwargs = hooked_call()
         x = args[0] if args else next(iter(kwargs.values()))
         if x.shape != base.shape:
             raise ValueError(
@@ -208,7 +208,7 @@ class FrozenAttention(CausalTraceIntervention):
         self._config = {}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
-        module, args, call_kwargs = _hooked_call()
+        module, args, call_kwargs = hooked_call()
         for name in _CACHE_KWARGS:
             cache = call_kwargs.get(name)
             if cache is None:

@@ -29,17 +29,16 @@ from typing import Any
 SITE_FIELDS = ("component", "layers", "positions")
 
 
-def generic_schema(*, open_fields: bool = True, positions: bool = True) -> dict[str, Any]:
-    """The generic entry: a component, its layers and positions, and (``open_fields``) any
-    other field, passed to the constructor."""
-    properties: dict[str, Any] = {"type": True, "component": {"$ref": "#/$defs/component"},
-                                  "layers": {"$ref": "#/$defs/layers"}}
-    if positions:
-        properties["positions"] = {"$ref": "#/$defs/positions", "default": "all"}
+def generic_schema() -> dict[str, Any]:
+    """The generic entry: a component, its layers and positions, and any other field, passed
+    to the constructor."""
     return {"description": "A registered type: built once per layer of its component, with its "
                            "other fields as keyword arguments.",
-            "required": ["component"], "properties": properties,
-            "additionalProperties": open_fields}
+            "required": ["component"],
+            "properties": {"type": True, "component": {"$ref": "#/$defs/component"},
+                           "layers": {"$ref": "#/$defs/layers"},
+                           "positions": {"$ref": "#/$defs/positions", "default": "all"}},
+            "additionalProperties": True}
 
 
 @dataclass(frozen=True)
@@ -98,8 +97,8 @@ class SpecContext:
         component = entry.get("component", default_component)
         positions = self.positions(entry.get("positions", default_positions),
                                    self.path(index, "positions"))
-        layers = component_layers(component, entry.get("layers", default_layers), self.n_layers,
-                                  self.path(index), self.adapter)
+        layers = component_layers(component, entry.get("layers"), self.n_layers,
+                                  self.path(index), self.adapter, default=default_layers)
         return [Site(index, component_path(component, layer, self.adapter), layer, positions,
                      donor, self.path(index, "component")) for layer in layers]
 
@@ -120,7 +119,10 @@ class _PlainPyveneEntry:
         self.spec_corrupts = getattr(cls, "spec_corrupts", False)
 
     def spec_schema(self) -> dict[str, Any]:
-        return generic_schema(positions=False)
+        schema = generic_schema()
+        schema["properties"]["positions"] = {
+            "const": "all", "description": "a plain pyvene type acts at every position"}
+        return schema
 
     def check_spec(self, entry: dict, spec: dict, path: str) -> None:
         return None
