@@ -183,12 +183,13 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
         for site, m in zip(resolved[index][1], made[index], strict=True):
             interventions.append((site.component, m))
             sites.append(site)
+    # what the result reports of the noise: its seeds (the batch rows), sigma and scale
     first = noise[0][1] if noise else None
+    seeds = getattr(first, "seeds", None)
+    settings = first.config() if hasattr(first, "config") else {}
     return Plan(spec, ctx.prompt, answer_id, ctx.tokenizer.decode([answer_id]),
-                first.seeds.tolist() if first is not None else None,
-                first.config()["sigma"] if first is not None else None,
-                first.config()["scale"] if first is not None else None,
-                clean_probs, corrupt_probs, interventions, sites)
+                seeds.tolist() if seeds is not None else None, settings.get("sigma"),
+                settings.get("scale"), clean_probs, corrupt_probs, interventions, sites)
 
 
 def _corrupted_run(model, ids, noise: list[tuple[str, Any]], components: list[str], rows: int):
