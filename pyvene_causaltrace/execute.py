@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .capture import capture
+from .finite import check_finite, check_weights
 from .interventions import get_intervention
 from .interventions.spec_entry import Site, SpecContext, entry_of
 from .models import get_adapter, get_module
@@ -142,6 +143,7 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
         raise SpecError("$.attribution", "an attribution spec builds a graph: use "
                         "pyvene_causaltrace.attribute or the attribute command")
     ctx, resolved = resolve_sites(spec, model, tokenizer)
+    check_weights(model)
     ids = ctx.prompt.input_ids.to(_device(model))
     items = [item.to_dict() for item in spec.interventions]
 
@@ -166,6 +168,8 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
     clean_states = capture(model, {}, needs["clean"],
                            run=lambda: box.setdefault("logits", model(input_ids=ids).logits))
     clean_probs = box["logits"][0, -1].double().softmax(-1)
+    check_finite(clean_probs, "the clean run's probabilities",
+                 "the weights are finite, so the activations overflow")
     answer_id = (answer_token_id(ctx.tokenizer, spec.answer) if spec.answer is not None
                  else int(clean_probs.argmax()))
 
@@ -173,6 +177,8 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
              for site, m in zip(resolved[i][1], made[i], strict=True)]
     rows = max((int(getattr(m, "seeds", torch.zeros(1)).numel()) for _, m in noise), default=1)
     corrupt_states, corrupt_probs = _corrupted_run(model, ids, noise, needs["corrupted"], rows)
+    if corrupt_probs is not None:
+        check_finite(corrupt_probs, "the corrupted run's probabilities", "the noise is too large")
     states = {"clean": clean_states, "corrupted": corrupt_states}
     for index in range(len(resolved)):
         if index not in made:
@@ -233,6 +239,7 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> 
         base = {k: v.to(device) for k, v in plan.base_inputs.items()}
         _, out = pv_model(base=base)
     probs = answer_probs(out.logits, plan.answer_id).cpu()
+    check_finite(probs, "the intervened run's probabilities")
     clean = float(plan.clean_probs[plan.answer_id])
     if plan.corrupt_probs is not None:
         corrupt = plan.corrupt_probs[:, plan.answer_id]

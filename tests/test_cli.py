@@ -95,12 +95,11 @@ def test_trace_bad_requests_exit_2(model_dir, capsys, args, message):
 
 def test_clt_check(tmp_path, tokenizer, capsys):
     from clt_fixtures import random_clt_tensors, write_clt
-    from conftest import known_facts, train_tiny_lm
+    from conftest import fact_texts, train_tiny_lm
 
     from pyvene_causaltrace.transcoders.fit import fit_clt
 
-    facts = json.loads(known_facts().read_text())
-    texts = [f"{f['prompt']} {f['attribute']}" for f in facts]
+    texts = fact_texts()
     model = train_tiny_lm(make_tiny_model("llama"), tokenizer, texts[:1000])
     model.save_pretrained(tmp_path / "m")
     tokenizer.save_pretrained(tmp_path / "m")

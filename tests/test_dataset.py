@@ -110,6 +110,15 @@ def test_bootstrap_interval_brackets_the_mean_and_ignores_missing():
 
 # ------------------------------------------------------------------------------ records
 
+def test_project_facts_read_as_known_1000_does():
+    from conftest import PROJECT_FACTS
+
+    records, errors = read_records(PROJECT_FACTS)
+    assert len(records) == 1200 and not errors
+    assert (records[0].id, records[0].subject, records[0].target) == (
+        "0", "Anqui Lake", " Egypt")
+
+
 def test_known_1000_reads_without_errors():
     records, errors = read_records(known_facts())
     assert len(records) == 1209 and not errors

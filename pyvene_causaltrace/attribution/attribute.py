@@ -15,15 +15,19 @@ one backward and its closure check; then feature rows in batches of gradient see
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..fingerprint import model_fingerprint, package_version, transcoder_fingerprint
+from ..finite import check_finite, check_weights, positive_number
 from ..models import model_name
 from ..prompts import answer_token_id
 from ..pyvene_compat import accepts_intervenable
+from ..runlock import single_writer
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, batch_size_for, check_forward_fits, feature_budget
 from .checkpoint import Checkpoint, tensor_digest
@@ -60,10 +64,12 @@ def make_target(logits: torch.Tensor, tokenizer, answer: str | None, *, kind: st
     raise ValueError(f"target kind must be demeaned, demeaned_vocab or difference, got {kind!r}")
 
 
-def _run_key(run: ReplacementRun, goal: Target, clt: Transcoder, settings: dict) -> dict:
+def _run_key(model: nn.Module, run: ReplacementRun, goal: Target, clt: Transcoder,
+             settings: dict) -> dict:
     """What must match for saved rows to belong to this graph."""
     return {"input_ids": run.input_ids[0].tolist(), "target": goal.describe(),
-            "clt": clt.source or clt.cfg.model_name, **settings,
+            "model": model_fingerprint(model), "transcoder": transcoder_fingerprint(clt),
+            "version": package_version(), **settings,
             "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id)}
 
 
@@ -119,11 +125,11 @@ def attribute(
     """
     if not prompt:
         raise ValueError("the prompt is empty")
-    if memory_mb <= 0:
-        raise ValueError(f"memory_mb must be positive, got {memory_mb}")
+    positive_number(memory_mb, "memory_mb")
     if update_interval < 1:
         raise ValueError(f"update_interval must be >= 1, got {update_interval}")
     check_fits(clt, model)
+    check_weights(model)
     clock = {"start": time.perf_counter(), "ranking": 0.0}
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
@@ -131,10 +137,14 @@ def attribute(
         clean = model(input_ids=ids).logits
         with pre_softcap_logits(model) as cap:
             uncapped = clean if cap is None else model(input_ids=ids).logits
+    check_finite(clean, "the clean run's logits",
+                 "the weights are finite, so the activations overflow")
     goal = make_target(uncapped, tokenizer, answer, kind=target, other=other, k=k)
     check_forward_fits(model, clt, ids, memory_mb, active_counts(model, clt, ids))
     run = run_local_replacement(model, clt, ids, freeze=freeze)
     logit_row, logit_constant, closure = target_row(run, goal)
+    check_finite(logit_row, "the target's attribution row",
+                 "the transcoder's features or the replacement model's gradients overflow")
     clock["forward"] = time.perf_counter() - clock["start"]
 
     n, logit_node = run.n_features, run.n_columns
@@ -144,41 +154,45 @@ def attribute(
     ranking = _Ranking(run, budget, max(update_interval * size, -(-budget // RERANKS)))
     settings = {"freeze": freeze, "budget": budget, "batch": size, "loop": loop,
                 "update_interval": update_interval}
-    store_file = Checkpoint(checkpoint, _run_key(run, goal, clt, settings), SAVE_EVERY_S)
-    restored = store_file.load(run.n_columns)
-    if restored is None:
-        store, pending = RowStore(run.n_columns), torch.zeros(0, dtype=torch.long)
-        store.append(torch.tensor([logit_node]), logit_row[None],
-                     torch.tensor([logit_constant]), torch.tensor([closure.target]))
-    else:
-        store, pending = restored
-    done = torch.zeros(n, dtype=torch.bool)
-    done[store.nodes[store.nodes < n]] = True
+    lock = single_writer(checkpoint) if checkpoint is not None else contextlib.nullcontext()
+    with lock:
+        key = _run_key(model, run, goal, clt, settings)
+        store_file = Checkpoint(checkpoint, key, SAVE_EVERY_S)
+        restored = store_file.load(run.n_columns)
+        if restored is None:
+            store, pending = RowStore(run.n_columns), torch.zeros(0, dtype=torch.long)
+            store.append(torch.tensor([logit_node]), logit_row[None],
+                         torch.tensor([logit_constant]), torch.tensor([closure.target]))
+        else:
+            store, pending = restored
+        done = torch.zeros(n, dtype=torch.bool)
+        done[store.nodes[store.nodes < n]] = True
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
 
-        bar = tqdm(total=budget, initial=int(done.sum()), desc="feature rows", unit="row")
-    compute = feature_rows_loop if loop else feature_rows
-    on = run.feature_layer.device
-    while int(done.sum()) < budget:
-        if len(pending) == 0:
-            start = time.perf_counter()
-            pending = ranking.next_queue(store, done)
-            clock["ranking"] += time.perf_counter() - start
-        chunk, pending = pending[:size], pending[size:]
-        rows, constants = compute(run, chunk.to(on))
-        with torch.no_grad():
-            targets = feature_targets(run, chunk.to(on))
-        store.append(chunk, rows, constants, targets)
-        done[chunk] = True
-        store_file.maybe_save(store, pending)
+            bar = tqdm(total=budget, initial=int(done.sum()), desc="feature rows", unit="row")
+        compute = feature_rows_loop if loop else feature_rows
+        on = run.feature_layer.device
+        while int(done.sum()) < budget:
+            if len(pending) == 0:
+                start = time.perf_counter()
+                pending = ranking.next_queue(store, done)
+                clock["ranking"] += time.perf_counter() - start
+            chunk, pending = pending[:size], pending[size:]
+            rows, constants = compute(run, chunk.to(on))
+            check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
+            with torch.no_grad():
+                targets = feature_targets(run, chunk.to(on))
+            store.append(chunk, rows, constants, targets)
+            done[chunk] = True
+            store_file.maybe_save(store, pending)
+            if bar is not None:
+                bar.update(len(chunk))
         if bar is not None:
-            bar.update(len(chunk))
-    if bar is not None:
-        bar.close()
-    store_file.remove()
+            bar.close()
+        store_file.remove()
     seconds = {"total": time.perf_counter() - clock["start"], "forward": clock["forward"],
                "ranking": clock["ranking"]}
     seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]

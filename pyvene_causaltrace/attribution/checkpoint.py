@@ -6,6 +6,12 @@ shard per save holding only the rows added since the previous one. A shard is wr
 the manifest that names it, and the manifest is replaced atomically, so a kill at any moment
 leaves a consistent checkpoint (at worst an unnamed shard, overwritten next time). Nothing in
 it is a pickle.
+
+The run's key holds what the rows depend on — the prompt's tokens, the target, the settings,
+and fingerprints of the model's weights, the transcoder and the package version — and a
+checkpoint saved under another key is refused, naming what differs. While a graph is being built
+its checkpoint directory is locked (:mod:`~pyvene_causaltrace.runlock`): a second ``attribute``
+on it is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ def tensor_digest(*tensors: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint directory holds rows of another graph."""
+
+
 class Checkpoint:
     """Save and restore a :class:`~.store.RowStore` and the pending queue under ``path``
     (``None``: a no-op)."""
@@ -57,11 +67,17 @@ class Checkpoint:
             manifest = json.loads((self.path / "manifest.json").read_text())
         except json.JSONDecodeError:
             manifest = {}
-        if manifest.get("format") != FORMAT or manifest.get("key") != self.key:
-            warnings.warn(f"{self.path} holds rows of another graph; starting afresh",
+        if manifest.get("format") != FORMAT:
+            warnings.warn(f"{self.path} holds no readable checkpoint; starting afresh",
                           stacklevel=3)
             self.remove()
             return None
+        saved = manifest.get("key", {})
+        differs = sorted(k for k in set(saved) | set(self.key) if saved.get(k) != self.key.get(k))
+        if differs:
+            raise CheckpointMismatchError(
+                f"{self.path} holds rows of another graph ({', '.join(differs)} differ); "
+                "remove it to start afresh, or resume with the same inputs")
         store = RowStore(n_columns)
         for name in manifest["shards"]:
             part = RowStore.from_state(n_columns, load_file(str(self.path / name)))

@@ -33,9 +33,11 @@ import torch
 from torch import nn
 
 from ..defaults import DATASET_SEEDS, NOISE_SCALE, WINDOW
+from ..fingerprint import model_fingerprint, package_version, tokenizer_fingerprint
 from ..interventions.noise import seed_list
 from ..models import model_name
 from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
+from ..runlock import single_writer
 from ..tracing.engine import get_kind
 from ..tracing.noise_scale import resolve_sigma, rome_sigma
 from .aggregate import aggregate_rows
@@ -136,7 +138,8 @@ def trace_dataset(
     n_boot: int = 1000,
 ) -> DatasetResult:
     """Trace ``records`` (see module docstring); returns the aggregate of what ``out`` holds
-    (of this shard only when ``shard`` is given)."""
+    (of this shard only when ``shard`` is given). A second run on the same ``out`` while this
+    one writes is refused (:class:`~pyvene_causaltrace.runlock.OutputLockedError`)."""
     from tqdm import tqdm
 
     from ..tracing.trace import Tracer
@@ -156,49 +159,51 @@ def trace_dataset(
         raise ValueError(f"shard rank {rank} outside world size {world}")
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pvct-dataset-"))
     manifest = {
-        "model": model_name(model),
+        "model": model_fingerprint(model), "tokenizer": tokenizer_fingerprint(tokenizer),
+        "version": package_version(),
         "records": _records_digest(records), "n_records": len(records), "kinds": kinds,
         "seeds": seeds, "scale": float(scale), "sigma": sigma, "window": window,
         "known": known, "limit": limit, "shard": [rank, world],
+        "about": {"model_name": model_name(model)},
     }
-    run = RunDirectory(shard_dir(out, rank, world) if shard else out, manifest)
-    kept = _screen(model, tokenizer, records, known, limit, run, errors)
-    if not kept:
-        raise ValueError(f"no record passed the screen (see {run.path / SCREEN})")
-    by_id = {r.id: r for r in records}
-    if sigma == "rome":  # ROME: one sigma over the dataset's subjects
-        sigma_value = rome_sigma(model, tokenizer, [by_id[k["fact"]].subject for k in kept])
-    else:
-        sigma_value = resolve_sigma(sigma, model, tokenizer, None)[1]
+    with RunDirectory(shard_dir(out, rank, world) if shard else out, manifest) as run:
+        kept = _screen(model, tokenizer, records, known, limit, run, errors)
+        if not kept:
+            raise ValueError(f"no record passed the screen (see {run.path / SCREEN})")
+        by_id = {r.id: r for r in records}
+        if sigma == "rome":  # ROME: one sigma over the dataset's subjects
+            sigma_value = rome_sigma(model, tokenizer, [by_id[k["fact"]].subject for k in kept])
+        else:
+            sigma_value = resolve_sigma(sigma, model, tokenizer, None)[1]
 
-    mine = kept[rank::world]
-    done = run.done()
-    todo = [(line, [k for k in kinds if any((line["fact"], k, s) not in done for s in seeds)])
-            for line in mine]
-    bar = tqdm(total=len(mine) * len(kinds), initial=sum(len(kinds) - len(t) for _, t in todo),
-               desc="dataset trace", unit="trace", disable=not progress)
-    for line, todo_kinds in todo:
-        record = by_id[line["fact"]]
-        groups: dict[tuple[int, ...], list[str]] = {}
-        for kind in todo_kinds:
-            missing = tuple(s for s in seeds if (record.id, kind, s) not in done)
-            groups.setdefault(missing, []).append(kind)
-        for missing, group in groups.items():
-            tracer = Tracer(model, tokenizer, line["prompt"], record.subject,
-                            answer=line["target"], seeds=list(missing), scale=scale,
-                            sigma=sigma_value, occurrence=record.occurrence,
-                            memory_budget_mb=memory_budget_mb)
-            for kind in group:
-                result = tracer.trace(kind, window=window)
-                run.append(RESULTS, [{
-                    "index": line["index"], "fact": record.id, "kind": kind, "seed": seed,
-                    "tokens": result.tokens, "subject_range": list(result.subject_range),
-                    "answer": result.answer, "clean": result.clean_prob,
-                    "corrupt": float(result.corrupt_probs[i]), "scale": float(scale),
-                    "sigma": sigma_value, "restored": result.restored_probs[i].tolist(),
-                } for i, seed in enumerate(missing)])
-                bar.update(1)
-    bar.close()
+        mine = kept[rank::world]
+        done = run.done()
+        todo = [(line, [k for k in kinds if any((line["fact"], k, s) not in done for s in seeds)])
+                for line in mine]
+        bar = tqdm(total=len(mine) * len(kinds), initial=sum(len(kinds) - len(t) for _, t in todo),
+                   desc="dataset trace", unit="trace", disable=not progress)
+        for line, todo_kinds in todo:
+            record = by_id[line["fact"]]
+            groups: dict[tuple[int, ...], list[str]] = {}
+            for kind in todo_kinds:
+                missing = tuple(s for s in seeds if (record.id, kind, s) not in done)
+                groups.setdefault(missing, []).append(kind)
+            for missing, group in groups.items():
+                tracer = Tracer(model, tokenizer, line["prompt"], record.subject,
+                                answer=line["target"], seeds=list(missing), scale=scale,
+                                sigma=sigma_value, occurrence=record.occurrence,
+                                memory_budget_mb=memory_budget_mb)
+                for kind in group:
+                    result = tracer.trace(kind, window=window)
+                    run.append(RESULTS, [{
+                        "index": line["index"], "fact": record.id, "kind": kind, "seed": seed,
+                        "tokens": result.tokens, "subject_range": list(result.subject_range),
+                        "answer": result.answer, "clean": result.clean_prob,
+                        "corrupt": float(result.corrupt_probs[i]), "scale": float(scale),
+                        "sigma": sigma_value, "restored": result.restored_probs[i].tolist(),
+                    } for i, seed in enumerate(missing)])
+                    bar.update(1)
+        bar.close()
     return load_dataset_result(run.path, n_boot=n_boot)
 
 
@@ -224,15 +229,16 @@ def merge_shards(out: str | Path, world: int, *, n_boot: int = 1000) -> DatasetR
     for path, manifest in zip(shards, manifests, strict=True):
         if {k: v for k, v in manifest.items() if k != "shard"} != base:
             raise ValueError(f"shard {path} ran with other settings than {shards[0]}")
-    tmp = out / (RESULTS + ".tmp")
-    with open(tmp, "w") as handle:
-        for path in shards:
-            for row in read_jsonl(path / RESULTS):
-                handle.write(json.dumps(row, separators=(",", ":")) + "\n")
-    os.replace(tmp, out / RESULTS)
-    (out / SCREEN).write_text((shards[0] / SCREEN).read_text())
-    (out / "manifest.json").write_text(json.dumps({**base, "shard": [0, 1], "merged": world},
-                                                  indent=2, sort_keys=True))
+    with single_writer(out):
+        tmp = out / (RESULTS + ".tmp")
+        with open(tmp, "w") as handle:
+            for path in shards:
+                for row in read_jsonl(path / RESULTS):
+                    handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+        os.replace(tmp, out / RESULTS)
+        (out / SCREEN).write_text((shards[0] / SCREEN).read_text())
+        (out / "manifest.json").write_text(json.dumps({**base, "shard": [0, 1], "merged": world},
+                                                      indent=2, sort_keys=True))
     return load_dataset_result(out, n_boot=n_boot)
 
 

@@ -19,6 +19,7 @@ standard deviation is an option with its own name; the seed shows the two differ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from ..defaults import NOISE_SCALE
+from ..finite import NonFiniteError, positive_number
 from ..models import get_adapter, get_module
 from .base import CausalTraceIntervention, fit_mask, positions_to_mask, rows_for
 
@@ -75,7 +77,11 @@ def rome_sigma(model: nn.Module, tokenizer, subjects: Sequence[str]) -> float:
         if ids.numel() == 0:
             raise ValueError(f"subject {subject!r} tokenizes to nothing")
         outputs.append(embed(ids.to(device)).float().reshape(-1))
-    return float(torch.cat(outputs).std())
+    sigma = float(torch.cat(outputs).std())
+    if not math.isfinite(sigma) or sigma <= 0:
+        raise NonFiniteError(f"ROME's sigma over {list(subjects)[:3]} is {sigma}: the input "
+                             "embeddings of the subject hold NaN/inf or are constant")
+    return sigma
 
 
 @torch.no_grad()
@@ -90,9 +96,7 @@ def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer,
     """``(method, value)`` for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a
     positive number (method ``"given"``)."""
     if isinstance(sigma, (int, float)) and not isinstance(sigma, bool):
-        if sigma <= 0:
-            raise ValueError(f"sigma must be positive, got {sigma}")
-        return "given", float(sigma)
+        return "given", positive_number(sigma, "sigma")
     if sigma == "rome":
         if subject is None:
             raise ValueError("sigma 'rome' needs a subject")
@@ -138,6 +142,7 @@ class NoiseAdd(CausalTraceIntervention):
                distribution="gaussian", offset=0) -> None:
         if distribution not in DISTRIBUTIONS:
             raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+        scale, sigma = positive_number(scale, "scale"), positive_number(sigma, "sigma")
         seeds = torch.as_tensor(seeds, dtype=torch.int64).reshape(-1)
         if seeds.numel() == 0:
             raise ValueError("noise_add needs at least one seed")

@@ -6,12 +6,14 @@ The noise unit sigma itself (ROME's, the embedding matrix's, or a number) is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..finite import NonFiniteError
 from ..interventions.noise import (  # noqa: F401 - re-exported
     SIGMA_METHODS,
     embedding_matrix_sigma,
@@ -116,6 +118,9 @@ def sweep_noise_scale(
     ids = input_ids.to(device)
     clean = float(model(input_ids=ids, logits_to_keep=1).logits[0, -1].double()
                   .softmax(-1)[answer_id])
+    if not math.isfinite(clean):
+        raise NonFiniteError("the clean run's probabilities hold NaN/inf: no noise scale can be "
+                             "chosen against them")
     embed = get_adapter(model).site("embed")
     rows = []
     for scale in scales:

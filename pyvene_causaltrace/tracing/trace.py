@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
+from ..finite import check_finite, check_weights, positive_number
 from ..interventions.noise import seed_list
 from ..models import model_name
 from ..prompts import answer_token_id, tokenize_prompt
@@ -102,8 +103,12 @@ class Tracer:
         scales: Sequence[float] = DEFAULT_SCALES,
     ) -> None:
         seeds = seed_list(seeds)
+        positive_number(memory_budget_mb, "memory_budget_mb")
+        if scale != "auto":
+            positive_number(scale, "scale (or 'auto')")
         self._given = model  # a pv.IntervenableModel: its interventions act in every run
         with applied_interventions(model) as model:
+            check_weights(model)
             self.model, self.tokenizer = model, tokenizer
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
             self.seeds = seeds
@@ -126,14 +131,16 @@ class Tracer:
                 if self.sweep.chosen is None:
                     raise ValueError(f"scale='auto': {self.sweep.reason()}")
                 scale = self.sweep.chosen
-            if not isinstance(scale, (int, float)) or scale <= 0:
-                raise ValueError(f"scale must be a positive number or 'auto', got {scale!r}")
-            self.scale = float(scale)
+            self.scale = positive_number(scale, "scale")
             self.distribution = distribution
             self.engine = TraceEngine(
                 model, self.prompt.input_ids, self.noise_positions, seeds, self.scale, self.sigma,
                 self.answer_id, distribution=distribution, memory_budget_mb=memory_budget_mb,
                 reuse_prefix=reuse_prefix)
+            check_finite(self.engine.clean_probs, "the clean run's probabilities",
+                         "the weights are finite, so the activations overflow (try float32)")
+            check_finite(self.engine.corrupt_probs, "the corrupted run's probabilities",
+                         f"the noise (scale {self.scale} x sigma {self.sigma:.4g}) is too large")
 
     @property
     def clean_prob(self) -> float:
@@ -156,6 +163,7 @@ class Tracer:
         cells = self.cells()
         with applied_interventions(self._given):
             probs = self.engine.run(trace_kind, cells, window=window, progress=progress)
+        check_finite(probs, f"the restored probabilities of the {kind} trace")
         restored = probs.numpy().reshape(len(self.seeds), self.engine.n_layers,
                                          self.prompt.seq_len)
         return TraceResult(

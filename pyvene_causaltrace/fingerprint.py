@@ -1,0 +1,69 @@
+"""What produced a result: fingerprints of the model, tokenizer, transcoder and package.
+
+A resumable run (a dataset directory, an attribution checkpoint) stores these beside its rows and
+refuses to resume when one differs, saying which. They identify content, not names: the same
+model under another spelling of its path is the same model; other weights at the same path are
+not.
+
+- :func:`model_fingerprint`: every parameter's name, shape and dtype, and a fixed sample of its
+  values (at most 4,096 evenly spaced elements), hashed — cheap on a large model and it changes
+  when training or editing touches a tensor anywhere near its sample.
+- :func:`tokenizer_fingerprint`: the vocabulary and special tokens.
+- :func:`package_version`: this package's version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+SAMPLE = 4096
+
+
+def tensors_fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Hash of each tensor's name, shape, dtype and a fixed sample of its values."""
+    digest = hashlib.sha256()
+    for name, tensor in named:
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // SAMPLE)
+        sample = flat[::step][:SAMPLE].to("cpu", torch.float64)
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:20]
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """Fingerprint of ``model``'s weights (see module docstring)."""
+    return tensors_fingerprint(sorted(model.state_dict().items()))
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Fingerprint of ``tokenizer``'s vocabulary and special tokens."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))
+    text = json.dumps([vocab, special], ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pyvene-causaltrace")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def transcoder_fingerprint(transcoder) -> str:
+    """Fingerprint of a transcoder's tensors (encoder, thresholds, biases, decoders, skip)."""
+    named = [("b_enc", transcoder.b_enc), ("threshold", transcoder.threshold),
+             ("b_dec", transcoder.b_dec)]
+    if transcoder.W_enc is not None:
+        named.append(("W_enc", transcoder.W_enc))
+    named += [(f"W_dec.{layer}", w) for layer, w in enumerate(transcoder.W_dec)]
+    named += [(f"W_skip.{layer}", w) for layer, w in enumerate(transcoder.W_skip or [])]
+    return tensors_fingerprint(named)

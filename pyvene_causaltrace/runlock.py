@@ -1,0 +1,41 @@
+"""One writer per output directory.
+
+    with single_writer(out):          # a second run on ``out`` gets OutputLockedError at once
+        ...                           # write rows
+
+The lock is an operating-system file lock (``filelock``) on ``<dir>/.pvct.lock``: the system
+drops it when its process ends, so a lock left by a killed run does not block the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+LOCK_NAME = ".pvct.lock"
+
+
+class OutputLockedError(RuntimeError):
+    """Another live run is writing the same output directory."""
+
+
+@contextlib.contextmanager
+def single_writer(directory: str | Path) -> Iterator[None]:
+    """Hold ``directory``'s lock for the block (creating the directory); refuse at once if
+    another process holds it."""
+    from filelock import FileLock, Timeout
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(directory / LOCK_NAME)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise OutputLockedError(
+            f"{directory} is being written by another run (it holds {directory / LOCK_NAME}); "
+            "wait for it to finish or choose another output directory") from None
+    try:
+        yield
+    finally:
+        lock.release()
