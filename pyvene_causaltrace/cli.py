@@ -168,6 +168,7 @@ def _trace(args) -> int:
     from .models import OFFLINE_DEFAULT, load_model
     from .tracing.trace import Tracer
 
+    _out_dir(args.out)
     if args.spec is not None:
         return _trace_spec(args.spec, args.model, args.out, args.budget_mb, args.controls)
     model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
@@ -233,6 +234,7 @@ def _run(args) -> int:
     from .models import OFFLINE_DEFAULT, load_model
     from .specs import load_spec
 
+    _out_dir(args.out)
     spec = load_spec(args.spec)
     if spec.trace is not None:
         return _trace_spec(args.spec, args.model, args.out, budget_mb=2048.0, controls=False)
@@ -250,6 +252,8 @@ def _run(args) -> int:
 
 
 def _texts(path: Path, limit: int) -> list[str]:
+    if limit <= 0:
+        raise ValueError(f"--limit must be positive, got {limit}")
     if path.suffix == ".json":
         records = json.loads(path.read_text())
         texts = [f"{r['prompt']} {r['attribute']}" for r in records]
@@ -265,9 +269,10 @@ def _clt_check(args) -> int:
     from .transcoders import load_transcoder
     from .transcoders.checks import check_pairing, replacement_anchor
 
+    _out_dir(args.out)
+    texts = _texts(args.data, args.limit)
     model, tokenizer = load_model(args.model)
     clt = load_transcoder(args.clt, format=args.format)
-    texts = _texts(args.data, args.limit)
     pairing = check_pairing(clt, model, tokenizer, texts)
     print(pairing.verdict())
     print("FVU per layer: " + " ".join(f"{v:.3f}" for v in pairing.fvu_per_layer))
@@ -289,11 +294,15 @@ def _dataset(args) -> int:
     from .dataset.run import trace_dataset_distributed
     from .models import OFFLINE_DEFAULT, load_model
 
+    _out_dir(args.out)
     if args.task:
         task = get_task(args.task)
         records, errors, default_known = list(task.records), [], task.known
     else:
         (records, errors), default_known = read_records(args.data), "argmax"
+        if not records:
+            raise ValueError(f"no record could be read from {args.data}"
+                             + (f": {errors[0]}" if errors else ""))
     known = args.known or default_known
     for error in errors[:10]:
         print(f"skipping malformed record {error}", file=sys.stderr)
@@ -348,7 +357,7 @@ def _validate(args) -> int:
             if loaded is not None:
                 check_on_model(spec, *loaded)
             print(f"ok      {path}" + (f" (on {args.model})" if loaded else ""))
-        except SpecError as error:
+        except (SpecError, OSError, ValueError) as error:
             failed += 1
             print(f"invalid {path}: {error}")
     return 1 if failed else 0
@@ -404,7 +413,13 @@ def _attribute(args) -> int:
     from .models import OFFLINE_DEFAULT, load_model
     from .transcoders import load_transcoder
 
+    _out_dir(args.out)
     s = _attribution_settings(args)
+    for key in ("node_threshold", "edge_threshold"):
+        if not 0 <= s[key] <= 1:  # also refuses NaN
+            raise ValueError(f"--{key.replace('_', '-')} must be in [0, 1], got {s[key]}")
+    if s["max_feature_nodes"] is not None and s["max_feature_nodes"] < 0:
+        raise ValueError(f"max_feature_nodes must be >= 0, got {s['max_feature_nodes']}")
     model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
     clt = load_transcoder(s["clt"], format=s["format"])
     labels = read_labels(s["labels"]) if s["labels"] is not None else None
@@ -457,9 +472,27 @@ def main(argv: list[str] | None = None) -> int:
                "interventions": _interventions}[args.command]
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError, NotImplementedError, MemoryError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except _user_errors() as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        print(f"error: {message}", file=sys.stderr)
         return 2
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What a user's mistake raises (bad values, files, paths, a busy directory); anything
+    else is a bug and keeps its traceback."""
+    from .interventions.registry import UnknownInterventionError
+    from .runlock import OutputLockedError
+
+    return (ValueError, OSError, NotImplementedError, MemoryError, OutputLockedError,
+            UnknownInterventionError)
+
+
+def _out_dir(path: Path | None) -> Path | None:
+    """``--out``, refused early when it names a file."""
+    if path is not None and path.exists() and not path.is_dir():
+        raise ValueError(f"--out {path} is a file; give a directory")
+    return path
 
 
 if __name__ == "__main__":

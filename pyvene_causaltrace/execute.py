@@ -31,7 +31,7 @@ from .capture import capture
 from .finite import check_finite, check_weights
 from .interventions import get_intervention
 from .interventions.spec_entry import Site, SpecContext, entry_of
-from .models import get_adapter, get_module
+from .models import check_inputs, get_adapter, get_module
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
 from .pyvene_compat import applied_interventions, import_pyvene, intervenable_model_class
 from .specs import ExperimentSpec, SpecError, load_spec
@@ -81,6 +81,7 @@ def resolve_sites(spec: ExperimentSpec | dict | str, model: nn.Module,
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     adapter = get_adapter(model)
     prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence or 0)
+    check_inputs(model, prompt.input_ids)
     ctx = SpecContext(spec, model, tokenizer, adapter, prompt)
     resolved = []
     for index, item in enumerate(spec.interventions):
@@ -172,6 +173,7 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
                  "the weights are finite, so the activations overflow")
     answer_id = (answer_token_id(ctx.tokenizer, spec.answer) if spec.answer is not None
                  else int(clean_probs.argmax()))
+    check_inputs(model, ctx.prompt.input_ids, answer_id)
 
     noise = [(site.component, m) for i in corrupting
              for site, m in zip(resolved[i][1], made[i], strict=True)]

@@ -220,6 +220,34 @@ def get_adapter(model_or_type: nn.Module | str) -> ArchAdapter:
         ) from None
 
 
+def check_inputs(model: nn.Module, input_ids: torch.Tensor,
+                 answer_id: int | None = None) -> None:
+    """Refuse token ids the model cannot read: a prompt longer than an absolute position table
+    (GPT-2's), ids outside the embedding (a tokenizer that is not the model's), an answer
+    outside the output vocabulary. A prompt longer than a rotary model's
+    ``max_position_embeddings`` only warns: it runs, on positions it was not trained on."""
+    import warnings
+
+    n = int(input_ids.shape[-1])
+    limit = getattr(model.config, "n_positions", None) or \
+        getattr(model.config, "max_position_embeddings", None)
+    if limit and n > limit:
+        if get_adapter(model).position_embed is not None:
+            raise ValueError(f"the prompt is {n} tokens; {model.config.model_type} has a table "
+                             f"of {limit} positions")
+        warnings.warn(f"the prompt is {n} tokens, beyond the {limit} positions "
+                      f"{model.config.model_type} was trained on", stacklevel=2)
+    vocab = model.get_input_embeddings().num_embeddings
+    if n and int(input_ids.max()) >= vocab:
+        raise ValueError(f"token id {int(input_ids.max())} is outside the model's vocabulary "
+                         f"of {vocab}: the tokenizer is not this model's")
+    outputs = model.get_output_embeddings()
+    size = outputs.out_features if outputs is not None else vocab
+    if answer_id is not None and not 0 <= answer_id < size:
+        raise ValueError(f"the answer's token id {answer_id} is outside the model's vocabulary "
+                         f"of {size}: the tokenizer is not this model's")
+
+
 def model_name(model: nn.Module) -> str:
     """What results and specs name a model by: what :func:`load_model` was given, else the
     checkpoint's ``_name_or_path`` ("" if neither)."""
@@ -271,7 +299,12 @@ def load_model(
     if name_or_path == OFFLINE_DEFAULT:
         source = _smollm2_cached_dir()
     else:
-        source = name_or_path
+        path = Path(name_or_path).expanduser()
+        looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+        if looks_local and not path.is_dir():
+            raise FileNotFoundError(f"no model directory at {name_or_path} (and it is not a hub "
+                                    "id: those are 'org/name')")
+        source = str(path) if path.is_dir() else name_or_path
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     get_adapter(model)  # fail early, naming the supported architectures

@@ -238,7 +238,10 @@ def test_bad_requests_get_clear_errors(tmp_path, tokenizer):
 
 
 def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, monkeypatch):
+    import copy
     import importlib
+
+    from pyvene_causaltrace.attribution.checkpoint import CheckpointMismatchError
 
     attribute_module = importlib.import_module("pyvene_causaltrace.attribution.attribute")
 
@@ -264,6 +267,12 @@ def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, m
     nodes = [load_file(str(checkpoint / name))["rows.nodes"] for name in saved["shards"]]
     assert sum(len(n) for n in nodes) == 1 + 48  # the logit row and three batches of 16
     assert not list(checkpoint.glob("*.pt"))  # safetensors and JSON only
+    # rows of this graph are not rows of another model's: refused, naming what differs
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.lm_head.weight.mul_(1.1)
+    with pytest.raises(CheckpointMismatchError, match=r"holds rows of another graph \(model"):
+        attribute(other, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
     calls.clear()
     resumed = attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
     assert sum(calls) == whole.n_features - 48  # only the missing rows were computed

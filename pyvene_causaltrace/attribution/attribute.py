@@ -24,7 +24,7 @@ from torch import nn
 
 from ..fingerprint import model_fingerprint, package_version, transcoder_fingerprint
 from ..finite import check_finite, check_weights, positive_number
-from ..models import model_name
+from ..models import check_inputs, model_name
 from ..prompts import answer_token_id
 from ..pyvene_compat import accepts_intervenable
 from ..runlock import single_writer
@@ -133,6 +133,7 @@ def attribute(
     clock = {"start": time.perf_counter(), "ranking": 0.0}
     device = next(model.parameters()).device
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
+    check_inputs(model, ids)
     with torch.no_grad():
         clean = model(input_ids=ids).logits
         with pre_softcap_logits(model) as cap:
@@ -140,6 +141,7 @@ def attribute(
     check_finite(clean, "the clean run's logits",
                  "the weights are finite, so the activations overflow")
     goal = make_target(uncapped, tokenizer, answer, kind=target, other=other, k=k)
+    check_inputs(model, ids, goal.token)
     check_forward_fits(model, clt, ids, memory_mb, active_counts(model, clt, ids))
     run = run_local_replacement(model, clt, ids, freeze=freeze)
     logit_row, logit_constant, closure = target_row(run, goal)

@@ -34,8 +34,9 @@ from torch import nn
 
 from ..defaults import DATASET_SEEDS, NOISE_SCALE, WINDOW
 from ..fingerprint import model_fingerprint, package_version, tokenizer_fingerprint
+from ..finite import positive_number
 from ..interventions.noise import seed_list
-from ..models import model_name
+from ..models import check_inputs, model_name
 from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..runlock import single_writer
 from ..tracing.engine import get_kind
@@ -77,6 +78,7 @@ def screen_record(model: nn.Module, tokenizer, record: FactRecord, index: int,
     try:
         prompt, target_id, n_target = target_split(tokenizer, record.prompt, record.target)
         tokenized = tokenize_prompt(tokenizer, prompt, record.subject, record.occurrence)
+        check_inputs(model, tokenized.input_ids, target_id)
     except (SubjectNotFoundError, ValueError) as error:
         return {**line, "reason": f"malformed: {error}"}
     if answer_token_id(tokenizer, tokenizer.decode([target_id])) != target_id:
@@ -150,8 +152,10 @@ def trace_dataset(
     if known not in KNOWN_RULES:
         raise ValueError(f"known must be one of {KNOWN_RULES}, got {known!r}")
     seeds = seed_list(seeds)
-    if not isinstance(scale, (int, float)) or scale <= 0:
-        raise ValueError(f"a dataset run needs one fixed positive noise scale, got {scale!r}")
+    positive_number(scale, "scale (a dataset run needs one fixed noise scale)")
+    positive_number(memory_budget_mb, "memory_budget_mb")
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
     if limit is not None and limit <= 0:
         raise ValueError(f"limit must be positive, got {limit}")
     rank, world = shard or (0, 1)

@@ -26,7 +26,7 @@ from torch import nn
 from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
 from ..finite import check_finite, check_weights, positive_number
 from ..interventions.noise import seed_list
-from ..models import model_name
+from ..models import check_inputs, model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from ..pyvene_compat import applied_interventions
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
@@ -113,10 +113,12 @@ class Tracer:
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
             self.seeds = seeds
             self.noise_positions = list(range(*self.prompt.subject_range))
+            check_inputs(model, self.prompt.input_ids)
             self.sigma_method, self.sigma = resolve_sigma(sigma, model, tokenizer, subject)
             self.answer_text = answer  # as given: a spec written from this tracer repeats it
             if answer is not None:
                 self.answer_id = answer_token_id(tokenizer, answer)
+                check_inputs(model, self.prompt.input_ids, self.answer_id)
             else:
                 with torch.no_grad():
                     ids = self.prompt.input_ids.to(next(model.parameters()).device)
