@@ -119,3 +119,15 @@ def test_numeric_arguments_are_checked_at_the_boundary(tokenizer, options, messa
     model = make_tiny_model("gpt2")
     with pytest.raises(ValueError, match=message):
         trace(model, tokenizer, PROMPT, SUBJECT, **{"seeds": 2, "scale": 3.0, **options})
+
+
+def test_a_prompt_past_the_trained_positions(tokenizer):
+    """Past a rotary model's max_position_embeddings the run warns; past GPT-2's absolute
+    position table it is refused before it runs."""
+    long = " ".join(["tower"] * 300)
+    spec = {"schema_version": 1, "prompt": long, "subject": "tower",
+            "interventions": [{"type": "noise_add", "seeds": 1, "sigma": 0.5}]}
+    with pytest.warns(UserWarning, match=r"tokens, beyond the 256 positions llama was trained"):
+        run_spec(spec, make_tiny_model("llama"), tokenizer)
+    with pytest.raises(ValueError, match=r"gpt2 has a table of 256 positions"):
+        run_spec(spec, make_tiny_model("gpt2"), tokenizer)
