@@ -131,3 +131,24 @@ def test_a_prompt_past_the_trained_positions(tokenizer):
         run_spec(spec, make_tiny_model("llama"), tokenizer)
     with pytest.raises(ValueError, match=r"gpt2 has a table of 256 positions"):
         run_spec(spec, make_tiny_model("gpt2"), tokenizer)
+
+
+def test_pruning_thresholds_are_fractions(tokenizer, tmp_path):
+    clt = load_transcoder(str(write_clt(tmp_path / "clt", random_clt_tensors(3, 32, 8))))
+    graph = attribute(make_tiny_model("llama"), tokenizer, clt, PROMPT)
+    for bad in (float("nan"), -0.1, 1.5):
+        with pytest.raises(ValueError, match="must be in \\[0, 1\\]"):
+            graph.prune(bad, 0.9)
+    assert graph.prune(0.8, 0.98).n_nodes > 0
+
+
+def test_a_weight_written_after_a_passed_check_is_checked_again():
+    from pyvene_causaltrace.finite import check_weights
+
+    model = make_tiny_model("llama")
+    check_weights(model)
+    check_weights(model)  # unchanged: not scanned again
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match="lm_head.weight"):
+        check_weights(model)

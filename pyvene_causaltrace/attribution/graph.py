@@ -210,7 +210,12 @@ class AttributionGraph:
         return int(self.rows.row_of_node(self.layout.n_nodes)[self.logit_node])
 
     def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
-        """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds."""
+        """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds (each
+        a cumulative-influence fraction in [0, 1])."""
+        for name, value in (("node_threshold", node_threshold),
+                            ("edge_threshold", edge_threshold)):
+            if not 0 <= value <= 1:  # also refuses NaN
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
         key = ("prune", node_threshold, edge_threshold)
         if key not in self._memo:
             self._memo[key] = prune(self.rows, self.layout, node_threshold, edge_threshold,
