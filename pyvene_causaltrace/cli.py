@@ -93,8 +93,10 @@ def _parser() -> argparse.ArgumentParser:
     data = commands.add_parser(
         "dataset", help="average indirect effects over a fact dataset or a task (resumable)")
     source = data.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data", type=Path,
-                        help="known_1000.json-style JSON or JSONL of {prompt, subject, attribute}")
+    source.add_argument("--data",
+                        help="known_1000 (ROME's facts, fetched once into the cache), or a "
+                             "known_1000.json-style JSON / JSONL file of {prompt, subject, "
+                             "attribute}")
     source.add_argument("--task", help="a built-in task: agreement | retrieval | arithmetic")
     data.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
     data.add_argument("--limit", type=int, default=None, help="facts to trace (after the screen)")

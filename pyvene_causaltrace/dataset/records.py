@@ -71,10 +71,15 @@ def parse_record(raw: object, index: int, where: str) -> FactRecord | RecordErro
 
 
 def read_records(path: str | Path) -> tuple[list[FactRecord], list[RecordError]]:
-    """Records from a JSON list (ROME's format) or a JSONL file (one object per line)."""
+    """Records from a JSON list (ROME's format) or a JSONL file (one object per line), or from a
+    named dataset (``"known_1000"``: fetched once into the cache, :mod:`.sources`)."""
+    from .sources import DATASETS, dataset_path
+
+    if isinstance(path, str) and path in DATASETS and not Path(path).exists():
+        path = dataset_path(path, progress=True)
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no dataset at {path}")
+        raise FileNotFoundError(f"no dataset at {path} (named datasets: {', '.join(DATASETS)})")
     text = path.read_text()
     if text.lstrip().startswith("["):
         try:

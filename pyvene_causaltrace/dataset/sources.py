@@ -1,0 +1,99 @@
+"""Datasets by name: ROME's files fetched once into the cache, checked by SHA-256.
+
+    path = dataset_path("known_1000")         # ~/.cache/pyvene_causaltrace/data/known_1000.json
+    records, errors = read_records("known_1000")
+
+The download goes through ``pooch`` (retries, atomic writes, hash check), from the URL ROME's own
+code uses. An environment variable names a local copy instead (``PVCT_KNOWN_1000``), which is
+checked the same way. Offline, the error says where to put the file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """Where a named dataset lives and what its bytes hash to."""
+
+    url: str
+    sha256: str
+    filename: str
+    env: str
+    licence: str
+
+
+#: The named datasets. CounterFact is not listed: its published file has no checksum we could
+#: verify here.
+DATASETS: dict[str, DatasetSource] = {
+    "known_1000": DatasetSource(
+        url="https://rome.baulab.info/data/dsets/known_1000.json",
+        sha256="61daca55318bb5260c1e62e133debef9102c7b278bbc7b19dd2ac655543f333a",
+        filename="known_1000.json", env="PVCT_KNOWN_1000",
+        licence="MIT (ROME, Meng et al. 2022)"),
+}
+
+
+class DatasetUnavailableError(OSError):
+    """A named dataset could not be fetched or failed its checksum."""
+
+
+def data_dir() -> Path:
+    from ..models import cache_dir
+
+    return cache_dir() / "data"
+
+
+def dataset_path(name: str, *, progress: bool = False) -> Path:
+    """The local file of dataset ``name``: ``$<env>`` if set, else the cache, fetching it on
+    first use. Every copy is checked against the dataset's SHA-256."""
+    import pooch
+
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; named datasets: {', '.join(DATASETS)} "
+                         "(or give a path to a JSON/JSONL file)")
+    source = DATASETS[name]
+    local = os.environ.get(source.env)
+    if local:
+        path = Path(local).expanduser()
+        if not path.is_file():
+            raise DatasetUnavailableError(f"${source.env} points at {path}, which is not a file")
+        digest = pooch.file_hash(str(path))
+        if digest != source.sha256:
+            raise DatasetUnavailableError(
+                f"{path} (from ${source.env}) is not {name}: SHA-256 {digest}, expected "
+                f"{source.sha256}")
+        return path
+    target = data_dir() / source.filename
+    try:
+        fetched = pooch.retrieve(source.url, known_hash=f"sha256:{source.sha256}",
+                                 fname=source.filename, path=data_dir(), progressbar=progress,
+                                 downloader=_file_downloader if source.url.startswith("file:")
+                                 else None)
+    except ValueError as error:  # pooch's checksum mismatch
+        raise DatasetUnavailableError(f"{name} from {source.url} failed its checksum: "
+                                      f"{str(error).splitlines()[0]}") from None
+    except Exception as error:  # no network, a proxy, a server error: say where to put it
+        raise DatasetUnavailableError(
+            f"could not fetch {name} from {source.url} ({type(error).__name__}: {error}); "
+            f"download it by hand to {target}, or set {source.env} to a local copy") from None
+    return Path(fetched)
+
+
+def _file_downloader(url: str, output_file, pooch_instance=None, check_only: bool = False):
+    """A pooch downloader for ``file://`` URLs (a mirror on disk)."""
+    source = Path(urlparse(url).path)
+    if check_only:
+        return source.is_file()
+    if not source.is_file():
+        raise FileNotFoundError(f"no file at {url}")
+    if hasattr(output_file, "write"):
+        output_file.write(source.read_bytes())
+    else:
+        shutil.copyfile(source, output_file)
+    return None
