@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup trace test lint
+.PHONY: setup trace test lint attribute
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml
 
 trace: setup
 	$(VENV)/bin/pyvene-causaltrace trace $(ARGS)
+
+attribute: setup
+	$(PY) examples/first_graph.py $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)

@@ -313,7 +313,11 @@ def load_model(
 
 
 def _smollm2_cached_dir() -> str:
-    target = cache_dir() / "smollm2-135m"
+    import transformers
+
+    # transformers 4 cannot read a tokenizer saved by 5 (its class name is new): one copy each
+    major = int(transformers.__version__.split(".")[0])
+    target = cache_dir() / ("smollm2-135m" if major >= 5 else f"smollm2-135m-transformers{major}")
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
         return str(target)
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
