@@ -4,7 +4,11 @@ PY := $(VENV)/bin/python
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup trace test lint attribute
+# The oldest transformers we support, tested in a second environment (tiny-model suite).
+OLDEST_TRANSFORMERS ?= 4.57.3
+VENV_OLDEST ?= .venv-transformers4
+
+.PHONY: setup trace test test-oldest lint attribute
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -23,6 +27,16 @@ attribute: setup
 
 test: setup
 	$(PY) -m pytest -q $(ARGS)
+
+$(VENV_OLDEST)/.installed: pyproject.toml
+	python3 -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_OLDEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VENV_OLDEST)/bin/python -m pip install -q -e ".[dev]" "transformers==$(OLDEST_TRANSFORMERS)"
+	touch $@
+
+test-oldest: $(VENV_OLDEST)/.installed
+	$(VENV_OLDEST)/bin/python -m pytest -q -m "not real_model" $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pyvene_causaltrace tests benchmarks examples

@@ -331,6 +331,10 @@ def _smollm2_cached_dir() -> str:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
+    if getattr(tokenizer, "add_bos_token", False):
+        # transformers 4 reads the GGUF's BOS flag, 5 does not; SmolLM2's own tokenizer adds
+        # no BOS, and the same prompt must give the same tokens under either
+        tokenizer.add_bos_token = False
     quantized = AutoModelForCausalLM.from_pretrained(
         gguf_dir, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32
     )

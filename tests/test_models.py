@@ -103,6 +103,9 @@ def test_load_model_by_hub_id_from_the_offline_hub_cache(tmp_path, tokenizer, mo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    # transformers 4 keeps its own copy of the cache path
+    monkeypatch.setattr("transformers.utils.hub.TRANSFORMERS_CACHE", str(tmp_path / "hub"),
+                        raising=False)
     model, _ = load_model("tiny-org/tiny-llama")
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 3
 

@@ -173,6 +173,9 @@ def test_user_model_still_works_after_our_calls(tokenizer):
     assert len(seen) == before + 1  # and its handle still removes it
 
 
+@pytest.mark.skipif(int(__import__("transformers").__version__.split(".")[0]) < 5,
+                    reason="transformers 4 returns hidden states without forward hooks, so "
+                           "pyvene's hook removal cannot break them")
 def test_plain_pyvene_breaks_hidden_states_and_preserve_hooks_mends_it():
     """The fact behind IntervenableModel/preserve_hooks, so the test above can fail."""
     from pyvene_causaltrace.pyvene_compat import preserve_hooks
