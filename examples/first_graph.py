@@ -62,8 +62,8 @@ def main() -> None:
               f"saved to {clt}")
     code = cli(["attribute", "--clt", str(clt), "--out", str(args.out)])
     if code == 0:
-        print(f"\nopen {args.out / 'graph.png'}, or load {args.out / 'graph.json'} in "
-              "circuit-tracer's or Neuronpedia's graph viewer")
+        print(f"\nexplore it: pyvene-causaltrace serve {args.out}   (or open "
+              f"{args.out / 'graph.png'})")
     raise SystemExit(code)
 
 

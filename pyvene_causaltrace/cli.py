@@ -156,6 +156,12 @@ def _parser() -> argparse.ArgumentParser:
                             "far are kept in rows.partial/, so an interrupted run resumes")
 
     commands.add_parser("interventions", help="list the registered intervention types")
+
+    view = commands.add_parser(
+        "serve", help="an interactive viewer of the attribution graphs under DIR, on localhost")
+    view.add_argument("dir", type=Path, help="a directory holding graph.json files (any depth)")
+    view.add_argument("--port", type=int, default=8765)
+    view.add_argument("--no-open", action="store_true", help="do not open a browser")
     return parser
 
 
@@ -365,6 +371,16 @@ def _validate(args) -> int:
     return 1 if failed else 0
 
 
+def _serve(args) -> int:
+    from .viewer import make_server, serve
+
+    server = make_server(args.dir, port=args.port)
+    print(f"serving the graphs under {args.dir} at "
+          f"http://127.0.0.1:{server.server_address[1]}/ (Ctrl-C stops)", flush=True)
+    serve(args.dir, open_browser=not args.no_open, server=server)
+    return 0
+
+
 def _interventions(args) -> int:
     from .interventions import RESERVED, get_intervention, list_interventions
 
@@ -471,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"trace": _trace, "run": _run, "validate": _validate, "clt-check": _clt_check,
                "dataset": _dataset, "aggregate": _aggregate, "attribute": _attribute,
-               "interventions": _interventions}[args.command]
+               "interventions": _interventions, "serve": _serve}[args.command]
     try:
         return handler(args)
     except _user_errors() as error:

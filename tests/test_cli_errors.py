@@ -120,6 +120,7 @@ CASES = {
           "--out", "{root}/g7"], "position"),
     ],
     "interventions": [(["--bogus"], "unrecognized")],
+    "serve": [(["{root}/absent"], "absent"), (["{root}/empty_run"], "no graph")],
 }
 
 

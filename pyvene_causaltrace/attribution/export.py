@@ -193,6 +193,25 @@ def write_json(payload: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
 
 
+def write_circuit_tracer_dir(payload: dict, directory: str | Path) -> Path:
+    """Lay a graph out as circuit-tracer's local server reads it: ``<slug>.json`` beside a
+    ``graph-metadata.json`` index (entries merged by slug), so that ``circuit-tracer
+    start-server --graph_file_dir DIR`` opens it at ``/index.html?slug=<slug>``. (Its page loads
+    d3 and dagre from the web.) Returns the graph file's path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = payload["metadata"]
+    slug = meta["slug"]
+    write_json(payload, directory / f"{slug}.json")
+    index_path = directory / "graph-metadata.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {"graphs": []}
+    entry = {key: meta[key] for key in ("slug", "scan", "prompt", "prompt_tokens",
+                                        "node_threshold", "transcoder_list") if key in meta}
+    index["graphs"] = [g for g in index["graphs"] if g.get("slug") != slug] + [entry]
+    index_path.write_text(json.dumps(index, indent=1))
+    return directory / f"{slug}.json"
+
+
 def read_labels(path: str | Path) -> dict[tuple[int, int], str]:
     """Feature labels from a table: CSV/TSV (columns ``layer``, ``feature`` and ``label``,
     ``clerp`` or ``description``) or JSON (a list of such records, or ``{"layer/feature":
