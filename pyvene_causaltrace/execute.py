@@ -106,9 +106,9 @@ def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module, tokenize
     if spec.attribution is None:
         try:
             resolve_sites(spec, model, tokenizer)
-        except SpecError:
-            raise
         except ValueError as error:  # the subject is not in the prompt
+            if isinstance(error, SpecError):
+                raise
             raise SpecError("$.subject" if spec.subject else "$.prompt", str(error)) from None
         return
     from .transcoders.formats import load_transcoder

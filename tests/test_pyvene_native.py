@@ -98,24 +98,34 @@ def _bare_buildable() -> list[str]:
 
 
 def test_pyvene_builds_every_type_from_the_class():
-    """``intervention_type=Cls`` builds each type with its defaults (the splice, which needs a
-    transcoder, from ``configured``), and the model runs."""
+    """``intervention_type=Cls`` builds each type with working defaults (the splice, which
+    needs a transcoder, only from ``configured``): noise_add noises every position it is
+    handed; the restores, with no stored states, take the whole source state (so the output is
+    the source run's); the freezes and the leaf leave the forward value as it was."""
     assert set(_bare_buildable()) == set(list_interventions()) - {"clt_splice", "feature_ablate"}
-    model = make_tiny_model("llama")
+    model = make_tiny_model("llama", init=0.2)
     adapter = get_adapter(model)
     ids = torch.randint(1, 400, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        source_run = model(input_ids=ids.flip(0)).logits
     for name in _bare_buildable():
         component = ("model.layers[1].input_layernorm.output" if name == "frozen_layernorm"
                      else "model.layers[1].self_attn.output" if name == "frozen_attention"
                      else adapter.site("block_output", 1))
         config = pv.IntervenableConfig([{"component": component,
                                          "intervention_type": get_intervention(name)}])
-        with preserve_hooks(model):
+        restores = name in ("clean_restore", "window_restore", "freeze")
+        with preserve_hooks(model), torch.no_grad():
             pv_model = pv.IntervenableModel(config, model)
-            sources = None if name not in ("clean_restore", "window_restore", "freeze") \
-                else [{"input_ids": ids.flip(0)}]
+            sources = [{"input_ids": ids.flip(0)}] if restores else None
             _, out = pv_model(base={"input_ids": ids}, sources=sources)
-        assert out.logits.shape == (2, 6, 420), name
+        if restores:
+            torch.testing.assert_close(out.logits, source_run, msg=name)
+        elif name == "noise_add":
+            assert not torch.allclose(out.logits, plain, atol=1e-3), name
+        else:
+            torch.testing.assert_close(out.logits, plain, msg=name)
 
 
 def test_configured_classes_equal_instances(tokenizer, tmp_path):
