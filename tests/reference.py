@@ -67,6 +67,26 @@ def reference_cell(model, ids, seed, noise_positions, scale, sigma, answer_id,
     return float(logits[0, -1].double().softmax(-1)[answer_id])
 
 
+def reference_kind_cell(model, engine, kind, seed: int, layer: int, position: int,
+                        window: int) -> float:
+    """:func:`reference_cell` for one cell of trace ``kind`` (a ``TraceKind``), with the
+    engine's prompt, noise and clean states (the clean run is a plain forward's capture)."""
+    from pyvene_causaltrace.models import get_adapter
+
+    adapter = get_adapter(model)
+    n_layers = adapter.n_layers(model)
+    sever = ([adapter.module_path(kind.sever, x) for x in range(n_layers)] if kind.sever else [])
+    scale, sigma = engine.noise.config()["scale"], engine.noise.config()["sigma"]
+    held = corrupted_states(model, engine.ids, seed, engine.noise_positions, scale, sigma, sever)
+    restores = []
+    for x in engine.restore_layers(kind, layer, window):
+        path = adapter.module_path(kind.restore, x)
+        restores.append((path, engine.clean_states[path + ".output"], position))
+    freezes = [(path, held[path], position) for path in sever]
+    return reference_cell(model, engine.ids, seed, engine.noise_positions, scale, sigma,
+                          engine.answer_id, restores, freezes)
+
+
 def corrupted_states(model, ids, seed, noise_positions, scale, sigma, paths) -> dict:
     """Outputs of ``paths`` in the batch-1 corrupted run of ``seed`` (plain hooks)."""
     from pyvene_causaltrace.models import get_adapter

@@ -29,8 +29,12 @@ def _close(got, want, where: str) -> None:
     elif want is None or isinstance(want, str):
         assert got == want, where
     else:
+        # Since the trace engine starts rows at their restored layer (issue 16) its batches
+        # have other shapes, and float32 rounding moves traces' P by ~1e-6; recovery divides
+        # that by clean - corrupted, measured up to 8.8e-6 off the numbers written before.
+        atol = 2e-5 if where.endswith(".recovery") else 1e-8
         np.testing.assert_allclose(np.asarray(got, float), np.asarray(want, float), rtol=1e-5,
-                                   atol=1e-8, err_msg=where)
+                                   atol=atol, err_msg=where)
 
 
 def test_every_shipped_spec_is_in_the_golden_file():

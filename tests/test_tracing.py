@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import PROMPT, SPEC_DIR, SUBJECT, make_tiny_model
-from reference import corrupted_states, reference_cell
+from reference import reference_kind_cell
 
-from pyvene_causaltrace.models import get_adapter
+from pyvene_causaltrace.models import get_adapter, get_module
 from pyvene_causaltrace.prompts import SubjectNotFoundError
 from pyvene_causaltrace.specs import SpecError, load_spec
-from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine
+from pyvene_causaltrace.tracing.chunks import ChunkCost
+from pyvene_causaltrace.tracing.engine import KINDS, RESIDUAL_WINDOW, TraceEngine
 from pyvene_causaltrace.tracing.noise_scale import NoiseScaleSweep
 from pyvene_causaltrace.tracing.results import TraceResult
 from pyvene_causaltrace.tracing.roles import token_roles
@@ -28,35 +29,81 @@ def _ids():
     return torch.randint(1, 400, (1, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("reuse_prefix", [True, False], ids=["prefix-reused", "full-rows"])
-def test_engine_equals_batch_one_loop_for_every_kind(arch, reuse_prefix):
-    model = make_tiny_model(arch, n_layers=N_LAYERS)
-    adapter = get_adapter(model)
+# chunk plans: "fine" runs every (position, first layer) group alone, so each row starts exactly
+# at its restored layer; "coarse" mixes everything the memory budget allows, so most rows
+# recompute corrupted layers and positions above their chunk's start
+PLANS = {"fine": ChunkCost(0.0, 0.0), "coarse": ChunkCost(1e9, 1e9)}
+
+
+def _engine_against_loop(arch, plan, dtype, rel, **options):
+    model = make_tiny_model(arch, n_layers=N_LAYERS).to(dtype)
     ids = _ids()
     engine = TraceEngine(model, ids, NOISED, SEEDS, SCALE, SIGMA, ANSWER,
-                         reuse_prefix=reuse_prefix, memory_budget_mb=0.05)  # several chunks
+                         memory_budget_mb=0.1, **options)  # 3-4 rows a chunk
+    engine.cost = PLANS[plan]
     cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
-    for name, kind in KINDS.items():
+    worst = 0.0
+    for name, kind in {**KINDS, "residual-window": RESIDUAL_WINDOW}.items():
         got = engine.run(kind, cells, window=3)
         for s, seed in enumerate(SEEDS):
-            sever = ([adapter.module_path(kind.sever, x) for x in range(N_LAYERS)]
-                     if kind.sever else [])
-            held = corrupted_states(model, ids, seed, NOISED, SCALE, SIGMA, sever)
             for c, (layer, pos) in enumerate(cells):
-                restores = [(adapter.module_path(kind.restore, x),
-                             engine.clean_states[adapter.module_path(kind.restore, x) + ".output"],
-                             pos) for x in engine.restore_layers(kind, layer, 3)]
-                freezes = [(path, held[path], pos) for path in sever]
-                expected = reference_cell(model, ids, seed, NOISED, SCALE, SIGMA, ANSWER,
-                                          restores, freezes)
-                assert got[s, c].item() == pytest.approx(expected, rel=1e-5, abs=1e-9), (
+                expected = reference_kind_cell(model, engine, kind, seed, layer, pos, 3)
+                assert got[s, c].item() == pytest.approx(expected, rel=rel, abs=1e-12), (
                     name, seed, layer, pos)
+                worst = max(worst, abs(got[s, c].item() - expected) / expected)
     # the kinds differ, so the comparison above was not trivially true
     residual = engine.run(KINDS["residual"], cells)
     severed = engine.run(KINDS["severed-mlp"], cells)
     assert (residual - severed).abs().max() > 1e-6
     assert (residual.max(1).values - residual.min(1).values).min() > 1e-6
+    return worst
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("plan", ["fine", "coarse"])
+def test_engine_equals_batch_one_loop_for_every_kind(arch, plan):
+    """Rows starting at their restored layer and position (fine) or below it (coarse), across
+    chunk boundaries, at the first and last layer and position, float32: to 1e-6."""
+    _engine_against_loop(arch, plan, torch.float32, rel=1e-6)
+
+
+@pytest.mark.parametrize("options", [dict(reuse_prefix=False), dict(replay_layers=False),
+                                     dict(reuse_prefix=False, replay_layers=False)],
+                         ids=["no-prefix", "no-replay", "neither"])
+def test_engine_without_its_shortcuts(options):
+    _engine_against_loop("llama", "fine", torch.float32, rel=1e-6, **options)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+def test_engine_equals_batch_one_loop_in_float64(arch):
+    """In float64 only rounding separates the two paths (Qwen's RMSNorm computes in float32)."""
+    worst = _engine_against_loop(arch, "fine", torch.float64, rel=1e-6)
+    assert worst < (1e-13 if arch == "gpt2" else 1e-7)
+
+
+def test_a_users_hook_on_a_replayed_block_applies_once():
+    """A hook of the user's on a block's output (e.g. a pv.IntervenableModel's intervention)
+    shaped the corrupted run's stored output; when the engine replays that block the hook
+    must not apply again."""
+    model = make_tiny_model("llama", n_layers=N_LAYERS)
+    shift = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    block = get_module(model, get_adapter(model).module_path("block", 1))
+    cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
+    plain = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER).run(
+        KINDS["residual"], cells)
+    handle = block.register_forward_hook(lambda _m, _a, output: output + shift)
+    try:
+        engine = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER)
+        engine.cost = PLANS["fine"]  # rows restoring layers 2, 3 replay block 1
+        for kind in (KINDS["residual"], KINDS["mlp"]):
+            got = engine.run(kind, cells, window=3)
+            for c, (layer, pos) in enumerate(cells):
+                expected = reference_kind_cell(model, engine, kind, SEEDS[0], layer, pos, 3)
+                assert got[0, c].item() == pytest.approx(expected, rel=1e-6), (kind, layer, pos)
+        shifted = engine.run(KINDS["residual"], cells)
+    finally:
+        handle.remove()
+    assert ((shifted - plain).abs() / plain).max() > 0.05  # the hook matters
 
 
 def test_chunking_does_not_change_results():

@@ -78,13 +78,23 @@ class _Overwrite(CausalTraceIntervention):
             )
         mask = fit_mask(None if self.positions is None else self.positions.to(base.device),
                         batch, seq_len).to(base.device)
-        if not bool(mask.any()):
+        if mask.device.type == "cpu" and not bool(mask.any()):  # (a check on a GPU would sync)
             return base
         if self.state_rows is not None:
             rows_for(batch, self.state_rows.numel(), "state_rows")
             donor = donor.index_select(0, self.state_rows.to(donor.device))
         rows_for(batch, donor.shape[0], "the donor states")
         return torch.where(mask.unsqueeze(-1), donor.to(base.device, base.dtype), base)
+
+    def retarget(self, positions: torch.Tensor, states: torch.Tensor | None = None,
+                 state_rows: torch.Tensor | None = None) -> None:
+        """Point this instance at another batch, copying nothing: a ``[rows, seq]`` bool mask,
+        and optionally other donor states (kept as given, e.g. a view of longer states) and
+        their row map. The trace engine calls this once per chunk of rows."""
+        self._set_tensor("positions", positions)
+        if states is not None:
+            self._set_tensor("states", states)
+        self._set_tensor("state_rows", state_rows)
 
     # -- spec entry: component, layers, positions; the donor run's states at each site
     @classmethod

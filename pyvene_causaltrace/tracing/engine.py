@@ -1,14 +1,21 @@
 """The batched engine behind every trace kind.
 
-A trace is a set of *rows*, one per (noise seed, layer, position) cell. Each row carries its own
-noise seed (``noise_add`` with per-row seeds) and its own restore mask (``clean_restore`` /
-``window_restore`` / ``freeze`` with per-row masks), so one forward runs many cells.
+A trace is a set of *rows*, one per (noise seed, layer, position) cell. One forward runs many
+rows: each carries its own noise seed and its own restore mask, applied by the registered
+intervention types (``clean_restore``, ``window_restore``, ``freeze``, with ``noise_add``'s
+recipe for the noise).
 
-Rows that restore position ``t`` agree with the corrupted run of their seed at every position
-before ``t``, at every layer (attention is causal and nothing before ``t`` was touched). With
-``reuse_prefix`` (the default) such rows start at ``t``: the corrupted run's keys and values of
-positions ``< t`` come from a cache, gathered per row by seed, and only positions ``t..T-1`` are
-computed. Rows are grouped by ``t`` and chunked to a memory budget.
+A row restoring position ``t`` from layer ``l`` on equals its seed's corrupted run everywhere
+below: at positions before ``t`` (attention is causal) and at layers below ``l``. So it is
+computed only from there — earlier positions' keys and values come from the corrupted run's
+cache (``reuse_prefix``), and lower blocks are replayed from the corrupted run's stored outputs
+(``replay_layers``, :mod:`.replay`). Rows are grouped into chunks by :func:`.chunks.plan_chunks`,
+which weighs the recomputation a mixed chunk costs against the fixed cost of another forward.
+
+The interventions are built once per :meth:`TraceEngine.run` and applied by forward hooks
+registered once per run; per chunk only their row masks change (``retarget``). pyvene's
+``IntervenableModel`` would register and remove every hook on every call, which is most of the
+cost on a small model or a GPU; the tests check the engine against batch-1 runs row by row.
 
     engine = TraceEngine(model, ids, subject_positions, seeds=[0, 1], scale=3.0, sigma=0.12,
                          answer_id=7042)
@@ -29,8 +36,10 @@ from ..defaults import WINDOW
 from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
-from ..models import get_adapter
+from ..models import get_adapter, get_module
 from ..pyvene_compat import intervenable_model_class
+from .chunks import Chunk, ChunkCost, plan_chunks
+from .replay import LayerReplay
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,7 @@ class TraceEngine:
         distribution: str = "gaussian",
         memory_budget_mb: float = 2048.0,
         reuse_prefix: bool = True,
+        replay_layers: bool = True,
     ) -> None:
         self.model = model
         self.adapter = get_adapter(model)
@@ -102,12 +112,15 @@ class TraceEngine:
         self.seq_len = int(self.ids.shape[1])
         self.noise_positions = list(noise_positions)
         self.seeds = list(seeds)
-        self.noise_config = dict(scale=scale, sigma=sigma, distribution=distribution)
+        self.noise = NoiseAdd(seeds=self.seeds, positions=self.noise_positions, scale=scale,
+                              sigma=sigma, distribution=distribution)
         self.answer_id = int(answer_id)
         self.memory_budget_mb = memory_budget_mb
         self.reuse_prefix = reuse_prefix
+        self.replay_layers = replay_layers
         self._cache_kw = _cache_kwarg(model)
-        self._intervenable = intervenable_model_class()
+        self.blocks = [get_module(model, self.adapter.module_path("block", layer))
+                       for layer in range(self.n_layers)]
 
         parts = ("block", "mlp", "attn")
         self._paths = {
@@ -115,13 +128,23 @@ class TraceEngine:
             for part in parts
         }
         every = [p for part in parts for p in self._paths[part]]
-        box: dict[str, torch.Tensor] = {}
+        box: dict = {}
+
+        def note_block_output(_module, _args, output) -> None:
+            box["tuple"] = isinstance(output, tuple)
+
+        def clean_run():
+            returns = self.blocks[0].register_forward_hook(note_block_output)
+            try:
+                box["logits"] = model(input_ids=self.ids, logits_to_keep=1).logits
+            finally:
+                returns.remove()
+
         with torch.no_grad():
-            self.clean_states = capture(model, {}, every, run=lambda: box.setdefault(
-                "logits", model(input_ids=self.ids, logits_to_keep=1).logits))
+            self.clean_states = capture(model, {}, every, run=clean_run)
             self.clean_probs = box["logits"][0, -1].double().softmax(-1).cpu()
-            noise = self._noise(self.seeds, offset=0)
-            runner = self._intervenable([self._embed(noise)], model)
+            runner = intervenable_model_class()(
+                [{"component": self.adapter.site("embed"), "intervention": self.noise}], model)
             inputs = {"input_ids": self.ids.repeat(len(self.seeds), 1), "use_cache": True,
                       "logits_to_keep": 1}
             self.corrupt_states = capture(
@@ -130,15 +153,16 @@ class TraceEngine:
         self.corrupt_probs = out.logits[:, -1].double().softmax(-1).cpu()
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         self._kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self._returns_tuple = bool(box.get("tuple", False))
+        self._noise_delta: torch.Tensor | None = None  # every seed's noise, made on first use
+        weights = list(self.blocks[0].parameters())
+        head = get_module(model, self.adapter.module_path("unembed")).weight
+        self.cost = ChunkCost.estimate(
+            self.device.type, layer_bytes=sum(p.numel() * p.element_size() for p in weights),
+            layer_flops=2 * sum(p.numel() for p in weights),
+            head_bytes=head.numel() * head.element_size())
 
     # ------------------------------------------------------------------------- helpers
-    def _noise(self, seeds: Sequence[int], offset: int) -> NoiseAdd:
-        return NoiseAdd(seeds=list(seeds), positions=self.noise_positions, offset=offset,
-                        **self.noise_config)
-
-    def _embed(self, noise: NoiseAdd) -> dict:
-        return {"component": self.adapter.site("embed"), "intervention": noise}
-
     def restore_layers(self, kind: TraceKind, layer: int, window: int) -> list[int]:
         return window_layers(layer, window, self.n_layers) if kind.windowed else [layer]
 
@@ -152,9 +176,18 @@ class TraceEngine:
         span = self.seq_len - prefix
         floats = (2 * self.n_layers * self.seq_len * kv_width  # cache, grown to full length
                   + 8 * span * max(hidden, inner)  # live activations
-                  + self.n_layers * 3 * span * hidden  # intervention copies
+                  + 4 * span * hidden  # replayed output, masks, intervention copies
                   + 3 * config.vocab_size)  # last-position logits and softmax
         return max(1, int(self.memory_budget_mb * 2**20 // (4 * floats)))
+
+    def _noise_rows(self, seed_rows: torch.Tensor, prefix: int) -> torch.Tensor:
+        """Each row's noise at positions ``prefix..``: ``noise_add``'s draws, made once."""
+        if self._noise_delta is None:
+            dtype = self.model.get_input_embeddings().weight.dtype
+            delta = self.noise.noise(len(self.seeds), self.seq_len,
+                                     self.adapter.hidden_size(self.model))
+            self._noise_delta = delta.to(self.device, dtype)
+        return self._noise_delta.index_select(0, seed_rows)[:, prefix:]
 
     # ------------------------------------------------------------------------------ run
     def run(
@@ -174,66 +207,146 @@ class TraceEngine:
         """
         if donor not in ("clean", "corrupted"):
             raise ValueError(f"donor must be 'clean' or 'corrupted', got {donor!r}")
-        n_seeds = len(self.seeds)
-        out = torch.empty(n_seeds, len(cells), dtype=torch.float64)
-        by_position: dict[int, list[tuple[int, int]]] = {}
-        for index, (_, position) in enumerate(cells):
-            by_position.setdefault(position, []).extend((s, index) for s in range(n_seeds))
-        for position, rows in sorted(by_position.items()):
-            prefix = position if self.reuse_prefix else 0
-            size = self.rows_per_chunk(prefix)
-            for start in range(0, len(rows), size):
-                chunk = rows[start:start + size]
-                probs = self._run_chunk(kind, cells, chunk, position, prefix, window, donor)
-                for (seed_index, cell_index), p in zip(chunk, probs.tolist(), strict=True):
-                    out[seed_index, cell_index] = p
+        rows = _Rows.of(self, kind, cells, window)
+        plan = plan_chunks(rows.position, rows.first, n_layers=self.n_layers,
+                           seq_len=self.seq_len, max_rows=self.rows_per_chunk, cost=self.cost,
+                           reuse_prefix=self.reuse_prefix, replay_layers=self.replay_layers)
+        out = torch.empty(len(rows), dtype=torch.float64, device=self.device)
+        with _RunHooks(self, kind, donor, rows) as hooks:
+            for chunk in plan:
+                index = chunk.rows.to(self.device)
+                out[index] = hooks.forward(chunk, index)
                 if progress is not None:
-                    progress(len(chunk))
-        return out
+                    progress(chunk.rows.numel())
+        return out.cpu().view(len(cells), len(self.seeds)).T.contiguous()
 
-    def _run_chunk(self, kind, cells, chunk, position, prefix, window, donor) -> torch.Tensor:
-        n_rows, span, column = len(chunk), self.seq_len - prefix, position - prefix
-        seed_rows = torch.tensor([s for s, _ in chunk], device=self.device)
-        representations = [self._embed(self._noise([self.seeds[s] for s, _ in chunk], prefix))]
 
-        # which rows restore which layer (one intervention per layer that any row needs)
-        wanted: dict[int, list[int]] = {}
-        for row, (_, cell_index) in enumerate(chunk):
-            for layer in self.restore_layers(kind, cells[cell_index][0], window):
-                wanted.setdefault(layer, []).append(row)
-        for layer, rows in sorted(wanted.items()):
-            mask = torch.zeros(n_rows, span, dtype=torch.bool)
-            mask[rows, column] = True
-            path = self._paths[kind.restore][layer]
-            if donor == "clean":
-                states, state_rows = self.clean_states[path][:, prefix:], None
-            else:
-                states, state_rows = self.corrupt_states[path][:, prefix:], seed_rows
+@dataclass(frozen=True)
+class _Rows:
+    """One run's rows (cell-major, seed-minor) as index tensors: each row's seed index, cell
+    position, restored layers ``lo..hi-1`` and first computed layer."""
+
+    seed: torch.Tensor
+    position: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    first: torch.Tensor
+
+    @classmethod
+    def of(cls, engine: TraceEngine, kind: TraceKind, cells, window: int) -> _Rows:
+        n_seeds = len(engine.seeds)
+        spans = [engine.restore_layers(kind, layer, window) for layer, _ in cells]
+        lo = torch.tensor([s[0] for s in spans]).repeat_interleave(n_seeds)
+        # a restored block output is a corrupted one with a column overwritten: replay it
+        first = lo + 1 if kind.restore == "block" else lo
+        return cls(seed=torch.arange(n_seeds).repeat(len(cells)),
+                   position=torch.tensor([p for _, p in cells]).repeat_interleave(n_seeds),
+                   lo=lo, hi=torch.tensor([s[-1] + 1 for s in spans]).repeat_interleave(n_seeds),
+                   first=first)
+
+    def __len__(self) -> int:
+        return self.seed.numel()
+
+    def on(self, device: torch.device) -> _Rows:
+        return _Rows(*(t.to(device) for t in (self.seed, self.position, self.lo, self.hi,
+                                               self.first)))
+
+
+class _RunHooks:
+    """The interventions of one run, their forward hooks, and the forward of one chunk."""
+
+    def __init__(self, engine: TraceEngine, kind: TraceKind, donor: str, rows: _Rows) -> None:
+        self.engine, self.kind, self.donor = engine, kind, donor
+        self.rows = rows.on(engine.device)
+        self.lo, self.hi = rows.lo, rows.hi  # on the CPU: which layers a chunk restores
+        self.states = engine.clean_states if donor == "clean" else engine.corrupt_states
+        self.noise: torch.Tensor | None = None
+        self.active: dict[str, nn.Module | None] = {}
+        self.restores: dict[int, nn.Module] = {}
+        self.freezes: dict[int, Freeze] = {}
+        self.handles: list = []
+
+    def __enter__(self) -> _RunHooks:
+        engine, kind, states = self.engine, self.kind, self.states
+        for layer, path in enumerate(engine._paths[kind.restore]):
             if kind.windowed:
-                made = WindowRestore(positions=mask, states=states, state_rows=state_rows,
-                                     sublayer=kind.restore, window_layer=layer, center=None,
-                                     window=window)
+                self.restores[layer] = WindowRestore(
+                    states=states[path], sublayer=kind.restore, window_layer=layer)
             else:
-                made = CleanRestore(positions=mask, states=states, state_rows=state_rows)
-            representations.append({"component": path, "intervention": made})
+                self.restores[layer] = CleanRestore(states=states[path])
+            self._hook(path)
         if kind.sever is not None:
-            mask = torch.zeros(n_rows, span, dtype=torch.bool)
-            mask[:, column] = True
-            for path in self._paths[kind.sever]:
-                representations.append({"component": path, "intervention": Freeze(
-                    positions=mask, states=self.corrupt_states[path][:, prefix:],
-                    state_rows=seed_rows, run="corrupted")})
+            for layer, path in enumerate(engine._paths[kind.sever]):
+                self.freezes[layer] = Freeze(states=engine.corrupt_states[path], run="corrupted")
+                self._hook(path)
+        embed = get_module(engine.model, engine.adapter.module_path("embed"))
+        self.handles.append(embed.register_forward_hook(self._add_noise))
+        own = {handle.id for handle in self.handles}
+        self.replay = LayerReplay(engine.blocks, engine._returns_tuple, keep=own)
+        return self
 
-        base = {"input_ids": self.ids[:, prefix:].repeat(n_rows, 1), "logits_to_keep": 1}
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _hook(self, component: str) -> None:
+        module = get_module(self.engine.model, component.rpartition(".")[0])
+        self.active[component] = None
+
+        def apply(_module, _args, output):
+            made = self.active[component]
+            if made is None:
+                return None
+            if isinstance(output, tuple):
+                return (made(output[0]), *output[1:])
+            return made(output)
+
+        self.handles.append(module.register_forward_hook(apply))
+
+    def _add_noise(self, _module, _args, output):
+        return None if self.noise is None else output + self.noise
+
+    def forward(self, chunk: Chunk, index: torch.Tensor) -> torch.Tensor:
+        """P(answer) of the chunk's rows (``index``: their row indices on the device)."""
+        engine, kind, rows = self.engine, self.kind, self.rows
+        prefix, first = chunk.prefix, chunk.first_layer
+        n, span = index.numel(), engine.seq_len - prefix
+        seed_rows = rows.seed[index]
+        at = (torch.arange(span, device=engine.device)[None, :]
+              == (rows.position[index] - prefix)[:, None])  # [n, span]: each row's column
+        lo, hi = rows.lo[index], rows.hi[index]
+        restored = range(int(self.lo[chunk.rows].min()), int(self.hi[chunk.rows].max()))
+        state_rows = seed_rows if self.donor == "corrupted" else None
+        for layer in range(engine.n_layers):
+            component = engine._paths[kind.restore][layer]
+            made = None
+            if layer in restored:
+                made = self.restores[layer]
+                made.retarget(((lo <= layer) & (layer < hi))[:, None] & at,
+                              self.states[component][:, prefix:], state_rows)
+            self.active[component] = made
+            if kind.sever is not None:
+                component = engine._paths[kind.sever][layer]
+                made = None
+                if layer >= first:  # below, the block returns the corrupted run's output
+                    made = self.freezes[layer]
+                    made.retarget(at, engine.corrupt_states[component][:, prefix:], seed_rows)
+                self.active[component] = made
+        self.noise = engine._noise_rows(seed_rows, prefix) if first == 0 else None
+
+        base = {"input_ids": engine.ids[:, prefix:].expand(n, -1), "logits_to_keep": 1}
         if prefix:
             from transformers import DynamicCache
 
-            base[self._cache_kw] = DynamicCache(
-                ddp_cache_data=[(k.index_select(0, seed_rows)[:, :, :prefix],
-                                 v.index_select(0, seed_rows)[:, :, :prefix])
-                                for k, v in self._kv],
-                config=self.model.config)
-        runner = self._intervenable(representations, self.model)
-        with torch.no_grad():
-            logits = runner(base=base)[1].logits[:, -1]
-        return logits.double().softmax(-1)[:, self.answer_id].cpu()
+            base[engine._cache_kw] = DynamicCache(ddp_cache_data=[
+                (k[:, :, :prefix].index_select(0, seed_rows),
+                 v[:, :, :prefix].index_select(0, seed_rows)) if layer >= first
+                else (k[:1, :, :prefix], v[:1, :, :prefix])  # never read: a replayed block
+                for layer, (k, v) in enumerate(engine._kv)], config=engine.model.config)
+        replayed = None
+        if first:
+            below = engine.corrupt_states[engine._paths["block"][first - 1]]
+            replayed = below.index_select(0, seed_rows)[:, prefix:]
+        with torch.no_grad(), self.replay.below(first, replayed):
+            logits = engine.model(**base).logits[:, -1]
+        return logits.double().softmax(-1)[:, engine.answer_id]

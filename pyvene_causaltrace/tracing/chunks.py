@@ -1,0 +1,177 @@
+"""Which restore rows share a forward: the engine's chunk plan.
+
+A row is one (seed, cell) of a trace. Two numbers say how much of the model it needs:
+
+- its *position* ``t``: every position before ``t`` equals the corrupted run (attention is
+  causal and nothing before ``t`` is touched), so those positions' keys and values come from
+  the corrupted run's cache;
+- its *first layer* ``c``: every layer below ``c`` equals the corrupted run as well, so those
+  layers are replayed from the corrupted run's stored outputs instead of being computed.
+
+A chunk of rows is computed from its smallest position (the *prefix*) and its smallest first
+layer; a row above either simply recomputes corrupted states, which is exact but costs time. So
+the plan trades that waste against the fixed cost of every extra forward and every layer it runs
+(Python, hooks, kernel launches), which on a small model or a GPU outweighs the arithmetic.
+
+    plan = plan_chunks(positions, first_layers, n_layers=30, seq_len=9, max_rows=lambda p: 512,
+                       cost=ChunkCost(layer=4.0, forward=40.0))
+    for chunk in plan: ...   # chunk.prefix, chunk.first_layer, chunk.rows
+
+The plan is a pure function of its inputs, so a trace's row grouping (and with it its float
+rounding) is the same on every run with the same settings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: Widest band of positions that one chunk may mix (bounds the planner's work on long prompts).
+MAX_POSITION_BAND = 16
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """Rough speeds of a device: Python and launch overhead per layer and per forward (s),
+    memory bandwidth (bytes/s: each layer's weights are read once per forward) and arithmetic
+    (FLOP/s)."""
+
+    layer_overhead: float
+    forward_overhead: float
+    bandwidth: float
+    flops: float
+
+
+#: CPU: fitted to forwards of SmolLM2 and of a tiny Llama on 2 cores (benchmarks/RESULTS.md).
+#: CUDA: an H200's bandwidth and a realistic bf16 rate, with ~15 kernel launches per layer.
+DEVICE_SPEEDS: dict[str, DeviceSpeed] = {
+    "cpu": DeviceSpeed(layer_overhead=2.5e-4, forward_overhead=1e-3, bandwidth=1.5e10,
+                       flops=2e11),
+    "cuda": DeviceSpeed(layer_overhead=1.5e-4, forward_overhead=2e-3, bandwidth=4e12,
+                        flops=3e14),
+}
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """The cost of a forward, in units of one token through one layer.
+
+    ``layer``: the fixed cost of running one layer for a whole batch; ``forward``: the fixed
+    cost of one forward besides its layers (embedding, cache, logits). A chunk of ``n`` rows of
+    ``span`` positions from layer ``c`` of ``L`` costs ``forward + (L - c) * (layer + n * span)``.
+    """
+
+    layer: float
+    forward: float
+
+    @classmethod
+    def estimate(cls, device_type: str, layer_bytes: float, layer_flops: float,
+                 head_bytes: float) -> ChunkCost:
+        """From a layer's weight bytes and FLOPs per token and the unembedding's bytes."""
+        speed = DEVICE_SPEEDS.get(device_type, DEVICE_SPEEDS["cuda"])
+        token = layer_flops / speed.flops
+        return cls(layer=(speed.layer_overhead + layer_bytes / speed.bandwidth) / token,
+                   forward=(speed.forward_overhead + head_bytes / speed.bandwidth) / token)
+
+    def of(self, rows: int, span: int, layers: int, forwards: int = 1) -> float:
+        return forwards * (self.forward + layers * self.layer) + layers * rows * span
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows computed together: positions ``>= prefix``, layers ``>= first_layer``."""
+
+    prefix: int
+    first_layer: int
+    rows: torch.Tensor  # int64 indices into the trace's rows
+
+
+def plan_chunks(
+    positions: Sequence[int] | torch.Tensor,
+    first_layers: Sequence[int] | torch.Tensor,
+    *,
+    n_layers: int,
+    seq_len: int,
+    max_rows: Callable[[int], int],
+    cost: ChunkCost,
+    reuse_prefix: bool = True,
+    replay_layers: bool = True,
+) -> list[Chunk]:
+    """Group rows into chunks of least estimated :class:`ChunkCost`.
+
+    Rows are banded by position (contiguous bands of distinct positions), and within a band by
+    first layer; a band pair's rows run as ``ceil(n / max_rows(prefix))`` forwards of near-equal
+    size. Both bandings are chosen by dynamic programming. ``reuse_prefix=False`` computes every
+    row from position 0, ``replay_layers=False`` from layer 0.
+    """
+    positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+    firsts = torch.as_tensor(first_layers, dtype=torch.int64).reshape(-1)
+    if positions.shape != firsts.shape:
+        raise ValueError("positions and first_layers must have one entry per row")
+    if not reuse_prefix:
+        positions = torch.zeros_like(positions)
+    if not replay_layers:
+        firsts = torch.zeros_like(firsts)
+    if positions.numel() == 0:
+        return []
+    # rows grouped by (position, first layer); counts[i][j] for distinct values
+    keys = sorted(set(positions.tolist()))
+    layer_keys = sorted(set(firsts.tolist()))
+    col = {c: j for j, c in enumerate(layer_keys)}
+    counts = [[0] * len(layer_keys) for _ in keys]
+    at = {p: i for i, p in enumerate(keys)}
+    for p, c in zip(positions.tolist(), firsts.tolist(), strict=True):
+        counts[at[p]][col[c]] += 1
+
+    def layer_bands(band_counts: list[int], prefix: int) -> tuple[float, list[tuple[int, int]]]:
+        """Least cost of splitting one position band by first layer, and the split."""
+        span, limit = seq_len - prefix, max(1, max_rows(prefix))
+        present = [j for j, n in enumerate(band_counts) if n]
+        best = [0.0] + [math.inf] * len(present)
+        cut = [0] * (len(present) + 1)
+        for end in range(1, len(present) + 1):
+            rows = 0
+            for start in range(end - 1, -1, -1):
+                rows += band_counts[present[start]]
+                layers = n_layers - layer_keys[present[start]]
+                total = best[start] + cost.of(rows, span, layers, math.ceil(rows / limit))
+                if total < best[end]:
+                    best[end], cut[end] = total, start
+        bands, end = [], len(present)
+        while end:
+            bands.append((present[cut[end]], present[end - 1]))
+            end = cut[end]
+        return best[-1], bands[::-1]
+
+    best = [0.0] + [math.inf] * len(keys)
+    cut: list[tuple[int, list]] = [(0, [])] * (len(keys) + 1)
+    for end in range(1, len(keys) + 1):
+        band = [0] * len(layer_keys)
+        for start in range(end - 1, max(-1, end - 1 - MAX_POSITION_BAND), -1):
+            band = [a + b for a, b in zip(band, counts[start], strict=True)]
+            value, split = layer_bands(band, keys[start])
+            if best[start] + value < best[end]:
+                best[end], cut[end] = best[start] + value, (start, split)
+
+    order = torch.argsort(positions * (n_layers + 1) + firsts, stable=True)
+    chunks: list[Chunk] = []
+    end = len(keys)
+    bands = []
+    while end:
+        start, split = cut[end]
+        bands.append((start, end, split))
+        end = start
+    for start, end, split in reversed(bands):
+        low, high = keys[start], keys[end - 1]
+        in_band = order[(positions[order] >= low) & (positions[order] <= high)]
+        limit = max(1, max_rows(low))
+        for first, last in split:
+            lo, hi = layer_keys[first], layer_keys[last]
+            rows = in_band[(firsts[in_band] >= lo) & (firsts[in_band] <= hi)]
+            pieces = math.ceil(rows.numel() / limit)
+            for piece in torch.tensor_split(rows, pieces):
+                chunks.append(Chunk(prefix=low, first_layer=lo, rows=piece))
+    return chunks

@@ -1,0 +1,71 @@
+"""Run a model with its lowest blocks *replayed*: they return stored outputs instead of computing.
+
+A restore row equals the corrupted run at every layer below its first restored one, so the
+engine does not compute those layers: blocks ``0..first-1`` are swapped for a stand-in that
+returns the corrupted run's output of block ``first - 1`` (the blocks below it just pass their
+input on; nothing reads it). The model's own ``forward`` still runs around them — embeddings,
+rotary tables, masks, the final norm, logit soft-capping — so nothing architecture-specific is
+rewritten here.
+
+While a block is replayed only the hooks named in ``keep`` see its output: a user's hook on it
+(e.g. from a ``pv.IntervenableModel``'s interventions) already shaped the stored output in the
+corrupted run and must not apply twice. Everything is put back when the block ends.
+
+    replay = LayerReplay(blocks, returns_tuple=False, keep=engine_hook_ids)
+    with replay.below(first=5, output=corrupted_block_4_rows):
+        logits = model(input_ids=ids, ...).logits
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+
+class LayerReplay:
+    """Swaps the lowest ``first`` of ``blocks`` for stored outputs inside :meth:`below`.
+
+    ``returns_tuple``: whether a block returns a tuple (GPT-2 on transformers 4) rather than a
+    tensor; ``keep``: ids of the forward hooks that still run on a replayed block's output.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], returns_tuple: bool,
+                 keep: set[int] | None = None) -> None:
+        self.blocks = list(blocks)
+        self.returns_tuple = returns_tuple
+        self.keep = keep if keep is not None else set()
+
+    def _stand_in(self, output: torch.Tensor | None):
+        def forward(*args, **kwargs):
+            value = output if output is not None else (args[0] if args
+                                                       else kwargs["hidden_states"])
+            return (value,) if self.returns_tuple else value
+        return forward
+
+    @contextlib.contextmanager
+    def below(self, first: int, output: torch.Tensor | None) -> Iterator[None]:
+        """Blocks ``< first`` replayed; block ``first - 1`` returns ``output``."""
+        saved = []
+        try:
+            for index in range(first):
+                block = self.blocks[index]
+                hooks, pre_hooks = block._forward_hooks, block._forward_pre_hooks
+                saved.append((block, block.__dict__.get("forward"), dict(hooks), dict(pre_hooks)))
+                for key in [k for k in hooks if k not in self.keep]:
+                    del hooks[key]
+                pre_hooks.clear()
+                block.forward = self._stand_in(output if index == first - 1 else None)
+            yield
+        finally:
+            for block, own_forward, hooks, pre_hooks in saved:
+                if own_forward is None:
+                    del block.forward  # the class's forward again
+                else:  # e.g. accelerate's wrapper when the model was loaded with a device_map
+                    block.forward = own_forward
+                block._forward_hooks.clear()
+                block._forward_hooks.update(hooks)
+                block._forward_pre_hooks.clear()
+                block._forward_pre_hooks.update(pre_hooks)
