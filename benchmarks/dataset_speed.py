@@ -141,6 +141,8 @@ def parse(argv=None):
     parser.add_argument("--loop-facts", type=int, default=1)
     parser.add_argument("--skip-loop", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--end-to-end-only", action="store_true",
+                        help="part 1 only (e.g. to compare two versions of the package)")
     parser.add_argument("--budgets", default="256,1024,4096")
     parser.add_argument("--out", type=Path, default=None, help="write the numbers as JSON")
     return parser.parse_args(argv)
@@ -166,6 +168,8 @@ def main() -> None:
                             "facts_per_minute": 60 * args.facts / seconds}
     print(f"trace_dataset, residual, {args.seeds} seeds: {args.facts} facts in {seconds:.1f} s "
           f"= {60 * args.facts / seconds:.2f} facts/min")
+    if args.end_to_end_only:
+        return
 
     # 2. engine vs ROME's method vs batch-1 loop, same facts
     methods = ["engine", "rome"] + ([] if args.skip_loop else ["loop"])

@@ -13,8 +13,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMER
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, pyvene; print(torch.__version__, transformers.__version__)"
 if [ "$SECTION" = all ] || [ "$SECTION" = trace ]; then
-echo "== causal trace, residual, 10 seeds (issue 3)"
+echo "== causal trace, residual, 10 seeds, beside the plain batched floor (issues 3, 16)"
 timeout 180 python3 benchmarks/gpu_trace.py --seeds 10 2>&1 | tee "$OUT/gpu_trace.txt"
+timeout 240 python3 benchmarks/gpu_trace.py --shape qwen3_8b --skip-seed-style --seeds 10 2>&1 \
+    | tee -a "$OUT/gpu_trace.txt"
 fi
 if [ "$SECTION" = all ] || [ "$SECTION" = dataset ]; then
 echo "== dataset throughput, residual, 3 seeds (issue 5)"

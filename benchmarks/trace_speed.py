@@ -1,16 +1,19 @@
-"""Full residual causal trace on SmolLM2 (Eiffel prompt), side by side in one run:
+"""Full residual causal trace, side by side in one process, on SmolLM2 (the Eiffel prompt) and on a
+tiny random Llama (8 layers, hidden 64: where fixed costs per forward and per layer dominate, the
+CPU's stand-in for a GPU):
 
 - ``rome``: ROME's method, one forward of batch S+1 per (layer, position) cell: row 0 clean,
   rows 1..S noised, a plain PyTorch hook copies row 0's state into the others;
-- ``plain``: the same S x L x T rows as plain batched forwards with no intervention at all;
-- ``engine``: our batched engine (registered pyvene interventions, per-row masks), with and
-  without reusing the corrupted prefix's keys and values;
+- ``plain``: the same S x L x T rows as plain batched forwards with no intervention at all (the
+  floor for computing every row in full);
+- the engine three ways: full rows; the corrupted prefix reused (positions before the restored
+  one from the KV cache); and the default, which also starts each row at its restored layer;
 - ``loop`` (``--loop``): one batch-1 forward per row.
 
-All compute only the last position's logits. Prints a table of seconds and ratios and checks the
-engine against ROME's method on every cell.
+All compute only the last position's logits. Prints a table of seconds and ratios per model and
+checks the engine against ROME's method on every cell.
 
-    python benchmarks/trace_speed.py --seeds 10
+    python benchmarks/trace_speed.py --seeds 10 [--models smollm2,tiny] [--loop]
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine
 from pyvene_causaltrace.tracing.noise_scale import rome_sigma
 
 PROMPT, SUBJECT, ANSWER = "The Eiffel Tower is in the city of", "The Eiffel Tower", " Paris"
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=8,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
 def recipe(seed, n, hidden, scale, sigma):
@@ -79,61 +84,82 @@ def batch1_loop(model, ids, n_rows):
             model(input_ids=ids, logits_to_keep=1)
 
 
-def timed(fn):
-    start = time.perf_counter()
-    value = fn()
-    return time.perf_counter() - start, value
+def setup(name):
+    """(model, input ids, subject positions, sigma, answer id) of one benchmark model."""
+    if name == "smollm2":
+        model, tokenizer = load_model("smollm2-135m")
+        prompt = tokenize_prompt(tokenizer, PROMPT, SUBJECT)
+        return (model, prompt.input_ids, list(range(*prompt.subject_range)),
+                rome_sigma(model, tokenizer, [SUBJECT]), answer_token_id(tokenizer, ANSWER))
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**TINY), dtype=torch.float32)
+    ids = torch.randint(1, TINY["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
+    return model.eval(), ids, [1, 2, 3], 0.5, 7
+
+
+ENGINES = {"engine_full": dict(reuse_prefix=False, replay_layers=False),
+           "engine_prefix": dict(reuse_prefix=True, replay_layers=False),
+           "engine": dict(reuse_prefix=True, replay_layers=True)}
+NAMES = {"loop": "batch-1 loop", "rome": "(a) ROME: batch S+1 per cell",
+         "plain": "(b) plain batched forwards", "engine_full": "engine, full rows",
+         "engine_prefix": "engine, corrupted prefix reused",
+         "engine": "engine, + rows start at restored layer"}
+
+
+def bench(name, args):
+    model, ids, subject, sigma, answer = setup(name)
+    seeds = list(range(args.seeds))
+    n_layers = get_adapter(model).n_layers(model)
+    cells = [(layer, pos) for layer in range(n_layers) for pos in range(ids.shape[1])]
+    n_rows = len(cells) * len(seeds)
+    repeats = args.repeats if args.repeats else (1 if name == "smollm2" else 5)
+    print(f"\n== {name}: {n_layers} layers x {ids.shape[1]} positions x {len(seeds)} seeds = "
+          f"{n_rows} rows; torch threads {torch.get_num_threads()}; best of {repeats}")
+
+    def engine(options):
+        made = TraceEngine(model, ids, subject, seeds, args.scale, sigma, answer,
+                           memory_budget_mb=args.budget_mb, **options)
+        return made.run(KINDS["residual"], cells)
+
+    chunk = TraceEngine(model, ids, subject, seeds, args.scale, sigma, answer,
+                        memory_budget_mb=args.budget_mb).rows_per_chunk(0)
+    methods = {"rome": lambda: rome_method(model, ids, subject, seeds, args.scale, sigma,
+                                           answer, cells),
+               "plain": lambda: plain_rows(model, ids, n_rows, chunk),
+               **{key: (lambda o=options: engine(o)) for key, options in ENGINES.items()}}
+    if args.loop:
+        methods["loop"] = lambda: batch1_loop(model, ids, n_rows)
+    seconds, values = {}, {}
+    for _ in range(repeats):  # interleaved, so that drift hits every method alike
+        for key, method in methods.items():
+            start = time.perf_counter()
+            values[key] = method()
+            took = time.perf_counter() - start
+            seconds[key] = min(seconds.get(key, took), took)
+    for key in ENGINES:
+        print(f"max |{key} - rome| over {values['rome'].numel()} cells: "
+              f"{(values[key] - values['rome']).abs().max():.2e}")
+    print(f"\n{'method':<40} {'seconds':>8} {'vs rome':>8} {'vs plain':>9}")
+    for key in ("loop", "rome", "plain", *ENGINES):
+        if key in seconds:
+            t = seconds[key]
+            print(f"{NAMES[key]:<40} {t:>8.3f} {t / seconds['rome']:>8.3f} "
+                  f"{t / seconds['plain']:>9.3f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="smollm2,tiny")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--scale", type=float, default=3.0)
     parser.add_argument("--budget-mb", type=float, default=2048)
+    parser.add_argument("--repeats", type=int, default=0, help="default: 1 SmolLM2, 5 tiny")
     parser.add_argument("--loop", action="store_true", help="also time the batch-1 loop")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    model, tokenizer = load_model("smollm2-135m")
-    prompt = tokenize_prompt(tokenizer, PROMPT, SUBJECT)
-    subject = list(range(*prompt.subject_range))
-    answer = answer_token_id(tokenizer, ANSWER)
-    sigma = rome_sigma(model, tokenizer, [SUBJECT])
-    seeds = list(range(args.seeds))
-    n_layers = model.config.num_hidden_layers
-    cells = [(layer, pos) for layer in range(n_layers) for pos in range(prompt.seq_len)]
-    n_rows = len(cells) * len(seeds)
-    print(f"torch threads {torch.get_num_threads()}; {n_layers} layers x {prompt.seq_len} "
-          f"positions x {len(seeds)} seeds = {n_rows} rows")
-
-    results = {}
-    results["rome"], rome = timed(lambda: rome_method(
-        model, prompt.input_ids, subject, seeds, args.scale, sigma, answer, cells))
-    engine_reuse = TraceEngine(model, prompt.input_ids, subject, seeds, args.scale, sigma, answer,
-                               memory_budget_mb=args.budget_mb)
-    chunk = engine_reuse.rows_per_chunk(0)
-    results["plain"], _ = timed(lambda: plain_rows(model, prompt.input_ids, n_rows, chunk))
-
-    def engine_run(reuse):
-        engine = TraceEngine(model, prompt.input_ids, subject, seeds, args.scale, sigma, answer,
-                             memory_budget_mb=args.budget_mb, reuse_prefix=reuse)
-        return engine.run(KINDS["residual"], cells)
-
-    results["engine"], fast = timed(lambda: engine_run(True))
-    results["engine_no_reuse"], slow = timed(lambda: engine_run(False))
-    if args.loop:
-        results["loop"], _ = timed(lambda: batch1_loop(model, prompt.input_ids, n_rows))
-
-    print(f"\nmax |engine - rome| over {rome.numel()} cells: {(fast - rome).abs().max():.2e}; "
-          f"without prefix reuse: {(slow - rome).abs().max():.2e}")
-    print(f"\n{'method':<34} {'seconds':>8} {'vs rome':>8} {'vs plain':>9}")
-    names = {"loop": "batch-1 loop", "rome": "(a) ROME: batch S+1 per cell",
-             "plain": "(b) plain batched forwards", "engine_no_reuse": "engine, full rows",
-             "engine": "engine, corrupted prefix reused"}
-    for key in ("loop", "rome", "plain", "engine_no_reuse", "engine"):
-        if key in results:
-            t = results[key]
-            print(f"{names[key]:<34} {t:>8.2f} {t / results['rome']:>8.3f} "
-                  f"{t / results['plain']:>9.3f}")
+    for name in args.models.split(","):
+        bench(name, args)
 
 
 if __name__ == "__main__":

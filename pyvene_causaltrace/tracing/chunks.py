@@ -117,14 +117,13 @@ def plan_chunks(
         firsts = torch.zeros_like(firsts)
     if positions.numel() == 0:
         return []
-    # rows grouped by (position, first layer); counts[i][j] for distinct values
-    keys = sorted(set(positions.tolist()))
-    layer_keys = sorted(set(firsts.tolist()))
-    col = {c: j for j, c in enumerate(layer_keys)}
-    counts = [[0] * len(layer_keys) for _ in keys]
-    at = {p: i for i, p in enumerate(keys)}
-    for p, c in zip(positions.tolist(), firsts.tolist(), strict=True):
-        counts[at[p]][col[c]] += 1
+    # rows grouped by (position, first layer): counts[i][j] over the distinct values
+    position_keys, position_at = torch.unique(positions, return_inverse=True)
+    layer_keys_t, layer_at = torch.unique(firsts, return_inverse=True)
+    keys, layer_keys = position_keys.tolist(), layer_keys_t.tolist()
+    counts = torch.bincount(position_at * len(layer_keys) + layer_at,
+                            minlength=len(keys) * len(layer_keys))
+    counts = counts.reshape(len(keys), len(layer_keys)).tolist()
 
     def layer_bands(band_counts: list[int], prefix: int) -> tuple[float, list[tuple[int, int]]]:
         """Least cost of splitting one position band by first layer, and the split."""
@@ -172,6 +171,7 @@ def plan_chunks(
             lo, hi = layer_keys[first], layer_keys[last]
             rows = in_band[(firsts[in_band] >= lo) & (firsts[in_band] <= hi)]
             pieces = math.ceil(rows.numel() / limit)
-            for piece in torch.tensor_split(rows, pieces):
-                chunks.append(Chunk(prefix=low, first_layer=lo, rows=piece))
+            for piece in torch.tensor_split(rows, pieces):  # (rows fit at a later prefix too)
+                chunks.append(Chunk(prefix=int(positions[piece].min()),
+                                    first_layer=int(firsts[piece].min()), rows=piece))
     return chunks

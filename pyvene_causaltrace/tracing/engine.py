@@ -212,9 +212,11 @@ class TraceEngine:
                            seq_len=self.seq_len, max_rows=self.rows_per_chunk, cost=self.cost,
                            reuse_prefix=self.reuse_prefix, replay_layers=self.replay_layers)
         out = torch.empty(len(rows), dtype=torch.float64, device=self.device)
+        # every chunk's row indices reach the device in one copy
+        indices = torch.cat([chunk.rows for chunk in plan]).to(self.device).split(
+            [chunk.rows.numel() for chunk in plan])
         with _RunHooks(self, kind, donor, rows) as hooks:
-            for chunk in plan:
-                index = chunk.rows.to(self.device)
+            for chunk, index in zip(plan, indices, strict=True):
                 out[index] = hooks.forward(chunk, index)
                 if progress is not None:
                     progress(chunk.rows.numel())

@@ -83,6 +83,8 @@ class Tracer:
         memory_budget_mb: rows per forward are chosen to fit this.
         reuse_prefix: start each row at its restored position, taking earlier positions' keys
             and values from the corrupted run (exact; turn off only to compare).
+        replay_layers: start each row at its restored layer, the blocks below returning the
+            corrupted run's outputs (exact; turn off only to compare).
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class Tracer:
         distribution: str = "gaussian",
         memory_budget_mb: float = 2048.0,
         reuse_prefix: bool = True,
+        replay_layers: bool = True,
         scales: Sequence[float] = DEFAULT_SCALES,
     ) -> None:
         seeds = seed_list(seeds)
@@ -138,7 +141,7 @@ class Tracer:
             self.engine = TraceEngine(
                 model, self.prompt.input_ids, self.noise_positions, seeds, self.scale, self.sigma,
                 self.answer_id, distribution=distribution, memory_budget_mb=memory_budget_mb,
-                reuse_prefix=reuse_prefix)
+                reuse_prefix=reuse_prefix, replay_layers=replay_layers)
             check_finite(self.engine.clean_probs, "the clean run's probabilities",
                          "the weights are finite, so the activations overflow (try float32)")
             check_finite(self.engine.corrupt_probs, "the corrupted run's probabilities",
