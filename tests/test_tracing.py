@@ -59,7 +59,7 @@ def _engine_against_loop(arch, plan, dtype, rel, **options):
     return worst
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "gemma2", "gemma3_text"])
 @pytest.mark.parametrize("plan", ["fine", "coarse"])
 def test_engine_equals_batch_one_loop_for_every_kind(arch, plan):
     """Rows starting at their restored layer and position (fine) or below it (coarse), across

@@ -207,6 +207,8 @@ class TraceEngine:
         """
         if donor not in ("clean", "corrupted"):
             raise ValueError(f"donor must be 'clean' or 'corrupted', got {donor!r}")
+        if not cells:
+            return torch.empty(len(self.seeds), 0, dtype=torch.float64)
         rows = _Rows.of(self, kind, cells, window)
         plan = plan_chunks(rows.position, rows.first, n_layers=self.n_layers,
                            seq_len=self.seq_len, max_rows=self.rows_per_chunk, cost=self.cost,
@@ -341,14 +343,14 @@ class _RunHooks:
             from transformers import DynamicCache
 
             base[engine._cache_kw] = DynamicCache(ddp_cache_data=[
-                (k[:, :, :prefix].index_select(0, seed_rows),
-                 v[:, :, :prefix].index_select(0, seed_rows)) if layer >= first
+                (k[:, :, :prefix].index_select(0, seed_rows.to(k.device)),
+                 v[:, :, :prefix].index_select(0, seed_rows.to(v.device))) if layer >= first
                 else (k[:1, :, :prefix], v[:1, :, :prefix])  # never read: a replayed block
                 for layer, (k, v) in enumerate(engine._kv)], config=engine.model.config)
         replayed = None
         if first:
             below = engine.corrupt_states[engine._paths["block"][first - 1]]
-            replayed = below.index_select(0, seed_rows)[:, prefix:]
+            replayed = below.index_select(0, seed_rows.to(below.device))[:, prefix:]
         with torch.no_grad(), self.replay.below(first, replayed):
             logits = engine.model(**base).logits[:, -1]
         return logits.double().softmax(-1)[:, engine.answer_id]
