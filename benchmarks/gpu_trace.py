@@ -12,13 +12,18 @@ network.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers as tf
 
-from pyvene_causaltrace.models import get_adapter, get_module
-from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine
+sys.path.insert(0, str(Path(__file__).parent))
+from trace_speed import plain_rows  # noqa: E402  (the trace's rows as plain batched forwards)
+
+from pyvene_causaltrace.models import get_adapter, get_module  # noqa: E402
+from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine  # noqa: E402
 
 LLAMA_3_2_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -79,13 +84,6 @@ def seed_style(model, ids, subject, seeds, scale, sigma, answer):
 
 SHAPES = {"llama1b": (tf.LlamaConfig, LLAMA_3_2_1B), "qwen3_8b": (tf.Qwen3Config, QWEN3_8B),
           "tiny": (tf.LlamaConfig, TINY)}
-
-
-def plain_rows(model, ids, n_rows, chunk):
-    """The floor: the trace's rows as plain batched forwards of the whole prompt."""
-    with torch.no_grad():
-        for start in range(0, n_rows, chunk):
-            model(input_ids=ids.expand(min(chunk, n_rows - start), -1), logits_to_keep=1)
 
 
 def main() -> None:
