@@ -21,13 +21,14 @@ State is a few JSON scalars (:meth:`config`) plus tensors (buffers). Both travel
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from ..pyvene_compat import import_pyvene
+from ..pyvene_compat import import_pyvene, pyvene_call
 
 pv = import_pyvene()
 
@@ -62,6 +63,15 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
     spec_unique: ClassVar[bool] = False
     spec_requires: ClassVar[tuple[str, ...]] = ()
     spec_corrupts: ClassVar[bool] = False
+
+    #: Whether ``forward`` honours pyvene's ``subspaces`` and head units (a ``[batch, heads,
+    #: seq, d_head]`` input); a type that does not refuses them instead of ignoring them.
+    handles_units: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" in cls.__dict__ and not cls.handles_units:
+            cls.forward = _whole_states_only(cls.__dict__["forward"])
 
     def __init__(self, **kwargs: Any) -> None:
         pyvene_kwargs = {k: v for k, v in kwargs.items() if k in _PYVENE_KWARGS}
@@ -176,8 +186,100 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
     def __str__(self) -> str:
         return f"{type(self).__name__}({self._config})"
 
+    # -- where a call acts ---------------------------------------------------------------
+    def _placement(self, seq_len: int, offset: int = 0) -> tuple[int, bool]:
+        """``(offset, generating)``: the absolute position of the handed sequence's first
+        position, and whether pyvene is generating (a step may then see fewer positions than
+        the prompt had).
+
+        ``positions`` and pyvene's ``unit_locations`` are two meanings of "where"; a call with
+        both is refused rather than guessed at. Inside ``IntervenableModel.generate``
+        (``intervene_on_prompt=True``, ``unit_locations=None``) positions are the prompt's:
+        the first forward is the prompt (offset 0); each later one holds the newest tokens,
+        and its offset follows from the prompt's length and the step.
+        """
+        if self.positions is None:
+            return offset, False
+        call = pyvene_call()
+        if call is None:
+            return offset, False
+        if call.unit_locations is not None:
+            if call.generating:
+                raise ValueError(
+                    f"{self.registered_name} has its own positions (the prompt's), but pyvene "
+                    "is generating with unit_locations (its default intervene_on_prompt=False "
+                    "puts them on each generated token): call generate(..., "
+                    "intervene_on_prompt=True) and leave unit_locations out")
+            raise ValueError(
+                f"{self.registered_name} was given both its own positions and pyvene "
+                "unit_locations for this call, two meanings of 'where': build it without "
+                "positions to let unit_locations choose, or pass unit_locations=None (or None "
+                "in its slot) to act on its positions of the whole output")
+        if not call.generating:
+            return offset, False
+        round_ = call.generation_round
+        state = getattr(self, "_generation", None)
+        if state is None or state[0] is not round_:
+            self._generation = (round_, seq_len, 0)
+            return offset, True
+        _, prompt_len, step = state
+        step += 1
+        self._generation = (round_, prompt_len, step)
+        return prompt_len + step - seq_len, True
+
 
 # ------------------------------------------------------------------------- shared helpers
+
+
+def _whole_states_only(forward):
+    """``forward`` behind a check that pyvene handed whole ``[batch, seq, hidden]`` states with
+    no ``subspaces``: what a type without ``handles_units`` needs."""
+
+    @functools.wraps(forward)
+    def checked(self, base: torch.Tensor, source=None, subspaces=None, **kwargs):
+        if subspaces is not None:
+            raise ValueError(f"{self.registered_name} acts on whole states: pyvene's subspaces "
+                             "are not supported for it")
+        if base.dim() != 3:
+            raise ValueError(f"{self.registered_name} needs [batch, seq, hidden] states; pyvene "
+                             f"handed {tuple(base.shape)} (head units are not supported for it)")
+        return forward(self, base, source, subspaces, **kwargs)
+
+    return checked
+
+
+def as_positions_last(base: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor],
+                                                                          torch.Tensor]]:
+    """``base`` as ``[batch, seq, hidden]`` and the inverse map: pyvene hands head units as
+    ``[batch, heads, seq, d_head]``, which is ``[batch, seq, heads * d_head]`` head by head."""
+    if base.dim() == 3:
+        return base, lambda x: x
+    if base.dim() != 4:
+        raise ValueError(f"expected [batch, seq, hidden] or [batch, heads, seq, d_head] states, "
+                         f"got {tuple(base.shape)}")
+    batch, heads, seq_len, d_head = base.shape
+    flat = base.transpose(1, 2).reshape(batch, seq_len, heads * d_head)
+    return flat, lambda x: x.reshape(batch, seq_len, heads, d_head).transpose(1, 2)
+
+
+def subspace_mask(subspaces: Any, batch: int, width: int,
+                  partition: list[list[int]] | None = None) -> torch.Tensor | None:
+    """pyvene's ``subspaces`` for one intervention — a list of dimensions for every row, one
+    list per row, or indices into ``subspace_partition`` — as a ``[batch, width]`` bool mask
+    of the last dimension; None stays None (every dimension)."""
+    if subspaces is None:
+        return None
+    rows = subspaces.tolist() if isinstance(subspaces, torch.Tensor) else list(subspaces)
+    if not rows or isinstance(rows[0], int):
+        rows = [rows]
+    rows_for(batch, len(rows), "subspaces")
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for r, row in enumerate(rows):
+        columns = [c for part in row for c in partition[part]] if partition else list(row)
+        if any(not 0 <= int(c) < width for c in columns):
+            raise ValueError(f"subspace dimensions {columns} are outside 0..{width - 1}")
+        mask[r, [int(c) for c in columns]] = True
+    return mask.expand(batch, width)
 
 
 def rows_for(batch: int, rows: int, what: str) -> None:

@@ -29,7 +29,14 @@ from torch import nn
 from ..defaults import NOISE_SCALE
 from ..finite import NonFiniteError, positive_number
 from ..models import get_adapter, get_module
-from .base import CausalTraceIntervention, fit_mask, positions_to_mask, rows_for
+from .base import (
+    CausalTraceIntervention,
+    as_positions_last,
+    fit_mask,
+    positions_to_mask,
+    rows_for,
+    subspace_mask,
+)
 
 DISTRIBUTIONS = ("gaussian", "uniform")
 
@@ -152,10 +159,14 @@ class NoiseAdd(CausalTraceIntervention):
                         "distribution": distribution, "offset": int(offset)}
         self._cache: tuple[tuple, torch.Tensor] | None = None
 
-    def noise(self, batch: int, seq_len: int, hidden: int) -> torch.Tensor:
-        """The ``[batch, seq_len, hidden]`` float32 tensor this intervention adds."""
+    handles_units = True
+
+    def noise(self, batch: int, seq_len: int, hidden: int,
+              offset: int | None = None) -> torch.Tensor:
+        """The ``[batch, seq_len, hidden]`` float32 tensor this intervention adds to a
+        sequence whose first position is ``offset`` (default: the configured one)."""
         rows_for(batch, self.seeds.numel(), "seeds")
-        offset = self._config["offset"]
+        offset = self._config["offset"] if offset is None else offset
         mask = fit_mask(None if self.positions is None else self.positions.cpu(), batch,
                         offset + seq_len)
         delta = torch.zeros(batch, seq_len, hidden, dtype=torch.float32)
@@ -172,10 +183,20 @@ class NoiseAdd(CausalTraceIntervention):
         return delta
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
-        key = (tuple(base.shape), base.dtype, base.device)
+        """``base`` plus the noise. Head units (``[batch, heads, seq, d_head]``) take the draw
+        of their heads' concatenation; ``subspaces`` keep it to those dimensions."""
+        flat, back = as_positions_last(base)
+        batch, seq_len, hidden = flat.shape
+        offset, _ = self._placement(seq_len, self._config["offset"])
+        key = (tuple(base.shape), base.dtype, base.device, offset)
         if self._cache is None or self._cache[0] != key:
-            self._cache = (key, self.noise(*base.shape).to(base.device, base.dtype))
-        return base + self._cache[1]
+            noise = back(self.noise(batch, seq_len, hidden, offset))
+            self._cache = (key, noise.to(base.device, base.dtype))
+        dims = subspace_mask(subspaces, base.shape[0], base.shape[-1], self.subspace_partition)
+        if dims is None:
+            return base + self._cache[1]
+        dims = dims.to(base.device).reshape(base.shape[0], *(1,) * (base.dim() - 2), -1)
+        return torch.where(dims, base + self._cache[1], base)
 
     # -- spec entry ----------------------------------------------------------------------
     spec_unique = True

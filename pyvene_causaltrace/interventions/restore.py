@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from ..locations import window_layers
-from .base import CausalTraceIntervention, fit_mask, positions_to_mask, rows_for
+from .base import (
+    CausalTraceIntervention,
+    as_positions_last,
+    fit_mask,
+    positions_to_mask,
+    rows_for,
+    subspace_mask,
+)
 
 
 class _Overwrite(CausalTraceIntervention):
@@ -64,27 +71,51 @@ class _Overwrite(CausalTraceIntervention):
                             f"{', '.join(sorted(unknown))}")
         self._config = {**self._config_defaults, **config}
 
+    handles_units = True
+
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
+        """``base`` with the donor's values where the row's mask (and ``subspaces``, pyvene's
+        dimensions) say. Head units come as ``[batch, heads, seq, d_head]``, the donor alike
+        (pyvene gathers the source the same way)."""
         donor = self.states if self.states is not None else source
         if donor is None:
             raise ValueError(
                 f"{self.registered_name} has no stored states and pyvene passed no source"
             )
-        batch, seq_len, hidden = base.shape
-        if donor.shape[-2:] != (seq_len, hidden):
+        flat, back = as_positions_last(base)
+        batch, seq_len, hidden = flat.shape
+        if donor.dim() == base.dim():
+            donor = as_positions_last(donor)[0]
+        offset, generating = self._placement(seq_len)
+        mask = fit_mask(None if self.positions is None else self.positions.to(base.device),
+                        batch, offset + seq_len).to(base.device)[:, offset:]
+        if mask.device.type == "cpu" and not bool(mask.any()):  # (a check on a GPU would sync)
+            return base
+        if generating:
+            donor = _window(donor, offset, seq_len, mask, self.registered_name)
+        elif donor.shape[1] != seq_len:
             raise ValueError(
                 f"{self.registered_name}: donor states are {tuple(donor.shape)}, the component "
                 f"output is {tuple(base.shape)}"
             )
-        mask = fit_mask(None if self.positions is None else self.positions.to(base.device),
-                        batch, seq_len).to(base.device)
-        if mask.device.type == "cpu" and not bool(mask.any()):  # (a check on a GPU would sync)
-            return base
+        if donor.shape[-1] != hidden:
+            raise ValueError(
+                f"{self.registered_name}: donor states are {tuple(donor.shape)}, the component "
+                f"output is {tuple(base.shape)}"
+            )
         if self.state_rows is not None:
             rows_for(batch, self.state_rows.numel(), "state_rows")
             donor = donor.index_select(0, self.state_rows.to(donor.device))
         rows_for(batch, donor.shape[0], "the donor states")
-        return torch.where(mask.unsqueeze(-1), donor.to(base.device, base.dtype), base)
+        where = mask.unsqueeze(-1)
+        dims = subspace_mask(subspaces, batch, base.shape[-1], self.subspace_partition)
+        if base.dim() == 4 or dims is not None:
+            where = back(where.expand(batch, seq_len, hidden))
+            if dims is not None:
+                where = where & dims.to(base.device).reshape(batch, *(1,) * (base.dim() - 2),
+                                                             -1)
+            return torch.where(where, back(donor.to(base.device, base.dtype)), base)
+        return torch.where(where, donor.to(base.device, base.dtype), base)
 
     def retarget(self, positions: torch.Tensor, states: torch.Tensor | None = None,
                  state_rows: torch.Tensor | None = None) -> None:
@@ -105,6 +136,22 @@ class _Overwrite(CausalTraceIntervention):
         return {"type": self.registered_name, "component": site.component,
                 "positions": "all" if site.positions is None else list(site.positions),
                 **{k: v for k, v in self._config.items() if k in self.spec_schema()["properties"]}}
+
+
+def _window(donor: torch.Tensor, offset: int, seq_len: int, mask: torch.Tensor,
+            name: str) -> torch.Tensor:
+    """The donor's positions ``offset .. offset + seq_len`` (a generation step's window);
+    positions past the donor's end are zero, and must not be restored."""
+    if offset == 0 and donor.shape[1] == seq_len:
+        return donor
+    window = donor[:, offset:offset + seq_len]
+    missing = seq_len - window.shape[1]
+    if missing > 0:
+        if mask[:, seq_len - missing:].any():
+            raise ValueError(f"{name}: positions past the donor's {donor.shape[1]} states "
+                             "are to be restored")
+        window = torch.nn.functional.pad(window, (0, 0, 0, missing))
+    return window
 
 
 def _site_schema(required: list[str], **extra: Any) -> dict[str, Any]:
