@@ -10,6 +10,7 @@
     pyvene-causaltrace dataset --task agreement --out runs/agreement
     pyvene-causaltrace aggregate runs/known          # re-aggregate (merges shards if needed)
     pyvene-causaltrace interventions
+    pyvene-causaltrace run my_spec.json --plugins my_pkg.steer   # types registered by a module
 """
 
 from __future__ import annotations
@@ -37,9 +38,16 @@ _FORMAT_HELP = ("the transcoder's layout: mntss, circuit_tracer, gemmascope, sae
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyvene-causaltrace", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    # every command that reads specs or lists the types: import the user's plugin modules first
+    plugins = argparse.ArgumentParser(add_help=False)
+    plugins.add_argument("--plugins", default=None, metavar="MODULE[,MODULE]",
+                         help="import these modules first: they register their intervention "
+                              "types (also $PVCT_PLUGINS, same format; entry points in the "
+                              "group 'pyvene_causaltrace.interventions' load by themselves)")
 
     trace = commands.add_parser(
-        "trace", help="causal trace: noise the subject, restore every (layer, position) cell")
+        "trace", parents=[plugins],
+        help="causal trace: noise the subject, restore every (layer, position) cell")
     trace.add_argument("--spec", type=Path, default=None,
                        help="a trace spec (intervention_specs/trace_*.json); other options "
                             "override nothing but --model/--out/--budget-mb/--controls")
@@ -65,14 +73,16 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--out", type=Path, default=None,
                        help="write trace_<kind>.json and trace_<kind>.png here")
 
-    run = commands.add_parser("run", help="run a JSON spec and print its probabilities")
+    run = commands.add_parser("run", parents=[plugins],
+                              help="run a JSON spec and print its probabilities")
     run.add_argument("spec", type=Path)
     run.add_argument("--model", default=None, help="overrides the spec's model")
     run.add_argument("--out", type=Path, default=None, help="write result.json here")
 
     validate = commands.add_parser(
-        "validate", help="check JSON specs against the schema (and, with --model, against a "
-                         "model: layers, positions, modules, transcoder)")
+        "validate", parents=[plugins],
+        help="check JSON specs against the schema (and, with --model, against a model: layers, "
+             "positions, modules, transcoder)")
     validate.add_argument("specs", type=Path, nargs="+")
     validate.add_argument("--model", default=None,
                           help="also resolve each spec on this model, without running it")
@@ -119,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     agg.add_argument("--boot", type=int, default=1000)
 
     graph = commands.add_parser(
-        "attribute", help="CLT attribution graph of the answer: edges, pruning, export, ablation")
+        "attribute", parents=[plugins],
+        help="CLT attribution graph of the answer: edges, pruning, export, ablation")
     graph.add_argument("--spec", type=Path, default=None,
                        help="an attribution spec (intervention_specs/attribution_graph.json); "
                             "--model/--clt/--out/--memory-mb override it")
@@ -155,7 +166,8 @@ def _parser() -> argparse.ArgumentParser:
                             "nodes.csv, edges.csv, graph.png, summary.json; rows computed so "
                             "far are kept in rows.partial/, so an interrupted run resumes")
 
-    commands.add_parser("interventions", help="list the registered intervention types")
+    commands.add_parser("interventions", parents=[plugins],
+                        help="list the registered intervention types")
 
     view = commands.add_parser(
         "serve", help="an interactive viewer of the attribution graphs under DIR, on localhost")
@@ -489,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
                "dataset": _dataset, "aggregate": _aggregate, "attribute": _attribute,
                "interventions": _interventions, "serve": _serve}[args.command]
     try:
+        if hasattr(args, "plugins"):  # the commands that read specs or list the types
+            from .interventions.registry import load_plugins
+
+            load_plugins(args.plugins)
         return handler(args)
     except _user_errors() as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
@@ -499,11 +515,11 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """What a user's mistake raises (bad values, files, paths, a busy directory); anything
     else is a bug and keeps its traceback."""
-    from .interventions.registry import UnknownInterventionError
+    from .interventions.registry import PluginError, UnknownInterventionError
     from .runlock import OutputLockedError
 
     return (ValueError, OSError, NotImplementedError, MemoryError, OutputLockedError,
-            UnknownInterventionError)
+            UnknownInterventionError, PluginError)
 
 
 def _out_dir(path: Path | None) -> Path | None:

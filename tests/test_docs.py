@@ -3,13 +3,16 @@
 The blocks are written for the real thing (SmolLM2, a fitted or published transcoder, ROME's
 known_1000). Here ``load_model`` gives a tiny 30-layer Llama, ``load_transcoder`` a random fixture
 CLT of its shape whatever it is asked for, and ``known_1000`` is the project's own fact file
-served from a file URL — so each block exercises the calls and names it shows.
+served from a file URL — so each block exercises the calls and names it shows. A block whose first
+line is ``# name.py`` is also a module file: written beside every block of its page (on
+``sys.path``) so the others import it. Types a block registers stay in that block.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +23,11 @@ import pyvene_causaltrace
 from pyvene_causaltrace import models as model_module
 from pyvene_causaltrace import transcoders
 from pyvene_causaltrace.dataset import sources
+from pyvene_causaltrace.interventions import registry
 from pyvene_causaltrace.transcoders import formats
 
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+MODULE = re.compile(r"# (\w+)\.py\n")  # a block that is a module file: "# my_steer.py"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = [(page, i, code) for page in PAGES for i, code in enumerate(BLOCK.findall(
     page.read_text()))]
@@ -61,7 +66,8 @@ def world(tmp_path_factory):
 
 def test_the_docs_have_blocks_to_run():
     assert len(BLOCKS) >= 10 and {page.name for page, _, _ in BLOCKS} >= {
-        "README.md", "tracing.md", "datasets.md", "transcoders.md", "attribution.md"}
+        "README.md", "tracing.md", "datasets.md", "transcoders.md", "attribution.md",
+        "plugins.md"}
 
 
 @pytest.mark.parametrize("page,index,code", BLOCKS,
@@ -87,4 +93,14 @@ def test_block_runs(world, page, index, code, monkeypatch, tmp_path):
     monkeypatch.setenv("PYVENE_CAUSALTRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     Path("intervention_specs").symlink_to(ROOT / "intervention_specs")
-    exec(compile(code, f"{page.name}[{index}]", "exec"), {"__name__": "__docs__"})
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    modules = {m.group(1): block for block in BLOCK.findall(page.read_text())
+               if (m := MODULE.match(block))}
+    for name, block in modules.items():
+        (tmp_path / f"{name}.py").write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        exec(compile(code, f"{page.name}[{index}]", "exec"), {"__name__": "__docs__"})
+    finally:
+        for name in modules:
+            sys.modules.pop(name, None)

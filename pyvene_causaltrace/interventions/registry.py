@@ -3,7 +3,9 @@
 Specs name interventions by string; this table turns the string into a pyvene
 ``Intervention`` subclass. Third-party packages add types either by calling
 :func:`register_intervention` or through an entry point in the group
-``pyvene_causaltrace.interventions`` (loaded on the first lookup).
+``pyvene_causaltrace.interventions`` (loaded on the first lookup). The command line imports the
+modules named by ``--plugins`` and ``$PVCT_PLUGINS`` (:func:`load_plugins`), which register
+their types when imported.
 
     @register_intervention("my_steer")
     class MySteer(pv.Intervention): ...
@@ -12,12 +14,17 @@ Specs name interventions by string; this table turns the string into a pyvene
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
+from collections.abc import Iterable
 from importlib.metadata import entry_points
 
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "pyvene_causaltrace.interventions"
+#: Environment variable naming plugin modules, comma-separated (as ``--plugins``).
+PLUGINS_ENV = "PVCT_PLUGINS"
 
 _REGISTRY: dict[str, type] = {}
 _entry_points_loaded = False
@@ -31,6 +38,47 @@ class UnknownInterventionError(KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0])
+
+
+class PluginError(ImportError):
+    """A plugin module named by ``--plugins`` or ``$PVCT_PLUGINS`` failed to import."""
+
+
+def plugin_modules(*values: str | Iterable[str] | None) -> list[str]:
+    """Module names from comma-separated strings or lists of them, in order, without repeats
+    or blanks."""
+    names: list[str] = []
+    for value in values:
+        if value is None:
+            continue
+        for part in [value] if isinstance(value, str) else value:
+            for name in part.split(","):
+                if name.strip() and name.strip() not in names:
+                    names.append(name.strip())
+    return names
+
+
+def load_plugins(modules: str | Iterable[str] | None = None, *, env: bool = True,
+                 source: str = "--plugins") -> list[str]:
+    """Import the plugin modules ``modules`` (``"pkg.steer,other"`` or a list) and, with
+    ``env``, those in ``$PVCT_PLUGINS`` first; each registers its types when imported (with
+    :func:`register_intervention`). Returns the names imported. A module that fails to import
+    raises :class:`PluginError` naming it and where it was named (``source`` or the variable).
+    """
+    named = [(name, PLUGINS_ENV) for name in plugin_modules(os.environ.get(PLUGINS_ENV)
+                                                            if env else None)]
+    named += [(name, source) for name in plugin_modules(modules)]
+    done: list[str] = []
+    for name, where in named:
+        if name in done:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # any failure of a user's module is theirs to fix
+            raise PluginError(f"{where}: cannot import plugin module {name!r}: "
+                              f"{type(error).__name__}: {error}", name=name) from error
+        done.append(name)
+    return done
 
 
 def register_intervention(name: str, cls: type | None = None, *, replace: bool = False):

@@ -14,7 +14,11 @@ runs specs) and :func:`pyvene_causaltrace.specs.validate_spec` — neither knows
 (a site name such as ``"mlp_output"`` or a raw module path), ``layers``, ``positions``, and any
 other field passed to the constructor as a keyword — so a third-party type needs nothing more
 than registering. A plain ``pyvene.Intervention`` subclass gets the same shape through
-:func:`entry_of` (its fields go to the constructor; it acts at every position). Class attributes
+:func:`entry_of`: its fields go to the constructor; it acts at every position, its ``forward``
+handed the component's whole ``[batch, seq, hidden]`` output and ``source=None`` (a type whose
+forward is pyvene's own and takes a source, ``VanillaIntervention`` and the like, is refused;
+one of yours that fails without a source is a :class:`~pyvene_causaltrace.specs.SpecError`
+naming its entry). Class attributes
 add cross-entry rules: ``spec_refusal`` (a spec cannot hold the type, and why),
 ``spec_unique`` (at most one entry), ``spec_requires`` (another type that must be present),
 ``spec_corrupts`` (the entry makes the corrupted run: the noise).
@@ -108,12 +112,67 @@ def extra_fields(entry: dict) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if k != "type" and k not in SITE_FIELDS}
 
 
+def _plain_refusal(cls: type) -> str | None:
+    """Why a spec cannot hold plain pyvene type ``cls``, or None: pyvene's own types that take
+    their values from a source at call time (a spec has no source run), and pyvene's
+    ``NoiseIntervention`` (a fixed 4-position draw)."""
+    from ..pyvene_compat import import_pyvene
+
+    pv = import_pyvene()
+    name = cls.__name__
+    if issubclass(cls, pv.NoiseIntervention):
+        return (f"pyvene's {name} adds a fixed draw for exactly 4 positions (seed 1, GPT-2-XL's "
+                "noise level) and a spec applies a plain pyvene type at every position: use "
+                "noise_add for seeded noise at chosen positions")
+    sourceless = issubclass(cls, (pv.ConstantSourceIntervention, pv.SourcelessIntervention))
+    if not sourceless and getattr(cls.forward, "__module__", "").startswith("pyvene."):
+        return (f"{name} takes its values from a source run at call time (pyvene's "
+                f"{cls.forward.__qualname__.split('.')[0]}.forward), and a spec has no source "
+                "run: use clean_restore or freeze for the clean or corrupted run's states, or "
+                "add it yourself to the config of build_interventions / to_pv_config and call "
+                "the IntervenableModel with sources")
+    return None
+
+
+_WITHOUT_SOURCE: dict[type, type] = {}
+
+
+def _called_without_source(cls: type) -> type:
+    """``cls`` whose ``forward``, called without a source, turns a failure that a missing
+    source explains (``TypeError``, ``AttributeError``) into a :class:`SpecError` naming the
+    entry. Keeps ``cls``'s name and module, so pyvene's save/load see ``cls``."""
+    if cls not in _WITHOUT_SOURCE:
+        class WithoutSource(cls):
+            def forward(self, base, source=None, *args, **kwargs):
+                if source is not None:
+                    return super().forward(base, source, *args, **kwargs)
+                try:
+                    return super().forward(base, source, *args, **kwargs)
+                except (TypeError, AttributeError) as error:
+                    from ..specs import SpecError
+
+                    where = getattr(self, "_pvct_spec_entry", ("$.interventions", cls.__name__))
+                    raise SpecError(where[0], (
+                        f"{where[1]} ({cls.__qualname__}) failed when called without a source "
+                        f"({type(error).__name__}: {error}). In a spec a plain pyvene type is "
+                        "called with source=None on its component's whole [batch, seq, hidden] "
+                        "output: compute the edit from base alone (and subclass "
+                        "pv.SourcelessIntervention), or take states from a run with "
+                        "clean_restore / freeze")) from error
+
+        WithoutSource.__name__, WithoutSource.__qualname__ = cls.__name__, cls.__qualname__
+        WithoutSource.__module__ = cls.__module__
+        _WITHOUT_SOURCE[cls] = WithoutSource
+    return _WITHOUT_SOURCE[cls]
+
+
 class _PlainPyveneEntry:
-    """The generic shape for a registered ``pyvene.Intervention`` that is not one of ours."""
+    """The generic shape for a registered ``pyvene.Intervention`` that is not one of ours: built
+    from the entry's fields, it acts at every position of its component."""
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
-        self.spec_refusal = getattr(cls, "spec_refusal", None)
+        self.spec_refusal = getattr(cls, "spec_refusal", None) or _plain_refusal(cls)
         self.spec_unique = getattr(cls, "spec_unique", False)
         self.spec_requires = getattr(cls, "spec_requires", ())
         self.spec_corrupts = getattr(cls, "spec_corrupts", False)
@@ -131,7 +190,18 @@ class _PlainPyveneEntry:
         return ctx.component_sites(entry, index, default_positions="all")
 
     def from_spec(self, entry: dict, site: Site, ctx: SpecContext, states=None):
-        return self.cls(**extra_fields(entry))
+        """The instance, set to see what a spec gives it: the whole ``[batch, seq, hidden]``
+        output (pyvene would otherwise flatten a type that is not Localist to ``[batch,
+        seq * hidden]``) and ``source=None`` (pyvene skips a type that wants a source when it
+        has none, silently: it is marked source-constant, and a failure without a source names
+        the entry)."""
+        made = self.cls(**extra_fields(entry))
+        made.keep_last_dim = True  # read by pyvene's do_intervention at each call
+        if not made.is_source_constant:
+            made.__class__ = _called_without_source(type(made))
+            made.is_source_constant = True
+            made._pvct_spec_entry = (ctx.path(site.index, "type"), entry["type"])
+        return made
 
 
 def entry_of(cls: type):
