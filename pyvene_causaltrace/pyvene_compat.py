@@ -15,36 +15,80 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
 
-def hooked_call() -> tuple[nn.Module, tuple, dict]:
-    """The module, positional and keyword inputs of the pyvene forward hook calling the caller.
+@dataclass(frozen=True)
+class PyveneCall:
+    """What pyvene's hook knows about the call of an intervention and does not pass it.
 
-    pyvene 0.1.x hands an intervention only the module's output; its hook closure
-    (``hook_callback(model, args, kwargs, output)``) holds the module and its inputs, a few
-    frames up the stack.
+    ``module``, ``args``, ``kwargs``: the hooked module and its inputs; ``unit_locations``: this
+    intervention's base locations in this call (None: every position); ``owner``: the
+    ``IntervenableModel``; ``key``: the intervention's key in it.
+    """
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    unit_locations: Any
+    owner: Any
+    key: str
+
+    @property
+    def generating(self) -> bool:
+        """Inside ``IntervenableModel.generate``."""
+        return bool(getattr(self.owner, "_is_generation", False))
+
+    @property
+    def generation_round(self) -> object:
+        """An object that is the same for every step of one ``generate`` call and new for the
+        next: pyvene replaces its hook counters at the start of each call."""
+        return getattr(self.owner, "_key_setter_call_counter", None)
+
+
+def pyvene_call() -> PyveneCall | None:
+    """The :class:`PyveneCall` of the pyvene setter hook that is calling the caller, or None
+    outside one (a direct call).
+
+    pyvene 0.1.8 hands an intervention only the (gathered) output; its hook closure
+    (``hook_callback(model, args, kwargs, output)`` in ``_intervention_setter``) holds the rest,
+    a few frames up. This is the only place that reads pyvene's frames;
+    ``tests/test_pyvene_interop.py`` fails loudly if pyvene renames what it reads.
     """
     frame = sys._getframe(1)
-    for _ in range(14):
+    for _ in range(16):
         if frame is None:
             break
-        if frame.f_code.co_name == "hook_callback" and "args" in frame.f_locals:
-            local = frame.f_locals
-            if local.get("output") is not None:
-                return local["model"], tuple(local["args"]), dict(local.get("kwargs") or {})
+        local = frame.f_locals
+        if (frame.f_code.co_name == "hook_callback" and "args" in local
+                and local.get("output") is not None and "unit_locations_base" in local):
+            return PyveneCall(local["model"], tuple(local["args"]),
+                              dict(local.get("kwargs") or {}),
+                              local["unit_locations_base"][local["key_i"]], local.get("self"),
+                              local.get("key", ""))
         frame = frame.f_back
-    raise RuntimeError(
-        "frozen_layernorm / frozen_attention must run on a module's output inside a pyvene "
-        "IntervenableModel"
-    )
+    return None
+
+
+def hooked_call() -> tuple[nn.Module, tuple, dict]:
+    """The module, positional and keyword inputs of the pyvene forward hook calling the caller
+    (``frozen_layernorm``, ``frozen_attention``: they recompute the module)."""
+    call = pyvene_call()
+    if call is None:
+        raise RuntimeError(
+            "frozen_layernorm / frozen_attention must run on a module's output inside a pyvene "
+            "IntervenableModel")
+    return call.module, call.args, call.kwargs
 
 
 def import_pyvene():
@@ -130,13 +174,20 @@ def _make_intervenable_class():
         """``pv.IntervenableModel`` that leaves the user's model as it found it.
 
         pyvene strips every hook on the model around each call and sets all parameters to
-        ``requires_grad=False``. This subclass keeps the hooks that were there before the call
-        (inside the call too, so ``output_hidden_states`` works in an intervened run) and
-        restores the parameters' ``requires_grad`` flags and train/eval mode after construction.
+        ``requires_grad=False`` (and the model to eval mode). This subclass keeps the hooks that
+        were there before the call (inside the call too, so ``output_hidden_states`` works in an
+        intervened run) and leaves the parameters' ``requires_grad`` flags and train/eval mode
+        as they were. Training is still pyvene's: unless ``enable_model_gradients()`` was
+        called, ``get_trainable_parameters()``, ``named_parameters()`` and
+        ``count_parameters()`` hold only the interventions' parameters, and a forward under
+        autograd records no gradient for the model's weights (their flags are lowered for the
+        call and put back after). ``keep_model_gradients=True`` (our attribution, which
+        differentiates by the model's biases) keeps the flags on during the call too.
         Saved with ``save()``, it loads back with plain ``pv.IntervenableModel.load``.
         """
 
-        def __init__(self, config: Any, model: nn.Module, **kwargs: Any) -> None:
+        def __init__(self, config: Any, model: nn.Module, *,
+                     keep_model_gradients: bool = False, **kwargs: Any) -> None:
             flags = [(p, p.requires_grad) for p in model.parameters()]
             training = model.training
             with preserve_hooks(model):
@@ -145,16 +196,69 @@ def _make_intervenable_class():
                 parameter.requires_grad_(flag)
             model.train(training)
             self._hook_snapshot: list | None = None
+            self._keep_model_gradients = keep_model_gradients
 
         def _remove_forward_hooks(self) -> None:
             remove_forward_hooks(self.model)
             if getattr(self, "_hook_snapshot", None) is not None:
                 restore_hooks(self._hook_snapshot)
 
+        # -- pyvene's training surface: the model's weights count only once enabled
+        def _model_trains(self) -> bool:
+            return bool(self.model_has_grad or self._keep_model_gradients)
+
+        def get_trainable_parameters(self):
+            ours = [p for made in self.interventions.values()
+                    if isinstance(made, pv.TrainableIntervention) for p in made.parameters()]
+            if self._model_trains():
+                ours += [p for p in self.model.parameters() if p.requires_grad]
+            return ours
+
+        def named_parameters(self, prefix: str = "", recurse: bool = True,
+                             remove_duplicate: bool = True):
+            ours = [(f"{key}.{name}", p) for key, made in self.interventions.items()
+                    if isinstance(made, pv.TrainableIntervention)
+                    for name, p in made.named_parameters()]
+            if self._model_trains():
+                ours += [("model." + name, p) for name, p in self.model.named_parameters()
+                         if p.requires_grad]
+            return ours
+
+        def count_parameters(self, include_model: bool = False) -> int:
+            total = super().count_parameters(include_model=False)
+            if include_model and self._model_trains():
+                total += sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            return total
+
+        @contextlib.contextmanager
+        def _pyvene_gradients(self) -> Iterator[None]:
+            """The model's weights record no gradient in this call unless they train."""
+            if self._model_trains() or not torch.is_grad_enabled():
+                yield
+                return
+            lowered = [p for p in self.model.parameters() if p.requires_grad]
+            for parameter in lowered:
+                parameter.requires_grad_(False)
+            try:
+                yield
+            finally:
+                for parameter in lowered:
+                    parameter.requires_grad_(True)
+
         def forward(self, *args: Any, **kwargs: Any):
             self._hook_snapshot = snapshot_hooks(self.model)
             try:
-                return super().forward(*args, **kwargs)
+                with self._pyvene_gradients():
+                    return super().forward(*args, **kwargs)
+            finally:
+                restore_hooks(self._hook_snapshot)
+                self._hook_snapshot = None
+
+        def generate(self, *args: Any, **kwargs: Any):
+            self._hook_snapshot = snapshot_hooks(self.model)
+            try:
+                with self._pyvene_gradients():
+                    return super().generate(*args, **kwargs)
             finally:
                 restore_hooks(self._hook_snapshot)
                 self._hook_snapshot = None
@@ -208,20 +312,29 @@ def _needs_source(intervention: nn.Module) -> bool:
     return not getattr(intervention, "is_source_constant", False)
 
 
-@contextlib.contextmanager
-def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
-    """Yield the model to run: ``model`` itself, or — for a pyvene ``IntervenableModel`` — the
-    model it wraps with the wrapper's interventions applied to every forward inside the block.
+def _refusal(key: str, made: nn.Module, representation: Any) -> str | None:
+    """Why our runs cannot apply the user's intervention ``key`` as pyvene would, or None."""
+    name = type(made).__name__
+    if name == "NoiseIntervention" and type(made).__module__.startswith("pyvene."):
+        return (f"{key}: pyvene's NoiseIntervention adds a fixed draw for exactly 4 positions "
+                "(seed 1, GPT-2-XL's noise level); our runs apply your interventions at every "
+                "position. Use noise_add (NoiseAdd) for seeded noise at chosen positions")
+    if "h" in str(getattr(representation, "unit", "pos") or "pos").split("."):
+        return (f"{key}: unit {representation.unit!r} picks heads through unit_locations, which "
+                "our runs cannot give (they apply your interventions at every position, where "
+                "pyvene hands the whole module output). Put the head edit in a hand hook on "
+                "pv_model.model, or run it with pv_model yourself")
+    return None
 
-    They act at every position (as with ``unit_locations=None``) in every run our calls make —
-    clean, corrupted and intervened alike — so a trace or a graph is one *of the intervened
-    model*. An intervention that needs a source at call time (``VanillaIntervention``, a restore
-    without stored states) is refused with :class:`~pyvene_causaltrace.models.PyveneModelError`:
-    our runs have no source to give it. The hooks are gone when the block ends.
-    """
-    if not is_intervenable(model):
-        yield model
-        return
+
+def _is_collect(made: nn.Module) -> bool:
+    pv = import_pyvene()
+    return isinstance(made, pv.CollectIntervention)
+
+
+def user_edits(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
+    """``(key, intervention, representation)`` of a pyvene ``IntervenableModel`` that act on
+    the output, in pyvene's order; refuses (``PyveneModelError``) any our runs cannot apply."""
     from .models import PyveneModelError
 
     needy = [key for key, made in model.interventions.items() if _needs_source(made)]
@@ -231,23 +344,177 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
             "(clean, corrupted, restored) have none to give. Pass pv_model.model, or keep in "
             "the IntervenableModel only interventions that hold their own values (zero, "
             "constant, noise_add, restores with states)")
+    edits = []
+    for key, made in model.interventions.items():
+        representation = model.representations.get(key)
+        reason = _refusal(key, made, representation)
+        if reason is not None:
+            raise PyveneModelError(reason)
+        if not _is_collect(made):  # collecting changes nothing
+            edits.append((key, made, representation))
+    return edits
+
+
+def apply_like_pyvene(intervention: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    """``intervention`` at every position of ``value`` as pyvene 0.1.8 applies it with
+    ``unit_locations=None`` — on a clone of the tensor, through ``do_intervention`` — but
+    returned as a new tensor: ``value`` itself (which may be an upstream module's output) is
+    never written."""
+    from pyvene.models.interventions import InterventionOutput
+    from pyvene.models.modeling_utils import do_intervention
+
+    edited = do_intervention(value.clone(), None, intervention, None)
+    if isinstance(edited, InterventionOutput):
+        edited = edited.output
+    if edited.shape != value.shape:
+        raise ValueError(f"{type(intervention).__name__} returned {tuple(edited.shape)} for an "
+                         f"output of {tuple(value.shape)}")
+    return edited
+
+
+@contextlib.contextmanager
+def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
+    """Yield the model to run: ``model`` itself, or — for a pyvene ``IntervenableModel`` — the
+    model it wraps with the wrapper's interventions applied to every forward inside the block.
+
+    They act at every position (as with ``unit_locations=None``) in every run our calls make —
+    clean, corrupted and intervened alike — so a trace or a graph is one *of the intervened
+    model*. Each is applied as pyvene applies it (:func:`apply_like_pyvene`: on a clone), and
+    the module's input or output is replaced, never written in place. Refused with
+    :class:`~pyvene_causaltrace.models.PyveneModelError`: an intervention that needs a source
+    at call time (``VanillaIntervention``, ``SkipIntervention``, a restore without stored
+    states) — our runs have no source to give it; head units (they need ``unit_locations``);
+    pyvene's ``NoiseIntervention`` (a 4-position draw). ``CollectIntervention`` changes nothing
+    and is left out. The hooks are gone when the block ends. Inside :func:`collect_steering`
+    (the attribution graph's forward) each edit also routes its constant part ``f(0)`` through a
+    gradient leaf, the value unchanged: the graph's steering nodes.
+    """
+    if not is_intervenable(model):
+        yield model
+        return
+    edits = user_edits(model)
+    names = {module: name for name, module in model.model.named_modules()}
     handles = []
     try:
-        for key, made in model.interventions.items():
+        for key, made, representation in edits:
             register = model.intervention_hooks[key]
-            handles.append(register(_hook(made, register.__name__ == "register_forward_pre_hook")))
+            pre = register.__name__ == "register_forward_pre_hook"
+            module = getattr(register, "__self__", None)
+            site = SteeringSite(key, type(made).__name__,
+                                str(getattr(representation, "component", "")),
+                                names.get(module, ""), pre)
+            handles.append(register(_hook(made, pre, site), with_kwargs=True))
         yield model.model
     finally:
         for handle in handles:
             handle.remove()
 
 
-def _hook(intervention: nn.Module, pre: bool):
-    def apply(value):
+# ------------------------------------------------------- steering: a user edit's constant part
+
+
+@dataclass(frozen=True)
+class SteeringSite:
+    """Where a user's intervention acts: its key in the ``IntervenableModel``, class name,
+    pyvene component, the hooked module's name in the wrapped model and whether it edits the
+    module's input (a pre-hook)."""
+
+    key: str
+    intervention: str
+    component: str
+    module: str
+    pre: bool
+
+    @property
+    def layer(self) -> int | None:
+        """The block index in the module's name (``model.layers.1.mlp`` -> 1), None outside
+        the blocks (embeddings, final norm)."""
+        numbers = [int(part) for part in self.module.split(".") if part.isdigit()]
+        return numbers[0] if numbers else None
+
+    def describe(self) -> dict:
+        return {"key": self.key, "class": self.intervention, "component": self.component,
+                "module": self.module, "layer": self.layer, "input": self.pre}
+
+
+@dataclass
+class SteeringLeaf:
+    """The constant part ``c = f(0)`` of one call of a user's intervention ``f`` during a
+    :func:`collect_steering` block, as a gradient leaf ``[1, P, D]`` (or whatever the edited
+    tensor's shape): the edited value is ``f(x) + (leaf - leaf.detach())`` — exactly ``f(x)``,
+    with the output's gradient on the leaf, so ``leaf * grad`` is the edit's constant's
+    contribution. Calls whose constant is zero (``ZeroIntervention``) are recorded too, for
+    ``reached``, and are never nodes.
+
+    ``reached`` (set by the caller after the forward, None until then): whether the logits'
+    gradient reaches the leaf — False when the edit ran where no gradient is recorded, or
+    when the output it edits is replaced downstream by something that detaches it (then
+    ``leaf`` is set to None: its constant cannot be a node)."""
+
+    site: SteeringSite
+    leaf: torch.Tensor | None
+    value: torch.Tensor
+    reached: bool | None = None
+
+    @property
+    def is_zero(self) -> bool:
+        return not bool(self.value.ne(0).any())
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Positions (axis 1) where the constant is nonzero."""
+        flat = self.value.reshape(self.value.shape[0], self.value.shape[1], -1) \
+            if self.value.dim() >= 2 else self.value.reshape(1, -1, 1)
+        return (flat != 0).any(-1).any(0).nonzero().squeeze(-1)
+
+
+_STEERING: contextvars.ContextVar[list | None] = contextvars.ContextVar("pvct_steering",
+                                                                       default=None)
+
+
+@contextlib.contextmanager
+def collect_steering() -> Iterator[list[SteeringLeaf]]:
+    """Inside the block, every call of a user's intervention applied by
+    :func:`applied_interventions` appends a :class:`SteeringLeaf` (its constant part ``c =
+    f(0)``) to the yielded list and, where a gradient is recorded, routes its value through the
+    leaf (the attribution graph's steering nodes; a zero ``c`` is never a node). Outside such a
+    block the hooks apply ``f`` and nothing else (``f(0)`` is not even computed). Each
+    intervention is affine in its input for the interventions our runs accept — zero, addition,
+    subtraction, a constant source, ``noise_add``, restores with states: ``f(x) = A x + c`` — so
+    the leaf holds all of the edit that is not a path from ``x``."""
+    collected: list[SteeringLeaf] = []
+    token = _STEERING.set(collected)
+    try:
+        yield collected
+    finally:
+        _STEERING.reset(token)
+
+
+def _hook(intervention: nn.Module, pre: bool, site: SteeringSite | None = None):
+    def steer(value: torch.Tensor) -> torch.Tensor:
+        edited = apply_like_pyvene(intervention, value)
+        collected = _STEERING.get()
+        if collected is None or site is None:
+            return edited
+        with torch.no_grad():
+            constant = apply_like_pyvene(intervention, torch.zeros_like(value)).detach()
+        if not torch.is_grad_enabled():  # inside a module whose output is recomputed
+            collected.append(SteeringLeaf(site, None, constant, reached=False))
+            return edited
+        leaf = constant.clone().requires_grad_(True)
+        collected.append(SteeringLeaf(site, leaf, constant))
+        return edited + (leaf - leaf.detach())
+
+    def edit(value):
         if isinstance(value, tuple):
-            return (intervention(value[0], None), *value[1:])
-        return intervention(value, None)
+            return (steer(value[0]), *value[1:])
+        return steer(value)
 
     if pre:
-        return lambda module, args: (apply(args[0]), *args[1:]) if args else None
-    return lambda module, args, output: apply(output)
+        def pre_hook(module, args, kwargs):
+            if args:
+                return (edit(args[0]), *args[1:]), kwargs
+            first = next(iter(kwargs))  # pyvene reads a kwargs-only call's first argument
+            return args, {**kwargs, first: edit(kwargs[first])}
+        return pre_hook
+    return lambda module, args, kwargs, output: edit(output)

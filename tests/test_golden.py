@@ -29,11 +29,13 @@ def _close(got, want, where: str) -> None:
     elif want is None or isinstance(want, str):
         assert got == want, where
     else:
-        # Since the trace engine starts rows at their restored layer (issue 16) its batches
-        # have other shapes, and float32 rounding moves traces' P by ~1e-6; recovery divides
-        # that by clean - corrupted, measured up to 8.8e-6 off the numbers written before.
-        atol = 2e-5 if where.endswith(".recovery") else 1e-8
-        np.testing.assert_allclose(np.asarray(got, float), np.asarray(want, float), rtol=1e-5,
+        # float32 rounding differs between CPUs, torch thread counts and batch shapes (the
+        # trace engine's since issue 16): a corrupted P of 0.003 came out 8e-8 (2.6e-5 relative)
+        # off the golden file on another x86-64 machine, after 30 layers of float32 sums. A
+        # changed computation moves these numbers by far more than 1e-4 relative. Recovery
+        # divides P's rounding by clean - corrupted: up to 8.8e-6 absolute seen.
+        atol = 2e-5 if where.endswith(".recovery") else 1e-7
+        np.testing.assert_allclose(np.asarray(got, float), np.asarray(want, float), rtol=1e-4,
                                    atol=atol, err_msg=where)
 
 

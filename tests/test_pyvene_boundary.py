@@ -295,3 +295,20 @@ def test_trainable_parameters_are_pyvenes_and_the_model_keeps_its_flags():
     theirs.enable_model_gradients()
     assert ours.count_parameters(include_model=True) == theirs.count_parameters(
         include_model=True) > 32 * 4
+
+
+def test_an_instance_placed_by_layer_and_component_saves_and_loads(tmp_path):
+    """pyvene's load builds the type with embed_dim (a buffer the saved instance lacked): the
+    load still restores the settings and gives the same logits."""
+    model = make_tiny_model("llama", init=0.2)
+    ids = _ids(8)
+    noise = NoiseAdd(seeds=[4, 5], positions=[1, 2], sigma=0.4)
+    pv_model = _pv(model, [{"layer": 1, "component": "block_output", "intervention": noise}])
+    with torch.no_grad():
+        want = pv_model(base={"input_ids": ids})[1].logits
+    pv_model.save(str(tmp_path / "saved"))
+    with preserve_hooks(model):
+        loaded = pv.IntervenableModel.load(str(tmp_path / "saved"), model)
+    with torch.no_grad():
+        got = loaded(base={"input_ids": ids})[1].logits
+    assert torch.equal(got, want)

@@ -45,7 +45,7 @@ def test_smollm2_graph_closes_and_batches_exactly(smollm2, tmp_path):
     _, _, closure = target_row(run, target)
     assert closure.relative < 1e-4, closure
     _, _, unfrozen = target_row(run_local_replacement(model, clt, ids, freeze=False), target)
-    assert unfrozen.relative > 0.1  # frozen ~1e-7; unfrozen the edges miss by far
+    assert unfrozen.relative > 0.01  # frozen ~1e-7 of the scale; unfrozen 0.16: the edges miss
     index = torch.arange(0, run.n_features, max(1, run.n_features // 16))
     batched, batched_constants = feature_rows(run, index)
     looped, _ = feature_rows_loop(run, index)

@@ -2,7 +2,7 @@
 
     from pyvene_causaltrace.attribution import attribute
     graph = attribute(model, tokenizer, clt, "The Eiffel Tower is in the city of", " Paris")
-    graph.closure.relative            # ~1e-7: the edges sum to the target
+    graph.closure.relative            # ~1e-7 of what is summed: the edges sum to the target
     graph.direct_attributions(10)
     graph.to_json("eiffel.json")      # opens in the circuit-tracer / Neuronpedia viewer
 
@@ -16,14 +16,16 @@ interrupted runs) -> :mod:`.reading` (influence, pruning, scores), :mod:`.export
 
 from .attribute import attribute, make_target
 from .budget import MemoryCapError
-from .edges import Closure
+from .edges import CLOSURE_TOLERANCE, Closure, ClosureError
 from .graph import AttributionGraph, GraphFileError
 from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
 from .targets import Target, demeaned_logit, logit_difference
 
 __all__ = [
+    "CLOSURE_TOLERANCE",
     "AttributionGraph",
     "Closure",
+    "ClosureError",
     "GraphFileError",
     "MemoryCapError",
     "ReplacementRun",

@@ -11,6 +11,11 @@ one backward and its closure check; then feature rows in batches of gradient see
   computed so far (circuit-tracer's partial influence), re-ranked every ``update_interval``
   batches (or every ``budget / RERANKS`` rows, if more). Features left without a row stay in
   the graph as leaves.
+
+Every row is checked as it is computed: one whose residual exceeds
+:data:`~.edges.CLOSURE_TOLERANCE` of the scale of what it sums raises
+:class:`~.edges.ClosureError` (unless ``check_closure=False``) — a graph that does not add up
+is never returned as if it did.
 """
 
 from __future__ import annotations
@@ -31,9 +36,18 @@ from ..runlock import single_writer
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, batch_size_for, check_forward_fits, feature_budget
 from .checkpoint import Checkpoint, tensor_digest
-from .edges import feature_rows, feature_rows_loop, feature_targets, target_row
+from .edges import (
+    CLOSURE_TOLERANCE,
+    Closure,
+    closure_error,
+    feature_rows,
+    feature_rows_loop,
+    feature_targets,
+    row_closures,
+    target_row,
+)
 from .graph import AttributionGraph
-from .reading import Layout, influence, logit_weights
+from .reading import influence, logit_weights
 from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
 from .store import RowStore
 from .targets import Target, demeaned_logit, logit_difference
@@ -70,7 +84,9 @@ def _run_key(model: nn.Module, run: ReplacementRun, goal: Target, clt: Transcode
     return {"input_ids": run.input_ids[0].tolist(), "target": goal.describe(),
             "model": model_fingerprint(model), "transcoder": transcoder_fingerprint(clt),
             "version": package_version(), **settings,
-            "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id)}
+            "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id),
+            "steering": [{**s.site.describe(), "value": tensor_digest(s.value)}
+                         for s in run.steering]}
 
 
 class _Ranking:
@@ -78,7 +94,7 @@ class _Ranking:
 
     def __init__(self, run: ReplacementRun, budget: int, queue: int) -> None:
         self.n = run.n_features
-        self.weights = logit_weights(Layout(run.n_features, run.n_layers * run.n_pos, run.n_pos))
+        self.weights = logit_weights(run.layout)
         self.budget = budget
         self.queue = queue
 
@@ -99,7 +115,7 @@ def attribute(
     k: int = 10, max_feature_nodes: int | None = None, memory_mb: float = 4096,
     batch_size: int | None = None, max_batch: int | None = None, update_interval: int = 4,
     freeze: bool = True, loop: bool = False, progress: bool = False,
-    checkpoint: str | Path | None = None,
+    checkpoint: str | Path | None = None, check_closure: bool = True,
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next-token ``answer`` (a single token; default:
     the clean argmax) through ``clt``.
@@ -121,7 +137,17 @@ def attribute(
     (``metadata["logit_softcap"]``); ``answer_prob`` is the real, capped model's.
 
     ``model`` may be a ``pv.IntervenableModel``: the graph is then one of the model with its
-    interventions applied (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`).
+    interventions applied (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`),
+    and the constant part ``c = f(0)`` of each (a steering vector, a constant source, noise, a
+    restored state) is a *steering node* per position where it is nonzero
+    (``graph.steering``, ``metadata["steering"]``); zero-ablations add none.
+
+    The target row and every feature row must close: edges + constants equal the row's target
+    to :data:`~.edges.CLOSURE_TOLERANCE` (1e-4) of ``sum |edges| + |constants| + |target|``.
+    A row that does not raises :class:`~.edges.ClosureError`, naming the likely causes (a hook
+    on the model that the graph cannot see as a node, a non-linear intervention, dropout in
+    train mode). ``check_closure=False`` returns such a graph anyway (its ``closure`` and
+    ``feature_closure()`` say by how much it misses; ``metadata["closure_checked"]`` is False).
     """
     if not prompt:
         raise ValueError("the prompt is empty")
@@ -147,6 +173,10 @@ def attribute(
     logit_row, logit_constant, closure = target_row(run, goal)
     check_finite(logit_row, "the target's attribution row",
                  "the transcoder's features or the replacement model's gradients overflow")
+    hidden = [f"{s.site.key} ({s.site.intervention} at {s.site.component or s.site.module})"
+              for s in run.steering if not s.reached]
+    if check_closure and not closure.ok:
+        raise closure_error("the target row", closure, freeze=freeze, hidden=hidden)
     clock["forward"] = time.perf_counter() - clock["start"]
 
     n, logit_node = run.n_features, run.n_columns
@@ -187,6 +217,8 @@ def attribute(
             check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
             with torch.no_grad():
                 targets = feature_targets(run, chunk.to(on))
+            if check_closure:
+                _check_rows(run, chunk, rows, constants, targets, freeze, hidden)
             store.append(chunk, rows, constants, targets)
             done[chunk] = True
             store_file.maybe_save(store, pending)
@@ -207,6 +239,9 @@ def attribute(
         n_layers=run.n_layers, feature_layer=run.feature_layer.cpu(),
         feature_position=run.feature_position.cpu(), feature_id=run.feature_id.cpu(),
         activation=run.activation.float().cpu(), rows=store, closure=closure,
+        steering=[{**s.site.describe(), "positions": positions.tolist()}
+                  for s, positions in zip(run.steering_leaves, run.steering_positions,
+                                          strict=True)],
         metadata={"model": model_name(model),
                   "clt": clt.source or clt.cfg.model_name,
                   "transcoder": transcoder_metadata(clt), "frozen": freeze,
@@ -216,7 +251,49 @@ def attribute(
                   "batch_size": size, "max_feature_nodes": budget,
                   "active_features": n, "forward_mb": run.forward_bytes / 2**20,
                   "rows_mb": store.nbytes / 2**20, "seconds": seconds,
-                  "max_logit_change": float((run.logits.detach() - uncapped).abs().max())})
+                  "max_logit_change": float((run.logits.detach() - uncapped).abs().max()),
+                  "steering": steering_metadata(run, logit_row),
+                  "closure_checked": check_closure})
+
+
+def steering_metadata(run: ReplacementRun, logit_row: torch.Tensor) -> list[dict]:
+    """What a graph's reader needs to know about the user's interventions: each one's class,
+    component, module, layer, steering node count and direct contribution to the target; one
+    without a node says why."""
+    out, start = [], run.n_features + run.n_layers * run.n_pos
+    leaves = iter(run.steering_positions)
+    for s in run.steering:
+        entry = s.site.describe()
+        if s.leaf is None:
+            entry.update(nodes=0, contribution=None, note=(
+                "no constant part (f(0) = 0)" if s.is_zero else
+                "edits an output the local replacement model replaces (token embedding "
+                "leaf, MLP reconstruction + error, frozen attention or norm): its effect is "
+                "inside that node, or the graph does not close"))
+        else:
+            n = len(next(leaves))
+            entry.update(nodes=n, contribution=float(logit_row[start:start + n].double().sum()))
+            start += n
+        out.append(entry)
+    return out
+
+
+def _check_rows(run: ReplacementRun, chunk: torch.Tensor, rows: torch.Tensor,
+                constants: torch.Tensor, targets: torch.Tensor, freeze: bool,
+                hidden: list[str]) -> None:
+    """Raise :class:`~.edges.ClosureError` for the worst of these feature rows if it does not
+    close."""
+    relative = row_closures(rows, constants, targets)
+    worst = int(relative.argmax())
+    if float(relative[worst]) <= CLOSURE_TOLERANCE:
+        return
+    row = rows[worst].detach().double()
+    closure = Closure(float(targets[worst]), float(row.sum()), float(constants[worst]),
+                      float(row.abs().sum() + abs(constants[worst]) + abs(targets[worst])))
+    node = int(chunk[worst])
+    name = (f"the row of feature {int(run.feature_id[node])} (layer "
+            f"{int(run.feature_layer[node])}, position {int(run.feature_position[node])})")
+    raise closure_error(name, closure, freeze=freeze, hidden=hidden)
 
 
 def transcoder_metadata(transcoder: Transcoder) -> dict:

@@ -1,14 +1,18 @@
 """The circuit-tracer / Neuronpedia graph JSON, so a graph opens in their viewer.
 
-Top level ``metadata``, ``qParams``, ``nodes``, ``links``. Node ids follow circuit-tracer's
-current format: feature ``"{layer}_{feature}_{pos}"``, error ``"{layer}_-1_{pos}"`` (the older
+Top level ``metadata``, ``qParams``, ``nodes``, ``links``. Node ids follow circuit-tracer's current
+format: feature ``"{layer}_{feature}_{pos}"``, error ``"{layer}_-1_{pos}"`` (the older
 ``"0_{layer}_{pos}"`` collided with feature ids), token ``"E_{token_id}_{pos}"``, logit
-``"{n_layers + 1}_{token_id}_{pos}"``. Only the pruned graph is exported: kept nodes touched by a
-kept link, plus every token and the logit; links carry the signed edge weight. Numbers are
-written with 6 significant digits and the JSON without spaces, and at most :data:`MAX_LINKS`
-links (those of largest edge score), so a pruned graph of thousands of features stays a few
-tens of MB. :data:`NEURONPEDIA_SCHEMA` holds the fields Neuronpedia's graph
-schema requires; :func:`check_graph_json` checks a payload against it.
+``"{n_layers + 1}_{token_id}_{pos}"``; a steering node (the constant part of a user's pyvene
+intervention; this package's addition, ``feature_type`` ``"steering"``, as other tools add
+``"bias"`` nodes) ``"S{j}_{pos}"`` for steering intervention ``j`` (listed in
+``metadata.info.steering``; no other id starts with ``S``). Only the pruned graph is exported: kept
+nodes touched by a kept link, plus every token and the logit; links carry the signed edge weight.
+Numbers are written with 6 significant digits and the JSON without spaces, and at most
+:data:`MAX_LINKS` links (those of largest edge score), so a pruned graph of thousands of features
+stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` holds the fields Neuronpedia's graph schema
+requires (with ``"steering"`` among the node kinds); :func:`check_graph_json` checks a payload
+against it.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ NEURONPEDIA_SCHEMA: dict[str, Any] = {
             "properties": {"node_id": _STR, "feature": _INT, "layer": _STR, "ctx_idx": _INT,
                            "feature_type": {"enum": ["cross layer transcoder",
                                                      "mlp reconstruction error", "embedding",
-                                                     "logit"]},
+                                                     "logit", "steering"]},
                            "jsNodeId": _STR, "clerp": _STR}}},
         "links": {"type": "array", "items": {
             "type": "object", "required": ["source", "target", "weight"],
@@ -95,6 +99,8 @@ def node_id(graph, i: int) -> str:
         return f"{layer}_{feature}_{pos}"
     if kind == "error":
         return f"{layer}_-1_{pos}"
+    if kind == "steering":
+        return f"S{feature}_{pos}"
     if kind == "token":
         return f"E_{graph.input_ids[pos]}_{pos}"
     return f"{graph.n_layers + 1}_{graph.target['token']}_{pos}"
@@ -150,6 +156,10 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         elif kind == "error":
             nodes.append(_node(ids[i], -1, str(layer), pos, "mlp reconstruction error",
                                f"{layer}_-1-{pos}", influence=influence))
+        elif kind == "steering":  # layer: the one whose output it joins ("E": the embeddings)
+            nodes.append(_node(ids[i], feature, "E" if layer < 0 else str(layer), pos,
+                               "steering", f"S{feature}-{pos}", influence=influence,
+                               clerp=f"steering: {graph.steering_site(feature)}"))
         elif kind == "token":
             nodes.append(_node(ids[i], pos, "E", pos, "embedding",
                                f"E_{graph.input_ids[pos]}-{pos}", influence=influence))
@@ -176,6 +186,7 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
                  "transcoder_set": str(graph.metadata.get("clt", "")),
                  "transcoder": graph.metadata.get("transcoder"),
                  "logit_softcap": graph.metadata.get("logit_softcap"),
+                 "steering": [{"id": f"S{j}", **site} for j, site in enumerate(graph.steering)],
                  "feature_nodes": {"active": graph.n_features, "explored": graph.n_explored}},
         "pruning_settings": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
                              "pruned_edges": pruned.n_edges,

@@ -2,7 +2,10 @@
 read them.
 
 Nodes, in circuit-tracer's order: every active feature (layer, position, feature id), errors (one
-per layer x position, layer-major), tokens (one per position), and the target (the logit node).
+per layer x position, layer-major), steering nodes (only in a graph of a pyvene
+``IntervenableModel``: the constant part of each of its interventions, one node per position where
+it is nonzero, see :attr:`AttributionGraph.steering`), tokens (one per position), and the target
+(the logit node).
 ``rows`` (a sparse :class:`~.store.RowStore`) holds the logit's row and the rows of the features
 that were *explored*: with a feature-node budget (``attribute(..., max_feature_nodes=N)``) only
 the ``N`` most influential features get a row; the others stay in the graph as leaves, their
@@ -35,7 +38,9 @@ from .store import RowStore
 
 #: The graph file format (safetensors + JSON header); bump on incompatible changes.
 GRAPH_FORMAT = "pyvene_causaltrace.attribution_graph"
-SCHEMA_VERSION = 2
+#: 3 adds steering nodes; a graph without them is written as 2, which older versions read.
+SCHEMA_VERSION = 3
+_READABLE_VERSIONS = ("2", "3")
 _FEATURE_TENSORS = ("feature_layer", "feature_position", "feature_id", "activation")
 
 
@@ -61,6 +66,11 @@ class AttributionGraph:
     rows: RowStore
     closure: Closure
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: The user's interventions whose constant parts are steering nodes, in node order: each
+    #: ``{"key", "class", "component", "module", "layer", "input", "positions"}`` (``layer``:
+    #: the block the hooked module is in, None outside the blocks; ``input``: it edits the
+    #: module's input; ``positions``: one node per position listed).
+    steering: list[dict[str, Any]] = field(default_factory=list)
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -78,8 +88,31 @@ class AttributionGraph:
         return int(self.activation.numel())
 
     @property
+    def n_steering(self) -> int:
+        return sum(len(s["positions"]) for s in self.steering)
+
+    @property
     def layout(self) -> Layout:
-        return Layout(self.n_features, self.n_layers * self.n_pos, self.n_pos, 1)
+        return Layout(self.n_features, self.n_layers * self.n_pos, self.n_pos, 1,
+                      self.n_steering)
+
+    def steering_node(self, index: int) -> tuple[int, int]:
+        """``(j, position)`` of steering node ``index``: ``self.steering[j]`` at that
+        position."""
+        if "steering_nodes" not in self._memo:
+            self._memo["steering_nodes"] = [(j, int(p)) for j, s in enumerate(self.steering)
+                                            for p in s["positions"]]
+        return self._memo["steering_nodes"][index - self.layout.steering.start]
+
+    def steering_layer(self, j: int) -> int:
+        """The layer whose output steering intervention ``j`` joins: its block's, or the one
+        before for an edit of a block's input (-1: the embeddings, or outside the blocks)."""
+        site = self.steering[j]
+        layer = site.get("layer")
+        if layer is None:
+            return -1
+        block_input = site.get("input") and site.get("module", "").split(".")[-1].isdigit()
+        return int(layer) - 1 if block_input else int(layer)
 
     @property
     def logit_node(self) -> int:
@@ -112,13 +145,17 @@ class AttributionGraph:
         lay = self.layout
         if index < lay.n_features:
             return "feature"
-        if index < lay.tokens.start:
+        if index < lay.steering.start:
             return "error"
+        if index < lay.tokens.start:
+            return "steering"
         return "token" if index < lay.logits.start else "logit"
 
     def coordinates(self, i: int, kind: str) -> tuple[int | None, int, int | None, float | None]:
         """``(layer, position, feature, activation)`` of node ``i`` of ``kind`` (``None`` where
-        a kind has none; the logit's "feature" is its token id)."""
+        a kind has none; the logit's "feature" is its token id; a steering node's layer is
+        :meth:`steering_layer`, its "feature" the index of its intervention in
+        :attr:`steering`)."""
         lay = self.layout
         if kind == "feature":
             return (int(self.feature_layer[i]), int(self.feature_position[i]),
@@ -126,12 +163,17 @@ class AttributionGraph:
         if kind == "error":
             layer, pos = divmod(i - lay.n_features, self.n_pos)
             return layer, pos, None, None
+        if kind == "steering":
+            j, pos = self.steering_node(i)
+            return self.steering_layer(j), pos, j, None
         if kind == "token":
             return None, i - lay.tokens.start, None, None
         return self.n_layers, self.n_pos - 1, self.target["token"], None
 
     def label(self, i: int) -> str:
-        """``F L2/#9970 @3 'iff'``, ``ERR L15 @10 ' of'``, ``TOK @3 'iff'``, ``LOGIT ' Paris'``."""
+        """``F L2/#9970 @3 'iff'``, ``ERR L15 @10 ' of'``,
+        ``STEER AdditionIntervention block_output L1 @3 'iff'``, ``TOK @3 'iff'``,
+        ``LOGIT ' Paris'``."""
         kind = self.node_kind(i)
         layer, pos, feature, _ = self.coordinates(i, kind)
         token = repr(self.tokens[pos])
@@ -139,9 +181,19 @@ class AttributionGraph:
             return f"F L{layer}/#{feature} @{pos} {token}"
         if kind == "error":
             return f"ERR L{layer} @{pos} {token}"
+        if kind == "steering":
+            return f"STEER {self.steering_site(feature)} @{pos} {token}"
         if kind == "token":
             return f"TOK @{pos} {token}"
         return f"LOGIT {self.answer!r}"
+
+    def steering_site(self, j: int) -> str:
+        """``AdditionIntervention block_output L1``: steering intervention ``j``'s class and
+        where it acts."""
+        site = self.steering[j]
+        where = site.get("component") or site.get("module", "")
+        layer = "" if site.get("layer") is None or "[" in where else f" L{site['layer']}"
+        return f"{site.get('class', 'intervention')} {where}{layer}"
 
     def labels(self, nodes: torch.Tensor) -> list[str]:
         return [self.label(int(i)) for i in nodes]
@@ -151,15 +203,20 @@ class AttributionGraph:
         was computed, label, direct effect on the target and influence."""
         lay, n = self.layout, self.layout.n_nodes
         kind = (["feature"] * lay.n_features + ["error"] * lay.n_errors
-                + ["token"] * lay.n_tokens + ["logit"])
+                + ["steering"] * lay.n_steering + ["token"] * lay.n_tokens + ["logit"])
         errors = torch.arange(lay.n_errors)
+        steer = [self.coordinates(i, "steering") for i in range(lay.steering.start,
+                                                                lay.steering.stop)]
         layer = torch.cat([self.feature_layer.float(), (errors // self.n_pos).float(),
+                           torch.tensor([float(c[0]) for c in steer]),
                            torch.full((lay.n_tokens,), float("nan")),
                            torch.tensor([float(self.n_layers)])])
         position = torch.cat([self.feature_position, errors % self.n_pos,
+                              torch.tensor([c[1] for c in steer], dtype=torch.long),
                               torch.arange(self.n_pos), torch.tensor([self.n_pos - 1])])
-        feature = torch.cat([self.feature_id.float(), torch.full((lay.n_errors + lay.n_tokens,),
-                                                                 float("nan")),
+        feature = torch.cat([self.feature_id.float(),
+                             torch.full((lay.n_errors + lay.n_steering + lay.n_tokens,),
+                                        float("nan")),
                              torch.tensor([float(self.target["token"])])])
         activation = torch.cat([self.activation.float(), torch.full((n - lay.n_features,),
                                                                     float("nan"))])
@@ -191,7 +248,8 @@ class AttributionGraph:
 
     def decomposition(self) -> dict[str, float]:
         """The target split by node kind — explored features, unexplored features (no row of
-        their own), errors, tokens — plus the constants, and the shares of errors and of
+        their own), errors, steering (the constants of a pyvene model's interventions; 0
+        without them), tokens — plus the constants, and the shares of errors and of
         unexplored features."""
         lay, row = self.layout, self.target_row().double()
         features = row[:lay.n_features]
@@ -199,11 +257,13 @@ class AttributionGraph:
         parts = {"features": float(features[explored].sum()),
                  "unexplored": float(features[~explored].sum()),
                  "errors": float(row[lay.errors].sum()),
+                 "steering": float(row[lay.steering].sum()),
                  "tokens": float(row[lay.tokens].sum()),
                  "constants": float(self.rows.constants[self._logit_row()])}
-        parts["target"] = self.closure.target
-        parts["error_share"] = parts["errors"] / self.closure.target  # the seed's 5.3%
-        parts["unexplored_share"] = parts["unexplored"] / self.closure.target
+        parts["target"] = target = self.closure.target
+        nan = float("nan")  # a target of exactly 0 (e.g. a zero-ablated residual) has no shares
+        parts["error_share"] = parts["errors"] / target if target else nan  # the seed's 5.3%
+        parts["unexplored_share"] = parts["unexplored"] / target if target else nan
         return parts
 
     def _logit_row(self) -> int:
@@ -237,14 +297,24 @@ class AttributionGraph:
         """Per computed row: ``row.sum() + constant - target`` (float64)."""
         return self.rows.sums() + self.rows.constants - self.rows.targets
 
+    def closure_scales(self) -> torch.Tensor:
+        """Per computed row, the scale of what it sums: ``sum |row| + |constant| + |target|``
+        (float64; :attr:`~.edges.Closure.scale`)."""
+        return self.rows.abs_sums() + self.rows.constants.abs() + self.rows.targets.abs()
+
+    def row_closures(self) -> torch.Tensor:
+        """Per computed row, ``|closure residual|`` over :meth:`closure_scales` (the rows'
+        :attr:`~.edges.Closure.relative`)."""
+        return self.closures().abs() / self.closure_scales().clamp(min=1e-30)
+
     def feature_closure(self) -> float:
-        """Largest closure residual over the feature rows, relative to the largest feature
-        pre-activation (rows near zero make per-row ratios meaningless)."""
+        """Largest :meth:`row_closures` over the feature rows: each residual relative to the
+        scale of what its row sums (a pre-activation can be near zero while its edges are
+        not), against :data:`~.edges.CLOSURE_TOLERANCE` like the target row's."""
         features = self.rows.nodes < self.n_features
         if not features.any():
             return 0.0
-        targets = self.rows.targets[features]
-        return float(self.closures()[features].abs().max() / targets.abs().max().clamp(min=1e-12))
+        return float(self.row_closures()[features].max())
 
     # ------------------------------------------------------------------------ output
     def to_dataframe(self, pruned: bool = False) -> pd.DataFrame:
@@ -289,12 +359,13 @@ class AttributionGraph:
         header = {"prompt": self.prompt, "tokens": self.tokens, "target": self.target,
                   "answer": self.answer, "answer_prob": self.answer_prob,
                   "n_layers": self.n_layers, "n_columns": self.rows.n_columns,
-                  "closure": self.closure.to_dict(), "metadata": self.metadata}
+                  "closure": self.closure.to_dict(), "metadata": self.metadata,
+                  "steering": self.steering}
         tensors = {name: getattr(self, name).contiguous() for name in _FEATURE_TENSORS}
         tensors["input_ids"] = torch.tensor(self.input_ids, dtype=torch.long)
         tensors.update(self.rows.state())
         save_file(tensors, str(path), metadata={
-            "format": GRAPH_FORMAT, "schema_version": str(SCHEMA_VERSION),
+            "format": GRAPH_FORMAT, "schema_version": "3" if self.steering else "2",
             "graph": json.dumps(header, default=str)})
 
     @classmethod
@@ -315,18 +386,26 @@ class AttributionGraph:
                 f"pickled graphs are never loaded): {error}") from None
         if meta.get("format") != GRAPH_FORMAT:
             raise GraphFileError(f"{path} is a safetensors file but not an attribution graph")
-        if meta.get("schema_version") != str(SCHEMA_VERSION):
+        if meta.get("schema_version") not in _READABLE_VERSIONS:
             raise GraphFileError(f"{path} has graph schema version {meta.get('schema_version')}; "
-                                 f"this version reads {SCHEMA_VERSION}")
+                                 f"this version reads {', '.join(_READABLE_VERSIONS)}")
         header = json.loads(meta["graph"])
         target = header["target"]
         target["coefficients"] = {int(k): v for k, v in target.get("coefficients", {}).items()}
         c = header["closure"]
-        return cls(prompt=header["prompt"], tokens=header["tokens"],
-                   input_ids=tensors["input_ids"].tolist(), target=target,
-                   answer=header["answer"], answer_prob=header["answer_prob"],
-                   n_layers=header["n_layers"],
-                   **{name: tensors[name] for name in _FEATURE_TENSORS},
-                   rows=RowStore.from_state(header["n_columns"], tensors),
-                   closure=Closure(c["target"], c["edges"], c["constant"]),
-                   metadata=header["metadata"])
+        graph = cls(prompt=header["prompt"], tokens=header["tokens"],
+                    input_ids=tensors["input_ids"].tolist(), target=target,
+                    answer=header["answer"], answer_prob=header["answer_prob"],
+                    n_layers=header["n_layers"],
+                    **{name: tensors[name] for name in _FEATURE_TENSORS},
+                    rows=RowStore.from_state(header["n_columns"], tensors),
+                    closure=Closure(c["target"], c["edges"], c["constant"], c.get("scale", 0.0)),
+                    metadata=header["metadata"], steering=header.get("steering", []))
+        if graph.layout.n_nodes - 1 != graph.rows.n_columns:
+            raise GraphFileError(f"{path}: {graph.rows.n_columns} columns for "
+                                 f"{graph.layout.n_nodes - 1} source nodes")
+        if not graph.closure.scale:  # written before the scale was kept: the logit row's
+            row = graph._logit_row()
+            scale = float(graph.rows.abs_sums()[row]) + abs(c["constant"]) + abs(c["target"])
+            graph.closure = Closure(c["target"], c["edges"], c["constant"], scale)
+        return graph

@@ -1,11 +1,11 @@
 """A static picture of the pruned attribution graph (matplotlib is imported inside).
 
 Positions across (token labels), layers up: tokens at the bottom, the target logit at the top,
-features as circles and errors as squares at (position, layer); edges drawn with width and
-opacity by |weight| (blue positive, red negative). Nodes at the same (layer, position) are
-spread sideways. Of the pruned graph, the ``max_nodes`` most influential feature and error
-nodes are drawn (with every token and the target), and the strongest ``max_edges`` edges among
-them.
+features as circles, errors as squares and steering nodes as diamonds at (position, layer); edges
+drawn with width and opacity by |weight| (blue positive, red negative). Nodes at the same (layer,
+position) are spread sideways. Of the pruned graph, the ``max_nodes`` most influential feature and
+error nodes are drawn (with every token and the target), and the strongest ``max_edges`` edges
+among them.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.
         strength = abs(w) / top
         ax.plot([x0, x1], [y0, y1], color="tab:blue" if w > 0 else "tab:red",
                 linewidth=0.3 + 2.5 * strength, alpha=0.15 + 0.75 * strength, zorder=1)
-    style = {"feature": ("o", "tab:orange"), "error": ("s", "0.55"), "token": ("^", "black"),
+    style = {"feature": ("o", "tab:orange"), "error": ("s", "0.55"),
+             "steering": ("D", "tab:purple"), "token": ("^", "black"),
              "logit": ("*", "tab:green")}
     for kind, (marker, colour) in style.items():
         points = [xy[i] for i in keep if graph.node_kind(i) == kind]

@@ -1,9 +1,11 @@
 """Reading a graph: influence, pruning and scores, with circuit-tracer's semantics, from the
 sparse rows of a :class:`~.store.RowStore` — never an ``N x N`` matrix.
 
-Nodes are ordered features (every active feature), errors, tokens, logits (circuit-tracer's
-order); ``A[t, s]`` is source ``s``'s direct effect on target ``t``, nonzero only in the rows the
-store holds (the logit and the features whose rows were computed; every other node is a leaf).
+Nodes are ordered features (every active feature), errors, steering (the constant parts of a
+user's pyvene interventions; none in a plain model's graph), tokens, logits (circuit-tracer's
+order, with steering where circuit-tracer has none); ``A[t, s]`` is source ``s``'s direct
+effect on target ``t``, nonzero only in the rows the store holds (the logit and the features
+whose rows were computed; every other node is a leaf).
 
 - influence: ``w @ (N + N^2 + ...)`` with ``N`` = ``|A|``, each row scaled to sum to 1, and ``w``
   the logit weights. Only nodes with rows pass influence on, so the series runs on the rows x
@@ -12,8 +14,9 @@ store holds (the logit and the features whose rows were computed; every other no
 - :func:`prune`: keep the nodes carrying ``node_threshold`` of the cumulative influence (tokens
   and logits always), then the edges carrying ``edge_threshold`` of the cumulative edge score
   ``N_kept[t, s] * (influence_kept[t] + w[t])``, then drop nodes left without edges;
-- :func:`graph_scores`: replacement score (token influence / (token + error influence)) and
-  completeness score (influence-weighted share of incoming edge weight not from errors).
+- :func:`graph_scores`: replacement score (input influence / (input + error influence), the
+  inputs being tokens and steering nodes) and completeness score (influence-weighted share of
+  incoming edge weight not from errors).
 
 Thresholds are found by :func:`threshold_for` without sorting all edges: a histogram over the
 scores' float bits finds the bucket where the cumulative share crosses, and only that bucket is
@@ -32,24 +35,33 @@ from .store import RowStore
 
 @dataclass(frozen=True)
 class Layout:
-    """How many nodes of each kind, in order: features, errors, tokens, logits."""
+    """How many nodes of each kind, in order: features, errors, steering, tokens, logits.
+
+    Steering nodes (the constants of a user's pyvene interventions) are leaves like errors:
+    never given a row, pruned like errors (kept only while they feed a kept node)."""
 
     n_features: int
     n_errors: int
     n_tokens: int
     n_logits: int = 1
+    n_steering: int = 0
 
     @property
     def n_nodes(self) -> int:
-        return self.n_features + self.n_errors + self.n_tokens + self.n_logits
+        return self.n_features + self.n_errors + self.n_steering + self.n_tokens + self.n_logits
 
     @property
     def errors(self) -> slice:
         return slice(self.n_features, self.n_features + self.n_errors)
 
     @property
-    def tokens(self) -> slice:
+    def steering(self) -> slice:
         start = self.n_features + self.n_errors
+        return slice(start, start + self.n_steering)
+
+    @property
+    def tokens(self) -> slice:
+        start = self.n_features + self.n_errors + self.n_steering
         return slice(start, start + self.n_tokens)
 
     @property
@@ -244,7 +256,7 @@ def prune(store: RowStore, layout: Layout, node_threshold: float = 0.8,
     source = torch.cat(sources or [torch.zeros(0, dtype=torch.long)])
     weight = torch.cat(values or [torch.zeros(0)])
     edge_score = torch.cat(edge_scores or [torch.zeros(0)])
-    n_inner = layout.tokens.start  # features and errors
+    n_inner = layout.tokens.start  # features, errors and steering
     while True:
         before = node_mask.clone()
         alive = node_mask[target] & node_mask[source]
@@ -271,7 +283,7 @@ def graph_scores(store: RowStore, layout: Layout, probabilities: torch.Tensor | 
     weights = logit_weights(layout, probabilities)
     if node_influence is None:
         node_influence = influence(store, weights)
-    token = node_influence[layout.tokens].sum()
+    token = node_influence[layout.tokens].sum() + node_influence[layout.steering].sum()
     error = node_influence[layout.errors].sum()
     is_error = torch.zeros(layout.n_nodes, dtype=torch.bool)
     is_error[layout.errors] = True

@@ -16,6 +16,12 @@ linear function of the leaves plus the model's additive constants (attention/Lay
 ``b_dec``), so ``sum_i x_i * d target / d x_i`` over leaves and constants equals the target
 exactly (Euler's identity): the closure check.
 
+Run on a pyvene ``IntervenableModel``'s model inside
+:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`, each user intervention
+``f(x) = A x + c`` keeps its linear part in the forward graph and its constant ``c = f(0)``
+(a steering vector, a restored state, noise) becomes a leaf too: ``run.steering``, the graph's
+steering nodes (:func:`~pyvene_causaltrace.pyvene_compat.collect_steering`).
+
     run = run_local_replacement(model, clt, ids)
     run.logits                                  # live, differentiable
     run.inputs()                                # every leaf and constant, for autograd.grad
@@ -38,7 +44,9 @@ from ..interventions.clt_splice import (
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
 from ..interventions.leaf import GradientLeaf
 from ..models import get_adapter, get_module
+from ..pyvene_compat import SteeringLeaf, collect_steering
 from ..transcoders.transcoder import Transcoder, check_fits
+from .reading import Layout
 
 
 @dataclass
@@ -49,7 +57,9 @@ class ReplacementRun:
     each node's coordinates and ``activation`` its value. ``errors[l]`` is ``[1, P, D]``;
     ``embeddings`` are the token (and position) embedding outputs ``[1, P, D]``; ``constants`` are
     the model's additive bias parameters; ``encoder_inputs[l]`` is the live ``[1, P, D]`` input of
-    layer ``l``'s feature encoders.
+    layer ``l``'s feature encoders. ``steering`` holds the constant parts of a user's pyvene
+    interventions (module docstring): one node per (intervention call, position where its
+    constant is nonzero), between the errors and the tokens.
     """
 
     input_ids: torch.Tensor
@@ -63,6 +73,7 @@ class ReplacementRun:
     encoder_rows: torch.Tensor
     forward_bytes: int
     logit_softcap: float | None = None
+    steering: list[SteeringLeaf] = field(default_factory=list)
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)
     feature_id: torch.Tensor = field(init=False)
@@ -85,9 +96,29 @@ class ReplacementRun:
         return int(self.activation.numel())
 
     @property
+    def steering_leaves(self) -> list[SteeringLeaf]:
+        """The steering constants that are gradient leaves (those recorded where no gradient
+        runs, inside a recomputed module, are not nodes)."""
+        return [s for s in self.steering if s.leaf is not None]
+
+    @property
+    def steering_positions(self) -> list[torch.Tensor]:
+        """Per steering leaf, the positions where its constant is nonzero: its nodes."""
+        return [s.positions for s in self.steering_leaves]
+
+    @property
+    def n_steering(self) -> int:
+        return sum(len(p) for p in self.steering_positions)
+
+    @property
     def n_columns(self) -> int:
-        """Source nodes of a row: features, errors (layer x position), tokens."""
-        return self.n_features + (self.n_layers + 1) * self.n_pos
+        """Source nodes of a row: features, errors (layer x position), steering, tokens."""
+        return self.n_features + (self.n_layers + 1) * self.n_pos + self.n_steering
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.n_features, self.n_layers * self.n_pos, self.n_pos, 1,
+                      self.n_steering)
 
     @property
     def decoder_bytes(self) -> int:
@@ -104,8 +135,9 @@ class ReplacementRun:
 
     def node_inputs(self) -> list[torch.Tensor]:
         """Leaves whose edges are graph columns: features (one tensor per layer), errors,
-        embeddings."""
-        return [*self.feature_values, *self.errors, *self.embeddings]
+        steering constants, embeddings."""
+        return [*self.feature_values, *self.errors,
+                *[s.leaf for s in self.steering_leaves], *self.embeddings]
 
     def inputs(self) -> list[torch.Tensor]:
         """Every tensor the logits depend on linearly: node leaves, then ``b_dec`` and the
@@ -191,16 +223,18 @@ def run_local_replacement(
             p.requires_grad_(False)
         for p in constants:
             p.requires_grad_(True)
-        pv_model = intervenable_model_class()(reps, model)
+        pv_model = intervenable_model_class()(reps, model, keep_model_gradients=True)
         replaced = [get_module(model, adapter.module_path(part, layer))
                     for layer in range(clt.n_layers)
                     for part in (("mlp", "attn") if freeze else ("mlp",))]
         with torch.enable_grad(), _count_saved_bytes(model) as saved, \
-                _no_grad_inside(replaced), pre_softcap_logits(model) as cap:
+                _no_grad_inside(replaced), pre_softcap_logits(model) as cap, \
+                collect_steering() as steering:
             _, out = pv_model(base={"input_ids": input_ids, "use_cache": False})
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
+    _drop_unreachable(steering, out.logits)
     leaves = dict(session.leaves)
     session.clear()
     features = [leaves["features"][layer] for layer in range(clt.n_layers)]
@@ -219,7 +253,32 @@ def run_local_replacement(
         encoder_rows=encoder_rows,
         forward_bytes=saved["bytes"],
         logit_softcap=cap,
+        steering=steering,
     )
+
+
+def _drop_unreachable(steering: list[SteeringLeaf], logits: torch.Tensor) -> None:
+    """Set ``reached`` on every steering record, and ``leaf = None`` where it is no node: a
+    zero constant, or a leaf no gradient from the logits reaches — an edit of an output the
+    local replacement model then replaces by its own leaf or recomputation (the token
+    embeddings' leaf, an MLP's reconstruction + error, frozen attention, a frozen norm). Such
+    an edit's value is inside that node (token, error) or — for attention, whose
+    recomputation keeps the value but not the edit's gradient — nowhere, which the closure
+    check reports.
+
+    One backward of the logits against a fixed random seed (pyvene writes replacements into
+    the original tensor in place, so the autograd graph still *links* an overwritten edit: only
+    a gradient tells)."""
+    live = [s for s in steering if s.leaf is not None]
+    if live:
+        seed = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
+        grads = torch.autograd.grad(logits, [s.leaf for s in live], seed.to(logits),
+                                    retain_graph=True, allow_unused=True)
+        for s, grad in zip(live, grads, strict=True):
+            s.reached = grad is not None and bool(grad.ne(0).any())
+    for s in steering:
+        if not s.reached or s.is_zero:
+            s.leaf = None
 
 
 @contextmanager

@@ -179,6 +179,11 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
         for name in self.tensor_fields:  # whatever shapes were there are replaced below
             self._set_tensor(name, None)
         rest = {k: v for k, v in state_dict.items() if k not in ours}
+        for name in ("embed_dim", "interchange_dim"):
+            # pyvene gives these to a type it builds from a layer/component at load time, not
+            # to an instance placed in the config: the saved state may lack them
+            if name in self._buffers and prefix + name not in rest:
+                rest[prefix + name] = self._buffers[name]
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         self._setup(**payload["config"], **tensors)

@@ -1,0 +1,184 @@
+"""Every pyvene 0.1.8 type that needs no training, at every site kind we name, inside our runs:
+``trace``, ``run_spec`` and ``attribute`` on the user's IntervenableModel equal the same edit
+made by a plain hook on the bare model (to 1e-6), or are refused clearly — per (type, site).
+Upstream tensors are never written."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from clt_fixtures import random_clt_tensors, write_clt
+from conftest import PROMPT, SUBJECT, make_tiny_model
+
+from pyvene_causaltrace import attribute, trace
+from pyvene_causaltrace.attribution import ClosureError
+from pyvene_causaltrace.attribution.attribute import make_target
+from pyvene_causaltrace.execute import run_spec
+from pyvene_causaltrace.models import PyveneModelError, get_module
+from pyvene_causaltrace.pyvene_compat import applied_interventions, import_pyvene, preserve_hooks
+from pyvene_causaltrace.transcoders import load_transcoder
+
+pv = import_pyvene()
+HIDDEN, LAYER = 32, 1
+CONSTANT = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(11)) * 0.7
+
+#: site kind -> (pyvene component, unit, the module a hand hook edits, pre-hook?)
+SITES = {
+    "block_input": ("block_input", "pos", f"model.layers[{LAYER}]", True),
+    "block_output": ("block_output", "pos", f"model.layers[{LAYER}]", False),
+    "attention_output": ("attention_output", "pos", f"model.layers[{LAYER}].self_attn", False),
+    "mlp_output": ("mlp_output", "pos", f"model.layers[{LAYER}].mlp", False),
+    "head_units": ("head_attention_value_output", "h.pos",
+                   f"model.layers[{LAYER}].self_attn.o_proj", True),
+}
+
+#: type -> (build the intervention, the same edit by hand, or the refusal's words)
+TYPES = {
+    "Vanilla": (lambda: pv.VanillaIntervention(), "need a source at call time"),
+    "Vanilla(constant source)": (
+        lambda: pv.VanillaIntervention(source_representation=CONSTANT, embed_dim=HIDDEN),
+        lambda x: CONSTANT.expand_as(x).clone()),
+    "Zero": (lambda: pv.ZeroIntervention(embed_dim=HIDDEN), torch.zeros_like),
+    "Addition": (lambda: pv.AdditionIntervention(source_representation=CONSTANT,
+                                                  embed_dim=HIDDEN),
+                 lambda x: x + CONSTANT),
+    "Subtraction": (lambda: pv.SubtractionIntervention(source_representation=CONSTANT,
+                                                        embed_dim=HIDDEN),
+                    lambda x: x - CONSTANT),
+    "Collect": (lambda: pv.CollectIntervention(), lambda x: x),
+    "NoiseIntervention": (lambda: pv.NoiseIntervention(embed_dim=HIDDEN), "4 positions"),
+    "Skip": (lambda: pv.SkipIntervention(), "need a source at call time"),
+}
+
+SPEC = {"schema_version": 1, "prompt": PROMPT, "subject": SUBJECT, "interventions": [
+    {"type": "noise_add", "seeds": [0, 1], "scale": 3.0, "sigma": 0.5},
+    {"type": "clean_restore", "component": "block_output", "layers": [2], "positions": "last"}]}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model("llama", init=0.2)
+
+
+@pytest.fixture(scope="module")
+def clt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("matrix_clt")
+    return load_transcoder(str(write_clt(root / "clt", random_clt_tensors(3, HIDDEN, 16))))
+
+
+@contextmanager
+def hand_edit(model, module_path: str, pre: bool, edit):
+    """``edit`` on the module's input (pre) or output, returning a new tensor."""
+    module = get_module(model, module_path)
+    if pre:
+        handle = module.register_forward_pre_hook(lambda m, args: (edit(args[0]), *args[1:]))
+    else:
+        def hook(_module, _args, output):
+            if isinstance(output, tuple):
+                return (edit(output[0]), *output[1:])
+            return edit(output)
+        handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _results(model, tokenizer):
+    return (trace(model, tokenizer, PROMPT, SUBJECT, seeds=2, scale=3.0).restored_probs,
+            run_spec(SPEC, model, tokenizer).intervened_probs)
+
+
+@pytest.mark.parametrize("site", list(SITES))
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_a_users_intervention_in_our_runs_is_the_hand_edit_or_refused(model, tokenizer, kind,
+                                                                      site):
+    component, unit, module_path, pre = SITES[site]
+    build, expected = TYPES[kind]
+    with preserve_hooks(model):
+        pv_model = pv.IntervenableModel([{"layer": LAYER, "component": component, "unit": unit,
+                                          "intervention": build()}], model)
+    refusal = _refusal(kind, unit)
+    if refusal is not None:
+        with pytest.raises(PyveneModelError, match=refusal):
+            trace(pv_model, tokenizer, PROMPT, SUBJECT, seeds=2, scale=3.0)
+        with pytest.raises(PyveneModelError, match=refusal):
+            run_spec(SPEC, pv_model, tokenizer)
+        return
+    got = _results(pv_model, tokenizer)
+    with hand_edit(model, module_path, pre, expected):
+        want = _results(model, tokenizer)
+    for name, a, b in zip(("trace", "run_spec"), got, want, strict=True):
+        torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=0, atol=1e-6,
+                                   msg=f"{kind} at {site}: {name}")
+    plain = _results(model, tokenizer)
+    changed = not torch.allclose(torch.as_tensor(plain[0]), torch.as_tensor(want[0]), atol=1e-4)
+    assert changed == (kind != "Collect")  # every edit but collecting changes the trace
+
+
+@pytest.mark.parametrize("kind", ["Zero", "Addition", "Subtraction", "Vanilla(constant source)"])
+def test_upstream_tensors_are_never_written(model, tokenizer, kind):
+    """At a pre-hook site (block l's input is block l-1's output), the tensor block l-1
+    returned is unchanged after our runs apply the user's edit."""
+    with preserve_hooks(model):
+        pv_model = pv.IntervenableModel([{"layer": LAYER, "component": "block_input",
+                                          "intervention": TYPES[kind][0]()}], model)
+    upstream = get_module(model, f"model.layers[{LAYER - 1}]")
+    seen = {}
+
+    def keep(_module, _args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        seen["tensor"], seen["copy"] = hidden, hidden.clone()
+
+    handle = upstream.register_forward_hook(keep)
+    try:
+        with applied_interventions(pv_model) as inner, torch.no_grad():
+            inner(input_ids=tokenizer(PROMPT, return_tensors="pt")["input_ids"])
+    finally:
+        handle.remove()
+    assert torch.equal(seen["tensor"], seen["copy"])
+
+
+def _refusal(kind: str, unit: str) -> str | None:
+    expected = TYPES[kind][1]
+    return (expected if isinstance(expected, str)
+            else "picks heads through unit_locations" if unit != "pos" else None)
+
+
+@pytest.mark.parametrize("site", list(SITES))
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_a_users_intervention_in_a_graph_is_the_hand_edit_or_refused(model, clt, tokenizer,
+                                                                     kind, site):
+    """``attribute`` on the user's model: the graph's target and P(answer) are those of the
+    bare model with the same edit by hand, and the graph closes (the edit's constant part a
+    steering node). An edit at attention's output, which the local replacement model
+    recomputes with its pattern frozen (keeping the edited value, not the edit's gradient), is
+    refused by the closure check, naming the intervention and where to put it instead."""
+    component, unit, module_path, pre = SITES[site]
+    build, expected = TYPES[kind]
+    with preserve_hooks(model):
+        pv_model = pv.IntervenableModel([{"layer": LAYER, "component": component, "unit": unit,
+                                          "intervention": build()}], model)
+    refusal = _refusal(kind, unit)
+    if refusal is not None:
+        with pytest.raises(PyveneModelError, match=refusal):
+            attribute(pv_model, tokenizer, clt, PROMPT)
+        return
+    if site == "attention_output" and kind != "Collect":
+        with pytest.raises(ClosureError, match=r"attention_output(.|\n)*block_output"):
+            attribute(pv_model, tokenizer, clt, PROMPT)
+        return
+    graph = attribute(pv_model, tokenizer, clt, PROMPT)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with hand_edit(model, module_path, pre, expected), torch.no_grad():
+        logits = model(input_ids=ids).logits
+    want = float(make_target(logits, tokenizer, None)(logits))
+    assert graph.closure.relative < 1e-4
+    assert abs(graph.closure.target - want) <= 1e-6 * max(1.0, abs(want)), (graph.closure, want)
+    assert abs(graph.answer_prob - float(logits[0, -1].softmax(-1).max())) < 1e-6
+    if graph.n_steering == 0:  # nothing the bare model's graph lacks: the same edges
+        with hand_edit(model, module_path, pre, expected):
+            same = attribute(model, tokenizer, clt, PROMPT)
+        torch.testing.assert_close(graph.target_row(), same.target_row(), rtol=0, atol=1e-6)
