@@ -50,9 +50,13 @@ def spec_numbers(path: Path, model, tokenizer, clt: Path) -> dict:
                           memory_mb=block["memory_mb"],
                           max_feature_nodes=block["max_feature_nodes"])
         closure = graph.closure
+        parts = graph.decomposition()
+        # steering nodes came later (issue 22): a plain model's graph has none
+        if parts.pop("steering", 0.0) != 0.0:
+            raise AssertionError("a plain model's graph has steering nodes")
         return {"closure": [closure.target, closure.edges, closure.constant],
                 "n_features": int(graph.n_features),
-                "decomposition": {k: float(v) for k, v in graph.decomposition().items()}}
+                "decomposition": {k: float(v) for k, v in parts.items()}}
     for item in data["interventions"]:
         if item["type"] == "clt_splice":
             item["clt"] = str(clt)
