@@ -17,6 +17,11 @@ resolved ``(component, intervention)`` pairs and :func:`to_pv_config` a ``pv.Int
 ``IntervenableModel(config, model)``. Batch rows are the noise seeds: feed ``plan.base_inputs``.
 :func:`resolve_sites` resolves a spec's sites on a model without running it, and
 :func:`check_on_model` is everything ``validate --model`` checks.
+
+A spec's ``model_interventions`` (a user's own pyvene interventions, written by a run on a
+``pv.IntervenableModel``) are rebuilt around the model by :func:`run_spec` and act in every run
+(:mod:`~pyvene_causaltrace.model_interventions`); :func:`build_interventions`, which builds only
+the spec's own entries, refuses such a spec rather than leave them out.
 """
 
 from __future__ import annotations
@@ -103,6 +108,10 @@ def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module, tokenize
             answer_token_id(tokenizer, spec.answer, strict=spec.attribution is not None)
         except ValueError as error:
             raise SpecError("$.answer", str(error)) from None
+    if spec.model_interventions:  # their classes import, their tensors read, pyvene places them
+        from .model_interventions import rebuild
+
+        rebuild(spec.model_interventions, model, spec.base_dir)
     if spec.attribution is None:
         try:
             resolve_sites(spec, model, tokenizer)
@@ -135,8 +144,22 @@ def _check_module(model: nn.Module, site: Site, item: dict) -> None:
 
 
 def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> Plan:
-    """Resolve ``spec`` on ``model``: tokens, answer, the noise, and one intervention per site."""
+    """Resolve ``spec`` on ``model``: tokens, answer, the noise, and one intervention per site.
+
+    A spec with ``model_interventions`` is refused: they act in every run (the clean and
+    corrupted runs this makes too), which a plan of the spec's own entries cannot hold; run it
+    with :func:`run_spec`."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
+    if spec.model_interventions:
+        raise SpecError("$.model_interventions", "build_interventions builds the spec's own "
+                        "entries only, and these pyvene interventions of its model act in "
+                        "every run: run the spec with run_spec, or rebuild them with "
+                        "model_interventions.rebuild(spec.model_interventions, model, "
+                        "spec.base_dir) and pass that IntervenableModel to run_spec or trace")
+    return _plan(spec, model, tokenizer)
+
+
+def _plan(spec: ExperimentSpec, model: nn.Module, tokenizer) -> Plan:
     if spec.trace is not None:
         raise SpecError("$.trace", "this is a trace spec: run it with tracer_from_spec "
                         "(or `pyvene-causaltrace run`)")
@@ -234,9 +257,17 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> 
     """Run a spec: clean, noise-only (if noised) and intervened probabilities of the answer.
 
     ``model`` may be a ``pv.IntervenableModel``: its interventions then act in every run
-    (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`)."""
-    with applied_interventions(model) as model:
-        pv_model, plan = build_intervenable(spec, model, tokenizer)
+    (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`), and the result's spec
+    carries them (``model_interventions``; refused, before running, if it cannot). A spec with
+    ``model_interventions`` rebuilds them around the bare ``model``."""
+    from .model_interventions import describe, model_for_spec, uniform_grad_flags
+
+    spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
+    model = model_for_spec(spec, model)
+    entries = describe(model)
+    with applied_interventions(model) as model, uniform_grad_flags(model):
+        plan = _plan(spec, model, tokenizer)
+        pv_model = intervenable_model_class()(to_pv_config(plan), model)
         device = _device(model)
         base = {k: v.to(device) for k, v in plan.base_inputs.items()}
         _, out = pv_model(base=base)
@@ -249,8 +280,12 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> 
     else:
         corrupt = torch.full_like(probs, clean)
         rec = torch.full_like(probs, float("nan"))
+    written = plan.spec.to_dict()
+    written.pop("model_interventions", None)
+    if entries:  # what the model held, inline (a file reference belongs to the spec's folder)
+        written["model_interventions"] = entries
     return SpecRunResult(
-        spec=plan.spec.to_dict(),
+        spec=written,
         tokens=list(plan.prompt.tokens),
         subject_range=plan.prompt.subject_range,
         answer=plan.answer,

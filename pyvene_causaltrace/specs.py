@@ -1,11 +1,17 @@
 """JSON experiment specs: schema, validation, load and save.
 
-A spec is plain data — no tensors, no classes — so it can be shared as a file and reproduces the
-same run anywhere (the noise is seeded). The schema ships as ``spec.schema.json`` next to this
-module (``SCHEMA_PATH``). Errors name the JSON path of the bad field and what was expected.
+A spec is plain data — no live objects, nothing pickled — so it can be shared as a file and
+reproduces the same run anywhere (the noise is seeded). The schema ships as ``spec.schema.json``
+next to this module (``SCHEMA_PATH``). Errors name the JSON path of the bad field and what was
+expected.
 
     spec = load_spec("intervention_specs/residual_trace.json")
     save_spec(spec, "copy.json")          # byte-for-byte the same data back
+
+A run made on a user's ``pv.IntervenableModel`` writes its interventions into
+``model_interventions`` (:mod:`~pyvene_causaltrace.model_interventions`): their class, where they
+act, their settings and tensors — inline when small, else in a safetensors file that
+:func:`save_spec` writes beside the JSON and :func:`load_spec` finds again (``base_dir``).
 """
 
 from __future__ import annotations
@@ -59,9 +65,17 @@ class ExperimentSpec:
     trace: dict[str, Any] | None = None  # {"kind", "window"}: a whole causal trace
     attribution: dict[str, Any] | None = None  # {"clt", "target", ...}: an attribution graph
     extra: dict[str, Any] = field(default_factory=dict)  # "$schema" and the like
+    #: The pyvene interventions of the model the run was made on (model_interventions.py):
+    #: rebuilt around the bare model, they act in every run.
+    model_interventions: list[dict[str, Any]] | None = None
+    #: The folder of the file the spec was read from: where its tensor files are (not data).
+    base_dir: Path | None = field(default=None, compare=False)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ExperimentSpec:
+    def from_dict(cls, data: dict[str, Any], *, base_dir: str | Path | None = None
+                  ) -> ExperimentSpec:
+        """Validate ``data`` and wrap it; ``base_dir`` is the folder its tensor files are
+        relative to (set by :func:`load_spec`)."""
         validate_spec(data)
         return cls(
             prompt=data["prompt"],
@@ -79,6 +93,8 @@ class ExperimentSpec:
             trace=data.get("trace"),
             attribution=data.get("attribution"),
             extra={k: v for k, v in data.items() if k.startswith("$")},
+            model_interventions=data.get("model_interventions"),
+            base_dir=Path(base_dir) if base_dir is not None else None,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,6 +112,8 @@ class ExperimentSpec:
             out["trace"] = self.trace
         if self.attribution is not None:
             out["attribution"] = self.attribution
+        if self.model_interventions is not None:
+            out["model_interventions"] = self.model_interventions
         return out
 
     @property
@@ -195,6 +213,10 @@ def validate_spec(data: Any) -> None:
         if data["attribution"].get("target") == "difference" and \
                 "other" not in data["attribution"]:
             raise SpecError("$.attribution.other", "a 'difference' target needs 'other'")
+        if data.get("model_interventions"):
+            raise SpecError("$.model_interventions", "an attribution spec cannot carry its "
+                            "model's pyvene interventions yet: attribute the IntervenableModel "
+                            "in Python (attribute(pv_model, ...))")
     uses_subject = _mentions_subject([(item, entry) for _, item, entry in entries])
     if uses_subject and "subject" not in data:
         raise SpecError("$.subject", f"required by the position name {uses_subject!r}")
@@ -251,18 +273,52 @@ def _mentions_subject(entries: list[tuple[dict[str, Any], Any]]) -> str | None:
     return None
 
 
-def load_spec(path_or_dict: str | Path | dict[str, Any]) -> ExperimentSpec:
-    """Read and validate a spec from a JSON file path or an already-parsed dict."""
+def load_spec(path_or_dict: str | Path | dict[str, Any], *,
+              base_dir: str | Path | None = None) -> ExperimentSpec:
+    """Read and validate a spec from a JSON file path or an already-parsed dict. A file's
+    folder is where its tensor files are found (``base_dir`` says it for a dict)."""
     if isinstance(path_or_dict, dict):
-        return ExperimentSpec.from_dict(path_or_dict)
+        return ExperimentSpec.from_dict(path_or_dict, base_dir=base_dir)
     path = Path(path_or_dict)
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise SpecError("$", f"{path} is not valid JSON: {error}") from None
-    return ExperimentSpec.from_dict(data)
+    return ExperimentSpec.from_dict(data, base_dir=path.absolute().parent)
 
 
-def save_spec(spec: ExperimentSpec, path: str | Path) -> None:
-    """Write ``spec`` as indented JSON."""
-    Path(path).write_text(json.dumps(spec.to_dict(), indent=2) + "\n")
+def save_spec(spec: ExperimentSpec | dict[str, Any], path: str | Path, *,
+              base_dir: str | Path | None = None) -> None:
+    """Write ``spec`` (an :class:`ExperimentSpec` or a dict such as ``result.spec``) as
+    indented JSON. Tensors of its ``model_interventions`` over
+    :data:`~pyvene_causaltrace.model_interventions.INLINE_LIMIT` elements (or holding NaN or
+    infinity) go to ``<name>.safetensors`` beside it, referenced by file and key with their
+    sha256; ``load_spec(path)`` finds them again. Both files are written under a temporary
+    name, then renamed. ``base_dir``: where a dict's existing tensor files are."""
+    if not isinstance(spec, ExperimentSpec):
+        spec = ExperimentSpec.from_dict(spec, base_dir=base_dir)
+    path = Path(path)
+    data = spec.to_dict()
+    if spec.model_interventions:
+        from safetensors.torch import save_file
+
+        from .model_interventions import externalize
+
+        side = path.with_suffix(".safetensors")
+        data["model_interventions"], tensors = externalize(spec.model_interventions,
+                                                            side.name, spec.base_dir)
+        if tensors:
+            _write_atomic(side, lambda tmp: save_file(tensors, str(tmp)))
+    text = json.dumps(data, indent=2) + "\n"
+    _write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def _write_atomic(path: Path, write) -> None:
+    """``write(tmp)`` to a temporary name beside ``path``, then rename it to ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

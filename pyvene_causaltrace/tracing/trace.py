@@ -26,6 +26,7 @@ from torch import nn
 from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
 from ..finite import check_finite, check_weights, positive_number
 from ..interventions.noise import seed_list
+from ..model_interventions import uniform_grad_flags
 from ..models import check_inputs, model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from ..pyvene_compat import applied_interventions
@@ -71,7 +72,8 @@ class Tracer:
     """One prompt, its clean and corrupted runs, and every trace kind on top of them.
 
     ``model`` may be a ``pv.IntervenableModel``: its interventions then act in every run
-    (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`).
+    (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`), and :meth:`spec` writes
+    them into the spec (``model_interventions``), or refuses, saying why it cannot.
 
     Args:
         prompt, subject: the subject must occur in the prompt (``occurrence`` picks which).
@@ -110,7 +112,7 @@ class Tracer:
         if scale != "auto":
             positive_number(scale, "scale (or 'auto')")
         self._given = model  # a pv.IntervenableModel: its interventions act in every run
-        with applied_interventions(model) as model:
+        with applied_interventions(model) as model, uniform_grad_flags(model):
             check_weights(model)
             self.model, self.tokenizer = model, tokenizer
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
@@ -165,8 +167,9 @@ class Tracer:
         trace_kind = get_kind(kind)
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
+        spec = self.spec(kind, window)  # before the run: a model it cannot write is refused
         cells = self.cells()
-        with applied_interventions(self._given):
+        with applied_interventions(self._given), uniform_grad_flags(self.model):
             probs = self.engine.run(trace_kind, cells, window=window, progress=progress)
         check_finite(probs, f"the restored probabilities of the {kind} trace")
         restored = probs.numpy().reshape(len(self.seeds), self.engine.n_layers,
@@ -178,11 +181,18 @@ class Tracer:
             kind=kind, window=window if trace_kind.windowed else None, scale=self.scale,
             sigma=self.sigma, sigma_method=self.sigma_method, seeds=self.seeds,
             clean_prob=self.clean_prob, corrupt_probs=self.corrupt_probs,
-            restored_probs=restored, spec=self.spec(kind, window),
+            restored_probs=restored, spec=spec,
         )
 
     def spec(self, kind: str, window: int = WINDOW) -> dict:
-        """The JSON spec that reproduces ``trace(kind)`` (see ``intervention_specs/``)."""
+        """The JSON spec that reproduces ``trace(kind)`` (see ``intervention_specs/``).
+
+        With a ``pv.IntervenableModel`` its interventions go in ``model_interventions``
+        (:func:`~pyvene_causaltrace.model_interventions.describe`); one a spec cannot rebuild
+        exactly is refused (``PyveneModelError``, with the reason)."""
+        from ..model_interventions import describe
+
+        entries = describe(self._given)
         model = model_name(self.model)
         sigma = self.sigma if self.sigma_method == "given" else self.sigma_method
         spec = {"schema_version": 1}
@@ -195,11 +205,13 @@ class Tracer:
                                   "seeds": self.seeds, "scale": self.scale, "sigma": sigma,
                                   "distribution": self.distribution}]
         spec["trace"] = {"kind": kind, "window": window}
+        if entries:
+            spec["model_interventions"] = entries
         return spec
 
     def controls(self, *, window: int = WINDOW, tolerance: float = 1e-5) -> ControlReport:
         """Run the two controls that can fail (see :class:`ControlReport`)."""
-        with applied_interventions(self._given):
+        with applied_interventions(self._given), uniform_grad_flags(self.model):
             return self._controls(window, tolerance)
 
     def _controls(self, window: int, tolerance: float) -> ControlReport:
@@ -229,7 +241,10 @@ def trace(model: nn.Module, tokenizer, prompt: str, subject: str, *, kind: str =
 
 def tracer_from_spec(spec, model: nn.Module, tokenizer, **options) -> Tracer:
     """A :class:`Tracer` for a trace spec (one with ``"trace"``); ``options`` add Tracer
-    keyword arguments such as ``memory_budget_mb``."""
+    keyword arguments such as ``memory_budget_mb``. The spec's ``model_interventions`` are
+    rebuilt around ``model`` (the bare model; an ``IntervenableModel`` holding others is
+    refused) and act in every run."""
+    from ..model_interventions import model_for_spec
     from ..specs import ExperimentSpec, SpecError, load_spec
 
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
@@ -242,6 +257,7 @@ def tracer_from_spec(spec, model: nn.Module, tokenizer, **options) -> Tracer:
     if positions != "subject":
         raise SpecError("$.interventions[0].positions",
                         f"a trace noises the subject; got {positions!r}")
+    model = model_for_spec(spec, model)
     return Tracer(
         model, tokenizer, spec.prompt, spec.subject, answer=spec.answer,
         seeds=noise.get("seeds"), scale=noise.get("scale", NOISE_SCALE),

@@ -1,0 +1,610 @@
+"""A user's own pyvene interventions in a spec: the ``model_interventions`` field.
+
+``trace``, ``Tracer`` and ``run_spec`` take a ``pv.IntervenableModel`` and apply its
+interventions to every run (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`).
+The spec such a run writes carries them, so that rerunning the spec on the bare model makes the
+same experiment, bit for bit:
+
+    entries = describe(pv_model)              # [] for a bare model
+    pv_model = rebuild(entries, model, base_dir)
+
+One entry per intervention, in pyvene's order::
+
+    {"class": "pyvene.models.interventions.AdditionIntervention",   # import path; ours by name
+     "component": "block_output", "layer": 2, "unit": "pos", "max_number_of_units": 1,
+     "init": {"embed_dim": 32},                # constructor keywords, when it needs any
+     "settings": {"keep_last_dim": false, "use_fast": false, "is_source_constant": true, ...},
+     "tensors": {"source_representation": {"dtype": "float32", "shape": [32],
+                                           "data": [0.12, ...]}},
+     "tensor_attributes": {...}}               # tensors held as plain attributes, if any
+
+``tensors`` is the intervention's whole ``state_dict()`` (for our own types it also carries
+their JSON configuration). A tensor is inline — nested lists, exact: a float32 becomes a Python
+float whose JSON repr reads back to the same bits — or, in a spec saved by
+:func:`~pyvene_causaltrace.specs.save_spec`, a reference ``{"dtype", "shape", "file", "key",
+"sha256"}`` into a safetensors file beside the JSON (tensors over :data:`INLINE_LIMIT` elements
+and those holding NaN or infinity). Nothing is pickled.
+
+:func:`describe` writes an intervention only when a rebuild from what it wrote gives back the
+same module: same class, state dict, buffers, parameters and attributes, bit for bit. Anything
+else is refused with the reason (a plain function, an attribute that is neither JSON nor a
+tensor, a buffer left out of the state dict, a class defined in ``__main__``).
+:func:`rebuild` imports only classes that are ``pyvene.Intervention`` subclasses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import importlib
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .pyvene_compat import import_pyvene, intervenable_model_class, is_intervenable
+from .specs import SpecError
+
+#: Tensors with more elements than this go to the safetensors file when a spec is saved.
+INLINE_LIMIT = 4096
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+#: pyvene ``RepresentationConfig`` fields an entry carries (where set): where it acts.
+REPRESENTATION_FIELDS = ("component", "layer", "unit", "max_number_of_units",
+                         "low_rank_dimension", "subspace_partition", "group_key",
+                         "intervention_link_key", "moe_key", "latent_dim")
+
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+#: Our types keep their state in ``_config`` and their state dict; their other private
+#: attributes are live objects or caches (a transcoder or splice session given as an object —
+#: the state holds its source path and session id —, a generation counter, cached noise), and
+#: ``leaf`` is one run's tensor.
+_OURS_TRANSIENT = frozenset({"leaf"})
+
+ENTRY_PATH = "$.model_interventions"
+
+
+def _refuse(message: str):
+    from .models import PyveneModelError
+
+    return PyveneModelError(message + ". The spec a trace or run_spec writes must reproduce "
+                            "the run, so this model is refused: keep the intervention's state "
+                            "in the buffers, parameters and JSON attributes of an importable "
+                            "pyvene.Intervention subclass")
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """``{"dtype", "shape", "data"}``: the tensor inline as nested lists (exact)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise ValueError(f"a {tensor.dtype} tensor cannot go in a spec (supported: "
+                         f"{', '.join(DTYPES)})")
+    return {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+            "data": tensor.tolist()}
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    raw = tensor.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha256(raw.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def decode_tensor(encoded: dict[str, Any], where: str, base_dir: str | Path | None) -> torch.Tensor:
+    """The tensor of an inline or file entry; a :class:`SpecError` at ``where`` when its data,
+    file, dtype, shape or checksum do not fit."""
+    dtype = DTYPES.get(encoded.get("dtype"))
+    if dtype is None:
+        raise SpecError(where + ".dtype", f"{encoded.get('dtype')!r} is not one of "
+                        f"{', '.join(DTYPES)}")
+    shape = list(encoded.get("shape", []))
+    if "data" in encoded:
+        try:
+            tensor = torch.tensor(encoded["data"], dtype=dtype)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise SpecError(where + ".data", f"not a {encoded['dtype']} array: {error}") from None
+        if list(tensor.shape) != shape:
+            raise SpecError(where + ".data", f"holds shape {list(tensor.shape)}, the entry says "
+                            f"{shape}")
+        return tensor
+    tensor = _read_file_tensor(encoded, where, base_dir)
+    if tensor.dtype != dtype or list(tensor.shape) != shape:
+        raise SpecError(where, f"{encoded['file']}[{encoded['key']!r}] is "
+                        f"{_DTYPE_NAMES.get(tensor.dtype, tensor.dtype)} {list(tensor.shape)}, "
+                        f"the entry says {encoded['dtype']} {shape}")
+    if "sha256" in encoded and _digest(tensor) != encoded["sha256"]:
+        raise SpecError(where, f"{encoded['file']}[{encoded['key']!r}] does not match its "
+                        "sha256: the file was changed or belongs to another spec")
+    return tensor
+
+
+def _read_file_tensor(encoded: dict, where: str, base_dir: str | Path | None) -> torch.Tensor:
+    from safetensors import SafetensorError, safe_open
+
+    name = encoded.get("file")
+    if not isinstance(name, str) or "key" not in encoded:
+        raise SpecError(where, "a tensor needs 'data', or 'file' and 'key'")
+    relative = Path(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise SpecError(where + ".file", f"{name!r} must be a path inside the spec's folder")
+    if base_dir is None:
+        raise SpecError(where + ".file", f"{name!r} is relative to the spec file's folder, which "
+                        "this spec does not know: load it with load_spec(path)")
+    path = Path(base_dir) / relative
+    if not path.is_file():
+        raise SpecError(where + ".file", f"{path} does not exist (it is written beside the "
+                        "spec's JSON by save_spec)")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if encoded["key"] not in handle.keys():
+                raise SpecError(where + ".key", f"{path} holds no tensor {encoded['key']!r}")
+            return handle.get_tensor(encoded["key"]).clone()
+    except SafetensorError as error:
+        raise SpecError(where + ".file", f"{path} is not a readable safetensors file: "
+                        f"{error}") from None
+
+
+def _needs_file(encoded: dict[str, Any]) -> bool:
+    if "data" not in encoded:
+        return False
+    count = math.prod(encoded["shape"])
+    if count > INLINE_LIMIT:
+        return True
+    if encoded["dtype"] in ("float64", "float32", "float16", "bfloat16"):
+        return not _finite(encoded["data"])
+    return False
+
+
+def _finite(data: Any) -> bool:
+    if isinstance(data, list):
+        return all(_finite(item) for item in data)
+    return not isinstance(data, float) or math.isfinite(data)
+
+
+def _tensor_slots(entries: list[dict]):
+    """``(entry index, group, name, encoded)`` of every tensor in ``entries``."""
+    for index, entry in enumerate(entries):
+        for group in ("tensors", "tensor_attributes"):
+            for name, encoded in entry.get(group, {}).items():
+                yield index, group, name, encoded
+
+
+def externalize(entries: list[dict], file_name: str, base_dir: str | Path | None
+                ) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """``entries`` for a spec saved as a file: big and non-finite tensors become references to
+    ``file_name`` (returned as ``{key: tensor}`` to write beside the JSON); references into an
+    earlier file (relative to ``base_dir``) are read and written anew."""
+    out = copy.deepcopy(entries)
+    tensors: dict[str, torch.Tensor] = {}
+    for index, group, name, encoded in _tensor_slots(out):
+        if "data" in encoded and not _needs_file(encoded):
+            continue
+        where = f"{ENTRY_PATH}[{index}].{group}.{name}"
+        tensor = decode_tensor(encoded, where, base_dir)
+        key = f"model_interventions.{index}.{group}.{name}"
+        tensors[key] = tensor.contiguous()
+        out[index][group][name] = {"dtype": encoded["dtype"], "shape": encoded["shape"],
+                                   "file": file_name, "key": key, "sha256": _digest(tensor)}
+    return out, tensors
+
+
+def inline(entries: list[dict], base_dir: str | Path | None) -> list[dict]:
+    """``entries`` with every file reference read back inline."""
+    out = copy.deepcopy(entries)
+    for index, group, name, encoded in _tensor_slots(out):
+        if "data" not in encoded:
+            tensor = decode_tensor(encoded, f"{ENTRY_PATH}[{index}].{group}.{name}", base_dir)
+            out[index][group][name] = encode_tensor(tensor)
+    return out
+
+
+# ----------------------------------------------------------------------------- describe
+
+
+def describe(model: Any) -> list[dict[str, Any]]:
+    """The ``model_interventions`` entries of a pyvene ``IntervenableModel`` (``[]`` for a
+    plain model): every intervention our runs apply, in pyvene's order. Refuses
+    (``PyveneModelError``) an intervention our runs cannot apply or a spec cannot rebuild
+    exactly, saying why."""
+    if not is_intervenable(model):
+        return []
+    from .pyvene_compat import user_edits
+
+    return [_describe_one(key, made, representation)
+            for key, made, representation in user_edits(model)]
+
+
+def _class_path(key: str, made: nn.Module) -> str:
+    ours = _registered_name(made)
+    if ours is not None:
+        return ours
+    cls = type(made)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if "<locals>" in cls.__qualname__:
+        raise _refuse(f"{key}: {name} is defined inside a function, so no other process can "
+                      "import it; define it at a module's top level")
+    if cls.__module__ == "__main__":
+        raise _refuse(f"{key}: {cls.__qualname__} is defined in __main__ (a script), so no "
+                      "other process can import it; move it into an importable module")
+    try:
+        found = _import_class(name)
+    except ImportError as error:
+        raise _refuse(f"{key}: {name} cannot be imported again ({error})") from None
+    if found is not cls:
+        raise _refuse(f"{key}: {name} imports as another class than the one in this model "
+                      "(a class made at run time?)")
+    return name
+
+
+def _registered_name(made: nn.Module) -> str | None:
+    """Our registered name for one of our own types (or a plugin type on our base)."""
+    from .interventions import get_intervention
+    from .interventions.base import CausalTraceIntervention
+    from .interventions.registry import UnknownInterventionError
+
+    if not isinstance(made, CausalTraceIntervention) or not made.registered_name:
+        return None
+    try:
+        registered = get_intervention(made.registered_name)
+    except (UnknownInterventionError, NotImplementedError):
+        return None
+    return made.registered_name if isinstance(made, registered) else None
+
+
+def _json_value(value: Any) -> bool:
+    """Whether ``value`` is JSON data that reads back as itself (no tuples, NaN, objects)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return True
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_json_value(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_value(v) for k, v in value.items())
+    return False
+
+
+def _as_json(key: str, what: str, value: Any) -> Any:
+    if hasattr(value, "__index__") and not isinstance(value, (bool, torch.Tensor)):
+        value = int(value.__index__())  # numpy integers
+    if not _json_value(value):
+        raise _refuse(f"{key}: {what} is {value!r} ({type(value).__name__}), which is not JSON "
+                      "data (lists, numbers, strings, booleans, null)")
+    return copy.deepcopy(value)
+
+
+def _describe_one(key: str, made: nn.Module, representation: Any) -> dict[str, Any]:
+    pv = import_pyvene()
+    if not isinstance(made, pv.Intervention):
+        raise _refuse(f"{key}: a {type(made).__name__} is not a pyvene Intervention (a plain "
+                      "function holds no state a spec can carry)")
+    if made._forward_hooks or made._forward_pre_hooks:
+        raise _refuse(f"{key}: the intervention has forward hooks of its own")
+    entry: dict[str, Any] = {"class": _class_path(key, made)}
+    for name in REPRESENTATION_FIELDS:
+        value = getattr(representation, name, None)
+        if value is not None:
+            entry[name] = _as_json(key, f"its representation's {name}", value)
+    ours = _registered_name(made) is not None
+    settings: dict[str, Any] = {}
+    tensor_attributes: dict[str, Any] = {}
+    for name, value in vars(made).items():
+        if name in _MODULE_INTERNALS or (ours and (_transient(name) or name == "_config")):
+            continue  # our types keep their configuration in their state dict
+        if isinstance(value, torch.Tensor):
+            tensor_attributes[name] = _encode(key, f"attribute {name!r}", value)
+        else:
+            settings[name] = _as_json(key, f"attribute {name!r}", value)
+    settings["training"] = made.training
+    entry["settings"] = settings
+    entry["tensors"] = {name: _encode(key, f"state {name!r}", tensor)
+                        for name, tensor in made.state_dict().items()}
+    if tensor_attributes:
+        entry["tensor_attributes"] = tensor_attributes
+    # rebuild it from the entry; write the entry only if that gives the same module back
+    reasons = []
+    for init in _init_candidates(made, representation):
+        trial = {**entry, **({"init": init} if init else {})}
+        try:
+            rebuilt = _build(trial, f"{key}", None)
+        except (SpecError, TypeError, ValueError, RuntimeError, AttributeError, KeyError
+                ) as error:
+            reasons.append(f"rebuilding it with {init or 'no arguments'} failed: {error}")
+            continue
+        difference = _difference(made, rebuilt, ours)
+        if difference is None:
+            return _ordered(trial)
+        reasons.append(difference)
+    raise _refuse(f"{key}: {entry['class']} cannot be rebuilt from what a spec holds "
+                  f"(its class, constructor keywords, JSON attributes and tensors): "
+                  f"{reasons[-1]}")
+
+
+def _ordered(entry: dict[str, Any]) -> dict[str, Any]:
+    order = ["class", *REPRESENTATION_FIELDS, "init", "settings", "tensors", "tensor_attributes"]
+    return {name: entry[name] for name in order if name in entry}
+
+
+def _encode(key: str, what: str, tensor: torch.Tensor) -> dict[str, Any]:
+    try:
+        return encode_tensor(tensor)
+    except ValueError as error:
+        raise _refuse(f"{key}: {what}: {error}") from None
+
+
+def _init_candidates(made: nn.Module, representation: Any) -> list[dict[str, Any]]:
+    """Constructor keywords to try: the fewest first (``embed_dim`` when it has one), then
+    what pyvene passes when it builds a class (the representation's fields too)."""
+    embed = getattr(made, "embed_dim", None)
+    minimal = {"embed_dim": int(embed)} if isinstance(embed, torch.Tensor) else {}
+    pyvene_style = {name: getattr(representation, name) for name in REPRESENTATION_FIELDS
+                    if getattr(representation, name, None) is not None
+                    and _json_value(getattr(representation, name))}
+    pyvene_style.update(minimal)
+    pyvene_style["use_fast"] = bool(getattr(made, "use_fast", False))
+    return [minimal, pyvene_style]
+
+
+# ----------------------------------------------------------------------------- compare
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return _digest(a) == _digest(b)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and _same_tensor(a, b))
+    if _json_value(a) and _json_value(b):
+        return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an object whose == raises is not the same
+        return False
+
+
+def _attributes(module: nn.Module, ours: bool) -> dict[str, Any]:
+    return {name: value for name, value in vars(module).items()
+            if name not in _MODULE_INTERNALS and not (ours and _transient(name))}
+
+
+def _transient(name: str) -> bool:
+    """An attribute of our own types that is not state (see ``_OURS_TRANSIENT``)."""
+    return name in _OURS_TRANSIENT or (name.startswith("_") and name != "_config")
+
+
+def _difference(made: nn.Module, rebuilt: nn.Module, ours: bool) -> str | None:
+    """Why ``rebuilt`` is not ``made`` (None: the same, bit for bit)."""
+    if ours:  # ``made`` may be a ``configured`` subclass of the registered class
+        if not isinstance(made, type(rebuilt)):
+            return f"it rebuilt as a {type(rebuilt).__name__}"
+        source = getattr(made, "_config", {}).get("source", "-")
+        if source is None and made.__dict__.get("_clt_object") is not None:
+            return ("its transcoder was given as an object, not a path or hub id a spec can "
+                    "name")
+    elif type(made) is not type(rebuilt):
+        return f"it rebuilt as a {type(rebuilt).__name__}"
+    state, again = made.state_dict(), rebuilt.state_dict()
+    if list(state) != list(again):
+        return f"its state dict keys {list(state)} came back as {list(again)}"
+    for name, tensor in state.items():
+        if not _same_tensor(tensor, again[name]):
+            return f"its state {name!r} came back different"
+    mine, theirs = dict(made.named_modules()), dict(rebuilt.named_modules())
+    if list(mine) != list(theirs):
+        return f"its submodules {list(mine)} came back as {list(theirs)}"
+    for path, module in mine.items():
+        other = theirs[path]
+        where = f"{path}." if path else ""
+        if type(module).__name__ != type(other).__name__:
+            return f"submodule {path!r} came back as a {type(other).__name__}"
+        for kind, get in (("buffer", "named_buffers"), ("parameter", "named_parameters")):
+            a = dict(getattr(module, get)(recurse=False))
+            b = dict(getattr(other, get)(recurse=False))
+            if list(a) != list(b):
+                return f"its {kind}s {where}{list(a)} came back as {list(b)}"
+            for name, tensor in a.items():
+                if not _same_tensor(tensor, b[name]):
+                    return (f"{kind} {where}{name} is not in its state dict (persistent=False?) "
+                            "and its constructor does not make it again")
+        a, b = _attributes(module, ours), _attributes(other, ours)
+        if path == "":
+            a["training"], b["training"] = module.training, other.training
+        for name in sorted(set(a) | set(b)):
+            if name not in a or name not in b or not _same_value(a[name], b[name]):
+                return (f"attribute {where}{name} = {a.get(name, '<absent>')!r} came back as "
+                        f"{b.get(name, '<absent>')!r}")
+    return None
+
+
+# ----------------------------------------------------------------------------- rebuild
+
+
+def _import_class(path: str) -> Any:
+    """The object at dotted ``path``: the longest importable module prefix, then attributes."""
+    import_pyvene()  # pyvene's own import prints; this swallows it
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            found = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name is not None and not (module_name == error.name or
+                                               module_name.startswith(error.name + ".")):
+                raise  # the module exists but something it imports does not
+            continue
+        for part in parts[cut:]:
+            found = getattr(found, part)
+        return found
+    raise ImportError(f"no module of {path!r} can be imported")
+
+
+def resolve_class(name: str, where: str) -> type:
+    """The intervention class an entry's ``class`` names: a registered name of ours, or an
+    import path. Anything that is not a ``pyvene.Intervention`` subclass is refused."""
+    pv = import_pyvene()
+    if not isinstance(name, str) or not name:
+        raise SpecError(where, "expected a registered intervention name or an import path")
+    if "." not in name:
+        from .interventions import get_intervention, list_interventions
+        from .interventions.registry import UnknownInterventionError
+
+        try:
+            found = get_intervention(name)
+        except (UnknownInterventionError, NotImplementedError):
+            raise SpecError(where, f"{name!r} is no registered intervention type (registered: "
+                            f"{', '.join(list_interventions())}); another class is named by "
+                            "its import path, e.g. 'pyvene.models.interventions."
+                            "ZeroIntervention'") from None
+    else:
+        try:
+            found = _import_class(name)
+        except (ImportError, AttributeError) as error:
+            raise SpecError(where, f"cannot import {name!r}: {error} (install or import the "
+                            "package that defines it)") from None
+    if not (isinstance(found, type) and issubclass(found, pv.Intervention)):
+        raise SpecError(where, f"{name!r} is not a pyvene Intervention subclass; a spec's "
+                        "model interventions are rebuilt only from those")
+    return found
+
+
+def _build(entry: dict[str, Any], where: str, base_dir: str | Path | None) -> nn.Module:
+    """One intervention instance from its entry (on the CPU)."""
+    cls = resolve_class(entry["class"], where + ".class")
+    init = entry.get("init", {})
+    try:
+        made = cls(**copy.deepcopy(init))
+    except Exception as error:  # noqa: BLE001 - a user's constructor may raise anything
+        raise SpecError(where + (".init" if init else ".class"),
+                        f"{entry['class']}(**{init}) failed: {error}") from None
+    state = {name: decode_tensor(encoded, f"{where}.tensors.{name}", base_dir)
+             for name, encoded in entry.get("tensors", {}).items()}
+    fresh = made.state_dict()
+    for name, tensor in state.items():
+        owner_path, _, leaf = name.rpartition(".")
+        try:
+            owner = made.get_submodule(owner_path) if owner_path else made
+        except AttributeError:
+            raise SpecError(f"{where}.tensors.{name}", f"{entry['class']} has no submodule "
+                            f"{owner_path!r}") from None
+        if name not in fresh:  # a buffer given after construction (a constant source)
+            if leaf in owner.__dict__:
+                delattr(owner, leaf)
+            owner.register_buffer(leaf, tensor)
+        elif leaf in owner._buffers and owner._buffers[leaf] is not None:
+            owner._buffers[leaf] = tensor  # its own shape and dtype, not the constructor's
+    settings = dict(entry.get("settings", {}))
+    made.train(bool(settings.pop("training", True)))
+    for name, value in settings.items():
+        setattr(made, name, copy.deepcopy(value))
+    for name, encoded in entry.get("tensor_attributes", {}).items():
+        setattr(made, name, decode_tensor(encoded, f"{where}.tensor_attributes.{name}",
+                                          base_dir))
+    try:
+        made.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as error:
+        raise SpecError(where + ".tensors", f"{entry['class']} does not take this state: "
+                        f"{str(error).strip().splitlines()[0]}") from None
+    return made
+
+
+def rebuild(entries: list[dict[str, Any]], model: nn.Module, base_dir: str | Path | None = None,
+            *, path: str = ENTRY_PATH):
+    """A hook-preserving ``IntervenableModel`` (:func:`~pyvene_causaltrace.pyvene_compat.
+    intervenable_model_class`) holding ``entries``' interventions around the bare ``model``.
+    File references are relative to ``base_dir`` (the spec file's folder). Errors are
+    :class:`SpecError` at the entry's JSON path."""
+    from .models import PyveneModelError
+
+    if is_intervenable(model):
+        raise PyveneModelError("rebuild needs the bare model (pv_model.model), not an "
+                               "IntervenableModel")
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        device = torch.device("cpu")
+    built, representations = [], []
+    for index, entry in enumerate(entries):
+        where = f"{path}[{index}]"
+        made = _build(entry, where, base_dir).to(device)
+        built.append(made)
+        representations.append({**{name: copy.deepcopy(entry[name])
+                                   for name in REPRESENTATION_FIELDS if name in entry},
+                                "intervention": made})
+    try:
+        pv_model = intervenable_model_class()(representations, model)
+    except (ValueError, KeyError, AttributeError, IndexError, TypeError) as error:
+        raise SpecError(path, f"pyvene cannot place these interventions on a "
+                        f"{type(model).__name__}: {error}") from None
+    for made, entry in zip(built, entries, strict=True):
+        if "use_fast" in entry.get("settings", {}):  # pyvene sets its own on every instance
+            made.use_fast = entry["settings"]["use_fast"]
+    return pv_model
+
+
+@contextlib.contextmanager
+def uniform_grad_flags(model: nn.Module) -> Iterator[None]:
+    """Inside the block every floating parameter of ``model`` has ``requires_grad=True`` (the
+    state a model is loaded in); afterwards each flag is as it was.
+
+    A forward's last bits depend on these flags even under ``torch.no_grad()``: torch's matmul
+    folds a 3-d input differently when the weight requires grad (``logits_to_keep=1`` slices
+    give such an input), which moves logits by ~5e-7 and probabilities by ~1e-8. A plain
+    ``pv.IntervenableModel`` lowers every flag of the model it wraps, so without this a trace
+    of it and the same trace rerun from its spec on a freshly loaded model would differ in
+    those bits. Our runs need no gradients (they run under ``no_grad``)."""
+    lowered = [p for p in model.parameters()
+               if not p.requires_grad and (p.is_floating_point() or p.is_complex())]
+    for parameter in lowered:
+        parameter.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for parameter in lowered:
+            parameter.requires_grad_(False)
+
+
+def model_for_spec(spec: Any, model: nn.Module) -> nn.Module:
+    """The model to run ``spec`` on: ``model`` itself, or — when the spec carries
+    ``model_interventions`` — an ``IntervenableModel`` rebuilding them around it. A given
+    ``IntervenableModel`` holding other interventions than the spec's is refused (which set
+    would be meant?); one holding exactly the spec's is used as it is."""
+    entries = getattr(spec, "model_interventions", None)
+    if not entries:
+        return model
+    base_dir = getattr(spec, "base_dir", None)
+    if is_intervenable(model):
+        if len(model.interventions) == 0:
+            model = model.model
+        else:
+            from .models import PyveneModelError
+
+            if describe(model) != inline(list(entries), base_dir):
+                raise PyveneModelError(
+                    f"this spec carries {len(entries)} pyvene intervention(s) of its model "
+                    f"($.model_interventions) and the model given is an IntervenableModel "
+                    f"holding {len(model.interventions)} other(s): which set is meant is "
+                    "ambiguous. Pass the bare model (pv_model.model) to rerun the spec's, or "
+                    "drop model_interventions from the spec to run yours")
+            return model
+    return rebuild(list(entries), model, base_dir)
+
+
+__all__ = ["DTYPES", "INLINE_LIMIT", "decode_tensor", "describe", "encode_tensor",
+           "externalize", "inline", "model_for_spec", "rebuild", "resolve_class",
+           "uniform_grad_flags"]
