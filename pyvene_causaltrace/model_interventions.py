@@ -22,8 +22,8 @@ One entry per intervention, in pyvene's order::
 their JSON configuration). A tensor is inline — nested lists, exact: a float32 becomes a Python
 float whose JSON repr reads back to the same bits — or, in a spec saved by
 :func:`~pyvene_causaltrace.specs.save_spec`, a reference ``{"dtype", "shape", "file", "key",
-"sha256"}`` into a safetensors file beside the JSON (tensors over :data:`INLINE_LIMIT` elements
-and those holding NaN or infinity). Nothing is pickled.
+"sha256"}`` into a safetensors file beside the JSON (:mod:`~pyvene_causaltrace.spec_tensors`).
+Nothing is pickled.
 
 :func:`describe` writes an intervention only when a rebuild from what it wrote gives back the
 same module: same class, state dict, buffers, parameters and attributes, bit for bit. Anything
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import importlib
 import json
 import math
@@ -48,17 +47,8 @@ import torch
 from torch import nn
 
 from .pyvene_compat import import_pyvene, intervenable_model_class, is_intervenable
+from .spec_tensors import ENTRY_PATH, decode_tensor, digest, encode_tensor, inline
 from .specs import SpecError
-
-#: Tensors with more elements than this go to the safetensors file when a spec is saved.
-INLINE_LIMIT = 4096
-
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-    "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 #: pyvene ``RepresentationConfig`` fields an entry carries (where set): where it acts.
 REPRESENTATION_FIELDS = ("component", "layer", "unit", "max_number_of_units",
@@ -72,7 +62,6 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 #: ``leaf`` is one run's tensor.
 _OURS_TRANSIENT = frozenset({"leaf"})
 
-ENTRY_PATH = "$.model_interventions"
 
 
 def _refuse(message: str):
@@ -82,132 +71,6 @@ def _refuse(message: str):
                             "the run, so this model is refused: keep the intervention's state "
                             "in the buffers, parameters and JSON attributes of an importable "
                             "pyvene.Intervention subclass")
-
-
-# ----------------------------------------------------------------------------- tensors
-
-
-def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
-    """``{"dtype", "shape", "data"}``: the tensor inline as nested lists (exact)."""
-    tensor = tensor.detach().cpu()
-    if tensor.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"a {tensor.dtype} tensor cannot go in a spec (supported: "
-                         f"{', '.join(DTYPES)})")
-    return {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-            "data": tensor.tolist()}
-
-
-def _digest(tensor: torch.Tensor) -> str:
-    raw = tensor.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha256(raw.view(torch.uint8).numpy().tobytes()).hexdigest()
-
-
-def decode_tensor(encoded: dict[str, Any], where: str, base_dir: str | Path | None) -> torch.Tensor:
-    """The tensor of an inline or file entry; a :class:`SpecError` at ``where`` when its data,
-    file, dtype, shape or checksum do not fit."""
-    dtype = DTYPES.get(encoded.get("dtype"))
-    if dtype is None:
-        raise SpecError(where + ".dtype", f"{encoded.get('dtype')!r} is not one of "
-                        f"{', '.join(DTYPES)}")
-    shape = list(encoded.get("shape", []))
-    if "data" in encoded:
-        try:
-            tensor = torch.tensor(encoded["data"], dtype=dtype)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise SpecError(where + ".data", f"not a {encoded['dtype']} array: {error}") from None
-        if list(tensor.shape) != shape:
-            raise SpecError(where + ".data", f"holds shape {list(tensor.shape)}, the entry says "
-                            f"{shape}")
-        return tensor
-    tensor = _read_file_tensor(encoded, where, base_dir)
-    if tensor.dtype != dtype or list(tensor.shape) != shape:
-        raise SpecError(where, f"{encoded['file']}[{encoded['key']!r}] is "
-                        f"{_DTYPE_NAMES.get(tensor.dtype, tensor.dtype)} {list(tensor.shape)}, "
-                        f"the entry says {encoded['dtype']} {shape}")
-    if "sha256" in encoded and _digest(tensor) != encoded["sha256"]:
-        raise SpecError(where, f"{encoded['file']}[{encoded['key']!r}] does not match its "
-                        "sha256: the file was changed or belongs to another spec")
-    return tensor
-
-
-def _read_file_tensor(encoded: dict, where: str, base_dir: str | Path | None) -> torch.Tensor:
-    from safetensors import SafetensorError, safe_open
-
-    name = encoded.get("file")
-    if not isinstance(name, str) or "key" not in encoded:
-        raise SpecError(where, "a tensor needs 'data', or 'file' and 'key'")
-    relative = Path(name)
-    if relative.is_absolute() or ".." in relative.parts:
-        raise SpecError(where + ".file", f"{name!r} must be a path inside the spec's folder")
-    if base_dir is None:
-        raise SpecError(where + ".file", f"{name!r} is relative to the spec file's folder, which "
-                        "this spec does not know: load it with load_spec(path)")
-    path = Path(base_dir) / relative
-    if not path.is_file():
-        raise SpecError(where + ".file", f"{path} does not exist (it is written beside the "
-                        "spec's JSON by save_spec)")
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            if encoded["key"] not in handle.keys():
-                raise SpecError(where + ".key", f"{path} holds no tensor {encoded['key']!r}")
-            return handle.get_tensor(encoded["key"]).clone()
-    except SafetensorError as error:
-        raise SpecError(where + ".file", f"{path} is not a readable safetensors file: "
-                        f"{error}") from None
-
-
-def _needs_file(encoded: dict[str, Any]) -> bool:
-    if "data" not in encoded:
-        return False
-    count = math.prod(encoded["shape"])
-    if count > INLINE_LIMIT:
-        return True
-    if encoded["dtype"] in ("float64", "float32", "float16", "bfloat16"):
-        return not _finite(encoded["data"])
-    return False
-
-
-def _finite(data: Any) -> bool:
-    if isinstance(data, list):
-        return all(_finite(item) for item in data)
-    return not isinstance(data, float) or math.isfinite(data)
-
-
-def _tensor_slots(entries: list[dict]):
-    """``(entry index, group, name, encoded)`` of every tensor in ``entries``."""
-    for index, entry in enumerate(entries):
-        for group in ("tensors", "tensor_attributes"):
-            for name, encoded in entry.get(group, {}).items():
-                yield index, group, name, encoded
-
-
-def externalize(entries: list[dict], file_name: str, base_dir: str | Path | None
-                ) -> tuple[list[dict], dict[str, torch.Tensor]]:
-    """``entries`` for a spec saved as a file: big and non-finite tensors become references to
-    ``file_name`` (returned as ``{key: tensor}`` to write beside the JSON); references into an
-    earlier file (relative to ``base_dir``) are read and written anew."""
-    out = copy.deepcopy(entries)
-    tensors: dict[str, torch.Tensor] = {}
-    for index, group, name, encoded in _tensor_slots(out):
-        if "data" in encoded and not _needs_file(encoded):
-            continue
-        where = f"{ENTRY_PATH}[{index}].{group}.{name}"
-        tensor = decode_tensor(encoded, where, base_dir)
-        key = f"model_interventions.{index}.{group}.{name}"
-        tensors[key] = tensor.contiguous()
-        out[index][group][name] = {"dtype": encoded["dtype"], "shape": encoded["shape"],
-                                   "file": file_name, "key": key, "sha256": _digest(tensor)}
-    return out, tensors
-
-
-def inline(entries: list[dict], base_dir: str | Path | None) -> list[dict]:
-    """``entries`` with every file reference read back inline."""
-    out = copy.deepcopy(entries)
-    for index, group, name, encoded in _tensor_slots(out):
-        if "data" not in encoded:
-            tensor = decode_tensor(encoded, f"{ENTRY_PATH}[{index}].{group}.{name}", base_dir)
-            out[index][group][name] = encode_tensor(tensor)
-    return out
 
 
 # ----------------------------------------------------------------------------- describe
@@ -363,7 +226,7 @@ def _init_candidates(made: nn.Module, representation: Any) -> list[dict[str, Any
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return _digest(a) == _digest(b)
+    return digest(a) == digest(b)
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -605,6 +468,4 @@ def model_for_spec(spec: Any, model: nn.Module) -> nn.Module:
     return rebuild(list(entries), model, base_dir)
 
 
-__all__ = ["DTYPES", "INLINE_LIMIT", "decode_tensor", "describe", "encode_tensor",
-           "externalize", "inline", "model_for_spec", "rebuild", "resolve_class",
-           "uniform_grad_flags"]
+__all__ = ["describe", "model_for_spec", "rebuild", "resolve_class", "uniform_grad_flags"]

@@ -302,7 +302,7 @@ def save_spec(spec: ExperimentSpec | dict[str, Any], path: str | Path, *,
     if spec.model_interventions:
         from safetensors.torch import save_file
 
-        from .model_interventions import externalize
+        from .spec_tensors import externalize
 
         side = path.with_suffix(".safetensors")
         data["model_interventions"], tensors = externalize(spec.model_interventions,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import PROMPT, ROOT, SUBJECT, make_tiny_model
 
-from pyvene_causaltrace import model_interventions as mi
+from pyvene_causaltrace import spec_tensors
 from pyvene_causaltrace.execute import build_interventions, check_on_model, run_spec
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.models import PyveneModelError
@@ -329,6 +329,6 @@ def test_a_float32_survives_json_to_the_last_bit():
                           dtype=torch.float32)
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         tensor = values.to(dtype)
-        encoded = json.loads(json.dumps(mi.encode_tensor(tensor)))
-        back = mi.decode_tensor(encoded, "$.t", None)
-        assert back.dtype == dtype and mi._digest(back) == mi._digest(tensor)
+        encoded = json.loads(json.dumps(spec_tensors.encode_tensor(tensor)))
+        back = spec_tensors.decode_tensor(encoded, "$.t", None)
+        assert back.dtype == dtype and spec_tensors.digest(back) == spec_tensors.digest(tensor)
