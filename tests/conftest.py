@@ -55,7 +55,11 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="run tests marked slow")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a test that loads SmolLM2 is a real-model test, marked or not
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real_model)
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow; run with --runslow")
