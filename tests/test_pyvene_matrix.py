@@ -11,6 +11,7 @@ import pytest
 import torch
 from clt_fixtures import random_clt_tensors, write_clt
 from conftest import PROMPT, SUBJECT, make_tiny_model
+from reference import edit_output
 
 from pyvene_causaltrace import attribute, trace
 from pyvene_causaltrace.attribution import ClosureError
@@ -68,22 +69,34 @@ def clt(tmp_path_factory):
     return load_transcoder(str(write_clt(root / "clt", random_clt_tensors(3, HIDDEN, 16))))
 
 
-@contextmanager
 def hand_edit(model, module_path: str, pre: bool, edit):
     """``edit`` on the module's input (pre) or output, returning a new tensor."""
+    if not pre:
+        return edit_output(model, module_path, edit)
+    return _edit_input(model, module_path, edit)
+
+
+@contextmanager
+def _edit_input(model, module_path: str, edit):
     module = get_module(model, module_path)
-    if pre:
-        handle = module.register_forward_pre_hook(lambda m, args: (edit(args[0]), *args[1:]))
-    else:
-        def hook(_module, _args, output):
-            if isinstance(output, tuple):
-                return (edit(output[0]), *output[1:])
-            return edit(output)
-        handle = module.register_forward_hook(hook)
+    handle = module.register_forward_pre_hook(lambda m, args: (edit(args[0]), *args[1:]))
     try:
         yield
     finally:
         handle.remove()
+
+
+def _user_model(model, kind: str, site: str):
+    """(the user's IntervenableModel with ``kind`` at ``site``, the hand edit, the words of
+    its refusal in our runs or None)."""
+    component, unit, module_path, pre = SITES[site]
+    build, expected = TYPES[kind]
+    with preserve_hooks(model):
+        pv_model = pv.IntervenableModel([{"layer": LAYER, "component": component, "unit": unit,
+                                          "intervention": build()}], model)
+    refusal = (expected if isinstance(expected, str)
+               else "picks heads through unit_locations" if unit != "pos" else None)
+    return pv_model, (lambda: hand_edit(model, module_path, pre, expected)), refusal
 
 
 def _results(model, tokenizer):
@@ -95,12 +108,7 @@ def _results(model, tokenizer):
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_a_users_intervention_in_our_runs_is_the_hand_edit_or_refused(model, tokenizer, kind,
                                                                       site):
-    component, unit, module_path, pre = SITES[site]
-    build, expected = TYPES[kind]
-    with preserve_hooks(model):
-        pv_model = pv.IntervenableModel([{"layer": LAYER, "component": component, "unit": unit,
-                                          "intervention": build()}], model)
-    refusal = _refusal(kind, unit)
+    pv_model, by_hand, refusal = _user_model(model, kind, site)
     if refusal is not None:
         with pytest.raises(PyveneModelError, match=refusal):
             trace(pv_model, tokenizer, PROMPT, SUBJECT, seeds=2, scale=3.0)
@@ -108,7 +116,7 @@ def test_a_users_intervention_in_our_runs_is_the_hand_edit_or_refused(model, tok
             run_spec(SPEC, pv_model, tokenizer)
         return
     got = _results(pv_model, tokenizer)
-    with hand_edit(model, module_path, pre, expected):
+    with by_hand():
         want = _results(model, tokenizer)
     for name, a, b in zip(("trace", "run_spec"), got, want, strict=True):
         torch.testing.assert_close(torch.as_tensor(a), torch.as_tensor(b), rtol=0, atol=1e-6,
@@ -141,12 +149,6 @@ def test_upstream_tensors_are_never_written(model, tokenizer, kind):
     assert torch.equal(seen["tensor"], seen["copy"])
 
 
-def _refusal(kind: str, unit: str) -> str | None:
-    expected = TYPES[kind][1]
-    return (expected if isinstance(expected, str)
-            else "picks heads through unit_locations" if unit != "pos" else None)
-
-
 @pytest.mark.parametrize("site", list(SITES))
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_a_users_intervention_in_a_graph_is_the_hand_edit_or_refused(model, clt, tokenizer,
@@ -156,12 +158,7 @@ def test_a_users_intervention_in_a_graph_is_the_hand_edit_or_refused(model, clt,
     steering node). An edit at attention's output, which the local replacement model
     recomputes with its pattern frozen (keeping the edited value, not the edit's gradient), is
     refused by the closure check, naming the intervention and where to put it instead."""
-    component, unit, module_path, pre = SITES[site]
-    build, expected = TYPES[kind]
-    with preserve_hooks(model):
-        pv_model = pv.IntervenableModel([{"layer": LAYER, "component": component, "unit": unit,
-                                          "intervention": build()}], model)
-    refusal = _refusal(kind, unit)
+    pv_model, by_hand, refusal = _user_model(model, kind, site)
     if refusal is not None:
         with pytest.raises(PyveneModelError, match=refusal):
             attribute(pv_model, tokenizer, clt, PROMPT)
@@ -172,13 +169,13 @@ def test_a_users_intervention_in_a_graph_is_the_hand_edit_or_refused(model, clt,
         return
     graph = attribute(pv_model, tokenizer, clt, PROMPT)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    with hand_edit(model, module_path, pre, expected), torch.no_grad():
+    with by_hand(), torch.no_grad():
         logits = model(input_ids=ids).logits
     want = float(make_target(logits, tokenizer, None)(logits))
     assert graph.closure.relative < 1e-4
     assert abs(graph.closure.target - want) <= 1e-6 * max(1.0, abs(want)), (graph.closure, want)
     assert abs(graph.answer_prob - float(logits[0, -1].softmax(-1).max())) < 1e-6
     if graph.n_steering == 0:  # nothing the bare model's graph lacks: the same edges
-        with hand_edit(model, module_path, pre, expected):
+        with by_hand():
             same = attribute(model, tokenizer, clt, PROMPT)
         torch.testing.assert_close(graph.target_row(), same.target_row(), rtol=0, atol=1e-6)
