@@ -36,6 +36,7 @@ from .capture import capture
 from .finite import check_finite, check_weights
 from .interventions import get_intervention
 from .interventions.spec_entry import Site, SpecContext, entry_of
+from .model_interventions import describe, model_for_spec, rebuild, uniform_grad_flags
 from .models import check_inputs, get_adapter, get_module
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
 from .pyvene_compat import applied_interventions, import_pyvene, intervenable_model_class
@@ -109,8 +110,6 @@ def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module, tokenize
         except ValueError as error:
             raise SpecError("$.answer", str(error)) from None
     if spec.model_interventions:  # their classes import, their tensors read, pyvene places them
-        from .model_interventions import rebuild
-
         rebuild(spec.model_interventions, model, spec.base_dir)
     if spec.attribution is None:
         try:
@@ -260,8 +259,6 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> 
     (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`), and the result's spec
     carries them (``model_interventions``; refused, before running, if it cannot). A spec with
     ``model_interventions`` rebuilds them around the bare ``model``."""
-    from .model_interventions import describe, model_for_spec, uniform_grad_flags
-
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     model = model_for_spec(spec, model)
     entries = describe(model)

@@ -46,7 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .pyvene_compat import import_pyvene, intervenable_model_class, is_intervenable
+from .interventions import get_intervention, list_interventions
+from .interventions.base import CausalTraceIntervention
+from .interventions.registry import UnknownInterventionError
+from .models import PyveneModelError
+from .pyvene_compat import import_pyvene, intervenable_model_class, is_intervenable, user_edits
 from .spec_tensors import ENTRY_PATH, decode_tensor, digest, encode_tensor, inline
 from .specs import SpecError
 
@@ -65,7 +69,6 @@ _OURS_TRANSIENT = frozenset({"leaf"})
 
 
 def _refuse(message: str):
-    from .models import PyveneModelError
 
     return PyveneModelError(message + ". The spec a trace or run_spec writes must reproduce "
                             "the run, so this model is refused: keep the intervention's state "
@@ -83,7 +86,6 @@ def describe(model: Any) -> list[dict[str, Any]]:
     exactly, saying why."""
     if not is_intervenable(model):
         return []
-    from .pyvene_compat import user_edits
 
     return [_describe_one(key, made, representation)
             for key, made, representation in user_edits(model)]
@@ -113,9 +115,6 @@ def _class_path(key: str, made: nn.Module) -> str:
 
 def _registered_name(made: nn.Module) -> str | None:
     """Our registered name for one of our own types (or a plugin type on our base)."""
-    from .interventions import get_intervention
-    from .interventions.base import CausalTraceIntervention
-    from .interventions.registry import UnknownInterventionError
 
     if not isinstance(made, CausalTraceIntervention) or not made.registered_name:
         return None
@@ -324,8 +323,6 @@ def resolve_class(name: str, where: str) -> type:
     if not isinstance(name, str) or not name:
         raise SpecError(where, "expected a registered intervention name or an import path")
     if "." not in name:
-        from .interventions import get_intervention, list_interventions
-        from .interventions.registry import UnknownInterventionError
 
         try:
             found = get_intervention(name)
@@ -392,7 +389,6 @@ def rebuild(entries: list[dict[str, Any]], model: nn.Module, base_dir: str | Pat
     intervenable_model_class`) holding ``entries``' interventions around the bare ``model``.
     File references are relative to ``base_dir`` (the spec file's folder). Errors are
     :class:`SpecError` at the entry's JSON path."""
-    from .models import PyveneModelError
 
     if is_intervenable(model):
         raise PyveneModelError("rebuild needs the bare model (pv_model.model), not an "
@@ -455,7 +451,6 @@ def model_for_spec(spec: Any, model: nn.Module) -> nn.Module:
         if len(model.interventions) == 0:
             model = model.model
         else:
-            from .models import PyveneModelError
 
             if describe(model) != inline(list(entries), base_dir):
                 raise PyveneModelError(

@@ -335,7 +335,7 @@ def _is_collect(made: nn.Module) -> bool:
 def user_edits(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
     """``(key, intervention, representation)`` of a pyvene ``IntervenableModel`` that act on
     the output, in pyvene's order; refuses (``PyveneModelError``) any our runs cannot apply."""
-    from .models import PyveneModelError
+    from .models import PyveneModelError  # models imports this module: a circle
 
     needy = [key for key, made in model.interventions.items() if _needs_source(made)]
     if needy:
@@ -360,6 +360,7 @@ def apply_like_pyvene(intervention: nn.Module, value: torch.Tensor) -> torch.Ten
     ``unit_locations=None`` — on a clone of the tensor, through ``do_intervention`` — but
     returned as a new tensor: ``value`` itself (which may be an upstream module's output) is
     never written."""
+    # pyvene is imported on first use (5 s): the package and the CLI's --help stay light
     from pyvene.models.interventions import InterventionOutput
     from pyvene.models.modeling_utils import do_intervention
 

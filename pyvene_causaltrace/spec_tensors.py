@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from .specs import SpecError
 
@@ -77,8 +78,6 @@ def decode_tensor(encoded: dict[str, Any], where: str, base_dir: str | Path | No
 
 
 def _read_file_tensor(encoded: dict, where: str, base_dir: str | Path | None) -> torch.Tensor:
-    from safetensors import SafetensorError, safe_open
-
     name = encoded.get("file")
     if not isinstance(name, str) or "key" not in encoded:
         raise SpecError(where, "a tensor needs 'data', or 'file' and 'key'")

@@ -300,9 +300,9 @@ def save_spec(spec: ExperimentSpec | dict[str, Any], path: str | Path, *,
     path = Path(path)
     data = spec.to_dict()
     if spec.model_interventions:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # torch loads only when tensors are saved
 
-        from .spec_tensors import externalize
+        from .spec_tensors import externalize  # spec_tensors imports SpecError from here
 
         side = path.with_suffix(".safetensors")
         data["model_interventions"], tensors = externalize(spec.model_interventions,

@@ -262,7 +262,7 @@ class AttributionGraph:
                  "constants": float(self.rows.constants[self._logit_row()])}
         parts["target"] = target = self.closure.target
         nan = float("nan")  # a target of exactly 0 (e.g. a zero-ablated residual) has no shares
-        parts["error_share"] = parts["errors"] / target if target else nan  # the seed's 5.3%
+        parts["error_share"] = parts["errors"] / target if target else nan  # errors' share
         parts["unexplored_share"] = parts["unexplored"] / target if target else nan
         return parts
 

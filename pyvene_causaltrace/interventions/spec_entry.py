@@ -116,7 +116,7 @@ def _plain_refusal(cls: type) -> str | None:
     """Why a spec cannot hold plain pyvene type ``cls``, or None: pyvene's own types that take
     their values from a source at call time (a spec has no source run), and pyvene's
     ``NoiseIntervention`` (a fixed 4-position draw)."""
-    from ..pyvene_compat import import_pyvene
+    from ..pyvene_compat import import_pyvene  # keeps the spec layer's import free of pyvene
 
     pv = import_pyvene()
     name = cls.__name__
@@ -149,7 +149,7 @@ def _called_without_source(cls: type) -> type:
                 try:
                     return super().forward(base, source, *args, **kwargs)
                 except (TypeError, AttributeError) as error:
-                    from ..specs import SpecError
+                    from ..specs import SpecError  # specs imports the registry: a circle
 
                     where = getattr(self, "_pvct_spec_entry", ("$.interventions", cls.__name__))
                     raise SpecError(where[0], (

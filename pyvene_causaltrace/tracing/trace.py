@@ -26,7 +26,7 @@ from torch import nn
 from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
 from ..finite import check_finite, check_weights, positive_number
 from ..interventions.noise import seed_list
-from ..model_interventions import uniform_grad_flags
+from ..model_interventions import describe, model_for_spec, uniform_grad_flags
 from ..models import check_inputs, model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from ..pyvene_compat import applied_interventions
@@ -190,8 +190,6 @@ class Tracer:
         With a ``pv.IntervenableModel`` its interventions go in ``model_interventions``
         (:func:`~pyvene_causaltrace.model_interventions.describe`); one a spec cannot rebuild
         exactly is refused (``PyveneModelError``, with the reason)."""
-        from ..model_interventions import describe
-
         entries = describe(self._given)
         model = model_name(self.model)
         sigma = self.sigma if self.sigma_method == "given" else self.sigma_method
@@ -244,7 +242,6 @@ def tracer_from_spec(spec, model: nn.Module, tokenizer, **options) -> Tracer:
     keyword arguments such as ``memory_budget_mb``. The spec's ``model_interventions`` are
     rebuilt around ``model`` (the bare model; an ``IntervenableModel`` holding others is
     refused) and act in every run."""
-    from ..model_interventions import model_for_spec
     from ..specs import ExperimentSpec, SpecError, load_spec
 
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
