@@ -312,13 +312,17 @@ def _needs_source(intervention: nn.Module) -> bool:
     return not getattr(intervention, "is_source_constant", False)
 
 
+#: Why pyvene's NoiseIntervention cannot act where we apply a type at every position.
+NOISE_INTERVENTION_REFUSAL = (
+    "pyvene's NoiseIntervention adds a fixed draw for exactly 4 positions (seed 1, GPT-2-XL's "
+    "noise level), and {where} applies it at every position: use noise_add (NoiseAdd) for "
+    "seeded noise at chosen positions")
+
+
 def _refusal(key: str, made: nn.Module, representation: Any) -> str | None:
     """Why our runs cannot apply the user's intervention ``key`` as pyvene would, or None."""
-    name = type(made).__name__
-    if name == "NoiseIntervention" and type(made).__module__.startswith("pyvene."):
-        return (f"{key}: pyvene's NoiseIntervention adds a fixed draw for exactly 4 positions "
-                "(seed 1, GPT-2-XL's noise level); our runs apply your interventions at every "
-                "position. Use noise_add (NoiseAdd) for seeded noise at chosen positions")
+    if isinstance(made, import_pyvene().NoiseIntervention):
+        return f"{key}: " + NOISE_INTERVENTION_REFUSAL.format(where="each of our runs")
     if "h" in str(getattr(representation, "unit", "pos") or "pos").split("."):
         return (f"{key}: unit {representation.unit!r} picks heads through unit_locations, which "
                 "our runs cannot give (they apply your interventions at every position, where "

@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..pyvene_compat import NOISE_INTERVENTION_REFUSAL, import_pyvene
+
 #: The fields of the generic shape and the site they name.
 SITE_FIELDS = ("component", "layers", "positions")
 
@@ -116,14 +118,10 @@ def _plain_refusal(cls: type) -> str | None:
     """Why a spec cannot hold plain pyvene type ``cls``, or None: pyvene's own types that take
     their values from a source at call time (a spec has no source run), and pyvene's
     ``NoiseIntervention`` (a fixed 4-position draw)."""
-    from ..pyvene_compat import import_pyvene  # keeps the spec layer's import free of pyvene
-
     pv = import_pyvene()
     name = cls.__name__
     if issubclass(cls, pv.NoiseIntervention):
-        return (f"pyvene's {name} adds a fixed draw for exactly 4 positions (seed 1, GPT-2-XL's "
-                "noise level) and a spec applies a plain pyvene type at every position: use "
-                "noise_add for seeded noise at chosen positions")
+        return NOISE_INTERVENTION_REFUSAL.format(where="a spec")
     sourceless = issubclass(cls, (pv.ConstantSourceIntervention, pv.SourcelessIntervention))
     if not sourceless and getattr(cls.forward, "__module__", "").startswith("pyvene."):
         return (f"{name} takes its values from a source run at call time (pyvene's "
