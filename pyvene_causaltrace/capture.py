@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import InputError
 from .models import get_module
 
 
@@ -41,7 +42,7 @@ def capture(
                 found[_key] = args[0]
             handles.append(module.register_forward_pre_hook(pre_hook))
         else:
-            raise ValueError(f"component {component!r} must end in .output or .input")
+            raise InputError(f"component {component!r} must end in .output or .input")
     try:
         with torch.no_grad():
             run() if run is not None else model(**inputs)

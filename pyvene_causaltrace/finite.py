@@ -13,9 +13,7 @@ import math
 import torch
 from torch import nn
 
-
-class NonFiniteError(ValueError):
-    """NaN or inf where a number was needed."""
+from .errors import InputError, NonFiniteError
 
 
 def check_weights(model: nn.Module) -> None:
@@ -46,5 +44,5 @@ def positive_number(value: object, name: str) -> float:
     """``value`` as a finite positive float, else a ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+        raise InputError(f"{name} must be a finite positive number, got {value!r}")
     return float(value)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .errors import InputError
 from .models import SITES, ArchAdapter
 from .prompts import TokenizedPrompt
 from .specs import SpecError
@@ -22,9 +23,9 @@ from .specs import SpecError
 def window_layers(center: int, window: int, n_layers: int) -> list[int]:
     """ROME's window of ``window`` layers around ``center``, clipped to the model."""
     if window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
+        raise InputError(f"window must be positive, got {window}")
     if not 0 <= center < n_layers:
-        raise ValueError(f"centre layer {center} is outside 0..{n_layers - 1}")
+        raise InputError(f"centre layer {center} is outside 0..{n_layers - 1}")
     return list(range(max(0, center - window // 2), min(n_layers, center - (-window // 2))))
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .errors import InputError, PyveneModelError, UnsupportedModelError
+
 logger = logging.getLogger(__name__)
 
 OFFLINE_DEFAULT = "smollm2-135m"
@@ -93,24 +95,24 @@ class ArchAdapter:
             part = "post_mlp_norm" if self.post_mlp_norm else "mlp"
         if part in _MODEL_PARTS:
             if getattr(self, part) is None:
-                raise ValueError(f"{self.model_type} has no {part}")
+                raise InputError(f"{self.model_type} has no {part}")
             return getattr(self, part)
         if layer is None:
-            raise ValueError(f"part {part!r} needs a layer")
+            raise InputError(f"part {part!r} needs a layer")
         if part == "block":
             return f"{self.blocks}[{layer}]"
         if part in ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm", "post_attn_norm",
                     "post_mlp_norm"):
             if getattr(self, part) is None:
-                raise ValueError(f"{self.model_type} has no {part}")
+                raise InputError(f"{self.model_type} has no {part}")
             return f"{self.blocks}[{layer}].{getattr(self, part)}"
-        raise ValueError(f"unknown part {part!r}")
+        raise InputError(f"unknown part {part!r}")
 
     def site(self, name: str, layer: int | None = None) -> str:
         """The pyvene component of site ``name`` (:data:`SITES`) at ``layer``, e.g.
         ``site("resid_mid", 3)`` → ``"model.layers[3].post_attention_layernorm.input"``."""
         if name not in SITES:
-            raise ValueError(f"unknown site {name!r}; known: {', '.join(SITES)}")
+            raise InputError(f"unknown site {name!r}; known: {', '.join(SITES)}")
         part, kind = SITES[name]
         return f"{self.module_path(part, layer if self.layered(name) else None)}.{kind}"
 
@@ -181,14 +183,6 @@ ADAPTERS: dict[str, ArchAdapter] = {
 }
 
 
-class UnsupportedModelError(ValueError):
-    """The model's architecture has no adapter."""
-
-
-class PyveneModelError(TypeError):
-    """A ``pv.IntervenableModel`` was passed where the model it wraps belongs."""
-
-
 def check_not_intervenable(model: object) -> None:
     """Refuse a pyvene ``IntervenableModel`` where the plain model belongs (everything but
     ``trace``, ``Tracer``, ``run_spec`` and ``attribute``, which apply its interventions:
@@ -233,18 +227,18 @@ def check_inputs(model: nn.Module, input_ids: torch.Tensor,
         getattr(model.config, "max_position_embeddings", None)
     if limit and n > limit:
         if get_adapter(model).position_embed is not None:
-            raise ValueError(f"the prompt is {n} tokens; {model.config.model_type} has a table "
+            raise InputError(f"the prompt is {n} tokens; {model.config.model_type} has a table "
                              f"of {limit} positions")
         warnings.warn(f"the prompt is {n} tokens, beyond the {limit} positions "
                       f"{model.config.model_type} was trained on", stacklevel=2)
     vocab = model.get_input_embeddings().num_embeddings
     if n and int(input_ids.max()) >= vocab:
-        raise ValueError(f"token id {int(input_ids.max())} is outside the model's vocabulary "
+        raise InputError(f"token id {int(input_ids.max())} is outside the model's vocabulary "
                          f"of {vocab}: the tokenizer is not this model's")
     outputs = model.get_output_embeddings()
     size = outputs.out_features if outputs is not None else vocab
     if answer_id is not None and not 0 <= answer_id < size:
-        raise ValueError(f"the answer's token id {answer_id} is outside the model's vocabulary "
+        raise InputError(f"the answer's token id {answer_id} is outside the model's vocabulary "
                          f"of {size}: the tokenizer is not this model's")
 
 

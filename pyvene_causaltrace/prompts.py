@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-class SubjectNotFoundError(ValueError):
-    """The subject string does not occur in the prompt (as often as asked)."""
+from .errors import InputError, MultiTokenAnswerError, SubjectNotFoundError
 
 
 @dataclass(frozen=True)
@@ -44,7 +42,7 @@ def tokenize_prompt(
     :class:`SubjectNotFoundError` when the subject is not in the prompt.
     """
     if not prompt:
-        raise ValueError("the prompt is empty")
+        raise InputError("the prompt is empty")
     encoded = tokenizer(prompt, return_tensors="pt", return_offsets_mapping=True)
     input_ids = encoded["input_ids"]
     offsets = encoded["offset_mapping"][0].tolist()
@@ -57,7 +55,7 @@ def tokenize_prompt(
 
 def _subject_span(prompt: str, subject: str, occurrence: int, offsets) -> tuple[int, int]:
     if not subject:
-        raise ValueError("the subject is empty")
+        raise InputError("the subject is empty")
     start = -1
     for _ in range(occurrence + 1):
         start = prompt.find(subject, start + 1)
@@ -76,10 +74,6 @@ def _subject_span(prompt: str, subject: str, occurrence: int, offsets) -> tuple[
     return inside[0], inside[-1] + 1
 
 
-class MultiTokenAnswerError(ValueError):
-    """The answer is several tokens where exactly one is needed."""
-
-
 def answer_token_id(tokenizer, answer: str, strict: bool = False) -> int:
     """The first token of ``answer`` (tokenized without special tokens).
 
@@ -88,7 +82,7 @@ def answer_token_id(tokenizer, answer: str, strict: bool = False) -> int:
     """
     ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     if not ids:
-        raise ValueError(f"answer {answer!r} tokenizes to nothing")
+        raise InputError(f"answer {answer!r} tokenizes to nothing")
     if len(ids) > 1:
         pieces = [tokenizer.decode([i]) for i in ids]
         if strict:

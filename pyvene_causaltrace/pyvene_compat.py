@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import InputError
+
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
 
@@ -372,7 +374,7 @@ def apply_like_pyvene(intervention: nn.Module, value: torch.Tensor) -> torch.Ten
     if isinstance(edited, InterventionOutput):
         edited = edited.output
     if edited.shape != value.shape:
-        raise ValueError(f"{type(intervention).__name__} returned {tuple(edited.shape)} for an "
+        raise InputError(f"{type(intervention).__name__} returned {tuple(edited.shape)} for an "
                          f"output of {tuple(value.shape)}")
     return edited
 

@@ -13,11 +13,9 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from .errors import OutputLockedError
+
 LOCK_NAME = ".pvct.lock"
-
-
-class OutputLockedError(RuntimeError):
-    """Another live run is writing the same output directory."""
 
 
 @contextlib.contextmanager

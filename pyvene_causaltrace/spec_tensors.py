@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .errors import InputError
 from .specs import SpecError
 
 #: Tensors with more elements than this go to the safetensors file when a spec is saved.
@@ -38,7 +39,7 @@ def encode_tensor(tensor: torch.Tensor) -> dict[str, Any]:
     """``{"dtype", "shape", "data"}``: the tensor inline as nested lists (exact)."""
     tensor = tensor.detach().cpu()
     if tensor.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"a {tensor.dtype} tensor cannot go in a spec (supported: "
+        raise InputError(f"a {tensor.dtype} tensor cannot go in a spec (supported: "
                          f"{', '.join(DTYPES)})")
     return {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
             "data": tensor.tolist()}

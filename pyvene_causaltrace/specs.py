@@ -22,17 +22,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .errors import SpecError
+
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
-
-
-class SpecError(ValueError):
-    """A spec is malformed; ``path`` is the JSON path of the offending field."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = path
-        self.message = message
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ def model_dir(tmp_path, tokenizer):
 
 
 def test_help_is_fast_and_does_not_import_pyvene():
-    code = ("import sys; from pyvene_causaltrace.cli import _parser; _parser(); "
+    code = ("import sys; from pyvene_causaltrace.cli.parser import build_parser; build_parser(); "
             "print('pyvene' in sys.modules, 'transformers' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.stdout.strip() == "False False"

@@ -150,8 +150,8 @@ def test_validate_reports_every_file(root, capsys):
 
 def test_a_bug_still_shows_its_traceback(root):
     """Only user mistakes are caught: an internal error keeps its traceback."""
-    code = ("import sys; import pyvene_causaltrace.cli as cli; "
-            "cli._interventions = lambda args: 1 / 0; sys.exit(cli.main(['interventions']))")
+    code = ("import sys; import pyvene_causaltrace.cli as cli, pyvene_causaltrace.cli.trace as t; "
+            "t.interventions_command = lambda args: 1 / 0; sys.exit(cli.main(['interventions']))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 1 and "ZeroDivisionError" in done.stderr and \
         "Traceback" in done.stderr

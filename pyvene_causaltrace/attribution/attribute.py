@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import InputError
 from ..fingerprint import model_fingerprint, package_version, transcoder_fingerprint
 from ..finite import check_finite, check_weights, positive_number
 from ..models import check_inputs, model_name
@@ -72,10 +73,10 @@ def make_target(logits: torch.Tensor, tokenizer, answer: str | None, *, kind: st
         return demeaned_logit(logits, token, demean="vocab")
     if kind == "difference":
         if other is None:
-            raise ValueError("a logit-difference target needs the other token (other=...)")
+            raise InputError("a logit-difference target needs the other token (other=...)")
         return logit_difference(logits.shape[-1], token,
                                 answer_token_id(tokenizer, other, strict=True))
-    raise ValueError(f"target kind must be demeaned, demeaned_vocab or difference, got {kind!r}")
+    raise InputError(f"target kind must be demeaned, demeaned_vocab or difference, got {kind!r}")
 
 
 def _run_key(model: nn.Module, run: ReplacementRun, goal: Target, clt: Transcoder,
@@ -150,10 +151,10 @@ def attribute(
     ``feature_closure()`` say by how much it misses; ``metadata["closure_checked"]`` is False).
     """
     if not prompt:
-        raise ValueError("the prompt is empty")
+        raise InputError("the prompt is empty")
     positive_number(memory_mb, "memory_mb")
     if update_interval < 1:
-        raise ValueError(f"update_interval must be >= 1, got {update_interval}")
+        raise InputError(f"update_interval must be >= 1, got {update_interval}")
     check_fits(clt, model)
     check_weights(model)
     clock = {"start": time.perf_counter(), "ranking": 0.0}

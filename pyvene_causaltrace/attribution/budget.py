@@ -20,6 +20,7 @@ import logging
 import torch
 from torch import nn
 
+from ..errors import InputError, MemoryCapError
 from .store import CHUNK_ENTRIES
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
@@ -37,10 +38,6 @@ ACTIVATION_UNITS = 24
 ENTRY_BYTES = 8
 #: Transient bytes per entry of a reading chunk (row/column int64, values as float64, masks).
 CHUNK_BYTES = 48
-
-
-class MemoryCapError(MemoryError):
-    """What was asked does not fit the memory cap the user set."""
 
 
 def active_counts(model: nn.Module, clt, input_ids: torch.Tensor,
@@ -147,7 +144,7 @@ def feature_budget(run, memory_mb: float, batch: int, requested: int | None,
         + CHUNK_BYTES * entries.clamp(max=CHUNK_ENTRIES)
     if requested is not None:
         if requested < 0:
-            raise ValueError(f"max_feature_nodes must be >= 0, got {requested}")
+            raise InputError(f"max_feature_nodes must be >= 0, got {requested}")
         requested = min(requested, n)
         if requested and cost[requested - 1] > free:
             raise MemoryCapError(

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointMismatchError
 from .store import RowStore
 
 FORMAT = "pyvene_causaltrace.attribution_rows"
@@ -38,10 +39,6 @@ def tensor_digest(*tensors: torch.Tensor) -> str:
     for t in tensors:
         digest.update(t.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint directory holds rows of another graph."""
 
 
 class Checkpoint:

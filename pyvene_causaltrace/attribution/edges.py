@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import ClosureError, InputError
 from .replacement import ReplacementRun
 from .targets import Target
 
@@ -104,11 +105,6 @@ class Closure:
                 "tolerance": CLOSURE_TOLERANCE}
 
 
-class ClosureError(ValueError):
-    """An attribution graph whose edges and constants do not add up to its target: the forward
-    holds something the graph has no node for. Not returned as if it were fine."""
-
-
 def row_closures(rows: torch.Tensor, constants: torch.Tensor,
                  targets: torch.Tensor) -> torch.Tensor:
     """Per row, ``|row.sum() + constant - target|`` over ``sum |row| + |constant| + |target|``
@@ -159,7 +155,7 @@ def closure_error(what: str, closure: Closure, *, freeze: bool = True,
 def target_row(run: ReplacementRun, target: Target) -> tuple[torch.Tensor, float, Closure]:
     """The target's row (one backward), its constant and its :class:`Closure`."""
     if run.input_ids.shape[0] != 1:
-        raise ValueError("edges are computed for one prompt: run input_ids of shape [1, P]")
+        raise InputError("edges are computed for one prompt: run input_ids of shape [1, P]")
     value = target(run.logits)
     grads = torch.autograd.grad(value, run.inputs(), retain_graph=True, allow_unused=True)
     rows, constant = edges_from_grads(run, grads)

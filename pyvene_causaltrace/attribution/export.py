@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..errors import InputError
+
 log = logging.getLogger("pyvene_causaltrace.attribution")
 
 _STR = {"type": "string"}
@@ -64,7 +66,7 @@ def check_graph_json(payload: dict) -> None:
     ids = {node["node_id"] for node in payload["nodes"]}
     for link in payload["links"]:
         if link["source"] not in ids or link["target"] not in ids:
-            raise ValueError(f"link {link['source']} -> {link['target']} names a missing node")
+            raise InputError(f"link {link['source']} -> {link['target']} names a missing node")
 
 
 def feature_index(layer: int, feature: int, d_transcoder: int) -> int:
@@ -231,7 +233,7 @@ def read_labels(path: str | Path) -> dict[tuple[int, int], str]:
 
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"labels file {path} does not exist")
+        raise InputError(f"labels file {path} does not exist")
     if path.suffix == ".json":
         data = json.loads(path.read_text())
         if isinstance(data, dict):
@@ -242,13 +244,13 @@ def read_labels(path: str | Path) -> dict[tuple[int, int], str]:
         table = pd.read_csv(path, sep="\t" if path.suffix in (".tsv", ".tab") else ",")
     text = next((c for c in ("label", "clerp", "description") if c in table.columns), None)
     if text is None or not {"layer", "feature"} <= set(table.columns):
-        raise ValueError(f"{path}: need columns layer, feature and label (or clerp / "
+        raise InputError(f"{path}: need columns layer, feature and label (or clerp / "
                          f"description); found {list(table.columns)}")
     labels = {}
     for row, record in enumerate(table.to_dict("records")):
         try:
             labels[(int(record["layer"]), int(record["feature"]))] = str(record[text])
         except (TypeError, ValueError):
-            raise ValueError(f"{path}: row {row + 1} has layer {record['layer']!r}, feature "
+            raise InputError(f"{path}: row {row + 1} has layer {record['layer']!r}, feature "
                              f"{record['feature']!r}: not integers") from None
     return labels

@@ -32,6 +32,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from ..errors import GraphFileError, InputError
 from .edges import Closure
 from .reading import Layout, PruneResult, graph_scores, influence, logit_weights, prune
 from .store import RowStore
@@ -42,10 +43,6 @@ GRAPH_FORMAT = "pyvene_causaltrace.attribution_graph"
 SCHEMA_VERSION = 3
 _READABLE_VERSIONS = ("2", "3")
 _FEATURE_TENSORS = ("feature_layer", "feature_position", "feature_id", "activation")
-
-
-class GraphFileError(ValueError):
-    """A file is not a graph this package wrote (or one of an unsupported schema version)."""
 
 
 @dataclass
@@ -275,7 +272,7 @@ class AttributionGraph:
         for name, value in (("node_threshold", node_threshold),
                             ("edge_threshold", edge_threshold)):
             if not 0 <= value <= 1:  # also refuses NaN
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
+                raise InputError(f"{name} must be in [0, 1], got {value}")
         key = ("prune", node_threshold, edge_threshold)
         if key not in self._memo:
             self._memo[key] = prune(self.rows, self.layout, node_threshold, edge_threshold,

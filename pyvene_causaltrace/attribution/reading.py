@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from .store import RowStore
 
 
@@ -153,7 +154,7 @@ def threshold_for(chunks: Iterable[torch.Tensor] | Callable[[], Iterable[torch.T
     reaches ``fraction`` of the total (float64 sums).
     """
     if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"a threshold is a fraction in [0, 1], got {fraction}")
+        raise InputError(f"a threshold is a fraction in [0, 1], got {fraction}")
     if isinstance(chunks, torch.Tensor):
         chunks = [chunks]
     fresh = chunks if callable(chunks) else (lambda: chunks)

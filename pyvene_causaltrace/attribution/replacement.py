@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..errors import InputError
 from ..interventions.clt_splice import (
     ActiveFeatures,
     SpliceSession,
@@ -200,7 +201,7 @@ def run_local_replacement(
     from ..pyvene_compat import intervenable_model_class
 
     if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, P], got {tuple(input_ids.shape)}")
+        raise InputError(f"input_ids must be [batch, P], got {tuple(input_ids.shape)}")
     check_fits(clt, model)
     adapter = get_adapter(model)
     embed_leaves = [GradientLeaf()]

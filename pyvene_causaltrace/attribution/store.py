@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import InputError
+
 #: Entries per chunk handed to readers: bounds their transient memory (4 M entries).
 CHUNK_ENTRIES = 1 << 22
 
@@ -62,7 +64,7 @@ class RowStore:
         are found on the rows' device, then kept on the CPU)."""
         rows = rows.detach()
         if rows.dim() != 2 or rows.shape[1] != self.n_columns:
-            raise ValueError(f"rows must be [b, {self.n_columns}], got {tuple(rows.shape)}")
+            raise InputError(f"rows must be [b, {self.n_columns}], got {tuple(rows.shape)}")
         mask = rows != 0
         row_index, columns = mask.nonzero(as_tuple=True)
         self.blocks.append(RowBlock(
@@ -181,11 +183,11 @@ class RowStore:
              ("nodes", "counts", "columns", "values", "constants", "targets")}
         n = len(t["nodes"])
         if not (len(t["counts"]) == len(t["constants"]) == len(t["targets"]) == n):
-            raise ValueError("row arrays of different lengths")
+            raise InputError("row arrays of different lengths")
         if int(t["counts"].sum()) != len(t["values"]) or len(t["columns"]) != len(t["values"]):
-            raise ValueError("row entry counts do not match the stored entries")
+            raise InputError("row entry counts do not match the stored entries")
         if len(t["columns"]) and int(t["columns"].max()) >= n_columns:
-            raise ValueError("a stored column is outside the graph")
+            raise InputError("a stored column is outside the graph")
         store = cls(n_columns)
         if n:
             store.blocks.append(RowBlock(t["nodes"].long(), t["counts"].long(),

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
+
 
 @dataclass(frozen=True)
 class Target:
@@ -43,18 +45,18 @@ def demeaned_logit(logits: torch.Tensor, token: int, k: int = 10,
     last = logits.detach()[..., -1, :].reshape(-1).float()
     vocab = last.numel()
     if not 0 <= token < vocab:
-        raise ValueError(f"token id {token} is outside the vocabulary (size {vocab})")
+        raise InputError(f"token id {token} is outside the vocabulary (size {vocab})")
     c = torch.zeros(vocab)
     if demean == "topk":
         if not 1 <= k <= vocab:
-            raise ValueError(f"k must be in 1..{vocab}, got {k}")
+            raise InputError(f"k must be in 1..{vocab}, got {k}")
         c[last.topk(k).indices.cpu()] -= 1.0 / k
         name = f"demeaned logit (top-{k})"
     elif demean == "vocab":
         c -= 1.0 / vocab
         name = "demeaned logit (vocabulary mean)"
     else:
-        raise ValueError(f"demean must be 'topk' or 'vocab', got {demean!r}")
+        raise InputError(f"demean must be 'topk' or 'vocab', got {demean!r}")
     c[token] += 1.0
     return Target(name, int(token), c)
 
@@ -62,10 +64,10 @@ def demeaned_logit(logits: torch.Tensor, token: int, k: int = 10,
 def logit_difference(vocab_size: int, token: int, other: int) -> Target:
     """``logit[token] - logit[other]``."""
     if token == other:
-        raise ValueError("a logit difference needs two different tokens")
+        raise InputError("a logit difference needs two different tokens")
     for t in (token, other):
         if not 0 <= t < vocab_size:
-            raise ValueError(f"token id {t} is outside the vocabulary (size {vocab_size})")
+            raise InputError(f"token id {t} is outside the vocabulary (size {vocab_size})")
     c = torch.zeros(vocab_size)
     c[token], c[other] = 1.0, -1.0
     return Target(f"logit difference ({token} - {other})", int(token), c)

@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..errors import InputError
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..transcoders.transcoder import Transcoder
 
@@ -76,7 +77,7 @@ def ranking(graph, rank_by: str = "influence") -> list[int]:
     elif rank_by == "direct":
         score = graph.target_row()[:n]
     else:
-        raise ValueError(f"rank_by must be 'influence' or 'direct', got {rank_by!r}")
+        raise InputError(f"rank_by must be 'influence' or 'direct', got {rank_by!r}")
     return score.argsort(descending=True).tolist()
 
 

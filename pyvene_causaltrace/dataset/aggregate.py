@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..errors import InputError
 from ..tracing.roles import BEFORE_SUBJECT, ROLES, role_positions
 from .results import DatasetResult, package_versions
 
@@ -76,11 +77,11 @@ def aggregate_rows(rows: Iterable[dict], *, kinds: Sequence[str], manifest: dict
         curve = role_curves(row["restored"], row["corrupt"], row["subject_range"])
         n_layers = curve.shape[1] if n_layers is None else n_layers
         if curve.shape[1] != n_layers:
-            raise ValueError(f"fact {row['fact']}: {curve.shape[1]} layers, expected {n_layers}")
+            raise InputError(f"fact {row['fact']}: {curve.shape[1]} layers, expected {n_layers}")
         seen.setdefault((int(row["index"]), row["kind"]), {})[int(row["seed"])] = (
             curve, row["clean"], row["corrupt"])
     if n_layers is None:
-        raise ValueError("no result rows to aggregate")
+        raise InputError("no result rows to aggregate")
 
     aie, low, high, n_facts, totals = {}, {}, {}, {}, {}
     for kind in kinds:

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..errors import InputError
+
 
 @dataclass(frozen=True)
 class FactRecord:
@@ -85,7 +87,7 @@ def read_records(path: str | Path) -> tuple[list[FactRecord], list[RecordError]]
         try:
             items = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: not valid JSON: {error}") from None
+            raise InputError(f"{path}: not valid JSON: {error}") from None
         return _collect((raw, i, f"{path}[{i}]") for i, raw in enumerate(items))
     parsed: list[tuple[object, int, str]] = []
     for line_no, line in enumerate(text.splitlines(), start=1):

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..defaults import DATASET_SEEDS, NOISE_SCALE, WINDOW
+from ..errors import InputError
 from ..fingerprint import model_fingerprint, package_version, tokenizer_fingerprint
 from ..finite import positive_number
 from ..interventions.noise import seed_list
@@ -63,7 +64,7 @@ def target_split(tokenizer, prompt: str, target: str) -> tuple[str, int, int]:
     of the target moves into the prompt (SmolLM2 writes " 9" as " ", "9")."""
     ids = tokenizer(target, add_special_tokens=False)["input_ids"]
     if not ids:
-        raise ValueError(f"target {target!r} tokenizes to nothing")
+        raise InputError(f"target {target!r} tokenizes to nothing")
     first = tokenizer.decode([ids[0]])
     if len(ids) > 1 and first and not first.strip():
         return prompt + first, int(ids[1]), len(ids) - 1
@@ -150,17 +151,17 @@ def trace_dataset(
     for kind in kinds:
         get_kind(kind)
     if known not in KNOWN_RULES:
-        raise ValueError(f"known must be one of {KNOWN_RULES}, got {known!r}")
+        raise InputError(f"known must be one of {KNOWN_RULES}, got {known!r}")
     seeds = seed_list(seeds)
     positive_number(scale, "scale (a dataset run needs one fixed noise scale)")
     positive_number(memory_budget_mb, "memory_budget_mb")
     if window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
+        raise InputError(f"window must be positive, got {window}")
     if limit is not None and limit <= 0:
-        raise ValueError(f"limit must be positive, got {limit}")
+        raise InputError(f"limit must be positive, got {limit}")
     rank, world = shard or (0, 1)
     if not 0 <= rank < world:
-        raise ValueError(f"shard rank {rank} outside world size {world}")
+        raise InputError(f"shard rank {rank} outside world size {world}")
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pvct-dataset-"))
     manifest = {
         "model": model_fingerprint(model), "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -173,7 +174,7 @@ def trace_dataset(
     with RunDirectory(shard_dir(out, rank, world) if shard else out, manifest) as run:
         kept = _screen(model, tokenizer, records, known, limit, run, errors)
         if not kept:
-            raise ValueError(f"no record passed the screen (see {run.path / SCREEN})")
+            raise InputError(f"no record passed the screen (see {run.path / SCREEN})")
         by_id = {r.id: r for r in records}
         if sigma == "rome":  # ROME: one sigma over the dataset's subjects
             sigma_value = rome_sigma(model, tokenizer, [by_id[k["fact"]].subject for k in kept])
@@ -232,7 +233,7 @@ def merge_shards(out: str | Path, world: int, *, n_boot: int = 1000) -> DatasetR
     base = {k: v for k, v in manifests[0].items() if k != "shard"}
     for path, manifest in zip(shards, manifests, strict=True):
         if {k: v for k, v in manifest.items() if k != "shard"} != base:
-            raise ValueError(f"shard {path} ran with other settings than {shards[0]}")
+            raise InputError(f"shard {path} ran with other settings than {shards[0]}")
     with single_writer(out):
         tmp = out / (RESULTS + ".tmp")
         with open(tmp, "w") as handle:

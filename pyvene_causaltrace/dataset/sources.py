@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+from ..errors import DatasetUnavailableError, InputError
+
 
 @dataclass(frozen=True)
 class DatasetSource:
@@ -39,10 +41,6 @@ DATASETS: dict[str, DatasetSource] = {
 }
 
 
-class DatasetUnavailableError(OSError):
-    """A named dataset could not be fetched or failed its checksum."""
-
-
 def data_dir() -> Path:
     from ..models import cache_dir
 
@@ -55,7 +53,7 @@ def dataset_path(name: str, *, progress: bool = False) -> Path:
     import pooch
 
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; named datasets: {', '.join(DATASETS)} "
+        raise InputError(f"unknown dataset {name!r}; named datasets: {', '.join(DATASETS)} "
                          "(or give a path to a JSON/JSONL file)")
     source = DATASETS[name]
     local = os.environ.get(source.env)

@@ -24,11 +24,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..errors import ManifestMismatchError
+
 MANIFEST, SCREEN, RESULTS = "manifest.json", "screen.jsonl", "results.jsonl"
-
-
-class ManifestMismatchError(ValueError):
-    """An output directory holds a run with other settings."""
 
 
 #: What a differing manifest key means, for the message.

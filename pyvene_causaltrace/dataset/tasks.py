@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import InputError
 from .records import FactRecord
 
 
@@ -71,5 +72,5 @@ def get_task(name: str) -> Task:
     try:
         return TASKS[name]
     except KeyError:
-        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)} "
+        raise InputError(f"unknown task {name!r}; built-in tasks: {', '.join(TASKS)} "
                          "(or pass a JSONL file of {prompt, subject, attribute})") from None

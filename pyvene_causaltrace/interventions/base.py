@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..errors import InputError
 from ..pyvene_compat import import_pyvene, pyvene_call
 
 pv = import_pyvene()
@@ -210,12 +211,12 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
             return offset, False
         if call.unit_locations is not None:
             if call.generating:
-                raise ValueError(
+                raise InputError(
                     f"{self.registered_name} has its own positions (the prompt's), but pyvene "
                     "is generating with unit_locations (its default intervene_on_prompt=False "
                     "puts them on each generated token): call generate(..., "
                     "intervene_on_prompt=True) and leave unit_locations out")
-            raise ValueError(
+            raise InputError(
                 f"{self.registered_name} was given both its own positions and pyvene "
                 "unit_locations for this call, two meanings of 'where': build it without "
                 "positions to let unit_locations choose, or pass unit_locations=None (or None "
@@ -243,10 +244,10 @@ def _whole_states_only(forward):
     @functools.wraps(forward)
     def checked(self, base: torch.Tensor, source=None, subspaces=None, **kwargs):
         if subspaces is not None:
-            raise ValueError(f"{self.registered_name} acts on whole states: pyvene's subspaces "
+            raise InputError(f"{self.registered_name} acts on whole states: pyvene's subspaces "
                              "are not supported for it")
         if base.dim() != 3:
-            raise ValueError(f"{self.registered_name} needs [batch, seq, hidden] states; pyvene "
+            raise InputError(f"{self.registered_name} needs [batch, seq, hidden] states; pyvene "
                              f"handed {tuple(base.shape)} (head units are not supported for it)")
         return forward(self, base, source, subspaces, **kwargs)
 
@@ -260,7 +261,7 @@ def as_positions_last(base: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch
     if base.dim() == 3:
         return base, lambda x: x
     if base.dim() != 4:
-        raise ValueError(f"expected [batch, seq, hidden] or [batch, heads, seq, d_head] states, "
+        raise InputError(f"expected [batch, seq, hidden] or [batch, heads, seq, d_head] states, "
                          f"got {tuple(base.shape)}")
     batch, heads, seq_len, d_head = base.shape
     flat = base.transpose(1, 2).reshape(batch, seq_len, heads * d_head)
@@ -282,7 +283,7 @@ def subspace_mask(subspaces: Any, batch: int, width: int,
     for r, row in enumerate(rows):
         columns = [c for part in row for c in partition[part]] if partition else list(row)
         if any(not 0 <= int(c) < width for c in columns):
-            raise ValueError(f"subspace dimensions {columns} are outside 0..{width - 1}")
+            raise InputError(f"subspace dimensions {columns} are outside 0..{width - 1}")
         mask[r, [int(c) for c in columns]] = True
     return mask.expand(batch, width)
 
@@ -290,7 +291,7 @@ def subspace_mask(subspaces: Any, batch: int, width: int,
 def rows_for(batch: int, rows: int, what: str) -> None:
     """Check that ``rows`` per-row settings fit a batch of ``batch`` (1 broadcasts)."""
     if rows not in (1, batch):
-        raise ValueError(f"{what} has {rows} rows but the batch has {batch}; give 1 or {batch}")
+        raise InputError(f"{what} has {rows} rows but the batch has {batch}; give 1 or {batch}")
 
 
 def positions_to_mask(
@@ -313,14 +314,14 @@ def positions_to_mask(
     rows = [[int(p) for p in row] for row in rows]
     flat = [p for row in rows for p in row]
     if any(p < 0 for p in flat) and seq_len is None:
-        raise ValueError("negative positions need seq_len")
+        raise InputError("negative positions need seq_len")
     width = seq_len if seq_len is not None else (max(flat) + 1 if flat else 1)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
     for r, row in enumerate(rows):
         for p in row:
             q = p + width if p < 0 else p
             if not 0 <= q < width:
-                raise ValueError(f"position {p} is outside a sequence of length {width}")
+                raise InputError(f"position {p} is outside a sequence of length {width}")
             mask[r, q] = True
     return mask
 
@@ -333,7 +334,7 @@ def fit_mask(mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tenso
     rows_for(batch, mask.shape[0], "the position mask")
     if mask.shape[1] > seq_len:
         if mask[:, seq_len:].any():
-            raise ValueError(
+            raise InputError(
                 f"positions up to {int(mask.nonzero()[:, 1].max())} requested but the "
                 f"sequence has {seq_len} tokens"
             )

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
 from ..transcoders.hooks import norm_settings, normalize
 from .base import CausalTraceIntervention
 
@@ -73,7 +74,7 @@ def resolve_transcoder(source: str | None, clt=None):
             _TRANSCODERS.setdefault(file_identity(clt.source), clt)
         return clt
     if source is None:
-        raise ValueError("clt_splice needs a transcoder (an object, or the path it was loaded "
+        raise InputError("clt_splice needs a transcoder (an object, or the path it was loaded "
                          "from)")
     key = file_identity(source)
     if key not in _TRANSCODERS:
@@ -125,7 +126,7 @@ def splice_session(representations: list[dict]) -> SpliceSession:
         intervention = rep["intervention"]
         if isinstance(intervention, _CLTIntervention):
             return intervention.session
-    raise ValueError("no clt_splice among these representations")
+    raise InputError("no clt_splice among these representations")
 
 
 @dataclass
@@ -197,11 +198,11 @@ class CLTSplice(_CLTIntervention):
                session: str | None = None) -> None:
         source = source if source is not None else self._source_of()
         if role not in ("encode", "decode"):
-            raise ValueError(f"role must be 'encode' or 'decode', got {role!r}")
+            raise InputError(f"role must be 'encode' or 'decode', got {role!r}")
         if from_position < 0:
-            raise ValueError(f"from_position must be >= 0, got {from_position}")
+            raise InputError(f"from_position must be >= 0, got {from_position}")
         if error is not None and (add_error or role != "decode"):
-            raise ValueError("a fixed error goes on a decoder, instead of add_error")
+            raise InputError("a fixed error goes on a decoder, instead of add_error")
         self._set_tensor("error", error)
         self._config = {"role": role, "clt_layer": int(clt_layer),
                         "from_position": int(from_position),
@@ -278,8 +279,8 @@ class CLTSplice(_CLTIntervention):
         recon = clt.b_dec[layer].to(base.dtype).expand_as(base)
         inputs = session.inputs
         if layer not in inputs:
-            raise RuntimeError(f"the decoder of layer {layer} needs its encoder, placed before "
-                               "it in the same forward")
+            raise InputError(f"the decoder of layer {layer} needs its encoder, placed before "
+                             "it in the same forward")
         recon = recon + clt.skip(inputs[layer], layer).to(base.dtype)
         for source_layer in clt.cfg.sources(layer):
             acts = session.acts.get(source_layer)
@@ -404,8 +405,8 @@ class FeatureAblate(_CLTIntervention):
         session = self.session.acts
         layer = self._config["clt_layer"]
         if layer not in session:
-            raise RuntimeError(f"feature_ablate at layer {layer} needs a clt_splice encoder "
-                               "at the same layer, placed before it")
+            raise InputError(f"feature_ablate at layer {layer} needs a clt_splice encoder "
+                             "at the same layer, placed before it")
         acts = session[layer].clone()
         positions = self._config["positions"]
         where = slice(None) if positions is None else positions
@@ -445,7 +446,7 @@ def clt_splice_representations(
     :func:`clean_errors`) fixes each decoder's error term. The interventions share ``session``
     (a new :class:`SpliceSession` by default; :func:`splice_session` finds it)."""
     if leaves and ablations:
-        raise ValueError("a leaf-mode splice does not take ablations")
+        raise InputError("a leaf-mode splice does not take ablations")
     from ..models import get_adapter
     from ..transcoders.transcoder import check_fits
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
 from ..pyvene_compat import hooked_call
 from .base import CausalTraceIntervention
 
@@ -66,7 +67,7 @@ class FrozenLayerNorm(CausalTraceIntervention):
 
     def _setup(self, kind: str | None = None) -> None:
         if kind is not None and kind not in NORM_KINDS:
-            raise ValueError(f"kind must be one of {NORM_KINDS}, got {kind!r}")
+            raise InputError(f"kind must be one of {NORM_KINDS}, got {kind!r}")
         self._config = {"kind": kind}
 
     # -- spec entry: which norms, at which layers
@@ -126,7 +127,7 @@ class FrozenLayerNorm(CausalTraceIntervention):
         module, args, kwargs = hooked_call()
         x = args[0] if args else next(iter(kwargs.values()))
         if x.shape != base.shape:
-            raise ValueError(
+            raise InputError(
                 f"frozen_layernorm needs the norm's whole output {tuple(x.shape)}, got "
                 f"{tuple(base.shape)}: give it unit_locations=None"
             )
@@ -218,14 +219,14 @@ class FrozenAttention(CausalTraceIntervention):
             # are cached (generation).
             layer = getattr(module, "layer_idx", 0)
             if int(cache.get_seq_length(layer)) != base.shape[1]:
-                raise ValueError("frozen_attention cannot recompute attention over cached "
+                raise InputError("frozen_attention cannot recompute attention over cached "
                                  "tokens: run the whole sequence with use_cache=False")
             call_kwargs[name] = None
         with frozen_qk(module):
             out = module.forward(*args, **call_kwargs)
         out = out[0] if isinstance(out, tuple) else out
         if out.shape != base.shape:
-            raise ValueError(
+            raise InputError(
                 f"frozen_attention needs the attention's whole output {tuple(out.shape)}, got "
                 f"{tuple(base.shape)}: give it unit_locations=None")
         return base.detach() + (out - out.detach()).to(base.dtype)

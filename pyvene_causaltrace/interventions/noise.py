@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..defaults import NOISE_SCALE
+from ..errors import InputError
 from ..finite import NonFiniteError, positive_number
 from ..models import get_adapter, get_module
 from .base import (
@@ -52,7 +53,7 @@ def noise_recipe(
     elif distribution == "uniform":
         draw = torch.rand((n_tokens, hidden), generator=generator, dtype=torch.float32) * 2 - 1
     else:
-        raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+        raise InputError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
     return draw * scale * sigma
 
 
@@ -60,13 +61,13 @@ def seed_list(seeds: int | Sequence[int]) -> list[int]:
     """Seeds as distinct integers: a count ``n`` is ``0..n-1``; a list is kept in order."""
     if isinstance(seeds, int):
         if seeds <= 0:
-            raise ValueError(f"seeds must be a positive count or a non-empty list, got {seeds}")
+            raise InputError(f"seeds must be a positive count or a non-empty list, got {seeds}")
         return list(range(seeds))
     seeds = [int(s) for s in seeds]
     if not seeds:
-        raise ValueError("seeds must be a positive count or a non-empty list")
+        raise InputError("seeds must be a positive count or a non-empty list")
     if len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds repeat: {seeds}")
+        raise InputError(f"seeds repeat: {seeds}")
     return seeds
 
 
@@ -82,7 +83,7 @@ def rome_sigma(model: nn.Module, tokenizer, subjects: Sequence[str]) -> float:
     for subject in subjects:
         ids = tokenizer(subject, add_special_tokens=False, return_tensors="pt")["input_ids"]
         if ids.numel() == 0:
-            raise ValueError(f"subject {subject!r} tokenizes to nothing")
+            raise InputError(f"subject {subject!r} tokenizes to nothing")
         outputs.append(embed(ids.to(device)).float().reshape(-1))
     sigma = float(torch.cat(outputs).std())
     if not math.isfinite(sigma) or sigma <= 0:
@@ -106,11 +107,11 @@ def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer,
         return "given", positive_number(sigma, "sigma")
     if sigma == "rome":
         if subject is None:
-            raise ValueError("sigma 'rome' needs a subject")
+            raise InputError("sigma 'rome' needs a subject")
         return "rome", rome_sigma(model, tokenizer, [subject])
     if sigma == "embedding_matrix":
         return "embedding_matrix", embedding_matrix_sigma(model)
-    raise ValueError(f"sigma must be a number or one of {SIGMA_METHODS}, got {sigma!r}")
+    raise InputError(f"sigma must be a number or one of {SIGMA_METHODS}, got {sigma!r}")
 
 
 class NoiseAdd(CausalTraceIntervention):
@@ -148,11 +149,11 @@ class NoiseAdd(CausalTraceIntervention):
     def _setup(self, seeds=0, positions=None, scale=NOISE_SCALE, sigma=1.0,
                distribution="gaussian", offset=0) -> None:
         if distribution not in DISTRIBUTIONS:
-            raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+            raise InputError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
         scale, sigma = positive_number(scale, "scale"), positive_number(sigma, "sigma")
         seeds = torch.as_tensor(seeds, dtype=torch.int64).reshape(-1)
         if seeds.numel() == 0:
-            raise ValueError("noise_add needs at least one seed")
+            raise InputError("noise_add needs at least one seed")
         self._set_tensor("seeds", seeds)
         self._set_tensor("positions", positions_to_mask(positions))
         self._config = {"scale": float(scale), "sigma": float(sigma),

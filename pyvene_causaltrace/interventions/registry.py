@@ -20,6 +20,8 @@ import os
 from collections.abc import Iterable
 from importlib.metadata import entry_points
 
+from ..errors import InputError, PluginError, UnknownInterventionError, UnsupportedError
+
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "pyvene_causaltrace.interventions"
@@ -31,17 +33,6 @@ _entry_points_loaded = False
 
 #: Names kept for types that later milestones add; looking them up says where they come from.
 RESERVED: dict[str, str] = {}
-
-
-class UnknownInterventionError(KeyError):
-    """No intervention type is registered under the requested name."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0])
-
-
-class PluginError(ImportError):
-    """A plugin module named by ``--plugins`` or ``$PVCT_PLUGINS`` failed to import."""
 
 
 def plugin_modules(*values: str | Iterable[str] | None) -> list[str]:
@@ -95,9 +86,9 @@ def register_intervention(name: str, cls: type | None = None, *, replace: bool =
         if not (isinstance(klass, type) and issubclass(klass, pv.Intervention)):
             raise TypeError(f"{klass!r} is not a pyvene Intervention subclass")
         if name in RESERVED:
-            raise ValueError(f"{name!r} is reserved: {RESERVED[name]}")
+            raise InputError(f"{name!r} is reserved: {RESERVED[name]}")
         if name in _REGISTRY and _REGISTRY[name] is not klass and not replace:
-            raise ValueError(
+            raise InputError(
                 f"an intervention named {name!r} is already registered "
                 f"({_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__})"
             )
@@ -128,7 +119,7 @@ def get_intervention(name: str) -> type:
     if name in _REGISTRY:
         return _REGISTRY[name]
     if name in RESERVED:
-        raise NotImplementedError(f"intervention {name!r} is not available yet: {RESERVED[name]}")
+        raise UnsupportedError(f"intervention {name!r} is not available yet: {RESERVED[name]}")
     raise UnknownInterventionError(
         f"unknown intervention type {name!r}; registered: {', '.join(list_interventions())}"
     )

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
 from ..locations import window_layers
 from .base import (
     CausalTraceIntervention,
@@ -53,22 +54,22 @@ class _Overwrite(CausalTraceIntervention):
             if states.dim() == 2:
                 states = states.unsqueeze(0)
             if states.dim() != 3:
-                raise ValueError(f"states must be [rows, seq, hidden], got {tuple(states.shape)}")
+                raise InputError(f"states must be [rows, seq, hidden], got {tuple(states.shape)}")
             states = states.detach().clone()
         if state_rows is not None:
             if states is None:
-                raise ValueError("state_rows needs states")
+                raise InputError("state_rows needs states")
             state_rows = torch.as_tensor(state_rows, dtype=torch.int64).reshape(-1)
             if state_rows.numel() and int(state_rows.max()) >= states.shape[0]:
-                raise ValueError(f"state_rows points past the {states.shape[0]} donor rows")
+                raise InputError(f"state_rows points past the {states.shape[0]} donor rows")
         self._set_tensor("positions", mask)
         self._set_tensor("states", states)
         self._set_tensor("state_rows", state_rows)
         self.is_source_constant = states is not None
         unknown = set(config) - set(self._config_defaults)
         if unknown:
-            raise TypeError(f"{self.registered_name} got unexpected settings "
-                            f"{', '.join(sorted(unknown))}")
+            raise InputError(f"{self.registered_name} got unexpected settings "
+                             f"{', '.join(sorted(unknown))}")
         self._config = {**self._config_defaults, **config}
 
     handles_units = True
@@ -79,7 +80,7 @@ class _Overwrite(CausalTraceIntervention):
         (pyvene gathers the source the same way)."""
         donor = self.states if self.states is not None else source
         if donor is None:
-            raise ValueError(
+            raise InputError(
                 f"{self.registered_name} has no stored states and pyvene passed no source"
             )
         flat, back = as_positions_last(base)
@@ -94,12 +95,12 @@ class _Overwrite(CausalTraceIntervention):
         if generating:
             donor = _window(donor, offset, seq_len, mask, self.registered_name)
         elif donor.shape[1] != seq_len:
-            raise ValueError(
+            raise InputError(
                 f"{self.registered_name}: donor states are {tuple(donor.shape)}, the component "
                 f"output is {tuple(base.shape)}"
             )
         if donor.shape[-1] != hidden:
-            raise ValueError(
+            raise InputError(
                 f"{self.registered_name}: donor states are {tuple(donor.shape)}, the component "
                 f"output is {tuple(base.shape)}"
             )
@@ -148,7 +149,7 @@ def _window(donor: torch.Tensor, offset: int, seq_len: int, mask: torch.Tensor,
     missing = seq_len - window.shape[1]
     if missing > 0:
         if mask[:, seq_len - missing:].any():
-            raise ValueError(f"{name}: positions past the donor's {donor.shape[1]} states "
+            raise InputError(f"{name}: positions past the donor's {donor.shape[1]} states "
                              "are to be restored")
         window = torch.nn.functional.pad(window, (0, 0, 0, missing))
     return window

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
+
 #: Widest band of positions that one chunk may mix (bounds the planner's work on long prompts).
 MAX_POSITION_BAND = 16
 
@@ -110,7 +112,7 @@ def plan_chunks(
     positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
     firsts = torch.as_tensor(first_layers, dtype=torch.int64).reshape(-1)
     if positions.shape != firsts.shape:
-        raise ValueError("positions and first_layers must have one entry per row")
+        raise InputError("positions and first_layers must have one entry per row")
     if not reuse_prefix:
         positions = torch.zeros_like(positions)
     if not replay_layers:

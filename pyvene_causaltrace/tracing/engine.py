@@ -33,6 +33,7 @@ from torch import nn
 
 from ..capture import capture
 from ..defaults import WINDOW
+from ..errors import InputError
 from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
@@ -73,7 +74,7 @@ def get_kind(name: str) -> TraceKind:
     try:
         return KINDS[name]
     except KeyError:
-        raise ValueError(f"unknown trace kind {name!r}; kinds: {', '.join(KINDS)}") from None
+        raise InputError(f"unknown trace kind {name!r}; kinds: {', '.join(KINDS)}") from None
 
 
 def _cache_kwarg(model: nn.Module) -> str:
@@ -206,7 +207,7 @@ class TraceEngine:
         of rows finished after each chunk.
         """
         if donor not in ("clean", "corrupted"):
-            raise ValueError(f"donor must be 'clean' or 'corrupted', got {donor!r}")
+            raise InputError(f"donor must be 'clean' or 'corrupted', got {donor!r}")
         if not cells:
             return torch.empty(len(self.seeds), 0, dtype=torch.float64)
         rows = _Rows.of(self, kind, cells, window)

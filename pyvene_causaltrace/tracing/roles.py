@@ -9,6 +9,8 @@ the subject; known_1000 has some that do not). When buckets overlap the subject 
 
 from __future__ import annotations
 
+from ..errors import InputError
+
 ROLES = (
     "First subject token",
     "Middle subject tokens",
@@ -24,7 +26,7 @@ def token_role(position: int, subject_range: tuple[int, int], seq_len: int) -> s
     """The role of ``position`` given the subject's ``[start, stop)`` token range."""
     start, stop = subject_range
     if not (0 <= position < seq_len and 0 <= start < stop <= seq_len):
-        raise ValueError(f"position {position} / subject {subject_range} outside {seq_len} tokens")
+        raise InputError(f"position {position} / subject {subject_range} outside {seq_len} tokens")
     if position == stop - 1:
         return "Last subject token"
     if position == start:
@@ -55,7 +57,7 @@ def role_positions(subject_range: tuple[int, int], seq_len: int) -> dict[str, li
     """
     start, stop = subject_range
     if not (0 <= start < stop <= seq_len - 1):
-        raise ValueError(f"subject {subject_range} must end before the last of {seq_len} tokens")
+        raise InputError(f"subject {subject_range} must end before the last of {seq_len} tokens")
     last = seq_len - 1
     return {
         BEFORE_SUBJECT: list(range(0, start)),

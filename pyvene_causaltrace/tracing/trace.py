@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
+from ..errors import InputError
 from ..finite import check_finite, check_weights, positive_number
 from ..interventions.noise import seed_list
 from ..model_interventions import describe, model_for_spec, uniform_grad_flags
@@ -136,7 +137,7 @@ class Tracer:
                     self.sigma, sigma_method=self.sigma_method, scales=scales,
                     distribution=distribution)
                 if self.sweep.chosen is None:
-                    raise ValueError(f"scale='auto': {self.sweep.reason()}")
+                    raise InputError(f"scale='auto': {self.sweep.reason()}")
                 scale = self.sweep.chosen
             self.scale = positive_number(scale, "scale")
             self.distribution = distribution
@@ -166,7 +167,7 @@ class Tracer:
         """Every (layer, position) cell of ``kind``, for every seed."""
         trace_kind = get_kind(kind)
         if window <= 0:
-            raise ValueError(f"window must be positive, got {window}")
+            raise InputError(f"window must be positive, got {window}")
         spec = self.spec(kind, window)  # before the run: a model it cannot write is refused
         cells = self.cells()
         with applied_interventions(self._given), uniform_grad_flags(self.model):
@@ -233,7 +234,7 @@ def trace(model: nn.Module, tokenizer, prompt: str, subject: str, *, kind: str =
     """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments."""
     get_kind(kind)
     if window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
+        raise InputError(f"window must be positive, got {window}")
     return Tracer(model, tokenizer, prompt, subject, **options).trace(kind, window=window)
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..capture import capture
+from ..errors import InputError
 from ..models import get_adapter
 from .hooks import CONTROL_HOOKS, hook_component, hook_name, norm_settings, normalize
 from .transcoder import Transcoder, check_fits
@@ -69,7 +70,7 @@ class PairingReport:
 
     def raise_if_mispaired(self) -> None:
         if not self.paired:
-            raise ValueError(self.verdict())
+            raise InputError(self.verdict())
 
     def to_dict(self) -> dict:
         return {**asdict(self), "paired": self.paired, "verdict": self.verdict()}

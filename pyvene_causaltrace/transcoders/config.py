@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..errors import InputError
 from .hooks import INPUT_HOOKS, OUTPUT_HOOKS, hook_component, hook_name
 
 CROSS_LAYER = "cross_layer_transcoder"
@@ -50,18 +51,18 @@ class TranscoderConfig:
 
     def __post_init__(self) -> None:
         if self.model_kind not in MODEL_KINDS:
-            raise ValueError(f"model_kind must be one of {MODEL_KINDS}, got {self.model_kind!r}")
+            raise InputError(f"model_kind must be one of {MODEL_KINDS}, got {self.model_kind!r}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {self.activation!r}; known: "
+            raise InputError(f"unknown activation {self.activation!r}; known: "
                              f"{', '.join(ACTIVATIONS)}")
         if self.activation.endswith("topk") and not (isinstance(self.k, int) and self.k >= 1):
-            raise ValueError(f"a topk transcoder needs an integer k >= 1, got {self.k!r}")
+            raise InputError(f"a topk transcoder needs an integer k >= 1, got {self.k!r}")
         if self.skip and self.model_kind == CROSS_LAYER:
-            raise ValueError("skip connections are per-layer: a cross-layer transcoder has none")
+            raise InputError("skip connections are per-layer: a cross-layer transcoder has none")
         for role, hook, allowed in (("input", self.feature_input_hook, INPUT_HOOKS),
                                     ("output", self.feature_output_hook, OUTPUT_HOOKS)):
             if hook_name(hook) not in allowed:
-                raise ValueError(f"unknown feature_{role}_hook {hook!r}; known: "
+                raise InputError(f"unknown feature_{role}_hook {hook!r}; known: "
                                  f"{', '.join(allowed)}")
 
     @property

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import InputError
 from ..models import model_name as name_of
 from .checks import hook_states
 from .transcoder import Transcoder
@@ -125,11 +126,11 @@ def fit_clt(
     ``bandwidth`` and ``init_threshold`` are the JumpReLU fit's (in units of the encoder's
     pre-activation, which the initialisation scales to about 1)."""
     if activation not in ("relu", "jumprelu"):
-        raise ValueError(f"activation must be 'relu' or 'jumprelu', got {activation!r}")
+        raise InputError(f"activation must be 'relu' or 'jumprelu', got {activation!r}")
     if kind not in ("cross_layer", "per_layer"):
-        raise ValueError(f"kind must be 'cross_layer' or 'per_layer', got {kind!r}")
+        raise InputError(f"kind must be 'cross_layer' or 'per_layer', got {kind!r}")
     if skip and kind != "per_layer":
-        raise ValueError("a skip path belongs to a per-layer set (kind='per_layer')")
+        raise InputError("a skip path belongs to a per-layer set (kind='per_layer')")
     start = time.perf_counter()
     x, y = collect_pairs(model, tokenizer, texts)
     n_tokens, n_layers, d_model = x.shape

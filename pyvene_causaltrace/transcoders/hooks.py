@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
+
 
 @dataclass(frozen=True)
 class HookSite:
@@ -55,7 +57,7 @@ def hook_name(hook: str) -> str:
 def hook_site(hook: str) -> HookSite:
     name = hook_name(hook)
     if name not in HOOKS:
-        raise ValueError(f"unknown hook {hook!r}; known: {', '.join(HOOKS)}")
+        raise InputError(f"unknown hook {hook!r}; known: {', '.join(HOOKS)}")
     return HOOKS[name]
 
 
@@ -76,7 +78,7 @@ def norm_settings(model, hook: str, layer: int) -> dict | None:
     eps = next((float(getattr(module, name)) for name in ("eps", "variance_epsilon")
                 if hasattr(module, name)), None)
     if eps is None:
-        raise ValueError(f"{type(module).__name__} has no eps / variance_epsilon")
+        raise InputError(f"{type(module).__name__} has no eps / variance_epsilon")
     return {"kind": adapter.norm_kind, "eps": eps}
 
 
@@ -91,7 +93,7 @@ def normalize(x: torch.Tensor, kind: str, eps: float, frozen: bool = False) -> t
     elif kind in ("rms", "rms_offset"):
         scale = (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
     else:
-        raise ValueError(f"unknown norm kind {kind!r}")
+        raise InputError(f"unknown norm kind {kind!r}")
     if frozen:
         scale = scale.detach()
     return (xf * scale).to(x.dtype)

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..errors import InputError, TranscoderMismatchError
 from .config import TranscoderConfig
 
 
@@ -66,9 +67,9 @@ class Transcoder(nn.Module):
         self.W_enc = None if W_enc is None else W_enc.to(self.device_, dtype)
         self._encoder_loader = encoder_loader
         if W_enc is None and encoder_loader is None:
-            raise ValueError("a streamed encoder needs an encoder_loader")
+            raise InputError("a streamed encoder needs an encoder_loader")
         if cfg.skip != (W_skip is not None):
-            raise ValueError("cfg.skip must say whether W_skip is given")
+            raise InputError("cfg.skip must say whether W_skip is given")
         self.W_skip = None if W_skip is None else [w.to(self.device_, dtype) for w in W_skip]
         # Decoders are not buffers: a mmapped one must not be copied by .to() or state_dict().
         self.W_dec = W_dec
@@ -161,7 +162,7 @@ class Transcoder(nn.Module):
         the skip path of ``inputs [L, P, D]`` when the transcoder has one)."""
         n_layers, n_pos, _ = acts.shape
         if self.W_skip is not None and inputs is None:
-            raise ValueError("a transcoder with a skip path reconstructs from its inputs too")
+            raise InputError("a transcoder with a skip path reconstructs from its inputs too")
         recon = self.b_dec[:, None, :].expand(n_layers, n_pos, -1).clone()
         for layer in range(n_layers):
             if inputs is not None:
@@ -206,15 +207,11 @@ def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = 
         source = torch.relu(z) if activation == "relu_topk" else z
         values, index = source.topk(k, dim=-1)
         return torch.zeros_like(z).scatter(-1, index, values)
-    raise ValueError(f"unknown activation {activation!r}")
+    raise InputError(f"unknown activation {activation!r}")
 
 
 #: The name the class had when every transcoder was a CLT.
 CrossLayerTranscoder = Transcoder
-
-
-class TranscoderMismatchError(ValueError):
-    """A transcoder's shape or hooks do not fit the model it is used with."""
 
 
 CLTMismatchError = TranscoderMismatchError

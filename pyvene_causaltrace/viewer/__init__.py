@@ -24,6 +24,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+from ..errors import InputError
+
 PAGE = Path(__file__).with_name("index.html")
 
 
@@ -82,7 +84,7 @@ def make_server(directory: str | Path, port: int = 8765,
     if not directory.is_dir():
         raise FileNotFoundError(f"no directory {directory}")
     if not find_graphs(directory):
-        raise ValueError(f"{directory} holds no graph JSON (write one with "
+        raise InputError(f"{directory} holds no graph JSON (write one with "
                          "`pyvene-causaltrace attribute --out DIR`)")
     return ThreadingHTTPServer((host, port), _handler(directory))
 

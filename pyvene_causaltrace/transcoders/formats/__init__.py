@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from ...errors import InputError
 from ..transcoder import Transcoder
 from . import circuit_tracer, gemmascope, mntss, sae_lens, sparsify
 from .common import TranscoderFormatError, hub_snapshot
@@ -66,10 +67,10 @@ def load_transcoder(source: str | Path | list, *, format: str | None = None,
     and its layout detected. ``HF_HUB_OFFLINE=1`` serves both from the local cache."""
     if format is not None:
         if format not in FORMATS:
-            raise ValueError(f"unknown format {format!r}; known: {', '.join(FORMATS)}")
+            raise InputError(f"unknown format {format!r}; known: {', '.join(FORMATS)}")
         return FORMATS[format](source, **kwargs)
     if isinstance(source, list | tuple):
-        raise ValueError("a list of per-layer files needs format='gemmascope' or 'sae_lens'")
+        raise InputError("a list of per-layer files needs format='gemmascope' or 'sae_lens'")
     path = Path(str(source)).expanduser()
     if path.exists():
         return FORMATS[detect_format(path)](path, **kwargs)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ...errors import InputError
 from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
 from ..transcoder import Transcoder
 from .common import (
@@ -252,7 +253,7 @@ def save(transcoder: Transcoder, path: str | Path) -> None:
 
     cfg = transcoder.cfg
     if cfg.cross_layer:
-        raise ValueError("a cross-layer transcoder is written in the mntss layout")
+        raise InputError("a cross-layer transcoder is written in the mntss layout")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, cfg.disk_dtype)

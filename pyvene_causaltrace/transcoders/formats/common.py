@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ...errors import InputError, TranscoderFormatError
 from ..config import TRANSCODER_SET, TranscoderConfig
 from ..transcoder import Transcoder
 
@@ -22,13 +23,9 @@ TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
                 "F64": torch.float64}
 
 
-class TranscoderFormatError(ValueError):
-    """A transcoder's files are missing, incomplete, corrupted or inconsistent."""
-
-
 def check_dtype(dtype: torch.dtype) -> None:
     if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+        raise InputError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
 
 
 # ------------------------------------------------------------------------------ safetensors

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ...errors import InputError
 from ..config import CROSS_LAYER, YAML_KEYS, TranscoderConfig
 from ..transcoder import Transcoder
 from .common import (
@@ -157,7 +158,7 @@ def save_model(clt: Transcoder, path: str | Path) -> None:
     """Write ``clt`` in the mntss layout, in its on-disk dtype. Loading a directory and saving
     it again reproduces its safetensors files byte for byte."""
     if not clt.cfg.cross_layer or clt.cfg.activation not in ("jumprelu", "relu"):
-        raise ValueError("the mntss layout holds JumpReLU or ReLU cross-layer transcoders only")
+        raise InputError("the mntss layout holds JumpReLU or ReLU cross-layer transcoders only")
     import yaml
     from safetensors.torch import save_file
 

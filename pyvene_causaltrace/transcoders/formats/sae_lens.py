@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ...errors import InputError
 from ..transcoder import Transcoder
 from .common import LayerTensors, TranscoderFormatError, assemble_set
 from .mntss import from_pretrained, load_from_disk
@@ -48,9 +49,9 @@ def _cfg_and_state(clt: Transcoder, layer: int, target: int | None,
                    device: str, dtype: str = "float32") -> tuple[dict, dict]:
     target = layer if target is None else target
     if not 0 <= layer <= target < layer + clt.cfg.n_targets(layer) <= clt.n_layers:
-        raise ValueError(f"layer {layer}'s features do not write layer {target}")
+        raise InputError(f"layer {layer}'s features do not write layer {target}")
     if clt.cfg.activation not in ("jumprelu", "relu"):
-        raise ValueError(f"sae-lens has no {clt.cfg.activation} transcoder")
+        raise InputError(f"sae-lens has no {clt.cfg.activation} transcoder")
     torch_dtype = getattr(torch, dtype)
     rows = clt.decoder_rows(layer, torch.arange(clt.cfg.d_transcoder))[:, target - layer]
     state = {

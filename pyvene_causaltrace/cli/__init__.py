@@ -1,0 +1,67 @@
+"""``pyvene-causaltrace``: the command line. Parses arguments, calls the library, writes files.
+
+    pyvene-causaltrace trace                     # Eiffel Tower prompt on the bundled SmolLM2
+    pyvene-causaltrace trace --kind residual,mlp,attn --seeds 10 --out out/
+    pyvene-causaltrace run intervention_specs/residual_trace.json --out out/
+    pyvene-causaltrace validate intervention_specs/*.json
+    pyvene-causaltrace clt-check --clt DIR --data held_out.txt
+    pyvene-causaltrace dataset --data known_1000.json --limit 200 --kinds residual,mlp,attn \
+        --seeds 3 --out runs/known                   # resumable; under torchrun it shards
+    pyvene-causaltrace dataset --task agreement --out runs/agreement
+    pyvene-causaltrace aggregate runs/known          # re-aggregate (merges shards if needed)
+    pyvene-causaltrace interventions
+    pyvene-causaltrace run my_spec.json --plugins my_pkg.steer   # types registered by a module
+
+A user's mistake (:class:`~pyvene_causaltrace.errors.CausalTraceError`, or an ``OSError``) ends
+in one ``error:`` line and exit 2; Ctrl-C in one line and exit 130; anything else is a bug and
+keeps its traceback. Each command lives in its own module, imported only when it runs, so
+``--help`` does not load torch or pyvene.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from ..errors import CausalTraceError
+from .parser import build_parser
+
+#: command → (module under ``cli/``, its handler): ``handler(args) -> exit code``.
+COMMANDS = {
+    "trace": ("trace", "trace_command"),
+    "run": ("trace", "run_command"),
+    "validate": ("trace", "validate_command"),
+    "interventions": ("trace", "interventions_command"),
+    "dataset": ("dataset", "dataset_command"),
+    "aggregate": ("dataset", "aggregate_command"),
+    "attribute": ("attribute", "attribute_command"),
+    "clt-check": ("attribute", "clt_check_command"),
+    "serve": ("serve", "serve_command"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module, name = COMMANDS[args.command]
+    try:
+        if hasattr(args, "plugins"):  # the commands that read specs or list the types
+            from ..interventions.registry import load_plugins  # loads pyvene: not for --help
+
+            load_plugins(args.plugins)
+        handler = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        return handler(args)
+    except (CausalTraceError, OSError) as error:
+        print(f"error: {one_line(error)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: what was finished is saved; rerun the same command to resume",
+              file=sys.stderr)
+        return 130
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (its type when it has none)."""
+    text = str(error).strip()
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        text = f"{error.filename}: {error.strerror}"
+    return text.splitlines()[0] if text else type(error).__name__

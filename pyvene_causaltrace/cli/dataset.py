@@ -1,0 +1,58 @@
+"""``dataset`` and ``aggregate``: indirect effects averaged over a fact dataset or a task."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..dataset import get_task, read_records
+from ..dataset.run import load_dataset_result, merge_shards, trace_dataset_distributed
+from ..errors import InputError
+from ..models import OFFLINE_DEFAULT, load_model
+from .common import number_or_name, out_dir
+
+
+def dataset_command(args) -> int:
+    out_dir(args.out)
+    if args.task:
+        task = get_task(args.task)
+        records, errors, default_known = list(task.records), [], task.known
+    else:
+        (records, errors), default_known = read_records(args.data), "argmax"
+        if not records:
+            raise InputError(f"no record could be read from {args.data}"
+                             + (f": {errors[0]}" if errors else ""))
+    known = args.known or default_known
+    for error in errors[:10]:
+        print(f"skipping malformed record {error}", file=sys.stderr)
+    if len(errors) > 10:
+        print(f"... and {len(errors) - 10} more malformed records", file=sys.stderr)
+    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+    result = trace_dataset_distributed(
+        model, tokenizer, records, out=args.out, kinds=args.kinds.split(","), seeds=args.seeds,
+        scale=args.scale, sigma=number_or_name(args.sigma), window=args.window,
+        known=known, limit=args.limit, memory_budget_mb=args.budget_mb, errors=errors,
+        n_boot=args.boot)
+    if result is not None:  # rank 0, or a single process
+        write_dataset_report(result, args.out)
+    return 0
+
+
+def write_dataset_report(result, out: Path) -> None:
+    (out / "aggregate.json").write_text(result.to_json())
+    result.to_dataframe().to_csv(out / "aie.csv", index=False)
+    result.peaks().to_csv(out / "peaks.csv", index=False)
+    result.plot(out / "figure1.png")
+    result.plot_curves(out / "curves.png")
+    print(result.summary())
+    print(f"wrote aggregate.json, aie.csv, peaks.csv, figure1.png, curves.png to {out}")
+
+
+def aggregate_command(args) -> int:
+    shards = sorted(args.out.glob("shard-*-of-*"))
+    if shards and not (args.out / "results.jsonl").exists():
+        result = merge_shards(args.out, int(shards[0].name.rsplit("-", 1)[1]), n_boot=args.boot)
+    else:
+        result = load_dataset_result(args.out, n_boot=args.boot)
+    write_dataset_report(result, args.out)
+    return 0

@@ -1,0 +1,160 @@
+"""The argument parser: every command and flag. Imports nothing heavy, so ``--help`` is fast."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..defaults import DATASET_SEEDS, NOISE_SCALE, TRACE_SEEDS, WINDOW
+from .common import EIFFEL
+
+_TRANSCODER_HELP = ("transcoder: an mntss CLT directory, a circuit-tracer config.yaml, a "
+                    "GemmaScope / sae-lens / sparsify directory, or a hub id")
+
+
+_FORMAT_HELP = ("the transcoder's layout: mntss, circuit_tracer, gemmascope, sae_lens or "
+                "sparsify (default: detected)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pyvene-causaltrace",
+        description="Causal tracing and CLT attribution graphs, as pyvene interventions.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    # every command that reads specs or lists the types: import the user's plugin modules first
+    plugins = argparse.ArgumentParser(add_help=False)
+    plugins.add_argument("--plugins", default=None, metavar="MODULE[,MODULE]",
+                         help="import these modules first: they register their intervention "
+                              "types (also $PVCT_PLUGINS, same format; entry points in the "
+                              "group 'pyvene_causaltrace.interventions' load by themselves)")
+
+    trace = commands.add_parser(
+        "trace", parents=[plugins],
+        help="causal trace: noise the subject, restore every (layer, position) cell")
+    trace.add_argument("--spec", type=Path, default=None,
+                       help="a trace spec (intervention_specs/trace_*.json); other options "
+                            "override nothing but --model/--out/--budget-mb/--controls")
+    trace.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    trace.add_argument("--prompt", default=EIFFEL["prompt"])
+    trace.add_argument("--subject", default=EIFFEL["subject"])
+    trace.add_argument("--answer", default=None,
+                       help="target string (its first token); default ' Paris' for the default "
+                            "prompt, else the clean argmax")
+    trace.add_argument("--kind", default="residual",
+                       help="residual|mlp|attn|severed-mlp|severed-attn, or several, "
+                            "comma-separated (they share the clean and corrupted runs)")
+    trace.add_argument("--seeds", type=int, default=TRACE_SEEDS)
+    trace.add_argument("--scale", default="auto",
+                       help="noise in units of sigma, or 'auto' (smallest scale whose worst "
+                            "seed leaves P(answer) below 5%% of clean)")
+    trace.add_argument("--sigma", default="rome", help="rome | embedding_matrix | a number")
+    trace.add_argument("--window", type=int, default=WINDOW)
+    trace.add_argument("--budget-mb", type=float, default=2048.0,
+                       help="memory budget for one batch of rows")
+    trace.add_argument("--controls", action="store_true",
+                       help="also run the controls (corrupted-donor, window vs single layer)")
+    trace.add_argument("--out", type=Path, default=None,
+                       help="write trace_<kind>.json and trace_<kind>.png here")
+
+    run = commands.add_parser("run", parents=[plugins],
+                              help="run a JSON spec and print its probabilities")
+    run.add_argument("spec", type=Path)
+    run.add_argument("--model", default=None, help="overrides the spec's model")
+    run.add_argument("--out", type=Path, default=None, help="write result.json here")
+
+    validate = commands.add_parser(
+        "validate", parents=[plugins],
+        help="check JSON specs against the schema (and, with --model, against a model: layers, "
+             "positions, modules, transcoder)")
+    validate.add_argument("specs", type=Path, nargs="+")
+    validate.add_argument("--model", default=None,
+                          help="also resolve each spec on this model, without running it")
+
+    check = commands.add_parser(
+        "clt-check", help="pairing check and replacement-model anchor of a CLT on a model")
+    check.add_argument("--model", default="smollm2-135m")
+    check.add_argument("--clt", required=True, help=_TRANSCODER_HELP)
+    check.add_argument("--format", default=None, help=_FORMAT_HELP)
+    check.add_argument("--data", type=Path, required=True,
+                       help="held-out text: a .txt file (one text per line) or known_1000-style "
+                            "JSON (prompt + attribute)")
+    check.add_argument("--limit", type=int, default=100, help="texts to use")
+    check.add_argument("--prompt", default=EIFFEL["prompt"])
+    check.add_argument("--answer", default=None)
+    check.add_argument("--out", type=Path, default=None, help="write clt_check.json here")
+
+    data = commands.add_parser(
+        "dataset", help="average indirect effects over a fact dataset or a task (resumable)")
+    source = data.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data",
+                        help="known_1000 (ROME's facts, fetched once into the cache), or a "
+                             "known_1000.json-style JSON / JSONL file of {prompt, subject, "
+                             "attribute}")
+    source.add_argument("--task", help="a built-in task: agreement | retrieval | arithmetic")
+    data.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    data.add_argument("--limit", type=int, default=None, help="facts to trace (after the screen)")
+    data.add_argument("--kinds", default="residual,mlp,attn")
+    data.add_argument("--seeds", type=int, default=DATASET_SEEDS)
+    data.add_argument("--scale", type=float, default=NOISE_SCALE,
+                      help="noise in units of sigma")
+    data.add_argument("--sigma", default="rome", help="rome | embedding_matrix | a number")
+    data.add_argument("--window", type=int, default=WINDOW)
+    data.add_argument("--known", default=None, choices=("argmax", "none"),
+                      help="argmax: trace only facts whose clean prediction is the target "
+                           "(default; a built-in task may default to none)")
+    data.add_argument("--budget-mb", type=float, default=2048.0)
+    data.add_argument("--boot", type=int, default=1000, help="bootstrap resamples")
+    data.add_argument("--out", type=Path, required=True,
+                      help="run directory: rows stream here; rerun to resume")
+
+    agg = commands.add_parser("aggregate", help="aggregate a dataset run directory")
+    agg.add_argument("out", type=Path)
+    agg.add_argument("--boot", type=int, default=1000)
+
+    graph = commands.add_parser(
+        "attribute", parents=[plugins],
+        help="CLT attribution graph of the answer: edges, pruning, export, ablation")
+    graph.add_argument("--spec", type=Path, default=None,
+                       help="an attribution spec (intervention_specs/attribution_graph.json); "
+                            "--model/--clt/--out/--memory-mb override it")
+    graph.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    graph.add_argument("--clt", default=None, help=_TRANSCODER_HELP)
+    graph.add_argument("--format", default=None, help=_FORMAT_HELP)
+    graph.add_argument("--labels", type=Path, default=None,
+                       help="feature labels for graph.json's clerp: CSV/TSV/JSON with columns "
+                            "layer, feature, label")
+    graph.add_argument("--prompt", default=EIFFEL["prompt"])
+    graph.add_argument("--answer", default=None,
+                       help="a single-token answer; default ' Paris' for the default prompt, "
+                            "else the clean argmax")
+    graph.add_argument("--target", default="demeaned",
+                       choices=("demeaned", "demeaned_vocab", "difference"))
+    graph.add_argument("--other", default=None, help="the subtracted token of --target difference")
+    graph.add_argument("--k", type=int, default=10, help="top-k logits the target is demeaned by")
+    graph.add_argument("--memory-mb", type=float, default=None,
+                       help="cap on the forward graph, batched gradient rows and stored rows "
+                            "(default 4096)")
+    graph.add_argument("--max-feature-nodes", type=int, default=None,
+                       help="compute rows for at most this many features, the most "
+                            "influential (default: every feature whose row fits --memory-mb)")
+    graph.add_argument("--node-threshold", type=float, default=0.8)
+    graph.add_argument("--edge-threshold", type=float, default=0.98)
+    graph.add_argument("--max-links", type=int, default=400_000,
+                       help="graph.json holds at most this many links, those of largest edge "
+                            "score (default 400000, ~25 MB)")
+    graph.add_argument("--validate", action="store_true",
+                       help="ablate the top 5/10/20 features vs 10 random draws of as many")
+    graph.add_argument("--out", type=Path, required=True,
+                       help="writes graph.json (viewer format), graph.safetensors, "
+                            "nodes.csv, edges.csv, graph.png, summary.json; rows computed so "
+                            "far are kept in rows.partial/, so an interrupted run resumes")
+
+    commands.add_parser("interventions", parents=[plugins],
+                        help="list the registered intervention types")
+
+    view = commands.add_parser(
+        "serve", help="an interactive viewer of the attribution graphs under DIR, on localhost")
+    view.add_argument("dir", type=Path, help="a directory holding graph.json files (any depth)")
+    view.add_argument("--port", type=int, default=8765)
+    view.add_argument("--no-open", action="store_true", help="do not open a browser")
+    return parser

@@ -1,0 +1,119 @@
+"""``trace``, ``run``, ``validate`` and ``interventions``: causal traces and specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..defaults import WINDOW
+from ..errors import CausalTraceError, InputError
+from ..execute import check_on_model, run_spec
+from ..interventions import RESERVED, get_intervention, list_interventions
+from ..models import OFFLINE_DEFAULT, load_model
+from ..specs import load_spec
+from ..tracing.engine import get_kind
+from ..tracing.trace import Tracer, tracer_from_spec
+from .common import EIFFEL, number_or_name, out_dir
+
+
+def trace_command(args) -> int:
+    out_dir(args.out)
+    if args.spec is not None:
+        return trace_spec(args.spec, args.model, args.out, args.budget_mb, args.controls)
+    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+    answer = args.answer
+    if answer is None and args.prompt == EIFFEL["prompt"]:
+        answer = EIFFEL["answer"]
+    kinds = [k.strip() for k in args.kind.split(",")]
+
+    for kind in kinds:
+        get_kind(kind)
+    if args.window <= 0:
+        raise InputError(f"window must be positive, got {args.window}")
+    tracer = Tracer(model, tokenizer, args.prompt, args.subject, answer=answer,
+                    seeds=args.seeds, scale=number_or_name(args.scale),
+                    sigma=number_or_name(args.sigma), memory_budget_mb=args.budget_mb)
+    return report_traces(tracer, kinds, args.window, args.out, args.controls)
+
+
+def trace_spec(path: Path, model_name: str | None, out: Path | None, budget_mb: float,
+                controls: bool) -> int:
+
+    spec = load_spec(path)
+    model, tokenizer = load_model(model_name or spec.model or OFFLINE_DEFAULT)
+    tracer = tracer_from_spec(spec, model, tokenizer, memory_budget_mb=budget_mb)
+    return report_traces(tracer, [spec.trace["kind"]], spec.trace.get("window", WINDOW), out,
+                          controls)
+
+
+def report_traces(tracer, kinds: list[str], window: int, out: Path | None,
+                   controls: bool) -> int:
+    """Run ``kinds`` on ``tracer``: progress bar, terminal table, JSON and PNG under ``out``."""
+
+    if tracer.sweep is not None:
+        print(tracer.sweep.summary() + "\n")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    for kind in kinds:
+        rows = len(tracer.seeds) * len(tracer.cells())
+        with tqdm(total=rows, desc=f"{kind} trace", unit="row") as bar:
+            result = tracer.trace(kind, window=window, progress=bar.update)
+        print(result.summary())
+        print(result.table(every=max(1, result.n_layers // 12)))
+        print()
+        if out:
+            (out / f"trace_{kind}.json").write_text(result.to_json())
+            result.plot(str(out / f"trace_{kind}.png"))
+            print(f"wrote {out / f'trace_{kind}.json'} and .png\n")
+    if controls:
+        report = tracer.controls(window=window)
+        print(report.summary())
+        if not report.passed:
+            return 1
+    return 0
+
+
+def run_command(args) -> int:
+    out_dir(args.out)
+    spec = load_spec(args.spec)
+    if spec.trace is not None:
+        return trace_spec(args.spec, args.model, args.out, budget_mb=2048.0, controls=False)
+    if spec.attribution is not None:
+        raise InputError(f"{args.spec} is an attribution spec: run "
+                         f"pyvene-causaltrace attribute --spec {args.spec} --out DIR")
+    model, tokenizer = load_model(args.model or spec.model or OFFLINE_DEFAULT)
+    result = run_spec(spec, model, tokenizer)
+    print(result.summary())
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "result.json").write_text(result.to_json())
+        print(f"wrote {args.out / 'result.json'}")
+    return 0
+
+
+def validate_command(args) -> int:
+    loaded = None
+    if args.model is not None:
+
+        loaded = load_model(args.model)
+    failed = 0
+    for path in args.specs:
+        try:
+            spec = load_spec(path)
+            if loaded is not None:
+                check_on_model(spec, *loaded)
+            print(f"ok      {path}" + (f" (on {args.model})" if loaded else ""))
+        except (CausalTraceError, OSError) as error:
+            failed += 1
+            print(f"invalid {path}: {error}")
+    return 1 if failed else 0
+
+
+def interventions_command(args) -> int:
+    for name in list_interventions():
+        cls = get_intervention(name)
+        print(f"{name:<18} {cls.__module__}.{cls.__qualname__}")
+    for name, why in RESERVED.items():
+        print(f"{name:<18} (reserved: {why})")
+    return 0
