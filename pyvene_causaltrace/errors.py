@@ -78,11 +78,6 @@ class TranscoderMismatchError(InputError):
     """A transcoder's shape or hooks do not fit the model it is used with."""
 
 
-class ModelBusyError(CausalTraceError, RuntimeError):
-    """Another trace or attribution is running on the same model object (another thread): its
-    hooks would mix with ours."""
-
-
 # -- results that would not be right ------------------------------------------------------------
 
 class ClosureError(InputError):

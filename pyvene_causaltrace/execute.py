@@ -33,9 +33,11 @@ import torch
 from torch import nn
 
 from .capture import capture
+from .errors import InputError
 from .finite import check_finite, check_weights
 from .interventions import get_intervention
 from .interventions.spec_entry import Site, SpecContext, entry_of
+from .model_guard import measuring
 from .model_interventions import describe, model_for_spec, rebuild, uniform_grad_flags
 from .models import check_inputs, get_adapter, get_module
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
@@ -136,7 +138,7 @@ def _check_module(model: nn.Module, site: Site, item: dict) -> None:
         raise SpecError(site.where, f"{site.component!r} must end in .output or .input")
     try:
         get_module(model, module_path)
-    except (AttributeError, IndexError, TypeError):
+    except InputError:
         raise SpecError(site.where, f"{model.config.model_type} has no module {module_path!r}"
                         + (f" (from {item['component']!r})" if "component" in item else "")
                         ) from None
@@ -165,6 +167,8 @@ def _plan(spec: ExperimentSpec, model: nn.Module, tokenizer) -> Plan:
     if spec.attribution is not None:
         raise SpecError("$.attribution", "an attribution spec builds a graph: use "
                         "pyvene_causaltrace.attribute or the attribute command")
+    if not spec.interventions:
+        raise SpecError("$.interventions", "empty: a run needs at least one intervention")
     ctx, resolved = resolve_sites(spec, model, tokenizer)
     check_weights(model)
     ids = ctx.prompt.input_ids.to(_device(model))
@@ -262,7 +266,7 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> 
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     model = model_for_spec(spec, model)
     entries = describe(model)
-    with applied_interventions(model) as model, uniform_grad_flags(model):
+    with measuring(model), applied_interventions(model) as model, uniform_grad_flags(model):
         plan = _plan(spec, model, tokenizer)
         pv_model = intervenable_model_class()(to_pv_config(plan), model)
         device = _device(model)

@@ -301,6 +301,8 @@ def _import_class(path: str) -> Any:
     """The object at dotted ``path``: the longest importable module prefix, then attributes."""
     import_pyvene()  # pyvene's own import prints; this swallows it
     parts = path.split(".")
+    if any(not part or part.startswith("_") for part in parts):
+        raise ImportError(f"{path!r}: a private or special name is not an intervention class")
     for cut in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:cut])
         try:

@@ -249,13 +249,21 @@ def model_name(model: nn.Module) -> str:
 
 
 def get_module(model: nn.Module, path: str) -> nn.Module:
-    """Resolve a pyvene-style path such as ``"model.layers[3].mlp"``."""
+    """Resolve a pyvene-style path such as ``"model.layers[3].mlp"``: submodules and list
+    indices only (a path through any other attribute, e.g. ``__init__``, is refused)."""
     module = model
     for part in path.split("."):
         name, _, index = part.partition("[")
-        module = getattr(module, name)
+        child = module._modules.get(name) if isinstance(module, nn.Module) else None
+        if child is None:
+            raise InputError(f"{path!r}: {type(module).__name__} has no submodule {name!r}")
+        module = child
         if index:
-            module = module[int(index.rstrip("]"))]
+            try:
+                module = module[int(index.rstrip("]"))]
+            except (ValueError, IndexError, TypeError, KeyError):
+                raise InputError(f"{path!r}: [{index} is not an index of "
+                                 f"{type(module).__name__}") from None
     return module
 
 
@@ -299,8 +307,15 @@ def load_model(
             raise FileNotFoundError(f"no model directory at {name_or_path} (and it is not a hub "
                                     "id: those are 'org/name')")
         source = str(path) if path.is_dir() else name_or_path
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except OSError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- a damaged or foreign directory: any of many
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise InputError(f"{name_or_path}: transformers cannot load a model and tokenizer from "
+                         f"it ({type(error).__name__}: {first})") from error
     get_adapter(model)  # fail early, naming the supported architectures
     model.pvct_source = name_or_path  # what specs written from this model should name
     return model.to(device).eval(), tokenizer

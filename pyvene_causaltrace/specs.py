@@ -26,6 +26,23 @@ from .errors import SpecError
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
+#: The deepest nesting a spec may have: real specs are under 10 levels, and validating a deeper
+#: one would only hit Python's recursion limit.
+MAX_DEPTH = 64
+
+
+def check_depth(data: Any, limit: int = MAX_DEPTH) -> None:
+    """Refuse JSON data nested deeper than ``limit``, naming the path where it gets too deep
+    (iterative: the check itself cannot hit the recursion limit)."""
+    stack = [(data, "$", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > limit:
+            raise SpecError(path, f"nested too deeply (a spec is at most {limit} levels deep)")
+        if isinstance(value, dict):
+            stack.extend((v, f"{path}.{k}", depth + 1) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
 
 
 @dataclass(frozen=True)
@@ -170,6 +187,7 @@ def validate_spec(data: Any) -> None:
     type registered by a plugin is checked exactly as a built-in is."""
     import jsonschema
 
+    check_depth(data)
     validator = jsonschema.Draft202012Validator(_spec_level_schema())
     errors = sorted(validator.iter_errors(data), key=lambda e: -len(e.absolute_path))
     if errors:
@@ -277,6 +295,11 @@ def load_spec(path_or_dict: str | Path | dict[str, Any], *,
         data = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise SpecError("$", f"{path} is not valid JSON: {error}") from None
+    except RecursionError:
+        raise SpecError("$", f"{path} is nested too deeply to read (a spec is at most "
+                             f"{MAX_DEPTH} levels deep)") from None
+    except UnicodeDecodeError as error:
+        raise SpecError("$", f"{path} is not UTF-8 text: {error}") from None
     return ExperimentSpec.from_dict(data, base_dir=path.absolute().parent)
 
 

@@ -11,6 +11,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+#: ``PVCT_TORCH_THREADS=1 make test``: the suite under another thread count (CI runs 1 and 4),
+#: so a tolerance tuned to one machine's float32 rounding shows up here first.
+THREADS = os.environ.get("PVCT_TORCH_THREADS")
+if THREADS:
+    torch.set_num_threads(int(THREADS))
+    os.environ["OMP_NUM_THREADS"] = THREADS  # the CLI tests' subprocesses too
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_DIR = ROOT / "intervention_specs"
@@ -49,6 +55,10 @@ _CORPUS = [
     "Two plus three is five and five plus four is nine", "Danielle Darrieux speaks French",
     "The mother tongue of Danielle Darrieux is French", "Toko Yasuda plays the guitar",
 ] * 4
+
+
+def pytest_report_header(config) -> str:
+    return f"torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
 def pytest_addoption(parser):

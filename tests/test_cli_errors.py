@@ -42,6 +42,29 @@ def root(tmp_path_factory, tokenizer):
     (root / "a_file").write_text("x")
     (root / "texts.txt").write_text(PROMPT + " Paris\n")
     (root / "empty_run").mkdir()
+    spec = {"schema_version": 1, "prompt": PROMPT, "subject": SUBJECT}
+    (root / "no_interventions.json").write_text(json.dumps({**spec, "interventions": []}))
+    (root / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (root / "deep_spec.json").write_text(  # loads, but 400 levels deep
+        json.dumps({**spec, "interventions": []})[:-1] + ', "x": ' + "[" * 400 + "]" * 400 + "}")
+    (root / "globals_path.json").write_text(json.dumps({**spec, "interventions": [
+        {"type": "noise_add", "seeds": 2, "sigma": 0.5},
+        {"type": "clean_restore", "component": "model.__init__.__globals__.output",
+         "positions": "subject"}]}))
+    (root / "list.json").write_text("[1, 2]")
+    (root / "future.json").write_text(json.dumps({**spec, "schema_version": 99,
+                                                  "interventions": []}))
+    (root / "a_dir.json").mkdir()
+    (root / "no_attribute.json").write_text(json.dumps([{"prompt": PROMPT}]))
+    (root / "float_labels.csv").write_text("layer,feature,label\n0,1,real\n1.9,6.7,fake\n")
+    (root / "not_a_model").mkdir()
+    (root / "not_a_model" / "config.json").write_text("{}")
+    run = root / "lost_manifest"  # rows of a run whose manifest.json was deleted
+    run.mkdir()
+    (run / "results.jsonl").write_text(json.dumps({"index": 0, "kind": "residual"}) + "\n")
+    run = root / "bad_manifest"
+    run.mkdir()
+    (run / "manifest.json").write_text('{"scale": "3\x01"}')
     return root
 
 
@@ -62,6 +85,19 @@ CASES = {
         (["--model", "{root}/small_vocab", "--answer", " Paris", "--scale", "3"], "vocabulary"),
         (["--spec", "{root}/broken.json"], "not valid JSON"),
         (["--spec", "{root}/absent.json"], "absent.json"),
+        (["--model", "{root}/llama", "--seeds", "100000000"], "seeds"),
+        (["--model", "{root}/llama", "--seeds", "-5"], "seeds"),
+        (["--model", "{root}/llama", "--scale", "big"], "scale"),
+        (["--model", "{root}/llama", "--sigma", "loud"], "sigma"),
+        (["--model", "{root}/llama", "--budget-mb", "nan"], "budget"),
+        (["--model", "{root}/llama", "--subject", ""], "subject"),
+        (["--model", "{root}/llama", "--prompt", "", "--subject", "x"], "prompt"),
+        (["--model", "{root}/llama", "--answer", ""], "answer"),
+        (["--model", "{root}/llama", "--kind", "residual,"], "kind"),
+        (["--model", "{root}/a_file"], "a_file"),
+        (["--model", "{root}/not_a_model"], "not_a_model"),
+        (["--spec", "{root}/deep.json"], "deep"),
+        (["--spec", "{root}/a_dir.json"], "a_dir.json"),
     ],
     "run": [
         (["{root}/absent.json"], "absent.json"),
@@ -70,6 +106,13 @@ CASES = {
         (["{root}/nan_scale.json", "--model", "{root}/llama"], "scale"),
         (["{root}/spec.json", "--model", "{root}/absent"], "absent"),
         (["{root}/spec.json", "--model", "{root}/llama", "--out", "{root}/a_file"], "a_file"),
+        (["{root}/no_interventions.json", "--model", "{root}/llama"], "interventions"),
+        (["{root}/deep.json", "--model", "{root}/llama"], "deep"),
+        (["{root}/deep_spec.json", "--model", "{root}/llama"], "deep"),
+        (["{root}/globals_path.json", "--model", "{root}/llama"], "__init__"),
+        (["{root}/list.json"], "object"),
+        (["{root}/future.json"], "schema_version"),
+        (["{root}/a_dir.json"], "a_dir.json"),
     ],
     "validate": [  # a missing or bad spec is reported as invalid (exit 1): see below
         (["{root}/spec.json", "--model", "{root}/absent"], "absent"),
@@ -88,10 +131,23 @@ CASES = {
         (["--data", "{root}/facts.json", "--model", "{root}/llama", "--out", "{root}/a_file"],
          "a_file"),
         (["--task", "nonsense", "--out", "{root}/d7"], "nonsense"),
+        (["--data", "{root}/facts.json", "--model", "{root}/llama", "--seeds", "100000000",
+          "--out", "{root}/d8"], "seeds"),
+        (["--data", "{root}/facts.json", "--model", "{root}/llama", "--kinds", "residul",
+          "--out", "{root}/d9"], "residul"),
+        (["--data", "{root}/facts.json", "--model", "{root}/llama", "--window", "0",
+          "--out", "{root}/d10"], "window"),
+        (["--data", "{root}/facts.json", "--model", "{root}/llama", "--scale", "5",
+          "--seeds", "2", "--out", "{root}/lost_manifest"], "manifest"),
+        (["--data", "{root}/facts.json", "--model", "{root}/llama",
+          "--out", "{root}/bad_manifest"], "manifest.json"),
     ],
     "aggregate": [
         (["{root}/absent_run"], "absent_run"),
         (["{root}/empty_run"], "manifest"),
+        (["{root}/bad_manifest"], "manifest.json"),
+        (["{root}/lost_manifest"], "manifest"),
+        (["{root}/empty_run", "--boot", "-1"], "boot"),
     ],
     "clt-check": [
         (["--model", "{root}/llama", "--clt", "{root}/absent", "--data", "{root}/texts.txt"],
@@ -102,6 +158,12 @@ CASES = {
          "absent.txt"),
         (["--model", "{root}/llama", "--clt", "{root}/clt", "--data", "{root}/texts.txt",
           "--limit", "0"], "limit"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--data",
+          "{root}/no_attribute.json"], "no_attribute.json"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--data", "{root}/broken.json"],
+         "broken.json"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--format", "bogus", "--data",
+          "{root}/texts.txt"], "bogus"),
     ],
     "attribute": [
         (["--model", "{root}/llama", "--clt", "{root}/absent", "--out", "{root}/g1"], "absent"),
@@ -118,9 +180,28 @@ CASES = {
         (["--model", "{root}/llama", "--clt", "{root}/clt", "--out", "{root}/a_file"], "a_file"),
         (["--model", "{root}/gpt2", "--clt", "{root}/clt", "--prompt", LONG,
           "--out", "{root}/g7"], "position"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--max-links", "-1",
+          "--out", "{root}/g8"], "max-links"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--k", "0",
+          "--out", "{root}/g9"], "k"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--target", "difference",
+          "--out", "{root}/g10"], "other"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--edge-threshold", "2",
+          "--out", "{root}/g11"], "threshold"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--labels",
+          "{root}/float_labels.csv", "--out", "{root}/g12"], "float_labels.csv"),
+        (["--model", "{root}/llama", "--clt", "{root}/a_file", "--out", "{root}/g13"],
+         "a_file"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--format", "bogus",
+          "--out", "{root}/g14"], "bogus"),
+        (["--model", "{root}/llama", "--clt", "{root}/not_yaml/config.yaml",
+          "--out", "{root}/g15"], "config.yaml"),
     ],
-    "interventions": [(["--bogus"], "unrecognized")],
-    "serve": [(["{root}/absent"], "absent"), (["{root}/empty_run"], "no graph")],
+    "interventions": [(["--bogus"], "unrecognized"),
+                      (["--plugins", "no_such_plugin_module"], "no_such_plugin_module")],
+    "serve": [(["{root}/absent"], "absent"), (["{root}/empty_run"], "no graph"),
+              (["{root}/empty_run", "--port", "70000", "--no-open"], "port"),
+              (["{root}/empty_run", "--port", "-1", "--no-open"], "port")],
 }
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, UnsupportedModelError
 from ..pyvene_compat import hooked_call
 from .base import CausalTraceIntervention
 
@@ -180,7 +180,8 @@ def frozen_qk(attention: torch.nn.Module) -> Iterator[None]:
     if original in (None, "eager", FROZEN_QK):
         inner = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
         if inner is None:
-            raise TypeError(f"{type(attention).__name__} has no eager_attention_forward")
+            raise UnsupportedModelError(f"{type(attention).__name__} has no "
+                                        "eager_attention_forward")
     else:
         inner = ALL_ATTENTION_FUNCTIONS[original]
     token = _inner_attention.set(inner)

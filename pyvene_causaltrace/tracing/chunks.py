@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, MemoryCapError
 
 #: Widest band of positions that one chunk may mix (bounds the planner's work on long prompts).
 MAX_POSITION_BAND = 16
@@ -177,3 +177,32 @@ def plan_chunks(
                 chunks.append(Chunk(prefix=int(positions[piece].min()),
                                     first_layer=int(firsts[piece].min()), rows=piece))
     return chunks
+
+
+def corrupted_run_mb(n_seeds: int, seq_len: int, n_layers: int, hidden: int, inner: int,
+                     kv_width: int, vocab: int, element_size: int = 4) -> float:
+    """MB the corrupted run holds for ``n_seeds`` seeds: every layer's block, MLP and attention
+    outputs and keys and values of each seed, plus one forward's live activations and logits."""
+    per_seed = (3 * n_layers * seq_len * hidden + 2 * n_layers * seq_len * kv_width
+                + 8 * seq_len * max(hidden, inner) + 3 * vocab)
+    return n_seeds * per_seed * element_size / 2**20
+
+
+def check_seeds_fit(n_seeds: int, seq_len: int, model, adapter, budget_mb: float) -> None:
+    """Refuse, before allocating, a seed count whose corrupted run exceeds ``budget_mb``."""
+    config = model.config
+    hidden = adapter.hidden_size(model)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    kv_width = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    inner = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                or 4 * hidden)
+    element = next(model.parameters()).element_size()
+    need = corrupted_run_mb(n_seeds, seq_len, adapter.n_layers(model), hidden, inner, kv_width,
+                            int(config.vocab_size), element)
+    if need > budget_mb:
+        per_seed = need / n_seeds
+        raise MemoryCapError(
+            f"seeds: {n_seeds} seeds keep {need:,.0f} MB of corrupted states on this prompt, over "
+            f"the {budget_mb:g} MB budget: use at most {max(1, int(budget_mb // per_seed))} "
+            "seeds or a larger budget (--budget-mb)")

@@ -27,10 +27,12 @@ from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
 from ..errors import InputError
 from ..finite import check_finite, check_weights, positive_number
 from ..interventions.noise import seed_list
+from ..model_guard import measuring
 from ..model_interventions import describe, model_for_spec, uniform_grad_flags
-from ..models import check_inputs, model_name
+from ..models import check_inputs, get_adapter, model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from ..pyvene_compat import applied_interventions
+from .chunks import check_seeds_fit
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
 from .noise_scale import DEFAULT_SCALES, NoiseScaleSweep, resolve_sigma, sweep_noise_scale
 from .results import TraceResult
@@ -113,13 +115,15 @@ class Tracer:
         if scale != "auto":
             positive_number(scale, "scale (or 'auto')")
         self._given = model  # a pv.IntervenableModel: its interventions act in every run
-        with applied_interventions(model) as model, uniform_grad_flags(model):
+        with measuring(model), applied_interventions(model) as model, uniform_grad_flags(model):
             check_weights(model)
             self.model, self.tokenizer = model, tokenizer
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
             self.seeds = seeds
             self.noise_positions = list(range(*self.prompt.subject_range))
             check_inputs(model, self.prompt.input_ids)
+            check_seeds_fit(len(seeds), self.prompt.seq_len, model, get_adapter(model),
+                            memory_budget_mb)
             self.sigma_method, self.sigma = resolve_sigma(sigma, model, tokenizer, subject)
             self.answer_text = answer  # as given: a spec written from this tracer repeats it
             if answer is not None:
@@ -170,7 +174,8 @@ class Tracer:
             raise InputError(f"window must be positive, got {window}")
         spec = self.spec(kind, window)  # before the run: a model it cannot write is refused
         cells = self.cells()
-        with applied_interventions(self._given), uniform_grad_flags(self.model):
+        with measuring(self._given), applied_interventions(self._given), \
+                uniform_grad_flags(self.model):
             probs = self.engine.run(trace_kind, cells, window=window, progress=progress)
         check_finite(probs, f"the restored probabilities of the {kind} trace")
         restored = probs.numpy().reshape(len(self.seeds), self.engine.n_layers,
@@ -210,7 +215,8 @@ class Tracer:
 
     def controls(self, *, window: int = WINDOW, tolerance: float = 1e-5) -> ControlReport:
         """Run the two controls that can fail (see :class:`ControlReport`)."""
-        with applied_interventions(self._given), uniform_grad_flags(self.model):
+        with measuring(self._given), applied_interventions(self._given), \
+                uniform_grad_flags(self.model):
             return self._controls(window, tolerance)
 
     def _controls(self, window: int, tolerance: float) -> ControlReport:

@@ -236,7 +236,7 @@ def check_fits(transcoder: Transcoder, model: nn.Module) -> None:
         path = component.rsplit(".", 1)[0]
         try:
             get_module(model, path)
-        except (AttributeError, IndexError, TypeError):
+        except InputError:
             raise TranscoderMismatchError(
                 f"the transcoder's {role} hook {getattr(cfg, f'feature_{role}_hook')!r} maps to "
                 f"{path}, which {model.config.model_type} does not have") from None

@@ -1,0 +1,102 @@
+"""One measurement at a time on a model, in eval mode, leaving no hook behind.
+
+    with measuring(model):          # a trace, a spec run, an attribution graph
+        ...
+
+A trace or a graph hooks the model it measures. Two threads measuring one model object would
+mix their hooks and return each other's numbers, so a second call on the same model waits for
+the first to finish (calls in one thread nest). Dropout in train mode would make every run
+a different random function, so the block runs in eval mode and puts each module's mode back
+afterwards (said once in the log when the model was in train mode). Whatever ends the block —
+an error, Ctrl-C — a hook registered by this package or pyvene inside it and still on the model
+is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from collections.abc import Iterator
+
+from torch import nn
+
+from .pyvene_compat import is_intervenable
+
+logger = logging.getLogger(__name__)
+
+#: The hook tables of a module, and the tables sharing their ids (torch keeps flags there).
+_HOOK_TABLES = {
+    "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+    "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+    "_backward_hooks": (),
+    "_backward_pre_hooks": (),
+}
+#: Hooks from these packages are ours to clean up; any other hook is the user's and stays.
+_OUR_PACKAGES = ("pyvene_causaltrace", "pyvene")
+
+_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_locks_guard = threading.Lock()
+
+
+def _lock(model: nn.Module) -> threading.RLock:
+    with _locks_guard:
+        lock = _locks.get(model)
+        if lock is None:
+            lock = _locks[model] = threading.RLock()
+        return lock
+
+
+def underlying(model: nn.Module) -> nn.Module:
+    """The ``nn.Module`` that holds the weights (the model a pyvene wrapper wraps)."""
+    return model.model if is_intervenable(model) else model
+
+
+def _hook_ids(model: nn.Module) -> dict[tuple[int, str], set[int]]:
+    return {(index, table): set(getattr(module, table, {}))
+            for index, module in enumerate(model.modules()) for table in _HOOK_TABLES}
+
+
+def _our_hook(hook) -> bool:
+    module = getattr(hook, "__module__", None) or getattr(type(hook), "__module__", "")
+    return module.split(".")[0] in _OUR_PACKAGES
+
+
+def _remove_left_hooks(model: nn.Module, before: dict[tuple[int, str], set[int]]) -> int:
+    removed = 0
+    for index, module in enumerate(model.modules()):
+        for table, companions in _HOOK_TABLES.items():
+            hooks = getattr(module, table, None)
+            if not hooks:
+                continue
+            for hook_id in set(hooks) - before.get((index, table), set()):
+                if _our_hook(hooks[hook_id]):
+                    del hooks[hook_id]
+                    for companion in companions:
+                        getattr(module, companion, {}).pop(hook_id, None)
+                    removed += 1
+    return removed
+
+
+@contextlib.contextmanager
+def measuring(model: nn.Module) -> Iterator[nn.Module]:
+    """Hold ``model`` for one measurement (see module docstring); yields ``model``.
+
+    ``model`` may be a pyvene ``IntervenableModel``: the model it wraps is the one held."""
+    inner = underlying(model)
+    with _lock(inner):
+        modes = [(module, module.training) for module in inner.modules()]
+        if any(training for _, training in modes):
+            logger.warning("the model is in train mode: measuring it in eval mode (dropout off); "
+                           "its mode is restored afterwards")
+        hooks = _hook_ids(inner)
+        inner.eval()
+        try:
+            yield model
+        finally:
+            removed = _remove_left_hooks(inner, hooks)
+            if removed:
+                logger.warning("removed %d hook(s) an interrupted run left on the model", removed)
+            for module, training in modes:
+                module.training = training

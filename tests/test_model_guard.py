@@ -1,0 +1,153 @@
+"""A model shared between threads, left in train mode, or interrupted mid-run still gives the
+right numbers, and keeps no hook of ours afterwards."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import types
+
+import pytest
+import torch
+from conftest import PROMPT, SUBJECT, make_tiny_model, prompt_ids
+
+from pyvene_causaltrace import Tracer, run_spec, trace
+from pyvene_causaltrace.cli import main
+from pyvene_causaltrace.model_guard import measuring
+from pyvene_causaltrace.tracing.engine import TraceEngine
+
+OPTIONS = {"seeds": 3, "scale": 3.0, "answer": " Paris"}
+
+
+def _hook_count(model: torch.nn.Module) -> int:
+    return sum(len(getattr(m, table)) for m in model.modules()
+               for table in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"))
+
+
+def _with_dropout(p: float = 0.5) -> torch.nn.Module:
+    model = make_tiny_model("gpt2", init=0.2)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = p
+    return model
+
+
+def test_two_threads_on_one_model_get_the_serial_numbers(tokenizer):
+    model = make_tiny_model("llama", init=0.2)
+    expected = {kind: trace(model, tokenizer, PROMPT, SUBJECT, kind=kind, **OPTIONS)
+                for kind in ("residual", "mlp")}
+    hooks = _hook_count(model)
+    start = threading.Barrier(4)
+    results, failures = {}, []
+
+    def work(index: int) -> None:
+        kind = ("residual", "mlp")[index % 2]
+        try:
+            start.wait()
+            results[index] = (kind, trace(model, tokenizer, PROMPT, SUBJECT, kind=kind,
+                                          **OPTIONS))
+        except Exception as error:  # noqa: BLE001 -- reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not failures, failures
+    assert len(results) == 4
+    for kind, result in results.values():
+        assert (result.restored_probs == expected[kind].restored_probs).all()
+    assert _hook_count(model) == hooks
+    ids = prompt_ids(tokenizer)
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids).logits).all()  # no stray hook fires
+
+
+def test_train_mode_is_measured_in_eval_mode_and_restored(tokenizer, caplog):
+    model = _with_dropout()
+    model.eval()
+    reference = trace(model, tokenizer, PROMPT, SUBJECT, **OPTIONS)
+    model.train()
+    model.transformer.h[1].eval()  # a mixed state comes back as it was
+    with caplog.at_level(logging.WARNING, logger="pyvene_causaltrace.model_guard"):
+        first = trace(model, tokenizer, PROMPT, SUBJECT, **OPTIONS)
+        second = trace(model, tokenizer, PROMPT, SUBJECT, **OPTIONS)
+    assert (first.restored_probs == reference.restored_probs).all()
+    assert (second.restored_probs == reference.restored_probs).all()
+    assert first.clean_prob == reference.clean_prob
+    assert model.training and model.transformer.h[0].training
+    assert not model.transformer.h[1].training
+    assert any("train mode" in r.getMessage() for r in caplog.records)
+
+
+def test_train_mode_spec_run_matches_eval(tokenizer):
+    spec = {"schema_version": 1, "prompt": PROMPT, "subject": SUBJECT, "answer": " Paris",
+            "interventions": [{"type": "noise_add", "seeds": 2, "scale": 3.0},
+                              {"type": "clean_restore", "component": "block_output",
+                               "layers": 1, "positions": "subject"}]}
+    model = _with_dropout()
+    reference = run_spec(spec, model.eval(), tokenizer)
+    model.train()
+    again = run_spec(spec, model, tokenizer)
+    assert again.intervened_probs == reference.intervened_probs
+    assert model.training
+
+
+def test_an_interrupted_trace_leaves_no_hook(tokenizer, monkeypatch):
+    """Ctrl-C inside a restore forward (our hooks on every block): none stays, and the next
+    trace of the same tracer is the uninterrupted one."""
+    model = make_tiny_model("llama")
+    tracer = Tracer(model, tokenizer, PROMPT, SUBJECT, **OPTIONS)
+    expected = tracer.trace("residual").restored_probs
+    hooks = _hook_count(model)
+    norm = model.model.norm
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(norm, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tracer.trace("residual")
+    assert _hook_count(model) == hooks
+    monkeypatch.undo()
+    assert (tracer.trace("residual").restored_probs == expected).all()
+
+
+def test_a_hook_of_ours_left_behind_is_removed():
+    """Whatever a run leaves (here: a hook from a package module, as pyvene's or ours would
+    be) is removed when the measurement ends."""
+    model = make_tiny_model("llama")
+    ours = types.FunctionType((lambda *_: None).__code__,
+                              {"__name__": "pyvene_causaltrace.tracing.engine"})
+    with measuring(model):
+        model.model.layers[0].register_forward_hook(ours)
+        assert _hook_count(model) == 1
+    assert _hook_count(model) == 0
+
+
+def test_a_users_own_hook_stays(tokenizer):
+    model = make_tiny_model("llama")
+    seen = []
+    handle = model.model.layers[0].register_forward_hook(lambda *_: seen.append(1))
+    with measuring(model):
+        model.model.layers[1].register_forward_hook(lambda *_: seen.append(2))
+    assert _hook_count(model) == 2  # the user's hooks, registered before and inside, stay
+    handle.remove()
+
+
+def test_ctrl_c_during_a_trace_is_one_line_and_130(tokenizer, tmp_path, monkeypatch, capsys):
+    make_tiny_model("llama").save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Tracer, "trace", interrupted)
+    code = main(["trace", "--model", str(tmp_path / "m"), "--scale", "3",
+                 "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert code == 130
+    assert len(captured.err.strip().splitlines()[-1:]) == 1 and "interrupted" in captured.err
+    assert "Traceback" not in captured.err + captured.out
+    assert not list((tmp_path / "out").glob("*.json"))  # nothing half-written
