@@ -15,16 +15,20 @@ is removed.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from torch import nn
 
 from .pyvene_compat import is_intervenable
 
 logger = logging.getLogger(__name__)
+F = TypeVar("F", bound=Callable)
 
 #: The hook tables of a module, and the tables sharing their ids (torch keeps flags there).
 _HOOK_TABLES = {
@@ -100,3 +104,16 @@ def measuring(model: nn.Module) -> Iterator[nn.Module]:
                 logger.warning("removed %d hook(s) an interrupted run left on the model", removed)
             for module, training in modes:
                 module.training = training
+
+
+def measured(function: F) -> F:
+    """Run ``function`` inside :func:`measuring` of its argument named ``model``."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        model = signature.bind_partial(*args, **kwargs).arguments["model"]
+        with measuring(model):
+            return function(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

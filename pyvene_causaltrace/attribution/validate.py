@@ -17,6 +17,7 @@ from torch import nn
 
 from ..errors import InputError
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
+from ..model_guard import measured
 from ..transcoders.transcoder import Transcoder
 
 
@@ -81,6 +82,7 @@ def ranking(graph, rank_by: str = "influence") -> list[int]:
     return score.argsort(descending=True).tolist()
 
 
+@measured
 def ablation_test(model: nn.Module, clt: Transcoder, graph,
                   sizes: tuple[int, ...] = (5, 10, 20), draws: int = 10, seed: int = 0,
                   rank_by: str = "influence") -> AblationResult:

@@ -9,7 +9,9 @@ from tqdm import tqdm
 from ..defaults import WINDOW
 from ..errors import CausalTraceError, InputError
 from ..execute import check_on_model, run_spec
+from ..finite import positive_number
 from ..interventions import RESERVED, get_intervention, list_interventions
+from ..interventions.noise import SIGMA_METHODS
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
 from ..tracing.engine import get_kind
@@ -21,36 +23,41 @@ def trace_command(args) -> int:
     out_dir(args.out)
     if args.spec is not None:
         return trace_spec(args.spec, args.model, args.out, args.budget_mb, args.controls)
+    kinds = [k.strip() for k in args.kind.split(",")]
+    for kind in kinds:  # every flag before the model loads
+        get_kind(kind)
+    if args.window <= 0:
+        raise InputError(f"--window must be positive, got {args.window}")
+    if args.seeds <= 0:
+        raise InputError(f"--seeds must be positive, got {args.seeds}")
+    positive_number(args.budget_mb, "--budget-mb")
+    if args.scale != "auto":
+        positive_number(number_or_name(args.scale), "--scale (or 'auto')")
+    sigma = number_or_name(args.sigma)
+    if sigma not in SIGMA_METHODS:
+        positive_number(sigma, f"--sigma ({' | '.join(SIGMA_METHODS)} | a number)")
     model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
     answer = args.answer
     if answer is None and args.prompt == EIFFEL["prompt"]:
         answer = EIFFEL["answer"]
-    kinds = [k.strip() for k in args.kind.split(",")]
-
-    for kind in kinds:
-        get_kind(kind)
-    if args.window <= 0:
-        raise InputError(f"window must be positive, got {args.window}")
     tracer = Tracer(model, tokenizer, args.prompt, args.subject, answer=answer,
-                    seeds=args.seeds, scale=number_or_name(args.scale),
-                    sigma=number_or_name(args.sigma), memory_budget_mb=args.budget_mb)
+                    seeds=args.seeds, scale=number_or_name(args.scale), sigma=sigma,
+                    memory_budget_mb=args.budget_mb)
     return report_traces(tracer, kinds, args.window, args.out, args.controls)
 
 
 def trace_spec(path: Path, model_name: str | None, out: Path | None, budget_mb: float,
-                controls: bool) -> int:
-
+               controls: bool) -> int:
     spec = load_spec(path)
     model, tokenizer = load_model(model_name or spec.model or OFFLINE_DEFAULT)
     tracer = tracer_from_spec(spec, model, tokenizer, memory_budget_mb=budget_mb)
     return report_traces(tracer, [spec.trace["kind"]], spec.trace.get("window", WINDOW), out,
-                          controls)
+                         controls)
 
 
 def report_traces(tracer, kinds: list[str], window: int, out: Path | None,
-                   controls: bool) -> int:
+                  controls: bool) -> int:
     """Run ``kinds`` on ``tracer``: progress bar, terminal table, JSON and PNG under ``out``."""
-
     if tracer.sweep is not None:
         print(tracer.sweep.summary() + "\n")
     if out:

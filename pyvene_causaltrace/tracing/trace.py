@@ -110,7 +110,7 @@ class Tracer:
         replay_layers: bool = True,
         scales: Sequence[float] = DEFAULT_SCALES,
     ) -> None:
-        seeds = seed_list(seeds)
+        n_seeds = len(seed_list(seeds)) if not isinstance(seeds, int) or seeds <= 0 else seeds
         positive_number(memory_budget_mb, "memory_budget_mb")
         if scale != "auto":
             positive_number(scale, "scale (or 'auto')")
@@ -119,11 +119,12 @@ class Tracer:
             check_weights(model)
             self.model, self.tokenizer = model, tokenizer
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
-            self.seeds = seeds
             self.noise_positions = list(range(*self.prompt.subject_range))
             check_inputs(model, self.prompt.input_ids)
-            check_seeds_fit(len(seeds), self.prompt.seq_len, model, get_adapter(model),
+            # a count is checked before its list is made: 10^8 seeds would fill memory
+            check_seeds_fit(n_seeds, self.prompt.seq_len, model, get_adapter(model),
                             memory_budget_mb)
+            self.seeds = seeds = seed_list(seeds)
             self.sigma_method, self.sigma = resolve_sigma(sigma, model, tokenizer, subject)
             self.answer_text = answer  # as given: a spec written from this tracer repeats it
             if answer is not None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..capture import capture
 from ..errors import InputError
+from ..model_guard import measured
 from ..models import get_adapter
 from .hooks import CONTROL_HOOKS, hook_component, hook_name, norm_settings, normalize
 from .transcoder import Transcoder, check_fits
@@ -107,6 +108,7 @@ def transcoder_states(transcoder: Transcoder, model: nn.Module, ids: torch.Tenso
 
 
 @torch.no_grad()
+@measured
 def check_pairing(clt: Transcoder, model: nn.Module, tokenizer,
                   texts: Sequence[str]) -> PairingReport:
     """Pairing check on ``texts`` (see module docstring)."""
@@ -210,6 +212,7 @@ def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]
 
 
 @torch.no_grad()
+@measured
 def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer,
                        texts: Sequence[str], *, prompt: str | None = None,
                        answer: str | None = None) -> AnchorReport:
