@@ -14,7 +14,6 @@ from conftest import PROMPT, SUBJECT, make_tiny_model, prompt_ids
 from pyvene_causaltrace import Tracer, run_spec, trace
 from pyvene_causaltrace.cli import main
 from pyvene_causaltrace.model_guard import measuring
-from pyvene_causaltrace.tracing.engine import TraceEngine
 
 OPTIONS = {"seeds": 3, "scale": 3.0, "answer": " Paris"}
 

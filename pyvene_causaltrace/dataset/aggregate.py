@@ -7,8 +7,9 @@ seeds; the AIE is the mean over facts that have the role, with a percentile boot
 over facts. The total effect is ``clean - corrupt`` per fact (seeds averaged).
 
 Aggregation does not depend on the order of rows: per-fact values are kept by (fact, kind,
-seed) and combined in sorted order, so a merged sharded run gives exactly the single-process
-numbers. Only per-fact role curves are held ([roles, layers] per fact and kind), never grids.
+seed) and combined in sorted order, so a merged sharded run, or a resumed one, gives exactly the
+numbers of a single uninterrupted run. A key given twice must carry the same values. Only
+per-fact role curves are held ([roles, layers] per fact and kind), never grids.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..tracing.roles import BEFORE_SUBJECT, ROLES, role_positions
+from .plan import check_boot_fits
 from .results import DatasetResult, package_versions
 
 ROLE_ORDER = (BEFORE_SUBJECT, *ROLES)
@@ -78,10 +80,17 @@ def aggregate_rows(rows: Iterable[dict], *, kinds: Sequence[str], manifest: dict
         n_layers = curve.shape[1] if n_layers is None else n_layers
         if curve.shape[1] != n_layers:
             raise InputError(f"fact {row['fact']}: {curve.shape[1]} layers, expected {n_layers}")
-        seen.setdefault((int(row["index"]), row["kind"]), {})[int(row["seed"])] = (
-            curve, row["clean"], row["corrupt"])
+        by_seed = seen.setdefault((int(row["index"]), row["kind"]), {})
+        value = (curve, row["clean"], row["corrupt"])
+        before = by_seed.setdefault(int(row["seed"]), value)
+        if before is not value and not (np.array_equal(before[0], curve, equal_nan=True)
+                                         and before[1:] == value[1:]):
+            raise InputError(f"fact {row['fact']}, kind {row['kind']}, seed {row['seed']} has "
+                             "two rows with different values")
     if n_layers is None:
         raise InputError("no result rows to aggregate")
+    facts_per_kind = Counter(kind for _, kind in seen)
+    check_boot_fits(n_boot, max(facts_per_kind.values()), len(ROLE_ORDER) * n_layers)
 
     aie, low, high, n_facts, totals = {}, {}, {}, {}, {}
     for kind in kinds:

@@ -10,7 +10,14 @@ last token; with ``known="argmax"`` the clean prediction must be the target's fi
 until ``limit`` facts are kept; compute ROME's sigma once over the kept subjects; trace every
 kept fact for every kind with one :class:`~pyvene_causaltrace.tracing.Tracer` per fact (the
 clean and corrupted runs are shared by the kinds); write each (fact, kind, seed) row as soon as
-its kind is done. Rerunning into the same directory skips what is there.
+its kind is done. Rerunning into the same directory skips what is there; a fact with
+anything left to do is traced again with all its seeds, exactly as an uninterrupted run traces
+it (same batches, so the same float rounding), and only the missing rows are written: a resumed
+run's rows equal an uninterrupted run's bit for bit.
+
+Options are checked before anything runs (:func:`~.plan.check_options`, which the command line
+calls before loading the model), and a seed count whose corrupted runs cannot fit the memory
+budget is refused before its list of seeds is built.
 
 ``shard=(rank, world)`` traces every ``world``-th kept fact into ``out/shard-RR-of-WW``
 (every shard screens every record itself: one clean forward each, small next to tracing, and
@@ -31,23 +38,26 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..defaults import DATASET_SEEDS, NOISE_SCALE, WINDOW
-from ..errors import InputError
+from ..errors import DamagedFileError, InputError, ManifestMismatchError
 from ..fingerprint import model_fingerprint, package_version, tokenizer_fingerprint
-from ..finite import positive_number
 from ..interventions.noise import seed_list
-from ..models import check_inputs, model_name
+from ..models import check_inputs, get_adapter, model_name
 from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..runlock import single_writer
-from ..tracing.engine import get_kind
+from ..tracing.chunks import check_seeds_fit
 from ..tracing.noise_scale import resolve_sigma, rome_sigma
-from .aggregate import aggregate_rows
+from ..tracing.trace import Tracer
+from .aggregate import ROLE_ORDER, aggregate_rows
+from .plan import KNOWN_RULES, check_boot_fits, check_options
 from .records import FactRecord, RecordError
 from .results import DatasetResult
-from .store import RESULTS, SCREEN, RunDirectory, read_jsonl
+from .store import MANIFEST, RESULTS, SCREEN, RunDirectory, read_jsonl, read_manifest
 
-KNOWN_RULES = ("argmax", "none")
+__all__ = ["KNOWN_RULES", "trace_dataset", "trace_dataset_distributed", "merge_shards",
+           "load_dataset_result", "run_path", "screen_record", "shard_dir", "target_split"]
 
 
 def shard_dir(out: Path, rank: int, world: int) -> Path:
@@ -143,25 +153,15 @@ def trace_dataset(
     """Trace ``records`` (see module docstring); returns the aggregate of what ``out`` holds
     (of this shard only when ``shard`` is given). A second run on the same ``out`` while this
     one writes is refused (:class:`~pyvene_causaltrace.runlock.OutputLockedError`)."""
-    from tqdm import tqdm
-
-    from ..tracing.trace import Tracer
-
     kinds = list(kinds)
-    for kind in kinds:
-        get_kind(kind)
-    if known not in KNOWN_RULES:
-        raise InputError(f"known must be one of {KNOWN_RULES}, got {known!r}")
-    seeds = seed_list(seeds)
-    positive_number(scale, "scale (a dataset run needs one fixed noise scale)")
-    positive_number(memory_budget_mb, "memory_budget_mb")
-    if window <= 0:
-        raise InputError(f"window must be positive, got {window}")
-    if limit is not None and limit <= 0:
-        raise InputError(f"limit must be positive, got {limit}")
+    n_seeds = check_options(kinds=kinds, seeds=seeds, scale=scale, sigma=sigma, window=window,
+                            known=known, limit=limit, memory_budget_mb=memory_budget_mb,
+                            n_boot=n_boot)
     rank, world = shard or (0, 1)
     if not 0 <= rank < world:
         raise InputError(f"shard rank {rank} outside world size {world}")
+    _check_sizes(model, tokenizer, records, n_seeds, memory_budget_mb, n_boot)
+    seeds = seed_list(seeds)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pvct-dataset-"))
     manifest = {
         "model": model_fingerprint(model), "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -171,7 +171,7 @@ def trace_dataset(
         "known": known, "limit": limit, "shard": [rank, world],
         "about": {"model_name": model_name(model)},
     }
-    with RunDirectory(shard_dir(out, rank, world) if shard else out, manifest) as run:
+    with RunDirectory(run_path(out, shard), manifest) as run:
         kept = _screen(model, tokenizer, records, known, limit, run, errors)
         if not kept:
             raise InputError(f"no record passed the screen (see {run.path / SCREEN})")
@@ -187,63 +187,101 @@ def trace_dataset(
                 for line in mine]
         bar = tqdm(total=len(mine) * len(kinds), initial=sum(len(kinds) - len(t) for _, t in todo),
                    desc="dataset trace", unit="trace", disable=not progress)
-        for line, todo_kinds in todo:
-            record = by_id[line["fact"]]
-            groups: dict[tuple[int, ...], list[str]] = {}
-            for kind in todo_kinds:
-                missing = tuple(s for s in seeds if (record.id, kind, s) not in done)
-                groups.setdefault(missing, []).append(kind)
-            for missing, group in groups.items():
-                tracer = Tracer(model, tokenizer, line["prompt"], record.subject,
-                                answer=line["target"], seeds=list(missing), scale=scale,
-                                sigma=sigma_value, occurrence=record.occurrence,
-                                memory_budget_mb=memory_budget_mb)
-                for kind in group:
-                    result = tracer.trace(kind, window=window)
-                    run.append(RESULTS, [{
-                        "index": line["index"], "fact": record.id, "kind": kind, "seed": seed,
-                        "tokens": result.tokens, "subject_range": list(result.subject_range),
-                        "answer": result.answer, "clean": result.clean_prob,
-                        "corrupt": float(result.corrupt_probs[i]), "scale": float(scale),
-                        "sigma": sigma_value, "restored": result.restored_probs[i].tolist(),
-                    } for i, seed in enumerate(missing)])
-                    bar.update(1)
-        bar.close()
+        with bar:  # closed (its line ended) on an error or Ctrl-C too
+            _trace_facts(model, tokenizer, run, todo, by_id, seeds, done, bar, scale=scale,
+                         sigma_value=sigma_value, window=window,
+                         memory_budget_mb=memory_budget_mb)
     return load_dataset_result(run.path, n_boot=n_boot)
 
 
+def _trace_facts(model, tokenizer, run: RunDirectory, todo, by_id, seeds, done, bar, *,
+                 scale: float, sigma_value: float, window: int, memory_budget_mb: float) -> None:
+    """Trace each fact's kinds still to do and append their missing rows."""
+    for line, todo_kinds in todo:
+        if not todo_kinds:
+            continue
+        record = by_id[line["fact"]]
+        # every seed, as an uninterrupted run: a corrupted run and restore chunks of the
+        # same rows round the same way; rows already written are not written again
+        tracer = Tracer(model, tokenizer, line["prompt"], record.subject,
+                        answer=line["target"], seeds=seeds, scale=scale,
+                        sigma=sigma_value, occurrence=record.occurrence,
+                        memory_budget_mb=memory_budget_mb)
+        for kind in todo_kinds:
+            result = tracer.trace(kind, window=window)
+            run.append(RESULTS, [{
+                "index": line["index"], "fact": record.id, "kind": kind, "seed": seed,
+                "tokens": result.tokens, "subject_range": list(result.subject_range),
+                "answer": result.answer, "clean": result.clean_prob,
+                "corrupt": float(result.corrupt_probs[i]), "scale": float(scale),
+                "sigma": sigma_value, "restored": result.restored_probs[i].tolist(),
+            } for i, seed in enumerate(seeds) if (record.id, kind, seed) not in done])
+            bar.update(1)
+
+
+def _check_sizes(model: nn.Module, tokenizer, records: Sequence[FactRecord], n_seeds: int,
+                 memory_budget_mb: float, n_boot: int) -> None:
+    """Refuse, before screening or allocating, a seed count whose corrupted runs cannot fit the
+    budget even on the shortest prompt, or a bootstrap that cannot fit even over one fact."""
+    if records:
+        shortest = min(len(ids) for ids in tokenizer(
+            [r.prompt for r in records], add_special_tokens=False)["input_ids"])
+        check_seeds_fit(n_seeds, max(2, shortest), model, get_adapter(model), memory_budget_mb)
+    n_layers = get_adapter(model).n_layers(model)
+    check_boot_fits(n_boot, 1, len(ROLE_ORDER) * n_layers)
+
+
+def run_path(out: str | Path, shard: tuple[int, int] | None = None) -> Path:
+    """The directory a run (or one shard of it) writes."""
+    return shard_dir(Path(out), *shard) if shard else Path(out)
+
+
 def load_dataset_result(path: str | Path, *, n_boot: int = 1000) -> DatasetResult:
-    """The aggregate of a run directory (a finished, interrupted or merged one)."""
+    """The aggregate of a run directory (a finished, interrupted or merged one). A missing or
+    damaged manifest, or a damaged row, is refused naming the file (and line)."""
     path = Path(path)
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = read_manifest(path)
     screen = list(read_jsonl(path / SCREEN))
-    return aggregate_rows(read_jsonl(path / RESULTS), kinds=manifest["kinds"],
-                          manifest=manifest, screen=screen, n_boot=n_boot)
+    rows = read_jsonl(path / RESULTS)
+    try:
+        return aggregate_rows(rows, kinds=manifest["kinds"], manifest=manifest, screen=screen,
+                              n_boot=n_boot)
+    except DamagedFileError:
+        raise
+    except InputError as error:  # no rows, rows that do not fit together: say which file
+        raise InputError(f"{path / RESULTS}: {error}") from None
 
 
 def merge_shards(out: str | Path, world: int, *, n_boot: int = 1000) -> DatasetResult:
-    """Join ``out/shard-*-of-WW`` into ``out`` (rows streamed, not held) and aggregate."""
+    """Join ``out/shard-*-of-WW`` into ``out`` (rows streamed, not held) and aggregate. The
+    merged files replace the old ones only once all are written (the rows last)."""
     out = Path(out)
     shards = [shard_dir(out, rank, world) for rank in range(world)]
     manifests = []
     for path in shards:
-        if not (path / "manifest.json").exists():
+        if not (path / MANIFEST).exists():
             raise FileNotFoundError(f"shard {path} is missing: did every rank finish?")
-        manifests.append(json.loads((path / "manifest.json").read_text()))
+        manifests.append(read_manifest(path))
     base = {k: v for k, v in manifests[0].items() if k != "shard"}
     for path, manifest in zip(shards, manifests, strict=True):
         if {k: v for k, v in manifest.items() if k != "shard"} != base:
-            raise InputError(f"shard {path} ran with other settings than {shards[0]}")
+            raise ManifestMismatchError(f"shard {path} ran with other settings than {shards[0]}")
     with single_writer(out):
-        tmp = out / (RESULTS + ".tmp")
-        with open(tmp, "w") as handle:
-            for path in shards:
-                for row in read_jsonl(path / RESULTS):
-                    handle.write(json.dumps(row, separators=(",", ":")) + "\n")
-        os.replace(tmp, out / RESULTS)
-        (out / SCREEN).write_text((shards[0] / SCREEN).read_text())
-        (out / "manifest.json").write_text(json.dumps({**base, "shard": [0, 1], "merged": world},
-                                                      indent=2, sort_keys=True))
+        names = (MANIFEST, SCREEN, RESULTS)
+        tmp = {name: out / (name + ".tmp") for name in names}
+        try:
+            with open(tmp[RESULTS], "w") as handle:
+                for path in shards:
+                    for row in read_jsonl(path / RESULTS):
+                        handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+            tmp[SCREEN].write_text((shards[0] / SCREEN).read_text())
+            tmp[MANIFEST].write_text(json.dumps({**base, "shard": [0, 1], "merged": world},
+                                                indent=2, sort_keys=True))
+            for name in names:
+                os.replace(tmp[name], out / name)
+        finally:
+            for path in tmp.values():
+                path.unlink(missing_ok=True)
     return load_dataset_result(out, n_boot=n_boot)
 
 

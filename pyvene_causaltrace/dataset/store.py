@@ -6,14 +6,19 @@ An output directory holds:
   tokenizer and the data, the package version (:mod:`~pyvene_causaltrace.fingerprint`) — plus
   informational fields (``about``: the model's name as given). A rerun into the same directory
   resumes only when settings and identity are the same; otherwise it stops and says what
-  differs. The same model under another spelling of its path is the same model.
+  differs. The same model under another spelling of its path is the same model. Rows without a
+  manifest are refused: their settings cannot be proven (rows do not record the model, window,
+  screen rule or limit).
 - ``.pvct.lock``: held while a run writes (:mod:`~pyvene_causaltrace.runlock`): a second run on
   the same directory is refused.
 - ``screen.jsonl``: one line per record: kept (the model knows it) or skipped, and why.
 - ``results.jsonl``: one line per (fact, kind, seed) with the restored P(answer) grid.
 
-Lines are appended with one ``write`` per batch, flushed and synced; a line cut short by a
-kill is dropped when the file is next opened. Reading streams line by line.
+Rows are appended with one ``write`` per batch, synced; a batch whose write fails (disk full,
+Ctrl-C) is cut off again, so the file ends at a batch boundary. Only ``kill -9`` mid-write can
+leave a last line without its newline: it is dropped when the directory is next opened (and
+skipped when read). Any other line that is not a complete row is damage and is refused, naming
+the file and line. Reading streams line by line.
 """
 
 from __future__ import annotations
@@ -21,38 +26,169 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from ..errors import ManifestMismatchError
+from ..errors import DamagedFileError, ManifestMismatchError
 
 MANIFEST, SCREEN, RESULTS = "manifest.json", "screen.jsonl", "results.jsonl"
 
+#: Keys (and their types) a line of each file must have.
+ROW_FIELDS = {
+    RESULTS: {"index": int, "fact": str, "kind": str, "seed": int, "subject_range": list,
+              "clean": (int, float), "corrupt": (int, float), "restored": list},
+    SCREEN: {"fact": (str, type(None)), "kept": bool},
+}
 
 #: What a differing manifest key means, for the message.
 _MEANING = {"model": "the model's weights", "tokenizer": "the tokenizer",
             "records": "the data", "version": "the pyvene-causaltrace version"}
 
 
+def _afresh(directory: Path) -> str:
+    return f"remove {directory} or choose another --out (output directory) to start afresh"
+
+
 def _drop_partial_line(path: Path) -> None:
-    """Cut a trailing line that a kill left without its newline."""
-    if not path.exists() or path.stat().st_size == 0:
+    """Cut a trailing line that a kill left without its newline (reads only the file's tail)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
         return
     with open(path, "rb+") as handle:
-        data = handle.read()
-        if data.endswith(b"\n"):
-            return
-        handle.truncate(data.rfind(b"\n") + 1)
+        end = size
+        while end > 0:
+            start = max(0, end - 65536)
+            handle.seek(start)
+            block = handle.read(end - start)
+            if end == size and block.endswith(b"\n"):
+                return
+            cut = block.rfind(b"\n")
+            if cut >= 0 or start == 0:
+                handle.truncate(start + cut + 1)
+                handle.flush()
+                os.fsync(handle.fileno())
+                return
+            end = start
 
 
-def read_jsonl(path: Path) -> Iterator[dict]:
-    """Complete lines of ``path`` (none when it does not exist), one at a time."""
+def _check_row(row: object, fields: dict) -> str | None:
+    """Why ``row`` is not a row with ``fields``, or ``None``."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object, got {type(row).__name__}"
+    for key, kind in fields.items():
+        if key not in row:
+            return f"no {key!r} field"
+        value = row[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            return f"field {key!r} is {value!r}"
+    return None
+
+
+def read_jsonl(path: Path, fields: dict | None = None) -> Iterator[dict]:
+    """Complete lines of ``path`` (none when it does not exist), one at a time. A last line
+    without its newline (a kill mid-write) is skipped; any other line that is not JSON (or lacks
+    ``fields``, default: those of the file's name in :data:`ROW_FIELDS`) raises
+    :class:`~pyvene_causaltrace.errors.DamagedFileError` naming the file and line."""
+    path = Path(path)
+    fields = ROW_FIELDS.get(path.name, {}) if fields is None else fields
     if not path.exists():
         return
-    with open(path) as handle:
-        for line in handle:
-            if line.endswith("\n"):
-                yield json.loads(line)
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if not raw.endswith(b"\n"):
+                return
+            try:
+                row = json.loads(raw)
+            except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+                problem = f"not a complete JSON row ({error})"
+            else:
+                problem = _check_row(row, fields)
+            if problem is not None:
+                raise DamagedFileError(
+                    f"{path}, line {number}, is damaged: {problem}; delete that line (a rerun "
+                    f"recomputes what it held), or start afresh in another --out")
+            yield row
+
+
+def read_manifest(directory: Path) -> dict:
+    """``directory``'s manifest; refused when missing (naming the directory) or damaged
+    (naming the file)."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no run directory at {directory}")
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        rows = has_rows(directory)
+        if not rows:
+            raise ManifestMismatchError(
+                f"{directory} holds no {MANIFEST}: not a dataset run directory") from None
+        raise ManifestMismatchError(
+            f"{directory} holds rows ({', '.join(rows)}) but no {MANIFEST} (deleted?): the "
+            "settings they were made with cannot be proven; rerun the dataset into another "
+            "--out") from None
+    try:
+        manifest = json.loads(text)
+    except ValueError as error:
+        manifest, problem = None, f"not valid JSON: {error}"
+    else:
+        problem = None if isinstance(manifest, dict) else "not a JSON object"
+    if problem is None and not (isinstance(manifest.get("kinds"), list)
+                                and all(isinstance(k, str) for k in manifest["kinds"])):
+        problem = "no list of kinds"
+    if problem is not None:
+        raise DamagedFileError(
+            f"{path} is damaged ({problem}), so the settings of the rows beside it cannot be "
+            f"checked: restore it from a copy, or {_afresh(directory)}")
+    return manifest
+
+
+def has_rows(directory: Path) -> list[str]:
+    """Names in ``directory`` that hold rows: a non-empty screen or results file, or shard
+    directories of a sharded run."""
+    directory = Path(directory)
+    found = [name for name in (SCREEN, RESULTS)
+             if (directory / name).exists() and (directory / name).stat().st_size > 0]
+    shards = sorted(p.name for p in directory.glob("shard-*-of-*") if p.is_dir())
+    return found + shards
+
+
+def check_run_directory(directory: Path) -> None:
+    """Refuse, before a model is loaded, a directory whose rows no run may resume: rows with
+    no manifest, or a damaged manifest. A directory that does not exist, or holds no rows and
+    no manifest, is a fresh start."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    if not (directory / MANIFEST).exists():
+        rows = has_rows(directory)
+        if rows:
+            raise ManifestMismatchError(
+                f"{directory} holds rows ({', '.join(rows)}) but no {MANIFEST}: the settings "
+                f"they were made with cannot be proven, so they are not resumed; "
+                f"{_afresh(directory)}")
+        return
+    read_manifest(directory)
+
+
+def _differences(previous: dict, manifest: dict, skip: Sequence[str] = ("about",)) -> str:
+    differs = sorted(k for k in set(previous) | set(manifest)
+                     if k not in skip and previous.get(k) != manifest.get(k))
+    return "; ".join(
+        f"{_MEANING[k]} differ(s) ({k} {previous.get(k)!r} -> {manifest.get(k)!r})"
+        if k in _MEANING else f"{k}: {previous.get(k)!r} -> {manifest.get(k)!r}"
+        for k in differs)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` to ``fd`` completely (a write may take only part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 class RunDirectory:
@@ -82,35 +218,45 @@ class RunDirectory:
         self._lock.close()
 
     def _open(self, manifest: dict) -> None:
+        check_run_directory(self.path)
         stored = self.path / MANIFEST
         if stored.exists():
-            previous = json.loads(stored.read_text())
-            differs = sorted(k for k in set(previous) | set(manifest)
-                             if k != "about" and previous.get(k) != manifest.get(k))
-            if differs:
-                detail = "; ".join(
-                    f"{_MEANING[k]} differ(s) ({k} {previous.get(k)!r} -> {manifest.get(k)!r})"
-                    if k in _MEANING else f"{k}: {previous.get(k)!r} -> {manifest.get(k)!r}"
-                    for k in differs)
+            detail = _differences(read_manifest(self.path), manifest)
+            if detail:
                 raise ManifestMismatchError(
                     f"{self.path} holds a run with other settings or inputs ({detail}); resume "
                     "with the same ones or choose another output directory")
         else:
             tmp = stored.with_suffix(".tmp")
-            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-            os.replace(tmp, stored)
+            try:
+                tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+                os.replace(tmp, stored)
+            finally:
+                tmp.unlink(missing_ok=True)
         self.manifest = manifest
         for name in (SCREEN, RESULTS):
             _drop_partial_line(self.path / name)
 
     def append(self, name: str, rows: list[dict]) -> None:
+        """Append ``rows`` in one synced write; if it fails (disk full, Ctrl-C) the file is cut
+        back to where it was, so it never ends in part of a batch."""
         if not rows:
             return
-        text = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
-        with open(self.path / name, "a") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        data = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows).encode()
+        fd = os.open(self.path / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            except BaseException as error:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
+                if isinstance(error, OSError) and error.errno and error.filename is None:
+                    raise OSError(error.errno, error.strerror, str(self.path / name)) from error
+                raise
+        finally:
+            os.close(fd)
 
     def rows(self, name: str = RESULTS) -> Iterator[dict]:
         return read_jsonl(self.path / name)
