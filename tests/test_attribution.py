@@ -19,6 +19,7 @@ from pyvene_causaltrace.attribution import (
     attribute,
     demeaned_logit,
     logit_difference,
+    remove_checkpoint,
     run_local_replacement,
 )
 from pyvene_causaltrace.attribution.budget import batch_size_for
@@ -277,6 +278,8 @@ def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, m
     resumed = attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
     assert sum(calls) == whole.n_features - 48  # only the missing rows were computed
     assert torch.equal(square(resumed), square(whole))
+    assert checkpoint.exists()  # kept until the caller has saved the graph
+    remove_checkpoint(checkpoint)
     assert not checkpoint.exists()
 
 

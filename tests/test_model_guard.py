@@ -9,11 +9,13 @@ import types
 
 import pytest
 import torch
+from clt_fixtures import random_clt_tensors, write_clt
 from conftest import PROMPT, SUBJECT, make_tiny_model, prompt_ids
 
-from pyvene_causaltrace import Tracer, run_spec, trace
+from pyvene_causaltrace import Tracer, attribute, run_spec, trace
 from pyvene_causaltrace.cli import main
 from pyvene_causaltrace.model_guard import measuring
+from pyvene_causaltrace.transcoders import load_from_disk
 
 OPTIONS = {"seeds": 3, "scale": 3.0, "answer": " Paris"}
 
@@ -150,3 +152,16 @@ def test_ctrl_c_during_a_trace_is_one_line_and_130(tokenizer, tmp_path, monkeypa
     assert len(captured.err.strip().splitlines()[-1:]) == 1 and "interrupted" in captured.err
     assert "Traceback" not in captured.err + captured.out
     assert not list((tmp_path / "out").glob("*.json"))  # nothing half-written
+
+
+def test_a_graph_of_a_model_in_train_mode_is_its_eval_graph(tokenizer, tmp_path):
+    """Dropout on (GPT-2's p=0.5): the graph is the eval model's, edge for edge, and closes."""
+    model = _with_dropout()
+    clt = load_from_disk(str(write_clt(tmp_path / "clt", random_clt_tensors(3, 32, 48,
+                                                                             threshold=0.1))))
+    reference = attribute(model.eval(), tokenizer, clt, PROMPT)
+    model.train()
+    graph = attribute(model, tokenizer, clt, PROMPT)
+    assert graph.closure.relative < 1e-5
+    assert graph.to_dataframe().equals(reference.to_dataframe())
+    assert model.training

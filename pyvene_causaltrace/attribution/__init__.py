@@ -16,6 +16,7 @@ interrupted runs) -> :mod:`.reading` (influence, pruning, scores), :mod:`.export
 
 from .attribute import attribute, make_target
 from .budget import MemoryCapError
+from .checkpoint import remove_checkpoint
 from .edges import CLOSURE_TOLERANCE, Closure, ClosureError
 from .graph import AttributionGraph, GraphFileError
 from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
@@ -35,5 +36,6 @@ __all__ = [
     "demeaned_logit",
     "logit_difference",
     "make_target",
+    "remove_checkpoint",
     "run_local_replacement",
 ]

@@ -16,6 +16,11 @@ Every row is checked as it is computed: one whose residual exceeds
 :data:`~.edges.CLOSURE_TOLERANCE` of the scale of what it sums raises
 :class:`~.edges.ClosureError` (unless ``check_closure=False``) — a graph that does not add up
 is never returned as if it did.
+
+With a checkpoint directory the rows are saved as they are computed (:mod:`.checkpoint`) and the
+checkpoint is left in place, complete, when the graph is returned: a rerun with the same inputs
+loads every row and computes none. Remove it (:func:`~.checkpoint.remove_checkpoint`) once the
+graph is saved.
 """
 
 from __future__ import annotations
@@ -30,13 +35,20 @@ from torch import nn
 from ..errors import InputError
 from ..fingerprint import model_fingerprint, package_version, transcoder_fingerprint
 from ..finite import check_finite, check_weights, positive_number
+from ..model_guard import measured
 from ..models import check_inputs, model_name
 from ..prompts import answer_token_id
 from ..pyvene_compat import accepts_intervenable
 from ..runlock import single_writer
 from ..transcoders.transcoder import Transcoder, check_fits
-from .budget import active_counts, batch_size_for, check_forward_fits, feature_budget
-from .checkpoint import Checkpoint, tensor_digest
+from .budget import (
+    active_counts,
+    batch_size_for,
+    check_batch_fits,
+    check_forward_fits,
+    feature_budget,
+)
+from .checkpoint import Checkpoint, remove_checkpoint, tensor_digest
 from .edges import (
     CLOSURE_TOLERANCE,
     Closure,
@@ -58,6 +70,39 @@ SAVE_EVERY_S = 30.0
 #: At most this many rankings per graph: each reads every stored row, so on big graphs the
 #: queue between rankings grows to budget / RERANKS rows.
 RERANKS = 16
+#: The target kinds :func:`make_target` builds.
+TARGET_KINDS = ("demeaned", "demeaned_vocab", "difference")
+
+
+def _count(value: object, name: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_attribute_arguments(*, target: str = "demeaned", other: str | None = None,
+                              k: int = 10, max_feature_nodes: int | None = None,
+                              memory_mb: float = 4096, batch_size: int | None = None,
+                              max_batch: int | None = None, update_interval: int = 4) -> None:
+    """Raise :class:`InputError` for an argument :func:`attribute` would refuse, before
+    anything is loaded or run: a target kind it does not know, ``other`` missing for (or
+    given without) ``target="difference"``, a count below its minimum, a memory cap that is
+    not a finite positive number."""
+    if target not in TARGET_KINDS:
+        raise InputError(f"target must be one of {', '.join(TARGET_KINDS)}, got {target!r}")
+    if target == "difference" and not other:
+        raise InputError("a logit-difference target needs the other token (other=..., "
+                         "--other)")
+    if target != "difference" and other is not None:
+        raise InputError(f"other={other!r} is only read by target='difference' (--target "
+                         f"difference); the target is {target!r}")
+    _count(k, "k", 1)
+    if max_feature_nodes is not None:
+        _count(max_feature_nodes, "max_feature_nodes", 0)
+    positive_number(memory_mb, "memory_mb")
+    for name, value in (("batch_size", batch_size), ("max_batch", max_batch)):
+        if value is not None:
+            _count(value, name, 1)
+    _count(update_interval, "update_interval", 1)
 
 
 def make_target(logits: torch.Tensor, tokenizer, answer: str | None, *, kind: str = "demeaned",
@@ -109,6 +154,7 @@ class _Ranking:
         return order[~done[order]][:min(self.queue, left)]
 
 
+@measured  # one graph per model at a time, in eval mode
 @accepts_intervenable
 def attribute(
     model: nn.Module, tokenizer, clt: Transcoder, prompt: str,
@@ -116,7 +162,8 @@ def attribute(
     k: int = 10, max_feature_nodes: int | None = None, memory_mb: float = 4096,
     batch_size: int | None = None, max_batch: int | None = None, update_interval: int = 4,
     freeze: bool = True, loop: bool = False, progress: bool = False,
-    checkpoint: str | Path | None = None, check_closure: bool = True,
+    checkpoint: str | Path | None = None, keep_checkpoint: bool = True,
+    check_closure: bool = True,
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next-token ``answer`` (a single token; default:
     the clean argmax) through ``clt``.
@@ -128,8 +175,15 @@ def attribute(
     per backward are as many as fit, at most ``max_batch`` (default: 32 on CPU, 512 on GPU);
     ``batch_size`` fixes them instead; ``loop=True`` uses one backward per node (the reference).
     With ``checkpoint`` (a directory) the rows computed so far are saved every
-    ``SAVE_EVERY_S`` seconds and an interrupted call with the same inputs resumes from them
-    exactly; the directory is removed when the graph is complete.
+    ``SAVE_EVERY_S`` seconds and once more when the last row is done, and an interrupted call
+    with the same inputs resumes from them exactly. The directory is **kept** when the graph is
+    returned, so that a crash before the graph is saved loses no row (a rerun loads them all
+    and computes none); delete it with ``keep_checkpoint=False`` here (the graph then lives only
+    in memory) or, better, with :func:`~.checkpoint.remove_checkpoint` after saving the graph.
+    A checkpoint of another graph, or a damaged one (every shard is checked against its
+    SHA-256), raises :class:`~pyvene_causaltrace.errors.CheckpointMismatchError` naming the
+    directory to remove. ``metadata["rows_resumed"]`` and ``["rows_computed"]`` count the rows
+    loaded from it and computed by this call (the target row included).
 
     ``clt`` is any :class:`~..transcoders.Transcoder`: cross-layer or a per-layer set (a skip
     path is a linear route from the input it reads: its effect reaches the graph through the
@@ -152,9 +206,10 @@ def attribute(
     """
     if not prompt:
         raise InputError("the prompt is empty")
-    positive_number(memory_mb, "memory_mb")
-    if update_interval < 1:
-        raise InputError(f"update_interval must be >= 1, got {update_interval}")
+    check_attribute_arguments(target=target, other=other, k=k,
+                              max_feature_nodes=max_feature_nodes, memory_mb=memory_mb,
+                              batch_size=batch_size, max_batch=max_batch,
+                              update_interval=update_interval)
     check_fits(clt, model)
     check_weights(model)
     clock = {"start": time.perf_counter(), "ranking": 0.0}
@@ -181,6 +236,8 @@ def attribute(
     clock["forward"] = time.perf_counter() - clock["start"]
 
     n, logit_node = run.n_features, run.n_columns
+    if batch_size is not None:
+        check_batch_fits(run, memory_mb, batch_size)
     size = batch_size or batch_size_for(run, memory_mb, max_batch)
     first_guess = logit_row[:n].abs().argsort(descending=True).cpu()
     budget = feature_budget(run, memory_mb, size, max_feature_nodes, first_guess)
@@ -191,7 +248,8 @@ def attribute(
     with lock:
         key = _run_key(model, run, goal, clt, settings)
         store_file = Checkpoint(checkpoint, key, SAVE_EVERY_S)
-        restored = store_file.load(run.n_columns)
+        restored = store_file.load(run.n_columns, n)
+        resumed = 0 if restored is None else restored[0].n_rows
         if restored is None:
             store, pending = RowStore(run.n_columns), torch.zeros(0, dtype=torch.long)
             store.append(torch.tensor([logit_node]), logit_row[None],
@@ -227,7 +285,9 @@ def attribute(
                 bar.update(len(chunk))
         if bar is not None:
             bar.close()
-        store_file.remove()
+        store_file.maybe_save(store, pending, force=True)
+    if checkpoint is not None and not keep_checkpoint:
+        remove_checkpoint(checkpoint)
     seconds = {"total": time.perf_counter() - clock["start"], "forward": clock["forward"],
                "ranking": clock["ranking"]}
     seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]
@@ -254,7 +314,8 @@ def attribute(
                   "rows_mb": store.nbytes / 2**20, "seconds": seconds,
                   "max_logit_change": float((run.logits.detach() - uncapped).abs().max()),
                   "steering": steering_metadata(run, logit_row),
-                  "closure_checked": check_closure})
+                  "closure_checked": check_closure, "rows_resumed": resumed,
+                  "rows_computed": store.n_rows - resumed})
 
 
 def steering_metadata(run: ReplacementRun, logit_row: torch.Tensor) -> list[dict]:

@@ -8,7 +8,9 @@ the stored rows will cost, decided before anything large is allocated.
 - :func:`batch_size_for`: rows per backward that fit beside the forward graph;
 - :func:`feature_budget`: how many feature rows the sparse row store can hold; each row's
   nonzero entries are bounded by its causal cone (features and errors of earlier layers at the
-  same or earlier positions, tokens at the same or earlier positions).
+  same or earlier positions, tokens at the same or earlier positions), and a budget below the
+  active features also holds what ranking by influence reads (the edges among explored rows);
+- :func:`check_batch_fits`: a batch size fixed by the caller, checked like the one chosen.
 
 Every refusal is a :class:`MemoryCapError` that says what to change.
 """
@@ -38,6 +40,11 @@ ACTIVATION_UNITS = 24
 ENTRY_BYTES = 8
 #: Transient bytes per entry of a reading chunk (row/column int64, values as float64, masks).
 CHUNK_BYTES = 48
+#: Transient bytes per stored entry whose source is an explored feature while a ranking reads
+#: the rows' influence (:func:`~.reading.influence` keeps the edges among rows: row and source
+#: int64 and weight float64, concatenated, then two float64 temporaries per term): measured
+#: 38 B beyond the chunks on a 6 M-entry store of only such entries.
+INFLUENCE_BYTES = 40
 
 
 def active_counts(model: nn.Module, clt, input_ids: torch.Tensor,
@@ -114,18 +121,43 @@ def batch_size_for(run, memory_mb: float, max_batch: int | None = None) -> int:
     return max(1, min(max_batch, int(budget // per_row)))
 
 
-def row_entry_bounds(run) -> torch.Tensor:
-    """``[n_features]``: at most how many nonzero entries each feature's row has — the active
-    features, errors and tokens in its causal cone (earlier layers, same or earlier
-    positions)."""
+def check_batch_fits(run, memory_mb: float, batch: int) -> None:
+    """Raise :class:`MemoryCapError` unless ``batch`` gradient rows per backward (a size the
+    caller fixed) fit ``memory_mb`` beside the forward graph."""
+    need = run.forward_bytes + batch * row_bytes(run)
+    if need > memory_mb * 2**20:
+        raise MemoryCapError(
+            f"batch_size={batch} needs about {need / 2**20:,.0f} MB (forward graph "
+            f"{run.forward_bytes / 2**20:,.0f} MB, {row_bytes(run) / 2**20:,.1f} MB per "
+            f"gradient row) and the memory cap is {memory_mb:,.0f} MB; lower batch_size (or "
+            f"leave it unset: at most {batch_size_for(run, memory_mb, batch)} fit) or raise "
+            "memory_mb")
+
+
+def row_feature_bounds(run) -> torch.Tensor:
+    """``[n_features]``: the active features in each feature's causal cone (earlier layers,
+    same or earlier positions): at most the feature entries of its row."""
     layers, positions = run.feature_layer.cpu(), run.feature_position.cpu()
     n_layers, n_pos = run.n_layers, run.n_pos
     grid = torch.zeros(n_layers, n_pos, dtype=torch.long)
     grid.index_put_((layers, positions), torch.ones_like(layers), accumulate=True)
     # cone[l, p] = features at layers < l and positions <= p
     below = torch.cat([torch.zeros(1, n_pos, dtype=torch.long), grid.cumsum(0)[:-1]])
-    cone = below.cumsum(1)
-    return cone[layers, positions] + layers * (positions + 1) + positions + 1
+    return below.cumsum(1)[layers, positions]
+
+
+def row_entry_bounds(run) -> torch.Tensor:
+    """``[n_features]``: at most how many nonzero entries each feature's row has — the active
+    features, errors and tokens in its causal cone (earlier layers, same or earlier
+    positions)."""
+    layers, positions = run.feature_layer.cpu(), run.feature_position.cpu()
+    return row_feature_bounds(run) + layers * (positions + 1) + positions + 1
+
+
+def _ranking_bytes(feature_cones: torch.Tensor, rows: int) -> float:
+    """At most what a ranking's influence holds with ``rows`` feature rows: each row has at
+    most ``min(its cone's features, rows)`` entries whose source has a row."""
+    return INFLUENCE_BYTES * float(feature_cones[:rows].clamp(max=rows).sum())
 
 
 def feature_budget(run, memory_mb: float, batch: int, requested: int | None,
@@ -133,10 +165,13 @@ def feature_budget(run, memory_mb: float, batch: int, requested: int | None,
     """Feature rows to compute: ``requested`` (capped at the active features) when given;
     otherwise every feature if their rows fit ``memory_mb`` beside the forward graph and a batch
     of gradient rows, else the largest number that fits, taken in ``order`` (one log line says
-    so). Row sizes are their causal cones' (an upper bound). Raises :class:`MemoryCapError`
-    when not even one row fits, or the requested rows cannot."""
+    so). Row sizes are their causal cones' (an upper bound); a budget below ``n_features`` is
+    ranked by influence, which reads the edges among the rows, and that is counted too.
+    Raises :class:`MemoryCapError` when not even one row fits, or the requested rows
+    cannot."""
     n = run.n_features
     bounds = row_entry_bounds(run)[order.cpu()].double()
+    cones = row_feature_bounds(run)[order.cpu()]
     encoder = run.encoder_rows.numel() * run.encoder_rows.element_size()
     free = memory_mb * 2**20 - run.forward_bytes - encoder - batch * row_bytes(run)
     entries = bounds.cumsum(0)
@@ -146,17 +181,27 @@ def feature_budget(run, memory_mb: float, batch: int, requested: int | None,
         if requested < 0:
             raise InputError(f"max_feature_nodes must be >= 0, got {requested}")
         requested = min(requested, n)
-        if requested and cost[requested - 1] > free:
+        ranking = _ranking_bytes(cones, requested) if requested < n else 0.0
+        if requested and float(cost[requested - 1]) + ranking > free:
             raise MemoryCapError(
                 f"max_feature_nodes={requested} needs up to "
-                f"{(cost[requested - 1] + memory_mb * 2**20 - free) / 2**20:,.0f} MB (forward "
-                f"graph {run.forward_bytes / 2**20:,.0f} MB, rows of up to "
-                f"{int(bounds[:requested].sum()):,} entries) and the memory cap is "
-                f"{memory_mb:,.0f} MB; raise memory_mb or lower max_feature_nodes")
+                f"{(float(cost[requested - 1]) + ranking + memory_mb * 2**20 - free) / 2**20:,.0f}"
+                f" MB (forward graph {run.forward_bytes / 2**20:,.0f} MB, rows of up to "
+                f"{int(bounds[:requested].sum()):,} entries, {ranking / 2**20:,.0f} MB to rank "
+                f"them) and the memory cap is {memory_mb:,.0f} MB; raise memory_mb or lower "
+                "max_feature_nodes")
         return requested
     fits = int((cost <= free).sum())
     if fits >= n:
         return n
+    low, high = 0, fits  # the most rows that fit with their ranking (monotone in the rows)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if float(cost[middle - 1]) + _ranking_bytes(cones, middle) <= free:
+            low = middle
+        else:
+            high = middle - 1
+    fits = low
     if fits == 0:
         raise MemoryCapError(
             f"no feature row fits beside the forward graph ({run.forward_bytes / 2**20:.0f} MB) "

@@ -1,36 +1,47 @@
 """Rows computed so far, on disk, so an interrupted ``attribute`` resumes where it stopped.
 
 A checkpoint is a directory: ``manifest.json`` (format, schema version, the run's key, the shard
-list and the queue of feature rows still pending from the last ranking) and one safetensors
-shard per save holding only the rows added since the previous one. A shard is written before
-the manifest that names it, and the manifest is replaced atomically, so a kill at any moment
-leaves a consistent checkpoint (at worst an unnamed shard, overwritten next time). Nothing in
-it is a pickle.
+list, each shard's size and SHA-256 under ``checksums``, and the queue of feature rows still
+pending from the last ranking) and one safetensors shard per save holding only the rows added
+since the previous one. A shard is written under a temporary name, hashed, and renamed before
+the manifest that names it is replaced (the same way), so a kill at any moment leaves a
+consistent checkpoint (at worst an unnamed shard, overwritten next time). Nothing in it is a
+pickle.
+
+On load every shard is checked against the manifest's size and SHA-256, and the rows against
+each other and the graph's size: a damaged, truncated or missing shard, or a manifest that
+cannot be read, is refused with :class:`CheckpointMismatchError` naming the directory to remove
+— never resumed from, in part or in whole.
 
 The run's key holds what the rows depend on — the prompt's tokens, the target, the settings,
 and fingerprints of the model's weights, the transcoder and the package version — and a
 checkpoint saved under another key is refused, naming what differs. While a graph is being built
 its checkpoint directory is locked (:mod:`~pyvene_causaltrace.runlock`): a second ``attribute``
-on it is refused.
+on it is refused. ``attribute`` leaves a complete checkpoint in place; :func:`remove_checkpoint`
+deletes it once the graph is saved.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
+import re
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointMismatchError
+from ..errors import CheckpointMismatchError, InputError
+from ..runlock import LOCK_NAME, single_writer
+from .export import replacing, write_text
 from .store import RowStore
 
 FORMAT = "pyvene_causaltrace.attribution_rows"
-SCHEMA_VERSION = 1
+#: 2: each shard's size and SHA-256 in the manifest (1 had none, and is refused).
+SCHEMA_VERSION = 2
+MANIFEST = "manifest.json"
+_SHARD = re.compile(r"shard-\d{5}\.safetensors")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def tensor_digest(*tensors: torch.Tensor) -> str:
@@ -39,6 +50,35 @@ def tensor_digest(*tensors: torch.Tensor) -> str:
     for t in tensors:
         digest.update(t.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def remove_checkpoint(path: str | Path) -> None:
+    """Delete the checkpoint at ``path``: its manifest, shards, temporary files and lock, then
+    the directory if nothing else is in it. Refused (:class:`OutputLockedError`) while another
+    run holds it. Call it once the graph built from it is saved."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise InputError(f"checkpoint {path} is not a directory")
+    with single_writer(path):
+        (path / MANIFEST).unlink(missing_ok=True)
+        for pattern in ("shard-*.safetensors", ".shard-*.tmp*", ".manifest.*.tmp*",
+                        f"{MANIFEST}.tmp"):
+            for file in path.glob(pattern):
+                file.unlink(missing_ok=True)
+    (path / LOCK_NAME).unlink(missing_ok=True)
+    if not any(path.iterdir()):
+        path.rmdir()
 
 
 class Checkpoint:
@@ -52,38 +92,111 @@ class Checkpoint:
         self.last = time.monotonic()
         self.saved_blocks = 0
         self.shards: list[str] = []
+        self.checksums: dict[str, dict] = {}
 
-    def load(self, n_columns: int) -> tuple[RowStore, torch.Tensor] | None:
-        """``(store, pending)`` saved for this key, or ``None`` (nothing saved, or rows of
-        another graph: then the directory is cleared with a warning)."""
-        if self.path is None or not (self.path / "manifest.json").exists():
-            return None
+    def _damaged(self, what: str) -> CheckpointMismatchError:
+        return CheckpointMismatchError(
+            f"{what}; remove {self.path} to start afresh (its rows cannot be trusted)")
+
+    def _manifest(self) -> dict:
+        """The manifest, checked for form; refused when it cannot be read or is not ours."""
+        path = self.path / MANIFEST
+        try:
+            manifest = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise self._damaged(f"checkpoint manifest {path} is damaged ({error})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise self._damaged(f"{path} is not an attribution checkpoint manifest")
+        if manifest.get("schema_version") != SCHEMA_VERSION:
+            raise self._damaged(f"{path} has checkpoint schema version "
+                                f"{manifest.get('schema_version')!r}; this version reads "
+                                f"{SCHEMA_VERSION} (shards with checksums)")
+        shards, pending = manifest.get("shards"), manifest.get("pending")
+        sums = manifest.get("checksums")
+        well_formed = isinstance(manifest.get("key"), dict) and isinstance(shards, list) \
+            and isinstance(sums, dict) and len(set(map(str, shards))) == len(shards) \
+            and all(isinstance(name, str) and _SHARD.fullmatch(name)
+                    and isinstance(sums.get(name), dict)
+                    and isinstance(sums[name].get("bytes"), int)
+                    and isinstance(sums[name].get("sha256"), str)
+                    and _SHA256.fullmatch(sums[name]["sha256"]) for name in shards) \
+            and isinstance(pending, list) \
+            and all(isinstance(i, int) and not isinstance(i, bool) and abs(i) < 2**62
+                    for i in pending)
+        if not well_formed:
+            raise self._damaged(f"checkpoint manifest {path} is damaged (malformed key, "
+                                "shard list or pending queue)")
+        return manifest
+
+    def _shard(self, n_columns: int, name: str, entry: dict) -> RowStore:
+        """One shard's rows, after its size and SHA-256 (``entry``) match the manifest's."""
         from safetensors.torch import load_file
 
+        path = self.path / name
+        if not path.is_file():
+            raise self._damaged(f"checkpoint shard {path} is missing")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise self._damaged(f"checkpoint shard {path} is damaged: {size:,} bytes, the "
+                                f"manifest says {entry['bytes']:,}")
+        if file_digest(path) != entry["sha256"]:
+            raise self._damaged(f"checkpoint shard {path} is damaged: its SHA-256 does not "
+                                "match the manifest's")
         try:
-            manifest = json.loads((self.path / "manifest.json").read_text())
-        except json.JSONDecodeError:
-            manifest = {}
-        if manifest.get("format") != FORMAT:
-            warnings.warn(f"{self.path} holds no readable checkpoint; starting afresh",
-                          stacklevel=3)
-            self.remove()
+            return RowStore.from_state(n_columns, load_file(str(path)))
+        except MemoryError:
+            raise
+        except Exception as error:  # safetensors raises its own types; from_state InputError
+            raise self._damaged(f"checkpoint shard {path} is unreadable ({error})") from None
+
+    def load(self, n_columns: int, n_features: int | None = None
+             ) -> tuple[RowStore, torch.Tensor] | None:
+        """``(store, pending)`` saved for this key, or ``None`` when nothing is saved. A
+        checkpoint of another graph, or a damaged one, raises
+        :class:`CheckpointMismatchError` (module docstring). ``n_features``: the graph's
+        active features (rows and the queue are checked against it)."""
+        if self.path is None or not (self.path / MANIFEST).exists():
             return None
-        saved = manifest.get("key", {})
+        manifest = self._manifest()
+        saved = manifest["key"]
         differs = sorted(k for k in set(saved) | set(self.key) if saved.get(k) != self.key.get(k))
         if differs:
             raise CheckpointMismatchError(
                 f"{self.path} holds rows of another graph ({', '.join(differs)} differ); "
-                "remove it to start afresh, or resume with the same inputs")
+                f"remove {self.path} to start afresh, or resume with the same inputs")
         store = RowStore(n_columns)
         for name in manifest["shards"]:
-            part = RowStore.from_state(n_columns, load_file(str(self.path / name)))
-            store.blocks.extend(part.blocks)
+            store.blocks.extend(self._shard(n_columns, name, manifest["checksums"][name]).blocks)
+        self._check_rows(store, manifest["pending"], n_columns, n_features)
         self.shards = list(manifest["shards"])
+        self.checksums = {name: manifest["checksums"][name] for name in self.shards}
         self.saved_blocks = len(store.blocks)
         return store, torch.tensor(manifest["pending"], dtype=torch.long)
 
+    def _check_rows(self, store: RowStore, pending: list[int], n_columns: int,
+                    n_features: int | None) -> None:
+        """Refuse rows that cannot be this graph's: a node twice, a row for a node that has
+        none (an error or token), no target row, a queue entry outside the features or done."""
+        where = self.path / MANIFEST
+        nodes = store.nodes
+        if len(torch.unique(nodes)) != len(nodes):
+            raise self._damaged(f"the shards of {self.path} hold a node's row twice")
+        if not bool((nodes == n_columns).any()):
+            raise self._damaged(f"the shards of {self.path} hold no target row")
+        if n_features is None:
+            return
+        if bool(((nodes >= n_features) & (nodes != n_columns)).any()):
+            raise self._damaged(f"the shards of {self.path} hold rows of nodes that are not "
+                                "features")
+        queue = torch.tensor(pending, dtype=torch.long)
+        if bool(((queue < 0) | (queue >= n_features)).any()) or \
+                len(torch.unique(queue)) != len(queue) or bool(torch.isin(queue, nodes).any()):
+            raise self._damaged(f"checkpoint manifest {where} is damaged (its pending queue "
+                                "names features outside the graph, twice, or already done)")
+
     def maybe_save(self, store: RowStore, pending: torch.Tensor, force: bool = False) -> None:
+        """Save the rows added since the last save as a new shard, and the manifest, when
+        ``every_s`` has passed since (or ``force``)."""
         if self.path is None or (not force and time.monotonic() - self.last < self.every_s):
             return
         from safetensors.torch import save_file
@@ -92,18 +205,14 @@ class Checkpoint:
         new = RowStore(store.n_columns, store.blocks[self.saved_blocks:])
         if new.blocks:
             name = f"shard-{len(self.shards):05d}.safetensors"
-            save_file(new.state(), str(self.path / name))
+            with replacing(self.path / name) as tmp:
+                save_file(new.state(), str(tmp))
+                entry = {"bytes": tmp.stat().st_size, "sha256": file_digest(tmp)}
             self.shards.append(name)
+            self.checksums[name] = entry
             self.saved_blocks = len(store.blocks)
         manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "key": self.key,
-                    "shards": self.shards, "pending": pending.tolist()}
-        tmp = self.path / "manifest.json.tmp"
-        tmp.write_text(json.dumps(manifest))
-        os.replace(tmp, self.path / "manifest.json")
+                    "shards": self.shards, "checksums": self.checksums,
+                    "pending": pending.tolist()}
+        write_text(json.dumps(manifest), self.path / MANIFEST)
         self.last = time.monotonic()
-
-    def remove(self) -> None:
-        if self.path is not None and self.path.exists():
-            shutil.rmtree(self.path)
-        self.shards, self.saved_blocks = [], 0
-

@@ -13,14 +13,22 @@ Numbers are written with 6 significant digits and the JSON without spaces, and a
 stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` holds the fields Neuronpedia's graph schema
 requires (with ``"steering"`` among the node kinds); :func:`check_graph_json` checks a payload
 against it.
+
+Every file here is written by :func:`replacing`: to a temporary name beside it, then renamed
+over it, so a kill or a full disk mid-write leaves the old file or none, never half of one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
 import json
 import logging
 import math
-from collections.abc import Mapping
+import os
+import re
+import secrets
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +126,14 @@ def node_ids(graph) -> list[str]:
 MAX_LINKS = 400_000
 
 
+def check_max_links(max_links: object) -> None:
+    """Raise :class:`InputError` unless ``max_links`` is None or an integer >= 1."""
+    if max_links is not None and (isinstance(max_links, bool) or not isinstance(max_links, int)
+                                  or max_links < 1):
+        raise InputError(f"max_links must be an integer >= 1 (or None: no cap), got "
+                         f"{max_links!r}")
+
+
 def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
                edge_threshold: float = 0.98, max_links: int | None = MAX_LINKS,
                labels: Mapping[tuple[int, int], str] | None = None) -> dict[str, Any]:
@@ -128,6 +144,7 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
     it has one (so the viewer links features to their pages), else the model's name."""
     from .. import __version__
 
+    check_max_links(max_links)
     pruned = graph.prune(node_threshold, edge_threshold)
     edge_target, edge_source, edge_weight = pruned.edge_target, pruned.edge_source, \
         pruned.edge_weight
@@ -201,9 +218,33 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
     return {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
 
 
+@contextlib.contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` (same suffix, so writers that go by it still do) to
+    write to: when the block ends, the file is flushed to disk and renamed over ``path``
+    (``os.replace``); when it raises (an error, a full disk, Ctrl-C) the temporary file is
+    removed and ``path`` is left as it was."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp{path.suffix}")
+    try:
+        yield tmp
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(text: str, path: str | Path) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through :func:`replacing`."""
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
 def write_json(payload: dict, path: str | Path) -> None:
-    """Write ``payload`` compactly (no spaces)."""
-    Path(path).write_text(json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+    """Write ``payload`` compactly (no spaces), through :func:`replacing`."""
+    write_text(json.dumps(payload, separators=(",", ":"), ensure_ascii=False), path)
 
 
 def write_circuit_tracer_dir(payload: dict, directory: str | Path) -> Path:
@@ -217,40 +258,128 @@ def write_circuit_tracer_dir(payload: dict, directory: str | Path) -> Path:
     slug = meta["slug"]
     write_json(payload, directory / f"{slug}.json")
     index_path = directory / "graph-metadata.json"
-    index = json.loads(index_path.read_text()) if index_path.exists() else {"graphs": []}
+    index = {"graphs": []}
+    if index_path.exists():
+        try:
+            index = json.loads(index_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise InputError(f"{index_path} is not a graph index ({error}); remove it to "
+                             "start a new one") from None
+        if not isinstance(index, dict) or not isinstance(index.get("graphs"), list):
+            raise InputError(f"{index_path} is not a graph index (no 'graphs' list); remove "
+                             "it to start a new one")
     entry = {key: meta[key] for key in ("slug", "scan", "prompt", "prompt_tokens",
                                         "node_threshold", "transcoder_list") if key in meta}
-    index["graphs"] = [g for g in index["graphs"] if g.get("slug") != slug] + [entry]
-    index_path.write_text(json.dumps(index, indent=1))
+    index["graphs"] = [g for g in index["graphs"]
+                       if not isinstance(g, dict) or g.get("slug") != slug] + [entry]
+    write_text(json.dumps(index, indent=1), index_path)
     return directory / f"{slug}.json"
 
 
-def read_labels(path: str | Path) -> dict[tuple[int, int], str]:
-    """Feature labels from a table: CSV/TSV (columns ``layer``, ``feature`` and ``label``,
-    ``clerp`` or ``description``) or JSON (a list of such records, or ``{"layer/feature":
-    label}``). Raises ``ValueError`` naming the file and row on anything else."""
-    import pandas as pd
+#: A layer or feature number as a labels file may write it: digits, or digits and ``.0``.
+_INTEGER = re.compile(r"\d+(\.0*)?")
+_TEXT_COLUMNS = ("label", "clerp", "description")
 
+
+def _index(value: object) -> int | None:
+    """``value`` as a non-negative integer if it is exactly one (``3``, ``"3"``, ``"3.0"``,
+    ``3.0``), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, float):
+        return int(value) if math.isfinite(value) and value.is_integer() and value >= 0 \
+            else None
+    if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        return int(value.strip().split(".")[0])
+    return None
+
+
+def _csv_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` per data row of a CSV/TSV table (``where``: "row N (line M)")."""
+    delimiter = "\t" if path.suffix in (".tsv", ".tab") else ","
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            reader = csv.reader(handle, delimiter=delimiter, strict=True)
+            header = next(reader, None)
+            if header is None:
+                raise InputError(f"{path} is empty: need a header row layer, feature, label")
+            header = [name.strip() for name in header]
+            for row, cells in enumerate(reader, start=1):
+                if not any(cell.strip() for cell in cells):
+                    continue
+                where = f"row {row} (line {reader.line_num})"
+                if len(cells) != len(header):
+                    raise InputError(f"{path}: {where} has {len(cells)} fields, the header "
+                                     f"{len(header)}")
+                yield where, dict(zip(header, cells, strict=True))
+    except (UnicodeDecodeError, csv.Error) as error:
+        raise InputError(f"{path} is not a readable CSV/TSV table: {error}") from None
+
+
+def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
+    """``(where, record)`` per entry of a JSON labels file (a list of records, or
+    ``{"layer/feature": label}``)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"{path} is not valid JSON: {error}") from None
+    if isinstance(data, dict):
+        for key, value in data.items():
+            layer, slash, feature = key.partition("/")
+            if not slash:
+                raise InputError(f"{path}: key {key!r} is not 'layer/feature'")
+            yield f"key {key!r}", {"layer": layer, "feature": feature, "label": value}
+    elif isinstance(data, list):
+        for row, record in enumerate(data, start=1):
+            if not isinstance(record, dict):
+                raise InputError(f"{path}: record {row} is a {type(record).__name__}, not an "
+                                 "object with layer, feature and label")
+            yield f"record {row}", record
+    else:
+        raise InputError(f"{path}: a list of records or an object of 'layer/feature': label "
+                         f"is expected, found a {type(data).__name__}")
+
+
+def read_labels(path: str | Path) -> dict[tuple[int, int], str]:
+    """Feature labels from a table: CSV/TSV (a header naming ``layer``, ``feature`` and
+    ``label``, ``clerp`` or ``description``) or JSON (a list of such records, or
+    ``{"layer/feature": label}``).
+
+    ``layer`` and ``feature`` must be exact non-negative integers: ``3`` or ``"3"``, and
+    ``3.0`` (exactly integral) from tables written with float columns; ``1.9``, ``-1``, ``x``
+    or a missing value are refused. A (layer, feature) given twice with different labels is
+    refused (the same label twice is kept once). Every refusal is an :class:`InputError`
+    naming the file and the row (CSV: ``row N (line M)``; JSON: ``record N`` or the key)."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"labels file {path} does not exist")
-    if path.suffix == ".json":
-        data = json.loads(path.read_text())
-        if isinstance(data, dict):
-            data = [{"layer": key.split("/")[0], "feature": key.split("/")[-1], "label": value}
-                    for key, value in data.items()]
-        table = pd.DataFrame(data)
-    else:
-        table = pd.read_csv(path, sep="\t" if path.suffix in (".tsv", ".tab") else ",")
-    text = next((c for c in ("label", "clerp", "description") if c in table.columns), None)
-    if text is None or not {"layer", "feature"} <= set(table.columns):
-        raise InputError(f"{path}: need columns layer, feature and label (or clerp / "
-                         f"description); found {list(table.columns)}")
-    labels = {}
-    for row, record in enumerate(table.to_dict("records")):
-        try:
-            labels[(int(record["layer"]), int(record["feature"]))] = str(record[text])
-        except (TypeError, ValueError):
-            raise InputError(f"{path}: row {row + 1} has layer {record['layer']!r}, feature "
-                             f"{record['feature']!r}: not integers") from None
+    if path.is_dir():
+        raise InputError(f"labels file {path} is a directory")
+    records = _json_records(path) if path.suffix == ".json" else _csv_records(path)
+    labels: dict[tuple[int, int], str] = {}
+    first: dict[tuple[int, int], str] = {}
+    text = None
+    for where, record in records:
+        if text is None:
+            text = next((c for c in _TEXT_COLUMNS if c in record), None)
+            if text is None or not {"layer", "feature"} <= set(record):
+                raise InputError(f"{path}: need columns layer, feature and label (or clerp / "
+                                 f"description); found {list(record)}")
+        layer, feature = _index(record.get("layer")), _index(record.get("feature"))
+        if layer is None or feature is None:
+            raise InputError(f"{path}: {where} has layer {record.get('layer')!r}, feature "
+                             f"{record.get('feature')!r}: both must be non-negative integers")
+        label = record.get(text)
+        if isinstance(label, bool) or not isinstance(label, str | int | float):
+            raise InputError(f"{path}: {where} has {text} {label!r}: text expected")
+        key, label = (layer, feature), str(label)
+        if key in labels and labels[key] != label:
+            raise InputError(f"{path}: {where} labels layer {layer}, feature {feature} "
+                             f"{label!r}, but {first[key]} labels it {labels[key]!r}")
+        labels.setdefault(key, label)
+        first.setdefault(key, where)
+    if text is None:
+        raise InputError(f"{path} holds no labels")
     return labels

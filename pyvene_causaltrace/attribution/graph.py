@@ -19,6 +19,9 @@ direct effects on every computed row kept, so each row still closes:
     graph.to_json("graph.json")         # circuit-tracer / Neuronpedia viewer format
     graph.save("graph.safetensors")     # tensors + JSON header, never a pickle
 
+Both write to a temporary name beside the file and rename it over the file when done, so a kill
+or a full disk mid-write leaves the old file or none, never half of one.
+
 Derived results (influence, pruning, scores) are memoised on the graph.
 """
 
@@ -34,6 +37,7 @@ import torch
 
 from ..errors import GraphFileError, InputError
 from .edges import Closure
+from .export import graph_json, replacing, write_json
 from .reading import Layout, PruneResult, graph_scores, influence, logit_weights, prune
 from .store import RowStore
 
@@ -129,7 +133,7 @@ class AttributionGraph:
         target); raises for a node without a row."""
         index = int(self.rows.row_of_node(self.layout.n_nodes)[node])
         if index < 0:
-            raise KeyError(f"node {node} ({self.label(node)}) has no computed row")
+            raise InputError(f"node {node} ({self.label(node)}) has no computed row")
         return self.rows.dense([index])[0]
 
     def target_row(self) -> torch.Tensor:
@@ -333,9 +337,7 @@ class AttributionGraph:
 
     def to_json(self, path: str | Path | None = None, **kwargs: Any) -> dict:
         """The circuit-tracer / Neuronpedia graph JSON (:func:`~.export.graph_json`); written
-        compactly to ``path`` when given."""
-        from .export import graph_json, write_json
-
+        compactly to ``path`` when given (whole or not at all)."""
         payload = graph_json(self, **kwargs)
         if path is not None:
             write_json(payload, path)
@@ -350,7 +352,8 @@ class AttributionGraph:
     # ---------------------------------------------------------------------- files
     def save(self, path: str | Path) -> None:
         """Write the graph to one safetensors file: tensors, and everything else as JSON in its
-        header (no pickle: loading never runs code)."""
+        header (no pickle: loading never runs code). Written under a temporary name and renamed
+        over ``path`` when complete: never half a file under ``path``."""
         from safetensors.torch import save_file
 
         header = {"prompt": self.prompt, "tokens": self.tokens, "target": self.target,
@@ -361,9 +364,10 @@ class AttributionGraph:
         tensors = {name: getattr(self, name).contiguous() for name in _FEATURE_TENSORS}
         tensors["input_ids"] = torch.tensor(self.input_ids, dtype=torch.long)
         tensors.update(self.rows.state())
-        save_file(tensors, str(path), metadata={
-            "format": GRAPH_FORMAT, "schema_version": "3" if self.steering else "2",
-            "graph": json.dumps(header, default=str)})
+        metadata = {"format": GRAPH_FORMAT, "schema_version": "3" if self.steering else "2",
+                    "graph": json.dumps(header, default=str)}
+        with replacing(path) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
 
     @classmethod
     def load(cls, path: str | Path) -> AttributionGraph:
@@ -386,23 +390,43 @@ class AttributionGraph:
         if meta.get("schema_version") not in _READABLE_VERSIONS:
             raise GraphFileError(f"{path} has graph schema version {meta.get('schema_version')}; "
                                  f"this version reads {', '.join(_READABLE_VERSIONS)}")
+        try:
+            graph = cls._from_file(meta, tensors)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            detail = error if isinstance(error, InputError) else \
+                f"{type(error).__name__}: {error}"
+            raise GraphFileError(f"{path} is a damaged attribution graph file: {detail}") \
+                from None
+        if graph.layout.n_nodes - 1 != graph.rows.n_columns:
+            raise GraphFileError(f"{path}: {graph.rows.n_columns} columns for "
+                                 f"{graph.layout.n_nodes - 1} source nodes")
+        if graph._logit_row() < 0:
+            raise GraphFileError(f"{path} is a damaged attribution graph file: no target row")
+        c = graph.closure
+        if not c.scale:  # written before the scale was kept: the logit row's
+            scale = float(graph.rows.abs_sums()[graph._logit_row()]) + abs(c.constant) \
+                + abs(c.target)
+            graph.closure = Closure(c.target, c.edges, c.constant, scale)
+        return graph
+
+    @classmethod
+    def _from_file(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> AttributionGraph:
+        """The graph in a file's header and tensors (raising KeyError, TypeError or
+        ValueError on anything missing or malformed)."""
         header = json.loads(meta["graph"])
         target = header["target"]
         target["coefficients"] = {int(k): v for k, v in target.get("coefficients", {}).items()}
         c = header["closure"]
-        graph = cls(prompt=header["prompt"], tokens=header["tokens"],
-                    input_ids=tensors["input_ids"].tolist(), target=target,
-                    answer=header["answer"], answer_prob=header["answer_prob"],
-                    n_layers=header["n_layers"],
-                    **{name: tensors[name] for name in _FEATURE_TENSORS},
-                    rows=RowStore.from_state(header["n_columns"], tensors),
-                    closure=Closure(c["target"], c["edges"], c["constant"], c.get("scale", 0.0)),
-                    metadata=header["metadata"], steering=header.get("steering", []))
-        if graph.layout.n_nodes - 1 != graph.rows.n_columns:
-            raise GraphFileError(f"{path}: {graph.rows.n_columns} columns for "
-                                 f"{graph.layout.n_nodes - 1} source nodes")
-        if not graph.closure.scale:  # written before the scale was kept: the logit row's
-            row = graph._logit_row()
-            scale = float(graph.rows.abs_sums()[row]) + abs(c["constant"]) + abs(c["target"])
-            graph.closure = Closure(c["target"], c["edges"], c["constant"], scale)
-        return graph
+        n_features = {len(tensors[name]) for name in _FEATURE_TENSORS}
+        if len(n_features) != 1 or any(tensors[name].dim() != 1 for name in _FEATURE_TENSORS):
+            raise InputError("feature tensors of different lengths")
+        if len(header["tokens"]) != len(tensors["input_ids"]):
+            raise InputError("tokens and input_ids of different lengths")
+        return cls(prompt=header["prompt"], tokens=header["tokens"],
+                   input_ids=tensors["input_ids"].tolist(), target=target,
+                   answer=header["answer"], answer_prob=header["answer_prob"],
+                   n_layers=header["n_layers"],
+                   **{name: tensors[name] for name in _FEATURE_TENSORS},
+                   rows=RowStore.from_state(header["n_columns"], tensors),
+                   closure=Closure(c["target"], c["edges"], c["constant"], c.get("scale", 0.0)),
+                   metadata=header["metadata"], steering=header.get("steering", []))

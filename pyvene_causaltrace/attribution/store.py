@@ -178,16 +178,40 @@ class RowStore:
     @classmethod
     def from_state(cls, n_columns: int, tensors: dict[str, torch.Tensor],
                    prefix: str = "rows.") -> RowStore:
-        """Inverse of :meth:`state`; checks that the arrays agree with each other."""
-        t = {name: tensors[f"{prefix}{name}"] for name in
-             ("nodes", "counts", "columns", "values", "constants", "targets")}
+        """Inverse of :meth:`state`. Refuses (:class:`InputError`, saying what is wrong)
+        arrays that cannot be rows of a graph of ``n_columns`` source nodes: missing, of the
+        wrong kind or lengths, entry counts that do not add up, a node or column outside the
+        graph, a node twice, a value that is not finite."""
+        names = ("nodes", "counts", "columns", "values", "constants", "targets")
+        missing = [f"{prefix}{name}" for name in names if f"{prefix}{name}" not in tensors]
+        if missing:
+            raise InputError(f"no row arrays {', '.join(missing)}")
+        t = {name: tensors[f"{prefix}{name}"] for name in names}
+        if any(t[name].dim() != 1 for name in names):
+            raise InputError("row arrays that are not one-dimensional")
+        integral = ("nodes", "counts", "columns")
+        if any(t[name].numel() and (t[name].is_floating_point() or t[name].is_complex()
+                                    or t[name].dtype == torch.bool) for name in integral) \
+                or any(t[name].numel() and not t[name].is_floating_point()
+                       for name in ("values", "constants", "targets")):
+            raise InputError("row arrays of the wrong dtype")
         n = len(t["nodes"])
         if not (len(t["counts"]) == len(t["constants"]) == len(t["targets"]) == n):
             raise InputError("row arrays of different lengths")
+        if n and int(t["counts"].min()) < 0:
+            raise InputError("a negative row entry count")
         if int(t["counts"].sum()) != len(t["values"]) or len(t["columns"]) != len(t["values"]):
             raise InputError("row entry counts do not match the stored entries")
-        if len(t["columns"]) and int(t["columns"].max()) >= n_columns:
+        if len(t["columns"]) and not (0 <= int(t["columns"].min())
+                                      and int(t["columns"].max()) < n_columns):
             raise InputError("a stored column is outside the graph")
+        if n and not (0 <= int(t["nodes"].min()) and int(t["nodes"].max()) <= n_columns):
+            raise InputError("a row's node is outside the graph")
+        if len(torch.unique(t["nodes"])) != n:
+            raise InputError("a node's row is stored twice")
+        if not all(bool(torch.isfinite(t[name]).all())
+                   for name in ("values", "constants", "targets")):
+            raise InputError("a stored row value is not finite")
         store = cls(n_columns)
         if n:
             store.blocks.append(RowBlock(t["nodes"].long(), t["counts"].long(),

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 from ..attribution import attribute
-from ..attribution.export import read_labels
+from ..attribution.attribute import check_attribute_arguments
+from ..attribution.checkpoint import remove_checkpoint
+from ..attribution.export import read_labels, replacing, write_text
 from ..attribution.validate import ablation_test
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
@@ -14,6 +16,10 @@ from ..specs import load_spec
 from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
 from .common import EIFFEL, out_dir
+
+#: The checkpoint directory under ``--out``: rows computed so far, kept until every output is
+#: written.
+ROWS_PARTIAL = "rows.partial"
 
 
 def attribution_settings(args) -> dict:
@@ -47,23 +53,39 @@ def attribution_settings(args) -> dict:
     return settings
 
 
+def check_attribute_flags(s: dict, max_links: object) -> None:
+    """Refuse any setting ``attribute`` would refuse, before a model, transcoder or row is
+    loaded or computed."""
+    if not s["prompt"]:
+        raise InputError("the prompt is empty")
+    for key in ("node_threshold", "edge_threshold"):
+        value = s[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+            raise InputError(f"--{key.replace('_', '-')} must be in [0, 1], got {value}")
+    if max_links is not None and (not isinstance(max_links, int) or max_links < 1):
+        raise InputError(f"--max-links must be >= 1, got {max_links}")
+    check_attribute_arguments(target=s["target"], other=s["other"], k=s["k"],
+                              max_feature_nodes=s["max_feature_nodes"],
+                              memory_mb=s["memory_mb"])
+
+
 def attribute_command(args) -> int:
     out_dir(args.out)
     s = attribution_settings(args)
-    for key in ("node_threshold", "edge_threshold"):
-        if not 0 <= s[key] <= 1:  # also refuses NaN
-            raise InputError(f"--{key.replace('_', '-')} must be in [0, 1], got {s[key]}")
-    if s["max_feature_nodes"] is not None and s["max_feature_nodes"] < 0:
-        raise InputError(f"max_feature_nodes must be >= 0, got {s['max_feature_nodes']}")
-    model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
-    clt = load_transcoder(s["clt"], format=s["format"])
+    check_attribute_flags(s, args.max_links)
     labels = read_labels(s["labels"]) if s["labels"] is not None else None
+    clt = load_transcoder(s["clt"], format=s["format"])
+    model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    checkpoint = out / ROWS_PARTIAL  # an interrupted run resumes; removed once all is written
     graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=s["target"],
                       other=s["other"], k=s["k"], memory_mb=s["memory_mb"],
                       max_feature_nodes=s["max_feature_nodes"], progress=True,
-                      checkpoint=out / "rows.partial")  # an interrupted run resumes
+                      checkpoint=checkpoint)
+    if graph.metadata["rows_resumed"]:
+        print(f"resumed {graph.metadata['rows_resumed']} rows from {checkpoint}, computed "
+              f"{graph.metadata['rows_computed']}")
     c = graph.closure
     print(f"{graph.prompt!r} -> {graph.answer!r} (p={graph.answer_prob:.4f}); "
           f"{graph.n_features} active features, {graph.n_explored} with rows, "
@@ -78,13 +100,16 @@ def attribute_command(args) -> int:
     print(graph.direct_attributions(10).to_string(index=False))
     pruned = graph.prune(s["node_threshold"], s["edge_threshold"])
     print(f"pruned: {pruned.n_nodes} nodes, {pruned.n_edges} edges")
+    # each file is written whole or not at all (export.replacing)
     graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
                   edge_threshold=s["edge_threshold"], max_links=args.max_links, labels=labels)
     graph.save(out / "graph.safetensors")
-    graph.nodes().to_csv(out / "nodes.csv", index=False)
-    graph.to_dataframe(pruned=True).to_csv(out / "edges.csv", index=False)
-    graph.plot(out / "graph.png", node_threshold=s["node_threshold"],
-               edge_threshold=s["edge_threshold"])
+    with replacing(out / "nodes.csv") as tmp:
+        graph.nodes().to_csv(tmp, index=False)
+    with replacing(out / "edges.csv") as tmp:
+        graph.to_dataframe(pruned=True).to_csv(tmp, index=False)
+    with replacing(out / "graph.png") as tmp:
+        graph.plot(tmp, node_threshold=s["node_threshold"], edge_threshold=s["edge_threshold"])
     summary = {"settings": s, "closure": c.to_dict(), "feature_closure": graph.feature_closure(),
                "decomposition": parts, "scores": scores, "metadata": graph.metadata,
                "pruned": {"nodes": pruned.n_nodes, "edges": pruned.n_edges}}
@@ -94,20 +119,43 @@ def attribute_command(args) -> int:
                                rank_by=s["validate"].get("rank_by", "influence"))
         print(result.to_dataframe().to_string(index=False))
         summary["ablation"] = result.to_dict()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    write_text(json.dumps(summary, indent=2, default=str), out / "summary.json")
+    remove_checkpoint(checkpoint)
     print(f"wrote {out}/graph.json, graph.safetensors, nodes.csv, edges.csv, graph.png, "
           "summary.json")
     return 0
 
 
 def read_texts(path: Path, limit: int) -> list[str]:
+    """Held-out texts: one per line of a text file, or ``"prompt attribute"`` per record of a
+    known_1000-style JSON list; a malformed file or record is refused naming it."""
     if limit <= 0:
         raise InputError(f"--limit must be positive, got {limit}")
+    try:
+        content = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise InputError(f"{path} is not UTF-8 text: {error}") from None
     if path.suffix == ".json":
-        records = json.loads(path.read_text())
-        texts = [f"{r['prompt']} {r['attribute']}" for r in records]
+        try:
+            records = json.loads(content)
+        except json.JSONDecodeError as error:
+            raise InputError(f"{path} is not valid JSON: {error}") from None
+        if not isinstance(records, list):
+            raise InputError(f"{path}: a JSON list of records with 'prompt' and 'attribute' "
+                             f"is expected, found a {type(records).__name__}")
+        texts = []
+        for i, record in enumerate(records):
+            if not isinstance(record, dict):
+                raise InputError(f"{path}: record {i} (counting from 0) is a "
+                                 f"{type(record).__name__}, not an object with 'prompt' and "
+                                 "'attribute'")
+            for key in ("prompt", "attribute"):
+                if not isinstance(record.get(key), str):
+                    raise InputError(f"{path}: record {i} (counting from 0) has no "
+                                     f"{key!r} string")
+            texts.append(f"{record['prompt']} {record['attribute']}")
     else:
-        texts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        texts = [line.strip() for line in content.splitlines() if line.strip()]
     if not texts:
         raise InputError(f"{path} holds no text")
     return texts[:limit]
@@ -115,9 +163,11 @@ def read_texts(path: Path, limit: int) -> list[str]:
 
 def clt_check_command(args) -> int:
     out_dir(args.out)
+    if not args.prompt:
+        raise InputError("--prompt is empty")
     texts = read_texts(args.data, args.limit)
-    model, tokenizer = load_model(args.model)
     clt = load_transcoder(args.clt, format=args.format)
+    model, tokenizer = load_model(args.model)
     pairing = check_pairing(clt, model, tokenizer, texts)
     print(pairing.verdict())
     print("FVU per layer: " + " ".join(f"{v:.3f}" for v in pairing.fvu_per_layer))
@@ -128,7 +178,7 @@ def clt_check_command(args) -> int:
     print(anchor.summary())
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "clt_check.json").write_text(json.dumps(
-            {"pairing": pairing.to_dict(), "anchor": anchor.to_dict()}, indent=2))
+        write_text(json.dumps({"pairing": pairing.to_dict(), "anchor": anchor.to_dict()},
+                              indent=2), args.out / "clt_check.json")
         print(f"wrote {args.out / 'clt_check.json'}")
     return 0 if pairing.paired else 1

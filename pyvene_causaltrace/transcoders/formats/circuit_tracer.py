@@ -59,16 +59,17 @@ def _config_file(path: Path) -> Path | None:
 
 def is_layout(path: Path) -> bool:
     """A circuit-tracer config (or a directory holding one) that is not an mntss CLT directory
-    (those :mod:`.mntss` reads)."""
+    (those :mod:`.mntss` reads). A ``config.yaml`` that does not parse is taken as one, so that
+    loading it says what is wrong with it (no other layout has a ``config.yaml``)."""
     import yaml
 
     config = _config_file(path)
     if config is None:
         return False
     try:
-        meta = yaml.safe_load(config.read_text()) or {}
-    except yaml.YAMLError:
-        return False
+        meta = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return True
     return isinstance(meta, dict) and meta.get("model_kind") in MODEL_KINDS
 
 
@@ -76,9 +77,12 @@ def read_config(config: Path) -> dict:
     import yaml
 
     try:
-        meta = yaml.safe_load(config.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise TranscoderFormatError(f"{config} is not YAML: {error}") from None
+        meta = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        mark = getattr(error, "problem_mark", None)
+        reason = getattr(error, "problem", None) or str(error).splitlines()[0]
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise TranscoderFormatError(f"{config} is not YAML: {reason}{where}") from None
     if not isinstance(meta, dict):
         raise TranscoderFormatError(f"{config} is not a mapping")
     missing = [key for key in REQUIRED if key not in meta]
