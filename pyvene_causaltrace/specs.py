@@ -22,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from .atomic import replacing, write_text
 from .errors import SpecError
 
 SCHEMA_VERSION = 1
@@ -324,17 +325,7 @@ def save_spec(spec: ExperimentSpec | dict[str, Any], path: str | Path, *,
         data["model_interventions"], tensors = externalize(spec.model_interventions,
                                                             side.name, spec.base_dir)
         if tensors:
-            _write_atomic(side, lambda tmp: save_file(tensors, str(tmp)))
-    text = json.dumps(data, indent=2) + "\n"
-    _write_atomic(path, lambda tmp: tmp.write_text(text))
+            with replacing(side) as tmp:
+                save_file(tensors, str(tmp))
+    write_text(json.dumps(data, indent=2) + "\n", path)
 
-
-def _write_atomic(path: Path, write) -> None:
-    """``write(tmp)`` to a temporary name beside ``path``, then rename it to ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()

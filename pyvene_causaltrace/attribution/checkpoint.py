@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import replacing, write_text
 from ..errors import CheckpointMismatchError, InputError
 from ..runlock import LOCK_NAME, single_writer
-from .export import replacing, write_text
 from .store import RowStore
 
 FORMAT = "pyvene_causaltrace.attribution_rows"

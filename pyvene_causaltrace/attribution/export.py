@@ -20,18 +20,16 @@ over it, so a kill or a full disk mid-write leaves the old file or none, never h
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import logging
 import math
-import os
 import re
-import secrets
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..atomic import write_text
 from ..errors import InputError
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
@@ -216,30 +214,6 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",
                 "sg_pos": ""}
     return {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
-
-
-@contextlib.contextmanager
-def replacing(path: str | Path) -> Iterator[Path]:
-    """A temporary path beside ``path`` (same suffix, so writers that go by it still do) to
-    write to: when the block ends, the file is flushed to disk and renamed over ``path``
-    (``os.replace``); when it raises (an error, a full disk, Ctrl-C) the temporary file is
-    removed and ``path`` is left as it was."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{secrets.token_hex(4)}.tmp{path.suffix}")
-    try:
-        yield tmp
-        with open(tmp, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_text(text: str, path: str | Path) -> None:
-    """Write ``text`` (UTF-8) to ``path`` through :func:`replacing`."""
-    with replacing(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
 
 
 def write_json(payload: dict, path: str | Path) -> None:

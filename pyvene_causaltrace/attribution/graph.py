@@ -35,9 +35,10 @@ from typing import Any
 import pandas as pd
 import torch
 
+from ..atomic import replacing
 from ..errors import GraphFileError, InputError
 from .edges import Closure
-from .export import graph_json, replacing, write_json
+from .export import graph_json, write_json
 from .reading import Layout, PruneResult, graph_scores, influence, logit_weights, prune
 from .store import RowStore
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..atomic import replacing, write_text
 from ..attribution import attribute
 from ..attribution.attribute import check_attribute_arguments
 from ..attribution.checkpoint import remove_checkpoint
-from ..attribution.export import read_labels, replacing, write_text
+from ..attribution.export import read_labels
 from ..attribution.validate import ablation_test
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
@@ -100,7 +101,7 @@ def attribute_command(args) -> int:
     print(graph.direct_attributions(10).to_string(index=False))
     pruned = graph.prune(s["node_threshold"], s["edge_threshold"])
     print(f"pruned: {pruned.n_nodes} nodes, {pruned.n_edges} edges")
-    # each file is written whole or not at all (export.replacing)
+    # each file is written whole or not at all (atomic.replacing)
     graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
                   edge_threshold=s["edge_threshold"], max_links=args.max_links, labels=labels)
     graph.save(out / "graph.safetensors")

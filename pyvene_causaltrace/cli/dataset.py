@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..atomic import replacing, write_text
 from ..dataset import get_task, read_records
 from ..dataset.plan import check_options
 from ..dataset.run import (
@@ -55,11 +56,12 @@ def dataset_command(args) -> int:
 
 
 def write_dataset_report(result, out: Path) -> None:
-    (out / "aggregate.json").write_text(result.to_json())
-    result.to_dataframe().to_csv(out / "aie.csv", index=False)
-    result.peaks().to_csv(out / "peaks.csv", index=False)
-    result.plot(out / "figure1.png")
-    result.plot_curves(out / "curves.png")
+    write_text(result.to_json(), out / "aggregate.json")  # each file whole or not at all
+    for name, write in (("aie.csv", lambda p: result.to_dataframe().to_csv(p, index=False)),
+                        ("peaks.csv", lambda p: result.peaks().to_csv(p, index=False)),
+                        ("figure1.png", result.plot), ("curves.png", result.plot_curves)):
+        with replacing(out / name) as tmp:
+            write(tmp)
     print(result.summary())
     print(f"wrote aggregate.json, aie.csv, peaks.csv, figure1.png, curves.png to {out}")
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..atomic import replacing, write_text
 from ..defaults import WINDOW
 from ..errors import CausalTraceError, InputError
 from ..execute import check_on_model, run_spec
@@ -70,8 +71,9 @@ def report_traces(tracer, kinds: list[str], window: int, out: Path | None,
         print(result.table(every=max(1, result.n_layers // 12)))
         print()
         if out:
-            (out / f"trace_{kind}.json").write_text(result.to_json())
-            result.plot(str(out / f"trace_{kind}.png"))
+            write_text(result.to_json(), out / f"trace_{kind}.json")
+            with replacing(out / f"trace_{kind}.png") as tmp:
+                result.plot(str(tmp))
             print(f"wrote {out / f'trace_{kind}.json'} and .png\n")
     if controls:
         report = tracer.controls(window=window)
@@ -94,7 +96,7 @@ def run_command(args) -> int:
     print(result.summary())
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "result.json").write_text(result.to_json())
+        write_text(result.to_json(), args.out / "result.json")
         print(f"wrote {args.out / 'result.json'}")
     return 0
 
