@@ -9,7 +9,8 @@ import sys
 _EACH_ALONE = """
 import importlib, pkgutil, sys
 import pyvene_causaltrace as pkg
-names = [m.name for m in pkgutil.walk_packages(pkg.__path__, "pyvene_causaltrace.")]
+names = [m.name for m in pkgutil.walk_packages(pkg.__path__, "pyvene_causaltrace.")
+         if not m.name.endswith(".__main__")]  # running it is its job
 failed = []
 for name in names:
     for loaded in [k for k in sys.modules if k.startswith("pyvene_causaltrace")]:

@@ -267,7 +267,7 @@ def test_export_carries_the_scan_and_user_labels(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="need columns layer, feature and label"):
         read_labels(tmp_path / "bad.csv")
     (tmp_path / "bad2.tsv").write_text("layer\tfeature\tlabel\none\t2\tx\n")
-    with pytest.raises(ValueError, match="row 1 has layer 'one'"):
+    with pytest.raises(ValueError, match=r"row 1 \(line 2\) has layer 'one'"):
         read_labels(tmp_path / "bad2.tsv")
 
 
