@@ -525,3 +525,35 @@ def test_clt_check_refuses_malformed_records(world, tmp_path, monkeypatch, recor
     monkeypatch.setattr(cli_module, "load_model", lambda *a: pytest.fail("model loaded"))
     one_error(*run_cli(["clt-check", "--model", world.root / "tiny", "--clt",
                         world.root / "clt", "--data", data]), str(data), needle)
+
+
+def test_ctrl_c_among_the_rows_keeps_every_finished_row(tmp_path, tokenizer, monkeypatch):
+    """Ctrl-C while a batch of rows is computed (long after the last periodic save): the rows
+    finished so far are saved at once, the unfinished batch goes back to the queue's head, and
+    the rerun computes only what was missing, giving the uninterrupted graph exactly."""
+    from pyvene_causaltrace.attribution import attribute
+    from pyvene_causaltrace.transcoders import load_from_disk
+
+    model = make_tiny_model("llama", init=0.2)
+    clt = load_from_disk(str(write_clt(tmp_path / "clt", random_clt_tensors(3, 32, 48,
+                                                                             threshold=0.1))))
+    whole = attribute(model, tokenizer, clt, PROMPT, batch_size=16)
+    monkeypatch.setattr(attribute_module, "SAVE_EVERY_S", 1e9)  # no periodic save
+    real, calls, once = attribute_module.feature_rows, [], [True]
+
+    def interrupted(run, index):
+        calls.append(len(index))
+        if len(calls) == 3 and once:
+            once.clear()
+            raise KeyboardInterrupt
+        return real(run, index)
+
+    monkeypatch.setattr(attribute_module, "feature_rows", interrupted)
+    checkpoint = tmp_path / "rows.partial"
+    with pytest.raises(KeyboardInterrupt):
+        attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
+    calls.clear()
+    resumed = attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
+    assert resumed.metadata["rows_resumed"] == 1 + 32  # the logit row and two batches
+    assert sum(calls) == whole.n_features - 32
+    pd.testing.assert_frame_equal(resumed.to_dataframe(), whole.to_dataframe(), check_exact=True)

@@ -266,23 +266,30 @@ def attribute(
             bar = tqdm(total=budget, initial=int(done.sum()), desc="feature rows", unit="row")
         compute = feature_rows_loop if loop else feature_rows
         on = run.feature_layer.device
-        while int(done.sum()) < budget:
-            if len(pending) == 0:
-                start = time.perf_counter()
-                pending = ranking.next_queue(store, done)
-                clock["ranking"] += time.perf_counter() - start
-            chunk, pending = pending[:size], pending[size:]
-            rows, constants = compute(run, chunk.to(on))
-            check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
-            with torch.no_grad():
-                targets = feature_targets(run, chunk.to(on))
-            if check_closure:
-                _check_rows(run, chunk, rows, constants, targets, freeze, hidden)
-            store.append(chunk, rows, constants, targets)
-            done[chunk] = True
-            store_file.maybe_save(store, pending)
-            if bar is not None:
-                bar.update(len(chunk))
+        in_flight = pending[:0]  # rows being computed: back in the queue if Ctrl-C comes
+        try:
+            while int(done.sum()) < budget:
+                if len(pending) == 0:
+                    start = time.perf_counter()
+                    pending = ranking.next_queue(store, done)
+                    clock["ranking"] += time.perf_counter() - start
+                chunk, pending = pending[:size], pending[size:]
+                in_flight = chunk
+                rows, constants = compute(run, chunk.to(on))
+                check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
+                with torch.no_grad():
+                    targets = feature_targets(run, chunk.to(on))
+                if check_closure:
+                    _check_rows(run, chunk, rows, constants, targets, freeze, hidden)
+                store.append(chunk, rows, constants, targets)
+                in_flight = pending[:0]
+                done[chunk] = True
+                store_file.maybe_save(store, pending)
+                if bar is not None:
+                    bar.update(len(chunk))
+        except KeyboardInterrupt:  # keep every finished row; the unfinished ones come first next
+            store_file.maybe_save(store, torch.cat([in_flight, pending]), force=True)
+            raise
         if bar is not None:
             bar.close()
         store_file.maybe_save(store, pending, force=True)
