@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 THREADS = os.environ.get("PVCT_TORCH_THREADS")
 if THREADS:
     torch.set_num_threads(int(THREADS))
-    os.environ["OMP_NUM_THREADS"] = THREADS  # the CLI tests' subprocesses too
+    os.environ["OMP_NUM_THREADS"] = THREADS  # subprocesses too (torch caps it at the cores)
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_DIR = ROOT / "intervention_specs"

@@ -133,13 +133,17 @@ def reload_in_fresh_process(tmp_path, model, pv_model, ids) -> tuple[list[str], 
     with torch.no_grad():
         logits = pv_model(base={"input_ids": ids})[1].logits
     pv_model.save(str(tmp_path / "saved"))
+    grad = all(p.requires_grad for p in model.parameters())
     torch.save({"ids": ids, "logits": logits}, tmp_path / "expected.pt")
     script = textwrap.dedent(f"""
         import contextlib, io, json, torch, transformers
+        torch.set_num_threads({torch.get_num_threads()})  # bit-identity holds per thread count
         with contextlib.redirect_stdout(io.StringIO()):
             import pyvene as pv
         model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r})
         loaded = pv.IntervenableModel.load({str(tmp_path / 'saved')!r}, model.eval())
+        for parameter in model.parameters():  # as in the saving process: torch folds a matmul
+            parameter.requires_grad_({grad})   # differently by this flag, under some threads
         expected = torch.load({str(tmp_path / 'expected.pt')!r})
         with torch.no_grad():
             logits = loaded(base={{"input_ids": expected["ids"]}})[1].logits
