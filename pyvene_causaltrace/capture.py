@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .errors import InputError
+from .hooking import installed
 from .models import get_module
 
 
@@ -29,24 +30,20 @@ def capture(
     capture inside another call, e.g. an intervened pyvene run.
     """
     found: dict[str, torch.Tensor] = {}
-    handles = []
+    hooks = []
     for component in dict.fromkeys(components):
         module_path, _, kind = component.rpartition(".")
         module = get_module(model, module_path)
         if kind == "output":
             def hook(_module, _args, output, _key=component):
                 found[_key] = output[0] if isinstance(output, tuple) else output
-            handles.append(module.register_forward_hook(hook))
+            hooks.append((module, "forward", hook))
         elif kind == "input":
             def pre_hook(_module, args, _key=component):
                 found[_key] = args[0]
-            handles.append(module.register_forward_pre_hook(pre_hook))
+            hooks.append((module, "forward_pre", pre_hook))
         else:
             raise InputError(f"component {component!r} must end in .output or .input")
-    try:
-        with torch.no_grad():
-            run() if run is not None else model(**inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with installed(hooks), torch.no_grad():
+        run() if run is not None else model(**inputs)
     return {key: value.detach().clone() for key, value in found.items()}

@@ -33,18 +33,20 @@ import torch
 from torch import nn
 
 from .capture import capture
-from .errors import InputError
+from .errors import InputError, SpecError
 from .finite import check_finite, check_weights
 from .interventions import get_intervention
-from .interventions.spec_entry import Site, SpecContext, entry_of
+from .interventions.spec_entry import Site, SpecContext, SpecEntry, entry_of
 from .model_guard import measuring
 from .model_interventions import describe, model_for_spec, rebuild, uniform_grad_flags
 from .models import check_inputs, get_adapter, get_module
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
 from .pyvene_compat import applied_interventions, import_pyvene, intervenable_model_class
-from .specs import ExperimentSpec, SpecError, load_spec
+from .specs import ExperimentSpec, load_spec
 from .tracing.metrics import answer_probs, recovery
 from .tracing.results import SpecRunResult
+from .transcoders.formats import load_transcoder
+from .transcoders.transcoder import check_fits
 
 
 @dataclass
@@ -82,23 +84,31 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def resolve_sites(spec: ExperimentSpec | dict | str, model: nn.Module,
-                  tokenizer) -> tuple[SpecContext, list[tuple[Any, list[Site]]]]:
+                  tokenizer) -> tuple[SpecContext, list[tuple[SpecEntry, list[Site]]]]:
     """The context and each entry's (answerer, sites) of ``spec`` on ``model``; checks layers,
     positions and that every site's module exists (errors are :class:`SpecError` with the
     entry's JSON path). Runs nothing."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
+    ctx, _, resolved = _resolve(spec, model, tokenizer)
+    return ctx, resolved
+
+
+def _resolve(spec: ExperimentSpec, model: nn.Module, tokenizer
+             ) -> tuple[SpecContext, list[dict[str, Any]], list[tuple[SpecEntry, list[Site]]]]:
+    """:func:`resolve_sites`, with each entry as the dict its type is handed."""
     adapter = get_adapter(model)
     prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence or 0)
     check_inputs(model, prompt.input_ids)
     ctx = SpecContext(spec, model, tokenizer, adapter, prompt)
+    items = [item.to_dict() for item in spec.interventions]
     resolved = []
-    for index, item in enumerate(spec.interventions):
-        entry = entry_of(get_intervention(item.type))
-        sites = entry.spec_sites(item.to_dict(), index, ctx)
+    for index, item in enumerate(items):
+        entry = entry_of(get_intervention(item["type"]))
+        sites = entry.spec_sites(item, index, ctx)
         for site in sites:
-            _check_module(model, site, item.to_dict())
+            _check_module(model, site, item)
         resolved.append((entry, sites))
-    return ctx, resolved
+    return ctx, items, resolved
 
 
 def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> None:
@@ -121,9 +131,6 @@ def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module, tokenize
                 raise
             raise SpecError("$.subject" if spec.subject else "$.prompt", str(error)) from None
         return
-    from .transcoders.formats import load_transcoder
-    from .transcoders.transcoder import check_fits
-
     block = spec.attribution
     try:
         check_fits(load_transcoder(block["clt"], format=block.get("format")), model)
@@ -169,10 +176,9 @@ def _plan(spec: ExperimentSpec, model: nn.Module, tokenizer) -> Plan:
                         "pyvene_causaltrace.attribute or the attribute command")
     if not spec.interventions:
         raise SpecError("$.interventions", "empty: a run needs at least one intervention")
-    ctx, resolved = resolve_sites(spec, model, tokenizer)
+    ctx, items, resolved = _resolve(spec, model, tokenizer)
     check_weights(model)
     ids = ctx.prompt.input_ids.to(_device(model))
-    items = [item.to_dict() for item in spec.interventions]
 
     def build(index: int, states: dict[str, dict[str, torch.Tensor]]) -> list:
         entry, sites = resolved[index]

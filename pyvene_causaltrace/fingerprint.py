@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 from torch import nn
@@ -50,7 +51,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("pyvene-causaltrace")

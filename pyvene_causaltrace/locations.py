@@ -7,17 +7,16 @@
 A component is a site name of the adapter's vocabulary (:data:`~pyvene_causaltrace.models.SITES`)
 or a raw pyvene module path ending in ``.output``/``.input`` (``{layer}`` replaced per layer).
 
-Errors are :class:`~pyvene_causaltrace.specs.SpecError` naming the JSON path given.
+Errors are :class:`~pyvene_causaltrace.errors.SpecError` naming the JSON path given.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .errors import InputError
+from .errors import InputError, SpecError
 from .models import SITES, ArchAdapter
 from .prompts import TokenizedPrompt
-from .specs import SpecError
 
 
 def window_layers(center: int, window: int, n_layers: int) -> list[int]:

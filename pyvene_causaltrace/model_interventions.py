@@ -46,13 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import PyveneModelError, SpecError, UnknownInterventionError
 from .interventions import get_intervention, list_interventions
 from .interventions.base import CausalTraceIntervention
-from .interventions.registry import UnknownInterventionError
-from .models import PyveneModelError
 from .pyvene_compat import import_pyvene, intervenable_model_class, is_intervenable, user_edits
 from .spec_tensors import ENTRY_PATH, decode_tensor, digest, encode_tensor, inline
-from .specs import SpecError
 
 #: pyvene ``RepresentationConfig`` fields an entry carries (where set): where it acts.
 REPRESENTATION_FIELDS = ("component", "layer", "unit", "max_number_of_units",

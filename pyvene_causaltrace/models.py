@@ -15,6 +15,8 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,12 +185,18 @@ ADAPTERS: dict[str, ArchAdapter] = {
 }
 
 
+def is_intervenable(model: object) -> bool:
+    """Whether ``model`` is a pyvene ``IntervenableModel`` (pyvene's or ours, by class name:
+    pyvene need not be imported)."""
+    return any(klass.__name__ == "IntervenableModel" and
+               klass.__module__.startswith(("pyvene.", "pyvene_causaltrace.pyvene_compat"))
+               for klass in type(model).__mro__) and hasattr(model, "interventions")
+
+
 def check_not_intervenable(model: object) -> None:
     """Refuse a pyvene ``IntervenableModel`` where the plain model belongs (everything but
     ``trace``, ``Tracer``, ``run_spec`` and ``attribute``, which apply its interventions:
     :func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`)."""
-    from .pyvene_compat import is_intervenable
-
     if is_intervenable(model):
         inner = type(getattr(model, "model", None)).__name__
         raise PyveneModelError(
@@ -200,15 +208,19 @@ def check_not_intervenable(model: object) -> None:
 
 
 def get_adapter(model_or_type: nn.Module | str) -> ArchAdapter:
-    """The adapter for a model (or a ``config.model_type`` string)."""
-    if not isinstance(model_or_type, str):
-        check_not_intervenable(model_or_type)
+    """The adapter for a model (or a ``config.model_type`` string).
+
+    A pyvene ``IntervenableModel`` is refused by what it is (:func:`check_not_intervenable`):
+    its ``config`` is pyvene's, whose ``model_type`` is never an architecture of ours, so the
+    check runs only when the lookup fails, not on every call."""
     model_type = (
         model_or_type if isinstance(model_or_type, str) else model_or_type.config.model_type
     )
     try:
         return ADAPTERS[model_type]
     except KeyError:
+        if not isinstance(model_or_type, str):
+            check_not_intervenable(model_or_type)
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(ADAPTERS))}"
         ) from None
@@ -220,7 +232,6 @@ def check_inputs(model: nn.Module, input_ids: torch.Tensor,
     (GPT-2's), ids outside the embedding (a tokenizer that is not the model's), an answer
     outside the output vocabulary. A prompt longer than a rotary model's
     ``max_position_embeddings`` only warns: it runs, on positions it was not trained on."""
-    import warnings
 
     n = int(input_ids.shape[-1])
     limit = getattr(model.config, "n_positions", None) or \
@@ -296,7 +307,10 @@ def load_model(
 
     The architecture must be in :data:`ADAPTERS`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import (  # transformers is slow to import: it loads when a model does
+        AutoModelForCausalLM,
+        AutoTokenizer,
+    )
 
     if name_or_path == OFFLINE_DEFAULT:
         source = _smollm2_cached_dir()
@@ -322,7 +336,7 @@ def load_model(
 
 
 def _smollm2_cached_dir() -> str:
-    import transformers
+    import transformers  # transformers is slow to import: it loads when a model does
 
     # transformers 4 cannot read a tokenizer saved by 5 (its class name is new): one copy each
     major = int(transformers.__version__.split(".")[0])
@@ -337,7 +351,11 @@ def _smollm2_cached_dir() -> str:
         )
     gguf_dir = spec.submodule_search_locations[0]
     logger.info("converting %s once into %s", _SMOLLM2_GGUF, target)
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import (  # transformers is slow to import: it loads when a model does
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoTokenizer,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_SMOLLM2_GGUF)
     if getattr(tokenizer, "add_bos_token", False):
@@ -357,7 +375,6 @@ def _smollm2_cached_dir() -> str:
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if target.exists():  # a stale, incomplete copy
-        import shutil
 
         shutil.rmtree(target)
     tmp.rename(target)  # atomic: an interrupted conversion never leaves a half-written cache

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import io
 import sys
 from collections.abc import Iterator
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InputError
+from .errors import InputError, PyveneModelError
+from .hooking import installed
+from .models import is_intervenable
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
@@ -62,10 +65,11 @@ def pyvene_call() -> PyveneCall | None:
     """The :class:`PyveneCall` of the pyvene setter hook that is calling the caller, or None
     outside one (a direct call).
 
-    pyvene 0.1.8 hands an intervention only the (gathered) output; its hook closure
+    pyvene 0.1.8 hands an intervention only the (gathered) output — ``as_adaptor`` adds the
+    gathered positional input, never the module or its keyword inputs — and its hook closure
     (``hook_callback(model, args, kwargs, output)`` in ``_intervention_setter``) holds the rest,
     a few frames up. This is the only place that reads pyvene's frames;
-    ``tests/test_pyvene_interop.py`` fails loudly if pyvene renames what it reads.
+    ``tests/test_pyvene_frames.py`` fails, naming pyvene's version, if pyvene moves them.
     """
     frame = sys._getframe(1)
     for _ in range(16):
@@ -96,7 +100,7 @@ def hooked_call() -> tuple[nn.Module, tuple, dict]:
 def import_pyvene():
     """``import pyvene`` with its import-time print about nnsight swallowed."""
     with contextlib.redirect_stdout(io.StringIO()):
-        import pyvene
+        import pyvene  # pyvene prints on import: only import_pyvene() imports it, quietly
     register_architectures()
     return pyvene
 
@@ -109,9 +113,10 @@ def register_architectures() -> None:
     global _registered
     if _registered:
         return
-    import transformers.models as hf
+    import transformers.models as hf  # transformers is slow to import: it loads when a model does
 
     with contextlib.redirect_stdout(io.StringIO()):
+        # pyvene prints on import: loaded here, its output swallowed
         from pyvene.models import intervenable_modelcard as card
     # (module, our class, pyvene-known relative class) -- same module layout and dimensions
     pairs = [
@@ -170,6 +175,7 @@ def preserve_hooks(model: nn.Module) -> Iterator[None]:
 
 def _make_intervenable_class():
     pv = import_pyvene()
+    # pyvene prints on import: import_pyvene() above loaded it quietly
     from pyvene.models.modeling_utils import remove_forward_hooks
 
     class IntervenableModel(pv.IntervenableModel):
@@ -290,17 +296,9 @@ def __getattr__(name: str):
 # ------------------------------------------------------------- a user's IntervenableModel
 
 
-def is_intervenable(model: object) -> bool:
-    """Whether ``model`` is a pyvene ``IntervenableModel`` (pyvene's or ours)."""
-    return any(klass.__name__ == "IntervenableModel" and
-               klass.__module__.startswith(("pyvene.", __name__))
-               for klass in type(model).__mro__) and hasattr(model, "interventions")
-
-
 def accepts_intervenable(function):
     """Let ``function(model, ...)`` take a pyvene ``IntervenableModel`` as ``model``: it runs on
     the wrapped model with the wrapper's interventions applied (:func:`applied_interventions`)."""
-    import functools
 
     @functools.wraps(function)
     def wrapper(model, *args, **kwargs):
@@ -341,8 +339,6 @@ def _is_collect(made: nn.Module) -> bool:
 def user_edits(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
     """``(key, intervention, representation)`` of a pyvene ``IntervenableModel`` that act on
     the output, in pyvene's order; refuses (``PyveneModelError``) any our runs cannot apply."""
-    from .models import PyveneModelError  # models imports this module: a circle
-
     needy = [key for key, made in model.interventions.items() if _needs_source(made)]
     if needy:
         raise PyveneModelError(
@@ -368,7 +364,7 @@ def apply_like_pyvene(intervention: nn.Module, value: torch.Tensor) -> torch.Ten
     never written."""
     # pyvene is imported on first use (5 s): the package and the CLI's --help stay light
     from pyvene.models.interventions import InterventionOutput
-    from pyvene.models.modeling_utils import do_intervention
+    from pyvene.models.modeling_utils import do_intervention  # the same reason
 
     edited = do_intervention(value.clone(), None, intervention, None)
     if isinstance(edited, InterventionOutput):
@@ -388,7 +384,7 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
     clean, corrupted and intervened alike — so a trace or a graph is one *of the intervened
     model*. Each is applied as pyvene applies it (:func:`apply_like_pyvene`: on a clone), and
     the module's input or output is replaced, never written in place. Refused with
-    :class:`~pyvene_causaltrace.models.PyveneModelError`: an intervention that needs a source
+    :class:`~pyvene_causaltrace.errors.PyveneModelError`: an intervention that needs a source
     at call time (``VanillaIntervention``, ``SkipIntervention``, a restore without stored
     states) — our runs have no source to give it; head units (they need ``unit_locations``);
     pyvene's ``NoiseIntervention`` (a 4-position draw). ``CollectIntervention`` changes nothing
@@ -401,20 +397,18 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
         return
     edits = user_edits(model)
     names = {module: name for name, module in model.model.named_modules()}
-    handles = []
-    try:
-        for key, made, representation in edits:
-            register = model.intervention_hooks[key]
-            pre = register.__name__ == "register_forward_pre_hook"
-            module = getattr(register, "__self__", None)
-            site = SteeringSite(key, type(made).__name__,
-                                str(getattr(representation, "component", "")),
-                                names.get(module, ""), pre)
-            handles.append(register(_hook(made, pre, site), with_kwargs=True))
+    hooks = []
+    for key, made, representation in edits:
+        register = model.intervention_hooks[key]  # pyvene's: the module's bound register method
+        pre = register.__name__ == "register_forward_pre_hook"
+        module = register.__self__
+        site = SteeringSite(key, type(made).__name__,
+                            str(getattr(representation, "component", "")),
+                            names.get(module, ""), pre)
+        hooks.append((module, "forward_pre_with_kwargs" if pre else "forward_with_kwargs",
+                      _hook(made, pre, site)))
+    with installed(hooks):
         yield model.model
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 # ------------------------------------------------------- steering: a user edit's constant part

@@ -13,6 +13,8 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from .errors import OutputLockedError
 
 LOCK_NAME = ".pvct.lock"
@@ -22,7 +24,6 @@ LOCK_NAME = ".pvct.lock"
 def single_writer(directory: str | Path) -> Iterator[None]:
     """Hold ``directory``'s lock for the block (creating the directory); refuse at once if
     another process holds it."""
-    from filelock import FileLock, Timeout
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

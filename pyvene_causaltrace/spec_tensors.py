@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .errors import InputError
-from .specs import SpecError
+from .errors import InputError, SpecError
 
 #: Tensors with more elements than this go to the safetensors file when a spec is saved.
 INLINE_LIMIT = 4096

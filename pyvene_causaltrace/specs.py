@@ -16,14 +16,21 @@ act, their settings and tensors — inline when small, else in a safetensors fil
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import save_file
+
 from .atomic import replacing, write_text
 from .errors import SpecError
+from .interventions import get_intervention, list_interventions
+from .interventions.spec_entry import SpecEntry, entry_of, generic_schema
+from .models import SITES
+from .spec_tensors import externalize
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
@@ -153,9 +160,6 @@ def _spec_level_schema() -> dict[str, Any]:
 def entry_schemas() -> dict[str, Any]:
     """``$defs.intervention`` as written from the registered types: one if/then branch per
     type (a refused type's branch says why), the rest open to third-party types."""
-    from .interventions import get_intervention, list_interventions
-    from .interventions.spec_entry import entry_of, generic_schema
-
     names = list_interventions()
     branches = []
     for name in names:
@@ -171,8 +175,6 @@ def entry_schemas() -> dict[str, Any]:
 
 def write_schema(path: str | Path = SCHEMA_PATH) -> None:
     """Rewrite ``spec.schema.json``'s per-type branches from the registered types."""
-    from .models import SITES
-
     schema = json.loads(Path(path).read_text())
     schema["$defs"]["component"]["anyOf"][0]["enum"] = list(SITES)
     schema["$defs"]["intervention"] = entry_schemas()
@@ -186,7 +188,7 @@ def validate_spec(data: Any) -> None:
     The spec's own fields are checked against the schema; each intervention entry against its
     registered type's ``spec_schema()`` and rules (unique, requires, ``check_spec``), so a
     type registered by a plugin is checked exactly as a built-in is."""
-    import jsonschema
+    import jsonschema  # slow to import: only validation needs it
 
     check_depth(data)
     validator = jsonschema.Draft202012Validator(_spec_level_schema())
@@ -234,14 +236,9 @@ def validate_spec(data: Any) -> None:
         raise SpecError("$.subject", f"required by the position name {uses_subject!r}")
 
 
-def _entry(kind: str, path: str):
+def _entry(kind: str, path: str) -> SpecEntry:
     """The spec questions' answerer for type ``kind``; an unknown type names the closest
     registered ones, a type no spec can hold says why."""
-    import difflib
-
-    from .interventions import get_intervention, list_interventions
-    from .interventions.spec_entry import entry_of
-
     known = list_interventions()
     if kind not in known:
         close = difflib.get_close_matches(kind, known, n=3, cutoff=0.6)
@@ -275,7 +272,7 @@ def _expected(error) -> str:
 _SUBJECT_NAMES = ("subject", "first_subject", "last_subject", "after_subject")
 
 
-def _mentions_subject(entries: list[tuple[dict[str, Any], Any]]) -> str | None:
+def _mentions_subject(entries: list[tuple[dict[str, Any], SpecEntry]]) -> str | None:
     for item, entry in entries:
         default = entry.spec_schema().get("properties", {}).get("positions", {})
         positions = item.get("positions", default.get("default") if default else None)
@@ -317,10 +314,6 @@ def save_spec(spec: ExperimentSpec | dict[str, Any], path: str | Path, *,
     path = Path(path)
     data = spec.to_dict()
     if spec.model_interventions:
-        from safetensors.torch import save_file  # torch loads only when tensors are saved
-
-        from .spec_tensors import externalize  # spec_tensors imports SpecError from here
-
         side = path.with_suffix(".safetensors")
         data["model_interventions"], tensors = externalize(spec.model_interventions,
                                                             side.name, spec.base_dir)

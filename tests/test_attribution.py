@@ -32,7 +32,7 @@ from pyvene_causaltrace.attribution.edges import (
 from pyvene_causaltrace.attribution.export import check_graph_json, node_ids
 from pyvene_causaltrace.attribution.reading import Layout
 from pyvene_causaltrace.prompts import MultiTokenAnswerError
-from pyvene_causaltrace.transcoders import CLTMismatchError, load_from_disk
+from pyvene_causaltrace.transcoders import TranscoderMismatchError, load_from_disk
 
 
 def _setup(arch, tmp_path, threshold=0.1, n_layers=3):
@@ -232,7 +232,7 @@ def test_bad_requests_get_clear_errors(tmp_path, tokenizer):
     with pytest.raises(MultiTokenAnswerError, match="single-token"):
         attribute(model, tokenizer, clt, PROMPT, " Paris is lovely")
     other_model = make_tiny_model("llama", n_layers=4)
-    with pytest.raises(CLTMismatchError, match="model has 4 layers"):
+    with pytest.raises(TranscoderMismatchError, match="model has 4 layers"):
         attribute(other_model, tokenizer, clt, PROMPT)
     with pytest.raises(ValueError, match="empty"):
         attribute(model, tokenizer, clt, "")

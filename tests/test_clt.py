@@ -3,15 +3,19 @@ layout round trip, lazy and streamed storage, and bad input."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from clt_fixtures import dense_reference, random_clt_tensors, write_clt
 from conftest import make_tiny_model
 
+from pyvene_causaltrace import errors, transcoders
 from pyvene_causaltrace.transcoders import (
-    CLTFormatError,
-    CLTMismatchError,
     Transcoder,
+    TranscoderConfig,
+    TranscoderFormatError,
+    TranscoderMismatchError,
     check_fits,
     load_from_disk,
     read_config,
@@ -102,34 +106,35 @@ def test_hub_id_from_the_offline_cache(tmp_path, tensors, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     clt = Transcoder.from_pretrained("org/tiny-clt")
     assert clt.cfg.n_layers == L
-    with pytest.raises(CLTFormatError, match="neither a local path nor a reachable hub repo"):
+    with pytest.raises(TranscoderFormatError,
+                       match="neither a local path nor a reachable hub repo"):
         Transcoder.from_pretrained("org/not-cached")
 
 
 def test_bad_directories_are_refused(tmp_path, tensors):
     write_clt(tmp_path / "a", tensors)
     (tmp_path / "a" / "W_dec_1.safetensors").unlink()
-    with pytest.raises(CLTFormatError, match="missing file .*W_dec_1"):
+    with pytest.raises(TranscoderFormatError, match="missing file .*W_dec_1"):
         load_from_disk(tmp_path / "a")
 
     write_clt(tmp_path / "b", tensors)
     (tmp_path / "b" / "W_enc_2.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{bad")
-    with pytest.raises(CLTFormatError, match="W_enc_2.safetensors is not a readable"):
+    with pytest.raises(TranscoderFormatError, match="W_enc_2.safetensors is not a readable"):
         load_from_disk(tmp_path / "b")
 
     bad = dict(tensors, W_dec=[w.clone() for w in tensors["W_dec"]])
     bad["W_dec"][1] = bad["W_dec"][1][:, :1]  # a decoder that skips a target layer
     write_clt(tmp_path / "c", bad)
-    with pytest.raises(CLTFormatError, match="W_dec_1.safetensors: shapes"):
+    with pytest.raises(TranscoderFormatError, match="W_dec_1.safetensors: shapes"):
         load_from_disk(tmp_path / "c")
 
     write_clt(tmp_path / "d", tensors)
     (tmp_path / "d" / "config.yaml").write_text("model_name: x\nmodel_kind: sae\n"
                                                 "feature_input_hook: a\nfeature_output_hook: b\n")
-    with pytest.raises(CLTFormatError, match="model_kind"):
+    with pytest.raises(TranscoderFormatError, match="model_kind"):
         load_from_disk(tmp_path / "d")
 
-    with pytest.raises(CLTFormatError, match="no config.yaml"):
+    with pytest.raises(TranscoderFormatError, match="no config.yaml"):
         load_from_disk(tmp_path / "nothing-here-at-all")
 
     write_clt(tmp_path / "e", tensors)
@@ -141,7 +146,7 @@ def test_clt_must_fit_the_model(tmp_path, tensors):
     write_clt(tmp_path, tensors, model_name="tiny")
     clt = load_from_disk(tmp_path)
     check_fits(clt, make_tiny_model("llama", n_layers=L))  # 3 layers x 32: fits
-    with pytest.raises(CLTMismatchError, match="3 layers x d_model 32; the model has 4"):
+    with pytest.raises(TranscoderMismatchError, match="3 layers x d_model 32; the model has 4"):
         check_fits(clt, make_tiny_model("llama", n_layers=4))
 
 
@@ -181,3 +186,23 @@ def test_sae_lens_views_and_converters(tmp_path, tensors):
     assert via_hub.cfg.metadata.hook_name_out == "blocks.1.hook_mlp_out"
     with pytest.raises(ValueError, match="do not write layer"):
         to_sae_lens(clt, 2, target=1)
+
+
+@pytest.mark.parametrize("module,old,new", [
+    ("pyvene_causaltrace.transcoders", "CLTConfig", TranscoderConfig),
+    ("pyvene_causaltrace.transcoders", "CLTFormatError", TranscoderFormatError),
+    ("pyvene_causaltrace.transcoders", "CLTMismatchError", TranscoderMismatchError),
+    ("pyvene_causaltrace.transcoders.config", "CLTConfig", TranscoderConfig),
+    ("pyvene_causaltrace.transcoders.transcoder", "CLTMismatchError", TranscoderMismatchError),
+])
+def test_the_clt_names_warn_and_resolve_to_the_transcoder_names(module, old, new):
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: use {new.__name__}"):
+        assert getattr(importlib.import_module(module), old) is new
+    assert old not in getattr(importlib.import_module(module), "__all__", ())
+
+
+def test_the_transcoder_errors_are_those_of_errors_py():
+    assert TranscoderFormatError is errors.TranscoderFormatError
+    assert TranscoderMismatchError is errors.TranscoderMismatchError
+    with pytest.raises(AttributeError, match="no attribute 'CLTNothing'"):
+        transcoders.CLTNothing  # noqa: B018

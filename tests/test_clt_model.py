@@ -19,7 +19,7 @@ from pyvene_causaltrace.interventions.clt_splice import (
 )
 from pyvene_causaltrace.models import get_adapter, get_module
 from pyvene_causaltrace.pyvene_compat import intervenable_model_class
-from pyvene_causaltrace.transcoders import CLTMismatchError, load_from_disk
+from pyvene_causaltrace.transcoders import TranscoderMismatchError, load_from_disk
 from pyvene_causaltrace.transcoders.checks import check_pairing, replacement_anchor
 from pyvene_causaltrace.transcoders.fit import fit_clt
 
@@ -101,7 +101,7 @@ def test_clt_splice_equals_hooks_by_hand(arch, fixture_clt):
 
 
 def test_splice_refuses_a_clt_for_another_model(fixture_clt):
-    with pytest.raises(CLTMismatchError, match="the model has 4 layers"):
+    with pytest.raises(TranscoderMismatchError, match="the model has 4 layers"):
         clt_splice_representations(fixture_clt, make_tiny_model("llama", n_layers=4))
 
 

@@ -4,6 +4,7 @@ are refused whole."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import warnings
 
@@ -23,11 +24,13 @@ from transcoder_fixtures import (
 )
 
 from pyvene_causaltrace.transcoders import (
+    FORMATS,
     TranscoderFormatError,
     detect_format,
     load_transcoder,
     save_transcoder,
 )
+from pyvene_causaltrace.transcoders.formats import _DETECTORS
 from pyvene_causaltrace.transcoders.transcoder import activate
 
 L, D, F = 3, 32, 48
@@ -309,3 +312,28 @@ def test_bad_sae_lens_and_gemmascope_sets(tmp_path):
     npz.write_bytes(b"garbage")
     with pytest.raises(TranscoderFormatError, match="params.npz is not a readable npz"):
         load_transcoder([npz], format="gemmascope")
+
+
+def test_every_layout_follows_the_loader_and_detector_protocols():
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for name, loader in FORMATS.items():
+        params = list(inspect.signature(loader).parameters.values())
+        assert params[0].kind in positional, name
+        keywords = {p.name: p for p in params[1:]}
+        assert all(keywords[k].default is not inspect.Parameter.empty
+                   for k in ("device", "dtype")), name
+    assert sorted(name for name, _ in _DETECTORS) == sorted(FORMATS)
+    for name, detect in _DETECTORS:
+        assert len(inspect.signature(detect).parameters) == 1, name
+
+
+def test_a_loader_added_to_formats_is_used_by_name(tmp_path, monkeypatch):
+    calls = []
+
+    def load(source, /, *, device="cpu", dtype=torch.float32, **options):
+        calls.append((source, device, options))
+        return "loaded"
+
+    monkeypatch.setitem(FORMATS, "mine", load)
+    assert load_transcoder(tmp_path, format="mine", device="meta", scan="s") == "loaded"
+    assert calls == [(tmp_path, "meta", {"scan": "s"})]

@@ -1,12 +1,13 @@
 """CLT attribution graphs: local replacement model, exact edges, reading, export, validation.
 
     from pyvene_causaltrace.attribution import attribute
-    graph = attribute(model, tokenizer, clt, "The Eiffel Tower is in the city of", " Paris")
+    graph = attribute(model, tokenizer, transcoder, "The Eiffel Tower is in the city of", " Paris")
     graph.closure.relative            # ~1e-7 of what is summed: the edges sum to the target
     graph.direct_attributions(10)
     graph.to_json("eiffel.json")      # opens in the circuit-tracer / Neuronpedia viewer
 
-Data flows one way: :mod:`.replacement` (one forward of the local replacement model) ->
+Data flows one way: :mod:`.replacement_model` (the model, tokenizer and transcoder, checked
+once) -> :mod:`.replacement` (one forward of the local replacement model) ->
 :mod:`.edges` (rows of the adjacency, closure; :mod:`.budget` plans their memory) ->
 :mod:`.store` (sparse rows) -> :mod:`.graph` (the result object; :mod:`.checkpoint` for
 interrupted runs) -> :mod:`.reading` (influence, pruning, scores), :mod:`.export`,
@@ -20,6 +21,7 @@ from .checkpoint import remove_checkpoint
 from .edges import CLOSURE_TOLERANCE, Closure, ClosureError
 from .graph import AttributionGraph, GraphFileError
 from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
+from .replacement_model import PreparedPrompt, ReplacementModel
 from .targets import Target, demeaned_logit, logit_difference
 
 __all__ = [
@@ -29,6 +31,8 @@ __all__ = [
     "ClosureError",
     "GraphFileError",
     "MemoryCapError",
+    "PreparedPrompt",
+    "ReplacementModel",
     "ReplacementRun",
     "Target",
     "pre_softcap_logits",

@@ -1,9 +1,10 @@
 """``attribute``: prompt + answer -> :class:`~.graph.AttributionGraph`.
 
-Steps: tokenize; check that the forward graph fits the memory cap (:mod:`.budget`); run the
-local replacement model once (:mod:`.replacement`); the target row over every active feature by
-one backward and its closure check; then feature rows in batches of gradient seeds
-(:mod:`.edges`) into a sparse :class:`~.store.RowStore`:
+Phases, on a :class:`~.replacement_model.ReplacementModel` (the model, tokenizer and
+transcoder checked once): prepare (tokenize, clean logits, target, the forward graph's memory,
+:mod:`.budget`); one forward of the local replacement model (:mod:`.replacement`); the target
+row over every active feature by one backward and its closure check; then feature rows in
+batches of gradient seeds (:mod:`.edges`) into a sparse :class:`~.store.RowStore`:
 
 - every feature, in node order, when no budget binds;
 - with ``max_feature_nodes=N`` below the active count (or a memory cap that cannot hold every
@@ -27,27 +28,21 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..errors import InputError
-from ..fingerprint import model_fingerprint, package_version, transcoder_fingerprint
-from ..finite import check_finite, check_weights, positive_number
+from ..fingerprint import package_version
+from ..finite import check_finite, positive_number
 from ..model_guard import measured
-from ..models import check_inputs, model_name
-from ..prompts import answer_token_id
 from ..pyvene_compat import accepts_intervenable
 from ..runlock import single_writer
-from ..transcoders.transcoder import Transcoder, check_fits
-from .budget import (
-    active_counts,
-    batch_size_for,
-    check_batch_fits,
-    check_forward_fits,
-    feature_budget,
-)
+from ..transcoders.transcoder import Transcoder
+from .budget import batch_size_for, check_batch_fits, feature_budget
 from .checkpoint import Checkpoint, remove_checkpoint, tensor_digest
 from .edges import (
     CLOSURE_TOLERANCE,
@@ -61,17 +56,22 @@ from .edges import (
 )
 from .graph import AttributionGraph
 from .reading import influence, logit_weights
-from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
+from .replacement import ReplacementRun, takes_transcoder
+from .replacement_model import PreparedPrompt, ReplacementModel, transcoder_metadata
 from .store import RowStore
-from .targets import Target, demeaned_logit, logit_difference
+from .targets import TARGET_KINDS, Target, make_target
+
+if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["TARGET_KINDS", "attribute", "check_attribute_arguments", "make_target",
+           "steering_metadata", "transcoder_metadata"]
 
 #: How often a checkpointed run saves its rows.
 SAVE_EVERY_S = 30.0
 #: At most this many rankings per graph: each reads every stored row, so on big graphs the
 #: queue between rankings grows to budget / RERANKS rows.
 RERANKS = 16
-#: The target kinds :func:`make_target` builds.
-TARGET_KINDS = ("demeaned", "demeaned_vocab", "difference")
 
 
 def _count(value: object, name: str, minimum: int) -> None:
@@ -105,36 +105,6 @@ def check_attribute_arguments(*, target: str = "demeaned", other: str | None = N
     _count(update_interval, "update_interval", 1)
 
 
-def make_target(logits: torch.Tensor, tokenizer, answer: str | None, *, kind: str = "demeaned",
-                other: str | None = None, k: int = 10) -> Target:
-    """The target on clean ``logits``: ``kind`` is ``"demeaned"`` (top-k, the default),
-    ``"demeaned_vocab"`` or ``"difference"`` (``answer`` minus ``other``). No ``answer``: the
-    clean argmax."""
-    token = (int(logits[0, -1].argmax()) if answer is None
-             else answer_token_id(tokenizer, answer, strict=True))
-    if kind == "demeaned":
-        return demeaned_logit(logits, token, k)
-    if kind == "demeaned_vocab":
-        return demeaned_logit(logits, token, demean="vocab")
-    if kind == "difference":
-        if other is None:
-            raise InputError("a logit-difference target needs the other token (other=...)")
-        return logit_difference(logits.shape[-1], token,
-                                answer_token_id(tokenizer, other, strict=True))
-    raise InputError(f"target kind must be demeaned, demeaned_vocab or difference, got {kind!r}")
-
-
-def _run_key(model: nn.Module, run: ReplacementRun, goal: Target, clt: Transcoder,
-             settings: dict) -> dict:
-    """What must match for saved rows to belong to this graph."""
-    return {"input_ids": run.input_ids[0].tolist(), "target": goal.describe(),
-            "model": model_fingerprint(model), "transcoder": transcoder_fingerprint(clt),
-            "version": package_version(), **settings,
-            "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id),
-            "steering": [{**s.site.describe(), "value": tensor_digest(s.value)}
-                         for s in run.steering]}
-
-
 class _Ranking:
     """Which feature rows to compute next: all in node order, or by partial influence."""
 
@@ -154,10 +124,11 @@ class _Ranking:
         return order[~done[order]][:min(self.queue, left)]
 
 
+@takes_transcoder
 @measured  # one graph per model at a time, in eval mode
 @accepts_intervenable
 def attribute(
-    model: nn.Module, tokenizer, clt: Transcoder, prompt: str,
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder, prompt: str,
     answer: str | None = None, *, target: str = "demeaned", other: str | None = None,
     k: int = 10, max_feature_nodes: int | None = None, memory_mb: float = 4096,
     batch_size: int | None = None, max_batch: int | None = None, update_interval: int = 4,
@@ -166,7 +137,7 @@ def attribute(
     check_closure: bool = True,
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next-token ``answer`` (a single token; default:
-    the clean argmax) through ``clt``.
+    the clean argmax) through ``transcoder`` (``clt=``, its old name, still works and warns).
 
     ``max_feature_nodes`` bounds the feature rows (module docstring); default: every active
     feature if their rows fit ``memory_mb``, otherwise as many as fit (logged). ``memory_mb``
@@ -185,10 +156,10 @@ def attribute(
     directory to remove. ``metadata["rows_resumed"]`` and ``["rows_computed"]`` count the rows
     loaded from it and computed by this call (the target row included).
 
-    ``clt`` is any :class:`~..transcoders.Transcoder`: cross-layer or a per-layer set (a skip
-    path is a linear route from the input it reads: its effect reaches the graph through the
-    nodes upstream of that input). A model whose logits are soft-capped (Gemma-2) is explained
-    before the cap, which is switched off while the graph is built and restored after
+    ``transcoder`` is any :class:`~..transcoders.Transcoder`: cross-layer or a per-layer set (a
+    skip path is a linear route from the input it reads: its effect reaches the graph through
+    the nodes upstream of that input). A model whose logits are soft-capped (Gemma-2) is
+    explained before the cap, which is switched off while the graph is built and restored after
     (``metadata["logit_softcap"]``); ``answer_prob`` is the real, capped model's.
 
     ``model`` may be a ``pv.IntervenableModel``: the graph is then one of the model with its
@@ -210,50 +181,101 @@ def attribute(
                               max_feature_nodes=max_feature_nodes, memory_mb=memory_mb,
                               batch_size=batch_size, max_batch=max_batch,
                               update_interval=update_interval)
-    check_fits(clt, model)
-    check_weights(model)
-    clock = {"start": time.perf_counter(), "ranking": 0.0}
-    device = next(model.parameters()).device
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
-    check_inputs(model, ids)
-    with torch.no_grad():
-        clean = model(input_ids=ids).logits
-        with pre_softcap_logits(model) as cap:
-            uncapped = clean if cap is None else model(input_ids=ids).logits
-    check_finite(clean, "the clean run's logits",
-                 "the weights are finite, so the activations overflow")
-    goal = make_target(uncapped, tokenizer, answer, kind=target, other=other, k=k)
-    check_inputs(model, ids, goal.token)
-    check_forward_fits(model, clt, ids, memory_mb, active_counts(model, clt, ids))
-    run = run_local_replacement(model, clt, ids, freeze=freeze)
-    logit_row, logit_constant, closure = target_row(run, goal)
-    check_finite(logit_row, "the target's attribution row",
+    start = time.perf_counter()
+    replacement = ReplacementModel(model, tokenizer, transcoder)
+    prepared = replacement.prepare(prompt, answer, target=target, other=other, k=k)
+    replacement.check_memory(prepared.input_ids, memory_mb)
+    run = replacement.run(prepared.input_ids, freeze=freeze)
+    top = _target_row(run, prepared.target, freeze=freeze, check_closure=check_closure)
+    forward_s = time.perf_counter() - start
+    plan = _plan(run, top, memory_mb=memory_mb, batch_size=batch_size, max_batch=max_batch,
+                 max_feature_nodes=max_feature_nodes, update_interval=update_interval,
+                 freeze=freeze, loop=loop)
+    key = _run_key(replacement, run, prepared.target, plan.settings)
+    store, resumed, ranking_s = _feature_rows(
+        run, top, plan, key, checkpoint=checkpoint, keep_checkpoint=keep_checkpoint,
+        loop=loop, progress=progress, check_closure=check_closure, freeze=freeze)
+    seconds = {"total": time.perf_counter() - start, "forward": forward_s, "ranking": ranking_s}
+    seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]
+    return _graph(replacement, prepared, run, top, store, plan, resumed=resumed,
+                  seconds=seconds, freeze=freeze, check_closure=check_closure)
+
+
+@dataclass(frozen=True)
+class _TargetRow:
+    """The target's row, its constant, its closure, and the user's edits the graph cannot
+    see (named in a closure error)."""
+
+    row: torch.Tensor
+    constant: float
+    closure: Closure
+    hidden: list[str]
+
+
+def _target_row(run: ReplacementRun, goal: Target, *, freeze: bool,
+                check_closure: bool) -> _TargetRow:
+    """The target row by one backward, checked finite and (with ``check_closure``) closed."""
+    row, constant, closure = target_row(run, goal)
+    check_finite(row, "the target's attribution row",
                  "the transcoder's features or the replacement model's gradients overflow")
     hidden = [f"{s.site.key} ({s.site.intervention} at {s.site.component or s.site.module})"
               for s in run.steering if not s.reached]
     if check_closure and not closure.ok:
         raise closure_error("the target row", closure, freeze=freeze, hidden=hidden)
-    clock["forward"] = time.perf_counter() - clock["start"]
+    return _TargetRow(row, constant, closure, hidden)
 
-    n, logit_node = run.n_features, run.n_columns
+
+@dataclass(frozen=True)
+class _Plan:
+    """Rows per backward, feature rows to compute, their order, and the settings a
+    checkpoint's rows must share."""
+
+    size: int
+    budget: int
+    ranking: _Ranking
+    settings: dict
+
+
+def _plan(run: ReplacementRun, top: _TargetRow, *, memory_mb: float, batch_size: int | None,
+          max_batch: int | None, max_feature_nodes: int | None, update_interval: int,
+          freeze: bool, loop: bool) -> _Plan:
+    """Fit the batch and the feature budget to ``memory_mb`` (:mod:`.budget`)."""
     if batch_size is not None:
         check_batch_fits(run, memory_mb, batch_size)
     size = batch_size or batch_size_for(run, memory_mb, max_batch)
-    first_guess = logit_row[:n].abs().argsort(descending=True).cpu()
+    first_guess = top.row[:run.n_features].abs().argsort(descending=True).cpu()
     budget = feature_budget(run, memory_mb, size, max_feature_nodes, first_guess)
     ranking = _Ranking(run, budget, max(update_interval * size, -(-budget // RERANKS)))
-    settings = {"freeze": freeze, "budget": budget, "batch": size, "loop": loop,
-                "update_interval": update_interval}
+    return _Plan(size, budget, ranking, {"freeze": freeze, "budget": budget, "batch": size,
+                                         "loop": loop, "update_interval": update_interval})
+
+
+def _run_key(replacement: ReplacementModel, run: ReplacementRun, goal: Target,
+             settings: dict) -> dict:
+    """What must match for saved rows to belong to this graph."""
+    return {"input_ids": run.input_ids[0].tolist(), "target": goal.describe(),
+            **replacement.fingerprints(), "version": package_version(), **settings,
+            "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id),
+            "steering": [{**s.site.describe(), "value": tensor_digest(s.value)}
+                         for s in run.steering]}
+
+
+def _feature_rows(run: ReplacementRun, top: _TargetRow, plan: _Plan, key: dict, *,
+                  checkpoint: str | Path | None, keep_checkpoint: bool, loop: bool,
+                  progress: bool, check_closure: bool,
+                  freeze: bool) -> tuple[RowStore, int, float]:
+    """The target row and ``plan.budget`` feature rows in a store, resumed from and saved to
+    ``checkpoint``; returns the store, the rows it resumed and the seconds spent ranking."""
+    n, ranking_s = run.n_features, 0.0
     lock = single_writer(checkpoint) if checkpoint is not None else contextlib.nullcontext()
     with lock:
-        key = _run_key(model, run, goal, clt, settings)
         store_file = Checkpoint(checkpoint, key, SAVE_EVERY_S)
         restored = store_file.load(run.n_columns, n)
         resumed = 0 if restored is None else restored[0].n_rows
         if restored is None:
             store, pending = RowStore(run.n_columns), torch.zeros(0, dtype=torch.long)
-            store.append(torch.tensor([logit_node]), logit_row[None],
-                         torch.tensor([logit_constant]), torch.tensor([closure.target]))
+            store.append(torch.tensor([run.n_columns]), top.row[None],
+                         torch.tensor([top.constant]), torch.tensor([top.closure.target]))
         else:
             store, pending = restored
         done = torch.zeros(n, dtype=torch.bool)
@@ -261,26 +283,27 @@ def attribute(
 
         bar = None
         if progress:
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # a progress bar only when asked for one
 
-            bar = tqdm(total=budget, initial=int(done.sum()), desc="feature rows", unit="row")
+            bar = tqdm(total=plan.budget, initial=int(done.sum()), desc="feature rows",
+                       unit="row")
         compute = feature_rows_loop if loop else feature_rows
         on = run.feature_layer.device
         in_flight = pending[:0]  # rows being computed: back in the queue if Ctrl-C comes
         try:
-            while int(done.sum()) < budget:
+            while int(done.sum()) < plan.budget:
                 if len(pending) == 0:
                     start = time.perf_counter()
-                    pending = ranking.next_queue(store, done)
-                    clock["ranking"] += time.perf_counter() - start
-                chunk, pending = pending[:size], pending[size:]
+                    pending = plan.ranking.next_queue(store, done)
+                    ranking_s += time.perf_counter() - start
+                chunk, pending = pending[:plan.size], pending[plan.size:]
                 in_flight = chunk
                 rows, constants = compute(run, chunk.to(on))
                 check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
                 with torch.no_grad():
                     targets = feature_targets(run, chunk.to(on))
                 if check_closure:
-                    _check_rows(run, chunk, rows, constants, targets, freeze, hidden)
+                    _check_rows(run, chunk, rows, constants, targets, freeze, top.hidden)
                 store.append(chunk, rows, constants, targets)
                 in_flight = pending[:0]
                 done[chunk] = True
@@ -295,32 +318,36 @@ def attribute(
         store_file.maybe_save(store, pending, force=True)
     if checkpoint is not None and not keep_checkpoint:
         remove_checkpoint(checkpoint)
-    seconds = {"total": time.perf_counter() - clock["start"], "forward": clock["forward"],
-               "ranking": clock["ranking"]}
-    seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]
+    return store, resumed, ranking_s
 
-    probs = clean[0, -1].float().softmax(-1)  # the real (capped) model's
+
+def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: ReplacementRun,
+           top: _TargetRow, store: RowStore, plan: _Plan, *, resumed: int, seconds: dict,
+           freeze: bool, check_closure: bool) -> AttributionGraph:
+    """The graph of the computed rows, with what its reader needs to know in ``metadata``."""
+    tokenizer, ids, goal, cap = (replacement.tokenizer, prepared.input_ids, prepared.target,
+                                 prepared.softcap)
+    probs = prepared.logits[0, -1].float().softmax(-1)  # the real (capped) model's
     return AttributionGraph(
-        prompt=prompt, tokens=[tokenizer.decode([i]) for i in ids[0].tolist()],
+        prompt=prepared.text, tokens=[tokenizer.decode([i]) for i in ids[0].tolist()],
         input_ids=ids[0].tolist(), target=goal.describe(),
         answer=tokenizer.decode([goal.token]), answer_prob=float(probs[goal.token]),
         n_layers=run.n_layers, feature_layer=run.feature_layer.cpu(),
         feature_position=run.feature_position.cpu(), feature_id=run.feature_id.cpu(),
-        activation=run.activation.float().cpu(), rows=store, closure=closure,
+        activation=run.activation.float().cpu(), rows=store, closure=top.closure,
         steering=[{**s.site.describe(), "positions": positions.tolist()}
                   for s, positions in zip(run.steering_leaves, run.steering_positions,
                                           strict=True)],
-        metadata={"model": model_name(model),
-                  "clt": clt.source or clt.cfg.model_name,
-                  "transcoder": transcoder_metadata(clt), "frozen": freeze,
+        metadata={**replacement.describe(), "frozen": freeze,
                   "logit_softcap": None if cap is None else {
                       "cap": cap, "target": "pre-soft-cap logits (cap off while the graph was "
                                             "built, restored after)"},
-                  "batch_size": size, "max_feature_nodes": budget,
-                  "active_features": n, "forward_mb": run.forward_bytes / 2**20,
+                  "batch_size": plan.size, "max_feature_nodes": plan.budget,
+                  "active_features": run.n_features, "forward_mb": run.forward_bytes / 2**20,
                   "rows_mb": store.nbytes / 2**20, "seconds": seconds,
-                  "max_logit_change": float((run.logits.detach() - uncapped).abs().max()),
-                  "steering": steering_metadata(run, logit_row),
+                  "max_logit_change": float((run.logits.detach()
+                                             - prepared.target_logits).abs().max()),
+                  "steering": steering_metadata(run, top.row),
                   "closure_checked": check_closure, "rows_resumed": resumed,
                   "rows_computed": store.n_rows - resumed})
 
@@ -363,13 +390,3 @@ def _check_rows(run: ReplacementRun, chunk: torch.Tensor, rows: torch.Tensor,
     name = (f"the row of feature {int(run.feature_id[node])} (layer "
             f"{int(run.feature_layer[node])}, position {int(run.feature_position[node])})")
     raise closure_error(name, closure, freeze=freeze, hidden=hidden)
-
-
-def transcoder_metadata(transcoder: Transcoder) -> dict:
-    """What a graph's reader needs to know about the transcoder it was built with."""
-    cfg = transcoder.cfg
-    return {"source": transcoder.source, "model_name": cfg.model_name,
-            "kind": cfg.model_kind, "activation": cfg.activation, "k": cfg.k, "skip": cfg.skip,
-            "d_transcoder": cfg.d_transcoder, "scan": cfg.scan,
-            "feature_input_hook": cfg.feature_input_hook,
-            "feature_output_hook": cfg.feature_output_hook}

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError, MemoryCapError
+from ..transcoders.checks import hook_states
 from .store import CHUNK_ENTRIES
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
@@ -50,8 +51,6 @@ INFLUENCE_BYTES = 40
 def active_counts(model: nn.Module, clt, input_ids: torch.Tensor,
                   from_position: int = 1) -> torch.Tensor:
     """``[L]``: active features per layer on ``input_ids`` (no graph, one forward)."""
-    from ..transcoders.checks import hook_states
-
     with torch.no_grad():
         mid = hook_states(model, input_ids, {"x": clt.cfg.feature_input_hook})["x"]
         return torch.tensor([int((clt.encode(mid[layer, from_position:], layer) != 0).sum())

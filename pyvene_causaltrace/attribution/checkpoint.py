@@ -29,6 +29,7 @@ import re
 import time
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from ..atomic import replacing, write_text
@@ -130,8 +131,6 @@ class Checkpoint:
 
     def _shard(self, n_columns: int, name: str, entry: dict) -> RowStore:
         """One shard's rows, after its size and SHA-256 (``entry``) match the manifest's."""
-        from safetensors.torch import load_file
-
         path = self.path / name
         if not path.is_file():
             raise self._damaged(f"checkpoint shard {path} is missing")
@@ -143,7 +142,7 @@ class Checkpoint:
             raise self._damaged(f"checkpoint shard {path} is damaged: its SHA-256 does not "
                                 "match the manifest's")
         try:
-            return RowStore.from_state(n_columns, load_file(str(path)))
+            return RowStore.from_state(n_columns, safetensors.torch.load_file(str(path)))
         except MemoryError:
             raise
         except Exception as error:  # safetensors raises its own types; from_state InputError
@@ -199,14 +198,12 @@ class Checkpoint:
         ``every_s`` has passed since (or ``force``)."""
         if self.path is None or (not force and time.monotonic() - self.last < self.every_s):
             return
-        from safetensors.torch import save_file
-
         self.path.mkdir(parents=True, exist_ok=True)
         new = RowStore(store.n_columns, store.blocks[self.saved_blocks:])
         if new.blocks:
             name = f"shard-{len(self.shards):05d}.safetensors"
             with replacing(self.path / name) as tmp:
-                save_file(new.state(), str(tmp))
+                safetensors.torch.save_file(new.state(), str(tmp))
                 entry = {"bytes": tmp.stat().st_size, "sha256": file_digest(tmp)}
             self.shards.append(name)
             self.checksums[name] = entry

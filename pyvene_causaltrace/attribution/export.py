@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import __version__
 from ..atomic import write_text
 from ..errors import InputError
 
@@ -66,7 +67,7 @@ NEURONPEDIA_SCHEMA: dict[str, Any] = {
 def check_graph_json(payload: dict) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``payload`` has every field Neuronpedia's
     schema requires, or ``ValueError`` if a link names a node that is not exported."""
-    import jsonschema
+    import jsonschema  # jsonschema loads only when a graph file is checked
 
     jsonschema.validate(payload, NEURONPEDIA_SCHEMA)
     ids = {node["node_id"] for node in payload["nodes"]}
@@ -140,8 +141,6 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
     the metadata says so). ``labels`` (``{(layer, feature): text}``, see :func:`read_labels`)
     become the features' ``clerp``; ``metadata.scan`` is the transcoder's Neuronpedia scan when
     it has one (so the viewer links features to their pages), else the model's name."""
-    from .. import __version__
-
     check_max_links(max_links)
     pruned = graph.prune(node_threshold, edge_threshold)
     edge_target, edge_source, edge_weight = pruned.edge_target, pruned.edge_source, \

@@ -34,11 +34,14 @@ from typing import Any
 
 import pandas as pd
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ..atomic import replacing
 from ..errors import GraphFileError, InputError
 from .edges import Closure
 from .export import graph_json, write_json
+from .plots import plot_graph
 from .reading import Layout, PruneResult, graph_scores, influence, logit_weights, prune
 from .store import RowStore
 
@@ -346,8 +349,6 @@ class AttributionGraph:
 
     def plot(self, path: str | Path | None = None, **kwargs: Any):
         """Static figure of the pruned graph (:func:`~.plots.plot_graph`)."""
-        from .plots import plot_graph
-
         return plot_graph(self, path, **kwargs)
 
     # ---------------------------------------------------------------------- files
@@ -355,7 +356,6 @@ class AttributionGraph:
         """Write the graph to one safetensors file: tensors, and everything else as JSON in its
         header (no pickle: loading never runs code). Written under a temporary name and renamed
         over ``path`` when complete: never half a file under ``path``."""
-        from safetensors.torch import save_file
 
         header = {"prompt": self.prompt, "tokens": self.tokens, "target": self.target,
                   "answer": self.answer, "answer_prob": self.answer_prob,
@@ -374,7 +374,6 @@ class AttributionGraph:
     def load(cls, path: str | Path) -> AttributionGraph:
         """Read a file written by :meth:`save`. Anything else — a pickle, a ``.pt`` of an older
         version, another safetensors file — is refused with :class:`GraphFileError`."""
-        from safetensors import safe_open
 
         try:
             with safe_open(str(path), framework="pt") as handle:

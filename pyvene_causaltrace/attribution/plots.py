@@ -36,10 +36,10 @@ def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.
                edge_threshold: float = 0.98, max_nodes: int = 60, max_edges: int = 300):
     """Figure of ``graph`` pruned at the thresholds (module docstring); saved to ``path`` when
     given. Returns the figure."""
-    import matplotlib
+    import matplotlib  # matplotlib loads only when a figure is drawn
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib loads only when a figure is drawn
 
     pruned = graph.prune(node_threshold, edge_threshold)
     lay = graph.layout

@@ -22,21 +22,25 @@ Run on a pyvene ``IntervenableModel``'s model inside
 (a steering vector, a restored state, noise) becomes a leaf too: ``run.steering``, the graph's
 steering nodes (:func:`~pyvene_causaltrace.pyvene_compat.collect_steering`).
 
-    run = run_local_replacement(model, clt, ids)
+    run = run_local_replacement(model, transcoder, ids)
     run.logits                                  # live, differentiable
     run.inputs()                                # every leaf and constant, for autograd.grad
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from ..errors import InputError
+from ..hooking import installed
 from ..interventions.clt_splice import (
     ActiveFeatures,
     SpliceSession,
@@ -44,10 +48,12 @@ from ..interventions.clt_splice import (
 )
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
 from ..interventions.leaf import GradientLeaf
-from ..models import get_adapter, get_module
-from ..pyvene_compat import SteeringLeaf, collect_steering
+from ..models import ArchAdapter, get_adapter, get_module
+from ..pyvene_compat import SteeringLeaf, collect_steering, intervenable_model_class
 from ..transcoders.transcoder import Transcoder, check_fits
 from .reading import Layout
+
+F = TypeVar("F", bound=Callable)
 
 
 @dataclass
@@ -185,11 +191,37 @@ def pre_softcap_logits(model: nn.Module) -> Iterator[float | None]:
         config.final_logit_softcapping = cap
 
 
+def takes_transcoder(function: F) -> F:
+    """Let ``function``'s ``transcoder`` parameter also be passed by its old name, ``clt=``,
+    with a :class:`DeprecationWarning`."""
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        if "clt" in kwargs:
+            if "transcoder" in kwargs:
+                raise TypeError(f"{function.__name__}() got transcoder= and clt= (its old "
+                                "name): pass transcoder= only")
+            warnings.warn(f"{function.__name__}(clt=...) is deprecated: use transcoder=",
+                          DeprecationWarning, stacklevel=2)
+            kwargs["transcoder"] = kwargs.pop("clt")
+        return function(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def check_batch(input_ids: torch.Tensor) -> None:
+    """Refuse ``input_ids`` that are not ``[batch, P]``."""
+    if input_ids.dim() != 2:
+        raise InputError(f"input_ids must be [batch, P], got {tuple(input_ids.shape)}")
+
+
+@takes_transcoder
 def run_local_replacement(
-    model: nn.Module, clt: Transcoder, input_ids: torch.Tensor, *,
+    model: nn.Module, transcoder: Transcoder, input_ids: torch.Tensor, *,
     freeze: bool = True, from_position: int = 1,
 ) -> ReplacementRun:
-    """Run ``input_ids`` through the local replacement model (module docstring).
+    """Run ``input_ids`` through the local replacement model (module docstring), after checking
+    that ``transcoder`` fits ``model`` (:class:`~.replacement_model.ReplacementModel` checks
+    once and calls :func:`replacement_forward`).
 
     The edge functions take one prompt (``[1, P]``); a batch of copies is what circuit-tracer's
     replicated-forward method runs (``benchmarks/attribution_speed.py`` compares with it).
@@ -198,12 +230,19 @@ def run_local_replacement(
     control: the edges then no longer sum to the target). A final logit soft-cap is switched
     off for the forward (:func:`pre_softcap_logits`): ``logits`` are the pre-cap ones.
     """
-    from ..pyvene_compat import intervenable_model_class
+    check_batch(input_ids)
+    check_fits(transcoder, model)
+    return replacement_forward(model, transcoder, get_adapter(model), input_ids, freeze=freeze,
+                               from_position=from_position)
 
-    if input_ids.dim() != 2:
-        raise InputError(f"input_ids must be [batch, P], got {tuple(input_ids.shape)}")
-    check_fits(clt, model)
-    adapter = get_adapter(model)
+
+def replacement_forward(
+    model: nn.Module, transcoder: Transcoder, adapter: ArchAdapter, input_ids: torch.Tensor, *,
+    freeze: bool = True, from_position: int = 1,
+) -> ReplacementRun:
+    """:func:`run_local_replacement` of a ``transcoder`` already checked to fit ``model``
+    (``adapter``: the model's)."""
+    n_layers = transcoder.n_layers
     embed_leaves = [GradientLeaf()]
     reps = [{"component": adapter.site("embed"), "intervention": embed_leaves[0]}]
     if adapter.position_embed is not None:
@@ -211,11 +250,11 @@ def run_local_replacement(
         reps.append({"component": adapter.site("position_embed"),
                      "intervention": embed_leaves[1]})
     if freeze:
-        outputs = {clt.cfg.hf_hooks(adapter, layer)["output"] for layer in range(clt.n_layers)}
+        outputs = {transcoder.cfg.hf_hooks(adapter, layer)["output"] for layer in range(n_layers)}
         reps += _freeze_representations(adapter, model, outputs)
     session = SpliceSession()
-    reps += clt_splice_representations(clt, model, from_position=from_position, leaves=True,
-                                       session=session)
+    reps += clt_splice_representations(transcoder, model, from_position=from_position,
+                                       leaves=True, session=session)
 
     constants = constant_parameters(model)
     flags = [(p, p.requires_grad) for p in model.parameters()]
@@ -226,7 +265,7 @@ def run_local_replacement(
             p.requires_grad_(True)
         pv_model = intervenable_model_class()(reps, model, keep_model_gradients=True)
         replaced = [get_module(model, adapter.module_path(part, layer))
-                    for layer in range(clt.n_layers)
+                    for layer in range(n_layers)
                     for part in (("mlp", "attn") if freeze else ("mlp",))]
         with torch.enable_grad(), _count_saved_bytes(model) as saved, \
                 _no_grad_inside(replaced), pre_softcap_logits(model) as cap, \
@@ -238,19 +277,19 @@ def run_local_replacement(
     _drop_unreachable(steering, out.logits)
     leaves = dict(session.leaves)
     session.clear()
-    features = [leaves["features"][layer] for layer in range(clt.n_layers)]
-    encoder_rows = torch.cat([clt.encoder_weight(layer)[f.feature]
+    features = [leaves["features"][layer] for layer in range(n_layers)]
+    encoder_rows = torch.cat([transcoder.encoder_weight(layer)[f.feature]
                               for layer, f in enumerate(features)])
     embeddings = [leaf.leaf for leaf in embed_leaves]
     return ReplacementRun(
         input_ids=input_ids,
         logits=out.logits,
         features=features,
-        errors=[leaves["errors"][layer] for layer in range(clt.n_layers)],
+        errors=[leaves["errors"][layer] for layer in range(n_layers)],
         embeddings=embeddings,
         b_dec=leaves["b_dec"],
         constants=constants,
-        encoder_inputs=[leaves["inputs"][layer] for layer in range(clt.n_layers)],
+        encoder_inputs=[leaves["inputs"][layer] for layer in range(n_layers)],
         encoder_rows=encoder_rows,
         forward_bytes=saved["bytes"],
         logit_softcap=cap,
@@ -304,13 +343,12 @@ def _no_grad_inside(modules: list[nn.Module]) -> Iterator[None]:
         return output.clone()
 
     mode = torch.is_grad_enabled()
-    handles = [hook for module in modules for hook in (
-        module.register_forward_pre_hook(off), module.register_forward_hook(on))]
+    hooks = [hook for module in modules
+             for hook in ((module, "forward_pre", off), (module, "forward", on))]
     try:
-        yield
+        with installed(hooks):
+            yield
     finally:
-        for handle in handles:
-            handle.remove()
         torch.set_grad_enabled(mode)
 
 

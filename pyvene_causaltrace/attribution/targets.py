@@ -4,19 +4,29 @@ A :class:`Target` is a coefficient vector ``c`` over the vocabulary, chosen once
 logits and then held fixed, so ``target = c . logits[-1]`` is linear in the leaves of the local
 replacement model. Two constructions:
 
-- :func:`demeaned_logit`: the answer's logit minus the mean of the top-``k`` logits (k = 10), as
-  in the seed: a direction that raises every logit equally does not change the prediction.
+- :func:`demeaned_logit`: the answer's logit minus the mean of the top-``k`` logits (k = 10): a
+  direction that raises every logit equally does not change the prediction.
   (circuit-tracer demeans by the vocabulary mean instead: ``demean="vocab"``.)
 - :func:`logit_difference`: ``logit[token] - logit[other]``.
+
+:func:`make_target` picks one by name (:data:`TARGET_KINDS`) for a prompt's answer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InputError
+from ..prompts import answer_token_id
+
+if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
+    from transformers import PreTrainedTokenizerBase
+
+#: The target kinds :func:`make_target` builds.
+TARGET_KINDS = ("demeaned", "demeaned_vocab", "difference")
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,7 @@ class Target:
 
 def demeaned_logit(logits: torch.Tensor, token: int, k: int = 10,
                    demean: str = "topk") -> Target:
-    """``logit[token] - mean(top-k logits)`` (``demean="topk"``, the seed's convention) or
+    """``logit[token] - mean(top-k logits)`` (``demean="topk"``, our default) or
     ``logit[token] - mean(all logits)`` (``demean="vocab"``, circuit-tracer's)."""
     last = logits.detach()[..., -1, :].reshape(-1).float()
     vocab = last.numel()
@@ -71,3 +81,22 @@ def logit_difference(vocab_size: int, token: int, other: int) -> Target:
     c = torch.zeros(vocab_size)
     c[token], c[other] = 1.0, -1.0
     return Target(f"logit difference ({token} - {other})", int(token), c)
+
+
+def make_target(logits: torch.Tensor, tokenizer: PreTrainedTokenizerBase, answer: str | None,
+                *, kind: str = "demeaned", other: str | None = None, k: int = 10) -> Target:
+    """The target on clean ``logits``: ``kind`` is ``"demeaned"`` (top-k, the default),
+    ``"demeaned_vocab"`` or ``"difference"`` (``answer`` minus ``other``). No ``answer``: the
+    clean argmax."""
+    token = (int(logits[0, -1].argmax()) if answer is None
+             else answer_token_id(tokenizer, answer, strict=True))
+    if kind == "demeaned":
+        return demeaned_logit(logits, token, k)
+    if kind == "demeaned_vocab":
+        return demeaned_logit(logits, token, demean="vocab")
+    if kind == "difference":
+        if other is None:
+            raise InputError("a logit-difference target needs the other token (other=...)")
+        return logit_difference(logits.shape[-1], token,
+                                answer_token_id(tokenizer, other, strict=True))
+    raise InputError(f"target kind must be demeaned, demeaned_vocab or difference, got {kind!r}")

@@ -18,7 +18,9 @@ from torch import nn
 from ..errors import InputError
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..model_guard import measured
+from ..pyvene_compat import intervenable_model_class
 from ..transcoders.transcoder import Transcoder
+from .replacement import takes_transcoder
 
 
 @dataclass
@@ -57,12 +59,11 @@ def _ablations(graph, nodes: list[int]) -> list[dict]:
             for (layer, pos), features in sorted(groups.items())]
 
 
-def answer_prob(model: nn.Module, clt: Transcoder, ids: torch.Tensor,
+@takes_transcoder
+def answer_prob(model: nn.Module, transcoder: Transcoder, ids: torch.Tensor,
                 errors: torch.Tensor, token: int, ablate: list[int], graph) -> float:
     """P(token) in the spliced model with the feature nodes ``ablate`` zeroed."""
-    from ..pyvene_compat import intervenable_model_class
-
-    reps = clt_splice_representations(clt, model, errors=errors,
+    reps = clt_splice_representations(transcoder, model, errors=errors,
                                       ablations=_ablations(graph, ablate))
     with torch.no_grad():
         _, out = intervenable_model_class()(reps, model)(base={"input_ids": ids})
@@ -82,26 +83,28 @@ def ranking(graph, rank_by: str = "influence") -> list[int]:
     return score.argsort(descending=True).tolist()
 
 
+@takes_transcoder
 @measured
-def ablation_test(model: nn.Module, clt: Transcoder, graph,
+def ablation_test(model: nn.Module, transcoder: Transcoder, graph,
                   sizes: tuple[int, ...] = (5, 10, 20), draws: int = 10, seed: int = 0,
                   rank_by: str = "influence") -> AblationResult:
     """Ablate the graph's top ``n`` features vs ``draws`` random sets of ``n`` (each ``n`` in
-    ``sizes``, at most the number of active features)."""
+    ``sizes``, at most the number of active features) in the model spliced with
+    ``transcoder`` (``clt=``, its old name, still works and warns)."""
     device = next(model.parameters()).device
     ids = torch.tensor([graph.input_ids], device=device)
-    errors = clean_errors(clt, model, ids)
+    errors = clean_errors(transcoder, model, ids)
     token = int(graph.target["token"])
     with torch.no_grad():
         clean = float(model(input_ids=ids).logits[0, -1].float().softmax(-1)[token])
-    spliced = answer_prob(model, clt, ids, errors, token, [], graph)
+    spliced = answer_prob(model, transcoder, ids, errors, token, [], graph)
     order = ranking(graph, rank_by)
     g = torch.Generator().manual_seed(seed)
     top, random = {}, {}
     for n in sizes:
         n = min(n, graph.n_features)
-        top[n] = answer_prob(model, clt, ids, errors, token, order[:n], graph)
-        random[n] = [answer_prob(model, clt, ids, errors, token,
+        top[n] = answer_prob(model, transcoder, ids, errors, token, order[:n], graph)
+        random[n] = [answer_prob(model, transcoder, ids, errors, token,
                                  torch.randperm(graph.n_features, generator=g)[:n].tolist(),
                                  graph) for _ in range(draws)]
     return AblationResult(graph.answer, clean, spliced, rank_by, top, random)

@@ -1,7 +1,7 @@
 """Average indirect effects over facts, by ROME's token roles, with bootstrap intervals.
 
 For fact ``f``, kind ``k`` and seed ``s``: ``IE[l, t] = restored[l, t] - corrupt`` (a
-probability gap, as in the seed). A role's curve is the mean of ``IE`` over the role's
+probability gap, as in ROME). A role's curve is the mean of ``IE`` over the role's
 positions (:func:`~pyvene_causaltrace.tracing.roles.role_positions`), then over the fact's
 seeds; the AIE is the mean over facts that have the role, with a percentile bootstrap interval
 over facts. The total effect is ``clean - corrupt`` per fact (seeds averaged).

@@ -8,10 +8,10 @@ _KIND_CMAPS = {"residual": "Purples", "mlp": "Greens", "attn": "Reds"}
 
 
 def _figure(n_panels: int, width: float, height: float):
-    import matplotlib
+    import matplotlib  # matplotlib loads only when a figure is drawn
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib loads only when a figure is drawn
 
     fig, axes = plt.subplots(1, n_panels, figsize=(width * n_panels, height), squeeze=False)
     return plt, fig, axes[0]

@@ -6,7 +6,7 @@ more than once) and the target (``attribute``; the scored token is the first tok
 Malformed records do not stop a run: :func:`read_records` returns them as
 :class:`RecordError`s naming the record, and the caller reports them and goes on.
 
-    records, errors = read_records("../shared/data/known_1000.json")
+    records, errors = read_records("known_1000.json")   # or "known_1000": fetched once
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import InputError
+from .sources import DATASETS, dataset_path
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,6 @@ def parse_record(raw: object, index: int, where: str) -> FactRecord | RecordErro
 def read_records(path: str | Path) -> tuple[list[FactRecord], list[RecordError]]:
     """Records from a JSON list (ROME's format) or a JSONL file (one object per line), or from a
     named dataset (``"known_1000"``: fetched once into the cache, :mod:`.sources`)."""
-    from .sources import DATASETS, dataset_path
-
     if isinstance(path, str) and path in DATASETS and not Path(path).exists():
         path = dataset_path(path, progress=True)
     path = Path(path)

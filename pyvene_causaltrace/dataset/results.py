@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ..tracing.results import package_versions
+from .plots import plot_role_curves, plot_role_heatmaps
 
 __all__ = ["DatasetResult", "package_versions"]
 
@@ -49,7 +50,7 @@ class DatasetResult:
 
     def to_dataframe(self):
         """Long form: kind, role, layer, relative depth, aie, ci_low, ci_high, n_facts."""
-        import pandas as pd
+        import pandas as pd  # pandas loads only when a table is asked for
 
         rows = []
         for kind in self.kinds:
@@ -65,7 +66,7 @@ class DatasetResult:
 
     def peaks(self):
         """Peak layer and AIE per kind and role (relative depth = layer / (layers - 1))."""
-        import pandas as pd
+        import pandas as pd  # pandas loads only when a table is asked for
 
         rows = []
         for kind in self.kinds:
@@ -109,13 +110,9 @@ class DatasetResult:
 
     def plot(self, path: str | None = None):
         """ROME's Figure 1: a role x layer AIE heatmap per kind."""
-        from .plots import plot_role_heatmaps
-
         return plot_role_heatmaps(self, path)
 
     def plot_curves(self, path: str | None = None,
                     roles: tuple[str, ...] = ("Last subject token", "Last token")):
         """AIE against layer for ``roles``, one panel per kind, interval bands."""
-        from .plots import plot_role_curves
-
         return plot_role_curves(self, path, roles)

@@ -289,7 +289,7 @@ def trace_dataset_distributed(model, tokenizer, records, *, out, **options) -> D
     """:func:`trace_dataset` under ``torchrun``: each rank traces its shard; rank 0 merges after
     all ranks finish and returns the aggregate (other ranks return ``None``). Without a
     ``torchrun`` environment it is a plain single-process run."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # only under torchrun
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:

@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ..errors import DatasetUnavailableError, InputError
+from ..models import cache_dir
 
 
 @dataclass(frozen=True)
@@ -42,15 +43,13 @@ DATASETS: dict[str, DatasetSource] = {
 
 
 def data_dir() -> Path:
-    from ..models import cache_dir
-
     return cache_dir() / "data"
 
 
 def dataset_path(name: str, *, progress: bool = False) -> Path:
     """The local file of dataset ``name``: ``$<env>`` if set, else the cache, fetching it on
     first use. Every copy is checked against the dataset's SHA-256."""
-    import pooch
+    import pooch  # pooch only fetches a named dataset, on first use
 
     if name not in DATASETS:
         raise InputError(f"unknown dataset {name!r}; named datasets: {', '.join(DATASETS)} "

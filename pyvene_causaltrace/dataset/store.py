@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import DamagedFileError, ManifestMismatchError
+from ..runlock import single_writer
 
 MANIFEST, SCREEN, RESULTS = "manifest.json", "screen.jsonl", "results.jsonl"
 
@@ -196,8 +197,6 @@ class RunDirectory:
     (or the end of a ``with`` block)."""
 
     def __init__(self, path: str | Path, manifest: dict) -> None:
-        from ..runlock import single_writer
-
         self.path = Path(path)
         self._lock = contextlib.ExitStack()
         self._lock.enter_context(single_writer(self.path))

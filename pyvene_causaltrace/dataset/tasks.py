@@ -1,6 +1,5 @@
-"""Built-in tasks other than factual recall (the seed's "Try causal tracing on a task other
-than factual recall"): each is a small prompt set with the span to corrupt and the target, run
-through the same engine, CLI and aggregation as known facts.
+"""Built-in tasks other than factual recall: each is a small prompt set with the span to corrupt
+and the target, run through the same engine, CLI and aggregation as known facts.
 
 - ``agreement``: subject-verb agreement across a distractor of the other number; corrupt the
   head noun, score the verb that agrees with it (" are" / " is").

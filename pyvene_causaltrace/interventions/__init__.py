@@ -25,25 +25,6 @@ from .registry import (
     register_intervention,
 )
 
-
-def _register_builtins() -> None:
-    # Checked against the registry itself, not a flag: a test that swaps the registry dict
-    # for a copy must not leave the real one empty.
-    from . import registry
-
-    if "noise_add" in registry._REGISTRY:
-        return
-    from .clt_splice import CLTSplice, FeatureAblate
-    from .frozen import FrozenAttention, FrozenLayerNorm
-    from .leaf import GradientLeaf
-    from .noise import NoiseAdd
-    from .restore import CleanRestore, Freeze, WindowRestore
-
-    for cls in (NoiseAdd, CleanRestore, WindowRestore, Freeze, FrozenLayerNorm,
-                FrozenAttention, CLTSplice, FeatureAblate, GradientLeaf):
-        register_intervention(cls.registered_name, cls)
-
-
 __all__ = [
     "RESERVED",
     "UnknownInterventionError",

@@ -22,6 +22,7 @@ State is a few JSON scalars (:meth:`config`) plus tensors (buffers). Both travel
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -30,6 +31,7 @@ import torch
 
 from ..errors import InputError
 from ..pyvene_compat import import_pyvene, pyvene_call
+from .spec_entry import Site, SpecContext, extra_fields, generic_schema
 
 pv = import_pyvene()
 
@@ -89,8 +91,6 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
     def _has_bare_defaults(cls) -> bool:
         if cls.bare_defaults is not None:
             return cls.bare_defaults
-        import inspect
-
         return all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
                    for p in inspect.signature(cls._setup).parameters.values()
                    if p.name != "self")
@@ -113,8 +113,6 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
     @classmethod
     def spec_schema(cls) -> dict[str, Any]:
         """JSON Schema of this type's spec entry (see :mod:`.spec_entry`)."""
-        from .spec_entry import generic_schema
-
         return generic_schema()
 
     @classmethod
@@ -122,18 +120,17 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
         """Rules across fields of the whole spec that the schema cannot say (raise SpecError)."""
 
     @classmethod
-    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         """Where an entry acts: its component at each of its layers, at its positions."""
         return ctx.component_sites(entry, index)
 
     @classmethod
-    def from_spec(cls, entry: dict, site, ctx, states: torch.Tensor | None = None):
+    def from_spec(cls, entry: dict, site: Site, ctx: SpecContext,
+                  states: torch.Tensor | None = None) -> CausalTraceIntervention:
         """The instance at one site; the entry's other fields are constructor keywords."""
-        from .spec_entry import extra_fields
-
         return cls(positions=site.positions, **extra_fields(entry))
 
-    def to_spec(self, site) -> dict[str, Any]:
+    def to_spec(self, site: Site) -> dict[str, Any]:
         """The single-site entry that rebuilds this instance (``site``: where it acts)."""
         return {"type": self.registered_name, "component": site.component,
                 **({"positions": list(site.positions)} if site.positions is not None else {}),

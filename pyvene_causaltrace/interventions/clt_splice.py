@@ -46,9 +46,14 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError
-from ..transcoders.hooks import norm_settings, normalize
+from ..errors import InputError, SpecError
+from ..locations import resolve_layers
+from ..models import get_adapter
+from ..transcoders.formats import load_transcoder
+from ..transcoders.hooks import norm_settings, normalize, transcoder_states
+from ..transcoders.transcoder import check_fits
 from .base import CausalTraceIntervention
+from .spec_entry import Site, SpecContext
 
 #: Transcoders read by path, keyed by the files' identity (see :func:`file_identity`).
 _TRANSCODERS: dict[tuple, Any] = {}
@@ -78,8 +83,6 @@ def resolve_transcoder(source: str | None, clt=None):
                          "from)")
     key = file_identity(source)
     if key not in _TRANSCODERS:
-        from ..transcoders.formats import load_transcoder
-
         _TRANSCODERS[key] = load_transcoder(source)
     return _TRANSCODERS[key]
 
@@ -231,20 +234,15 @@ class CLTSplice(_CLTIntervention):
                           "description": "Add the frozen error so the forward is exact."}}}
 
     @classmethod
-    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
-        from ..specs import SpecError
-        from .spec_entry import Site
-
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         try:
             clt = resolve_transcoder(entry["clt"])
         except (OSError, ValueError) as error:
             raise SpecError(ctx.path(index, "clt"), str(error)) from None
-        from ..locations import resolve_layers
-
         layers = resolve_layers(entry.get("layers", "all"), clt.n_layers,
                                 ctx.path(index, "layers"))
-        ablations = [{k: v for k, v in item.to_dict().items() if k != "type"}
-                     for item in ctx.spec.interventions if item.type == "feature_ablate"]
+        ablations = [dict(item.fields) for item in ctx.spec.interventions
+                     if item.type == "feature_ablate"]
         reps = clt_splice_representations(
             clt, ctx.model, layers=layers, from_position=entry.get("from_position", 1),
             add_error=entry.get("add_error", False), ablations=ablations)
@@ -252,10 +250,10 @@ class CLTSplice(_CLTIntervention):
                      where=ctx.path(index, "clt"), made=rep["intervention"]) for rep in reps]
 
     @classmethod
-    def from_spec(cls, entry: dict, site, ctx, states=None):
+    def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
         return site.made
 
-    def to_spec(self, site) -> dict[str, Any]:
+    def to_spec(self, site: Site) -> dict[str, Any]:
         return {"type": self.registered_name, "clt": self._config["source"],
                 "layers": [self._config["clt_layer"]],
                 "from_position": self._config["from_position"],
@@ -393,10 +391,10 @@ class FeatureAblate(_CLTIntervention):
                     "scale": {"type": "number", "default": 0.0}}}
 
     @classmethod
-    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         return []  # built by the clt_splice entry
 
-    def to_spec(self, site) -> dict[str, Any]:
+    def to_spec(self, site: Site) -> dict[str, Any]:
         return {"type": self.registered_name,
                 **{k: self._config[k] for k in ("clt_layer", "features", "positions", "scale")
                    if self._config[k] is not None}}
@@ -426,8 +424,6 @@ class FeatureAblate(_CLTIntervention):
 def clean_errors(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
     """The clean run's transcoder error ``out - recon`` per layer, ``[L, 1, P, D]``, for a
     splice with a fixed error."""
-    from ..transcoders.checks import transcoder_states
-
     states = transcoder_states(clt, model, input_ids)
     inputs = states["input"].to(clt.dtype)
     recon = clt.reconstruct(clt.encode_all(inputs), inputs)
@@ -447,9 +443,6 @@ def clt_splice_representations(
     (a new :class:`SpliceSession` by default; :func:`splice_session` finds it)."""
     if leaves and ablations:
         raise InputError("a leaf-mode splice does not take ablations")
-    from ..models import get_adapter
-    from ..transcoders.transcoder import check_fits
-
     check_fits(clt, model)
     adapter = get_adapter(model)
     session = SpliceSession() if session is None else session

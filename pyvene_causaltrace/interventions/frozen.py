@@ -45,6 +45,7 @@ import torch
 from ..errors import InputError, UnsupportedModelError
 from ..pyvene_compat import hooked_call
 from .base import CausalTraceIntervention
+from .spec_entry import Site, SpecContext
 
 NORM_KINDS = ("layer", "rms", "rms_offset")
 
@@ -82,9 +83,7 @@ class FrozenLayerNorm(CausalTraceIntervention):
             "layers": {"$ref": "#/$defs/layers", "default": "all"}}}
 
     @classmethod
-    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
-        from .spec_entry import Site
-
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         layers = ctx.layers(entry.get("layers", "all"), ctx.path(index, "layers"))
         sites = []
         for norm in entry.get("norms", cls._NORMS):
@@ -98,10 +97,10 @@ class FrozenLayerNorm(CausalTraceIntervention):
         return sites
 
     @classmethod
-    def from_spec(cls, entry: dict, site, ctx, states=None):
+    def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
         return cls(kind=ctx.adapter.norm_kind)
 
-    def to_spec(self, site) -> dict[str, Any]:
+    def to_spec(self, site: Site) -> dict[str, Any]:
         return {"type": self.registered_name, "norms": [site.settings["norm"]],
                 **({"layers": [site.layer]} if site.layer is not None else {})}
 
@@ -163,6 +162,7 @@ def _frozen_qk_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _register_frozen_qk() -> None:
+    # transformers loads when an attention is frozen, not with the registry's built-ins
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     if FROZEN_QK not in ALL_ATTENTION_FUNCTIONS:
@@ -172,7 +172,7 @@ def _register_frozen_qk() -> None:
 @contextmanager
 def frozen_qk(attention: torch.nn.Module) -> Iterator[None]:
     """Inside the block, ``attention``'s forward computes its pattern from detached q and k."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # heavy: as above
 
     _register_frozen_qk()
     config = attention.config

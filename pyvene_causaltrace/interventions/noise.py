@@ -1,6 +1,6 @@
 """``noise_add``: seeded noise added at chosen positions, one seed per batch row.
 
-The noise recipe (DESIGN.md) makes a JSON spec reproduce the same corruption anywhere: for seed
+This noise recipe makes a JSON spec reproduce the same corruption anywhere: for seed
 ``s`` and ``n`` noised positions, ``torch.randn((n, hidden), generator=torch.Generator("cpu")
 .manual_seed(s), dtype=torch.float32) * scale * sigma`` (``uniform``: ``rand * 2 - 1`` in place of
 ``randn``), added to the chosen positions in order.
@@ -13,8 +13,8 @@ The noise recipe (DESIGN.md) makes a JSON spec reproduce the same corruption any
 The noise unit sigma: ROME's (the default in specs and traces) is the standard deviation over all
 elements of the input-embedding module's outputs for the subject strings tokenized alone (no
 special tokens) — the spread of the embeddings a subject actually uses. The embedding matrix's
-standard deviation is an option with its own name; the seed shows the two differ enough that
-3 sigma of the matrix fails to corrupt some models.
+standard deviation is an option with its own name; the two can differ enough that 3 sigma of
+the matrix fails to corrupt some models.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..defaults import NOISE_SCALE
-from ..errors import InputError
+from ..errors import InputError, SpecError
 from ..finite import NonFiniteError, positive_number
 from ..models import get_adapter, get_module
 from .base import (
@@ -38,6 +38,7 @@ from .base import (
     rows_for,
     subspace_mask,
 )
+from .spec_entry import Site, SpecContext
 
 DISTRIBUTIONS = ("gaussian", "uniform")
 
@@ -224,23 +225,17 @@ class NoiseAdd(CausalTraceIntervention):
 
     @classmethod
     def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
-        from ..specs import SpecError
-
         if entry.get("scale") == "auto" and "trace" not in spec:
             raise SpecError(path + ".scale", "'auto' is for trace specs only")
 
     @classmethod
-    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
-        from .spec_entry import Site
-
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         path = ctx.path(index, "positions")
         positions = ctx.positions(entry.get("positions", "subject"), path)
         return [Site(index, ctx.adapter.site("embed"), None, positions, where=path)]
 
     @classmethod
-    def from_spec(cls, entry: dict, site, ctx, states=None) -> NoiseAdd:
-        from ..specs import SpecError
-
+    def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None) -> NoiseAdd:
         path = ctx.path(site.index)
         try:
             seeds = seed_list(entry.get("seeds"))
@@ -255,7 +250,7 @@ class NoiseAdd(CausalTraceIntervention):
                                                                                 NOISE_SCALE)),
                    sigma=sigma, distribution=entry.get("distribution", "gaussian"))
 
-    def to_spec(self, site) -> dict[str, Any]:
+    def to_spec(self, site: Site) -> dict[str, Any]:
         return {"type": self.registered_name,
                 "positions": "all" if site.positions is None else list(site.positions),
                 "seeds": self.seeds.tolist(), "scale": self._config["scale"],

@@ -38,6 +38,7 @@ from .base import (
     rows_for,
     subspace_mask,
 )
+from .spec_entry import Site, SpecContext
 
 
 class _Overwrite(CausalTraceIntervention):
@@ -130,10 +131,10 @@ class _Overwrite(CausalTraceIntervention):
 
     # -- spec entry: component, layers, positions; the donor run's states at each site
     @classmethod
-    def from_spec(cls, entry: dict, site, ctx, states=None):
+    def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
         return cls(positions=site.positions, states=states)
 
-    def to_spec(self, site) -> dict[str, Any]:
+    def to_spec(self, site: Site) -> dict[str, Any]:
         return {"type": self.registered_name, "component": site.component,
                 "positions": "all" if site.positions is None else list(site.positions),
                 **{k: v for k, v in self._config.items() if k in self.spec_schema()["properties"]}}
@@ -175,7 +176,7 @@ class CleanRestore(_Overwrite):
         return schema
 
     @classmethod
-    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         return ctx.component_sites(entry, index, default_component="block_output",
                                    default_positions=None, donor="clean")
 
@@ -197,9 +198,7 @@ class WindowRestore(_Overwrite):
                                "positions": {"$ref": "#/$defs/positions"}}}
 
     @classmethod
-    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
-        from .spec_entry import Site
-
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         center = ctx.layers(entry["center"], ctx.path(index, "center"))[0]
         positions = ctx.positions(entry["positions"], ctx.path(index, "positions"))
         component = f"{entry['sublayer']}_output"
@@ -208,11 +207,11 @@ class WindowRestore(_Overwrite):
                 for layer in window_layers(center, entry["window"], ctx.n_layers)]
 
     @classmethod
-    def from_spec(cls, entry: dict, site, ctx, states=None):
+    def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
         return cls(positions=site.positions, states=states, sublayer=entry["sublayer"],
                    window_layer=site.layer, center=entry["center"], window=entry["window"])
 
-    def to_spec(self, site) -> dict[str, Any]:
+    def to_spec(self, site: Site) -> dict[str, Any]:
         """The whole window's entry (it rebuilds this layer and its window's others)."""
         return {"type": self.registered_name, "sublayer": self._config["sublayer"],
                 "center": self._config["center"], "window": self._config["window"],
@@ -234,10 +233,10 @@ class Freeze(_Overwrite):
         return schema
 
     @classmethod
-    def spec_sites(cls, entry: dict, index: int, ctx) -> list:
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         return ctx.component_sites(entry, index, default_layers="all",
                                    donor=entry.get("run", "corrupted"))
 
     @classmethod
-    def from_spec(cls, entry: dict, site, ctx, states=None):
+    def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
         return cls(positions=site.positions, states=states, run=site.donor)

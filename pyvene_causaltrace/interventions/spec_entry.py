@@ -1,7 +1,8 @@
 """How a registered type lives in a JSON spec: its entry's schema, where it acts, how it is built.
 
-Every registered type answers three questions, asked by :mod:`pyvene_causaltrace.execute` (which
-runs specs) and :func:`pyvene_causaltrace.specs.validate_spec` — neither knows any type by name:
+Every registered type answers three questions (the :class:`SpecEntry` protocol), asked by
+:mod:`pyvene_causaltrace.execute` (which runs specs) and
+:func:`pyvene_causaltrace.specs.validate_spec` — neither knows any type by name:
 
 - ``spec_schema()``: the JSON Schema of the entry's fields (``$ref``\\ s may point at the shared
   ``#/$defs`` of ``spec.schema.json``: ``positions``, ``layers``, ``component``, ``seeds``);
@@ -17,18 +18,25 @@ than registering. A plain ``pyvene.Intervention`` subclass gets the same shape t
 :func:`entry_of`: its fields go to the constructor; it acts at every position, its ``forward``
 handed the component's whole ``[batch, seq, hidden]`` output and ``source=None`` (a type whose
 forward is pyvene's own and takes a source, ``VanillaIntervention`` and the like, is refused;
-one of yours that fails without a source is a :class:`~pyvene_causaltrace.specs.SpecError`
-naming its entry). Class attributes
-add cross-entry rules: ``spec_refusal`` (a spec cannot hold the type, and why),
-``spec_unique`` (at most one entry), ``spec_requires`` (another type that must be present),
-``spec_corrupts`` (the entry makes the corrupted run: the noise).
+one of yours that fails without a source is a :class:`~pyvene_causaltrace.errors.SpecError`
+naming its entry). Class attributes add cross-entry rules: ``spec_refusal`` (a spec cannot hold
+the type, and why), ``spec_unique`` (at most one entry), ``spec_requires`` (another type that
+must be present), ``spec_corrupts`` (the entry makes the corrupted run: the noise).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+import torch
+from torch import nn
+
+from ..errors import SpecError
+from ..locations import component_layers, component_path, resolve_layers, resolve_positions
+from ..models import ArchAdapter
+from ..prompts import TokenizedPrompt
 from ..pyvene_compat import NOISE_INTERVENTION_REFUSAL, import_pyvene
 
 #: The fields of the generic shape and the site they name.
@@ -65,16 +73,37 @@ class Site:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
+class SpecItem(Protocol):
+    """One entry as a spec holds it (an :class:`~pyvene_causaltrace.specs.InterventionSpec`)."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def fields(self) -> dict[str, Any]: ...
+
+
+class SpecView(Protocol):
+    """What an entry may read of the whole spec (an
+    :class:`~pyvene_causaltrace.specs.ExperimentSpec`, which sits above this module)."""
+
+    @property
+    def subject(self) -> str | None: ...
+
+    @property
+    def interventions(self) -> Sequence[SpecItem]: ...
+
+
 @dataclass
 class SpecContext:
     """What an entry is resolved against: the spec, the model and its adapter, the tokenized
     prompt."""
 
-    spec: Any  # ExperimentSpec
-    model: Any
+    spec: SpecView
+    model: nn.Module
     tokenizer: Any
-    adapter: Any  # ArchAdapter
-    prompt: Any  # TokenizedPrompt
+    adapter: ArchAdapter
+    prompt: TokenizedPrompt
 
     @property
     def n_layers(self) -> int:
@@ -85,21 +114,15 @@ class SpecContext:
         return f"$.interventions[{index}]" + (f".{name}" if name else "")
 
     def positions(self, value: Any, path: str) -> list[int]:
-        from ..locations import resolve_positions
-
         return resolve_positions(value, self.prompt, path)
 
     def layers(self, value: Any, path: str) -> list[int]:
-        from ..locations import resolve_layers
-
         return resolve_layers(value, self.n_layers, path)
 
     def component_sites(self, entry: dict, index: int, *, default_component: str | None = None,
                         default_layers: Any = None, default_positions: Any = "all",
                         donor: str | None = None) -> list[Site]:
         """The generic shape's sites: ``component`` at each of ``layers``, at ``positions``."""
-        from ..locations import component_layers, component_path
-
         component = entry.get("component", default_component)
         positions = self.positions(entry.get("positions", default_positions),
                                    self.path(index, "positions"))
@@ -107,6 +130,25 @@ class SpecContext:
                                   self.path(index), self.adapter, default=default_layers)
         return [Site(index, component_path(component, layer, self.adapter), layer, positions,
                      donor, self.path(index, "component")) for layer in layers]
+
+
+class SpecEntry(Protocol):
+    """What a registered type provides to live in a spec (see the module docstring): a class of
+    ours answers with its class attributes and classmethods, :func:`entry_of` wraps any other."""
+
+    spec_refusal: str | None
+    spec_unique: bool
+    spec_requires: tuple[str, ...]
+    spec_corrupts: bool
+
+    def spec_schema(self) -> dict[str, Any]: ...
+
+    def check_spec(self, entry: dict, spec: dict, path: str) -> None: ...
+
+    def spec_sites(self, entry: dict, index: int, ctx: SpecContext) -> list[Site]: ...
+
+    def from_spec(self, entry: dict, site: Site, ctx: SpecContext,
+                  states: torch.Tensor | None = None) -> Any: ...
 
 
 def extra_fields(entry: dict) -> dict[str, Any]:
@@ -147,8 +189,6 @@ def _called_without_source(cls: type) -> type:
                 try:
                     return super().forward(base, source, *args, **kwargs)
                 except (TypeError, AttributeError) as error:
-                    from ..specs import SpecError  # specs imports the registry: a circle
-
                     where = getattr(self, "_pvct_spec_entry", ("$.interventions", cls.__name__))
                     raise SpecError(where[0], (
                         f"{where[1]} ({cls.__qualname__}) failed when called without a source "
@@ -187,7 +227,8 @@ class _PlainPyveneEntry:
     def spec_sites(self, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         return ctx.component_sites(entry, index, default_positions="all")
 
-    def from_spec(self, entry: dict, site: Site, ctx: SpecContext, states=None):
+    def from_spec(self, entry: dict, site: Site, ctx: SpecContext,
+                  states: torch.Tensor | None = None) -> Any:
         """The instance, set to see what a spec gives it: the whole ``[batch, seq, hidden]``
         output (pyvene would otherwise flatten a type that is not Localist to ``[batch,
         seq * hidden]``) and ``source=None`` (pyvene skips a type that wants a source when it
@@ -202,7 +243,7 @@ class _PlainPyveneEntry:
         return made
 
 
-def entry_of(cls: type):
+def entry_of(cls: type) -> SpecEntry:
     """The object answering the spec questions for registered class ``cls``: the class itself
     when it has them (ours and their subclasses), else the generic shape around it."""
     return cls if hasattr(cls, "spec_sites") else _PlainPyveneEntry(cls)

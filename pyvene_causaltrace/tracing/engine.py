@@ -24,8 +24,9 @@ cost on a small model or a GPU; the tests check the engine against batch-1 runs 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 from ..capture import capture
 from ..defaults import WINDOW
 from ..errors import InputError
+from ..hooking import Hook, installed
 from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
@@ -135,11 +137,8 @@ class TraceEngine:
             box["tuple"] = isinstance(output, tuple)
 
         def clean_run():
-            returns = self.blocks[0].register_forward_hook(note_block_output)
-            try:
+            with installed([(self.blocks[0], "forward", note_block_output)]):
                 box["logits"] = model(input_ids=self.ids, logits_to_keep=1).logits
-            finally:
-                returns.remove()
 
         with torch.no_grad():
             self.clean_states = capture(model, {}, every, run=clean_run)
@@ -218,7 +217,7 @@ class TraceEngine:
         # every chunk's row indices reach the device in one copy
         indices = torch.cat([chunk.rows for chunk in plan]).to(self.device).split(
             [chunk.rows.numel() for chunk in plan])
-        with _RunHooks(self, kind, donor, rows) as hooks:
+        with _RunHooks(self, kind, donor, rows).applied() as hooks:
             for chunk, index in zip(plan, indices, strict=True):
                 out[index] = hooks.forward(chunk, index)
                 if progress is not None:
@@ -258,7 +257,8 @@ class _Rows:
 
 
 class _RunHooks:
-    """The interventions of one run, their forward hooks, and the forward of one chunk."""
+    """The interventions of one run, their forward hooks (on the model inside
+    :meth:`applied`), and the forward of one chunk."""
 
     def __init__(self, engine: TraceEngine, kind: TraceKind, donor: str, rows: _Rows) -> None:
         self.engine, self.kind, self.donor = engine, kind, donor
@@ -269,32 +269,31 @@ class _RunHooks:
         self.active: dict[str, nn.Module | None] = {}
         self.restores: dict[int, nn.Module] = {}
         self.freezes: dict[int, Freeze] = {}
-        self.handles: list = []
 
-    def __enter__(self) -> _RunHooks:
+    @contextlib.contextmanager
+    def applied(self) -> Iterator[_RunHooks]:
+        """The run's hooks on the model for the block; the interventions built on entry."""
         engine, kind, states = self.engine, self.kind, self.states
+        hooks = []
         for layer, path in enumerate(engine._paths[kind.restore]):
             if kind.windowed:
                 self.restores[layer] = WindowRestore(
                     states=states[path], sublayer=kind.restore, window_layer=layer)
             else:
                 self.restores[layer] = CleanRestore(states=states[path])
-            self._hook(path)
+            hooks.append(self._hook(path))
         if kind.sever is not None:
             for layer, path in enumerate(engine._paths[kind.sever]):
                 self.freezes[layer] = Freeze(states=engine.corrupt_states[path], run="corrupted")
-                self._hook(path)
+                hooks.append(self._hook(path))
         embed = get_module(engine.model, engine.adapter.module_path("embed"))
-        self.handles.append(embed.register_forward_hook(self._add_noise))
-        own = {handle.id for handle in self.handles}
-        self.replay = LayerReplay(engine.blocks, engine._returns_tuple, keep=own)
-        return self
+        hooks.append((embed, "forward", self._add_noise))
+        with installed(hooks) as handles:
+            own = {handle.id for handle in handles}
+            self.replay = LayerReplay(engine.blocks, engine._returns_tuple, keep=own)
+            yield self
 
-    def __exit__(self, *exc) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def _hook(self, component: str) -> None:
+    def _hook(self, component: str) -> Hook:
         module = get_module(self.engine.model, component.rpartition(".")[0])
         self.active[component] = None
 
@@ -306,7 +305,7 @@ class _RunHooks:
                 return (made(output[0]), *output[1:])
             return made(output)
 
-        self.handles.append(module.register_forward_hook(apply))
+        return module, "forward", apply
 
     def _add_noise(self, _module, _args, output):
         return None if self.noise is None else output + self.noise
@@ -341,7 +340,7 @@ class _RunHooks:
 
         base = {"input_ids": engine.ids[:, prefix:].expand(n, -1), "logits_to_keep": 1}
         if prefix:
-            from transformers import DynamicCache
+            from transformers import DynamicCache  # slow to import: loaded when a model is
 
             base[engine._cache_kw] = DynamicCache(ddp_cache_data=[
                 (k[:, :, :prefix].index_select(0, seed_rows.to(k.device)),

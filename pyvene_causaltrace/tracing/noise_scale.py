@@ -16,16 +16,18 @@ from torch import nn
 from ..finite import NonFiniteError
 from ..interventions.noise import (  # noqa: F401 - re-exported
     SIGMA_METHODS,
+    NoiseAdd,
     embedding_matrix_sigma,
     resolve_sigma,
     rome_sigma,
 )
 from ..models import get_adapter
+from ..pyvene_compat import intervenable_model_class
 
 # ------------------------------------------------------------------------ scale sweep
 
 #: A scale collapses the answer when every seed leaves P(answer) below this fraction of the
-#: clean probability. The seed's absolute 0.01 was 1.25% of Qwen3-8B's clean 0.80; on small
+#: clean probability. An absolute 0.01 would be 1.25% of Qwen3-8B's clean 0.80; on small
 #: models the answer keeps a floor of a few percent that no scale removes (SmolLM2's " Paris"
 #: after "... is in the city of": 0.02-0.05 at every scale from 2 to 10 sigma), so the
 #: criterion is relative: every seed removes at least 95% of the answer's probability.
@@ -78,7 +80,7 @@ class NoiseScaleSweep:
                                                      if below else ""))
 
     def to_dataframe(self):
-        import pandas as pd
+        import pandas as pd  # pandas loads only when a table is asked for
 
         return pd.DataFrame([
             {"scale": scale, "seed": seed, "corrupt_prob": p}
@@ -111,9 +113,6 @@ def sweep_noise_scale(
 ) -> NoiseScaleSweep:
     """Corrupted P(answer) for every scale and seed (one forward of ``len(seeds)`` rows per
     scale). ``threshold`` defaults to ``COLLAPSE_FRACTION`` x the clean probability."""
-    from ..interventions.noise import NoiseAdd
-    from ..pyvene_compat import intervenable_model_class
-
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     clean = float(model(input_ids=ids, logits_to_keep=1).logits[0, -1].double()

@@ -1,28 +1,25 @@
-"""Pictures of traces (matplotlib is imported inside the functions)."""
+"""Pictures of traces (matplotlib is imported inside the functions: importing the result types
+that draw with them stays light)."""
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .results import TraceResult
 
 _CMAPS = {"residual": "Purples", "mlp": "Greens", "attn": "Reds",
           "severed-mlp": "Purples", "severed-attn": "Purples"}
 
 
-def plot_trace(result: TraceResult, path: str | None = None, value: str = "prob", ax=None):
-    """ROME-style heatmap: tokens down, layers across, subject tokens marked with ``*``.
+def plot_trace(result, path: str | None = None, value: str = "prob", ax=None):
+    """ROME-style heatmap of a :class:`~.results.TraceResult`: tokens down, layers across,
+    subject tokens marked with ``*``.
 
     ``value="prob"`` colours the mean restored P(answer) from the mean corrupted probability
     (the floor) upwards; ``"recovery"`` colours mean recovery from 0. Saves to ``path`` if
     given; returns the figure.
     """
-    import matplotlib
+    import matplotlib  # matplotlib loads only when a figure is drawn
 
     if ax is None:
         matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib loads only when a figure is drawn
 
     grid = result.grid(value).T  # [position, layer]
     floor = float(result.corrupt_probs.mean()) if value == "prob" else 0.0

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import numpy as np
 
+from .plots import plot_trace
+from .roles import token_roles
+
 
 def package_versions() -> dict[str, str]:
     """Versions of the packages a result depends on, for the record."""
-    from importlib.metadata import PackageNotFoundError, version
 
     out = {}
     for name in ("pyvene-causaltrace", "pyvene", "torch", "transformers"):
@@ -46,7 +49,7 @@ class SpecRunResult:
 
     def to_dataframe(self):
         """Long form: one row per seed."""
-        import pandas as pd
+        import pandas as pd  # pandas loads only when a table is asked for
 
         seeds = self.seeds if self.seeds is not None else [None]
         return pd.DataFrame({
@@ -139,15 +142,13 @@ class TraceResult:
 
     @property
     def roles(self) -> list[str]:
-        from .roles import token_roles
-
         return token_roles(self.subject_range, len(self.tokens))
 
     def peaks(self) -> dict[str, dict[str, Any]]:
         """Per-seed peak layer and peak recovery of the subject site (recovery averaged over
         the subject's tokens) and the last-token site, with the range they span.
 
-        The seed's stability check: every seed should put a site on the same side of the model,
+        A stability check: every seed should put a site on the same side of the model,
         while the exact peak layer moves between seeds — report the site, not one seed's layer.
         """
         start, stop = self.subject_range
@@ -199,7 +200,7 @@ class TraceResult:
     # ---------------------------------------------------------------------- exports
     def to_dataframe(self):
         """Long form: ``seed, layer, position, token, role, prob, recovery``."""
-        import pandas as pd
+        import pandas as pd  # pandas loads only when a table is asked for
 
         s, layers, t = np.meshgrid(np.arange(len(self.seeds)), np.arange(self.n_layers),
                                    np.arange(len(self.tokens)), indexing="ij")
@@ -274,6 +275,4 @@ class TraceResult:
 
     def plot(self, path: str | None = None, value: str = "prob", ax=None):
         """ROME-style heatmap; see :func:`pyvene_causaltrace.tracing.plots.plot_trace`."""
-        from .plots import plot_trace
-
         return plot_trace(self, path=path, value=value, ax=ax)

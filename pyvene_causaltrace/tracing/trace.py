@@ -1,4 +1,4 @@
-"""Causal tracing of one prompt: the seeds' whole single-prompt protocol in a few calls.
+"""Causal tracing of one prompt (Meng et al. 2022): the whole protocol in a few calls.
 
     model, tokenizer = load_model("smollm2-135m")
     tracer = Tracer(model, tokenizer, "The Eiffel Tower is in the city of", "The Eiffel Tower",
@@ -32,6 +32,7 @@ from ..model_interventions import describe, model_for_spec, uniform_grad_flags
 from ..models import check_inputs, get_adapter, model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from ..pyvene_compat import applied_interventions
+from ..specs import ExperimentSpec, SpecError, load_spec
 from .chunks import check_seeds_fit
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
 from .noise_scale import DEFAULT_SCALES, NoiseScaleSweep, resolve_sigma, sweep_noise_scale
@@ -250,8 +251,6 @@ def tracer_from_spec(spec, model: nn.Module, tokenizer, **options) -> Tracer:
     keyword arguments such as ``memory_budget_mb``. The spec's ``model_interventions`` are
     rebuilt around ``model`` (the bare model; an ``IntervenableModel`` holding others is
     refused) and act in every run."""
-    from ..specs import ExperimentSpec, SpecError, load_spec
-
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     if spec.trace is None:
         raise SpecError("$.trace", "not a trace spec: add {\"trace\": {\"kind\": ...}}")

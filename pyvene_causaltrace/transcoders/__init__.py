@@ -8,29 +8,43 @@ loaders for every layout people publish; pairing and replacement checks; fitting
 
 from __future__ import annotations
 
-from .config import CLTConfig, TranscoderConfig
-from .formats import FORMATS, detect_format, load_transcoder, save_transcoder
-from .formats.common import TranscoderFormatError
-from .formats.mntss import from_pretrained, load_from_disk, read_config, save_model
-from .transcoder import (
-    CLTMismatchError,
-    CrossLayerTranscoder,
-    Transcoder,
-    TranscoderMismatchError,
-    check_fits,
-)
+import warnings
 
-CLTFormatError = TranscoderFormatError
+from ..errors import TranscoderFormatError, TranscoderMismatchError
+from .config import TranscoderConfig
+from .formats import (
+    FORMATS,
+    LayoutDetector,
+    TranscoderLoader,
+    detect_format,
+    load_transcoder,
+    save_transcoder,
+)
+from .formats.mntss import from_pretrained, load_from_disk, read_config, save_model
+from .transcoder import CrossLayerTranscoder, Transcoder, check_fits
+
+#: Names from when every transcoder was a CLT: they resolve, with a DeprecationWarning.
+_RENAMED = {"CLTConfig": TranscoderConfig, "CLTFormatError": TranscoderFormatError,
+            "CLTMismatchError": TranscoderMismatchError}
+
+
+def __getattr__(name: str):
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"{name} is deprecated: use {new.__name__}", DeprecationWarning,
+                      stacklevel=2)
+        return new
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
-    "CLTConfig",
-    "CLTFormatError",
-    "CLTMismatchError",
     "CrossLayerTranscoder",
     "FORMATS",
+    "LayoutDetector",
     "Transcoder",
     "TranscoderConfig",
     "TranscoderFormatError",
+    "TranscoderLoader",
     "TranscoderMismatchError",
     "check_fits",
     "detect_format",

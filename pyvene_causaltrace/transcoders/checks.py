@@ -1,13 +1,13 @@
 """Is this transcoder the right one for this model, and does the model still work through it?
 
-- :func:`check_pairing` (seed section 1): FVU of every layer's output hook from the transcoder
+- :func:`check_pairing`: FVU of every layer's output hook from the transcoder
   fed its input hook, mean L0, and two controls that must be worse — encoding the same kind of
   state one module too early (``hook_resid_pre`` for ``hook_resid_mid``, the attention norm's
   output for the MLP norm's) and scoring layer ``t``'s reconstruction against layer ``t + 1``.
   A verdict in words; :meth:`PairingReport.raise_if_mispaired` stops a pipeline before it uses a
   wrong transcoder.
-- :func:`replacement_anchor` (seed section 3): next-token cross-entropy on held-out text (every
-  target token, as the seed) for the clean model, the transcoder spliced from position 1,
+- :func:`replacement_anchor`: next-token cross-entropy on held-out text (every
+  target token) for the clean model, the transcoder spliced from position 1,
   spliced at all positions, ``b_dec`` only (every feature off; a skip path stays), and MLPs
   zeroed; the fraction of the clean-to-zero gap the splice recovers; answer probability, top-1 and
   KL on a prompt.
@@ -24,11 +24,14 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from ..capture import capture
 from ..errors import InputError
+from ..interventions.clt_splice import clt_splice_representations
+from ..interventions.restore import CleanRestore
 from ..model_guard import measured
 from ..models import get_adapter
-from .hooks import CONTROL_HOOKS, hook_component, hook_name, norm_settings, normalize
+from ..prompts import answer_token_id
+from ..pyvene_compat import intervenable_model_class
+from .hooks import hook_states, transcoder_states
 from .transcoder import Transcoder, check_fits
 
 
@@ -75,36 +78,6 @@ class PairingReport:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "paired": self.paired, "verdict": self.verdict()}
-
-
-def hook_states(model: nn.Module, ids: torch.Tensor,
-                hooks: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The values of TransformerLens hooks (``{key: hook name}``, e.g.
-    ``{"out": "hook_mlp_out"}``) at every layer for one prompt ``ids [1, P]``:
-    ``{key: [L, P, D]}``, one forward."""
-    adapter = get_adapter(model)
-    paths = {key: [hook_component(adapter, hook, layer)
-                   for layer in range(adapter.n_layers(model))]
-             for key, hook in hooks.items()}
-    found = capture(model, {"input_ids": ids}, [p for ps in paths.values() for p in ps])
-    out = {}
-    for key, ps in paths.items():
-        states = [found[p][0] for p in ps]
-        norms = [norm_settings(model, hooks[key], layer) for layer in range(len(ps))]
-        out[key] = torch.stack([x if norm is None else normalize(x, **norm)
-                                for x, norm in zip(states, norms, strict=True)])
-    return out
-
-
-def transcoder_states(transcoder: Transcoder, model: nn.Module, ids: torch.Tensor,
-                      control: bool = False) -> dict[str, torch.Tensor]:
-    """``{"input", "output"}`` (and ``"control"``: the pairing check's wrong input hook) of
-    ``transcoder``'s hooks at every layer, ``[L, P, D]`` each, one forward."""
-    cfg = transcoder.cfg
-    hooks = {"input": cfg.feature_input_hook, "output": cfg.feature_output_hook}
-    if control:
-        hooks["control"] = CONTROL_HOOKS[hook_name(cfg.feature_input_hook)]
-    return hook_states(model, ids, hooks)
 
 
 @torch.no_grad()
@@ -178,9 +151,6 @@ class AnchorReport:
 
 
 def _condition_representations(name: str, clt, model, n_pos: int) -> list[dict]:
-    from ..interventions.clt_splice import clt_splice_representations
-    from ..interventions.restore import CleanRestore
-
     if name == "clean":
         return []
     if name == "clt":
@@ -200,13 +170,11 @@ def _condition_representations(name: str, clt, model, n_pos: int) -> list[dict]:
 def _logits(model, representations, ids) -> torch.Tensor:
     if not representations:
         return model(input_ids=ids).logits
-    from ..pyvene_compat import intervenable_model_class
-
     return intervenable_model_class()(representations, model)(base={"input_ids": ids})[1].logits
 
 
 def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
-    logprobs = logits[0, :-1].double().log_softmax(-1)  # the seed's: every next-token target
+    logprobs = logits[0, :-1].double().log_softmax(-1)  # every next-token target counts
     targets = ids[0, 1:]
     return float(-logprobs.gather(1, targets[:, None]).sum()), int(targets.numel())
 
@@ -233,8 +201,6 @@ def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer,
     gap = (ce["mlp_zero"] - ce["clt"]) / (ce["mlp_zero"] - ce["clean"])
     report = None
     if prompt is not None:
-        from ..prompts import answer_token_id
-
         ids = _ids(tokenizer, prompt, device)
         clean = model(input_ids=ids).logits[0, -1].double().log_softmax(-1)
         spliced = _logits(model, _condition_representations("clt", clt, model, ids.shape[1]),
@@ -247,3 +213,7 @@ def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer,
                   "clt_top1": tokenizer.decode([int(spliced.argmax())]),
                   "kl": float((clean.exp() * (clean - spliced)).sum())}
     return AnchorReport(ce, gap, n_tokens, report)
+
+
+__all__ = ["ANCHOR_CONDITIONS", "AnchorReport", "PairingReport", "check_pairing", "hook_states",
+           "replacement_anchor", "transcoder_states"]

@@ -14,6 +14,7 @@ largest of ``relu(z)``). Hook names are TransformerLens names (:mod:`.hooks`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 
 from ..errors import InputError
@@ -95,5 +96,11 @@ class TranscoderConfig:
                 "output": hook_component(adapter, self.feature_output_hook, layer)}
 
 
-#: The name this config had when every transcoder was a CLT.
-CLTConfig = TranscoderConfig
+def __getattr__(name: str):
+    """``CLTConfig``, this config's name when every transcoder was a CLT, resolves with a
+    DeprecationWarning."""
+    if name == "CLTConfig":
+        warnings.warn("CLTConfig is deprecated: use TranscoderConfig", DeprecationWarning,
+                      stacklevel=2)
+        return TranscoderConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..errors import InputError
 from ..models import model_name as name_of
-from .checks import hook_states
+from .hooks import hook_states
 from .transcoder import Transcoder
 
 logger = logging.getLogger(__name__)
@@ -170,8 +171,6 @@ def fit_clt(
         return z, acts, recon
 
     loss = torch.tensor(0.0)
-    from tqdm import tqdm
-
     bar = tqdm(range(steps), desc=f"fitting {kind} transcoder", unit="step", disable=not progress)
     for step in bar:
         index = torch.randint(0, n_tokens, (min(batch_size, n_tokens),), generator=g)

@@ -10,6 +10,9 @@ vocabulary (:data:`~pyvene_causaltrace.models.SITES`). Two need care:
   input, and :func:`normalize` computes the value (GemmaScope transcoders read it);
 - ``hook_mlp_out`` is what the MLP adds to the residual stream: after Gemma's post-feedforward
   norm, the MLP's own output elsewhere; ``mlp.hook_out`` is always the MLP module's output.
+
+:func:`hook_states` and :func:`transcoder_states` read these hooks' values at every layer of a
+model, in one forward.
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from ..capture import capture
 from ..errors import InputError
+from ..models import get_adapter, get_module
 
 
 @dataclass(frozen=True)
@@ -68,8 +74,6 @@ def hook_component(adapter, hook: str, layer: int) -> str:
 
 def norm_settings(model, hook: str, layer: int) -> dict | None:
     """``{"kind", "eps"}`` of the norm a normalised hook divides by (None for other hooks)."""
-    from ..models import get_adapter, get_module
-
     site = hook_site(hook)
     if not site.normalized:
         return None
@@ -97,3 +101,33 @@ def normalize(x: torch.Tensor, kind: str, eps: float, frozen: bool = False) -> t
     if frozen:
         scale = scale.detach()
     return (xf * scale).to(x.dtype)
+
+
+def hook_states(model: nn.Module, ids: torch.Tensor,
+                hooks: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The values of TransformerLens hooks (``{key: hook name}``, e.g.
+    ``{"out": "hook_mlp_out"}``) at every layer for one prompt ``ids [1, P]``:
+    ``{key: [L, P, D]}``, one forward."""
+    adapter = get_adapter(model)
+    paths = {key: [hook_component(adapter, hook, layer)
+                   for layer in range(adapter.n_layers(model))]
+             for key, hook in hooks.items()}
+    found = capture(model, {"input_ids": ids}, [p for ps in paths.values() for p in ps])
+    out = {}
+    for key, ps in paths.items():
+        states = [found[p][0] for p in ps]
+        norms = [norm_settings(model, hooks[key], layer) for layer in range(len(ps))]
+        out[key] = torch.stack([x if norm is None else normalize(x, **norm)
+                                for x, norm in zip(states, norms, strict=True)])
+    return out
+
+
+def transcoder_states(transcoder, model: nn.Module, ids: torch.Tensor,
+                      control: bool = False) -> dict[str, torch.Tensor]:
+    """``{"input", "output"}`` (and ``"control"``: the pairing check's wrong input hook) of
+    ``transcoder``'s hooks at every layer, ``[L, P, D]`` each, one forward."""
+    cfg = transcoder.cfg
+    hooks = {"input": cfg.feature_input_hook, "output": cfg.feature_output_hook}
+    if control:
+        hooks["control"] = CONTROL_HOOKS[hook_name(cfg.feature_input_hook)]
+    return hook_states(model, ids, hooks)

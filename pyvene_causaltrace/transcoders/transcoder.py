@@ -25,13 +25,28 @@ stay memory-mapped on disk, and only the rows of features that fired are read.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..errors import InputError, TranscoderMismatchError
+from ..models import get_adapter, get_module, model_name
 from .config import TranscoderConfig
+
+#: The layout reader and writer behind :meth:`Transcoder.from_pretrained`,
+#: :meth:`~Transcoder.load_from_disk` and :meth:`~Transcoder.save_model`. :mod:`.formats` builds
+#: Transcoders, so it registers them (:func:`register_layouts`) when imported, as importing
+#: this package does, rather than being imported here.
+_LAYOUTS: dict[str, Callable] = {}
+
+
+def register_layouts(load: Callable[..., Transcoder],
+                     save: Callable[[Transcoder, str | Path], None]) -> None:
+    """Set what the class's loading and saving methods call."""
+    _LAYOUTS.update(load=load, save=save)
 
 
 class Transcoder(nn.Module):
@@ -101,24 +116,18 @@ class Transcoder(nn.Module):
     def from_pretrained(cls, repo_id_or_dir: str, **kwargs) -> Transcoder:
         """Load any supported layout from a local path or hub id (see
         :func:`~pyvene_causaltrace.transcoders.load_transcoder`)."""
-        from .formats import load_transcoder
-
-        return load_transcoder(repo_id_or_dir, **kwargs)
+        return _LAYOUTS["load"](repo_id_or_dir, **kwargs)
 
     @classmethod
     def load_from_disk(cls, path: str, **kwargs) -> Transcoder:
         """Load a local directory or file (see
         :func:`~pyvene_causaltrace.transcoders.load_transcoder`)."""
-        from .formats import load_transcoder
-
-        return load_transcoder(path, **kwargs)
+        return _LAYOUTS["load"](path, **kwargs)
 
     def save_model(self, path: str) -> None:
         """Write a CLT in the mntss layout, a per-layer set in circuit-tracer's
         (see :mod:`~pyvene_causaltrace.transcoders.formats`)."""
-        from .formats import save_transcoder
-
-        save_transcoder(self, path)
+        _LAYOUTS["save"](self, path)
 
     # ------------------------------------------------------------------------ encoder
     @property
@@ -214,17 +223,20 @@ def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = 
 CrossLayerTranscoder = Transcoder
 
 
-CLTMismatchError = TranscoderMismatchError
+def __getattr__(name: str):
+    """``CLTMismatchError``, the error's name when every transcoder was a CLT, resolves with a
+    DeprecationWarning."""
+    if name == "CLTMismatchError":
+        warnings.warn("CLTMismatchError is deprecated: use TranscoderMismatchError",
+                      DeprecationWarning, stacklevel=2)
+        return TranscoderMismatchError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_fits(transcoder: Transcoder, model: nn.Module) -> None:
     """Raise :class:`TranscoderMismatchError` unless ``transcoder`` has the model's layer count
     and width and its hooks exist in the model; warn when the names differ (the shapes may
     agree by accident: run the pairing check)."""
-    import warnings
-
-    from ..models import get_adapter, get_module, model_name
-
     adapter = get_adapter(model)
     n_layers, d_model = adapter.n_layers(model), adapter.hidden_size(model)
     cfg = transcoder.cfg

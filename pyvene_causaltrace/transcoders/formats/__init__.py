@@ -14,7 +14,8 @@
 
 Every loader checks everything before it returns: a missing file or layer, mixed widths, an
 unknown activation or hook, a ``W_skip`` of the wrong shape raise
-:class:`~.common.TranscoderFormatError` naming the file; nothing is half-loaded.
+:class:`~pyvene_causaltrace.errors.TranscoderFormatError` naming the file; nothing is
+half-loaded. Each layout's loader and detector follow :mod:`.protocol`.
 
     tc = load_transcoder("mntss/clt-llama-3.2-1b-524k")          # layout detected
     tc = load_transcoder("path/to/config.yaml", format="circuit_tracer")
@@ -22,16 +23,17 @@ unknown activation or hook, a ``W_skip`` of the wrong shape raise
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
-from ...errors import InputError
-from ..transcoder import Transcoder
+from ...errors import InputError, TranscoderFormatError
+from ..transcoder import Transcoder, register_layouts
 from . import circuit_tracer, gemmascope, mntss, sae_lens, sparsify
-from .common import TranscoderFormatError, hub_snapshot
+from .common import hub_snapshot
+from .protocol import LayoutDetector, TranscoderLoader
 
-#: Loader by layout name: ``loader(source, *, device, dtype, lazy_decoder, ...) -> Transcoder``.
-FORMATS: dict[str, Callable[..., Transcoder]] = {
+#: Loader by layout name: ``loader(source, *, device, dtype, lazy_decoder, ...) -> Transcoder``;
+#: add one to read another layout with ``format=``.
+FORMATS: dict[str, TranscoderLoader] = {
     "mntss": mntss.from_pretrained,
     "circuit_tracer": circuit_tracer.load,
     "gemmascope": gemmascope.load,
@@ -39,9 +41,10 @@ FORMATS: dict[str, Callable[..., Transcoder]] = {
     "sparsify": sparsify.load,
 }
 #: Which layout a local path holds, tried in this order.
-_DETECTORS = (("mntss", mntss.is_layout), ("circuit_tracer", circuit_tracer.is_layout),
-              ("sparsify", sparsify.is_layout), ("gemmascope", gemmascope.is_layout),
-              ("sae_lens", sae_lens.is_layout))
+_DETECTORS: tuple[tuple[str, LayoutDetector], ...] = (
+    ("mntss", mntss.is_layout), ("circuit_tracer", circuit_tracer.is_layout),
+    ("sparsify", sparsify.is_layout), ("gemmascope", gemmascope.is_layout),
+    ("sae_lens", sae_lens.is_layout))
 
 
 def detect_format(path: str | Path) -> str:
@@ -94,5 +97,7 @@ def save_transcoder(transcoder: Transcoder, path: str | Path) -> None:
         circuit_tracer.save(transcoder, path)
 
 
-__all__ = ["FORMATS", "TranscoderFormatError", "detect_format", "load_transcoder",
-           "save_transcoder"]
+register_layouts(load_transcoder, save_transcoder)
+
+__all__ = ["FORMATS", "LayoutDetector", "TranscoderFormatError", "TranscoderLoader",
+           "detect_format", "load_transcoder", "save_transcoder"]

@@ -26,13 +26,17 @@ resolve through the hub cache (offline with ``HF_HUB_OFFLINE=1``).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import yaml
+from safetensors.torch import save_file
 
 from ...errors import InputError
 from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
 from ..transcoder import Transcoder
+from . import mntss
 from .common import (
     LayerTensors,
     TranscoderFormatError,
@@ -44,6 +48,7 @@ from .common import (
     resolve_reference,
     shapes_of,
 )
+from .gemmascope import read_npz
 
 CONFIG = "config.yaml"
 REQUIRED = ("model_kind", "feature_input_hook", "feature_output_hook")
@@ -61,8 +66,6 @@ def is_layout(path: Path) -> bool:
     """A circuit-tracer config (or a directory holding one) that is not an mntss CLT directory
     (those :mod:`.mntss` reads). A ``config.yaml`` that does not parse is taken as one, so that
     loading it says what is wrong with it (no other layout has a ``config.yaml``)."""
-    import yaml
-
     config = _config_file(path)
     if config is None:
         return False
@@ -74,8 +77,6 @@ def is_layout(path: Path) -> bool:
 
 
 def read_config(config: Path) -> dict:
-    import yaml
-
     try:
         meta = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as error:
@@ -140,8 +141,6 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True) -> tuple[LayerTens
 
 def _read_layer(path: Path, lazy_decoder: bool) -> tuple[LayerTensors, int | None]:
     if path.suffix == ".npz":
-        from .gemmascope import read_npz
-
         return read_npz(path), None
     return read_layer_file(path, lazy_decoder=lazy_decoder)
 
@@ -210,8 +209,6 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
         scan = hub[0] + (f"//{hub[2].rstrip('/')}" if hub[2] else "") \
             + (f"@{hub[1]}" if hub[1] else "")
     if meta["model_kind"] == CROSS_LAYER:
-        from . import mntss
-
         root = config.parent
         if hub is not None:
             repo, rev, sub = hub
@@ -219,8 +216,6 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
         clt = mntss.load_from_disk(root, device=device, dtype=dtype, lazy_decoder=lazy_decoder,
                                    lazy_encoder=lazy_encoder)
         if scan is not None:
-            from dataclasses import replace
-
             clt.cfg = replace(clt.cfg, scan=str(scan))
         return clt
     assert meta["model_kind"] == TRANSCODER_SET
@@ -252,9 +247,6 @@ def save(transcoder: Transcoder, path: str | Path) -> None:
     """Write a per-layer set as circuit-tracer's layout: ``config.yaml`` (its ``transcoders``
     the relative ``layer_{l}.safetensors`` files) and one native file per layer, in the set's
     on-disk dtype."""
-    import yaml
-    from safetensors.torch import save_file
-
     cfg = transcoder.cfg
     if cfg.cross_layer:
         raise InputError("a cross-layer transcoder is written in the mntss layout")

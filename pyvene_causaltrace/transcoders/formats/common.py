@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ...errors import InputError, TranscoderFormatError
 from ..config import TRANSCODER_SET, TranscoderConfig
@@ -31,8 +32,6 @@ def check_dtype(dtype: torch.dtype) -> None:
 # ------------------------------------------------------------------------------ safetensors
 def open_safetensors(path: Path):
     """A ``safe_open`` handle, or a :class:`TranscoderFormatError` naming the file."""
-    from safetensors import SafetensorError, safe_open
-
     if not Path(path).exists():
         raise TranscoderFormatError(f"missing file {path}")
     try:
@@ -82,8 +81,8 @@ def offline() -> bool:
 
 def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
     """One file of a hub repo, downloaded or (``HF_HUB_OFFLINE=1``) from the local cache."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+    from huggingface_hub import hf_hub_download  # ~0.3 s to import; only hub references need it
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError  # likewise
 
     try:
         return Path(hf_hub_download(repo_id, filename, revision=revision))
@@ -96,8 +95,8 @@ def hub_file(repo_id: str, filename: str, revision: str | None = None) -> Path:
 def hub_snapshot(repo_id: str, revision: str | None = None,
                  allow_patterns: list[str] | None = None) -> Path:
     """A hub repo's files (matching ``allow_patterns``), downloaded or from the local cache."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub import snapshot_download  # ~0.3 s to import; only hub references need it
+    from huggingface_hub.errors import LocalEntryNotFoundError  # likewise
 
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns))

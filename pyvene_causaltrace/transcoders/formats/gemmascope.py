@@ -14,6 +14,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..transcoder import Transcoder
@@ -26,8 +27,6 @@ KEYS = ("W_enc", "W_dec", "b_enc", "b_dec", "threshold")
 
 def read_npz(path: Path) -> LayerTensors:
     """One GemmaScope file in our orientation (``W_enc`` transposed to ``[F, D]``)."""
-    import numpy as np
-
     if not path.exists():
         raise TranscoderFormatError(f"missing file {path}")
     try:

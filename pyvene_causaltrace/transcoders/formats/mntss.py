@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import yaml
+from safetensors.torch import save_file
 
 from ...errors import InputError
 from ..config import CROSS_LAYER, YAML_KEYS, TranscoderConfig
@@ -37,8 +39,6 @@ def is_layout(path: Path) -> bool:
 
 def read_config(path: str | Path) -> TranscoderConfig:
     """The config from ``config.yaml`` and the safetensors headers (no weights read)."""
-    import yaml
-
     root = Path(path)
     config_file = root / "config.yaml"
     if not config_file.exists():
@@ -145,7 +145,7 @@ def load_from_disk(
 
 
 def from_pretrained(
-    repo_id_or_dir: str,
+    repo_id_or_dir: str | Path,
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -167,9 +167,6 @@ def save_model(clt: Transcoder, path: str | Path) -> None:
     it again reproduces its safetensors files byte for byte."""
     if not clt.cfg.cross_layer or clt.cfg.activation not in ("jumprelu", "relu"):
         raise InputError("the mntss layout holds JumpReLU or ReLU cross-layer transcoders only")
-    import yaml
-    from safetensors.torch import save_file
-
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, clt.cfg.disk_dtype)

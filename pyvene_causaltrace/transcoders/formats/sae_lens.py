@@ -28,6 +28,7 @@ kept.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,6 @@ from .mntss import from_pretrained, load_from_disk
 
 
 def _sae_lens_version() -> str:
-    from importlib.metadata import version
-
     return version("sae-lens")
 
 
@@ -85,6 +84,7 @@ def to_sae_lens(clt: Transcoder, layer: int, target: int | None = None,
                 device: str = "cpu"):
     """A sae-lens ``JumpReLUTranscoder`` (``JumpReLUSkipTranscoder`` with a skip path) for
     ``layer`` (see module docstring)."""
+    # sae_lens takes seconds to import: only when called
     from sae_lens.saes.transcoder import (
         JumpReLUSkipTranscoder,
         JumpReLUSkipTranscoderConfig,
@@ -204,7 +204,7 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
     one per layer (any names; the layer comes from each ``hook_name``), or a list of them, each
     read by ``SAE.load_from_disk``; or the name of a sae-lens release (:func:`load_release`,
     with ``sae_ids``)."""
-    from sae_lens import SAE
+    from sae_lens import SAE  # takes seconds to import: only when called
 
     if isinstance(source, str) and not Path(source).expanduser().exists():
         return load_release(source, sae_ids, dtype=dtype, device=device)
@@ -230,6 +230,7 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
 
 def release_ids(release: str) -> list[str]:
     """The ids of a sae-lens release, from sae-lens's pretrained directory."""
+    # sae_lens takes seconds to import: only when called
     from sae_lens.loading.pretrained_saes_directory import get_pretrained_saes_directory
 
     directory = get_pretrained_saes_directory()
@@ -244,7 +245,7 @@ def load_release(release: str, sae_ids: list[str] | None = None, *,
     """A per-layer set from a sae-lens release, one ``SAE.from_pretrained(release, id)`` per
     layer (the hub cache serves it offline). ``sae_ids`` default: every id of the release, which
     must then hold one transcoder per layer (GemmaScope's holds several L0s per layer: choose)."""
-    from sae_lens import SAE
+    from sae_lens import SAE  # takes seconds to import: only when called
 
     ids = release_ids(release) if sae_ids is None else list(sae_ids)
     saes = []
