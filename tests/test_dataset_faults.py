@@ -307,7 +307,8 @@ def test_sigint_to_a_real_run(files, tmp_path):
     err = process.communicate(timeout=120)[1]
     assert process.returncode == 130, ("the run ended before it could be interrupted", err)
     assert "interrupted" in err and "Traceback" not in err, err
-    assert 8 <= len(consistent(out)) < n_facts * 2 * 2
+    # the batch being appended when the signal came is cut back: fewer than the 8 rows seen
+    assert 0 < len(consistent(out)) < n_facts * 2 * 2
     again = _cli_process(argv(out), argv(tmp_path / "full"))
     assert again.wait(timeout=300) == 0, again.stderr.read()
     assert_equal_runs(out, tmp_path / "full")
