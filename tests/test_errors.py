@@ -24,6 +24,9 @@ ALLOWED = {
     ("interventions/base.py", ""): "the abstract method of the base class",
     ("interventions/registry.py", "is not a pyvene Intervention"):
         "a plugin author registering a non-intervention: a programming error",
+    ("attribution/replacement.py", "() got transcoder= and clt="):
+        "a call giving one argument twice: Python's own TypeError convention",
+    ("hooking.py", "unknown hook kind"): "an internal caller's mistake: a programming error",
 }
 
 
