@@ -27,7 +27,7 @@ the spec's own entries, refuses such a spec rather than leave them out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,6 +47,9 @@ from .tracing.metrics import answer_probs, recovery
 from .tracing.results import SpecRunResult
 from .transcoders.formats import load_transcoder
 from .transcoders.transcoder import check_fits
+
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
 
 
 @dataclass
@@ -84,7 +87,7 @@ def _device(model: nn.Module) -> torch.device:
 
 
 def resolve_sites(spec: ExperimentSpec | dict | str, model: nn.Module,
-                  tokenizer) -> tuple[SpecContext, list[tuple[SpecEntry, list[Site]]]]:
+                  tokenizer: Tokenizer) -> tuple[SpecContext, list[tuple[SpecEntry, list[Site]]]]:
     """The context and each entry's (answerer, sites) of ``spec`` on ``model``; checks layers,
     positions and that every site's module exists (errors are :class:`SpecError` with the
     entry's JSON path). Runs nothing."""
@@ -111,7 +114,8 @@ def _resolve(spec: ExperimentSpec, model: nn.Module, tokenizer
     return ctx, items, resolved
 
 
-def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> None:
+def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module,
+                   tokenizer: Tokenizer) -> None:
     """What ``validate --model`` checks beyond the schema, without running the model: the
     subject is in the prompt, every layer, position and module of every entry exists on
     ``model``, the answer tokenizes, and an attribution spec's transcoder loads and fits."""
@@ -151,7 +155,8 @@ def _check_module(model: nn.Module, site: Site, item: dict) -> None:
                         ) from None
 
 
-def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> Plan:
+def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module,
+                        tokenizer: Tokenizer) -> Plan:
     """Resolve ``spec`` on ``model``: tokens, answer, the noise, and one intervention per site.
 
     A spec with ``model_interventions`` is refused: they act in every run (the clean and
@@ -167,7 +172,7 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module, tok
     return _plan(spec, model, tokenizer)
 
 
-def _plan(spec: ExperimentSpec, model: nn.Module, tokenizer) -> Plan:
+def _plan(spec: ExperimentSpec, model: nn.Module, tokenizer: Tokenizer) -> Plan:
     if spec.trace is not None:
         raise SpecError("$.trace", "this is a trace spec: run it with tracer_from_spec "
                         "(or `pyvene-causaltrace run`)")
@@ -255,14 +260,15 @@ def to_pv_config(plan: Plan):
     )
 
 
-def build_intervenable(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer):
+def build_intervenable(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer: Tokenizer):
     """``(IntervenableModel, plan)`` for ``spec``; call it with ``base=plan.base_inputs``."""
     plan = build_interventions(spec, model, tokenizer)
     return intervenable_model_class()(to_pv_config(plan), model), plan
 
 
 @torch.no_grad()
-def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer) -> SpecRunResult:
+def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
+             tokenizer: Tokenizer) -> SpecRunResult:
     """Run a spec: clean, noise-only (if noised) and intervened probabilities of the answer.
 
     ``model`` may be a ``pv.IntervenableModel``: its interventions then act in every run

@@ -18,9 +18,13 @@ import hashlib
 import json
 from collections.abc import Iterable
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
 
 SAMPLE = 4096
 
@@ -42,7 +46,7 @@ def model_fingerprint(model: nn.Module) -> str:
     return tensors_fingerprint(sorted(model.state_dict().items()))
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """Fingerprint of ``tokenizer``'s vocabulary and special tokens."""
     vocab = sorted(tokenizer.get_vocab().items())
     special = sorted(str(t) for t in getattr(tokenizer, "all_special_tokens", []))

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import InputError, MultiTokenAnswerError, SubjectNotFoundError
+
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class TokenizedPrompt:
 
 
 def tokenize_prompt(
-    tokenizer, prompt: str, subject: str | None = None, occurrence: int = 0
+    tokenizer: Tokenizer, prompt: str, subject: str | None = None, occurrence: int = 0
 ) -> TokenizedPrompt:
     """Tokenize ``prompt`` (with the tokenizer's usual special tokens) and locate ``subject``.
 
@@ -74,7 +78,7 @@ def _subject_span(prompt: str, subject: str, occurrence: int, offsets) -> tuple[
     return inside[0], inside[-1] + 1
 
 
-def answer_token_id(tokenizer, answer: str, strict: bool = False) -> int:
+def answer_token_id(tokenizer: Tokenizer, answer: str, strict: bool = False) -> int:
     """The first token of ``answer`` (tokenized without special tokens).
 
     Warns when the answer spans several tokens: only the first is the target. With ``strict``

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import safetensors.torch  # called through the module: tests patch save_file there
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..atomic import replacing
 from ..errors import GraphFileError, InputError
@@ -368,7 +368,7 @@ class AttributionGraph:
         metadata = {"format": GRAPH_FORMAT, "schema_version": "3" if self.steering else "2",
                     "graph": json.dumps(header, default=str)}
         with replacing(path) as tmp:
-            save_file(tensors, str(tmp), metadata=metadata)
+            safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)
 
     @classmethod
     def load(cls, path: str | Path) -> AttributionGraph:

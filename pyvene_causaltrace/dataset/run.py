@@ -35,6 +35,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -56,6 +57,9 @@ from .records import FactRecord, RecordError
 from .results import DatasetResult
 from .store import MANIFEST, RESULTS, SCREEN, RunDirectory, read_jsonl, read_manifest
 
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
+
 __all__ = ["KNOWN_RULES", "trace_dataset", "trace_dataset_distributed", "merge_shards",
            "load_dataset_result", "run_path", "screen_record", "shard_dir", "target_split"]
 
@@ -69,7 +73,7 @@ def _records_digest(records: Sequence[FactRecord]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def target_split(tokenizer, prompt: str, target: str) -> tuple[str, int, int]:
+def target_split(tokenizer: Tokenizer, prompt: str, target: str) -> tuple[str, int, int]:
     """``(prompt, target token id, target length in tokens)``. A leading whitespace-only token
     of the target moves into the prompt (SmolLM2 writes " 9" as " ", "9")."""
     ids = tokenizer(target, add_special_tokens=False)["input_ids"]
@@ -82,7 +86,7 @@ def target_split(tokenizer, prompt: str, target: str) -> tuple[str, int, int]:
 
 
 @torch.no_grad()
-def screen_record(model: nn.Module, tokenizer, record: FactRecord, index: int,
+def screen_record(model: nn.Module, tokenizer: Tokenizer, record: FactRecord, index: int,
                   known: str) -> dict:
     """One line of ``screen.jsonl``: is ``record`` traced, and if not, why."""
     line = {"fact": record.id, "index": index, "kept": False}
@@ -111,7 +115,7 @@ def screen_record(model: nn.Module, tokenizer, record: FactRecord, index: int,
     return {**line, "kept": True, "reason": None}
 
 
-def _screen(model, tokenizer, records, known, limit, run: RunDirectory,
+def _screen(model, tokenizer: Tokenizer, records, known, limit, run: RunDirectory,
             errors: Sequence[RecordError]) -> list[dict]:
     """Kept screen lines, in record order, reusing lines screened before."""
     screened = {line["fact"]: line for line in run.rows(SCREEN)}
@@ -133,7 +137,7 @@ def _screen(model, tokenizer, records, known, limit, run: RunDirectory,
 
 def trace_dataset(
     model: nn.Module,
-    tokenizer,
+    tokenizer: Tokenizer,
     records: Sequence[FactRecord],
     *,
     out: str | Path | None = None,
@@ -194,7 +198,7 @@ def trace_dataset(
     return load_dataset_result(run.path, n_boot=n_boot)
 
 
-def _trace_facts(model, tokenizer, run: RunDirectory, todo, by_id, seeds, done, bar, *,
+def _trace_facts(model, tokenizer: Tokenizer, run: RunDirectory, todo, by_id, seeds, done, bar, *,
                  scale: float, sigma_value: float, window: int, memory_budget_mb: float) -> None:
     """Trace each fact's kinds still to do and append their missing rows."""
     for line, todo_kinds in todo:
@@ -219,7 +223,8 @@ def _trace_facts(model, tokenizer, run: RunDirectory, todo, by_id, seeds, done, 
             bar.update(1)
 
 
-def _check_sizes(model: nn.Module, tokenizer, records: Sequence[FactRecord], n_seeds: int,
+def _check_sizes(model: nn.Module,
+                 tokenizer: Tokenizer, records: Sequence[FactRecord], n_seeds: int,
                  memory_budget_mb: float, n_boot: int) -> None:
     """Refuse, before screening or allocating, a seed count whose corrupted runs cannot fit the
     budget even on the shortest prompt, or a bootstrap that cannot fit even over one fact."""
@@ -285,7 +290,8 @@ def merge_shards(out: str | Path, world: int, *, n_boot: int = 1000) -> DatasetR
     return load_dataset_result(out, n_boot=n_boot)
 
 
-def trace_dataset_distributed(model, tokenizer, records, *, out, **options) -> DatasetResult | None:
+def trace_dataset_distributed(model: nn.Module, tokenizer: Tokenizer, records, *, out,
+                              **options) -> DatasetResult | None:
     """:func:`trace_dataset` under ``torchrun``: each rank traces its shard; rank 0 merges after
     all ranks finish and returns the aggregate (other ranks return ``None``). Without a
     ``torchrun`` environment it is a plain single-process run."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ from .base import (
     subspace_mask,
 )
 from .spec_entry import Site, SpecContext
+
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
 
 DISTRIBUTIONS = ("gaussian", "uniform")
 
@@ -76,7 +79,7 @@ SIGMA_METHODS = ("rome", "embedding_matrix")
 
 
 @torch.no_grad()
-def rome_sigma(model: nn.Module, tokenizer, subjects: Sequence[str]) -> float:
+def rome_sigma(model: nn.Module, tokenizer: Tokenizer, subjects: Sequence[str]) -> float:
     """Std of the input-embedding outputs of ``subjects`` tokenized alone."""
     embed = get_module(model, get_adapter(model).embed)
     device = next(model.parameters()).device
@@ -100,7 +103,7 @@ def embedding_matrix_sigma(model: nn.Module) -> float:
     return float(embed.weight.float().std())
 
 
-def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer,
+def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer: Tokenizer,
                   subject: str | None) -> tuple[str, float]:
     """``(method, value)`` for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a
     positive number (method ``"given"``)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ from .chunks import check_seeds_fit
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
 from .noise_scale import DEFAULT_SCALES, NoiseScaleSweep, resolve_sigma, sweep_noise_scale
 from .results import TraceResult
+
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
 
 WINDOWED = {name for name, kind in KINDS.items() if kind.windowed}
 
@@ -96,7 +100,7 @@ class Tracer:
     def __init__(
         self,
         model: nn.Module,
-        tokenizer,
+        tokenizer: Tokenizer,
         prompt: str,
         subject: str,
         *,
@@ -237,8 +241,8 @@ class Tracer:
         return ControlReport(float((donor - corrupt).abs().max()), pairs, tolerance)
 
 
-def trace(model: nn.Module, tokenizer, prompt: str, subject: str, *, kind: str = "residual",
-          window: int = WINDOW, **options) -> TraceResult:
+def trace(model: nn.Module, tokenizer: Tokenizer, prompt: str, subject: str, *,
+          kind: str = "residual", window: int = WINDOW, **options) -> TraceResult:
     """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments."""
     get_kind(kind)
     if window <= 0:
@@ -246,7 +250,7 @@ def trace(model: nn.Module, tokenizer, prompt: str, subject: str, *, kind: str =
     return Tracer(model, tokenizer, prompt, subject, **options).trace(kind, window=window)
 
 
-def tracer_from_spec(spec, model: nn.Module, tokenizer, **options) -> Tracer:
+def tracer_from_spec(spec, model: nn.Module, tokenizer: Tokenizer, **options) -> Tracer:
     """A :class:`Tracer` for a trace spec (one with ``"trace"``); ``options`` add Tracer
     keyword arguments such as ``memory_budget_mb``. The spec's ``model_interventions`` are
     rebuilt around ``model`` (the bare model; an ``IntervenableModel`` holding others is

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,8 +35,11 @@ from ..pyvene_compat import intervenable_model_class
 from .hooks import hook_states, transcoder_states
 from .transcoder import Transcoder, check_fits
 
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
 
-def _ids(tokenizer, text: str, device) -> torch.Tensor:
+
+def _ids(tokenizer: Tokenizer, text: str, device) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt")["input_ids"].to(device)
 
 
@@ -82,7 +86,7 @@ class PairingReport:
 
 @torch.no_grad()
 @measured
-def check_pairing(clt: Transcoder, model: nn.Module, tokenizer,
+def check_pairing(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
                   texts: Sequence[str]) -> PairingReport:
     """Pairing check on ``texts`` (see module docstring)."""
     check_fits(clt, model)
@@ -181,7 +185,7 @@ def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]
 
 @torch.no_grad()
 @measured
-def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer,
+def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
                        texts: Sequence[str], *, prompt: str | None = None,
                        answer: str | None = None) -> AnchorReport:
     """The replacement-model anchor (see module docstring)."""

@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from ..errors import InputError
 from ..models import model_name as name_of
 from .hooks import hook_states
 from .transcoder import Transcoder
+
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ class _Step(torch.autograd.Function):
 
 
 @torch.no_grad()
-def collect_pairs(model: nn.Module, tokenizer, texts: Sequence[str]):
+def collect_pairs(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str]):
     """``(resid_mid, mlp_out)``, each ``[tokens, L, D]``, over ``texts`` without BOS."""
     device = next(model.parameters()).device
     xs, ys = [], []
@@ -103,7 +107,7 @@ def collect_pairs(model: nn.Module, tokenizer, texts: Sequence[str]):
 
 def fit_clt(
     model: nn.Module,
-    tokenizer,
+    tokenizer: Tokenizer,
     texts: Sequence[str],
     *,
     d_transcoder: int = 128,
