@@ -45,6 +45,7 @@ from .common import (
     hub_snapshot,
     mmap_tensor,
     open_safetensors,
+    read_yaml_mapping,
     resolve_reference,
     shapes_of,
 )
@@ -77,15 +78,7 @@ def is_layout(path: Path) -> bool:
 
 
 def read_config(config: Path) -> dict:
-    try:
-        meta = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        mark = getattr(error, "problem_mark", None)
-        reason = getattr(error, "problem", None) or str(error).splitlines()[0]
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise TranscoderFormatError(f"{config} is not YAML: {reason}{where}") from None
-    if not isinstance(meta, dict):
-        raise TranscoderFormatError(f"{config} is not a mapping")
+    meta = read_yaml_mapping(config)
     missing = [key for key in REQUIRED if key not in meta]
     if missing:
         raise TranscoderFormatError(f"{config} lacks {', '.join(missing)}")

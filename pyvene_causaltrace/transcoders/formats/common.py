@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors import SafetensorError, safe_open
 
 from ...errors import InputError, TranscoderFormatError
@@ -197,3 +198,18 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
     if lazy_decoder:
         transcoder._handles = [h for layer in layers for h in layer.handles]
     return transcoder
+
+
+def read_yaml_mapping(path: Path, what: str = "a mapping") -> dict:
+    """``path``'s YAML mapping, or a :class:`TranscoderFormatError` naming the file (and the
+    line and column of a syntax error)."""
+    try:
+        meta = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
+        mark = getattr(error, "problem_mark", None)
+        reason = getattr(error, "problem", None) or str(error).splitlines()[0]
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise TranscoderFormatError(f"{path} is not YAML: {reason}{where}") from None
+    if not isinstance(meta, dict):
+        raise TranscoderFormatError(f"{path} is not {what}")
+    return meta

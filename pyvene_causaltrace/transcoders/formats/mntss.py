@@ -28,6 +28,7 @@ from .common import (
     hub_snapshot,
     mmap_tensor,
     open_safetensors,
+    read_yaml_mapping,
     shapes_of,
 )
 
@@ -43,15 +44,7 @@ def read_config(path: str | Path) -> TranscoderConfig:
     config_file = root / "config.yaml"
     if not config_file.exists():
         raise TranscoderFormatError(f"{root} has no config.yaml: not a CLT directory")
-    try:
-        meta = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as error:
-        mark = getattr(error, "problem_mark", None)
-        reason = getattr(error, "problem", None) or str(error).splitlines()[0]
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise TranscoderFormatError(f"{config_file} is not YAML: {reason}{where}") from None
-    if not isinstance(meta, dict):
-        raise TranscoderFormatError(f"{config_file} is not a mapping of {', '.join(YAML_KEYS)}")
+    meta = read_yaml_mapping(config_file, f"a mapping of {', '.join(YAML_KEYS)}")
     missing = [key for key in YAML_KEYS if key not in meta]
     if missing:
         raise TranscoderFormatError(f"{config_file} lacks {', '.join(missing)}")
