@@ -29,6 +29,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from ..atomic import write_text
 from ..errors import DamagedFileError, ManifestMismatchError
 from ..runlock import single_writer
 
@@ -226,12 +227,7 @@ class RunDirectory:
                     f"{self.path} holds a run with other settings or inputs ({detail}); resume "
                     "with the same ones or choose another output directory")
         else:
-            tmp = stored.with_suffix(".tmp")
-            try:
-                tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-                os.replace(tmp, stored)
-            finally:
-                tmp.unlink(missing_ok=True)
+            write_text(json.dumps(manifest, indent=2, sort_keys=True), stored)
         self.manifest = manifest
         for name in (SCREEN, RESULTS):
             _drop_partial_line(self.path / name)
