@@ -33,7 +33,7 @@ class World:
 @pytest.fixture(scope="session")
 def worlds(tmp_path_factory):
     """``worlds(arch)``: the tiny model of ``arch``, built once per session."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # seconds to import: only when used
 
     made: dict[str, World] = {}
 
@@ -59,6 +59,7 @@ def transcoder_files(tmp_path_factory):
     both read — a per-layer set's ``config.yaml`` (circuit-tracer's ``transcoder_set``, its
     files listed by absolute path so that circuit-tracer's own config reader finds them) or a
     CLT directory (the mntss layout circuit-tracer's ``load_clt`` reads)."""
+    # the main suite's writers (tests/ is on the path once peer is imported)
     from clt_fixtures import random_clt_tensors, write_clt
     from transcoder_fixtures import random_set, write_circuit_tracer
 

@@ -41,6 +41,7 @@ def make_tokenizer(corpus: list[str], root: Path):
     not 0 (circuit-tracer picks its BOS with ``next(filter(None, ids))``, which skips id 0)
     and which prepends BOS (our ``attribute`` tokenizes with special tokens, circuit-tracer
     without them and prepends the BOS id itself: both then read the same ids)."""
+    # transformers takes seconds to import: only when a test builds a world
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -67,6 +68,8 @@ def _gemma2_tl_config(hf_config, model_dir: Path):
     """TransformerLens's Gemma-2 config for a non-official checkpoint, by hand (TL has one
     only for the official names). Local (sliding-window) and global layers follow
     transformers' ``layer_types`` — TL's own Gemma-2 entries list them the other way round."""
+    # the peer's stack (circuit-tracer, TransformerLens, nnsight) lives in .venv-peer only:
+    # imported where used, so that this module loads (and the suite skips) without it
     from transformer_lens import HookedTransformerConfig
 
     c = hf_config
@@ -92,6 +95,7 @@ def _gemma2_tl_config(hf_config, model_dir: Path):
 def tl_replacement_model(model_dir: Path, hf_model, tokenizer, transcoders):
     """circuit-tracer's TransformerLens ``ReplacementModel`` on the weights in ``model_dir``,
     processed as its ``from_pretrained`` does (no folding, no centring)."""
+    # the peer's stack: .venv-peer only (see _gemma2_tl_config)
     from circuit_tracer.replacement_model.replacement_model_transformerlens import (
         TransformerLensReplacementModel,
     )
@@ -115,7 +119,7 @@ def tl_replacement_model(model_dir: Path, hf_model, tokenizer, transcoders):
 def nnsight_replacement_model(model_dir: Path, transcoders):
     """circuit-tracer's nnsight ``ReplacementModel``, loading the model and tokenizer from
     ``model_dir`` as it loads a hub checkpoint."""
-    from circuit_tracer import ReplacementModel
+    from circuit_tracer import ReplacementModel  # the peer's stack: .venv-peer only
 
     return ReplacementModel.from_pretrained_and_transcoders(
         str(model_dir), transcoders, backend="nnsight", device=torch.device("cpu"),
@@ -123,6 +127,9 @@ def nnsight_replacement_model(model_dir: Path, transcoders):
 
 
 def replacement_model(backend: str, world, transcoder_path: Path):
+    """circuit-tracer's replacement model of ``world`` with the transcoder at
+    ``transcoder_path``, on ``backend`` ("transformerlens" or "nnsight"); its transcoders are
+    loaded afresh (a replacement model moves and wraps the ones it is given)."""
     transcoders = peer_transcoders(transcoder_path)
     if backend == "transformerlens":
         return tl_replacement_model(world.model_dir, world.model, world.tokenizer, transcoders)
@@ -136,14 +143,14 @@ def peer_transcoders(path: Path):
     """The transcoder at ``path`` as circuit-tracer loads it: a per-layer set through its
     config reader (``load_transcoders`` on the same ``config.yaml`` we read), a CLT directory
     (mntss layout) through ``load_clt`` (its config path only reads the hub)."""
-    if path.is_dir():
+    if path.is_dir():  # the peer's stack below: .venv-peer only
         from circuit_tracer.transcoder.cross_layer_transcoder import load_clt
 
         meta = yaml.safe_load((path / "config.yaml").read_text())
         return load_clt(str(path), feature_input_hook=meta["feature_input_hook"],
                         feature_output_hook=meta["feature_output_hook"], scan=SCAN,
                         device=torch.device("cpu"), dtype=torch.float32, lazy_decoder=False)
-    from circuit_tracer.utils.hf_utils import load_transcoders
+    from circuit_tracer.utils.hf_utils import load_transcoders  # the peer's stack, as above
 
     config = yaml.safe_load(path.read_text())
     config["scan"] = SCAN
@@ -172,10 +179,6 @@ class Dense:
     @property
     def n_features(self) -> int:
         return len(self.features)
-
-    @property
-    def errors(self) -> slice:
-        return slice(self.n_features, self.n_features + self.n_layers * self.n_pos)
 
     def bos_errors(self) -> torch.Tensor:
         """Node indices of the BOS (position 0) error nodes."""
@@ -214,12 +217,11 @@ def ours(graph) -> Dense:
 
 
 def _logits_of(graph) -> tuple[list[int], torch.Tensor]:
-    """The logit nodes' token ids and probabilities: a several-logit graph's
-    (``graph.logit_tokens``/``logit_probs`` when the graph has them), else the one target."""
-    tokens = getattr(graph, "logit_tokens", None)
-    if tokens is not None:
-        return [int(t) for t in tokens], torch.as_tensor(graph.logit_probs).double()
-    return [int(graph.target["token"])], torch.tensor([graph.answer_prob], dtype=torch.float64)
+    """The logit nodes' token ids and probabilities, in node order (``graph.targets`` where
+    the graph has several; a graph of one target has only ``target`` and ``answer_prob``)."""
+    targets = getattr(graph, "targets", None) or [{**graph.target, "prob": graph.answer_prob}]
+    return ([int(t["token"]) for t in targets],
+            torch.tensor([float(t["prob"]) for t in targets], dtype=torch.float64))
 
 
 def relative_edge_difference(a: Dense, b: Dense, skip_columns: torch.Tensor | None = None
@@ -239,6 +241,6 @@ def relative_edge_difference(a: Dense, b: Dense, skip_columns: torch.Tensor | No
 
 def prune_theirs(graph) -> torch.Tensor:
     """circuit-tracer's pruned node mask at the shared thresholds."""
-    from circuit_tracer.graph import prune_graph
+    from circuit_tracer.graph import prune_graph  # the peer's stack: .venv-peer only
 
     return prune_graph(graph, NODE_THRESHOLD, EDGE_THRESHOLD).node_mask
