@@ -88,8 +88,8 @@ def pytest_terminal_summary(terminalreporter):
         return
     write = terminalreporter.write_line
     terminalreporter.section("ours vs circuit-tracer")
-    write(f"{'model':8} {'transcoder':10} {'backend':16} {'features':>8} {'logits':>6} "
+    write(f"{'model':8} {'transcoder':15} {'backend':16} {'features':>8} {'logits':>6} "
           f"{'max rel edge diff':>18} {'pruned nodes (ours/theirs)':>27}")
     for (arch, kind, backend), r in sorted(RESULTS.items()):
-        write(f"{arch:8} {kind:10} {backend:16} {r['features']:8d} {r['logits']:6d} "
+        write(f"{arch:8} {kind:15} {backend:16} {r['features']:8d} {r['logits']:6d} "
               f"{r['edge_diff']:18.2e} {r['pruned']:>27}")

@@ -44,29 +44,30 @@ MULTI = "bos_errors" in inspect.signature(attribute).parameters
 
 @pytest.fixture(scope="session")
 def our_graphs(worlds, transcoder_files):
-    """``our_graphs(arch, kind)``: our graph, built once per model and transcoder."""
+    """``our_graphs(arch, kind, logits)``: our graph, built once per model, transcoder and
+    logit selection."""
     made = {}
 
-    def get(arch: str, kind: str):
-        if (arch, kind) not in made:
+    def get(arch: str, kind: str, logits: dict = LOGITS):
+        key = arch, kind, tuple(logits.items())
+        if key not in made:
             world = worlds(arch)
             transcoder = load_transcoder(transcoder_files(kind))
-            extra = {"bos_errors": "drop", **LOGITS} if MULTI else {}
-            made[arch, kind] = attribute(world.model, world.tokenizer, transcoder,
-                                         peer.suite.PROMPT, target="demeaned_vocab", **extra)
-        return made[arch, kind]
+            extra = {"bos_errors": "drop", **logits} if MULTI else {}
+            made[key] = attribute(world.model, world.tokenizer, transcoder, peer.suite.PROMPT,
+                                  target="demeaned_vocab", **extra)
+        return made[key]
 
     return get
 
 
-def _peer_graph(backend: str, world, path):
+def _peer_graph(backend: str, world, path, logits: dict = LOGITS):
     """circuit-tracer's graph and its pruned node mask; its replacement model is dropped
     before returning (its ``__del__`` fails if left to interpreter shutdown)."""
     model = peer.replacement_model(backend, world, path)
     try:
-        logits = LOGITS if MULTI else {"max_n_logits": 1}
         graph = circuit_tracer.attribute(peer.suite.PROMPT, model, batch_size=PEER_BATCH,
-                                         **logits)
+                                         **(logits if MULTI else {"max_n_logits": 1}))
         return graph, peer.prune_theirs(graph)
     finally:
         del model
@@ -88,9 +89,27 @@ def _without_bos_errors(graph, a: peer.Dense):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_graph_equals_circuit_tracers(arch, kind, backend, worlds, transcoder_files,
                                       our_graphs):
-    world = worlds(arch)
     graph = our_graphs(arch, kind)
-    peer_graph, peer_kept = _peer_graph(backend, world, transcoder_files(kind))
+    peer_graph, peer_kept = _peer_graph(backend, worlds(arch), transcoder_files(kind))
+    _check_equal(graph, peer_graph, peer_kept, (arch, kind, backend))
+
+
+@pytest.mark.skipif(not MULTI, reason="needs attribute(max_n_logits=, desired_logit_prob=)")
+def test_salient_logits_stop_at_the_same_probability(worlds, transcoder_files, our_graphs):
+    """The tiny models' next-token distributions are flat: 10 logits never reach 0.95. At a
+    lower ``desired_logit_prob`` the cut falls inside the cap, where both must stop at the
+    same logit (circuit-tracer: the first whose cumulative probability reaches it; here the
+    4th of tiny Gemma-2's, 0.158)."""
+    logits = {"max_n_logits": 10, "desired_logit_prob": 0.15}
+    graph = our_graphs("gemma2", "jumprelu", logits)
+    peer_graph, peer_kept = _peer_graph("transformerlens", worlds("gemma2"),
+                                        transcoder_files("jumprelu"), logits)
+    assert 1 < len(peer_graph.logit_targets) < 10, "the cut is not inside the cap"
+    _check_equal(graph, peer_graph, peer_kept, ("gemma2", "jumprelu p=0.15", "transformerlens"))
+
+
+def _check_equal(graph, peer_graph, peer_kept, case):
+    """Everything the module docstring lists, recorded in the summary table first."""
     a, b = peer.ours(graph), peer.theirs(peer_graph)
 
     assert a.input_ids == b.input_ids
@@ -106,7 +125,7 @@ def test_graph_equals_circuit_tracers(arch, kind, backend, worlds, transcoder_fi
         graph = _without_bos_errors(graph, a)
     diff = peer.relative_edge_difference(a, b, None if MULTI else bos)
     kept = graph.prune(peer.NODE_THRESHOLD, peer.EDGE_THRESHOLD).node_mask
-    peer.RESULTS[arch, kind, backend] = {
+    peer.RESULTS[case] = {
         "features": a.n_features, "logits": len(a.logit_tokens),
         "edge_diff": float(diff.max()),
         "pruned": f"{int(kept.sum())}/{int(peer_kept.sum())}"
