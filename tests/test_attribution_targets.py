@@ -81,14 +81,17 @@ def test_probability_weighted_influence_and_pruning_equal_a_dense_reference(sali
     assert not torch.allclose(flat / flat.sum(), dense / dense.sum(), rtol=1e-3)
     reference = dense_prune(adjacency, graph.layout, probabilities=graph.logit_weights())
     assert torch.equal(graph.prune().node_mask, reference.node_mask)
-    # the weighted target's decomposition adds up to the weighted sum of the logit targets
+    # the weighted mean target's decomposition adds up to the mean of the logit targets
     parts = graph.decomposition()
     total = sum(parts[k] for k in ("features", "unexplored", "errors", "steering", "tokens",
                                    "constants"))
     assert total == pytest.approx(parts["target"], rel=1e-4, abs=1e-5)
     rows = graph.rows.row_of_node(graph.layout.n_nodes)[graph.layout.logits]
+    weights = graph.logit_weights() / graph.logit_weights().sum()
     assert parts["target"] == pytest.approx(
-        float((graph.logit_weights() * graph.rows.targets[rows]).sum()), rel=1e-9)
+        float((weights * graph.rows.targets[rows]).sum()), rel=1e-9)
+    mean_row = sum(float(w) * graph.target_row(j).double() for j, w in enumerate(weights))
+    assert torch.allclose(graph.target_row().double(), mean_row, atol=1e-6)
 
 
 def test_logit_nodes_in_the_node_table_and_the_export(salient, tmp_path):

@@ -258,8 +258,10 @@ class _TargetRows:
     hidden: list[str]
 
     def weighted(self) -> torch.Tensor:
-        """``sum_i weight_i * row_i``: the direct effects on the weighted target."""
-        return (self.weights[:, None] * self.rows.detach().double().cpu()).sum(0)
+        """``sum_i w_i * row_i / sum_i w_i``: the direct effects on the weighted mean target
+        (:meth:`~.graph.AttributionGraph.target_row`)."""
+        weights = self.weights / self.weights.sum()
+        return (weights[:, None] * self.rows.detach().double().cpu()).sum(0)
 
 
 def _target_rows(run: ReplacementRun, goals: tuple[Target, ...], *, freeze: bool,

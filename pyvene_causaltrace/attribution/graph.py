@@ -163,19 +163,24 @@ class AttributionGraph:
 
     def target_row(self, logit: int | None = None) -> torch.Tensor:
         """Every node's direct effect on logit node ``logit`` (0: the first), or, by default,
-        on the weighted target ``sum_i weight_i * target_i`` (one target of weight 1: its
+        on the weighted mean target ``sum_i w_i * target_i / sum_i w_i`` (one target: its
         row)."""
         key = ("target_row", logit)
         if key not in self._memo:
-            if logit is not None:
-                self._memo[key] = self.row(self.layout.logits.start + logit)
+            if logit is not None or self.n_logits == 1:
+                self._memo[key] = self.row(self.layout.logits.start + (logit or 0))
             else:
                 rows = [self.row(node) for node in range(self.layout.logits.start,
                                                          self.layout.n_nodes)]
-                weights = self.logit_weights()
-                self._memo[key] = rows[0] if len(rows) == 1 and weights[0] == 1 else \
-                    sum(float(w) * r.double() for w, r in zip(weights, rows, strict=True)).float()
+                weights = self._mean_weights()
+                self._memo[key] = sum(float(w) * r.double()
+                                      for w, r in zip(weights, rows, strict=True)).float()
         return self._memo[key]
+
+    def _mean_weights(self) -> torch.Tensor:
+        """The logit weights scaled to sum to 1: a weighted mean of the targets."""
+        weights = self.logit_weights()
+        return weights / weights.sum()
 
     def node_kind(self, index: int) -> str:
         lay = self.layout
@@ -294,13 +299,14 @@ class AttributionGraph:
                              "edge": row[order].tolist()})
 
     def decomposition(self, logit: int | None = None) -> dict[str, float]:
-        """The (weighted) target, or logit node ``logit``'s, split by node kind — explored
+        """The weighted mean target (:meth:`target_row`), or logit node ``logit``'s, split by
+        node kind — explored
         features, unexplored features (no row of their own), errors, steering (the constants
         of a pyvene model's interventions; 0 without them), tokens — plus the constants, and
         the shares of errors and of unexplored features."""
         lay, row = self.layout, self.target_row(logit).double()
         rows = self.rows.row_of_node(lay.n_nodes)[lay.logits]
-        weights = self.logit_weights() if logit is None else \
+        weights = self._mean_weights() if logit is None else \
             torch.eye(lay.n_logits, dtype=torch.float64)[logit]
         features = row[:lay.n_features]
         explored = self.explored
