@@ -227,6 +227,9 @@ def validate_spec(data: Any) -> None:
         if data["attribution"].get("target") == "difference" and \
                 "other" not in data["attribution"]:
             raise SpecError("$.attribution.other", "a 'difference' target needs 'other'")
+        if "direction" in data["attribution"] and data.get("answer") is not None:
+            raise SpecError("$.attribution.direction", "a direction target explains a "
+                            "projection, 'answer' a logit: give one of them")
         if data.get("model_interventions"):
             raise SpecError("$.model_interventions", "an attribution spec cannot carry its "
                             "model's pyvene interventions yet: attribute the IntervenableModel "

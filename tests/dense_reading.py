@@ -16,7 +16,7 @@ def square(graph) -> torch.Tensor:
     n = graph.layout.n_nodes
     full = torch.zeros(n, n, dtype=graph.rows.blocks[0].values.dtype)
     rows = graph.rows.dense(torch.arange(graph.rows.n_rows))
-    full[graph.rows.nodes, :n - 1] = rows
+    full[graph.rows.nodes, :graph.layout.logits.start] = rows
     return full
 
 

@@ -132,7 +132,8 @@ def graph(request, tmp_path_factory, tokenizer):
 
 
 def test_attribute_builds_the_full_adjacency(graph, tokenizer, tmp_path):
-    assert graph.rows.n_rows == graph.n_features + 1 and graph.explored.all()
+    assert graph.rows.n_rows == graph.n_features + graph.n_logits and graph.explored.all()
+    assert graph.n_logits > 1  # no answer: the salient logits
     assert graph.closure.relative < 1e-4 and graph.feature_closure() < 1e-4
     # a feature only reads earlier layers: no edge from a same-or-later-layer feature
     full = square(graph)
@@ -266,7 +267,7 @@ def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, m
     from safetensors.torch import load_file
 
     nodes = [load_file(str(checkpoint / name))["rows.nodes"] for name in saved["shards"]]
-    assert sum(len(n) for n in nodes) == 1 + 48  # the logit row and three batches of 16
+    assert sum(len(n) for n in nodes) == whole.n_logits + 48  # logit rows, 3 batches of 16
     assert not list(checkpoint.glob("*.pt"))  # safetensors and JSON only
     # rows of this graph are not rows of another model's: refused, naming what differs
     other = copy.deepcopy(model)

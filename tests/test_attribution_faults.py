@@ -125,7 +125,7 @@ def assert_resumes_whole(world, out: Path, monkeypatch) -> None:
     assert calls == [] and "computed 0" in printed
     summary = json.loads((out / "summary.json").read_text())
     assert summary["metadata"]["rows_computed"] == 0
-    assert summary["metadata"]["rows_resumed"] == world.ref.n_explored + 1
+    assert summary["metadata"]["rows_resumed"] == world.ref.n_explored + world.ref.n_logits
     graph = AttributionGraph.load(out / "graph.safetensors")
     pd.testing.assert_frame_equal(edges(graph), edges(world.ref), check_exact=True)
     assert graph.closure == world.ref.closure
@@ -554,6 +554,6 @@ def test_ctrl_c_among_the_rows_keeps_every_finished_row(tmp_path, tokenizer, mon
         attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
     calls.clear()
     resumed = attribute(model, tokenizer, clt, PROMPT, batch_size=16, checkpoint=checkpoint)
-    assert resumed.metadata["rows_resumed"] == 1 + 32  # the logit row and two batches
+    assert resumed.metadata["rows_resumed"] == whole.n_logits + 32  # logit rows, 2 batches
     assert sum(calls) == whole.n_features - 32
     pd.testing.assert_frame_equal(resumed.to_dataframe(), whole.to_dataframe(), check_exact=True)

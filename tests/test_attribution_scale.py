@@ -51,7 +51,7 @@ def budgeted(request, tmp_path_factory, tokenizer):
 def test_budgeted_rows_are_the_full_graphs_rows_and_close(budgeted, tokenizer):
     model, clt, graph = budgeted
     assert graph.n_features >= 20_000 and graph.n_explored == BUDGET
-    assert graph.rows.n_rows == BUDGET + 1  # and the logit's
+    assert graph.rows.n_rows == BUDGET + graph.n_logits  # and the logits'
     # the same rows of the unbudgeted graph: each computed on its own, exactly equal
     ids = tokenizer(LONG_PROMPT, return_tensors="pt")["input_ids"]
     run = run_local_replacement(model, clt, ids)

@@ -208,3 +208,30 @@ def test_validate_with_a_model_checks_layers_positions_and_modules(model_dir, tm
     assert main(["validate", str(good), str(absent), "--model", str(model_dir)]) == 1
     out = capsys.readouterr().out
     assert f"ok      {good} (on {model_dir})" in out and "$.subject" in out
+
+
+def test_attribute_with_several_logits_a_direction_and_dropped_bos_errors(model_dir, tmp_path,
+                                                                          capsys):
+    from clt_fixtures import random_clt_tensors, write_clt
+
+    clt_dir = write_clt(tmp_path / "clt", random_clt_tensors(3, 32, 48, threshold=0.1))
+    out = tmp_path / "logits"
+    assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--prompt",
+                 PROMPT, "--max-n-logits", "3", "--desired-logit-prob", "0.99",
+                 "--bos-errors", "drop", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["metadata"]["targets"]["chosen"] == 3
+    assert summary["metadata"]["bos_errors"].startswith("dropped")
+    exported = json.loads((out / "graph.json").read_text())
+    logits = [n for n in exported["nodes"] if n["feature_type"] == "logit"]
+    assert len(logits) == 3 and [n["is_target_logit"] for n in logits] == [True, False, False]
+    assert logits[0]["token_prob"] >= logits[1]["token_prob"] >= logits[2]["token_prob"] > 0
+    direction = tmp_path / "probe.json"
+    hidden = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    direction.write_text(json.dumps([0.1 * (i % 7 - 3) for i in range(hidden)]))
+    assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--prompt",
+                 PROMPT, "--direction", str(direction), "--out", str(tmp_path / "dir")]) == 0
+    summary = json.loads((tmp_path / "dir" / "summary.json").read_text())
+    assert summary["metadata"]["targets"]["direction"] == "direction"
+    assert summary["closure"]["relative"] < 1e-4
+    capsys.readouterr()

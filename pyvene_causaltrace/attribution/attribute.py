@@ -52,12 +52,12 @@ from .edges import (
     feature_rows_loop,
     feature_targets,
     row_closures,
-    target_row,
+    target_rows,
 )
 from .graph import AttributionGraph
-from .reading import influence, logit_weights
+from .reading import Layout, influence, logit_weights
 from .replacement import ReplacementRun, takes_transcoder
-from .replacement_model import PreparedPrompt, ReplacementModel, transcoder_metadata
+from .replacement_model import BOS_ERRORS, PreparedPrompt, ReplacementModel, transcoder_metadata
 from .store import RowStore
 from .targets import TARGET_KINDS, Target, make_target
 
@@ -79,16 +79,32 @@ def _count(value: object, name: str, minimum: int) -> None:
         raise InputError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def check_attribute_arguments(*, target: str = "demeaned", other: str | None = None,
-                              k: int = 10, max_feature_nodes: int | None = None,
-                              memory_mb: float = 4096, batch_size: int | None = None,
-                              max_batch: int | None = None, update_interval: int = 4) -> None:
+def check_attribute_arguments(*, target: str | Target | torch.Tensor = "demeaned",
+                              other: str | None = None, k: int = 10,
+                              max_feature_nodes: int | None = None, memory_mb: float = 4096,
+                              batch_size: int | None = None, max_batch: int | None = None,
+                              update_interval: int = 4, max_n_logits: int = 10,
+                              desired_logit_prob: float = 0.95,
+                              bos_errors: str = "keep") -> None:
     """Raise :class:`InputError` for an argument :func:`attribute` would refuse, before
     anything is loaded or run: a target kind it does not know, ``other`` missing for (or
-    given without) ``target="difference"``, a count below its minimum, a memory cap that is
-    not a finite positive number."""
+    given without) ``target="difference"``, a count below its minimum, a probability outside
+    (0, 1], a memory cap that is not a finite positive number, a ``bos_errors`` other than
+    ``"keep"``/``"drop"``."""
+    _count(max_n_logits, "max_n_logits", 1)
+    if isinstance(desired_logit_prob, bool) or \
+            not isinstance(desired_logit_prob, int | float) or not 0 < desired_logit_prob <= 1:
+        raise InputError(f"desired_logit_prob must be in (0, 1], got {desired_logit_prob!r}")
+    if bos_errors not in BOS_ERRORS:
+        raise InputError(f"bos_errors must be one of {', '.join(BOS_ERRORS)}, got "
+                         f"{bos_errors!r}")
+    if isinstance(target, torch.Tensor | Target):
+        if other is not None:
+            raise InputError("other= is only read by target='difference'")
+        target = "demeaned"  # a direction: the remaining checks are the counts
     if target not in TARGET_KINDS:
-        raise InputError(f"target must be one of {', '.join(TARGET_KINDS)}, got {target!r}")
+        raise InputError(f"target must be one of {', '.join(TARGET_KINDS)}, a direction "
+                         f"(a tensor [d_model]) or a Target, got {target!r}")
     if target == "difference" and not other:
         raise InputError("a logit-difference target needs the other token (other=..., "
                          "--other)")
@@ -108,9 +124,10 @@ def check_attribute_arguments(*, target: str = "demeaned", other: str | None = N
 class _Ranking:
     """Which feature rows to compute next: all in node order, or by partial influence."""
 
-    def __init__(self, run: ReplacementRun, budget: int, queue: int) -> None:
+    def __init__(self, run: ReplacementRun, layout: Layout, weights: torch.Tensor, budget: int,
+                 queue: int) -> None:
         self.n = run.n_features
-        self.weights = logit_weights(run.layout)
+        self.weights = logit_weights(layout, weights)
         self.budget = budget
         self.queue = queue
 
@@ -129,15 +146,29 @@ class _Ranking:
 @accepts_intervenable
 def attribute(
     model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder, prompt: str,
-    answer: str | None = None, *, target: str = "demeaned", other: str | None = None,
-    k: int = 10, max_feature_nodes: int | None = None, memory_mb: float = 4096,
+    answer: str | None = None, *, target: str | Target | torch.Tensor = "demeaned",
+    other: str | None = None, k: int = 10, max_n_logits: int = 10,
+    desired_logit_prob: float = 0.95, bos_errors: str = "keep",
+    max_feature_nodes: int | None = None, memory_mb: float = 4096,
     batch_size: int | None = None, max_batch: int | None = None, update_interval: int = 4,
     freeze: bool = True, loop: bool = False, progress: bool = False,
     checkpoint: str | Path | None = None, keep_checkpoint: bool = True,
     check_closure: bool = True,
 ) -> AttributionGraph:
-    """The attribution graph of ``prompt``'s next-token ``answer`` (a single token; default:
-    the clean argmax) through ``transcoder`` (``clt=``, its old name, still works and warns).
+    """The attribution graph of ``prompt``'s next token through ``transcoder`` (``clt=``, its
+    old name, still works and warns).
+
+    Its logit nodes (:mod:`.targets`): with ``answer`` (a single token), one demeaned-logit
+    target of kind ``target`` (``"demeaned"``: minus the top-``k`` mean; ``"demeaned_vocab"``:
+    minus the vocabulary mean; ``"difference"``: ``answer`` minus ``other``). Without one,
+    circuit-tracer's salient logits: the most probable tokens, at most ``max_n_logits``, until
+    their probabilities reach ``desired_logit_prob``, each a node and a row demeaned by
+    ``target``'s kind, weighted by its probability in influence and pruning. ``target`` may
+    also be a direction ``[d_model]`` (its projection on the final norm's output at the last
+    position, circuit-tracer's ``CustomTarget``) or a :func:`~.targets.direction_target`
+    (another residual state or position). ``bos_errors="drop"`` makes the position-0 (BOS)
+    errors constants instead of nodes, circuit-tracer's convention (``"keep"``, the default,
+    keeps them as nodes); rows close either way.
 
     ``max_feature_nodes`` bounds the feature rows (module docstring); default: every active
     feature if their rows fit ``memory_mb``, otherwise as many as fit (logged). ``memory_mb``
@@ -180,49 +211,75 @@ def attribute(
     check_attribute_arguments(target=target, other=other, k=k,
                               max_feature_nodes=max_feature_nodes, memory_mb=memory_mb,
                               batch_size=batch_size, max_batch=max_batch,
-                              update_interval=update_interval)
+                              update_interval=update_interval, max_n_logits=max_n_logits,
+                              desired_logit_prob=desired_logit_prob, bos_errors=bos_errors)
     start = time.perf_counter()
     replacement = ReplacementModel(model, tokenizer, transcoder)
-    prepared = replacement.prepare(prompt, answer, target=target, other=other, k=k)
+    prepared = replacement.prepare(prompt, answer, target=target, other=other, k=k,
+                                   max_n_logits=max_n_logits,
+                                   desired_logit_prob=desired_logit_prob)
     replacement.check_memory(prepared.input_ids, memory_mb)
-    run = replacement.run(prepared.input_ids, freeze=freeze)
-    top = _target_row(run, prepared.target, freeze=freeze, check_closure=check_closure)
+    run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
+                          bos_errors=bos_errors)
+    top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)
     forward_s = time.perf_counter() - start
     plan = _plan(run, top, memory_mb=memory_mb, batch_size=batch_size, max_batch=max_batch,
                  max_feature_nodes=max_feature_nodes, update_interval=update_interval,
                  freeze=freeze, loop=loop)
-    key = _run_key(replacement, run, prepared.target, plan.settings)
+    key = _run_key(replacement, run, prepared.targets, plan.settings)
     store, resumed, ranking_s = _feature_rows(
         run, top, plan, key, checkpoint=checkpoint, keep_checkpoint=keep_checkpoint,
         loop=loop, progress=progress, check_closure=check_closure, freeze=freeze)
     seconds = {"total": time.perf_counter() - start, "forward": forward_s, "ranking": ranking_s}
     seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]
+    goal = prepared.target
+    if not goal.is_logit:
+        selection = {"direction": goal.name, "output": goal.output, "position": goal.position}
+    elif answer is not None or target == "difference":
+        selection = {"answer": answer, "kind": target}
+    else:
+        selection = {"kind": target, "max_n_logits": max_n_logits,
+                     "desired_logit_prob": desired_logit_prob, "chosen": len(prepared.targets),
+                     "probability": float(sum(t.prob for t in prepared.targets))}
     return _graph(replacement, prepared, run, top, store, plan, resumed=resumed,
-                  seconds=seconds, freeze=freeze, check_closure=check_closure)
+                  seconds=seconds, freeze=freeze, check_closure=check_closure,
+                  selection=selection)
 
 
 @dataclass(frozen=True)
-class _TargetRow:
-    """The target's row, its constant, its closure, and the user's edits the graph cannot
-    see (named in a closure error)."""
+class _TargetRows:
+    """The targets' rows (``[K, n_columns]``, logit node order), constants, closures and
+    weights, and the user's edits the graph cannot see (named in a closure error)."""
 
-    row: torch.Tensor
-    constant: float
-    closure: Closure
+    rows: torch.Tensor
+    constants: torch.Tensor
+    closures: list[Closure]
+    weights: torch.Tensor
     hidden: list[str]
 
+    def weighted(self) -> torch.Tensor:
+        """``sum_i w_i * row_i / sum_i w_i``: the direct effects on the weighted mean target
+        (:meth:`~.graph.AttributionGraph.target_row`)."""
+        weights = self.weights / self.weights.sum()
+        return (weights[:, None] * self.rows.detach().double().cpu()).sum(0)
 
-def _target_row(run: ReplacementRun, goal: Target, *, freeze: bool,
-                check_closure: bool) -> _TargetRow:
-    """The target row by one backward, checked finite and (with ``check_closure``) closed."""
-    row, constant, closure = target_row(run, goal)
-    check_finite(row, "the target's attribution row",
+
+def _target_rows(run: ReplacementRun, goals: tuple[Target, ...], *, freeze: bool,
+                 check_closure: bool) -> _TargetRows:
+    """The targets' rows by one batched backward, checked finite and (with ``check_closure``)
+    closed."""
+    rows, constants, closures = target_rows(run, goals)
+    check_finite(rows, "the targets' attribution rows",
                  "the transcoder's features or the replacement model's gradients overflow")
     hidden = [f"{s.site.key} ({s.site.intervention} at {s.site.component or s.site.module})"
               for s in run.steering if not s.reached]
-    if check_closure and not closure.ok:
-        raise closure_error("the target row", closure, freeze=freeze, hidden=hidden)
-    return _TargetRow(row, constant, closure, hidden)
+    if check_closure:
+        for goal, closure in zip(goals, closures, strict=True):
+            if not closure.ok:
+                what = "the target row" if len(goals) == 1 else f"the row of target {goal.name}"
+                raise closure_error(what, closure, freeze=freeze, hidden=hidden)
+    weights = torch.tensor([g.weight for g in goals], dtype=torch.float64)
+    return _TargetRows(rows, constants, closures, weights, hidden)
 
 
 @dataclass(frozen=True)
@@ -236,46 +293,52 @@ class _Plan:
     settings: dict
 
 
-def _plan(run: ReplacementRun, top: _TargetRow, *, memory_mb: float, batch_size: int | None,
+def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size: int | None,
           max_batch: int | None, max_feature_nodes: int | None, update_interval: int,
           freeze: bool, loop: bool) -> _Plan:
     """Fit the batch and the feature budget to ``memory_mb`` (:mod:`.budget`)."""
     if batch_size is not None:
         check_batch_fits(run, memory_mb, batch_size)
     size = batch_size or batch_size_for(run, memory_mb, max_batch)
-    first_guess = top.row[:run.n_features].abs().argsort(descending=True).cpu()
+    first_guess = (top.weights[:, None] * top.rows[:, :run.n_features].detach().abs().double()
+                   .cpu()).sum(0).argsort(descending=True)
     budget = feature_budget(run, memory_mb, size, max_feature_nodes, first_guess)
-    ranking = _Ranking(run, budget, max(update_interval * size, -(-budget // RERANKS)))
+    layout = Layout(run.n_features, run.n_layers * run.n_pos, run.n_pos, len(top.weights),
+                    run.n_steering)
+    ranking = _Ranking(run, layout, top.weights, budget,
+                       max(update_interval * size, -(-budget // RERANKS)))
     return _Plan(size, budget, ranking, {"freeze": freeze, "budget": budget, "batch": size,
                                          "loop": loop, "update_interval": update_interval})
 
 
-def _run_key(replacement: ReplacementModel, run: ReplacementRun, goal: Target,
+def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Target, ...],
              settings: dict) -> dict:
     """What must match for saved rows to belong to this graph."""
-    return {"input_ids": run.input_ids[0].tolist(), "target": goal.describe(),
+    return {"input_ids": run.input_ids[0].tolist(),
+            "target": goals[0].describe() if len(goals) == 1 else
+            [goal.describe() for goal in goals], "bos_errors": run.bos_errors,
             **replacement.fingerprints(), "version": package_version(), **settings,
             "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id),
             "steering": [{**s.site.describe(), "value": tensor_digest(s.value)}
                          for s in run.steering]}
 
 
-def _feature_rows(run: ReplacementRun, top: _TargetRow, plan: _Plan, key: dict, *,
+def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict, *,
                   checkpoint: str | Path | None, keep_checkpoint: bool, loop: bool,
                   progress: bool, check_closure: bool,
                   freeze: bool) -> tuple[RowStore, int, float]:
-    """The target row and ``plan.budget`` feature rows in a store, resumed from and saved to
+    """The target rows and ``plan.budget`` feature rows in a store, resumed from and saved to
     ``checkpoint``; returns the store, the rows it resumed and the seconds spent ranking."""
     n, ranking_s = run.n_features, 0.0
     lock = single_writer(checkpoint) if checkpoint is not None else contextlib.nullcontext()
     with lock:
         store_file = Checkpoint(checkpoint, key, SAVE_EVERY_S)
-        restored = store_file.load(run.n_columns, n)
+        restored = store_file.load(run.n_columns, n, len(top.closures))
         resumed = 0 if restored is None else restored[0].n_rows
         if restored is None:
             store, pending = RowStore(run.n_columns), torch.zeros(0, dtype=torch.long)
-            store.append(torch.tensor([run.n_columns]), top.row[None],
-                         torch.tensor([top.constant]), torch.tensor([top.closure.target]))
+            store.append(run.n_columns + torch.arange(len(top.closures)), top.rows,
+                         top.constants, torch.tensor([c.target for c in top.closures]))
         else:
             store, pending = restored
         done = torch.zeros(n, dtype=torch.bool)
@@ -322,32 +385,42 @@ def _feature_rows(run: ReplacementRun, top: _TargetRow, plan: _Plan, key: dict, 
 
 
 def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: ReplacementRun,
-           top: _TargetRow, store: RowStore, plan: _Plan, *, resumed: int, seconds: dict,
-           freeze: bool, check_closure: bool) -> AttributionGraph:
+           top: _TargetRows, store: RowStore, plan: _Plan, *, resumed: int, seconds: dict,
+           freeze: bool, check_closure: bool, selection: dict) -> AttributionGraph:
     """The graph of the computed rows, with what its reader needs to know in ``metadata``."""
-    tokenizer, ids, goal, cap = (replacement.tokenizer, prepared.input_ids, prepared.target,
-                                 prepared.softcap)
-    probs = prepared.logits[0, -1].float().softmax(-1)  # the real (capped) model's
+    tokenizer, ids, goals, cap = (replacement.tokenizer, prepared.input_ids, prepared.targets,
+                                  prepared.softcap)
+    targets = [{**goal.describe(),
+                "text": tokenizer.decode([goal.token]) if goal.is_logit else goal.name}
+               for goal in goals]
+    first = targets[0]
     return AttributionGraph(
         prompt=prepared.text, tokens=[tokenizer.decode([i]) for i in ids[0].tolist()],
-        input_ids=ids[0].tolist(), target=goal.describe(),
-        answer=tokenizer.decode([goal.token]), answer_prob=float(probs[goal.token]),
+        input_ids=ids[0].tolist(), target={k: first[k] for k in ("name", "token",
+                                                                 "coefficients")},
+        answer=first["text"],
+        answer_prob=float("nan") if first["prob"] is None else first["prob"],
         n_layers=run.n_layers, feature_layer=run.feature_layer.cpu(),
         feature_position=run.feature_position.cpu(), feature_id=run.feature_id.cpu(),
-        activation=run.activation.float().cpu(), rows=store, closure=top.closure,
+        activation=run.activation.float().cpu(), rows=store, closure=top.closures[0],
         steering=[{**s.site.describe(), "positions": positions.tolist()}
                   for s, positions in zip(run.steering_leaves, run.steering_positions,
                                           strict=True)],
+        targets=targets,
         metadata={**replacement.describe(), "frozen": freeze,
                   "logit_softcap": None if cap is None else {
                       "cap": cap, "target": "pre-soft-cap logits (cap off while the graph was "
                                             "built, restored after)"},
+                  "targets": selection,
+                  "bos_errors": {"keep": "kept: the position-0 errors are nodes",
+                                 "drop": "dropped: the position-0 errors are constants, not "
+                                         "nodes (circuit-tracer's convention)"}[run.bos_errors],
                   "batch_size": plan.size, "max_feature_nodes": plan.budget,
                   "active_features": run.n_features, "forward_mb": run.forward_bytes / 2**20,
                   "rows_mb": store.nbytes / 2**20, "seconds": seconds,
                   "max_logit_change": float((run.logits.detach()
                                              - prepared.target_logits).abs().max()),
-                  "steering": steering_metadata(run, top.row),
+                  "steering": steering_metadata(run, top.weighted()),
                   "closure_checked": check_closure, "rows_resumed": resumed,
                   "rows_computed": store.n_rows - resumed})
 

@@ -129,7 +129,7 @@ class Checkpoint:
                                 "shard list or pending queue)")
         return manifest
 
-    def _shard(self, n_columns: int, name: str, entry: dict) -> RowStore:
+    def _shard(self, n_columns: int, name: str, entry: dict, n_logits: int = 1) -> RowStore:
         """One shard's rows, after its size and SHA-256 (``entry``) match the manifest's."""
         path = self.path / name
         if not path.is_file():
@@ -142,18 +142,20 @@ class Checkpoint:
             raise self._damaged(f"checkpoint shard {path} is damaged: its SHA-256 does not "
                                 "match the manifest's")
         try:
-            return RowStore.from_state(n_columns, safetensors.torch.load_file(str(path)))
+            return RowStore.from_state(n_columns, safetensors.torch.load_file(str(path)),
+                                       n_logits=n_logits)
         except MemoryError:
             raise
         except Exception as error:  # safetensors raises its own types; from_state InputError
             raise self._damaged(f"checkpoint shard {path} is unreadable ({error})") from None
 
-    def load(self, n_columns: int, n_features: int | None = None
+    def load(self, n_columns: int, n_features: int | None = None, n_logits: int = 1
              ) -> tuple[RowStore, torch.Tensor] | None:
         """``(store, pending)`` saved for this key, or ``None`` when nothing is saved. A
         checkpoint of another graph, or a damaged one, raises
         :class:`CheckpointMismatchError` (module docstring). ``n_features``: the graph's
-        active features (rows and the queue are checked against it)."""
+        active features (rows and the queue are checked against it); ``n_logits``: its logit
+        nodes (after the ``n_columns`` source nodes), each of which must have its row."""
         if self.path is None or not (self.path / MANIFEST).exists():
             return None
         manifest = self._manifest()
@@ -165,26 +167,28 @@ class Checkpoint:
                 f"remove {self.path} to start afresh, or resume with the same inputs")
         store = RowStore(n_columns)
         for name in manifest["shards"]:
-            store.blocks.extend(self._shard(n_columns, name, manifest["checksums"][name]).blocks)
-        self._check_rows(store, manifest["pending"], n_columns, n_features)
+            store.blocks.extend(self._shard(n_columns, name, manifest["checksums"][name],
+                                            n_logits).blocks)
+        self._check_rows(store, manifest["pending"], n_columns, n_features, n_logits)
         self.shards = list(manifest["shards"])
         self.checksums = {name: manifest["checksums"][name] for name in self.shards}
         self.saved_blocks = len(store.blocks)
         return store, torch.tensor(manifest["pending"], dtype=torch.long)
 
     def _check_rows(self, store: RowStore, pending: list[int], n_columns: int,
-                    n_features: int | None) -> None:
+                    n_features: int | None, n_logits: int = 1) -> None:
         """Refuse rows that cannot be this graph's: a node twice, a row for a node that has
         none (an error or token), no target row, a queue entry outside the features or done."""
         where = self.path / MANIFEST
         nodes = store.nodes
         if len(torch.unique(nodes)) != len(nodes):
             raise self._damaged(f"the shards of {self.path} hold a node's row twice")
-        if not bool((nodes == n_columns).any()):
-            raise self._damaged(f"the shards of {self.path} hold no target row")
+        logits = n_columns + torch.arange(n_logits)
+        if not bool(torch.isin(logits, nodes).all()):
+            raise self._damaged(f"the shards of {self.path} miss a target row")
         if n_features is None:
             return
-        if bool(((nodes >= n_features) & (nodes != n_columns)).any()):
+        if bool(((nodes >= n_features) & (nodes < n_columns)).any()):
             raise self._damaged(f"the shards of {self.path} hold rows of nodes that are not "
                                 "features")
         queue = torch.tensor(pending, dtype=torch.long)

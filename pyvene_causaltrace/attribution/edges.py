@@ -52,8 +52,13 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
     emb_grads = grads[k + n_layers + len(steering):k + n_layers + len(steering) + n_emb]
     bias_grads = grads[k + n_layers + len(steering) + n_emb:]
     parts = [(v.detach() * g) for v, g in zip(run.feature_values, feature_grads, strict=True)]
+    dropped = []  # bos_errors="drop": the BOS errors' edges join the constant instead
     for e, g in zip(run.errors, error_grads, strict=True):
-        parts.append((e.detach() * g).sum(-1).reshape(g.shape[0], -1))
+        edges = (e.detach() * g).sum(-1).reshape(g.shape[0], -1)
+        if run.bos_errors == "drop":
+            dropped.append(edges[:, 0].clone())
+            edges[:, 0] = 0
+        parts.append(edges)
     for s, positions, g in zip(steering, run.steering_positions, steer_grads, strict=True):
         leaf = s.leaf.detach()
         per_position = (leaf * g).reshape(g.shape[0], leaf.shape[0], leaf.shape[1], -1)
@@ -64,6 +69,7 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
     rows = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
     constant = sum((c.detach() * g).reshape(g.shape[0], -1).sum(1)
                    for c, g in zip([run.b_dec, *run.constants], bias_grads, strict=True))
+    constant = constant + sum(dropped)
     return rows, torch.as_tensor(constant, dtype=rows.dtype).reshape(-1)
 
 
@@ -152,17 +158,37 @@ def closure_error(what: str, closure: Closure, *, freeze: bool = True,
         + "\n  - ".join(causes))
 
 
-def target_row(run: ReplacementRun, target: Target) -> tuple[torch.Tensor, float, Closure]:
-    """The target's row (one backward), its constant and its :class:`Closure`."""
+def target_rows(run: ReplacementRun,
+                targets: Sequence[Target]) -> tuple[torch.Tensor, torch.Tensor, list[Closure]]:
+    """The rows of ``targets`` (``[K, n_columns]``: one batched backward per output they read),
+    their constants ``[K]`` and :class:`Closure` s."""
     if run.input_ids.shape[0] != 1:
         raise InputError("edges are computed for one prompt: run input_ids of shape [1, P]")
-    value = target(run.logits)
-    grads = torch.autograd.grad(value, run.inputs(), retain_graph=True, allow_unused=True)
-    rows, constant = edges_from_grads(run, grads)
-    target, edges, const = float(value.detach()), float(rows.double().sum()), float(constant[0])
-    scale = float(rows.double().abs().sum()) + abs(const) + abs(target)
-    closure = Closure(target, edges, const, scale)
-    return rows[0], float(constant[0]), closure
+    rows = [None] * len(targets)
+    constants = [None] * len(targets)
+    values = [float(t.value(run.output(t.output)).detach()) for t in targets]
+    for name in dict.fromkeys(t.output for t in targets):
+        members = [i for i, t in enumerate(targets) if t.output == name]
+        output = run.output(name)
+        seeds = torch.stack([targets[i].seed(output) for i in members])
+        grads = torch.autograd.grad(output, run.inputs(), seeds, retain_graph=True,
+                                    allow_unused=True, is_grads_batched=True)
+        group_rows, group_constants = edges_from_grads(run, grads, batch=len(members))
+        for j, i in enumerate(members):
+            rows[i], constants[i] = group_rows[j], group_constants[j]
+    rows, constants = torch.stack(rows), torch.stack(constants)
+    closures = []
+    for row, constant, value in zip(rows, constants, values, strict=True):
+        edges, const = float(row.double().sum()), float(constant)
+        scale = float(row.double().abs().sum()) + abs(const) + abs(value)
+        closures.append(Closure(value, edges, const, scale))
+    return rows, constants, closures
+
+
+def target_row(run: ReplacementRun, target: Target) -> tuple[torch.Tensor, float, Closure]:
+    """One target's row, its constant and its :class:`Closure` (:func:`target_rows`)."""
+    rows, constants, closures = target_rows(run, [target])
+    return rows[0], float(constants[0]), closures[0]
 
 
 def feature_targets(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,13 @@
 Top level ``metadata``, ``qParams``, ``nodes``, ``links``. Node ids follow circuit-tracer's current
 format: feature ``"{layer}_{feature}_{pos}"``, error ``"{layer}_-1_{pos}"`` (the older
 ``"0_{layer}_{pos}"`` collided with feature ids), token ``"E_{token_id}_{pos}"``, logit
-``"{n_layers + 1}_{token_id}_{pos}"``; a steering node (the constant part of a user's pyvene
+``"{n_layers + 1}_{token_id}_{pos}"`` (one per target, each with its ``token_prob``; the first,
+the most probable, ``is_target_logit``; a direction target's token id is circuit-tracer's
+virtual ``vocab_size + i``); a steering node (the constant part of a user's pyvene
 intervention; this package's addition, ``feature_type`` ``"steering"``, as other tools add
 ``"bias"`` nodes) ``"S{j}_{pos}"`` for steering intervention ``j`` (listed in
 ``metadata.info.steering``; no other id starts with ``S``). Only the pruned graph is exported: kept
-nodes touched by a kept link, plus every token and the logit; links carry the signed edge weight.
+nodes touched by a kept link, plus every token and logit; links carry the signed edge weight.
 Numbers are written with 6 significant digits and the JSON without spaces, and at most
 :data:`MAX_LINKS` links (those of largest edge score), so a pruned graph of thousands of features
 stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` holds the fields Neuronpedia's graph schema
@@ -112,7 +114,7 @@ def node_id(graph, i: int) -> str:
         return f"S{feature}_{pos}"
     if kind == "token":
         return f"E_{graph.input_ids[pos]}_{pos}"
-    return f"{graph.n_layers + 1}_{graph.target['token']}_{pos}"
+    return f"{graph.n_layers + 1}_{feature}_{pos}"
 
 
 def node_ids(graph) -> list[str]:
@@ -179,12 +181,15 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         elif kind == "token":
             nodes.append(_node(ids[i], pos, "E", pos, "embedding",
                                f"E_{graph.input_ids[pos]}-{pos}", influence=influence))
-        else:
-            token = graph.target["token"]
-            nodes.append(_node(ids[i], token, str(graph.n_layers + 1), pos, "logit",
-                               f"L_{token}-{pos}", token_prob=graph.answer_prob, is_target=True,
-                               clerp=f'Output "{_clean(graph.answer)}" '
-                                     f'(p={graph.answer_prob:.3f})'))
+        else:  # circuit-tracer marks the first (most probable) logit as the target
+            j = i - lay.logits.start
+            goal = graph.targets[j]
+            prob = goal.get("prob")
+            text = f'Output "{_clean(goal["text"])}"' + ("" if prob is None else
+                                                         f" (p={prob:.3f})")
+            nodes.append(_node(ids[i], feature, str(graph.n_layers + 1), pos, "logit",
+                               f"L_{feature}-{pos}", token_prob=0.0 if prob is None else prob,
+                               is_target=j == 0, clerp=text))
     links = [{"source": ids[s], "target": ids[t], "weight": _num(w)}
              for t, s, w in zip(edge_target.tolist(), edge_source.tolist(),
                                 edge_weight.tolist(), strict=True)
@@ -208,6 +213,8 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
                              "pruned_edges": pruned.n_edges,
                              "max_links": max_links if capped else None},
         "generation_settings": {"target": graph.target["name"],
+                                "targets": graph.metadata.get("targets"),
+                                "bos_errors": graph.metadata.get("bos_errors"),
                                 "max_feature_nodes": graph.metadata.get("max_feature_nodes")},
     }
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",

@@ -4,9 +4,10 @@ read them.
 Nodes, in circuit-tracer's order: every active feature (layer, position, feature id), errors (one
 per layer x position, layer-major), steering nodes (only in a graph of a pyvene
 ``IntervenableModel``: the constant part of each of its interventions, one node per position where
-it is nonzero, see :attr:`AttributionGraph.steering`), tokens (one per position), and the target
-(the logit node).
-``rows`` (a sparse :class:`~.store.RowStore`) holds the logit's row and the rows of the features
+it is nonzero, see :attr:`AttributionGraph.steering`), tokens (one per position), and the targets
+(the logit nodes, :attr:`AttributionGraph.targets`: the answer's, a direction, or circuit-tracer's
+salient logits, each weighted in influence and pruning by its probability).
+``rows`` (a sparse :class:`~.store.RowStore`) holds the logits' rows and the rows of the features
 that were *explored*: with a feature-node budget (``attribute(..., max_feature_nodes=N)``) only
 the ``N`` most influential features get a row; the others stay in the graph as leaves, their
 direct effects on every computed row kept, so each row still closes:
@@ -47,9 +48,10 @@ from .store import RowStore
 
 #: The graph file format (safetensors + JSON header); bump on incompatible changes.
 GRAPH_FORMAT = "pyvene_causaltrace.attribution_graph"
-#: 3 adds steering nodes; a graph without them is written as 2, which older versions read.
-SCHEMA_VERSION = 3
-_READABLE_VERSIONS = ("2", "3")
+#: 3 adds steering nodes, 4 several logit nodes or a direction target; a graph without them is
+#: written as the oldest version that holds it, which older versions read.
+SCHEMA_VERSION = 4
+_READABLE_VERSIONS = ("2", "3", "4")
 _FEATURE_TENSORS = ("feature_layer", "feature_position", "feature_id", "activation")
 
 
@@ -76,7 +78,15 @@ class AttributionGraph:
     #: the block the hooked module is in, None outside the blocks; ``input``: it edits the
     #: module's input; ``positions``: one node per position listed).
     steering: list[dict[str, Any]] = field(default_factory=list)
+    #: The logit nodes, in node order: each a :meth:`~.targets.Target.describe` dict plus
+    #: ``text`` (its token, or a direction's name). Default: the one ``target``, weight 1.
+    targets: list[dict[str, Any]] = field(default_factory=list)
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            self.targets = [{**self.target, "prob": self.answer_prob, "weight": 1.0,
+                             "text": self.answer}]
 
     def __repr__(self) -> str:
         return (f"AttributionGraph({self.prompt!r} -> {self.answer!r}: {self.n_features:,} "
@@ -97,9 +107,19 @@ class AttributionGraph:
         return sum(len(s["positions"]) for s in self.steering)
 
     @property
+    def n_logits(self) -> int:
+        return len(self.targets)
+
+    @property
     def layout(self) -> Layout:
-        return Layout(self.n_features, self.n_layers * self.n_pos, self.n_pos, 1,
+        return Layout(self.n_features, self.n_layers * self.n_pos, self.n_pos, self.n_logits,
                       self.n_steering)
+
+    def logit_weights(self) -> torch.Tensor:
+        """``[n_logits]`` float64: each logit node's weight in influence and pruning (its
+        probability for salient logits, 1 for a single answer's target)."""
+        return torch.tensor([float(t.get("weight", 1.0)) for t in self.targets],
+                            dtype=torch.float64)
 
     def steering_node(self, index: int) -> tuple[int, int]:
         """``(j, position)`` of steering node ``index``: ``self.steering[j]`` at that
@@ -121,7 +141,8 @@ class AttributionGraph:
 
     @property
     def logit_node(self) -> int:
-        return self.layout.n_nodes - 1
+        """The first (most probable) logit node."""
+        return self.layout.logits.start
 
     @property
     def explored(self) -> torch.Tensor:
@@ -133,18 +154,33 @@ class AttributionGraph:
         return int(self.explored.sum())
 
     def row(self, node: int) -> torch.Tensor:
-        """Dense row of ``node`` (``[n_nodes - 1]``: every source node's direct effect on its
-        target); raises for a node without a row."""
+        """Dense row of ``node`` (``[n_nodes - n_logits]``: every source node's direct effect on
+        its target); raises for a node without a row."""
         index = int(self.rows.row_of_node(self.layout.n_nodes)[node])
         if index < 0:
             raise InputError(f"node {node} ({self.label(node)}) has no computed row")
         return self.rows.dense([index])[0]
 
-    def target_row(self) -> torch.Tensor:
-        """The logit's row: every node's direct effect on the target."""
-        if "target_row" not in self._memo:
-            self._memo["target_row"] = self.row(self.logit_node)
-        return self._memo["target_row"]
+    def target_row(self, logit: int | None = None) -> torch.Tensor:
+        """Every node's direct effect on logit node ``logit`` (0: the first), or, by default,
+        on the weighted mean target ``sum_i w_i * target_i / sum_i w_i`` (one target: its
+        row)."""
+        key = ("target_row", logit)
+        if key not in self._memo:
+            if logit is not None or self.n_logits == 1:
+                self._memo[key] = self.row(self.layout.logits.start + (logit or 0))
+            else:
+                rows = [self.row(node) for node in range(self.layout.logits.start,
+                                                         self.layout.n_nodes)]
+                weights = self._mean_weights()
+                self._memo[key] = sum(float(w) * r.double()
+                                      for w, r in zip(weights, rows, strict=True)).float()
+        return self._memo[key]
+
+    def _mean_weights(self) -> torch.Tensor:
+        """The logit weights scaled to sum to 1: a weighted mean of the targets."""
+        weights = self.logit_weights()
+        return weights / weights.sum()
 
     def node_kind(self, index: int) -> str:
         lay = self.layout
@@ -173,7 +209,8 @@ class AttributionGraph:
             return self.steering_layer(j), pos, j, None
         if kind == "token":
             return None, i - lay.tokens.start, None, None
-        return self.n_layers, self.n_pos - 1, self.target["token"], None
+        goal = self.targets[i - lay.logits.start]
+        return self.n_layers, goal.get("position", -1) % self.n_pos, goal["token"], None
 
     def label(self, i: int) -> str:
         """``F L2/#9970 @3 'iff'``, ``ERR L15 @10 ' of'``,
@@ -190,7 +227,7 @@ class AttributionGraph:
             return f"STEER {self.steering_site(feature)} @{pos} {token}"
         if kind == "token":
             return f"TOK @{pos} {token}"
-        return f"LOGIT {self.answer!r}"
+        return f"LOGIT {self.targets[i - self.layout.logits.start]['text']!r}"
 
     def steering_site(self, j: int) -> str:
         """``AdditionIntervention block_output L1``: steering intervention ``j``'s class and
@@ -204,25 +241,29 @@ class AttributionGraph:
         return [self.label(int(i)) for i in nodes]
 
     def nodes(self) -> pd.DataFrame:
-        """One row per node: kind, layer, position, token, feature, activation, whether its row
-        was computed, label, direct effect on the target and influence."""
+        """One row per node: kind, layer, position, token, feature (a logit's token id),
+        activation, whether its row was computed, label, direct effect on the (weighted) target,
+        influence, and each logit node's probability (``token_prob``)."""
         lay, n = self.layout, self.layout.n_nodes
         kind = (["feature"] * lay.n_features + ["error"] * lay.n_errors
-                + ["steering"] * lay.n_steering + ["token"] * lay.n_tokens + ["logit"])
+                + ["steering"] * lay.n_steering + ["token"] * lay.n_tokens
+                + ["logit"] * lay.n_logits)
+        logit = [self.coordinates(i, "logit") for i in range(lay.logits.start, n)]
         errors = torch.arange(lay.n_errors)
         steer = [self.coordinates(i, "steering") for i in range(lay.steering.start,
                                                                 lay.steering.stop)]
         layer = torch.cat([self.feature_layer.float(), (errors // self.n_pos).float(),
                            torch.tensor([float(c[0]) for c in steer]),
                            torch.full((lay.n_tokens,), float("nan")),
-                           torch.tensor([float(self.n_layers)])])
+                           torch.full((lay.n_logits,), float(self.n_layers))])
         position = torch.cat([self.feature_position, errors % self.n_pos,
                               torch.tensor([c[1] for c in steer], dtype=torch.long),
-                              torch.arange(self.n_pos), torch.tensor([self.n_pos - 1])])
+                              torch.arange(self.n_pos),
+                              torch.tensor([c[1] for c in logit], dtype=torch.long)])
         feature = torch.cat([self.feature_id.float(),
                              torch.full((lay.n_errors + lay.n_steering + lay.n_tokens,),
                                         float("nan")),
-                             torch.tensor([float(self.target["token"])])])
+                             torch.tensor([float(c[2]) for c in logit])])
         activation = torch.cat([self.activation.float(), torch.full((n - lay.n_features,),
                                                                     float("nan"))])
         has_row = self.rows.row_of_node(n) >= 0
@@ -232,31 +273,41 @@ class AttributionGraph:
             "token": [self.tokens[p] for p in position.tolist()],
             "feature": pd.array(feature.tolist(), dtype="Int64"),
             "activation": activation.tolist(), "explored": has_row.tolist(),
-            "direct": torch.cat([self.target_row(), torch.zeros(1)]).tolist(),
-            "influence": self.influence().tolist()})
+            "direct": torch.cat([self.target_row(), torch.zeros(lay.n_logits)]).tolist(),
+            "influence": self.influence().tolist(),
+            "token_prob": [float("nan")] * lay.logits.start
+            + [float("nan") if t.get("prob") is None else float(t["prob"])
+               for t in self.targets]})
         frame.insert(7, "label", self.labels(torch.arange(n)))
         return frame
 
     # ---------------------------------------------------------------------- reading
     def influence(self) -> torch.Tensor:
-        """Each node's influence on the target (``A + A^2 + ...`` on row-normalised ``|A|``)."""
+        """Each node's influence on the targets (``w @ (A + A^2 + ...)`` on row-normalised
+        ``|A|``, ``w`` the logit weights)."""
         if "influence" not in self._memo:
-            self._memo["influence"] = influence(self.rows, logit_weights(self.layout))
+            self._memo["influence"] = influence(
+                self.rows, logit_weights(self.layout, self.logit_weights()))
         return self._memo["influence"]
 
-    def direct_attributions(self, n: int = 10) -> pd.DataFrame:
-        """The ``n`` largest direct effects on the target, by magnitude, with labels."""
-        row = self.target_row()
+    def direct_attributions(self, n: int = 10, logit: int | None = None) -> pd.DataFrame:
+        """The ``n`` largest direct effects on the (weighted) target, or on logit node
+        ``logit``, by magnitude, with labels."""
+        row = self.target_row(logit)
         order = row.abs().argsort(descending=True)[:n]
         return pd.DataFrame({"node": order.tolist(), "label": self.labels(order),
                              "edge": row[order].tolist()})
 
-    def decomposition(self) -> dict[str, float]:
-        """The target split by node kind — explored features, unexplored features (no row of
-        their own), errors, steering (the constants of a pyvene model's interventions; 0
-        without them), tokens — plus the constants, and the shares of errors and of
-        unexplored features."""
-        lay, row = self.layout, self.target_row().double()
+    def decomposition(self, logit: int | None = None) -> dict[str, float]:
+        """The weighted mean target (:meth:`target_row`), or logit node ``logit``'s, split by
+        node kind — explored
+        features, unexplored features (no row of their own), errors, steering (the constants
+        of a pyvene model's interventions; 0 without them), tokens — plus the constants, and
+        the shares of errors and of unexplored features."""
+        lay, row = self.layout, self.target_row(logit).double()
+        rows = self.rows.row_of_node(lay.n_nodes)[lay.logits]
+        weights = self._mean_weights() if logit is None else \
+            torch.eye(lay.n_logits, dtype=torch.float64)[logit]
         features = row[:lay.n_features]
         explored = self.explored
         parts = {"features": float(features[explored].sum()),
@@ -264,8 +315,8 @@ class AttributionGraph:
                  "errors": float(row[lay.errors].sum()),
                  "steering": float(row[lay.steering].sum()),
                  "tokens": float(row[lay.tokens].sum()),
-                 "constants": float(self.rows.constants[self._logit_row()])}
-        parts["target"] = target = self.closure.target
+                 "constants": float((weights * self.rows.constants[rows]).sum())}
+        parts["target"] = target = float((weights * self.rows.targets[rows]).sum())
         nan = float("nan")  # a target of exactly 0 (e.g. a zero-ablated residual) has no shares
         parts["error_share"] = parts["errors"] / target if target else nan  # errors' share
         parts["unexplored_share"] = parts["unexplored"] / target if target else nan
@@ -284,6 +335,7 @@ class AttributionGraph:
         key = ("prune", node_threshold, edge_threshold)
         if key not in self._memo:
             self._memo[key] = prune(self.rows, self.layout, node_threshold, edge_threshold,
+                                    probabilities=self.logit_weights(),
                                     node_influence=self.influence())
         return self._memo[key]
 
@@ -291,7 +343,8 @@ class AttributionGraph:
         """Replacement and completeness scores, the error nodes' share of the target, and the
         share of influence that ends on unexplored features."""
         if "scores" not in self._memo:
-            out = graph_scores(self.rows, self.layout, node_influence=self.influence())
+            out = graph_scores(self.rows, self.layout, self.logit_weights(),
+                               node_influence=self.influence())
             out["error_share"] = self.decomposition()["error_share"]
             leaf = self.influence()[:self.n_features][~self.explored].sum()
             out["unexplored_influence"] = float(leaf / self.influence().sum().clamp(min=1e-30))
@@ -361,11 +414,13 @@ class AttributionGraph:
                   "answer": self.answer, "answer_prob": self.answer_prob,
                   "n_layers": self.n_layers, "n_columns": self.rows.n_columns,
                   "closure": self.closure.to_dict(), "metadata": self.metadata,
-                  "steering": self.steering}
+                  "steering": self.steering, "targets": self.targets}
         tensors = {name: getattr(self, name).contiguous() for name in _FEATURE_TENSORS}
         tensors["input_ids"] = torch.tensor(self.input_ids, dtype=torch.long)
         tensors.update(self.rows.state())
-        metadata = {"format": GRAPH_FORMAT, "schema_version": "3" if self.steering else "2",
+        plain = self.n_logits == 1 and self.targets[0].get("output", "logits") == "logits"
+        version = "3" if self.steering else "2"
+        metadata = {"format": GRAPH_FORMAT, "schema_version": version if plain else "4",
                     "graph": json.dumps(header, default=str)}
         with replacing(path) as tmp:
             safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)
@@ -397,11 +452,13 @@ class AttributionGraph:
                 f"{type(error).__name__}: {error}"
             raise GraphFileError(f"{path} is a damaged attribution graph file: {detail}") \
                 from None
-        if graph.layout.n_nodes - 1 != graph.rows.n_columns:
+        if graph.layout.logits.start != graph.rows.n_columns:
             raise GraphFileError(f"{path}: {graph.rows.n_columns} columns for "
-                                 f"{graph.layout.n_nodes - 1} source nodes")
-        if graph._logit_row() < 0:
-            raise GraphFileError(f"{path} is a damaged attribution graph file: no target row")
+                                 f"{graph.layout.logits.start} source nodes")
+        lay = graph.layout
+        if bool((graph.rows.row_of_node(lay.n_nodes)[lay.logits] < 0).any()):
+            raise GraphFileError(f"{path} is a damaged attribution graph file: a logit node "
+                                 "has no row")
         c = graph.closure
         if not c.scale:  # written before the scale was kept: the logit row's
             scale = float(graph.rows.abs_sums()[graph._logit_row()]) + abs(c.constant) \
@@ -415,7 +472,9 @@ class AttributionGraph:
         ValueError on anything missing or malformed)."""
         header = json.loads(meta["graph"])
         target = header["target"]
-        target["coefficients"] = {int(k): v for k, v in target.get("coefficients", {}).items()}
+        targets = header.get("targets", [])
+        for entry in (target, *targets):
+            entry["coefficients"] = {int(k): v for k, v in entry.get("coefficients", {}).items()}
         c = header["closure"]
         n_features = {len(tensors[name]) for name in _FEATURE_TENSORS}
         if len(n_features) != 1 or any(tensors[name].dim() != 1 for name in _FEATURE_TENSORS):
@@ -427,6 +486,8 @@ class AttributionGraph:
                    answer=header["answer"], answer_prob=header["answer_prob"],
                    n_layers=header["n_layers"],
                    **{name: tensors[name] for name in _FEATURE_TENSORS},
-                   rows=RowStore.from_state(header["n_columns"], tensors),
+                   rows=RowStore.from_state(header["n_columns"], tensors,
+                                            n_logits=max(1, len(targets))),
                    closure=Closure(c["target"], c["edges"], c["constant"], c.get("scale", 0.0)),
-                   metadata=header["metadata"], steering=header.get("steering", []))
+                   metadata=header["metadata"], steering=header.get("steering", []),
+                   targets=targets)

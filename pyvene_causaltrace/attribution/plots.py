@@ -81,7 +81,8 @@ def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.
     ax.set_yticklabels(["emb", *[str(v) for v in range(0, graph.n_layers,
                                                       max(1, graph.n_layers // 8))], "logit"])
     ax.set_ylabel("layer")
-    ax.set_title(f"{graph.prompt!r} -> {graph.answer!r}: pruned graph "
+    more = f" (+{graph.n_logits - 1} more logits)" if graph.n_logits > 1 else ""
+    ax.set_title(f"{graph.prompt!r} -> {graph.answer!r}{more}: pruned graph "
                  f"{pruned.n_nodes} nodes, {pruned.n_edges} edges; "
                  f"drawn {len(keep)} nodes, {len(order)} edges", fontsize=9)
     ax.legend(loc="upper left", fontsize=7, frameon=False)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -81,6 +81,12 @@ class ReplacementRun:
     forward_bytes: int
     logit_softcap: float | None = None
     steering: list[SteeringLeaf] = field(default_factory=list)
+    #: Live residual-stream states a direction target reads, by output name
+    #: (``"unembed_input"``, ``"resid_pre.{l}"``).
+    states: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: ``"drop"``: the errors at position 0 (BOS) are constants, not nodes (circuit-tracer's
+    #: convention); ``"keep"``: they are nodes.
+    bos_errors: str = "keep"
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)
     feature_id: torch.Tensor = field(init=False)
@@ -92,6 +98,15 @@ class ReplacementRun:
         self.feature_position = torch.cat([f.position for f in self.features])
         self.feature_id = torch.cat([f.feature for f in self.features])
         self.activation = torch.cat([v.detach() for v in self.feature_values])
+
+    def output(self, name: str) -> torch.Tensor:
+        """The live output a target reads: ``"logits"`` or a captured state."""
+        if name == "logits":
+            return self.logits
+        if name not in self.states:
+            raise InputError(f"the replacement run did not capture {name!r} (captured: "
+                             f"{', '.join(self.states) or 'nothing'})")
+        return self.states[name]
 
     @property
     def feature_values(self) -> list[torch.Tensor]:
@@ -238,10 +253,11 @@ def run_local_replacement(
 
 def replacement_forward(
     model: nn.Module, transcoder: Transcoder, adapter: ArchAdapter, input_ids: torch.Tensor, *,
-    freeze: bool = True, from_position: int = 1,
+    freeze: bool = True, from_position: int = 1, states: Sequence[str] = (),
 ) -> ReplacementRun:
     """:func:`run_local_replacement` of a ``transcoder`` already checked to fit ``model``
-    (``adapter``: the model's)."""
+    (``adapter``: the model's); ``states`` names residual-stream states to keep live
+    (:func:`capturing_states`)."""
     n_layers = transcoder.n_layers
     embed_leaves = [GradientLeaf()]
     reps = [{"component": adapter.site("embed"), "intervention": embed_leaves[0]}]
@@ -269,7 +285,8 @@ def replacement_forward(
                     for part in (("mlp", "attn") if freeze else ("mlp",))]
         with torch.enable_grad(), _count_saved_bytes(model) as saved, \
                 _no_grad_inside(replaced), pre_softcap_logits(model) as cap, \
-                collect_steering() as steering:
+                collect_steering() as steering, \
+                capturing_states(model, adapter, states) as captured:
             _, out = pv_model(base={"input_ids": input_ids, "use_cache": False})
     finally:
         for p, flag in flags:
@@ -294,7 +311,41 @@ def replacement_forward(
         forward_bytes=saved["bytes"],
         logit_softcap=cap,
         steering=steering,
+        states=captured,
     )
+
+
+def _state_module(model: nn.Module, adapter: ArchAdapter, name: str) -> nn.Module:
+    """The module whose input is state ``name``: the unembedding for ``"unembed_input"``, block
+    ``l``'s first norm for ``"resid_pre.{l}"`` (the final norm for ``l = n_layers``)."""
+    if name == "unembed_input":
+        return get_module(model, adapter.module_path("unembed"))
+    layer = name.removeprefix("resid_pre.")
+    n_layers = adapter.n_layers(model)
+    if name == layer or not layer.isdigit() or int(layer) > n_layers:
+        raise InputError(f"unknown residual state {name!r}: 'unembed_input' or "
+                         f"'resid_pre.<layer>' with layer in 0..{n_layers}")
+    part = "final_norm" if int(layer) == n_layers else "pre_attn_norm"
+    return get_module(model, adapter.module_path(part, int(layer)))
+
+
+@contextmanager
+def capturing_states(model: nn.Module, adapter: ArchAdapter,
+                     names: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
+    """Inside the block, keep the live (differentiable) residual-stream states ``names`` as the
+    modules that read them receive them (after every edit upstream); yields the dict they land
+    in."""
+    found: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name in dict.fromkeys(names):
+        def keep(_module, args, kwargs, _name=name):
+            found[_name] = args[0] if args else kwargs["hidden_states"]
+        hooks.append((_state_module(model, adapter, name), "forward_pre_with_kwargs", keep))
+    with installed(hooks):
+        yield found
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise InputError(f"the forward never reached {', '.join(missing)}")
 
 
 def _drop_unreachable(steering: list[SteeringLeaf], logits: torch.Tensor) -> None:

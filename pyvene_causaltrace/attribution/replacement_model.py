@@ -16,19 +16,25 @@ too, and binds the model it wraps inside the block where its interventions are a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from ..errors import InputError
 from ..fingerprint import model_fingerprint, transcoder_fingerprint
 from ..finite import check_finite, check_weights
 from ..models import check_inputs, get_adapter, model_name
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, check_forward_fits
 from .replacement import ReplacementRun, check_batch, pre_softcap_logits, replacement_forward
-from .targets import Target, make_target
+from .targets import Target, make_targets
+
+#: What ``bos_errors`` may be: the position-0 errors as nodes (rows close on nodes alone) or as
+#: constants (circuit-tracer's convention: its graphs zero the BOS error vectors).
+BOS_ERRORS = ("keep", "drop")
 
 if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
     from transformers import PreTrainedTokenizerBase
@@ -36,17 +42,28 @@ if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations 
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """A tokenized prompt, the clean model's logits on it and the target they fix.
+    """A tokenized prompt, the clean model's logits on it and the targets they fix.
 
     ``logits`` are the real model's (soft-capped, if it caps); ``target_logits`` are what the
-    graph explains: the pre-cap logits (the same tensor without a cap, ``softcap`` None)."""
+    graph explains: the pre-cap logits (the same tensor without a cap, ``softcap`` None).
+    ``targets`` are the graph's logit nodes, in node order (:func:`~.targets.make_targets`)."""
 
     text: str
     input_ids: torch.Tensor  # [1, P], on the model's device
     logits: torch.Tensor
     target_logits: torch.Tensor
     softcap: float | None
-    target: Target
+    targets: tuple[Target, ...]
+
+    @property
+    def target(self) -> Target:
+        """The first (most probable) target."""
+        return self.targets[0]
+
+    @property
+    def states(self) -> list[str]:
+        """The residual-stream states the targets read (none for logit targets)."""
+        return [t.output for t in self.targets if not t.is_logit]
 
 
 class ReplacementModel:
@@ -72,10 +89,13 @@ class ReplacementModel:
         check_inputs(self.model, ids)
         return ids
 
-    def prepare(self, prompt: str, answer: str | None = None, *, target: str = "demeaned",
-                other: str | None = None, k: int = 10) -> PreparedPrompt:
-        """Tokenize ``prompt``, run the clean model and fix the target
-        (:func:`~.targets.make_target`; no ``answer``: the clean argmax)."""
+    def prepare(self, prompt: str, answer: str | None = None, *,
+                target: str | Target | torch.Tensor = "demeaned", other: str | None = None,
+                k: int = 10, max_n_logits: int = 10,
+                desired_logit_prob: float = 0.95) -> PreparedPrompt:
+        """Tokenize ``prompt``, run the clean model and fix the targets
+        (:func:`~.targets.make_targets`: the answer's, a direction, or without an answer the
+        salient logits)."""
         ids = self.tokenize(prompt)
         with torch.no_grad():
             clean = self.model(input_ids=ids).logits
@@ -83,9 +103,31 @@ class ReplacementModel:
                 uncapped = clean if cap is None else self.model(input_ids=ids).logits
         check_finite(clean, "the clean run's logits",
                      "the weights are finite, so the activations overflow")
-        goal = make_target(uncapped, self.tokenizer, answer, kind=target, other=other, k=k)
-        check_inputs(self.model, ids, goal.token)
-        return PreparedPrompt(prompt, ids, clean, uncapped, cap, goal)
+        probabilities = clean[0, -1].float().softmax(-1)
+        goals = make_targets(uncapped, probabilities, self.tokenizer, answer, target=target,
+                             other=other, k=k, max_n_logits=max_n_logits,
+                             desired_logit_prob=desired_logit_prob)
+        for goal in goals:
+            check_inputs(self.model, ids, goal.token if goal.is_logit else None)
+            self._check_direction(goal, ids.shape[1])
+        return PreparedPrompt(prompt, ids, clean, uncapped, cap, tuple(goals))
+
+    def _check_direction(self, goal: Target, n_pos: int) -> None:
+        """Refuse a direction target that does not fit the model or the prompt."""
+        if goal.is_logit:
+            return
+        d_model = self.adapter.hidden_size(self.model)
+        if goal.coefficients.numel() != d_model:
+            raise InputError(f"the direction target has {goal.coefficients.numel()} entries; "
+                             f"the model's residual stream has {d_model}")
+        if not -n_pos <= goal.position < n_pos:
+            raise InputError(f"the direction target reads position {goal.position}; the prompt "
+                             f"has {n_pos} tokens")
+        layer = goal.output.removeprefix("resid_pre.")
+        n_layers = self.adapter.n_layers(self.model)
+        if layer != goal.output and int(layer) > n_layers:
+            raise InputError(f"the direction target reads {goal.output}; the model has "
+                             f"{n_layers} layers (resid_pre.{n_layers}: after the last)")
 
     def check_memory(self, input_ids: torch.Tensor, memory_mb: float) -> int:
         """Raise :class:`~.budget.MemoryCapError` unless the local replacement forward on
@@ -93,13 +135,19 @@ class ReplacementModel:
         counts = active_counts(self.model, self.transcoder, input_ids)
         return check_forward_fits(self.model, self.transcoder, input_ids, memory_mb, counts)
 
-    def run(self, input_ids: torch.Tensor, *, freeze: bool = True,
-            from_position: int = 1) -> ReplacementRun:
+    def run(self, input_ids: torch.Tensor, *, freeze: bool = True, from_position: int = 1,
+            states: Sequence[str] = (), bos_errors: str = "keep") -> ReplacementRun:
         """One forward of the local replacement model
-        (:func:`~.replacement.run_local_replacement`, without checking the fit again)."""
+        (:func:`~.replacement.run_local_replacement`, without checking the fit again), keeping
+        the residual ``states`` a direction target reads; ``bos_errors="drop"`` makes the
+        position-0 errors constants instead of nodes."""
         check_batch(input_ids)
-        return replacement_forward(self.model, self.transcoder, self.adapter, input_ids,
-                                   freeze=freeze, from_position=from_position)
+        if bos_errors not in BOS_ERRORS:
+            raise InputError(f"bos_errors must be 'keep' or 'drop', got {bos_errors!r}")
+        run = replacement_forward(self.model, self.transcoder, self.adapter, input_ids,
+                                  freeze=freeze, from_position=from_position, states=states)
+        run.bos_errors = bos_errors
+        return run
 
     def fingerprints(self) -> dict[str, str]:
         """The model's and the transcoder's weight fingerprints."""

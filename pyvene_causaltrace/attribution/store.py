@@ -177,9 +177,10 @@ class RowStore:
 
     @classmethod
     def from_state(cls, n_columns: int, tensors: dict[str, torch.Tensor],
-                   prefix: str = "rows.") -> RowStore:
+                   prefix: str = "rows.", n_logits: int = 1) -> RowStore:
         """Inverse of :meth:`state`. Refuses (:class:`InputError`, saying what is wrong)
-        arrays that cannot be rows of a graph of ``n_columns`` source nodes: missing, of the
+        arrays that cannot be rows of a graph of ``n_columns`` source nodes and ``n_logits``
+        logit nodes after them: missing, of the
         wrong kind or lengths, entry counts that do not add up, a node or column outside the
         graph, a node twice, a value that is not finite."""
         names = ("nodes", "counts", "columns", "values", "constants", "targets")
@@ -205,7 +206,8 @@ class RowStore:
         if len(t["columns"]) and not (0 <= int(t["columns"].min())
                                       and int(t["columns"].max()) < n_columns):
             raise InputError("a stored column is outside the graph")
-        if n and not (0 <= int(t["nodes"].min()) and int(t["nodes"].max()) <= n_columns):
+        if n and not (0 <= int(t["nodes"].min())
+                      and int(t["nodes"].max()) < n_columns + n_logits):
             raise InputError("a row's node is outside the graph")
         if len(torch.unique(t["nodes"])) != n:
             raise InputError("a node's row is stored twice")

@@ -1,25 +1,34 @@
-"""What an attribution graph explains: a fixed linear function of the last position's logits.
+"""What an attribution graph explains: fixed linear functions of the model's last states.
 
-A :class:`Target` is a coefficient vector ``c`` over the vocabulary, chosen once on the clean
-logits and then held fixed, so ``target = c . logits[-1]`` is linear in the leaves of the local
-replacement model. Two constructions:
+A :class:`Target` is a coefficient vector ``c`` on one output of the local replacement model at
+one position, chosen once on the clean run and then held fixed, so ``target = c . output[pos]``
+is linear in the graph's leaves. A graph has one logit node (one row) per target. Outputs:
 
-- :func:`demeaned_logit`: the answer's logit minus the mean of the top-``k`` logits (k = 10): a
-  direction that raises every logit equally does not change the prediction.
-  (circuit-tracer demeans by the vocabulary mean instead: ``demean="vocab"``.)
-- :func:`logit_difference`: ``logit[token] - logit[other]``.
+- ``"logits"``: ``c`` over the vocabulary. :func:`demeaned_logit` is the answer's logit minus
+  the mean of the top-``k`` logits (k = 10; a direction that raises every logit equally does not
+  change the prediction) or of the whole vocabulary (``demean="vocab"``, circuit-tracer's);
+  :func:`logit_difference` is ``logit[token] - logit[other]``.
+- a residual-stream state: ``c`` is a direction in it (a probe, a steering vector), built by
+  :func:`direction_target`: ``"unembed_input"`` (the final norm's output at the last position,
+  where circuit-tracer's ``CustomTarget`` vectors live) or ``"resid_pre.{l}"`` (the residual
+  stream entering block ``l``; ``l = n_layers``: leaving the last block).
 
-:func:`make_target` picks one by name (:data:`TARGET_KINDS`) for a prompt's answer.
+:func:`make_targets` builds a graph's targets: the answer's (one row, weight 1), or, without an
+answer, circuit-tracer's salient logits (:func:`salient_logits`): the most probable next tokens,
+at most ``max_n_logits``, until their probabilities sum to ``desired_logit_prob``, each weighted
+by its probability in influence and pruning.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InputError
+from ..finite import check_finite, positive_number
 from ..prompts import answer_token_id
 
 if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
@@ -27,25 +36,62 @@ if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations 
 
 #: The target kinds :func:`make_target` builds.
 TARGET_KINDS = ("demeaned", "demeaned_vocab", "difference")
+#: Residual-stream outputs a direction target reads (besides the logits).
+_SITE = re.compile(r"unembed_input|resid_pre\.(\d+)")
 
 
 @dataclass(frozen=True)
 class Target:
-    """``coefficients`` ``[V]`` on the last position's logits; ``token`` is the answer."""
+    """``coefficients . output[position]`` (module docstring). ``token`` is the logit's vocabulary
+    id (a direction's: ``vocab_size + i``, circuit-tracer's virtual index); ``prob`` the real
+    model's probability of it (None for a direction); ``weight`` its weight in influence."""
 
     name: str
     token: int
     coefficients: torch.Tensor
+    output: str = "logits"
+    position: int = -1
+    prob: float | None = None
+    weight: float = 1.0
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """The target's value from ``[1, P, V]`` (or ``[P, V]``) logits."""
-        last = logits[..., -1, :].reshape(-1)
-        return last @ self.coefficients.to(last.device, last.dtype)
+        if self.output != "logits":
+            raise InputError(f"{self.name} reads {self.output}, not the logits")
+        return self.value(logits)
+
+    def value(self, output: torch.Tensor) -> torch.Tensor:
+        """The target's value from its output ``[1, P, N]`` (or ``[P, N]``)."""
+        state = output[..., self.position, :].reshape(-1)
+        return state @ self.coefficients.to(state.device, state.dtype)
+
+    def seed(self, output: torch.Tensor) -> torch.Tensor:
+        """``d value / d output``: the gradient seed, shaped like ``output``."""
+        seed = torch.zeros_like(output)
+        seed[..., self.position, :] = self.coefficients.to(output.device, output.dtype)
+        return seed
+
+    @property
+    def is_logit(self) -> bool:
+        return self.output == "logits"
 
     def describe(self) -> dict:
         nonzero = self.coefficients.nonzero().squeeze(-1).tolist()
         return {"name": self.name, "token": self.token,
-                "coefficients": {int(i): float(self.coefficients[i]) for i in nonzero}}
+                "coefficients": {int(i): float(self.coefficients[i]) for i in nonzero},
+                "output": self.output, "position": self.position, "prob": self.prob,
+                "weight": self.weight, "size": int(self.coefficients.numel())}
+
+    @classmethod
+    def from_description(cls, entry: dict) -> Target:
+        """The target :meth:`describe` wrote (a graph file's header)."""
+        size = int(entry.get("size") or 1 + max(map(int, entry["coefficients"]), default=0))
+        c = torch.zeros(size)
+        for i, v in entry["coefficients"].items():
+            c[int(i)] = float(v)
+        return cls(entry["name"], int(entry["token"]), c, entry.get("output", "logits"),
+                   int(entry.get("position", -1)), entry.get("prob"),
+                   float(entry.get("weight", 1.0)))
 
 
 def demeaned_logit(logits: torch.Tensor, token: int, k: int = 10,
@@ -83,6 +129,41 @@ def logit_difference(vocab_size: int, token: int, other: int) -> Target:
     return Target(f"logit difference ({token} - {other})", int(token), c)
 
 
+def direction_target(vector: torch.Tensor, *, output: str = "unembed_input", position: int = -1,
+                     name: str = "direction", weight: float = 1.0) -> Target:
+    """The projection of a residual-stream state on ``vector`` (``[d_model]``): ``output`` is
+    ``"unembed_input"`` (the final norm's output, circuit-tracer's ``CustomTarget`` space) or
+    ``"resid_pre.{l}"``; ``position`` (default the last) the position read. Its node's token id
+    is set when the graph is built (``vocab_size + i``)."""
+    if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.numel() == 0:
+        raise InputError("a direction target is a 1-D tensor [d_model], got "
+                         f"{getattr(vector, 'shape', type(vector).__name__)}")
+    if not _SITE.fullmatch(output):
+        raise InputError(f"a direction target reads 'unembed_input' or 'resid_pre.<layer>', got "
+                         f"{output!r}")
+    check_finite(vector, "the direction target's vector")
+    if not vector.abs().sum() > 0:
+        raise InputError("the direction target's vector is zero: the graph would explain 0")
+    return Target(name, -1, vector.detach().float().cpu(), output, int(position), None,
+                  positive_number(weight, "the target's weight"))
+
+
+def salient_logits(logits: torch.Tensor, probabilities: torch.Tensor, *,
+                   max_n_logits: int = 10, desired_logit_prob: float = 0.95,
+                   demean: str = "topk", k: int = 10) -> list[Target]:
+    """circuit-tracer's salient logits: the ``max_n_logits`` most probable tokens, cut after the
+    first whose cumulative probability reaches ``desired_logit_prob``; each a demeaned-logit
+    target on ``logits`` (pre-soft-cap), weighted by its probability (from ``probabilities``,
+    the real model's ``[V]``)."""
+    top_p, top_idx = probabilities.float().topk(min(max_n_logits, probabilities.numel()))
+    cutoff = int(torch.searchsorted(top_p.cumsum(0), torch.tensor(desired_logit_prob))) + 1
+    out = []
+    for p, token in zip(top_p[:cutoff].tolist(), top_idx[:cutoff].tolist(), strict=True):
+        goal = demeaned_logit(logits, token, k, demean)
+        out.append(Target(goal.name, goal.token, goal.coefficients, prob=p, weight=p))
+    return out
+
+
 def make_target(logits: torch.Tensor, tokenizer: PreTrainedTokenizerBase, answer: str | None,
                 *, kind: str = "demeaned", other: str | None = None, k: int = 10) -> Target:
     """The target on clean ``logits``: ``kind`` is ``"demeaned"`` (top-k, the default),
@@ -100,3 +181,37 @@ def make_target(logits: torch.Tensor, tokenizer: PreTrainedTokenizerBase, answer
         return logit_difference(logits.shape[-1], token,
                                 answer_token_id(tokenizer, other, strict=True))
     raise InputError(f"target kind must be demeaned, demeaned_vocab or difference, got {kind!r}")
+
+
+def make_targets(logits: torch.Tensor, probabilities: torch.Tensor,
+                 tokenizer: PreTrainedTokenizerBase, answer: str | None, *,
+                 target: str | Target | torch.Tensor = "demeaned", other: str | None = None,
+                 k: int = 10, max_n_logits: int = 10,
+                 desired_logit_prob: float = 0.95) -> list[Target]:
+    """A graph's targets (module docstring), in node order, on the pre-cap ``logits``
+    ``[1, P, V]``; ``probabilities`` ``[V]`` are the real model's at the last position.
+
+    ``target`` a kind name: with ``answer`` (or ``"difference"``) one target of that kind
+    (weight 1), else the salient logits, demeaned by that kind. ``target`` a tensor or a
+    :class:`Target` from :func:`direction_target`: that direction alone (``answer`` must be
+    None)."""
+    vocab = logits.shape[-1]
+    if isinstance(target, torch.Tensor):
+        target = direction_target(target)
+    if isinstance(target, Target):
+        if answer is not None:
+            raise InputError("answer= names a logit target; a direction target= explains its "
+                             "projection instead: pass one of them")
+        token = target.token if target.is_logit else vocab
+        return [Target(target.name, token, target.coefficients, target.output, target.position,
+                       target.prob, target.weight)]
+    if answer is not None or target == "difference":
+        goal = make_target(logits, tokenizer, answer, kind=target, other=other, k=k)
+        return [Target(goal.name, goal.token, goal.coefficients,
+                       prob=float(probabilities[goal.token]))]
+    demean = {"demeaned": "topk", "demeaned_vocab": "vocab"}.get(target)
+    if demean is None:
+        raise InputError(f"target kind must be demeaned, demeaned_vocab or difference, got "
+                         f"{target!r}")
+    return salient_logits(logits, probabilities, max_n_logits=max_n_logits,
+                          desired_logit_prob=desired_logit_prob, demean=demean, k=k)

@@ -90,7 +90,11 @@ def ablation_test(model: nn.Module, transcoder: Transcoder, graph,
                   rank_by: str = "influence") -> AblationResult:
     """Ablate the graph's top ``n`` features vs ``draws`` random sets of ``n`` (each ``n`` in
     ``sizes``, at most the number of active features) in the model spliced with
-    ``transcoder`` (``clt=``, its old name, still works and warns)."""
+    ``transcoder`` (``clt=``, its old name, still works and warns). The probability read is
+    the first logit node's (the answer's, or the most probable of several)."""
+    if graph.targets[0].get("output", "logits") != "logits":
+        raise InputError("the ablation test reads the answer's probability; this graph explains "
+                         f"a direction ({graph.targets[0]['name']}), not a logit")
     device = next(model.parameters()).device
     ids = torch.tensor([graph.input_ids], device=device)
     errors = clean_errors(transcoder, model, ids)

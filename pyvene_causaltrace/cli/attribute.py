@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import safetensors.torch
+import torch
+
 from ..atomic import replacing, write_text
 from ..attribution import attribute
 from ..attribution.attribute import check_attribute_arguments
 from ..attribution.checkpoint import remove_checkpoint
 from ..attribution.export import read_labels
+from ..attribution.targets import direction_target
 from ..attribution.validate import ablation_test
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
@@ -30,7 +34,8 @@ def attribution_settings(args) -> dict:
                 "max_feature_nodes": None,
                 "node_threshold": args.node_threshold, "edge_threshold": args.edge_threshold,
                 "validate": {"sizes": [5, 10, 20], "draws": 10} if args.validate else None,
-                "clt": None, "format": None, "labels": None}
+                "clt": None, "format": None, "labels": None, "max_n_logits": 10,
+                "desired_logit_prob": 0.95, "bos_errors": "keep", "direction": None}
     if args.spec is not None:
 
         spec = load_spec(args.spec)
@@ -38,14 +43,18 @@ def attribution_settings(args) -> dict:
             raise InputError(f"{args.spec} has no 'attribution' block")
         settings.update({"model": spec.model, "prompt": spec.prompt, "answer": spec.answer},
                         **spec.attribution)
-    elif settings["answer"] is None and settings["prompt"] == EIFFEL["prompt"]:
+    elif settings["answer"] is None and settings["prompt"] == EIFFEL["prompt"] \
+            and args.direction is None and args.max_n_logits is None:
         settings["answer"] = EIFFEL["answer"]
     for key in ("model", "clt", "format", "labels"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
-    for key in ("memory_mb", "max_feature_nodes"):
+    for key in ("memory_mb", "max_feature_nodes", "max_n_logits", "desired_logit_prob",
+                "bos_errors"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
+    if args.direction is not None:
+        settings["direction"] = {"file": str(args.direction)}
     if settings["clt"] is None:
         raise InputError("attribute needs a CLT: --clt DIR or a spec with attribution.clt")
     settings["clt"] = str(Path(settings["clt"]).expanduser())
@@ -67,21 +76,56 @@ def check_attribute_flags(s: dict, max_links: object) -> None:
         raise InputError(f"--max-links must be >= 1, got {max_links}")
     check_attribute_arguments(target=s["target"], other=s["other"], k=s["k"],
                               max_feature_nodes=s["max_feature_nodes"],
-                              memory_mb=s["memory_mb"])
+                              memory_mb=s["memory_mb"], max_n_logits=s["max_n_logits"],
+                              desired_logit_prob=s["desired_logit_prob"],
+                              bos_errors=s["bos_errors"])
+    if s["direction"] is not None and s["answer"] is not None:
+        raise InputError("--direction explains a direction, --answer a logit: pass one of "
+                         "them")
+
+
+def read_direction(entry: dict) -> object:
+    """The direction target of an attribution setting ``{"file" | "vector", "output",
+    "position", "name"}``: a JSON list of numbers or a safetensors file of one 1-D tensor."""
+    if "vector" in entry:
+        vector = torch.tensor([float(x) for x in entry["vector"]])
+    else:
+        path = Path(entry["file"]).expanduser()
+        if path.suffix == ".safetensors":
+            tensors = safetensors.torch.load_file(str(path))
+            if len(tensors) != 1:
+                raise InputError(f"{path} holds {len(tensors)} tensors; a direction file holds "
+                                 "one 1-D tensor")
+            vector = next(iter(tensors.values()))
+        else:
+            try:
+                values = json.loads(path.read_text())
+            except json.JSONDecodeError as error:
+                raise InputError(f"{path} is not JSON: {error}") from None
+            if not isinstance(values, list) or not all(
+                    isinstance(x, int | float) and not isinstance(x, bool) for x in values):
+                raise InputError(f"{path}: a direction is a JSON list of numbers")
+            vector = torch.tensor([float(x) for x in values])
+    return direction_target(vector, output=entry.get("output", "unembed_input"),
+                            position=entry.get("position", -1),
+                            name=entry.get("name", "direction"))
 
 
 def attribute_command(args) -> int:
     out_dir(args.out)
     s = attribution_settings(args)
     check_attribute_flags(s, args.max_links)
+    target = s["target"] if s["direction"] is None else read_direction(s["direction"])
     labels = read_labels(s["labels"]) if s["labels"] is not None else None
     clt = load_transcoder(s["clt"], format=s["format"])
     model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = out / ROWS_PARTIAL  # an interrupted run resumes; removed once all is written
-    graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=s["target"],
-                      other=s["other"], k=s["k"], memory_mb=s["memory_mb"],
+    graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=target,
+                      other=s["other"], k=s["k"], max_n_logits=s["max_n_logits"],
+                      desired_logit_prob=s["desired_logit_prob"],
+                      bos_errors=s["bos_errors"], memory_mb=s["memory_mb"],
                       max_feature_nodes=s["max_feature_nodes"], progress=True,
                       checkpoint=checkpoint)
     if graph.metadata["rows_resumed"]:

@@ -131,6 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=("demeaned", "demeaned_vocab", "difference"))
     graph.add_argument("--other", default=None, help="the subtracted token of --target difference")
     graph.add_argument("--k", type=int, default=10, help="top-k logits the target is demeaned by")
+    graph.add_argument("--max-n-logits", type=int, default=None,
+                       help="without --answer: a logit node for each of the most probable "
+                            "tokens, at most this many (default 10)")
+    graph.add_argument("--desired-logit-prob", type=float, default=None,
+                       help="without --answer: stop adding logit nodes once their "
+                            "probabilities reach this (default 0.95)")
+    graph.add_argument("--direction", type=Path, default=None,
+                       help="explain a direction instead of logits: a JSON list of d_model "
+                            "numbers or a safetensors file of one 1-D tensor, projected on the "
+                            "final norm's output at the last position")
+    graph.add_argument("--bos-errors", default=None, choices=("keep", "drop"),
+                       help="keep: the position-0 errors are nodes (default; rows close on "
+                            "nodes); drop: constants, as circuit-tracer's graphs")
     graph.add_argument("--memory-mb", type=float, default=None,
                        help="cap on the forward graph, batched gradient rows and stored rows "
                             "(default 4096)")

@@ -1,21 +1,40 @@
-"""An interactive attribution-graph viewer served on localhost.
+"""An interactive attribution-graph viewer served on localhost, with annotations saved into the
+graph file.
 
     pyvene-causaltrace serve out/            # every graph.json under out/, in the browser
 
-One self-contained page (``index.html`` beside this module: plain JavaScript and SVG, nothing
-from a CDN, so it works offline) reads the graph JSON ``attribute`` exports — circuit-tracer's
-format — and draws features, errors, tokens and the logit by layer × position, tokens along the
-bottom. Hover a node for its label, activation and influence; click it to list its strongest
+One self-contained page (``index.html`` and ``annotate.js`` beside this module: plain JavaScript
+and SVG, nothing from a CDN, so it works offline) reads the graph JSON ``attribute`` exports —
+circuit-tracer's format — and draws features, errors, tokens and the logits by layer × position,
+tokens along the bottom, each logit labelled with its token and probability (the target in
+bold). Hover a node for its label, activation and influence; click it to list its strongest
 inputs and outputs; the slider keeps the nodes whose cumulative influence is below a threshold
 (circuit-tracer's node pruning); the picker switches between the graphs in the directory.
 
-The server answers three requests: ``/`` (the page), ``/api/graphs`` (the graph files under the
-directory, relative paths) and ``/api/graph?name=PATH`` (one of those listed, nothing else).
-It lists only graph JSON this package wrote (see :mod:`.listing`: regular files under a size
-cap and a nesting depth, carrying the export's generator marker; the rest is skipped and
-logged once), and answers only requests whose ``Host`` is ``localhost``, ``127.0.0.1`` or
-``[::1]`` (any other gets an empty 403: a page on another site cannot reach it by rebinding
-its DNS name to this machine).
+Annotations: pin nodes (the Pin button, or Ctrl-click) to draw them and the links among them in
+the subgraph pane; group pinned nodes into named supernodes, rename and ungroup them; edit a
+feature's label. Save writes them into the graph file — ``qParams.pinnedIds``,
+``qParams.supernodes``, ``clickedId``, ``linkType``, ``sg_pos``, ``pruningThreshold``, and the
+edited labels into the nodes' ``clerp`` — in the names and shapes circuit-tracer's and
+Neuronpedia's viewers read (see :mod:`.annotations`), and the page restores them when the graph
+is opened again.
+
+The server answers ``GET /`` (the page), ``/annotate.js``, ``/api/graphs`` (the graph files
+under the directory, relative paths), ``/api/graph?name=PATH`` (one of those listed, nothing
+else) and ``POST /api/save?name=PATH`` (a JSON body ``{"qParams": {...}, "clerps": [[id,
+text]]}`` of at most ``max_save_bytes``; see :func:`.annotations.save`). It lists only graph
+JSON this package wrote (see :mod:`.listing`: regular files under a size cap and a nesting
+depth, carrying the export's generator marker; the rest is skipped and logged once), and
+answers only requests whose ``Host`` is ``localhost``, ``127.0.0.1`` or ``[::1]`` (any other
+gets an empty 403: a page on another site cannot reach it by rebinding its DNS name to this
+machine). A save must also come from the page itself: ``Content-Type: application/json`` (a
+form or a plain-text POST from another site is refused with 415; a JSON one needs a CORS
+preflight the server never grants) and, when the browser names it, an ``Origin`` on a loopback
+host and ``Sec-Fetch-Site: same-origin``. ``/api/graph`` sends the file's version as its
+``ETag``; the page sends it back as ``If-Match`` and a save is refused (412) once the file has
+changed on disk since the page loaded it, so annotations are never written onto a regenerated
+graph whose node ids happen to match. Every refusal is a 4xx status with a one-line plain-text
+reason (a file that cannot be written, e.g. a full disk: 500, one line, the file as it was).
 """
 
 from __future__ import annotations
@@ -30,12 +49,19 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 from ..errors import InputError
+from .annotations import MAX_SAVE_BYTES, AnnotationError, save, version
 from .listing import GENERATOR, MAX_BYTES, MAX_DEPTH, GraphIndex, find_graphs
 
-__all__ = ["MAX_BYTES", "MAX_DEPTH", "GraphIndex", "find_graphs", "host_allowed",
-           "make_server", "serve"]
+__all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_SAVE_BYTES", "GraphIndex", "find_graphs",
+           "host_allowed", "make_server", "serve"]
 
 PAGE = Path(__file__).with_name("index.html")
+STATIC = {"/annotate.js": (Path(__file__).with_name("annotate.js"),
+                           "text/javascript; charset=utf-8")}
+#: Seconds a connection may take to send its request (a stalled body does not hold a thread).
+REQUEST_TIMEOUT_S = 30
+#: Bytes of a refused save's body read and dropped at most before the connection closes.
+DISCARD_BYTES = 64 * 1024 * 1024
 log = logging.getLogger(__name__)
 
 _LOCAL_HOST = re.compile(r"(?:localhost|127\.0\.0\.1|\[::1\])(?::\d{1,5})?", re.IGNORECASE)
@@ -47,29 +73,113 @@ def host_allowed(host: str | None) -> bool:
     return host is not None and _LOCAL_HOST.fullmatch(host.strip()) is not None
 
 
-def _handler(index: GraphIndex) -> type[BaseHTTPRequestHandler]:
+def _origin_allowed(origin: str | None) -> bool:
+    """Whether an ``Origin`` header (absent: a non-browser client) names a loopback origin."""
+    if origin is None:
+        return True
+    return origin.startswith("http://") and host_allowed(origin[len("http://"):])
+
+
+def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHandler]:
     refused: set[str] = set()
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S
+
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
-            hosts = self.headers.get_all("Host") or []
-            if len(hosts) != 1 or not host_allowed(hosts[0]):
-                self._refuse(", ".join(hosts))
+            if not self._host_ok():
                 return
             url = urlparse(self.path)
             if url.path in ("/", "/index.html"):
                 self._send(PAGE.read_bytes(), "text/html; charset=utf-8")
+            elif url.path in STATIC:
+                path, kind = STATIC[url.path]
+                self._send(path.read_bytes(), kind)
             elif url.path == "/api/graphs":
                 self._send(json.dumps(index.names()).encode(), "application/json")
             elif url.path == "/api/graph":
                 name = parse_qs(url.query).get("name", [""])[0]
-                body = index.read(name)
-                if body is None:
+                loaded = index.load(name)
+                if loaded is None:
                     self.send_error(404, "no such graph in the served directory")
                     return
-                self._send(body, "application/json")
+                self._send(loaded[0], "application/json", etag=version(loaded[1]))
             else:
                 self.send_error(404)
+
+        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+            if not self._host_ok():
+                return
+            url = urlparse(self.path)
+            if url.path != "/api/save":
+                self._fail(404, "nothing to POST to here (saves go to /api/save?name=PATH)")
+                self._discard_body()
+                return
+            refusal = self._save_refusal()
+            if refusal is not None:
+                self._fail(*refusal)
+                self._discard_body()
+                return
+            try:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+            except OSError:  # a stalled or broken client: nobody left to answer
+                self.close_connection = True
+                return
+            name = parse_qs(url.query).get("name", [""])[0]
+            try:
+                summary, tag = save(index, name, body, self.headers.get("If-Match"))
+            except AnnotationError as error:
+                self._fail(error.status, str(error))
+                return
+            except OSError as error:
+                log.warning("viewer: could not save %s: %s", name, error)
+                self._fail(500, f"could not write {name}: {error.strerror or error}")
+                return
+            log.info("viewer: saved the annotations of %s (%s)", name, summary)
+            self._send(json.dumps({"saved": name, **summary}).encode(), "application/json",
+                       etag=tag)
+
+        def _save_refusal(self) -> tuple[int, str] | None:
+            """Why a save request is refused before its body is read, or None."""
+            headers = self.headers
+            if not _origin_allowed(headers.get("Origin")) or headers.get(
+                    "Sec-Fetch-Site", "same-origin") not in ("same-origin", "none"):
+                return 403, "a save must come from the viewer's own page"
+            kind = (headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                return 415, "a save is a JSON body (Content-Type: application/json)"
+            if headers.get("Transfer-Encoding"):
+                return 411, "send the body with a Content-Length, not chunked"
+            length = headers.get("Content-Length", "")
+            if not (length.isascii() and length.isdigit()):
+                return 411, "a save needs a Content-Length"
+            if int(length) > max_save_bytes:
+                return 413, (f"the body is {int(length)} bytes, over the {max_save_bytes}-byte "
+                             "limit (max_save_bytes)")
+            return None
+
+        def _discard_body(self) -> None:
+            """Read (up to :data:`DISCARD_BYTES`) and drop the body of a request refused
+            unread, so the client reads the refusal instead of a reset connection; the client
+            closing after the answer ends it early."""
+            length = self.headers.get("Content-Length", "")
+            left = min(int(length), DISCARD_BYTES) if length.isascii() and length.isdigit() \
+                else 0
+            try:
+                while left > 0:
+                    chunk = self.rfile.read1(min(left, 1 << 16))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+            except OSError:
+                pass
+
+        def _host_ok(self) -> bool:
+            hosts = self.headers.get_all("Host") or []
+            if len(hosts) == 1 and host_allowed(hosts[0]):
+                return True
+            self._refuse(", ".join(hosts))
+            return False
 
         def _refuse(self, host: str) -> None:
             if host not in refused and len(refused) < 32:  # bounded: any page can vary it
@@ -82,12 +192,24 @@ def _handler(index: GraphIndex) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.close_connection = True
 
-        def _send(self, body: bytes, kind: str) -> None:
-            self.send_response(200)
+        def _fail(self, status: int, message: str) -> None:
+            """A refusal: ``status`` and ``message`` on one plain-text line; the connection
+            closes (a body left unread must not be taken for the next request)."""
+            self._send((" ".join(message.split()) + "\n").encode(), "text/plain; charset=utf-8",
+                       status)
+            self.close_connection = True
+
+        def _send(self, body: bytes, kind: str, status: int = 200,
+                  etag: str | None = None) -> None:
+            self.send_response(status)
             self.send_header("Content-Type", kind)
+            if etag is not None:
+                self.send_header("ETag", etag)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
             self.send_header("X-Content-Type-Options", "nosniff")
+            if status != 200:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(body)
 
@@ -104,13 +226,16 @@ def _check_port(port: object) -> int:
 
 
 def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1",
-                max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> ThreadingHTTPServer:
+                max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
+                max_save_bytes: int = MAX_SAVE_BYTES) -> ThreadingHTTPServer:
     """The viewer's server for ``directory`` (not yet serving); ``port=0`` picks a free port.
-    Graph files over ``max_bytes`` bytes or nested deeper than ``max_depth`` are skipped.
-    Raises :class:`InputError` for a bad port or a directory without graphs, ``OSError``
-    (naming the port) when the port cannot be had."""
+    Graph files over ``max_bytes`` bytes or nested deeper than ``max_depth`` are skipped; a
+    save request over ``max_save_bytes`` is refused (413). Raises :class:`InputError` for a bad
+    port or a directory without graphs, ``OSError`` (naming the port) when the port cannot be
+    had."""
     port = _check_port(port)
-    for name, value in (("max_bytes", max_bytes), ("max_depth", max_depth)):
+    for name, value in (("max_bytes", max_bytes), ("max_depth", max_depth),
+                        ("max_save_bytes", max_save_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} {value!r}: a positive whole number")
     directory = Path(directory).expanduser()
@@ -122,7 +247,7 @@ def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1"
                          "with `pyvene-causaltrace attribute --out DIR`; skipped files are "
                          "logged)")
     try:
-        return ThreadingHTTPServer((host, port), _handler(index))
+        return ThreadingHTTPServer((host, port), _handler(index, max_save_bytes))
     except OSError as error:
         refused = OSError(f"cannot serve on {host}:{port} (--port {port}): "
                           f"{error.strerror or error}; pick another --port (0 picks a free one)")

@@ -44,7 +44,8 @@ class _Skip(Exception):
     """A file that is not read (its reason is the message)."""
 
 
-def _key(st: os.stat_result) -> Key:
+def file_key(st: os.stat_result) -> Key:
+    """What identifies one version of a file: a new write (or a rename over it) changes it."""
     return st.st_mode, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -122,7 +123,7 @@ def read_capped(path: Path, max_bytes: int) -> tuple[bytes, Key]:
         raise _Skip(f"cannot read it ({error.strerror})") from None
     if len(data) != st.st_size:
         raise _Skip("it changed while it was read")
-    return data, _key(st)
+    return data, file_key(st)
 
 
 def _check_stat(st: os.stat_result, max_bytes: int) -> None:
@@ -151,6 +152,12 @@ class GraphIndex:
 
     def read(self, name: str) -> bytes | None:
         """The bytes of graph ``name`` (one of :meth:`names`), or None when it is not listed."""
+        loaded = self.load(name)
+        return None if loaded is None else loaded[0]
+
+    def load(self, name: str) -> tuple[bytes, Key] | None:
+        """The bytes of graph ``name`` and the key (mode, device, inode, size, mtime) of the
+        file they were read from, or None when it is not listed."""
         listed = self._scan()
         if name not in listed:
             return None
@@ -168,7 +175,7 @@ class GraphIndex:
                     self._report(name, key, problem)
             if problem is not None:
                 return None
-        return data
+        return data, key
 
     def _scan(self) -> dict[str, Key]:
         with self._lock:
@@ -193,7 +200,7 @@ class GraphIndex:
             st = os.stat(path)
         except OSError as error:
             return None, f"cannot read it ({error.strerror})"
-        key = _key(st)
+        key = file_key(st)
         try:
             _check_stat(st, self.max_bytes)
         except _Skip as skip:

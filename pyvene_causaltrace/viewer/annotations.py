@@ -1,0 +1,268 @@
+"""Annotations made in the viewer — pinned nodes, supernodes, edited labels — saved into the
+graph file, in the fields circuit-tracer's and Neuronpedia's viewers read, so an annotated graph
+opens the same there.
+
+    summary = save(index, "eiffel/graph.json", body)   # body: the page's POST, as bytes
+
+The request body is ``{"qParams": {...}, "clerps": [[node_id, text], ...]}``. In the file:
+
+- ``qParams.pinnedIds``: a list of node ids (``["3_17_5", "E_791_2"]``), the nodes drawn in
+  the subgraph pane. A list, as circuit-tracer's ``QParams`` model declares it
+  (``frontend/graph_models.py``: ``pinnedIds: list[str]``) and Neuronpedia's graph schema and
+  ``CLTGraphQParams`` type do. (circuit-tracer's page also reads a comma-joined string, what its
+  own Save button copies from the URL, ``frontend/assets/index.html``; the page here reads both
+  and writes the list.)
+- ``qParams.supernodes``: a list of ``[name, node_id, node_id, ...]`` lists, one per
+  supernode: circuit-tracer's ``supernodes: list[list[str]]`` and the shape its subgraph code
+  builds (``attribution_graph/init-cg-subgraph.js``: ``supernodes.push([label, ...ids])``).
+  Each member is a pinned node and in one supernode at most.
+- ``qParams.clickedId``: the selected node's id, or ``""``; ``qParams.linkType``: one of
+  ``input``, ``output``, ``either``, ``both`` (kept as loaded; this viewer draws both);
+  ``qParams.sg_pos``: circuit-tracer's saved subgraph positions (space-separated numbers, two
+  per subgraph node in its order) — kept while the pinned nodes and supernodes are unchanged,
+  ``""`` once they change; ``qParams.pruningThreshold``: the node-threshold slider, a number in
+  [0, 1] (circuit-tracer's page saves it under that name). Other ``qParams`` keys already in the
+  file are left as they are; the request may not set them.
+- Edited labels go into the node's own ``clerp`` (``nodes[i].clerp``), the field both viewers
+  show as a feature's label (Neuronpedia's schema: "my label for this feature"). Not
+  ``qParams.clerps``: circuit-tracer's page ``JSON.parse``-s that as a string of
+  ``[[feature, text]]`` pairs (``attribution_graph/init-cg.js``, ``util-cg.js``) while
+  Neuronpedia spreads it into its state as an array of ``[featureId, text]`` pairs, so either
+  encoding breaks the other viewer. Only feature (and steering) labels can be edited: both
+  viewers write their own for tokens and errors and parse ``(p=...)`` out of a logit's.
+
+A save is refused (:class:`AnnotationError`, its ``status`` an HTTP status) unless the graph is
+one the index lists, the body is a JSON object of those fields, every node id is a node of the
+graph, and the file has not changed on disk since it was read. The file is replaced whole
+(:func:`~pyvene_causaltrace.atomic.replacing`) with its permissions kept, so the listing finds
+it again (a new inode: the listing's cache reads it anew) and a reader never sees half of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from ..atomic import replacing
+from ..errors import InputError
+from .listing import GraphIndex, Key, file_key
+
+#: Largest save request read, in bytes (``make_server(..., max_save_bytes=...)`` overrides it).
+MAX_SAVE_BYTES = 4 * 1024 * 1024
+#: Longest label and supernode name, in characters.
+MAX_LABEL_CHARS = 2000
+MAX_NAME_CHARS = 200
+#: The ``qParams`` fields a save may set.
+FIELDS = ("pinnedIds", "supernodes", "clickedId", "linkType", "sg_pos", "pruningThreshold")
+#: circuit-tracer's link-type buttons (``attribution_graph/init-cg-button-container.js``).
+LINK_TYPES = ("input", "output", "either", "both")
+#: Node kinds whose label (``clerp``) can be edited.
+EDITABLE = ("cross layer transcoder", "steering")
+
+_NUMBER = r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_SG_POS = re.compile(rf"(?:{_NUMBER}(?: {_NUMBER})*)?", re.ASCII)  # the page checks the same
+_BODY = '{"qParams": {"pinnedIds": [...], "supernodes": [...], ...}, "clerps": [[id, text]]}'
+_lock = threading.Lock()  # one save at a time: read, check and replace happen together
+
+
+class AnnotationError(InputError):
+    """A save request refused; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _refuse(message: str, status: int = 400) -> AnnotationError:
+    return AnnotationError(status, message)
+
+
+def _text(value: object, where: str, limit: int, empty: bool = True) -> str:
+    if not isinstance(value, str):
+        raise _refuse(f"{where}: text expected, got {json.dumps(value)[:60]}")
+    if len(value) > limit:
+        raise _refuse(f"{where}: {len(value)} characters, over the {limit}-character limit")
+    if not empty and not value.strip():
+        raise _refuse(f"{where}: empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _refuse(f"{where}: not valid Unicode (a lone surrogate)") from None
+    return value
+
+
+def _node(value: object, where: str, kinds: Mapping[str, str]) -> str:
+    if not isinstance(value, str) or value not in kinds:
+        raise _refuse(f"{where}: {json.dumps(value)[:80]} is not a node of this graph")
+    return value
+
+
+def _list(value: object, where: str) -> list:
+    if not isinstance(value, list):
+        raise _refuse(f"{where}: a list expected, got {type(value).__name__}")
+    return value
+
+
+def _pinned(value: object, kinds: Mapping[str, str]) -> list[str]:
+    pinned: list[str] = []
+    for i, item in enumerate(_list(value, "qParams.pinnedIds")):
+        node = _node(item, f"qParams.pinnedIds[{i}]", kinds)
+        if node in pinned:
+            raise _refuse(f"qParams.pinnedIds[{i}]: {node} is pinned twice")
+        pinned.append(node)
+    return pinned
+
+
+def _supernodes(value: object, pinned: list[str], kinds: Mapping[str, str]) -> list[list[str]]:
+    supernodes, owner = [], {}
+    for i, item in enumerate(_list(value, "qParams.supernodes")):
+        where = f"qParams.supernodes[{i}]"
+        if not isinstance(item, list) or len(item) < 2:
+            raise _refuse(f"{where}: [name, node_id, ...] expected (a name and one member at "
+                          "least)")
+        name = _text(item[0], f"{where}[0] (the name)", MAX_NAME_CHARS, empty=False)
+        for j, member in enumerate(item[1:], start=1):
+            node = _node(member, f"{where}[{j}]", kinds)
+            if node not in pinned:
+                raise _refuse(f"{where}[{j}]: {node} is not pinned (a supernode groups pinned "
+                              "nodes)")
+            if node in owner:
+                raise _refuse(f"{where}[{j}]: {node} is already in supernode "
+                              f"{json.dumps(owner[node])}")
+            owner[node] = name
+        supernodes.append([name, *item[1:]])
+    return supernodes
+
+
+def _other_fields(q: dict, kinds: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "clickedId" in q:
+        clicked = q["clickedId"]
+        out["clickedId"] = "" if clicked == "" else _node(clicked, "qParams.clickedId", kinds)
+    if "linkType" in q:
+        if q["linkType"] not in LINK_TYPES:
+            raise _refuse(f"qParams.linkType: {json.dumps(q['linkType'])[:40]} is not one of "
+                          f"{', '.join(LINK_TYPES)}")
+        out["linkType"] = q["linkType"]
+    if "sg_pos" in q:
+        sg_pos = _text(q["sg_pos"], "qParams.sg_pos", 100_000)
+        if not _SG_POS.fullmatch(sg_pos):
+            raise _refuse("qParams.sg_pos: space-separated numbers expected")
+        out["sg_pos"] = sg_pos
+    if "pruningThreshold" in q:
+        threshold = q["pruningThreshold"]
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) \
+                or not math.isfinite(threshold) or not 0 <= threshold <= 1:
+            raise _refuse(f"qParams.pruningThreshold: a number from 0 to 1 expected, got "
+                          f"{json.dumps(threshold)[:40]}")
+        out["pruningThreshold"] = threshold
+    return out
+
+
+def _labels(value: object, kinds: Mapping[str, str]) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    for i, item in enumerate(_list(value, "clerps")):
+        where = f"clerps[{i}]"
+        if not isinstance(item, list) or len(item) != 2:
+            raise _refuse(f"{where}: [node_id, text] expected")
+        node = _node(item[0], f"{where}[0]", kinds)
+        if kinds[node] not in EDITABLE:
+            raise _refuse(f"{where}[0]: {node} is a {kinds[node]} node: only feature labels "
+                          "can be edited (the viewers write the others themselves)")
+        if node in labels:
+            raise _refuse(f"{where}[0]: {node} is labelled twice")
+        labels[node] = _text(item[1], f"{where}[1]", MAX_LABEL_CHARS)
+    return labels
+
+
+def parse_save(body: bytes, kinds: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ``qParams`` fields and the labels (``{node_id: text}``) a save request sets, checked
+    against the graph's nodes (``kinds``: node id -> ``feature_type``); raises
+    :class:`AnnotationError` (400) naming the first field refused."""
+    try:
+        request = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _refuse("the body is not UTF-8 text") from None
+    except RecursionError:
+        raise _refuse("the body nests too deeply") from None
+    except ValueError as error:
+        raise _refuse(f"the body is not JSON ({error})") from None
+    if not isinstance(request, dict) or not isinstance(request.get("qParams"), dict):
+        raise _refuse(f"the body must be a JSON object {_BODY}")
+    extra = sorted(set(request) - {"qParams", "clerps"})
+    if extra:
+        raise _refuse(f"unknown key {extra[0]!r} in the body (expected qParams and clerps)")
+    q = request["qParams"]
+    unknown = sorted(set(q) - set(FIELDS))
+    if unknown:
+        raise _refuse(f"qParams.{unknown[0]}: not a field the viewer saves ({', '.join(FIELDS)})")
+    for field in ("pinnedIds", "supernodes"):
+        if field not in q:
+            raise _refuse(f"qParams.{field} is missing (send the whole annotation: pinnedIds "
+                          "and supernodes)")
+    pinned = _pinned(q["pinnedIds"], kinds)
+    fields = {"pinnedIds": pinned, "supernodes": _supernodes(q["supernodes"], pinned, kinds),
+              **_other_fields(q, kinds)}
+    return fields, _labels(request.get("clerps", []), kinds)
+
+
+def version(key: Key) -> str:
+    """A file version's entity tag (``ETag``): the page sends it back (``If-Match``) so that a
+    save made from a page older than the file is refused rather than written onto another
+    graph whose node ids happen to match."""
+    return '"' + "-".join(f"{part:x}" for part in key[1:]) + '"'
+
+
+def save(index: GraphIndex, name: str, body: bytes,
+         if_match: str | None = None) -> tuple[dict[str, int], str]:
+    """Write the annotations in ``body`` (a save request) into graph ``name`` of ``index``;
+    returns how many pinned nodes, supernodes and labels the file now has or got, and the
+    written file's :func:`version`. Raises :class:`AnnotationError`: 404 for a graph the index
+    does not list, 400 for a malformed request, 412 when ``if_match`` (a :func:`version`) is
+    not the file's version (it changed since the page loaded it), 409 when it changed while
+    being saved, 413 when the annotated file would be over the listing's size cap (it would no
+    longer be listed)."""
+    with _lock:
+        loaded = index.load(name)
+        if loaded is None:
+            raise _refuse(f"{name!r} is not a graph the viewer lists", 404)
+        data, key = loaded
+        if if_match is not None and if_match.strip() != version(key):
+            raise _refuse(f"{name} changed on disk since the page loaded it: reload the page "
+                          "(annotations not saved are lost) and annotate again", 412)
+        graph = json.loads(data)
+        nodes = [n for n in graph["nodes"] if isinstance(n, dict)
+                 and isinstance(n.get("node_id"), str)]
+        kinds = {n["node_id"]: str(n.get("feature_type")) for n in nodes}
+        fields, labels = parse_save(body, kinds)
+        q = graph.get("qParams")
+        graph["qParams"] = {**(q if isinstance(q, dict) else {}), **fields}
+        for node in nodes:
+            if node["node_id"] in labels:
+                node["clerp"] = labels[node["node_id"]]
+        text = json.dumps(graph, separators=(",", ":"), ensure_ascii=False)
+        size = len(text.encode("utf-8", errors="surrogatepass"))
+        if size > index.max_bytes:
+            raise _refuse(f"the annotated graph would be {size} bytes, over the viewer's "
+                          f"{index.max_bytes}-byte cap (max_bytes): not saved", 413)
+        target = (index.root / name).resolve()  # a listed link: write the file it names
+        st = os.stat(target)
+        if file_key(st) != key:
+            raise _refuse(f"{name} changed on disk while it was being saved; reload the page "
+                          "and save again", 409)
+        with replacing(target) as tmp:
+            try:
+                tmp.write_text(text, encoding="utf-8")
+            except UnicodeEncodeError:  # a lone surrogate escaped in the file as it was
+                tmp.write_text(json.dumps(graph, separators=(",", ":")), encoding="utf-8")
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+        written = file_key(os.stat(target))
+    summary = {"pinned": len(fields["pinnedIds"]), "supernodes": len(fields["supernodes"]),
+               "labels": len(labels)}
+    return summary, version(written)
