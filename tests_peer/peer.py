@@ -217,11 +217,9 @@ def ours(graph) -> Dense:
 
 
 def _logits_of(graph) -> tuple[list[int], torch.Tensor]:
-    """The logit nodes' token ids and probabilities, in node order (``graph.targets`` where
-    the graph has several; a graph of one target has only ``target`` and ``answer_prob``)."""
-    targets = getattr(graph, "targets", None) or [{**graph.target, "prob": graph.answer_prob}]
-    return ([int(t["token"]) for t in targets],
-            torch.tensor([float(t["prob"]) for t in targets], dtype=torch.float64))
+    """The logit nodes' token ids and probabilities, in node order."""
+    return ([int(t["token"]) for t in graph.targets],
+            torch.tensor([float(t["prob"]) for t in graph.targets], dtype=torch.float64))
 
 
 def relative_edge_difference(a: Dense, b: Dense, skip_columns: torch.Tensor | None = None

@@ -6,13 +6,16 @@ Both graphs order their nodes alike — features (layer, position, id), errors (
 tokens, logits — so the comparison is index for index: the same active features in the same
 order and with the same activations, the same logit tokens and probabilities, every edge within
 1e-4 of its row's largest ``|edge|``, and the same nodes kept by pruning at 0.8 / 0.98.
+
+Ours are built with circuit-tracer's conventions: its salient logits (``max_n_logits``,
+``desired_logit_prob``), each demeaned by the vocabulary mean (``target="demeaned_vocab"``),
+and BOS errors as constants rather than nodes (``bos_errors="drop"``: circuit-tracer zeroes the
+BOS error vectors). Our default keeps them as nodes: the one difference, checked last.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import inspect
 
 import pytest
 import torch
@@ -23,7 +26,6 @@ circuit_tracer = pytest.importorskip(
 import peer  # noqa: E402  (after the skip: it is only useful next to circuit-tracer)
 
 from pyvene_causaltrace.attribution import attribute  # noqa: E402
-from pyvene_causaltrace.attribution.store import RowStore  # noqa: E402
 from pyvene_causaltrace.transcoders import load_transcoder  # noqa: E402
 
 ARCHS = ("llama", "gemma2")
@@ -35,27 +37,21 @@ EDGE_TOLERANCE = 1e-4
 PEER_BATCH = 128
 #: circuit-tracer's salient logits: at most 10, until their probability reaches 0.95.
 LOGITS = {"max_n_logits": 10, "desired_logit_prob": 0.95}
-#: Our ``attribute`` drops BOS error nodes as circuit-tracer does (``bos_errors="drop"``) and
-#: takes circuit-tracer's salient logits; before that API, one target (the top logit) is
-#: compared and the BOS error columns — circuit-tracer zeroes BOS error vectors, we keep
-#: them — are left out.
-MULTI = "bos_errors" in inspect.signature(attribute).parameters
 
 
 @pytest.fixture(scope="session")
 def our_graphs(worlds, transcoder_files):
-    """``our_graphs(arch, kind, logits)``: our graph, built once per model, transcoder and
-    logit selection."""
+    """``our_graphs(arch, kind, logits, bos_errors)``: our graph, built once per model,
+    transcoder, logit selection and BOS convention."""
     made = {}
 
-    def get(arch: str, kind: str, logits: dict = LOGITS):
-        key = arch, kind, tuple(logits.items())
+    def get(arch: str, kind: str, logits: dict = LOGITS, bos_errors: str = "drop"):
+        key = arch, kind, tuple(logits.items()), bos_errors
         if key not in made:
             world = worlds(arch)
             transcoder = load_transcoder(transcoder_files(kind))
-            extra = {"bos_errors": "drop", **logits} if MULTI else {}
             made[key] = attribute(world.model, world.tokenizer, transcoder, peer.suite.PROMPT,
-                                  target="demeaned_vocab", **extra)
+                                  target="demeaned_vocab", bos_errors=bos_errors, **logits)
         return made[key]
 
     return get
@@ -67,21 +63,11 @@ def _peer_graph(backend: str, world, path, logits: dict = LOGITS):
     model = peer.replacement_model(backend, world, path)
     try:
         graph = circuit_tracer.attribute(peer.suite.PROMPT, model, batch_size=PEER_BATCH,
-                                         **(logits if MULTI else {"max_n_logits": 1}))
+                                         **logits)
         return graph, peer.prune_theirs(graph)
     finally:
         del model
         gc.collect()
-
-
-def _without_bos_errors(graph, a: peer.Dense):
-    """Our graph with its BOS error columns zeroed (what ``bos_errors="drop"`` gives)."""
-    store = graph.rows
-    rows = store.dense(torch.arange(store.n_rows))
-    rows[:, a.bos_errors()] = 0
-    dropped = RowStore(store.n_columns)
-    dropped.append(store.nodes, rows, store.constants, store.targets)
-    return dataclasses.replace(graph, rows=dropped)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -94,7 +80,6 @@ def test_graph_equals_circuit_tracers(arch, kind, backend, worlds, transcoder_fi
     _check_equal(graph, peer_graph, peer_kept, (arch, kind, backend))
 
 
-@pytest.mark.skipif(not MULTI, reason="needs attribute(max_n_logits=, desired_logit_prob=)")
 def test_salient_logits_stop_at_the_same_probability(worlds, transcoder_files, our_graphs):
     """The tiny models' next-token distributions are flat: 10 logits never reach 0.95. At a
     lower ``desired_logit_prob`` the cut falls inside the cap, where both must stop at the
@@ -108,6 +93,18 @@ def test_salient_logits_stop_at_the_same_probability(worlds, transcoder_files, o
     _check_equal(graph, peer_graph, peer_kept, ("gemma2", "jumprelu p=0.15", "transformerlens"))
 
 
+def test_kept_bos_errors_are_the_one_difference(worlds, transcoder_files, our_graphs):
+    """Our default (``bos_errors="keep"``) gives the BOS errors nodes and edges where
+    circuit-tracer has zeros; every other edge is the same."""
+    graph = our_graphs("llama", "jumprelu", bos_errors="keep")
+    peer_graph, _ = _peer_graph("transformerlens", worlds("llama"), transcoder_files("jumprelu"))
+    a, b = peer.ours(graph), peer.theirs(peer_graph)
+    bos = a.bos_errors()
+    assert a.adjacency[:, bos].abs().amax() > 0.1 * a.adjacency.abs().amax()
+    assert not b.adjacency[:, bos].any()
+    assert peer.relative_edge_difference(a, b, skip_columns=bos).max() <= EDGE_TOLERANCE
+
+
 def _check_equal(graph, peer_graph, peer_kept, case):
     """Everything the module docstring lists, recorded in the summary table first."""
     a, b = peer.ours(graph), peer.theirs(peer_graph)
@@ -118,12 +115,7 @@ def _check_equal(graph, peer_graph, peer_kept, case):
     assert a.logit_tokens == b.logit_tokens
     assert torch.allclose(a.logit_probs, b.logit_probs, atol=1e-5)
 
-    bos = a.bos_errors()
-    assert not b.adjacency[:, bos].any(), "circuit-tracer's BOS error columns are zero"
-    if not MULTI:
-        assert a.adjacency[:, bos].any(), "ours are not (the known convention difference)"
-        graph = _without_bos_errors(graph, a)
-    diff = peer.relative_edge_difference(a, b, None if MULTI else bos)
+    diff = peer.relative_edge_difference(a, b)
     kept = graph.prune(peer.NODE_THRESHOLD, peer.EDGE_THRESHOLD).node_mask
     peer.RESULTS[case] = {
         "features": a.n_features, "logits": len(a.logit_tokens),
@@ -135,6 +127,7 @@ def _check_equal(graph, peer_graph, peer_kept, case):
     assert diff.max() <= EDGE_TOLERANCE, (
         f"row {worst} ({graph.label(worst)}): edges differ by {float(diff.max()):.2e} of the "
         f"row's largest")
+    assert not a.adjacency[:, a.bos_errors()].any(), "BOS errors dropped, as circuit-tracer's"
     only_ours = (kept & ~peer_kept).nonzero().squeeze(-1)
     only_theirs = (peer_kept & ~kept).nonzero().squeeze(-1)
     assert torch.equal(kept, peer_kept), (
