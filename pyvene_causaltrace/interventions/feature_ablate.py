@@ -3,6 +3,7 @@
     FeatureAblate(clt=clt, session=session, clt_layer=3, features=[17], positions=[5])  # zero
     FeatureAblate(..., scale=2.0)                  # double them
     FeatureAblate(..., value=8.0)                  # set them to 8 (steering)
+    FeatureAblate(..., features=[17, 40], value=[8.0, 0.0])   # one value per feature
 
 It sits on the transcoder's input hook after its layer's encoder (``clt_splice_representations``
 places it there, ``ablations=[{...}]``) and changes the session's features before any decoder
@@ -34,6 +35,17 @@ def _finite(value: object, name: str) -> float | None:
     return float(value)
 
 
+def _values(value: object, features: list[int] | str) -> float | list[float] | None:
+    """``value`` as a float, or a list of floats with one per feature."""
+    if not isinstance(value, list | tuple):
+        return _finite(value, "value")
+    if features == "all" or len(value) != len(features):
+        raise InputError(f"feature_ablate value is a list of {len(value)}: give one value per "
+                         f"feature ({'a list of features' if features == 'all' else len(features)})"
+                         " or a single number")
+    return [_finite(v, "value") for v in value]  # type: ignore[misc]
+
+
 class FeatureAblate(SpliceIntervention):
     """Scale (default: zero) or set to ``value`` the ``features`` of layer ``clt_layer`` at
     ``positions`` (None: all) inside a splice (see module docstring)."""
@@ -43,7 +55,7 @@ class FeatureAblate(SpliceIntervention):
 
     def _setup(self, clt_layer: int, features: list[int] | str,
                positions: list[int] | None = None, scale: float | None = None,
-               value: float | None = None, source: str | None = None,
+               value: float | list[float] | None = None, source: str | None = None,
                session: str | None = None) -> None:
         source = source if source is not None else self._source_of()
         if scale is not None and value is not None:
@@ -55,7 +67,7 @@ class FeatureAblate(SpliceIntervention):
                 raise InputError(f"feature ids must be >= 0, got {features}")
         if positions is not None and any(int(p) < 0 for p in positions):
             raise InputError(f"feature_ablate positions must be >= 0, got {positions}")
-        value = _finite(value, "value")
+        value = _values(value, features)
         scale = _finite(scale, "scale")
         self._config = {"clt_layer": int(clt_layer), "features": features,
                         "positions": None if positions is None else [int(p) for p in positions],
@@ -78,8 +90,10 @@ class FeatureAblate(SpliceIntervention):
                                   "description": "Prompt positions (absent: every position)."},
                     "scale": {"type": "number", "default": 0.0,
                               "description": "Multiply the features by this (0: ablate)."},
-                    "value": {"type": "number",
-                              "description": "Set the features to this value instead "
+                    "value": {"oneOf": [{"type": "number"}, {
+                        "type": "array", "minItems": 1, "items": {"type": "number"}}],
+                              "description": "Set the features to this value (or one value "
+                                             "per feature) instead of scaling them "
                                              "(steering); excludes scale."}}}
 
     @classmethod
@@ -88,8 +102,15 @@ class FeatureAblate(SpliceIntervention):
             raise SpecError(f"{path}.value", "scale and value exclude each other: scale "
                                              "multiplies the features, value sets them")
         for key in ("scale", "value"):
-            if key in entry and not math.isfinite(entry[key]):
-                raise SpecError(f"{path}.{key}", f"must be a finite number, got {entry[key]!r}")
+            values = entry.get(key)
+            values = values if isinstance(values, list) else [] if values is None else [values]
+            if not all(math.isfinite(v) for v in values):
+                raise SpecError(f"{path}.{key}", f"must be finite, got {entry[key]!r}")
+        value = entry.get("value")
+        if isinstance(value, list) and (entry["features"] == "all"
+                                        or len(value) != len(entry["features"])):
+            raise SpecError(f"{path}.value", f"{len(value)} values: give one per feature, or "
+                                             "a single number")
 
     @classmethod
     def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
@@ -119,7 +140,9 @@ class FeatureAblate(SpliceIntervention):
         columns = slice(None) if features == "all" else features
         value = self._config.get("value")
         block = acts if positions is None else acts[:, positions]
-        if value is not None:
+        if isinstance(value, list):
+            block[..., columns] = torch.tensor(value, dtype=acts.dtype, device=acts.device)
+        elif value is not None:
             block[..., columns] = value
         else:
             block[..., columns] = block[..., columns] * self._config["scale"]
