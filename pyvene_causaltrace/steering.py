@@ -45,6 +45,9 @@ if TYPE_CHECKING:  # transformers is slow to import; annotations only
 #: prompt position, negative counts from the end) or ``"all"``.
 FeatureIntervention = tuple[int, int | str, int, float]
 
+#: Interventions a summary lists before it only counts them.
+SHOWN = 6
+
 __all__ = ["FeatureIntervention", "FeatureInterventionResult", "check_feature_interventions",
            "intervene_features"]
 
@@ -106,9 +109,11 @@ class FeatureInterventionResult:
     def summary(self) -> str:
         """A short plain-text report: the interventions, the top tokens side by side, the
         continuations."""
-        lines = [f"prompt: {self.prompt!r} ({len(self.tokens)} tokens)",
-                 "set: " + ", ".join(f"L{layer} pos {pos} f{feature} = {value:g}"
-                                     for layer, pos, feature, value in self.interventions),
+        shown = ", ".join(f"L{layer} pos {pos} f{feature} = {value:g}"
+                          for layer, pos, feature, value in self.interventions[:SHOWN])
+        if len(self.interventions) > SHOWN:
+            shown += f", ... ({len(self.interventions)} in all)"
+        lines = [f"prompt: {self.prompt!r} ({len(self.tokens)} tokens)", f"set: {shown}",
                  f"errors {'held at the clean run' if self.hold_errors else 'live'}, attention "
                  f"{'held at the clean patterns' if self.freeze_attention else 'live'}; "
                  f"max |logit change| {self.max_abs_logit_diff:.4g}",
