@@ -87,6 +87,9 @@ def main() -> None:
 
     clean_items = every_feature_at_its_clean_value(model, clt, tokenizer, PROMPT)
     run("clean values", PROMPT, clean_items, max_new_tokens=0)
+    for key in ("interventions", "spec"):  # thousands of triples: counted, not kept
+        runs["clean values"].pop(key)
+    runs["clean values"]["n_interventions"] = len(clean_items)
     run("Eiffel: ablate the top 5", PROMPT, [(l_, -1, f, 0.0) for l_, f, _, _ in paris[:5]])
     for k in BOOSTS:
         run(f"Eiffel: top feature x{k:g} at the last token", PROMPT,
