@@ -144,14 +144,18 @@ def check_feature_interventions(interventions: object, transcoder: Transcoder, n
     numbers, negative positions made absolute; :class:`InputError` for an empty list, a
     malformed item, a layer, feature or position out of range (position 0 is never spliced),
     a non-finite value (:class:`NonFiniteError`) or one feature set twice at a position."""
-    if isinstance(interventions, str | bytes) or not interventions:
+    items = None
+    if not isinstance(interventions, str | bytes):
+        try:
+            items = list(interventions)  # type: ignore[call-overload]
+        except TypeError:
+            pass
+    if items is None:
+        raise InputError("interventions must be a list of (layer, position, feature, value), "
+                         f"got {type(interventions).__name__}")
+    if not items:
         raise InputError("no feature interventions: give a list of (layer, position, feature, "
                          "value)")
-    try:
-        items = list(interventions)  # type: ignore[call-overload]
-    except TypeError:
-        raise InputError("interventions must be a list of (layer, position, feature, value), "
-                         f"got {type(interventions).__name__}") from None
     n_layers, n_features = transcoder.n_layers, transcoder.cfg.d_transcoder
     out, seen = [], {}
     for i, item in enumerate(items):

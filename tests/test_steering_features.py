@@ -257,6 +257,8 @@ def test_bad_inputs_are_refused(world):
     n = ids.shape[1]
     cases = [
         ([], InputError, "no feature interventions"),
+        (5, InputError, "must be a list"),
+        ("0:1:2=3", InputError, "must be a list"),
         ([(0, 1, 2)], InputError, r"interventions\[0\] must be \(layer"),
         ([(3, 1, 2, 1.0)], InputError, "layer 3 is outside"),
         ([(-1, 1, 2, 1.0)], InputError, "layer -1 is outside"),
@@ -285,6 +287,10 @@ def test_bad_inputs_are_refused(world):
         FeatureAblate(clt=clt, clt_layer=0, features=[1], value=float("nan"))
     with pytest.raises(InputError, match="one value per feature"):
         FeatureAblate(clt=clt, clt_layer=0, features=[1, 2], value=[1.0])
+    with pytest.raises(InputError, match="one feature twice"):
+        FeatureAblate(clt=clt, clt_layer=0, features=[1, 1], value=[1.0, 2.0])
+    with pytest.raises(InputError, match="non-empty"):
+        FeatureAblate(clt=clt, clt_layer=0, features=[], value=1.0)
 
 
 def test_bad_spec_entries_are_refused_at_their_path(world):

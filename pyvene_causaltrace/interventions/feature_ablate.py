@@ -63,8 +63,12 @@ class FeatureAblate(SpliceIntervention):
                              f"value={value}): scale multiplies the features, value sets them")
         if features != "all":
             features = [int(f) for f in features]
-            if any(f < 0 for f in features):
-                raise InputError(f"feature ids must be >= 0, got {features}")
+            if not features or any(f < 0 for f in features):
+                raise InputError(f"features must be 'all' or a non-empty list of ids >= 0, "
+                                 f"got {features}")
+            if isinstance(value, list | tuple) and len(set(features)) < len(features):
+                raise InputError(f"features {features} name one feature twice, with one value "
+                                 "each: give each once")
         if positions is not None and any(int(p) < 0 for p in positions):
             raise InputError(f"feature_ablate positions must be >= 0, got {positions}")
         value = _values(value, features)
