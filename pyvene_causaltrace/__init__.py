@@ -4,6 +4,8 @@
     model, tokenizer = load_model("smollm2-135m")
     result = trace(model, tokenizer, "The Eiffel Tower is in the city of", "The Eiffel Tower")
     graph = attribute(model, tokenizer, clt, "The Eiffel Tower is in the city of", " Paris")
+    steered = intervene_features(model, tokenizer, clt, "The Eiffel Tower is in the city of",
+                                 [(20, -1, 1234, 10.0)], max_new_tokens=10)
 
 Names are imported lazily: importing the package imports neither pyvene nor transformers and
 changes nothing but this package's own registry.
@@ -34,6 +36,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "SpecError": ".specs",
     "attribute": ".attribution.attribute",
     "AttributionGraph": ".attribution.graph",
+    "intervene_features": ".steering",
     "load_transcoder": ".transcoders.formats",
     "register_intervention": ".interventions",
     "IntervenableModel": ".pyvene_compat",

@@ -65,6 +65,13 @@ def root(tmp_path_factory, tokenizer):
     run = root / "bad_manifest"
     run.mkdir()
     (run / "manifest.json").write_text('{"scale": "3\x01"}')
+    splice = {"type": "clt_splice", "clt": str(root / "clt"), "error": "clean"}
+    steer = {"schema_version": 1, "prompt": PROMPT}
+    (root / "scale_steer.json").write_text(json.dumps({**steer, "interventions": [
+        splice, {"type": "feature_ablate", "clt_layer": 1, "features": [2], "scale": 3.0}]}))
+    (root / "no_error_steer.json").write_text(json.dumps({**steer, "interventions": [
+        {"type": "clt_splice", "clt": str(root / "clt")},
+        {"type": "feature_ablate", "clt_layer": 1, "features": [2], "value": 3.0}]}))
     return root
 
 
@@ -208,6 +215,43 @@ CASES = {
           "{root}/texts.txt", "--out", "{root}/g20"], "texts.txt"),
         (["--model", "{root}/llama", "--clt", "{root}/clt", "--direction",
           "{root}/spec.json", "--answer", " the", "--out", "{root}/g21"], "one of them"),
+    ],
+    "steer": [
+        (["--model", "{root}/llama", "--clt", "{root}/clt"], "--set"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:2:3"],
+         "LAYER:POS:FEATURE=VALUE"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:last:3=1"],
+         "LAYER:POS:FEATURE=VALUE"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:2:3=nan"], "finite"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:2:3=big"],
+         "not a number"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "5:2:3=1"], "layer 5"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:2:99=1"], "feature 99"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:0:3=1"], "position 0"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:99:3=1"],
+         "position 99"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:2:3=1", "--set",
+          "1:all:3=2"], "already sets"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:2:3=1",
+          "--max-new-tokens", "-1"], "max-new-tokens"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:2:3=1", "--top-k", "0"],
+         "top-k"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:2:3=1", "--prompt", ""],
+         "prompt"),
+        (["--model", "{root}/llama", "--set", "1:2:3=1"], "transcoder"),
+        (["--model", "{root}/llama", "--clt", "{root}/absent", "--set", "1:2:3=1"], "absent"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--format", "bogus", "--set",
+          "1:2:3=1"], "bogus"),
+        (["--model", "{root}/llama", "--clt", "{root}/clt", "--set", "1:2:3=1", "--out",
+          "{root}/a_file"], "a_file"),
+        (["--model", "{root}/gpt2", "--clt", "{root}/clt", "--set", "1:2:3=1", "--prompt", LONG],
+         "position"),
+        (["--spec", "{root}/scale_steer.json", "--model", "{root}/llama", "--set", "1:2:3=1"],
+         "drop --set"),
+        (["--spec", "{root}/scale_steer.json", "--model", "{root}/llama"], "scales features"),
+        (["--spec", "{root}/no_error_steer.json", "--model", "{root}/llama"], "error"),
+        (["--spec", "{root}/spec.json", "--model", "{root}/llama"], "clt_splice"),
+        (["--spec", "{root}/broken.json"], "not valid JSON"),
     ],
     "interventions": [(["--bogus"], "unrecognized"),
                       (["--plugins", "no_such_plugin_module"], "no_such_plugin_module")],

@@ -277,9 +277,10 @@ def test_validate_refuses_typos_specless_types_and_missing_modules(tokenizer):
     with pytest.raises(SpecError, match=r"\$\.interventions\[0\]\.type.*did you mean "
                                         r"'clean_restore'"):
         validate_spec(typo)
-    for kind in ("frozen_attention", "gradient_leaf"):
-        spec = with_change(["interventions"], [{"type": kind, "params": {}}])
-        with pytest.raises(SpecError, match=f"{kind} is part of the attribution method"):
+    for kind, extra in (("frozen_attention", {}), ("gradient_leaf", {"params": {}})):
+        # frozen_attention is a spec entry only with a held pattern ("pattern": "clean")
+        spec = with_change(["interventions"], [{"type": kind, **extra}])
+        with pytest.raises(SpecError, match=f"{kind}.*part of the attribution method"):
             validate_spec(spec)
     model = make_tiny_model("llama")
     wrong = with_change(["interventions"], [

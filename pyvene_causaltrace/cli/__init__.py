@@ -9,6 +9,7 @@
         --seeds 3 --out runs/known                   # resumable; under torchrun it shards
     pyvene-causaltrace dataset --task agreement --out runs/agreement
     pyvene-causaltrace aggregate runs/known          # re-aggregate (merges shards if needed)
+    pyvene-causaltrace steer --clt DIR --set 20:-1:1234=10 --max-new-tokens 10
     pyvene-causaltrace interventions
     pyvene-causaltrace run my_spec.json --plugins my_pkg.steer   # types registered by a module
 
@@ -37,6 +38,7 @@ COMMANDS = {
     "attribute": ("attribute", "attribute_command"),
     "clt-check": ("attribute", "clt_check_command"),
     "serve": ("serve", "serve_command"),
+    "steer": ("steer", "steer_command"),
 }
 
 

@@ -162,6 +162,34 @@ def build_parser() -> argparse.ArgumentParser:
                             "nodes.csv, edges.csv, graph.png, summary.json; rows computed so "
                             "far are kept in rows.partial/, so an interrupted run resumes")
 
+    steer = commands.add_parser(
+        "steer", parents=[plugins],
+        help="set transcoder features to values: top tokens against the clean run, and a "
+             "greedy continuation with the features held")
+    steer.add_argument("--spec", type=Path, default=None,
+                       help="a steering spec (intervention_specs/feature_steering.json: "
+                            "clt_splice with error, feature_ablate with value); --model/--clt/"
+                            "--max-new-tokens/--out apply to it")
+    steer.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    steer.add_argument("--clt", default=None, help=_TRANSCODER_HELP)
+    steer.add_argument("--format", default=None, help=_FORMAT_HELP)
+    steer.add_argument("--prompt", default=None, help=f"default: {EIFFEL['prompt']!r}")
+    steer.add_argument("--set", action="append", default=[], metavar="LAYER:POS:FEATURE=VALUE",
+                       help="set a feature (repeatable); POS is a prompt position (negative "
+                            "from the end) or 'all' (every prompt and generated position)")
+    steer.add_argument("--max-new-tokens", type=int, default=0,
+                       help="greedy tokens to generate, with the features held and without")
+    steer.add_argument("--no-hold-errors", action="store_true",
+                       help="keep the transcoder's error live (the model's own MLP output plus "
+                            "what the set features change, as circuit-tracer does) instead of "
+                            "holding it at the clean run's")
+    steer.add_argument("--freeze-attention", action="store_true",
+                       help="hold the prompt's attention patterns at the clean run's")
+    steer.add_argument("--top-k", type=int, default=10, help="top tokens per run")
+    steer.add_argument("--out", type=Path, default=None,
+                       help="write steering.json (the result) and spec.json (the spec that "
+                            "reproduces it) here")
+
     commands.add_parser("interventions", parents=[plugins],
                         help="list the registered intervention types")
 

@@ -10,7 +10,7 @@ name                   class
 ``frozen_layernorm``   :class:`~.frozen.FrozenLayerNorm`
 ``frozen_attention``   :class:`~.frozen.FrozenAttention`
 ``clt_splice``         :class:`~.clt_splice.CLTSplice`
-``feature_ablate``     :class:`~.clt_splice.FeatureAblate`
+``feature_ablate``     :class:`~.feature_ablate.FeatureAblate`
 ``gradient_leaf``      :class:`~.leaf.GradientLeaf`
 =====================  ==========================================================
 """

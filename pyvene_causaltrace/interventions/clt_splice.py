@@ -1,5 +1,4 @@
-"""``clt_splice`` and ``feature_ablate``: run a transcoder (cross-layer or a per-layer set) inside
-the model.
+"""``clt_splice``: run a transcoder (cross-layer or a per-layer set) inside the model.
 
 A splice is two registered interventions per layer, built by :func:`clt_splice_representations`:
 
@@ -12,7 +11,12 @@ A splice is two registered interventions per layer, built by :func:`clt_splice_r
   plus, with ``add_error``, the frozen error ``(out - recon).detach()`` so the forward is the
   original one while gradients flow through the features; or plus a fixed ``error`` tensor
   ``[1, P, D]`` (the clean run's error, :func:`clean_errors`), so that ablating features changes
-  the output while the part the dictionary misses stays as it was.
+  the output while the part the dictionary misses stays as it was; or, with ``live_error``, the
+  hook's own value plus what changed features change, ``out + sum_l (a'_l - a_l) @ W_dec`` (``a``
+  as encoded, ``a'`` after ``feature_ablate``): the model itself wherever no feature changed, as
+  circuit-tracer's feature interventions run. With both a fixed error and ``live_error`` the
+  fixed error covers the positions it has (the prompt's) and the live one every later position
+  (generated tokens); without ``live_error`` a sequence longer than the fixed error is refused.
 
 With ``leaves=True`` (the attribution graph's local replacement model) the encoder keeps the
 layer's active features as one autograd leaf vector (:class:`ActiveFeatures`, values cut from
@@ -24,9 +28,10 @@ The encoder also keeps its input live so each feature's pre-activation can be a 
 Features before ``from_position`` are zero, but the decoder covers every position (the error
 carries BOS exactly).
 
-``feature_ablate`` sits on the same input hook after the encoder and scales chosen features
-(zero by default) before any decoder reads them. The default ``from_position=1`` never splices
-BOS: no dictionary is trained on the attention sink there, and splicing it wrecks the model.
+``feature_ablate`` (:mod:`.feature_ablate`) sits on the same input hook after the encoder and
+scales or sets chosen features before any decoder reads them. The default ``from_position=1``
+never splices BOS: no dictionary is trained on the attention sink there, and splicing it wrecks
+the model.
 
 What one splice's interventions share during a forward — each layer's features and inputs,
 and in leaf mode the leaves — is a :class:`SpliceSession`, handed to the caller (pass your own
@@ -38,10 +43,7 @@ interventions carry the session's id in their configuration, so a splice loaded 
 
 from __future__ import annotations
 
-import uuid
-import weakref
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,77 +51,21 @@ import torch
 from ..errors import InputError, SpecError
 from ..locations import resolve_layers
 from ..models import get_adapter
-from ..transcoders.formats import load_transcoder
 from ..transcoders.hooks import norm_settings, normalize, transcoder_states
 from ..transcoders.transcoder import check_fits
-from .base import CausalTraceIntervention
+from .feature_ablate import FeatureAblate
 from .spec_entry import Site, SpecContext
+from .splice_session import (
+    SpliceIntervention,
+    SpliceSession,
+    file_identity,
+    resolve_transcoder,
+)
 
-#: Transcoders read by path, keyed by the files' identity (see :func:`file_identity`).
-_TRANSCODERS: dict[tuple, Any] = {}
-
-
-def file_identity(source: str) -> tuple:
-    """What identifies a transcoder's files: the resolved path and each file's size and
-    modification time (a directory's files, or a config file and the files beside it); a hub
-    id as it is."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        return (source,)
-    root = path if path.is_dir() else path.parent
-    files = sorted(p for p in root.iterdir() if p.is_file())
-    return (str(path.resolve()),
-            *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
-
-
-def resolve_transcoder(source: str | None, clt=None):
-    """``clt`` itself, or the transcoder at ``source`` (read once per version of its files)."""
-    if clt is not None:
-        if clt.source is not None:
-            _TRANSCODERS.setdefault(file_identity(clt.source), clt)
-        return clt
-    if source is None:
-        raise InputError("clt_splice needs a transcoder (an object, or the path it was loaded "
-                         "from)")
-    key = file_identity(source)
-    if key not in _TRANSCODERS:
-        _TRANSCODERS[key] = load_transcoder(source)
-    return _TRANSCODERS[key]
-
-
-@dataclass(eq=False)
-class SpliceSession:
-    """What one splice's interventions share during a forward: per layer the features
-    (``acts``, after any ``feature_ablate``) and the transcoder's inputs; in leaf mode
-    ``leaves`` — ``features`` (:class:`ActiveFeatures`), ``writes``, ``errors``, ``inputs`` per
-    layer and the ``b_dec`` leaf. The first encoder of a forward clears it."""
-
-    id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    acts: dict[int, torch.Tensor] = field(default_factory=dict)
-    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
-    leaves: dict[str, Any] = field(default_factory=dict)
-
-    def clear(self) -> None:
-        self.acts.clear()
-        self.inputs.clear()
-        self.leaves.clear()
-
-    def __deepcopy__(self, memo) -> SpliceSession:
-        # pyvene deep-copies its config, which holds the interventions: they must keep sharing
-        # the session their caller holds
-        return self
-
-
-#: Live sessions by id, so interventions rebuilt from a saved configuration share one.
-_SESSIONS: weakref.WeakValueDictionary[str, SpliceSession] = weakref.WeakValueDictionary()
-
-
-def _session_for(session_id: str | None) -> SpliceSession:
-    if session_id is not None and session_id in _SESSIONS:
-        return _SESSIONS[session_id]
-    session = SpliceSession() if session_id is None else SpliceSession(id=session_id)
-    _SESSIONS[session.id] = session
-    return session
+# FeatureAblate and the splice's shared base used to live here: they stay importable from here
+__all__ = ["ActiveFeatures", "CLTSplice", "FeatureAblate", "SpliceSession", "clean_errors",
+           "clt_splice_representations", "file_identity", "resolve_transcoder",
+           "splice_session"]
 
 
 def splice_session(representations: list[dict]) -> SpliceSession:
@@ -127,7 +73,7 @@ def splice_session(representations: list[dict]) -> SpliceSession:
     :func:`clt_splice_representations`)."""
     for rep in representations:
         intervention = rep["intervention"]
-        if isinstance(intervention, _CLTIntervention):
+        if isinstance(intervention, SpliceIntervention):
             return intervention.session
     raise InputError("no clt_splice among these representations")
 
@@ -150,55 +96,19 @@ def _leaf_session(session: SpliceSession) -> dict:
     return session.leaves
 
 
-class _CLTIntervention(CausalTraceIntervention):
-    _config_keys: tuple[str, ...] = ()
-
-    def __init__(self, clt=None, session: SpliceSession | None = None, **kwargs: Any) -> None:
-        # plain references, not submodules: they must not enter pyvene's state dicts
-        self.__dict__["_clt_object"] = clt
-        self.__dict__["_session_object"] = session
-        own = {k: kwargs.pop(k) for k in self._config_keys if k in kwargs}
-        super().__init__(**own, **kwargs)
-
-    @property
-    def clt(self):
-        return resolve_transcoder(self._config.get("source"), self._clt_object)
-
-    @property
-    def session(self) -> SpliceSession:
-        """The splice's shared state (found again by id after a pyvene load)."""
-        if self.__dict__["_session_object"] is None:
-            self.__dict__["_session_object"] = _session_for(self._config.get("session"))
-            self._config["session"] = self.__dict__["_session_object"].id
-        return self.__dict__["_session_object"]
-
-    def _session_id(self, session_id: str | None, source: str | None) -> str:
-        """The id of the session given to the constructor, else the saved one, else the
-        transcoder's default session (interventions built one by one share it)."""
-        given = self.__dict__.get("_session_object")
-        if given is not None:
-            _SESSIONS[given.id] = given
-            return given.id
-        if session_id is not None:
-            return session_id
-        return f"default:{source if source is not None else id(self._clt_object)}"
-
-    def _source_of(self) -> str | None:
-        return self._clt_object.source if self._clt_object is not None else None
-
-
-class CLTSplice(_CLTIntervention):
+class CLTSplice(SpliceIntervention):
     """One role of a CLT splice at one layer (see module docstring)."""
 
     registered_name = "clt_splice"
     tensor_fields = ("error",)
     _config_keys = ("role", "clt_layer", "from_position", "add_error", "reset", "leaves",
-                    "source", "error", "normalize", "session")
+                    "source", "error", "normalize", "session", "live_error", "error_from")
 
     def _setup(self, role: str, clt_layer: int, from_position: int = 1, add_error: bool = False,
                reset: bool = False, leaves: bool = False, source: str | None = None,
                error: torch.Tensor | None = None, normalize: dict | None = None,
-               session: str | None = None) -> None:
+               session: str | None = None, live_error: bool = False,
+               error_from: str | None = None) -> None:
         source = source if source is not None else self._source_of()
         if role not in ("encode", "decode"):
             raise InputError(f"role must be 'encode' or 'decode', got {role!r}")
@@ -206,6 +116,10 @@ class CLTSplice(_CLTIntervention):
             raise InputError(f"from_position must be >= 0, got {from_position}")
         if error is not None and (add_error or role != "decode"):
             raise InputError("a fixed error goes on a decoder, instead of add_error")
+        if live_error and (add_error or leaves):
+            raise InputError("live_error replaces add_error (and leaf mode's error): give one")
+        if error_from not in (None, "clean"):
+            raise InputError(f"error_from must be None or 'clean', got {error_from!r}")
         self._set_tensor("error", error)
         self._config = {"role": role, "clt_layer": int(clt_layer),
                         "from_position": int(from_position),
@@ -213,7 +127,8 @@ class CLTSplice(_CLTIntervention):
                         "leaves": bool(leaves),
                         "source": source,
                         "normalize": None if normalize is None else dict(normalize),
-                        "session": self._session_id(session, source)}
+                        "session": self._session_id(session, source),
+                        "live_error": bool(live_error), "error_from": error_from}
 
     # -- spec entry: one entry is the whole splice (every layer's encoder and decoder, with the
     # spec's feature_ablate entries after their layer's encoder), sharing one session
@@ -231,7 +146,21 @@ class CLTSplice(_CLTIntervention):
             "from_position": {"type": "integer", "minimum": 0, "default": 1,
                               "description": "First spliced position; 1 leaves BOS alone."},
             "add_error": {"type": "boolean", "default": False,
-                          "description": "Add the frozen error so the forward is exact."}}}
+                          "description": "Add the frozen error so the forward is exact."},
+            "error": {"enum": ["clean", "live"],
+                      "description": "The error term when features are changed "
+                                     "(feature_ablate): 'clean' holds each layer's error at the "
+                                     "clean run's (out - recon on the prompt), 'live' keeps the "
+                                     "model's own MLP output plus what the changed features "
+                                     "change (circuit-tracer's feature interventions). Absent: "
+                                     "the reconstruction alone (or add_error's)."}}}
+
+    @classmethod
+    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
+        if "error" in entry and entry.get("add_error"):
+            raise SpecError(f"{path}.error", "add_error makes the forward the original one "
+                                             "whatever the features; error replaces it: give "
+                                             "one of them")
 
     @classmethod
     def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
@@ -241,23 +170,45 @@ class CLTSplice(_CLTIntervention):
             raise SpecError(ctx.path(index, "clt"), str(error)) from None
         layers = resolve_layers(entry.get("layers", "all"), clt.n_layers,
                                 ctx.path(index, "layers"))
-        ablations = [dict(item.fields) for item in ctx.spec.interventions
-                     if item.type == "feature_ablate"]
+        from_position = entry.get("from_position", 1)
+        ablations = []
+        for k, item in enumerate(ctx.spec.interventions):
+            if item.type == "feature_ablate":
+                _check_ablation(item.fields, ctx.path(k), clt, layers, from_position,
+                                ctx.prompt.seq_len)
+                ablations.append(dict(item.fields))
+        error = entry.get("error")
         reps = clt_splice_representations(
-            clt, ctx.model, layers=layers, from_position=entry.get("from_position", 1),
-            add_error=entry.get("add_error", False), ablations=ablations)
+            clt, ctx.model, layers=layers, from_position=from_position,
+            add_error=entry.get("add_error", False), ablations=ablations,
+            live_error=error is not None, error_from="clean" if error == "clean" else None)
         return [Site(index, rep["component"], rep["intervention"].config()["clt_layer"],
                      where=ctx.path(index, "clt"), made=rep["intervention"]) for rep in reps]
 
     @classmethod
     def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
-        return site.made
+        made = site.made
+        config = made.config() if isinstance(made, CLTSplice) else {}
+        if config.get("error_from") == "clean" and config["role"] == "decode":
+            # the clean run's errors, computed once for the whole splice
+            key = ("clean_errors", config["source"])
+            if key not in ctx.cache:
+                device = next(ctx.model.parameters()).device
+                ctx.cache[key] = clean_errors(made.clt, ctx.model,
+                                              ctx.prompt.input_ids.to(device))
+            made._set_tensor("error", ctx.cache[key][config["clt_layer"]])
+        return made
 
     def to_spec(self, site: Site) -> dict[str, Any]:
-        return {"type": self.registered_name, "clt": self._config["source"],
-                "layers": [self._config["clt_layer"]],
-                "from_position": self._config["from_position"],
-                "add_error": self._config["add_error"]}
+        config = self._config
+        error = config["error_from"] or ("live" if config["live_error"] else None)
+        if self.error is not None and config["error_from"] is None:
+            raise InputError("this splice holds an error tensor of its caller's; a spec can "
+                             "name only the clean run's errors ('error': 'clean')")
+        return {"type": self.registered_name, "clt": config["source"],
+                "layers": [config["clt_layer"]],
+                "from_position": config["from_position"],
+                "add_error": config["add_error"], **({"error": error} if error else {})}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         clt, layer = self.clt, self._config["clt_layer"]
@@ -271,28 +222,31 @@ class CLTSplice(_CLTIntervention):
             x = self._input(base)
             acts = clt.encode(x, layer)
             acts = torch.cat([torch.zeros_like(acts[:, :start]), acts[:, start:]], dim=1)
-            session.acts[layer] = acts
+            session.acts[layer] = session.encoded[layer] = acts
             session.inputs[layer] = x
             return base
-        recon = clt.b_dec[layer].to(base.dtype).expand_as(base)
-        inputs = session.inputs
-        if layer not in inputs:
+        if layer not in session.inputs:
             raise InputError(f"the decoder of layer {layer} needs its encoder, placed before "
                              "it in the same forward")
-        recon = recon + clt.skip(inputs[layer], layer).to(base.dtype)
-        for source_layer in clt.cfg.sources(layer):
-            acts = session.acts.get(source_layer)
-            if acts is None:
-                continue
-            active = (acts != 0).reshape(-1, acts.shape[-1]).any(0).nonzero().squeeze(-1)
-            if active.numel() == 0:
-                continue
-            rows = clt.decoder_rows(source_layer, active)[:, layer - source_layer]  # [n, D]
-            recon = recon + (acts[..., active] @ rows).to(base.dtype)
+        n_pos, held = base.shape[1], self.error
+        live = None
+        if self._config["live_error"]:
+            change = _change(clt, layer, session)
+            live = base if change is None else base + change.to(base.dtype)
+            if held is None:
+                return torch.cat([base[:, :start], live[:, start:]], dim=1)
+        elif held is not None and held.shape[-2] < n_pos:
+            raise InputError(f"the fixed error of layer {layer} covers {held.shape[-2]} "
+                             f"positions and the sequence has {n_pos}: give the error of this "
+                             "sequence, or live_error=True for the positions past it")
+        recon = _reconstruct(clt, layer, session, base)
         if self._config["add_error"]:
             recon = recon + (base - recon).detach()
-        elif self.error is not None:
-            recon = recon + self.error[..., :base.shape[1], :].to(base.dtype)
+        elif held is not None:
+            n_held = min(held.shape[-2], n_pos)
+            recon = recon[:, :n_held] + held[..., :n_held, :].to(base.dtype)
+            if live is not None and n_held < n_pos:
+                recon = torch.cat([recon, live[:, n_held:]], dim=1)
         return torch.cat([base[:, :start], recon[:, start:]], dim=1)
 
     def _input(self, base: torch.Tensor, frozen: bool = False) -> torch.Tensor:
@@ -332,6 +286,62 @@ class CLTSplice(_CLTIntervention):
         return recon + error
 
 
+def _reconstruct(clt, layer: int, session: SpliceSession, base: torch.Tensor) -> torch.Tensor:
+    """``b_dec[layer] + skip(x) + sum_{l writing layer} a_l @ W_dec[l][:, layer - l]`` from the
+    session's features (after any feature_ablate), in ``base``'s dtype."""
+    recon = clt.b_dec[layer].to(base.dtype).expand_as(base)
+    recon = recon + clt.skip(session.inputs[layer], layer).to(base.dtype)
+    for source_layer in clt.cfg.sources(layer):
+        acts = session.acts.get(source_layer)
+        if acts is None:
+            continue
+        active = (acts != 0).reshape(-1, acts.shape[-1]).any(0).nonzero().squeeze(-1)
+        if active.numel() == 0:
+            continue
+        rows = clt.decoder_rows(source_layer, active)[:, layer - source_layer]  # [n, D]
+        recon = recon + (acts[..., active] @ rows).to(base.dtype)
+    return recon
+
+
+def _change(clt, layer: int, session: SpliceSession) -> torch.Tensor | None:
+    """What feature_ablate changed in ``layer``'s output: ``sum_l (a'_l - a_l) @ W_dec[l][:,
+    layer - l]`` over the features it changed (None when it changed none)."""
+    change = None
+    for source_layer in clt.cfg.sources(layer):
+        now, encoded = session.acts.get(source_layer), session.encoded.get(source_layer)
+        if now is None or encoded is None or now is encoded:
+            continue
+        diff = now - encoded
+        changed = (diff != 0).reshape(-1, diff.shape[-1]).any(0).nonzero().squeeze(-1)
+        if changed.numel() == 0:
+            continue
+        rows = clt.decoder_rows(source_layer, changed)[:, layer - source_layer]  # [n, D]
+        term = diff[..., changed] @ rows
+        change = term if change is None else change + term
+    return change
+
+
+def _check_ablation(entry: dict, path: str, clt, layers: list[int], from_position: int,
+                    n_pos: int) -> None:
+    """A spec's feature_ablate entry names a spliced layer, features the transcoder has and
+    spliced positions of the prompt (otherwise it would act nowhere, without a word)."""
+    if entry["clt_layer"] not in layers:
+        raise SpecError(f"{path}.clt_layer", f"layer {entry['clt_layer']} is not spliced (the "
+                                             f"clt_splice entry splices layers {layers})")
+    features = entry["features"]
+    if features != "all" and max(features) >= clt.cfg.d_transcoder:
+        raise SpecError(f"{path}.features", f"feature {max(features)} is outside the "
+                                            f"transcoder's {clt.cfg.d_transcoder} per layer")
+    for position in entry.get("positions") or []:
+        if position >= n_pos:
+            raise SpecError(f"{path}.positions", f"position {position} is outside the prompt's "
+                                                 f"{n_pos} tokens")
+        if position < from_position:
+            raise SpecError(f"{path}.positions", f"position {position} is before the splice's "
+                                                 f"from_position {from_position}, which it "
+                                                 "leaves alone")
+
+
 def _writes(active: ActiveFeatures, shape: tuple[int, int], n_targets: int,
             d_model: int) -> tuple[torch.Tensor, ...] | None:
     """What one layer's leaf features write into each later layer: ``n_targets`` tensors
@@ -357,70 +367,6 @@ def _writes(active: ActiveFeatures, shape: tuple[int, int], n_targets: int,
     return torch.stack(per_position).reshape(batch, n_pos, n_targets, d_model).unbind(2)
 
 
-class FeatureAblate(_CLTIntervention):
-    """Scale (default: zero) ``features`` of layer ``clt_layer`` at ``positions`` (None: all)
-    inside a splice; ``features="all"`` switches the whole layer off (its decoders then add
-    nothing, leaving b_dec)."""
-
-    registered_name = "feature_ablate"
-    _config_keys = ("clt_layer", "features", "positions", "scale", "source", "session")
-
-    def _setup(self, clt_layer: int, features: list[int] | str,
-               positions: list[int] | None = None, scale: float = 0.0,
-               source: str | None = None, session: str | None = None) -> None:
-        source = source if source is not None else self._source_of()
-        if features != "all":
-            features = [int(f) for f in features]
-        self._config = {"clt_layer": int(clt_layer), "features": features,
-                        "positions": None if positions is None else [int(p) for p in positions],
-                        "scale": float(scale), "source": source,
-                        "session": self._session_id(session, source)}
-
-    # -- spec entry: read by the spec's clt_splice, which places it after its layer's encoder
-    spec_requires = ("clt_splice",)
-
-    @classmethod
-    def spec_schema(cls) -> dict[str, Any]:
-        return {"additionalProperties": False, "required": ["clt_layer", "features"],
-                "properties": {
-                    "type": True, "clt_layer": {"type": "integer", "minimum": 0},
-                    "features": {"oneOf": [{"const": "all"}, {
-                        "type": "array", "minItems": 1,
-                        "items": {"type": "integer", "minimum": 0}}]},
-                    "positions": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                    "scale": {"type": "number", "default": 0.0}}}
-
-    @classmethod
-    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
-        return []  # built by the clt_splice entry
-
-    def to_spec(self, site: Site) -> dict[str, Any]:
-        return {"type": self.registered_name,
-                **{k: self._config[k] for k in ("clt_layer", "features", "positions", "scale")
-                   if self._config[k] is not None}}
-
-    def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
-        session = self.session.acts
-        layer = self._config["clt_layer"]
-        if layer not in session:
-            raise InputError(f"feature_ablate at layer {layer} needs a clt_splice encoder "
-                             "at the same layer, placed before it")
-        acts = session[layer].clone()
-        positions = self._config["positions"]
-        where = slice(None) if positions is None else positions
-        features = self._config["features"]
-        columns = slice(None) if features == "all" else features
-        chosen = acts[:, where][..., columns] * self._config["scale"]
-        if positions is None:
-            acts[..., columns] = chosen
-        else:
-            block = acts[:, positions]
-            block[..., columns] = chosen
-            acts[:, positions] = block
-        session[layer] = acts
-        return base
-
-
 def clean_errors(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
     """The clean run's transcoder error ``out - recon`` per layer, ``[L, 1, P, D]``, for a
     splice with a fixed error."""
@@ -434,19 +380,28 @@ def clt_splice_representations(
     clt, model, *, layers: list[int] | None = None, from_position: int = 1,
     add_error: bool = False, ablations: list[dict] | None = None, leaves: bool = False,
     errors: torch.Tensor | None = None, session: SpliceSession | None = None,
+    live_error: bool = False, error_from: str | None = None,
 ) -> list[dict]:
     """pyvene representation dicts that splice ``clt`` into ``model`` at ``layers`` (all by
     default), with ``ablations`` (``feature_ablate`` keyword dicts with ``clt_layer``) after
     their layer's encoder; ``leaves=True`` builds the attribution graph's leaf-mode splice
     (always with the error term, see module docstring); ``errors`` (``[L, 1, P, D]``, from
-    :func:`clean_errors`) fixes each decoder's error term. The interventions share ``session``
-    (a new :class:`SpliceSession` by default; :func:`splice_session` finds it)."""
+    :func:`clean_errors`) fixes each decoder's error term; ``live_error`` keeps the model's own
+    MLP output plus what changed features change (past the fixed errors' positions, when
+    given); ``error_from="clean"`` says the fixed errors are the clean run's on the input, so a
+    spec can name them. The interventions share ``session`` (a new :class:`SpliceSession` by
+    default; :func:`splice_session` finds it)."""
     if leaves and ablations:
         raise InputError("a leaf-mode splice does not take ablations")
     check_fits(clt, model)
     adapter = get_adapter(model)
     session = SpliceSession() if session is None else session
     layers = list(range(clt.n_layers)) if layers is None else sorted(layers)
+    for ablation in ablations or []:
+        if ablation.get("clt_layer") not in layers:
+            raise InputError(f"an ablation names layer {ablation.get('clt_layer')!r}, which is "
+                             f"not spliced (layers {layers})")
+    modes = {"live_error": live_error, "error_from": error_from}
     out = []
     for index, layer in enumerate(layers):
         hooks = clt.cfg.hf_hooks(adapter, layer)
@@ -454,7 +409,7 @@ def clt_splice_representations(
             clt=clt, session=session, role="encode", clt_layer=layer,
             from_position=from_position,
             add_error=add_error or leaves, reset=index == 0, leaves=leaves,
-            normalize=norm_settings(model, clt.cfg.feature_input_hook, layer))})
+            normalize=norm_settings(model, clt.cfg.feature_input_hook, layer), **modes)})
         for ablation in ablations or []:
             if ablation["clt_layer"] == layer:
                 out.append({"component": hooks["input"],
@@ -466,5 +421,6 @@ def clt_splice_representations(
                                               clt_layer=layer,
                                               from_position=from_position,
                                               add_error=add_error or leaves, leaves=leaves,
-                                              error=None if errors is None else errors[layer])})
+                                              error=None if errors is None else errors[layer],
+                                              **modes)})
     return out

@@ -17,7 +17,11 @@ A norm's bias (LayerNorm) keeps its gradient, so it can be counted as a constant
 
 ``frozen_attention``: placed on an attention module's *output*, it recomputes the module with
 queries and keys detached after every transform (projections, q/k norms, rotary) — the pattern is
-a constant while values flow — and returns the original value with that gradient. The
+a constant while values flow — and returns the original value with that gradient. Given a
+``pattern`` (``[1, heads, n, n]``, the clean run's from :func:`attention_patterns`) it holds the
+pattern in the forward too: query positions below ``n`` mix the live values by the held weights,
+later positions (generated tokens) attend as the model does — circuit-tracer's
+``freeze_attention`` of feature interventions. The
 recomputation goes through the model's own attention function (eager, sdpa, ...) via a
 registered transformers ``AttentionInterface`` entry, so it works for every architecture that
 dispatches through that interface (GPT-2, Llama/SmolLM2, Mistral, Qwen2/3 with grouped-query
@@ -42,7 +46,9 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError, UnsupportedModelError
+from ..errors import InputError, SpecError, UnsupportedModelError
+from ..hooking import installed
+from ..models import get_adapter, get_module
 from ..pyvene_compat import hooked_call
 from .base import CausalTraceIntervention
 from .spec_entry import Site, SpecContext
@@ -152,7 +158,9 @@ class FrozenLayerNorm(CausalTraceIntervention):
 # ------------------------------------------------------------------------ frozen attention
 
 FROZEN_QK = "pvct_frozen_qk"
+HELD_PATTERN = "pvct_held_pattern"
 _inner_attention: ContextVar[Callable] = ContextVar("pvct_inner_attention")
+_held_pattern: ContextVar[torch.Tensor] = ContextVar("pvct_held_pattern")
 
 
 def _frozen_qk_attention(module, query, key, value, attention_mask, **kwargs):
@@ -161,23 +169,44 @@ def _frozen_qk_attention(module, query, key, value, attention_mask, **kwargs):
                                   **kwargs)
 
 
+def _held_pattern_attention(module, query, key, value, attention_mask, **kwargs):
+    """The model's own attention function, except that each query position the held pattern
+    ``[1, heads, n, n]`` covers mixes the live values by the held weights (positions past
+    ``n``, generated tokens, attend as the model does)."""
+    output, weights = _inner_attention.get()(module, query, key, value, attention_mask,
+                                             **kwargs)
+    pattern = _held_pattern.get()
+    if pattern.shape[1] != query.shape[1]:
+        raise InputError(f"the held attention pattern has {pattern.shape[1]} heads, the "
+                         f"attention {query.shape[1]}")
+    n = min(pattern.shape[-2], query.shape[-2])
+    values = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)  # grouped kv
+    held = torch.matmul(pattern[..., :n, :n].to(values.dtype), values[:, :, :n])
+    return torch.cat([held.transpose(1, 2).to(output.dtype), output[:, n:]], dim=1), weights
+
+
+_FUNCTIONS = {FROZEN_QK: _frozen_qk_attention, HELD_PATTERN: _held_pattern_attention}
+
+
 def _register_frozen_qk() -> None:
     # transformers loads when an attention is frozen, not with the registry's built-ins
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-    if FROZEN_QK not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(FROZEN_QK, _frozen_qk_attention)
+    for name, function in _FUNCTIONS.items():
+        if name not in ALL_ATTENTION_FUNCTIONS:
+            AttentionInterface.register(name, function)
 
 
 @contextmanager
-def frozen_qk(attention: torch.nn.Module) -> Iterator[None]:
-    """Inside the block, ``attention``'s forward computes its pattern from detached q and k."""
+def _attention_function(attention: torch.nn.Module, name: str) -> Iterator[None]:
+    """Inside the block, ``attention``'s forward calls our function ``name``, which calls the
+    model's own (eager, sdpa, ...)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # heavy: as above
 
     _register_frozen_qk()
     config = attention.config
     original = config._attn_implementation
-    if original in (None, "eager", FROZEN_QK):
+    if original in (None, "eager", *_FUNCTIONS):
         inner = getattr(sys.modules[type(attention).__module__], "eager_attention_forward", None)
         if inner is None:
             raise UnsupportedModelError(f"{type(attention).__name__} has no "
@@ -185,7 +214,7 @@ def frozen_qk(attention: torch.nn.Module) -> Iterator[None]:
     else:
         inner = ALL_ATTENTION_FUNCTIONS[original]
     token = _inner_attention.set(inner)
-    config._attn_implementation_internal = FROZEN_QK
+    config._attn_implementation_internal = name
     try:
         yield
     finally:
@@ -193,21 +222,120 @@ def frozen_qk(attention: torch.nn.Module) -> Iterator[None]:
         _inner_attention.reset(token)
 
 
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+@contextmanager
+def frozen_qk(attention: torch.nn.Module) -> Iterator[None]:
+    """Inside the block, ``attention``'s forward computes its pattern from detached q and k."""
+    with _attention_function(attention, FROZEN_QK):
+        yield
+
+
+@contextmanager
+def held_pattern(attention: torch.nn.Module, pattern: torch.Tensor) -> Iterator[None]:
+    """Inside the block, ``attention``'s forward mixes values by ``pattern`` ``[1, heads, n,
+    n]`` at its first ``n`` query positions."""
+    token = _held_pattern.set(pattern)
+    try:
+        with _attention_function(attention, HELD_PATTERN):
+            yield
+    finally:
+        _held_pattern.reset(token)
+
+
+def attention_patterns(model: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's attention pattern on ``input_ids``, ``[batch, heads, P, P]`` each: the
+    softmax weights of the model's eager attention, read in one plain forward during which the
+    model runs eager (its own implementation, e.g. sdpa, is put back afterwards)."""
+    adapter = get_adapter(model)
+    modules = [get_module(model, adapter.module_path("attn", layer))
+               for layer in range(adapter.n_layers(model))]
+    configs = {id(m.config): m.config for m in model.modules()
+               if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}
+    found: dict[int, torch.Tensor | None] = {}
+
+    def read(layer: int):
+        def hook(_module, _args, output):
+            found[layer] = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+        return hook
+
+    originals = {key: config._attn_implementation_internal for key, config in configs.items()}
+    try:
+        for config in configs.values():
+            config._attn_implementation_internal = "eager"
+        with installed([(m, "forward", read(i)) for i, m in enumerate(modules)]), \
+                torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for key, config in configs.items():
+            config._attn_implementation_internal = originals[key]
+    missing = [layer for layer in range(len(modules)) if found.get(layer) is None]
+    if missing:
+        raise UnsupportedModelError(f"{model.config.model_type}'s attention at layers "
+                                    f"{missing} returned no pattern in eager mode")
+    return [found[layer].detach().clone() for layer in range(len(modules))]
+
+
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
 
 
 class FrozenAttention(CausalTraceIntervention):
-    """Freeze an attention module's pattern (see module docstring). No settings."""
+    """Freeze an attention module's pattern (see module docstring): for the gradient only
+    (no settings), or with ``pattern`` ``[1, heads, n, n]`` held in the forward too
+    (``pattern_from="clean"`` when it is the clean run's, :func:`attention_patterns`, so a
+    spec can name it)."""
 
     registered_name = "frozen_attention"
-    spec_refusal = ("frozen_attention is part of the attribution method's local replacement "
-                    "model; use an 'attribution' block (or the Python API)")
+    tensor_fields = ("pattern",)
 
     def __init__(self, **pyvene_kwargs: Any) -> None:
         super().__init__(**pyvene_kwargs)
 
-    def _setup(self) -> None:
-        self._config = {}
+    def _setup(self, pattern: torch.Tensor | None = None,
+               pattern_from: str | None = None) -> None:
+        if pattern_from not in (None, "clean"):
+            raise InputError(f"pattern_from must be None or 'clean', got {pattern_from!r}")
+        if pattern is not None and pattern.dim() != 4:
+            raise InputError(f"a held pattern is [1, heads, n, n], got {tuple(pattern.shape)}")
+        self._set_tensor("pattern", pattern)
+        self._config = {} if pattern_from is None else {"pattern_from": pattern_from}
+
+    # -- spec entry: the held pattern only; the gradient-only freeze is attribution's
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        return {"additionalProperties": False, "properties": {
+            "type": True,
+            "pattern": {"const": "clean",
+                        "description": "Hold every query position of the prompt at the clean "
+                                       "run's attention pattern (values stay live)."},
+            "layers": {"$ref": "#/$defs/layers", "default": "all"}}}
+
+    @classmethod
+    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
+        if "pattern" not in entry:
+            raise SpecError(path, "frozen_attention without a pattern (the gradient-only "
+                                  "freeze) is part of the attribution method's local "
+                                  "replacement model; use an 'attribution' block (or the "
+                                  "Python API), or give \"pattern\": \"clean\" to hold the "
+                                  "clean run's attention patterns")
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
+        layers = ctx.layers(entry.get("layers", "all"), ctx.path(index, "layers"))
+        return [Site(index, ctx.adapter.site("attn_output", layer), layer,
+                     where=ctx.path(index)) for layer in layers]
+
+    @classmethod
+    def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
+        if "attention_patterns" not in ctx.cache:  # one clean forward for every layer
+            device = next(ctx.model.parameters()).device
+            ctx.cache["attention_patterns"] = attention_patterns(
+                ctx.model, ctx.prompt.input_ids.to(device))
+        return cls(pattern=ctx.cache["attention_patterns"][site.layer], pattern_from="clean")
+
+    def to_spec(self, site: Site) -> dict[str, Any]:
+        if self.pattern is None or self._config.get("pattern_from") != "clean":
+            raise InputError("only a frozen_attention holding the clean run's pattern "
+                             "(pattern_from='clean') is a spec entry")
+        return {"type": self.registered_name, "pattern": "clean", "layers": [site.layer]}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         module, args, call_kwargs = hooked_call()
@@ -223,11 +351,14 @@ class FrozenAttention(CausalTraceIntervention):
                 raise InputError("frozen_attention cannot recompute attention over cached "
                                  "tokens: run the whole sequence with use_cache=False")
             call_kwargs[name] = None
-        with frozen_qk(module):
+        held = self.pattern is not None
+        with held_pattern(module, self.pattern) if held else frozen_qk(module):
             out = module.forward(*args, **call_kwargs)
         out = out[0] if isinstance(out, tuple) else out
         if out.shape != base.shape:
             raise InputError(
                 f"frozen_attention needs the attention's whole output {tuple(out.shape)}, got "
                 f"{tuple(base.shape)}: give it unit_locations=None")
+        if held:
+            return out.to(base.dtype)
         return base.detach() + (out - out.detach()).to(base.dtype)

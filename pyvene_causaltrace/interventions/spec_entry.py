@@ -97,13 +97,15 @@ class SpecView(Protocol):
 @dataclass
 class SpecContext:
     """What an entry is resolved against: the spec, the model and its adapter, the tokenized
-    prompt."""
+    prompt; ``cache`` holds what entries compute once per resolution and share (the clean
+    run's transcoder errors, its attention patterns)."""
 
     spec: SpecView
     model: nn.Module
     tokenizer: Any
     adapter: ArchAdapter
     prompt: TokenizedPrompt
+    cache: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def n_layers(self) -> int:

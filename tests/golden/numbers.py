@@ -3,7 +3,9 @@
 ``python -m tests.golden.numbers`` writes them to ``spec_numbers.json``; ``test_golden`` checks that
 the code still gives them. Settings that make a spec slow are cut the same way each time: a trace
 spec runs with one seed, and a spec naming the fitted CLT gets a fixed random fixture CLT (the
-fitted one is not in a fresh clone). Regenerate only when a change of numbers is intended.
+fitted one is not in a fresh clone) — its ``feature_ablate`` entries then name that CLT's
+features 0, 1, ... in their order (it has 8 per layer). Regenerate only when a change of numbers
+is intended.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def spec_numbers(path: Path, model, tokenizer, clt: Path) -> dict:
     for item in data["interventions"]:
         if item["type"] == "clt_splice":
             item["clt"] = str(clt)
+        if item["type"] == "feature_ablate" and item["features"] != "all":
+            item["features"] = list(range(len(item["features"])))
     result = run_spec(data, model, tokenizer)
     return {"clean": result.clean_prob, "corrupt": result.corrupt_probs,
             "intervened": result.intervened_probs, "components": result.components}

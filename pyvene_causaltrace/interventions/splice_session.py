@@ -1,0 +1,133 @@
+"""What the interventions of one transcoder splice share: the transcoder (read by path once per
+version of its files) and the per-forward :class:`SpliceSession`.
+
+    session = SpliceSession()          # or splice_session(reps) for a splice's own
+    session.acts[layer]                # features after any feature_ablate, [B, P, F]
+    session.encoded[layer]             # the same, as the encoder computed them
+
+``clt_splice`` (:mod:`.clt_splice`) and ``feature_ablate`` (:mod:`.feature_ablate`) both derive
+from :class:`SpliceIntervention`: a transcoder held by reference or by path (``source``), and the
+session found again by id after pyvene's save/load.
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+from ..transcoders.formats import load_transcoder
+from .base import CausalTraceIntervention
+
+#: Transcoders read by path, keyed by the files' identity (see :func:`file_identity`).
+_TRANSCODERS: dict[tuple, Any] = {}
+
+
+def file_identity(source: str) -> tuple:
+    """What identifies a transcoder's files: the resolved path and each file's size and
+    modification time (a directory's files, or a config file and the files beside it); a hub
+    id as it is."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return (source,)
+    root = path if path.is_dir() else path.parent
+    files = sorted(p for p in root.iterdir() if p.is_file())
+    return (str(path.resolve()),
+            *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+
+
+def resolve_transcoder(source: str | None, clt=None):
+    """``clt`` itself, or the transcoder at ``source`` (read once per version of its files)."""
+    if clt is not None:
+        if clt.source is not None:
+            _TRANSCODERS.setdefault(file_identity(clt.source), clt)
+        return clt
+    if source is None:
+        raise InputError("clt_splice needs a transcoder (an object, or the path it was loaded "
+                         "from)")
+    key = file_identity(source)
+    if key not in _TRANSCODERS:
+        _TRANSCODERS[key] = load_transcoder(source)
+    return _TRANSCODERS[key]
+
+
+@dataclass(eq=False)
+class SpliceSession:
+    """What one splice's interventions share during a forward: per layer the features
+    (``acts``, after any ``feature_ablate``; ``encoded``, as the encoder computed them — the
+    same tensor when nothing changed them) and the transcoder's inputs; in leaf mode
+    ``leaves`` — ``features`` (:class:`~.clt_splice.ActiveFeatures`), ``writes``, ``errors``,
+    ``inputs`` per layer and the ``b_dec`` leaf. The first encoder of a forward clears it."""
+
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    acts: dict[int, torch.Tensor] = field(default_factory=dict)
+    encoded: dict[int, torch.Tensor] = field(default_factory=dict)
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    leaves: dict[str, Any] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.acts.clear()
+        self.encoded.clear()
+        self.inputs.clear()
+        self.leaves.clear()
+
+    def __deepcopy__(self, memo) -> SpliceSession:
+        # pyvene deep-copies its config, which holds the interventions: they must keep sharing
+        # the session their caller holds
+        return self
+
+
+#: Live sessions by id, so interventions rebuilt from a saved configuration share one.
+_SESSIONS: weakref.WeakValueDictionary[str, SpliceSession] = weakref.WeakValueDictionary()
+
+
+def _session_for(session_id: str | None) -> SpliceSession:
+    if session_id is not None and session_id in _SESSIONS:
+        return _SESSIONS[session_id]
+    session = SpliceSession() if session_id is None else SpliceSession(id=session_id)
+    _SESSIONS[session.id] = session
+    return session
+
+
+class SpliceIntervention(CausalTraceIntervention):
+    """Base of the splice's types: a transcoder (object or path) and a shared session."""
+
+    _config_keys: tuple[str, ...] = ()
+
+    def __init__(self, clt=None, session: SpliceSession | None = None, **kwargs: Any) -> None:
+        # plain references, not submodules: they must not enter pyvene's state dicts
+        self.__dict__["_clt_object"] = clt
+        self.__dict__["_session_object"] = session
+        own = {k: kwargs.pop(k) for k in self._config_keys if k in kwargs}
+        super().__init__(**own, **kwargs)
+
+    @property
+    def clt(self):
+        return resolve_transcoder(self._config.get("source"), self._clt_object)
+
+    @property
+    def session(self) -> SpliceSession:
+        """The splice's shared state (found again by id after a pyvene load)."""
+        if self.__dict__["_session_object"] is None:
+            self.__dict__["_session_object"] = _session_for(self._config.get("session"))
+            self._config["session"] = self.__dict__["_session_object"].id
+        return self.__dict__["_session_object"]
+
+    def _session_id(self, session_id: str | None, source: str | None) -> str:
+        """The id of the session given to the constructor, else the saved one, else the
+        transcoder's default session (interventions built one by one share it)."""
+        given = self.__dict__.get("_session_object")
+        if given is not None:
+            _SESSIONS[given.id] = given
+            return given.id
+        if session_id is not None:
+            return session_id
+        return f"default:{source if source is not None else id(self._clt_object)}"
+
+    def _source_of(self) -> str | None:
+        return self._clt_object.source if self._clt_object is not None else None

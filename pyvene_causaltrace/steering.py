@@ -1,0 +1,370 @@
+"""``intervene_features``: set transcoder features to chosen values, read the next-token logits
+and generate with the features held — circuit-tracer's ``feature_intervention`` and
+``feature_intervention_generate``, as registered pyvene interventions.
+
+    result = intervene_features(model, tokenizer, clt, "The Eiffel Tower is in the city of",
+                                [(20, 8, 1234, 10.0), (21, "all", 77, 0.0)], max_new_tokens=10)
+    result.to_dataframe()                  # top tokens, clean and intervened
+    result.generated_text, result.clean_generated_text
+    result.spec                            # the JSON spec that reproduces the logits
+
+The run is the model with the transcoder spliced in at every layer (``clt_splice``), each
+``(layer, position, feature, value)`` a ``feature_ablate`` with ``value`` after its layer's
+encoder, and optionally ``frozen_attention`` holding the clean run's patterns. What the
+transcoder misses (its error) is held at the clean run's value on the prompt (``hold_errors``),
+or kept live — the model's own MLP output plus what the set features change, which is what
+circuit-tracer does. ``result.spec`` runs the same interventions through ``run_spec``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .errors import InputError, NonFiniteError, PyveneModelError
+from .finite import check_finite, check_weights
+from .interventions.clt_splice import clean_errors, clt_splice_representations
+from .interventions.frozen import FrozenAttention, attention_patterns
+from .model_guard import measured
+from .models import check_inputs, get_adapter, is_intervenable, model_name
+from .prompts import tokenize_prompt
+from .pyvene_compat import intervenable_model_class
+from .specs import SCHEMA_VERSION, validate_spec
+from .transcoders.transcoder import Transcoder, check_fits
+
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
+
+#: One feature intervention: ``(layer, position, feature, value)``; ``position`` an int (a
+#: prompt position, negative counts from the end) or ``"all"``.
+FeatureIntervention = tuple[int, int | str, int, float]
+
+#: Interventions a summary lists before it only counts them.
+SHOWN = 6
+
+__all__ = ["FeatureIntervention", "FeatureInterventionResult", "check_feature_interventions",
+           "intervene_features"]
+
+
+@dataclass
+class FeatureInterventionResult:
+    """What :func:`intervene_features` measured.
+
+    ``logits`` / ``clean_logits``: ``[vocab]`` float32 at the last prompt position, with the
+    interventions and of the plain model. ``generated_ids`` / ``clean_generated_ids``: the
+    greedy continuations (empty without ``max_new_tokens``). ``top``: the ``top_k`` tokens of
+    each run (``run, rank, token_id, token, logit, prob``). ``spec``: the JSON spec whose
+    ``run_spec`` reproduces the intervened logits (None when the transcoder was not read from
+    files: a spec names it by path)."""
+
+    prompt: str
+    tokens: list[str]
+    interventions: list[tuple[int, int | str, int, float]]
+    hold_errors: bool
+    freeze_attention: bool
+    logits: torch.Tensor
+    clean_logits: torch.Tensor
+    top: list[dict[str, Any]]
+    generated_ids: list[int] = field(default_factory=list)
+    generated_text: str = ""
+    clean_generated_ids: list[int] = field(default_factory=list)
+    clean_generated_text: str = ""
+    spec: dict[str, Any] | None = None
+    model: str = ""
+    transcoder: str | None = None
+
+    @property
+    def max_abs_logit_diff(self) -> float:
+        """``max |logits - clean_logits|`` at the last prompt position."""
+        return float((self.logits.double() - self.clean_logits.double()).abs().max())
+
+    def to_dataframe(self):
+        """The top tokens, long form: ``run`` (``clean`` | ``intervened``), ``rank``,
+        ``token_id``, ``token``, ``logit``, ``prob``."""
+        import pandas as pd  # pandas loads only when a table is asked for
+
+        return pd.DataFrame(self.top, columns=["run", "rank", "token_id", "token", "logit",
+                                               "prob"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything but the full logit vectors, as JSON-ready data."""
+        return {"prompt": self.prompt, "tokens": self.tokens, "model": self.model,
+                "transcoder": self.transcoder,
+                "interventions": [list(item) for item in self.interventions],
+                "hold_errors": self.hold_errors, "freeze_attention": self.freeze_attention,
+                "max_abs_logit_diff": self.max_abs_logit_diff, "top": self.top,
+                "generated_ids": self.generated_ids, "generated_text": self.generated_text,
+                "clean_generated_ids": self.clean_generated_ids,
+                "clean_generated_text": self.clean_generated_text, "spec": self.spec}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def summary(self) -> str:
+        """A short plain-text report: the interventions, the top tokens side by side, the
+        continuations."""
+        shown = ", ".join(f"L{layer} pos {pos} f{feature} = {value:g}"
+                          for layer, pos, feature, value in self.interventions[:SHOWN])
+        if len(self.interventions) > SHOWN:
+            shown += f", ... ({len(self.interventions)} in all)"
+        lines = [f"prompt: {self.prompt!r} ({len(self.tokens)} tokens)", f"set: {shown}",
+                 f"errors {'held at the clean run' if self.hold_errors else 'live'}, attention "
+                 f"{'held at the clean patterns' if self.freeze_attention else 'live'}; "
+                 f"max |logit change| {self.max_abs_logit_diff:.4g}",
+                 f"{'rank':>4}  {'clean':<24}{'p':>8}   {'intervened':<24}{'p':>8}"]
+        clean = [row for row in self.top if row["run"] == "clean"]
+        steered = [row for row in self.top if row["run"] == "intervened"]
+        for a, b in zip(clean, steered, strict=True):
+            lines.append(f"{a['rank']:>4}  {a['token']!r:<24}{a['prob']:>8.4f}   "
+                         f"{b['token']!r:<24}{b['prob']:>8.4f}")
+        if self.generated_ids or self.clean_generated_ids:
+            lines.append(f"clean:      {self.clean_generated_text!r}")
+            lines.append(f"intervened: {self.generated_text!r}")
+        return "\n".join(lines)
+
+
+def _integer(value: object, what: str) -> int:
+    if isinstance(value, bool):
+        raise InputError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # int, numpy and torch integers
+    except TypeError:
+        raise InputError(f"{what} must be an integer, got {value!r}") from None
+
+
+def check_feature_interventions(interventions: object, transcoder: Transcoder, n_positions: int
+                                ) -> list[tuple[int, int | str, int, float]]:
+    """``interventions`` as ``(layer, position, feature, value)`` tuples of plain Python
+    numbers, negative positions made absolute; :class:`InputError` for an empty list, a
+    malformed item, a layer, feature or position out of range (position 0 is never spliced),
+    a non-finite value (:class:`NonFiniteError`) or one feature set twice at a position."""
+    items = None
+    if not isinstance(interventions, str | bytes):
+        try:
+            items = list(interventions)  # type: ignore[call-overload]
+        except TypeError:
+            pass
+    if items is None:
+        raise InputError("interventions must be a list of (layer, position, feature, value), "
+                         f"got {type(interventions).__name__}")
+    if not items:
+        raise InputError("no feature interventions: give a list of (layer, position, feature, "
+                         "value)")
+    n_layers, n_features = transcoder.n_layers, transcoder.cfg.d_transcoder
+    out, seen = [], {}
+    for i, item in enumerate(items):
+        where = f"interventions[{i}]"
+        try:
+            layer, position, feature, value = item
+        except (TypeError, ValueError):
+            raise InputError(f"{where} must be (layer, position, feature, value), got "
+                             f"{item!r}") from None
+        layer = _integer(layer, f"{where} layer")
+        if not 0 <= layer < n_layers:
+            raise InputError(f"{where}: layer {layer} is outside the transcoder's 0..."
+                             f"{n_layers - 1}")
+        feature = _integer(feature, f"{where} feature")
+        if not 0 <= feature < n_features:
+            raise InputError(f"{where}: feature {feature} is outside 0..{n_features - 1} (the "
+                             f"transcoder has {n_features} per layer)")
+        if position != "all":
+            position = _integer(position, f"{where} position (an integer or 'all')")
+            absolute = position + n_positions if position < 0 else position
+            if not 1 <= absolute < n_positions:
+                raise InputError(f"{where}: position {position} is outside the prompt's "
+                                 f"spliced positions 1..{n_positions - 1} (position 0 is never "
+                                 "spliced; 'all' also reaches generated tokens)")
+            position = absolute
+        if isinstance(value, bool | str | bytes):
+            raise InputError(f"{where} value must be a number, got {value!r}")
+        try:
+            value = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise InputError(f"{where} value must be a number, got {value!r}") from None
+        if not math.isfinite(value):
+            raise NonFiniteError(f"{where}: value {value} is not finite")
+        clashes = [j for (lay, feat, pos), j in seen.items() if (lay, feat) == (layer, feature)
+                   and (pos == position or "all" in (pos, position))]
+        if clashes:
+            raise InputError(f"{where} sets layer {layer} feature {feature} at a position "
+                             f"where interventions[{clashes[0]}] already sets it")
+        seen[(layer, feature, position)] = i
+        out.append((layer, position, feature, value))
+    return out
+
+
+def _ablations(items: list[tuple[int, int | str, int, float]]) -> list[dict[str, Any]]:
+    """``feature_ablate`` settings: one per (layer, position) in first-seen order, with one
+    value per feature (a single number when they share it)."""
+    groups: dict[tuple, list[tuple[int, float]]] = {}
+    for layer, position, feature, value in items:
+        groups.setdefault((layer, position), []).append((feature, value))
+    out = []
+    for (layer, position), pairs in groups.items():
+        settings: dict[str, Any] = {"clt_layer": layer, "features": [f for f, _ in pairs]}
+        if position != "all":
+            settings["positions"] = [position]
+        values = [v for _, v in pairs]
+        out.append({**settings, "value": values[0] if len(set(values)) == 1 else values})
+    return out
+
+
+def _greedy(step, ids: torch.Tensor, max_new_tokens: int, eos: int | None
+            ) -> tuple[torch.Tensor, list[int]]:
+    """The last-position logits of ``step(ids)`` and up to ``max_new_tokens`` greedy tokens,
+    each step on the whole sequence so far (no key-value cache); stops after ``eos``."""
+    first, generated = None, []
+    for _ in range(max(1, max_new_tokens)):
+        logits = step(ids)[0, -1]
+        if first is None:
+            first = logits
+        if len(generated) == max_new_tokens:
+            break
+        token = int(logits.argmax())
+        generated.append(token)
+        ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
+        if token == eos:
+            break
+    return first, generated
+
+
+def _top(logits: torch.Tensor, tokenizer, run: str, k: int) -> list[dict[str, Any]]:
+    probs = logits.double().softmax(-1)
+    values, ids = probs.topk(min(k, probs.numel()))
+    return [{"run": run, "rank": rank, "token_id": int(i), "token": tokenizer.decode([int(i)]),
+             "logit": float(logits[i]), "prob": float(p)}
+            for rank, (p, i) in enumerate(zip(values, ids, strict=True))]
+
+
+def feature_spec(prompt: str, items: list[tuple[int, int | str, int, float]], source: str, *,
+                 hold_errors: bool, freeze_attention: bool, model: str = "") -> dict[str, Any]:
+    """The JSON spec of a feature intervention on ``prompt`` (a ``clt_splice`` with ``error``
+    ``"clean"`` or ``"live"``, one ``feature_ablate`` with ``value`` per (layer, position),
+    ``frozen_attention`` with ``pattern: "clean"``); validated."""
+    entries: list[dict[str, Any]] = [
+        {"type": "clt_splice", "clt": source, "error": "clean" if hold_errors else "live"}]
+    entries += [{"type": "feature_ablate", **settings} for settings in _ablations(items)]
+    if freeze_attention:
+        entries.append({"type": "frozen_attention", "pattern": "clean"})
+    spec = {"schema_version": SCHEMA_VERSION, "name": "feature_steering",
+            **({"model": model} if model else {}), "prompt": prompt, "interventions": entries}
+    validate_spec(spec)
+    return spec
+
+
+@measured  # one measurement per model at a time, in eval mode
+def intervene_features(
+    model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, prompt: str,
+    interventions: list[FeatureIntervention], *, max_new_tokens: int = 0,
+    hold_errors: bool = True, freeze_attention: bool = False, top_k: int = 10,
+) -> FeatureInterventionResult:
+    """Set transcoder features to values and read the logits; optionally generate greedily
+    with them held (circuit-tracer's ``feature_intervention`` / ``_generate``).
+
+    Args:
+        model, tokenizer: the bare model (not a pyvene ``IntervenableModel``) and its tokenizer;
+            the prompt is tokenized with the tokenizer's usual special tokens.
+        transcoder: a CLT or per-layer set that fits ``model``; it is spliced in at every layer.
+        interventions: ``(layer, position, feature, value)`` tuples: feature ``feature`` of
+            transcoder layer ``layer`` is set to ``value`` (after its encoder, before any
+            decoder reads it, so a cross-layer feature writes ``value`` times its decoder into
+            every later layer). ``position`` is a prompt position ``1..P-1`` (negative counts
+            from the end; position 0 is never spliced: BOS / the attention sink), or ``"all"``:
+            every prompt position from 1 on and every generated position. A feature set twice
+            at one position is refused.
+        max_new_tokens: greedy tokens to generate with the interventions, and as many without
+            (the clean continuation); 0 reads the logits only. Generation stops early after the
+            tokenizer's end-of-sequence token.
+        hold_errors: the error term of each layer (``mlp_out - reconstruction``) at the prompt
+            positions is held at the clean run's value, so only the set features (and what
+            they change downstream) move the output. False keeps it live: each layer outputs
+            the model's own MLP output plus ``(value - activation) * decoder`` for the set
+            features — circuit-tracer's ``feature_intervention`` (with ``constrained_layers``
+            unset), which never holds errors.
+        freeze_attention: hold every prompt query position's attention pattern at the clean
+            run's (values stay live); the norms stay live, as in circuit-tracer, whose
+            ``freeze_attention`` (its default is True) freezes the patterns only.
+        top_k: rows per run in ``result.top``.
+
+    Returns:
+        A :class:`FeatureInterventionResult`: intervened and clean last-position logits, top
+        tokens (``to_dataframe()``), the continuations, ``to_json()``, and ``spec``, a JSON
+        spec whose ``run_spec`` reproduces the intervened logits exactly.
+
+    At generated positions — which no clean run holds — the errors are live and the attention
+    attends as the model does, what circuit-tracer does there (its ``freeze_attention`` applies
+    to the first forward only). An intervention at a prompt position stays at that position in
+    every step; ``"all"`` also sets the feature at each new token (circuit-tracer's open-ended
+    ``slice(1, None)``). Each step runs the whole sequence (no key-value cache), so every
+    step's prompt positions are exactly the first forward's — the equivalence circuit-tracer
+    promises only without its cache.
+
+    Raises:
+        InputError: for an empty list, a malformed tuple, a layer, feature or position out of
+            range, a feature set twice, a negative ``max_new_tokens``; NonFiniteError for a
+            non-finite value; PyveneModelError for an ``IntervenableModel``;
+            TranscoderMismatchError for a transcoder of another model.
+
+    Example::
+
+        result = intervene_features(model, tokenizer, clt, "The Eiffel Tower is in the city of",
+                                    [(20, -1, 1234, 10.0)], max_new_tokens=10)
+        print(result.summary())
+    """
+    if is_intervenable(model):
+        raise PyveneModelError("intervene_features takes the bare model: it builds its own "
+                               "IntervenableModel around it")
+    steps = _integer(max_new_tokens, "max_new_tokens")
+    if steps < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if _integer(top_k, "top_k") < 1:
+        raise InputError(f"top_k must be >= 1, got {top_k}")
+    check_fits(transcoder, model)
+    tokenized = tokenize_prompt(tokenizer, prompt)
+    n_pos = tokenized.seq_len
+    items = check_feature_interventions(interventions, transcoder, n_pos)
+    device = next(model.parameters()).device
+    ids = tokenized.input_ids.to(device)
+    check_inputs(model, ids)
+    limit = getattr(model.config, "n_positions", None)
+    if get_adapter(model).position_embed is not None and limit and n_pos + steps > limit:
+        raise InputError(f"the prompt ({n_pos} tokens) and max_new_tokens={steps} pass "
+                         f"{model.config.model_type}'s {limit} positions")
+    check_weights(model)
+    eos = tokenizer.eos_token_id
+
+    with torch.no_grad():
+        clean, clean_new = _greedy(lambda x: model(input_ids=x).logits, ids, steps, eos)
+        errors = clean_errors(transcoder, model, ids) if hold_errors else None
+        reps = clt_splice_representations(
+            transcoder, model, ablations=_ablations(items), errors=errors, live_error=True,
+            error_from="clean" if hold_errors else None)
+        if freeze_attention:
+            adapter = get_adapter(model)
+            reps += [{"component": adapter.site("attn_output", layer),
+                      "intervention": FrozenAttention(pattern=pattern, pattern_from="clean")}
+                     for layer, pattern in enumerate(attention_patterns(model, ids))]
+        pv_model = intervenable_model_class()(reps, model)
+        steered, new = _greedy(lambda x: pv_model(base={"input_ids": x})[1].logits, ids, steps,
+                               eos)
+    check_finite(steered, "the intervened run's logits", "a value this large overflows")
+    source = transcoder.source
+    spec = None if source is None else feature_spec(
+        prompt, items, source, hold_errors=hold_errors, freeze_attention=freeze_attention,
+        model=model_name(model))
+    return FeatureInterventionResult(
+        prompt=prompt, tokens=list(tokenized.tokens), interventions=items,
+        hold_errors=hold_errors, freeze_attention=freeze_attention,
+        logits=steered.float().cpu(), clean_logits=clean.float().cpu(),
+        top=_top(clean, tokenizer, "clean", top_k) + _top(steered, tokenizer, "intervened",
+                                                          top_k),
+        generated_ids=new, generated_text=tokenizer.decode(new) if new else "",
+        clean_generated_ids=clean_new,
+        clean_generated_text=tokenizer.decode(clean_new) if clean_new else "",
+        spec=spec, model=model_name(model), transcoder=source)
