@@ -23,9 +23,11 @@ from pyvene_causaltrace.attribution import (
     AttributionGraph,
     Closure,
     ClosureError,
-    attribute as attribute_all_logits,
     make_target,
     run_local_replacement,
+)
+from pyvene_causaltrace.attribution import (
+    attribute as attribute_all_logits,
 )
 from pyvene_causaltrace.attribution.edges import row_closures
 from pyvene_causaltrace.attribution.export import check_graph_json
