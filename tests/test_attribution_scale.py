@@ -72,9 +72,11 @@ def test_budgeted_rows_are_the_full_graphs_rows_and_close(budgeted, tokenizer):
                                    "constants"))
     assert abs(total - parts["target"]) < 1e-5 * graph.closure.scale
     assert parts["unexplored"] != 0.0
-    # the first queue is the target's largest direct effects
-    direct = graph.target_row()[:graph.n_features].abs()
-    assert graph.explored[direct.argsort(descending=True)[:100]].all()
+    # the first queue is the features of largest partial influence through the logit rows
+    # alone: each logit row's |edges| normalised to sum to 1, weighted by its probability
+    rows = torch.stack([graph.target_row(j).abs().double() for j in range(graph.n_logits)])
+    first = (graph.logit_weights()[:, None] * rows / rows.sum(1, keepdim=True)).sum(0)
+    assert graph.explored[first[:graph.n_features].argsort(descending=True)[:100]].all()
 
 
 def test_ranking_beats_a_random_choice_of_rows(budgeted):
@@ -92,17 +94,19 @@ def test_sparse_reading_equals_the_dense_reference(tmp_path, tokenizer):
     full = attribute(model, tokenizer, clt, PROMPT, batch_size=16)
     part = attribute(model, tokenizer, clt, PROMPT, max_feature_nodes=60, batch_size=16)
     for graph in (full, part):
-        dense, lay = square(graph).double(), graph.layout
-        assert torch.allclose(graph.influence(), node_influence(dense, lay), atol=1e-6)
+        dense, lay, weights = square(graph).double(), graph.layout, graph.logit_weights()
+        assert graph.n_logits > 1  # several logit nodes, each weighted by its probability
+        assert torch.allclose(graph.influence(), node_influence(dense, lay, weights), atol=1e-6)
         for thresholds in ((0.8, 0.98), (0.5, 0.9), (1.0, 1.0)):
-            sparse, reference = graph.prune(*thresholds), dense_prune(dense, lay, *thresholds)
+            sparse = graph.prune(*thresholds)
+            reference = dense_prune(dense, lay, *thresholds, probabilities=weights)
             assert torch.equal(sparse.node_mask, reference.node_mask), thresholds
             assert torch.equal(sparse.edge_mask(), reference.edge_mask), thresholds
             assert torch.allclose(sparse.cumulative_scores, reference.cumulative_scores,
                                   atol=1e-6)
             kept = dense[sparse.edge_target, sparse.edge_source]
             assert torch.equal(sparse.edge_weight.double(), kept)
-        scores, expected = graph.scores(), dense_scores(dense, lay)
+        scores, expected = graph.scores(), dense_scores(dense, lay, weights)
         for name in ("replacement", "completeness"):
             assert scores[name] == pytest.approx(expected[name], abs=1e-6)
     assert part.scores()["unexplored_influence"] > 0 == full.scores()["unexplored_influence"]

@@ -300,8 +300,11 @@ def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size
     if batch_size is not None:
         check_batch_fits(run, memory_mb, batch_size)
     size = batch_size or batch_size_for(run, memory_mb, max_batch)
-    first_guess = (top.weights[:, None] * top.rows[:, :run.n_features].detach().abs().double()
-                   .cpu()).sum(0).argsort(descending=True)
+    # the first queue's order: circuit-tracer's partial influence of the logit rows alone
+    logit_rows = top.rows.detach().abs().double().cpu()
+    normalized = logit_rows / logit_rows.sum(1, keepdim=True).clamp(min=1e-30)
+    first_guess = (top.weights[:, None] * normalized[:, :run.n_features]).sum(0) \
+        .argsort(descending=True)
     budget = feature_budget(run, memory_mb, size, max_feature_nodes, first_guess)
     layout = Layout(run.n_features, run.n_layers * run.n_pos, run.n_pos, len(top.weights),
                     run.n_steering)

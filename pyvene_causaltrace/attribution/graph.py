@@ -165,6 +165,8 @@ class AttributionGraph:
         """Every node's direct effect on logit node ``logit`` (0: the first), or, by default,
         on the weighted mean target ``sum_i w_i * target_i / sum_i w_i`` (one target: its
         row)."""
+        if logit is not None and not 0 <= logit < self.n_logits:
+            raise InputError(f"logit node {logit} of {self.n_logits} (0..{self.n_logits - 1})")
         key = ("target_row", logit)
         if key not in self._memo:
             if logit is not None or self.n_logits == 1:
