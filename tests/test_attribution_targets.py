@@ -5,6 +5,10 @@ references (a plain forward, a dense float64 influence)."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from clt_fixtures import random_clt_tensors, write_clt
@@ -17,10 +21,12 @@ from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.attribution.export import check_graph_json
 from pyvene_causaltrace.attribution.targets import direction_target
 from pyvene_causaltrace.capture import capture
-from pyvene_causaltrace.errors import InputError
+from pyvene_causaltrace.errors import InputError, SpecError
 from pyvene_causaltrace.models import get_adapter
+from pyvene_causaltrace.specs import validate_spec
 from pyvene_causaltrace.transcoders import load_from_disk
 
+ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # closure, relative to the scale of what a row sums (edges.CLOSURE_TOLERANCE)
 
 
@@ -226,3 +232,24 @@ def test_a_direction_and_an_answer_together_are_refused(setup, tokenizer):
     with pytest.raises(InputError, match="position"):
         attribute(model, tokenizer, clt, PROMPT,
                   target=direction_target(torch.ones(d_model), position=99))
+
+
+def test_spec_fields_for_logits_directions_and_bos_errors():
+    spec = json.loads((ROOT / "intervention_specs" / "attribution_graph.json").read_text())
+    spec.pop("$schema", None)
+    spec["attribution"].update(max_n_logits=3, desired_logit_prob=0.5, bos_errors="drop")
+    validate_spec(spec)
+    direction = {**spec, "answer": None,
+                 "attribution": {**spec["attribution"], "direction": {
+                     "vector": [0.5, -1.0], "output": "resid_pre.3", "position": -1}}}
+    direction.pop("answer")
+    validate_spec(direction)
+    for path, change in (("$.attribution.direction", {"answer": " Paris"}),
+                         ("bos_errors", {"attribution": {**spec["attribution"],
+                                                         "bos_errors": "zero"}}),
+                         ("desired_logit_prob", {"attribution": {**spec["attribution"],
+                                                                 "desired_logit_prob": 0}}),
+                         ("output", {"attribution": {**direction["attribution"], "direction": {
+                             "vector": [1.0], "output": "mlp_out.3"}}})):
+        with pytest.raises(SpecError, match=re.escape(path)):
+            validate_spec({**direction, **change})

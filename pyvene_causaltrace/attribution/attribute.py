@@ -318,8 +318,7 @@ def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Ta
              settings: dict) -> dict:
     """What must match for saved rows to belong to this graph."""
     return {"input_ids": run.input_ids[0].tolist(),
-            "target": goals[0].describe() if len(goals) == 1 else
-            [goal.describe() for goal in goals], "bos_errors": run.bos_errors,
+            "target": [goal.describe() for goal in goals], "bos_errors": run.bos_errors,
             **replacement.fingerprints(), "version": package_version(), **settings,
             "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id),
             "steering": [{**s.site.describe(), "value": tensor_digest(s.value)}

@@ -315,7 +315,7 @@ def replacement_forward(
     )
 
 
-def _state_module(model: nn.Module, adapter: ArchAdapter, name: str) -> nn.Module:
+def state_module(model: nn.Module, adapter: ArchAdapter, name: str) -> nn.Module:
     """The module whose input is state ``name``: the unembedding for ``"unembed_input"``, block
     ``l``'s first norm for ``"resid_pre.{l}"`` (the final norm for ``l = n_layers``)."""
     if name == "unembed_input":
@@ -340,7 +340,7 @@ def capturing_states(model: nn.Module, adapter: ArchAdapter,
     for name in dict.fromkeys(names):
         def keep(_module, args, kwargs, _name=name):
             found[_name] = args[0] if args else kwargs["hidden_states"]
-        hooks.append((_state_module(model, adapter, name), "forward_pre_with_kwargs", keep))
+        hooks.append((state_module(model, adapter, name), "forward_pre_with_kwargs", keep))
     with installed(hooks):
         yield found
     missing = [name for name in names if name not in found]

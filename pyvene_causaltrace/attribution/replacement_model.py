@@ -29,7 +29,13 @@ from ..finite import check_finite, check_weights
 from ..models import check_inputs, get_adapter, model_name
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, check_forward_fits
-from .replacement import ReplacementRun, check_batch, pre_softcap_logits, replacement_forward
+from .replacement import (
+    ReplacementRun,
+    check_batch,
+    pre_softcap_logits,
+    replacement_forward,
+    state_module,
+)
 from .targets import Target, make_targets
 
 #: What ``bos_errors`` may be: the position-0 errors as nodes (rows close on nodes alone) or as
@@ -123,11 +129,7 @@ class ReplacementModel:
         if not -n_pos <= goal.position < n_pos:
             raise InputError(f"the direction target reads position {goal.position}; the prompt "
                              f"has {n_pos} tokens")
-        layer = goal.output.removeprefix("resid_pre.")
-        n_layers = self.adapter.n_layers(self.model)
-        if layer != goal.output and int(layer) > n_layers:
-            raise InputError(f"the direction target reads {goal.output}; the model has "
-                             f"{n_layers} layers (resid_pre.{n_layers}: after the last)")
+        state_module(self.model, self.adapter, goal.output)  # refuses a layer out of range
 
     def check_memory(self, input_ids: torch.Tensor, memory_mb: float) -> int:
         """Raise :class:`~.budget.MemoryCapError` unless the local replacement forward on
