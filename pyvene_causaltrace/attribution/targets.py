@@ -82,16 +82,6 @@ class Target:
                 "output": self.output, "position": self.position, "prob": self.prob,
                 "weight": self.weight, "size": int(self.coefficients.numel())}
 
-    @classmethod
-    def from_description(cls, entry: dict) -> Target:
-        """The target :meth:`describe` wrote (a graph file's header)."""
-        size = int(entry.get("size") or 1 + max(map(int, entry["coefficients"]), default=0))
-        c = torch.zeros(size)
-        for i, v in entry["coefficients"].items():
-            c[int(i)] = float(v)
-        return cls(entry["name"], int(entry["token"]), c, entry.get("output", "logits"),
-                   int(entry.get("position", -1)), entry.get("prob"),
-                   float(entry.get("weight", 1.0)))
 
 
 def demeaned_logit(logits: torch.Tensor, token: int, k: int = 10,
