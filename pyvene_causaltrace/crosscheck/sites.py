@@ -1,0 +1,115 @@
+"""Where the graph and the trace put the fact: per (layer, position) cell, side by side.
+
+The graph's side of a cell is the influence on the target of the nodes there
+(:meth:`~..attribution.graph.AttributionGraph.influence`): the transcoder features that read
+layer ``l``'s MLP input at position ``p`` and the error node of layer ``l``'s MLP output at
+``p`` — everything the local replacement model computes in that MLP sublayer. The trace's side
+is the indirect effect (``restored - corrupt``, mean over seeds) of restoring the residual
+stream, or the MLP output, at that cell.
+
+The two answer different questions — the graph splits the clean run's target among all nodes,
+the trace asks where the subject's information can be given back — so they are compared by
+rank over the cells both can see: the noise enters at the subject, so no restore before the
+subject's first token changes anything, and those cells are left out of the statistics
+(:func:`reachable_cells`); the heat maps show every cell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..errors import InputError
+
+#: Graph grids: the MLP sublayer's features, its error, or both.
+SITE_PARTS = ("all", "features", "errors")
+
+
+def site_influence(graph, part: str = "all", *, share: bool = False) -> np.ndarray:
+    """``[n_layers, n_pos]`` float64: the influence of ``graph``'s nodes at each (layer,
+    position) — its features (``"features"``), its error node (``"errors"``) or both
+    (``"all"``). ``share``: divided by the influence of every source node (features, errors,
+    steering and tokens), so grids of different prompts can be averaged."""
+    if part not in SITE_PARTS:
+        raise InputError(f"part must be one of {', '.join(SITE_PARTS)}, got {part!r}")
+    lay, n_pos = graph.layout, graph.n_pos
+    influence = graph.influence().double()
+    grid = torch.zeros(graph.n_layers * n_pos, dtype=torch.float64)
+    if part in ("all", "features"):
+        cell = graph.feature_layer.long() * n_pos + graph.feature_position.long()
+        grid.index_add_(0, cell, influence[:lay.n_features])
+    if part in ("all", "errors"):
+        grid += influence[lay.errors]
+    if share:
+        total = float(influence[:lay.logits.start].sum())
+        grid = grid / total if total > 0 else grid
+    return grid.view(graph.n_layers, n_pos).numpy()
+
+
+def window_sum(grid: np.ndarray, layers_of: Sequence[Sequence[int]]) -> np.ndarray:
+    """``grid`` summed, for each layer ``l``, over the layers ``layers_of[l]`` (the layers a
+    windowed trace restores when centred on ``l``), so both sides cover the same sublayers."""
+    return np.stack([grid[list(layers)].sum(0) for layers in layers_of])
+
+
+def reachable_cells(n_layers: int, n_pos: int, subject_start: int) -> np.ndarray:
+    """``[n_layers, n_pos]`` bool: the cells a restore can change, from the subject's first
+    token on (before it, the noised run equals the clean one)."""
+    mask = np.zeros((n_layers, n_pos), dtype=bool)
+    mask[:, subject_start:] = True
+    return mask
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation of two equal-length arrays (average ranks for ties; NaN
+    when either is constant)."""
+    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    if a.shape != b.shape:
+        raise InputError(f"spearman of {a.shape} and {b.shape} values")
+    if len(a) < 2:
+        return float("nan")
+    return float(pd.Series(a).corr(pd.Series(b), method="spearman"))
+
+
+def pearson(a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson's correlation (NaN when either is constant or there are fewer than 2)."""
+    a, b = np.asarray(a, dtype=np.float64).ravel(), np.asarray(b, dtype=np.float64).ravel()
+    if len(a) < 2 or a.std() == 0 or b.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(a, b)[0, 1])
+
+
+def top_cells(grid: np.ndarray, k: int, mask: np.ndarray | None = None) -> list[tuple[int, int]]:
+    """The ``k`` cells of largest value (among ``mask``), largest first, as (layer, position);
+    ties broken by cell order."""
+    values = np.where(mask, grid, -np.inf) if mask is not None else grid
+    flat = np.argsort(-values.ravel(), kind="stable")
+    n = int(mask.sum()) if mask is not None else values.size
+    return [tuple(int(i) for i in np.unravel_index(int(j), grid.shape)) for j in flat[:min(k, n)]]
+
+
+def top_k_overlap(a: np.ndarray, b: np.ndarray, k: int,
+                  mask: np.ndarray | None = None) -> float:
+    """Share of ``a``'s top-``k`` cells that are among ``b``'s top-``k`` (within ``mask``)."""
+    top_a, top_b = top_cells(a, k, mask), top_cells(b, k, mask)
+    if not top_a:
+        return float("nan")
+    return len(set(top_a) & set(top_b)) / len(top_a)
+
+
+def compare_grids(graph_grid: np.ndarray, trace_grid: np.ndarray, mask: np.ndarray,
+                  k: int) -> dict:
+    """Spearman and Pearson over the ``mask`` cells, and the top-``k`` overlap; each side's
+    top-``k`` cells."""
+    if graph_grid.shape != trace_grid.shape:
+        raise InputError(f"the graph's grid is {graph_grid.shape}, the trace's "
+                         f"{trace_grid.shape}: not the same prompt and model")
+    return {"spearman": spearman(graph_grid[mask], trace_grid[mask]),
+            "pearson": pearson(graph_grid[mask], trace_grid[mask]),
+            "top_k": k, "top_k_overlap": top_k_overlap(graph_grid, trace_grid, k, mask),
+            "graph_top": [list(c) for c in top_cells(graph_grid, k, mask)],
+            "trace_top": [list(c) for c in top_cells(trace_grid, k, mask)],
+            "n_cells": int(mask.sum())}
