@@ -1,9 +1,19 @@
 """Tracing meets attribution: each method checks the other on the same prompt and model.
 
-:mod:`.sites` compares, per (layer, position), the graph's influence with the trace's indirect
-effect.
+    check = cross_check(graph, tracer, transcoder)
+    check.summary(); check.plot("cross_check.png"); check.to_json("cross_check.json")
+
+Data flows one way: :mod:`.sites` (per (layer, position): the graph's influence beside the
+trace's indirect effect) and :mod:`.features` (the graph's top features: linear prediction beside
+a patch in the spliced model) -> :mod:`.check` (``cross_check``) -> :mod:`.result`
+(:class:`CrossCheckResult`) -> :mod:`.plots`.
 """
 
+from .check import SITE_KINDS, check_pair, cross_check
+from .features import MODES, PatchRunner, noised_activations, total_effects
+from .result import CrossCheckResult
 from .sites import SITE_PARTS, compare_grids, reachable_cells, site_influence, spearman
 
-__all__ = ["SITE_PARTS", "compare_grids", "reachable_cells", "site_influence", "spearman"]
+__all__ = ["MODES", "SITE_KINDS", "SITE_PARTS", "CrossCheckResult", "PatchRunner",
+           "check_pair", "compare_grids", "cross_check", "noised_activations",
+           "reachable_cells", "site_influence", "spearman", "total_effects"]

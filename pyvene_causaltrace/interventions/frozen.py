@@ -15,6 +15,11 @@ treated as a constant, as in circuit tracing's local replacement model:
 
 A norm's bias (LayerNorm) keeps its gradient, so it can be counted as a constant node.
 
+Given ``scale`` (``[batch, n, 1]``, the clean run's statistic from :func:`norm_scales`) it holds
+the scale in the forward too: ``y = w * x / scale`` (LayerNorm: ``w * (x - mean x) / scale + b``)
+at the first ``n`` positions, so the norm is linear in its input whatever the input becomes —
+the local replacement model run forward on an edited input (``crosscheck``'s linear check).
+
 ``frozen_attention``: placed on an attention module's *output*, it recomputes the module with
 queries and keys detached after every transform (projections, q/k norms, rotary) — the pattern is
 a constant while values flow — and returns the original value with that gradient. Given a
@@ -46,6 +51,7 @@ from typing import Any
 
 import torch
 
+from ..capture import capture
 from ..errors import InputError, SpecError, UnsupportedModelError
 from ..hooking import installed
 from ..models import get_adapter, get_module
@@ -68,13 +74,17 @@ class FrozenLayerNorm(CausalTraceIntervention):
     or None to read it off the module on the first call."""
 
     registered_name = "frozen_layernorm"
+    tensor_fields = ("scale",)
 
     def __init__(self, kind: str | None = None, **pyvene_kwargs: Any) -> None:
         super().__init__(kind=kind, **pyvene_kwargs)
 
-    def _setup(self, kind: str | None = None) -> None:
+    def _setup(self, kind: str | None = None, scale: torch.Tensor | None = None) -> None:
         if kind is not None and kind not in NORM_KINDS:
             raise InputError(f"kind must be one of {NORM_KINDS}, got {kind!r}")
+        if scale is not None and (scale.dim() != 3 or scale.shape[-1] != 1):
+            raise InputError(f"a held norm scale is [batch, n, 1], got {tuple(scale.shape)}")
+        self._set_tensor("scale", scale)
         self._config = {"kind": kind}
 
     # -- spec entry: which norms, at which layers
@@ -107,6 +117,9 @@ class FrozenLayerNorm(CausalTraceIntervention):
         return cls(kind=ctx.adapter.norm_kind)
 
     def to_spec(self, site: Site) -> dict[str, Any]:
+        if self.scale is not None:
+            raise InputError("a frozen_layernorm holding a scale in the forward is not a spec "
+                             "entry (only the gradient-only freeze of attribution is)")
         return {"type": self.registered_name, "norms": [site.settings["norm"]],
                 **({"layers": [site.layer]} if site.layer is not None else {})}
 
@@ -143,16 +156,55 @@ class FrozenLayerNorm(CausalTraceIntervention):
         weight = module.weight.to(xf.dtype)
         if kind == "layer":
             dx = dx - dx.mean(-1, keepdim=True)
-            scale = torch.sqrt(frozen.var(-1, keepdim=True, unbiased=False) + _eps(module))
-        else:
-            scale = torch.sqrt(frozen.pow(2).mean(-1, keepdim=True) + _eps(module))
-            if kind == "rms_offset":
-                weight = 1.0 + weight
+        elif kind == "rms_offset":
+            weight = 1.0 + weight
+        scale = _statistic(frozen, kind, _eps(module))
+        if self.scale is not None:
+            return self._held(xf, base, scale, kind, weight, getattr(module, "bias", None))
         linear = weight.detach() * dx / scale
         bias = getattr(module, "bias", None)
         if isinstance(bias, torch.Tensor):
             linear = linear + (bias - bias.detach())  # zero in value; a constant node's gradient
         return base.detach() + linear.to(base.dtype)
+
+    def _held(self, xf: torch.Tensor, base: torch.Tensor, live: torch.Tensor, kind: str,
+              weight: torch.Tensor, bias) -> torch.Tensor:
+        """The norm with the held scale at the first ``n`` positions (the live one after)."""
+        held = self.scale.to(xf.device, xf.dtype)
+        n = min(held.shape[1], xf.shape[1])
+        if held.shape[0] not in (1, xf.shape[0]):
+            raise InputError(f"a held norm scale for {held.shape[0]} rows, the batch has "
+                             f"{xf.shape[0]}")
+        scale = torch.cat([held[:, :n].expand(xf.shape[0], -1, -1), live[:, n:]], dim=1)
+        centred = xf - xf.mean(-1, keepdim=True) if kind == "layer" else xf
+        out = weight * centred / scale
+        if isinstance(bias, torch.Tensor):
+            out = out + bias.to(out.dtype)
+        return out.to(base.dtype)
+
+
+def _statistic(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
+    """The norm's divisor over the last axis: the standard deviation (LayerNorm) or the RMS."""
+    if kind == "layer":
+        return torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + eps)
+    return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def norm_scales(model: torch.nn.Module, input_ids: torch.Tensor,
+                components: list[str]) -> dict[str, torch.Tensor]:
+    """The clean run's statistic (``[batch, P, 1]``, float32 or wider) of each norm whose
+    output is ``components[i]`` (``"<norm module>.output"``), for :class:`FrozenLayerNorm`'s
+    ``scale``; the kind is the model adapter's."""
+    kind = get_adapter(model).norm_kind
+    modules = {c: get_module(model, c.rpartition(".")[0]) for c in components}
+    inputs = capture(model, {"input_ids": input_ids},
+                     [c.rpartition(".")[0] + ".input" for c in components])
+    out = {}
+    for component, module in modules.items():
+        x = inputs[component.rpartition(".")[0] + ".input"]
+        x = x.to(torch.promote_types(x.dtype, torch.float32))
+        out[component] = _statistic(x, kind, _eps(module))
+    return out
 
 
 # ------------------------------------------------------------------------ frozen attention

@@ -1,0 +1,208 @@
+"""``cross_check``: one prompt's attribution graph against its causal trace, both ways.
+
+    tracer = Tracer(model, tokenizer, prompt, subject, answer=" Paris", seeds=10)
+    graph = attribute(model, tokenizer, clt, prompt, " Paris")
+    check = cross_check(graph, tracer, clt)          # sites, and the top 20 features
+    check.summary(); check.plot("cross_check.png"); check.to_json("cross_check.json")
+
+Sites (:mod:`.sites`): per (layer, position), the graph's influence beside the trace's indirect
+effect, for the residual trace and the MLP trace. Features (:mod:`.features`): for the graph's
+``top_n`` features by influence, attribution's linear prediction of what the trace's noise does
+to the target through each one, beside the patch measured in the spliced model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InputError, PyveneModelError
+from ..models import is_intervenable
+from ..tracing.engine import get_kind
+from ..transcoders.transcoder import Transcoder, check_fits
+from .features import MODES, PatchRunner, noised_activations, target_coefficients, total_effects
+from .result import CrossCheckResult, feature_statistics
+from .sites import SITE_PARTS, compare_grids, reachable_cells, site_influence, window_sum
+
+#: Trace kinds a graph can be compared with: the graph has no attention nodes.
+SITE_KINDS = ("residual", "mlp")
+#: Activations recomputed from the model must equal the graph's to this (relative) tolerance.
+ACTIVATION_TOLERANCE = 1e-3
+#: The noised runs' P(answer) must equal the trace's corrupted runs' to this.
+NOISE_TOLERANCE = 1e-4
+
+
+def check_pair(graph, tracer) -> None:
+    """Refuse a graph and a tracer of different prompts, answers or models."""
+    if is_intervenable(tracer._given) or graph.steering:
+        raise PyveneModelError("cross_check compares the bare model's graph and trace: build "
+                               "both without a pyvene IntervenableModel")
+    ids = tracer.prompt.input_ids[0].tolist()
+    if list(graph.input_ids) != ids:
+        raise InputError(f"the graph is of {graph.prompt!r} ({len(graph.input_ids)} tokens), "
+                         f"the trace of {tracer.prompt.text!r} ({len(ids)} tokens): cross-check "
+                         "one prompt")
+    goal = graph.targets[0]
+    if goal.get("output", "logits") != "logits" or int(goal["token"]) != tracer.answer_id:
+        answer = tracer.tokenizer.decode([tracer.answer_id])
+        raise InputError(f"the graph's first logit node is {goal.get('text')!r}, the trace's "
+                         f"answer {answer!r}: build the graph with answer={answer!r}")
+    if graph.n_layers != tracer.engine.n_layers:
+        raise InputError(f"the graph has {graph.n_layers} layers, the model "
+                         f"{tracer.engine.n_layers}: another model")
+
+
+def _trace_grids(tracer, kinds: Sequence[str], window: int):
+    grids, layers_of, spans = {}, {}, {}
+    for kind in kinds:
+        trace_kind = get_kind(kind)
+        result = tracer.trace(kind, window=window)
+        grids[kind] = result.indirect_effect.mean(0)
+        layers_of[kind] = [tracer.engine.restore_layers(trace_kind, layer, window)
+                           for layer in range(tracer.engine.n_layers)]
+        spans[kind] = result.window
+    return grids, layers_of, spans
+
+
+def cross_check(
+    graph, tracer, transcoder: Transcoder | None = None, *,
+    kinds: Sequence[str] = SITE_KINDS, window: int = 1, top_k: int = 10, top_n: int = 20,
+    modes: Sequence[str] = ("spliced",), progress: Callable[[int], None] | None = None,
+) -> CrossCheckResult:
+    """Compare ``graph`` with ``tracer``'s traces (module docstring).
+
+    Args:
+        graph: an :class:`~..attribution.graph.AttributionGraph` of ``tracer``'s prompt whose
+            first logit node is the trace's answer.
+        tracer: a :class:`~..tracing.trace.Tracer`; its noise (seeds, scale, sigma) is the
+            perturbation on both sides.
+        transcoder: the graph's transcoder. Without it only the sites are compared.
+        kinds: trace kinds to compare with (``"residual"``, ``"mlp"``).
+        window: layers an MLP restore spans (default 1: one MLP per cell, as a graph cell
+            holds one MLP sublayer; with more, the graph's cells are summed over the same
+            layers).
+        top_k: cells in the top-``k`` overlap.
+        top_n: features checked (by influence; 0 for none).
+        modes: ``"spliced"`` (attention and norms live, the default) and/or
+            ``"replacement"`` (held at the clean run's: the local replacement model, where the
+            prediction is exact up to threshold crossings).
+        progress: called with 1 after each patched forward.
+
+    Raises:
+        InputError: for a graph and tracer of different prompts, answers or models, a
+            transcoder whose activations are not the graph's, an unknown kind or mode.
+        PyveneModelError: for a graph or tracer of a pyvene ``IntervenableModel``.
+    """
+    start = time.perf_counter()
+    for kind in kinds:
+        if kind not in SITE_KINDS:
+            raise InputError(f"a graph can be compared with the {' and '.join(SITE_KINDS)} "
+                             f"traces, not {kind!r} (the graph has no attention nodes)")
+    for mode in modes:
+        if mode not in MODES:
+            raise InputError(f"modes must be among {', '.join(MODES)}, got {mode!r}")
+    for name, value, low in (("window", window, 1), ("top_k", top_k, 1), ("top_n", top_n, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
+    check_pair(graph, tracer)
+    if transcoder is not None:
+        check_fits(transcoder, tracer.model)
+
+    trace_grids, layers_of, spans = _trace_grids(tracer, kinds, window)
+    graph_grids = {part: site_influence(graph, part, share=True) for part in SITE_PARTS}
+    mask = reachable_cells(graph.n_layers, graph.n_pos, tracer.prompt.subject_range[0])
+    sites = {kind: {part: compare_grids(window_sum(graph_grids[part], layers_of[kind]),
+                                        trace_grids[kind], mask, top_k)
+                    for part in SITE_PARTS} for kind in kinds}
+    features, stats = [], {}
+    if transcoder is not None and top_n > 0:
+        features = _feature_rows(graph, tracer, transcoder, top_n, modes, progress)
+        stats = {mode: feature_statistics(features, mode) for mode in modes}
+    return CrossCheckResult(
+        prompt=graph.prompt, tokens=list(graph.tokens),
+        subject_range=tuple(tracer.prompt.subject_range), answer=graph.answer,
+        n_layers=graph.n_layers, seeds=list(tracer.seeds), scale=float(tracer.scale),
+        sigma=float(tracer.sigma), clean_prob=tracer.clean_prob,
+        corrupt_probs=[float(p) for p in tracer.corrupt_probs],
+        windows={kind: spans[kind] for kind in kinds},
+        graph_grids={part: grid.tolist() for part, grid in graph_grids.items()},
+        trace_grids={kind: grid.tolist() for kind, grid in trace_grids.items()},
+        sites=sites, features=features, feature_stats=stats,
+        graph_info={"n_features": graph.n_features, "n_explored": graph.n_explored,
+                    "complete": graph.n_explored == graph.n_features,
+                    "n_logits": graph.n_logits, "closure": graph.closure.relative,
+                    "transcoder": graph.metadata.get("transcoder", {})},
+        settings={"kinds": list(kinds), "window": window, "top_k": top_k, "top_n": top_n,
+                  "modes": list(modes), "cells": "positions from the subject's first token"},
+        seconds=time.perf_counter() - start)
+
+
+def _feature_rows(graph, tracer, transcoder: Transcoder, top_n: int, modes: Sequence[str],
+                  progress: Callable[[int], None] | None) -> list[dict]:
+    """One dict per checked feature: where it is, its activations, the prediction and, per
+    mode, the measured effects."""
+    n = graph.n_features
+    influence = graph.influence()[:n]
+    order = influence.argsort(descending=True, stable=True)[:top_n]
+    layer, position = graph.feature_layer[order], graph.feature_position[order]
+    feature = graph.feature_id[order]
+    acts = noised_activations(tracer, transcoder, layer, position, feature)
+    _check_activations(graph, order, acts.clean)
+    corrupt = torch.as_tensor(tracer.corrupt_probs, dtype=torch.float64)
+    if float((acts.noised_probs - corrupt).abs().max()) > NOISE_TOLERANCE:
+        raise InputError("the noised runs here are not the trace's corrupted runs (P(answer) "
+                         f"{acts.noised_probs.tolist()} vs {corrupt.tolist()}): the tracer's "
+                         "model changed since it was built?")
+    derivative = total_effects(graph)[order]
+    delta = acts.noised - acts.clean[None]  # [seeds, n]
+    predicted = delta * derivative[None]
+    coefficients = target_coefficients(graph, int(tracer.engine.clean_probs.numel()))
+    measured: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
+    for mode in modes:
+        runner = PatchRunner(tracer.model, transcoder, tracer.prompt.input_ids, coefficients,
+                             tracer.answer_id, mode)
+        base_target, base_prob = runner.run()
+        targets = np.zeros(tuple(delta.shape))
+        probs = np.zeros(tuple(delta.shape))
+        for i in range(len(order)):
+            for s in range(delta.shape[0]):
+                targets[s, i], probs[s, i] = runner.run([(int(layer[i]), int(position[i]),
+                                                         int(feature[i]),
+                                                         float(acts.noised[s, i]))])
+                if progress is not None:
+                    progress(1)
+        measured[mode] = (targets - base_target, probs - base_prob, base_target)
+    rows = []
+    for i, node in enumerate(order.tolist()):
+        row = {"node": node, "label": graph.label(node), "layer": int(layer[i]),
+               "position": int(position[i]), "token": graph.tokens[int(position[i])],
+               "feature": int(feature[i]), "influence": float(influence[node]),
+               "activation": float(acts.clean[i]), "noised": acts.noised[:, i].tolist(),
+               "delta_mean": float(delta[:, i].mean()), "total_effect": float(derivative[i]),
+               "predicted": predicted[:, i].tolist(),
+               "predicted_mean": float(predicted[:, i].mean()), "modes": {}}
+        for mode, (effect, prob, base) in measured.items():
+            row["modes"][mode] = {"measured": effect[:, i].tolist(),
+                                  "measured_mean": float(effect[:, i].mean()),
+                                  "prob_change": prob[:, i].tolist(),
+                                  "prob_change_mean": float(prob[:, i].mean()),
+                                  "baseline_target": base}
+        rows.append(row)
+    return rows
+
+
+def _check_activations(graph, order: torch.Tensor, clean: torch.Tensor) -> None:
+    """Refuse a transcoder or model other than the graph's: its activations would differ."""
+    expected = graph.activation[order].double()
+    gap = float((clean - expected).abs().max())
+    scale = float(expected.abs().max())
+    if gap > ACTIVATION_TOLERANCE * max(scale, 1e-6):
+        raise InputError(f"this model and transcoder give the graph's top features activations "
+                         f"up to {gap:.3g} away from the graph's (largest {scale:.3g}): the graph "
+                         "was built with another model or transcoder")
+
+
+__all__ = ["SITE_KINDS", "check_pair", "cross_check"]

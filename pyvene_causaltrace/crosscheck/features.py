@@ -1,0 +1,206 @@
+"""The graph's features under the trace's noise: attribution's linear prediction beside a patch.
+
+For a feature node ``i`` (layer ``l``, position ``p``, activation ``a_i`` on the clean prompt) and
+noise seed ``s``:
+
+- ``a_i(s)``: its activation when the transcoder reads the noised run (the tracer's noise on the
+  subject's embeddings, the real model, nothing spliced);
+- **prediction** ``(a_i(s) - a_i) * g_i``, where ``g_i = d target / d a_i`` in the local
+  replacement model: the sum over every path of the graph from ``i`` to the target
+  (:func:`total_effects`, from the graph's rows: edges are contributions, so an edge ``j <- i``
+  divided by ``a_i`` is the derivative of ``j``'s pre-activation);
+- **measured**: the target in the model with the transcoder spliced in at every layer and its
+  errors held at the clean run's values, with feature ``i`` set to ``a_i(s)`` at its position
+  (``feature_ablate`` with ``value``), minus the same model unset (which *is* the clean run).
+  ``mode="spliced"``: attention and norms live — the real model's own nonlinearities.
+  ``mode="replacement"``: attention patterns and norm scales held at the clean run's — the local
+  replacement model itself, in which the target is linear in ``a_i`` as long as no other feature
+  crosses its threshold, so there prediction and patch agree to float error (the test that pins
+  the machinery).
+
+The target is the graph's (its logit nodes' weighted mean: ``sum_k w_k c_k . logits``, before a
+final soft-cap); P(answer) is the real, capped probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..attribution.replacement import pre_softcap_logits
+from ..capture import capture
+from ..errors import InputError
+from ..interventions.clt_splice import clean_errors, clt_splice_representations
+from ..interventions.frozen import (
+    FrozenAttention,
+    FrozenLayerNorm,
+    attention_patterns,
+    norm_scales,
+)
+from ..interventions.noise import NoiseAdd
+from ..models import get_adapter
+from ..pyvene_compat import intervenable_model_class
+from ..transcoders.hooks import hook_component, norm_settings, normalize
+from ..transcoders.transcoder import Transcoder
+
+#: How the patch is measured (module docstring).
+MODES = ("spliced", "replacement")
+
+
+def total_effects(graph, max_iter: int = 1000) -> torch.Tensor:
+    """``[n_features]`` float64: ``d target / d a_i`` for every feature node in the local
+    replacement model, the sum over the graph's paths (the target: the logit nodes' weighted
+    mean). Paths through features without a row (a budgeted graph) are missing."""
+    store, lay = graph.rows, graph.layout
+    nodes = store.nodes
+    row_of_node = store.row_of_node(lay.n_nodes)
+    weight = torch.zeros(store.n_rows, dtype=torch.float64)
+    weight[row_of_node[lay.logits]] = graph.logit_weights() / graph.logit_weights().sum()
+    feature_rows = (nodes < lay.n_features).nonzero().squeeze(-1)
+    activation = graph.activation.double()
+    safe = torch.where(activation != 0, activation, torch.ones_like(activation))
+    previous = None
+    for _ in range(max_iter):
+        total = torch.zeros(store.n_columns, dtype=torch.float64)
+        for rows, cols, values in store.chunks():
+            total.index_add_(0, cols, weight[rows] * values.double())
+        derivative = total[:lay.n_features] / safe
+        if previous is not None and torch.equal(total, previous):
+            return derivative
+        weight[feature_rows] = derivative[nodes[feature_rows]]
+        previous = total
+    raise InputError(f"the graph's paths did not end after {max_iter} steps: not an acyclic "
+                     "attribution graph")
+
+
+def target_coefficients(graph, vocab_size: int) -> torch.Tensor:
+    """``[vocab]`` float64: the weighted mean of the graph's logit targets' coefficients."""
+    weights = graph.logit_weights() / graph.logit_weights().sum()
+    out = torch.zeros(vocab_size, dtype=torch.float64)
+    for w, goal in zip(weights, graph.targets, strict=True):
+        if goal.get("output", "logits") != "logits":
+            raise InputError(f"the graph explains {goal.get('name')!r}, a direction in the "
+                             "residual stream: the feature check measures logit targets only")
+        for token, value in goal["coefficients"].items():
+            out[int(token)] += float(w) * float(value)
+    return out
+
+
+def _transcoder_inputs(model: nn.Module, transcoder: Transcoder, layers: Sequence[int],
+                       run) -> dict[int, torch.Tensor]:
+    """The transcoder's input hook values ``[batch, P, D]`` at ``layers`` during ``run()``."""
+    adapter = get_adapter(model)
+    hook = transcoder.cfg.feature_input_hook
+    paths = {layer: hook_component(adapter, hook, layer) for layer in layers}
+    found = capture(model, {}, list(paths.values()), run=run)
+    out = {}
+    for layer, path in paths.items():
+        norm = norm_settings(model, hook, layer)
+        out[layer] = found[path] if norm is None else normalize(found[path], **norm)
+    return out
+
+
+@dataclass(frozen=True)
+class NoisedActivations:
+    """Clean ``[n]`` and noised ``[seeds, n]`` activations of chosen features, and P(answer) of
+    each noised run (``[seeds]``, to check it is the trace's corrupted run)."""
+
+    clean: torch.Tensor
+    noised: torch.Tensor
+    noised_probs: torch.Tensor
+
+
+@torch.no_grad()
+def noised_activations(tracer, transcoder: Transcoder, layer: torch.Tensor,
+                       position: torch.Tensor, feature: torch.Tensor) -> NoisedActivations:
+    """Each chosen feature's activation on the clean prompt and in each of ``tracer``'s noised
+    runs (its seeds, scale and sigma on the subject's embeddings), read by the transcoder from
+    the real model."""
+    model = tracer.model
+    adapter = get_adapter(model)
+    device = next(model.parameters()).device
+    ids = tracer.prompt.input_ids.to(device)
+    layers = sorted({int(x) for x in layer})
+    noise = NoiseAdd(seeds=tracer.seeds, positions=tracer.noise_positions, scale=tracer.scale,
+                     sigma=tracer.sigma, distribution=tracer.distribution)
+    runner = intervenable_model_class()([{"component": adapter.site("embed"),
+                                          "intervention": noise}], model)
+    box = {}
+    batch = ids.repeat(len(tracer.seeds), 1)
+    noised = _transcoder_inputs(model, transcoder, layers, lambda: box.setdefault(
+        "out", runner(base={"input_ids": batch, "use_cache": False})[1]))
+    clean = _transcoder_inputs(model, transcoder, layers, lambda: model(input_ids=ids,
+                                                                         use_cache=False))
+    probs = box["out"].logits[:, -1].double().softmax(-1)[:, tracer.answer_id].cpu()
+
+    def read(states: dict[int, torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros(next(iter(states.values())).shape[0], len(feature), dtype=torch.float64)
+        for lay in layers:
+            chosen = (layer == lay).nonzero().squeeze(-1)
+            x = states[lay][:, position[chosen].to(device)]  # [batch, n, D]
+            acts = transcoder.encode(x, lay)  # [batch, n, F]
+            index = feature[chosen].to(acts.device).view(1, -1, 1).expand(acts.shape[0], -1, 1)
+            out[:, chosen] = acts.gather(2, index).squeeze(-1).double().cpu()
+        return out
+
+    return NoisedActivations(read(clean)[0], read(noised), probs)
+
+
+class PatchRunner:
+    """The spliced model of one prompt (transcoder at every layer, errors held at the clean
+    run's), optionally with attention patterns and norm scales held too
+    (``mode="replacement"``); :meth:`run` sets features and reads the target and P(answer)."""
+
+    def __init__(self, model: nn.Module, transcoder: Transcoder, input_ids: torch.Tensor,
+                 coefficients: torch.Tensor, answer_id: int, mode: str = "spliced") -> None:
+        if mode not in MODES:
+            raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.model, self.transcoder, self.mode = model, transcoder, mode
+        self.ids = input_ids.to(next(model.parameters()).device)
+        self.coefficients = coefficients
+        self.answer_id = int(answer_id)
+        with torch.no_grad():
+            self.errors = clean_errors(transcoder, model, self.ids)
+            self._held = self._held_states() if mode == "replacement" else None
+
+    def _held_states(self) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[str]]:
+        adapter = get_adapter(self.model)
+        replaced = {self.transcoder.cfg.hf_hooks(adapter, layer)["output"]
+                    for layer in range(self.transcoder.n_layers)}
+        norms = [c for layer in range(adapter.n_layers(self.model))
+                 for c in adapter.norm_sites(layer) if c not in replaced]
+        norms.append(adapter.site("final_norm"))
+        return (attention_patterns(self.model, self.ids),
+                norm_scales(self.model, self.ids, norms), norms)
+
+    def _freezes(self) -> list[dict]:
+        if self._held is None:
+            return []
+        adapter = get_adapter(self.model)
+        patterns, scales, norms = self._held
+        reps = [{"component": c, "intervention": FrozenLayerNorm(kind=adapter.norm_kind,
+                                                                 scale=scales[c])}
+                for c in norms]
+        reps += [{"component": adapter.site("attn_output", layer),
+                  "intervention": FrozenAttention(pattern=pattern, pattern_from="clean")}
+                 for layer, pattern in enumerate(patterns)]
+        return reps
+
+    @torch.no_grad()
+    def run(self, settings: Sequence[tuple[int, int, int, float]] = ()) -> tuple[float, float]:
+        """``(target, P(answer))`` with features ``(layer, position, feature, value)`` set."""
+        ablations = [{"clt_layer": int(layer), "positions": [int(pos)],
+                      "features": [int(feature)], "value": float(value)}
+                     for layer, pos, feature, value in settings]
+        reps = clt_splice_representations(self.transcoder, self.model, errors=self.errors,
+                                          ablations=ablations) + self._freezes()
+        pv_model = intervenable_model_class()(reps, self.model)
+        with pre_softcap_logits(self.model) as cap:
+            _, out = pv_model(base={"input_ids": self.ids, "use_cache": False})
+        logits = out.logits[0, -1].double()
+        target = float(logits @ self.coefficients.to(logits.device))
+        capped = logits if cap is None else cap * torch.tanh(logits / cap)
+        return target, float(capped.softmax(-1)[self.answer_id])
