@@ -7,6 +7,8 @@
     pyvene-causaltrace clt-check --clt DIR --data held_out.txt
     pyvene-causaltrace dataset --data known_1000.json --limit 200 --kinds residual,mlp,attn \
         --seeds 3 --out runs/known                   # resumable; under torchrun it shards
+    pyvene-causaltrace dataset --data known_1000 --limit 50 --graphs --clt DIR \
+        --out runs/graphs                            # each fact's attribution graph too
     pyvene-causaltrace dataset --task agreement --out runs/agreement
     pyvene-causaltrace aggregate runs/known          # re-aggregate (merges shards if needed)
     pyvene-causaltrace steer --clt DIR --set 20:-1:1234=10 --max-new-tokens 10

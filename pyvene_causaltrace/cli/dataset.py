@@ -1,7 +1,9 @@
-"""``dataset`` and ``aggregate``: indirect effects averaged over a fact dataset or a task.
+"""``dataset`` and ``aggregate``: indirect effects averaged over a fact dataset or a task,
+and with ``--graphs --clt DIR`` each fact's attribution graph beside its traces.
 
-Every flag, and the output directory (rows without a manifest, a damaged manifest), is checked
-before the model loads; sizes that cannot fit are refused before anything large is allocated.
+Every flag, the output directory (rows without a manifest, a damaged manifest) and the
+transcoder's files are checked before the model loads; sizes that cannot fit are refused before
+anything large is allocated, and a transcoder that does not fit the model before any row.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from ..atomic import replacing, write_text
 from ..dataset import get_task, read_records
+from ..dataset.graphs import GraphSettings
 from ..dataset.plan import check_options
 from ..dataset.run import (
     load_dataset_result,
@@ -22,7 +25,29 @@ from ..dataset.run import (
 from ..dataset.store import check_run_directory
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
+from ..transcoders import load_transcoder
 from .common import number_or_name, out_dir
+
+#: Flags that only a run with --graphs reads.
+_GRAPH_FLAGS = (("clt", "--clt"), ("format", "--format"),
+                ("max_feature_nodes", "--max-feature-nodes"),
+                ("graph_memory_mb", "--graph-memory-mb"), ("save_graphs", "--save-graphs"))
+
+
+def graph_settings(args) -> GraphSettings | None:
+    """The graph settings the flags ask for (``None`` without ``--graphs``); a graph flag
+    without ``--graphs``, or ``--graphs`` without ``--clt``, is refused."""
+    if not args.graphs:
+        given = [flag for name, flag in _GRAPH_FLAGS if getattr(args, name) not in (None, False)]
+        if given:
+            raise InputError(f"{given[0]} is read only with --graphs (add --graphs to build "
+                             "each fact's attribution graph)")
+        return None
+    if args.clt is None:
+        raise InputError("--graphs needs a transcoder: --clt DIR")
+    memory = 4096.0 if args.graph_memory_mb is None else args.graph_memory_mb
+    return GraphSettings(max_feature_nodes=args.max_feature_nodes, memory_mb=memory,
+                         save=args.save_graphs).check()
 
 
 def dataset_command(args) -> int:
@@ -40,14 +65,19 @@ def dataset_command(args) -> int:
                    known=args.known or default_known, limit=args.limit,
                    memory_budget_mb=args.budget_mb, n_boot=args.boot)
     check_options(**options)
+    settings = graph_settings(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shard = (int(os.environ.get("RANK", "0")), world) if world > 1 else None
     check_run_directory(run_path(args.out, shard))
+    # the transcoder's files are read before the model loads: a wrong --clt costs no model load
+    transcoder = load_transcoder(args.clt, format=args.format) if settings else None
     for error in errors[:10]:
         print(f"skipping malformed record {error}", file=sys.stderr)
     if len(errors) > 10:
         print(f"... and {len(errors) - 10} more malformed records", file=sys.stderr)
     model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+    if settings is not None:
+        options.update(transcoder=transcoder, graph_options=settings)
     result = trace_dataset_distributed(model, tokenizer, records, out=args.out, errors=errors,
                                        **options)
     if result is not None:  # rank 0, or a single process
@@ -56,14 +86,19 @@ def dataset_command(args) -> int:
 
 
 def write_dataset_report(result, out: Path) -> None:
-    write_text(result.to_json(), out / "aggregate.json")  # each file whole or not at all
-    for name, write in (("aie.csv", lambda p: result.to_dataframe().to_csv(p, index=False)),
-                        ("peaks.csv", lambda p: result.peaks().to_csv(p, index=False)),
-                        ("figure1.png", result.plot), ("curves.png", result.plot_curves)):
+    """aggregate.json, aie.csv, peaks.csv (and graphs.csv with graphs), figure1.png and
+    curves.png, each written whole or not at all."""
+    write_text(result.to_json(), out / "aggregate.json")
+    tables = [("aie.csv", lambda p: result.to_dataframe().to_csv(p, index=False)),
+              ("peaks.csv", lambda p: result.peaks().to_csv(p, index=False))]
+    if result.graphs is not None:
+        tables.append(("graphs.csv", lambda p: result.graph_dataframe().to_csv(p, index=False)))
+    outputs = [*tables, ("figure1.png", result.plot), ("curves.png", result.plot_curves)]
+    for name, write in outputs:
         with replacing(out / name) as tmp:
             write(tmp)
     print(result.summary())
-    print(f"wrote aggregate.json, aie.csv, peaks.csv, figure1.png, curves.png to {out}")
+    print(f"wrote aggregate.json, {', '.join(name for name, _ in outputs)} to {out}")
 
 
 def aggregate_command(args) -> int:

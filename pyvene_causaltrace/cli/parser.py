@@ -104,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default; a built-in task may default to none)")
     data.add_argument("--budget-mb", type=float, default=2048.0)
     data.add_argument("--boot", type=int, default=1000, help="bootstrap resamples")
+    data.add_argument("--graphs", action="store_true",
+                      help="also build each kept fact's attribution graph through the --clt "
+                           "transcoder: graphs.jsonl, graphs.csv and a graph panel beside the "
+                           "AIE in the figures")
+    data.add_argument("--clt", default=None, help=_TRANSCODER_HELP + " (with --graphs)")
+    data.add_argument("--format", default=None, help=_FORMAT_HELP)
+    data.add_argument("--max-feature-nodes", type=int, default=None,
+                      help="with --graphs: feature rows per graph, the most influential "
+                           "(default: every feature whose row fits --graph-memory-mb)")
+    data.add_argument("--graph-memory-mb", type=float, default=None,
+                      help="with --graphs: memory cap of one graph (default 4096)")
+    data.add_argument("--save-graphs", action="store_true",
+                      help="with --graphs: keep each graph as graphs/<index>.safetensors")
     data.add_argument("--out", type=Path, required=True,
                       help="run directory: rows stream here; rerun to resume")
 

@@ -1,5 +1,6 @@
 """Causal tracing over datasets: average indirect effects by token role, other tasks,
-resumable runs and sharding.
+resumable runs and sharding; with a transcoder, each fact's attribution graph beside its
+traces.
 
     from pyvene_causaltrace.dataset import read_records, trace_dataset
 """
@@ -14,4 +15,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "trace_dataset": ".run", "trace_dataset_distributed": ".run", "merge_shards": ".run",
     "load_dataset_result": ".run", "aggregate_rows": ".aggregate",
     "role_curves": ".aggregate", "bootstrap_interval": ".aggregate",
+    "GraphSettings": ".graphs", "aggregate_graphs": ".graph_aggregate",
+    "aggregate_schema": ".results",
 })

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 _KIND_CMAPS = {"residual": "Purples", "mlp": "Greens", "attn": "Reds"}
+_GRAPH_CMAP = "Oranges"
 
 
 def _figure(n_panels: int, width: float, height: float):
@@ -17,26 +18,44 @@ def _figure(n_panels: int, width: float, height: float):
     return plt, fig, axes[0]
 
 
-def plot_role_heatmaps(result, path: str | None = None):
-    """One heatmap per kind: rows are roles (those some fact has), columns layers; a row's peak is
-    outlined when it reaches a tenth of the panel's largest value (flat rows have no site)."""
-    plt, fig, axes = _figure(len(result.kinds), 5.0, 3.2)
-    for ax, kind in zip(axes, result.kinds, strict=True):
+def _panels(result) -> list[tuple[str, list[int], np.ndarray, str, str]]:
+    """The heat maps to draw: (title, role rows, grid [rows, layers], colour map, what the
+    colour is), one per kind, then the graphs' "all" influence share when there are graphs."""
+    panels = []
+    for kind in result.kinds:
         rows = [r for r, _ in enumerate(result.roles) if result.n_facts[kind][r] > 0]
         grid = np.array([result.aie[kind][r] for r in rows], dtype=float)
-        image = ax.imshow(grid, aspect="auto", cmap=_KIND_CMAPS.get(kind, "Blues"),
-                          interpolation="nearest")
+        n = result.effects[kind]["n_facts"]
+        panels.append((f"{kind}: AIE over {n} facts", rows, grid,
+                       _KIND_CMAPS.get(kind, "Blues"), "AIE"))
+    graphs = result.graphs
+    if graphs is not None:
+        rows = [r for r, _ in enumerate(result.roles) if graphs["n_role_facts"][r] > 0]
+        grid = np.array([graphs["influence"]["all"][r] for r in rows], dtype=float)
+        panels.append((f"graph: influence share over {graphs['n_facts']} facts", rows, grid,
+                       _GRAPH_CMAP, "share"))
+    return panels
+
+
+def plot_role_heatmaps(result, path: str | None = None):
+    """One heatmap per kind: rows are roles (those some fact has), columns layers; a row's peak is
+    outlined when it reaches a tenth of the panel's largest value (flat rows have no site). With
+    graphs, a last panel of the same shape: the graphs' influence share (MLP features and
+    errors) by role and layer."""
+    panels = _panels(result)
+    plt, fig, axes = _figure(len(panels), 5.0, 3.2)
+    for ax, (title, rows, grid, cmap, label) in zip(axes, panels, strict=True):
+        image = ax.imshow(grid, aspect="auto", cmap=cmap, interpolation="nearest")
         ax.set_yticks(range(len(rows)), [result.roles[r] for r in rows], fontsize=7)
         ax.set_xlabel("layer")
-        n = result.effects[kind]["n_facts"]
-        ax.set_title(f"{kind}: AIE over {n} facts", fontsize=9)
+        ax.set_title(title, fontsize=9)
         top = np.nanmax(grid) if not np.isnan(grid).all() else 0.0
         for i, row in enumerate(grid):
             if not np.isnan(row).all() and np.nanmax(row) >= 0.1 * top > 0:
                 j = int(np.nanargmax(row))
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, lw=0.8,
                                            color="black"))
-        fig.colorbar(image, ax=ax, fraction=0.04)
+        fig.colorbar(image, ax=ax, fraction=0.04, label=label)
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=150)
@@ -44,21 +63,40 @@ def plot_role_heatmaps(result, path: str | None = None):
     return fig
 
 
+def _curve(ax, layers, mean, low, high, label) -> None:
+    ax.plot(layers, mean, label=label)
+    ax.fill_between(layers, low, high, alpha=0.25)
+
+
 def plot_role_curves(result, path: str | None = None,
                      roles: tuple[str, ...] = ("Last subject token", "Last token")):
-    """AIE against layer for ``roles``, a panel per kind, bands = the bootstrap interval."""
-    plt, fig, axes = _figure(len(result.kinds), 4.2, 3.0)
+    """AIE against layer for ``roles``, a panel per kind, bands = the bootstrap interval; with
+    graphs, a last panel of the graphs' influence share for the same roles."""
+    graphs = result.graphs
+    plt, fig, axes = _figure(len(result.kinds) + (graphs is not None), 4.2, 3.0)
     layers = np.arange(result.n_layers)
-    for ax, kind in zip(axes, result.kinds, strict=True):
+    for ax, kind in zip(axes, result.kinds, strict=False):
         for role in roles:
             r = result.roles.index(role)
             if result.n_facts[kind][r] == 0:
                 continue
-            ax.plot(layers, result.aie[kind][r], label=role)
-            ax.fill_between(layers, result.ci_low[kind][r], result.ci_high[kind][r], alpha=0.25)
+            _curve(ax, layers, result.aie[kind][r], result.ci_low[kind][r],
+                   result.ci_high[kind][r], role)
         ax.set_title(kind, fontsize=9)
         ax.set_xlabel("layer")
         ax.set_ylabel("AIE (P gap)")
+        ax.legend(fontsize=7)
+    if graphs is not None:
+        ax = axes[-1]
+        for role in roles:
+            r = result.roles.index(role)
+            if graphs["n_role_facts"][r] == 0:
+                continue
+            _curve(ax, layers, graphs["influence"]["all"][r], graphs["ci_low"]["all"][r],
+                   graphs["ci_high"]["all"][r], role)
+        ax.set_title(f"graph: MLP features + errors, {graphs['n_facts']} facts", fontsize=9)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("influence share")
         ax.legend(fontsize=7)
     fig.tight_layout()
     if path is not None:

@@ -1,9 +1,15 @@
-"""The result of a dataset run: AIE by token role x layer per kind, with intervals."""
+"""The result of a dataset run: AIE by token role x layer per kind, with intervals, and (in a
+run with graphs) the attribution graphs' influence by token role x layer beside it.
+
+Its JSON (``aggregate.json``) is described by ``aggregate.schema.json`` (JSON Schema 2020-12,
+shipped with the package: :func:`aggregate_schema`).
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from importlib.resources import files
 from typing import Any
 
 import numpy as np
@@ -11,7 +17,13 @@ import numpy as np
 from ..tracing.results import package_versions
 from .plots import plot_role_curves, plot_role_heatmaps
 
-__all__ = ["DatasetResult", "package_versions"]
+__all__ = ["DatasetResult", "aggregate_schema", "package_versions"]
+
+
+def aggregate_schema() -> dict:
+    """The JSON Schema of :meth:`DatasetResult.to_json` (``aggregate.json``)."""
+    return json.loads(files("pyvene_causaltrace.dataset").joinpath("aggregate.schema.json")
+                      .read_text())
 
 
 def _nan_to_none(value):
@@ -31,7 +43,10 @@ class DatasetResult:
     ``aie[kind][role][layer]`` with ``ci_low``/``ci_high`` the bootstrap interval at ``level``;
     ``n_facts[kind][role]`` facts that have the role; ``effects[kind]`` the average total
     effect (with interval), clean and corrupted P(answer); ``screen`` counts kept and skipped
-    records by reason; ``manifest`` the run's settings.
+    records by reason; ``manifest`` the run's settings. ``graphs``: ``None`` in a run without
+    attribution graphs, else the graphs' influence share by role x layer with intervals, their
+    rank correlation with the traces and their quality
+    (:func:`~.graph_aggregate.aggregate_graphs`).
     """
 
     kinds: list[str]
@@ -47,6 +62,7 @@ class DatasetResult:
     screen: dict[str, int]
     manifest: dict[str, Any]
     versions: dict[str, str] = field(default_factory=package_versions)
+    graphs: dict[str, Any] | None = None
 
     def to_dataframe(self):
         """Long form: kind, role, layer, relative depth, aie, ci_low, ci_high, n_facts."""
@@ -63,6 +79,26 @@ class DatasetResult:
                                  "ci_high": self.ci_high[kind][r][layer],
                                  "n_facts": self.n_facts[kind][r]})
         return pd.DataFrame(rows)
+
+    def graph_dataframe(self):
+        """Long form of the graphs' influence share: part, role, layer, relative depth,
+        influence, ci_low, ci_high, n_facts (empty without graphs)."""
+        import pandas as pd  # pandas loads only when a table is asked for
+
+        columns = ["part", "role", "layer", "depth", "influence", "ci_low", "ci_high", "n_facts"]
+        if self.graphs is None:
+            return pd.DataFrame(columns=columns)
+        g, rows = self.graphs, []
+        for part in g["parts"]:
+            for r, role in enumerate(self.roles):
+                for layer in range(self.n_layers):
+                    rows.append({"part": part, "role": role, "layer": layer,
+                                 "depth": layer / max(1, self.n_layers - 1),
+                                 "influence": g["influence"][part][r][layer],
+                                 "ci_low": g["ci_low"][part][r][layer],
+                                 "ci_high": g["ci_high"][part][r][layer],
+                                 "n_facts": g["n_role_facts"][r]})
+        return pd.DataFrame(rows, columns=columns)
 
     def peaks(self):
         """Peak layer and AIE per kind and role (relative depth = layer / (layers - 1))."""
@@ -94,6 +130,8 @@ class DatasetResult:
         peaks = self.peaks()
         if len(peaks):
             lines.append(peaks.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        if self.graphs is not None:
+            lines.append(_graph_summary(self.graphs, self.level))
         return "\n".join(lines)
 
     def to_json(self) -> str:
@@ -106,13 +144,40 @@ class DatasetResult:
         for key in ("aie", "ci_low", "ci_high"):
             data[key] = {kind: np.array(grid, dtype=float).tolist()
                          for kind, grid in data[key].items()}
+        graphs = data.get("graphs")
+        if graphs is not None:
+            for key in ("influence", "ci_low", "ci_high"):
+                graphs[key] = {part: np.array(grid, dtype=float).tolist()
+                               for part, grid in graphs[key].items()}
         return cls(**data)
 
     def plot(self, path: str | None = None):
-        """ROME's Figure 1: a role x layer AIE heatmap per kind."""
+        """ROME's Figure 1: a role x layer AIE heatmap per kind, and with graphs a last panel
+        of the graphs' influence share by role x layer."""
         return plot_role_heatmaps(self, path)
 
     def plot_curves(self, path: str | None = None,
                     roles: tuple[str, ...] = ("Last subject token", "Last token")):
-        """AIE against layer for ``roles``, one panel per kind, interval bands."""
+        """AIE against layer for ``roles``, one panel per kind, interval bands; with graphs a
+        last panel of the graphs' influence share for the same roles."""
         return plot_role_curves(self, path, roles)
+
+
+def _graph_summary(graphs: dict, level: float) -> str:
+    """The graphs' lines of :meth:`DatasetResult.summary`."""
+    q = graphs["quality"]
+
+    def number(value) -> str:
+        return "n/a" if value is None else f"{value:.3f}"
+
+    lines = [f"[graphs] {graphs['n_facts']} facts: {number(q['n_features'])} active features "
+             f"({number(q['n_explored'])} explored) on average, closure at most "
+             f"{q['closure_max']:.1e}, error share {number(q['error_share'])}, replacement "
+             f"{number(q['replacement'])}, completeness {number(q['completeness'])}"]
+    for kind, s in graphs["spearman"].items():
+        ci = s["ci"]
+        lines.append(f"[graphs vs {kind}] Spearman over {s['n_facts']} facts: mean "
+                     f"{number(s['mean'])}, median {number(s['median'])} "
+                     f"({100 * level:.0f}% CI {number(ci[0])}..{number(ci[1])})"
+                     + (f"; undefined for {s['n_undefined']}" if s["n_undefined"] else ""))
+    return "\n".join(lines)

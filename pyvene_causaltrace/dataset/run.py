@@ -15,6 +15,13 @@ anything left to do is traced again with all its seeds, exactly as an uninterrup
 it (same batches, so the same float rounding), and only the missing rows are written: a resumed
 run's rows equal an uninterrupted run's bit for bit.
 
+With a ``transcoder``, each kept fact also gets its attribution graph after its traces, one
+``graphs.jsonl`` row per fact (:mod:`.graphs`; the files of a run directory are listed in
+:mod:`.store`), and the aggregate adds the graphs' influence share by token role x layer beside
+the AIE (:mod:`.graph_aggregate`). A resume builds only the graphs that are missing (a fact
+whose traces are done but whose graph is not gets only its graph); the manifest holds the
+transcoder's fingerprint and the graph settings, so another transcoder is refused.
+
 Options are checked before anything runs (:func:`~.plan.check_options`, which the command line
 calls before loading the model), and a seed count whose corrupted runs cannot fit the memory
 budget is refused before its list of seeds is built.
@@ -32,8 +39,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,11 +60,14 @@ from ..runlock import single_writer
 from ..tracing.chunks import check_seeds_fit
 from ..tracing.noise_scale import resolve_sigma, rome_sigma
 from ..tracing.trace import Tracer
+from ..transcoders import Transcoder
 from .aggregate import ROLE_ORDER, aggregate_rows
+from .graph_aggregate import TraceGrids, aggregate_graphs
+from .graphs import GRAPH_DIR, GraphSettings, graph_manifest, graph_row
 from .plan import KNOWN_RULES, check_boot_fits, check_options
 from .records import FactRecord, RecordError
 from .results import DatasetResult
-from .store import MANIFEST, RESULTS, SCREEN, RunDirectory, read_jsonl, read_manifest
+from .store import GRAPHS, MANIFEST, RESULTS, SCREEN, RunDirectory, read_jsonl, read_manifest
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -153,10 +165,17 @@ def trace_dataset(
     errors: Sequence[RecordError] = (),
     progress: bool = True,
     n_boot: int = 1000,
+    transcoder: Transcoder | None = None,
+    graph_options: GraphSettings | None = None,
 ) -> DatasetResult:
     """Trace ``records`` (see module docstring); returns the aggregate of what ``out`` holds
     (of this shard only when ``shard`` is given). A second run on the same ``out`` while this
-    one writes is refused (:class:`~pyvene_causaltrace.runlock.OutputLockedError`)."""
+    one writes is refused (:class:`~pyvene_causaltrace.runlock.OutputLockedError`).
+
+    ``transcoder``: also build each kept fact's attribution graph with ``graph_options``
+    (default :class:`~.graphs.GraphSettings`: demeaned target, every feature that fits 4 GiB);
+    a transcoder that does not fit ``model`` is refused
+    (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError`) before anything is written."""
     kinds = list(kinds)
     n_seeds = check_options(kinds=kinds, seeds=seeds, scale=scale, sigma=sigma, window=window,
                             known=known, limit=limit, memory_budget_mb=memory_budget_mb,
@@ -164,6 +183,11 @@ def trace_dataset(
     rank, world = shard or (0, 1)
     if not 0 <= rank < world:
         raise InputError(f"shard rank {rank} outside world size {world}")
+    if graph_options is not None and transcoder is None:
+        raise InputError("graph_options without a transcoder: pass transcoder= (--clt) to "
+                         "build graphs")
+    settings = (graph_options or GraphSettings()) if transcoder is not None else None
+    graphs = graph_manifest(model, transcoder, settings) if settings is not None else {}
     _check_sizes(model, tokenizer, records, n_seeds, memory_budget_mb, n_boot)
     seeds = seed_list(seeds)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pvct-dataset-"))
@@ -173,8 +197,10 @@ def trace_dataset(
         "records": _records_digest(records), "n_records": len(records), "kinds": kinds,
         "seeds": seeds, "scale": float(scale), "sigma": sigma, "window": window,
         "known": known, "limit": limit, "shard": [rank, world],
-        "about": {"model_name": model_name(model)},
+        "about": {"model_name": model_name(model)}, **graphs,
     }
+    if transcoder is not None:
+        manifest["about"]["transcoder"] = transcoder.source or transcoder.cfg.model_name
     with RunDirectory(run_path(out, shard), manifest) as run:
         kept = _screen(model, tokenizer, records, known, limit, run, errors)
         if not kept:
@@ -187,40 +213,50 @@ def trace_dataset(
 
         mine = kept[rank::world]
         done = run.done()
-        todo = [(line, [k for k in kinds if any((line["fact"], k, s) not in done for s in seeds)])
+        graphed = run.graphs_done() if settings is not None else None
+        todo = [(line, [k for k in kinds if any((line["fact"], k, s) not in done for s in seeds)],
+                 graphed is not None and line["fact"] not in graphed)
                 for line in mine]
-        bar = tqdm(total=len(mine) * len(kinds), initial=sum(len(kinds) - len(t) for _, t in todo),
-                   desc="dataset trace", unit="trace", disable=not progress)
+        steps = len(kinds) + (settings is not None)  # a fact's traces, and its graph
+        bar = tqdm(total=len(mine) * steps,
+                   initial=sum(steps - len(t) - g for _, t, g in todo),
+                   desc="dataset trace" + (" + graphs" if settings else ""), unit="step",
+                   disable=not progress)
         with bar:  # closed (its line ended) on an error or Ctrl-C too
-            _trace_facts(model, tokenizer, run, todo, by_id, seeds, done, bar, scale=scale,
-                         sigma_value=sigma_value, window=window,
-                         memory_budget_mb=memory_budget_mb)
+            for line, todo_kinds, needs_graph in todo:
+                record = by_id[line["fact"]]
+                if todo_kinds:
+                    _trace_fact(model, tokenizer, run, line, record, todo_kinds, seeds, done,
+                                bar, scale=scale, sigma_value=sigma_value, window=window,
+                                memory_budget_mb=memory_budget_mb)
+                if needs_graph:
+                    save_dir = run.path / GRAPH_DIR if settings.save else None
+                    run.append(GRAPHS, [graph_row(model, tokenizer, transcoder, line, record,
+                                                  settings, save_dir)])
+                    bar.update(1)
     return load_dataset_result(run.path, n_boot=n_boot)
 
 
-def _trace_facts(model, tokenizer: Tokenizer, run: RunDirectory, todo, by_id, seeds, done, bar, *,
-                 scale: float, sigma_value: float, window: int, memory_budget_mb: float) -> None:
-    """Trace each fact's kinds still to do and append their missing rows."""
-    for line, todo_kinds in todo:
-        if not todo_kinds:
-            continue
-        record = by_id[line["fact"]]
-        # every seed, as an uninterrupted run: a corrupted run and restore chunks of the
-        # same rows round the same way; rows already written are not written again
-        tracer = Tracer(model, tokenizer, line["prompt"], record.subject,
-                        answer=line["target"], seeds=seeds, scale=scale,
-                        sigma=sigma_value, occurrence=record.occurrence,
-                        memory_budget_mb=memory_budget_mb)
-        for kind in todo_kinds:
-            result = tracer.trace(kind, window=window)
-            run.append(RESULTS, [{
-                "index": line["index"], "fact": record.id, "kind": kind, "seed": seed,
-                "tokens": result.tokens, "subject_range": list(result.subject_range),
-                "answer": result.answer, "clean": result.clean_prob,
-                "corrupt": float(result.corrupt_probs[i]), "scale": float(scale),
-                "sigma": sigma_value, "restored": result.restored_probs[i].tolist(),
-            } for i, seed in enumerate(seeds) if (record.id, kind, seed) not in done])
-            bar.update(1)
+def _trace_fact(model, tokenizer: Tokenizer, run: RunDirectory, line: dict, record: FactRecord,
+                todo_kinds: list[str], seeds, done, bar, *, scale: float, sigma_value: float,
+                window: int, memory_budget_mb: float) -> None:
+    """Trace a fact's kinds still to do and append their missing rows."""
+    # every seed, as an uninterrupted run: a corrupted run and restore chunks of the
+    # same rows round the same way; rows already written are not written again
+    tracer = Tracer(model, tokenizer, line["prompt"], record.subject,
+                    answer=line["target"], seeds=seeds, scale=scale,
+                    sigma=sigma_value, occurrence=record.occurrence,
+                    memory_budget_mb=memory_budget_mb)
+    for kind in todo_kinds:
+        result = tracer.trace(kind, window=window)
+        run.append(RESULTS, [{
+            "index": line["index"], "fact": record.id, "kind": kind, "seed": seed,
+            "tokens": result.tokens, "subject_range": list(result.subject_range),
+            "answer": result.answer, "clean": result.clean_prob,
+            "corrupt": float(result.corrupt_probs[i]), "scale": float(scale),
+            "sigma": sigma_value, "restored": result.restored_probs[i].tolist(),
+        } for i, seed in enumerate(seeds) if (record.id, kind, seed) not in done])
+        bar.update(1)
 
 
 def _check_sizes(model: nn.Module,
@@ -242,24 +278,35 @@ def run_path(out: str | Path, shard: tuple[int, int] | None = None) -> Path:
 
 
 def load_dataset_result(path: str | Path, *, n_boot: int = 1000) -> DatasetResult:
-    """The aggregate of a run directory (a finished, interrupted or merged one). A missing or
-    damaged manifest, or a damaged row, is refused naming the file (and line)."""
+    """The aggregate of a run directory (a finished, interrupted or merged one), with the
+    graphs' part when the run has graphs. A missing or damaged manifest, or a damaged row, is
+    refused naming the file (and line)."""
     path = Path(path)
     manifest = read_manifest(path)
     screen = list(read_jsonl(path / SCREEN))
-    rows = read_jsonl(path / RESULTS)
+    graph_rows = list(read_jsonl(path / GRAPHS)) if manifest.get("graphs") is not None else []
+    traces = TraceGrids((int(row["index"]) for row in graph_rows), manifest.get("seeds", ()))
+    rows = traces.watch(read_jsonl(path / RESULTS))
     try:
-        return aggregate_rows(rows, kinds=manifest["kinds"], manifest=manifest, screen=screen,
-                              n_boot=n_boot)
+        result = aggregate_rows(rows, kinds=manifest["kinds"], manifest=manifest, screen=screen,
+                                n_boot=n_boot)
     except DamagedFileError:
         raise
     except InputError as error:  # no rows, rows that do not fit together: say which file
         raise InputError(f"{path / RESULTS}: {error}") from None
+    try:
+        graphs = aggregate_graphs(graph_rows, n_layers=result.n_layers, kinds=result.kinds,
+                                  traces=traces, window=int(manifest.get("window", WINDOW)),
+                                  n_boot=n_boot, level=result.level)
+    except InputError as error:
+        raise InputError(f"{path / GRAPHS}: {error}") from None
+    return replace(result, graphs=graphs) if graphs is not None else result
 
 
 def merge_shards(out: str | Path, world: int, *, n_boot: int = 1000) -> DatasetResult:
-    """Join ``out/shard-*-of-WW`` into ``out`` (rows streamed, not held) and aggregate. The
-    merged files replace the old ones only once all are written (the rows last)."""
+    """Join ``out/shard-*-of-WW`` into ``out`` (rows and graph rows streamed, not held; saved
+    graphs copied) and aggregate. The merged files replace the old ones only once all are
+    written (the rows last)."""
     out = Path(out)
     shards = [shard_dir(out, rank, world) for rank in range(world)]
     manifests = []
@@ -272,13 +319,16 @@ def merge_shards(out: str | Path, world: int, *, n_boot: int = 1000) -> DatasetR
         if {k: v for k, v in manifest.items() if k != "shard"} != base:
             raise ManifestMismatchError(f"shard {path} ran with other settings than {shards[0]}")
     with single_writer(out):
-        names = (MANIFEST, SCREEN, RESULTS)
+        rows = (GRAPHS, RESULTS) if base.get("graphs") is not None else (RESULTS,)
+        names = (MANIFEST, SCREEN, *rows)
         tmp = {name: out / (name + ".tmp") for name in names}
         try:
-            with open(tmp[RESULTS], "w") as handle:
-                for path in shards:
-                    for row in read_jsonl(path / RESULTS):
-                        handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+            for name in rows:
+                with open(tmp[name], "w") as handle:
+                    for path in shards:
+                        for row in read_jsonl(path / name):
+                            handle.write(json.dumps(row, separators=(",", ":")) + "\n")
+            _merge_saved_graphs(shards, out)
             tmp[SCREEN].write_text((shards[0] / SCREEN).read_text())
             tmp[MANIFEST].write_text(json.dumps({**base, "shard": [0, 1], "merged": world},
                                                 indent=2, sort_keys=True))
@@ -288,6 +338,14 @@ def merge_shards(out: str | Path, world: int, *, n_boot: int = 1000) -> DatasetR
             for path in tmp.values():
                 path.unlink(missing_ok=True)
     return load_dataset_result(out, n_boot=n_boot)
+
+
+def _merge_saved_graphs(shards: Sequence[Path], out: Path) -> None:
+    """Copy the graphs the shards saved (``graphs/<index>.safetensors``) into ``out``."""
+    for path in shards:
+        for graph in sorted((path / GRAPH_DIR).glob("*.safetensors")):
+            (out / GRAPH_DIR).mkdir(exist_ok=True)
+            shutil.copy2(graph, out / GRAPH_DIR / graph.name)
 
 
 def trace_dataset_distributed(model: nn.Module, tokenizer: Tokenizer, records, *, out,

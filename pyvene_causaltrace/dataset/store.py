@@ -13,6 +13,10 @@ An output directory holds:
   the same directory is refused.
 - ``screen.jsonl``: one line per record: kept (the model knows it) or skipped, and why.
 - ``results.jsonl``: one line per (fact, kind, seed) with the restored P(answer) grid.
+- ``graphs.jsonl`` (runs with a transcoder, :mod:`~pyvene_causaltrace.dataset.graphs`): one
+  line per fact with its attribution graph's summary (features, closure, scores) and its
+  influence-share grids ``[layer][position]``; ``graphs/`` holds each graph's
+  ``.safetensors`` when asked to keep them.
 
 Rows are appended with one ``write`` per batch, synced; a batch whose write fails (disk full,
 Ctrl-C) is cut off again, so the file ends at a batch boundary. Only ``kill -9`` mid-write can
@@ -34,17 +38,26 @@ from ..errors import DamagedFileError, ManifestMismatchError
 from ..runlock import single_writer
 
 MANIFEST, SCREEN, RESULTS = "manifest.json", "screen.jsonl", "results.jsonl"
+GRAPHS = "graphs.jsonl"
+_NUMBER = (int, float)
+_NUMBER_OR_NULL = (int, float, type(None))
 
 #: Keys (and their types) a line of each file must have.
 ROW_FIELDS = {
     RESULTS: {"index": int, "fact": str, "kind": str, "seed": int, "subject_range": list,
               "clean": (int, float), "corrupt": (int, float), "restored": list},
     SCREEN: {"fact": (str, type(None)), "kept": bool},
+    GRAPHS: {"index": int, "fact": str, "tokens": list, "subject_range": list, "answer": str,
+             "n_features": int, "n_explored": int, "closure": _NUMBER,
+             "error_share": _NUMBER_OR_NULL, "replacement": _NUMBER_OR_NULL,
+             "completeness": _NUMBER_OR_NULL, "seconds": _NUMBER, "influence": dict},
 }
 
 #: What a differing manifest key means, for the message.
 _MEANING = {"model": "the model's weights", "tokenizer": "the tokenizer",
-            "records": "the data", "version": "the pyvene-causaltrace version"}
+            "records": "the data", "version": "the pyvene-causaltrace version",
+            "transcoder": "the transcoder (its weights; None: a run without graphs)",
+            "graphs": "the graph settings (None: a run without graphs)"}
 
 
 def _afresh(directory: Path) -> str:
@@ -153,7 +166,7 @@ def has_rows(directory: Path) -> list[str]:
     """Names in ``directory`` that hold rows: a non-empty screen or results file, or shard
     directories of a sharded run."""
     directory = Path(directory)
-    found = [name for name in (SCREEN, RESULTS)
+    found = [name for name in (SCREEN, RESULTS, GRAPHS)
              if (directory / name).exists() and (directory / name).stat().st_size > 0]
     shards = sorted(p.name for p in directory.glob("shard-*-of-*") if p.is_dir())
     return found + shards
@@ -229,7 +242,7 @@ class RunDirectory:
         else:
             write_text(json.dumps(manifest, indent=2, sort_keys=True), stored)
         self.manifest = manifest
-        for name in (SCREEN, RESULTS):
+        for name in (SCREEN, RESULTS, GRAPHS):
             _drop_partial_line(self.path / name)
 
     def append(self, name: str, rows: list[dict]) -> None:
@@ -259,3 +272,7 @@ class RunDirectory:
     def done(self) -> set[tuple[str, str, int]]:
         """``(fact, kind, seed)`` keys already written."""
         return {(row["fact"], row["kind"], row["seed"]) for row in self.rows(RESULTS)}
+
+    def graphs_done(self) -> set[str]:
+        """Facts whose graph row is already written."""
+        return {row["fact"] for row in self.rows(GRAPHS)}

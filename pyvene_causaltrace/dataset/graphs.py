@@ -1,0 +1,134 @@
+"""Attribution graphs over a dataset run: each kept fact's graph beside its traces.
+
+    clt = load_transcoder("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted-256")
+    trace_dataset(model, tokenizer, records, out="runs/known", transcoder=clt,
+                  graph_options=GraphSettings(max_feature_nodes=2000))
+
+A fact's graph (:func:`~pyvene_causaltrace.attribution.attribute`) explains the token its trace
+scores: the same prompt (with a whitespace-only first target token moved into it, as the
+screen split it) and ``answer`` = the target token as the screen decoded it, through target
+``settings.target`` (default ``"demeaned"``: the answer's logit minus the mean of the top
+``k``). Its line in ``graphs.jsonl`` (:func:`graph_row`) keeps what the dataset aggregate reads
+and drops the graph: the tokens and the subject's token range, the number of active and
+explored features, the target row's relative closure residual (and the feature rows' largest),
+the error nodes' share of the target, the replacement and completeness scores, the seconds the
+graph took, and ``influence``: for each part (``"all"``, ``"features"``, ``"errors"``) the
+``[layer][position]`` grid of the influence of the MLP sublayer's nodes at each cell, as a share
+of every source node's influence (:func:`~pyvene_causaltrace.crosscheck.sites.site_influence`,
+``share=True``), so that grids of different prompts average. ``settings.save`` also keeps each
+graph as ``graphs/<index>.safetensors`` (written before its row, so a row means its file).
+
+The run's manifest records the transcoder's fingerprint and :meth:`GraphSettings.to_manifest`:
+a resume with another transcoder or other graph settings, or with graphs into a directory run
+without them (or the reverse), is refused by the manifest check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ..attribution import attribute
+from ..attribution.attribute import check_attribute_arguments
+from ..crosscheck.sites import SITE_PARTS, site_influence
+from ..errors import InputError
+from ..fingerprint import transcoder_fingerprint
+from ..prompts import tokenize_prompt
+from ..transcoders import Transcoder, check_fits
+from .records import FactRecord
+
+if TYPE_CHECKING:  # transformers is slow to import; annotations only
+    from transformers import PreTrainedTokenizerBase as Tokenizer
+
+__all__ = ["GRAPH_DIR", "GRAPH_TARGETS", "GraphSettings", "graph_manifest", "graph_row"]
+
+#: Where ``GraphSettings(save=True)`` keeps each fact's graph, inside the run directory.
+GRAPH_DIR = "graphs"
+#: Targets a dataset graph may explain: both read only the fact's own answer.
+GRAPH_TARGETS = ("demeaned", "demeaned_vocab")
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    """How each fact's graph is built (arguments of :func:`~..attribution.attribute`).
+
+    ``target``: ``"demeaned"`` (minus the top-``k`` mean) or ``"demeaned_vocab"``;
+    ``max_feature_nodes``: feature rows per graph, the most influential (``None``: every
+    active feature whose row fits ``memory_mb``); ``memory_mb``: the graph's memory cap;
+    ``save``: keep each graph under ``graphs/`` (an output choice, not in the manifest)."""
+
+    target: str = "demeaned"
+    k: int = 10
+    max_feature_nodes: int | None = None
+    memory_mb: float = 4096.0
+    save: bool = False
+
+    def check(self) -> GraphSettings:
+        """Refuse settings :func:`~..attribution.attribute` would refuse (or a target that
+        needs more than the fact's answer), naming them; returns ``self``."""
+        if self.target not in GRAPH_TARGETS:
+            raise InputError(f"graph target must be one of {', '.join(GRAPH_TARGETS)} (a "
+                             f"dataset graph explains the fact's own answer), got "
+                             f"{self.target!r}")
+        check_attribute_arguments(target=self.target, k=self.k,
+                                  max_feature_nodes=self.max_feature_nodes,
+                                  memory_mb=self.memory_mb)
+        if not isinstance(self.save, bool):
+            raise InputError(f"save must be True or False, got {self.save!r}")
+        return self
+
+    def to_manifest(self) -> dict:
+        """The settings a resumed run must share (everything that changes a graph)."""
+        return {"target": self.target, "k": self.k, "max_feature_nodes": self.max_feature_nodes,
+                "memory_mb": float(self.memory_mb)}
+
+
+def graph_manifest(model: nn.Module, transcoder: Transcoder, settings: GraphSettings) -> dict:
+    """The manifest keys of a run with graphs, once ``transcoder`` is checked to fit ``model``
+    (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError` if not)."""
+    settings.check()
+    check_fits(transcoder, model)
+    return {"transcoder": transcoder_fingerprint(transcoder), "graphs": settings.to_manifest()}
+
+
+def _number(value: float) -> float | None:
+    """``value`` as a JSON number, ``None`` for NaN (a target of exactly 0 has no shares)."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def graph_row(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, line: dict,
+              record: FactRecord, settings: GraphSettings,
+              save_dir: Path | None = None) -> dict:
+    """The ``graphs.jsonl`` line of the fact screened as ``line`` (module docstring); with
+    ``save_dir``, the graph is first saved there as ``<index>.safetensors``."""
+    tokenized = tokenize_prompt(tokenizer, line["prompt"], record.subject, record.occurrence)
+    graph = attribute(model, tokenizer, transcoder, line["prompt"], line["target"],
+                      target=settings.target, k=settings.k,
+                      max_feature_nodes=settings.max_feature_nodes,
+                      memory_mb=settings.memory_mb)
+    if graph.n_pos != tokenized.seq_len:
+        raise InputError(f"fact {record.id}: the graph reads {graph.n_pos} tokens, the trace "
+                         f"{tokenized.seq_len}")
+    if save_dir is not None:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        graph.save(save_dir / f"{line['index']}.safetensors")
+    scores = graph.scores()
+    return {
+        "index": line["index"], "fact": record.id, "tokens": list(graph.tokens),
+        "subject_range": list(tokenized.subject_range), "answer": graph.answer,
+        "answer_prob": float(graph.answer_prob), "n_features": graph.n_features,
+        "n_explored": graph.n_explored, "closure": float(graph.closure.relative),
+        "feature_closure": float(graph.feature_closure()),
+        "error_share": _number(scores["error_share"]),
+        "replacement": _number(scores["replacement"]),
+        "completeness": _number(scores["completeness"]),
+        "unexplored_influence": _number(scores["unexplored_influence"]),
+        "seconds": float(graph.metadata["seconds"]["total"]),
+        "influence": {part: site_influence(graph, part, share=True).tolist()
+                      for part in SITE_PARTS},
+    }
