@@ -152,6 +152,28 @@ def test_attribute_writes_the_graph_files(model_dir, tmp_path, capsys):
     assert "memory cap" in capsys.readouterr().err
 
 
+def test_attribute_cross_check_writes_its_json_and_figure(model_dir, tmp_path, capsys):
+    import jsonschema
+    from clt_fixtures import random_clt_tensors, write_clt
+
+    from pyvene_causaltrace.crosscheck import cross_check_schema
+
+    clt_dir = write_clt(tmp_path / "clt", random_clt_tensors(3, 32, 48, threshold=0.1))
+    out = tmp_path / "graph"
+    assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--prompt",
+                 PROMPT, "--answer", " the", "--cross-check", "--subject", SUBJECT,
+                 "--seeds", "2", "--check-features", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "vs residual trace: Spearman" in printed and "features (replacement)" in printed
+    report = json.loads((out / "cross_check.json").read_text())
+    jsonschema.validate(report, cross_check_schema())
+    assert report["seeds"] == [0, 1] and len(report["features"]) == 3
+    assert report["settings"]["modes"] == ["spliced", "replacement"]
+    assert (out / "cross_check.png").stat().st_size > 10_000
+    assert "spearman" in json.loads((out / "summary.json").read_text())["cross_check"]["sites"][
+        "residual"]["all"]
+
+
 def test_attribute_with_a_per_layer_set_and_labels(model_dir, tmp_path, capsys):
     from transcoder_fixtures import random_set, write_sparsify
 

@@ -15,12 +15,15 @@ from ..attribution.checkpoint import remove_checkpoint
 from ..attribution.export import read_labels
 from ..attribution.targets import direction_target
 from ..attribution.validate import ablation_test
+from ..crosscheck import MODES, cross_check
 from ..errors import InputError
+from ..finite import positive_number
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
+from ..tracing.trace import Tracer
 from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
-from .common import EIFFEL, out_dir
+from .common import EIFFEL, number_or_name, out_dir
 
 #: The checkpoint directory under ``--out``: rows computed so far, kept until every output is
 #: written.
@@ -84,6 +87,38 @@ def check_attribute_flags(s: dict, max_links: object) -> None:
                          "them")
 
 
+def cross_check_settings(args, s: dict) -> dict | None:
+    """The ``--cross-check`` settings, checked before anything loads (None without it)."""
+    if not args.cross_check:
+        return None
+    subject = args.subject
+    if subject is None and s["prompt"] == EIFFEL["prompt"]:
+        subject = EIFFEL["subject"]
+    if not subject:
+        raise InputError("--cross-check needs --subject: the part of the prompt the trace "
+                         "noises")
+    if subject not in s["prompt"]:
+        raise InputError(f"--subject {subject!r} is not in the prompt {s['prompt']!r}")
+    if s["direction"] is not None or s["answer"] is None:
+        raise InputError("--cross-check compares one answer's graph with its trace: give "
+                         "--answer (a single token), not --direction or several logits")
+    if args.seeds < 1:
+        raise InputError(f"--seeds must be >= 1, got {args.seeds}")
+    scale = number_or_name(args.scale)
+    if scale != "auto":
+        positive_number(scale, "--scale (or 'auto')")
+    for flag, value, low in (("--check-features", args.check_features, 0),
+                             ("--check-window", args.check_window, 1)):
+        if value < low:
+            raise InputError(f"{flag} must be >= {low}, got {value}")
+    modes = [m for m in args.check_modes.split(",") if m]
+    if not modes or any(m not in MODES for m in modes):
+        raise InputError(f"--check-modes must list some of {', '.join(MODES)}, got "
+                         f"{args.check_modes!r}")
+    return {"subject": subject, "seeds": args.seeds, "scale": scale,
+            "top_n": args.check_features, "window": args.check_window, "modes": modes}
+
+
 def read_direction(entry: dict) -> object:
     """The direction target of an attribution setting ``{"file" | "vector", "output",
     "position", "name"}``: a JSON list of numbers or a safetensors file of one 1-D tensor."""
@@ -115,10 +150,15 @@ def attribute_command(args) -> int:
     out_dir(args.out)
     s = attribution_settings(args)
     check_attribute_flags(s, args.max_links)
+    checking = cross_check_settings(args, s)
     target = s["target"] if s["direction"] is None else read_direction(s["direction"])
     labels = read_labels(s["labels"]) if s["labels"] is not None else None
     clt = load_transcoder(s["clt"], format=s["format"])
     model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
+    tracer = None
+    if checking is not None:  # before the graph: a subject the tokens split is refused now
+        tracer = Tracer(model, tokenizer, s["prompt"], checking["subject"], answer=s["answer"],
+                        seeds=checking["seeds"], scale=checking["scale"])
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = out / ROWS_PARTIAL  # an interrupted run resumes; removed once all is written
@@ -164,10 +204,22 @@ def attribute_command(args) -> int:
                                rank_by=s["validate"].get("rank_by", "influence"))
         print(result.to_dataframe().to_string(index=False))
         summary["ablation"] = result.to_dict()
+    if tracer is not None:
+        check = cross_check(graph, tracer, clt, top_n=checking["top_n"],
+                            window=checking["window"], modes=checking["modes"])
+        print(check.summary())
+        check.to_json(out / "cross_check.json")
+        with replacing(out / "cross_check.png") as tmp:
+            check.plot(tmp)
+        summary["cross_check"] = {"sites": {k: {p: {"spearman": v["spearman"],
+                                                    "top_k_overlap": v["top_k_overlap"]}
+                                                for p, v in parts.items()}
+                                            for k, parts in check.sites.items()},
+                                  "features": check.feature_stats}
     write_text(json.dumps(summary, indent=2, default=str), out / "summary.json")
     remove_checkpoint(checkpoint)
     print(f"wrote {out}/graph.json, graph.safetensors, nodes.csv, edges.csv, graph.png, "
-          "summary.json")
+          "summary.json" + (", cross_check.json, cross_check.png" if tracer else ""))
     return 0
 
 

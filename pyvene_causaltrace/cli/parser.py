@@ -170,6 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
                             "score (default 400000, ~25 MB)")
     graph.add_argument("--validate", action="store_true",
                        help="ablate the top 5/10/20 features vs 10 random draws of as many")
+    check = graph.add_argument_group(
+        "cross-check", "trace the same prompt and compare (cross_check.json, cross_check.png)")
+    check.add_argument("--cross-check", action="store_true",
+                       help="per (layer, position): graph influence vs the trace's indirect "
+                            "effect; top features: linear prediction vs a patch to their "
+                            "noised values")
+    check.add_argument("--subject", default=None,
+                       help="the noised subject (default: 'The Eiffel Tower' for the default "
+                            "prompt)")
+    check.add_argument("--seeds", type=int, default=TRACE_SEEDS)
+    check.add_argument("--scale", default=str(NOISE_SCALE),
+                       help=f"noise in units of sigma, or 'auto' (default {NOISE_SCALE})")
+    check.add_argument("--check-features", type=int, default=20,
+                       help="top features (by influence) patched to their noised values")
+    check.add_argument("--check-window", type=int, default=1,
+                       help="layers one MLP restore spans (default 1: one MLP sublayer, as a "
+                            "graph cell)")
+    check.add_argument("--check-modes", default="spliced,replacement",
+                       help="where the patches are measured: spliced (attention and norms "
+                            "live), replacement (held: the local replacement model)")
     graph.add_argument("--out", type=Path, required=True,
                        help="writes graph.json (viewer format), graph.safetensors, "
                             "nodes.csv, edges.csv, graph.png, summary.json; rows computed so "

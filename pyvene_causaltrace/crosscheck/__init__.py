@@ -11,9 +11,9 @@ a patch in the spliced model) -> :mod:`.check` (``cross_check``) -> :mod:`.resul
 
 from .check import SITE_KINDS, check_pair, cross_check
 from .features import MODES, PatchRunner, noised_activations, total_effects
-from .result import CrossCheckResult
+from .result import CrossCheckResult, cross_check_schema
 from .sites import SITE_PARTS, compare_grids, reachable_cells, site_influence, spearman
 
 __all__ = ["MODES", "SITE_KINDS", "SITE_PARTS", "CrossCheckResult", "PatchRunner",
-           "check_pair", "compare_grids", "cross_check", "noised_activations",
+           "check_pair", "compare_grids", "cross_check", "cross_check_schema", "noised_activations",
            "reachable_cells", "site_influence", "spearman", "total_effects"]

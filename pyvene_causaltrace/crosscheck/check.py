@@ -89,7 +89,7 @@ def cross_check(
         modes: ``"spliced"`` (attention and norms live, the default) and/or
             ``"replacement"`` (held at the clean run's: the local replacement model, where the
             prediction is exact up to threshold crossings).
-        progress: called with 1 after each patched forward.
+        progress: called with 1 after each mode's patches.
 
     Raises:
         InputError: for a graph and tracer of different prompts, answers or models, a
@@ -161,20 +161,19 @@ def _feature_rows(graph, tracer, transcoder: Transcoder, top_n: int, modes: Sequ
     predicted = delta * derivative[None]
     coefficients = target_coefficients(graph, int(tracer.engine.clean_probs.numel()))
     measured: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
+    n_seeds = delta.shape[0]
+    settings = [(int(layer[i]), int(position[i]), int(feature[i]), float(acts.noised[s, i]))
+                for i in range(len(order)) for s in range(n_seeds)]
     for mode in modes:
         runner = PatchRunner(tracer.model, transcoder, tracer.prompt.input_ids, coefficients,
                              tracer.answer_id, mode)
-        base_target, base_prob = runner.run()
-        targets = np.zeros(tuple(delta.shape))
-        probs = np.zeros(tuple(delta.shape))
-        for i in range(len(order)):
-            for s in range(delta.shape[0]):
-                targets[s, i], probs[s, i] = runner.run([(int(layer[i]), int(position[i]),
-                                                         int(feature[i]),
-                                                         float(acts.noised[s, i]))])
-                if progress is not None:
-                    progress(1)
-        measured[mode] = (targets - base_target, probs - base_prob, base_target)
+        targets, probs = runner.run([None, *settings])
+        base_target, base_prob = float(targets[0]), float(probs[0])
+        effect = (targets[1:] - base_target).view(len(order), n_seeds).T.numpy()
+        change = (probs[1:] - base_prob).view(len(order), n_seeds).T.numpy()
+        measured[mode] = (effect, change, base_target)
+        if progress is not None:
+            progress(1)
     rows = []
     for i, node in enumerate(order.tolist()):
         row = {"node": node, "label": graph.label(node), "layer": int(layer[i]),

@@ -48,6 +48,8 @@ from ..transcoders.transcoder import Transcoder
 
 #: How the patch is measured (module docstring).
 MODES = ("spliced", "replacement")
+#: Patched rows (one set feature each) per forward.
+ROWS = 64
 
 
 def total_effects(graph, max_iter: int = 1000) -> torch.Tensor:
@@ -190,17 +192,34 @@ class PatchRunner:
         return reps
 
     @torch.no_grad()
-    def run(self, settings: Sequence[tuple[int, int, int, float]] = ()) -> tuple[float, float]:
-        """``(target, P(answer))`` with features ``(layer, position, feature, value)`` set."""
-        ablations = [{"clt_layer": int(layer), "positions": [int(pos)],
-                      "features": [int(feature)], "value": float(value)}
-                     for layer, pos, feature, value in settings]
+    def run(self, rows: Sequence[tuple[int, int, int, float] | None]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(target [n], P(answer) [n])``, float64, one forward per :data:`ROWS` rows: row ``i``
+        sets feature ``rows[i] = (layer, position, feature, value)`` (None: nothing set)."""
+        targets, probs = [], []
+        for start in range(0, len(rows), ROWS):
+            target, prob = self._forward(rows[start:start + ROWS])
+            targets.append(target)
+            probs.append(prob)
+        return torch.cat(targets), torch.cat(probs)
+
+    def _forward(self, rows: Sequence[tuple[int, int, int, float] | None]):
+        groups: dict[tuple[int, int, int], list[float | None]] = {}
+        for i, row in enumerate(rows):
+            if row is not None:
+                layer, pos, feature, value = row
+                key = (int(layer), int(pos), int(feature))
+                groups.setdefault(key, [None] * len(rows))[i] = float(value)
+        ablations = [{"clt_layer": layer, "positions": [pos], "features": [feature],
+                      "row_values": values}
+                     for (layer, pos, feature), values in groups.items()]
         reps = clt_splice_representations(self.transcoder, self.model, errors=self.errors,
                                           ablations=ablations) + self._freezes()
         pv_model = intervenable_model_class()(reps, self.model)
+        batch = self.ids.expand(len(rows), -1)
         with pre_softcap_logits(self.model) as cap:
-            _, out = pv_model(base={"input_ids": self.ids, "use_cache": False})
-        logits = out.logits[0, -1].double()
-        target = float(logits @ self.coefficients.to(logits.device))
+            _, out = pv_model(base={"input_ids": batch, "use_cache": False})
+        logits = out.logits[:, -1].double()
+        target = logits @ self.coefficients.to(logits.device)
         capped = logits if cap is None else cap * torch.tanh(logits / cap)
-        return target, float(capped.softmax(-1)[self.answer_id])
+        return target.cpu(), capped.softmax(-1)[:, self.answer_id].cpu()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,12 @@ from .sites import pearson, spearman
 #: A sign disagreement is flagged only where both values exceed this share of the largest
 #: |value| among the checked features (below it, both are zero up to rounding).
 SIGN_FLOOR = 1e-3
+
+
+def cross_check_schema() -> dict:
+    """The JSON Schema of :meth:`CrossCheckResult.to_json` (``cross_check.json``)."""
+    return json.loads(files("pyvene_causaltrace.crosscheck").joinpath("cross_check.schema.json")
+                      .read_text())
 
 
 def sign_disagreements(predicted: np.ndarray, measured: np.ndarray) -> np.ndarray:

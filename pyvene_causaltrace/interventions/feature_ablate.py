@@ -4,13 +4,16 @@
     FeatureAblate(..., scale=2.0)                  # double them
     FeatureAblate(..., value=8.0)                  # set them to 8 (steering)
     FeatureAblate(..., features=[17, 40], value=[8.0, 0.0])   # one value per feature
+    FeatureAblate(..., row_values=[8.0, None, 2.0])  # batch row 0 sets 8, row 1 nothing, ...
 
 It sits on the transcoder's input hook after its layer's encoder (``clt_splice_representations``
 places it there, ``ablations=[{...}]``) and changes the session's features before any decoder
 reads them; ``positions=None`` means every position of the forward (in a generation loop that
 recomputes the sequence, every generated position too). ``scale`` and ``value`` exclude each
 other; with neither, the features are zeroed. ``features="all"`` switches the whole layer off
-(its decoders then add nothing, leaving ``b_dec``).
+(its decoders then add nothing, leaving ``b_dec``). ``row_values`` (Python only, not a spec
+field) gives each row of a batch of copies of one prompt its own value, ``None`` leaving a row
+as it is: many single-feature patches in one forward (``crosscheck``).
 """
 
 from __future__ import annotations
@@ -51,16 +54,25 @@ class FeatureAblate(SpliceIntervention):
     ``positions`` (None: all) inside a splice (see module docstring)."""
 
     registered_name = "feature_ablate"
-    _config_keys = ("clt_layer", "features", "positions", "scale", "value", "source", "session")
+    _config_keys = ("clt_layer", "features", "positions", "scale", "value", "row_values",
+                    "source", "session")
 
     def _setup(self, clt_layer: int, features: list[int] | str,
                positions: list[int] | None = None, scale: float | None = None,
-               value: float | list[float] | None = None, source: str | None = None,
+               value: float | list[float] | None = None,
+               row_values: list[float | None] | None = None, source: str | None = None,
                session: str | None = None) -> None:
         source = source if source is not None else self._source_of()
         if scale is not None and value is not None:
             raise InputError(f"feature_ablate takes scale or value, not both (got scale={scale}, "
                              f"value={value}): scale multiplies the features, value sets them")
+        if row_values is not None:
+            if scale is not None or value is not None:
+                raise InputError("feature_ablate row_values excludes scale and value")
+            if not isinstance(row_values, list | tuple) or not row_values:
+                raise InputError(f"row_values must be a non-empty list (one value or None per "
+                                 f"batch row), got {row_values!r}")
+            row_values = [None if v is None else _finite(v, "row value") for v in row_values]
         if features != "all":
             features = [int(f) for f in features]
             if not features or any(f < 0 for f in features):
@@ -76,7 +88,7 @@ class FeatureAblate(SpliceIntervention):
         self._config = {"clt_layer": int(clt_layer), "features": features,
                         "positions": None if positions is None else [int(p) for p in positions],
                         "scale": 0.0 if scale is None and value is None else scale,
-                        "value": value, "source": source,
+                        "value": value, "row_values": row_values, "source": source,
                         "session": self._session_id(session, source)}
 
     # -- spec entry: read by the spec's clt_splice, which places it after its layer's encoder
@@ -121,6 +133,9 @@ class FeatureAblate(SpliceIntervention):
         return []  # built by the clt_splice entry
 
     def to_spec(self, site: Site) -> dict[str, Any]:
+        if self._config.get("row_values") is not None:
+            raise InputError("a feature_ablate with row_values (one value per batch row) is not "
+                             "a spec entry")
         keys = ("clt_layer", "features", "positions",
                 "value" if self._config.get("value") is not None else "scale")
         return {"type": self.registered_name,
@@ -142,6 +157,9 @@ class FeatureAblate(SpliceIntervention):
             raise InputError(f"position {max(positions)} is outside a sequence of "
                              f"{acts.shape[1]} tokens")
         columns = slice(None) if features == "all" else features
+        if self._config.get("row_values") is not None:
+            session[layer] = self._set_rows(acts, positions, columns)
+            return base
         value = self._config.get("value")
         block = acts if positions is None else acts[:, positions]
         if isinstance(value, list):
@@ -154,3 +172,23 @@ class FeatureAblate(SpliceIntervention):
             acts[:, positions] = block
         session[layer] = acts
         return base
+
+    def _set_rows(self, acts: torch.Tensor, positions: list[int] | None,
+                  columns: slice | list[int]) -> torch.Tensor:
+        """Each batch row's value at ``positions`` x ``columns`` (rows given None untouched)."""
+        values = self._config["row_values"]
+        if len(values) != acts.shape[0]:
+            raise InputError(f"feature_ablate has {len(values)} row values for a batch of "
+                             f"{acts.shape[0]}")
+        rows = [i for i, v in enumerate(values) if v is not None]
+        if not rows:
+            return acts
+        device = acts.device
+        row = torch.tensor(rows, device=device)
+        pos = torch.arange(acts.shape[1], device=device) if positions is None \
+            else torch.tensor(positions, device=device)
+        col = torch.arange(acts.shape[2], device=device) if isinstance(columns, slice) \
+            else torch.tensor(columns, device=device)
+        new = torch.tensor([values[i] for i in rows], dtype=acts.dtype, device=device)
+        acts[row[:, None, None], pos[None, :, None], col[None, None, :]] = new[:, None, None]
+        return acts
