@@ -70,6 +70,7 @@ def test_in_the_local_replacement_model_the_prediction_is_the_patch(world):
     assert scale > 1e-2  # the noise moves these features, and they move the target
     assert np.abs(predicted - measured).max() <= 1e-5 * scale
     assert result.feature_stats["replacement"]["n_sign_disagree"] == 0
+    assert result.feature_stats["replacement"]["mean_crossings"] == 0  # nothing switches
     # with attention and norms live the model is not linear: the check can fail
     spliced = np.array([f["modes"]["spliced"]["measured"] for f in result.features])
     assert np.abs(predicted - spliced).max() > 1e-3 * scale
@@ -210,5 +211,23 @@ def test_batched_patches_equal_one_forward_each(world, monkeypatch):
     monkeypatch.setattr(module, "ROWS", 1)
     single = runner.run(rows)
     for a, b in zip(batched, single, strict=True):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-6)
     assert (batched[0][1:] - batched[0][0]).abs().max() > 1e-3  # the patches do something
+
+
+def test_in_the_replacement_model_only_threshold_crossings_break_the_prediction(world,
+                                                                                  tmp_path):
+    """A JumpReLU CLT whose features do switch: every patch that switches none is predicted
+    exactly; the ones that switch some are where the gaps are."""
+    model, tokenizer, _, tracer, _, _ = world
+    clt = load_transcoder(str(write_clt(tmp_path / "jump",
+                                        random_clt_tensors(L, D, F, seed=1, threshold=0.3))))
+    graph = attribute(model, tokenizer, clt, PROMPT, ANSWER)
+    result = cross_check(graph, tracer, clt, top_n=15, modes=("replacement",))
+    predicted = np.array([f["predicted"] for f in result.features])
+    measured = np.array([f["modes"]["replacement"]["measured"] for f in result.features])
+    crossings = np.array([f["modes"]["replacement"]["crossings"] for f in result.features])
+    scale = np.abs(measured).max()
+    assert (crossings == 0).any() and (crossings > 0).any()
+    assert np.abs(predicted - measured)[crossings == 0].max() <= 1e-5 * scale
+    assert np.abs(predicted - measured)[crossings > 0].max() > 1e-5 * scale

@@ -160,18 +160,19 @@ def _feature_rows(graph, tracer, transcoder: Transcoder, top_n: int, modes: Sequ
     delta = acts.noised - acts.clean[None]  # [seeds, n]
     predicted = delta * derivative[None]
     coefficients = target_coefficients(graph, int(tracer.engine.clean_probs.numel()))
-    measured: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
+    measured: dict[str, tuple[np.ndarray, np.ndarray, float, np.ndarray]] = {}
     n_seeds = delta.shape[0]
     settings = [(int(layer[i]), int(position[i]), int(feature[i]), float(acts.noised[s, i]))
                 for i in range(len(order)) for s in range(n_seeds)]
     for mode in modes:
         runner = PatchRunner(tracer.model, transcoder, tracer.prompt.input_ids, coefficients,
                              tracer.answer_id, mode)
-        targets, probs = runner.run([None, *settings])
+        targets, probs, crossings = runner.run([None, *settings])
         base_target, base_prob = float(targets[0]), float(probs[0])
         effect = (targets[1:] - base_target).view(len(order), n_seeds).T.numpy()
         change = (probs[1:] - base_prob).view(len(order), n_seeds).T.numpy()
-        measured[mode] = (effect, change, base_target)
+        switched = crossings[1:].view(len(order), n_seeds).T.numpy()
+        measured[mode] = (effect, change, base_target, switched)
         if progress is not None:
             progress(1)
     rows = []
@@ -183,11 +184,12 @@ def _feature_rows(graph, tracer, transcoder: Transcoder, top_n: int, modes: Sequ
                "delta_mean": float(delta[:, i].mean()), "total_effect": float(derivative[i]),
                "predicted": predicted[:, i].tolist(),
                "predicted_mean": float(predicted[:, i].mean()), "modes": {}}
-        for mode, (effect, prob, base) in measured.items():
+        for mode, (effect, prob, base, switched) in measured.items():
             row["modes"][mode] = {"measured": effect[:, i].tolist(),
                                   "measured_mean": float(effect[:, i].mean()),
                                   "prob_change": prob[:, i].tolist(),
                                   "prob_change_mean": float(prob[:, i].mean()),
+                                  "crossings": [int(c) for c in switched[:, i]],
                                   "baseline_target": base}
         rows.append(row)
     return rows

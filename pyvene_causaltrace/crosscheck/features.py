@@ -41,6 +41,7 @@ from ..interventions.frozen import (
     norm_scales,
 )
 from ..interventions.noise import NoiseAdd
+from ..interventions.splice_session import SpliceSession
 from ..models import get_adapter
 from ..pyvene_compat import intervenable_model_class
 from ..transcoders.hooks import hook_component, norm_settings, normalize
@@ -154,7 +155,8 @@ def noised_activations(tracer, transcoder: Transcoder, layer: torch.Tensor,
 class PatchRunner:
     """The spliced model of one prompt (transcoder at every layer, errors held at the clean
     run's), optionally with attention patterns and norm scales held too
-    (``mode="replacement"``); :meth:`run` sets features and reads the target and P(answer)."""
+    (``mode="replacement"``); :meth:`run` sets features and reads the target, P(answer) and
+    how many features crossed their thresholds."""
 
     def __init__(self, model: nn.Module, transcoder: Transcoder, input_ids: torch.Tensor,
                  coefficients: torch.Tensor, answer_id: int, mode: str = "spliced") -> None:
@@ -167,6 +169,8 @@ class PatchRunner:
         with torch.no_grad():
             self.errors = clean_errors(transcoder, model, self.ids)
             self._held = self._held_states() if mode == "replacement" else None
+        self._active: dict[int, torch.Tensor] | None = None
+        self._active = self._forward([None])[2]  # the unpatched run's active features
 
     def _held_states(self) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[str]]:
         adapter = get_adapter(self.model)
@@ -193,15 +197,14 @@ class PatchRunner:
 
     @torch.no_grad()
     def run(self, rows: Sequence[tuple[int, int, int, float] | None]
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(target [n], P(answer) [n])``, float64, one forward per :data:`ROWS` rows: row ``i``
-        sets feature ``rows[i] = (layer, position, feature, value)`` (None: nothing set)."""
-        targets, probs = [], []
-        for start in range(0, len(rows), ROWS):
-            target, prob = self._forward(rows[start:start + ROWS])
-            targets.append(target)
-            probs.append(prob)
-        return torch.cat(targets), torch.cat(probs)
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(target [n], P(answer) [n], crossings [n])`` (float64, float64, long), one forward
+        per :data:`ROWS` rows: row ``i`` sets feature ``rows[i] = (layer, position, feature,
+        value)`` (None: nothing set); ``crossings``: features, other than the set one, active
+        in the row and not in the unpatched run or the reverse."""
+        parts = [self._forward(rows[start:start + ROWS]) for start in range(0, len(rows), ROWS)]
+        return (torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                torch.cat([p[3] for p in parts]))
 
     def _forward(self, rows: Sequence[tuple[int, int, int, float] | None]):
         groups: dict[tuple[int, int, int], list[float | None]] = {}
@@ -213,13 +216,19 @@ class PatchRunner:
         ablations = [{"clt_layer": layer, "positions": [pos], "features": [feature],
                       "row_values": values}
                      for (layer, pos, feature), values in groups.items()]
+        session = SpliceSession()
         reps = clt_splice_representations(self.transcoder, self.model, errors=self.errors,
-                                          ablations=ablations) + self._freezes()
-        pv_model = intervenable_model_class()(reps, self.model)
+                                          ablations=ablations, session=session)
+        pv_model = intervenable_model_class()(reps + self._freezes(), self.model)
         batch = self.ids.expand(len(rows), -1)
         with pre_softcap_logits(self.model) as cap:
             _, out = pv_model(base={"input_ids": batch, "use_cache": False})
         logits = out.logits[:, -1].double()
         target = logits @ self.coefficients.to(logits.device)
         capped = logits if cap is None else cap * torch.tanh(logits / cap)
-        return target.cpu(), capped.softmax(-1)[:, self.answer_id].cpu()
+        active = {layer: acts != 0 for layer, acts in session.encoded.items()}
+        crossings = torch.zeros(len(rows), dtype=torch.long)
+        if self._active is not None:
+            for layer, mask in active.items():
+                crossings += (mask != self._active[layer]).flatten(1).sum(1).cpu()
+        return (target.cpu(), capped.softmax(-1)[:, self.answer_id].cpu(), active, crossings)

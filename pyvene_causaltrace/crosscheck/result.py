@@ -45,6 +45,7 @@ def feature_statistics(features: list[dict], mode: str) -> dict[str, Any]:
     every_m = np.array([f["modes"][mode]["measured"] for f in features]).ravel()
     gap = np.abs(every_p - every_m)
     size = np.maximum(np.abs(every_p), np.abs(every_m))
+    crossings = np.array([f["modes"][mode]["crossings"] for f in features])
     flags = sign_disagreements(predicted, measured)
     for f, flag in zip(features, flags, strict=True):
         f["modes"][mode]["sign_disagrees"] = bool(flag)
@@ -53,6 +54,9 @@ def feature_statistics(features: list[dict], mode: str) -> dict[str, Any]:
             "n_sign_disagree": int(flags.sum()),
             "max_abs_gap": float(gap.max()) if gap.size else 0.0,
             "max_rel_gap": float((gap / np.maximum(size, 1e-30)).max()) if gap.size else 0.0,
+            "mean_crossings": float(crossings.mean()) if crossings.size else 0.0,
+            "max_abs_gap_without_crossings": float(gap[crossings.ravel() == 0].max())
+            if (crossings == 0).any() else None,
             "sum_predicted": float(predicted.sum()), "sum_measured": float(measured.sum())}
 
 
@@ -113,6 +117,7 @@ class CrossCheckResult:
                              "delta": f["delta_mean"], "total_effect": f["total_effect"],
                              "predicted": f["predicted_mean"], "measured": m["measured_mean"],
                              "prob_change": m["prob_change_mean"],
+                             "crossings": float(np.mean(m["crossings"])),
                              "sign_disagrees": m.get("sign_disagrees", False)})
         return pd.DataFrame(rows)
 
@@ -152,7 +157,8 @@ class CrossCheckResult:
             lines.append(f"features ({mode}): {s['n_features']} checked; prediction vs patch "
                          f"Pearson {_fmt(s['pearson'])}, Spearman {_fmt(s['spearman'])}; "
                          f"{s['n_sign_disagree']} sign disagreements; largest gap "
-                         f"{s['max_abs_gap']:.3g}")
+                         f"{s['max_abs_gap']:.3g}; {s['mean_crossings']:.1f} features switch "
+                         "per patch")
         if self.features and not self.graph_info.get("complete", True):
             lines.append("note: the graph has features without rows: paths through them are "
                          "missing from the predictions")
