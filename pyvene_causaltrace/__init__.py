@@ -6,6 +6,7 @@
     graph = attribute(model, tokenizer, clt, "The Eiffel Tower is in the city of", " Paris")
     steered = intervene_features(model, tokenizer, clt, "The Eiffel Tower is in the city of",
                                  [(20, -1, 1234, 10.0)], max_new_tokens=10)
+    check = cross_check(graph, Tracer(model, tokenizer, prompt, subject, answer=" Paris"), clt)
 
 Names are imported lazily: importing the package imports neither pyvene nor transformers and
 changes nothing but this package's own registry.
@@ -37,6 +38,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "attribute": ".attribution.attribute",
     "AttributionGraph": ".attribution.graph",
     "intervene_features": ".steering",
+    "cross_check": ".crosscheck.check",
     "load_transcoder": ".transcoders.formats",
     "register_intervention": ".interventions",
     "IntervenableModel": ".pyvene_compat",
