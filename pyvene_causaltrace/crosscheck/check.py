@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 from ..errors import InputError, PyveneModelError
-from ..models import is_intervenable
 from ..tracing.engine import get_kind
 from ..transcoders.transcoder import Transcoder, check_fits
 from .features import MODES, PatchRunner, noised_activations, target_coefficients, total_effects
@@ -37,7 +36,7 @@ NOISE_TOLERANCE = 1e-4
 
 def check_pair(graph, tracer) -> None:
     """Refuse a graph and a tracer of different prompts, answers or models."""
-    if is_intervenable(tracer._given) or graph.steering:
+    if tracer.with_interventions or graph.steering:
         raise PyveneModelError("cross_check compares the bare model's graph and trace: build "
                                "both without a pyvene IntervenableModel")
     ids = tracer.prompt.input_ids[0].tolist()

@@ -30,7 +30,7 @@ from ..finite import check_finite, check_weights, positive_number
 from ..interventions.noise import seed_list
 from ..model_guard import measuring
 from ..model_interventions import describe, model_for_spec, uniform_grad_flags
-from ..models import check_inputs, get_adapter, model_name
+from ..models import check_inputs, get_adapter, is_intervenable, model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from ..pyvene_compat import applied_interventions
 from ..specs import ExperimentSpec, SpecError, load_spec
@@ -159,6 +159,11 @@ class Tracer:
                          "the weights are finite, so the activations overflow (try float32)")
             check_finite(self.engine.corrupt_probs, "the corrupted run's probabilities",
                          f"the noise (scale {self.scale} x sigma {self.sigma:.4g}) is too large")
+
+    @property
+    def with_interventions(self) -> bool:
+        """Built on a ``pv.IntervenableModel``: its interventions act in every run."""
+        return is_intervenable(self._given)
 
     @property
     def clean_prob(self) -> float:
