@@ -110,16 +110,16 @@ def cross_check(
     if transcoder is not None:
         check_fits(transcoder, tracer.model)
 
+    features, stats = [], {}
+    if transcoder is not None and top_n > 0:  # first: it refuses another transcoder quickly
+        features = _feature_rows(graph, tracer, transcoder, top_n, modes, progress)
+        stats = {mode: feature_statistics(features, mode) for mode in modes}
     trace_grids, layers_of, spans = _trace_grids(tracer, kinds, window)
     graph_grids = {part: site_influence(graph, part, share=True) for part in SITE_PARTS}
     mask = reachable_cells(graph.n_layers, graph.n_pos, tracer.prompt.subject_range[0])
     sites = {kind: {part: compare_grids(window_sum(graph_grids[part], layers_of[kind]),
                                         trace_grids[kind], mask, top_k)
                     for part in SITE_PARTS} for kind in kinds}
-    features, stats = [], {}
-    if transcoder is not None and top_n > 0:
-        features = _feature_rows(graph, tracer, transcoder, top_n, modes, progress)
-        stats = {mode: feature_statistics(features, mode) for mode in modes}
     return CrossCheckResult(
         prompt=graph.prompt, tokens=list(graph.tokens),
         subject_range=tuple(tracer.prompt.subject_range), answer=graph.answer,
