@@ -139,23 +139,21 @@ def plan_chunks(
     widths = np.minimum(np.arange(1, n_keys + 1), MAX_POSITION_BAND)
     ends = np.repeat(np.arange(1, n_keys + 1), widths)
     starts = ends - 1 - (np.arange(len(ends)) - np.repeat(np.cumsum(widths) - widths, widths))
-    below = np.zeros((n_keys + 1, n_firsts), dtype=np.int64)
-    np.cumsum(counts, axis=0, out=below[1:])
-    band_counts = np.ascontiguousarray((below[ends] - below[starts]).T)  # [first layer, band]
-    runs = _LayerRuns.of(band_counts, seq_len - keys[starts], limits[starts], layer_keys,
-                         n_layers, cost)
+    runs = _LayerRuns.of(counts, starts, ends, seq_len - keys[starts], limits[starts],
+                         layer_keys, n_layers, cost)
     least = runs.least()
     chosen = _position_bands(least[-1].tolist(), starts.tolist(), n_keys)
 
     # each chosen band's runs of first layers as groups of (position, first layer) cells
-    cuts = runs.columns(chosen).cuts(least[:, chosen]).T.tolist()
+    runs = runs.columns(chosen)
+    cuts = runs.cuts(least[:, chosen]).T.tolist()
     group = np.empty((n_keys, n_firsts), dtype=np.int64)
     group_limits: list[int] = []
-    for band, cut, present in zip(chosen, cuts, band_counts[:, chosen].T.tolist(), strict=True):
+    for band, cut, below in zip(chosen, cuts, runs.below.T.tolist(), strict=True):
         labels, end = [], n_firsts
         while end:
             start = cut[end]
-            labels.append((start, end, any(present[start:end])))
+            labels.append((start, end, below[end] > below[start]))
             end = start
         line = []
         for start, end, has_rows in reversed(labels):
@@ -236,19 +234,34 @@ class _LayerRuns:
     below: np.ndarray  # [J + 1, B] rows below each boundary (whole numbers: exact)
     fixed: np.ndarray  # [J, B] cost per forward of a run from each first layer
     per_row: np.ndarray  # [J, B] cost per row of such a run
-    limits: np.ndarray  # [B] rows per forward
+    limits: np.ndarray  # [B] rows per forward (whole numbers: exact)
 
     @classmethod
-    def of(cls, band_counts: np.ndarray, spans: np.ndarray, limits: np.ndarray,
-           layer_keys: np.ndarray, n_layers: int, cost: ChunkCost) -> _LayerRuns:
-        n_firsts, n_bands = band_counts.shape
-        below = np.zeros((n_firsts + 1, n_bands))
-        below[1:] = np.cumsum(band_counts, axis=0)
-        index = np.where(band_counts > 0, np.arange(n_firsts)[:, None], n_firsts)
-        following = np.minimum.accumulate(index[::-1], axis=0)[::-1]  # next present layer
+    def of(cls, counts: np.ndarray, starts: np.ndarray, ends: np.ndarray, spans: np.ndarray,
+           limits: np.ndarray, layer_keys: np.ndarray, n_layers: int,
+           cost: ChunkCost) -> _LayerRuns:
+        """For the bands ``keys[starts[b]:ends[b]]`` of rows ``counts[position, first layer]``,
+        built from small per-position tables."""
+        n_keys, n_firsts = counts.shape
+        below = np.zeros((n_firsts + 1, n_keys + 1), dtype=np.int64)  # [boundary, position]
+        below[1:, 1:] = counts.T.cumsum(0).cumsum(1)
+        # each position's next present first layer at or above each, then each band's least
+        following = np.where(counts.T > 0, np.arange(n_firsts)[:, None], n_firsts)
+        for layer in range(n_firsts - 2, -1, -1):
+            np.minimum(following[layer], following[layer + 1], out=following[layer])
+        widest = [following]  # [w][layer, start]: over positions start..start+w
+        for width in range(1, int((ends - starts).max())):
+            last = widest[-1]
+            widest.append(np.minimum(last[:, :-1], following[:, width:]))
+        following = np.empty((n_firsts, len(starts)), dtype=np.int64)
+        for width, stack in enumerate(widest):
+            band = ends - starts == width + 1
+            following[:, band] = stack[:, starts[band]]
         layers = np.append(n_layers - layer_keys, 0)[following]
-        return cls(below=below, fixed=cost.forward + layers * cost.layer,  # as ChunkCost.of
-                   per_row=(layers * spans).astype(np.float64), limits=limits)
+        return cls(below=(below[:, ends] - below[:, starts]).astype(np.float64),
+                   fixed=cost.forward + layers * cost.layer,  # as ChunkCost.of adds them
+                   per_row=(layers * spans).astype(np.float64),
+                   limits=limits.astype(np.float64))
 
     def columns(self, index: list[int]) -> _LayerRuns:
         return _LayerRuns(self.below[:, index], self.fixed[:, index], self.per_row[:, index],
