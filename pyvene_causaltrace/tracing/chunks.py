@@ -240,28 +240,19 @@ class _LayerRuns:
     def of(cls, counts: np.ndarray, starts: np.ndarray, ends: np.ndarray, spans: np.ndarray,
            limits: np.ndarray, layer_keys: np.ndarray, n_layers: int,
            cost: ChunkCost) -> _LayerRuns:
-        """For the bands ``keys[starts[b]:ends[b]]`` of rows ``counts[position, first layer]``,
-        built from small per-position tables."""
+        """For the bands ``keys[starts[b]:ends[b]]`` of rows ``counts[position, first layer]``."""
         n_keys, n_firsts = counts.shape
-        below = np.zeros((n_firsts + 1, n_keys + 1), dtype=np.int64)  # [boundary, position]
+        below = np.zeros((n_firsts + 1, n_keys + 1))  # [boundary, position]: whole numbers
         below[1:, 1:] = counts.T.cumsum(0).cumsum(1)
-        # each position's next present first layer at or above each, then each band's least
-        following = np.where(counts.T > 0, np.arange(n_firsts)[:, None], n_firsts)
+        below = below[:, ends] - below[:, starts]
+        # a run's layers are its first present layer's: the most among present ones from it on
+        # (first layers are distinct and ascending); where none is, any finite number will do
+        layers = np.where(below[1:] > below[:-1], (n_layers - layer_keys)[:, None].astype(float),
+                          float(n_layers - layer_keys[-1] - 1))
         for layer in range(n_firsts - 2, -1, -1):
-            np.minimum(following[layer], following[layer + 1], out=following[layer])
-        widest = [following]  # [w][layer, start]: over positions start..start+w
-        for width in range(1, int((ends - starts).max())):
-            last = widest[-1]
-            widest.append(np.minimum(last[:, :-1], following[:, width:]))
-        following = np.empty((n_firsts, len(starts)), dtype=np.int64)
-        for width, stack in enumerate(widest):
-            band = ends - starts == width + 1
-            following[:, band] = stack[:, starts[band]]
-        layers = np.append(n_layers - layer_keys, 0)[following]
-        return cls(below=(below[:, ends] - below[:, starts]).astype(np.float64),
-                   fixed=cost.forward + layers * cost.layer,  # as ChunkCost.of adds them
-                   per_row=(layers * spans).astype(np.float64),
-                   limits=limits.astype(np.float64))
+            np.maximum(layers[layer], layers[layer + 1], out=layers[layer])
+        return cls(below=below, fixed=cost.forward + layers * cost.layer,  # as ChunkCost.of
+                   per_row=layers * spans, limits=limits.astype(np.float64))
 
     def columns(self, index: list[int]) -> _LayerRuns:
         return _LayerRuns(self.below[:, index], self.fixed[:, index], self.per_row[:, index],
