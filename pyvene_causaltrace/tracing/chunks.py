@@ -22,10 +22,10 @@ rounding) is the same on every run with the same settings.
 
 :func:`plan_chunks` runs the first-layer programme of every position band at once in numpy
 (``[first layer, band]`` arrays, one step per first layer) and only the position programme's
-few candidates in Python: about 5 ms for 40 layers x 64 tokens x 10 seeds on a busy 2-core CPU
-(``benchmarks/planner.py``). :func:`plan_chunks_reference` is the same search as two plain
-nested loops; the two return the same chunks, since they add the same floats in the same order
-and break ties alike (``tests/test_chunks.py``).
+few candidates in Python: 8-11 ms for 40 layers x 64 tokens x 10 seeds on a busy 2-core CPU,
+50-85x faster than :func:`plan_chunks_reference` (``benchmarks/planner.py``), which is the same
+search as two plain nested loops. The two return the same chunks, since they add the same
+floats in the same order and break ties alike (``tests/test_chunks.py``).
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def plan_chunks(
             if has_rows:
                 group_limits.append(int(limits[starts[band]]))
         group[starts[band]:ends[band]] = line
-    # rows by group, then position, first layer and index (the reference's order)
+    # rows by group, then position, first layer and index (the reference's order while first
+    # layers are at most n_layers)
     rank = np.empty(group.size, dtype=np.min_scalar_type(group.size))
     rank[np.argsort(group.reshape(-1), kind="stable")] = np.arange(group.size)
     order = np.argsort(rank[cell], kind="stable").astype(np.int64, copy=False)  # radix sort
@@ -187,6 +188,7 @@ def _position_bands(values: list[float], starts: list[int], n_keys: int) -> list
 
 
 def _as_array(values: Sequence[int] | torch.Tensor) -> np.ndarray:
+    """A flat int64 array (on the CPU)."""
     if isinstance(values, torch.Tensor):
         return values.detach().to("cpu", torch.int64).reshape(-1).numpy()
     return np.asarray(values, dtype=np.int64).reshape(-1)
@@ -276,8 +278,9 @@ class _LayerRuns:
         rows = self.below[None, :, :] - self.below[:-1, None, :]  # [start, end, band]
         value = self._candidates(rows, self.fixed[:, None], self.per_row[:, None],
                                  least[:-1, None], np.empty_like(rows))
-        start = np.arange(n_firsts)[:, None, None]
-        ties = (value == least[None]) & (start < np.arange(n_firsts + 1)[:, None])
+        too_late = np.arange(n_firsts)[:, None, None] >= np.arange(n_firsts + 1)[:, None]
+        value[np.broadcast_to(too_late, value.shape)] = math.inf
+        ties = value == value.min(axis=0)  # (the least costs again, bit for bit)
         return n_firsts - 1 - ties[::-1].argmax(axis=0)
 
     def _candidates(self, rows: np.ndarray, fixed: np.ndarray, per_row: np.ndarray,
