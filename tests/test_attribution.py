@@ -162,6 +162,26 @@ def test_memory_cap_sets_the_batch_and_refuses_a_prompt_that_cannot_fit(tmp_path
         attribute(model, tokenizer, clt, PROMPT * 4, memory_mb=0.5)
 
 
+def test_a_graph_runs_two_forwards_and_counts_active_features_in_the_clean_one(tmp_path,
+                                                                              tokenizer):
+    """The clean forward also counts the active features for the memory check (no third
+    forward); the counts are those a separate count gives."""
+    from pyvene_causaltrace.attribution.budget import active_counts
+    from pyvene_causaltrace.attribution.replacement_model import ReplacementModel
+
+    model, clt = _setup("llama", tmp_path)
+    calls = []
+    handle = model.model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        attribute(model, tokenizer, clt, PROMPT, " the")
+        assert len(calls) == 2  # the clean forward, the local replacement forward
+    finally:
+        handle.remove()
+    prepared = ReplacementModel(model, tokenizer, clt).prepare(PROMPT, " the")
+    assert torch.equal(prepared.active_counts, active_counts(model, clt, prepared.input_ids))
+    assert int(prepared.active_counts.sum()) > 0
+
+
 def test_dense_reference_follows_circuit_tracer():
     # features 0, 1; errors 2; tokens 3, 4; logit 5 -- a DAG
     lay = Layout(n_features=2, n_errors=1, n_tokens=2)

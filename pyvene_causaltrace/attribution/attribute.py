@@ -218,7 +218,7 @@ def attribute(
     prepared = replacement.prepare(prompt, answer, target=target, other=other, k=k,
                                    max_n_logits=max_n_logits,
                                    desired_logit_prob=desired_logit_prob)
-    replacement.check_memory(prepared.input_ids, memory_mb)
+    replacement.check_memory(prepared.input_ids, memory_mb, prepared.active_counts)
     run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
                           bos_errors=bos_errors)
     top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)

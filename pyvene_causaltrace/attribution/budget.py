@@ -49,10 +49,11 @@ INFLUENCE_BYTES = 40
 
 
 def active_counts(model: nn.Module, clt, input_ids: torch.Tensor,
-                  from_position: int = 1) -> torch.Tensor:
-    """``[L]``: active features per layer on ``input_ids`` (no graph, one forward)."""
+                  from_position: int = 1, run=None) -> torch.Tensor:
+    """``[L]``: active features per layer on ``input_ids`` (no graph, one forward: ``run()``
+    when given, a clean forward the caller needs anyway)."""
     with torch.no_grad():
-        mid = hook_states(model, input_ids, {"x": clt.cfg.feature_input_hook})["x"]
+        mid = hook_states(model, input_ids, {"x": clt.cfg.feature_input_hook}, run=run)["x"]
         return torch.tensor([int((clt.encode(mid[layer, from_position:], layer) != 0).sum())
                              for layer in range(clt.n_layers)])
 

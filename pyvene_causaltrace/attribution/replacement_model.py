@@ -60,6 +60,8 @@ class PreparedPrompt:
     target_logits: torch.Tensor
     softcap: float | None
     targets: tuple[Target, ...]
+    #: ``[L]`` active features per layer, read during the clean forward (for the memory check)
+    active_counts: torch.Tensor | None = None
 
     @property
     def target(self) -> Target:
@@ -103,8 +105,11 @@ class ReplacementModel:
         (:func:`~.targets.make_targets`: the answer's, a direction, or without an answer the
         salient logits)."""
         ids = self.tokenize(prompt)
+        box: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            clean = self.model(input_ids=ids).logits
+            counts = active_counts(self.model, self.transcoder, ids, run=lambda: box.setdefault(
+                "logits", self.model(input_ids=ids).logits))  # one forward: logits and counts
+            clean = box["logits"]
             with pre_softcap_logits(self.model) as cap:
                 uncapped = clean if cap is None else self.model(input_ids=ids).logits
         check_finite(clean, "the clean run's logits",
@@ -116,7 +121,7 @@ class ReplacementModel:
         for goal in goals:
             check_inputs(self.model, ids, goal.token if goal.is_logit else None)
             self._check_direction(goal, ids.shape[1])
-        return PreparedPrompt(prompt, ids, clean, uncapped, cap, tuple(goals))
+        return PreparedPrompt(prompt, ids, clean, uncapped, cap, tuple(goals), counts)
 
     def _check_direction(self, goal: Target, n_pos: int) -> None:
         """Refuse a direction target that does not fit the model or the prompt."""
@@ -131,10 +136,14 @@ class ReplacementModel:
                              f"has {n_pos} tokens")
         state_module(self.model, self.adapter, goal.output)  # refuses a layer out of range
 
-    def check_memory(self, input_ids: torch.Tensor, memory_mb: float) -> int:
+    def check_memory(self, input_ids: torch.Tensor, memory_mb: float,
+                     counts: torch.Tensor | None = None) -> int:
         """Raise :class:`~.budget.MemoryCapError` unless the local replacement forward on
-        ``input_ids`` fits ``memory_mb``; returns its estimated bytes."""
-        counts = active_counts(self.model, self.transcoder, input_ids)
+        ``input_ids`` fits ``memory_mb``; returns its estimated bytes. ``counts``: the active
+        features per layer if known (:attr:`PreparedPrompt.active_counts`), else one more
+        forward counts them."""
+        if counts is None:
+            counts = active_counts(self.model, self.transcoder, input_ids)
         return check_forward_fits(self.model, self.transcoder, input_ids, memory_mb, counts)
 
     def run(self, input_ids: torch.Tensor, *, freeze: bool = True, from_position: int = 1,

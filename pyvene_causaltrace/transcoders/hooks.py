@@ -104,15 +104,16 @@ def normalize(x: torch.Tensor, kind: str, eps: float, frozen: bool = False) -> t
 
 
 def hook_states(model: nn.Module, ids: torch.Tensor,
-                hooks: dict[str, str]) -> dict[str, torch.Tensor]:
+                hooks: dict[str, str], run=None) -> dict[str, torch.Tensor]:
     """The values of TransformerLens hooks (``{key: hook name}``, e.g.
     ``{"out": "hook_mlp_out"}``) at every layer for one prompt ``ids [1, P]``:
-    ``{key: [L, P, D]}``, one forward."""
+    ``{key: [L, P, D]}``, one forward (``run()``, when given, performs it: a forward the
+    caller needs anyway)."""
     adapter = get_adapter(model)
     paths = {key: [hook_component(adapter, hook, layer)
                    for layer in range(adapter.n_layers(model))]
              for key, hook in hooks.items()}
-    found = capture(model, {"input_ids": ids}, [p for ps in paths.values() for p in ps])
+    found = capture(model, {"input_ids": ids}, [p for ps in paths.values() for p in ps], run=run)
     out = {}
     for key, ps in paths.items():
         states = [found[p][0] for p in ps]
