@@ -277,8 +277,8 @@ def _cli_process(*argvs, **options):
             "    code = main(argv)\n"
             "    if code:\n"
             "        sys.exit(code)")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PVCT_TORCH_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     return subprocess.Popen([sys.executable, "-c", code, json.dumps(argvs)], env=env, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **options)
