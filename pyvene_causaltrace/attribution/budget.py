@@ -18,6 +18,7 @@ Every refusal is a :class:`MemoryCapError` that says what to change.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -49,7 +50,8 @@ INFLUENCE_BYTES = 40
 
 
 def active_counts(model: nn.Module, clt, input_ids: torch.Tensor,
-                  from_position: int = 1, run=None) -> torch.Tensor:
+                  from_position: int = 1,
+                  run: Callable[[], object] | None = None) -> torch.Tensor:
     """``[L]``: active features per layer on ``input_ids`` (no graph, one forward: ``run()``
     when given, a clean forward the caller needs anyway)."""
     with torch.no_grad():

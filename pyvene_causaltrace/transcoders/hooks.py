@@ -17,6 +17,7 @@ model, in one forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +105,8 @@ def normalize(x: torch.Tensor, kind: str, eps: float, frozen: bool = False) -> t
 
 
 def hook_states(model: nn.Module, ids: torch.Tensor,
-                hooks: dict[str, str], run=None) -> dict[str, torch.Tensor]:
+                hooks: dict[str, str],
+                run: Callable[[], object] | None = None) -> dict[str, torch.Tensor]:
     """The values of TransformerLens hooks (``{key: hook name}``, e.g.
     ``{"out": "hook_mlp_out"}``) at every layer for one prompt ``ids [1, P]``:
     ``{key: [L, P, D]}``, one forward (``run()``, when given, performs it: a forward the
