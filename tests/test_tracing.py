@@ -106,6 +106,67 @@ def test_a_users_hook_on_a_replayed_block_applies_once():
     assert ((shifted - plain).abs() / plain).max() > 0.05  # the hook matters
 
 
+@pytest.mark.parametrize("kind", ["residual", "mlp", "severed-mlp", "attn"])
+def test_unchanged_rows_need_no_forward(kind):
+    """Rows before the first noised position and rows confined to the last layer off the last
+    position take the reference runs' P (and a restored last block output at the last position
+    the clean P) without a forward; they equal the computed rows to 1e-6."""
+    model = make_tiny_model("llama", n_layers=N_LAYERS)
+    computed = []
+    embed = get_module(model, get_adapter(model).module_path("embed"))
+    handle = embed.register_forward_hook(lambda _m, _a, out: computed.append(out.shape[0]))
+    cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
+    try:
+        runs = {}
+        for skip in (False, True):
+            engine = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER,
+                                 skip_unchanged=skip)
+            computed.clear()
+            runs[skip] = engine.run(KINDS[kind], cells, window=1)
+            runs[skip, "rows"] = sum(computed)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(runs[True], runs[False], rtol=1e-6, atol=1e-12)
+    before = N_LAYERS * min(NOISED)  # cells before the first noised position, every layer
+    last_layer = SEQ - 1 - min(NOISED)  # last layer, noised or later positions but the last
+    clean_end = 1 if KINDS[kind].restore == "block" else 0
+    skipped = (before + last_layer + clean_end) * len(SEEDS)
+    assert runs[False, "rows"] == len(cells) * len(SEEDS)
+    assert runs[True, "rows"] == len(cells) * len(SEEDS) - skipped
+    # donor "corrupted" is a control of the machinery: nothing is skipped there
+    engine = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER)
+    donor = engine.run(KINDS[kind], cells, window=1, donor="corrupted")
+    torch.testing.assert_close(donor, engine.corrupt_probs[:, ANSWER][:, None].expand_as(donor),
+                               rtol=1e-6, atol=1e-12)
+
+
+def test_last_mlp_runs_at_the_last_position_unless_someone_hooks_its_block():
+    model = make_tiny_model("llama", n_layers=N_LAYERS)
+    mlp = get_module(model, get_adapter(model).module_path("mlp", N_LAYERS - 1))
+    block = get_module(model, get_adapter(model).module_path("block", N_LAYERS - 1))
+    seen: list[int] = []
+    plain_forward = mlp.forward
+    mlp.forward = lambda x: (seen.append(x.shape[1]), plain_forward(x))[1]
+    cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
+    engine = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER)
+    seen.clear()
+    fast = engine.run(KINDS["residual"], cells)
+    assert seen and set(seen) == {1}
+    read: list[torch.Tensor] = []  # a user's hook reading every position of the last block
+    handle = block.register_forward_hook(lambda _m, _a, out: read.append(
+        (out[0] if isinstance(out, tuple) else out).detach().clone()))
+    try:
+        seen.clear()
+        hooked = engine.run(KINDS["residual"], cells)
+    finally:
+        handle.remove()
+    assert max(seen) > 1  # left off: the hook sees real values at every position
+    torch.testing.assert_close(hooked, fast, rtol=1e-6, atol=1e-12)
+    for c, (layer, pos) in enumerate(cells[:: 5]):
+        expected = reference_kind_cell(model, engine, KINDS["residual"], SEEDS[0], layer, pos, 1)
+        assert fast[0, 5 * c].item() == pytest.approx(expected, rel=1e-6)
+
+
 def test_chunking_does_not_change_results():
     model = make_tiny_model("llama", n_layers=N_LAYERS)
     cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]

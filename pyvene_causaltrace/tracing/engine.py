@@ -9,7 +9,9 @@ A row restoring position ``t`` from layer ``l`` on equals its seed's corrupted r
 below: at positions before ``t`` (attention is causal) and at layers below ``l``. So it is
 computed only from there — earlier positions' keys and values come from the corrupted run's
 cache (``reuse_prefix``), and lower blocks are replayed from the corrupted run's stored outputs
-(``replay_layers``, :mod:`.replay`). Rows are grouped into chunks by :func:`.chunks.plan_chunks`,
+(``replay_layers``, :mod:`.replay`). Rows that cannot change the answer's probability (a
+restore before the first noised position, or at the last layer off the last position) need no
+forward at all (``skip_unchanged``). Rows are grouped into chunks by :func:`.chunks.plan_chunks`,
 which weighs the recomputation a mixed chunk costs against the fixed cost of another forward.
 
 The interventions are built once per :meth:`TraceEngine.run` and applied by forward hooks
@@ -40,7 +42,6 @@ from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
 from ..models import get_adapter, get_module
-from ..pyvene_compat import intervenable_model_class
 from .chunks import Chunk, ChunkCost, plan_chunks
 from .replay import LayerReplay
 
@@ -87,9 +88,11 @@ def _cache_kwarg(model: nn.Module) -> str:
 class TraceEngine:
     """Clean and corrupted reference runs of one prompt, and batched restore rows on top.
 
-    Construction runs the clean forward (batch 1) and the corrupted forward (one row per seed),
-    keeping every layer's block, MLP and attention outputs of both and the corrupted keys and
-    values. :meth:`run` then evaluates restore rows.
+    Construction runs the clean and corrupted reference runs as one forward (row 0 clean, one
+    noised row per seed), keeping every layer's block, MLP and attention outputs of both and the
+    corrupted keys and values. :meth:`run` then evaluates restore rows; with
+    ``skip_unchanged`` the rows a forward would only round (:meth:`_unchanged`) take the
+    reference runs' values instead.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class TraceEngine:
         memory_budget_mb: float = 2048.0,
         reuse_prefix: bool = True,
         replay_layers: bool = True,
+        skip_unchanged: bool = True,
     ) -> None:
         self.model = model
         self.adapter = get_adapter(model)
@@ -121,6 +125,7 @@ class TraceEngine:
         self.memory_budget_mb = memory_budget_mb
         self.reuse_prefix = reuse_prefix
         self.replay_layers = replay_layers
+        self.skip_unchanged = skip_unchanged
         self._cache_kw = _cache_kwarg(model)
         self.blocks = [get_module(model, self.adapter.module_path("block", layer))
                        for layer in range(self.n_layers)]
@@ -131,30 +136,35 @@ class TraceEngine:
             for part in parts
         }
         every = [p for part in parts for p in self._paths[part]]
+        # the clean run and every seed's corrupted run in one forward: row 0 clean, then one
+        # row per seed with ``noise_add``'s draws added to the embeddings (as the rows below)
+        dtype = model.get_input_embeddings().weight.dtype
+        delta = self.noise.noise(len(self.seeds), self.seq_len, self.adapter.hidden_size(model))
+        self._noise_delta = delta.to(self.device, dtype)  # every seed's noise, made once
+        noise = torch.cat([torch.zeros_like(self._noise_delta[:1]), self._noise_delta])
+        embed = get_module(model, self.adapter.module_path("embed"))
         box: dict = {}
 
         def note_block_output(_module, _args, output) -> None:
             box["tuple"] = isinstance(output, tuple)
 
-        def clean_run():
-            with installed([(self.blocks[0], "forward", note_block_output)]):
-                box["logits"] = model(input_ids=self.ids, logits_to_keep=1).logits
+        def reference_runs():
+            hooks = [(self.blocks[0], "forward", note_block_output),
+                     (embed, "forward", lambda _m, _a, output: output + noise)]
+            with installed(hooks):
+                box["out"] = model(input_ids=self.ids.expand(1 + len(self.seeds), -1),
+                                   use_cache=True, logits_to_keep=1)
 
         with torch.no_grad():
-            self.clean_states = capture(model, {}, every, run=clean_run)
-            self.clean_probs = box["logits"][0, -1].double().softmax(-1).cpu()
-            runner = intervenable_model_class()(
-                [{"component": self.adapter.site("embed"), "intervention": self.noise}], model)
-            inputs = {"input_ids": self.ids.repeat(len(self.seeds), 1), "use_cache": True,
-                      "logits_to_keep": 1}
-            self.corrupt_states = capture(
-                model, {}, every, run=lambda: box.setdefault("corrupt", runner(base=inputs)[1]))
-        out = box["corrupt"]
-        self.corrupt_probs = out.logits[:, -1].double().softmax(-1).cpu()
+            states = capture(model, {}, every, run=reference_runs)
+        self.clean_states = {path: value[:1] for path, value in states.items()}
+        self.corrupt_states = {path: value[1:] for path, value in states.items()}
+        out = box["out"]
+        probs = out.logits[:, -1].double().softmax(-1).cpu()
+        self.clean_probs, self.corrupt_probs = probs[0], probs[1:]
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        self._kv = [(layer.keys, layer.values) for layer in cache.layers]
+        self._kv = [(layer.keys[1:], layer.values[1:]) for layer in cache.layers]
         self._returns_tuple = bool(box.get("tuple", False))
-        self._noise_delta: torch.Tensor | None = None  # every seed's noise, made on first use
         weights = list(self.blocks[0].parameters())
         head = get_module(model, self.adapter.module_path("unembed")).weight
         self.cost = ChunkCost.estimate(
@@ -181,12 +191,7 @@ class TraceEngine:
         return max(1, int(self.memory_budget_mb * 2**20 // (4 * floats)))
 
     def _noise_rows(self, seed_rows: torch.Tensor, prefix: int) -> torch.Tensor:
-        """Each row's noise at positions ``prefix..``: ``noise_add``'s draws, made once."""
-        if self._noise_delta is None:
-            dtype = self.model.get_input_embeddings().weight.dtype
-            delta = self.noise.noise(len(self.seeds), self.seq_len,
-                                     self.adapter.hidden_size(self.model))
-            self._noise_delta = delta.to(self.device, dtype)
+        """Each row's noise at positions ``prefix..``: ``noise_add``'s draws."""
         return self._noise_delta.index_select(0, seed_rows)[:, prefix:]
 
     # ------------------------------------------------------------------------------ run
@@ -210,6 +215,38 @@ class TraceEngine:
         if not cells:
             return torch.empty(len(self.seeds), 0, dtype=torch.float64)
         rows = _Rows.of(self, kind, cells, window)
+        out = torch.empty(len(rows), dtype=torch.float64)
+        known, value = (self._unchanged(kind, rows) if donor == "clean" and self.skip_unchanged
+                        else (None, None))
+        todo = rows
+        if known is not None and bool(known.any()):
+            out[known] = value[known]
+            if progress is not None:
+                progress(int(known.sum()))
+            todo = rows.take((~known).nonzero().squeeze(1))
+        if len(todo):
+            out[todo.index] = self._forwards(kind, todo, donor, progress)
+        return out.view(len(cells), len(self.seeds)).T.contiguous()
+
+    def _unchanged(self, kind: TraceKind, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows whose P(answer) a forward would only round, and that P.
+
+        Like the reused prefix, this rests on causality: before the first noised position the
+        clean and corrupted runs are equal, so a restore there is the corrupted run; a restore
+        confined to the last layer reaches the last position's logits only at that position;
+        and a restored last block output at the last position gives the donor's logits."""
+        last, top = self.seq_len - 1, self.n_layers - 1
+        first_noised = min(self.noise_positions, default=self.seq_len)
+        corrupted = (rows.position < first_noised) | ((rows.lo == top) & (rows.position < last))
+        clean = ((rows.hi == self.n_layers) & (rows.position == last)
+                 if kind.restore == "block" else torch.zeros_like(corrupted))
+        value = torch.where(clean, self.clean_probs[self.answer_id],
+                            self.corrupt_probs[:, self.answer_id][rows.seed])
+        return clean | corrupted, value
+
+    def _forwards(self, kind: TraceKind, rows: _Rows, donor: str,
+                  progress: Callable[[int], None] | None) -> torch.Tensor:
+        """P(answer) of ``rows`` by batched forwards, in the planner's chunks."""
         plan = plan_chunks(rows.position, rows.first, n_layers=self.n_layers,
                            seq_len=self.seq_len, max_rows=self.rows_per_chunk, cost=self.cost,
                            reuse_prefix=self.reuse_prefix, replay_layers=self.replay_layers)
@@ -222,19 +259,20 @@ class TraceEngine:
                 out[index] = hooks.forward(chunk, index)
                 if progress is not None:
                     progress(chunk.rows.numel())
-        return out.cpu().view(len(cells), len(self.seeds)).T.contiguous()
+        return out.cpu()
 
 
 @dataclass(frozen=True)
 class _Rows:
-    """One run's rows (cell-major, seed-minor) as index tensors: each row's seed index, cell
-    position, restored layers ``lo..hi-1`` and first computed layer."""
+    """Rows (cell-major, seed-minor) as index tensors: each row's seed index, cell position,
+    restored layers ``lo..hi-1``, first computed layer, and index in its run."""
 
     seed: torch.Tensor
     position: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
     first: torch.Tensor
+    index: torch.Tensor
 
     @classmethod
     def of(cls, engine: TraceEngine, kind: TraceKind, cells, window: int) -> _Rows:
@@ -246,14 +284,19 @@ class _Rows:
         return cls(seed=torch.arange(n_seeds).repeat(len(cells)),
                    position=torch.tensor([p for _, p in cells]).repeat_interleave(n_seeds),
                    lo=lo, hi=torch.tensor([s[-1] + 1 for s in spans]).repeat_interleave(n_seeds),
-                   first=first)
+                   first=first, index=torch.arange(len(cells) * n_seeds))
 
     def __len__(self) -> int:
         return self.seed.numel()
 
+    def take(self, index: torch.Tensor) -> _Rows:
+        return _Rows(*(t[index] for t in self._fields()))
+
     def on(self, device: torch.device) -> _Rows:
-        return _Rows(*(t.to(device) for t in (self.seed, self.position, self.lo, self.hi,
-                                               self.first)))
+        return _Rows(*(t.to(device) for t in self._fields()))
+
+    def _fields(self) -> tuple[torch.Tensor, ...]:
+        return self.seed, self.position, self.lo, self.hi, self.first, self.index
 
 
 class _RunHooks:
@@ -288,10 +331,29 @@ class _RunHooks:
                 hooks.append(self._hook(path))
         embed = get_module(engine.model, engine.adapter.module_path("embed"))
         hooks.append((embed, "forward", self._add_noise))
+        if kind.restore != "mlp" and kind.sever != "mlp":
+            hooks += self._last_mlp_at_last_position()
         with installed(hooks) as handles:
             own = {handle.id for handle in handles}
             self.replay = LayerReplay(engine.blocks, engine._returns_tuple, keep=own)
             yield self
+
+    def _last_mlp_at_last_position(self) -> list[Hook]:
+        """The last block's MLP on the last position alone: the logits read only that position,
+        so its MLP elsewhere is wasted work (the output broadcasts over the residual's
+        positions). Left off when anything else hooks that block: it might read them."""
+        engine = self.engine
+        if any(module._forward_hooks or module._forward_pre_hooks
+               for module in engine.blocks[-1].modules()):
+            return []
+
+        def last_only(_module, args):
+            if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
+                return None
+            return (args[0][:, -1:], *args[1:])
+
+        mlp = get_module(engine.model, engine.adapter.module_path("mlp", engine.n_layers - 1))
+        return [(mlp, "forward_pre", last_only)]
 
     def _hook(self, component: str) -> Hook:
         module = get_module(self.engine.model, component.rpartition(".")[0])
