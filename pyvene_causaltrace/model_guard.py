@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .pyvene_compat import is_intervenable
 
@@ -57,24 +58,21 @@ def underlying(model: nn.Module) -> nn.Module:
     return model.model if is_intervenable(model) else model
 
 
-def _hook_ids(model: nn.Module) -> dict[tuple[int, str], set[int]]:
-    return {(index, table): set(getattr(module, table, {}))
-            for index, module in enumerate(model.modules()) for table in _HOOK_TABLES}
-
-
 def _our_hook(hook) -> bool:
     module = getattr(hook, "__module__", None) or getattr(type(hook), "__module__", "")
     return module.split(".")[0] in _OUR_PACKAGES
 
 
-def _remove_left_hooks(model: nn.Module, before: dict[tuple[int, str], set[int]]) -> int:
+def _remove_left_hooks(model: nn.Module, first_id: int) -> int:
+    """Remove our hooks registered since handle id ``first_id`` (torch numbers every hook
+    handle from one increasing counter, so those are exactly the hooks this block added)."""
     removed = 0
-    for index, module in enumerate(model.modules()):
+    for module in model.modules():
         for table, companions in _HOOK_TABLES.items():
             hooks = getattr(module, table, None)
             if not hooks:
                 continue
-            for hook_id in set(hooks) - before.get((index, table), set()):
+            for hook_id in [key for key in hooks if key >= first_id]:
                 if _our_hook(hooks[hook_id]):
                     del hooks[hook_id]
                     for companion in companions:
@@ -91,19 +89,21 @@ def measuring(model: nn.Module) -> Iterator[nn.Module]:
     inner = underlying(model)
     with _lock(inner):
         modes = [(module, module.training) for module in inner.modules()]
-        if any(training for _, training in modes):
+        training = any(training for _, training in modes)
+        if training:
             logger.warning("the model is in train mode: measuring it in eval mode (dropout off); "
                            "its mode is restored afterwards")
-        hooks = _hook_ids(inner)
-        inner.eval()
+            inner.eval()
+        first_id = RemovableHandle.next_id
         try:
             yield model
         finally:
-            removed = _remove_left_hooks(inner, hooks)
+            removed = _remove_left_hooks(inner, first_id)
             if removed:
                 logger.warning("removed %d hook(s) an interrupted run left on the model", removed)
-            for module, training in modes:
-                module.training = training
+            if training:
+                for module, was in modes:
+                    module.training = was
 
 
 def measured(function: F) -> F:

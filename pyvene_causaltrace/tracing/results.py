@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -13,16 +14,21 @@ from .plots import plot_trace
 from .roles import token_roles
 
 
-def package_versions() -> dict[str, str]:
-    """Versions of the packages a result depends on, for the record."""
-
-    out = {}
+@functools.cache
+def _versions() -> tuple[tuple[str, str], ...]:
+    out = []
     for name in ("pyvene-causaltrace", "pyvene", "torch", "transformers"):
         try:
-            out[name] = version(name)
+            out.append((name, version(name)))
         except PackageNotFoundError:
-            out[name] = "unknown"
-    return out
+            out.append((name, "unknown"))
+    return tuple(out)
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the packages a result depends on, for the record (read once a process:
+    the metadata lookup costs milliseconds, a tiny model's whole trace only tens)."""
+    return dict(_versions())
 
 
 @dataclass(frozen=True)
