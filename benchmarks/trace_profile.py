@@ -22,7 +22,7 @@ from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine  # noqa: E402
 
 def profiled(name: str, seeds: int):
     """(seconds, profiler) of one full residual trace of benchmark model ``name``."""
-    model, ids, subject, sigma, answer = setup(name)
+    model, _tokenizer, ids, subject, sigma, _answer_text, answer = setup(name)
     cells = [(layer, pos) for layer in range(model.config.num_hidden_layers)
              for pos in range(ids.shape[1])]
 
