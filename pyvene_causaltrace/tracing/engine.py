@@ -43,7 +43,7 @@ from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
 from ..models import get_adapter, get_module
 from .chunks import Chunk, ChunkCost, plan_chunks
-from .replay import LayerReplay
+from .replay import LayerReplay, RaggedLayers
 
 
 @dataclass(frozen=True)
@@ -247,14 +247,21 @@ class TraceEngine:
     def _forwards(self, kind: TraceKind, rows: _Rows, donor: str,
                   progress: Callable[[int], None] | None) -> torch.Tensor:
         """P(answer) of ``rows`` by batched forwards, in the planner's chunks."""
+        run = _RunHooks(self, kind, donor, rows)
+        # ragged rows start at their own layer inside a chunk: chunks need only band positions
         plan = plan_chunks(rows.position, rows.first, n_layers=self.n_layers,
                            seq_len=self.seq_len, max_rows=self.rows_per_chunk, cost=self.cost,
-                           reuse_prefix=self.reuse_prefix, replay_layers=self.replay_layers)
+                           reuse_prefix=self.reuse_prefix,
+                           replay_layers=self.replay_layers and not run.ragged)
+        if run.ragged:  # each chunk's rows by first layer: a block's rows are a batch prefix
+            plan = [Chunk(prefix=chunk.prefix, first_layer=chunk.first_layer,
+                          rows=chunk.rows[torch.argsort(rows.first[chunk.rows], stable=True)])
+                    for chunk in plan]
         out = torch.empty(len(rows), dtype=torch.float64, device=self.device)
         # every chunk's row indices reach the device in one copy
         indices = torch.cat([chunk.rows for chunk in plan]).to(self.device).split(
             [chunk.rows.numel() for chunk in plan])
-        with _RunHooks(self, kind, donor, rows).applied() as hooks:
+        with run.applied() as hooks:
             for chunk, index in zip(plan, indices, strict=True):
                 out[index] = hooks.forward(chunk, index)
                 if progress is not None:
@@ -312,6 +319,10 @@ class _RunHooks:
         self.active: dict[str, nn.Module | None] = {}
         self.restores: dict[int, nn.Module] = {}
         self.freezes: dict[int, Freeze] = {}
+        # rows start at their own layer within a chunk, unless a hook of someone else's on a
+        # block's output would then see stored rows again (LayerReplay handles that case)
+        self.ragged = engine.replay_layers and not any(block._forward_hooks
+                                                       for block in engine.blocks)
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[_RunHooks]:
@@ -336,7 +347,12 @@ class _RunHooks:
         with installed(hooks) as handles:
             own = {handle.id for handle in handles}
             self.replay = LayerReplay(engine.blocks, engine._returns_tuple, keep=own)
-            yield self
+            if not self.ragged:
+                yield self
+                return
+            self.layers = RaggedLayers(engine.blocks, engine._returns_tuple)
+            with self.layers.installed():
+                yield self
 
     def _last_mlp_at_last_position(self) -> list[Hook]:
         """The last block's MLP on the last position alone: the logits read only that position,
@@ -373,9 +389,10 @@ class _RunHooks:
         return None if self.noise is None else output + self.noise
 
     def forward(self, chunk: Chunk, index: torch.Tensor) -> torch.Tensor:
-        """P(answer) of the chunk's rows (``index``: their row indices on the device)."""
+        """P(answer) of the chunk's rows (``index``: their row indices on the device; sorted by
+        first layer when ragged)."""
         engine, kind, rows = self.engine, self.kind, self.rows
-        prefix, first = chunk.prefix, chunk.first_layer
+        prefix = chunk.prefix
         n, span = index.numel(), engine.seq_len - prefix
         seed_rows = rows.seed[index]
         at = (torch.arange(span, device=engine.device)[None, :]
@@ -383,20 +400,34 @@ class _RunHooks:
         lo, hi = rows.lo[index], rows.hi[index]
         restored = range(int(self.lo[chunk.rows].min()), int(self.hi[chunk.rows].max()))
         state_rows = seed_rows if self.donor == "corrupted" else None
+        if self.ragged:  # block j computes the first counts[j] rows
+            firsts = rows.first[index]
+            first = int(firsts[0])
+            counts = torch.searchsorted(firsts, torch.arange(engine.n_layers,
+                                                             device=firsts.device),
+                                        right=True).tolist()
+        else:
+            first = chunk.first_layer
+            counts = [0 if layer < first else n for layer in range(engine.n_layers)]
         for layer in range(engine.n_layers):
             component = engine._paths[kind.restore][layer]
             made = None
             if layer in restored:
+                # a sublayer sees its block's computed rows only; a block output every row
+                k = n if kind.restore == "block" else counts[layer]
                 made = self.restores[layer]
-                made.retarget(((lo <= layer) & (layer < hi))[:, None] & at,
-                              self.states[component][:, prefix:], state_rows)
+                made.retarget((((lo <= layer) & (layer < hi))[:, None] & at)[:k],
+                              self.states[component][:, prefix:],
+                              None if state_rows is None else state_rows[:k])
             self.active[component] = made
             if kind.sever is not None:
                 component = engine._paths[kind.sever][layer]
                 made = None
-                if layer >= first:  # below, the block returns the corrupted run's output
+                k = counts[layer]
+                if k:  # below, the block returns the corrupted run's output
                     made = self.freezes[layer]
-                    made.retarget(at, engine.corrupt_states[component][:, prefix:], seed_rows)
+                    made.retarget(at[:k], engine.corrupt_states[component][:, prefix:],
+                                  seed_rows[:k])
                 self.active[component] = made
         self.noise = engine._noise_rows(seed_rows, prefix) if first == 0 else None
 
@@ -405,14 +436,24 @@ class _RunHooks:
             from transformers import DynamicCache  # slow to import: loaded when a model is
 
             base[engine._cache_kw] = DynamicCache(ddp_cache_data=[
-                (k[:, :, :prefix].index_select(0, seed_rows.to(k.device)),
-                 v[:, :, :prefix].index_select(0, seed_rows.to(v.device))) if layer >= first
-                else (k[:1, :, :prefix], v[:1, :, :prefix])  # never read: a replayed block
-                for layer, (k, v) in enumerate(engine._kv)], config=engine.model.config)
-        replayed = None
-        if first:
-            below = engine.corrupt_states[engine._paths["block"][first - 1]]
-            replayed = below.index_select(0, seed_rows.to(below.device))[:, prefix:]
-        with torch.no_grad(), self.replay.below(first, replayed):
-            logits = engine.model(**base).logits[:, -1]
+                (k[:, :, :prefix].index_select(0, seed_rows[:count].to(k.device)),
+                 v[:, :, :prefix].index_select(0, seed_rows[:count].to(v.device))) if count
+                else (k[:1, :, :prefix], v[:1, :, :prefix])  # never read: a stored block
+                for count, (k, v) in zip(counts, engine._kv, strict=True)],
+                config=engine.model.config)
+        if self.ragged:
+            blocks = engine.corrupt_states
+            paths = engine._paths["block"]
+            self.layers.counts = counts
+            self.layers.stored = lambda layer, k: blocks[paths[layer]][:, prefix:].index_select(
+                0, seed_rows[k:].to(blocks[paths[layer]].device))
+            with torch.no_grad():
+                logits = engine.model(**base).logits[:, -1]
+        else:
+            replayed = None
+            if first:
+                below = engine.corrupt_states[engine._paths["block"][first - 1]]
+                replayed = below.index_select(0, seed_rows.to(below.device))[:, prefix:]
+            with torch.no_grad(), self.replay.below(first, replayed):
+                logits = engine.model(**base).logits[:, -1]
         return logits.double().softmax(-1)[:, engine.answer_id]

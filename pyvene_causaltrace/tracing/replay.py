@@ -69,3 +69,70 @@ class LayerReplay:
                 block._forward_hooks.update(hooks)
                 block._forward_pre_hooks.clear()
                 block._forward_pre_hooks.update(pre_hooks)
+
+
+class RaggedLayers:
+    """Every row starts at its own layer: block ``j`` computes only the rows whose first layer
+    is ``<= j`` and the others take the corrupted run's stored output.
+
+    The chunk's rows are sorted by first layer, so the rows block ``j`` computes are the first
+    ``counts[j]`` of the batch: each block's wrapper slices its batched inputs (hidden states,
+    masks) to them and appends ``stored(j, counts[j])``, the stored outputs of the rest. A
+    block whose rows are all stored does not run. Unlike :class:`LayerReplay` a block may mix
+    computed and stored rows, so the engine uses this only when no hook besides its own sits
+    on a block's output (a user's hook there would apply twice to the stored rows).
+
+    The KV cache a chunk gives block ``j`` must hold ``counts[j]`` rows.
+
+        ragged = RaggedLayers(blocks, returns_tuple=False)
+        with ragged.installed():
+            ragged.counts, ragged.stored = [0, 4, 10], lambda layer, k: outputs[layer][k:]
+            logits = model(input_ids=ids, ...).logits
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], returns_tuple: bool) -> None:
+        self.blocks = list(blocks)
+        self.returns_tuple = returns_tuple
+        self.counts: list[int] = []
+        self.stored = None  # (layer, k) -> the stored outputs of the batch's rows k..
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[RaggedLayers]:
+        saved = []
+        try:
+            for layer, block in enumerate(self.blocks):
+                saved.append((block, block.__dict__.get("forward")))
+                block.forward = self._wrapped(layer, block.forward)
+            yield self
+        finally:
+            for block, own_forward in saved:
+                if own_forward is None:
+                    del block.forward
+                else:
+                    block.forward = own_forward
+
+    def _wrapped(self, layer: int, forward):
+        def ragged(*args, **kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            n, k = hidden.shape[0], self.counts[layer]
+            if k >= n:
+                return forward(*args, **kwargs)
+            rest = self.stored(layer, k)
+            if k == 0:
+                return (rest,) if self.returns_tuple else rest
+            out = forward(*(_first_rows(a, n, k) for a in args),
+                          **{key: _first_rows(value, n, k) for key, value in kwargs.items()})
+            if isinstance(out, tuple):
+                return (torch.cat([out[0], rest]), *out[1:])
+            return torch.cat([out, rest])
+        return ragged
+
+
+def _first_rows(value, n: int, k: int):
+    """``value``'s first ``k`` batch rows when it is batched over the chunk's ``n`` rows (a
+    tensor of two or more dimensions whose first is ``n``, or a tuple of them)."""
+    if isinstance(value, torch.Tensor):
+        return value[:k] if value.dim() >= 2 and value.shape[0] == n else value
+    if isinstance(value, tuple):
+        return tuple(_first_rows(item, n, k) for item in value)
+    return value
