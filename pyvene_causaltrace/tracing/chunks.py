@@ -31,8 +31,10 @@ floats in the same order and break ties alike (``tests/test_chunks.py``).
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -90,9 +92,9 @@ class ChunkCost:
         return forwards * (self.forward + layers * self.layer) + layers * rows * span
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Rows computed together: positions ``>= prefix``, layers ``>= first_layer``."""
+class Chunk(NamedTuple):
+    """Rows computed together: positions ``>= prefix``, layers ``>= first_layer``. (A named
+    tuple: a plan of hundreds of chunks is made in a fraction of a frozen dataclass's time.)"""
 
     prefix: int
     first_layer: int
@@ -130,6 +132,7 @@ def plan_chunks(
         return []
     (keys, position_at), (layer_keys, layer_at) = _distinct(positions), _distinct(firsts)
     n_keys, n_firsts = len(keys), len(layer_keys)
+    _SCRATCH.reset()
     cell = position_at * n_firsts + layer_at  # rows grouped by (position, first layer)
     counts = np.bincount(cell, minlength=n_keys * n_firsts).reshape(n_keys, n_firsts)
     limits = np.array([max(1, max_rows(int(key))) for key in keys], dtype=np.int64)
@@ -218,8 +221,37 @@ def _pieces(positions: np.ndarray, firsts: np.ndarray, order: np.ndarray, row_gr
     prefixes = np.minimum.reduceat(positions, offsets).tolist()
     first_layers = np.minimum.reduceat(firsts, offsets).tolist()
     rows = torch.from_numpy(order).split(piece_sizes.tolist())
-    return [Chunk(prefix=p, first_layer=f, rows=r)
-            for p, f, r in zip(prefixes, first_layers, rows, strict=True)]
+    return list(map(Chunk._make, zip(prefixes, first_layers, rows, strict=True)))
+
+
+class _Scratch(threading.local):
+    """Float64 arrays for one :func:`plan_chunks` call, carved from a buffer that each thread
+    keeps between calls (up to :attr:`KEEP` floats). The planner's ``[first layer, band]``
+    tables would otherwise be fresh memory on every call, which the allocator hands back to the
+    system afterwards: about 550 page faults, some 2 ms, per call at 40 layers x 64 tokens."""
+
+    KEEP = 1 << 22  # 32 MB
+
+    def __init__(self) -> None:
+        self.buffer, self.used, self.wanted = np.empty(0), 0, 0
+
+    def reset(self) -> None:
+        """Start a call: arrays taken before are free again; grow to the last call's need."""
+        if self.buffer.size < min(self.wanted, self.KEEP):
+            self.buffer = np.empty(min(self.wanted, self.KEEP))
+        self.used, self.wanted = 0, 0
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        """An uninitialised C-order array, valid until the next :meth:`reset`."""
+        size = math.prod(shape)
+        self.wanted += size
+        if self.used + size > self.buffer.size:
+            return np.empty(shape)
+        self.used += size
+        return self.buffer[self.used - size:self.used].reshape(shape)
+
+
+_SCRATCH = _Scratch()
 
 
 @dataclass(frozen=True)
@@ -244,17 +276,25 @@ class _LayerRuns:
            cost: ChunkCost) -> _LayerRuns:
         """For the bands ``keys[starts[b]:ends[b]]`` of rows ``counts[position, first layer]``."""
         n_keys, n_firsts = counts.shape
-        below = np.zeros((n_firsts + 1, n_keys + 1))  # [boundary, position]: whole numbers
-        below[1:, 1:] = counts.T.cumsum(0).cumsum(1)
-        below = below[:, ends] - below[:, starts]
+        # [boundary, position] (whole numbers), its bands' differences in C order (indexing the
+        # second axis alone would leave Fortran order, and the programme's rows strided)
+        cumulative = np.zeros((n_firsts + 1, n_keys + 1))
+        cumulative[1:, 1:] = counts.T.cumsum(0).cumsum(1)
+        shape = (n_firsts + 1, len(ends))
+        below = np.take(cumulative, ends, axis=1, out=_SCRATCH.take(shape))
+        below -= np.take(cumulative, starts, axis=1, out=_SCRATCH.take(shape))
         # a run's layers are its first present layer's: the most among present ones from it on
         # (first layers are distinct and ascending); where none is, any finite number will do
-        layers = np.where(below[1:] > below[:-1], (n_layers - layer_keys)[:, None].astype(float),
-                          float(n_layers - layer_keys[-1] - 1))
+        layers = _SCRATCH.take((n_firsts, len(ends)))
+        layers[:] = float(n_layers - layer_keys[-1] - 1)
+        np.copyto(layers, (n_layers - layer_keys)[:, None].astype(float),
+                  where=below[1:] > below[:-1])
         for layer in range(n_firsts - 2, -1, -1):
             np.maximum(layers[layer], layers[layer + 1], out=layers[layer])
-        return cls(below=below, fixed=cost.forward + layers * cost.layer,  # as ChunkCost.of
-                   per_row=layers * spans, limits=limits.astype(np.float64))
+        fixed = np.multiply(layers, cost.layer, out=_SCRATCH.take(layers.shape))
+        fixed += cost.forward  # forward + layers * layer, as ChunkCost.of
+        return cls(below=below, fixed=fixed, per_row=np.multiply(layers, spans, out=layers),
+                   limits=limits.astype(np.float64))
 
     def columns(self, index: list[int]) -> _LayerRuns:
         return _LayerRuns(self.below[:, index], self.fixed[:, index], self.per_row[:, index],
@@ -263,8 +303,9 @@ class _LayerRuns:
     def least(self) -> np.ndarray:
         """``[J + 1, B]``: each band's least cost up to each boundary."""
         n_firsts, n_bands = self.fixed.shape
-        best = np.zeros((n_firsts + 1, n_bands))
-        rows_at, value_at = np.empty((n_firsts, n_bands)), np.empty((n_firsts, n_bands))
+        best = _SCRATCH.take((n_firsts + 1, n_bands))
+        best[0] = 0.0
+        rows_at, value_at = (_SCRATCH.take((n_firsts, n_bands)) for _ in range(2))
         for end in range(1, n_firsts + 1):
             rows = np.subtract(self.below[end], self.below[:end], out=rows_at[:end])
             value = self._candidates(rows, self.fixed[:end], self.per_row[:end], best[:end],
@@ -275,11 +316,13 @@ class _LayerRuns:
     def cuts(self, least: np.ndarray) -> np.ndarray:
         """``[J + 1, B]``: the latest start of a least-cost last run before each boundary."""
         n_firsts = self.fixed.shape[0]
-        rows = self.below[None, :, :] - self.below[:-1, None, :]  # [start, end, band]
+        shape = (n_firsts, *self.below.shape)
+        rows = np.subtract(self.below[None, :, :], self.below[:-1, None, :],  # [start, end, band]
+                           out=_SCRATCH.take(shape))
         value = self._candidates(rows, self.fixed[:, None], self.per_row[:, None],
-                                 least[:-1, None], np.empty_like(rows))
+                                 least[:-1, None], _SCRATCH.take(shape))
         too_late = np.arange(n_firsts)[:, None, None] >= np.arange(n_firsts + 1)[:, None]
-        value[np.broadcast_to(too_late, value.shape)] = math.inf
+        np.copyto(value, math.inf, where=too_late)
         ties = value == value.min(axis=0)  # (the least costs again, bit for bit)
         return n_firsts - 1 - ties[::-1].argmax(axis=0)
 
