@@ -58,7 +58,8 @@ class DeviceSpeed:
 
 
 #: CPU: fitted to forwards of SmolLM2 and of a tiny Llama on 2 cores (benchmarks/RESULTS.md).
-#: CUDA: an H200's bandwidth and a realistic bf16 rate, with ~15 kernel launches per layer.
+#: CUDA: an H200's bandwidth and a realistic bf16 rate, with ~15 kernel launches per layer: an
+#: estimate until ``benchmarks/gpu_fit_costs.py`` (run by ``gpu_check.sh``) fits it on a GPU.
 DEVICE_SPEEDS: dict[str, DeviceSpeed] = {
     "cpu": DeviceSpeed(layer_overhead=2.5e-4, forward_overhead=1e-3, bandwidth=1.5e10,
                        flops=2e11),
@@ -281,8 +282,8 @@ class _LayerRuns:
         cumulative = np.zeros((n_firsts + 1, n_keys + 1))
         cumulative[1:, 1:] = counts.T.cumsum(0).cumsum(1)
         shape = (n_firsts + 1, len(ends))
-        below = np.take(cumulative, ends, axis=1, out=_SCRATCH.take(shape))
-        below -= np.take(cumulative, starts, axis=1, out=_SCRATCH.take(shape))
+        below = np.take(cumulative, ends, axis=1, out=_SCRATCH.take(shape), mode="clip")
+        below -= np.take(cumulative, starts, axis=1, out=_SCRATCH.take(shape), mode="clip")
         # a run's layers are its first present layer's: the most among present ones from it on
         # (first layers are distinct and ascending); where none is, any finite number will do
         layers = _SCRATCH.take((n_firsts, len(ends)))
