@@ -153,7 +153,9 @@ def plan_chunks(
     cuts = runs.cuts(least[:, chosen]).T.tolist()
     group = np.empty((n_keys, n_firsts), dtype=np.int64)
     group_limits: list[int] = []
-    for band, cut, below in zip(chosen, cuts, runs.below.T.tolist(), strict=True):
+    for low, high, limit, cut, below in zip(
+            starts[chosen].tolist(), ends[chosen].tolist(), limits[starts[chosen]].tolist(),
+            cuts, runs.below.T.tolist(), strict=True):
         labels, end = [], n_firsts
         while end:
             start = cut[end]
@@ -163,8 +165,8 @@ def plan_chunks(
         for start, end, has_rows in reversed(labels):
             line += [len(group_limits) if has_rows else -1] * (end - start)
             if has_rows:
-                group_limits.append(int(limits[starts[band]]))
-        group[starts[band]:ends[band]] = line
+                group_limits.append(limit)
+        group[low:high] = line
     # rows by group, then position, first layer and index (the reference's order while first
     # layers are at most n_layers)
     rank = np.empty(group.size, dtype=np.min_scalar_type(group.size))
