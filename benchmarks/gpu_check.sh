@@ -1,46 +1,115 @@
 #!/usr/bin/env bash
-# The one device run (see ../.library/device): GPU timings on random-init models of
-# Llama-3.2-1B's shape. Installs only the carried wheels in .whl (pyvene 0.1.8, transformers
-# 5.24.0); writes logs under $OUT. Run with carry: [".whl", ".devdata"].
-#   bash benchmarks/gpu_check.sh [all|trace|dataset|attribution|scale]
+# Issue 27 item 4: the GPU numbers in ONE call of the device tool (/work/.library/device/README.md:
+# one H200, no network, 15 device minutes a session, 10 a command). Random-init models of
+# Llama-3.2-1B's and Qwen3-8B's shapes (bf16 for traces, float32 for attribution):
+#   1. trace    the public trace() end to end beside the plain batched floor, full residual
+#               trace, 10 seeds, an 11-token known_1000 fact (benchmarks/gpu_trace.py), at both
+#               shapes. Targets: trace() <= 1.0x the floor; Qwen3-8B's trace() <= 1.0 s.
+#   2. fit      the chunk planner's CUDA constants (tracing/chunks.py: DEVICE_SPEEDS) fitted to
+#               timed forwards of both shapes (benchmarks/gpu_fit_costs.py): prints the line to
+#               paste in.
+#   3. attribution  ms per row and peak GPU memory at 7,500 rows (64 tokens, ~50 features per
+#               position), ours (batched seeds, B=512) beside circuit-tracer's replicated forward
+#               (B copies of the prompt): Llama-3.2-1B's shape with a CLT of 16 x 32,768
+#               (replicated B=8, 7,500 rows); then, if the time allows, Qwen3-8B's sizes as a
+#               Llama with a CLT of 36 x 8,192 at ~25 features per position (ours: rows per
+#               backward from a 60 GB memory cap; replicated B=4 on 1,500 rows: ms/row and its
+#               peak, which the row count does not change; every copy holds every active
+#               feature's decoder rows, ~16 GB) (benchmarks/gpu_attribution.py).
+#   4. one short table of it all (benchmarks/gpu_summary.py).
+# Every step has its own time limit and the whole fits BUDGET seconds (default 560): a step that
+# would not fit is skipped and shows as '-' in the table. $OUT gets three files (the tool returns
+# at most 8): log.txt (every step's output), summary.txt and results.json (every step's numbers).
+#
+# Before the call, here (registries reachable): bash benchmarks/gpu_prepare.sh  (fills the
+# git-ignored .whl with pyvene 0.1.8 and transformers 5.24.0, .devdata with known_1000.json).
+# The tool sends the checkout the session was started in, so run it from there (merged):
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".devdata"], timeout_s=600)
+# Sections: bash benchmarks/gpu_check.sh [all|trace|fit|attribution|dataset]  (dataset: issue 5's
+# throughput run, not in all).
+# A CPU smoke of every step with tiny shapes (no GPU, no wheels; a few minutes on 2 cores):
+#   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/gpu_smoke bash benchmarks/gpu_check.sh
 set -u
 SECTION=${1:-all}
 OUT=${OUT:-/tmp/gpu_check}
+BUDGET=${BUDGET:-560}
+START=$SECONDS
+WORK=$(mktemp -d)  # each step's JSON; gpu_summary.py gathers them into $OUT/results.json
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers, pyvene; print(torch.__version__, transformers.__version__)"
-if [ "$SECTION" = all ] || [ "$SECTION" = trace ]; then
-echo "== causal trace, residual, 10 seeds, beside the plain batched floor (issues 3, 16)"
-timeout 180 python3 benchmarks/gpu_trace.py --seeds 10 2>&1 | tee "$OUT/gpu_trace.txt"
-timeout 240 python3 benchmarks/gpu_trace.py --shape qwen3_8b --skip-seed-style --seeds 10 2>&1 \
-    | tee -a "$OUT/gpu_trace.txt"
+if [ "${SMOKE:-0}" = 1 ]; then
+    PY=${PYTHON:-python3}
+    DEV=cpu; SMALL=tiny; BIG=tiny; FIT=tiny,tiny_wide
+    FIT_GRID=(--batches 1,16 --spans 1,8 --repeats 2)
+    ATTR=(--synthetic tiny --features-per-position 5 --rows 200)
+    ATTR_BIG=("${ATTR[@]}"); REP_SMALL=4; REP_BIG=2; REP_ROWS=100; BATCH=64; CAP_BIG=256
+    export PYTHONPATH=$PWD PVCT_TORCH_THREADS=1
+    echo "SMOKE: tiny shapes stand in for Llama-3.2-1B and Qwen3-8B, on the CPU"
+else
+    PY=python3
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+    DEV=cuda; SMALL=llama1b; BIG=qwen3_8b; FIT=llama1b,qwen3_8b
+    FIT_GRID=()
+    ATTR=(--synthetic llama1b --features-per-position 50 --rows 7500)
+    ATTR_BIG=(--synthetic qwen3_8b --features-per-position 25 --rows 7500)
+    REP_SMALL=8; REP_BIG=4; REP_ROWS=1500; BATCH=512; CAP_BIG=60000
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
-if [ "$SECTION" = all ] || [ "$SECTION" = dataset ]; then
-echo "== dataset throughput, residual, 3 seeds (issue 5)"
-timeout 240 python3 benchmarks/dataset_speed.py --synthetic llama1b --device cuda --facts 20 \
-    --compare-facts 3 --skip-loop --skip-memory --budgets 1024,4096,16384 \
-    --out "$OUT/dataset_gpu.json" 2>&1 | tee "$OUT/dataset_gpu.txt"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+"$PY" -c "import torch, transformers, pyvene; from importlib.metadata import version as v; \
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'pyvene', v('pyvene'))" \
+    || exit 1
+
+# step NAME LIMIT COMMAND...: runs COMMAND under min(LIMIT, what is left of BUDGET), or skips it
+step() {
+    local name=$1 limit=$2 left
+    shift 2
+    left=$((BUDGET - (SECONDS - START)))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 30 ]; then
+        echo "== $name: skipped ($((SECONDS - START)) s of the ${BUDGET} s budget spent)"
+        return
+    fi
+    echo "== $name (limit ${limit} s; $((SECONDS - START)) s in)"
+    timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt"
+    echo "   ($name: exit ${PIPESTATUS[0]}, $((SECONDS - START)) s in)"
+}
+want() { [ "$SECTION" = all ] || [ "$SECTION" = "$1" ]; }
+
+if want trace; then
+    step trace_llama1b 120 "$PY" benchmarks/gpu_trace.py --device $DEV --shape $SMALL \
+        --seeds 10 --json "$WORK/trace_llama1b.json"
+    step trace_qwen3_8b 150 "$PY" benchmarks/gpu_trace.py --device $DEV --shape $BIG \
+        --seeds 10 --json "$WORK/trace_qwen3_8b.json"
 fi
-if [ "$SECTION" = all ] || [ "$SECTION" = attribution ]; then
-echo "== attribution adjacency rows, random Llama-3.2-1B + CLT 16 x 32768, ~12 features/pos (issue 6)"
-timeout 400 python3 benchmarks/attribution_speed.py --synthetic llama1b --device cuda \
-    --batches 32,128,512 --memory-caps 8192 --out "$OUT/attribution_gpu.json" 2>&1 \
-    | tee "$OUT/attribution_gpu.txt"
+if want fit; then
+    step fit_costs 100 "$PY" benchmarks/gpu_fit_costs.py --device $DEV --shapes $FIT \
+        ${FIT_GRID[@]+"${FIT_GRID[@]}"} --json "$WORK/fit_costs.json"
 fi
-if [ "$SECTION" = all ] || [ "$SECTION" = scale ]; then
-echo "== attribution at published density: random Llama-3.2-1B + CLT 16 x 32768, ~50 features/pos,"
-echo "   64 and 256 tokens, budget 7500, beside circuit-tracer's replicated forward (issue 11)"
-# the replicated forward copies every active feature's decoder rows per copy: B = 8 at 64 tokens
-# (~31 GB); at 256 tokens (~16 GB per copy) only ours runs
-timeout 200 python3 benchmarks/attribution_speed.py --synthetic llama1b --device cuda \
-    --features-per-position 50 --prompts p64 --batches 512 --memory-caps "" --skip-loop \
-    --replicated 8 --rows 7500 --out "$OUT/attribution_scale_gpu_64.json" 2>&1 \
-    | tee "$OUT/attribution_scale_gpu.txt"
-timeout 200 python3 benchmarks/attribution_speed.py --synthetic llama1b --device cuda \
-    --features-per-position 50 --prompts p256 --batches 128,512 --memory-caps "" --skip-loop \
-    --replicated "" --rows 7500 --out "$OUT/attribution_scale_gpu_256.json" 2>&1 \
-    | tee -a "$OUT/attribution_scale_gpu.txt"
+if want attribution; then
+    # ours and the replicated forward in separate runs: an out-of-memory in one keeps the other
+    common=(--device $DEV --prompts p64 --skip-loop)
+    step attribution_llama1b 110 "$PY" benchmarks/gpu_attribution.py "${ATTR[@]}" \
+        "${common[@]}" --batches $BATCH --memory-caps "" --replicated "" \
+        --out "$WORK/attribution_llama1b.json"
+    step attribution_llama1b_replicated 130 "$PY" benchmarks/gpu_attribution.py "${ATTR[@]}" \
+        "${common[@]}" --batches "" --memory-caps "" --replicated $REP_SMALL \
+        --out "$WORK/attribution_llama1b_replicated.json"
+    # (its rows per backward from the library's memory cap: B = 512 might not fit 36 x 4096)
+    step attribution_qwen3_8b 120 "$PY" benchmarks/gpu_attribution.py "${ATTR_BIG[@]}" \
+        "${common[@]}" --batches "" --memory-caps $CAP_BIG --replicated "" \
+        --out "$WORK/attribution_qwen3_8b.json"
+    step attribution_qwen3_8b_replicated 120 "$PY" benchmarks/gpu_attribution.py \
+        "${ATTR_BIG[@]}" "${common[@]}" --rows $REP_ROWS --batches "" --memory-caps "" \
+        --replicated $REP_BIG \
+        --out "$WORK/attribution_qwen3_8b_replicated.json"
 fi
+if [ "$SECTION" = dataset ]; then
+    echo "== dataset throughput, residual, 3 seeds (issue 5)"
+    timeout 240 "$PY" benchmarks/dataset_speed.py --synthetic llama1b --device $DEV --facts 20 \
+        --compare-facts 3 --skip-loop --skip-memory --budgets 1024,4096,16384 \
+        --out "$WORK/dataset_gpu.json" 2>&1 | tee -a "$OUT/log.txt"
+fi
+echo "== summary ($((SECONDS - START)) s in)"
+"$PY" benchmarks/gpu_summary.py "$WORK" --combine "$OUT/results.json" | tee "$OUT/summary.txt"

@@ -8,15 +8,24 @@ two planners, with garbage collection off while a planner runs (as :mod:`timeit`
 table gives median wall milliseconds (and the vectorised planner's median CPU milliseconds, which
 other processes on a busy machine disturb less) and checks that both return the same chunks.
 
-    python benchmarks/planner.py [--repeats 7] [--budget-mb 2048]
+    python benchmarks/planner.py [--repeats 7] [--budget-mb 2048] [--against REV]
+
+``--against REV`` also runs ``plan_chunks`` as it was at git revision ``REV`` (its
+``tracing/chunks.py`` loaded beside this one), interleaved with the others: on a machine whose
+load changes from minute to minute, the ratio of the two is steadier than either time.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -50,12 +59,30 @@ def case(model: str, n_layers: int, seq_len: int, seeds: int, budget_mb: float):
                                    cost=cost)
 
 
+def planner_at(revision: str):
+    """``plan_chunks`` of ``tracing/chunks.py`` at a git revision."""
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{revision}:pyvene_causaltrace/tracing/chunks.py"],
+                            cwd=root, check=True, capture_output=True, text=True).stdout
+    source = source.replace("from ..errors import", "from pyvene_causaltrace.errors import")
+    path = Path(tempfile.mkdtemp()) / "chunks_at_revision.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("chunks_at_revision", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module.plan_chunks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--budget-mb", type=float, default=2048.0)
+    parser.add_argument("--against", default=None, help="a git revision's plan_chunks too")
     args = parser.parse_args()
     planners = {"reference": plan_chunks_reference, "vectorised": plan_chunks}
+    if args.against:
+        planners[args.against] = planner_at(args.against)
     cases = {(model, shape): case(model, *shape, args.budget_mb)
              for shape in SHAPES for model in MODELS}
     times = {key: {name: [] for name in planners} for key in cases}
@@ -74,15 +101,22 @@ def main() -> None:
                 gc.enable()
                 plans[key, name] = len(plan), hash(tuple(
                     (c.prefix, c.first_layer, tuple(c.rows.tolist())) for c in plan))
+    against = f" {args.against} ms | vectorised / {args.against} |" if args.against else ""
     print("| layers × tokens × seeds | layer size | rows | chunks | reference ms | "
-          "vectorised ms | speed-up | vectorised CPU ms | same chunks |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"vectorised ms | speed-up | vectorised CPU ms |{against} same chunks |")
+    print("|---|---|---|---|---|---|---|---|" + "---|---|" * bool(args.against) + "---|")
     for (model, shape), (positions, _, _) in cases.items():
-        ref, fast = (statistics.median(times[model, shape][n]) * 1e3 for n in planners)
-        same = plans[(model, shape), "reference"] == plans[(model, shape), "vectorised"]
+        ref, fast = (statistics.median(times[model, shape][n]) * 1e3
+                     for n in ("reference", "vectorised"))
+        same = all(plans[(model, shape), "reference"] == plans[(model, shape), n]
+                   for n in planners)
+        then = ""
+        if args.against:
+            old = statistics.median(times[model, shape][args.against]) * 1e3
+            then = f" {old:.2f} | {fast / old:.2f} |"
         print(f"| {' × '.join(map(str, shape))} | {model} | {positions.numel():,} | "
               f"{plans[(model, shape), 'vectorised'][0]} | {ref:.1f} | {fast:.2f} | "
-              f"{ref / fast:.0f}× | {statistics.median(cpu[model, shape]) * 1e3:.2f} | "
+              f"{ref / fast:.0f}× | {statistics.median(cpu[model, shape]) * 1e3:.2f} |{then} "
               f"{'yes' if same else 'NO'} |")
 
 

@@ -148,3 +148,22 @@ def test_the_fast_plan_is_the_reference_plan(block):
                                                        abs=1e-9)
         assert [(c.prefix, c.first_layer, c.rows.tolist()) for c in plan] == [
             (c.prefix, c.first_layer, c.rows.tolist()) for c in reference], seed
+
+
+def test_plans_in_turn_and_in_threads_do_not_share_scratch():
+    """The planner's tables come from a per-thread buffer kept between calls: a plan is the same
+    made alone, after a larger one, or in two threads at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = [_random_case(seed) for seed in (3, 11, 17, 29)]
+
+    def key(case):
+        positions, firsts, settings = case
+        return [(c.prefix, c.first_layer, c.rows.tolist())
+                for c in plan_chunks(positions, firsts, **settings)]
+
+    alone = [key(case) for case in cases]
+    assert [key(case) for case in reversed(cases)] == alone[::-1]
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(3):
+            assert list(pool.map(key, cases)) == alone

@@ -21,18 +21,22 @@ The plan is a pure function of its inputs, so a trace's row grouping (and with i
 rounding) is the same on every run with the same settings.
 
 :func:`plan_chunks` runs the first-layer programme of every position band at once in numpy
-(``[first layer, band]`` arrays, one step per first layer) and only the position programme's
-few candidates in Python: 8-11 ms for 40 layers x 64 tokens x 10 seeds on a busy 2-core CPU,
-50-85x faster than :func:`plan_chunks_reference` (``benchmarks/planner.py``), which is the same
-search as two plain nested loops. The two return the same chunks, since they add the same
-floats in the same order and break ties alike (``tests/test_chunks.py``).
+(``[first layer, band]`` arrays in C order, one step per first layer, in a buffer each thread
+keeps between calls) and only the position programme's few candidates in Python: 8.3 ms (a layer
+of SmolLM2's size) and 6.1 ms (a tiny one) for 40 layers x 64 tokens x 10 seeds on a busy 2-core
+CPU (about 5.6 and 4.4 quiet, by estimate), 80-95x faster than :func:`plan_chunks_reference`
+there (``benchmarks/planner.py``), which is the same search as two plain nested loops. The two
+return the same chunks, since they add the same floats in the same order and break ties alike
+(``tests/test_chunks.py``).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -56,7 +60,8 @@ class DeviceSpeed:
 
 
 #: CPU: fitted to forwards of SmolLM2 and of a tiny Llama on 2 cores (benchmarks/RESULTS.md).
-#: CUDA: an H200's bandwidth and a realistic bf16 rate, with ~15 kernel launches per layer.
+#: CUDA: an H200's bandwidth and a realistic bf16 rate, with ~15 kernel launches per layer: an
+#: estimate until ``benchmarks/gpu_fit_costs.py`` (run by ``gpu_check.sh``) fits it on a GPU.
 DEVICE_SPEEDS: dict[str, DeviceSpeed] = {
     "cpu": DeviceSpeed(layer_overhead=2.5e-4, forward_overhead=1e-3, bandwidth=1.5e10,
                        flops=2e11),
@@ -90,9 +95,9 @@ class ChunkCost:
         return forwards * (self.forward + layers * self.layer) + layers * rows * span
 
 
-@dataclass(frozen=True)
-class Chunk:
-    """Rows computed together: positions ``>= prefix``, layers ``>= first_layer``."""
+class Chunk(NamedTuple):
+    """Rows computed together: positions ``>= prefix``, layers ``>= first_layer``. (A named
+    tuple: a plan of hundreds of chunks is made in a fraction of a frozen dataclass's time.)"""
 
     prefix: int
     first_layer: int
@@ -130,6 +135,7 @@ def plan_chunks(
         return []
     (keys, position_at), (layer_keys, layer_at) = _distinct(positions), _distinct(firsts)
     n_keys, n_firsts = len(keys), len(layer_keys)
+    _SCRATCH.reset()
     cell = position_at * n_firsts + layer_at  # rows grouped by (position, first layer)
     counts = np.bincount(cell, minlength=n_keys * n_firsts).reshape(n_keys, n_firsts)
     limits = np.array([max(1, max_rows(int(key))) for key in keys], dtype=np.int64)
@@ -149,7 +155,9 @@ def plan_chunks(
     cuts = runs.cuts(least[:, chosen]).T.tolist()
     group = np.empty((n_keys, n_firsts), dtype=np.int64)
     group_limits: list[int] = []
-    for band, cut, below in zip(chosen, cuts, runs.below.T.tolist(), strict=True):
+    for low, high, limit, cut, below in zip(
+            starts[chosen].tolist(), ends[chosen].tolist(), limits[starts[chosen]].tolist(),
+            cuts, runs.below.T.tolist(), strict=True):
         labels, end = [], n_firsts
         while end:
             start = cut[end]
@@ -159,8 +167,8 @@ def plan_chunks(
         for start, end, has_rows in reversed(labels):
             line += [len(group_limits) if has_rows else -1] * (end - start)
             if has_rows:
-                group_limits.append(int(limits[starts[band]]))
-        group[starts[band]:ends[band]] = line
+                group_limits.append(limit)
+        group[low:high] = line
     # rows by group, then position, first layer and index (the reference's order while first
     # layers are at most n_layers)
     rank = np.empty(group.size, dtype=np.min_scalar_type(group.size))
@@ -218,8 +226,37 @@ def _pieces(positions: np.ndarray, firsts: np.ndarray, order: np.ndarray, row_gr
     prefixes = np.minimum.reduceat(positions, offsets).tolist()
     first_layers = np.minimum.reduceat(firsts, offsets).tolist()
     rows = torch.from_numpy(order).split(piece_sizes.tolist())
-    return [Chunk(prefix=p, first_layer=f, rows=r)
-            for p, f, r in zip(prefixes, first_layers, rows, strict=True)]
+    return list(map(Chunk._make, zip(prefixes, first_layers, rows, strict=True)))
+
+
+class _Scratch(threading.local):
+    """Float64 arrays for one :func:`plan_chunks` call, carved from a buffer that each thread
+    keeps between calls (up to :attr:`KEEP` floats). The planner's ``[first layer, band]``
+    tables would otherwise be fresh memory on every call, which the allocator hands back to the
+    system afterwards: about 550 page faults, some 2 ms, per call at 40 layers x 64 tokens."""
+
+    KEEP = 1 << 22  # 32 MB
+
+    def __init__(self) -> None:
+        self.buffer, self.used, self.wanted = np.empty(0), 0, 0
+
+    def reset(self) -> None:
+        """Start a call: arrays taken before are free again; grow to the last call's need."""
+        if self.buffer.size < min(self.wanted, self.KEEP):
+            self.buffer = np.empty(min(self.wanted, self.KEEP))
+        self.used, self.wanted = 0, 0
+
+    def take(self, shape: tuple[int, ...]) -> np.ndarray:
+        """An uninitialised C-order array, valid until the next :meth:`reset`."""
+        size = math.prod(shape)
+        self.wanted += size
+        if self.used + size > self.buffer.size:
+            return np.empty(shape)
+        self.used += size
+        return self.buffer[self.used - size:self.used].reshape(shape)
+
+
+_SCRATCH = _Scratch()
 
 
 @dataclass(frozen=True)
@@ -244,17 +281,25 @@ class _LayerRuns:
            cost: ChunkCost) -> _LayerRuns:
         """For the bands ``keys[starts[b]:ends[b]]`` of rows ``counts[position, first layer]``."""
         n_keys, n_firsts = counts.shape
-        below = np.zeros((n_firsts + 1, n_keys + 1))  # [boundary, position]: whole numbers
-        below[1:, 1:] = counts.T.cumsum(0).cumsum(1)
-        below = below[:, ends] - below[:, starts]
+        # [boundary, position] (whole numbers), its bands' differences in C order (indexing the
+        # second axis alone would leave Fortran order, and the programme's rows strided)
+        cumulative = np.zeros((n_firsts + 1, n_keys + 1))
+        cumulative[1:, 1:] = counts.T.cumsum(0).cumsum(1)
+        shape = (n_firsts + 1, len(ends))
+        below = np.take(cumulative, ends, axis=1, out=_SCRATCH.take(shape), mode="clip")
+        below -= np.take(cumulative, starts, axis=1, out=_SCRATCH.take(shape), mode="clip")
         # a run's layers are its first present layer's: the most among present ones from it on
         # (first layers are distinct and ascending); where none is, any finite number will do
-        layers = np.where(below[1:] > below[:-1], (n_layers - layer_keys)[:, None].astype(float),
-                          float(n_layers - layer_keys[-1] - 1))
+        layers = _SCRATCH.take((n_firsts, len(ends)))
+        layers[:] = float(n_layers - layer_keys[-1] - 1)
+        np.copyto(layers, (n_layers - layer_keys)[:, None].astype(float),
+                  where=below[1:] > below[:-1])
         for layer in range(n_firsts - 2, -1, -1):
             np.maximum(layers[layer], layers[layer + 1], out=layers[layer])
-        return cls(below=below, fixed=cost.forward + layers * cost.layer,  # as ChunkCost.of
-                   per_row=layers * spans, limits=limits.astype(np.float64))
+        fixed = np.multiply(layers, cost.layer, out=_SCRATCH.take(layers.shape))
+        fixed += cost.forward  # forward + layers * layer, as ChunkCost.of
+        return cls(below=below, fixed=fixed, per_row=np.multiply(layers, spans, out=layers),
+                   limits=limits.astype(np.float64))
 
     def columns(self, index: list[int]) -> _LayerRuns:
         return _LayerRuns(self.below[:, index], self.fixed[:, index], self.per_row[:, index],
@@ -263,8 +308,9 @@ class _LayerRuns:
     def least(self) -> np.ndarray:
         """``[J + 1, B]``: each band's least cost up to each boundary."""
         n_firsts, n_bands = self.fixed.shape
-        best = np.zeros((n_firsts + 1, n_bands))
-        rows_at, value_at = np.empty((n_firsts, n_bands)), np.empty((n_firsts, n_bands))
+        best = _SCRATCH.take((n_firsts + 1, n_bands))
+        best[0] = 0.0
+        rows_at, value_at = (_SCRATCH.take((n_firsts, n_bands)) for _ in range(2))
         for end in range(1, n_firsts + 1):
             rows = np.subtract(self.below[end], self.below[:end], out=rows_at[:end])
             value = self._candidates(rows, self.fixed[:end], self.per_row[:end], best[:end],
@@ -275,11 +321,13 @@ class _LayerRuns:
     def cuts(self, least: np.ndarray) -> np.ndarray:
         """``[J + 1, B]``: the latest start of a least-cost last run before each boundary."""
         n_firsts = self.fixed.shape[0]
-        rows = self.below[None, :, :] - self.below[:-1, None, :]  # [start, end, band]
+        shape = (n_firsts, *self.below.shape)
+        rows = np.subtract(self.below[None, :, :], self.below[:-1, None, :],  # [start, end, band]
+                           out=_SCRATCH.take(shape))
         value = self._candidates(rows, self.fixed[:, None], self.per_row[:, None],
-                                 least[:-1, None], np.empty_like(rows))
+                                 least[:-1, None], _SCRATCH.take(shape))
         too_late = np.arange(n_firsts)[:, None, None] >= np.arange(n_firsts + 1)[:, None]
-        value[np.broadcast_to(too_late, value.shape)] = math.inf
+        np.copyto(value, math.inf, where=too_late)
         ties = value == value.min(axis=0)  # (the least costs again, bit for bit)
         return n_firsts - 1 - ties[::-1].argmax(axis=0)
 
