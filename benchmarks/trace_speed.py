@@ -33,7 +33,7 @@ from pyvene_causaltrace.models import get_adapter, get_module, load_model
 from pyvene_causaltrace.prompts import answer_token_id, tokenize_prompt
 from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine
 from pyvene_causaltrace.tracing.noise_scale import rome_sigma
-from pyvene_causaltrace.tracing.trace import Tracer
+from pyvene_causaltrace.tracing.tracer import Tracer
 
 PROMPT, SUBJECT, ANSWER = "The Eiffel Tower is in the city of", "The Eiffel Tower", " Paris"
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=8,

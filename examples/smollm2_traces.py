@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pyvene_causaltrace import load_model
-from pyvene_causaltrace.tracing.trace import Tracer
+from pyvene_causaltrace.tracing.tracer import Tracer
 
 FACTS = [
     ("eiffel", "The Eiffel Tower is in the city of", "The Eiffel Tower", " Paris"),

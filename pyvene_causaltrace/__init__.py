@@ -28,8 +28,8 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 #: ``models``, ``pyvene_compat``).
 __getattr__, __all__ = lazy_exports(__name__, {
     "load_model": ".models",
-    "trace": ".tracing.trace",
-    "Tracer": ".tracing.trace",
+    "trace": ".tracing.tracer",
+    "Tracer": ".tracing.tracer",
     "TraceResult": ".tracing.results",
     "trace_dataset": ".dataset.run",
     "load_spec": ".specs",

@@ -1,7 +1,7 @@
 """Lazy exports: a package names what it offers without importing it (torch, pyvene and
 transformers load only when a name is used).
 
-    __getattr__, __all__ = lazy_exports(__name__, {"trace": ".trace", ...})
+    __getattr__, __all__ = lazy_exports(__name__, {"trace": ".tracer", ...})
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from pyvene_causaltrace.cli import main
 from pyvene_causaltrace.dataset import aggregate_rows, read_records, store, trace_dataset
 from pyvene_causaltrace.dataset.store import check_run_directory
 from pyvene_causaltrace.errors import DamagedFileError, ManifestMismatchError, MemoryCapError
-from pyvene_causaltrace.tracing.trace import Tracer
+from pyvene_causaltrace.tracing.tracer import Tracer
 
 N_FACTS, SEEDS, KINDS = 6, 3, ("residual", "mlp")
 

@@ -41,7 +41,7 @@ from pyvene_causaltrace.errors import (
     TranscoderMismatchError,
 )
 from pyvene_causaltrace.tracing.roles import role_positions
-from pyvene_causaltrace.tracing.trace import Tracer
+from pyvene_causaltrace.tracing.tracer import Tracer
 from pyvene_causaltrace.transcoders import load_transcoder
 
 N_LAYERS, KINDS, SEEDS, WINDOW = 4, ("residual", "mlp"), 2, 2

@@ -13,7 +13,7 @@ from reference import reference_kind_cell
 from pyvene_causaltrace.defaults import WINDOW
 from pyvene_causaltrace.specs import load_spec
 from pyvene_causaltrace.tracing.engine import KINDS
-from pyvene_causaltrace.tracing.trace import Tracer, tracer_from_spec
+from pyvene_causaltrace.tracing.tracer import Tracer, tracer_from_spec
 
 pytestmark = pytest.mark.real_model
 

@@ -21,7 +21,7 @@ from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.models import PyveneModelError
 from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
 from pyvene_causaltrace.specs import SpecError, load_spec, save_spec, validate_spec
-from pyvene_causaltrace.tracing.trace import Tracer, trace, tracer_from_spec
+from pyvene_causaltrace.tracing.tracer import Tracer, trace, tracer_from_spec
 
 pv = import_pyvene()
 TRACE = {"seeds": 2, "scale": 3.0}
@@ -92,7 +92,7 @@ def _fresh(tmp_path, body: str) -> None:
         from transformers import AutoTokenizer
         from conftest import make_tiny_model
         from pyvene_causaltrace.specs import load_spec
-        from pyvene_causaltrace.tracing.trace import tracer_from_spec
+        from pyvene_causaltrace.tracing.tracer import tracer_from_spec
         from pyvene_causaltrace.execute import run_spec
         tokenizer = AutoTokenizer.from_pretrained({tok!r})
     """).format(root=str(ROOT), tests=str(ROOT / "tests"), tok=str(tmp_path / "tokenizer"))

@@ -19,7 +19,7 @@ from pyvene_causaltrace.tracing.engine import KINDS, RESIDUAL_WINDOW, TraceEngin
 from pyvene_causaltrace.tracing.noise_scale import NoiseScaleSweep
 from pyvene_causaltrace.tracing.results import TraceResult
 from pyvene_causaltrace.tracing.roles import token_roles
-from pyvene_causaltrace.tracing.trace import Tracer, trace, tracer_from_spec
+from pyvene_causaltrace.tracing.tracer import Tracer, trace, tracer_from_spec
 
 N_LAYERS, SEQ, SCALE, SIGMA, ANSWER = 4, 7, 3.0, 0.5, 11
 NOISED, SEEDS = [1, 2, 3], [0, 5]
@@ -167,6 +167,34 @@ def test_last_mlp_runs_at_the_last_position_unless_someone_hooks_its_block():
         assert fast[0, 5 * c].item() == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["residual", "mlp"])
+def test_rows_start_at_their_own_layer_inside_a_chunk(kind):
+    """One chunk holds rows of every first layer; block j computes only those starting at or
+    below it (the others take the corrupted run's stored output), and the rows are right."""
+    model = make_tiny_model("llama", n_layers=N_LAYERS)
+    adapter = get_adapter(model)
+    engine = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER,
+                         skip_unchanged=False)
+    engine.cost = PLANS["coarse"]
+    computed = dict.fromkeys(range(N_LAYERS), 0)
+    handles = [get_module(model, adapter.module_path("mlp", j)).register_forward_hook(
+        lambda _m, _a, out, j=j: computed.__setitem__(j, computed[j] + out.shape[0]))
+        for j in range(N_LAYERS)]
+    cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
+    try:
+        got = engine.run(KINDS[kind], cells, window=1)
+    finally:
+        for handle in handles:
+            handle.remove()
+    shift = 1 if kind == "residual" else 0  # a restored block output is replayed
+    expected = {j: sum(1 for layer, _ in cells if layer + shift <= j) * len(SEEDS)
+                for j in range(N_LAYERS)}
+    assert computed == expected
+    for c, (layer, pos) in enumerate(cells[::3]):
+        want = reference_kind_cell(model, engine, KINDS[kind], SEEDS[1], layer, pos, 1)
+        assert got[1, 3 * c].item() == pytest.approx(want, rel=1e-6)
+
+
 def test_chunking_does_not_change_results():
     model = make_tiny_model("llama", n_layers=N_LAYERS)
     cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
@@ -299,3 +327,12 @@ def test_bad_requests(tokenizer):
                    "interventions": [{"type": "noise_add", "seeds": 2},
                                      {"type": "clean_restore", "layers": 0, "positions": 0}]})
     assert error.value.path == "$.interventions"
+
+
+def test_the_package_exports_the_trace_function():
+    """``trace`` is the function even once the module holding ``Tracer`` is imported (a
+    submodule of the same name used to shadow it)."""
+    import pyvene_causaltrace.tracing as tracing
+    from pyvene_causaltrace.tracing import Tracer as _  # noqa: F401
+
+    assert callable(tracing.trace) and tracing.trace is trace

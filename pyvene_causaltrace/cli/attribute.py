@@ -20,7 +20,7 @@ from ..errors import InputError
 from ..finite import positive_number
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
-from ..tracing.trace import Tracer
+from ..tracing.tracer import Tracer
 from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
 from .common import EIFFEL, number_or_name, out_dir

@@ -16,7 +16,7 @@ from ..interventions.noise import SIGMA_METHODS
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
 from ..tracing.engine import get_kind
-from ..tracing.trace import Tracer, tracer_from_spec
+from ..tracing.tracer import Tracer, tracer_from_spec
 from .common import EIFFEL, number_or_name, out_dir
 
 

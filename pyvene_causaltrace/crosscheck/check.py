@@ -76,7 +76,7 @@ def cross_check(
     Args:
         graph: an :class:`~..attribution.graph.AttributionGraph` of ``tracer``'s prompt whose
             first logit node is the trace's answer.
-        tracer: a :class:`~..tracing.trace.Tracer`; its noise (seeds, scale, sigma) is the
+        tracer: a :class:`~..tracing.tracer.Tracer`; its noise (seeds, scale, sigma) is the
             perturbation on both sides.
         transcoder: the graph's transcoder. Without it only the sites are compared.
         kinds: trace kinds to compare with (``"residual"``, ``"mlp"``).

@@ -59,7 +59,7 @@ from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..runlock import single_writer
 from ..tracing.chunks import check_seeds_fit
 from ..tracing.noise_scale import resolve_sigma, rome_sigma
-from ..tracing.trace import Tracer
+from ..tracing.tracer import Tracer
 from ..transcoders import Transcoder
 from .aggregate import ROLE_ORDER, aggregate_rows
 from .graph_aggregate import TraceGrids, aggregate_graphs

@@ -8,8 +8,8 @@ from __future__ import annotations
 from .._lazy import lazy_exports
 
 __getattr__, __all__ = lazy_exports(__name__, {
-    "Tracer": ".trace", "trace": ".trace", "tracer_from_spec": ".trace",
-    "ControlReport": ".trace", "TraceResult": ".results", "SpecRunResult": ".results",
+    "Tracer": ".tracer", "trace": ".tracer", "tracer_from_spec": ".tracer",
+    "ControlReport": ".tracer", "TraceResult": ".results", "SpecRunResult": ".results",
     "KINDS": ".engine", "TraceEngine": ".engine", "sweep_noise_scale": ".noise_scale",
     "NoiseScaleSweep": ".noise_scale", "token_role": ".roles", "ROLES": ".roles",
 })

@@ -14,6 +14,10 @@ corrupted run and must not apply twice. Everything is put back when the block en
     replay = LayerReplay(blocks, returns_tuple=False, keep=engine_hook_ids)
     with replay.below(first=5, output=corrupted_block_4_rows):
         logits = model(input_ids=ids, ...).logits
+
+:class:`RaggedLayers` goes further: rows of different first layers share a forward, and each
+block computes only the rows that start at or below it (the engine's default; it needs no
+other hook on a block's output, and falls back to :class:`LayerReplay` otherwise).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def fixture_clt(root: Path, model) -> Path:
 
 def spec_numbers(path: Path, model, tokenizer, clt: Path) -> dict:
     from pyvene_causaltrace import attribute, run_spec
-    from pyvene_causaltrace.tracing.trace import tracer_from_spec
+    from pyvene_causaltrace.tracing.tracer import tracer_from_spec
 
     data = json.loads(path.read_text())
     if "trace" in data:
