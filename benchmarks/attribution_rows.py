@@ -4,12 +4,13 @@ feature leaves' gradients from the error leaves'), side by side in one process o
 ``attribution_scale.py``: SmolLM2-135M, a synthetic CLT of 8,192 features per layer with ~50
 firing per layer and position, a 32-token prompt, 2,000 feature rows.
 
-    python benchmarks/attribution_rows.py --repeats 2 --profile 2
+    OMP_NUM_THREADS=1 python benchmarks/attribution_rows.py --repeats 1 --profile 6
 
 Runs ``attribute`` with each path in turn (old, new, old, new, ...) and reports the rows'
 seconds and rows/s of each run (``metadata["seconds"]``), then the largest difference between
-the two paths' rows of the same nodes, and with ``--profile N`` the top operators of ``N``
-batched backwards of 32 rows of each path (torch.profiler, self CPU time).
+the two paths' rows of the same nodes, and with ``--profile N`` seconds per batched backward of
+32 random feature rows, the paths alternating batch by batch, and each path's top operators
+(torch.profiler, self CPU time).
 """
 
 from __future__ import annotations
@@ -77,28 +78,40 @@ def compare(old, new) -> dict:
             "max_constant_diff": const}
 
 
-def profile(model, clt, ids, n_batches: int) -> dict[str, list]:
+def per_batch(model, clt, ids, n_batches: int) -> dict:
+    """Seconds per batched backward of 32 random feature rows, the two paths alternating batch
+    by batch (robust to a machine whose load drifts), then each path's top operators over
+    ``n_batches`` backwards under torch.profiler."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     run = replacement_forward(model, clt, get_adapter(model), ids)
     order = torch.randperm(run.n_features, generator=torch.Generator().manual_seed(1))
+    batches = [order[32 * i:32 * (i + 1)] for i in range(n_batches)]
+    seconds: dict[str, list[float]] = {"old": [], "new": []}
+    for name in ("old", "new"):  # warm
+        with path(name):
+            edges.feature_rows(run, batches[0])
+    for index in batches:
+        for name in ("old", "new"):
+            with path(name):
+                start = time.perf_counter()
+                edges.feature_rows(run, index)
+                seconds[name].append(time.perf_counter() - start)
     out = {}
     for name in ("old", "new"):
-        with path(name):
-            edges.feature_rows(run, order[:32])  # warm
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                start = time.perf_counter()
-                for i in range(n_batches):
-                    edges.feature_rows(run, order[32 * i:32 * (i + 1)])
-                seconds = time.perf_counter() - start
+        with path(name), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for index in batches:
+                edges.feature_rows(run, index)
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
         top = sorted(events, key=lambda e: -e.self_cpu_time_total)[:8]
-        out[name] = {"ms_per_backward": 1000 * seconds / n_batches,
+        median = sorted(seconds[name])[len(seconds[name]) // 2]
+        out[name] = {"seconds": seconds[name], "median_s": median,
                      "top": [(e.key, round(100 * e.self_cpu_time_total / total, 1))
                              for e in top]}
-        print(f"profile {name}: {out[name]['ms_per_backward']:.0f} ms per backward of 32 rows; "
+        print(f"{name}: median {1000 * median:.0f} ms per backward of 32 rows "
+              f"({', '.join(f'{1000 * x:.0f}' for x in seconds[name])}); profile: "
               + ", ".join(f"{k} {p}%" for k, p in out[name]["top"]), flush=True)
     return out
 
@@ -108,7 +121,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--budget", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then N batches of each path alternating, and their profiles")
+    parser.add_argument("--skip-attribute", action="store_true",
+                        help="only the per-batch comparison (--profile)")
     parser.add_argument("--memory-mb", type=float, default=16000)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -121,7 +137,7 @@ def main() -> None:
     record = {"tokens": args.tokens, "budget": args.budget, "threads": torch.get_num_threads(),
               "load_before": os.getloadavg(), "runs": []}
     graphs = {}
-    for repeat in range(args.repeats):
+    for repeat in range(0 if args.skip_attribute else args.repeats):
         for name in ("old", "new"):
             with path(name):
                 graph = attribute(model, tokenizer, clt, prompt, ANSWER,
@@ -136,11 +152,13 @@ def main() -> None:
                   f"{s['rows']:.1f}): {rate:.1f} rows/s; load {os.getloadavg()[0]:.2f}",
                   flush=True)
             graphs.setdefault(name, graph)
-    record["compare"] = compare(graphs["old"], graphs["new"])
-    print("rows old vs new:", json.dumps(record["compare"]), flush=True)
+    if graphs:
+        record["compare"] = compare(graphs["old"], graphs["new"])
+        print("rows old vs new:", json.dumps(record["compare"]), flush=True)
+        graphs.clear()
     if args.profile:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-        record["profile"] = profile(model, clt, ids, args.profile)
+        record["per_batch"] = per_batch(model, clt, ids, args.profile)
     record["load_after"] = os.getloadavg()
     if args.out:
         args.out.write_text(json.dumps(record, indent=2))
