@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..interventions.clt_splice import ActiveFeatures
 from .replacement import ReplacementRun
 
 
@@ -68,7 +69,7 @@ def feature_grads(run: ReplacementRun, error_grads: list[torch.Tensor | None],
     return features, errors
 
 
-def _layer_grads(active, layer: int, flat: torch.Tensor, n_pos: int,
+def _layer_grads(active: ActiveFeatures, layer: int, flat: torch.Tensor, n_pos: int,
                  d_model: int) -> torch.Tensor | None:
     """``[batch, n]``: one layer's feature gradients (:func:`feature_grads`). Its features come
     sorted by batch row, then position (``nonzero`` order), so each cell's decoder rows are one
