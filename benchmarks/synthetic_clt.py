@@ -38,6 +38,13 @@ class RepeatingDecoder:
         assert dim == 0
         return self.bank.index_select(0, ids.to(self.device) % BANK)
 
+    # what the transcoder's fingerprint (pyvene_causaltrace.fingerprint) reads: the bank's values
+    def detach(self) -> RepeatingDecoder:
+        return self
+
+    def reshape(self, *shape) -> torch.Tensor:
+        return self.bank.reshape(*shape)
+
 
 def known_facts_tokenizer():
     """A byte-level BPE tokenizer (8,000 pieces, ``<bos>``) trained on known_1000's facts: real

@@ -17,8 +17,9 @@ rounding: something changed the forward that the graph has no node for.
 
 :func:`feature_rows` computes many feature rows per backward pass by batching the gradient
 seeds (``torch.autograd.grad(..., is_grads_batched=True)``): the forward graph is built once
-and never replicated. :func:`feature_rows_loop` is the obviously correct one-backward-per-node
-reference it is tested against.
+and never replicated; the feature leaves' gradients are matrix products of the error leaves'
+with the decoder rows (:mod:`.leaf_grads`). :func:`feature_rows_loop` is the obviously correct
+one-backward-per-node reference it is tested against (plain autograd on every leaf).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ClosureError, InputError
+from .leaf_grads import leaf_grads
 from .replacement import ReplacementRun
 from .targets import Target
 
@@ -171,8 +173,7 @@ def target_rows(run: ReplacementRun,
         members = [i for i, t in enumerate(targets) if t.output == name]
         output = run.output(name)
         seeds = torch.stack([targets[i].seed(output) for i in members])
-        grads = torch.autograd.grad(output, run.inputs(), seeds, retain_graph=True,
-                                    allow_unused=True, is_grads_batched=True)
+        grads = leaf_grads(run, output, seeds)
         group_rows, group_constants = edges_from_grads(run, grads, batch=len(members))
         for j, i in enumerate(members):
             rows[i], constants[i] = group_rows[j], group_constants[j]
@@ -220,8 +221,7 @@ def feature_rows(run: ReplacementRun, index: torch.Tensor) -> tuple[torch.Tensor
     if len(index) == 0:
         return torch.zeros(0, run.n_columns), torch.zeros(0)
     outputs, seeds = _seeds(run, index)
-    grads = torch.autograd.grad(outputs, run.inputs(), seeds, retain_graph=True,
-                                allow_unused=True, is_grads_batched=True)
+    grads = leaf_grads(run, outputs, seeds)
     return edges_from_grads(run, grads, batch=len(index))
 
 

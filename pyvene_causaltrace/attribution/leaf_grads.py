@@ -1,0 +1,92 @@
+"""Batched gradients on the local replacement model's leaves, the feature leaves' computed from
+the error leaves' instead of by autograd through the splice.
+
+A feature of layer ``l`` at position ``p`` writes ``value * W_dec[l][f, t - l]`` into layer
+``t``'s MLP output at ``p``, and that output is ``reconstruction + error``: every write into
+layer ``t`` has the error leaf's gradient ``g_t``. So the gradient on the feature's value is
+``sum_t g_t[p] . W_dec[l][f, t - l]``, and :func:`leaf_grads` asks autograd only for the other
+leaves, then computes the features' as one matrix product per (layer, position): the
+decoder rows of the features there ``[n, T_l * D]`` times the target layers' gradients at that
+position ``[T_l * D, rows]``, read as a strided view of one stack of the error gradients
+``[rows, B, P, L, D]`` (the targets of layer ``l`` are a contiguous slice of its last two dims).
+
+Autograd through the splice's writes gives the same numbers (``feature_rows_loop``, the
+reference, still takes that path), but under ``is_grads_batched`` its backward stacks each
+source layer's target gradients again (a copy per source layer, ``[rows, P, L - l, D]``) and
+runs one matrix-vector product per gradient row: most of a batched backward on SmolLM2
+(``benchmarks/RESULTS.md``, "Attribution rows, issue 27").
+
+    grads = leaf_grads(run, outputs, seeds)
+    # == torch.autograd.grad(outputs, run.inputs(), seeds, allow_unused=True,
+    #                        is_grads_batched=True), to float rounding
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..interventions.clt_splice import ActiveFeatures
+from .replacement import ReplacementRun
+
+
+def leaf_grads(run: ReplacementRun, outputs: torch.Tensor | Sequence[torch.Tensor],
+               seeds: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Gradients of ``outputs`` with the batched ``seeds`` (leading dim: one per row) on every
+    tensor of ``run.inputs()``, in that order (``None`` where no gradient reaches); the graph is
+    kept for the next batch."""
+    n_features, n_layers = len(run.features), run.n_layers
+    batch = len(seeds) if isinstance(seeds, torch.Tensor) else len(seeds[0])
+    others = run.inputs()[n_features:]
+    grads = torch.autograd.grad(outputs, others, seeds, retain_graph=True, allow_unused=True,
+                                is_grads_batched=True)
+    features, errors = feature_grads(run, list(grads[:n_layers]), batch)
+    return [*features, *errors, *grads[n_layers:]]
+
+
+def feature_grads(run: ReplacementRun, error_grads: list[torch.Tensor | None],
+                  batch: int) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """Per layer the gradient ``[batch, n_l]`` on its feature leaves (``None`` where no error
+    gradient reaches one of its targets) from the error leaves' gradients ``[batch, B, P, D]``
+    (``None`` where none reaches); returns them and the error gradients, now views of one
+    stacked tensor (module docstring)."""
+    present = [t for t, g in enumerate(error_grads) if g is not None]
+    if not present:
+        return [None] * len(run.features), error_grads
+    last = present[-1] + 1  # the layers from here on get no gradient: no target needs them
+    ref = error_grads[present[-1]]
+    with torch.no_grad():
+        zero = ref.new_zeros(()).expand_as(ref)
+        stacked = torch.stack([zero if g is None else g for g in error_grads[:last]], dim=-2)
+        errors = [None if g is None else stacked[..., t, :]
+                  for t, g in enumerate(error_grads[:last])] + error_grads[last:]
+        n_rows, n_pos, d_model = ref.shape[1], ref.shape[2], ref.shape[3]
+        # [batch, cells, last * D]: a cell's target gradients, layer-major
+        flat = stacked.reshape(batch, n_rows * n_pos, last * d_model)
+        features = [_layer_grads(active, layer, flat, n_pos, d_model)
+                    for layer, active in enumerate(run.features)]
+    return features, errors
+
+
+def _layer_grads(active: ActiveFeatures, layer: int, flat: torch.Tensor, n_pos: int,
+                 d_model: int) -> torch.Tensor | None:
+    """``[batch, n]``: one layer's feature gradients (:func:`feature_grads`). Its features come
+    sorted by batch row, then position (``nonzero`` order), so each cell's decoder rows are one
+    block."""
+    n = active.value.numel()
+    width = min(active.decoder.shape[1], flat.shape[-1] // d_model - layer)
+    if n == 0 or width <= 0:
+        return None
+    decoder = active.decoder.reshape(n, -1)[:, :width * d_model]  # targets with a gradient
+    targets = flat[:, :, layer * d_model:(layer + width) * d_model].to(decoder.dtype)
+    cells = active.row * n_pos + active.position
+    counts = torch.bincount(cells, minlength=flat.shape[1]).tolist()
+    out = decoder.new_empty(n, flat.shape[0])
+    offset = 0
+    for cell, count in enumerate(counts):
+        if count:
+            torch.mm(decoder[offset:offset + count], targets[:, cell].T,
+                     out=out[offset:offset + count])
+            offset += count
+    return out.T
