@@ -162,7 +162,7 @@ def trace_rome(model, tokenizer, seeds, scale):
             probs[1:].numpy())
 
 
-def trace_pyvene(model, tokenizer, seeds, scale):
+def trace_pyvene(model, tokenizer, seeds, scale, layers=None):
     """pyvene's causal-tracing tutorial loop, batch = the S seeds (see the module docstring).
     The tutorial's classes and calls; the tutorial's model (GPT-2 without its head) needs
     ``embed_to_distrib``, a causal LM gives logits."""
@@ -213,7 +213,7 @@ def trace_pyvene(model, tokenizer, seeds, scale):
         _, out = intervenable(base, unit_locations={"base": [[subject] * n_seeds]})
         corrupt = prob(out.logits).numpy()
         restored = torch.empty(n_seeds, n_layers, n_pos, dtype=torch.float64)
-        for layer in range(n_layers):
+        for layer in range(n_layers) if layers is None else layers:  # layers: smoke tests
             for pos in range(n_pos):
                 config = restore_corrupted_with_interval_config(layer, "block_output",
                                                                 window=1)
