@@ -38,12 +38,17 @@ prompt (32 tokens, a BOS ``<|im_start|>`` first, as circuit-tracer wants one), u
   desired_logit_prob=0.95, max_feature_nodes=2000, batch_size=--peer-batch-size)`` in its own
   process in ``.venv-peer`` (circuit-tracer 0.5.0 pins transformers <= 4.57), its replacement
   model built from a local directory as ``tests_peer/peer.py`` builds it (TransformerLens by
-  default, ``--peer-backend nnsight`` for the other), the same token ids.
+  default, with its rotary base taken from the checkpoint: see ``tl_replacement_model``;
+  ``--peer-backend nnsight`` for the other), the same token ids. Its default ``batch_size``
+  (512) keeps 512 copies of the prompt's forward graph: ~25 GB for SmolLM2 at 32 tokens.
 
 Reported: seconds (total; the feature-row phase, which includes the influence re-ranking in
 both), rows/s (feature rows / row-phase seconds, and all rows / total seconds), peak RSS of
-each process and during the call, and whether the graphs agree: the same active features in
-the same order with the same activations, the same logit tokens and probabilities, how many
+each process and during the call, and whether the graphs agree: the active features (matched
+by layer, position and id; any active in one graph only are listed with their activations —
+a pre-activation within float32 rounding of its threshold — and the edges from the error nodes
+at their (layer, position), which hold them in the other graph, are reported apart), their
+activations, the same logit tokens and probabilities, how many
 feature rows both computed (each re-ranks by partial influence on its own schedule, so the 2,000
 chosen can differ at the margin), and on the rows both computed, every edge to a source both
 graphs hold (shared features, errors, tokens): max |difference| absolute and relative to the
@@ -55,7 +60,8 @@ Run it under the benchmark lock and with nothing else heavy running:
 
 The driver runs in ``.venv``; it starts each worker (``--worker ...``, internal) as a
 subprocess: ``.venv``'s Python for ours, ROME's and pyvene's, ``--peer-python`` for
-circuit-tracer's. Workers write their numbers and arrays under ``--scratch``.
+circuit-tracer's. Workers write their numbers and arrays under ``--scratch``; ``--compare
+OURS THEIRS`` recomputes the graph comparison from the two saved graphs.
 """
 
 from __future__ import annotations
