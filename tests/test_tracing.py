@@ -220,6 +220,21 @@ def test_controls_pass(tiny_tracer):
     assert "controls pass" in report.summary()
 
 
+def test_controls_compute_every_row(tiny_tracer):
+    """The controls check the machinery, so none of their rows takes a reference P."""
+    model = tiny_tracer.model
+    computed: list[int] = []
+    embed = get_module(model, get_adapter(model).module_path("embed"))
+    handle = embed.register_forward_hook(lambda _m, _a, out: computed.append(out.shape[0]))
+    try:
+        tiny_tracer.controls(window=2)
+    finally:
+        handle.remove()
+    n_cells = N_LAYERS * tiny_tracer.prompt.seq_len
+    centres = len({0, N_LAYERS // 3, (2 * N_LAYERS) // 3, N_LAYERS - 1})
+    assert sum(computed) == (n_cells + 2 * centres) * len(tiny_tracer.seeds)
+
+
 def test_trace_result_tables_json_plot(tiny_tracer, tmp_path):
     result = tiny_tracer.trace("mlp", window=2)
     n_tokens = len(result.tokens)

@@ -203,20 +203,23 @@ class TraceEngine:
         window: int = WINDOW,
         donor: str = "clean",
         progress: Callable[[int], None] | None = None,
+        skip_unchanged: bool | None = None,
     ) -> torch.Tensor:
         """P(answer) for every (seed, cell): a ``[n_seeds, n_cells]`` float64 tensor.
 
         ``donor="corrupted"`` restores from the corrupted run's own states (a control: it must
         leave every probability at its corrupted value). ``progress`` is called with the number
-        of rows finished after each chunk.
+        of rows finished after each chunk. ``skip_unchanged`` overrides the engine's setting
+        for this run (the controls compute every row: they check the machinery).
         """
+        skip = self.skip_unchanged if skip_unchanged is None else skip_unchanged
         if donor not in ("clean", "corrupted"):
             raise InputError(f"donor must be 'clean' or 'corrupted', got {donor!r}")
         if not cells:
             return torch.empty(len(self.seeds), 0, dtype=torch.float64)
         rows = _Rows.of(self, kind, cells, window)
         out = torch.empty(len(rows), dtype=torch.float64)
-        known, value = (self._unchanged(kind, rows) if donor == "clean" and self.skip_unchanged
+        known, value = (self._unchanged(kind, rows) if donor == "clean" and skip
                         else (None, None))
         todo = rows
         if known is not None and bool(known.any()):

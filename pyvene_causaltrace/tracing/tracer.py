@@ -238,9 +238,13 @@ class Tracer:
         last = self.prompt.seq_len - 1
         n_layers = self.engine.n_layers
         centres = sorted({0, n_layers // 3, (2 * n_layers) // 3, n_layers - 1})
-        windowed = self.engine.run(RESIDUAL_WINDOW, [(c, last) for c in centres], window=window)
+        # every row computed: a window reaching the last layer would otherwise take the clean P
+        # on both sides without a forward, and the control would check nothing there
+        windowed = self.engine.run(RESIDUAL_WINDOW, [(c, last) for c in centres], window=window,
+                                   skip_unchanged=False)
         ends = [self.engine.restore_layers(RESIDUAL_WINDOW, c, window) for c in centres]
-        single = self.engine.run(residual, [(layers[-1], last) for layers in ends])
+        single = self.engine.run(residual, [(layers[-1], last) for layers in ends],
+                                 skip_unchanged=False)
         pairs = [(layers, float((windowed[:, i] - single[:, i]).abs().max()))
                  for i, layers in enumerate(ends)]
         return ControlReport(float((donor - corrupt).abs().max()), pairs, tolerance)
