@@ -348,9 +348,9 @@ class _RunHooks:
         if kind.restore != "mlp" and kind.sever != "mlp":
             hooks += self._last_mlp_at_last_position()
         with installed(hooks) as handles:
-            own = {handle.id for handle in handles}
-            self.replay = LayerReplay(engine.blocks, engine._returns_tuple, keep=own)
             if not self.ragged:
+                own = {handle.id for handle in handles}
+                self.replay = LayerReplay(engine.blocks, engine._returns_tuple, keep=own)
                 yield self
                 return
             self.layers = RaggedLayers(engine.blocks, engine._returns_tuple)
