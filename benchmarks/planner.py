@@ -7,6 +7,9 @@ SmolLM2-135M's size and for the tiny random Llama of ``trace_speed.py``. Repeats
 two planners, with garbage collection off while a planner runs (as :mod:`timeit` does); the
 table gives median wall milliseconds (and the vectorised planner's median CPU milliseconds, which
 other processes on a busy machine disturb less) and checks that both return the same chunks.
+The last columns plan the same rows by position alone (``replay_layers=False``), as the engine
+does whenever its ragged rows are on (the default: each row starts at its own layer inside a
+chunk, so chunks only band positions), checked against the reference planning alike.
 
     python benchmarks/planner.py [--repeats 7] [--budget-mb 2048] [--against REV]
 
@@ -18,6 +21,7 @@ load changes from minute to minute, the ratio of the two is steadier than either
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib.util
 import statistics
@@ -80,7 +84,10 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=float, default=2048.0)
     parser.add_argument("--against", default=None, help="a git revision's plan_chunks too")
     args = parser.parse_args()
-    planners = {"reference": plan_chunks_reference, "vectorised": plan_chunks}
+    planners = {"reference": plan_chunks_reference, "vectorised": plan_chunks,
+                "positions reference": functools.partial(plan_chunks_reference,
+                                                         replay_layers=False),
+                "positions": functools.partial(plan_chunks, replay_layers=False)}
     if args.against:
         planners[args.against] = planner_at(args.against)
     cases = {(model, shape): case(model, *shape, args.budget_mb)
@@ -103,13 +110,19 @@ def main() -> None:
                     (c.prefix, c.first_layer, tuple(c.rows.tolist())) for c in plan))
     against = f" {args.against} ms | vectorised / {args.against} |" if args.against else ""
     print("| layers × tokens × seeds | layer size | rows | chunks | reference ms | "
-          f"vectorised ms | speed-up | vectorised CPU ms |{against} same chunks |")
-    print("|---|---|---|---|---|---|---|---|" + "---|---|" * bool(args.against) + "---|")
+          f"vectorised ms | speed-up | vectorised CPU ms |{against} same chunks | "
+          "positions only: chunks | reference ms | vectorised ms | same chunks |")
+    print("|---|---|---|---|---|---|---|---|" + "---|---|" * bool(args.against)
+          + "---|---|---|---|---|")
     for (model, shape), (positions, _, _) in cases.items():
         ref, fast = (statistics.median(times[model, shape][n]) * 1e3
                      for n in ("reference", "vectorised"))
         same = all(plans[(model, shape), "reference"] == plans[(model, shape), n]
-                   for n in planners)
+                   for n in planners if not n.startswith("positions"))
+        by_position = (plans[(model, shape), "positions"]
+                       == plans[(model, shape), "positions reference"])
+        position_ms = [statistics.median(times[model, shape][n]) * 1e3
+                       for n in ("positions reference", "positions")]
         then = ""
         if args.against:
             old = statistics.median(times[model, shape][args.against]) * 1e3
@@ -117,7 +130,8 @@ def main() -> None:
         print(f"| {' × '.join(map(str, shape))} | {model} | {positions.numel():,} | "
               f"{plans[(model, shape), 'vectorised'][0]} | {ref:.1f} | {fast:.2f} | "
               f"{ref / fast:.0f}× | {statistics.median(cpu[model, shape]) * 1e3:.2f} |{then} "
-              f"{'yes' if same else 'NO'} |")
+              f"{'yes' if same else 'NO'} | {plans[(model, shape), 'positions'][0]} | "
+              f"{position_ms[0]:.1f} | {position_ms[1]:.2f} | {'yes' if by_position else 'NO'} |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pyvene_causaltrace.prompts import SubjectNotFoundError
 from pyvene_causaltrace.specs import SpecError, load_spec
 from pyvene_causaltrace.tracing.chunks import ChunkCost
 from pyvene_causaltrace.tracing.engine import KINDS, RESIDUAL_WINDOW, TraceEngine
+from pyvene_causaltrace.tracing.metrics import token_probs
 from pyvene_causaltrace.tracing.noise_scale import NoiseScaleSweep
 from pyvene_causaltrace.tracing.results import TraceResult
 from pyvene_causaltrace.tracing.roles import token_roles
@@ -193,6 +194,17 @@ def test_rows_start_at_their_own_layer_inside_a_chunk(kind):
     for c, (layer, pos) in enumerate(cells[::3]):
         want = reference_kind_cell(model, engine, KINDS[kind], SEEDS[1], layer, pos, 1)
         assert got[1, 3 * c].item() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(300, 49152), (7, 513), (3, 1 << 19)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_token_probs_in_blocks_equal_one_softmax(shape, dtype):
+    logits = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=dtype) * 4
+    token = shape[1] // 3
+    expected = logits.double().softmax(-1)[:, token]
+    got = token_probs(logits, token)
+    assert got.dtype == torch.float64 and got.shape == (shape[0],)
+    assert torch.allclose(got, expected, rtol=1e-14, atol=0)
 
 
 def test_chunking_does_not_change_results():

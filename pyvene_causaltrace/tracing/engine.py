@@ -43,6 +43,7 @@ from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
 from ..models import get_adapter, get_module
 from .chunks import Chunk, ChunkCost, plan_chunks
+from .metrics import token_probs
 from .replay import LayerReplay, RaggedLayers
 
 
@@ -459,4 +460,4 @@ class _RunHooks:
                 replayed = below.index_select(0, seed_rows.to(below.device))[:, prefix:]
             with torch.no_grad(), self.replay.below(first, replayed):
                 logits = engine.model(**base).logits[:, -1]
-        return logits.double().softmax(-1)[:, engine.answer_id]
+        return token_probs(logits, engine.answer_id)
