@@ -22,12 +22,13 @@ rounding) is the same on every run with the same settings.
 
 :func:`plan_chunks` runs the first-layer programme of every position band at once in numpy
 (``[first layer, band]`` arrays in C order, one step per first layer, in a buffer each thread
-keeps between calls) and only the position programme's few candidates in Python: 8.3 ms (a layer
-of SmolLM2's size) and 6.1 ms (a tiny one) for 40 layers x 64 tokens x 10 seeds on a busy 2-core
-CPU (about 5.6 and 4.4 quiet, by estimate), 80-95x faster than :func:`plan_chunks_reference`
-there (``benchmarks/planner.py``), which is the same search as two plain nested loops. The two
-return the same chunks, since they add the same floats in the same order and break ties alike
-(``tests/test_chunks.py``).
+keeps between calls) and only the position programme's few candidates in Python: 5.1 ms (a layer
+of SmolLM2's size) and 4.0 ms (a tiny one) for 40 layers x 64 tokens x 10 seeds on a quiet 2-core
+CPU, right after another planner has run (a cold cache), 40-47x faster than
+:func:`plan_chunks_reference` (``benchmarks/planner.py``), which is the same search as two plain
+nested loops; by position alone (``replay_layers=False``, how the engine plans its ragged rows)
+1.8 and 1.7 ms. The two return the same chunks, since they add the same floats in the same order
+and break ties alike (``tests/test_chunks.py``).
 """
 
 from __future__ import annotations
