@@ -19,9 +19,9 @@ _SOFTMAX_BLOCK = 1 << 18
 def token_probs(logits: torch.Tensor, token: int) -> torch.Tensor:
     """P(``token``) per row of ``[rows, vocab]`` logits, float64: ``logits.double().softmax(-1)
     [:, token]``, whose rows do not depend on each other (the tests hold 1e-14 relative). On the
-    CPU it runs a few rows at a time, since one float64 copy of
-    a chunk's logits (hundreds of rows x the vocabulary) is fresh memory each call: SmolLM2's
-    290 x 49,152 take 85 ms in one piece and 20 ms in blocks."""
+    CPU it runs a few rows at a time, since one float64 copy of a chunk's logits (hundreds of
+    rows x the vocabulary) is fresh memory each call: SmolLM2's 290 x 49,152 take 85 ms in one
+    piece and 20 ms in blocks."""
     if logits.device.type != "cpu":
         return logits.double().softmax(-1)[:, token]
     out = torch.empty(logits.shape[0], dtype=torch.float64)
