@@ -451,13 +451,13 @@ class _RunHooks:
             self.layers.counts = counts
             self.layers.stored = lambda layer, k: blocks[paths[layer]][:, prefix:].index_select(
                 0, seed_rows[k:].to(blocks[paths[layer]].device))
-            with torch.no_grad():
-                logits = engine.model(**base).logits[:, -1]
+            lower_blocks = contextlib.nullcontext()
         else:
             replayed = None
             if first:
                 below = engine.corrupt_states[engine._paths["block"][first - 1]]
                 replayed = below.index_select(0, seed_rows.to(below.device))[:, prefix:]
-            with torch.no_grad(), self.replay.below(first, replayed):
-                logits = engine.model(**base).logits[:, -1]
+            lower_blocks = self.replay.below(first, replayed)
+        with torch.no_grad(), lower_blocks:
+            logits = engine.model(**base).logits[:, -1]
         return token_probs(logits, engine.answer_id)
