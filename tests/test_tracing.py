@@ -16,6 +16,7 @@ from pyvene_causaltrace.prompts import SubjectNotFoundError
 from pyvene_causaltrace.specs import SpecError, load_spec
 from pyvene_causaltrace.tracing.chunks import ChunkCost
 from pyvene_causaltrace.tracing.engine import KINDS, RESIDUAL_WINDOW, TraceEngine
+from pyvene_causaltrace.tracing.head import ReusedHead
 from pyvene_causaltrace.tracing.metrics import token_probs
 from pyvene_causaltrace.tracing.noise_scale import NoiseScaleSweep
 from pyvene_causaltrace.tracing.results import TraceResult
@@ -178,9 +179,14 @@ def test_rows_start_at_their_own_layer_inside_a_chunk(kind):
                          skip_unchanged=False)
     engine.cost = PLANS["coarse"]
     computed = dict.fromkeys(range(N_LAYERS), 0)
+    carried = dict.fromkeys(range(N_LAYERS), 0)  # rows reaching block j: those started by then
     handles = [get_module(model, adapter.module_path("mlp", j)).register_forward_hook(
         lambda _m, _a, out, j=j: computed.__setitem__(j, computed[j] + out.shape[0]))
         for j in range(N_LAYERS)]
+    handles += [get_module(model, adapter.module_path("block", j)).register_forward_pre_hook(
+        lambda _m, args, kwargs, j=j: carried.__setitem__(
+            j, carried[j] + (args[0] if args else kwargs["hidden_states"]).shape[0]),
+        with_kwargs=True) for j in range(N_LAYERS)]
     cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
     try:
         got = engine.run(KINDS[kind], cells, window=1)
@@ -191,9 +197,42 @@ def test_rows_start_at_their_own_layer_inside_a_chunk(kind):
     expected = {j: sum(1 for layer, _ in cells if layer + shift <= j) * len(SEEDS)
                 for j in range(N_LAYERS)}
     assert computed == expected
+    assert carried[0] == len(cells) * len(SEEDS)  # the embeddings: every row
+    assert all(carried[j] == expected[j] for j in range(1, N_LAYERS))
     for c, (layer, pos) in enumerate(cells[::3]):
         want = reference_kind_cell(model, engine, KINDS[kind], SEEDS[1], layer, pos, 1)
         assert got[1, 3 * c].item() == pytest.approx(want, rel=1e-6)
+
+
+def test_the_head_writes_into_one_buffer_with_the_same_values():
+    model = make_tiny_model("llama", n_layers=N_LAYERS)
+    head = get_module(model, get_adapter(model).module_path("unembed"))
+    reused = ReusedHead(head)
+    assert reused.applies()
+    width = head.in_features
+    x1, x2 = torch.randn(6, 2, width), torch.randn(4, 3, width)[:, -1:]
+    with torch.no_grad(), reused.installed():
+        first = head(x1).clone()
+        second = head(x2)
+        assert second.data_ptr() == reused.buffer.data_ptr()  # no fresh memory
+        assert torch.equal(first, torch.nn.functional.linear(x1, head.weight))
+        assert torch.equal(second, torch.nn.functional.linear(x2, head.weight))
+    assert "forward" not in head.__dict__ and reused.buffer is None
+    with reused.installed():  # gradients wanted: the module's own forward
+        assert head(x1.requires_grad_()).requires_grad
+    # the engine's rows are the same bit for bit with the head left alone (a hook on it)
+    cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
+    engine = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER, skip_unchanged=False)
+    fast = engine.run(KINDS["residual"], cells)
+    handle = head.register_forward_hook(lambda _m, _a, out: None)
+    try:
+        assert not ReusedHead(head).applies()
+        plain = engine.run(KINDS["residual"], cells)
+    finally:
+        handle.remove()
+    assert torch.equal(fast, plain)
+    biased = torch.nn.Linear(width, 10)
+    assert not ReusedHead(biased).applies()
 
 
 @pytest.mark.parametrize("shape", [(300, 49152), (7, 513), (3, 1 << 19)])

@@ -43,6 +43,7 @@ from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
 from ..models import get_adapter, get_module
 from .chunks import Chunk, ChunkCost, plan_chunks
+from .head import ReusedHead
 from .metrics import token_probs
 from .replay import LayerReplay, RaggedLayers
 
@@ -348,7 +349,8 @@ class _RunHooks:
         hooks.append((embed, "forward", self._add_noise))
         if kind.restore != "mlp" and kind.sever != "mlp":
             hooks += self._last_mlp_at_last_position()
-        with installed(hooks) as handles:
+        head = ReusedHead(get_module(engine.model, engine.adapter.module_path("unembed")))
+        with installed(hooks) as handles, head.installed():
             if not self.ragged:
                 own = {handle.id for handle in handles}
                 self.replay = LayerReplay(engine.blocks, engine._returns_tuple, keep=own)
@@ -404,21 +406,25 @@ class _RunHooks:
         lo, hi = rows.lo[index], rows.hi[index]
         restored = range(int(self.lo[chunk.rows].min()), int(self.hi[chunk.rows].max()))
         state_rows = seed_rows if self.donor == "corrupted" else None
-        if self.ragged:  # block j computes the first counts[j] rows
+        # block j computes the first counts[j] rows; ragged, it returns the first
+        # counts[j + 1] (the rows that have started by then), and the last block all n
+        if self.ragged:
             firsts = rows.first[index]
             first = int(firsts[0])
             counts = torch.searchsorted(firsts, torch.arange(engine.n_layers,
                                                              device=firsts.device),
-                                        right=True).tolist()
+                                        right=True).tolist() + [n]
         else:
             first = chunk.first_layer
-            counts = [0 if layer < first else n for layer in range(engine.n_layers)]
+            counts = [0 if layer < first else n for layer in range(engine.n_layers)] + [n]
         for layer in range(engine.n_layers):
             component = engine._paths[kind.restore][layer]
             made = None
             if layer in restored:
-                # a sublayer sees its block's computed rows only; a block output every row
-                k = n if kind.restore == "block" else counts[layer]
+                # a sublayer sees its block's computed rows only; a block output the rows
+                # its block returns (LayerReplay's replayed blocks return all n)
+                k = counts[layer] if kind.restore != "block" else (
+                    counts[layer + 1] if self.ragged else n)
                 made = self.restores[layer]
                 made.retarget((((lo <= layer) & (layer < hi))[:, None] & at)[:k],
                               self.states[component][:, prefix:],
@@ -443,14 +449,14 @@ class _RunHooks:
                 (k[:, :, :prefix].index_select(0, seed_rows[:count].to(k.device)),
                  v[:, :, :prefix].index_select(0, seed_rows[:count].to(v.device))) if count
                 else (k[:1, :, :prefix], v[:1, :, :prefix])  # never read: a stored block
-                for count, (k, v) in zip(counts, engine._kv, strict=True)],
+                for count, (k, v) in zip(counts[:-1], engine._kv, strict=True)],
                 config=engine.model.config)
         if self.ragged:
             blocks = engine.corrupt_states
             paths = engine._paths["block"]
             self.layers.counts = counts
-            self.layers.stored = lambda layer, k: blocks[paths[layer]][:, prefix:].index_select(
-                0, seed_rows[k:].to(blocks[paths[layer]].device))
+            self.layers.stored = lambda layer, k, end: blocks[paths[layer]][
+                :, prefix:].index_select(0, seed_rows[k:end].to(blocks[paths[layer]].device))
             lower_blocks = contextlib.nullcontext()
         else:
             replayed = None

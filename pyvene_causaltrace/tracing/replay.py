@@ -77,20 +77,24 @@ class LayerReplay:
 
 class RaggedLayers:
     """Every row starts at its own layer: block ``j`` computes only the rows whose first layer
-    is ``<= j`` and the others take the corrupted run's stored output.
+    is ``<= j``, and rows join the batch when they start.
 
     The chunk's rows are sorted by first layer, so the rows block ``j`` computes are the first
-    ``counts[j]`` of the batch: each block's wrapper slices its batched inputs (hidden states,
-    masks) to them and appends ``stored(j, counts[j])``, the stored outputs of the rest. A
-    block whose rows are all stored does not run. Unlike :class:`LayerReplay` a block may mix
-    computed and stored rows, so the engine uses this only when no hook besides its own sits
-    on a block's output (a user's hook there would apply twice to the stored rows).
+    ``counts[j]`` of the batch. Block ``j``'s wrapper computes them (slicing its batched inputs:
+    hidden states, masks) and appends ``stored(j, counts[j], counts[j + 1])``, the stored
+    outputs of the rows that start at block ``j + 1``; so block ``j`` returns ``counts[j + 1]``
+    rows, and ``counts`` ends with the chunk's size, which the last block returns. Rows that
+    have not started are neither copied nor carried. A block whose rows are all stored does
+    not run. Unlike :class:`LayerReplay` a block may mix computed and stored rows, so the
+    engine uses this only when no hook besides its own sits on a block's output (a user's
+    hook there would apply twice to the stored rows).
 
     The KV cache a chunk gives block ``j`` must hold ``counts[j]`` rows.
 
         ragged = RaggedLayers(blocks, returns_tuple=False)
         with ragged.installed():
-            ragged.counts, ragged.stored = [0, 4, 10], lambda layer, k: outputs[layer][k:]
+            ragged.counts = [0, 4, 10]  # two blocks, a chunk of 10 rows
+            ragged.stored = lambda layer, k, end: outputs[layer][k:end]
             logits = model(input_ids=ids, ...).logits
     """
 
@@ -98,7 +102,7 @@ class RaggedLayers:
         self.blocks = list(blocks)
         self.returns_tuple = returns_tuple
         self.counts: list[int] = []
-        self.stored = None  # (layer, k) -> the stored outputs of the batch's rows k..
+        self.stored = None  # (layer, k, end) -> the stored outputs of the batch's rows k..end-1
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[RaggedLayers]:
@@ -117,15 +121,20 @@ class RaggedLayers:
 
     def _wrapped(self, layer: int, forward):
         def ragged(*args, **kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            n, k = hidden.shape[0], self.counts[layer]
-            if k >= n:
-                return forward(*args, **kwargs)
-            rest = self.stored(layer, k)
+            k, end = self.counts[layer], self.counts[layer + 1]
             if k == 0:
+                rest = self.stored(layer, 0, end)
                 return (rest,) if self.returns_tuple else rest
-            out = forward(*(_first_rows(a, n, k) for a in args),
-                          **{key: _first_rows(value, n, k) for key, value in kwargs.items()})
+            n = self.counts[-1]  # the chunk's rows: masks and other batched inputs have n
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden = hidden[:k]
+            args = (hidden, *(_first_rows(a, n, k) for a in args[1:])) if args else ()
+            kwargs = {key: hidden if key == "hidden_states" else _first_rows(value, n, k)
+                      for key, value in kwargs.items()}
+            out = forward(*args, **kwargs)
+            if end == k:
+                return out
+            rest = self.stored(layer, k, end)
             if isinstance(out, tuple):
                 return (torch.cat([out[0], rest]), *out[1:])
             return torch.cat([out, rest])
