@@ -13,6 +13,7 @@ cache (``reuse_prefix``), and lower blocks are replayed from the corrupted run's
 restore before the first noised position, or at the last layer off the last position) need no
 forward at all (``skip_unchanged``). Rows are grouped into chunks by :func:`.chunks.plan_chunks`,
 which weighs the recomputation a mixed chunk costs against the fixed cost of another forward.
+On the CPU each chunk's logits go into one buffer that the run reuses (:mod:`.head`).
 
 The interventions are built once per :meth:`TraceEngine.run` and applied by forward hooks
 registered once per run; per chunk only their row masks change (``retarget``). pyvene's
