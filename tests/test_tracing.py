@@ -204,7 +204,7 @@ def test_rows_start_at_their_own_layer_inside_a_chunk(kind):
         assert got[1, 3 * c].item() == pytest.approx(want, rel=1e-6)
 
 
-def test_the_head_writes_into_one_buffer_with_the_same_values():
+def test_the_head_writes_into_one_buffer_with_the_same_values(monkeypatch):
     model = make_tiny_model("llama", n_layers=N_LAYERS)
     head = get_module(model, get_adapter(model).module_path("unembed"))
     reused = ReusedHead(head)
@@ -223,11 +223,18 @@ def test_the_head_writes_into_one_buffer_with_the_same_values():
     # the engine's rows are the same bit for bit with the head left alone (a hook on it)
     cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
     engine = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER, skip_unchanged=False)
+    calls: list[int] = []  # chunks whose logits went into the buffer
+    into_buffer = ReusedHead._forward
+    monkeypatch.setattr(ReusedHead, "_forward",
+                        lambda self, hidden: (calls.append(1), into_buffer(self, hidden))[1])
     fast = engine.run(KINDS["residual"], cells)
+    assert calls  # the engine used the buffer
     handle = head.register_forward_hook(lambda _m, _a, out: None)
     try:
         assert not ReusedHead(head).applies()
+        calls.clear()
         plain = engine.run(KINDS["residual"], cells)
+        assert not calls
     finally:
         handle.remove()
     assert torch.equal(fast, plain)

@@ -423,9 +423,8 @@ class _RunHooks:
             made = None
             if layer in restored:
                 # a sublayer sees its block's computed rows only; a block output the rows
-                # its block returns (LayerReplay's replayed blocks return all n)
-                k = counts[layer] if kind.restore != "block" else (
-                    counts[layer + 1] if self.ragged else n)
+                # its block returns (all n under LayerReplay: restored layers are >= first - 1)
+                k = counts[layer + 1] if kind.restore == "block" else counts[layer]
                 made = self.restores[layer]
                 made.retarget((((lo <= layer) & (layer < hi))[:, None] & at)[:k],
                               self.states[component][:, prefix:],
