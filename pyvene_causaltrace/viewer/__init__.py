@@ -194,8 +194,9 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
             if length is None:
                 return 411, "a save needs a Content-Length"
             if length > max_save_bytes:
-                return 413, (f"the body is {length} bytes, over the {max_save_bytes}-byte "
-                             "limit (max_save_bytes)")
+                size = f"{length} bytes" if length < 10**_MAX_LENGTH_DIGITS else "huge"
+                return 413, (f"the body is {size}, over the {max_save_bytes}-byte limit "
+                             "(max_save_bytes)")
             return None
 
         def _discard_body(self) -> None:
