@@ -33,8 +33,14 @@ preflight the server never grants) and, when the browser names it, an ``Origin``
 host and ``Sec-Fetch-Site: same-origin``. ``/api/graph`` sends the file's version as its
 ``ETag``; the page sends it back as ``If-Match`` and a save is refused (412) once the file has
 changed on disk since the page loaded it, so annotations are never written onto a regenerated
-graph whose node ids happen to match. Every refusal is a 4xx status with a one-line plain-text
-reason (a file that cannot be written, e.g. a full disk: 500, one line, the file as it was).
+graph whose node ids happen to match; unsaved annotations kept while the picker shows another
+graph belong to the version they were made on, and are dropped (the page says so), not
+re-applied, when the file changed meanwhile. Saves of one file are serialised across
+processes by a lock file beside it (see :func:`.annotations.save`); a write-protected file is
+refused (403). Every answer but the foreign-``Host`` one is a status with a one-line JSON body,
+``{"error": reason}`` for a refusal (a file that cannot be written, e.g. a full disk: 500, the
+file as it was); a request that fails in an unforeseen way is answered 500 the same way and
+logged with its traceback, never with an empty reply.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ REQUEST_TIMEOUT_S = 30
 DISCARD_BYTES = 64 * 1024 * 1024
 log = logging.getLogger(__name__)
 
+#: Longest Content-Length read as a number (more digits: over any limit, not parsed).
+_MAX_LENGTH_DIGITS = 18
 _LOCAL_HOST = re.compile(r"(?:localhost|127\.0\.0\.1|\[::1\])(?::\d{1,5})?", re.IGNORECASE)
 
 
@@ -80,6 +88,15 @@ def _origin_allowed(origin: str | None) -> bool:
     return origin.startswith("http://") and host_allowed(origin[len("http://"):])
 
 
+def _content_length(value: str | None) -> int | None:
+    """A ``Content-Length`` header's bytes, or None when it is missing or not a number; parsed
+    with a bound (``int()`` raises on a 5000-digit value), more digits read as 10**18."""
+    value = (value or "").strip()
+    if not (value.isascii() and value.isdigit()):
+        return None
+    return int(value) if len(value) <= _MAX_LENGTH_DIGITS else 10**_MAX_LENGTH_DIGITS
+
+
 def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHandler]:
     refused: set[str] = set()
 
@@ -87,6 +104,29 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
         timeout = REQUEST_TIMEOUT_S
 
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            self._guarded(self._get)
+
+        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+            self._guarded(self._post)
+
+        def _guarded(self, handle) -> None:
+            """``handle()``; an exception it lets out is answered 500 with a JSON reason (not
+            an empty reply) and logged with its traceback: a bug, not a user's mistake."""
+            self._answered = False
+            try:
+                handle()
+            except Exception as error:
+                log.error("viewer: %s %s failed", self.command, self.path, exc_info=True)
+                if self._answered:
+                    self.close_connection = True
+                    return
+                try:
+                    self._fail(500, f"the viewer failed on this request ({type(error).__name__}:"
+                                    f" {error}); see the server's log")
+                except OSError:
+                    self.close_connection = True
+
+        def _get(self) -> None:
             if not self._host_ok():
                 return
             url = urlparse(self.path)
@@ -101,13 +141,13 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 name = parse_qs(url.query).get("name", [""])[0]
                 loaded = index.load(name)
                 if loaded is None:
-                    self.send_error(404, "no such graph in the served directory")
+                    self._fail(404, "no such graph in the served directory")
                     return
                 self._send(loaded[0], "application/json", etag=version(loaded[1]))
             else:
-                self.send_error(404)
+                self._fail(404, f"nothing here ({url.path})")
 
-        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+        def _post(self) -> None:
             if not self._host_ok():
                 return
             url = urlparse(self.path)
@@ -121,7 +161,7 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 self._discard_body()
                 return
             try:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
+                body = self.rfile.read(_content_length(self.headers["Content-Length"]))
             except OSError:  # a stalled or broken client: nobody left to answer
                 self.close_connection = True
                 return
@@ -150,21 +190,20 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 return 415, "a save is a JSON body (Content-Type: application/json)"
             if headers.get("Transfer-Encoding"):
                 return 411, "send the body with a Content-Length, not chunked"
-            length = headers.get("Content-Length", "")
-            if not (length.isascii() and length.isdigit()):
+            length = _content_length(headers.get("Content-Length"))
+            if length is None:
                 return 411, "a save needs a Content-Length"
-            if int(length) > max_save_bytes:
-                return 413, (f"the body is {int(length)} bytes, over the {max_save_bytes}-byte "
-                             "limit (max_save_bytes)")
+            if length > max_save_bytes:
+                size = f"{length} bytes" if length < 10**_MAX_LENGTH_DIGITS else "huge"
+                return 413, (f"the body is {size}, over the {max_save_bytes}-byte limit "
+                             "(max_save_bytes)")
             return None
 
         def _discard_body(self) -> None:
             """Read (up to :data:`DISCARD_BYTES`) and drop the body of a request refused
             unread, so the client reads the refusal instead of a reset connection; the client
             closing after the answer ends it early."""
-            length = self.headers.get("Content-Length", "")
-            left = min(int(length), DISCARD_BYTES) if length.isascii() and length.isdigit() \
-                else 0
+            left = min(_content_length(self.headers.get("Content-Length")) or 0, DISCARD_BYTES)
             try:
                 while left > 0:
                     chunk = self.rfile.read1(min(left, 1 << 16))
@@ -186,6 +225,7 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 refused.add(host)
                 log.warning("viewer: refused a request for Host %r (only localhost, 127.0.0.1 "
                             "and [::1] are served)", host)
+            self._answered = True
             self.send_response(403)
             self.send_header("Content-Length", "0")
             self.send_header("Connection", "close")
@@ -193,14 +233,26 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
             self.close_connection = True
 
         def _fail(self, status: int, message: str) -> None:
-            """A refusal: ``status`` and ``message`` on one plain-text line; the connection
-            closes (a body left unread must not be taken for the next request)."""
-            self._send((" ".join(message.split()) + "\n").encode(), "text/plain; charset=utf-8",
+            """A refusal: ``status`` and ``{"error": message}`` on one line of JSON; the
+            connection closes (a body left unread must not be taken for the next request)."""
+            reason = json.dumps({"error": " ".join(message.split())}, ensure_ascii=False)
+            self._send((reason + "\n").encode("utf-8", errors="replace"), "application/json",
                        status)
             self.close_connection = True
 
+        def send_error(self, code: int, message: str | None = None,
+                       explain: str | None = None) -> None:
+            """http.server's own refusals (a malformed request line, an unsupported method,
+            headers too long) in the same JSON form as ours."""
+            reason = message or self.responses.get(code, ("error",))[0]
+            if getattr(self, "command", None) == "HEAD" or code < 200 or code in (204, 304):
+                super().send_error(code, message, explain)
+                return
+            self._fail(code, reason)
+
         def _send(self, body: bytes, kind: str, status: int = 200,
                   etag: str | None = None) -> None:
+            self._answered = True
             self.send_response(status)
             self.send_header("Content-Type", kind)
             if etag is not None:

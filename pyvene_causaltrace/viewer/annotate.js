@@ -17,7 +17,9 @@ const SG_POS = new RegExp(`^(?:${NUMBER}(?: ${NUMBER})*)?$`);  // as the server 
 // loaded: the pins and supernodes as last loaded or saved; extra: qParams kept as loaded
 const notes = {pinned: [], supernodes: [], edits: new Map(), checked: new Set(), loaded: "",
                extra: {linkType: "both", sg_pos: ""}};
-const drafts = new Map();  // unsaved annotations of graphs the picker left, by name
+// unsaved annotations of graphs the picker left, by name, with the version (ETag) of the file
+// they were made on: they are re-applied only to that version
+const drafts = new Map();
 
 function isPinned(id) { return notes.pinned.includes(id); }
 
@@ -61,9 +63,9 @@ function readNotes(q) {
   if (typeof groups === "string") {
     try { groups = JSON.parse(groups || "[]"); } catch { groups = []; dropped++; }
   }
-  const pinned = [], supernodes = [], owned = new Set();
+  const pinned = [], supernodes = [], owned = new Set(), seen = new Set();
   for (const id of Array.isArray(pinnedIds) ? pinnedIds : []) {
-    if (state.byId.has(id) && !pinned.includes(id)) pinned.push(id); else dropped++;
+    if (state.byId.has(id) && !seen.has(id)) { pinned.push(id); seen.add(id); } else dropped++;
   }
   for (const group of Array.isArray(groups) ? groups : []) {
     if (!Array.isArray(group) || typeof group[0] !== "string" || !group[0].trim()) {
@@ -72,14 +74,19 @@ function readNotes(q) {
     }
     const members = group.slice(1).filter(id => state.byId.has(id) && !owned.has(id));
     dropped += group.length - 1 - members.length;
-    members.forEach(id => { owned.add(id); if (!pinned.includes(id)) pinned.push(id); });
+    members.forEach(id => {
+      owned.add(id);
+      if (!seen.has(id)) { pinned.push(id); seen.add(id); }
+    });
     if (members.length) supernodes.push([group[0].slice(0, MAX_NAME), ...members]);
   }
   return {pinned, supernodes, dropped};
 }
 
-// Called as a graph loads: its saved annotations (or the unsaved ones it had when the picker
-// left it); returns the saved clickedId.
+// Called as a graph loads (state.version: the version fetched): its saved annotations, or the
+// unsaved ones it had when the picker left it if the file is still the version they were made
+// on; a draft of an older version is dropped, and the page says so (the file changed on disk:
+// its node ids may mean other nodes now). Returns the saved clickedId.
 function restoreNotes(graph, name) {
   const q = graph.qParams && typeof graph.qParams === "object" ? graph.qParams : {};
   const {pinned, supernodes, dropped} = readNotes(q);
@@ -90,8 +97,15 @@ function restoreNotes(graph, name) {
   const threshold = Number(q.pruningThreshold);
   if (q.pruningThreshold !== undefined && q.pruningThreshold !== null && q.pruningThreshold !== ""
       && threshold >= 0 && threshold <= 1) setThreshold(threshold);
-  const draft = drafts.get(name);
+  let draft = drafts.get(name), stale = "";
   drafts.delete(name);
+  if (draft && draft.version !== state.version) {
+    stale = `${name} changed on disk since you left it: your unsaved annotations (` +
+            `${draft.pinned.length} pinned, ${draft.supernodes.length} supernode(s), ` +
+            `${draft.edits.size} label(s)) were made on the old version and are dropped, ` +
+            "not applied to the new one";
+    draft = null;
+  }
   if (draft) {
     const kept = readNotes({pinnedIds: draft.pinned, supernodes: draft.supernodes});
     const edits = [...draft.edits].filter(([id]) => state.byId.has(id));
@@ -99,8 +113,9 @@ function restoreNotes(graph, name) {
                           edits: new Map(edits)});
     for (const [id, text] of edits) state.byId.get(id).clerp = text;
   }
-  setStatus("note-status", dropped ? `${dropped} annotation id(s) in this file name no node ` +
-                                     "of the graph: left out" : "", "");
+  if (stale) setStatus("note-status", stale, "error");
+  else setStatus("note-status", dropped ? `${dropped} annotation id(s) in this file name no ` +
+                                          "node of the graph: left out" : "", "");
   notesChanged();
   return typeof q.clickedId === "string" ? q.clickedId : "";
 }
@@ -108,7 +123,7 @@ function restoreNotes(graph, name) {
 // Called before the picker loads another graph: unsaved annotations are kept for its return.
 function keepDraft() {
   if (isDirty()) drafts.set(state.name, {pinned: notes.pinned, supernodes: notes.supernodes,
-                                         edits: notes.edits});
+                                         edits: notes.edits, version: state.version});
 }
 
 function dropFromSupernodes(ids) {
@@ -325,8 +340,10 @@ async function saveNotes() {
     const response = await fetch("api/save?name=" + encodeURIComponent(name), {
       method: "POST", headers, body: JSON.stringify({qParams, clerps})});
     const text = await response.text();
-    if (!response.ok) {
-      setStatus("save-status", "not saved: " + text.trim(), "error");
+    if (!response.ok) {  // the server's reason: {"error": "..."}
+      let reason = text.trim();
+      try { reason = JSON.parse(text).error || reason; } catch { /* not JSON: as it is */ }
+      setStatus("save-status", "not saved: " + reason, "error");
       return;
     }
     if (name === state.name) {

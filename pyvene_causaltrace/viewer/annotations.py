@@ -32,10 +32,17 @@ The request body is ``{"qParams": {...}, "clerps": [[node_id, text], ...]}``. In
   viewers write their own for tokens and errors and parse ``(p=...)`` out of a logit's.
 
 A save is refused (:class:`AnnotationError`, its ``status`` an HTTP status) unless the graph is
-one the index lists, the body is a JSON object of those fields, every node id is a node of the
-graph, and the file has not changed on disk since it was read. The file is replaced whole
+one the index lists, the file is not write-protected (no write bit for its owner: refused 403,
+also for root, who could write it anyway), the body is a JSON object of those fields, every
+node id is a node of the graph, and the file has not changed on disk since the page read it.
+Saves are serialised across processes (two ``serve`` on one directory) by an operating-system
+file lock beside the file (``.NAME.lock``, ``filelock``, as run directories are locked): the
+file is read, checked and replaced under it, so of two saves made from one version one is
+written and the other refused (412), never both. The file is replaced whole
 (:func:`~pyvene_causaltrace.atomic.replacing`) with its permissions kept, so the listing finds
 it again (a new inode: the listing's cache reads it anew) and a reader never sees half of it.
+Every check is linear in the request (duplicates are found with sets), as it runs under the
+lock while other saves wait.
 """
 
 from __future__ import annotations
@@ -46,8 +53,12 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+from filelock import FileLock, Timeout
 
 from ..atomic import replacing
 from ..errors import InputError
@@ -68,7 +79,9 @@ EDITABLE = ("cross layer transcoder", "steering")
 _NUMBER = r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _SG_POS = re.compile(rf"(?:{_NUMBER}(?: {_NUMBER})*)?", re.ASCII)  # the page checks the same
 _BODY = '{"qParams": {"pinnedIds": [...], "supernodes": [...], ...}, "clerps": [[id, text]]}'
-_lock = threading.Lock()  # one save at a time: read, check and replace happen together
+#: Seconds a save waits for another process's save of the same file before it is refused (503).
+LOCK_WAIT_S = 10.0
+_lock = threading.Lock()  # one save at a time in this process; _file_lock across processes
 
 
 class AnnotationError(InputError):
@@ -111,15 +124,17 @@ def _list(value: object, where: str) -> list:
 
 def _pinned(value: object, kinds: Mapping[str, str]) -> list[str]:
     pinned: list[str] = []
+    seen: set[str] = set()  # a set, not the list: linear in the ids, under the save lock
     for i, item in enumerate(_list(value, "qParams.pinnedIds")):
         node = _node(item, f"qParams.pinnedIds[{i}]", kinds)
-        if node in pinned:
+        if node in seen:
             raise _refuse(f"qParams.pinnedIds[{i}]: {node} is pinned twice")
+        seen.add(node)
         pinned.append(node)
     return pinned
 
 
-def _supernodes(value: object, pinned: list[str], kinds: Mapping[str, str]) -> list[list[str]]:
+def _supernodes(value: object, pinned: set[str], kinds: Mapping[str, str]) -> list[list[str]]:
     supernodes, owner = [], {}
     for i, item in enumerate(_list(value, "qParams.supernodes")):
         where = f"qParams.supernodes[{i}]"
@@ -157,8 +172,10 @@ def _other_fields(q: dict, kinds: Mapping[str, str]) -> dict[str, Any]:
         out["sg_pos"] = sg_pos
     if "pruningThreshold" in q:
         threshold = q["pruningThreshold"]
+        # compared as it is: a 400-digit integer is no float (math.isfinite would overflow)
         if isinstance(threshold, bool) or not isinstance(threshold, int | float) \
-                or not math.isfinite(threshold) or not 0 <= threshold <= 1:
+                or (isinstance(threshold, float) and not math.isfinite(threshold)) \
+                or not 0 <= threshold <= 1:
             raise _refuse(f"qParams.pruningThreshold: a number from 0 to 1 expected, got "
                           f"{json.dumps(threshold)[:40]}")
         out["pruningThreshold"] = threshold
@@ -207,7 +224,7 @@ def parse_save(body: bytes, kinds: Mapping[str, str]) -> tuple[dict[str, Any], d
             raise _refuse(f"qParams.{field} is missing (send the whole annotation: pinnedIds "
                           "and supernodes)")
     pinned = _pinned(q["pinnedIds"], kinds)
-    fields = {"pinnedIds": pinned, "supernodes": _supernodes(q["supernodes"], pinned, kinds),
+    fields = {"pinnedIds": pinned, "supernodes": _supernodes(q["supernodes"], set(pinned), kinds),
               **_other_fields(q, kinds)}
     return fields, _labels(request.get("clerps", []), kinds)
 
@@ -219,50 +236,94 @@ def version(key: Key) -> str:
     return '"' + "-".join(f"{part:x}" for part in key[1:]) + '"'
 
 
+def lock_path(target: Path) -> Path:
+    """The lock file beside graph file ``target`` that saves of it hold (hidden: not listed)."""
+    return target.with_name(f".{target.name}.lock")
+
+
+@contextmanager
+def _file_lock(target: Path, name: str) -> Iterator[None]:
+    """Hold ``target``'s lock file (an operating-system lock, dropped when its process ends);
+    a save that waited :data:`LOCK_WAIT_S` for another process's is refused (503)."""
+    lock = FileLock(lock_path(target))
+    try:
+        lock.acquire(timeout=LOCK_WAIT_S)
+    except Timeout:
+        raise _refuse(f"{name} is being saved by another process (it holds "
+                      f"{lock_path(target).name}): save again in a moment", 503) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _check_writable(mode: int, name: str) -> None:
+    """Refuse (403) a file without a write bit for its owner: its owner protected it, and the
+    rename that replaces it would ignore that (by the mode bits, not ``os.access``, which says
+    yes to root)."""
+    if not mode & stat.S_IWUSR:
+        raise _refuse(f"{name} is write-protected (mode {stat.S_IMODE(mode):04o}): not saved; "
+                      "make it writable (chmod u+w) to save annotations into it", 403)
+
+
 def save(index: GraphIndex, name: str, body: bytes,
          if_match: str | None = None) -> tuple[dict[str, int], str]:
     """Write the annotations in ``body`` (a save request) into graph ``name`` of ``index``;
     returns how many pinned nodes, supernodes and labels the file now has or got, and the
-    written file's :func:`version`. Raises :class:`AnnotationError`: 404 for a graph the index
-    does not list, 400 for a malformed request, 412 when ``if_match`` (a :func:`version`) is
-    not the file's version (it changed since the page loaded it), 409 when it changed while
-    being saved, 413 when the annotated file would be over the listing's size cap (it would no
-    longer be listed)."""
+    written file's :func:`version`. The file is read, checked and replaced under its lock file
+    (:func:`lock_path`), so saves from several processes are serialised on it. Raises
+    :class:`AnnotationError`: 404 for a graph the index does not list, 400 for a malformed
+    request, 403 for a write-protected file, 412 when ``if_match`` (a :func:`version`) is not
+    the file's version (it changed since the page loaded it), 409 when it changed while being
+    saved, 413 when the annotated file would be over the listing's size cap (it would no
+    longer be listed), 503 when another process's save of it did not end in time."""
     with _lock:
-        loaded = index.load(name)
-        if loaded is None:
+        if name not in index.names():
             raise _refuse(f"{name!r} is not a graph the viewer lists", 404)
-        data, key = loaded
-        if if_match is not None and if_match.strip() != version(key):
-            raise _refuse(f"{name} changed on disk since the page loaded it: reload the page "
-                          "(annotations not saved are lost) and annotate again", 412)
-        graph = json.loads(data)
-        nodes = [n for n in graph["nodes"] if isinstance(n, dict)
-                 and isinstance(n.get("node_id"), str)]
-        kinds = {n["node_id"]: str(n.get("feature_type")) for n in nodes}
-        fields, labels = parse_save(body, kinds)
-        q = graph.get("qParams")
-        graph["qParams"] = {**(q if isinstance(q, dict) else {}), **fields}
-        for node in nodes:
-            if node["node_id"] in labels:
-                node["clerp"] = labels[node["node_id"]]
-        text = json.dumps(graph, separators=(",", ":"), ensure_ascii=False)
-        size = len(text.encode("utf-8", errors="surrogatepass"))
-        if size > index.max_bytes:
-            raise _refuse(f"the annotated graph would be {size} bytes, over the viewer's "
-                          f"{index.max_bytes}-byte cap (max_bytes): not saved", 413)
         target = (index.root / name).resolve()  # a listed link: write the file it names
-        st = os.stat(target)
-        if file_key(st) != key:
-            raise _refuse(f"{name} changed on disk while it was being saved; reload the page "
-                          "and save again", 409)
-        with replacing(target) as tmp:
-            try:
-                tmp.write_text(text, encoding="utf-8")
-            except UnicodeEncodeError:  # a lone surrogate escaped in the file as it was
-                tmp.write_text(json.dumps(graph, separators=(",", ":")), encoding="utf-8")
-            os.chmod(tmp, stat.S_IMODE(st.st_mode))
-        written = file_key(os.stat(target))
+        with _file_lock(target, name):
+            summary, key = _save_locked(index, name, target, body, if_match)
+    return summary, version(key)
+
+
+def _save_locked(index: GraphIndex, name: str, target: Path, body: bytes,
+                 if_match: str | None) -> tuple[dict[str, int], Key]:
+    loaded = index.load(name)
+    if loaded is None:
+        raise _refuse(f"{name!r} is not a graph the viewer lists", 404)
+    if (index.root / name).resolve() != target:
+        raise _refuse(f"{name} changed on disk while it was being saved (it now links to "
+                      "another file); reload the page and save again", 409)
+    data, key = loaded
+    if if_match is not None and if_match.strip() != version(key):
+        raise _refuse(f"{name} changed on disk since the page loaded it: reload the page "
+                      "(annotations not saved are lost) and annotate again", 412)
+    _check_writable(key[0], name)
+    graph = json.loads(data)
+    nodes = [n for n in graph["nodes"] if isinstance(n, dict)
+             and isinstance(n.get("node_id"), str)]
+    kinds = {n["node_id"]: str(n.get("feature_type")) for n in nodes}
+    fields, labels = parse_save(body, kinds)
+    q = graph.get("qParams")
+    graph["qParams"] = {**(q if isinstance(q, dict) else {}), **fields}
+    for node in nodes:
+        if node["node_id"] in labels:
+            node["clerp"] = labels[node["node_id"]]
+    text = json.dumps(graph, separators=(",", ":"), ensure_ascii=False)
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > index.max_bytes:
+        raise _refuse(f"the annotated graph would be {size} bytes, over the viewer's "
+                      f"{index.max_bytes}-byte cap (max_bytes): not saved", 413)
+    st = os.stat(target)
+    if file_key(st) != key:  # a writer that does not take the lock (attribute --out)
+        raise _refuse(f"{name} changed on disk while it was being saved; reload the page "
+                      "and save again", 409)
+    with replacing(target) as tmp:
+        try:
+            tmp.write_text(text, encoding="utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escaped in the file as it was
+            tmp.write_text(json.dumps(graph, separators=(",", ":")), encoding="utf-8")
+        os.chmod(tmp, stat.S_IMODE(st.st_mode))
     summary = {"pinned": len(fields["pinnedIds"]), "supernodes": len(fields["supernodes"]),
                "labels": len(labels)}
-    return summary, version(written)
+    return summary, file_key(os.stat(target))
