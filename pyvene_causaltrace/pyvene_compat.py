@@ -9,7 +9,8 @@
   transformers 5's output-capturing hooks (``output_hidden_states`` then returns nothing) and any
   hook the user registered. :func:`preserve_hooks` puts them back; :class:`IntervenableModel` is
   ``pv.IntervenableModel`` with that done around every call, and without switching the user's
-  model to ``requires_grad=False``.
+  model to ``requires_grad=False``. The hooks it registers act only on the forwards of the
+  thread that calls it (:func:`~pyvene_causaltrace.hooking.gated`), and it removes only those.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from .errors import InputError, PyveneModelError
-from .hooking import installed
+from .hooking import gated, installed
 from .models import is_intervenable
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
@@ -173,6 +174,22 @@ def preserve_hooks(model: nn.Module) -> Iterator[None]:
         restore_hooks(snapshot)
 
 
+class _GatedRegister:
+    """A module's ``register_forward_hook`` / ``register_forward_pre_hook`` as pyvene keeps it
+    in ``intervention_hooks``: each hook it registers acts only on the registering thread's
+    forwards (:func:`~pyvene_causaltrace.hooking.gated`), and its handle is noted in
+    ``handles`` for removal. ``__self__`` and ``__name__`` are the bound method's."""
+
+    def __init__(self, register, handles: list) -> None:
+        self.register, self.handles = register, handles
+        self.__self__, self.__name__ = register.__self__, register.__name__
+
+    def __call__(self, hook, *args: Any, **kwargs: Any):
+        handle = self.register(gated(hook), *args, **kwargs)
+        self.handles.append(handle)
+        return handle
+
+
 def _make_intervenable_class():
     pv = import_pyvene()
     # pyvene prints on import: import_pyvene() above loaded it quietly
@@ -192,6 +209,11 @@ def _make_intervenable_class():
         call and put back after). ``keep_model_gradients=True`` (our attribution, which
         differentiates by the model's biases) keeps the flags on during the call too.
         Saved with ``save()``, it loads back with plain ``pv.IntervenableModel.load``.
+
+        Its hooks act only on the forwards of the thread that called it: a forward of the
+        wrapped model from another thread meanwhile sees the bare model. Where pyvene removes
+        every hook on the model before and after a call (anyone's, so a forward in another
+        thread would run without them for a moment), it removes only the hooks it registered.
         """
 
         def __init__(self, config: Any, model: nn.Module, *,
@@ -205,9 +227,20 @@ def _make_intervenable_class():
             model.train(training)
             self._hook_snapshot: list | None = None
             self._keep_model_gradients = keep_model_gradients
+            self._pyvene_handles: list = []
+            for key, register in list(self.intervention_hooks.items()):
+                if callable(register) and hasattr(register, "__self__"):  # not ndif's tuples
+                    self.intervention_hooks[key] = _GatedRegister(register,
+                                                                  self._pyvene_handles)
 
         def _remove_forward_hooks(self) -> None:
-            remove_forward_hooks(self.model)
+            handles = getattr(self, "_pyvene_handles", None)
+            if handles is None:  # before __init__ ends: pyvene's own clean-up
+                remove_forward_hooks(self.model)
+                return
+            for handle in handles:
+                handle.remove()
+            handles.clear()
             if getattr(self, "_hook_snapshot", None) is not None:
                 restore_hooks(self._hook_snapshot)
 

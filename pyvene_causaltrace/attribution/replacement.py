@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError
-from ..hooking import installed
+from ..hooking import installed, thread_view
 from ..interventions.clt_splice import (
     ActiveFeatures,
     SpliceSession,
@@ -193,17 +193,15 @@ def constant_parameters(model: nn.Module) -> list[nn.Parameter]:
 def pre_softcap_logits(model: nn.Module) -> Iterator[float | None]:
     """Inside the block the model returns its logits before the final soft-cap
     (``cap * tanh(logits / cap)``, Gemma-2), which are linear in the residual stream; yields the
-    cap (None without one) and restores it after, also on error."""
+    cap (None without one). The cap is off for this thread alone (:func:`thread_view`): other
+    threads' forwards of the model keep it."""
     config = model.config
     cap = getattr(config, "final_logit_softcapping", None)
     if not cap:
         yield None
         return
-    config.final_logit_softcapping = None
-    try:
+    with thread_view(config, final_logit_softcapping=None):
         yield float(cap)
-    finally:
-        config.final_logit_softcapping = cap
 
 
 def takes_transcoder(function: F) -> F:

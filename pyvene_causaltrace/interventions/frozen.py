@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -53,7 +53,7 @@ import torch
 
 from ..capture import capture
 from ..errors import InputError, SpecError, UnsupportedModelError
-from ..hooking import installed
+from ..hooking import installed, thread_view
 from ..models import get_adapter, get_module
 from ..pyvene_compat import hooked_call
 from .base import CausalTraceIntervention
@@ -266,11 +266,10 @@ def _attention_function(attention: torch.nn.Module, name: str) -> Iterator[None]
     else:
         inner = ALL_ATTENTION_FUNCTIONS[original]
     token = _inner_attention.set(inner)
-    config._attn_implementation_internal = name
     try:
-        yield
+        with thread_view(config, _attn_implementation_internal=name):  # this thread's alone
+            yield
     finally:
-        config._attn_implementation_internal = original
         _inner_attention.reset(token)
 
 
@@ -296,7 +295,8 @@ def held_pattern(attention: torch.nn.Module, pattern: torch.Tensor) -> Iterator[
 def attention_patterns(model: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
     """Every layer's attention pattern on ``input_ids``, ``[batch, heads, P, P]`` each: the
     softmax weights of the model's eager attention, read in one plain forward during which the
-    model runs eager (its own implementation, e.g. sdpa, is put back afterwards)."""
+    model runs eager (its own implementation, e.g. sdpa, is put back afterwards; other threads'
+    forwards meanwhile run the model's own)."""
     adapter = get_adapter(model)
     modules = [get_module(model, adapter.module_path("attn", layer))
                for layer in range(adapter.n_layers(model))]
@@ -309,16 +309,12 @@ def attention_patterns(model: torch.nn.Module, input_ids: torch.Tensor) -> list[
             found[layer] = output[1] if isinstance(output, tuple) and len(output) > 1 else None
         return hook
 
-    originals = {key: config._attn_implementation_internal for key, config in configs.items()}
-    try:
+    with ExitStack() as eager:
         for config in configs.values():
-            config._attn_implementation_internal = "eager"
+            eager.enter_context(thread_view(config, _attn_implementation_internal="eager"))
         with installed([(m, "forward", read(i)) for i, m in enumerate(modules)]), \
                 torch.no_grad():
             model(input_ids=input_ids, use_cache=False)
-    finally:
-        for key, config in configs.items():
-            config._attn_implementation_internal = originals[key]
     missing = [layer for layer in range(len(modules)) if found.get(layer) is None]
     if missing:
         raise UnsupportedModelError(f"{model.config.model_type}'s attention at layers "

@@ -9,7 +9,8 @@ at 48 G multiply-adds/s into fresh memory and 67 into a reused buffer
 
 Only a plain ``nn.Linear`` head without a bias, on the CPU, that no hook of anyone's watches, is
 redirected: a hook might keep the logits, which the next chunk overwrites. Any other head keeps
-its own forward.
+its own forward. The redirect is the installing thread's alone: another thread's forward of the
+model gets ``nn.Linear``'s own (:func:`..hooking.thread_gate`).
 
     with ReusedHead(model.lm_head).installed():
         for chunk in chunks:
@@ -23,6 +24,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from ..hooking import thread_gate
 
 
 class ReusedHead:
@@ -45,7 +48,13 @@ class ReusedHead:
         if not self.applies():
             yield self
             return
-        self.head.forward = self._forward
+        ours = thread_gate()
+        own = self.head.forward
+
+        def forward(hidden: torch.Tensor) -> torch.Tensor:
+            return self._forward(hidden) if ours() else own(hidden)
+
+        self.head.forward = forward
         try:
             yield self
         finally:

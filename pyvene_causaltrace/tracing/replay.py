@@ -9,7 +9,9 @@ rewritten here.
 
 While a block is replayed only the hooks named in ``keep`` see its output: a user's hook on it
 (e.g. from a ``pv.IntervenableModel``'s interventions) already shaped the stored output in the
-corrupted run and must not apply twice. Everything is put back when the block ends.
+corrupted run and must not apply twice. Everything is put back when the block ends. Both act on
+the forwards of the thread that installed them (:mod:`..hooking`'s gate): a forward of the model
+from any other thread runs every block's own forward and every hook, as without them.
 
     replay = LayerReplay(blocks, returns_tuple=False, keep=engine_hook_ids)
     with replay.below(first=5, output=corrupted_block_4_rows):
@@ -28,6 +30,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from ..hooking import gated, thread_gate
+
 
 class LayerReplay:
     """Swaps the lowest ``first`` of ``blocks`` for stored outputs inside :meth:`below`.
@@ -42,8 +46,12 @@ class LayerReplay:
         self.returns_tuple = returns_tuple
         self.keep = keep if keep is not None else set()
 
-    def _stand_in(self, output: torch.Tensor | None):
+    def _stand_in(self, own, output: torch.Tensor | None):
+        ours = thread_gate()
+
         def forward(*args, **kwargs):
+            if not ours():  # another thread's forward: the block's own
+                return own(*args, **kwargs)
             value = output if output is not None else (args[0] if args
                                                        else kwargs["hidden_states"])
             return (value,) if self.returns_tuple else value
@@ -51,7 +59,9 @@ class LayerReplay:
 
     @contextlib.contextmanager
     def below(self, first: int, output: torch.Tensor | None) -> Iterator[None]:
-        """Blocks ``< first`` replayed; block ``first - 1`` returns ``output``."""
+        """Blocks ``< first`` replayed; block ``first - 1`` returns ``output``. Their hooks
+        other than ``keep`` are set aside for this thread's forwards only (other threads'
+        forwards still run them)."""
         saved = []
         try:
             for index in range(first):
@@ -59,9 +69,11 @@ class LayerReplay:
                 hooks, pre_hooks = block._forward_hooks, block._forward_pre_hooks
                 saved.append((block, block.__dict__.get("forward"), dict(hooks), dict(pre_hooks)))
                 for key in [k for k in hooks if k not in self.keep]:
-                    del hooks[key]
-                pre_hooks.clear()
-                block.forward = self._stand_in(output if index == first - 1 else None)
+                    hooks[key] = gated(hooks[key], ours=False)
+                for key in pre_hooks:
+                    pre_hooks[key] = gated(pre_hooks[key], ours=False)
+                block.forward = self._stand_in(block.forward,
+                                               output if index == first - 1 else None)
             yield
         finally:
             for block, own_forward, hooks, pre_hooks in saved:
@@ -120,7 +132,11 @@ class RaggedLayers:
                     block.forward = own_forward
 
     def _wrapped(self, layer: int, forward):
+        ours = thread_gate()
+
         def ragged(*args, **kwargs):
+            if not ours():  # another thread's forward: the block's own
+                return forward(*args, **kwargs)
             k, end = self.counts[layer], self.counts[layer + 1]
             if k == 0:
                 rest = self.stored(layer, 0, end)
