@@ -24,6 +24,7 @@ from pyvene_causaltrace.steering import intervene_features
 from pyvene_causaltrace.transcoders import load_from_disk
 
 D, F, L = 32, 8, 3  # the tiny models' width; the CLI fixture CLT's features and layers
+ANSWER = " city"  # one token of the fixture tokenizer (" Paris" is two)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +85,12 @@ def test_a_directions_scale_does_not_change_the_graph(world, tokenizer):
     graphs = {s: attribute(model, tokenizer, clt, PROMPT, target=torch.full((D,), s),
                            batch_size=16) for s in (1.0, 1e-3, 1e-10, 1e-13, 1e-16)}
     base = graphs[1.0]
-    for s, graph in graphs.items():
+    scores = {s: {name: graph.scores()[name] for name in ("replacement", "completeness")}
+              for s, graph in graphs.items()}
+    for s in graphs:
         for name in ("replacement", "completeness"):
-            assert graph.scores()[name] == pytest.approx(base.scores()[name], abs=1e-6), (s, name)
+            assert scores[s][name] == pytest.approx(scores[1.0][name], abs=1e-6), scores
+    for s, graph in graphs.items():
         assert graph.closure.target == pytest.approx(base.closure.target, rel=1e-5), s
         assert torch.allclose(graph.target_row(), base.target_row(),
                               atol=1e-6 * float(base.target_row().abs().max()))
@@ -258,13 +262,13 @@ def test_an_answer_that_is_not_a_string_is_refused_naming_answer(world, tokenize
 def test_salient_logit_flags_with_an_answer_are_refused(root, capsys, flag, value):
     """Old code: a one-logit graph of the answer, the flag ignored without a word."""
     _refused(_cli(root, capsys, "attribute", "--model", "{root}/llama", "--clt", "{root}/clt",
-                  "--answer", " Paris", flag, value, "--out", "{root}/g_flags"), flag)
+                  "--answer", ANSWER, flag, value, "--out", "{root}/g_flags"), flag)
 
 
 def test_salient_logit_arguments_with_an_answer_or_direction_are_refused(world, tokenizer):
     model, clt = world
     with pytest.raises(CausalTraceError, match="max_n_logits"):
-        attribute(model, tokenizer, clt, PROMPT, " Paris", max_n_logits=3)
+        attribute(model, tokenizer, clt, PROMPT, ANSWER, max_n_logits=3)
     with pytest.raises(CausalTraceError, match="desired_logit_prob"):
         attribute(model, tokenizer, clt, PROMPT, target=torch.ones(D), desired_logit_prob=0.5)
 
@@ -274,7 +278,7 @@ def test_salient_logit_arguments_with_an_answer_or_direction_are_refused(world, 
 def test_labels_of_features_the_transcoder_lacks_are_refused(root, capsys, name, needle):
     """Old code: accepted, labelling nothing."""
     result = _cli(root, capsys, "attribute", "--model", "{root}/llama", "--clt", "{root}/clt",
-                  "--answer", " Paris", "--labels", f"{{root}}/{name}", "--out",
+                  "--answer", ANSWER, "--labels", f"{{root}}/{name}", "--out",
                   "{root}/g_labels")
     _refused(result, name)
     assert needle in result[1][0]
