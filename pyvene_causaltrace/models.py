@@ -267,10 +267,11 @@ def check_generation_length(model: nn.Module, n_prompt: int, max_new_tokens: int
     """Refuse, before any forward, a generation that would pass the model's positions
     (:meth:`ArchAdapter.max_positions`, every architecture): a position table has no row for
     them, and a rotary model was never trained on them (and each step of a generation without
-    a key-value cache reruns the whole sequence, so an absurd count would run for days)."""
+    a key-value cache reruns the whole sequence, so an absurd count would run for days). No
+    new tokens: nothing to check (a long prompt alone is :func:`check_inputs`' to judge)."""
     adapter = get_adapter(model)
     limit = adapter.max_positions(model)
-    if limit is not None and n_prompt + max_new_tokens > limit:
+    if max_new_tokens > 0 and limit is not None and n_prompt + max_new_tokens > limit:
         raise InputError(f"{what}={max_new_tokens}: the prompt ({n_prompt} tokens) and the new "
                          f"tokens pass {model.config.model_type}'s {limit} positions "
                          f"({adapter.positions_key}); at most {max(0, limit - n_prompt)} new "
