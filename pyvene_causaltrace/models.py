@@ -80,6 +80,7 @@ class ArchAdapter:
     norm_kind: str
     n_layers_key: str = "num_hidden_layers"
     hidden_key: str = "hidden_size"
+    positions_key: str = "max_position_embeddings"
     position_embed: str | None = None
     post_attn_norm: str | None = None
     post_mlp_norm: str | None = None
@@ -89,6 +90,14 @@ class ArchAdapter:
 
     def hidden_size(self, model: nn.Module) -> int:
         return int(getattr(model.config, self.hidden_key))
+
+    def max_positions(self, model: nn.Module) -> int | None:
+        """The positions the model reads: the size of its position table (GPT-2's
+        ``n_positions``) or the positions it was trained on (a rotary model's
+        ``max_position_embeddings``); None when its config does not say."""
+        value = getattr(model.config, self.positions_key, None)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+            else None
 
     def module_path(self, part: str, layer: int | None = None) -> str:
         """Module path of ``part`` (a field name of this adapter, or ``block``), per layer for
@@ -170,6 +179,7 @@ ADAPTERS: dict[str, ArchAdapter] = {
         norm_kind="layer",
         n_layers_key="n_layer",
         hidden_key="n_embd",
+        positions_key="n_positions",
         position_embed="transformer.wpe",
     ),
     "llama": _llama_like("llama"),
@@ -234,8 +244,7 @@ def check_inputs(model: nn.Module, input_ids: torch.Tensor,
     ``max_position_embeddings`` only warns: it runs, on positions it was not trained on."""
 
     n = int(input_ids.shape[-1])
-    limit = getattr(model.config, "n_positions", None) or \
-        getattr(model.config, "max_position_embeddings", None)
+    limit = get_adapter(model).max_positions(model)
     if limit and n > limit:
         if get_adapter(model).position_embed is not None:
             raise InputError(f"the prompt is {n} tokens; {model.config.model_type} has a table "
@@ -251,6 +260,22 @@ def check_inputs(model: nn.Module, input_ids: torch.Tensor,
     if answer_id is not None and not 0 <= answer_id < size:
         raise InputError(f"the answer's token id {answer_id} is outside the model's vocabulary "
                          f"of {size}: the tokenizer is not this model's")
+
+
+def check_generation_length(model: nn.Module, n_prompt: int, max_new_tokens: int,
+                            what: str = "max_new_tokens") -> None:
+    """Refuse, before any forward, a generation that would pass the model's positions
+    (:meth:`ArchAdapter.max_positions`, every architecture): a position table has no row for
+    them, and a rotary model was never trained on them (and each step of a generation without
+    a key-value cache reruns the whole sequence, so an absurd count would run for days). No
+    new tokens: nothing to check (a long prompt alone is :func:`check_inputs`' to judge)."""
+    adapter = get_adapter(model)
+    limit = adapter.max_positions(model)
+    if max_new_tokens > 0 and limit is not None and n_prompt + max_new_tokens > limit:
+        raise InputError(f"{what}={max_new_tokens}: the prompt ({n_prompt} tokens) and the new "
+                         f"tokens pass {model.config.model_type}'s {limit} positions "
+                         f"({adapter.positions_key}); at most {max(0, limit - n_prompt)} new "
+                         "tokens fit")
 
 
 def model_name(model: nn.Module) -> str:

@@ -27,12 +27,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .errors import InputError, NonFiniteError, PyveneModelError
-from .finite import check_finite, check_weights
+from .dataset.plan import machine_memory
+from .errors import InputError, MemoryCapError, NonFiniteError, PyveneModelError
+from .finite import check_finite, check_weights, positive_number
 from .interventions.clt_splice import clean_errors, clt_splice_representations
 from .interventions.frozen import FrozenAttention, attention_patterns
 from .model_guard import measured
-from .models import check_inputs, get_adapter, is_intervenable, model_name
+from .models import (
+    check_generation_length,
+    check_inputs,
+    get_adapter,
+    is_intervenable,
+    model_name,
+)
 from .prompts import tokenize_prompt
 from .pyvene_compat import intervenable_model_class
 from .specs import SCHEMA_VERSION, validate_spec
@@ -47,6 +54,8 @@ FeatureIntervention = tuple[int, int | str, int, float]
 
 #: Interventions a summary lists before it only counts them.
 SHOWN = 6
+#: New tokens from which a generation shows a progress bar by default.
+LONG_GENERATION = 32
 
 __all__ = ["FeatureIntervention", "FeatureInterventionResult", "check_feature_interventions",
            "intervene_features"]
@@ -138,12 +147,16 @@ def _integer(value: object, what: str) -> int:
         raise InputError(f"{what} must be an integer, got {value!r}") from None
 
 
-def check_feature_interventions(interventions: object, transcoder: Transcoder, n_positions: int
+def check_feature_interventions(interventions: object, transcoder: Transcoder, n_positions: int,
+                                dtype: torch.dtype = torch.float32
                                 ) -> list[tuple[int, int | str, int, float]]:
     """``interventions`` as ``(layer, position, feature, value)`` tuples of plain Python
     numbers, negative positions made absolute; :class:`InputError` for an empty list, a
     malformed item, a layer, feature or position out of range (position 0 is never spliced),
-    a non-finite value (:class:`NonFiniteError`) or one feature set twice at a position."""
+    a non-finite value or one that ``dtype`` (the narrower of the model's and the
+    transcoder's) cannot hold (:class:`NonFiniteError`: it would become inf), or one feature
+    set twice at a position."""
+    largest = float(torch.finfo(dtype).max)
     items = None
     if not isinstance(interventions, str | bytes):
         try:
@@ -189,6 +202,9 @@ def check_feature_interventions(interventions: object, transcoder: Transcoder, n
             raise InputError(f"{where} value must be a number, got {value!r}") from None
         if not math.isfinite(value):
             raise NonFiniteError(f"{where}: value {value} is not finite")
+        if abs(value) > largest:
+            raise NonFiniteError(f"{where}: value {value:g} does not fit {dtype} (largest "
+                                 f"{largest:.4g}): it would be inf in the run")
         clashes = [j for (lay, feat, pos), j in seen.items() if (lay, feat) == (layer, feature)
                    and (pos == position or "all" in (pos, position))]
         if clashes:
@@ -215,10 +231,62 @@ def _ablations(items: list[tuple[int, int | str, int, float]]) -> list[dict[str,
     return out
 
 
-def _greedy(step, ids: torch.Tensor, max_new_tokens: int, eos: int | None
-            ) -> tuple[torch.Tensor, list[int]]:
+def generation_mb(model: nn.Module, transcoder: Transcoder, length: int) -> float:
+    """MB one step of a generation holds at ``length`` tokens (each step reruns the whole
+    sequence): the logits ``[length, vocab]`` (twice: the model's and pyvene's copy), one
+    layer's attention scores and probabilities ``[heads, length, length]``, the block's
+    states, and the transcoder's features of every layer (a cross-layer decoder reads them
+    all)."""
+    config = model.config
+    adapter = get_adapter(model)
+    hidden = adapter.hidden_size(model)
+    heads = int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1))
+    inner = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+                or 4 * hidden)
+    element = next(model.parameters()).element_size()
+    model_bytes = element * (2 * length * int(config.vocab_size) + 2 * heads * length * length
+                             + 8 * length * max(hidden, inner))
+    features = transcoder.n_layers * length * transcoder.cfg.d_transcoder
+    return (model_bytes + 4 * features) / 2**20
+
+
+def _device_mb(device: torch.device) -> float:
+    """The memory of ``device``: a GPU's, or what this process may use of the machine's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**20
+    return machine_memory() / 2**20
+
+
+def check_generation_fits(model: nn.Module, transcoder: Transcoder, n_prompt: int,
+                          max_new_tokens: int, memory_mb: float | None = None) -> None:
+    """Refuse, before any forward, a generation that passes the model's positions
+    (:func:`~pyvene_causaltrace.models.check_generation_length`) or whose last step would
+    not fit ``memory_mb`` (default: the device's memory), saying how many new tokens fit."""
+    check_generation_length(model, n_prompt, max_new_tokens)
+    device = next(model.parameters()).device
+    budget = _device_mb(device) if memory_mb is None else positive_number(memory_mb,
+                                                                          "memory_mb")
+    if generation_mb(model, transcoder, n_prompt + max_new_tokens) <= budget:
+        return
+    low, high = 0, max_new_tokens  # the most new tokens that fit: low fits, high does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        if generation_mb(model, transcoder, n_prompt + middle) <= budget:
+            low = middle
+        else:
+            high = middle
+    raise MemoryCapError(
+        f"max_new_tokens={max_new_tokens}: the last step reruns {n_prompt + max_new_tokens} "
+        f"tokens and would hold {generation_mb(model, transcoder, n_prompt + max_new_tokens):,.0f}"
+        f" MB, over the {budget:,.0f} MB budget (memory_mb, default the {device.type}'s "
+        f"memory); at most {low} new tokens fit")
+
+
+def _greedy(step, ids: torch.Tensor, max_new_tokens: int, eos: int | None,
+            bar: Any = None) -> tuple[torch.Tensor, list[int]]:
     """The last-position logits of ``step(ids)`` and up to ``max_new_tokens`` greedy tokens,
-    each step on the whole sequence so far (no key-value cache); stops after ``eos``."""
+    each step on the whole sequence so far (no key-value cache); stops after ``eos``. ``bar``
+    (a tqdm bar, or None) counts the tokens."""
     first, generated = None, []
     for _ in range(max(1, max_new_tokens)):
         logits = step(ids)[0, -1]
@@ -228,10 +296,21 @@ def _greedy(step, ids: torch.Tensor, max_new_tokens: int, eos: int | None
             break
         token = int(logits.argmax())
         generated.append(token)
+        if bar is not None:
+            bar.update(1)
         ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
         if token == eos:
             break
     return first, generated
+
+
+def _bar(show: bool, total: int, desc: str) -> Any:
+    """A tqdm bar of ``total`` tokens on stderr, or None."""
+    if not show:
+        return None
+    from tqdm.auto import tqdm  # a progress bar only on a long generation
+
+    return tqdm(total=total, desc=desc, unit="token", leave=False)
 
 
 def _top(logits: torch.Tensor, tokenizer, run: str, k: int) -> list[dict[str, Any]]:
@@ -263,6 +342,7 @@ def intervene_features(
     model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, prompt: str,
     interventions: list[FeatureIntervention], *, max_new_tokens: int = 0,
     hold_errors: bool = True, freeze_attention: bool = False, top_k: int = 10,
+    memory_mb: float | None = None, progress: bool | None = None,
 ) -> FeatureInterventionResult:
     """Set transcoder features to values and read the logits; optionally generate greedily
     with them held (circuit-tracer's ``feature_intervention`` / ``_generate``).
@@ -280,7 +360,9 @@ def intervene_features(
             at one position is refused.
         max_new_tokens: greedy tokens to generate with the interventions, and as many without
             (the clean continuation); 0 reads the logits only. Generation stops early after the
-            tokenizer's end-of-sequence token.
+            tokenizer's end-of-sequence token. Refused before any forward when the prompt and
+            the new tokens pass the model's positions (``max_position_embeddings``, GPT-2's
+            ``n_positions``) or the last step would not fit ``memory_mb``.
         hold_errors: the error term of each layer (``mlp_out - reconstruction``) at the prompt
             positions is held at the clean run's value, so only the set features (and what
             they change downstream) move the output. False keeps it live: each layer outputs
@@ -291,6 +373,10 @@ def intervene_features(
             run's (values stay live); the norms stay live, as in circuit-tracer, whose
             ``freeze_attention`` (its default is True) freezes the patterns only.
         top_k: rows per run in ``result.top``.
+        memory_mb: the memory a generation step may hold (default: the device's memory);
+            each step reruns the whole sequence (:func:`generation_mb`).
+        progress: a progress bar (tqdm, on stderr) per generation; None (the default) shows
+            one when ``max_new_tokens >= LONG_GENERATION``, False never.
 
     Returns:
         A :class:`FeatureInterventionResult`: intervened and clean last-position logits, top
@@ -307,9 +393,10 @@ def intervene_features(
 
     Raises:
         InputError: for an empty list, a malformed tuple, a layer, feature or position out of
-            range, a feature set twice, a negative ``max_new_tokens``; NonFiniteError for a
-            non-finite value; PyveneModelError for an ``IntervenableModel``;
-            TranscoderMismatchError for a transcoder of another model.
+            range, a feature set twice, a negative ``max_new_tokens`` or one past the model's
+            positions; NonFiniteError for a non-finite value or one the model's dtype cannot
+            hold; MemoryCapError for a generation over ``memory_mb``; PyveneModelError for an
+            ``IntervenableModel``; TranscoderMismatchError for a transcoder of another model.
 
     Example::
 
@@ -328,19 +415,22 @@ def intervene_features(
     check_fits(transcoder, model)
     tokenized = tokenize_prompt(tokenizer, prompt)
     n_pos = tokenized.seq_len
-    items = check_feature_interventions(interventions, transcoder, n_pos)
+    if progress is not None and not isinstance(progress, bool):
+        raise InputError(f"progress must be True, False or None, got {progress!r}")
+    narrowest = min((next(model.parameters()).dtype, transcoder.dtype),
+                    key=lambda t: torch.finfo(t).max)
+    items = check_feature_interventions(interventions, transcoder, n_pos, narrowest)
     device = next(model.parameters()).device
     ids = tokenized.input_ids.to(device)
     check_inputs(model, ids)
-    limit = getattr(model.config, "n_positions", None)
-    if get_adapter(model).position_embed is not None and limit and n_pos + steps > limit:
-        raise InputError(f"the prompt ({n_pos} tokens) and max_new_tokens={steps} pass "
-                         f"{model.config.model_type}'s {limit} positions")
+    check_generation_fits(model, transcoder, n_pos, steps, memory_mb)
     check_weights(model)
     eos = tokenizer.eos_token_id
+    show = steps >= LONG_GENERATION if progress is None else progress and steps > 0
 
     with torch.no_grad():
-        clean, clean_new = _greedy(lambda x: model(input_ids=x).logits, ids, steps, eos)
+        bar = _bar(show, steps, "clean generation")
+        clean, clean_new = _greedy(lambda x: model(input_ids=x).logits, ids, steps, eos, bar)
         errors = clean_errors(transcoder, model, ids) if hold_errors else None
         reps = clt_splice_representations(
             transcoder, model, ablations=_ablations(items), errors=errors, live_error=True,
@@ -351,8 +441,13 @@ def intervene_features(
                       "intervention": FrozenAttention(pattern=pattern, pattern_from="clean")}
                      for layer, pattern in enumerate(attention_patterns(model, ids))]
         pv_model = intervenable_model_class()(reps, model)
+        if bar is not None:
+            bar.close()
+        bar = _bar(show, steps, "steered generation")
         steered, new = _greedy(lambda x: pv_model(base={"input_ids": x})[1].logits, ids, steps,
-                               eos)
+                               eos, bar)
+        if bar is not None:
+            bar.close()
     check_finite(steered, "the intervened run's logits", "a value this large overflows")
     source = transcoder.source
     spec = None if source is None else feature_spec(

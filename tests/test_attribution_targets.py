@@ -156,7 +156,7 @@ def test_a_direction_target_explains_its_projection(setup, tokenizer):
              states[f"{norm}.input"], 3)):
         graph = attribute(model, tokenizer, clt, PROMPT, target=goal, batch_size=16)
         assert graph.n_logits == 1 and graph.targets[0]["prob"] is None
-        expected = float(state[0, position] @ direction)
+        expected = float(state[0, position] @ direction / direction.norm())  # unit direction
         assert graph.closure.target == pytest.approx(expected, rel=1e-4, abs=1e-5)
         assert graph.closure.relative < TOL and graph.feature_closure() < TOL
         assert graph.targets[0]["token"] == model.config.vocab_size  # circuit-tracer's virtual id
@@ -177,7 +177,7 @@ def test_a_demeaned_unembedding_direction_is_the_demeaned_vocab_logit(tokenizer,
     w_u = model.get_output_embeddings().weight.detach()
     vector = w_u[logit.target["token"]] - w_u.mean(0)
     direction = attribute(model, tokenizer, clt, PROMPT, target=vector, batch_size=16)
-    a, b = logit.target_row(0), direction.target_row()
+    a, b = logit.target_row(0), direction.target_row() * float(vector.norm())  # unit direction
     assert torch.allclose(a, b, atol=1e-5 * float(a.abs().max()))
 
 

@@ -67,6 +67,8 @@ if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations 
 __all__ = ["TARGET_KINDS", "attribute", "check_attribute_arguments", "make_target",
            "steering_metadata", "transcoder_metadata"]
 
+#: The salient logits' defaults (circuit-tracer's): at most 10 tokens, until 95% probability.
+MAX_N_LOGITS, DESIRED_LOGIT_PROB = 10, 0.95
 #: How often a checkpointed run saves its rows.
 SAVE_EVERY_S = 30.0
 #: At most this many rankings per graph: each reads every stored row, so on big graphs the
@@ -79,26 +81,47 @@ def _count(value: object, name: str, minimum: int) -> None:
         raise InputError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def check_attribute_arguments(*, target: str | Target | torch.Tensor = "demeaned",
+def check_attribute_arguments(*, answer: object = None,
+                              target: str | Target | torch.Tensor = "demeaned",
                               other: str | None = None, k: int = 10,
                               max_feature_nodes: int | None = None, memory_mb: float = 4096,
                               batch_size: int | None = None, max_batch: int | None = None,
-                              update_interval: int = 4, max_n_logits: int = 10,
-                              desired_logit_prob: float = 0.95,
+                              update_interval: int = 4, max_n_logits: int | None = None,
+                              desired_logit_prob: float | None = None,
                               bos_errors: str = "keep") -> None:
     """Raise :class:`InputError` for an argument :func:`attribute` would refuse, before
-    anything is loaded or run: a target kind it does not know, ``other`` missing for (or
-    given without) ``target="difference"``, a count below its minimum, a probability outside
-    (0, 1], a memory cap that is not a finite positive number, a ``bos_errors`` other than
-    ``"keep"``/``"drop"``."""
-    _count(max_n_logits, "max_n_logits", 1)
-    if isinstance(desired_logit_prob, bool) or \
-            not isinstance(desired_logit_prob, int | float) or not 0 < desired_logit_prob <= 1:
-        raise InputError(f"desired_logit_prob must be in (0, 1], got {desired_logit_prob!r}")
+    anything is loaded or run: an ``answer`` or ``other`` that is not a string, a target kind
+    it does not know, ``other`` missing for (or given without) ``target="difference"``,
+    ``max_n_logits`` or ``desired_logit_prob`` given where no salient logits are chosen (with
+    an answer, a difference or a direction they would be ignored), a count below its minimum,
+    a probability outside (0, 1], a memory cap that is not a finite positive number, a
+    ``bos_errors`` other than ``"keep"``/``"drop"``."""
+    for name, value in (("answer", answer), ("other", other)):
+        if value is not None and not isinstance(value, str):
+            raise InputError(f"{name} must be a string (the text of one token) or None, got "
+                             f"{type(value).__name__} {value!r}")
+    if max_n_logits is not None:
+        _count(max_n_logits, "max_n_logits (--max-n-logits)", 1)
+    if desired_logit_prob is not None and (
+            isinstance(desired_logit_prob, bool)
+            or not isinstance(desired_logit_prob, int | float) or not 0 < desired_logit_prob <= 1):
+        raise InputError(f"desired_logit_prob (--desired-logit-prob) must be in (0, 1], got "
+                         f"{desired_logit_prob!r}")
     if bos_errors not in BOS_ERRORS:
         raise InputError(f"bos_errors must be one of {', '.join(BOS_ERRORS)}, got "
                          f"{bos_errors!r}")
-    if isinstance(target, torch.Tensor | Target):
+    direction = isinstance(target, torch.Tensor | Target)
+    chooser = [name for name, value in (("max_n_logits (--max-n-logits)", max_n_logits),
+                                        ("desired_logit_prob (--desired-logit-prob)",
+                                         desired_logit_prob)) if value is not None]
+    if chooser and (direction or answer is not None or target == "difference"):
+        why = ("a direction target (target=, --direction)" if direction else
+               "one answer's logit (answer=, --answer)" if answer is not None else
+               "a logit difference (target='difference')")
+        raise InputError(f"{' and '.join(chooser)} choose the salient logits of a graph "
+                         f"without an answer; this graph explains {why}, so they would be "
+                         "ignored: drop them, or drop the answer")
+    if direction:
         if other is not None:
             raise InputError("other= is only read by target='difference'")
         target = "demeaned"  # a direction: the remaining checks are the counts
@@ -147,8 +170,8 @@ class _Ranking:
 def attribute(
     model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder, prompt: str,
     answer: str | None = None, *, target: str | Target | torch.Tensor = "demeaned",
-    other: str | None = None, k: int = 10, max_n_logits: int = 10,
-    desired_logit_prob: float = 0.95, bos_errors: str = "keep",
+    other: str | None = None, k: int = 10, max_n_logits: int | None = None,
+    desired_logit_prob: float | None = None, bos_errors: str = "keep",
     max_feature_nodes: int | None = None, memory_mb: float = 4096,
     batch_size: int | None = None, max_batch: int | None = None, update_interval: int = 4,
     freeze: bool = True, loop: bool = False, progress: bool = False,
@@ -161,12 +184,14 @@ def attribute(
     Its logit nodes (:mod:`.targets`): with ``answer`` (a single token), one demeaned-logit
     target of kind ``target`` (``"demeaned"``: minus the top-``k`` mean; ``"demeaned_vocab"``:
     minus the vocabulary mean; ``"difference"``: ``answer`` minus ``other``). Without one,
-    circuit-tracer's salient logits: the most probable tokens, at most ``max_n_logits``, until
-    their probabilities reach ``desired_logit_prob``, each a node and a row demeaned by
-    ``target``'s kind, weighted by its probability in influence and pruning. ``target`` may
-    also be a direction ``[d_model]`` (its projection on the final norm's output at the last
-    position, circuit-tracer's ``CustomTarget``) or a :func:`~.targets.direction_target`
-    (another residual state or position). ``bos_errors="drop"`` makes the position-0 (BOS)
+    circuit-tracer's salient logits: the most probable tokens, at most ``max_n_logits``
+    (default 10), until their probabilities reach ``desired_logit_prob`` (default 0.95), each
+    a node and a row demeaned by ``target``'s kind, weighted by its probability in influence
+    and pruning; those two are refused with an answer, a difference or a direction (they would
+    be ignored). ``target`` may also be a direction ``[d_model]`` (the projection of the final
+    norm's output at the last position on its unit vector, circuit-tracer's ``CustomTarget``;
+    the direction's scale does not matter) or a :func:`~.targets.direction_target` (another
+    residual state or position). ``bos_errors="drop"`` makes the position-0 (BOS)
     errors constants instead of nodes, circuit-tracer's convention (``"keep"``, the default,
     keeps them as nodes); rows close either way.
 
@@ -208,11 +233,14 @@ def attribute(
     """
     if not prompt:
         raise InputError("the prompt is empty")
-    check_attribute_arguments(target=target, other=other, k=k,
+    check_attribute_arguments(answer=answer, target=target, other=other, k=k,
                               max_feature_nodes=max_feature_nodes, memory_mb=memory_mb,
                               batch_size=batch_size, max_batch=max_batch,
                               update_interval=update_interval, max_n_logits=max_n_logits,
                               desired_logit_prob=desired_logit_prob, bos_errors=bos_errors)
+    max_n_logits = MAX_N_LOGITS if max_n_logits is None else max_n_logits
+    if desired_logit_prob is None:
+        desired_logit_prob = DESIRED_LOGIT_PROB
     start = time.perf_counter()
     replacement = ReplacementModel(model, tokenizer, transcoder)
     prepared = replacement.prepare(prompt, answer, target=target, other=other, k=k,

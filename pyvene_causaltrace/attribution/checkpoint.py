@@ -35,6 +35,7 @@ import torch
 from ..atomic import replacing, write_text
 from ..errors import CheckpointMismatchError, InputError
 from ..runlock import LOCK_NAME, single_writer
+from ..strict_json import loads
 from .store import RowStore
 
 FORMAT = "pyvene_causaltrace.attribution_rows"
@@ -103,8 +104,8 @@ class Checkpoint:
         """The manifest, checked for form; refused when it cannot be read or is not ours."""
         path = self.path / MANIFEST
         try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            manifest = loads(path.read_text(encoding="utf-8"))
+        except ValueError as error:  # not UTF-8, not JSON, or a NaN/inf in it
             raise self._damaged(f"checkpoint manifest {path} is damaged ({error})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise self._damaged(f"{path} is not an attribution checkpoint manifest")
@@ -215,5 +216,5 @@ class Checkpoint:
         manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "key": self.key,
                     "shards": self.shards, "checksums": self.checksums,
                     "pending": pending.tolist()}
-        write_text(json.dumps(manifest), self.path / MANIFEST)
+        write_text(json.dumps(manifest, allow_nan=False), self.path / MANIFEST)
         self.last = time.monotonic()

@@ -322,7 +322,8 @@ def _json_records(path: Path) -> Iterator[tuple[str, dict]]:
                          f"is expected, found a {type(data).__name__}")
 
 
-def read_labels(path: str | Path) -> dict[tuple[int, int], str]:
+def read_labels(path: str | Path, n_layers: int | None = None,
+                n_features: int | None = None) -> dict[tuple[int, int], str]:
     """Feature labels from a table: CSV/TSV (a header naming ``layer``, ``feature`` and
     ``label``, ``clerp`` or ``description``) or JSON (a list of such records, or
     ``{"layer/feature": label}``).
@@ -330,8 +331,11 @@ def read_labels(path: str | Path) -> dict[tuple[int, int], str]:
     ``layer`` and ``feature`` must be exact non-negative integers: ``3`` or ``"3"``, and
     ``3.0`` (exactly integral) from tables written with float columns; ``1.9``, ``-1``, ``x``
     or a missing value are refused. A (layer, feature) given twice with different labels is
-    refused (the same label twice is kept once). Every refusal is an :class:`InputError`
-    naming the file and the row (CSV: ``row N (line M)``; JSON: ``record N`` or the key)."""
+    refused (the same label twice is kept once). With ``n_layers`` / ``n_features`` (the
+    transcoder's layers and features per layer), a label of a layer or feature the transcoder
+    does not have is refused: it would label nothing, silently. Every refusal is an
+    :class:`InputError` naming the file and the row (CSV: ``row N (line M)``; JSON: ``record
+    N`` or the key)."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"labels file {path} does not exist")
@@ -351,6 +355,11 @@ def read_labels(path: str | Path) -> dict[tuple[int, int], str]:
         if layer is None or feature is None:
             raise InputError(f"{path}: {where} has layer {record.get('layer')!r}, feature "
                              f"{record.get('feature')!r}: both must be non-negative integers")
+        for name, value, size in (("layer", layer, n_layers), ("feature", feature, n_features)):
+            if size is not None and value >= size:
+                raise InputError(f"{path}: {where} labels layer {layer}, feature {feature}: the "
+                                 f"transcoder has no {name} {value} ({name}s 0..{size - 1}); "
+                                 "a labels file of another transcoder?")
         label = record.get(text)
         if isinstance(label, bool) or not isinstance(label, str | int | float):
             raise InputError(f"{path}: {where} has {text} {label!r}: text expected")

@@ -8,10 +8,11 @@ is linear in the graph's leaves. A graph has one logit node (one row) per target
   the mean of the top-``k`` logits (k = 10; a direction that raises every logit equally does not
   change the prediction) or of the whole vocabulary (``demean="vocab"``, circuit-tracer's);
   :func:`logit_difference` is ``logit[token] - logit[other]``.
-- a residual-stream state: ``c`` is a direction in it (a probe, a steering vector), built by
-  :func:`direction_target`: ``"unembed_input"`` (the final norm's output at the last position,
-  where circuit-tracer's ``CustomTarget`` vectors live) or ``"resid_pre.{l}"`` (the residual
-  stream entering block ``l``; ``l = n_layers``: leaving the last block).
+- a residual-stream state: ``c`` is a unit direction in it (a probe, a steering vector,
+  normalised so that nothing depends on its scale), built by :func:`direction_target`:
+  ``"unembed_input"`` (the final norm's output at the last position, where circuit-tracer's
+  ``CustomTarget`` vectors live) or ``"resid_pre.{l}"`` (the residual stream entering block
+  ``l``; ``l = n_layers``: leaving the last block).
 
 :func:`make_targets` builds a graph's targets: the answer's (one row, weight 1), or, without an
 answer, circuit-tracer's salient logits (:func:`salient_logits`): the most probable next tokens,
@@ -38,6 +39,11 @@ if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations 
 TARGET_KINDS = ("demeaned", "demeaned_vocab", "difference")
 #: Residual-stream outputs a direction target reads (besides the logits).
 _SITE = re.compile(r"unembed_input|resid_pre\.(\d+)")
+#: The smallest direction norm :func:`direction_target` accepts: ``sqrt`` of float32's smallest
+#: normal number (~1.08e-19). Below it ``|v|^2`` underflows float32 (the model's arithmetic),
+#: every entry is at most that small, and products with the model's states lose their
+#: precision to subnormals or become 0: nothing below it is a direction the run can follow.
+MIN_DIRECTION_NORM = float(torch.finfo(torch.float32).tiny) ** 0.5
 
 
 @dataclass(frozen=True)
@@ -121,20 +127,38 @@ def logit_difference(vocab_size: int, token: int, other: int) -> Target:
 
 def direction_target(vector: torch.Tensor, *, output: str = "unembed_input", position: int = -1,
                      name: str = "direction", weight: float = 1.0) -> Target:
-    """The projection of a residual-stream state on ``vector`` (``[d_model]``): ``output`` is
-    ``"unembed_input"`` (the final norm's output, circuit-tracer's ``CustomTarget`` space) or
-    ``"resid_pre.{l}"``; ``position`` (default the last) the position read. Its node's token id
-    is set when the graph is built (``vocab_size + i``)."""
+    """The projection of a residual-stream state on the unit vector ``vector / |vector|``
+    (``vector``: ``[d_model]``): ``output`` is ``"unembed_input"`` (the final norm's output,
+    circuit-tracer's ``CustomTarget`` space) or ``"resid_pre.{l}"``; ``position`` (default the
+    last) the position read. Its node's token id is set when the graph is built
+    (``vocab_size + i``).
+
+    The direction is normalised (in float64) before use, so the graph, its closure and its
+    scores do not depend on the vector's scale: the logit node's value is the state's
+    component along the direction, in the state's own units. A vector whose norm is below
+    :data:`MIN_DIRECTION_NORM` (zero, subnormal, or so small that its own squared norm
+    underflows float32) carries no direction the model's float32 arithmetic can compute, and
+    is refused, as is a non-finite one."""
     if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.numel() == 0:
         raise InputError("a direction target is a 1-D tensor [d_model], got "
                          f"{getattr(vector, 'shape', type(vector).__name__)}")
+    if not (vector.is_floating_point() or vector.dtype in (torch.int32, torch.int64)):
+        raise InputError(f"the direction target's vector must hold real numbers, got "
+                         f"{vector.dtype}")
     if not _SITE.fullmatch(output):
         raise InputError(f"a direction target reads 'unembed_input' or 'resid_pre.<layer>', got "
                          f"{output!r}")
-    check_finite(vector, "the direction target's vector")
-    if not vector.abs().sum() > 0:
-        raise InputError("the direction target's vector is zero: the graph would explain 0")
-    return Target(name, -1, vector.detach().float().cpu(), output, int(position), None,
+    check_finite(vector, "the direction target's vector",
+                 "a direction must be finite (target=, --direction)")
+    exact = vector.detach().to("cpu", torch.float64)
+    norm = float(exact.norm())
+    if not norm >= MIN_DIRECTION_NORM:
+        raise InputError(
+            f"the direction target's vector (target=, --direction) has norm {norm:.3g}, below "
+            f"{MIN_DIRECTION_NORM:.3g} = sqrt(float32's smallest normal number): its squared "
+            "norm underflows float32, so the model cannot compute along it; give a nonzero "
+            "direction of ordinary scale (its scale does not matter: it is normalised)")
+    return Target(name, -1, (exact / norm).float(), output, int(position), None,
                   positive_number(weight, "the target's weight"))
 
 
@@ -192,6 +216,10 @@ def make_targets(logits: torch.Tensor, probabilities: torch.Tensor,
         if answer is not None:
             raise InputError("answer= names a logit target; a direction target= explains its "
                              "projection instead: pass one of them")
+        if not target.is_logit:  # a Target built by hand: normalised and checked as well
+            target = direction_target(target.coefficients, output=target.output,
+                                      position=target.position, name=target.name,
+                                      weight=target.weight)
         token = target.token if target.is_logit else vocab
         return [Target(target.name, token, target.coefficients, target.output, target.position,
                        target.prob, target.weight)]

@@ -20,6 +20,7 @@ from ..errors import InputError
 from ..finite import positive_number
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
+from ..strict_json import loads
 from ..tracing.tracer import Tracer
 from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
@@ -37,8 +38,8 @@ def attribution_settings(args) -> dict:
                 "max_feature_nodes": None,
                 "node_threshold": args.node_threshold, "edge_threshold": args.edge_threshold,
                 "validate": {"sizes": [5, 10, 20], "draws": 10} if args.validate else None,
-                "clt": None, "format": None, "labels": None, "max_n_logits": 10,
-                "desired_logit_prob": 0.95, "bos_errors": "keep", "direction": None}
+                "clt": None, "format": None, "labels": None, "max_n_logits": None,
+                "desired_logit_prob": None, "bos_errors": "keep", "direction": None}
     if args.spec is not None:
 
         spec = load_spec(args.spec)
@@ -47,7 +48,8 @@ def attribution_settings(args) -> dict:
         settings.update({"model": spec.model, "prompt": spec.prompt, "answer": spec.answer},
                         **spec.attribution)
     elif settings["answer"] is None and settings["prompt"] == EIFFEL["prompt"] \
-            and args.direction is None and args.max_n_logits is None:
+            and args.direction is None and args.max_n_logits is None \
+            and args.desired_logit_prob is None:
         settings["answer"] = EIFFEL["answer"]
     for key in ("model", "clt", "format", "labels"):
         if getattr(args, key) is not None:
@@ -77,14 +79,19 @@ def check_attribute_flags(s: dict, max_links: object) -> None:
             raise InputError(f"--{key.replace('_', '-')} must be in [0, 1], got {value}")
     if max_links is not None and (not isinstance(max_links, int) or max_links < 1):
         raise InputError(f"--max-links must be >= 1, got {max_links}")
-    check_attribute_arguments(target=s["target"], other=s["other"], k=s["k"],
+    if s["direction"] is not None and s["answer"] is not None:
+        raise InputError("--direction explains a direction, --answer a logit: pass one of "
+                         "them")
+    for key in ("max_n_logits", "desired_logit_prob"):
+        if s["direction"] is not None and s[key] is not None:
+            raise InputError(f"--{key.replace('_', '-')} chooses the salient logits of a graph "
+                             "without an answer; --direction explains a direction, so it "
+                             "would be ignored: drop it")
+    check_attribute_arguments(answer=s["answer"], target=s["target"], other=s["other"], k=s["k"],
                               max_feature_nodes=s["max_feature_nodes"],
                               memory_mb=s["memory_mb"], max_n_logits=s["max_n_logits"],
                               desired_logit_prob=s["desired_logit_prob"],
                               bos_errors=s["bos_errors"])
-    if s["direction"] is not None and s["answer"] is not None:
-        raise InputError("--direction explains a direction, --answer a logit: pass one of "
-                         "them")
 
 
 def cross_check_settings(args, s: dict) -> dict | None:
@@ -127,16 +134,24 @@ def read_direction(entry: dict) -> object:
     else:
         path = Path(entry["file"]).expanduser()
         if path.suffix == ".safetensors":
-            tensors = safetensors.torch.load_file(str(path))
+            try:
+                tensors = safetensors.torch.load_file(str(path))
+            except (OSError, MemoryError):
+                raise
+            except Exception as error:  # safetensors raises its own SafetensorError
+                first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                raise InputError(f"--direction {path} is not a readable safetensors file "
+                                 f"({first})") from None
             if len(tensors) != 1:
                 raise InputError(f"{path} holds {len(tensors)} tensors; a direction file holds "
                                  "one 1-D tensor")
             vector = next(iter(tensors.values()))
         else:
             try:
-                values = json.loads(path.read_text())
-            except json.JSONDecodeError as error:
-                raise InputError(f"{path} is not JSON: {error}") from None
+                values = loads(path.read_text(encoding="utf-8"))
+            except ValueError as error:  # not UTF-8, not JSON, or a NaN/inf in it
+                raise InputError(f"--direction {path} is not JSON of finite numbers: "
+                                 f"{error}") from None
             if not isinstance(values, list) or not all(
                     isinstance(x, int | float) and not isinstance(x, bool) for x in values):
                 raise InputError(f"{path}: a direction is a JSON list of numbers")
@@ -152,8 +167,11 @@ def attribute_command(args) -> int:
     check_attribute_flags(s, args.max_links)
     checking = cross_check_settings(args, s)
     target = s["target"] if s["direction"] is None else read_direction(s["direction"])
-    labels = read_labels(s["labels"]) if s["labels"] is not None else None
+    if s["labels"] is not None:  # its form now, before anything loads
+        read_labels(s["labels"])
     clt = load_transcoder(s["clt"], format=s["format"])
+    labels = None if s["labels"] is None else \
+        read_labels(s["labels"], n_layers=clt.n_layers, n_features=clt.cfg.d_transcoder)
     model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
     tracer = None
     if checking is not None:  # before the graph: a subject the tokens split is refused now

@@ -211,7 +211,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="set a feature (repeatable); POS is a prompt position (negative "
                             "from the end) or 'all' (every prompt and generated position)")
     steer.add_argument("--max-new-tokens", type=int, default=0,
-                       help="greedy tokens to generate, with the features held and without")
+                       help="greedy tokens to generate, with the features held and without; "
+                            "refused before any forward past the model's positions "
+                            "(max_position_embeddings) or the memory budget")
+    steer.add_argument("--memory-mb", type=float, default=None,
+                       help="memory one generation step may hold (default: the device's); "
+                            "each step reruns the whole sequence")
+    steer.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (shown from 32 new tokens on)")
     steer.add_argument("--no-hold-errors", action="store_true",
                        help="keep the transcoder's error live (the model's own MLP output plus "
                             "what the set features change, as circuit-tracer does) instead of "

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..atomic import write_text
 from ..errors import InputError, NonFiniteError
+from ..finite import positive_number
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
 from ..steering import intervene_features
@@ -23,6 +24,8 @@ from .common import EIFFEL, out_dir
 
 _SET = re.compile(r"^(-?\d+):(-?\d+|all):(-?\d+)=(.+)$")
 _SET_FORM = "LAYER:POS:FEATURE=VALUE (POS an integer or 'all'), e.g. 20:-1:1234=10"
+#: float32's largest finite value (torch.finfo(torch.float32).max, without importing torch).
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def parse_set(text: str) -> tuple[int, int | str, int, float]:
@@ -37,6 +40,9 @@ def parse_set(text: str) -> tuple[int, int | str, int, float]:
         raise InputError(f"--set {text!r}: the value {value!r} is not a number") from None
     if not math.isfinite(number):
         raise NonFiniteError(f"--set {text!r}: the value must be finite")
+    if abs(number) > FLOAT32_MAX:  # the models steer loads compute in float32
+        raise NonFiniteError(f"--set {text!r}: the value does not fit float32 (largest "
+                             f"{FLOAT32_MAX:.4g}): it would be inf in the run")
     return int(layer), position if position == "all" else int(position), int(feature), number
 
 
@@ -107,6 +113,8 @@ def steer_settings(args) -> dict[str, Any]:
         raise InputError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.top_k < 1:
         raise InputError(f"--top-k must be >= 1, got {args.top_k}")
+    if args.memory_mb is not None:
+        positive_number(args.memory_mb, "--memory-mb")
     settings["clt"] = str(Path(settings["clt"]).expanduser())
     return settings
 
@@ -119,7 +127,8 @@ def steer_command(args) -> int:
     result = intervene_features(model, tokenizer, transcoder, s["prompt"], s["items"],
                                 max_new_tokens=args.max_new_tokens,
                                 hold_errors=s["hold_errors"], freeze_attention=s["freeze"],
-                                top_k=args.top_k)
+                                top_k=args.top_k, memory_mb=args.memory_mb,
+                                progress=False if args.no_progress else None)
     print(result.summary())
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..strict_json import loads
 from ..tracing.results import package_versions
 from .plots import plot_role_curves, plot_role_heatmaps
 
@@ -140,7 +141,7 @@ class DatasetResult:
 
     @classmethod
     def from_json(cls, text: str) -> DatasetResult:
-        data = json.loads(text)
+        data = loads(text)
         for key in ("aie", "ci_low", "ci_high"):
             data[key] = {kind: np.array(grid, dtype=float).tolist()
                          for kind, grid in data[key].items()}

@@ -36,6 +36,7 @@ from pathlib import Path
 from ..atomic import write_text
 from ..errors import DamagedFileError, ManifestMismatchError
 from ..runlock import single_writer
+from ..strict_json import loads
 
 MANIFEST, SCREEN, RESULTS = "manifest.json", "screen.jsonl", "results.jsonl"
 GRAPHS = "graphs.jsonl"
@@ -116,9 +117,9 @@ def read_jsonl(path: Path, fields: dict | None = None) -> Iterator[dict]:
             if not raw.endswith(b"\n"):
                 return
             try:
-                row = json.loads(raw)
-            except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
-                problem = f"not a complete JSON row ({error})"
+                row = loads(raw)
+            except ValueError as error:  # JSONDecodeError, NaN/inf, or bytes not UTF-8
+                problem = f"not a complete JSON row of finite numbers ({error})"
             else:
                 problem = _check_row(row, fields)
             if problem is not None:
@@ -147,9 +148,9 @@ def read_manifest(directory: Path) -> dict:
             "settings they were made with cannot be proven; rerun the dataset into another "
             "--out") from None
     try:
-        manifest = json.loads(text)
+        manifest = loads(text)
     except ValueError as error:
-        manifest, problem = None, f"not valid JSON: {error}"
+        manifest, problem = None, f"not valid JSON of finite numbers: {error}"
     else:
         problem = None if isinstance(manifest, dict) else "not a JSON object"
     if problem is None and not (isinstance(manifest.get("kinds"), list)
@@ -250,7 +251,8 @@ class RunDirectory:
         back to where it was, so it never ends in part of a batch."""
         if not rows:
             return
-        data = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows).encode()
+        data = "".join(json.dumps(row, separators=(",", ":"), allow_nan=False) + "\n"
+                       for row in rows).encode()  # never write what read_jsonl refuses
         fd = os.open(self.path / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
             start = os.fstat(fd).st_size
