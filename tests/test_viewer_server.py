@@ -180,13 +180,13 @@ def test_loopback_host_names_are_served(hostile):
 
 def test_the_listing_reads_an_unchanged_file_once(hostile, monkeypatch):
     parsed: list[str] = []
-    judge = listing.graph_problem
+    judge = listing.examine
 
-    def counting(data: bytes, max_depth: int = listing.MAX_DEPTH) -> str | None:
+    def counting(data: bytes, max_depth: int = listing.MAX_DEPTH) -> listing.Verdict:
         parsed.append(data[:20].decode(errors="replace"))
         return judge(data, max_depth)
 
-    monkeypatch.setattr(listing, "graph_problem", counting)
+    monkeypatch.setattr(listing, "examine", counting)
     index = GraphIndex(hostile)
     assert _within(STEP_S, index.names) == ["eiffel/graph.json"]
     assert len(parsed) == 4  # the graph, secrets, deep and deep_marked: FIFO and links unread
@@ -235,12 +235,14 @@ def test_nesting_depth_without_recursion(text, depth):
     assert listing.nesting_depth(text) == depth
 
 
-def test_only_the_export_marker_makes_a_graph(graph_file):
+def test_only_the_export_marker_or_the_schema_makes_a_graph(graph_file):
     payload = json.loads(graph_file.read_text())
     assert listing.graph_problem(graph_file.read_bytes()) is None
     elsewhere = {"nodes": [], "links": [], "note": listing.GENERATOR}
     assert "not a graph" in listing.graph_problem(json.dumps(elsewhere).encode())
-    payload["metadata"]["info"]["generator"]["name"] = "circuit-tracer"
+    payload["metadata"]["info"]["generator"]["name"] = "circuit-tracer"  # valid: listed
+    assert listing.examine(json.dumps(payload).encode()) == (None, "circuit-tracer")
+    del payload["metadata"]["slug"]  # neither ours nor valid (tests/test_viewer_any_graph.py)
     assert "not a graph" in listing.graph_problem(json.dumps(payload).encode())
     assert "deeper than 8" in listing.graph_problem(_marked_deep(9).encode(), max_depth=8)
 

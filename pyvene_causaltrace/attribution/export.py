@@ -12,9 +12,9 @@ intervention; this package's addition, ``feature_type`` ``"steering"``, as other
 nodes touched by a kept link, plus every token and logit; links carry the signed edge weight.
 Numbers are written with 6 significant digits and the JSON without spaces, and at most
 :data:`MAX_LINKS` links (those of largest edge score), so a pruned graph of thousands of features
-stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` holds the fields Neuronpedia's graph schema
-requires (with ``"steering"`` among the node kinds); :func:`check_graph_json` checks a payload
-against it.
+stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` is Neuronpedia's graph schema
+(``graph.schema.json``, which also decides what the viewer lists); :func:`check_graph_json`
+checks a payload against it (and that its node kinds are ours, its links' ends exported).
 
 Every file here is written by :func:`replacing`: to a temporary name beside it, then renamed
 over it, so a kill or a full disk mid-write leaves the old file or none, never half of one.
@@ -34,44 +34,25 @@ from typing import Any
 from .. import __version__
 from ..atomic import write_text
 from ..errors import InputError
+from ..graph_schema import SCHEMA, validate
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
 
-_STR = {"type": "string"}
-_INT = {"type": "integer"}
-
-#: The required fields of Neuronpedia's attribution-graph schema (a JSON Schema).
-NEURONPEDIA_SCHEMA: dict[str, Any] = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "type": "object",
-    "required": ["metadata", "qParams", "nodes", "links"],
-    "properties": {
-        "metadata": {"type": "object", "required": ["slug", "scan", "prompt_tokens", "prompt"],
-                     "properties": {"slug": _STR, "scan": _STR, "prompt": _STR,
-                                    "prompt_tokens": {"type": "array", "items": _STR}}},
-        "qParams": {"type": "object"},
-        "nodes": {"type": "array", "items": {
-            "type": "object",
-            "required": ["node_id", "feature", "layer", "ctx_idx", "feature_type", "jsNodeId",
-                         "clerp"],
-            "properties": {"node_id": _STR, "feature": _INT, "layer": _STR, "ctx_idx": _INT,
-                           "feature_type": {"enum": ["cross layer transcoder",
-                                                     "mlp reconstruction error", "embedding",
-                                                     "logit", "steering"]},
-                           "jsNodeId": _STR, "clerp": _STR}}},
-        "links": {"type": "array", "items": {
-            "type": "object", "required": ["source", "target", "weight"],
-            "properties": {"source": _STR, "target": _STR, "weight": {"type": "number"}}}},
-    },
-}
+#: Neuronpedia's attribution-graph schema (``graph.schema.json``; see :mod:`..graph_schema`).
+NEURONPEDIA_SCHEMA: dict[str, Any] = SCHEMA
+#: The node kinds (``feature_type``) the export writes: circuit-tracer's four and ``steering``.
+KINDS = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit", "steering")
 
 
 def check_graph_json(payload: dict) -> None:
-    """Raise ``jsonschema.ValidationError`` unless ``payload`` has every field Neuronpedia's
-    schema requires, or ``ValueError`` if a link names a node that is not exported."""
-    import jsonschema  # jsonschema loads only when a graph file is checked
-
-    jsonschema.validate(payload, NEURONPEDIA_SCHEMA)
+    """Raise ``jsonschema.ValidationError`` unless ``payload`` matches Neuronpedia's graph
+    schema, or ``ValueError`` if a node is of a kind the export does not write or a link names
+    a node that is not exported."""
+    validate(payload)
+    for node in payload["nodes"]:
+        if node["feature_type"] not in KINDS:
+            raise InputError(f"node {node['node_id']} is of kind {node['feature_type']!r}, not "
+                             f"one of {', '.join(KINDS)}")
     ids = {node["node_id"] for node in payload["nodes"]}
     for link in payload["links"]:
         if link["source"] not in ids or link["target"] not in ids:
@@ -212,10 +193,12 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         "pruning_settings": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
                              "pruned_edges": pruned.n_edges,
                              "max_links": max_links if capped else None},
-        "generation_settings": {"target": graph.target["name"],
-                                "targets": graph.metadata.get("targets"),
-                                "bos_errors": graph.metadata.get("bos_errors"),
-                                "max_feature_nodes": graph.metadata.get("max_feature_nodes")},
+        # Neuronpedia's schema types max_feature_nodes (an integer): an unknown one is left out
+        "generation_settings": {key: value for key, value in (
+            ("target", graph.target["name"]), ("targets", graph.metadata.get("targets")),
+            ("bos_errors", graph.metadata.get("bos_errors")),
+            ("max_feature_nodes", graph.metadata.get("max_feature_nodes")))
+            if value is not None or key != "max_feature_nodes"},
     }
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",
                 "sg_pos": ""}

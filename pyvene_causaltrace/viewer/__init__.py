@@ -4,12 +4,14 @@ graph file.
     pyvene-causaltrace serve out/            # every graph.json under out/, in the browser
 
 One self-contained page (``index.html`` and ``annotate.js`` beside this module: plain JavaScript
-and SVG, nothing from a CDN, so it works offline) reads the graph JSON ``attribute`` exports —
-circuit-tracer's format — and draws features, errors, tokens and the logits by layer × position,
-tokens along the bottom, each logit labelled with its token and probability (the target in
-bold). Hover a node for its label, activation and influence; click it to list its strongest
-inputs and outputs; the slider keeps the nodes whose cumulative influence is below a threshold
-(circuit-tracer's node pruning); the picker switches between the graphs in the directory.
+and SVG, nothing from a CDN, so it works offline) reads attribution-graph JSON — circuit-tracer's
+and Neuronpedia's format, which ``attribute`` exports, whoever wrote the file — and draws
+features, errors, tokens and the logits by layer × position, tokens along the bottom, each logit
+labelled with its token and probability (the target in bold). Hover a node for its label,
+activation and influence; click it to list its strongest inputs and outputs; the slider keeps
+the nodes whose cumulative influence is below a threshold (circuit-tracer's node pruning); the
+picker switches between the graphs in the directory and marks, there and beside it, each graph
+this package did not write, with the generator its metadata names.
 
 Annotations: pin nodes (the Pin button, or Ctrl-click) to draw them and the links among them in
 the subgraph pane; group pinned nodes into named supernodes, rename and ungroup them; edit a
@@ -20,11 +22,14 @@ Neuronpedia's viewers read (see :mod:`.annotations`), and the page restores them
 is opened again.
 
 The server answers ``GET /`` (the page), ``/annotate.js``, ``/api/graphs`` (the graph files
-under the directory, relative paths), ``/api/graph?name=PATH`` (one of those listed, nothing
+under the directory, relative paths), ``/api/listing`` (the same files as ``{"name", "generator",
+"ours"}``: the ``metadata.info.generator.name`` each names, and whether it is this package's),
+``/api/graph?name=PATH`` (one of those listed, nothing
 else) and ``POST /api/save?name=PATH`` (a JSON body ``{"qParams": {...}, "clerps": [[id,
 text]]}`` of at most ``max_save_bytes``; see :func:`.annotations.save`). It lists only graph
-JSON this package wrote (see :mod:`.listing`: regular files under a size cap and a nesting
-depth, carrying the export's generator marker; the rest is skipped and logged once), and
+JSON (see :mod:`.listing`: regular files under a size cap and a nesting depth that Neuronpedia's
+graph schema validates, or that carry the export's generator marker; the rest is skipped and
+logged once, with the reason), and
 answers only requests whose ``Host`` is ``localhost``, ``127.0.0.1`` or ``[::1]`` (any other
 gets an empty 403: a page on another site cannot reach it by rebinding its DNS name to this
 machine). A save must also come from the page itself: ``Content-Type: application/json`` (a
@@ -56,7 +61,7 @@ from urllib.parse import parse_qs, urlparse
 
 from ..errors import InputError
 from .annotations import MAX_SAVE_BYTES, AnnotationError, save, version
-from .listing import GENERATOR, MAX_BYTES, MAX_DEPTH, GraphIndex, find_graphs
+from .listing import MAX_BYTES, MAX_DEPTH, GraphIndex, find_graphs
 
 __all__ = ["MAX_BYTES", "MAX_DEPTH", "MAX_SAVE_BYTES", "GraphIndex", "find_graphs",
            "host_allowed", "make_server", "serve"]
@@ -137,6 +142,8 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 self._send(path.read_bytes(), kind)
             elif url.path == "/api/graphs":
                 self._send(json.dumps(index.names()).encode(), "application/json")
+            elif url.path == "/api/listing":
+                self._send(json.dumps(index.entries()).encode(), "application/json")
             elif url.path == "/api/graph":
                 name = parse_qs(url.query).get("name", [""])[0]
                 loaded = index.load(name)
@@ -295,9 +302,9 @@ def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1"
         raise FileNotFoundError(f"no directory {directory}")
     index = GraphIndex(directory, max_bytes=max_bytes, max_depth=max_depth)
     if not index.names():
-        raise InputError(f"{directory} holds no graph JSON written by {GENERATOR} (write one "
-                         "with `pyvene-causaltrace attribute --out DIR`; skipped files are "
-                         "logged)")
+        raise InputError(f"{directory} holds no graph JSON (a file that Neuronpedia's graph "
+                         "schema validates, as circuit-tracer and `pyvene-causaltrace attribute "
+                         "--out DIR` write; skipped files are logged with their reason)")
     try:
         return ThreadingHTTPServer((host, port), _handler(index, max_save_bytes))
     except OSError as error:

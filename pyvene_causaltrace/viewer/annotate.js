@@ -7,7 +7,8 @@
 // qParams.supernodes (lists [name, id, id, ...]), qParams.clickedId, linkType, sg_pos,
 // pruningThreshold, and each edited label into its node's clerp (viewer/annotations.py says
 // where each name and shape comes from).
-const EDITABLE = new Set(["cross layer transcoder", "steering"]);
+// the node kinds whose label can be edited (EDITABLE in viewer/annotations.py)
+const EDITABLE = new Set(["cross layer transcoder", "lorsa", "steering"]);
 const LINK_TYPES = ["input", "output", "either", "both"];
 const MAX_NAME = 200, MAX_LABEL = 2000;
 const SG_BOX = {w: 130, h: 22, gap: 8};
@@ -22,6 +23,10 @@ const notes = {pinned: [], supernodes: [], edits: new Map(), checked: new Set(),
 const drafts = new Map();
 
 function isPinned(id) { return notes.pinned.includes(id); }
+
+// Whether node id can be pinned or labelled: one node's id (circuit-tracer's error ids
+// 0_{layer}_{pos} can equal a layer-0 feature's; the server refuses those).
+function annotatable(id) { return state.byId.has(id) && !state.ambiguous.has(id); }
 
 function signature() { return JSON.stringify([notes.pinned, notes.supernodes]); }
 
@@ -65,14 +70,14 @@ function readNotes(q) {
   }
   const pinned = [], supernodes = [], owned = new Set(), seen = new Set();
   for (const id of Array.isArray(pinnedIds) ? pinnedIds : []) {
-    if (state.byId.has(id) && !seen.has(id)) { pinned.push(id); seen.add(id); } else dropped++;
+    if (annotatable(id) && !seen.has(id)) { pinned.push(id); seen.add(id); } else dropped++;
   }
   for (const group of Array.isArray(groups) ? groups : []) {
     if (!Array.isArray(group) || typeof group[0] !== "string" || !group[0].trim()) {
       dropped++;
       continue;
     }
-    const members = group.slice(1).filter(id => state.byId.has(id) && !owned.has(id));
+    const members = group.slice(1).filter(id => annotatable(id) && !owned.has(id));
     dropped += group.length - 1 - members.length;
     members.forEach(id => {
       owned.add(id);
@@ -108,7 +113,7 @@ function restoreNotes(graph, name) {
   }
   if (draft) {
     const kept = readNotes({pinnedIds: draft.pinned, supernodes: draft.supernodes});
-    const edits = [...draft.edits].filter(([id]) => state.byId.has(id));
+    const edits = [...draft.edits].filter(([id]) => annotatable(id));
     Object.assign(notes, {pinned: kept.pinned, supernodes: kept.supernodes,
                           edits: new Map(edits)});
     for (const [id, text] of edits) state.byId.get(id).clerp = text;
@@ -136,8 +141,12 @@ function togglePin(id) {
     notes.pinned = notes.pinned.filter(x => x !== id);
     notes.checked.delete(id);
     dropFromSupernodes([id]);
-  } else {
+  } else if (annotatable(id)) {
     notes.pinned = [...notes.pinned, id];
+  } else {
+    setStatus("note-status", `${id} names more than one node of this graph: it cannot be ` +
+                             "pinned or labelled", "error");
+    return;
   }
   notesChanged();
   render();
@@ -178,7 +187,7 @@ function ungroup(index) {
 
 function setLabel() {
   const node = state.byId.get(state.selected);
-  if (!node || !EDITABLE.has(node.feature_type)) return;
+  if (!node || !EDITABLE.has(node.feature_type) || !annotatable(node.node_id)) return;
   node.clerp = $("label-input").value.slice(0, MAX_LABEL);
   notes.edits.set(node.node_id, node.clerp);
   notesChanged();
@@ -189,7 +198,8 @@ function setLabel() {
 function showAnnotate(node) {
   $("annotate").hidden = false;
   $("pin-toggle").textContent = isPinned(node.node_id) ? "Unpin" : "Pin";
-  const editable = EDITABLE.has(node.feature_type);
+  $("pin-toggle").hidden = !annotatable(node.node_id);
+  const editable = EDITABLE.has(node.feature_type) && annotatable(node.node_id);
   $("label-editor").hidden = !editable;
   if (editable) $("label-input").value = node.clerp || "";
 }

@@ -28,13 +28,20 @@ The request body is ``{"qParams": {...}, "clerps": [[node_id, text], ...]}``. In
   ``qParams.clerps``: circuit-tracer's page ``JSON.parse``-s that as a string of
   ``[[feature, text]]`` pairs (``attribution_graph/init-cg.js``, ``util-cg.js``) while
   Neuronpedia spreads it into its state as an array of ``[featureId, text]`` pairs, so either
-  encoding breaks the other viewer. Only feature (and steering) labels can be edited: both
-  viewers write their own for tokens and errors and parse ``(p=...)`` out of a logit's.
+  encoding breaks the other viewer. Only feature labels (:data:`EDITABLE`: transcoder and
+  attention features, steering nodes) can be edited: both viewers write their own for tokens
+  and errors and parse ``(p=...)`` out of a logit's.
+
+Any graph the index lists can be annotated — one this package wrote, circuit-tracer's or
+Neuronpedia's — and keeps everything else it holds (no generator marker is added). A node id
+that names two nodes (circuit-tracer writes an error node ``0_{layer}_{pos}``, which is also the
+id of layer 0's feature ``layer`` at ``pos``) cannot be pinned, grouped or labelled: either
+viewer would annotate whichever of the two it finds first.
 
 A save is refused (:class:`AnnotationError`, its ``status`` an HTTP status) unless the graph is
 one the index lists, the file is not write-protected (no write bit for its owner: refused 403,
 also for root, who could write it anyway), the body is a JSON object of those fields, every
-node id is a node of the graph, and the file has not changed on disk since the page read it.
+node id is one node of the graph, and the file has not changed on disk since the page read it.
 Saves are serialised across processes (two ``serve`` on one directory) by an operating-system
 file lock beside the file (``.NAME.lock``, ``filelock``, as run directories are locked): the
 file is read, checked and replaced under it, so of two saves made from one version one is
@@ -73,8 +80,12 @@ MAX_NAME_CHARS = 200
 FIELDS = ("pinnedIds", "supernodes", "clickedId", "linkType", "sg_pos", "pruningThreshold")
 #: circuit-tracer's link-type buttons (``attribution_graph/init-cg-button-container.js``).
 LINK_TYPES = ("input", "output", "either", "both")
-#: Node kinds whose label (``clerp``) can be edited.
-EDITABLE = ("cross layer transcoder", "steering")
+#: Node kinds whose label (``clerp``) can be edited: features (circuit-tracer's and
+#: Neuronpedia's ``cross layer transcoder``, whatever the transcoder; Neuronpedia's attention
+#: features, ``lorsa``) and this package's steering nodes.
+EDITABLE = ("cross layer transcoder", "lorsa", "steering")
+#: The kind given to a node id that names more than one node (see :func:`node_kinds`).
+AMBIGUOUS = "\0ambiguous"
 
 _NUMBER = r"-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _SG_POS = re.compile(rf"(?:{_NUMBER}(?: {_NUMBER})*)?", re.ASCII)  # the page checks the same
@@ -110,10 +121,25 @@ def _text(value: object, where: str, limit: int, empty: bool = True) -> str:
     return value
 
 
-def _node(value: object, where: str, kinds: Mapping[str, str]) -> str:
+def _node(value: object, where: str, kinds: Mapping[str, str], shared: bool = False) -> str:
+    """``value`` if it is one node's id (``shared``: or several nodes')."""
     if not isinstance(value, str) or value not in kinds:
         raise _refuse(f"{where}: {json.dumps(value)[:80]} is not a node of this graph")
+    if kinds[value] == AMBIGUOUS and not shared:
+        raise _refuse(f"{where}: {value} names more than one node of this graph (circuit-"
+                      "tracer's error ids 0_{layer}_{pos} can equal a layer-0 feature's): it "
+                      "cannot be pinned, grouped or labelled")
     return value
+
+
+def node_kinds(nodes: list[dict]) -> dict[str, str]:
+    """Node id -> ``feature_type`` (as text), :data:`AMBIGUOUS` for an id that names several
+    nodes: annotating one of those would annotate whichever the reader finds first."""
+    kinds: dict[str, str] = {}
+    for node in nodes:
+        node_id = node["node_id"]
+        kinds[node_id] = AMBIGUOUS if node_id in kinds else str(node.get("feature_type"))
+    return kinds
 
 
 def _list(value: object, where: str) -> list:
@@ -159,7 +185,8 @@ def _other_fields(q: dict, kinds: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "clickedId" in q:
         clicked = q["clickedId"]
-        out["clickedId"] = "" if clicked == "" else _node(clicked, "qParams.clickedId", kinds)
+        out["clickedId"] = "" if clicked == "" else _node(clicked, "qParams.clickedId", kinds,
+                                                          shared=True)
     if "linkType" in q:
         if q["linkType"] not in LINK_TYPES:
             raise _refuse(f"qParams.linkType: {json.dumps(q['linkType'])[:40]} is not one of "
@@ -302,7 +329,7 @@ def _save_locked(index: GraphIndex, name: str, target: Path, body: bytes,
     graph = json.loads(data)
     nodes = [n for n in graph["nodes"] if isinstance(n, dict)
              and isinstance(n.get("node_id"), str)]
-    kinds = {n["node_id"]: str(n.get("feature_type")) for n in nodes}
+    kinds = node_kinds(nodes)
     fields, labels = parse_save(body, kinds)
     q = graph.get("qParams")
     graph["qParams"] = {**(q if isinstance(q, dict) else {}), **fields}

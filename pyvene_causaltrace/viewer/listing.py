@@ -1,14 +1,24 @@
-"""Which files under a directory the viewer lists and serves: graph JSON this package wrote.
+"""Which files under a directory the viewer lists and serves: attribution-graph JSON, whoever
+wrote it.
 
 A file is listed when it is a regular file (or a link, within the directory, to one) named
 ``*.json``, not hidden (``.name``, nor in a hidden folder: a graph being written is), at most
-:data:`MAX_BYTES` long, nested at most :data:`MAX_DEPTH` levels deep, and a JSON object with
-``nodes`` and ``links`` lists whose ``metadata.info.generator.name`` is :data:`GENERATOR` (the
-marker ``attribute``'s graph.json export carries). Everything else — a FIFO, device or socket,
-a link to one or out of the directory, a file over the cap or too deep, any other JSON — is
-skipped and logged once (again only if it changes). Files are opened non-blocking and read only
-up to their size, so a FIFO or a link to ``/dev/zero`` cannot hang or fill memory. Verdicts are
-cached by path and (device, inode, size, mtime): an unchanged file is never read twice.
+:data:`MAX_BYTES` long, nested at most :data:`MAX_DEPTH` levels deep, and a graph JSON: one
+that validates against Neuronpedia's graph schema (``graph.schema.json``, see
+:mod:`..graph_schema`) — what circuit-tracer, Neuronpedia and ``attribute`` write — or a JSON
+object with ``nodes`` and ``links`` lists whose ``metadata.info.generator.name`` is
+:data:`GENERATOR` (``attribute``'s own marker: what it wrote before the schema check). In a
+file that is not ours, ``qParams.pinnedIds`` and ``qParams.supernodes`` may also be the strings
+circuit-tracer's own Save writes (a comma-joined list, a JSON string). Each listed graph keeps
+its ``metadata.info.generator.name`` (None when it names none), so the page can say which ones
+this package wrote. Everything else — a FIFO, device or socket, a link to one or out of the
+directory, a file over the cap or too deep, any other JSON, a graph file the schema refuses — is
+skipped and logged once with its reason (again only if it changes). Files are opened
+non-blocking and read only up to their size, so a FIFO or a link to ``/dev/zero`` cannot hang
+or fill memory; a file without ``"nodes"`` and ``"links"`` in its text is never parsed, and one
+that is parsed keeps only a verdict per node and link (not the node), so checking a graph holds
+little more than its text. Verdicts are cached by path and (device, inode, size, mtime): an
+unchanged file is never read twice.
 """
 
 from __future__ import annotations
@@ -20,8 +30,11 @@ import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+
+from ..graph_schema import LINK, NODE, ItemCheck, outer_problem
 
 log = logging.getLogger("pyvene_causaltrace.viewer")
 
@@ -32,12 +45,20 @@ MAX_DEPTH = 64
 #: ``metadata.info.generator.name`` of the graph JSON this package writes.
 GENERATOR = "pyvene-causaltrace"
 
-_MARKER = json.dumps(GENERATOR).encode()
 _CHUNK = 1 << 24  # bytes scanned at once by nesting_depth
-_NOT_A_GRAPH = f"not a graph JSON written by {GENERATOR}"
-_PATH_KEYS = frozenset({"metadata", "info", "generator", "name", "nodes", "links"})
+_NOT_A_GRAPH = "not a graph JSON (no nodes and links)"
+#: circuit-tracer's own Save writes these qParams as strings (its page's URL parameters).
+_CIRCUIT_TRACER_STRINGS = ("pinnedIds", "supernodes")
 
 Key = tuple[int, int, int, int, int]
+
+
+class Verdict(NamedTuple):
+    """What the listing decided about one version of a file: why it is not listed (None: it
+    is) and the generator its metadata names (``metadata.info.generator.name``, or None)."""
+
+    problem: str | None
+    generator: str | None = None
 
 
 class _Skip(Exception):
@@ -75,32 +96,78 @@ def nesting_depth(data: bytes, limit: int = MAX_DEPTH) -> int | None:
     return None if depth or in_string else deepest
 
 
-def _skeleton(pairs: list[tuple[str, object]]) -> dict | None:
-    """An object on the way to the marker (or the top level), kept; any other (a node, a
-    link) dropped as None, so that checking a graph holds little more than its text."""
-    return dict(pairs) if any(key in _PATH_KEYS for key, _ in pairs) else None
+#: Verdicts on node- and link-like objects, shared: (node problem, link problem).
+_ItemVerdict = tuple[str | None, str | None]
+
+
+def _reduce(pairs: list[tuple[str, object]]) -> dict | _ItemVerdict:
+    """An object as it is parsed: one that may be a node (it has ``node_id``) or a link (it has
+    ``source``) is checked against both item schemas and replaced by the two verdicts (a few
+    distinct, shared tuples however many nodes a file has); any other (metadata, qParams) is
+    kept."""
+    item = dict(pairs)
+    node, link = "node_id" in item, "source" in item
+    if not (node or link):
+        return item
+    verdict = (NODE.problem(item) if node else _NO_NODE_ID,
+               LINK.problem(item) if link else _NO_SOURCE)
+    return _VERDICTS.setdefault(verdict, verdict)
+
+
+_VERDICTS: dict[_ItemVerdict, _ItemVerdict] = {}
+_NO_NODE_ID, _NO_SOURCE = "'node_id' is a required property", "'source' is a required property"
+
+
+def _items_problem(payload: dict, key: str, check: ItemCheck, side: int) -> str | None:
+    items = payload.get(key)
+    if not isinstance(items, list):
+        return None  # the schema says so
+    for i, item in enumerate(items):
+        problem = item[side] if isinstance(item, tuple) else check.problem(item)
+        if problem is not None:
+            return f"{key}[{i}]: {problem}"
+    return None
+
+
+def examine(data: bytes, max_depth: int = MAX_DEPTH) -> Verdict:
+    """Whether the JSON text ``data`` is a graph the viewer lists (see the module), and the
+    generator it names."""
+    if b'"nodes"' not in data or b'"links"' not in data:  # most other JSON is never parsed
+        return Verdict(_NOT_A_GRAPH)
+    depth = nesting_depth(data, max_depth)
+    if depth is None:
+        return Verdict("not valid JSON (its brackets do not balance)")
+    if depth > max_depth:
+        return Verdict(f"nested deeper than {max_depth} levels")
+    try:
+        payload = json.loads(data, object_pairs_hook=_reduce)
+    except RecursionError:
+        return Verdict(f"nested deeper than {max_depth} levels")
+    except ValueError as error:
+        return Verdict(f"not valid JSON ({error})")
+    generator = _field(payload, "metadata", "info", "generator", "name")
+    generator = generator if isinstance(generator, str) else None
+    if not isinstance(payload, dict) or not isinstance(payload.get("nodes"), list) \
+            or not isinstance(payload.get("links"), list):
+        return Verdict(_NOT_A_GRAPH, generator)
+    if generator == GENERATOR:
+        return Verdict(None, generator)
+    q = payload.get("qParams")
+    if isinstance(q, dict):  # circuit-tracer's saved strings: the page reads them too
+        payload = {**payload, "qParams": {key: value for key, value in q.items()
+                                          if not (key in _CIRCUIT_TRACER_STRINGS
+                                                  and isinstance(value, str))}}
+    problem = outer_problem(payload) or _items_problem(payload, "nodes", NODE, 0) \
+        or _items_problem(payload, "links", LINK, 1)
+    if problem is not None:
+        return Verdict(f"not a graph JSON: Neuronpedia's graph schema refuses it ({problem})",
+                       generator)
+    return Verdict(None, generator)
 
 
 def graph_problem(data: bytes, max_depth: int = MAX_DEPTH) -> str | None:
-    """Why ``data`` is not a graph JSON this package wrote, or None when it is one."""
-    if _MARKER not in data:  # cheap: most other JSON is never parsed
-        return _NOT_A_GRAPH
-    depth = nesting_depth(data, max_depth)
-    if depth is None:
-        return "not valid JSON (its brackets do not balance)"
-    if depth > max_depth:
-        return f"nested deeper than {max_depth} levels"
-    try:
-        payload = json.loads(data, object_pairs_hook=_skeleton)
-    except RecursionError:
-        return f"nested deeper than {max_depth} levels"
-    except ValueError as error:
-        return f"not valid JSON ({error})"
-    if _field(payload, "metadata", "info", "generator", "name") != GENERATOR \
-            or not isinstance(_field(payload, "nodes"), list) \
-            or not isinstance(_field(payload, "links"), list):
-        return _NOT_A_GRAPH
-    return None
+    """Why ``data`` is not a graph JSON the viewer lists, or None when it is one."""
+    return examine(data, max_depth).problem
 
 
 def _field(payload: object, *keys: str) -> object:
@@ -142,13 +209,19 @@ class GraphIndex:
         self.root = Path(directory).expanduser().resolve()
         self.max_bytes = max_bytes
         self.max_depth = max_depth
-        self._verdicts: dict[str, tuple[Key, str | None]] = {}
+        self._verdicts: dict[str, tuple[Key, Verdict]] = {}
         self._logged: dict[str, tuple[Key | None, str]] = {}
         self._lock = threading.Lock()
 
     def names(self) -> list[str]:
         """The graph files' paths relative to the directory (``/``-separated), sorted."""
         return sorted(self._scan())
+
+    def entries(self) -> list[dict[str, object]]:
+        """The graph files, sorted by path: ``{"name": path, "generator": name or None,
+        "ours": whether this package wrote it}`` (its ``metadata.info.generator.name``)."""
+        return [{"name": name, "generator": generator, "ours": generator == GENERATOR}
+                for name, (_, generator) in sorted(self._scan().items())]
 
     def read(self, name: str) -> bytes | None:
         """The bytes of graph ``name`` (one of :meth:`names`), or None when it is not listed."""
@@ -167,54 +240,55 @@ class GraphIndex:
             with self._lock:
                 self._report(name, None, str(skip))
             return None
-        if key != listed[name]:  # changed since it was listed: judge what was read
-            problem = graph_problem(data, self.max_depth)
+        if key != listed[name][0]:  # changed since it was listed: judge what was read
+            verdict = examine(data, self.max_depth)
             with self._lock:
-                self._verdicts[name] = key, problem
-                if problem is not None:
-                    self._report(name, key, problem)
-            if problem is not None:
+                self._verdicts[name] = key, verdict
+                if verdict.problem is not None:
+                    self._report(name, key, verdict.problem)
+            if verdict.problem is not None:
                 return None
         return data, key
 
-    def _scan(self) -> dict[str, Key]:
+    def _scan(self) -> dict[str, tuple[Key, str | None]]:
+        """The listed files: path -> (key, generator)."""
         with self._lock:
             listed, seen = {}, set()
             for path in _json_files(self.root):
                 name = path.relative_to(self.root).as_posix()
                 seen.add(name)
-                key, problem = self._judge(name, path)
-                if problem is None:
-                    listed[name] = key
+                key, verdict = self._judge(name, path)
+                if verdict.problem is None:
+                    listed[name] = key, verdict.generator
                     self._logged.pop(name, None)
                 else:
-                    self._report(name, key, problem)
+                    self._report(name, key, verdict.problem)
             for gone in set(self._verdicts) - seen:
                 del self._verdicts[gone]
             for gone in set(self._logged) - seen:
                 del self._logged[gone]
             return listed
 
-    def _judge(self, name: str, path: Path) -> tuple[Key | None, str | None]:
+    def _judge(self, name: str, path: Path) -> tuple[Key | None, Verdict]:
         try:
             st = os.stat(path)
         except OSError as error:
-            return None, f"cannot read it ({error.strerror})"
+            return None, Verdict(f"cannot read it ({error.strerror})")
         key = file_key(st)
         try:
             _check_stat(st, self.max_bytes)
         except _Skip as skip:
-            return key, str(skip)
+            return key, Verdict(str(skip))
         if path.is_symlink() and self.root not in path.resolve().parents:
-            return key, "a link to a file outside the directory"
+            return key, Verdict("a link to a file outside the directory")
         cached = self._verdicts.get(name)
         if cached is not None and cached[0] == key:
             return cached
         try:
             data, key = read_capped(path, self.max_bytes)
         except _Skip as skip:
-            return key, str(skip)
-        self._verdicts[name] = key, graph_problem(data, self.max_depth)
+            return key, Verdict(str(skip))
+        self._verdicts[name] = key, examine(data, self.max_depth)
         return self._verdicts[name]
 
     def _report(self, name: str, key: Key | None, problem: str) -> None:
@@ -237,6 +311,6 @@ def _json_files(root: Path) -> Iterator[Path]:
 
 def find_graphs(directory: str | Path, max_bytes: int = MAX_BYTES,
                 max_depth: int = MAX_DEPTH) -> list[str]:
-    """Relative paths of the graph JSON files this package wrote under ``directory``, sorted
-    (see :class:`GraphIndex`)."""
+    """Relative paths of the graph JSON files under ``directory``, sorted (see
+    :class:`GraphIndex`)."""
     return GraphIndex(directory, max_bytes, max_depth).names()
