@@ -359,3 +359,24 @@ def test_a_directory_matching_no_layout_is_named_with_its_files(tmp_path):
     for needed in ("W_enc_0.safetensors", "config.json", "factors.safetensors", "bytedance",
                    "gemmascope2", "mntss", "format="):
         assert needed in message, (needed, message)
+
+
+def test_a_gemmascope2_clt_hub_subfolder_resolves_from_the_offline_cache(tmp_path,
+                                                                         monkeypatch):
+    """``google/gemma-scope-2-*/clt/<variant>`` has no config.yaml: the subfolder is fetched
+    (here: from the offline cache) and its layout detected."""
+    cache = tmp_path / "hub"
+    base = cache / "models--google--gemma-scope-2-270m-pt"
+    layers = gs2_tensors(affine=True, clt=True, seed=11)
+    write_gs2_clt(base / "snapshots" / "c0ffee" / "clt" / "width_262k_l0_medium_affine", layers)
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text("c0ffee")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    tc = load_transcoder("google/gemma-scope-2-270m-pt/clt/width_262k_l0_medium_affine",
+                         dtype=torch.float64)
+    inputs = _inputs()
+    acts_ref, recon_ref = gs2_reference(layers, inputs, clt=True)
+    acts = tc.encode_all(inputs.double())
+    assert (tc.reconstruct(acts, inputs.double()) - recon_ref).abs().max() < 1e-10

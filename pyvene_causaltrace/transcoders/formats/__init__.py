@@ -90,8 +90,9 @@ def load_transcoder(source: str | Path | list, *, format: str | None = None,
     loader (``device``, ``dtype``, ``lazy_decoder``, ...).
 
     A hub reference (``org/repo[/subfolder][@revision]``) with a ``config.yaml`` is read as
-    circuit-tracer's config (which also covers mntss CLT repos); any other repo is fetched whole
-    and its layout detected. ``HF_HUB_OFFLINE=1`` serves both from the local cache."""
+    circuit-tracer's config (which also covers mntss CLT repos); any other repo (or subfolder,
+    e.g. ``google/gemma-scope-2-1b-pt/clt/width_262k_l0_medium_affine``) is fetched and its
+    layout detected. ``HF_HUB_OFFLINE=1`` serves both from the local cache."""
     if format is not None:
         if format not in FORMATS:
             raise InputError(f"unknown format {format!r}; known: {', '.join(FORMATS)}")
@@ -107,10 +108,16 @@ def load_transcoder(source: str | Path | list, *, format: str | None = None,
     try:
         return circuit_tracer.load(str(source), **kwargs)
     except TranscoderFormatError as error:
-        if "config.yaml" not in str(error) or str(source).count("/") != 1:
+        if "config.yaml" not in str(error):
             raise
-    path = hub_snapshot(str(source), kwargs.pop("revision", None),
-                        ["*.yaml", "*.json", "*.safetensors", "*.npz"])
+    # no config.yaml: fetch the repo (or its subfolder, e.g. GemmaScope-2's clt/<variant>)
+    ref, _, at = str(source).partition("@")
+    parts = ref.strip("/").split("/")
+    repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
+    patterns = [f"{sub}/{p}" if sub else p for p in ("*.yaml", "*.json", "*.safetensors",
+                                                       "*.npz")] \
+        + ([f"{sub}/*/*.json", f"{sub}/*/*.safetensors"] if sub else [])
+    path = hub_snapshot(repo, at or kwargs.pop("revision", None), patterns) / sub
     return FORMATS[detect_format(path)](path, **kwargs)
 
 
