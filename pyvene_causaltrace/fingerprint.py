@@ -63,11 +63,14 @@ def package_version() -> str:
 
 
 def transcoder_fingerprint(transcoder) -> str:
-    """Fingerprint of a transcoder's tensors (encoder, thresholds, biases, decoders, skip)."""
+    """Fingerprint of a transcoder's tensors (encoder, thresholds, biases, decoders, skip, a
+    joint top-k's score weights)."""
     named = [("b_enc", transcoder.b_enc), ("threshold", transcoder.threshold),
              ("b_dec", transcoder.b_dec)]
     if transcoder.W_enc is not None:
         named.append(("W_enc", transcoder.W_enc))
     named += [(f"W_dec.{layer}", w) for layer, w in enumerate(transcoder.W_dec)]
     named += [(f"W_skip.{layer}", w) for layer, w in enumerate(transcoder.W_skip or [])]
+    if getattr(transcoder, "score_weight", None) is not None:  # joint_topk's ranking weights
+        named.append(("score_weight", transcoder.score_weight))
     return tensors_fingerprint(named)

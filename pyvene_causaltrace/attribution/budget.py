@@ -56,6 +56,9 @@ def active_counts(model: nn.Module, clt, input_ids: torch.Tensor,
     when given, a clean forward the caller needs anyway)."""
     with torch.no_grad():
         mid = hook_states(model, input_ids, {"x": clt.cfg.feature_input_hook}, run=run)["x"]
+        if clt.cfg.joint:  # one layer's features need every layer's input
+            acts = clt.encode_all(mid, zero_bos=False)[:, from_position:]
+            return (acts != 0).flatten(1).sum(1).cpu()
         return torch.tensor([int((clt.encode(mid[layer, from_position:], layer) != 0).sum())
                              for layer in range(clt.n_layers)])
 

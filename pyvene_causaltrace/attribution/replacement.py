@@ -5,7 +5,9 @@ Built only from registered interventions on a plain ``IntervenableModel``:
 - ``gradient_leaf`` on the embedding output(s): token nodes;
 - ``clt_splice`` in leaf mode at every layer: active features and ``b_dec`` as leaves, every
   MLP output (the transcoder's output hook) = reconstruction + skip path + error, the error a
-  leaf constant;
+  leaf constant; a ``joint_topk`` transcoder's features are those its joint top-k keeps on the
+  clean run (one no-grad forward first, :func:`~..interventions.clt_splice.clean_selection`),
+  held fixed — as a per-layer TopK's are, being leaves — with values from the live input;
 - with ``freeze=True``: ``frozen_layernorm`` on every norm in the residual path and
   ``frozen_attention`` on every attention module.
 
@@ -44,6 +46,7 @@ from ..hooking import installed, thread_view
 from ..interventions.clt_splice import (
     ActiveFeatures,
     SpliceSession,
+    clean_selection,
     clt_splice_representations,
 )
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
@@ -267,8 +270,9 @@ def replacement_forward(
         outputs = {transcoder.cfg.hf_hooks(adapter, layer)["output"] for layer in range(n_layers)}
         reps += _freeze_representations(adapter, model, outputs)
     session = SpliceSession()
+    selection = clean_selection(transcoder, model, input_ids) if transcoder.cfg.joint else None
     reps += clt_splice_representations(transcoder, model, from_position=from_position,
-                                       leaves=True, session=session)
+                                       leaves=True, session=session, selection=selection)
 
     constants = constant_parameters(model)
     flags = [(p, p.requires_grad) for p in model.parameters()]

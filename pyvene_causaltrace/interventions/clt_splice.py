@@ -28,6 +28,14 @@ The encoder also keeps its input live so each feature's pre-activation can be a 
 Features before ``from_position`` are zero, but the decoder covers every position (the error
 carries BOS exactly).
 
+A ``joint_topk`` transcoder (ByteDance's CLT) keeps the ``k`` best features over *all* layers at
+a position, so layer ``l``'s features depend on inputs the forward has not reached yet, and in a
+spliced forward those inputs depend on the splice itself. Its splice therefore takes a fixed
+``selection`` (:func:`clean_selection`: the joint top-k of the clean run) and computes each kept
+feature's value from the live input; without one it is refused. With ``add_error`` (and in leaf
+mode) the forward is the clean one, so the clean selection is exactly the joint top-k; after
+``feature_ablate`` the selection stays the clean run's, as attribution holds it.
+
 ``feature_ablate`` (:mod:`.feature_ablate`) sits on the same input hook after the encoder and
 scales or sets chosen features before any decoder reads them. The default ``from_position=1``
 never splices BOS: no dictionary is trained on the attention sink there, and splicing it wrecks
@@ -64,7 +72,7 @@ from .splice_session import (
 
 # FeatureAblate and the splice's shared base used to live here: they stay importable from here
 __all__ = ["ActiveFeatures", "CLTSplice", "FeatureAblate", "SpliceSession", "clean_errors",
-           "clt_splice_representations", "file_identity", "resolve_transcoder",
+           "clean_selection", "clt_splice_representations", "file_identity", "resolve_transcoder",
            "splice_session"]
 
 
@@ -178,10 +186,15 @@ class CLTSplice(SpliceIntervention):
                                 ctx.prompt.seq_len)
                 ablations.append(dict(item.fields))
         error = entry.get("error")
+        selection = None
+        if clt.cfg.joint:  # the clean prompt's joint top-k, held fixed (module docstring)
+            device = next(ctx.model.parameters()).device
+            selection = clean_selection(clt, ctx.model, ctx.prompt.input_ids.to(device))
         reps = clt_splice_representations(
             clt, ctx.model, layers=layers, from_position=from_position,
             add_error=entry.get("add_error", False), ablations=ablations,
-            live_error=error is not None, error_from="clean" if error == "clean" else None)
+            live_error=error is not None, error_from="clean" if error == "clean" else None,
+            selection=selection)
         return [Site(index, rep["component"], rep["intervention"].config()["clt_layer"],
                      where=ctx.path(index, "clt"), made=rep["intervention"]) for rep in reps]
 
@@ -220,7 +233,7 @@ class CLTSplice(SpliceIntervention):
             return self._leaf_forward(base, clt, layer, start, _leaf_session(session))
         if self._config["role"] == "encode":
             x = self._input(base)
-            acts = clt.encode(x, layer)
+            acts = clt.encode(x, layer, _selection(clt, session, layer, x))
             acts = torch.cat([torch.zeros_like(acts[:, :start]), acts[:, start:]], dim=1)
             session.acts[layer] = session.encoded[layer] = acts
             session.inputs[layer] = x
@@ -260,7 +273,7 @@ class CLTSplice(SpliceIntervention):
         if self._config["role"] == "encode":
             x = self._input(base, frozen=True)
             with torch.no_grad():
-                acts = clt.encode(x, layer)
+                acts = clt.encode(x, layer, _selection(clt, self.session, layer, x))
                 acts[:, :start] = 0
                 row, position, feature = acts.nonzero(as_tuple=True)
                 unique, inverse = feature.unique(return_inverse=True)
@@ -284,6 +297,25 @@ class CLTSplice(SpliceIntervention):
         error = (base - recon).detach().requires_grad_(True)
         leaves["errors"][layer] = error
         return recon + error
+
+
+def _selection(clt, session: SpliceSession, layer: int,
+               x: torch.Tensor) -> torch.Tensor | None:
+    """Layer ``layer``'s part of the splice's fixed joint selection (None for a transcoder that
+    selects per layer); refused when there is none or it does not cover ``x``'s positions."""
+    if not clt.cfg.joint:
+        return None
+    if session.selection is None:
+        raise InputError(
+            f"a {clt.cfg.activation} transcoder keeps the {clt.cfg.k} best features over all "
+            f"{clt.n_layers} layers at once, which a forward knows only after its last layer: "
+            "splice it with selection= (clean_selection(transcoder, model, input_ids): the clean "
+            "run's joint top-k, held fixed)")
+    chosen = session.selection[layer]
+    if chosen.shape[-2] != x.shape[-2]:
+        raise InputError(f"the splice's joint selection covers {chosen.shape[-2]} positions and "
+                         f"the sequence has {x.shape[-2]}: compute it on this sequence")
+    return chosen
 
 
 def _reconstruct(clt, layer: int, session: SpliceSession, base: torch.Tensor) -> torch.Tensor:
@@ -376,11 +408,21 @@ def clean_errors(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
     return (states["output"] - recon.to(states["output"].dtype))[:, None]
 
 
+def clean_selection(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Bool ``[L, P, F]``: the features a ``joint_topk`` transcoder keeps on the clean run of
+    ``input_ids [1, P]`` (its joint top-k over every layer's input at each position), for a
+    splice that holds them fixed."""
+    with torch.no_grad():
+        inputs = transcoder_states(clt, model, input_ids[:1])["input"]
+        return clt.joint_selection(inputs.to(clt.dtype))
+
+
 def clt_splice_representations(
     clt, model, *, layers: list[int] | None = None, from_position: int = 1,
     add_error: bool = False, ablations: list[dict] | None = None, leaves: bool = False,
     errors: torch.Tensor | None = None, session: SpliceSession | None = None,
     live_error: bool = False, error_from: str | None = None,
+    selection: torch.Tensor | None = None,
 ) -> list[dict]:
     """pyvene representation dicts that splice ``clt`` into ``model`` at ``layers`` (all by
     default), with ``ablations`` (``feature_ablate`` keyword dicts with ``clt_layer``) after
@@ -390,12 +432,22 @@ def clt_splice_representations(
     MLP output plus what changed features change (past the fixed errors' positions, when
     given); ``error_from="clean"`` says the fixed errors are the clean run's on the input, so a
     spec can name them. The interventions share ``session`` (a new :class:`SpliceSession` by
-    default; :func:`splice_session` finds it)."""
+    default; :func:`splice_session` finds it). ``selection`` (bool ``[L, P, F]``, from
+    :func:`clean_selection`) is required by a ``joint_topk`` transcoder (module docstring)."""
     if leaves and ablations:
         raise InputError("a leaf-mode splice does not take ablations")
     check_fits(clt, model)
     adapter = get_adapter(model)
     session = SpliceSession() if session is None else session
+    if selection is not None:
+        if not clt.cfg.joint:
+            raise InputError(f"selection= is for a joint_topk transcoder; this one is "
+                             f"{clt.cfg.activation}, selected per layer")
+        want = (clt.n_layers, clt.cfg.d_transcoder)
+        if selection.dtype != torch.bool or (selection.shape[0], selection.shape[-1]) != want:
+            raise InputError(f"selection must be bool [L, P, F] with L, F = {want}, got "
+                             f"{selection.dtype} {tuple(selection.shape)}")
+        session.selection = selection
     layers = list(range(clt.n_layers)) if layers is None else sorted(layers)
     for ablation in ablations or []:
         if ablation.get("clt_layer") not in layers:

@@ -62,13 +62,19 @@ class SpliceSession:
     (``acts``, after any ``feature_ablate``; ``encoded``, as the encoder computed them — the
     same tensor when nothing changed them) and the transcoder's inputs; in leaf mode
     ``leaves`` — ``features`` (:class:`~.clt_splice.ActiveFeatures`), ``writes``, ``errors``,
-    ``inputs`` per layer and the ``b_dec`` leaf. The first encoder of a forward clears it."""
+    ``inputs`` per layer and the ``b_dec`` leaf. The first encoder of a forward clears it.
+
+    ``selection`` (bool ``[L, P, F]`` or ``[L, B, P, F]``) is not per forward: the features a
+    ``joint_topk`` transcoder keeps, fixed for the splice's life (the clean run's,
+    :func:`~.clt_splice.clean_selection`) — such a transcoder ranks all layers together, which a
+    forward cannot do before its last layer ran."""
 
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     acts: dict[int, torch.Tensor] = field(default_factory=dict)
     encoded: dict[int, torch.Tensor] = field(default_factory=dict)
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     leaves: dict[str, Any] = field(default_factory=dict)
+    selection: torch.Tensor | None = None
 
     def clear(self) -> None:
         self.acts.clear()

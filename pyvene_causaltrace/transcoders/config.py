@@ -5,11 +5,17 @@ Two kinds, one abstraction (:class:`~.transcoder.Transcoder`):
 - ``cross_layer_transcoder`` (CLT): features born at layer ``l`` decode into every layer
   ``t >= l``;
 - ``transcoder_set`` (per-layer transcoders, PLT): layer ``l``'s features decode only into layer
-  ``l``, optionally beside a linear skip ``W_skip`` from the layer's input to its output.
+  ``l``.
+
+Either kind may have a linear skip ``W_skip`` from each layer's input to its output (GemmaScope-2's
+affine skip transcoders and its CLT).
 
 Activations: ``jumprelu`` (``z * 1[z > threshold]``), ``relu``, ``topk`` (circuit-tracer's: the
-``k`` largest pre-activations per token, kept as they are) and ``relu_topk`` (sparsify's: the ``k``
-largest of ``relu(z)``). Hook names are TransformerLens names (:mod:`.hooks`).
+``k`` largest pre-activations per token, kept as they are), ``relu_topk`` (sparsify's: the ``k``
+largest of ``relu(z)``) and ``joint_topk`` (ByteDance's cross-layer TopK CLT: the ``k`` features
+with the largest ``relu(z) * score_weight`` over *every layer at once* at each position, kept as
+``relu(z)``; ``k`` counts all layers together). Hook names are TransformerLens names
+(:mod:`.hooks`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from .hooks import INPUT_HOOKS, OUTPUT_HOOKS, hook_component, hook_name
 CROSS_LAYER = "cross_layer_transcoder"
 TRANSCODER_SET = "transcoder_set"
 MODEL_KINDS = (CROSS_LAYER, TRANSCODER_SET)
-ACTIVATIONS = ("jumprelu", "relu", "topk", "relu_topk")
+ACTIVATIONS = ("jumprelu", "relu", "topk", "relu_topk", "joint_topk")
+#: Activations whose selection at a layer needs every layer's pre-activations.
+JOINT_ACTIVATIONS = ("joint_topk",)
 
 #: What the mntss CLT layout's config.yaml holds.
 YAML_KEYS = ("model_name", "model_kind", "feature_input_hook", "feature_output_hook")
@@ -58,8 +66,9 @@ class TranscoderConfig:
                              f"{', '.join(ACTIVATIONS)}")
         if self.activation.endswith("topk") and not (isinstance(self.k, int) and self.k >= 1):
             raise InputError(f"a topk transcoder needs an integer k >= 1, got {self.k!r}")
-        if self.skip and self.model_kind == CROSS_LAYER:
-            raise InputError("skip connections are per-layer: a cross-layer transcoder has none")
+        if self.activation in JOINT_ACTIVATIONS and self.model_kind != CROSS_LAYER:
+            raise InputError(f"{self.activation} selects over all layers of a cross-layer "
+                             "transcoder; a per-layer set takes topk")
         for role, hook, allowed in (("input", self.feature_input_hook, INPUT_HOOKS),
                                     ("output", self.feature_output_hook, OUTPUT_HOOKS)):
             if hook_name(hook) not in allowed:
@@ -69,6 +78,11 @@ class TranscoderConfig:
     @property
     def cross_layer(self) -> bool:
         return self.model_kind == CROSS_LAYER
+
+    @property
+    def joint(self) -> bool:
+        """Whether a layer's features depend on every layer's pre-activations."""
+        return self.activation in JOINT_ACTIVATIONS
 
     @property
     def n_features(self) -> int:

@@ -6,12 +6,17 @@ layer ``l`` writes: ``L - l`` for a cross-layer transcoder, 1 for a per-layer se
 - ``W_enc[l]`` ``[F, D]``, ``b_enc[l]`` ``[F]``, ``threshold[l]`` ``[F]``, ``b_dec[l]`` ``[D]``;
 - ``W_dec[l]`` ``[F, T_l, D]``: feature ``f`` born at layer ``l`` writes ``W_dec[l][f, t - l]``
   into target layer ``t``;
-- ``W_skip[l]`` ``[D, D]`` (per-layer sets only, optional): ``skip_l(x) = x @ W_skip[l].T``.
+- ``W_skip[l]`` ``[D, D]`` (optional, either kind): ``skip_l(x) = x @ W_skip[l].T``;
+- ``score_weight`` ``[L, F]`` (``joint_topk`` only): what each feature's ``relu(z)`` is multiplied
+  by to rank it (ByteDance's decoder norms; ones when absent).
 
 Encode: ``z = x @ W_enc[l].T + b_enc[l]`` with ``x`` the input hook's value at layer ``l``, then
 the activation: ``jumprelu`` ``z * 1[z > threshold]``, ``relu`` ``max(z, 0)``, ``topk`` the ``k``
 largest of ``z`` per token (circuit-tracer), ``relu_topk`` the ``k`` largest of ``relu(z)``
-(sparsify). Reconstruct:
+(sparsify), ``joint_topk`` the ``k`` largest ``relu(z) * score_weight`` over all layers' features at
+a position together (ByteDance), so one layer's features need every layer's input: only
+:meth:`~Transcoder.encode_all` computes them, or :meth:`~Transcoder.encode` given a selection
+fixed beforehand (:meth:`~Transcoder.joint_selection`, e.g. the clean run's). Reconstruct:
 ``out_t ~= b_dec[t] + sum_{l writing t} sum_f a[l, f] * W_dec[l][f, t - l] + skip_t(x_t)``.
 Features at position 0 (BOS) are zeroed: no dictionary is trained on the attention sink there.
 
@@ -65,6 +70,7 @@ class Transcoder(nn.Module):
         W_dec: list[torch.Tensor],
         W_skip: list[torch.Tensor] | None = None,
         encoder_loader: Callable[[int], torch.Tensor] | None = None,
+        score_weight: torch.Tensor | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         source: str | None = None,
@@ -79,6 +85,10 @@ class Transcoder(nn.Module):
         self.register_buffer("b_enc", b_enc.to(self.device_, dtype))
         self.register_buffer("threshold", threshold.to(self.device_, dtype))
         self.register_buffer("b_dec", b_dec.to(self.device_, dtype))
+        if (score_weight is not None) != cfg.joint:
+            raise InputError("score_weight goes with a joint_topk transcoder (ones if unknown)")
+        self.register_buffer("score_weight", None if score_weight is None
+                             else score_weight.to(self.device_, dtype))
         self.W_enc = None if W_enc is None else W_enc.to(self.device_, dtype)
         self._encoder_loader = encoder_loader
         if W_enc is None and encoder_loader is None:
@@ -103,8 +113,8 @@ class Transcoder(nn.Module):
         n_layers, d_transcoder, d_model = W_enc.shape
         if model_kind is None:
             per_layer = n_layers > 1 and all(w.shape[1] == 1 for w in W_dec)
-            model_kind = "transcoder_set" if per_layer or W_skip is not None \
-                else "cross_layer_transcoder"
+            single = W_skip is not None and all(w.shape[1] == 1 for w in W_dec)
+            model_kind = "transcoder_set" if per_layer or single else "cross_layer_transcoder"
         cfg = TranscoderConfig(model_name, n_layers, d_model, d_transcoder,
                                feature_input_hook, feature_output_hook, model_kind,
                                str(W_enc.dtype).removeprefix("torch."), activation, k,
@@ -140,14 +150,47 @@ class Transcoder(nn.Module):
             return self.W_enc[layer]
         return self._encoder_loader(layer).to(self.device_, self.dtype)
 
-    def encode(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """Features ``[..., F]`` of the input hook's values ``x [..., D]`` at ``layer``."""
-        z = x.to(self.dtype) @ self.encoder_weight(layer).T + self.b_enc[layer]
+    def preactivation(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """``z = x @ W_enc[layer].T + b_enc[layer]``, ``[..., F]``."""
+        return x.to(self.dtype) @ self.encoder_weight(layer).T + self.b_enc[layer]
+
+    def encode(self, x: torch.Tensor, layer: int,
+               selection: torch.Tensor | None = None) -> torch.Tensor:
+        """Features ``[..., F]`` of the input hook's values ``x [..., D]`` at ``layer``.
+
+        A ``joint_topk`` transcoder needs ``selection`` (bool ``[..., F]``, this layer's part of
+        :meth:`joint_selection`): which features the joint top-k kept cannot be known from one
+        layer's input."""
+        z = self.preactivation(x, layer)
+        if self.cfg.joint:
+            if selection is None:
+                raise InputError(
+                    f"a {self.cfg.activation} transcoder ranks all {self.n_layers} layers' "
+                    f"features together, so layer {layer}'s features are not known from its "
+                    "input alone: use encode_all, or pass selection= (joint_selection of every "
+                    "layer's input, e.g. the clean run's)")
+            return torch.relu(z) * selection.to(z.device)
         return activate(z, self.cfg.activation, self.threshold[layer], self.cfg.k)
+
+    def joint_selection(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Bool ``[L, ..., F]``: the features the joint top-k keeps given every layer's input
+        ``inputs [L, ..., D]`` — at each position, the ``k`` largest ``relu(z) *
+        score_weight`` over all layers' features together (features with ``relu(z) = 0`` are
+        never kept)."""
+        if not self.cfg.joint:
+            raise InputError(f"a {self.cfg.activation} transcoder selects per layer")
+        scores = torch.stack([torch.relu(self.preactivation(inputs[layer], layer))
+                              * self.score_weight[layer] for layer in range(self.n_layers)])
+        flat = scores.movedim(0, -2).flatten(-2)  # [..., L * F]
+        index = flat.topk(min(self.cfg.k, flat.shape[-1]), dim=-1).indices
+        keep = torch.zeros_like(flat, dtype=torch.bool).scatter(-1, index, True) & (flat > 0)
+        return keep.unflatten(-1, (self.n_layers, -1)).movedim(-2, 0)
 
     def encode_all(self, inputs: torch.Tensor, zero_bos: bool = True) -> torch.Tensor:
         """``[L, P, D]`` -> ``[L, P, F]``; position 0 zeroed unless ``zero_bos=False``."""
-        acts = torch.stack([self.encode(inputs[layer], layer) for layer in range(self.n_layers)])
+        selection = self.joint_selection(inputs) if self.cfg.joint else [None] * self.n_layers
+        acts = torch.stack([self.encode(inputs[layer], layer, selection[layer])
+                            for layer in range(self.n_layers)])
         if zero_bos:
             acts[:, 0] = 0
         return acts
@@ -199,7 +242,7 @@ class Transcoder(nn.Module):
     def extra_repr(self) -> str:
         c = self.cfg
         lazy = "mmapped" if self._handles else "resident"
-        kind = "cross-layer" if c.cross_layer else "per-layer" + (" + skip" if c.skip else "")
+        kind = ("cross-layer" if c.cross_layer else "per-layer") + (" + skip" if c.skip else "")
         act = f"{c.activation}(k={c.k})" if c.k is not None else c.activation
         return (f"{c.model_name}: {kind}, {c.n_layers} layers x {c.d_transcoder} features, "
                 f"d_model={c.d_model}, {act}, decoder {lazy}, dtype={self.dtype}")
@@ -212,6 +255,9 @@ def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = 
         return z * (z > threshold)
     if activation == "relu":
         return torch.relu(z)
+    if activation == "joint_topk":
+        raise InputError("joint_topk selects over all layers: Transcoder.encode_all or "
+                         "Transcoder.encode(..., selection=)")
     if activation in ("topk", "relu_topk"):
         source = torch.relu(z) if activation == "relu_topk" else z
         values, index = source.topk(k, dim=-1)

@@ -6,6 +6,12 @@
                    safetensors files (local or ``hf://``), or a ``cross_layer_transcoder``
                    pointing at a CLT repo (:mod:`.circuit_tracer`)
 ``gemmascope``     GemmaScope per-layer ``params.npz`` files (:mod:`.gemmascope`)
+``gemmascope2``    GemmaScope-2 (Gemma 3): per-layer ``layer_{l}_<variant>/params.safetensors``
+                   + ``config.json`` folders, or the CLT's ``params_layer_{l}.safetensors``
+                   (:mod:`.gemmascope2`)
+``bytedance``      ByteDance's cross-layer TopK CLT: ``W_enc_{l}``/``W_dec_{l}``
+                   safetensors, ``W_dec_norm.safetensors``, ``config.json``; one top-k over
+                   all layers jointly (:mod:`.bytedance`)
 ``sae_lens``       sae-lens transcoders, one per layer, through sae-lens's own loading
                    (:mod:`.sae_lens`)
 ``sparsify``       EleutherAI sparsify TopK transcoders, one directory per hookpoint
@@ -27,7 +33,7 @@ from pathlib import Path
 
 from ...errors import InputError, TranscoderFormatError
 from ..transcoder import Transcoder, register_layouts
-from . import circuit_tracer, gemmascope, mntss, sae_lens, sparsify
+from . import bytedance, circuit_tracer, gemmascope, gemmascope2, mntss, sae_lens, sparsify
 from .common import hub_snapshot
 from .protocol import LayoutDetector, TranscoderLoader
 
@@ -37,14 +43,19 @@ FORMATS: dict[str, TranscoderLoader] = {
     "mntss": mntss.from_pretrained,
     "circuit_tracer": circuit_tracer.load,
     "gemmascope": gemmascope.load,
+    "gemmascope2": gemmascope2.load,
+    "bytedance": bytedance.load,
     "sae_lens": sae_lens.load,
     "sparsify": sparsify.load,
 }
 #: Which layout a local path holds, tried in this order.
 _DETECTORS: tuple[tuple[str, LayoutDetector], ...] = (
     ("mntss", mntss.is_layout), ("circuit_tracer", circuit_tracer.is_layout),
+    ("bytedance", bytedance.is_layout), ("gemmascope2", gemmascope2.is_layout),
     ("sparsify", sparsify.is_layout), ("gemmascope", gemmascope.is_layout),
     ("sae_lens", sae_lens.is_layout))
+#: Files that make a directory look like a transcoder, for the error naming what was found.
+_WEIGHT_SUFFIXES = (".safetensors", ".npz", ".yaml", ".yml", ".json")
 
 
 def detect_format(path: str | Path) -> str:
@@ -56,7 +67,20 @@ def detect_format(path: str | Path) -> str:
         if matches(root):
             return name
     raise TranscoderFormatError(
-        f"{root} holds no transcoder layout we know ({', '.join(FORMATS)}); pass format=...")
+        f"{root} holds no transcoder layout we know ({', '.join(FORMATS)}); found "
+        f"{_found(root)}; pass format=...")
+
+
+def _found(root: Path, limit: int = 12) -> str:
+    """The weight and config files in ``root`` and one level below, named for an error."""
+    if not root.is_dir():
+        return root.name
+    files = sorted(str(p.relative_to(root)) for p in [*root.iterdir(), *root.glob("*/*")]
+                   if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    if not files:
+        return "no .safetensors/.npz/.yaml/.json files"
+    more = f" and {len(files) - limit} more" if len(files) > limit else ""
+    return ", ".join(files[:limit]) + more
 
 
 def load_transcoder(source: str | Path | list, *, format: str | None = None,
@@ -66,14 +90,16 @@ def load_transcoder(source: str | Path | list, *, format: str | None = None,
     loader (``device``, ``dtype``, ``lazy_decoder``, ...).
 
     A hub reference (``org/repo[/subfolder][@revision]``) with a ``config.yaml`` is read as
-    circuit-tracer's config (which also covers mntss CLT repos); any other repo is fetched whole
-    and its layout detected. ``HF_HUB_OFFLINE=1`` serves both from the local cache."""
+    circuit-tracer's config (which also covers mntss CLT repos); any other repo (or subfolder,
+    e.g. ``google/gemma-scope-2-1b-pt/clt/width_262k_l0_medium_affine``) is fetched and its
+    layout detected. ``HF_HUB_OFFLINE=1`` serves both from the local cache."""
     if format is not None:
         if format not in FORMATS:
             raise InputError(f"unknown format {format!r}; known: {', '.join(FORMATS)}")
         return FORMATS[format](source, **kwargs)
     if isinstance(source, list | tuple):
-        raise InputError("a list of per-layer files needs format='gemmascope' or 'sae_lens'")
+        raise InputError("a list of per-layer files needs format='gemmascope', 'gemmascope2' "
+                         "or 'sae_lens'")
     path = Path(str(source)).expanduser()
     if path.exists():
         return FORMATS[detect_format(path)](path, **kwargs)
@@ -82,10 +108,16 @@ def load_transcoder(source: str | Path | list, *, format: str | None = None,
     try:
         return circuit_tracer.load(str(source), **kwargs)
     except TranscoderFormatError as error:
-        if "config.yaml" not in str(error) or str(source).count("/") != 1:
+        if "config.yaml" not in str(error):
             raise
-    path = hub_snapshot(str(source), kwargs.pop("revision", None),
-                        ["*.yaml", "*.json", "*.safetensors", "*.npz"])
+    # no config.yaml: fetch the repo (or its subfolder, e.g. GemmaScope-2's clt/<variant>)
+    ref, _, at = str(source).partition("@")
+    parts = ref.strip("/").split("/")
+    repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
+    patterns = [f"{sub}/{p}" if sub else p for p in ("*.yaml", "*.json", "*.safetensors",
+                                                       "*.npz")] \
+        + ([f"{sub}/*/*.json", f"{sub}/*/*.safetensors"] if sub else [])
+    path = hub_snapshot(repo, at or kwargs.pop("revision", None), patterns) / sub
     return FORMATS[detect_format(path)](path, **kwargs)
 
 

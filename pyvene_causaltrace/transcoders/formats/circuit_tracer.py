@@ -1,6 +1,8 @@
 """circuit-tracer's transcoder configs: a ``config.yaml`` naming a per-layer set or a CLT.
 
-    model_kind: transcoder_set            # or cross_layer_transcoder (weights beside it, mntss)
+    model_kind: transcoder_set            # or cross_layer_transcoder: mntss files beside it,
+                                          #   or a GemmaScope-2 CLT's params_layer_{l} files
+                                          #   listed under transcoders
     model_name: google/gemma-2-2b
     feature_input_hook: ln2.hook_normalized
     feature_output_hook: hook_mlp_out
@@ -15,10 +17,11 @@
 A per-layer file (circuit-tracer's ``single_layer_transcoder``) holds ``W_enc [F, D]``,
 ``W_dec [F, D]``, ``b_enc [F]``, ``b_dec [D]``, optionally ``activation_function.threshold [F]``,
 ``W_skip [D, D]`` (``skip(x) = x @ W_skip.T``) and ``k`` (TopK). Older files store ``W_dec`` as
-``[D, F]``; GemmaScope-2 files use ``w_enc [D, F]``, ``w_dec``, ``threshold`` and
-``affine_skip_connection [D_in, D_out]``: orientations are told apart by the biases' lengths.
-``.npz`` entries are GemmaScope files (:mod:`.gemmascope`). The old list-of-dicts form
-(``{id, layer, filepath}``) is read too.
+``[D, F]`` (told apart by the biases' lengths). A file with lowercase ``w_enc``/``w_dec`` is a
+GemmaScope-2 ``params.safetensors`` (circuit-tracer's ``special_load_fn: gemma-scope-2``), read by
+:mod:`.gemmascope2` by its names: ``w_enc [D, F]`` whatever the widths, thresholds below 0
+raised to 0, ``affine_skip_connection [D_in, D_out]``. ``.npz`` entries are GemmaScope files
+(:mod:`.gemmascope`). The old list-of-dicts form (``{id, layer, filepath}``) is read too.
 
 A hub reference to a config is ``org/repo[/subfolder][@revision]``; per-layer ``hf://`` files
 resolve through the hub cache (offline with ``HF_HUB_OFFLINE=1``).
@@ -36,7 +39,7 @@ from safetensors.torch import save_file
 from ...errors import InputError
 from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
 from ..transcoder import Transcoder
-from . import mntss
+from . import gemmascope2, mntss
 from .common import (
     LayerTensors,
     TranscoderFormatError,
@@ -89,14 +92,15 @@ def read_config(config: Path) -> dict:
 
 
 # --------------------------------------------------------------------- per-layer files
-_RENAMES = {"activation_function.threshold": "threshold", "w_enc": "W_enc", "w_dec": "W_dec",
-            "affine_skip_connection": "W_skip_in_out"}
-_KNOWN = {"W_enc", "W_dec", "b_enc", "b_dec", "threshold", "W_skip", "W_skip_in_out", "k"}
+_RENAMES = {"activation_function.threshold": "threshold"}
+_KNOWN = {"W_enc", "W_dec", "b_enc", "b_dec", "threshold", "W_skip", "k"}
 
 
 def read_layer_file(path: Path, *, lazy_decoder: bool = True) -> tuple[LayerTensors, int | None]:
     """One per-layer safetensors file in our orientation, and its ``k`` (None if absent)."""
     handle = open_safetensors(path)
+    if "w_enc" in handle.keys():  # GemmaScope-2: oriented by name, not by shape
+        return gemmascope2.read_layer(path, lazy_decoder=lazy_decoder), None
     shapes = {_RENAMES.get(key, key): shape for key, shape in shapes_of(handle).items()}
     unknown = sorted(set(shapes) - _KNOWN)
     missing = sorted({"W_enc", "W_dec", "b_enc", "b_dec"} - set(shapes))
@@ -122,8 +126,6 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True) -> tuple[LayerTens
             if name == "W_dec" and lazy_decoder:  # rows of a transposed map are not rows
                 tensors[name] = tensors[name].contiguous()
                 handles = []
-    if "W_skip_in_out" in tensors:  # x @ affine_skip_connection == x @ W_skip.T
-        tensors["W_skip"] = tensors.pop("W_skip_in_out").T
     k = tensors.pop("k", None)
     layer = LayerTensors(str(path), W_enc=tensors["W_enc"], W_dec=tensors["W_dec"],
                          b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
@@ -201,6 +203,14 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     if scan is None and hub is not None:
         scan = hub[0] + (f"//{hub[2].rstrip('/')}" if hub[2] else "") \
             + (f"@{hub[1]}" if hub[1] else "")
+    if meta["model_kind"] == CROSS_LAYER and meta.get("transcoders") is not None:
+        # GemmaScope-2's CLT: its params_layer_{l} files listed in layer order
+        return gemmascope2.load_clt(
+            _layer_files(meta, config, hub), device=device, dtype=dtype,
+            lazy_decoder=lazy_decoder, scan=None if scan is None else str(scan),
+            model_name=str(meta.get("model_name") or ""),
+            feature_input_hook=meta["feature_input_hook"],
+            feature_output_hook=meta["feature_output_hook"])
     if meta["model_kind"] == CROSS_LAYER:
         root = config.parent
         if hub is not None:

@@ -158,8 +158,10 @@ def from_pretrained(
 def save_model(clt: Transcoder, path: str | Path) -> None:
     """Write ``clt`` in the mntss layout, in its on-disk dtype. Loading a directory and saving
     it again reproduces its safetensors files byte for byte."""
-    if not clt.cfg.cross_layer or clt.cfg.activation not in ("jumprelu", "relu"):
-        raise InputError("the mntss layout holds JumpReLU or ReLU cross-layer transcoders only")
+    if not clt.cfg.cross_layer or clt.cfg.activation not in ("jumprelu", "relu") \
+            or clt.cfg.skip:
+        raise InputError("the mntss layout holds JumpReLU or ReLU cross-layer transcoders "
+                         "without a skip path only")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, clt.cfg.disk_dtype)

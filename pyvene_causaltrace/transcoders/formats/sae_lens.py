@@ -60,7 +60,7 @@ def _cfg_and_state(clt: Transcoder, layer: int, target: int | None,
         "W_dec": rows.contiguous(),
         "b_dec": clt.b_dec[target],
     }
-    skip = clt.W_skip is not None
+    skip = clt.W_skip is not None and target == layer  # a skip reads its own layer's input
     if skip:
         state["W_skip"] = clt.W_skip[layer]
     state = {k: v.detach().to(device, torch_dtype).clone() for k, v in state.items()}

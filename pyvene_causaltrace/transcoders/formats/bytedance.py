@@ -1,0 +1,143 @@
+"""ByteDance's cross-layer TopK CLT (``ByteDance-Seed/Cross-Layer-TopK-CLT``, Qwen3-8B-Base: 36
+layers x 32,768 features, fp32), as its model card describes it::
+
+    config.json                 d_feature, k (per layer on average), the base model, dimensions
+    W_enc_{l}.safetensors       W_enc_{l} [F, D]                    (no encoder bias)
+    W_dec_{l}.safetensors       W_dec_{l} [F, L - l, D], W_dec_norm_{l} [F]   (no decoder bias)
+    W_dec_norm.safetensors      W_dec_norm [L, F]: the decoder norms that rank features
+    factors.safetensors         resid_mid_l2, mlp_out_l2 [L]: folded into the weights already,
+                                never applied again (not read)
+
+Encode every layer ``a_l = relu(W_enc_l x_l)``, score ``a_l[i] * W_dec_norm[l, i]`` and keep the
+``L * k`` best-scoring features over all layers jointly at each position (``joint_topk``, with
+``score_weight = W_dec_norm``); decode ``mlp_out[m] = sum_{l <= m} a_l @ W_dec_l[:, m - l]``.
+The CLT reads ``resid_mid`` (the input of ``post_attention_layernorm``: ``hook_resid_mid``) and
+writes the MLP module's output (``mlp.hook_out``). The card drops tokens whose norm on some layer
+reaches 20x the layer's mean (in practice the first token): position 0 is zeroed here, as for
+every transcoder; the rule is not applied to later positions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import CROSS_LAYER, TranscoderConfig
+from ..transcoder import Transcoder
+from .common import (
+    DTYPE_NAMES,
+    TranscoderFormatError,
+    check_dtype,
+    mmap_tensor,
+    open_safetensors,
+    read_tensors,
+    shapes_of,
+)
+
+CONFIG = "config.json"
+NORMS = "W_dec_norm.safetensors"
+INPUT_HOOK, OUTPUT_HOOK = "hook_resid_mid", "mlp.hook_out"
+#: config.json keys that may name the base model and the dimensions (checked when present).
+MODEL_KEYS = ("base_model", "model_name", "model")
+DIMENSION_KEYS = {"n_layers": 0, "num_layers": 0, "d_model": 2, "hidden_size": 2}
+
+
+def is_layout(path: Path) -> bool:
+    """A directory with config.json, ``W_enc_0.safetensors`` and ``W_dec_norm.safetensors``."""
+    return path.is_dir() and all((path / name).exists()
+                                 for name in (CONFIG, "W_enc_0.safetensors", NORMS))
+
+
+def _config(path: Path) -> dict:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TranscoderFormatError(f"{path} is not JSON: {error}") from None
+    if not isinstance(meta, dict):
+        raise TranscoderFormatError(f"{path} is not a JSON object")
+    for key in ("d_feature", "k"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) \
+                or meta[key] < 1:
+            raise TranscoderFormatError(f"{path}: {key} must be an integer >= 1, got "
+                                        f"{meta.get(key)!r}")
+    return meta
+
+
+def load(source: str | Path, *, device: str | torch.device = "cpu",
+         dtype: torch.dtype = torch.float32, lazy_decoder: bool = True,
+         scan: str | None = None, **_ignored) -> Transcoder:
+    """The CLT from its directory; every file checked before anything is returned, decoders
+    memory-mapped with ``lazy_decoder``."""
+    check_dtype(dtype)
+    root = Path(source).expanduser()
+    meta = _config(root / CONFIG)
+    layers = sorted(int(p.stem.removeprefix("W_enc_")) for p in root.glob("W_enc_*.safetensors")
+                    if p.stem.removeprefix("W_enc_").isdigit())
+    if not layers or layers != list(range(len(layers))):
+        raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "
+                                    "W_enc_0 .. W_enc_<L-1>")
+    n_layers, width = len(layers), meta["d_feature"]
+    enc_shape = shapes_of(open_safetensors(root / "W_enc_0.safetensors")).get("W_enc_0")
+    if enc_shape is None or len(enc_shape) != 2 or enc_shape[0] != width:
+        raise TranscoderFormatError(f"{root / 'W_enc_0.safetensors'}: W_enc_0 has shape "
+                                    f"{enc_shape}; config.json's d_feature is {width}")
+    d_model = enc_shape[1]
+    dims = (n_layers, width, d_model)
+    for key, axis in DIMENSION_KEYS.items():
+        if key in meta and meta[key] != dims[axis]:
+            raise TranscoderFormatError(f"{root / CONFIG}: {key} {meta[key]} but the files "
+                                        f"hold {dims[axis]}")
+    for layer in range(n_layers):
+        for name, want in ((f"W_enc_{layer}", {f"W_enc_{layer}": (width, d_model)}),
+                           (f"W_dec_{layer}", {f"W_dec_{layer}": (width, n_layers - layer,
+                                                                  d_model),
+                                               f"W_dec_norm_{layer}": (width,)})):
+            got = shapes_of(open_safetensors(root / f"{name}.safetensors"))
+            if got != want:
+                raise TranscoderFormatError(f"{root / name}.safetensors holds {got}, expected "
+                                            f"{want}")
+    norms = read_tensors(root / NORMS)
+    if set(norms) != {"W_dec_norm"} or tuple(norms["W_dec_norm"].shape) != (n_layers, width):
+        raise TranscoderFormatError(f"{root / NORMS} holds "
+                                    f"{ {k: tuple(v.shape) for k, v in norms.items()} }, "
+                                    f"expected W_dec_norm [{n_layers}, {width}]")
+    score = norms["W_dec_norm"]
+    for layer in range(n_layers):
+        own = read_tensors(root / f"W_dec_{layer}.safetensors", [f"W_dec_norm_{layer}"])
+        if not torch.equal(own[f"W_dec_norm_{layer}"], score[layer]):
+            raise TranscoderFormatError(f"{root}/W_dec_{layer}.safetensors: W_dec_norm_{layer} "
+                                        f"differs from {NORMS}'s row {layer}")
+    if not torch.isfinite(score).all() or (score < 0).any():
+        raise TranscoderFormatError(f"{root / NORMS}: decoder norms must be finite and >= 0")
+    disk_dtype = str(open_safetensors(root / "W_enc_0.safetensors").get_slice("W_enc_0")
+                     .get_dtype())
+    if disk_dtype not in DTYPE_NAMES:
+        raise TranscoderFormatError(f"{root}: W_enc_0 is {disk_dtype}, not floating point")
+    W_enc = torch.stack([read_tensors(root / f"W_enc_{layer}.safetensors")[f"W_enc_{layer}"]
+                         .to(dtype) for layer in range(n_layers)])
+    handles, W_dec = [], []
+    for layer in range(n_layers):
+        path = root / f"W_dec_{layer}.safetensors"
+        if lazy_decoder:
+            w, mapped = mmap_tensor(path, f"W_dec_{layer}")
+            handles.append(mapped)
+        else:
+            w = read_tensors(path, [f"W_dec_{layer}"])[f"W_dec_{layer}"].to(device, dtype)
+        W_dec.append(w)
+    model_name = next((str(meta[key]) for key in MODEL_KEYS if isinstance(meta.get(key), str)),
+                      "")
+    try:
+        cfg = TranscoderConfig(model_name, n_layers, d_model, width, INPUT_HOOK, OUTPUT_HOOK,
+                               CROSS_LAYER, DTYPE_NAMES[disk_dtype], "joint_topk",
+                               n_layers * meta["k"], False, scan)
+    except ValueError as error:
+        raise TranscoderFormatError(f"{root / CONFIG}: {error}") from None
+    zeros = torch.zeros(n_layers, width)
+    clt = Transcoder(cfg, b_enc=zeros, threshold=None, b_dec=torch.zeros(n_layers, d_model),
+                     W_enc=W_enc, W_dec=W_dec, score_weight=score, dtype=dtype, device=device,
+                     source=str(root))
+    if lazy_decoder:
+        clt._handles = handles
+    return clt

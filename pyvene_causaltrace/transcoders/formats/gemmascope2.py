@@ -1,0 +1,316 @@
+"""GemmaScope-2 transcoders (``google/gemma-scope-2-{270m,1b,4b,12b,27b}-{pt,it}``, Gemma 3).
+
+Per-layer sets (``transcoder_all/``: every layer; ``transcoder/``: a sweep on a few layers), one
+folder per layer and variant::
+
+    transcoder_all/layer_{l}_width_{16k|262k}_l0_{small|medium|big}[_affine]/
+        config.json         type "transcoder", architecture "jump_relu", model_name,
+                            hf_hook_point_in  "model.layers.{l}.pre_feedforward_layernorm.output",
+                            hf_hook_point_out "model.layers.{l}.post_feedforward_layernorm.output",
+                            width, l0, affine_connection
+        params.safetensors  w_enc [D, F], b_enc [F], threshold [F], w_dec [F, D], b_dec [D],
+                            affine_skip_connection [D, D] (the ``_affine`` variants)
+
+The cross-layer transcoder (270m and 1b), one file per source layer::
+
+    clt/width_262k_l0_medium_affine/params_layer_{l}.safetensors
+        w_enc [D, F], b_enc [F], threshold [F], b_dec [D], affine_skip_connection [D, D],
+        w_dec [F, L, D]: target layer t at index t (circuit-tracer's and sae-lens's reading);
+        the entries t < l are not read. [F, L - l, D] (target t at t - l) is read too.
+    (a config.json beside them is read when present: type "clt")
+
+Maths (the model card's ``JumpReLUSAE``): ``a = relu(z) * 1[z > threshold]`` with ``z = x @ w_enc
++ b_enc`` — our ``z * 1[z > threshold]`` once a negative threshold is raised to 0, which is exact
+(done here); ``out = a @ w_dec + b_dec + x @ affine_skip_connection``, so ``W_skip =
+affine_skip_connection.T`` (``[D_in, D_out]`` on disk; the skip has no bias of its own: ``b_dec``
+is the affine part). Hooks: config.json's Hugging Face module points, mapped to TransformerLens
+names — the pre-feedforward norm's output is the MLP's input (``mlp.hook_in``, after the norm's
+gain), the post-feedforward norm's output is ``hook_mlp_out``. Without a config.json (the CLT)
+those two are assumed, as sae-lens assumes them for ``clt`` folders.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ..config import CROSS_LAYER, TranscoderConfig
+from ..transcoder import Transcoder
+from .common import (
+    DTYPE_NAMES,
+    LayerTensors,
+    TranscoderFormatError,
+    assemble_set,
+    check_dtype,
+    mmap_tensor,
+    open_safetensors,
+    read_tensors,
+    shapes_of,
+)
+
+PARAMS = "params.safetensors"
+CONFIG = "config.json"
+CLT_FILE = re.compile(r"^params_layer_(\d+)\.safetensors$")
+LAYER_FOLDER = re.compile(r"^layer_(\d+)_(.+)$")
+KEYS = {"w_enc", "b_enc", "threshold", "w_dec", "b_dec"}
+SKIP = "affine_skip_connection"
+#: Hugging Face module points (``model.layers.{l}.<module>.output``) -> TransformerLens hooks.
+HF_POINTS = {"pre_feedforward_layernorm": ("input", "mlp.hook_in"),
+             "post_feedforward_layernorm": ("output", "hook_mlp_out"),
+             "mlp": ("output", "mlp.hook_out")}
+HF_POINT = re.compile(r"^(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(\w+)\.output$")
+DEFAULT_HOOKS = ("mlp.hook_in", "hook_mlp_out")
+
+
+# ------------------------------------------------------------------------------ detection
+def _layer_folders(root: Path) -> dict[str, dict[int, Path]]:
+    """``{variant: {layer: folder}}`` of the ``layer_{l}_{variant}/params.safetensors`` folders."""
+    found: dict[str, dict[int, Path]] = {}
+    for sub in root.iterdir() if root.is_dir() else ():
+        match = LAYER_FOLDER.match(sub.name)
+        if match and (sub / PARAMS).exists():
+            found.setdefault(match.group(2), {})[int(match.group(1))] = sub
+    return found
+
+
+def _clt_files(root: Path) -> dict[int, Path]:
+    return {int(m.group(1)): p for p in root.glob("params_layer_*.safetensors")
+            if (m := CLT_FILE.match(p.name))} if root.is_dir() else {}
+
+
+def is_layout(path: Path) -> bool:
+    """A GemmaScope-2 CLT folder (``params_layer_{l}.safetensors``) or a folder of per-layer
+    ``layer_{l}_{variant}/params.safetensors`` folders."""
+    return bool(_clt_files(path)) or bool(_layer_folders(path))
+
+
+# ------------------------------------------------------------------------------ reading
+def _read_config(path: Path) -> dict:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TranscoderFormatError(f"{path} is not JSON: {error}") from None
+    if not isinstance(meta, dict):
+        raise TranscoderFormatError(f"{path} is not a JSON object")
+    if meta.get("architecture", "jump_relu") != "jump_relu":
+        raise TranscoderFormatError(f"{path}: architecture {meta['architecture']!r}; "
+                                    "GemmaScope-2 transcoders are jump_relu")
+    return meta
+
+
+def _hook(meta: dict, field: str, role: str, layer: int | None, where: Path) -> str:
+    """The TransformerLens hook of config.json's ``hf_hook_point_in``/``_out``."""
+    point = meta.get(field)
+    match = HF_POINT.match(point) if isinstance(point, str) else None
+    if match is None or match.group(2) not in HF_POINTS \
+            or HF_POINTS[match.group(2)][0] != role:
+        raise TranscoderFormatError(
+            f"{where}: {field} {point!r} is not a module point we read for the transcoder's "
+            f"{role} (model.layers.<l>.{{{', '.join(HF_POINTS)}}}.output)")
+    if layer is not None and int(match.group(1)) != layer:
+        raise TranscoderFormatError(f"{where}: {field} {point!r} is layer {match.group(1)}, "
+                                    f"the folder's is {layer}")
+    return HF_POINTS[match.group(2)][1]
+
+
+def _check_keys(path: Path, shapes: dict, skip: bool | None) -> bool:
+    """The file holds exactly the GemmaScope-2 tensors (with or without the affine skip, as
+    ``skip`` says when known); returns whether it has the skip."""
+    have_skip = SKIP in shapes
+    missing, unknown = sorted(KEYS - set(shapes)), sorted(set(shapes) - KEYS - {SKIP})
+    if missing or unknown or (skip is not None and skip != have_skip):
+        parts = [f"missing {', '.join(missing)}" if missing else "",
+                 f"unknown tensors {', '.join(unknown)}" if unknown else "",
+                 f"{SKIP} {'absent' if skip else 'present'} while its config or folder name "
+                 f"says {'affine' if skip else 'no affine skip'}"
+                 if skip is not None and skip != have_skip else ""]
+        raise TranscoderFormatError(f"{path}: " + "; ".join(p for p in parts if p)
+                                    + f" (holds {sorted(shapes)})")
+    return have_skip
+
+
+def _check_shapes(path: Path, shapes: dict, want: dict) -> None:
+    wrong = {k: shapes[k] for k in want if shapes[k] != want[k]}
+    if wrong:
+        raise TranscoderFormatError(f"{path}: shapes {wrong}, expected {want} (w_enc is "
+                                    "[d_model, width], w_dec [width, ...])")
+
+
+def _affine_named(folder: Path) -> bool | None:
+    return True if folder.name.endswith("_affine") else None
+
+
+def read_layer(path: Path, *, lazy_decoder: bool = True, skip: bool | None = None
+               ) -> LayerTensors:
+    """One per-layer ``params.safetensors`` in our orientation: ``W_enc = w_enc.T``, ``W_dec =
+    w_dec``, thresholds below 0 raised to 0, ``W_skip = affine_skip_connection.T``."""
+    shapes = shapes_of(open_safetensors(path))
+    has_skip = _check_keys(path, shapes, skip)
+    d_model, width = shapes["w_enc"] if len(shapes["w_enc"]) == 2 else (None, None)
+    want = {"w_enc": (d_model, width), "b_enc": (width,), "threshold": (width,),
+            "w_dec": (width, d_model), "b_dec": (d_model,)} \
+        | ({SKIP: (d_model, d_model)} if has_skip else {})
+    _check_shapes(path, shapes, want)
+    tensors = read_tensors(path, sorted(set(want) - ({"w_dec"} if lazy_decoder else set())))
+    handles = []
+    if lazy_decoder:
+        tensors["w_dec"], mapped = mmap_tensor(path, "w_dec")
+        handles.append(mapped)
+    return LayerTensors(str(path), W_enc=tensors["w_enc"].T, W_dec=tensors["w_dec"],
+                        b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
+                        threshold=tensors["threshold"].clamp(min=0),
+                        W_skip=tensors[SKIP].T if has_skip else None, handles=handles)
+
+
+def _variant_folders(root: Path, variant: str | None) -> list[Path]:
+    variants = _layer_folders(root)
+    if variant is None:
+        if len(variants) != 1:
+            raise TranscoderFormatError(
+                f"{root} holds {len(variants)} variants of each layer "
+                f"({', '.join(sorted(variants)) or 'none'}): pass variant=<one of them>")
+        variant = next(iter(variants))
+    if variant not in variants:
+        raise TranscoderFormatError(f"{root}: no layer_<l>_{variant} folders (variants: "
+                                    f"{', '.join(sorted(variants))})")
+    layers = variants[variant]
+    missing = sorted(set(range(max(layers) + 1)) - set(layers))
+    if missing:
+        raise TranscoderFormatError(f"{root}: variant {variant} lacks layer(s) {missing}")
+    return [layers[layer] for layer in range(len(layers))]
+
+
+def load(source: str | Path | list, *, device: str | torch.device = "cpu",
+         dtype: torch.dtype = torch.float32, lazy_decoder: bool = True,
+         variant: str | None = None, scan: str | None = None,
+         feature_input_hook: str | None = None, feature_output_hook: str | None = None,
+         **_ignored) -> Transcoder:
+    """A GemmaScope-2 transcoder: a CLT folder (``params_layer_{l}.safetensors``), a folder of
+    per-layer folders (``variant`` picks e.g. ``width_16k_l0_small_affine`` when it holds
+    several), or a list of per-layer folders, one per layer in order. Hooks come from each
+    config.json (or the keyword arguments)."""
+    if not isinstance(source, list | tuple):
+        root = Path(source).expanduser()
+        if not root.exists():
+            raise TranscoderFormatError(f"missing path {root}")
+        if _clt_files(root):
+            return load_clt(root, device=device, dtype=dtype, lazy_decoder=lazy_decoder,
+                            scan=scan, feature_input_hook=feature_input_hook,
+                            feature_output_hook=feature_output_hook)
+        folders = _variant_folders(root, variant)
+    else:
+        folders = [Path(str(f)).expanduser() for f in source]
+    layers, hooks, names = [], set(), set()
+    for layer, folder in enumerate(folders):
+        config = folder / CONFIG
+        if not config.exists():
+            raise TranscoderFormatError(f"missing file {config}")
+        meta = _read_config(config)
+        if meta.get("type", "transcoder") != "transcoder":
+            raise TranscoderFormatError(f"{config}: type {meta.get('type')!r}, not a transcoder")
+        hooks.add((feature_input_hook or _hook(meta, "hf_hook_point_in", "input", layer, config),
+                   feature_output_hook
+                   or _hook(meta, "hf_hook_point_out", "output", layer, config)))
+        names.add(str(meta.get("model_name") or ""))
+        affine = meta.get("affine_connection")
+        skip = bool(affine) if affine is not None else _affine_named(folder)
+        layers.append(read_layer(folder / PARAMS, lazy_decoder=lazy_decoder, skip=skip))
+    if len(hooks) != 1:
+        raise TranscoderFormatError(f"{source}: the layers' config.json name different hooks "
+                                    f"{sorted(hooks)}")
+    (input_hook, output_hook), = hooks
+    return assemble_set(layers, model_name=sorted(names)[-1], activation="jumprelu",
+                        feature_input_hook=input_hook, feature_output_hook=output_hook,
+                        scan=scan, source=str(source), dtype=dtype, device=device,
+                        lazy_decoder=lazy_decoder)
+
+
+def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32, lazy_decoder: bool = True,
+             scan: str | None = None, model_name: str = "",
+             feature_input_hook: str | None = None,
+             feature_output_hook: str | None = None) -> Transcoder:
+    """The GemmaScope-2 CLT from its folder, or from its ``params_layer_{l}`` files in layer
+    order (circuit-tracer's config lists them). Every file is checked before anything is
+    returned; the decoders stay memory-mapped with ``lazy_decoder``."""
+    check_dtype(dtype)
+    if isinstance(source, list | tuple):
+        files, root = [Path(str(f)) for f in source], None
+    else:
+        root = Path(source).expanduser()
+        found = _clt_files(root)
+        missing = sorted(set(range(max(found) + 1)) - set(found)) if found else [0]
+        if missing:
+            raise TranscoderFormatError(f"{root}: missing params_layer_<l>.safetensors for "
+                                        f"layer(s) {missing}")
+        files = [found[layer] for layer in range(len(found))]
+    meta: dict = {}
+    config = (root / CONFIG) if root is not None else files[0].parent / CONFIG
+    if config.exists():
+        meta = _read_config(config)
+        if meta.get("type", "clt") != "clt":
+            raise TranscoderFormatError(f"{config}: type {meta.get('type')!r}, not a clt")
+    input_hook = feature_input_hook or (
+        _hook(meta, "hf_hook_point_in", "input", None, config) if "hf_hook_point_in" in meta
+        else DEFAULT_HOOKS[0])
+    output_hook = feature_output_hook or (
+        _hook(meta, "hf_hook_point_out", "output", None, config) if "hf_hook_point_out" in meta
+        else DEFAULT_HOOKS[1])
+    affine = meta.get("affine_connection")
+    skip = bool(affine) if affine is not None else (
+        _affine_named(root if root is not None else files[0].parent))
+    n_layers = len(files)
+    shapes = [shapes_of(open_safetensors(path)) for path in files]
+    skip = _check_keys(files[0], shapes[0], skip)
+    if len(shapes[0]["w_enc"]) != 2:
+        raise TranscoderFormatError(f"{files[0]}: w_enc has shape {shapes[0]['w_enc']}")
+    d_model, width = shapes[0]["w_enc"]
+    disk_dtype = str(open_safetensors(files[0]).get_slice("w_enc").get_dtype())
+    if disk_dtype not in DTYPE_NAMES:
+        raise TranscoderFormatError(f"{files[0]}: w_enc is {disk_dtype}, not floating point")
+    full = []
+    for layer, (path, shape) in enumerate(zip(files, shapes, strict=True)):
+        _check_keys(path, shape, skip)
+        targets = shape["w_dec"][1] if len(shape["w_dec"]) == 3 else None
+        if targets not in (n_layers, n_layers - layer):
+            raise TranscoderFormatError(
+                f"{path}: w_dec has shape {shape['w_dec']}; with {n_layers} layer files it "
+                f"must be [{width}, {n_layers}, {d_model}] (or [{width}, {n_layers - layer}, "
+                f"{d_model}])")
+        full.append(targets == n_layers)
+        _check_shapes(path, shape, {
+            "w_enc": (d_model, width), "b_enc": (width,), "threshold": (width,),
+            "b_dec": (d_model,), "w_dec": (width, targets, d_model)}
+            | ({SKIP: (d_model, d_model)} if skip else {}))
+    names = ["w_enc", "b_enc", "threshold", "b_dec"] + ([SKIP] if skip else []) \
+        + ([] if lazy_decoder else ["w_dec"])
+    tensors = [read_tensors(path, names) for path in files]
+    handles, W_dec = [], []
+    for layer, path in enumerate(files):
+        if lazy_decoder:
+            w, mapped = mmap_tensor(path, "w_dec")
+            handles.append(mapped)
+        else:
+            w = tensors[layer]["w_dec"]
+        w = w[:, layer:] if full[layer] else w
+        W_dec.append(w if lazy_decoder else w.to(device, dtype).clone())
+    try:
+        cfg = TranscoderConfig(model_name or str(meta.get("model_name") or ""), n_layers,
+                               d_model, width, input_hook, output_hook, CROSS_LAYER,
+                               DTYPE_NAMES.get(disk_dtype, disk_dtype), "jumprelu", None,
+                               skip, scan)
+    except ValueError as error:
+        raise TranscoderFormatError(f"{source}: {error}") from None
+    clt = Transcoder(
+        cfg, b_enc=torch.stack([t["b_enc"].to(dtype) for t in tensors]),
+        threshold=torch.stack([t["threshold"].to(dtype).clamp(min=0) for t in tensors]),
+        b_dec=torch.stack([t["b_dec"].to(dtype) for t in tensors]),
+        W_enc=torch.stack([t["w_enc"].to(dtype).T for t in tensors]), W_dec=W_dec,
+        W_skip=[t[SKIP].to(dtype).T for t in tensors] if skip else None,
+        dtype=dtype, device=device, source=str(source if root is None else root))
+    if lazy_decoder:
+        clt._handles = handles
+    return clt
