@@ -45,5 +45,6 @@ def test_every_shipped_spec_is_in_the_golden_file():
 
 
 @pytest.mark.parametrize("name", sorted(json.loads(GOLDEN.read_text())))
+@pytest.mark.numerics
 def test_same_numbers_as_before(numbers, name):
     _close(numbers[name], json.loads(GOLDEN.read_text())[name], name)

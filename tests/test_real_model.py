@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SPEC_DIR
+from _support.data import SPEC_DIR
 
 from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.prompts import tokenize_prompt
@@ -24,6 +24,7 @@ def test_subject_pieces(smollm2):
     assert prompt.subject_range == (1, 4)
 
 
+@pytest.mark.numerics
 def test_noise_collapses_paris_and_restoring_the_last_layer_brings_it_back(smollm2):
     model, tokenizer = smollm2
     spec = dict(EIFFEL, interventions=[

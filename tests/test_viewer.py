@@ -9,14 +9,14 @@ import shutil
 import threading
 
 import pytest
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 
 from pyvene_causaltrace import attribute
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.viewer import find_graphs, make_server
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.process]
 
 
 def _kept(nodes: list[dict], threshold: float) -> int:
