@@ -95,6 +95,7 @@ def test_a_per_layer_set_with_skip_is_linear_too(world, tmp_path):
     assert np.abs(predicted - measured).max() <= 1e-5 * np.abs(measured).max()
 
 
+@pytest.mark.numerics
 def test_total_effects_equal_the_dense_path_sum(world):
     """``total_effects`` from the sparse rows equals ``w (I - D)^-1`` from the dense matrix of
     derivatives (edges divided by the source's activation), in float64."""

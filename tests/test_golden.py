@@ -39,6 +39,7 @@ def _close(got, want, where: str) -> None:
                                    atol=atol, err_msg=where)
 
 
+@pytest.mark.core
 def test_every_shipped_spec_is_in_the_golden_file():
     golden = json.loads(GOLDEN.read_text())
     assert {p.name for p in SPECS.glob("*.json")} <= set(golden)

@@ -17,6 +17,7 @@ EIFFEL = {"schema_version": 1, "prompt": "The Eiffel Tower is in the city of",
           "subject": "The Eiffel Tower", "answer": " Paris"}
 
 
+@pytest.mark.core
 def test_subject_pieces(smollm2):
     _, tokenizer = smollm2
     prompt = tokenize_prompt(tokenizer, EIFFEL["prompt"], "Eiffel Tower")
@@ -25,6 +26,7 @@ def test_subject_pieces(smollm2):
 
 
 @pytest.mark.numerics
+@pytest.mark.core
 def test_noise_collapses_paris_and_restoring_the_last_layer_brings_it_back(smollm2):
     model, tokenizer = smollm2
     spec = dict(EIFFEL, interventions=[

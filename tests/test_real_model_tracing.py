@@ -112,6 +112,7 @@ def test_engine_equals_batch_one_loop(eiffel, smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_engine_equals_batch_one_loop_in_float64(smollm2):
     """In float64 the two paths agree to 1e-7 (measured 1.4e-8: Llama's RMSNorm still
     computes in float32)."""

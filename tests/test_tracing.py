@@ -74,11 +74,13 @@ def test_engine_equals_batch_one_loop_for_every_kind(arch, plan):
 @pytest.mark.parametrize("options", [dict(reuse_prefix=False), dict(replay_layers=False),
                                      dict(reuse_prefix=False, replay_layers=False)],
                          ids=["no-prefix", "no-replay", "neither"])
+@pytest.mark.numerics
 def test_engine_without_its_shortcuts(options):
     _engine_against_loop("llama", "fine", torch.float32, rel=1e-6, **options)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+@pytest.mark.numerics
 def test_engine_equals_batch_one_loop_in_float64(arch):
     """In float64 only rounding separates the two paths (Qwen's RMSNorm computes in float32)."""
     worst = _engine_against_loop(arch, "fine", torch.float64, rel=1e-6)

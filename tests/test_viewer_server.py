@@ -172,6 +172,7 @@ def test_a_foreign_host_gets_403_and_nothing(hostile):
         assert get(port, "/api/graphs", "localhost", "evil.example") == (403, b"")
 
 
+@pytest.mark.process
 def test_loopback_host_names_are_served(hostile):
     with running(hostile) as port:
         for host in ("localhost", f"localhost:{port}", "127.0.0.1", f"127.0.0.1:{port}",
@@ -260,6 +261,7 @@ def test_a_bad_port_is_one_error_line(hostile, port, capsys):
         make_server(hostile, port=int(port))
 
 
+@pytest.mark.process
 def test_a_port_in_use_is_one_error_line(hostile, capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
