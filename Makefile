@@ -24,6 +24,9 @@ PEER_CIRCUIT_TRACER ?= 0.5.0
 PEER_NNSIGHT ?= 0.6.3
 PEER_TRANSFORMER_LENS ?= 3.2.1
 VENV_PEER ?= .venv-peer
+# the oldest-transformers tier runs in the peer's environment; VENV_OLDEST=.venv-transformers4
+# builds a separate one (transformers 4.57.3 alone) if the peer's pins ever break the tiny tier
+VENV_OLDEST ?= $(VENV_PEER)
 
 .PHONY: setup trace test test-extra test-all test-numerics test-oldest test-peer lint attribute
 setup: $(VENV)/.installed
@@ -67,9 +70,18 @@ $(VENV_PEER)/.installed: pyproject.toml
 		"transformer-lens==$(PEER_TRANSFORMER_LENS)"
 	touch $@
 
-# the tiny-model tests on the oldest transformers we support, in the peer's environment
-test-oldest: $(VENV_PEER)/.installed
-	$(VENV_PEER)/bin/python -m pytest $(XDIST) -m "not real_model and not browser and not slow" \
+ifneq ($(VENV_OLDEST),$(VENV_PEER))
+$(VENV_OLDEST)/.installed: pyproject.toml
+	python3 -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_OLDEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VENV_OLDEST)/bin/python -m pip install -q -e ".[dev]" "transformers==$(OLDEST_TRANSFORMERS)"
+	touch $@
+endif
+
+# the tiny-model tests on the oldest transformers we support (by default in the peer's venv)
+test-oldest: $(VENV_OLDEST)/.installed
+	$(VENV_OLDEST)/bin/python -m pytest $(XDIST) -m "not real_model and not browser and not slow" \
 		$(PYTEST_FLAGS) $(ARGS)
 
 test-peer: $(VENV_PEER)/.installed
