@@ -16,8 +16,6 @@ from pyvene_causaltrace import attribute
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.viewer import find_graphs, make_server
 
-pytestmark = [pytest.mark.browser, pytest.mark.process]
-
 
 def _kept(nodes: list[dict], threshold: float) -> int:
     """How many nodes the page shows at a node threshold: tokens, the logit, and the rest while
@@ -55,6 +53,8 @@ def test_the_server_lists_and_serves_only_graphs(graphs):
     assert find_graphs(graphs) == ["eiffel/graph.json", "space/graph.json"]
 
 
+@pytest.mark.browser
+@pytest.mark.process
 def test_the_page_in_headless_chromium(graphs):
     chromium = _chromium()
     from playwright.sync_api import sync_playwright
