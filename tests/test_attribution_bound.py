@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 import torch
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 
 from pyvene_causaltrace.attribution import (
     ReplacementModel,

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import pandas as pd
 import pytest
 import torch
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 from transcoder_fixtures import random_set, write_circuit_tracer
 
 from pyvene_causaltrace.attribution import AttributionGraph, GraphFileError, MemoryCapError

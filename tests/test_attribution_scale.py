@@ -15,8 +15,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 from dense_reading import graph_scores as dense_scores
 from dense_reading import node_influence, square
 from dense_reading import prune as dense_prune
@@ -48,6 +48,7 @@ def budgeted(request, tmp_path_factory, tokenizer):
     return model, clt, graph
 
 
+@pytest.mark.numerics
 def test_budgeted_rows_are_the_full_graphs_rows_and_close(budgeted, tokenizer):
     model, clt, graph = budgeted
     assert graph.n_features >= 20_000 and graph.n_explored == BUDGET
@@ -88,6 +89,7 @@ def test_ranking_beats_a_random_choice_of_rows(budgeted):
     assert share > 5 * explored.float().mean()
 
 
+@pytest.mark.numerics
 def test_sparse_reading_equals_the_dense_reference(tmp_path, tokenizer):
     model = make_tiny_model("llama", init=0.2)
     clt = load_from_disk(str(write_clt(tmp_path / "c", random_clt_tensors(3, 32, 48, 0, 0.1))))
@@ -229,6 +231,7 @@ def test_exports_carry_neuronpedia_required_fields(budgeted, tmp_path):
         check_graph_json(broken)
 
 
+@pytest.mark.numerics
 def test_row_store_chunks_round_trip_and_checks():
     from pyvene_causaltrace.attribution.store import RowStore
 

@@ -15,8 +15,8 @@ from functools import partial
 
 import pytest
 import torch
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 
 from pyvene_causaltrace.attribution import (
     CLOSURE_TOLERANCE,
@@ -118,6 +118,7 @@ def steered(setup, tokenizer):
     return pv_model, graph, out_delta, in_delta
 
 
+@pytest.mark.numerics
 def test_additions_are_steering_nodes_and_the_graph_closes(setup, steered):
     model, _, ids = setup
     _, graph, _, _ = steered
@@ -145,6 +146,7 @@ def test_additions_are_steering_nodes_and_the_graph_closes(setup, steered):
     assert sum(m["contribution"] for m in meta) == pytest.approx(parts["steering"], abs=1e-9)
 
 
+@pytest.mark.numerics
 def test_steering_nodes_carry_the_hand_computed_contribution(setup, steered, tokenizer):
     """Per position, ``sum(delta * d target / d delta)`` from leaves of our own in hand hooks
     on the bare model equals the steering nodes' edges; the target and the logits are the bare
@@ -170,6 +172,7 @@ def test_steering_nodes_carry_the_hand_computed_contribution(setup, steered, tok
     assert (pv_logits - hand_logits).abs().max() <= 1e-6
 
 
+@pytest.mark.numerics
 def test_without_steering_nodes_the_same_edit_misses_exactly_their_share(setup, steered,
                                                                           tokenizer):
     """The bare model with the edits as hand hooks: the graph cannot see them, so it is
@@ -195,6 +198,7 @@ def test_without_steering_nodes_the_same_edit_misses_exactly_their_share(setup, 
 # ---------------------------------------------------------------- (b) other affine edits
 
 
+@pytest.mark.numerics
 def test_subtraction_is_addition_of_the_negated_vector(setup, tokenizer):
     model, clt, _ = setup
     (delta,) = _vectors(7, 1)
@@ -211,6 +215,7 @@ def test_subtraction_is_addition_of_the_negated_vector(setup, tokenizer):
     assert sub.steering[0]["class"] == "SubtractionIntervention"
 
 
+@pytest.mark.numerics
 def test_zero_ablation_adds_no_node(setup, tokenizer):
     """ZeroIntervention has no constant part: no steering node (zeroing a block's output would
     zero the logits of this bias-free model: MLP 1's output it is)."""
@@ -229,6 +234,7 @@ def test_zero_ablation_adds_no_node(setup, tokenizer):
     assert graph.closure.relative < 1e-6
 
 
+@pytest.mark.numerics
 def test_noise_add_and_restores_are_nodes_at_their_positions(setup, tokenizer):
     """noise_add at two positions of the residual stream: two nodes, carrying what the bare
     model with the same noise as a hand hook misses; a clean_restore with states: one node,
@@ -261,6 +267,7 @@ def test_noise_add_and_restores_are_nodes_at_their_positions(setup, tokenizer):
     assert abs(blind.closure.residual) > 1e-3
 
 
+@pytest.mark.numerics
 def test_edits_of_replaced_outputs_are_inside_their_node_or_refused(setup, tokenizer):
     """Where the local replacement model replaces a module's output by its own leaf (token
     embeddings) the edit's constant is inside the token nodes: no steering node, the graph

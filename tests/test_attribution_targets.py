@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 from dense_reading import compute_influence, normalize_matrix, square
 from dense_reading import logit_weights as dense_weights
 from dense_reading import prune as dense_prune
@@ -51,6 +51,7 @@ def _clean_logits(model, tokenizer):
         return ids, model(input_ids=ids).logits
 
 
+@pytest.mark.numerics
 def test_salient_logits_are_circuit_tracers_choice_each_a_closing_row(setup, tokenizer,
                                                                        salient):
     model, _ = setup
@@ -76,6 +77,7 @@ def test_salient_logits_are_circuit_tracers_choice_each_a_closing_row(setup, tok
     assert graph.metadata["targets"]["chosen"] == graph.n_logits
 
 
+@pytest.mark.numerics
 def test_probability_weighted_influence_and_pruning_equal_a_dense_reference(salient):
     graph = salient
     adjacency = square(graph).double()
@@ -100,6 +102,7 @@ def test_probability_weighted_influence_and_pruning_equal_a_dense_reference(sali
     assert torch.allclose(graph.target_row().double(), mean_row, atol=1e-6)
 
 
+@pytest.mark.numerics
 def test_logit_nodes_in_the_node_table_and_the_export(salient, tmp_path):
     graph = salient
     nodes = graph.nodes()
@@ -128,6 +131,7 @@ def test_multi_logit_graph_round_trips_exactly(salient, tmp_path):
     assert torch.equal(back.prune().node_mask, graph.prune().node_mask)
 
 
+@pytest.mark.numerics
 def test_an_answer_keeps_the_single_target_of_weight_one(setup, tokenizer, salient):
     model, clt = setup
     readable = [j for j, t in enumerate(salient.targets) if j and tokenizer(
@@ -142,6 +146,7 @@ def test_an_answer_keeps_the_single_target_of_weight_one(setup, tokenizer, salie
     assert torch.allclose(row, salient.target_row(j), atol=1e-5 * float(row.abs().max()))
 
 
+@pytest.mark.numerics
 def test_a_direction_target_explains_its_projection(setup, tokenizer):
     model, clt = setup
     d_model = get_adapter(model).hidden_size(model)
@@ -166,6 +171,7 @@ def test_a_direction_target_explains_its_projection(setup, tokenizer):
     check_graph_json(graph.to_json())
 
 
+@pytest.mark.numerics
 def test_a_demeaned_unembedding_direction_is_the_demeaned_vocab_logit(tokenizer, tmp_path):
     """circuit-tracer's logit targets are directions ``W_U[t] - mean(W_U)`` on the unembedding's
     input: the same row as our vocabulary-demeaned logit (Llama: no unembedding bias)."""
@@ -181,6 +187,7 @@ def test_a_demeaned_unembedding_direction_is_the_demeaned_vocab_logit(tokenizer,
     assert torch.allclose(a, b, atol=1e-5 * float(a.abs().max()))
 
 
+@pytest.mark.numerics
 def test_bos_errors_drop_moves_the_bos_errors_into_the_constants(setup, tokenizer):
     model, clt = setup
     kept = attribute(model, tokenizer, clt, PROMPT, max_n_logits=3, batch_size=16)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import PROMPT, SPEC_DIR, SUBJECT, make_tiny_model
+from _support.data import SPEC_DIR
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace.cli import main
 
@@ -17,13 +16,6 @@ def model_dir(tmp_path, tokenizer):
     make_tiny_model("llama").save_pretrained(tmp_path / "tiny")
     tokenizer.save_pretrained(tmp_path / "tiny")
     return tmp_path / "tiny"
-
-
-def test_help_is_fast_and_does_not_import_pyvene():
-    code = ("import sys; from pyvene_causaltrace.cli.parser import build_parser; build_parser(); "
-            "print('pyvene' in sys.modules, 'transformers' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.stdout.strip() == "False False"
 
 
 def test_validate(tmp_path, capsys):
@@ -93,20 +85,16 @@ def test_trace_bad_requests_exit_2(model_dir, capsys, args, message):
     assert message in capsys.readouterr().err
 
 
-def test_clt_check(tmp_path, tokenizer, capsys):
+def test_clt_check(tmp_path, trained_tiny, fitted_clt, capsys):
+    from _support.data import fact_texts
     from clt_fixtures import random_clt_tensors, write_clt
-    from conftest import fact_texts, train_tiny_lm
-
-    from pyvene_causaltrace.transcoders.fit import fit_clt
 
     texts = fact_texts()
-    model = train_tiny_lm(make_tiny_model("llama"), tokenizer, texts[:1000])
-    model.save_pretrained(tmp_path / "m")
-    tokenizer.save_pretrained(tmp_path / "m")
-    clt, _ = fit_clt(model, tokenizer, texts[:150], d_transcoder=128, steps=300)
+    _, model_dir = trained_tiny("llama")  # saved with its tokenizer
+    clt, _ = fitted_clt("llama")
     clt.save_model(str(tmp_path / "fitted"))
     (tmp_path / "held_out.txt").write_text("\n".join(texts[1000:1020]))
-    args = ["clt-check", "--model", str(tmp_path / "m"), "--data",
+    args = ["clt-check", "--model", str(model_dir), "--data",
             str(tmp_path / "held_out.txt"), "--prompt", texts[1100]]
     assert main([*args, "--clt", str(tmp_path / "fitted"), "--out", str(tmp_path / "o")]) == 0
     report = json.loads((tmp_path / "o" / "clt_check.json").read_text())
@@ -117,6 +105,7 @@ def test_clt_check(tmp_path, tokenizer, capsys):
     assert "MISPAIRED" in capsys.readouterr().out
 
 
+@pytest.mark.numerics
 def test_attribute_writes_the_graph_files(model_dir, tmp_path, capsys):
     from clt_fixtures import random_clt_tensors, write_clt
 
@@ -174,6 +163,7 @@ def test_attribute_cross_check_writes_its_json_and_figure(model_dir, tmp_path, c
         "residual"]["all"]
 
 
+@pytest.mark.numerics
 def test_attribute_with_a_per_layer_set_and_labels(model_dir, tmp_path, capsys):
     from transcoder_fixtures import random_set, write_sparsify
 
@@ -232,6 +222,7 @@ def test_validate_with_a_model_checks_layers_positions_and_modules(model_dir, tm
     assert f"ok      {good} (on {model_dir})" in out and "$.subject" in out
 
 
+@pytest.mark.numerics
 def test_attribute_with_several_logits_a_direction_and_dropped_bos_errors(model_dir, tmp_path,
                                                                           capsys):
     from clt_fixtures import random_clt_tensors, write_clt

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace.cli import main
 
@@ -301,6 +301,7 @@ def test_validate_reports_every_file(root, capsys):
     assert out.count("invalid") == 3 and f"ok      {root / 'spec.json'}" in out
 
 
+@pytest.mark.process
 def test_a_bug_still_shows_its_traceback(root):
     """Only user mistakes are caught: an internal error keeps its traceback."""
     code = ("import sys; import pyvene_causaltrace.cli as cli, pyvene_causaltrace.cli.trace as t; "

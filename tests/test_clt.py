@@ -7,8 +7,8 @@ import importlib
 
 import pytest
 import torch
+from _support.models import make_tiny_model
 from clt_fixtures import dense_reference, random_clt_tensors, write_clt
-from conftest import make_tiny_model
 
 from pyvene_causaltrace import errors, transcoders
 from pyvene_causaltrace.transcoders import (
@@ -35,6 +35,7 @@ def _resid(seed=1):
 
 @pytest.mark.parametrize("disk_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lazy_decoder, lazy_encoder", [(True, False), (False, True)])
+@pytest.mark.numerics
 def test_encode_and_reconstruct_equal_the_dense_reference(tmp_path, tensors, disk_dtype,
                                                           lazy_decoder, lazy_encoder):
     as_disk = {k: ([w.to(disk_dtype) for w in v] if k == "W_dec" else v.to(disk_dtype))
@@ -70,6 +71,7 @@ def test_jumprelu_threshold_is_strict_and_bos_is_zeroed(tmp_path, tensors):
 
 
 @pytest.mark.parametrize("disk_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.numerics
 def test_save_model_round_trip_is_byte_exact(tmp_path, tensors, disk_dtype):
     source = write_clt(tmp_path / "src", tensors, model_name="org/tiny", dtype=disk_dtype)
     clt = Transcoder.from_pretrained(str(source))
@@ -150,6 +152,7 @@ def test_clt_must_fit_the_model(tmp_path, tensors):
         check_fits(clt, make_tiny_model("llama", n_layers=4))
 
 
+@pytest.mark.numerics
 def test_sae_lens_views_and_converters(tmp_path, tensors):
     from sae_lens import SAE
     from sae_lens.saes.transcoder import JumpReLUTranscoder

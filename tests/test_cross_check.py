@@ -18,8 +18,8 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, SUBJECT, make_tiny_model
 from transcoder_fixtures import random_set, write_circuit_tracer
 
 from pyvene_causaltrace import Tracer
@@ -59,6 +59,7 @@ def world(request, tmp_path_factory, tokenizer):
     return model, tokenizer, clt, tracer, graph, root
 
 
+@pytest.mark.numerics
 def test_in_the_local_replacement_model_the_prediction_is_the_patch(world):
     """Every (feature, seed): predicted == measured to 1e-5 of the largest effect."""
     _, _, clt, tracer, graph, _ = world
@@ -80,6 +81,7 @@ def test_in_the_local_replacement_model_the_prediction_is_the_patch(world):
             assert m["baseline_target"] == pytest.approx(graph.closure.target, abs=1e-5)
 
 
+@pytest.mark.numerics
 def test_a_per_layer_set_with_skip_is_linear_too(world, tmp_path):
     """The skip path is a linear route the total effects must include."""
     model, tokenizer, _, tracer, _, _ = world
@@ -93,6 +95,7 @@ def test_a_per_layer_set_with_skip_is_linear_too(world, tmp_path):
     assert np.abs(predicted - measured).max() <= 1e-5 * np.abs(measured).max()
 
 
+@pytest.mark.numerics
 def test_total_effects_equal_the_dense_path_sum(world):
     """``total_effects`` from the sparse rows equals ``w (I - D)^-1`` from the dense matrix of
     derivatives (edges divided by the source's activation), in float64."""
@@ -111,6 +114,7 @@ def test_total_effects_equal_the_dense_path_sum(world):
                           atol=1e-9 * float(expected.abs().max()))
 
 
+@pytest.mark.numerics
 def test_site_grids_add_up_and_compare_the_reachable_cells(world):
     _, _, _, tracer, graph, _ = world
     influence = graph.influence().double()
@@ -196,6 +200,7 @@ def test_mismatched_inputs_are_refused(world, tokenizer):
         cross_check(graph, Tracer(wrapped, tokenizer, PROMPT, SUBJECT, answer=ANSWER, seeds=1))
 
 
+@pytest.mark.numerics
 def test_batched_patches_equal_one_forward_each(world, monkeypatch):
     """Rows of one batch (each its own feature and value) equal one forward per row."""
     from pyvene_causaltrace.crosscheck import features as module
@@ -215,6 +220,7 @@ def test_batched_patches_equal_one_forward_each(world, monkeypatch):
     assert (batched[0][1:] - batched[0][0]).abs().max() > 1e-3  # the patches do something
 
 
+@pytest.mark.numerics
 def test_in_the_replacement_model_only_threshold_crossings_break_the_prediction(world,
                                                                                   tmp_path):
     """A JumpReLU CLT whose features do switch: every patch that switches none is predicted

@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import known_facts, make_tiny_model
+from _support.data import known_facts
+from _support.models import make_tiny_model
 
 from pyvene_causaltrace.dataset import (
     TASKS,
@@ -111,7 +112,7 @@ def test_bootstrap_interval_brackets_the_mean_and_ignores_missing():
 # ------------------------------------------------------------------------------ records
 
 def test_project_facts_read_as_known_1000_does():
-    from conftest import PROJECT_FACTS
+    from _support.data import PROJECT_FACTS
 
     records, errors = read_records(PROJECT_FACTS)
     assert len(records) == 1200 and not errors
@@ -178,6 +179,7 @@ def _facts_file(tmp_path, n):
     return path
 
 
+@pytest.mark.numerics
 def test_aggregate_matches_a_direct_computation_and_ignores_row_order(tmp_path, tokenizer):
     result = _run(tokenizer, tmp_path, "run", kinds=["residual", "mlp"], seeds=2)
     rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").open()]
@@ -258,6 +260,7 @@ def _dataset_args(model_dir, facts, out):
             "--kinds", "residual,mlp", "--seeds", "2", "--boot", "100", "--out", out]
 
 
+@pytest.mark.process
 def test_resume_after_kill_gives_the_uninterrupted_aggregate(tmp_path, model_dir):
     facts = _facts_file(tmp_path, 24)
     full = subprocess.run(_cli(*_dataset_args(model_dir, facts, tmp_path / "full")),
@@ -292,6 +295,7 @@ def test_resume_after_kill_gives_the_uninterrupted_aggregate(tmp_path, model_dir
     assert_same_aggregate(a, b)
 
 
+@pytest.mark.process
 def test_two_process_shards_merge_to_the_single_process_aggregate(tmp_path, model_dir):
     facts = _facts_file(tmp_path, 10)
     single = subprocess.run(_cli(*_dataset_args(model_dir, facts, tmp_path / "single")),
@@ -323,6 +327,7 @@ def test_task_spans_are_the_last_occurrence():
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.numerics
 def test_each_task_runs_on_a_tiny_model(task, tmp_path, tokenizer):
     model = make_tiny_model("qwen3")
     result = trace_dataset(model, tokenizer, TASKS[task].records, out=tmp_path / task,

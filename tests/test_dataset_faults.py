@@ -16,7 +16,7 @@ import time
 import tracemalloc
 
 import pytest
-from conftest import make_tiny_model
+from _support.models import make_tiny_model
 from test_dataset import tiny_records, write_jsonl
 
 import pyvene_causaltrace.cli.dataset as cli_dataset
@@ -284,6 +284,7 @@ def _cli_process(*argvs, **options):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **options)
 
 
+@pytest.mark.process
 def test_sigint_to_a_real_run(files, tmp_path):
     """SIGINT to a command-line run: exit 130, one line and no traceback, whole batches on
     disk; the rerun ends equal to an uninterrupted run in the same setting (made by the same

@@ -12,8 +12,8 @@ import time
 import jsonschema
 import numpy as np
 import pytest
+from _support.models import make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import make_tiny_model
 from test_dataset import tiny_records, write_jsonl
 from test_dataset_faults import _cli_process
 
@@ -98,6 +98,7 @@ def comparable(result: DatasetResult) -> dict:
 
 # ---------------------------------------------------------------------- rows and aggregate
 
+@pytest.mark.numerics
 def test_one_graph_row_per_fact_and_the_aggregate(reference, tmp_path):
     out, result = reference
     rows = graph_rows(out)
@@ -251,6 +252,7 @@ def spearmanr(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(_average_ranks(a), _average_ranks(b))[0, 1])
 
 
+@pytest.mark.process
 def test_resume_after_kill_9_gives_the_uninterrupted_aggregate(files, tmp_path):
     """``kill -9`` mid-run, then a rerun: the rows, the graph rows (their timings aside) and
     aggregate.json (graphs included) equal an uninterrupted run's, made by the same process

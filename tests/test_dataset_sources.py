@@ -81,7 +81,7 @@ def test_an_unknown_name_lists_the_named_datasets():
 
 
 def test_rome_known_1000_checksum_matches_the_real_file(monkeypatch):
-    from conftest import known_facts
+    from _support.data import known_facts
 
     monkeypatch.setenv("PVCT_KNOWN_1000", str(known_facts()))
     records, errors = read_records("known_1000")

@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _support.data import PROJECT_FACTS, ROOT
+from _support.models import make_tiny_model, train_tiny_lm
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROJECT_FACTS, ROOT, make_tiny_model, train_tiny_lm
 
 import pyvene_causaltrace
 from pyvene_causaltrace import models as model_module

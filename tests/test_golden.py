@@ -39,11 +39,13 @@ def _close(got, want, where: str) -> None:
                                    atol=atol, err_msg=where)
 
 
+@pytest.mark.core
 def test_every_shipped_spec_is_in_the_golden_file():
     golden = json.loads(GOLDEN.read_text())
     assert {p.name for p in SPECS.glob("*.json")} <= set(golden)
 
 
 @pytest.mark.parametrize("name", sorted(json.loads(GOLDEN.read_text())))
+@pytest.mark.numerics
 def test_same_numbers_as_before(numbers, name):
     _close(numbers[name], json.loads(GOLDEN.read_text())[name], name)

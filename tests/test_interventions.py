@@ -7,7 +7,7 @@ from contextlib import ExitStack
 
 import pytest
 import torch
-from conftest import ALL_ARCHS, make_tiny_model
+from _support.models import ALL_ARCHS, make_tiny_model
 from reference import add_at, edit_output, recipe_noise, set_positions
 
 from pyvene_causaltrace.capture import capture
@@ -40,6 +40,7 @@ def run(model, reps, ids):
         return pv_model(base={"input_ids": ids})[1].logits
 
 
+@pytest.mark.numerics
 def test_noise_add_changes_exactly_the_chosen_positions_by_the_recipe(tiny):
     arch, model = tiny
     adapter = get_adapter(model)
@@ -87,6 +88,7 @@ def _reference_row(model, ids, seed, noise_positions, edits):
         return model(input_ids=ids[:1]).logits
 
 
+@pytest.mark.numerics
 def test_clean_restore_per_row_masks_equal_batch_one_loop(tiny):
     arch, model = tiny
     adapter = get_adapter(model)
@@ -104,6 +106,7 @@ def test_clean_restore_per_row_masks_equal_batch_one_loop(tiny):
         torch.testing.assert_close(batched[row:row + 1], expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.numerics
 def test_window_restore_per_row_masks_equal_batch_one_loop(tiny):
     arch, model = tiny
     adapter = get_adapter(model)
@@ -137,6 +140,7 @@ def test_window_layers_follow_rome_centring():
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
+@pytest.mark.numerics
 def test_restoring_every_position_at_last_block_gives_clean_logits(arch):
     model = make_tiny_model(arch)
     adapter = get_adapter(model)
@@ -170,6 +174,7 @@ def test_freeze_holds_values_from_another_run(tiny):
     assert torch.equal(seen[:, [1, 2, 3]], free[:, [1, 2, 3]])
 
 
+@pytest.mark.numerics
 def test_restore_without_states_uses_pyvene_source(tiny):
     arch, model = tiny
     adapter = get_adapter(model)
@@ -200,6 +205,7 @@ def _frozen_norm_reference(module, kind: str):
 
 
 @pytest.mark.parametrize("arch", ALL_ARCHS)
+@pytest.mark.numerics
 def test_frozen_layernorm_keeps_forward_and_gives_frozen_gradient(arch):
     model = make_tiny_model(arch)
     adapter = get_adapter(model)

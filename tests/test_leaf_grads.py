@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 import torch
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 from transcoder_fixtures import random_set, write_circuit_tracer, write_sparsify
 
 from pyvene_causaltrace.attribution import demeaned_logit, run_local_replacement
@@ -66,6 +66,7 @@ CASES = [("llama", "clt"), ("gpt2", "clt"), ("qwen3", "clt"), ("llama", "set_ski
 
 
 @pytest.mark.parametrize("arch,kind", CASES)
+@pytest.mark.numerics
 def test_rows_equal_autograd_on_every_leaf(arch, kind, tmp_path, tokenizer):
     run = _run(arch, kind, tmp_path, tokenizer)
     assert run.n_features > 30
@@ -95,6 +96,7 @@ def test_rows_equal_autograd_on_every_leaf(arch, kind, tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("arch,kind", [("llama", "clt"), ("gpt2", "set_skip")])
+@pytest.mark.numerics
 def test_leaf_grads_are_autograds(arch, kind, tmp_path, tokenizer):
     """Every leaf's gradient, not only the rows: the features' to float rounding, the others
     exactly (the same autograd graph without the writes' branch)."""
@@ -119,6 +121,7 @@ def test_leaf_grads_are_autograds(arch, kind, tmp_path, tokenizer):
 
 @pytest.mark.parametrize("arch,kind", [("llama", "clt"), ("gpt2", "clt"),
                                        ("llama", "set_skip"), ("gpt2", "sparsify")])
+@pytest.mark.numerics
 def test_float64_rows_equal_autograd_to_rounding(arch, kind, tmp_path, tokenizer):
     run = _run(arch, kind, tmp_path, tokenizer, dtype=torch.float64)
     index = torch.arange(run.n_features)

@@ -9,8 +9,8 @@ import types
 
 import pytest
 import torch
+from _support.models import PROMPT, SUBJECT, make_tiny_model, prompt_ids
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, SUBJECT, make_tiny_model, prompt_ids
 
 from pyvene_causaltrace import Tracer, attribute, run_spec, trace
 from pyvene_causaltrace.cli import main
@@ -154,6 +154,7 @@ def test_ctrl_c_during_a_trace_is_one_line_and_130(tokenizer, tmp_path, monkeypa
     assert not list((tmp_path / "out").glob("*.json"))  # nothing half-written
 
 
+@pytest.mark.numerics
 def test_a_graph_of_a_model_in_train_mode_is_its_eval_graph(tokenizer, tmp_path):
     """Dropout on (GPT-2's p=0.5): the graph is the eval model's, edge for edge, and closes."""
     model = _with_dropout()

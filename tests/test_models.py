@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_ARCHS, make_tiny_model
+from _support.models import ALL_ARCHS, make_tiny_model
 
 from pyvene_causaltrace.models import (
     ADAPTERS,
@@ -110,11 +110,39 @@ def test_load_model_by_hub_id_from_the_offline_hub_cache(tmp_path, tokenizer, mo
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 3
 
 
-def test_importing_the_package_has_no_heavy_side_effects():
-    import subprocess
-    import sys
+def test_two_conversions_at_once_make_one_whole_cache(tmp_path, monkeypatch):
+    """Two loaders converting SmolLM2 at once (two test workers): one converts, under a file
+    lock, into a folder of its own; the other waits and reads the finished copy. Before the
+    lock both wrote ``<target>.partial`` at once and the second rename failed."""
+    import threading
+    import time
 
-    code = ("import sys, pyvene_causaltrace as p; "
-            "print('pyvene' in sys.modules, 'transformers' in sys.modules, p.__version__)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.stdout.split()[:2] == ["False", "False"], done.stdout + done.stderr
+    from pyvene_causaltrace import models
+
+    monkeypatch.setenv("PYVENE_CAUSALTRACE_CACHE", str(tmp_path))
+    calls = []
+
+    def slow_convert(_gguf_dir, out):
+        calls.append(out)
+        (out / "model.safetensors").write_bytes(b"w")
+        time.sleep(0.3)  # the other loader arrives while this one is half done
+        (out / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_smollm2", slow_convert)
+    got, errors = [], []
+
+    def load():
+        try:
+            got.append(models._smollm2_cached_dir())
+        except Exception as error:  # noqa: BLE001 -- the test reports whatever a loader raised
+            errors.append(error)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(calls) == 1 and len(set(got)) == 1, (errors, calls, got)
+    target = tmp_path / got[0].rsplit("/", 1)[-1]
+    assert sorted(p.name for p in target.iterdir()) == ["model.safetensors", "tokenizer.json"]
+    assert [p.name for p in tmp_path.iterdir() if ".partial" in p.name] == []

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import PROMPT, SUBJECT, make_tiny_model
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 from reference import add_at, edit_output, recipe_noise
 
 from pyvene_causaltrace.cli import main
@@ -101,6 +101,7 @@ def contextlib_all(model, seed, layers, step, scale, sigma, subject):
 
 
 @pytest.mark.parametrize("base_class", ["Intervention", "SourcelessIntervention"])
+@pytest.mark.numerics
 def test_a_plain_pyvene_type_in_a_spec_equals_the_same_edit_by_hand_hooks(tokenizer,
                                                                            fresh_registry,
                                                                            base_class):
@@ -201,6 +202,7 @@ def on_disk(tmp_path, tokenizer, monkeypatch, fresh_registry):
     return tmp_path, plugin, spec
 
 
+@pytest.mark.numerics
 def test_cli_run_imports_the_plugins_flag(on_disk, capsys):
     root, plugin, spec = on_disk
     path = spec("pvct_shift_a")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPT, SUBJECT, make_tiny_model
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace import trace
 from pyvene_causaltrace.execute import run_spec
@@ -39,6 +39,7 @@ def _pv(model, representations, ours: bool = False):
 
 
 @pytest.mark.parametrize("unit", ["pos", "h.pos"])
+@pytest.mark.numerics
 def test_clean_restore_with_subspaces_is_vanillas_bit_for_bit(unit):
     """CleanRestore from a source with pyvene's subspaces (one list, or one per row, or through
     a subspace_partition) equals VanillaIntervention exactly, and differs from the full-width
@@ -76,6 +77,7 @@ def test_clean_restore_with_subspaces_is_vanillas_bit_for_bit(unit):
     assert torch.equal(parted[CleanRestore], parted[pv.VanillaIntervention])
 
 
+@pytest.mark.numerics
 def test_noise_add_with_subspaces_noises_only_those_dimensions():
     model = make_tiny_model("llama", init=0.2)
     embed = get_adapter(model).site("embed")
@@ -105,6 +107,7 @@ def test_noise_add_with_subspaces_noises_only_those_dimensions():
 # ------------------------------------------------------------------ head units (item 5)
 
 
+@pytest.mark.numerics
 def test_noise_add_at_head_units_is_the_noise_of_the_heads_concatenation():
     """noise_add at unit h.pos on the attention value output (o_proj's input) of heads [0, 1]
     at positions [1, 2] adds, head by head, the draw the same seed gives the concatenated heads
@@ -206,6 +209,7 @@ def test_noise_add_in_generate_noises_the_prompt_once(ours):
 # ------------------------------------- a user's model in our runs: clones (item 1)
 
 
+@pytest.mark.numerics
 def test_a_users_edit_at_a_pre_hook_site_leaves_the_upstream_output_alone(tokenizer):
     """AdditionIntervention at block_input (a pre-hook) in our runs: the previous block's
     output tensor is not written; the trace equals the same edit made by a hand hook that

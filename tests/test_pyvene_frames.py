@@ -9,7 +9,7 @@ from importlib.metadata import version
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from _support.models import make_tiny_model
 
 from pyvene_causaltrace.models import get_module
 from pyvene_causaltrace.pyvene_compat import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPT, SUBJECT, make_tiny_model
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 from reference import add_at, edit_output, recipe_noise, reload_in_fresh_process
 
 from pyvene_causaltrace.capture import capture
@@ -37,6 +37,7 @@ def _noise_and_edit_by_hand(model, ids, seed, noised, block, edit):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3"])
+@pytest.mark.numerics
 def test_with_vanilla_intervention_equals_both_by_hand(arch):
     model = make_tiny_model(arch)
     adapter = get_adapter(model)
@@ -63,6 +64,7 @@ def test_with_vanilla_intervention_equals_both_by_hand(arch):
     torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.numerics
 def test_with_rotated_space_intervention_equals_both_by_hand():
     model = make_tiny_model("llama")
     adapter = get_adapter(model)
@@ -128,6 +130,8 @@ def _every_type(model):
     ]
 
 
+@pytest.mark.process
+@pytest.mark.numerics
 def test_pyvene_save_then_load_in_a_fresh_process_reproduces_logits(tmp_path):
     model = make_tiny_model("llama")
     ids, representations = _every_type(model)

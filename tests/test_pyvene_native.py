@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, SUBJECT, make_tiny_model
 from reference import edit_output
 
 from pyvene_causaltrace import attribute, trace
@@ -37,6 +37,7 @@ def _zeroed_mlp(model):
                                       "intervention_type": pv.ZeroIntervention}], model)
 
 
+@pytest.mark.numerics
 def test_our_calls_take_a_pyvene_model_and_apply_its_interventions(tokenizer, tmp_path):
     """trace, Tracer, run_spec and attribute given a pv.IntervenableModel run the model with its
     interventions applied to every run: the same numbers as the plain model with the same edit
@@ -97,6 +98,7 @@ def _bare_buildable() -> list[str]:
             if get_intervention(name)._has_bare_defaults()]
 
 
+@pytest.mark.numerics
 def test_pyvene_builds_every_type_from_the_class():
     """``intervention_type=Cls`` builds each type with working defaults (the splice, which
     needs a transcoder, only from ``configured``): noise_add noises every position it is
@@ -128,6 +130,7 @@ def test_pyvene_builds_every_type_from_the_class():
             torch.testing.assert_close(out.logits, plain, msg=name)
 
 
+@pytest.mark.numerics
 def test_configured_classes_equal_instances(tokenizer, tmp_path):
     """``Cls.configured(**settings)`` given to pyvene (RepresentationConfig, intervention_types,
     add_intervention) runs exactly as the instance ``Cls(**settings)``."""

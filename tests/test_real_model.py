@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SPEC_DIR
+from _support.data import SPEC_DIR
 
 from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.prompts import tokenize_prompt
@@ -17,6 +17,7 @@ EIFFEL = {"schema_version": 1, "prompt": "The Eiffel Tower is in the city of",
           "subject": "The Eiffel Tower", "answer": " Paris"}
 
 
+@pytest.mark.core
 def test_subject_pieces(smollm2):
     _, tokenizer = smollm2
     prompt = tokenize_prompt(tokenizer, EIFFEL["prompt"], "Eiffel Tower")
@@ -24,6 +25,8 @@ def test_subject_pieces(smollm2):
     assert prompt.subject_range == (1, 4)
 
 
+@pytest.mark.numerics
+@pytest.mark.core
 def test_noise_collapses_paris_and_restoring_the_last_layer_brings_it_back(smollm2):
     model, tokenizer = smollm2
     spec = dict(EIFFEL, interventions=[

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import known_facts
+from _support.data import known_facts
 
 from pyvene_causaltrace.dataset import TASKS, read_records, trace_dataset
 
@@ -16,6 +16,7 @@ def _last_token_last_layer(result, kind="residual"):
     return result.aie[kind][result.roles.index("Last token")][-1]
 
 
+@pytest.mark.numerics
 def test_known_facts_screen_and_trace(smollm2, tmp_path):
     model, tokenizer = smollm2
     records, _ = read_records(known_facts())
@@ -33,6 +34,7 @@ def test_known_facts_screen_and_trace(smollm2, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.numerics
 def test_each_task_runs_on_smollm2(smollm2, tmp_path, name):
     model, tokenizer = smollm2
     task = TASKS[name]

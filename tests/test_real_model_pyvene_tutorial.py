@@ -23,6 +23,7 @@ def _example():
 
 @pytest.mark.parametrize("stream,layer,pos", [("mlp_output", 10, 3), ("attention_output", 4, 6),
                                               ("mlp_output", 0, 1)])
+@pytest.mark.numerics
 def test_tutorial_setup_equals_its_json_spec(smollm2, stream, layer, pos):
     model, tokenizer = smollm2
     example = _example()

@@ -7,7 +7,7 @@ import copy
 
 import numpy as np
 import pytest
-from conftest import SPEC_DIR
+from _support.data import SPEC_DIR
 from reference import reference_kind_cell
 
 from pyvene_causaltrace.defaults import WINDOW
@@ -37,6 +37,7 @@ def grids(results):
     return {kind: result.grid() for kind, result in results.items()}
 
 
+@pytest.mark.numerics
 def test_scale_sweep_picks_two_sigma(eiffel):
     sweep = eiffel.sweep
     assert eiffel.prompt.tokens[IFFEL] == "iffel" and eiffel.prompt.tokens[OF] == " of"
@@ -101,6 +102,7 @@ def _engine_against_loop(model, tracer) -> float:
     return worst
 
 
+@pytest.mark.numerics
 def test_engine_equals_batch_one_loop(eiffel, smollm2):
     """Measured 8.9e-7 at worst (1.8e-6 before rows started at their restored layer): float32
     rounding that depends on the batch's shape, as the float64 run below shows. At scale 3
@@ -110,6 +112,7 @@ def test_engine_equals_batch_one_loop(eiffel, smollm2):
 
 
 @pytest.mark.slow
+@pytest.mark.numerics
 def test_engine_equals_batch_one_loop_in_float64(smollm2):
     """In float64 the two paths agree to 1e-7 (measured 1.4e-8: Llama's RMSNorm still
     computes in float32)."""

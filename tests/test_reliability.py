@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, SUBJECT, make_tiny_model
 from test_dataset import _facts_file
 
 from pyvene_causaltrace import attribute, run_spec, trace
@@ -61,6 +61,7 @@ def _hold_lock(directory):
     return holder
 
 
+@pytest.mark.process
 def test_one_writer_per_output_directory(tmp_path, tokenizer):
     """While another process writes ``out`` a run on it is refused at once and writes nothing;
     once that process is killed (-9) its lock no longer blocks."""

@@ -13,7 +13,8 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, ROOT, SUBJECT, make_tiny_model
+from _support.data import ROOT
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace import spec_tensors
 from pyvene_causaltrace.execute import build_interventions, check_on_model, run_spec
@@ -90,7 +91,7 @@ def _fresh(tmp_path, body: str) -> None:
         import numpy as np
         import torch
         from transformers import AutoTokenizer
-        from conftest import make_tiny_model
+        from _support.models import make_tiny_model
         from pyvene_causaltrace.specs import load_spec
         from pyvene_causaltrace.tracing.tracer import tracer_from_spec
         from pyvene_causaltrace.execute import run_spec
@@ -120,6 +121,8 @@ def _trace_in_fresh_process(tmp_path, spec_path, arch: str, **model_options) -> 
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.process
+@pytest.mark.numerics
 def test_a_trace_spec_carries_the_pyvene_interventions_bit_for_bit(arch, tokenizer, tmp_path):
     model = make_tiny_model(arch, init=0.2)
     tokenizer.save_pretrained(tmp_path / "tokenizer")
@@ -151,6 +154,8 @@ def test_a_trace_spec_carries_the_pyvene_interventions_bit_for_bit(arch, tokeniz
     assert again["spec"] == result.spec  # the rerun writes the same spec back
 
 
+@pytest.mark.process
+@pytest.mark.numerics
 def test_run_spec_and_the_cli_rerun_a_result_spec_bit_for_bit(tokenizer, tmp_path):
     """run_spec on the pv model (ours among pyvene's: noise_add by its registered name) →
     result.spec saved → in a fresh process run_spec and ``pyvene-causaltrace run`` on the bare
@@ -190,6 +195,7 @@ def test_run_spec_and_the_cli_rerun_a_result_spec_bit_for_bit(tokenizer, tmp_pat
     assert cli["spec"]["model_interventions"] == entries
 
 
+@pytest.mark.process
 def test_a_big_constant_goes_through_a_safetensors_file(tokenizer, tmp_path):
     """A user's own class by import path, with a 256 x 32 buffer (over the inline limit):
     save_spec writes it beside the JSON with its sha256; a fresh process rebuilds it exactly;

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPT, SUBJECT, make_tiny_model
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace.execute import build_interventions
 from pyvene_causaltrace.interventions import get_intervention, list_interventions, registry

@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from conftest import PROMPT, SPEC_DIR, SUBJECT, make_tiny_model
+from _support.data import SPEC_DIR
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace.execute import build_intervenable, run_spec, to_pv_config
 from pyvene_causaltrace.locations import resolve_layers, resolve_positions
@@ -159,6 +160,7 @@ def test_semantic_errors_name_the_path(tokenizer):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3"])
+@pytest.mark.numerics
 def test_every_kind_of_entry_runs_through_pv_config(arch, tokenizer):
     """spec -> pv.IntervenableConfig -> IntervenableModel on each architecture, with every
     built-in type; restoring the last block at every position recovers exactly 1."""
@@ -202,6 +204,7 @@ def test_round_trip_keeps_every_field():
     assert load_spec(load_spec(data).to_dict()) == load_spec(data)
 
 
+@pytest.mark.numerics
 def test_third_party_type_in_a_spec(tokenizer, monkeypatch):
     from pyvene_causaltrace.interventions import register_intervention, registry
     from pyvene_causaltrace.interventions.base import (
@@ -249,12 +252,12 @@ def test_third_party_type_in_a_spec(tokenizer, monkeypatch):
 def test_subject_span_with_a_sentencepiece_style_tokenizer():
     """Metaspace pieces carry their leading space ('▁Tower'): the span must cover exactly the
     pieces with subject characters, not a neighbour whose offsets start at a space."""
-    from conftest import _CORPUS
+    from _support.models import CORPUS
     from tokenizers import SentencePieceBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
     sp = SentencePieceBPETokenizer()
-    sp.train_from_iterator(_CORPUS, vocab_size=120, min_frequency=1, special_tokens=["<s>"])
+    sp.train_from_iterator(CORPUS, vocab_size=120, min_frequency=1, special_tokens=["<s>"])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=sp)
     offsets = tokenizer(PROMPT, return_offsets_mapping=True)["offset_mapping"]
     for subject in ("Eiffel", "The Eiffel", "Tower", "Eiffel Tower is"):

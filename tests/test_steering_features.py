@@ -14,8 +14,8 @@ import json
 
 import pytest
 import torch
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 from transcoder_fixtures import random_set, write_circuit_tracer
 
 from pyvene_causaltrace import intervene_features
@@ -150,6 +150,7 @@ def _every_active_feature(tc, model, ids, shift: float = 0.0):
 
 
 @pytest.mark.parametrize("kind", ["clt", "per_layer_skip"])
+@pytest.mark.numerics
 def test_every_feature_at_its_clean_value_gives_the_clean_logits(kind, world, tmp_path):
     """Every active feature at every position set to its own clean value: with the errors
     held (and with the attention frozen, and with live errors) the logits are the clean ones;
@@ -173,6 +174,7 @@ def test_every_feature_at_its_clean_value_gives_the_clean_logits(kind, world, tm
     assert moved.max_abs_logit_diff > 1e-2
 
 
+@pytest.mark.numerics
 def test_a_boosted_feature_changes_the_greedy_text_as_the_reference_does(world):
     """A last-layer feature set far above its range at the last prompt position writes its
     decoder direction over the residual stream: the first generated token is that direction's
@@ -196,6 +198,7 @@ def test_a_boosted_feature_changes_the_greedy_text_as_the_reference_does(world):
 
 
 @pytest.mark.parametrize("hold_errors", [True, False])
+@pytest.mark.numerics
 def test_all_positions_reach_the_generated_tokens(world, hold_errors):
     """'all' sets the feature at every generated position too: each generated token is the
     direction's argmax, where setting it at every prompt position only lets the model go on
@@ -218,6 +221,7 @@ def test_all_positions_reach_the_generated_tokens(world, hold_errors):
 
 
 @pytest.mark.parametrize("hold_errors,freeze", [(True, False), (False, True)])
+@pytest.mark.numerics
 def test_the_result_spec_reproduces_the_python_call_exactly(world, hold_errors, freeze):
     """result.spec through run_spec gives bit for bit the same answer probability; the spec
     round-trips (spec -> interventions -> spec) exactly, values per feature included."""
@@ -348,6 +352,7 @@ def test_steer_command_round_trips_through_its_spec(world, tmp_path, capsys):
     assert again == written
 
 
+@pytest.mark.numerics
 def test_a_held_attention_pattern_mixes_live_values_by_the_held_weights(world):
     """frozen_attention with a pattern: the attention output at the pattern's query positions is
     o_proj(pattern @ values) of the live values (grouped-query heads repeated), computed here by

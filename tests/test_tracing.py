@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT, SPEC_DIR, SUBJECT, make_tiny_model
+from _support.data import SPEC_DIR
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 from reference import reference_kind_cell
 
 from pyvene_causaltrace.models import get_adapter, get_module
@@ -63,6 +64,7 @@ def _engine_against_loop(arch, plan, dtype, rel, **options):
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2", "qwen3", "gemma2", "gemma3_text"])
 @pytest.mark.parametrize("plan", ["fine", "coarse"])
+@pytest.mark.numerics
 def test_engine_equals_batch_one_loop_for_every_kind(arch, plan):
     """Rows starting at their restored layer and position (fine) or below it (coarse), across
     chunk boundaries, at the first and last layer and position, float32: to 1e-6."""
@@ -72,17 +74,20 @@ def test_engine_equals_batch_one_loop_for_every_kind(arch, plan):
 @pytest.mark.parametrize("options", [dict(reuse_prefix=False), dict(replay_layers=False),
                                      dict(reuse_prefix=False, replay_layers=False)],
                          ids=["no-prefix", "no-replay", "neither"])
+@pytest.mark.numerics
 def test_engine_without_its_shortcuts(options):
     _engine_against_loop("llama", "fine", torch.float32, rel=1e-6, **options)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "qwen3"])
+@pytest.mark.numerics
 def test_engine_equals_batch_one_loop_in_float64(arch):
     """In float64 only rounding separates the two paths (Qwen's RMSNorm computes in float32)."""
     worst = _engine_against_loop(arch, "fine", torch.float64, rel=1e-6)
     assert worst < (1e-13 if arch == "gpt2" else 1e-7)
 
 
+@pytest.mark.numerics
 def test_a_users_hook_on_a_replayed_block_applies_once():
     """A hook of the user's on a block's output (e.g. a pv.IntervenableModel's intervention)
     shaped the corrupted run's stored output; when the engine replays that block the hook
@@ -109,6 +114,7 @@ def test_a_users_hook_on_a_replayed_block_applies_once():
 
 
 @pytest.mark.parametrize("kind", ["residual", "mlp", "severed-mlp", "attn"])
+@pytest.mark.numerics
 def test_unchanged_rows_need_no_forward(kind):
     """Rows before the first noised position and rows confined to the last layer off the last
     position take the reference runs' P (and a restored last block output at the last position
@@ -142,6 +148,7 @@ def test_unchanged_rows_need_no_forward(kind):
                                rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.numerics
 def test_last_mlp_runs_at_the_last_position_unless_someone_hooks_its_block():
     model = make_tiny_model("llama", n_layers=N_LAYERS)
     mlp = get_module(model, get_adapter(model).module_path("mlp", N_LAYERS - 1))
@@ -170,6 +177,7 @@ def test_last_mlp_runs_at_the_last_position_unless_someone_hooks_its_block():
 
 
 @pytest.mark.parametrize("kind", ["residual", "mlp"])
+@pytest.mark.numerics
 def test_rows_start_at_their_own_layer_inside_a_chunk(kind):
     """One chunk holds rows of every first layer; block j computes only those starting at or
     below it (the others take the corrupted run's stored output), and the rows are right."""
@@ -244,6 +252,7 @@ def test_the_head_writes_into_one_buffer_with_the_same_values(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(300, 49152), (7, 513), (3, 1 << 19)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.numerics
 def test_token_probs_in_blocks_equal_one_softmax(shape, dtype):
     logits = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=dtype) * 4
     token = shape[1] // 3
@@ -253,6 +262,7 @@ def test_token_probs_in_blocks_equal_one_softmax(shape, dtype):
     assert torch.allclose(got, expected, rtol=1e-14, atol=0)
 
 
+@pytest.mark.numerics
 def test_chunking_does_not_change_results():
     model = make_tiny_model("llama", n_layers=N_LAYERS)
     cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
@@ -270,6 +280,7 @@ def tiny_tracer(tokenizer):
     return Tracer(model, tokenizer, PROMPT, SUBJECT, seeds=3, scale=3.0)
 
 
+@pytest.mark.numerics
 def test_controls_pass(tiny_tracer):
     report = tiny_tracer.controls(window=2)
     assert report.passed, report.summary()
@@ -293,6 +304,7 @@ def test_controls_compute_every_row(tiny_tracer):
     assert sum(computed) == (n_cells + 2 * centres) * len(tiny_tracer.seeds)
 
 
+@pytest.mark.numerics
 def test_trace_result_tables_json_plot(tiny_tracer, tmp_path):
     result = tiny_tracer.trace("mlp", window=2)
     n_tokens = len(result.tokens)

@@ -55,6 +55,7 @@ CASES = [("jumprelu", False), ("jumprelu", True), ("relu", False), ("relu", True
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("activation,skip", CASES)
+@pytest.mark.numerics
 def test_circuit_tracer_set_equals_the_dense_reference(tmp_path, activation, skip, dtype):
     tensors = random_set(L, D, F, skip=skip, activation=activation, k=5)
     config = write_circuit_tracer(tmp_path / "set", tensors, dtype=dtype, scan="org/set")
@@ -73,6 +74,7 @@ def test_circuit_tracer_set_equals_the_dense_reference(tmp_path, activation, ski
                     rounded(tensors, dtype))
 
 
+@pytest.mark.numerics
 def test_circuit_tracer_older_files_and_k_in_the_files(tmp_path):
     tensors = random_set(L, D, F, activation="topk", k=4)
     config = write_circuit_tracer(tmp_path / "old", tensors, transposed_decoder=True,
@@ -95,6 +97,7 @@ def test_circuit_tracer_older_files_and_k_in_the_files(tmp_path):
     _assert_matches(load_transcoder(root, dtype=torch.float64), t)
 
 
+@pytest.mark.numerics
 def test_gemmascope_npz_equals_the_dense_reference(tmp_path):
     tensors = random_set(L, D, F)
     root = write_gemmascope(tmp_path / "gs", tensors)
@@ -118,6 +121,7 @@ def test_gemmascope_npz_equals_the_dense_reference(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("activation,skip", CASES[:4])
+@pytest.mark.numerics
 def test_sae_lens_transcoders_assemble_into_a_set(tmp_path, activation, skip, dtype):
     tensors = random_set(L, D, F, skip=skip, activation=activation)
     root = write_sae_lens(tmp_path / "sl", tensors, dtype=dtype,
@@ -130,6 +134,7 @@ def test_sae_lens_transcoders_assemble_into_a_set(tmp_path, activation, skip, dt
     _assert_matches(tc, rounded(tensors, getattr(torch, dtype)))
 
 
+@pytest.mark.numerics
 def test_sae_lens_release_is_assembled_through_sae_lens(tmp_path, monkeypatch):
     """``load_release`` asks sae-lens for each id (here served from disk instead of the hub)."""
     from sae_lens import SAE
@@ -160,6 +165,7 @@ def test_sae_lens_release_is_assembled_through_sae_lens(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("skip", [False, True])
 @pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.numerics
 def test_sparsify_topk_equals_the_dense_reference(tmp_path, skip, legacy, dtype):
     tensors = random_set(L, D, F, skip=skip, activation="relu_topk", k=6)
     root = write_sparsify(tmp_path / "sp", tensors, dtype=dtype, legacy=legacy)
@@ -189,6 +195,7 @@ def _fake_hub(cache, repo, files: dict, revision="main", commit="c0ffee"):
     return snapshot
 
 
+@pytest.mark.numerics
 def test_hub_references_resolve_from_the_offline_cache(tmp_path, monkeypatch):
     cache = tmp_path / "hub"
     tensors = random_set(L, D, F, skip=True)

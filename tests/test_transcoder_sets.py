@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import PROMPT, make_tiny_model
+from _support.models import PROMPT, make_tiny_model
 from transcoder_fixtures import (
     dense_reference,
     random_set,
@@ -77,6 +77,7 @@ SETUPS = [("gpt2", "circuit_tracer"), ("gpt2", "sparsify"), ("llama", "sparsify"
 
 
 @pytest.mark.parametrize("arch,layout", SETUPS)
+@pytest.mark.numerics
 def test_sets_splice_attribute_and_check(arch, layout, tmp_path, tokenizer):
     model, tc, _ = _set(arch, tmp_path, layout)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
@@ -102,6 +103,7 @@ def test_sets_splice_attribute_and_check(arch, layout, tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("arch,layout", [("llama", "sparsify"), ("gpt2", "circuit_tracer")])
+@pytest.mark.numerics
 def test_skip_path_edges_batch_equal_the_loop_and_close(arch, layout, tmp_path, tokenizer):
     """With a skip path, a feature's row reaches upstream nodes through it too: the batched
     rows equal the per-node loop and each row sums to its pre-activation."""
@@ -125,6 +127,7 @@ def test_skip_path_edges_batch_equal_the_loop_and_close(arch, layout, tmp_path, 
     assert (bare_rows - rows).abs().max() > 1e-3
 
 
+@pytest.mark.numerics
 def test_gemma2_hooks_are_transformerlens(tmp_path):
     """``hook_mlp_out`` is what the block adds after the post-feedforward norm;
     ``ln2.hook_normalized`` is resid_mid over its RMS, before the (1 + w) gain;
@@ -160,6 +163,7 @@ def test_gemma2_hooks_are_transformerlens(tmp_path):
                                    rtol=1e-5)
 
 
+@pytest.mark.numerics
 def test_gemma2_splice_equals_replacing_the_post_norm_output_by_hand(tmp_path):
     model, tc, tensors = _set("gemma2", tmp_path, "gemmascope")
     ids = torch.randint(1, 400, (1, 9), generator=torch.Generator().manual_seed(1))
@@ -200,6 +204,7 @@ def test_gemma2_splice_equals_replacing_the_post_norm_output_by_hand(tmp_path):
         torch.testing.assert_close(one, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.numerics
 def test_gemma2_attributes_the_pre_softcap_logit(tmp_path, tokenizer):
     model, tc, _ = _set("gemma2", tmp_path, "gemmascope")
     cap = model.config.final_logit_softcapping

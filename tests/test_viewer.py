@@ -9,14 +9,12 @@ import shutil
 import threading
 
 import pytest
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 
 from pyvene_causaltrace import attribute
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.viewer import find_graphs, make_server
-
-pytestmark = pytest.mark.browser
 
 
 def _kept(nodes: list[dict], threshold: float) -> int:
@@ -55,6 +53,8 @@ def test_the_server_lists_and_serves_only_graphs(graphs):
     assert find_graphs(graphs) == ["eiffel/graph.json", "space/graph.json"]
 
 
+@pytest.mark.browser
+@pytest.mark.process
 def test_the_page_in_headless_chromium(graphs):
     chromium = _chromium()
     from playwright.sync_api import sync_playwright

@@ -41,7 +41,7 @@ def worlds(tmp_path_factory):
         if arch not in made:
             # a neutral name: TransformerLens reads the architecture off a path holding "llama"
             model_dir = tmp_path_factory.mktemp("peer") / "hf-model"
-            tokenizer = make_tokenizer(suite._CORPUS, model_dir)
+            tokenizer = make_tokenizer(suite.CORPUS, model_dir)
             suite.make_tiny_model(arch, init=0.2, n_layers=N_LAYERS).save_pretrained(model_dir)
             # eager attention: transformers' SDPA path drops Gemma-2's attention soft-cap, which
             # circuit-tracer's nnsight backend (eager) and TransformerLens both apply

@@ -10,7 +10,6 @@ checkpoints), and the transcoder files written by the test suite's own fixture w
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +18,9 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the suite's writers: clt_fixtures, transcoder_fixtures
-_spec = importlib.util.spec_from_file_location("pvct_suite_conftest",
-                                               ROOT / "tests" / "conftest.py")
-#: The main suite's conftest (tiny models, corpus, prompt), under a name of its own.
-suite = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(suite)
+sys.path.insert(0, str(ROOT / "tests"))  # the suite's helpers: _support, the transcoder writers
+#: The main suite's tiny models, corpus and prompt.
+from _support import models as suite  # noqa: E402, F401 (peer.suite: the conftest, tests)
 
 #: (arch, transcoder kind, backend) -> what the comparison measured, for the summary table.
 RESULTS: dict[tuple[str, str, str], dict] = {}
