@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import PROMPT, make_tiny_model
+from _support.models import PROMPT, make_tiny_model
 from safetensors.torch import save_file
 
 from pyvene_causaltrace.attribution import attribute, demeaned_logit, run_local_replacement

@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 
 from pyvene_causaltrace.attribution import attribute
 from pyvene_causaltrace.attribution.checkpoint import Checkpoint

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 import torch
+from _support.models import PROMPT, SUBJECT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace import Tracer, attribute, intervene_features
 from pyvene_causaltrace.hooking import thread_view

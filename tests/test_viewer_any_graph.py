@@ -22,8 +22,8 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from conftest import PROMPT, make_tiny_model
 
 from pyvene_causaltrace import attribute, graph_schema
 from pyvene_causaltrace.attribution.export import NEURONPEDIA_SCHEMA
