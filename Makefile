@@ -5,9 +5,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
 # The test tiers (README, Testing; markers in pyproject.toml). `make test` is what a contributor
-# runs: everything but the real-model, browser and slow tests, plus the few marked core (one
-# SmolLM2 test among them). `make test-extra` runs exactly the rest.
-DEFAULT_TIER := (not real_model and not browser and not slow) or core
+# runs: everything but the real-model, browser, slow and process tests (the kill-and-resume
+# runs alone took 290 s of worker time), plus the few marked core (two SmolLM2 tests, the
+# import-weight check). `make test-extra` runs exactly the rest.
+DEFAULT_TIER := (not real_model and not browser and not slow and not process) or core
 # pytest-xdist workers (one torch thread each: tests/conftest.py); JOBS=0 runs serially.
 JOBS ?= auto
 DIST ?= loadfile
@@ -49,7 +50,7 @@ attribute: setup
 test: setup
 	$(PY) -m pytest $(XDIST) -m "$(DEFAULT_TIER)" $(PYTEST_FLAGS) $(ARGS)
 
-# what the default tier leaves out: the real-model, browser and slow tests
+# what the default tier leaves out: the real-model, browser, slow and process tests
 test-extra: setup
 	$(PY) -m pytest $(XDIST) -m "not ($(DEFAULT_TIER))" --runslow $(PYTEST_FLAGS) $(ARGS)
 

@@ -47,6 +47,7 @@ def report():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.core
 def test_importing_the_package_or_the_cli_parser_loads_nothing_heavy(report):
     """(was three subprocess checks: test_imports' top-level one, test_models' side effects,
     test_cli's --help)"""
@@ -55,10 +56,12 @@ def test_importing_the_package_or_the_cli_parser_loads_nothing_heavy(report):
     assert report["version"]
 
 
+@pytest.mark.core
 def test_the_top_level_is_small_and_resolves(report):
     assert 0 < report["all"] <= 15 and report["IntervenableModel"] == "IntervenableModel"
 
 
+@pytest.mark.core
 def test_every_module_imports_on_its_own(report):
     assert report["modules"] > 40
     assert report["failed"] == []
