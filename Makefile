@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-# The test tiers (README, Testing; markers in pyproject.toml). `make test` is what a contributor
+# The test tiers (docs/testing.md; markers in pyproject.toml). `make test` is what a contributor
 # runs: everything but the real-model, browser, slow and process tests (the kill-and-resume
 # runs alone took 290 s of worker time), plus the few marked core (two SmolLM2 tests, the
 # import-weight check). `make test-extra` runs exactly the rest.

@@ -24,6 +24,7 @@ import jsonschema
 import pytest
 from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
+from test_viewer import _chromium
 
 from pyvene_causaltrace import attribute, graph_schema
 from pyvene_causaltrace.attribution.export import NEURONPEDIA_SCHEMA
@@ -363,15 +364,6 @@ def test_an_id_naming_two_nodes_is_not_annotated(served):
 
 # --- the page ---------------------------------------------------------------------------------
 
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    if path is None:
-        pytest.skip("needs Chromium (Debian: apt-get install chromium)")
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        pytest.skip("needs Playwright for Python (pip install playwright)")
-    return path
 
 
 @pytest.mark.browser

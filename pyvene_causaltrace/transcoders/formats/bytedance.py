@@ -19,7 +19,6 @@ every transcoder; the rule is not applied to later positions.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from .common import (
     check_dtype,
     mmap_tensor,
     open_safetensors,
+    read_json_object,
     read_tensors,
     shapes_of,
 )
@@ -51,12 +51,7 @@ def is_layout(path: Path) -> bool:
 
 
 def _config(path: Path) -> dict:
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TranscoderFormatError(f"{path} is not JSON: {error}") from None
-    if not isinstance(meta, dict):
-        raise TranscoderFormatError(f"{path} is not a JSON object")
+    meta = read_json_object(path)
     for key in ("d_feature", "k"):
         if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) \
                 or meta[key] < 1:

@@ -213,3 +213,14 @@ def read_yaml_mapping(path: Path, what: str = "a mapping") -> dict:
     if not isinstance(meta, dict):
         raise TranscoderFormatError(f"{path} is not {what}")
     return meta
+
+
+def read_json_object(path: Path) -> dict:
+    """``path``'s JSON object, or a :class:`TranscoderFormatError` naming the file."""
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TranscoderFormatError(f"{path} is not JSON: {error}") from None
+    if not isinstance(meta, dict):
+        raise TranscoderFormatError(f"{path} is not a JSON object")
+    return meta

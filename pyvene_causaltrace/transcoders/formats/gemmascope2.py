@@ -31,7 +31,6 @@ those two are assumed, as sae-lens assumes them for ``clt`` folders.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from .common import (
     check_dtype,
     mmap_tensor,
     open_safetensors,
+    read_json_object,
     read_tensors,
     shapes_of,
 )
@@ -89,12 +89,7 @@ def is_layout(path: Path) -> bool:
 
 # ------------------------------------------------------------------------------ reading
 def _read_config(path: Path) -> dict:
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TranscoderFormatError(f"{path} is not JSON: {error}") from None
-    if not isinstance(meta, dict):
-        raise TranscoderFormatError(f"{path} is not a JSON object")
+    meta = read_json_object(path)
     if meta.get("architecture", "jump_relu") != "jump_relu":
         raise TranscoderFormatError(f"{path}: architecture {meta['architecture']!r}; "
                                     "GemmaScope-2 transcoders are jump_relu")
