@@ -1,11 +1,13 @@
 """A spec written from a run on a user's pv.IntervenableModel carries its interventions
-(``model_interventions``): rerun in a fresh process on the bare model — tracer_from_spec,
-run_spec, the CLI's ``run`` — it gives the same numbers to the last bit. What a spec cannot
+(``model_interventions``): rerun on the bare model — tracer_from_spec, run_spec, the CLI's
+``run`` — it gives the same numbers to the last bit, in this process (default tier) and in a
+fresh one (``process`` tier: nothing carried over in memory). What a spec cannot
 rebuild exactly is refused, saying why."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -83,8 +85,16 @@ def _user_model(model, extra: list[dict] | None = None):
         return pv.IntervenableModel(representations, model)
 
 
-def _fresh(tmp_path, body: str) -> None:
-    """Run ``body`` in a new Python process, with the repository and tests/ importable."""
+@pytest.fixture(params=["here", pytest.param("fresh", marks=pytest.mark.process)])
+def rerun(request) -> str:
+    """Where a saved spec is rerun: in this process on a new bare model, or in a fresh
+    Python process (what a colleague who was sent the file does)."""
+    return request.param
+
+
+def _fresh(tmp_path, body: str, where: str = "fresh") -> None:
+    """Run ``body`` in a new Python process (``where="here"``: in this one, with a namespace of
+    its own), with the repository and tests/ importable and ``tmp_path`` as working directory."""
     script = textwrap.dedent("""
         import sys
         sys.path[:0] = [{root!r}, {tests!r}]
@@ -97,12 +107,21 @@ def _fresh(tmp_path, body: str) -> None:
         from pyvene_causaltrace.execute import run_spec
         tokenizer = AutoTokenizer.from_pretrained({tok!r})
     """).format(root=str(ROOT), tests=str(ROOT / "tests"), tok=str(tmp_path / "tokenizer"))
+    if where == "here":
+        before, cwd = list(sys.path), os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            exec(compile(script + textwrap.dedent(body), "<rerun>", "exec"), {})
+        finally:
+            os.chdir(cwd)
+            sys.path[:] = before
+        return
     done = subprocess.run([sys.executable, "-c", script + textwrap.dedent(body)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def _trace_in_fresh_process(tmp_path, spec_path, arch: str, **model_options) -> dict:
+def _trace_again(where: str, tmp_path, spec_path, arch: str, **model_options) -> dict:
     _fresh(tmp_path, f"""
         model = make_tiny_model({arch!r}, **{model_options!r})
         spec = load_spec({str(spec_path)!r})
@@ -113,7 +132,7 @@ def _trace_in_fresh_process(tmp_path, spec_path, arch: str, **model_options) -> 
         np.save("clean.npy", np.array(result.clean_prob))
         import json
         json.dump(result.spec, open("respec.json", "w"))
-    """)
+    """, where)
     return {"restored": np.load(tmp_path / "restored.npy"),
             "corrupt": np.load(tmp_path / "corrupt.npy"),
             "clean": float(np.load(tmp_path / "clean.npy")),
@@ -121,9 +140,9 @@ def _trace_in_fresh_process(tmp_path, spec_path, arch: str, **model_options) -> 
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.process
 @pytest.mark.numerics
-def test_a_trace_spec_carries_the_pyvene_interventions_bit_for_bit(arch, tokenizer, tmp_path):
+def test_a_trace_spec_carries_the_pyvene_interventions_bit_for_bit(arch, tokenizer, tmp_path,
+                                                                  rerun):
     model = make_tiny_model(arch, init=0.2)
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     pv_model = _user_model(model)
@@ -147,16 +166,15 @@ def test_a_trace_spec_carries_the_pyvene_interventions_bit_for_bit(arch, tokeniz
 
     save_spec(result.spec, tmp_path / "trace.json")
     assert not (tmp_path / "trace.safetensors").exists()  # small tensors stay inline
-    again = _trace_in_fresh_process(tmp_path, tmp_path / "trace.json", arch, init=0.2)
+    again = _trace_again(rerun, tmp_path, tmp_path / "trace.json", arch, init=0.2)
     assert np.array_equal(again["restored"], result.restored_probs)
     assert np.array_equal(again["corrupt"], result.corrupt_probs)
     assert again["clean"] == result.clean_prob
     assert again["spec"] == result.spec  # the rerun writes the same spec back
 
 
-@pytest.mark.process
 @pytest.mark.numerics
-def test_run_spec_and_the_cli_rerun_a_result_spec_bit_for_bit(tokenizer, tmp_path):
+def test_run_spec_and_the_cli_rerun_a_result_spec_bit_for_bit(tokenizer, tmp_path, rerun):
     """run_spec on the pv model (ours among pyvene's: noise_add by its registered name) →
     result.spec saved → in a fresh process run_spec and ``pyvene-causaltrace run`` on the bare
     model give the same probabilities."""
@@ -187,7 +205,7 @@ def test_run_spec_and_the_cli_rerun_a_result_spec_bit_for_bit(tokenizer, tmp_pat
                   open("api.json", "w"))
         assert main(["run", {str(tmp_path / 'run.json')!r}, "--model",
                      {str(tmp_path / 'model')!r}, "--out", "cli"]) == 0
-    """)
+    """, rerun)
     want = result.intervened_probs + result.corrupt_probs + [result.clean_prob]
     assert json.loads((tmp_path / "api.json").read_text()) == want
     cli = json.loads((tmp_path / "cli" / "result.json").read_text())
@@ -195,8 +213,7 @@ def test_run_spec_and_the_cli_rerun_a_result_spec_bit_for_bit(tokenizer, tmp_pat
     assert cli["spec"]["model_interventions"] == entries
 
 
-@pytest.mark.process
-def test_a_big_constant_goes_through_a_safetensors_file(tokenizer, tmp_path):
+def test_a_big_constant_goes_through_a_safetensors_file(tokenizer, tmp_path, rerun):
     """A user's own class by import path, with a 256 x 32 buffer (over the inline limit):
     save_spec writes it beside the JSON with its sha256; a fresh process rebuilds it exactly;
     a changed or missing file is refused at the tensor's JSON path."""
@@ -222,7 +239,7 @@ def test_a_big_constant_goes_through_a_safetensors_file(tokenizer, tmp_path):
 
     assert torch.equal(load_file(path.with_suffix(".safetensors"))[written["key"]], matrix)
 
-    again = _trace_in_fresh_process(tmp_path, path, "llama", init=0.2)
+    again = _trace_again(rerun, tmp_path, path, "llama", init=0.2)
     assert np.array_equal(again["restored"], result.restored_probs)
     assert np.array_equal(again["corrupt"], result.corrupt_probs)
 

@@ -54,7 +54,6 @@ def test_the_server_lists_and_serves_only_graphs(graphs):
 
 
 @pytest.mark.browser
-@pytest.mark.process
 def test_the_page_in_headless_chromium(graphs):
     chromium = _chromium()
     from playwright.sync_api import sync_playwright

@@ -26,8 +26,6 @@ from test_viewer_server import STEP_S, get, graph_file, listed, running  # noqa:
 from pyvene_causaltrace.viewer import GraphIndex, annotations
 from pyvene_causaltrace.viewer.annotations import AnnotationError, save
 
-pytestmark = pytest.mark.process  # every test serves a directory
-
 FEATURE = "cross layer transcoder"
 NAME = "eiffel/graph.json"
 

@@ -216,7 +216,6 @@ def save(port: int, name: str, version: str, pinned: list, supernodes: list | No
 
 # --- the listing ------------------------------------------------------------------------------
 
-@pytest.mark.process
 def test_the_listing_shows_foreign_graphs_marks_ours_and_refuses_the_invalid(served, caplog):
     caplog.set_level(logging.INFO, logger="pyvene_causaltrace.viewer")
     with running(served) as port:
@@ -304,7 +303,6 @@ def test_a_large_foreign_graph_is_checked_in_little_more_than_its_text(tmp_path,
 
 # --- saving into a foreign graph --------------------------------------------------------------
 
-@pytest.mark.process
 def test_a_save_into_a_circuit_tracer_graph_round_trips(served):
     original = json.loads((served / CT).read_text())
     with running(served) as port:
@@ -342,7 +340,6 @@ def test_a_save_into_a_circuit_tracer_graph_round_trips(served):
         assert json.loads((served / NP).read_text())["nodes"][1]["clerp"] == "subject"
 
 
-@pytest.mark.process
 def test_an_id_naming_two_nodes_is_not_annotated(served):
     """circuit-tracer's error 0_2_4 (layer 2, position 4) is also feature 2 of layer 0 at
     position 4: pinning or labelling it would annotate whichever node a viewer finds first."""
@@ -367,7 +364,6 @@ def test_an_id_naming_two_nodes_is_not_annotated(served):
 
 
 @pytest.mark.browser
-@pytest.mark.process
 def test_the_page_opens_a_circuit_tracer_graph_and_marks_it_not_ours(served):
     chromium = _chromium()
     from playwright.sync_api import sync_playwright

@@ -135,7 +135,6 @@ SKIPPED = {"secrets.json": "not a graph", "deep.json": "not a graph",
            "outside.json": "outside the directory"}
 
 
-@pytest.mark.process
 def test_a_hostile_directory_serves_only_the_graph(hostile, graph_file, caplog):
     caplog.set_level(logging.INFO, logger="pyvene_causaltrace.viewer")
     with running(hostile) as port:
@@ -162,7 +161,6 @@ FOREIGN_HOSTS = ["evil.example", "evil.example:{port}", "localhost.evil.example"
                  "localhost:{port}.evil.example", "[::2]:{port}", "", None]
 
 
-@pytest.mark.process
 def test_a_foreign_host_gets_403_and_nothing(hostile):
     with running(hostile) as port:
         for host in FOREIGN_HOSTS:
@@ -172,7 +170,6 @@ def test_a_foreign_host_gets_403_and_nothing(hostile):
         assert get(port, "/api/graphs", "localhost", "evil.example") == (403, b"")
 
 
-@pytest.mark.process
 def test_loopback_host_names_are_served(hostile):
     with running(hostile) as port:
         for host in ("localhost", f"localhost:{port}", "127.0.0.1", f"127.0.0.1:{port}",
@@ -181,7 +178,6 @@ def test_loopback_host_names_are_served(hostile):
     assert not host_allowed("[::1]:") and not host_allowed("localhost:123456")
 
 
-@pytest.mark.process
 def test_the_listing_reads_an_unchanged_file_once(hostile, monkeypatch):
     parsed: list[str] = []
     judge = listing.examine
@@ -207,7 +203,6 @@ def test_the_listing_reads_an_unchanged_file_once(hostile, monkeypatch):
     assert index.names() == ["eiffel/graph.json"] and len(parsed) == 6
 
 
-@pytest.mark.process
 def test_files_that_change_while_serving(hostile, graph_file):
     with running(hostile) as port:
         (hostile / "later").mkdir()
@@ -223,7 +218,6 @@ def test_files_that_change_while_serving(hostile, graph_file):
         assert listed(port) == ["eiffel/graph.json"]
 
 
-@pytest.mark.process
 def test_the_size_cap(hostile, graph_file, caplog):
     size = graph_file.stat().st_size
     assert GraphIndex(hostile, max_bytes=size).names() == ["eiffel/graph.json"]
@@ -254,7 +248,6 @@ def test_only_the_export_marker_or_the_schema_makes_a_graph(graph_file):
 
 
 @pytest.mark.parametrize("port", ["70000", "-1"])
-@pytest.mark.process
 def test_a_bad_port_is_one_error_line(hostile, port, capsys):
     assert _within(STEP_S, main, ["serve", str(hostile), "--port", port, "--no-open"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -263,7 +256,6 @@ def test_a_bad_port_is_one_error_line(hostile, port, capsys):
         make_server(hostile, port=int(port))
 
 
-@pytest.mark.process
 def test_a_port_in_use_is_one_error_line(hostile, capsys):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -279,7 +271,6 @@ def test_a_port_in_use_is_one_error_line(hostile, capsys):
 
 
 @pytest.mark.browser
-@pytest.mark.process
 def test_a_hostile_directory_in_headless_chromium(hostile, graph_file):
     chromium = _chromium()
     from playwright.sync_api import Error as PlaywrightError
