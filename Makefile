@@ -25,10 +25,10 @@ PEER_CIRCUIT_TRACER ?= 0.5.0
 PEER_NNSIGHT ?= 0.6.3
 PEER_TRANSFORMER_LENS ?= 3.2.1
 VENV_PEER ?= .venv-peer
-# The oldest-transformers tier could share the peer's environment (circuit-tracer pins
-# transformers <= 4.57.3 too: VENV_OLDEST=.venv-peer), but the tiny tier has not yet been run
-# under the peer's other pins, so CI keeps the separate environment that has passed before.
-VENV_OLDEST ?= .venv-transformers4
+# The oldest-transformers tier runs in the peer's environment (circuit-tracer pins transformers
+# 4.57.3 too; the tiny tier passed there, 2026-12-03): one environment built instead of two.
+# VENV_OLDEST=.venv-transformers4 gives it an environment of its own.
+VENV_OLDEST ?= $(VENV_PEER)
 
 .PHONY: setup trace test test-extra test-all test-numerics test-oldest test-peer lint attribute
 setup: $(VENV)/.installed
@@ -81,9 +81,9 @@ $(VENV_OLDEST)/.installed: pyproject.toml
 	touch $@
 endif
 
-# the tiny-model tests on the oldest transformers we support (in their own venv by default)
+# the default tier's tiny-model tests on the oldest transformers we support (the peer's venv)
 test-oldest: $(VENV_OLDEST)/.installed
-	$(VENV_OLDEST)/bin/python -m pytest $(XDIST) -m "not real_model and not browser and not slow" \
+	$(VENV_OLDEST)/bin/python -m pytest $(XDIST) -m "($(DEFAULT_TIER)) and not real_model" \
 		$(PYTEST_FLAGS) $(ARGS)
 
 test-peer: $(VENV_PEER)/.installed
