@@ -404,9 +404,8 @@ def _smollm2_cached_dir() -> str:
 def _quiet_progress() -> Iterator[None]:
     """transformers' progress bars off, and back as they were: its own (loading weights,
     writing shards) and the GGUF reader's, which calls tqdm directly."""
-    # transformers is slow to import: it loads when a model does
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils  # slow: loads with a model
+    from transformers.utils import logging as hf_logging  # slow: loads with a model
 
     was_enabled = hf_logging.is_progress_bar_enabled()
     bar = getattr(gguf_utils, "tqdm", None)
