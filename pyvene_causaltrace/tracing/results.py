@@ -166,8 +166,8 @@ class TraceResult:
         - ``subject_best``: the subject token whose mean curve peaks highest;
         - ``subject_last``: the last subject token (what ROME reports);
         - ``subject_mean``: recovery averaged over the subject's tokens first (lower than the
-          best token's when one token carries the site; SmolLM2's Eiffel trace at 3 sigma:
-          0.16 beside 'iffel''s 0.58);
+          best token's when one token carries the site; SmolLM2's Eiffel trace at 3 sigma, 10
+          seeds: 0.17 beside 0.665 at 'iffel', the last subject token ' Tower' 0.03);
         - ``last``: the prompt's last token (its last layer left out for residual kinds: the
           last block at the last token reproduces any donor).
 
