@@ -156,7 +156,7 @@ class TraceResult:
         token (ROME's "last subject token")."""
         start, stop = self.subject_range
         curves = self.grid()[:, start:stop]  # [layer, subject token]
-        return {"subject_best": start + int(np.nanargmax(np.nanmax(curves, axis=0))),
+        return {"subject_best": start + int(curves.max(axis=0).argmax()),
                 "subject_last": stop - 1}
 
     def peaks(self) -> dict[str, dict[str, Any]]:
