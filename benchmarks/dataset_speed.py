@@ -83,7 +83,7 @@ def per_fact(model, tokenizer, record, seeds, budget, method):
                     seeds=seeds, scale=3.0, sigma=0.1, memory_budget_mb=budget)
     cells = tracer.cells()
     if method == "engine":
-        return tracer.trace("residual").restored_probs
+        return tracer.trace("residual", progress=False).restored_probs
     ids = tracer.prompt.input_ids.to(next(model.parameters()).device)
     if method == "rome":
         return rome_method(model, ids, tracer.noise_positions, seeds, 3.0, 0.1,
@@ -201,7 +201,7 @@ def main() -> None:
     for record in records[:args.facts]:
         tracer = Tracer(model, tokenizer, record.prompt, record.subject, answer=record.target,
                         seeds=seeds, scale=3.0, sigma=0.1, memory_budget_mb=budget)
-        t, _ = timed(lambda tr=tracer: tr.trace("residual"), device)
+        t, _ = timed(lambda tr=tracer: tr.trace("residual", progress=False), device)
         by_length.setdefault(tracer.prompt.seq_len, []).append(t)
     print(f"\n{'tokens':>6} {'facts':>5} {'s/fact':>8}")
     for n_tok in sorted(by_length):

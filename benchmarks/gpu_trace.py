@@ -172,7 +172,7 @@ def main() -> None:
     def public():
         return trace(model, tokenizer, record["prompt"], record["subject"],
                      answer=" " + record["attribute"], seeds=args.seeds,
-                     memory_budget_mb=args.budget_mb)
+                     memory_budget_mb=args.budget_mb, progress=False)
 
     chunk = TraceEngine(model, ids, subject, seeds[:1], 3.0, sigma, answer,
                         memory_budget_mb=args.budget_mb).rows_per_chunk(0)

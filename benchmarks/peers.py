@@ -134,7 +134,8 @@ def _trace_inputs(model, tokenizer, seeds, scale):
 def trace_ours(model, tokenizer, seeds, scale):
     from pyvene_causaltrace import trace
 
-    result = trace(model, tokenizer, PROMPT, SUBJECT, answer=ANSWER, seeds=seeds, scale=scale)
+    result = trace(model, tokenizer, PROMPT, SUBJECT, answer=ANSWER, seeds=seeds, scale=scale,
+                   progress=False)
     return result.restored_probs, result.clean_prob, result.corrupt_probs
 
 

@@ -173,7 +173,7 @@ def bench(name, args):
     def public():
         result = Tracer(model, tokenizer, PROMPT, SUBJECT, answer=answer_text, seeds=seeds,
                         scale=args.scale, sigma=sigma, memory_budget_mb=args.budget_mb
-                        ).trace("residual")
+                        ).trace("residual", progress=False)
         return torch.from_numpy(result.restored_probs.reshape(len(seeds), -1))
 
     engine_chunk = TraceEngine(model, ids, subject, seeds, args.scale, sigma, answer,

@@ -1,7 +1,9 @@
 """Defaults shared by the Python API, the command line and specs, in one place (ROME's
 protocol where it has one)."""
 
-#: Noise in units of sigma (ROME: three times the std of the subject's input embeddings).
+#: Noise in units of sigma (ROME: three times the std of the subject's input embeddings), for
+#: ``Tracer``/``trace``, ``trace --scale``, ``noise_add`` in specs, ``trace_dataset`` and
+#: ``dataset --scale`` alike. ``"auto"`` (a sweep) is used only where asked for.
 NOISE_SCALE = 3.0
 #: Layers in a sublayer window restore (ROME: 10).
 WINDOW = 10

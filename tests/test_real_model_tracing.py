@@ -58,7 +58,7 @@ def test_residual_trace_has_an_early_and_a_late_site(results, grids):
     assert grid[23:29, OF].min() > 0.5
     assert np.abs(grid[:, [4, 6, 7]]).max() < 0.1  # ' is', ' the', ' city'
     peaks = results["residual"].peaks()
-    assert max(peaks["subject"]["peak_layer_per_seed"]) < 15
+    assert max(peaks["subject_mean"]["peak_layer_per_seed"]) < 15
     assert min(peaks["last"]["peak_layer_per_seed"]) >= 20
 
 

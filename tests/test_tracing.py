@@ -330,7 +330,8 @@ def test_trace_result_tables_json_plot(tiny_tracer, tmp_path):
     result.plot(str(tmp_path / "mlp.png"))
     assert (tmp_path / "mlp.png").stat().st_size > 10_000
     peaks = result.peaks()
-    assert len(peaks["subject"]["peak_layer_per_seed"]) == 3
+    for site in ("subject_best", "subject_last", "subject_mean", "last"):
+        assert len(peaks[site]["peak_layer_per_seed"]) == 3
     assert "subject site" in result.summary()
     assert result.table().count("\n") == n_tokens
 

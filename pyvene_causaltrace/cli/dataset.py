@@ -65,6 +65,7 @@ def dataset_command(args) -> int:
                    known=args.known or default_known, limit=args.limit,
                    memory_budget_mb=args.budget_mb, n_boot=args.boot)
     check_options(**options)
+    options["progress"] = not args.no_progress
     settings = graph_settings(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shard = (int(os.environ.get("RANK", "0")), world) if world > 1 else None

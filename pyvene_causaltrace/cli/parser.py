@@ -44,15 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="residual|mlp|attn|severed-mlp|severed-attn, or several, "
                             "comma-separated (they share the clean and corrupted runs)")
     trace.add_argument("--seeds", type=int, default=TRACE_SEEDS)
-    trace.add_argument("--scale", default="auto",
-                       help="noise in units of sigma, or 'auto' (smallest scale whose worst "
-                            "seed leaves P(answer) below 5%% of clean)")
+    trace.add_argument("--scale", default=str(NOISE_SCALE),
+                       help=f"noise in units of sigma (default {NOISE_SCALE:g}, ROME's), or "
+                            "'auto' (sweep 1-10 sigma, take the smallest whose worst seed "
+                            "leaves P(answer) below 5%% of clean)")
     trace.add_argument("--sigma", default="rome", help="rome | embedding_matrix | a number")
     trace.add_argument("--window", type=int, default=WINDOW)
     trace.add_argument("--budget-mb", type=float, default=2048.0,
                        help="memory budget for one batch of rows")
     trace.add_argument("--controls", action="store_true",
                        help="also run the controls (corrupted-donor, window vs single layer)")
+    trace.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (tqdm, on stderr)")
     trace.add_argument("--out", type=Path, default=None,
                        help="write trace_<kind>.json and trace_<kind>.png here")
 
@@ -104,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default; a built-in task may default to none)")
     data.add_argument("--budget-mb", type=float, default=2048.0)
     data.add_argument("--boot", type=int, default=1000, help="bootstrap resamples")
+    data.add_argument("--no-progress", action="store_true",
+                      help="no progress bar (tqdm, on stderr)")
     data.add_argument("--graphs", action="store_true",
                       help="also build each kept fact's attribution graph through the --clt "
                            "transcoder: graphs.jsonl, graphs.csv and a graph panel beside the "

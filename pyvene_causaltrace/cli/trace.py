@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tqdm import tqdm
-
 from ..atomic import replacing, write_text
 from ..defaults import WINDOW
 from ..errors import CausalTraceError, InputError
@@ -23,7 +21,8 @@ from .common import EIFFEL, number_or_name, out_dir
 def trace_command(args) -> int:
     out_dir(args.out)
     if args.spec is not None:
-        return trace_spec(args.spec, args.model, args.out, args.budget_mb, args.controls)
+        return trace_spec(args.spec, args.model, args.out, args.budget_mb, args.controls,
+                          progress=not args.no_progress)
     kinds = [k.strip() for k in args.kind.split(",")]
     for kind in kinds:  # every flag before the model loads
         get_kind(kind)
@@ -44,31 +43,31 @@ def trace_command(args) -> int:
     tracer = Tracer(model, tokenizer, args.prompt, args.subject, answer=answer,
                     seeds=args.seeds, scale=number_or_name(args.scale), sigma=sigma,
                     memory_budget_mb=args.budget_mb)
-    return report_traces(tracer, kinds, args.window, args.out, args.controls)
+    return report_traces(tracer, kinds, args.window, args.out, args.controls,
+                         progress=not args.no_progress)
 
 
 def trace_spec(path: Path, model_name: str | None, out: Path | None, budget_mb: float,
-               controls: bool) -> int:
+               controls: bool, *, progress: bool = True) -> int:
     spec = load_spec(path)
     model, tokenizer = load_model(model_name or spec.model or OFFLINE_DEFAULT)
     tracer = tracer_from_spec(spec, model, tokenizer, memory_budget_mb=budget_mb)
     return report_traces(tracer, [spec.trace["kind"]], spec.trace.get("window", WINDOW), out,
-                         controls)
+                         controls, progress=progress)
 
 
 def report_traces(tracer, kinds: list[str], window: int, out: Path | None,
-                  controls: bool) -> int:
-    """Run ``kinds`` on ``tracer``: progress bar, terminal table, JSON and PNG under ``out``."""
+                  controls: bool, *, progress: bool = True) -> int:
+    """Run ``kinds`` on ``tracer``: progress bar, terminal table (every layer, the sites'
+    peaks marked), JSON and PNG under ``out``."""
     if tracer.sweep is not None:
         print(tracer.sweep.summary() + "\n")
     if out:
         out.mkdir(parents=True, exist_ok=True)
     for kind in kinds:
-        rows = len(tracer.seeds) * len(tracer.cells())
-        with tqdm(total=rows, desc=f"{kind} trace", unit="row") as bar:
-            result = tracer.trace(kind, window=window, progress=bar.update)
+        result = tracer.trace(kind, window=window, progress=progress)
         print(result.summary())
-        print(result.table(every=max(1, result.n_layers // 12)))
+        print(result.table(layers_down=True))
         print()
         if out:
             write_text(result.to_json(), out / f"trace_{kind}.json")

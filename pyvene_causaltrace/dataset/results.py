@@ -66,12 +66,17 @@ class DatasetResult:
     graphs: dict[str, Any] | None = None
 
     def to_dataframe(self):
-        """Long form: kind, role, layer, relative depth, aie, ci_low, ci_high, n_facts."""
+        """Long form: kind, role, layer, relative depth, aie, ci_low, ci_high, n_facts. A role
+        no fact has (no token before the subject in any prompt, one-token subjects' middle)
+        has no rows; :attr:`aie` keeps it as NaN, ``to_json`` as ``null``."""
         import pandas as pd  # pandas loads only when a table is asked for
 
+        columns = ["kind", "role", "layer", "depth", "aie", "ci_low", "ci_high", "n_facts"]
         rows = []
         for kind in self.kinds:
             for r, role in enumerate(self.roles):
+                if self.n_facts[kind][r] == 0:
+                    continue
                 for layer in range(self.n_layers):
                     rows.append({"kind": kind, "role": role, "layer": layer,
                                  "depth": layer / max(1, self.n_layers - 1),
@@ -79,11 +84,12 @@ class DatasetResult:
                                  "ci_low": self.ci_low[kind][r][layer],
                                  "ci_high": self.ci_high[kind][r][layer],
                                  "n_facts": self.n_facts[kind][r]})
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows, columns=columns)
 
     def graph_dataframe(self):
         """Long form of the graphs' influence share: part, role, layer, relative depth,
-        influence, ci_low, ci_high, n_facts (empty without graphs)."""
+        influence, ci_low, ci_high, n_facts (empty without graphs; no rows for a role no fact
+        has, as in :meth:`to_dataframe`)."""
         import pandas as pd  # pandas loads only when a table is asked for
 
         columns = ["part", "role", "layer", "depth", "influence", "ci_low", "ci_high", "n_facts"]
@@ -92,6 +98,8 @@ class DatasetResult:
         g, rows = self.graphs, []
         for part in g["parts"]:
             for r, role in enumerate(self.roles):
+                if g["n_role_facts"][r] == 0:
+                    continue
                 for layer in range(self.n_layers):
                     rows.append({"part": part, "role": role, "layer": layer,
                                  "depth": layer / max(1, self.n_layers - 1),

@@ -248,7 +248,7 @@ def _trace_fact(model, tokenizer: Tokenizer, run: RunDirectory, line: dict, reco
                     sigma=sigma_value, occurrence=record.occurrence,
                     memory_budget_mb=memory_budget_mb)
     for kind in todo_kinds:
-        result = tracer.trace(kind, window=window)
+        result = tracer.trace(kind, window=window, progress=False)  # the run's bar counts
         run.append(RESULTS, [{
             "index": line["index"], "fact": record.id, "kind": kind, "seed": seed,
             "tokens": result.tokens, "subject_range": list(result.subject_range),

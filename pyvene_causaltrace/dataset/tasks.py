@@ -6,7 +6,7 @@ and the target, run through the same engine, CLI and aggregation as known facts.
 - ``retrieval``: in-context key-value retrieval; corrupt the queried name (its second
   occurrence), score the value bound to it earlier in the prompt.
 - ``arithmetic``: two-step sums ``a + b + c =`` after two worked examples; corrupt the first
-  step ``a + b``, score the result. Its screen defaults to ``known="none"``: SmolLM2-135M
+  step ``a + b``, score the result. Its screen defaults to ``known="none"``: SmolLM2-135M-Instruct
   puts 4-43% on the right sum but rarely ranks it first, and the trace still says where the
   probability it does give comes from.
 

@@ -2,27 +2,29 @@
 
     model, tokenizer = load_model("smollm2-135m")
     tracer = Tracer(model, tokenizer, "The Eiffel Tower is in the city of", "The Eiffel Tower",
-                    answer=" Paris", seeds=10, scale=3.0)
+                    answer=" Paris", seeds=10)       # scale: 3 sigma, ROME's
     result = tracer.trace("residual")            # also "mlp", "attn", "severed-mlp", ...
     result.plot("residual.png"); result.to_dataframe()
     tracer.controls()                            # the two checks that can fail
 
     trace(model, tokenizer, prompt, subject, kind="mlp", window=10)   # one-shot form
 
-``scale="auto"`` sweeps the noise scale first and takes the smallest whose worst seed leaves
-P(answer) below 5% of its clean value
-(:func:`~pyvene_causaltrace.tracing.noise_scale.sweep_noise_scale`).
+The noise scale defaults to ROME's 3 sigma (:data:`~pyvene_causaltrace.defaults.NOISE_SCALE`,
+shared with the command line, specs and dataset runs). ``scale="auto"``, asked for, sweeps the
+scale first and takes the smallest whose worst seed leaves P(answer) below 5% of its clean
+value (:func:`~pyvene_causaltrace.tracing.noise_scale.sweep_noise_scale`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
 from ..errors import InputError
@@ -87,7 +89,8 @@ class Tracer:
         prompt, subject: the subject must occur in the prompt (``occurrence`` picks which).
         answer: target string (its first token; a warning if it has more) or the clean argmax.
         seeds: a count ``n`` (seeds ``0..n-1``) or a list.
-        scale: noise in units of sigma, or ``"auto"`` (:attr:`sweep` says why).
+        scale: noise in units of sigma (default ``NOISE_SCALE``, ROME's 3), or ``"auto"``: the
+            smallest scale of ``scales`` that corrupts every seed (:attr:`sweep` says why).
         sigma: ``"rome"`` (std of the subject's input embeddings), ``"embedding_matrix"`` or a
             number.
         memory_budget_mb: rows per forward are chosen to fit this.
@@ -178,16 +181,23 @@ class Tracer:
                 for pos in range(self.prompt.seq_len)]
 
     def trace(self, kind: str = "residual", *, window: int = WINDOW,
-              progress: Callable[[int], None] | None = None) -> TraceResult:
-        """Every (layer, position) cell of ``kind``, for every seed."""
+              progress: bool = True) -> TraceResult:
+        """Every (layer, position) cell of ``kind``, for every seed.
+
+        ``progress``: a progress bar over the rows (tqdm, on stderr), as the command line
+        shows; ``False`` silences it (a trace of SmolLM2 runs minutes on a busy CPU)."""
         trace_kind = get_kind(kind)
         if window <= 0:
             raise InputError(f"window must be positive, got {window}")
+        if not isinstance(progress, bool):
+            raise InputError(f"progress must be True or False, got {progress!r}")
         spec = self.spec(kind, window)  # before the run: a model it cannot write is refused
         cells = self.cells()
-        with measuring(self._given), applied_interventions(self._given), \
+        bar = tqdm(total=len(self.seeds) * len(cells), desc=f"{kind} trace", unit="row",
+                   disable=not progress)
+        with bar, measuring(self._given), applied_interventions(self._given), \
                 uniform_grad_flags(self.model):
-            probs = self.engine.run(trace_kind, cells, window=window, progress=progress)
+            probs = self.engine.run(trace_kind, cells, window=window, progress=bar.update)
         check_finite(probs, f"the restored probabilities of the {kind} trace")
         restored = probs.numpy().reshape(len(self.seeds), self.engine.n_layers,
                                          self.prompt.seq_len)
@@ -251,12 +261,15 @@ class Tracer:
 
 
 def trace(model: nn.Module, tokenizer: Tokenizer, prompt: str, subject: str, *,
-          kind: str = "residual", window: int = WINDOW, **options) -> TraceResult:
-    """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments."""
+          kind: str = "residual", window: int = WINDOW, progress: bool = True,
+          **options) -> TraceResult:
+    """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments,
+    ``progress`` :meth:`Tracer.trace`'s."""
     get_kind(kind)
     if window <= 0:
         raise InputError(f"window must be positive, got {window}")
-    return Tracer(model, tokenizer, prompt, subject, **options).trace(kind, window=window)
+    return Tracer(model, tokenizer, prompt, subject, **options).trace(kind, window=window,
+                                                                      progress=progress)
 
 
 def tracer_from_spec(spec, model: nn.Module, tokenizer: Tokenizer, **options) -> Tracer:
