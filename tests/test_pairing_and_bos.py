@@ -170,7 +170,11 @@ def test_the_verdict_is_a_field_with_three_values():
 
     good, poor, wrong = report(0.2, 215.0, 3.3), report(0.9, 6.0, 3.0), report(1.2, 1.1, 3.0)
     assert [r.status for r in (good, poor, wrong)] == ["paired", "poor_fit", "mispaired"]
-    assert report(2.0, 2.5, 9.0).status == "mispaired"  # "nearly as well" is no pairing
+    assert report(0.7, 0.75, 1.4).status == "poor_fit"  # below FVU 1: both controls worse
+    assert report(0.7, 0.75, 0.7).status == "mispaired"  # the next layer fits as well
+    assert report(1.3, 5.0, 3.0).status == "poor_fit"  # at FVU >= 1: controls twice as bad
+    assert report(2.0, 2.5, 9.0).status == "mispaired"  # "nearly as well" is no pairing there
+    assert "nearly as well" in report(2.0, 2.5, 9.0).verdict()
     assert poor.verdict().startswith("paired, poor fit: FVU 0.900")
     assert "MISPAIRED" in wrong.verdict() and "earlier hook fits as well or better" in \
         wrong.verdict()
@@ -211,7 +215,9 @@ def test_pairing_tells_a_poor_fit_from_a_mispairing(tokenizer, trained_tiny, fit
     held_out = fact_texts()[1000:1020]
     paired = check_pairing(good, model, tokenizer, held_out)
     assert paired.status == "paired", paired.verdict()
-    weak, _ = fit_clt(model, tokenizer, fact_texts()[:150], d_transcoder=16, steps=5)
+    # measured: FVU 0.60, controls 0.70 (earlier hook: attention moves a 3-layer model's
+    # residual little) and 1.38 (next layer); the fitted CLT 0.05, 0.34 and 1.52
+    weak, _ = fit_clt(model, tokenizer, fact_texts()[:150], d_transcoder=32, steps=15)
     poor = check_pairing(weak, model, tokenizer, held_out)
     assert poor.status == "poor_fit", poor.verdict()
     assert poor.verdict().startswith("paired, poor fit")

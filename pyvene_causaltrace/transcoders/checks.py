@@ -60,8 +60,9 @@ def _fvu_parts(recon: torch.Tensor, target: torch.Tensor,
 #: FVU from which a transcoder that beats its controls is a poor fit, not a good one: published
 #: CLTs score about 0.2 on their own model; 1.0 is no better than each layer's mean.
 POOR_FIT_FVU = 0.5
-#: A paired transcoder's FVU is at most this fraction of the better control's: a transcoder of
-#: another model, layer or hook fits its stated hooks about as badly as the controls (the
+#: At FVU >= 1 (it explains nothing of its outputs' variance) beating the controls says little
+#: by itself: a transcoder of another model scores about as badly everywhere. There it counts
+#: as paired (a poor fit) only if its FVU is at most this fraction of the better control's (the
 #: seed's CLT: 0.21 against 3.3 and 215).
 CONTROL_RATIO = 0.5
 #: What :attr:`PairingReport.status` may be.
@@ -71,10 +72,14 @@ PAIRING_STATUSES = ("paired", "poor_fit", "mispaired")
 @dataclass(frozen=True)
 class PairingReport:
     """The pairing check's numbers and its verdict, ``status`` (:data:`PAIRING_STATUSES`):
-    ``"paired"`` (FVU below :data:`POOR_FIT_FVU`, controls far worse), ``"poor_fit"`` (the
-    right model, layers and hooks — the controls are far worse — but a fit that leaves much to
-    the error nodes) or ``"mispaired"`` (a control fits as well, or nearly: wrong model, layer
-    or hook). ``from_position``: the first position scored (1 when position 0 is BOS)."""
+
+    - ``"mispaired"``: a control fits as well or better (at FVU >= 1: nearly as well, within
+      :data:`CONTROL_RATIO`) — wrong model, layer or hook;
+    - ``"poor_fit"``: both controls fit worse, so it reads its own layers and hooks, but the FVU
+      is :data:`POOR_FIT_FVU` or more: much of the MLP outputs is left to the error nodes;
+    - ``"paired"``: both controls worse and FVU below :data:`POOR_FIT_FVU`.
+
+    ``from_position``: the first position scored (1 when position 0 is BOS)."""
 
     fvu_per_layer: list[float]
     fvu: float
@@ -88,7 +93,8 @@ class PairingReport:
 
     def __post_init__(self) -> None:
         best = min(self.fvu_wrong_hook, self.fvu_wrong_layer)
-        status = ("mispaired" if not self.fvu < CONTROL_RATIO * best else
+        beats = self.fvu < best if self.fvu < 1 else self.fvu < CONTROL_RATIO * best
+        status = ("mispaired" if not beats else
                   "paired" if self.fvu < POOR_FIT_FVU else "poor_fit")
         object.__setattr__(self, "status", status)
 
@@ -115,9 +121,12 @@ class PairingReport:
                  else "scoring against the next layer")
         how = ("as well or better" if min(self.fvu_wrong_hook, self.fvu_wrong_layer) <= self.fvu
                else "nearly as well")
+        nothing = (" Every FVU is near or above 1: the transcoder reconstructs nothing here, "
+                   "so the controls cannot tell a wrong pairing from no fit at all."
+                   if min(self.fvu, self.fvu_wrong_hook, self.fvu_wrong_layer) > 0.9 else "")
         return (f"MISPAIRED: {fit} with the stated hooks, and {which} fits {how} "
                 f"({self._controls()}): this transcoder does not reconstruct this model's MLP "
-                "outputs at its stated layers — wrong model, layer or hook")
+                f"outputs at its stated layers — wrong model, layer or hook.{nothing}")
 
     def raise_if_mispaired(self) -> None:
         if self.status == "mispaired":
