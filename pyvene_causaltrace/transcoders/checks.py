@@ -114,7 +114,7 @@ class PairingReport:
             return f"paired: {fit} beats the controls ({self._controls()})"
         if self.status == "poor_fit":
             return (f"paired, poor fit: {fit} — error nodes will carry much of the MLP "
-                    "outputs — but it reads its own layer and hook far better than the "
+                    "outputs — but it reads its own layer and hook better than the "
                     f"controls ({self._controls()}): the pairing is right, the dictionary is "
                     "weak (fit it longer or wider)")
         which = ("reading the earlier hook" if self.fvu_wrong_hook <= self.fvu_wrong_layer
