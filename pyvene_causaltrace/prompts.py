@@ -99,3 +99,60 @@ def answer_token_id(tokenizer: Tokenizer, answer: str, strict: bool = False) -> 
             stacklevel=2,
         )
     return int(ids[0])
+
+
+# ------------------------------------------------------------------------- position 0 (BOS)
+
+#: How position 0 is treated by the splice, attribution, fitting and the pairing check:
+#: ``"auto"`` — as BOS (never spliced, no features, left out of fits and FVUs: the attention
+#: sink no dictionary is trained on) only when the tokenizer prepends a special token;
+#: ``"always"`` — as BOS whatever the tokenizer does (circuit-tracer's convention);
+#: ``"never"`` — like any other token.
+BOS_MODES = ("auto", "always", "never")
+_PROBE = "The"
+
+
+def tokenizer_adds_bos(tokenizer: Tokenizer) -> bool:
+    """Whether ``tokenizer`` (called as everything here calls it, with its special tokens)
+    prepends a special token: what it does, not whether ``bos_token`` is set (SmolLM2's has one
+    and adds none)."""
+    full = list(tokenizer(_PROBE)["input_ids"])
+    plain = list(tokenizer(_PROBE, add_special_tokens=False)["input_ids"])
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    return (len(full) > len(plain) and full[1:1 + len(plain)] == plain
+            and (full[0] in special or full[0] == tokenizer.bos_token_id))
+
+
+def check_bos_mode(bos: object) -> None:
+    """Refuse a ``bos`` setting outside :data:`BOS_MODES`."""
+    if bos not in BOS_MODES:
+        raise InputError(f"bos must be one of {', '.join(BOS_MODES)} (how position 0 is "
+                         f"treated), got {bos!r}")
+
+
+def first_position(tokenizer: Tokenizer, bos: str = "auto") -> int:
+    """The first position spliced, attributed, fitted and scored under ``bos``
+    (:data:`BOS_MODES`): 1 when position 0 is BOS, else 0."""
+    check_bos_mode(bos)
+    if bos == "auto":
+        return int(tokenizer_adds_bos(tokenizer))
+    return int(bos == "always")
+
+
+def bos_metadata(tokenizer: Tokenizer, bos: str, first_token: str | None = None) -> dict:
+    """What a result records about position 0: the setting, whether the tokenizer adds a BOS,
+    the first position spliced, and in words what position 0 was."""
+    adds = tokenizer_adds_bos(tokenizer)
+    start = first_position(tokenizer, bos)
+    token = "" if first_token is None else f" ({first_token!r})"
+    if start:
+        why = ("the tokenizer adds one" if adds else
+               "bos='always', circuit-tracer's convention, though the tokenizer adds none")
+        rule = (f"position 0{token} treated as BOS ({why}): not spliced, no features, its "
+                "MLP output all error")
+    else:
+        why = "the tokenizer adds none" if not adds else "bos='never'"
+        rule = (f"position 0{token} is a real token ({why}): spliced, attributed and fitted "
+                "like any other")
+    return {"setting": bos, "tokenizer_adds_bos": adds, "first_spliced_position": start,
+            "rule": rule}

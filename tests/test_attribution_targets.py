@@ -190,9 +190,11 @@ def test_a_demeaned_unembedding_direction_is_the_demeaned_vocab_logit(tokenizer,
 @pytest.mark.numerics
 def test_bos_errors_drop_moves_the_bos_errors_into_the_constants(setup, tokenizer):
     model, clt = setup
-    kept = attribute(model, tokenizer, clt, PROMPT, max_n_logits=3, batch_size=16)
+    # circuit-tracer's convention: position 0 is BOS (the tiny tokenizer adds none)
+    kept = attribute(model, tokenizer, clt, PROMPT, max_n_logits=3, batch_size=16,
+                     bos="always")
     dropped = attribute(model, tokenizer, clt, PROMPT, max_n_logits=3, batch_size=16,
-                        bos_errors="drop")
+                        bos_errors="drop", bos="always")
     assert "drop" in dropped.metadata["bos_errors"] and "kept" in kept.metadata["bos_errors"]
     lay = kept.layout
     bos = torch.arange(lay.errors.start, lay.errors.stop, kept.n_pos)  # error (layer, 0)

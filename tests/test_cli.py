@@ -231,7 +231,7 @@ def test_attribute_with_several_logits_a_direction_and_dropped_bos_errors(model_
     out = tmp_path / "logits"
     assert main(["attribute", "--model", str(model_dir), "--clt", str(clt_dir), "--prompt",
                  PROMPT, "--max-n-logits", "3", "--desired-logit-prob", "0.99",
-                 "--bos-errors", "drop", "--out", str(out)]) == 0
+                 "--bos-errors", "drop", "--bos", "always", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["metadata"]["targets"]["chosen"] == 3
     assert summary["metadata"]["bos_errors"].startswith("dropped")

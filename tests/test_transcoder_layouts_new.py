@@ -320,7 +320,8 @@ def test_joint_topk_attribution_closes_with_the_selection_frozen_at_the_clean_ru
     assert got != {tuple(x) for x in (per_layer != 0).nonzero().tolist()}
     values = acts_ref[run.feature_layer, run.feature_position, run.feature_id]
     assert (run.activation.double() - values).abs().max() < 1e-4
-    graph = attribute(model, tokenizer, clt, PROMPT, batch_size=16)
+    # position 0 as BOS, as the reference (the tiny tokenizer adds none: "auto" splices it)
+    graph = attribute(model, tokenizer, clt, PROMPT, batch_size=16, bos="always")
     assert graph.closure.relative < 1e-4 and graph.feature_closure() < 1e-4
     assert graph.n_features == len(expected)
 

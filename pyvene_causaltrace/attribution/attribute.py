@@ -39,6 +39,7 @@ from ..errors import InputError
 from ..fingerprint import package_version
 from ..finite import check_finite, positive_number
 from ..model_guard import measured
+from ..prompts import check_bos_mode
 from ..pyvene_compat import accepts_intervenable
 from ..runlock import single_writer
 from ..transcoders.transcoder import Transcoder
@@ -88,14 +89,15 @@ def check_attribute_arguments(*, answer: object = None,
                               batch_size: int | None = None, max_batch: int | None = None,
                               update_interval: int = 4, max_n_logits: int | None = None,
                               desired_logit_prob: float | None = None,
-                              bos_errors: str = "keep") -> None:
+                              bos_errors: str = "keep", bos: str = "auto") -> None:
     """Raise :class:`InputError` for an argument :func:`attribute` would refuse, before
     anything is loaded or run: an ``answer`` or ``other`` that is not a string, a target kind
     it does not know, ``other`` missing for (or given without) ``target="difference"``,
     ``max_n_logits`` or ``desired_logit_prob`` given where no salient logits are chosen (with
     an answer, a difference or a direction they would be ignored), a count below its minimum,
     a probability outside (0, 1], a memory cap that is not a finite positive number, a
-    ``bos_errors`` other than ``"keep"``/``"drop"``."""
+    ``bos_errors`` other than ``"keep"``/``"drop"``, a ``bos`` outside
+    :data:`~..prompts.BOS_MODES`."""
     for name, value in (("answer", answer), ("other", other)):
         if value is not None and not isinstance(value, str):
             raise InputError(f"{name} must be a string (the text of one token) or None, got "
@@ -110,6 +112,7 @@ def check_attribute_arguments(*, answer: object = None,
     if bos_errors not in BOS_ERRORS:
         raise InputError(f"bos_errors must be one of {', '.join(BOS_ERRORS)}, got "
                          f"{bos_errors!r}")
+    check_bos_mode(bos)
     direction = isinstance(target, torch.Tensor | Target)
     chooser = [name for name, value in (("max_n_logits (--max-n-logits)", max_n_logits),
                                         ("desired_logit_prob (--desired-logit-prob)",
@@ -171,7 +174,7 @@ def attribute(
     model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder, prompt: str,
     answer: str | None = None, *, target: str | Target | torch.Tensor = "demeaned",
     other: str | None = None, k: int = 10, max_n_logits: int | None = None,
-    desired_logit_prob: float | None = None, bos_errors: str = "keep",
+    desired_logit_prob: float | None = None, bos_errors: str = "keep", bos: str = "auto",
     max_feature_nodes: int | None = None, memory_mb: float = 4096,
     batch_size: int | None = None, max_batch: int | None = None, update_interval: int = 4,
     freeze: bool = True, loop: bool = False, progress: bool = False,
@@ -191,9 +194,16 @@ def attribute(
     be ignored). ``target`` may also be a direction ``[d_model]`` (the projection of the final
     norm's output at the last position on its unit vector, circuit-tracer's ``CustomTarget``;
     the direction's scale does not matter) or a :func:`~.targets.direction_target` (another
-    residual state or position). ``bos_errors="drop"`` makes the position-0 (BOS)
-    errors constants instead of nodes, circuit-tracer's convention (``"keep"``, the default,
-    keeps them as nodes); rows close either way.
+    residual state or position).
+
+    Position 0 is spliced, attributed (features, errors) and counted like any token unless it
+    is BOS: ``bos="auto"`` (default) treats it as BOS only when the tokenizer prepends one
+    (SmolLM2's adds none: its first token is the prompt's), ``"always"`` whatever the tokenizer
+    does (circuit-tracer's convention), ``"never"`` never; ``metadata["bos"]`` records which
+    rule held. ``bos_errors="drop"`` makes the position-0 (BOS) errors constants instead of
+    nodes, circuit-tracer's convention (``"keep"``, the default, keeps them as nodes); rows
+    close either way. It is refused where position 0 is spliced (its errors are then a real
+    token's): circuit-tracer's graphs are ``bos="always", bos_errors="drop"``.
 
     ``max_feature_nodes`` bounds the feature rows (module docstring); default: every active
     feature if their rows fit ``memory_mb``, otherwise as many as fit (logged). ``memory_mb``
@@ -237,12 +247,14 @@ def attribute(
                               max_feature_nodes=max_feature_nodes, memory_mb=memory_mb,
                               batch_size=batch_size, max_batch=max_batch,
                               update_interval=update_interval, max_n_logits=max_n_logits,
-                              desired_logit_prob=desired_logit_prob, bos_errors=bos_errors)
+                              desired_logit_prob=desired_logit_prob, bos_errors=bos_errors,
+                              bos=bos)
     max_n_logits = MAX_N_LOGITS if max_n_logits is None else max_n_logits
     if desired_logit_prob is None:
         desired_logit_prob = DESIRED_LOGIT_PROB
     start = time.perf_counter()
-    replacement = ReplacementModel(model, tokenizer, transcoder)
+    replacement = ReplacementModel(model, tokenizer, transcoder, bos=bos)
+    replacement.check_bos_errors(bos_errors)
     prepared = replacement.prepare(prompt, answer, target=target, other=other, k=k,
                                    max_n_logits=max_n_logits,
                                    desired_logit_prob=desired_logit_prob)
@@ -347,6 +359,7 @@ def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Ta
     """What must match for saved rows to belong to this graph."""
     return {"input_ids": run.input_ids[0].tolist(),
             "target": [goal.describe() for goal in goals], "bos_errors": run.bos_errors,
+            "from_position": replacement.from_position,
             **replacement.fingerprints(), "version": package_version(), **settings,
             "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id),
             "steering": [{**s.site.describe(), "value": tensor_digest(s.value)}
@@ -437,7 +450,7 @@ def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: Replace
                   for s, positions in zip(run.steering_leaves, run.steering_positions,
                                           strict=True)],
         targets=targets,
-        metadata={**replacement.describe(), "frozen": freeze,
+        metadata={**replacement.describe(ids), "frozen": freeze,
                   "logit_softcap": None if cap is None else {
                       "cap": cap, "target": "pre-soft-cap logits (cap off while the graph was "
                                             "built, restored after)"},

@@ -197,6 +197,7 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
         "generation_settings": {key: value for key, value in (
             ("target", graph.target["name"]), ("targets", graph.metadata.get("targets")),
             ("bos_errors", graph.metadata.get("bos_errors")),
+            ("bos", graph.metadata.get("bos")),
             ("max_feature_nodes", graph.metadata.get("max_feature_nodes")))
             if value is not None or key != "max_feature_nodes"},
     }

@@ -95,6 +95,12 @@ class AttributionGraph:
 
     # ----------------------------------------------------------------------- layout
     @property
+    def from_position(self) -> int:
+        """The first position the graph's splice covered: 1 when position 0 was BOS (graphs
+        made before ``metadata["bos"]`` was recorded always treated it so), else 0."""
+        return int((self.metadata.get("bos") or {}).get("first_spliced_position", 1))
+
+    @property
     def n_pos(self) -> int:
         return len(self.input_ids)
 

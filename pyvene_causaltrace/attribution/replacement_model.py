@@ -10,6 +10,11 @@ and carries them to each phase of :func:`~.attribute.attribute`:
     replacement.check_memory(prompt.input_ids, memory_mb=4096)
     run = replacement.run(prompt.input_ids)      # the local replacement model's forward
 
+Position 0 is spliced and attributed like any token unless it is BOS: ``bos="auto"`` (the
+default) follows the tokenizer — BOS only when it prepends one (SmolLM2's adds none) —,
+``"always"`` is circuit-tracer's convention (position 0 treated as BOS whatever the tokenizer
+does), ``"never"`` splices it always (:data:`~..prompts.BOS_MODES`).
+
 ``model`` is a plain model: :func:`~.attribute.attribute` takes a pyvene ``IntervenableModel``
 too, and binds the model it wraps inside the block where its interventions are applied.
 """
@@ -27,6 +32,7 @@ from ..errors import InputError
 from ..fingerprint import model_fingerprint, transcoder_fingerprint
 from ..finite import check_finite, check_weights
 from ..models import check_inputs, get_adapter, model_name
+from ..prompts import bos_metadata, first_position, tokenizer_adds_bos
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, check_forward_fits
 from .replacement import (
@@ -82,7 +88,7 @@ class ReplacementModel:
     :class:`~..errors.UnsupportedModelError` for an architecture without an adapter."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase,
-                 transcoder: Transcoder) -> None:
+                 transcoder: Transcoder, *, bos: str = "auto") -> None:
         check_fits(transcoder, model)
         check_weights(model)
         self.model = model
@@ -90,6 +96,10 @@ class ReplacementModel:
         self.transcoder = transcoder
         self.adapter = get_adapter(model)
         self.device = next(model.parameters()).device
+        #: how position 0 is treated (:data:`~..prompts.BOS_MODES`) and so the first position
+        #: spliced and attributed: 1 when position 0 is BOS, else 0
+        self.bos = bos
+        self.from_position = first_position(tokenizer, bos)
 
     def tokenize(self, prompt: str) -> torch.Tensor:
         """``[1, P]`` token ids of ``prompt`` on the model's device, checked readable."""
@@ -107,8 +117,9 @@ class ReplacementModel:
         ids = self.tokenize(prompt)
         box: dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            counts = active_counts(self.model, self.transcoder, ids, run=lambda: box.setdefault(
-                "logits", self.model(input_ids=ids).logits))  # one forward: logits and counts
+            counts = active_counts(  # one forward: logits and counts
+                self.model, self.transcoder, ids, from_position=self.from_position,
+                run=lambda: box.setdefault("logits", self.model(input_ids=ids).logits))
             clean = box["logits"]
             with pre_softcap_logits(self.model) as cap:
                 uncapped = clean if cap is None else self.model(input_ids=ids).logits
@@ -143,33 +154,54 @@ class ReplacementModel:
         features per layer if known (:attr:`PreparedPrompt.active_counts`), else one more
         forward counts them."""
         if counts is None:
-            counts = active_counts(self.model, self.transcoder, input_ids)
+            counts = active_counts(self.model, self.transcoder, input_ids, self.from_position)
         return check_forward_fits(self.model, self.transcoder, input_ids, memory_mb, counts)
 
-    def run(self, input_ids: torch.Tensor, *, freeze: bool = True, from_position: int = 1,
-            states: Sequence[str] = (), bos_errors: str = "keep") -> ReplacementRun:
+    def run(self, input_ids: torch.Tensor, *, freeze: bool = True,
+            from_position: int | None = None, states: Sequence[str] = (),
+            bos_errors: str = "keep") -> ReplacementRun:
         """One forward of the local replacement model
-        (:func:`~.replacement.run_local_replacement`, without checking the fit again), keeping
+        (:func:`~.replacement.run_local_replacement`, without checking the fit again), spliced
+        from ``from_position`` (default :attr:`from_position`, the ``bos`` rule's), keeping
         the residual ``states`` a direction target reads; ``bos_errors="drop"`` makes the
-        position-0 errors constants instead of nodes."""
+        position-0 errors constants instead of nodes — only where position 0 is BOS (not
+        spliced): elsewhere they are what the dictionary misses of a real token."""
         check_batch(input_ids)
         if bos_errors not in BOS_ERRORS:
             raise InputError(f"bos_errors must be 'keep' or 'drop', got {bos_errors!r}")
+        from_position = self.from_position if from_position is None else from_position
+        self.check_bos_errors(bos_errors, from_position)
         run = replacement_forward(self.model, self.transcoder, self.adapter, input_ids,
                                   freeze=freeze, from_position=from_position, states=states)
         run.bos_errors = bos_errors
         return run
+
+    def check_bos_errors(self, bos_errors: str, from_position: int | None = None) -> None:
+        """Refuse ``bos_errors="drop"`` where position 0 is spliced (not BOS)."""
+        if bos_errors != "drop" or (self.from_position if from_position is None
+                                    else from_position) > 0:
+            return
+        adds = "a" if tokenizer_adds_bos(self.tokenizer) else "no"
+        raise InputError(
+            "bos_errors='drop' makes position 0's errors constants, as circuit-tracer does for "
+            f"its BOS; here position 0 is a real token, spliced like any other (bos={self.bos!r}"
+            f", the tokenizer adds {adds} BOS), so its errors are what the transcoder misses "
+            "of it: pass bos='always' with it for circuit-tracer's convention (position 0 "
+            "treated as BOS whatever the tokenizer does)")
 
     def fingerprints(self) -> dict[str, str]:
         """The model's and the transcoder's weight fingerprints."""
         return {"model": model_fingerprint(self.model),
                 "transcoder": transcoder_fingerprint(self.transcoder)}
 
-    def describe(self) -> dict:
-        """What a graph's metadata says about the model and the transcoder."""
+    def describe(self, input_ids: torch.Tensor | None = None) -> dict:
+        """What a graph's metadata says about the model, the transcoder and position 0 (of
+        ``input_ids [1, P]``, when given)."""
+        first = None if input_ids is None else self.tokenizer.decode([int(input_ids[0, 0])])
         return {"model": model_name(self.model),
                 "clt": self.transcoder.source or self.transcoder.cfg.model_name,
-                "transcoder": transcoder_metadata(self.transcoder)}
+                "transcoder": transcoder_metadata(self.transcoder),
+                "bos": bos_metadata(self.tokenizer, self.bos, first)}
 
 
 def transcoder_metadata(transcoder: Transcoder) -> dict:

@@ -64,6 +64,7 @@ def answer_prob(model: nn.Module, transcoder: Transcoder, ids: torch.Tensor,
                 errors: torch.Tensor, token: int, ablate: list[int], graph) -> float:
     """P(token) in the spliced model with the feature nodes ``ablate`` zeroed."""
     reps = clt_splice_representations(transcoder, model, errors=errors,
+                                      from_position=graph.from_position,
                                       ablations=_ablations(graph, ablate))
     with torch.no_grad():
         _, out = intervenable_model_class()(reps, model)(base={"input_ids": ids})
@@ -97,7 +98,7 @@ def ablation_test(model: nn.Module, transcoder: Transcoder, graph,
                          f"a direction ({graph.targets[0]['name']}), not a logit")
     device = next(model.parameters()).device
     ids = torch.tensor([graph.input_ids], device=device)
-    errors = clean_errors(transcoder, model, ids)
+    errors = clean_errors(transcoder, model, ids, graph.from_position)
     token = int(graph.target["token"])
     with torch.no_grad():
         clean = float(model(input_ids=ids).logits[0, -1].float().softmax(-1)[token])

@@ -39,7 +39,8 @@ def attribution_settings(args) -> dict:
                 "node_threshold": args.node_threshold, "edge_threshold": args.edge_threshold,
                 "validate": {"sizes": [5, 10, 20], "draws": 10} if args.validate else None,
                 "clt": None, "format": None, "labels": None, "max_n_logits": None,
-                "desired_logit_prob": None, "bos_errors": "keep", "direction": None}
+                "desired_logit_prob": None, "bos_errors": "keep", "bos": "auto",
+                "direction": None}
     if args.spec is not None:
 
         spec = load_spec(args.spec)
@@ -55,7 +56,7 @@ def attribution_settings(args) -> dict:
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     for key in ("memory_mb", "max_feature_nodes", "max_n_logits", "desired_logit_prob",
-                "bos_errors"):
+                "bos_errors", "bos"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
     if args.direction is not None:
@@ -91,7 +92,7 @@ def check_attribute_flags(s: dict, max_links: object) -> None:
                               max_feature_nodes=s["max_feature_nodes"],
                               memory_mb=s["memory_mb"], max_n_logits=s["max_n_logits"],
                               desired_logit_prob=s["desired_logit_prob"],
-                              bos_errors=s["bos_errors"])
+                              bos_errors=s["bos_errors"], bos=s["bos"])
 
 
 def cross_check_settings(args, s: dict) -> dict | None:
@@ -183,7 +184,7 @@ def attribute_command(args) -> int:
     graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=target,
                       other=s["other"], k=s["k"], max_n_logits=s["max_n_logits"],
                       desired_logit_prob=s["desired_logit_prob"],
-                      bos_errors=s["bos_errors"], memory_mb=s["memory_mb"],
+                      bos_errors=s["bos_errors"], bos=s["bos"], memory_mb=s["memory_mb"],
                       max_feature_nodes=s["max_feature_nodes"], progress=True,
                       checkpoint=checkpoint)
     if graph.metadata["rows_resumed"]:
@@ -193,6 +194,7 @@ def attribute_command(args) -> int:
     print(f"{graph.prompt!r} -> {graph.answer!r} (p={graph.answer_prob:.4f}); "
           f"{graph.n_features} active features, {graph.n_explored} with rows, "
           f"{graph.metadata['batch_size']} rows/backward")
+    print(graph.metadata["bos"]["rule"])
     print(f"closure: target {c.target:.6f}, edges + constants {c.edges + c.constant:.6f}, "
           f"residual {c.residual:+.2e} ({c.relative:.1e} relative); feature rows "
           f"{graph.feature_closure():.1e}")
@@ -283,13 +285,14 @@ def clt_check_command(args) -> int:
     texts = read_texts(args.data, args.limit)
     clt = load_transcoder(args.clt, format=args.format)
     model, tokenizer = load_model(args.model)
-    pairing = check_pairing(clt, model, tokenizer, texts)
+    pairing = check_pairing(clt, model, tokenizer, texts, bos=args.bos)
     print(pairing.verdict())
     print("FVU per layer: " + " ".join(f"{v:.3f}" for v in pairing.fvu_per_layer))
     answer = args.answer
     if answer is None and args.prompt == EIFFEL["prompt"]:
         answer = EIFFEL["answer"]
-    anchor = replacement_anchor(clt, model, tokenizer, texts, prompt=args.prompt, answer=answer)
+    anchor = replacement_anchor(clt, model, tokenizer, texts, prompt=args.prompt, answer=answer,
+                                bos=args.bos)
     print(anchor.summary())
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,10 @@ _TRANSCODER_HELP = ("transcoder: an mntss CLT directory, a circuit-tracer config
                     "GemmaScope / sae-lens / sparsify directory, or a hub id")
 
 
+_BOS_HELP = ("how position 0 is treated: auto (default) - as BOS (not spliced, no features, "
+             "not scored) only when the tokenizer prepends one (SmolLM2's adds none); always - "
+             "as BOS whatever the tokenizer does (circuit-tracer's convention); never - like "
+             "any token")
 _FORMAT_HELP = ("the transcoder's layout: mntss, circuit_tracer, gemmascope, sae_lens or "
                 "sparsify (default: detected)")
 
@@ -85,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--prompt", default=EIFFEL["prompt"])
     check.add_argument("--answer", default=None)
     check.add_argument("--out", type=Path, default=None, help="write clt_check.json here")
+    check.add_argument("--bos", default="auto", choices=("auto", "always", "never"),
+                       help=_BOS_HELP)
 
     data = commands.add_parser(
         "dataset", help="average indirect effects over a fact dataset or a task (resumable)")
@@ -161,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "final norm's output at the last position")
     graph.add_argument("--bos-errors", default=None, choices=("keep", "drop"),
                        help="keep: the position-0 errors are nodes (default; rows close on "
-                            "nodes); drop: constants, as circuit-tracer's graphs")
+                            "nodes); drop: constants, as circuit-tracer's graphs (only where "
+                            "position 0 is BOS: with --bos always on a tokenizer that adds "
+                            "none)")
+    graph.add_argument("--bos", default=None, choices=("auto", "always", "never"),
+                       help=_BOS_HELP)
     graph.add_argument("--memory-mb", type=float, default=None,
                        help="cap on the forward graph, batched gradient rows and stored rows "
                             "(default 4096)")

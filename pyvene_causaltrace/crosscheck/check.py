@@ -165,7 +165,7 @@ def _feature_rows(graph, tracer, transcoder: Transcoder, top_n: int, modes: Sequ
                 for i in range(len(order)) for s in range(n_seeds)]
     for mode in modes:
         runner = PatchRunner(tracer.model, transcoder, tracer.prompt.input_ids, coefficients,
-                             tracer.answer_id, mode)
+                             tracer.answer_id, mode, graph.from_position)
         targets, probs, crossings = runner.run([None, *settings])
         base_target, base_prob = float(targets[0]), float(probs[0])
         effect = (targets[1:] - base_target).view(len(order), n_seeds).T.numpy()

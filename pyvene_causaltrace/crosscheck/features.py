@@ -159,15 +159,17 @@ class PatchRunner:
     how many features crossed their thresholds."""
 
     def __init__(self, model: nn.Module, transcoder: Transcoder, input_ids: torch.Tensor,
-                 coefficients: torch.Tensor, answer_id: int, mode: str = "spliced") -> None:
+                 coefficients: torch.Tensor, answer_id: int, mode: str = "spliced",
+                 from_position: int = 1) -> None:
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.model, self.transcoder, self.mode = model, transcoder, mode
         self.ids = input_ids.to(next(model.parameters()).device)
         self.coefficients = coefficients
         self.answer_id = int(answer_id)
+        self.from_position = from_position  # the graph's: 0 where position 0 is no BOS
         with torch.no_grad():
-            self.errors = clean_errors(transcoder, model, self.ids)
+            self.errors = clean_errors(transcoder, model, self.ids, from_position)
             self._held = self._held_states() if mode == "replacement" else None
         self._active: dict[int, torch.Tensor] | None = None
         self._active = self._forward([None])[2]  # the unpatched run's active features
@@ -218,6 +220,7 @@ class PatchRunner:
                      for (layer, pos, feature), values in groups.items()]
         session = SpliceSession()
         reps = clt_splice_representations(self.transcoder, self.model, errors=self.errors,
+                                          from_position=self.from_position,
                                           ablations=ablations, session=session)
         pv_model = intervenable_model_class()(reps + self._freezes(), self.model)
         batch = self.ids.expand(len(rows), -1)

@@ -39,7 +39,8 @@ mode) the forward is the clean one, so the clean selection is exactly the joint 
 ``feature_ablate`` (:mod:`.feature_ablate`) sits on the same input hook after the encoder and
 scales or sets chosen features before any decoder reads them. The default ``from_position=1``
 never splices BOS: no dictionary is trained on the attention sink there, and splicing it wrecks
-the model.
+the model. When the tokenizer adds no BOS, position 0 is a real token and callers splice from
+0 (:func:`~..prompts.first_position`: attribution, the pairing check and the anchor do).
 
 What one splice's interventions share during a forward — each layer's features and inputs,
 and in leaf mode the leaves — is a :class:`SpliceSession`, handed to the caller (pass your own
@@ -399,12 +400,14 @@ def _writes(active: ActiveFeatures, shape: tuple[int, int], n_targets: int,
     return torch.stack(per_position).reshape(batch, n_pos, n_targets, d_model).unbind(2)
 
 
-def clean_errors(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
+def clean_errors(clt, model, input_ids: torch.Tensor, from_position: int = 1) -> torch.Tensor:
     """The clean run's transcoder error ``out - recon`` per layer, ``[L, 1, P, D]``, for a
-    splice with a fixed error."""
+    splice with a fixed error that starts at ``from_position`` (features before it zero)."""
     states = transcoder_states(clt, model, input_ids)
     inputs = states["input"].to(clt.dtype)
-    recon = clt.reconstruct(clt.encode_all(inputs), inputs)
+    acts = clt.encode_all(inputs, zero_bos=False)
+    acts[:, :from_position] = 0
+    recon = clt.reconstruct(acts, inputs)
     return (states["output"] - recon.to(states["output"].dtype))[:, None]
 
 

@@ -1,25 +1,29 @@
 """Is this transcoder the right one for this model, and does the model still work through it?
 
 - :func:`check_pairing`: FVU of every layer's output hook from the transcoder
-  fed its input hook, mean L0, and two controls that must be worse — encoding the same kind of
-  state one module too early (``hook_resid_pre`` for ``hook_resid_mid``, the attention norm's
+  fed its input hook, mean L0, and two controls that must be far worse — encoding the same kind
+  of state one module too early (``hook_resid_pre`` for ``hook_resid_mid``, the attention norm's
   output for the MLP norm's) and scoring layer ``t``'s reconstruction against layer ``t + 1``.
-  A verdict in words; :meth:`PairingReport.raise_if_mispaired` stops a pipeline before it uses a
-  wrong transcoder.
+  The verdict is a field, ``status``: ``paired``, ``poor_fit`` (the controls are far worse, so
+  the pairing is right, but the FVU is high) or ``mispaired`` (a control fits as well or
+  nearly); :meth:`PairingReport.verdict` says it in words and
+  :meth:`PairingReport.raise_if_mispaired` stops a pipeline before it uses a wrong transcoder.
 - :func:`replacement_anchor`: next-token cross-entropy on held-out text (every
-  target token) for the clean model, the transcoder spliced from position 1,
+  target token) for the clean model, the transcoder spliced from its first position (1 when
+  position 0 is BOS, :func:`~..prompts.first_position`),
   spliced at all positions, ``b_dec`` only (every feature off; a skip path stays), and MLPs
   zeroed; the fraction of the clean-to-zero gap the splice recovers; answer probability, top-1 and
   KL on a prompt.
 
 FVU = sum of squared errors / sum of squared deviations from each layer's mean over positions,
-positions >= 1 only (BOS is no dictionary's business).
+from the first position (position 0 only when it is not BOS: ``bos``,
+:data:`~..prompts.BOS_MODES`; BOS is no dictionary's business).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +34,7 @@ from ..interventions.clt_splice import clt_splice_representations
 from ..interventions.restore import CleanRestore
 from ..model_guard import measured
 from ..models import get_adapter
-from ..prompts import answer_token_id
+from ..prompts import answer_token_id, first_position
 from ..pyvene_compat import intervenable_model_class
 from .hooks import hook_states, transcoder_states
 from .transcoder import Transcoder, check_fits
@@ -43,16 +47,40 @@ def _ids(tokenizer: Tokenizer, text: str, device) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt")["input_ids"].to(device)
 
 
-def _fvu_parts(recon: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-layer (squared error, squared deviation) sums over positions >= 1: ``[L]`` each."""
-    err = (target - recon)[:, 1:].double().pow(2).sum((1, 2))
-    t = target[:, 1:].double()
+def _fvu_parts(recon: torch.Tensor, target: torch.Tensor,
+               start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer (squared error, squared deviation) sums over positions >= ``start``: ``[L]``
+    each."""
+    err = (target - recon)[:, start:].double().pow(2).sum((1, 2))
+    t = target[:, start:].double()
     dev = (t - t.mean(1, keepdim=True)).pow(2).sum((1, 2))
     return err, dev
 
 
+#: FVU from which a transcoder that beats its controls is a poor fit, not a good one: published
+#: CLTs score about 0.2 on their own model; 1.0 is no better than each layer's mean.
+POOR_FIT_FVU = 0.5
+#: At FVU >= 1 (it explains nothing of its outputs' variance) beating the controls says little
+#: by itself: a transcoder of another model scores about as badly everywhere. There it counts
+#: as paired (a poor fit) only if its FVU is at most this fraction of the better control's (the
+#: seed's CLT: 0.21 against 3.3 and 215).
+CONTROL_RATIO = 0.5
+#: What :attr:`PairingReport.status` may be.
+PAIRING_STATUSES = ("paired", "poor_fit", "mispaired")
+
+
 @dataclass(frozen=True)
 class PairingReport:
+    """The pairing check's numbers and its verdict, ``status`` (:data:`PAIRING_STATUSES`):
+
+    - ``"mispaired"``: a control fits as well or better (at FVU >= 1: nearly as well, within
+      :data:`CONTROL_RATIO`) — wrong model, layer or hook;
+    - ``"poor_fit"``: both controls fit worse, so it reads its own layers and hooks, but the FVU
+      is :data:`POOR_FIT_FVU` or more: much of the MLP outputs is left to the error nodes;
+    - ``"paired"``: both controls worse and FVU below :data:`POOR_FIT_FVU`.
+
+    ``from_position``: the first position scored (1 when position 0 is BOS)."""
+
     fvu_per_layer: list[float]
     fvu: float
     mean_l0: float
@@ -60,24 +88,48 @@ class PairingReport:
     mean_l0_wrong_hook: float
     fvu_wrong_layer: float
     n_tokens: int
+    from_position: int = 1
+    status: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        best = min(self.fvu_wrong_hook, self.fvu_wrong_layer)
+        beats = self.fvu < best if self.fvu < 1 else self.fvu < CONTROL_RATIO * best
+        status = ("mispaired" if not beats else
+                  "paired" if self.fvu < POOR_FIT_FVU else "poor_fit")
+        object.__setattr__(self, "status", status)
 
     @property
     def paired(self) -> bool:
-        return self.fvu < 1.0 and self.fvu < min(self.fvu_wrong_hook, self.fvu_wrong_layer)
+        """The right transcoder for these hooks (a poor fit included): not mispaired."""
+        return self.status != "mispaired"
+
+    def _controls(self) -> str:
+        return (f"reading the earlier hook {self.fvu_wrong_hook:.3f} (L0 "
+                f"{self.mean_l0_wrong_hook:.1f}), scoring against the next layer "
+                f"{self.fvu_wrong_layer:.3f}")
 
     def verdict(self) -> str:
-        if self.paired:
-            return (f"paired: FVU {self.fvu:.3f} (mean L0 {self.mean_l0:.1f}) beats reading "
-                    f"the earlier hook ({self.fvu_wrong_hook:.3f}, L0 "
-                    f"{self.mean_l0_wrong_hook:.1f}) and scoring against the next layer "
-                    f"({self.fvu_wrong_layer:.3f})")
-        return (f"MISPAIRED: FVU {self.fvu:.3f} with the stated hooks (controls: earlier hook "
-                f"{self.fvu_wrong_hook:.3f}, next layer {self.fvu_wrong_layer:.3f}); this "
-                "transcoder does not reconstruct this model's MLP outputs — wrong model, layer "
-                "or hook")
+        fit = f"FVU {self.fvu:.3f} (mean L0 {self.mean_l0:.1f})"
+        if self.status == "paired":
+            return f"paired: {fit} beats the controls ({self._controls()})"
+        if self.status == "poor_fit":
+            return (f"paired, poor fit: {fit} — error nodes will carry much of the MLP "
+                    "outputs — but it reads its own layer and hook better than the "
+                    f"controls ({self._controls()}): the pairing is right, the dictionary is "
+                    "weak (fit it longer or wider)")
+        which = ("reading the earlier hook" if self.fvu_wrong_hook <= self.fvu_wrong_layer
+                 else "scoring against the next layer")
+        how = ("as well or better" if min(self.fvu_wrong_hook, self.fvu_wrong_layer) <= self.fvu
+               else "nearly as well")
+        nothing = (" Every FVU is near or above 1: the transcoder reconstructs nothing here, "
+                   "so the controls cannot tell a wrong pairing from no fit at all."
+                   if min(self.fvu, self.fvu_wrong_hook, self.fvu_wrong_layer) > 0.9 else "")
+        return (f"MISPAIRED: {fit} with the stated hooks, and {which} fits {how} "
+                f"({self._controls()}): this transcoder does not reconstruct this model's MLP "
+                f"outputs at its stated layers — wrong model, layer or hook.{nothing}")
 
     def raise_if_mispaired(self) -> None:
-        if not self.paired:
+        if self.status == "mispaired":
             raise InputError(self.verdict())
 
     def to_dict(self) -> dict:
@@ -87,9 +139,11 @@ class PairingReport:
 @torch.no_grad()
 @measured
 def check_pairing(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
-                  texts: Sequence[str]) -> PairingReport:
-    """Pairing check on ``texts`` (see module docstring)."""
+                  texts: Sequence[str], *, bos: str = "auto") -> PairingReport:
+    """Pairing check on ``texts`` (see module docstring); ``bos``
+    (:data:`~..prompts.BOS_MODES`) says whether position 0 is scored."""
     check_fits(clt, model)
+    start = first_position(tokenizer, bos)
     device = next(model.parameters()).device
     totals = {k: torch.zeros(clt.n_layers, dtype=torch.float64)
               for k in ("err", "dev", "err_pre", "dev_pre")}
@@ -98,21 +152,23 @@ def check_pairing(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
     n_tokens = 0
     for text in texts:
         states = transcoder_states(clt, model, _ids(tokenizer, text, device), control=True)
-        acts = clt.encode_all(states["input"])
+        acts = clt.encode_all(states["input"], zero_bos=start > 0)
         recon = clt.reconstruct(acts, states["input"])
-        err, dev = _fvu_parts(recon, states["output"])
+        err, dev = _fvu_parts(recon, states["output"], start)
         totals["err"] += err
         totals["dev"] += dev
-        acts_pre = clt.encode_all(states["control"])
-        err, dev = _fvu_parts(clt.reconstruct(acts_pre, states["control"]), states["output"])
+        acts_pre = clt.encode_all(states["control"], zero_bos=start > 0)
+        err, dev = _fvu_parts(clt.reconstruct(acts_pre, states["control"]), states["output"],
+                              start)
         totals["err_pre"] += err
         totals["dev_pre"] += dev
-        err, dev = _fvu_parts(recon[:-1], states["output"][1:])
+        err, dev = _fvu_parts(recon[:-1], states["output"][1:], start)
         wrong_layer += torch.stack([err.sum(), dev.sum()])
-        n = acts.shape[1] - 1
-        n_tokens += n
-        l0 += float((acts[:, 1:] != 0).sum()) / clt.n_layers
-        l0_pre += float((acts_pre[:, 1:] != 0).sum()) / clt.n_layers
+        n_tokens += acts.shape[1] - start
+        l0 += float((acts[:, start:] != 0).sum()) / clt.n_layers
+        l0_pre += float((acts_pre[:, start:] != 0).sum()) / clt.n_layers
+    if n_tokens == 0:
+        raise InputError("the pairing check's texts hold no token past position 0 (BOS)")
     return PairingReport(
         fvu_per_layer=(totals["err"] / totals["dev"]).tolist(),
         fvu=float(totals["err"].sum() / totals["dev"].sum()),
@@ -121,6 +177,7 @@ def check_pairing(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
         mean_l0_wrong_hook=l0_pre / n_tokens,
         fvu_wrong_layer=float(wrong_layer[0] / wrong_layer[1]),
         n_tokens=n_tokens,
+        from_position=start,
     )
 
 
@@ -138,6 +195,8 @@ class AnchorReport:
     gap_recovered: float
     n_tokens: int
     prompt: dict | None = None
+    #: the first position the "clt" condition splices (1 when position 0 is BOS)
+    from_position: int = 1
 
     def summary(self) -> str:
         lines = [f"{name:<20} {self.ce[name]:8.3f} nats" for name in ANCHOR_CONDITIONS]
@@ -154,20 +213,21 @@ class AnchorReport:
         return asdict(self)
 
 
-def _condition_representations(name: str, clt, model, n_pos: int) -> list[dict]:
+def _condition_representations(name: str, clt, model, n_pos: int,
+                               start: int = 1) -> list[dict]:
     if name == "clean":
         return []
     if name == "clt":
-        return clt_splice_representations(clt, model)
+        return clt_splice_representations(clt, model, from_position=start)
     if name == "clt_all_positions":
         return clt_splice_representations(clt, model, from_position=0)
     if name == "b_dec_only":
         ablations = [{"clt_layer": layer, "features": "all"} for layer in range(clt.n_layers)]
-        return clt_splice_representations(clt, model, ablations=ablations)
+        return clt_splice_representations(clt, model, from_position=start, ablations=ablations)
     adapter = get_adapter(model)
     zeros = torch.zeros(1, n_pos, clt.cfg.d_model)
     return [{"component": clt.cfg.hf_hooks(adapter, layer)["output"],
-             "intervention": CleanRestore(positions=list(range(1, n_pos)), states=zeros)}
+             "intervention": CleanRestore(positions=list(range(start, n_pos)), states=zeros)}
             for layer in range(clt.n_layers)]
 
 
@@ -187,9 +247,11 @@ def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]
 @measured
 def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
                        texts: Sequence[str], *, prompt: str | None = None,
-                       answer: str | None = None) -> AnchorReport:
-    """The replacement-model anchor (see module docstring)."""
+                       answer: str | None = None, bos: str = "auto") -> AnchorReport:
+    """The replacement-model anchor (see module docstring); ``bos``
+    (:data:`~..prompts.BOS_MODES`) says whether the splice starts at position 0 or 1."""
     check_fits(clt, model)
+    start = first_position(tokenizer, bos)
     device = next(model.parameters()).device
     totals = dict.fromkeys(ANCHOR_CONDITIONS, 0.0)
     n_tokens = 0
@@ -197,7 +259,8 @@ def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
         ids = _ids(tokenizer, text, device)
         for name in ANCHOR_CONDITIONS:
             ce, n = _next_token_ce(
-                _logits(model, _condition_representations(name, clt, model, ids.shape[1]), ids),
+                _logits(model, _condition_representations(name, clt, model, ids.shape[1],
+                                                          start), ids),
                 ids)
             totals[name] += ce
         n_tokens += n
@@ -207,8 +270,8 @@ def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
     if prompt is not None:
         ids = _ids(tokenizer, prompt, device)
         clean = model(input_ids=ids).logits[0, -1].double().log_softmax(-1)
-        spliced = _logits(model, _condition_representations("clt", clt, model, ids.shape[1]),
-                          ids)[0, -1].double().log_softmax(-1)
+        splice = _condition_representations("clt", clt, model, ids.shape[1], start)
+        spliced = _logits(model, splice, ids)[0, -1].double().log_softmax(-1)
         answer_id = (answer_token_id(tokenizer, answer) if answer is not None
                      else int(clean.argmax()))
         report = {"prompt": prompt, "answer": tokenizer.decode([answer_id]),
@@ -216,8 +279,9 @@ def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
                   "clt_prob": float(spliced[answer_id].exp()),
                   "clt_top1": tokenizer.decode([int(spliced.argmax())]),
                   "kl": float((clean.exp() * (clean - spliced)).sum())}
-    return AnchorReport(ce, gap, n_tokens, report)
+    return AnchorReport(ce, gap, n_tokens, report, start)
 
 
-__all__ = ["ANCHOR_CONDITIONS", "AnchorReport", "PairingReport", "check_pairing", "hook_states",
+__all__ = ["ANCHOR_CONDITIONS", "CONTROL_RATIO", "PAIRING_STATUSES", "POOR_FIT_FVU",
+           "AnchorReport", "PairingReport", "check_pairing", "hook_states",
            "replacement_anchor", "transcoder_states"]

@@ -16,7 +16,8 @@ normalised reconstruction error:
 Encoders read ``hook_resid_mid``; a CLT's decoders write every later layer's ``hook_mlp_out``, a
 per-layer set's only their own layer's (``kind="per_layer"``), beside a linear ``W_skip`` from
 the layer's input with ``skip=True`` (initialised at zero, so the dictionary starts as a plain
-PLT); BOS positions are left out.
+PLT); position 0 is left out when it is BOS — when the tokenizer adds one
+(:func:`~..prompts.first_position`) — and fitted like any token otherwise.
 
     clt, stats = fit_clt(model, tokenizer, texts, d_transcoder=256, steps=400)
     plt, stats = fit_clt(model, tokenizer, texts, kind="per_layer", skip=True)
@@ -37,6 +38,7 @@ from tqdm import tqdm
 
 from ..errors import InputError
 from ..models import model_name as name_of
+from ..prompts import first_position
 from .hooks import hook_states
 from .transcoder import Transcoder
 
@@ -93,15 +95,18 @@ class _Step(torch.autograd.Function):
 
 
 @torch.no_grad()
-def collect_pairs(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str]):
-    """``(resid_mid, mlp_out)``, each ``[tokens, L, D]``, over ``texts`` without BOS."""
+def collect_pairs(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str],
+                  bos: str = "auto"):
+    """``(resid_mid, mlp_out)``, each ``[tokens, L, D]``, over ``texts`` without BOS (position
+    0 only when it is BOS under ``bos``, :data:`~..prompts.BOS_MODES`)."""
     device = next(model.parameters()).device
+    start = first_position(tokenizer, bos)
     xs, ys = [], []
     for text in texts:
         ids = tokenizer(text, return_tensors="pt")["input_ids"].to(device)
         states = hook_states(model, ids, {"x": "hook_resid_mid", "y": "hook_mlp_out"})
-        xs.append(states["x"][:, 1:].transpose(0, 1))
-        ys.append(states["y"][:, 1:].transpose(0, 1))
+        xs.append(states["x"][:, start:].transpose(0, 1))
+        ys.append(states["y"][:, start:].transpose(0, 1))
     return torch.cat(xs).float(), torch.cat(ys).float()
 
 
