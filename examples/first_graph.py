@@ -21,13 +21,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from pyvene_causaltrace import attribute, load_model
+import pandas as pd
+
+from pyvene_causaltrace import load_model
 from pyvene_causaltrace.atomic import write_text
 from pyvene_causaltrace.cli import main as cli
 from pyvene_causaltrace.fitting import FitSettings, fit_transcoder
-from pyvene_causaltrace.transcoders import load_transcoder
-
-PROMPT, ANSWER = "The Eiffel Tower is in the city of", " Paris"
 
 
 def main() -> None:
@@ -66,7 +65,7 @@ def main() -> None:
               f"{args.out / 'graph.png'}); load the transcoder in Python with "
               f"load_transcoder({str(report.path)!r})")
     if code == 0 and args.record is not None:
-        record_run(args, report, model, tokenizer,
+        record_run(args, report,
                    {"load model": round(loaded, 1), "fit (all phases)": round(fitted - start
                                                                             - loaded, 1),
                     "attribute (the CLI, writing every file)": round(attributed - fitted, 1),
@@ -74,21 +73,26 @@ def main() -> None:
     raise SystemExit(code)
 
 
-def record_run(args, report, model, tokenizer, seconds: dict) -> None:
-    """The run's numbers for examples/results/: phases, pairing, the graph's error share and
-    top nodes (the graph is rebuilt in memory: the CLI's files hold no decomposition)."""
+def record_run(args, report, seconds: dict) -> None:
+    """The run's numbers for examples/results/: phases, the held-out pairing, the graph's error
+    share and its most influential nodes (from the files the CLI wrote)."""
     summary = json.loads((args.out / "summary.json").read_text())
-    graph = attribute(model, tokenizer, load_transcoder(report.path), PROMPT, ANSWER)
-    top = graph.direct_attributions(10)
+    nodes = pd.read_csv(args.out / "nodes.csv")
+    inputs = nodes[nodes["kind"] != "logit"]
+    top = inputs.nlargest(10, "influence")
+    error_influence = float(inputs.loc[inputs["kind"] == "error", "influence"].sum()
+                            / inputs["influence"].sum())
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     record = {"command": "make attribute  (= python examples/first_graph.py --out out/graph)",
-              "machine": f"{os.cpu_count()} CPU cores; uptime after the run: {load}",
-              "transcoder": str(report.path), "fit": report.record,
-              "reused": report.reused, "seconds": seconds,
+              "machine": f"{os.cpu_count()} CPU cores, shared; uptime after the run: {load}",
+              "transcoder": str(report.path), "reused": report.reused, "fit": report.record,
+              "seconds": seconds,
               "graph": {"decomposition": summary["decomposition"], "scores": summary["scores"],
-                        "closure": summary["closure"], "n_features": graph.n_features,
-                        "top_direct": json.loads(top.to_json(orient="records"))}}
-    write_text(json.dumps(record, indent=2), args.record)
+                        "error_share_direct": summary["decomposition"]["error_share"],
+                        "error_share_of_influence": error_influence,
+                        "closure": summary["closure"], "metadata": summary["metadata"],
+                        "top_nodes_by_influence": json.loads(top.to_json(orient="records"))}}
+    write_text(json.dumps(record, indent=2, default=str), args.record)
     print(f"wrote {args.record}")
 
 

@@ -199,10 +199,13 @@ def fit_pairs(
     W_skip = nn.Parameter(torch.zeros(n_layers, d_model, d_model))
     b_dec = nn.Parameter(y.mean(0).clone())
     closed_form = skip and skip_init == "lstsq"
+    linear = None  # with the skip fixed, its output on every token is computed once
     if closed_form:
         W_lin, b_lin = linear_skip(x, y)
         W_skip.data.copy_(W_lin)
         b_dec.data.copy_(b_lin)
+        linear = torch.cat([torch.einsum("bld,lod->blo", chunk, W_lin)
+                            for chunk in x.split(4096)])
     log_theta = nn.Parameter(torch.full((n_layers, d_transcoder), float(init_threshold)).log())
     params = [W_enc, b_enc, b_dec, *W_dec] + ([log_theta] if activation == "jumprelu" else []) \
         + ([W_skip] if skip and not closed_form else [])
@@ -211,14 +214,16 @@ def fit_pairs(
     # knock the fit off course late in training
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
 
-    def forward(xb):
+    def forward(xb, index=None):
         z = torch.einsum("bld,lfd->blf", xb, W_enc) + b_enc  # [B, L, F]
         if activation == "relu":
             acts = torch.relu(z)
         else:
             acts = _JumpReLU.apply(z, log_theta.exp(), bandwidth)
         recon = b_dec.expand(xb.shape[0], -1, -1).clone()
-        if skip:
+        if linear is not None:
+            recon = recon + (linear if index is None else linear[index])
+        elif skip:
             recon = recon + torch.einsum("bld,lod->blo", xb, W_skip)  # x @ W_skip[l].T
         for layer in range(n_layers):
             end = layer + n_targets[layer]
@@ -229,7 +234,7 @@ def fit_pairs(
     bar = tqdm(range(steps), desc=f"fitting {kind} transcoder", unit="step", disable=not progress)
     for step in bar:
         index = torch.randint(0, n_tokens, (min(batch_size, n_tokens),), generator=g)
-        z, acts, recon = forward(x[index])
+        z, acts, recon = forward(x[index], index)
         mse = ((recon - y[index]).pow(2).mean((0, 2)) / y_var).mean()
         if activation == "relu":
             dec_norm = torch.stack([w.norm(dim=-1).sum(-1) for w in W_dec])  # [L, F]
