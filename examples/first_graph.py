@@ -1,70 +1,99 @@
-"""A first attribution graph on this machine: fit a small CLT to SmolLM2 if none is cached, then
-build the graph of " Paris" after "The Eiffel Tower is in the city of" and write it out.
+"""A first attribution graph on this machine (``make attribute``): fit the first transcoder for
+SmolLM2 unless the same one is saved (``pyvene-causaltrace fit``: a per-layer set with skip, 128
+features, on text the model writes itself; saved as
+``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128``, where the README's blocks
+load it), then build the graph of " Paris" after "The Eiffel Tower is in the city of", write it
+out and say how to view it.
 
-    make attribute                      # = python examples/first_graph.py --out out/graph
+    make attribute                          # = python examples/first_graph.py --out out/graph
+    python examples/first_graph.py --features 256 --steps 600       # another (named) transcoder
+    python examples/first_graph.py --record examples/results/first_graph.json   # the timings
 
-The CLT: the one ``examples/fit_smollm2_clt.py`` fits (256 features per layer, ~16 min) when
-it is in the cache; otherwise a quick one (128 features, fewer steps, a few minutes) fitted on
-ROME's known_1000 facts — fetched by name — or, offline, on the text of this repository's docs.
-It is saved under ``~/.cache/pyvene_causaltrace/clts/`` so the next run skips the fit.
+Every phase shows progress on stderr; ``--no-progress`` silences the bars.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
+import pandas as pd
+
 from pyvene_causaltrace import load_model
+from pyvene_causaltrace.atomic import write_text
 from pyvene_causaltrace.cli import main as cli
-from pyvene_causaltrace.models import cache_dir
-from pyvene_causaltrace.transcoders.fit import fit_clt
-
-ROOT = Path(__file__).resolve().parents[1]
-FULL = cache_dir() / "clts" / "smollm2-135m-fitted-256"
-QUICK = cache_dir() / "clts" / "smollm2-135m-quick-128"
-
-
-def training_texts(limit: int) -> tuple[list[str], str]:
-    """known_1000's facts as text if they can be had, else the docs' prose lines."""
-    from pyvene_causaltrace.dataset import read_records
-    from pyvene_causaltrace.dataset.sources import DatasetUnavailableError
-
-    try:
-        records, _ = read_records("known_1000")
-        return [f"{r.prompt}{r.target}" for r in records][:limit], "ROME's known_1000 facts"
-    except DatasetUnavailableError as error:
-        print(f"known_1000 unavailable ({error}); fitting on the repository's docs instead")
-    lines = [line.strip() for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-             for line in page.read_text().splitlines()]
-    prose = [line for line in lines if len(line.split()) >= 8 and not line.startswith(("|", "`"))]
-    return prose[:limit], "the docs' prose"
+from pyvene_causaltrace.fitting import FitSettings, fit_transcoder
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/graph"))
-    parser.add_argument("--features", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--texts", type=int, default=400)
+    defaults = FitSettings()
+    parser.add_argument("--kind", default=defaults.kind, choices=("skip_plt", "plt", "clt"))
+    parser.add_argument("--features", type=int, default=defaults.features)
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--texts", type=int, default=defaults.texts)
+    parser.add_argument("--data", default=defaults.data)
+    parser.add_argument("--refit", action="store_true",
+                        help="replace a saved transcoder of the same name and other settings")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--record", type=Path, default=None,
+                        help="write the phases' seconds, the pairing and the graph's error share "
+                             "here (examples/results/first_graph.json)")
     args = parser.parse_args()
-    clt = FULL if (FULL / "config.yaml").exists() else QUICK
-    if not (clt / "config.yaml").exists():
-        model, tokenizer = load_model("smollm2-135m")
-        texts, what = training_texts(args.texts)
-        print(f"no CLT cached: fitting {args.features} features per layer on {len(texts)} texts "
-              f"of {what} ({args.steps} steps; a few minutes)")
-        start = time.perf_counter()
-        fitted, stats = fit_clt(model, tokenizer, texts, d_transcoder=args.features,
-                                steps=args.steps, model_name="smollm2-135m", progress=True)
-        fitted.save_model(str(clt))
-        print(f"fitted in {time.perf_counter() - start:.0f} s (FVU {stats.train_fvu:.3f}); "
-              f"saved to {clt}")
-    code = cli(["attribute", "--clt", str(clt), "--out", str(args.out)])
+    start = time.perf_counter()
+    progress = not args.no_progress
+    model, tokenizer = load_model("smollm2-135m")
+    loaded = time.perf_counter() - start
+    settings = FitSettings(kind=args.kind, features=args.features, steps=args.steps,
+                           texts=args.texts, data=args.data)
+    try:
+        report = fit_transcoder(settings, refit=args.refit, progress=progress, model=model,
+                                tokenizer=tokenizer)
+    except ValueError as error:  # the package's InputError: other settings saved there
+        raise SystemExit(f"error: {error}") from None
+    print(report.summary(), flush=True)
+    fitted = time.perf_counter()
+    code = cli(["attribute", "--clt", str(report.path), "--out", str(args.out)])
+    attributed = time.perf_counter()
     if code == 0:
         print(f"\nexplore it: pyvene-causaltrace serve {args.out}   (or open "
-              f"{args.out / 'graph.png'})")
+              f"{args.out / 'graph.png'}); load the transcoder in Python with "
+              f"load_transcoder({str(report.path)!r})")
+    if code == 0 and args.record is not None:
+        record_run(args, report,
+                   {"load model": round(loaded, 1), "fit (all phases)": round(fitted - start
+                                                                            - loaded, 1),
+                    "attribute (the CLI, writing every file)": round(attributed - fitted, 1),
+                    "total": round(attributed - start, 1)})
     raise SystemExit(code)
+
+
+def record_run(args, report, seconds: dict) -> None:
+    """The run's numbers for examples/results/: phases, the held-out pairing, the graph's error
+    share and its most influential nodes (from the files the CLI wrote)."""
+    summary = json.loads((args.out / "summary.json").read_text())
+    nodes = pd.read_csv(args.out / "nodes.csv")
+    inputs = nodes[nodes["kind"] != "logit"]
+    top = inputs.nlargest(10, "influence")
+    error_influence = float(inputs.loc[inputs["kind"] == "error", "influence"].sum()
+                            / inputs["influence"].sum())
+    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    record = {"command": "make attribute  (= python examples/first_graph.py --out out/graph)",
+              "machine": f"{os.cpu_count()} CPU cores, shared; uptime after the run: {load}",
+              "transcoder": str(report.path), "reused": report.reused, "fit": report.record,
+              "seconds": seconds,
+              "graph": {"decomposition": summary["decomposition"], "scores": summary["scores"],
+                        "error_share_direct": summary["decomposition"]["error_share"],
+                        "error_share_of_influence": error_influence,
+                        "closure": summary["closure"], "metadata": summary["metadata"],
+                        "top_nodes_by_influence": json.loads(top.to_json(orient="records"))}}
+    write_text(json.dumps(record, indent=2, default=str), args.record)
+    print(f"wrote {args.record}")
 
 
 if __name__ == "__main__":

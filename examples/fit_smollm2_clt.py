@@ -6,8 +6,9 @@ check and the replacement anchor on held-out facts, and the attribution graphs o
     python examples/fit_smollm2_clt.py --kind per_layer --features 256 --steps 400
     python examples/fit_smollm2_clt.py --kind per_layer --skip --features 256 --steps 400
 
-Saves to ``~/.cache/pyvene_causaltrace/clts/smollm2-135m-<fitted|plt|skip-plt>-<features>``
-(mntss layout for a CLT, circuit-tracer's for a set) and writes
+Saves to ``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-<clt|plt|skip-plt>-<features>``
+(mntss layout for a CLT, circuit-tracer's for a set; the names ``pyvene-causaltrace fit`` gives,
+without its ``fit.json``, so that command refuses to take one for its own) and writes
 ``examples/results/smollm2_<clt|plt|skip_plt>_fit.json``.
 """
 
@@ -22,7 +23,7 @@ from smollm2_traces import FACTS
 
 from pyvene_causaltrace import load_model
 from pyvene_causaltrace.attribution import attribute
-from pyvene_causaltrace.models import cache_dir
+from pyvene_causaltrace.fitting import FitSettings, transcoder_dir
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.transcoders.checks import check_pairing, replacement_anchor
 from pyvene_causaltrace.transcoders.fit import fit_clt
@@ -66,8 +67,7 @@ def main() -> None:
                         progress=True)
     tag = {"cross_layer": "clt", "per_layer": "plt"}[args.kind]
     tag = "skip_plt" if args.skip else tag
-    name = {"clt": "fitted", "plt": "plt", "skip_plt": "skip-plt"}[tag]
-    out = cache_dir() / "clts" / f"smollm2-135m-{name}-{args.features}"
+    out = transcoder_dir(FitSettings(kind=tag, features=args.features))
     tc.save_model(str(out))
     tc = load_transcoder(out)
     pairing = check_pairing(tc, model, tokenizer, held_out)

@@ -28,7 +28,7 @@ from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.attribution.validate import ablation_test
 from pyvene_causaltrace.transcoders import load_from_disk
 
-CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted-256"))
+CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"))
 OUT = Path(__file__).parent / "results" / "attribution"
 GRAPHS = CLT.parent.parent / "graphs"
 SIZES, DRAWS = (5, 10, 20), 10

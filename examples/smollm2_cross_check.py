@@ -26,14 +26,14 @@ from pyvene_causaltrace.models import cache_dir
 from pyvene_causaltrace.transcoders import load_transcoder
 
 OUT = Path(__file__).parent / "results" / "cross_check"
-TRANSCODERS = {"clt": "smollm2-135m-fitted-256", "skip_plt": "smollm2-135m-skip-plt-256"}
+TRANSCODERS = {"clt": "smollm2-135m-clt-256", "skip_plt": "smollm2-135m-skip-plt-256"}
 
 
 def main() -> None:
     model, tokenizer = load_model("smollm2-135m")
     rows = []
     for tag, name in TRANSCODERS.items():
-        transcoder = load_transcoder(str(cache_dir() / "clts" / name))
+        transcoder = load_transcoder(str(cache_dir() / "transcoders" / name))
         for fact, prompt, subject, answer in FACTS:
             start = time.perf_counter()
             tracer = Tracer(model, tokenizer, prompt, subject, answer=answer, seeds=10,

@@ -25,7 +25,7 @@ from pyvene_causaltrace.atomic import write_text
 from pyvene_causaltrace.attribution import attribute
 from pyvene_causaltrace.transcoders import load_from_disk
 
-CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted-256"))
+CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"))
 OUT = Path(__file__).parent / "results" / "multi_logit"
 
 

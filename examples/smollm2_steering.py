@@ -31,7 +31,7 @@ from pathlib import Path
 from pyvene_causaltrace import attribute, intervene_features, load_model, load_transcoder
 from pyvene_causaltrace.transcoders.hooks import transcoder_states
 
-CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted-256"))
+CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"))
 OUT = Path(__file__).parent / "results" / "steering"
 PROMPT, ANSWER = "The Eiffel Tower is in the city of", " Paris"
 OTHER = "The Colosseum is in the city of"

@@ -40,6 +40,7 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "intervene_features": ".steering",
     "cross_check": ".crosscheck.check",
     "load_transcoder": ".transcoders.formats",
+    "fit_transcoder": ".fitting",
     "register_intervention": ".interventions",
     "IntervenableModel": ".pyvene_compat",
 })

@@ -11,6 +11,7 @@
         --out runs/graphs                            # each fact's attribution graph too
     pyvene-causaltrace dataset --task agreement --out runs/agreement
     pyvene-causaltrace aggregate runs/known          # re-aggregate (merges shards if needed)
+    pyvene-causaltrace fit                          # a first transcoder for the bundled model
     pyvene-causaltrace steer --clt DIR --set 20:-1:1234=10 --max-new-tokens 10
     pyvene-causaltrace interventions
     pyvene-causaltrace run my_spec.json --plugins my_pkg.steer   # types registered by a module
@@ -41,6 +42,7 @@ COMMANDS = {
     "clt-check": ("attribute", "clt_check_command"),
     "serve": ("serve", "serve_command"),
     "steer": ("steer", "steer_command"),
+    "fit": ("fit", "fit_command"),
 }
 
 

@@ -21,7 +21,7 @@ PLT); position 0 is left out when it is BOS — when the tokenizer adds one
 
     clt, stats = fit_clt(model, tokenizer, texts, d_transcoder=256, steps=400)
     plt, stats = fit_clt(model, tokenizer, texts, kind="per_layer", skip=True)
-    clt.save_model("~/.cache/pyvene_causaltrace/clts/smollm2-135m-fitted")
+    save_transcoder(plt, "runs/my-skip-plt")   # pyvene_causaltrace.fitting does it all
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,13 +96,13 @@ class _Step(torch.autograd.Function):
 
 @torch.no_grad()
 def collect_pairs(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str],
-                  bos: str = "auto"):
+                  bos: str = "auto", *, progress: bool = False):
     """``(resid_mid, mlp_out)``, each ``[tokens, L, D]``, over ``texts`` without BOS (position
     0 only when it is BOS under ``bos``, :data:`~..prompts.BOS_MODES`)."""
     device = next(model.parameters()).device
     start = first_position(tokenizer, bos)
     xs, ys = [], []
-    for text in texts:
+    for text in tqdm(texts, desc="collecting activations", unit="text", disable=not progress):
         ids = tokenizer(text, return_tensors="pt")["input_ids"].to(device)
         states = hook_states(model, ids, {"x": "hook_resid_mid", "y": "hook_mlp_out"})
         xs.append(states["x"][:, start:].transpose(0, 1))
@@ -110,10 +110,55 @@ def collect_pairs(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str],
     return torch.cat(xs).float(), torch.cat(ys).float()
 
 
+def linear_skip(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-4):
+    """The least-squares linear map of each layer's input to its output (the MLP's linear
+    part), ``(W_skip [L, D_out, D_in], bias [L, D_out])`` with ``y ~ x @ W_skip[l].T + bias``;
+    ``ridge`` (relative to the mean input variance) keeps it stable on few tokens."""
+    x_mean, y_mean = x.mean(0), y.mean(0)  # [L, D]
+    xc, yc = (x - x_mean).double(), (y - y_mean).double()
+    gram = torch.einsum("nli,nlj->lij", xc, xc)  # [L, D, D]
+    scale = gram.diagonal(dim1=1, dim2=2).mean(1)[:, None, None]
+    gram = gram + ridge * scale * torch.eye(x.shape[2], dtype=gram.dtype)
+    cross = torch.einsum("nli,nlo->lio", xc, yc)  # [L, D_in, D_out]
+    solution = torch.linalg.solve(gram, cross)  # [L, D_in, D_out]
+    W_skip = solution.transpose(1, 2).float()
+    return W_skip, y_mean - torch.einsum("ld,lod->lo", x_mean, W_skip)
+
+
 def fit_clt(
     model: nn.Module,
     tokenizer: Tokenizer,
     texts: Sequence[str],
+    *,
+    model_name: str | None = None,
+    progress: bool = False,
+    **settings,
+) -> tuple[Transcoder, FitStats]:
+    """Fit a transcoder on the MLPs of ``model`` over ``texts`` (:func:`fit_pairs` takes the
+    settings); returns it (float32, in memory) and the fitting statistics."""
+    check_settings(**{k: settings[k] for k in ("activation", "kind", "skip") if k in settings})
+    start = time.perf_counter()
+    x, y = collect_pairs(model, tokenizer, texts, progress=progress)
+    transcoder, stats = fit_pairs(x, y, model_name or name_of(model), progress=progress,
+                                  **settings)
+    return transcoder, replace(stats, seconds=time.perf_counter() - start)
+
+
+def check_settings(activation: str = "relu", kind: str = "cross_layer",
+                   skip: bool = False) -> None:
+    """Refuse an activation, kind or skip the fit does not know, before any forward."""
+    if activation not in ("relu", "jumprelu"):
+        raise InputError(f"activation must be 'relu' or 'jumprelu', got {activation!r}")
+    if kind not in ("cross_layer", "per_layer"):
+        raise InputError(f"kind must be 'cross_layer' or 'per_layer', got {kind!r}")
+    if skip and kind != "per_layer":
+        raise InputError("a skip path belongs to a per-layer set (kind='per_layer')")
+
+
+def fit_pairs(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    model_name: str,
     *,
     d_transcoder: int = 128,
     steps: int = 300,
@@ -127,22 +172,22 @@ def fit_clt(
     seed: int = 0,
     kind: str = "cross_layer",
     skip: bool = False,
-    model_name: str | None = None,
+    skip_init: str = "zero",
     progress: bool = False,
 ) -> tuple[Transcoder, FitStats]:
     """Fit a transcoder (``kind`` ``"cross_layer"`` or ``"per_layer"``, ``skip`` for a per-layer
-    skip path) on the MLPs of ``model`` over ``texts``; returns it (float32, in memory) and
-    the fitting statistics. ``l1`` weighs the ReLU fit's sparsity penalty; ``l0``,
-    ``bandwidth`` and ``init_threshold`` are the JumpReLU fit's (in units of the encoder's
-    pre-activation, which the initialisation scales to about 1)."""
-    if activation not in ("relu", "jumprelu"):
-        raise InputError(f"activation must be 'relu' or 'jumprelu', got {activation!r}")
-    if kind not in ("cross_layer", "per_layer"):
-        raise InputError(f"kind must be 'cross_layer' or 'per_layer', got {kind!r}")
-    if skip and kind != "per_layer":
-        raise InputError("a skip path belongs to a per-layer set (kind='per_layer')")
+    skip path) to the pairs ``x`` (``hook_resid_mid``) and ``y`` (``hook_mlp_out``), each
+    ``[tokens, L, D]``. ``l1`` weighs the ReLU fit's sparsity penalty; ``l0``, ``bandwidth``
+    and ``init_threshold`` are the JumpReLU fit's (in units of the encoder's pre-activation,
+    which the initialisation scales to about 1). ``skip_init``: ``"zero"`` starts ``W_skip`` at
+    zero and trains it with the features; ``"lstsq"`` sets it (and ``b_dec``) to the
+    least-squares linear map first (:func:`linear_skip`) and trains the features on what it
+    leaves, ``W_skip`` fixed — the linear part of an MLP in closed form, the features' steps
+    spent on the rest."""
+    check_settings(activation, kind, skip)
+    if skip_init not in ("zero", "lstsq"):
+        raise InputError(f"skip_init must be 'zero' or 'lstsq', got {skip_init!r}")
     start = time.perf_counter()
-    x, y = collect_pairs(model, tokenizer, texts)
     n_tokens, n_layers, d_model = x.shape
     g = torch.Generator().manual_seed(seed)
     x_scale = x.pow(2).mean((0, 2)).sqrt()[:, None]  # [L, 1] per-layer input scale
@@ -157,22 +202,32 @@ def fit_clt(
         for layer in range(n_layers))
     W_skip = nn.Parameter(torch.zeros(n_layers, d_model, d_model))
     b_dec = nn.Parameter(y.mean(0).clone())
+    closed_form = skip and skip_init == "lstsq"
+    linear = None  # with the skip fixed, its output on every token is computed once
+    if closed_form:
+        W_lin, b_lin = linear_skip(x, y)
+        W_skip.data.copy_(W_lin)
+        b_dec.data.copy_(b_lin)
+        linear = torch.cat([torch.einsum("bld,lod->blo", chunk, W_lin)
+                            for chunk in x.split(4096)])
     log_theta = nn.Parameter(torch.full((n_layers, d_transcoder), float(init_threshold)).log())
     params = [W_enc, b_enc, b_dec, *W_dec] + ([log_theta] if activation == "jumprelu" else []) \
-        + ([W_skip] if skip else [])
+        + ([W_skip] if skip and not closed_form else [])
     optimizer = torch.optim.Adam(params, lr=lr)
     # linear decay to zero and clipped gradients: rare tokens with huge MLP outputs otherwise
     # knock the fit off course late in training
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / steps)
 
-    def forward(xb):
+    def forward(xb, index=None):
         z = torch.einsum("bld,lfd->blf", xb, W_enc) + b_enc  # [B, L, F]
         if activation == "relu":
             acts = torch.relu(z)
         else:
             acts = _JumpReLU.apply(z, log_theta.exp(), bandwidth)
         recon = b_dec.expand(xb.shape[0], -1, -1).clone()
-        if skip:
+        if linear is not None:
+            recon = recon + (linear if index is None else linear[index])
+        elif skip:
             recon = recon + torch.einsum("bld,lod->blo", xb, W_skip)  # x @ W_skip[l].T
         for layer in range(n_layers):
             end = layer + n_targets[layer]
@@ -183,7 +238,7 @@ def fit_clt(
     bar = tqdm(range(steps), desc=f"fitting {kind} transcoder", unit="step", disable=not progress)
     for step in bar:
         index = torch.randint(0, n_tokens, (min(batch_size, n_tokens),), generator=g)
-        z, acts, recon = forward(x[index])
+        z, acts, recon = forward(x[index], index)
         mse = ((recon - y[index]).pow(2).mean((0, 2)) / y_var).mean()
         if activation == "relu":
             dec_norm = torch.stack([w.norm(dim=-1).sum(-1) for w in W_dec])  # [L, F]
@@ -202,11 +257,10 @@ def fit_clt(
     with torch.no_grad():
         _, _, recon = forward(x)
         fvu = float(((recon - y).pow(2).sum((0, 2)) / (y - y.mean(0)).pow(2).sum((0, 2))).mean())
-    name = model_name or name_of(model)
     threshold = (log_theta.detach().exp() if activation == "jumprelu"
                  else torch.zeros(n_layers, d_transcoder))
     clt = Transcoder.from_tensors(
-        name, W_enc.detach(), b_enc.detach(), threshold,
+        model_name, W_enc.detach(), b_enc.detach(), threshold,
         b_dec.detach(), [w.detach() for w in W_dec],
         list(W_skip.detach()) if skip else None,
         model_kind="cross_layer_transcoder" if kind == "cross_layer" else "transcoder_set")

@@ -62,13 +62,20 @@ def detect_format(path: str | Path) -> str:
     """The layout of a local path (a directory or a config file)."""
     root = Path(path).expanduser()
     if not root.exists():
-        raise TranscoderFormatError(f"missing path {root}")
+        raise TranscoderFormatError(missing_path(root))
     for name, matches in _DETECTORS:
         if matches(root):
             return name
     raise TranscoderFormatError(
         f"{root} holds no transcoder layout we know ({', '.join(FORMATS)}); found "
         f"{_found(root)}; pass format=...")
+
+
+def missing_path(path: Path) -> str:
+    """The error for a transcoder path that does not exist: it says how to get one."""
+    return (f"missing path {path}: no transcoder there. `pyvene-causaltrace fit` (or `make "
+            "attribute`, or pyvene_causaltrace.fit_transcoder()) fits one for the bundled model "
+            "and saves it as ~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128")
 
 
 def _found(root: Path, limit: int = 12) -> str:
@@ -104,7 +111,7 @@ def load_transcoder(source: str | Path | list, *, format: str | None = None,
     if path.exists():
         return FORMATS[detect_format(path)](path, **kwargs)
     if str(source).startswith((".", "/", "~")) or str(source).count("/") < 1:
-        raise TranscoderFormatError(f"missing path {path}")
+        raise TranscoderFormatError(missing_path(path))
     try:
         return circuit_tracer.load(str(source), **kwargs)
     except TranscoderFormatError as error:

@@ -1,0 +1,129 @@
+"""The README's path from the Quickstart to a first graph, in order, against a tiny stand-in:
+``pyvene-causaltrace fit`` writes the transcoder where every README and docs block loads it, the
+blocks then run with the real ``load_transcoder`` (a block naming a path nothing wrote fails),
+a second fit reuses only a transcoder fitted with the same settings, and a missing transcoder's
+error says how to get one."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from _support.data import PROJECT_FACTS, ROOT
+from _support.docs_world import PAGES, docs_model, docs_tokenizer
+
+import pyvene_causaltrace
+from pyvene_causaltrace import fitting
+from pyvene_causaltrace import models as model_module
+from pyvene_causaltrace.cli import attribute as cli_attribute
+from pyvene_causaltrace.cli import main as cli
+from pyvene_causaltrace.dataset import sources
+from pyvene_causaltrace.errors import InputError, TranscoderFormatError
+from pyvene_causaltrace.interventions import registry
+from pyvene_causaltrace.transcoders import load_transcoder
+
+BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+CACHED = re.compile(r"~/\.cache/pyvene_causaltrace/(?:clts|transcoders)/[\w.<>|-]+")
+DEFAULT = "~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"
+FEW = ["--steps", "5", "--texts", "8", "--no-progress"]  # a fit of a second or two
+
+
+@pytest.fixture(scope="module")
+def stand_in():
+    tokenizer = docs_tokenizer()
+    return docs_model(tokenizer), tokenizer
+
+
+@pytest.fixture
+def fresh_home(stand_in, tmp_path, monkeypatch):
+    """An empty home (so ``~`` and the cache directory are new), and ``load_model`` giving the
+    tiny stand-in wherever the README's path calls it."""
+    model, tokenizer = stand_in
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("PYVENE_CAUSALTRACE_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def load_model(*args, **kwargs):
+        return model, tokenizer
+
+    for module in (model_module, pyvene_causaltrace, fitting, cli_attribute):
+        monkeypatch.setattr(module, "load_model", load_model, raising=False)
+    return home
+
+
+def test_the_fit_writes_where_the_docs_load(fresh_home):
+    """Every ``~/.cache/pyvene_causaltrace/...`` transcoder the README, docs and examples name
+    is the one ``fit`` writes by default (the old ``clts/smollm2-135m-fitted-256`` was written by
+    nothing the Quickstart runs)."""
+    places = [*PAGES, *sorted((ROOT / "examples").glob("*.py"))]
+    named = {m for page in places for m in CACHED.findall(page.read_text())
+             if "<" not in m}  # fit_smollm2_clt.py's pattern for the larger fits it writes
+    assert named == {DEFAULT}, sorted(named)
+    assert fitting.transcoder_dir() == Path(DEFAULT).expanduser()
+    assert fitting.transcoder_dir(fitting.FitSettings(features=64)).name == \
+        "smollm2-135m-skip-plt-64"  # named by what it is, not "quick-128" whatever it holds
+
+
+def test_readme_blocks_run_in_order_after_the_fit(fresh_home, tmp_path, monkeypatch, capsys):
+    assert cli(["fit", *FEW]) == 0
+    assert "held-out pairing FVU" in capsys.readouterr().out
+    path = Path(DEFAULT).expanduser()
+    assert (path / fitting.FIT_RECORD).is_file()
+    data = PROJECT_FACTS.read_bytes()  # known_1000 by name: the project's facts, no network
+    monkeypatch.setitem(sources.DATASETS, "known_1000", sources.DatasetSource(
+        PROJECT_FACTS.as_uri(), hashlib.sha256(data).hexdigest(), "known_1000.json",
+        "PVCT_DOCS_UNUSED", "test"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    Path("intervention_specs").symlink_to(ROOT / "intervention_specs")
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.syspath_prepend(str(work))
+    readme = (ROOT / "README.md").read_text()
+    blocks = BLOCK.findall(readme[readme.index("## Quickstart"):])
+    loading = [b for b in blocks if "load_transcoder(" in b]
+    assert len(loading) >= 3 and all(DEFAULT in b for b in loading)
+    for index, code in enumerate(blocks):
+        exec(compile(code, f"README.md[{index}]", "exec"), {"__name__": "__docs__"})
+    assert not any(name.startswith("__docs__") for name in sys.modules)
+
+
+def test_a_second_fit_reuses_only_the_same_settings(fresh_home, capsys):
+    report = fitting.fit_transcoder(steps=5, texts=8, progress=False)
+    assert not report.reused and report.path == Path(DEFAULT).expanduser()
+    weights = {p.name: p.stat().st_mtime_ns for p in report.path.iterdir()}
+    again = fitting.fit_transcoder(steps=5, texts=8, progress=False)
+    assert again.reused and again.record == report.record
+    assert {p.name: p.stat().st_mtime_ns for p in report.path.iterdir()} == weights
+    with pytest.raises(InputError, match=r"other settings: steps 5 \(asked 6\)"):
+        fitting.fit_transcoder(steps=6, texts=8, progress=False)
+    assert cli(["fit", "--steps", "6", "--texts", "8", "--no-progress"]) == 2
+    assert "--refit" in capsys.readouterr().err
+    refitted = fitting.fit_transcoder(steps=6, texts=8, progress=False, refit=True)
+    assert not refitted.reused and refitted.record["settings"]["steps"] == 6
+    # a directory this command did not write is never taken for a fit
+    other = report.path.parent / "smollm2-135m-plt-128"
+    other.mkdir()
+    with pytest.raises(InputError, match="no fit.json"):
+        fitting.fit_transcoder(kind="plt", steps=5, texts=8, progress=False)
+
+
+def test_fitted_settings_are_refused_before_any_model_loads(fresh_home):
+    for changes, match in (({"kind": "sae"}, "kind must be"), ({"features": 0}, "features"),
+                           ({"data": "nowhere.txt"}, "no file at")):
+        with pytest.raises(InputError, match=match):
+            fitting.fit_transcoder(progress=False, **changes)
+
+
+def test_a_missing_transcoder_says_how_to_get_one(fresh_home, capsys):
+    with pytest.raises(TranscoderFormatError, match="pyvene-causaltrace fit"):
+        load_transcoder(DEFAULT)
+    assert cli(["attribute", "--clt", DEFAULT, "--out", os.fspath(fresh_home / "g")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "make attribute" in err and "smollm2-135m-skip-plt-128" in err
