@@ -37,7 +37,8 @@ PROMPTS = {
     "long": "The Eiffel Tower, which was built for the 1889 World's Fair and is visited by "
             "millions every year, is in the city of",
 }
-FITTED = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"))
+FITTED = Path(os.path.expanduser(
+    "~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"))
 
 
 def prompt_text(tokenizer, name: str) -> str:
