@@ -99,9 +99,14 @@ class FitReport:
         pairing, seconds = self.record["pairing"], self.record["seconds"]
         how = "reused" if self.reused else "fitted in " + ", ".join(
             f"{k} {v:.0f} s" for k, v in seconds.items())
+        per_layer = sorted(pairing["fvu_per_layer"])
+        median = per_layer[len(per_layer) // 2]
+        # the pooled FVU weighs each layer by its output's variance (the last layers' and
+        # position 0's outputs are large): the per-layer median says how a typical layer fits
         return (f"{self.path}: {self.record['settings']['kind']}, "
                 f"{self.record['settings']['features']} features per layer, held-out pairing "
-                f"FVU {pairing['fvu']:.3f} (mean L0 {pairing['mean_l0']:.1f}); {how}")
+                f"FVU {pairing['fvu']:.3f} pooled, {median:.2f} the median layer (mean L0 "
+                f"{pairing['mean_l0']:.1f}); {how}")
 
 
 def model_slug(model: str) -> str:
@@ -246,7 +251,7 @@ def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | Non
     record = {"settings": asked, "train_tokens": stats.n_tokens, "train_texts": len(train),
               "held_out_texts": len(held_out), "train_fvu": stats.train_fvu,
               "pairing": pairing.to_dict(), "seconds": seconds}
-    with phase("saving", progress, seconds):
+    with phase("saving", progress, {}):  # not in the record it writes (a reuse reads that)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=path.name + ".partial-", dir=path.parent))
         try:

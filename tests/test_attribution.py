@@ -174,6 +174,7 @@ def test_a_graph_runs_two_forwards_and_counts_active_features_in_the_clean_one(t
     forward); the counts are those a separate count gives."""
     from pyvene_causaltrace.attribution.budget import active_counts
     from pyvene_causaltrace.attribution.replacement_model import ReplacementModel
+    from pyvene_causaltrace.prompts import first_position as prepared_from
 
     model, clt = _setup("llama", tmp_path)
     calls = []
@@ -184,7 +185,8 @@ def test_a_graph_runs_two_forwards_and_counts_active_features_in_the_clean_one(t
     finally:
         handle.remove()
     prepared = ReplacementModel(model, tokenizer, clt).prepare(PROMPT, " the")
-    assert torch.equal(prepared.active_counts, active_counts(model, clt, prepared.input_ids))
+    assert torch.equal(prepared.active_counts, active_counts(
+        model, clt, prepared.input_ids, from_position=prepared_from(tokenizer)))
     assert int(prepared.active_counts.sum()) > 0
 
 

@@ -88,7 +88,8 @@ def test_the_bound_object_is_checked_once_and_runs_the_same_forward(world, token
     prepared = replacement.prepare(PROMPT, target="demeaned")
     assert prepared.softcap is None and prepared.target_logits is prepared.logits
     run = replacement.run(prepared.input_ids)
-    reference = run_local_replacement(model, clt, prepared.input_ids)
+    reference = run_local_replacement(model, clt, prepared.input_ids,
+                                      from_position=replacement.from_position)
     assert torch.equal(run.logits, reference.logits)
     assert torch.equal(run.feature_id, reference.feature_id)
 

@@ -55,7 +55,7 @@ def test_budgeted_rows_are_the_full_graphs_rows_and_close(budgeted, tokenizer):
     assert graph.rows.n_rows == BUDGET + graph.n_logits  # and the logits'
     # the same rows of the unbudgeted graph: each computed on its own, exactly equal
     ids = tokenizer(LONG_PROMPT, return_tensors="pt")["input_ids"]
-    run = run_local_replacement(model, clt, ids)
+    run = run_local_replacement(model, clt, ids, from_position=graph.from_position)
     assert run.n_features == graph.n_features
     explored = graph.explored.nonzero().squeeze(-1)
     reference, constants = feature_rows_loop(run, explored)
