@@ -66,7 +66,8 @@ def test_smollm2_budgeted_graph_closes_and_reads_like_the_dense_reference(smollm
     residual = graph.closures().abs()
     assert (residual <= 1e-4 * graph.rows.targets.abs().clamp(min=1e-3)).all(), residual.max()
     assert graph.decomposition()["unexplored"] != 0.0
-    run = run_local_replacement(model, clt, tokenizer(PROMPT, return_tensors="pt")["input_ids"])
+    run = run_local_replacement(model, clt, tokenizer(PROMPT, return_tensors="pt")["input_ids"],
+                                from_position=graph.from_position)  # SmolLM2 adds no BOS: 0
     explored = graph.explored.nonzero().squeeze(-1)
     looped, _ = feature_rows_loop(run, explored)
     rows = graph.rows.dense(graph.rows.row_of_node(graph.layout.n_nodes)[explored])
