@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from _support.data import PROJECT_FACTS, ROOT
-from _support.models import make_tiny_model, train_tiny_lm
+from _support.docs_world import N_LAYERS, PAGES, docs_model, docs_tokenizer
 from clt_fixtures import random_clt_tensors, write_clt
 
 import pyvene_causaltrace
@@ -29,38 +29,15 @@ from pyvene_causaltrace.transcoders import formats
 
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 MODULE = re.compile(r"# (\w+)\.py\n")  # a block that is a module file: "# my_steer.py"
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCKS = [(page, i, code) for page in PAGES for i, code in enumerate(BLOCK.findall(
     page.read_text()))]
-N_LAYERS = 30  # the shipped specs and examples name layers up to 23
-VOCAB = 2000
-
-
-def _docs_tokenizer():
-    """A byte-level BPE trained on the docs' own text, so the words they use (" Paris") are
-    single tokens as in a real vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<bos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = [line for page in PAGES for line in page.read_text().splitlines()]
-    bpe.train_from_iterator(text + [PROJECT_FACTS.read_text()], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<bos>")
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("docs_world")
-    tokenizer = _docs_tokenizer()
-    model = make_tiny_model("llama", vocab_size=VOCAB, n_layers=N_LAYERS, init=0.2)
-    # trained a little on the facts the docs use, so that the MLPs and the subject matter
-    texts = ["The Eiffel Tower is in the city of Paris", "The Colosseum is in the city of Rome",
-             "The Space Needle is in the city of Seattle"] * 20
-    train_tiny_lm(model, tokenizer, texts, steps=150)
+    tokenizer = docs_tokenizer()
+    model = docs_model(tokenizer)  # trained a little on the facts the docs use
     clt = write_clt(root / "clt", random_clt_tensors(N_LAYERS, 32, 8, threshold=0.05))
     return model, tokenizer, clt
 
