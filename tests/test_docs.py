@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from _support.data import PROJECT_FACTS, ROOT
-from _support.docs_world import N_LAYERS, PAGES, docs_model, docs_tokenizer
+from _support.docs_world import N_LAYERS, PAGES, stand_in
 from clt_fixtures import random_clt_tensors, write_clt
 
 import pyvene_causaltrace
@@ -36,8 +36,7 @@ BLOCKS = [(page, i, code) for page in PAGES for i, code in enumerate(BLOCK.finda
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("docs_world")
-    tokenizer = docs_tokenizer()
-    model = docs_model(tokenizer)  # trained a little on the facts the docs use
+    model, tokenizer = stand_in(tmp_path_factory)  # trained a little on the docs' facts
     clt = write_clt(root / "clt", random_clt_tensors(N_LAYERS, 32, 8, threshold=0.05))
     return model, tokenizer, clt
 

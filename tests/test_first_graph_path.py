@@ -7,20 +7,24 @@ error says how to get one."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
+import shlex
 import sys
 from pathlib import Path
 
 import pytest
 from _support.data import PROJECT_FACTS, ROOT
-from _support.docs_world import PAGES, docs_model, docs_tokenizer
+from _support.docs_world import PAGES
+from _support.docs_world import stand_in as docs_stand_in
 
 import pyvene_causaltrace
 from pyvene_causaltrace import fitting
 from pyvene_causaltrace import models as model_module
 from pyvene_causaltrace.cli import attribute as cli_attribute
 from pyvene_causaltrace.cli import main as cli
+from pyvene_causaltrace.cli.parser import build_parser
 from pyvene_causaltrace.dataset import sources
 from pyvene_causaltrace.errors import InputError, TranscoderFormatError
 from pyvene_causaltrace.interventions import registry
@@ -33,9 +37,8 @@ FEW = ["--steps", "5", "--texts", "8", "--no-progress"]  # a fit of a second or 
 
 
 @pytest.fixture(scope="module")
-def stand_in():
-    tokenizer = docs_tokenizer()
-    return docs_model(tokenizer), tokenizer
+def stand_in(tmp_path_factory):
+    return docs_stand_in(tmp_path_factory)
 
 
 @pytest.fixture
@@ -129,3 +132,52 @@ def test_a_missing_transcoder_says_how_to_get_one(fresh_home, capsys):
     assert cli(["attribute", "--clt", DEFAULT, "--out", os.fspath(fresh_home / "g")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "make attribute" in err and "smollm2-135m-skip-plt-128" in err
+
+
+def _readme_runner():
+    """examples/readme_in_order.py, which runs the README's blocks on the real model."""
+    spec = importlib.util.spec_from_file_location("readme_in_order",
+                                                  ROOT / "examples" / "readme_in_order.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_readme_shell_command_parses_as_written(monkeypatch):
+    """The README's shell lines, as ``examples/readme_in_order.py`` runs them on the real model:
+    each ``pyvene-causaltrace`` command parses (no placeholder like DIR, no stale flag), each
+    variable is set in its block before use, and each ``make`` target exists."""
+    runner = _readme_runner()
+    readme = (ROOT / "README.md").read_text()
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    parser, ours, makes = build_parser(), 0, 0
+    for language, text in runner.blocks(readme):
+        if language != "bash":
+            continue
+        variables = {}
+        for command in runner.commands(text):
+            assignment = re.fullmatch(r"(\w+)=(\S+)", command)
+            if assignment:
+                variables[assignment[1]] = os.path.expanduser(assignment[2])
+                continue
+            words = shlex.split(command)
+            for word in words:
+                for name in re.findall(r"\$(\w+)", word):
+                    assert name in variables, f"${name} is not set before: {command}"
+            words = [re.sub(r"\$(\w+)", lambda m, known=variables: known[m[1]], w)
+                     for w in words]
+            assert words[0] in ("pyvene-causaltrace", "make"), command
+            if words[0] == "make":
+                makes += 1
+                assert set(words[1:]) <= targets, command
+                continue
+            assert "DIR" not in words, f"a placeholder in: {command}"
+            try:
+                parser.parse_args(words[1:])
+            except SystemExit:
+                pytest.fail(f"README's command does not parse: {command}")
+            ours += 1
+    assert ours >= 9 and makes >= 3
+    # a control: a stale flag is caught
+    with pytest.raises(SystemExit):
+        parser.parse_args(["dataset", "--data", "x", "--no-such-flag"])

@@ -1,9 +1,11 @@
 """A tiny stand-in for the docs' world: a 30-layer Llama trained a little on the facts the docs
 use, with a byte-level BPE trained on the docs' own text (so " Paris" is one token, as in a
-real vocabulary). The same recipe as tests/test_docs.py's ``world`` fixture."""
+real vocabulary). Built once per run (:func:`stand_in`) and shared by test_docs.py and
+test_first_graph_path.py, whichever xdist worker asks first."""
 
 from __future__ import annotations
 
+from _support.built import built_once
 from _support.data import PROJECT_FACTS, ROOT
 from _support.models import make_tiny_model, train_tiny_lm
 
@@ -33,3 +35,18 @@ def docs_model(tokenizer, steps: int = 150):
              "The Space Needle is in the city of Seattle"] * 20
     train_tiny_lm(model, tokenizer, texts, steps=steps)
     return model
+
+
+def stand_in(tmp_path_factory):
+    """``(model, tokenizer)``: the docs' stand-in, trained once per run and saved; each call
+    loads a fresh copy (bit-identical weights in every worker)."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # slow imports
+
+    def build(folder):
+        tokenizer = docs_tokenizer()
+        docs_model(tokenizer).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    folder = built_once(tmp_path_factory, "docs-stand-in", build)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    return model, PreTrainedTokenizerFast.from_pretrained(folder)
