@@ -40,7 +40,7 @@ from .models import (
     is_intervenable,
     model_name,
 )
-from .prompts import tokenize_prompt
+from .prompts import first_position, tokenize_prompt
 from .pyvene_compat import intervenable_model_class
 from .specs import SCHEMA_VERSION, validate_spec
 from .transcoders.transcoder import Transcoder, check_fits
@@ -148,11 +148,12 @@ def _integer(value: object, what: str) -> int:
 
 
 def check_feature_interventions(interventions: object, transcoder: Transcoder, n_positions: int,
-                                dtype: torch.dtype = torch.float32
+                                dtype: torch.dtype = torch.float32, first: int = 1
                                 ) -> list[tuple[int, int | str, int, float]]:
     """``interventions`` as ``(layer, position, feature, value)`` tuples of plain Python
     numbers, negative positions made absolute; :class:`InputError` for an empty list, a
-    malformed item, a layer, feature or position out of range (position 0 is never spliced),
+    malformed item, a layer, feature or position out of range (the spliced positions start at
+    ``first``: 1 when position 0 is BOS, :func:`~.prompts.first_position`),
     a non-finite value or one that ``dtype`` (the narrower of the model's and the
     transcoder's) cannot hold (:class:`NonFiniteError`: it would become inf), or one feature
     set twice at a position."""
@@ -189,10 +190,12 @@ def check_feature_interventions(interventions: object, transcoder: Transcoder, n
         if position != "all":
             position = _integer(position, f"{where} position (an integer or 'all')")
             absolute = position + n_positions if position < 0 else position
-            if not 1 <= absolute < n_positions:
+            if not first <= absolute < n_positions:
+                why = ("position 0 is BOS here, never spliced: bos='never' splices it"
+                       if first else "negative positions count from the end")
                 raise InputError(f"{where}: position {position} is outside the prompt's "
-                                 f"spliced positions 1..{n_positions - 1} (position 0 is never "
-                                 "spliced; 'all' also reaches generated tokens)")
+                                 f"spliced positions {first}..{n_positions - 1} ({why}; 'all' "
+                                 "also reaches generated tokens)")
             position = absolute
         if isinstance(value, bool | str | bytes):
             raise InputError(f"{where} value must be a number, got {value!r}")
@@ -322,12 +325,14 @@ def _top(logits: torch.Tensor, tokenizer, run: str, k: int) -> list[dict[str, An
 
 
 def feature_spec(prompt: str, items: list[tuple[int, int | str, int, float]], source: str, *,
-                 hold_errors: bool, freeze_attention: bool, model: str = "") -> dict[str, Any]:
+                 hold_errors: bool, freeze_attention: bool, model: str = "",
+                 from_position: int = 1) -> dict[str, Any]:
     """The JSON spec of a feature intervention on ``prompt`` (a ``clt_splice`` with ``error``
-    ``"clean"`` or ``"live"``, one ``feature_ablate`` with ``value`` per (layer, position),
-    ``frozen_attention`` with ``pattern: "clean"``); validated."""
+    ``"clean"`` or ``"live"`` from ``from_position`` on, one ``feature_ablate`` with ``value``
+    per (layer, position), ``frozen_attention`` with ``pattern: "clean"``); validated."""
     entries: list[dict[str, Any]] = [
-        {"type": "clt_splice", "clt": source, "error": "clean" if hold_errors else "live"}]
+        {"type": "clt_splice", "clt": source, "error": "clean" if hold_errors else "live",
+         "from_position": from_position}]
     entries += [{"type": "feature_ablate", **settings} for settings in _ablations(items)]
     if freeze_attention:
         entries.append({"type": "frozen_attention", "pattern": "clean"})
@@ -342,7 +347,7 @@ def intervene_features(
     model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, prompt: str,
     interventions: list[FeatureIntervention], *, max_new_tokens: int = 0,
     hold_errors: bool = True, freeze_attention: bool = False, top_k: int = 10,
-    memory_mb: float | None = None, progress: bool | None = None,
+    memory_mb: float | None = None, progress: bool | None = None, bos: str = "auto",
 ) -> FeatureInterventionResult:
     """Set transcoder features to values and read the logits; optionally generate greedily
     with them held (circuit-tracer's ``feature_intervention`` / ``_generate``).
@@ -354,9 +359,9 @@ def intervene_features(
         interventions: ``(layer, position, feature, value)`` tuples: feature ``feature`` of
             transcoder layer ``layer`` is set to ``value`` (after its encoder, before any
             decoder reads it, so a cross-layer feature writes ``value`` times its decoder into
-            every later layer). ``position`` is a prompt position ``1..P-1`` (negative counts
-            from the end; position 0 is never spliced: BOS / the attention sink), or ``"all"``:
-            every prompt position from 1 on and every generated position. A feature set twice
+            every later layer). ``position`` is a spliced prompt position (negative counts
+            from the end; position 0 only where it is not BOS, see ``bos``), or ``"all"``:
+            every spliced prompt position and every generated position. A feature set twice
             at one position is refused.
         max_new_tokens: greedy tokens to generate with the interventions, and as many without
             (the clean continuation); 0 reads the logits only. Generation stops early after the
@@ -377,6 +382,10 @@ def intervene_features(
             each step reruns the whole sequence (:func:`generation_mb`).
         progress: a progress bar (tqdm, on stderr) per generation; None (the default) shows
             one when ``max_new_tokens >= LONG_GENERATION``, False never.
+        bos: how position 0 is treated, as in :func:`~.attribution.attribute` (``"auto"``: as
+            BOS, never spliced, only when the tokenizer prepends one; SmolLM2's adds none, so
+            its position 0 is spliced and can be steered; ``"always"``: circuit-tracer's
+            convention; ``"never"``).
 
     Returns:
         A :class:`FeatureInterventionResult`: intervened and clean last-position logits, top
@@ -419,7 +428,8 @@ def intervene_features(
         raise InputError(f"progress must be True, False or None, got {progress!r}")
     narrowest = min((next(model.parameters()).dtype, transcoder.dtype),
                     key=lambda t: torch.finfo(t).max)
-    items = check_feature_interventions(interventions, transcoder, n_pos, narrowest)
+    start = first_position(tokenizer, bos)
+    items = check_feature_interventions(interventions, transcoder, n_pos, narrowest, start)
     device = next(model.parameters()).device
     ids = tokenized.input_ids.to(device)
     check_inputs(model, ids)
@@ -431,10 +441,10 @@ def intervene_features(
     with torch.no_grad():
         bar = _bar(show, steps, "clean generation")
         clean, clean_new = _greedy(lambda x: model(input_ids=x).logits, ids, steps, eos, bar)
-        errors = clean_errors(transcoder, model, ids) if hold_errors else None
+        errors = clean_errors(transcoder, model, ids, start) if hold_errors else None
         reps = clt_splice_representations(
-            transcoder, model, ablations=_ablations(items), errors=errors, live_error=True,
-            error_from="clean" if hold_errors else None)
+            transcoder, model, from_position=start, ablations=_ablations(items), errors=errors,
+            live_error=True, error_from="clean" if hold_errors else None)
         if freeze_attention:
             adapter = get_adapter(model)
             reps += [{"component": adapter.site("attn_output", layer),
@@ -452,7 +462,7 @@ def intervene_features(
     source = transcoder.source
     spec = None if source is None else feature_spec(
         prompt, items, source, hold_errors=hold_errors, freeze_attention=freeze_attention,
-        model=model_name(model))
+        model=model_name(model), from_position=start)
     return FeatureInterventionResult(
         prompt=prompt, tokens=list(tokenized.tokens), interventions=items,
         hold_errors=hold_errors, freeze_attention=freeze_attention,

@@ -453,3 +453,33 @@ def test_the_schema_takes_real_outputs_and_refuses_broken_ones(reference, files,
                 broken(lambda d: d["graphs"]["quality"].pop("closure_max")),
                 broken(lambda d: d.update(extra=1))):
         assert not validator.is_valid(bad)
+
+
+def test_the_bos_rule_is_in_the_manifest(reference, files, model, tokenizer, tmp_path, capsys):
+    """Each graph's position-0 rule is part of the run: another rule, or a run written before
+    the rule existed (no ``bos`` in its manifest: its graphs took position 0 as BOS on every
+    tokenizer), is refused on resume, never mixed."""
+    out, _ = reference
+    assert json.loads((out / "manifest.json").read_text())["graphs"]["bos"] == "auto"
+    run = tmp_path / "run"
+    _run(files, model, tokenizer, run, limit=2)
+    with pytest.raises(ManifestMismatchError, match="bos"):
+        _run(files, model, tokenizer, run, limit=2, graph_options=GraphSettings(bos="always"))
+    manifest = json.loads((run / "manifest.json").read_text())
+    del manifest["graphs"]["bos"]
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestMismatchError, match="bos"):
+        _run(files, model, tokenizer, run, limit=2)
+    with pytest.raises(InputError, match="bos must be one of"):
+        GraphSettings(bos="first").check()
+    # the rule reaches each graph: "always" on this tokenizer (it adds no BOS) leaves position
+    # 0 out of the spliced positions, as the same call of attribute does
+    always = tmp_path / "always"
+    _run(files, model, tokenizer, always, limit=1,
+         graph_options=GraphSettings(bos="always", save=True))
+    saved = next((always / "graphs").iterdir())
+    from pyvene_causaltrace.attribution import AttributionGraph
+    assert AttributionGraph.load(saved).from_position == 1
+    assert main(["dataset", "--data", str(files / "facts.jsonl"), "--bos", "never",
+                 "--out", str(tmp_path / "cli")]) == 2
+    assert "--bos is read only with --graphs" in capsys.readouterr().err

@@ -179,6 +179,13 @@ def test_the_verdict_is_a_field_with_three_values():
     assert "MISPAIRED" in wrong.verdict() and "earlier hook fits as well or better" in \
         wrong.verdict()
     assert good.to_dict()["status"] == "paired" and poor.to_dict()["paired"] is True
+    # the pooled FVU weighs each layer by its variance (SmolLM2's first transcoder: 0.013
+    # pooled, median layer 0.58): the median layer's decides a poor fit too
+    spread = PairingReport([0.9, 0.8, 0.01], 0.05, 3.0, 2.0, 4.0, 3.0, 10)
+    assert spread.status == "poor_fit" and spread.median_layer_fvu == 0.8
+    assert "median 0.800, worst layer 0 0.900, 2 of 3 at 0.5 or more" in spread.verdict()
+    assert spread.to_dict()["median_layer_fvu"] == 0.8
+    assert PairingReport([0.3, 0.2, 0.01], 0.05, 3.0, 2.0, 4.0, 3.0, 10).status == "paired"
     poor.raise_if_mispaired()
     with pytest.raises(InputError, match="MISPAIRED"):
         wrong.raise_if_mispaired()

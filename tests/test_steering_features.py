@@ -5,7 +5,8 @@ tensors (no pyvene, no package transcoder code) — each layer's MLP output beco
 reconstruction of the set features plus the clean run's error at the prompt's positions when
 errors are held, and the model's own output plus ``(value - activation) * decoder`` elsewhere
 (generated positions, or everywhere with live errors). Generation is greedy on the whole
-sequence each step.
+sequence each step. The splice starts at the first position the BOS rule gives: 0 on the tiny
+tokenizer, which adds no BOS (``bos="auto"``), 1 under ``bos="always"``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pyvene_causaltrace.errors import InputError, NonFiniteError, PyveneModelErr
 from pyvene_causaltrace.execute import build_interventions, run_spec
 from pyvene_causaltrace.interventions.feature_ablate import FeatureAblate
 from pyvene_causaltrace.models import get_adapter, get_module
+from pyvene_causaltrace.prompts import first_position
 from pyvene_causaltrace.pyvene_compat import intervenable_model_class
 from pyvene_causaltrace.specs import load_spec, validate_spec
 from pyvene_causaltrace.transcoders import load_transcoder
@@ -46,10 +48,11 @@ def world(tmp_path_factory, tokenizer):
 
 # ------------------------------------------------------------------------------ the reference
 
-def _reference_forward(model, tensors, ids, items, errors):
+def _reference_forward(model, tensors, ids, items, errors, first=0):
     """Logits ``[1, S, V]`` of the intervened forward with plain hooks, and the clean-style
     captures ``(outputs, encoded)`` per layer. ``items``: ``(layer, position, feature,
-    value)``; ``errors``: per-layer ``[1, P, D]`` held at positions ``1..P-1``, or None."""
+    value)``; ``errors``: per-layer ``[1, P, D]`` held at positions ``first..P-1``, or None;
+    positions before ``first`` (BOS) are never spliced."""
     adapter = get_adapter(model)
     encoded, now, outputs, handles = {}, {}, {}, []
 
@@ -61,12 +64,12 @@ def _reference_forward(model, tensors, ids, items, errors):
             x = args[0]
             z = x @ tensors["W_enc"][_layer].T + tensors["b_enc"][_layer]
             a = torch.where(z > tensors["threshold"][_layer], z, torch.zeros(()))
-            a[:, 0] = 0
+            a[:, :first] = 0
             encoded[_layer] = a
             changed = a.clone()
             for item_layer, position, feature, value in items:
                 if item_layer == _layer:
-                    where = slice(1, None) if position == "all" else position
+                    where = slice(first, None) if position == "all" else position
                     changed[0, where, feature] = value
             now[_layer] = changed
 
@@ -80,8 +83,8 @@ def _reference_forward(model, tensors, ids, items, errors):
             new = out + change
             if errors is not None:
                 n = errors[_layer].shape[1]
-                new[:, 1:n] = recon[:, 1:n] + errors[_layer][:, 1:n]
-            new[:, 0] = out[:, 0]
+                new[:, first:n] = recon[:, first:n] + errors[_layer][:, first:n]
+            new[:, :first] = out[:, :first]
             return new
 
         handles.append(get_module(model, adapter.module_path("pre_mlp_norm", layer))
@@ -96,9 +99,9 @@ def _reference_forward(model, tensors, ids, items, errors):
             handle.remove()
 
 
-def _reference_errors(model, tensors, ids):
+def _reference_errors(model, tensors, ids, first=0):
     """The clean run's ``out - recon`` per layer, ``[1, P, D]`` each."""
-    _, outputs, encoded = _reference_forward(model, tensors, ids, [], None)
+    _, outputs, encoded = _reference_forward(model, tensors, ids, [], None, first)
     errors = []
     for layer in range(L):
         recon = tensors["b_dec"][layer] + sum(
@@ -107,17 +110,17 @@ def _reference_errors(model, tensors, ids):
     return errors
 
 
-def _reference(model, tensors, ids, items, steps, hold_errors=True):
+def _reference(model, tensors, ids, items, steps, hold_errors=True, first=0):
     """First-step logits ``[V]`` and ``steps`` greedy tokens of the reference."""
-    errors = _reference_errors(model, tensors, ids) if hold_errors else None
-    first, generated = None, []
+    errors = _reference_errors(model, tensors, ids, first) if hold_errors else None
+    logits_1, generated = None, []
     for _ in range(steps):
-        logits = _reference_forward(model, tensors, ids, items, errors)[0][0, -1]
-        first = logits if first is None else first
+        logits = _reference_forward(model, tensors, ids, items, errors, first)[0][0, -1]
+        logits_1 = logits if logits_1 is None else logits_1
         token = int(logits.argmax())
         generated.append(token)
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return first, generated
+    return logits_1, generated
 
 
 def _dominant_feature(world):
@@ -143,7 +146,7 @@ def _dominant_feature(world):
 
 def _every_active_feature(tc, model, ids, shift: float = 0.0):
     states = transcoder_states(tc, model, ids)
-    acts = tc.encode_all(states["input"].to(tc.dtype))
+    acts = tc.encode_all(states["input"].to(tc.dtype), zero_bos=False)  # no BOS: 0 spliced
     layer, position, feature = acts.nonzero(as_tuple=True)
     return [(int(l_), int(p), int(f), float(acts[l_, p, f]) + shift)
             for l_, p, f in zip(layer, position, feature, strict=True)]
@@ -164,7 +167,8 @@ def test_every_feature_at_its_clean_value_gives_the_clean_logits(kind, world, tm
         tc = load_transcoder(path)
         assert tc.cfg.skip and not tc.cfg.cross_layer
     items = _every_active_feature(tc, model, ids)
-    assert len(items) > 100 and {p for _, p, _, _ in items} == set(range(1, ids.shape[1]))
+    assert first_position(tokenizer) == 0  # the tiny tokenizer adds no BOS: 0 is spliced
+    assert len(items) > 100 and {p for _, p, _, _ in items} == set(range(ids.shape[1]))
     for hold, freeze in ((True, False), (True, True), (False, False)):
         result = intervene_features(model, tokenizer, tc, PROMPT, items, hold_errors=hold,
                                     freeze_attention=freeze)
@@ -174,20 +178,22 @@ def test_every_feature_at_its_clean_value_gives_the_clean_logits(kind, world, tm
     assert moved.max_abs_logit_diff > 1e-2
 
 
+@pytest.mark.parametrize("bos", ["auto", "always"])
 @pytest.mark.numerics
-def test_a_boosted_feature_changes_the_greedy_text_as_the_reference_does(world):
+def test_a_boosted_feature_changes_the_greedy_text_as_the_reference_does(world, bos):
     """A last-layer feature set far above its range at the last prompt position writes its
     decoder direction over the residual stream: the first generated token is that direction's
     argmax through the final norm and unembedding, not the clean one; every token and the
     first-step logits equal the reference's (held errors, live past the prompt)."""
     model, tokenizer, clt, tensors, ids, _ = world
     feature, token, clean_next = _dominant_feature(world)
-    items = [(L - 1, -1, feature, BIG), (1, 3, 5, 4.0)]
-    result = intervene_features(model, tokenizer, clt, PROMPT, items, max_new_tokens=4)
+    first = first_position(tokenizer, bos)  # 0 under auto (no BOS added), 1 under always
+    items = [(L - 1, -1, feature, BIG), (1, 3, 5, 4.0)] + ([(1, 0, 5, 4.0)] if not first else [])
+    result = intervene_features(model, tokenizer, clt, PROMPT, items, max_new_tokens=4, bos=bos)
     assert result.interventions[0][1] == ids.shape[1] - 1  # -1 made absolute
     assert result.generated_ids[0] == token != clean_next == result.clean_generated_ids[0]
     assert result.generated_text != result.clean_generated_text
-    logits, tokens = _reference(model, tensors, ids, result.interventions, 4)
+    logits, tokens = _reference(model, tensors, ids, result.interventions, 4, first=first)
     assert result.generated_ids == tokens
     torch.testing.assert_close(result.logits, logits, atol=1e-4 * float(logits.abs().max()),
                                rtol=0)
@@ -205,7 +211,7 @@ def test_all_positions_reach_the_generated_tokens(world, hold_errors):
     with another token. Both equal the reference, with held and with live errors."""
     model, tokenizer, clt, tensors, ids, _ = world
     feature, token, _ = _dominant_feature(world)
-    prompt_only = [(L - 1, p, feature, BIG) for p in range(1, ids.shape[1])] + [(0, 2, 7, 3.0)]
+    prompt_only = [(L - 1, p, feature, BIG) for p in range(ids.shape[1])] + [(0, 2, 7, 3.0)]
     everywhere = [(L - 1, "all", feature, BIG), (0, 2, 7, 3.0)]
     runs = {}
     for name, items in (("prompt", prompt_only), ("all", everywhere)):
@@ -231,7 +237,8 @@ def test_the_result_spec_reproduces_the_python_call_exactly(world, hold_errors, 
                                 freeze_attention=freeze)
     spec = result.spec
     assert spec["interventions"][0] == {"type": "clt_splice", "clt": clt.source,
-                                        "error": "clean" if hold_errors else "live"}
+                                        "error": "clean" if hold_errors else "live",
+                                        "from_position": 0}
     ablations = [e for e in spec["interventions"] if e["type"] == "feature_ablate"]
     assert ablations[0] == {"type": "feature_ablate", "clt_layer": 2, "features": [11, 12],
                             "positions": [ids.shape[1] - 1], "value": [6.0, 0.0]}
@@ -267,7 +274,6 @@ def test_bad_inputs_are_refused(world):
         ([(3, 1, 2, 1.0)], InputError, "layer 3 is outside"),
         ([(-1, 1, 2, 1.0)], InputError, "layer -1 is outside"),
         ([(0, 1, F, 1.0)], InputError, f"feature {F} is outside"),
-        ([(0, 0, 2, 1.0)], InputError, "position 0 is never spliced"),
         ([(0, n, 2, 1.0)], InputError, f"position {n} is outside"),
         ([(0, "last", 2, 1.0)], InputError, "position"),
         ([(0, 1, 2, float("nan"))], NonFiniteError, "not finite"),
@@ -280,6 +286,11 @@ def test_bad_inputs_are_refused(world):
     for items, error, match in cases:
         with pytest.raises(error, match=match):
             intervene_features(model, tokenizer, clt, PROMPT, items)
+    # position 0 only where the BOS rule makes it BOS (the tiny tokenizer adds none)
+    with pytest.raises(InputError, match="position 0 is BOS here, never spliced"):
+        intervene_features(model, tokenizer, clt, PROMPT, [(0, 0, 2, 1.0)], bos="always")
+    with pytest.raises(InputError, match="bos must be one of"):
+        intervene_features(model, tokenizer, clt, PROMPT, [(0, 1, 2, 1.0)], bos="first")
     with pytest.raises(InputError, match="max_new_tokens"):
         intervene_features(model, tokenizer, clt, PROMPT, [(0, 1, 2, 1.0)], max_new_tokens=-1)
     pv_model = intervenable_model_class()([], model)
@@ -350,6 +361,19 @@ def test_steer_command_round_trips_through_its_spec(world, tmp_path, capsys):
     assert main(["steer", *common, "--spec", str(spec_path), "--out", str(tmp_path / "b")]) == 0
     again = json.loads((tmp_path / "b" / "steering.json").read_text())
     assert again == written
+    # circuit-tracer's convention: the spec says where the splice starts, whatever the
+    # tokenizer, and --bos beside --spec is refused
+    assert main(["steer", *common, "--set", "2:-1:11=6", "--bos", "always", "--out",
+                 str(tmp_path / "c")]) == 0
+    spec_path = tmp_path / "c" / "spec.json"
+    assert json.loads(spec_path.read_text())["interventions"][0]["from_position"] == 1
+    assert main(["steer", *common, "--spec", str(spec_path), "--out", str(tmp_path / "d")]) == 0
+    always = json.loads((tmp_path / "c" / "steering.json").read_text())
+    assert json.loads((tmp_path / "d" / "steering.json").read_text()) == always
+    assert always["top"] != written["top"]
+    capsys.readouterr()
+    assert main(["steer", *common, "--spec", str(spec_path), "--bos", "never"]) == 2
+    assert "drop --bos" in capsys.readouterr().err
 
 
 @pytest.mark.numerics

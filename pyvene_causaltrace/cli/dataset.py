@@ -31,7 +31,8 @@ from .common import number_or_name, out_dir
 #: Flags that only a run with --graphs reads.
 _GRAPH_FLAGS = (("clt", "--clt"), ("format", "--format"),
                 ("max_feature_nodes", "--max-feature-nodes"),
-                ("graph_memory_mb", "--graph-memory-mb"), ("save_graphs", "--save-graphs"))
+                ("graph_memory_mb", "--graph-memory-mb"), ("bos", "--bos"),
+                ("save_graphs", "--save-graphs"))
 
 
 def graph_settings(args) -> GraphSettings | None:
@@ -47,7 +48,7 @@ def graph_settings(args) -> GraphSettings | None:
         raise InputError("--graphs needs a transcoder: --clt DIR")
     memory = 4096.0 if args.graph_memory_mb is None else args.graph_memory_mb
     return GraphSettings(max_feature_nodes=args.max_feature_nodes, memory_mb=memory,
-                         save=args.save_graphs).check()
+                         bos=args.bos or "auto", save=args.save_graphs).check()
 
 
 def dataset_command(args) -> int:

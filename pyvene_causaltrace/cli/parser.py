@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default: every feature whose row fits --graph-memory-mb)")
     data.add_argument("--graph-memory-mb", type=float, default=None,
                       help="with --graphs: memory cap of one graph (default 4096)")
+    data.add_argument("--bos", default=None, choices=("auto", "always", "never"),
+                      help="with --graphs: " + _BOS_HELP)
     data.add_argument("--save-graphs", action="store_true",
                       help="with --graphs: keep each graph as graphs/<index>.safetensors")
     data.add_argument("--out", type=Path, required=True,
@@ -265,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "holding it at the clean run's")
     steer.add_argument("--freeze-attention", action="store_true",
                        help="hold the prompt's attention patterns at the clean run's")
+    steer.add_argument("--bos", default=None, choices=("auto", "always", "never"),
+                       help=_BOS_HELP)
     steer.add_argument("--top-k", type=int, default=10, help="top tokens per run")
     steer.add_argument("--out", type=Path, default=None,
                        help="write steering.json (the result) and spec.json (the spec that "

@@ -48,9 +48,11 @@ def parse_set(text: str) -> tuple[int, int | str, int, float]:
 
 def spec_settings(path: Path) -> dict[str, Any]:
     """What a steering spec says: prompt, model, transcoder, interventions, error and attention
-    settings. It holds one ``clt_splice`` over every layer from position 1 with ``error``
-    ``"clean"`` or ``"live"``, ``feature_ablate`` entries with ``value``, and optionally
-    ``frozen_attention`` with ``pattern: "clean"`` over every layer; anything else is refused."""
+    settings. It holds one ``clt_splice`` over every layer from position 0 or 1 (``bos``
+    ``"never"`` or ``"always"``: the spec, not the tokenizer, says where the splice starts) with
+    ``error`` ``"clean"`` or ``"live"``, ``feature_ablate`` entries with ``value``, and
+    optionally ``frozen_attention`` with ``pattern: "clean"`` over every layer; anything else is
+    refused."""
     spec = load_spec(path)
     if spec.trace is not None or spec.attribution is not None:
         raise InputError(f"{path} is a trace or attribution spec, not a steering spec")
@@ -60,9 +62,9 @@ def spec_settings(path: Path) -> dict[str, Any]:
     if splice.get("error") not in ("clean", "live"):
         raise InputError(f"{path}: steering needs the clt_splice entry's \"error\": \"clean\" "
                          "(held at the clean run's) or \"live\"")
-    if splice.get("layers", "all") != "all" or splice.get("from_position", 1) != 1:
-        raise InputError(f"{path}: steer splices every layer from position 1; run a partial "
-                         "splice with `run`")
+    if splice.get("layers", "all") != "all" or splice.get("from_position", 1) not in (0, 1):
+        raise InputError(f"{path}: steer splices every layer from position 0 or 1; run a "
+                         "partial splice with `run`")
     items: list[tuple[int, int | str, int, float]] = []
     freeze = False
     for index, item in enumerate(spec.interventions):
@@ -83,7 +85,8 @@ def spec_settings(path: Path) -> dict[str, Any]:
                              f"frozen_attention over every layer, not {item.type}; run the "
                              "spec with `run`")
     return {"prompt": spec.prompt, "model": spec.model, "clt": splice.get("clt"),
-            "items": items, "hold_errors": splice.get("error") == "clean", "freeze": freeze}
+            "items": items, "hold_errors": splice.get("error") == "clean", "freeze": freeze,
+            "bos": "always" if splice.get("from_position", 1) else "never"}
 
 
 def steer_settings(args) -> dict[str, Any]:
@@ -91,17 +94,20 @@ def steer_settings(args) -> dict[str, Any]:
     if args.spec is not None:
         given = [flag for flag, value in (("--prompt", args.prompt), ("--set", args.set),
                                           ("--no-hold-errors", args.no_hold_errors),
-                                          ("--freeze-attention", args.freeze_attention)) if value]
+                                          ("--freeze-attention", args.freeze_attention),
+                                          ("--bos", args.bos)) if value]
         if given:
-            raise InputError(f"--spec gives the prompt, the interventions and the error and "
-                             f"attention settings: drop {', '.join(given)}")
+            raise InputError(f"--spec gives the prompt, the interventions, the error and "
+                             f"attention settings and the first spliced position: drop "
+                             f"{', '.join(given)}")
         settings = spec_settings(args.spec)
     else:
         if not args.set:
             raise InputError(f"steer needs --set {_SET_FORM} (repeatable), or --spec FILE")
         settings = {"prompt": EIFFEL["prompt"] if args.prompt is None else args.prompt,
                     "model": None, "clt": None, "items": [parse_set(t) for t in args.set],
-                    "hold_errors": not args.no_hold_errors, "freeze": args.freeze_attention}
+                    "hold_errors": not args.no_hold_errors, "freeze": args.freeze_attention,
+                    "bos": args.bos or "auto"}
     for key in ("model", "clt"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -128,7 +134,7 @@ def steer_command(args) -> int:
                                 max_new_tokens=args.max_new_tokens,
                                 hold_errors=s["hold_errors"], freeze_attention=s["freeze"],
                                 top_k=args.top_k, memory_mb=args.memory_mb,
-                                progress=False if args.no_progress else None)
+                                progress=False if args.no_progress else None, bos=s["bos"])
     print(result.summary())
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

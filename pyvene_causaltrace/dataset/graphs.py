@@ -59,12 +59,16 @@ class GraphSettings:
     ``target``: ``"demeaned"`` (minus the top-``k`` mean) or ``"demeaned_vocab"``;
     ``max_feature_nodes``: feature rows per graph, the most influential (``None``: every
     active feature whose row fits ``memory_mb``); ``memory_mb``: the graph's memory cap;
+    ``bos``: how position 0 is treated (``"auto"``: as BOS only when the tokenizer prepends
+    one; ``"always"``: circuit-tracer's convention; ``"never"``), in the manifest, so a run made
+    before the BOS rule or under another one is never resumed with it;
     ``save``: keep each graph under ``graphs/`` (an output choice, not in the manifest)."""
 
     target: str = "demeaned"
     k: int = 10
     max_feature_nodes: int | None = None
     memory_mb: float = 4096.0
+    bos: str = "auto"
     save: bool = False
 
     def check(self) -> GraphSettings:
@@ -76,7 +80,7 @@ class GraphSettings:
                              f"{self.target!r}")
         check_attribute_arguments(target=self.target, k=self.k,
                                   max_feature_nodes=self.max_feature_nodes,
-                                  memory_mb=self.memory_mb)
+                                  memory_mb=self.memory_mb, bos=self.bos)
         if not isinstance(self.save, bool):
             raise InputError(f"save must be True or False, got {self.save!r}")
         return self
@@ -84,7 +88,7 @@ class GraphSettings:
     def to_manifest(self) -> dict:
         """The settings a resumed run must share (everything that changes a graph)."""
         return {"target": self.target, "k": self.k, "max_feature_nodes": self.max_feature_nodes,
-                "memory_mb": float(self.memory_mb)}
+                "memory_mb": float(self.memory_mb), "bos": self.bos}
 
 
 def graph_manifest(model: nn.Module, transcoder: Transcoder, settings: GraphSettings) -> dict:
@@ -110,7 +114,7 @@ def graph_row(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, li
     graph = attribute(model, tokenizer, transcoder, line["prompt"], line["target"],
                       target=settings.target, k=settings.k,
                       max_feature_nodes=settings.max_feature_nodes,
-                      memory_mb=settings.memory_mb)
+                      memory_mb=settings.memory_mb, bos=settings.bos)
     if graph.n_pos != tokenized.seq_len:
         raise InputError(f"fact {record.id}: the graph reads {graph.n_pos} tokens, the trace "
                          f"{tokenized.seq_len}")

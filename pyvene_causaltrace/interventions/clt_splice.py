@@ -205,11 +205,12 @@ class CLTSplice(SpliceIntervention):
         config = made.config() if isinstance(made, CLTSplice) else {}
         if config.get("error_from") == "clean" and config["role"] == "decode":
             # the clean run's errors, computed once for the whole splice
-            key = ("clean_errors", config["source"])
+            key = ("clean_errors", config["source"], config["from_position"])
             if key not in ctx.cache:
                 device = next(ctx.model.parameters()).device
                 ctx.cache[key] = clean_errors(made.clt, ctx.model,
-                                              ctx.prompt.input_ids.to(device))
+                                              ctx.prompt.input_ids.to(device),
+                                              config["from_position"])
             made._set_tensor("error", ctx.cache[key][config["clt_layer"]])
         return made
 

@@ -5,8 +5,9 @@
   of state one module too early (``hook_resid_pre`` for ``hook_resid_mid``, the attention norm's
   output for the MLP norm's) and scoring layer ``t``'s reconstruction against layer ``t + 1``.
   The verdict is a field, ``status``: ``paired``, ``poor_fit`` (the controls are far worse, so
-  the pairing is right, but the FVU is high) or ``mispaired`` (a control fits as well or
-  nearly); :meth:`PairingReport.verdict` says it in words and
+  the pairing is right, but the FVU is high: pooled, or at the median layer, since the pooled
+  FVU is ruled by the few layers of largest variance) or ``mispaired`` (a control fits as well
+  or nearly); :meth:`PairingReport.verdict` says it in words and
   :meth:`PairingReport.raise_if_mispaired` stops a pipeline before it uses a wrong transcoder.
 - :func:`replacement_anchor`: next-token cross-entropy on held-out text (every
   target token) for the clean model, the transcoder spliced from its first position (1 when
@@ -76,8 +77,12 @@ class PairingReport:
     - ``"mispaired"``: a control fits as well or better (at FVU >= 1: nearly as well, within
       :data:`CONTROL_RATIO`) — wrong model, layer or hook;
     - ``"poor_fit"``: both controls fit worse, so it reads its own layers and hooks, but the FVU
-      is :data:`POOR_FIT_FVU` or more: much of the MLP outputs is left to the error nodes;
-    - ``"paired"``: both controls worse and FVU below :data:`POOR_FIT_FVU`.
+      is :data:`POOR_FIT_FVU` or more, pooled or at the median layer: much of the MLP outputs
+      is left to the error nodes (the pooled FVU sums every layer's squared errors, so the few
+      layers of largest variance rule it: SmolLM2's first transcoder pooled 0.013 with half
+      its layers above 0.58);
+    - ``"paired"``: both controls worse, and the pooled and the median layer's FVU below
+      :data:`POOR_FIT_FVU`.
 
     ``from_position``: the first position scored (1 when position 0 is BOS)."""
 
@@ -94,9 +99,29 @@ class PairingReport:
     def __post_init__(self) -> None:
         best = min(self.fvu_wrong_hook, self.fvu_wrong_layer)
         beats = self.fvu < best if self.fvu < 1 else self.fvu < CONTROL_RATIO * best
-        status = ("mispaired" if not beats else
-                  "paired" if self.fvu < POOR_FIT_FVU else "poor_fit")
+        fits = max(self.fvu, self.median_layer_fvu) < POOR_FIT_FVU
+        status = "mispaired" if not beats else "paired" if fits else "poor_fit"
         object.__setattr__(self, "status", status)
+
+    @property
+    def median_layer_fvu(self) -> float:
+        """The median of the per-layer FVUs (the pooled :attr:`fvu` weighs each layer by its
+        variance)."""
+        layers = sorted(self.fvu_per_layer)
+        if not layers:
+            return self.fvu
+        middle = len(layers) // 2
+        return layers[middle] if len(layers) % 2 else (layers[middle - 1] + layers[middle]) / 2
+
+    def _layers(self) -> str:
+        """The per-layer spread in words: median, worst layer, how many are poor."""
+        if len(self.fvu_per_layer) < 2:
+            return ""
+        worst = max(range(len(self.fvu_per_layer)), key=self.fvu_per_layer.__getitem__)
+        poor = sum(f >= POOR_FIT_FVU for f in self.fvu_per_layer)
+        return (f"; per layer: median {self.median_layer_fvu:.3f}, worst layer {worst} "
+                f"{self.fvu_per_layer[worst]:.3f}, {poor} of {len(self.fvu_per_layer)} at "
+                f"{POOR_FIT_FVU} or more")
 
     @property
     def paired(self) -> bool:
@@ -109,7 +134,7 @@ class PairingReport:
                 f"{self.fvu_wrong_layer:.3f}")
 
     def verdict(self) -> str:
-        fit = f"FVU {self.fvu:.3f} (mean L0 {self.mean_l0:.1f})"
+        fit = f"FVU {self.fvu:.3f} pooled (mean L0 {self.mean_l0:.1f}{self._layers()})"
         if self.status == "paired":
             return f"paired: {fit} beats the controls ({self._controls()})"
         if self.status == "poor_fit":
@@ -133,7 +158,8 @@ class PairingReport:
             raise InputError(self.verdict())
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "paired": self.paired, "verdict": self.verdict()}
+        return {**asdict(self), "median_layer_fvu": self.median_layer_fvu,
+                "paired": self.paired, "verdict": self.verdict()}
 
 
 @torch.no_grad()
