@@ -49,6 +49,7 @@ from .edges import (
     CLOSURE_TOLERANCE,
     Closure,
     closure_error,
+    feature_magnitudes,
     feature_rows,
     feature_rows_loop,
     feature_targets,
@@ -408,9 +409,11 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
                 check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
                 with torch.no_grad():
                     targets = feature_targets(run, chunk.to(on))
+                    magnitudes = feature_magnitudes(run, chunk.to(on))
                 if check_closure:
-                    _check_rows(run, chunk, rows, constants, targets, freeze, top.hidden)
-                store.append(chunk, rows, constants, targets)
+                    _check_rows(run, chunk, rows, constants, targets, magnitudes, freeze,
+                                top.hidden)
+                store.append(chunk, rows, constants, targets, magnitudes)
                 in_flight = pending[:0]
                 done[chunk] = True
                 store_file.maybe_save(store, pending)
@@ -491,17 +494,18 @@ def steering_metadata(run: ReplacementRun, logit_row: torch.Tensor) -> list[dict
 
 
 def _check_rows(run: ReplacementRun, chunk: torch.Tensor, rows: torch.Tensor,
-                constants: torch.Tensor, targets: torch.Tensor, freeze: bool,
-                hidden: list[str]) -> None:
+                constants: torch.Tensor, targets: torch.Tensor, magnitudes: torch.Tensor,
+                freeze: bool, hidden: list[str]) -> None:
     """Raise :class:`~.edges.ClosureError` for the worst of these feature rows if it does not
     close."""
-    relative = row_closures(rows, constants, targets)
+    relative = row_closures(rows, constants, targets, magnitudes)
     worst = int(relative.argmax())
     if float(relative[worst]) <= CLOSURE_TOLERANCE:
         return
     row = rows[worst].detach().double()
     closure = Closure(float(targets[worst]), float(row.sum()), float(constants[worst]),
-                      float(row.abs().sum() + abs(constants[worst]) + abs(targets[worst])))
+                      float(row.abs().sum() + abs(constants[worst]) + abs(targets[worst])
+                            + magnitudes[worst]))
     node = int(chunk[worst])
     name = (f"the row of feature {int(run.feature_id[node])} (layer "
             f"{int(run.feature_layer[node])}, position {int(run.feature_position[node])})")

@@ -9,11 +9,15 @@ LayerNorm biases) contribute is kept beside the row, so ``row.sum() + constant =
 check, not a definition: :class:`Closure`, and :class:`ClosureError` when it fails.
 
 **Closure tolerance.** A row's residual ``row.sum() + constant - target`` is measured against the
-scale of what is summed, ``sum |row| + |constant| + |target|`` (:attr:`Closure.scale`), not
-against the target, which can be near zero while its terms are not. float32 rounding leaves
-~1e-7..1e-5 of that scale (measured on the tiny models and SmolLM2, 1 and 4 threads);
-:data:`CLOSURE_TOLERANCE` (1e-4) is ten times the worst seen. A residual above it is not
-rounding: something changed the forward that the graph has no node for.
+scale of what is summed, ``sum |row| + |constant| + |target|`` plus, for a feature's row, the
+terms its pre-activation ``w . x`` itself sums, ``sum_i |w_i x_i|`` (:func:`feature_magnitudes`;
+:attr:`Closure.scale`), not against the target, which can be near zero while its terms are not.
+float32 rounding leaves ~1e-7..1e-5 of that scale (measured on the tiny models and SmolLM2, 1
+and 4 threads); :data:`CLOSURE_TOLERANCE` (1e-4) is ten times the worst seen. A residual above
+it is not rounding: something changed the forward that the graph has no node for. (Without the
+``sum_i |w_i x_i|`` term a feature barely active read as a failure: on SmolLM2 a layer-0 feature
+at position 0 with pre-activation 4.4e-4 summed from terms of 2.3 in all left 1.8e-7, 1.4e-4 of
+its edges' scale.)
 
 :func:`feature_rows` computes many feature rows per backward pass by batching the gradient
 seeds (``torch.autograd.grad(..., is_grads_batched=True)``): the forward graph is built once
@@ -113,16 +117,19 @@ class Closure:
                 "tolerance": CLOSURE_TOLERANCE}
 
 
-def row_closures(rows: torch.Tensor, constants: torch.Tensor,
-                 targets: torch.Tensor) -> torch.Tensor:
-    """Per row, ``|row.sum() + constant - target|`` over ``sum |row| + |constant| + |target|``
-    (float64): the :attr:`Closure.relative` of each row."""
+def row_closures(rows: torch.Tensor, constants: torch.Tensor, targets: torch.Tensor,
+                 magnitudes: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row, ``|row.sum() + constant - target|`` over ``sum |row| + |constant| + |target|
+    + magnitude`` (float64; ``magnitudes``: :func:`feature_magnitudes`, 0 when None): the
+    :attr:`Closure.relative` of each row."""
     rows = rows.detach()  # float64 sums without a float64 copy of the rows
     constants = torch.as_tensor(constants).detach().double().to(rows.device).reshape(-1)
     targets = torch.as_tensor(targets).detach().double().to(rows.device).reshape(-1)
     residual = (rows.sum(1, dtype=torch.float64) + constants - targets).abs()
     scale = (torch.linalg.vector_norm(rows, ord=1, dim=1, dtype=torch.float64)
              + constants.abs() + targets.abs())
+    if magnitudes is not None:
+        scale = scale + torch.as_tensor(magnitudes).detach().double().to(rows.device).reshape(-1)
     return (residual / scale.clamp(min=1e-30)).cpu()
 
 
@@ -194,10 +201,22 @@ def target_row(run: ReplacementRun, target: Target) -> tuple[torch.Tensor, float
 
 def feature_targets(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:
     """Pre-activations ``W_enc[l, f] . x[l, pos]`` (no ``b_enc``) of feature nodes."""
+    return (_encoder_states(run, index) * run.encoder_rows[index]).sum(-1)
+
+
+def feature_magnitudes(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:
+    """``sum_i |W_enc[l, f, i] x[l, pos, i]|`` of feature nodes (float64): the size of the terms
+    each pre-activation sums, which its float32 rounding is relative to (module docstring)."""
+    terms = _encoder_states(run, index).double() * run.encoder_rows[index].double()
+    return terms.abs().sum(-1)
+
+
+def _encoder_states(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:
+    """``x[l, pos]`` ``[n, D]`` of feature nodes, in the encoder rows' dtype."""
     layers, positions = run.feature_layer[index], run.feature_position[index]
     states = torch.stack([run.encoder_inputs[layer][0, pos]
                           for layer, pos in zip(layers.tolist(), positions.tolist(), strict=True)])
-    return (states.to(run.encoder_rows.dtype) * run.encoder_rows[index]).sum(-1)
+    return states.to(run.encoder_rows.dtype)
 
 
 def _seeds(run: ReplacementRun, index: torch.Tensor) -> tuple[list, list]:

@@ -365,8 +365,10 @@ class AttributionGraph:
 
     def closure_scales(self) -> torch.Tensor:
         """Per computed row, the scale of what it sums: ``sum |row| + |constant| + |target|``
-        (float64; :attr:`~.edges.Closure.scale`)."""
-        return self.rows.abs_sums() + self.rows.constants.abs() + self.rows.targets.abs()
+        plus the terms a feature's pre-activation sums (float64; :attr:`~.edges.Closure.scale`,
+        :func:`~.edges.feature_magnitudes`)."""
+        return (self.rows.abs_sums() + self.rows.constants.abs() + self.rows.targets.abs()
+                + self.rows.magnitudes)
 
     def row_closures(self) -> torch.Tensor:
         """Per computed row, ``|closure residual|`` over :meth:`closure_scales` (the rows'

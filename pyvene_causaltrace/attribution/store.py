@@ -7,8 +7,10 @@ layers at the same or earlier positions, so a row at layer ``l``, position ``p``
 later layer or position. Only the nonzero entries are kept, in blocks as they were computed:
 
 - ``counts`` ``[b]`` (entries per row), ``columns`` ``[nnz]`` int32, ``values`` ``[nnz]``;
-- per row: its node (``nodes``), what the model's constants add (``constants``) and its target's
-  value (``targets``), so ``row.sum() + constant == target`` stays a check.
+- per row: its node (``nodes``), what the model's constants add (``constants``), its target's
+  value (``targets``), so ``row.sum() + constant == target`` stays a check, and the size of the
+  terms the target itself sums (``magnitudes``: ``sum_i |w_i x_i|`` of a feature's
+  pre-activation ``w . x``; 0 where not measured), the scale its float32 rounding is relative to.
 
 Readers iterate :meth:`RowStore.chunks` (bounded entry counts, global row index per entry) and
 never build an ``N x N`` matrix. Derived per-row quantities (``|row|`` sums) are memoised until
@@ -39,6 +41,7 @@ class RowBlock:
     values: torch.Tensor
     constants: torch.Tensor
     targets: torch.Tensor
+    magnitudes: torch.Tensor
 
     @property
     def nnz(self) -> int:
@@ -59,9 +62,10 @@ class RowStore:
 
     # ----------------------------------------------------------------------- writing
     def append(self, nodes: torch.Tensor, rows: torch.Tensor, constants: torch.Tensor,
-               targets: torch.Tensor) -> None:
+               targets: torch.Tensor, magnitudes: torch.Tensor | None = None) -> None:
         """Add dense ``rows`` ``[b, n_columns]`` of ``nodes`` (zeros are dropped; the entries
-        are found on the rows' device, then kept on the CPU)."""
+        are found on the rows' device, then kept on the CPU); ``magnitudes`` (module docstring)
+        default to 0."""
         rows = rows.detach()
         if rows.dim() != 2 or rows.shape[1] != self.n_columns:
             raise InputError(f"rows must be [b, {self.n_columns}], got {tuple(rows.shape)}")
@@ -73,7 +77,9 @@ class RowStore:
             columns=columns.int().cpu(),
             values=rows[row_index, columns].cpu(),
             constants=torch.as_tensor(constants).detach().cpu().double().reshape(-1),
-            targets=torch.as_tensor(targets).detach().cpu().double().reshape(-1)))
+            targets=torch.as_tensor(targets).detach().cpu().double().reshape(-1),
+            magnitudes=(torch.zeros(len(rows), dtype=torch.float64) if magnitudes is None else
+                        torch.as_tensor(magnitudes).detach().cpu().double().reshape(-1))))
         self._cache.clear()
 
     # ----------------------------------------------------------------------- reading
@@ -87,7 +93,7 @@ class RowStore:
 
     @property
     def nbytes(self) -> int:
-        per_row = 4 * 8  # node, count, constant, target
+        per_row = 5 * 8  # node, count, constant, target, magnitude
         return sum(b.values.numel() * b.values.element_size() + 4 * b.nnz
                    + per_row * len(b.nodes) for b in self.blocks)
 
@@ -109,6 +115,10 @@ class RowStore:
     @property
     def targets(self) -> torch.Tensor:
         return self._cat("targets")
+
+    @property
+    def magnitudes(self) -> torch.Tensor:
+        return self._cat("magnitudes")
 
     def row_of_node(self, n_nodes: int) -> torch.Tensor:
         """``[n_nodes]``: each node's row index, -1 for nodes without a row."""
@@ -171,7 +181,7 @@ class RowStore:
     # ----------------------------------------------------------------- safetensors
     def state(self, prefix: str = "rows.") -> dict[str, torch.Tensor]:
         """Flat tensors for safetensors (blocks concatenated)."""
-        names = ("nodes", "counts", "columns", "values", "constants", "targets")
+        names = ("nodes", "counts", "columns", "values", "constants", "targets", "magnitudes")
         return {f"{prefix}{name}": torch.cat([getattr(b, name) for b in self.blocks]).contiguous()
                 if self.blocks else torch.zeros(0) for name in names}
 
@@ -182,22 +192,27 @@ class RowStore:
         arrays that cannot be rows of a graph of ``n_columns`` source nodes and ``n_logits``
         logit nodes after them: missing, of the
         wrong kind or lengths, entry counts that do not add up, a node or column outside the
-        graph, a node twice, a value that is not finite."""
+        graph, a node twice, a value that is not finite. A file written before ``magnitudes``
+        were kept reads them as 0."""
         names = ("nodes", "counts", "columns", "values", "constants", "targets")
         missing = [f"{prefix}{name}" for name in names if f"{prefix}{name}" not in tensors]
         if missing:
             raise InputError(f"no row arrays {', '.join(missing)}")
         t = {name: tensors[f"{prefix}{name}"] for name in names}
+        t["magnitudes"] = tensors.get(f"{prefix}magnitudes",
+                                      torch.zeros(len(t["nodes"]), dtype=torch.float64))
+        names += ("magnitudes",)
         if any(t[name].dim() != 1 for name in names):
             raise InputError("row arrays that are not one-dimensional")
         integral = ("nodes", "counts", "columns")
         if any(t[name].numel() and (t[name].is_floating_point() or t[name].is_complex()
                                     or t[name].dtype == torch.bool) for name in integral) \
                 or any(t[name].numel() and not t[name].is_floating_point()
-                       for name in ("values", "constants", "targets")):
+                       for name in ("values", "constants", "targets", "magnitudes")):
             raise InputError("row arrays of the wrong dtype")
         n = len(t["nodes"])
-        if not (len(t["counts"]) == len(t["constants"]) == len(t["targets"]) == n):
+        if not (len(t["counts"]) == len(t["constants"]) == len(t["targets"])
+                == len(t["magnitudes"]) == n):
             raise InputError("row arrays of different lengths")
         if n and int(t["counts"].min()) < 0:
             raise InputError("a negative row entry count")
@@ -212,11 +227,14 @@ class RowStore:
         if len(torch.unique(t["nodes"])) != n:
             raise InputError("a node's row is stored twice")
         if not all(bool(torch.isfinite(t[name]).all())
-                   for name in ("values", "constants", "targets")):
+                   for name in ("values", "constants", "targets", "magnitudes")):
             raise InputError("a stored row value is not finite")
+        if n and float(t["magnitudes"].min()) < 0:
+            raise InputError("a negative row magnitude")
         store = cls(n_columns)
         if n:
             store.blocks.append(RowBlock(t["nodes"].long(), t["counts"].long(),
                                          t["columns"].int(), t["values"],
-                                         t["constants"].double(), t["targets"].double()))
+                                         t["constants"].double(), t["targets"].double(),
+                                         t["magnitudes"].double()))
         return store
