@@ -6,7 +6,8 @@ command as typed, with its wall time. Run it from the root of a clone, after ``m
     python examples/readme_in_order.py --known-1000 ../shared/data/known_1000.json   # offline
 
 ``make test`` is left out (the suite; docs/testing.md times it); ``serve`` is started, its
-listing fetched once, then stopped. Every command runs even after one fails; the exit status
+listing fetched once, then stopped; a ``NAME=value`` line sets ``$NAME`` for the lines after it,
+as in the shell the block is pasted into. Every command runs even after one fails; the exit status
 is 1 when any failed. Outputs land where the README says (``graph.json``, ``out/``, ``runs/``).
 """
 
@@ -89,7 +90,13 @@ def main() -> None:
                 continue
             print(f"=== block {index} ({kind}): {first[:100]}", flush=True)
             start = time.perf_counter()
-            if kind == "bash" and " serve " in f" {shown} ":
+            assignment = re.fullmatch(r"(\w+)=(\S+)", shown) if kind == "bash" else None
+            if assignment:  # a shell variable the block's later lines read: kept, ~ expanded
+                env[assignment[1]] = subprocess.run(
+                    ["bash", "-c", f"echo {assignment[2]}"], env=env, capture_output=True,
+                    text=True, check=True).stdout.strip()
+                code = 0
+            elif kind == "bash" and " serve " in f" {shown} ":
                 code, said = run_serve(shown, env)
                 print(said, flush=True)
             else:
