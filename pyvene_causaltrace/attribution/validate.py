@@ -10,6 +10,7 @@ feature nodes drawn at random, over several draws.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -20,6 +21,9 @@ from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..model_guard import measured
 from ..pyvene_compat import intervenable_model_class
 from ..transcoders.transcoder import Transcoder
+
+if TYPE_CHECKING:  # annotations only
+    from .graph import AttributionGraph
 
 
 @dataclass
@@ -83,7 +87,7 @@ def ranking(graph, rank_by: str = "influence") -> list[int]:
 
 
 @measured
-def ablation_test(model: nn.Module, transcoder: Transcoder, graph,
+def ablation_test(model: nn.Module, transcoder: Transcoder, graph: AttributionGraph,
                   sizes: tuple[int, ...] = (5, 10, 20), draws: int = 10, seed: int = 0,
                   rank_by: str = "influence") -> AblationResult:
     """Ablate the graph's top ``n`` features vs ``draws`` random sets of ``n`` (each ``n`` in
