@@ -1,5 +1,6 @@
 """The trace engine's chunk planner: :func:`plan_chunks` (vectorised) against
-:func:`plan_chunks_reference` (the plain nested loops), side by side in one process.
+:func:`plan_chunks_reference` (the plain nested loops, the tests' oracle in
+``tests/_support/chunks_reference.py``), side by side in one process.
 
 Each case is a full residual trace's rows (every layer and position, each seed; a row's first
 layer is its layer + 1) with the engine's CPU cost model and memory budget for a layer of
@@ -33,7 +34,11 @@ from pathlib import Path
 
 import torch
 
-from pyvene_causaltrace.tracing.chunks import ChunkCost, plan_chunks, plan_chunks_reference
+from pyvene_causaltrace.tracing.chunks import ChunkCost, plan_chunks
+
+# The reference planner is a test oracle and lives with the tests, not in the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _support.chunks_reference import plan_chunks_reference  # noqa: E402
 
 #: (hidden, MLP inner, heads, key-value heads, vocabulary) of the two layer sizes.
 MODELS = {"SmolLM2-135M": (576, 1536, 9, 3, 49152), "tiny Llama": (64, 256, 4, 2, 512)}

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from _support.graph_ids import node_ids
 from _support.models import CORE_ARCHS, PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
 from dense_reading import compute_influence, graph_scores, normalize_matrix, prune, square
@@ -29,7 +30,7 @@ from pyvene_causaltrace.attribution.edges import (
     feature_targets,
     target_row,
 )
-from pyvene_causaltrace.attribution.export import check_graph_json, node_ids
+from pyvene_causaltrace.attribution.export import check_graph_json
 from pyvene_causaltrace.attribution.reading import Layout
 from pyvene_causaltrace.prompts import MultiTokenAnswerError
 from pyvene_causaltrace.transcoders import TranscoderMismatchError, load_from_disk

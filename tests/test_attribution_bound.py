@@ -1,12 +1,11 @@
 """The bound object attribution runs on (ReplacementModel: the model, tokenizer and transcoder
-checked once), and the ``transcoder`` keyword that replaces ``clt`` in attribution's public
-functions (``clt=`` still works, with a DeprecationWarning)."""
+checked once), and the ``transcoder`` keyword of attribution's public functions (``clt=``, its
+old name, is gone)."""
 
 from __future__ import annotations
 
 import inspect
 import sys
-import warnings
 
 import pytest
 import torch
@@ -39,44 +38,35 @@ def _same(a, b) -> None:
     assert a.closure == b.closure and a.answer_prob == b.answer_prob
 
 
-def test_attribute_takes_transcoder_and_clt_warns(world, tokenizer):
+def test_attribute_takes_transcoder_by_position_or_name(world, tokenizer):
     model, clt = world
     positional = attribute(model, tokenizer, clt, PROMPT, batch_size=16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        named = attribute(model, tokenizer, transcoder=clt, prompt=PROMPT, batch_size=16)
-    with pytest.warns(DeprecationWarning, match=r"attribute\(clt=...\) is deprecated: use "
-                                                 "transcoder="):
-        old = attribute(model, tokenizer, clt=clt, prompt=PROMPT, batch_size=16)
+    named = attribute(model, tokenizer, transcoder=clt, prompt=PROMPT, batch_size=16)
     _same(positional, named)
-    _same(positional, old)
-    with pytest.raises(TypeError, match="transcoder= and clt="):
-        attribute(model, tokenizer, transcoder=clt, clt=clt, prompt=PROMPT)
 
 
 def test_run_local_replacement_and_ablation_test_take_transcoder(world, tokenizer):
     model, clt = world
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    with pytest.warns(DeprecationWarning, match=r"run_local_replacement\(clt=...\)"):
-        old = run_local_replacement(model, clt=clt, input_ids=ids)
-    new = run_local_replacement(model, transcoder=clt, input_ids=ids)
-    assert torch.equal(old.logits, new.logits)
+    named = run_local_replacement(model, transcoder=clt, input_ids=ids)
+    assert torch.equal(named.logits, run_local_replacement(model, clt, ids).logits)
     graph = attribute(model, tokenizer, clt, PROMPT)
-    with pytest.warns(DeprecationWarning, match=r"ablation_test\(clt=...\)"):
-        warned = ablation_test(model, clt=clt, graph=graph, sizes=(2,), draws=1)
-    assert warned == ablation_test(model, transcoder=clt, graph=graph, sizes=(2,), draws=1)
+    named = ablation_test(model, transcoder=clt, graph=graph, sizes=(2,), draws=1)
+    assert named == ablation_test(model, clt, graph, sizes=(2,), draws=1)
     errors = clean_errors(clt, model, ids)
     token = graph.target["token"]
-    with pytest.warns(DeprecationWarning, match=r"answer_prob\(clt=...\)"):
-        warned = answer_prob(model, clt=clt, ids=ids, errors=errors, token=token, ablate=[],
-                             graph=graph)
-    assert warned == answer_prob(model, clt, ids, errors, token, [], graph)
+    named = answer_prob(model, transcoder=clt, ids=ids, errors=errors, token=token, ablate=[],
+                        graph=graph)
+    assert named == answer_prob(model, clt, ids, errors, token, [], graph)
 
 
-def test_the_public_signatures_name_transcoder_and_type_the_tokenizer():
+def test_the_public_signatures_name_transcoder_and_type_the_tokenizer(world):
+    model, clt = world
     for function in (attribute, run_local_replacement, ablation_test, answer_prob):
         names = list(inspect.signature(function).parameters)
         assert "transcoder" in names[1:3] and "clt" not in names, (function.__name__, names)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'clt'"):
+        run_local_replacement(model, clt=clt, input_ids=torch.ones(1, 3, dtype=torch.long))
     annotation = inspect.signature(attribute).parameters["tokenizer"].annotation
     assert "PreTrainedTokenizerBase" in str(annotation)
 

@@ -7,8 +7,9 @@ import math
 
 import pytest
 import torch
+from _support.chunks_reference import plan_chunks_reference
 
-from pyvene_causaltrace.tracing.chunks import ChunkCost, plan_chunks, plan_chunks_reference
+from pyvene_causaltrace.tracing.chunks import ChunkCost, plan_chunks
 
 L, T = 12, 9
 

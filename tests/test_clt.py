@@ -3,8 +3,6 @@ layout round trip, lazy and streamed storage, and bad input."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from _support.models import make_tiny_model
@@ -13,7 +11,6 @@ from clt_fixtures import dense_reference, random_clt_tensors, write_clt
 from pyvene_causaltrace import errors, transcoders
 from pyvene_causaltrace.transcoders import (
     Transcoder,
-    TranscoderConfig,
     TranscoderFormatError,
     TranscoderMismatchError,
     check_fits,
@@ -189,19 +186,6 @@ def test_sae_lens_views_and_converters(tmp_path, tensors):
     assert via_hub.cfg.metadata.hook_name_out == "blocks.1.hook_mlp_out"
     with pytest.raises(ValueError, match="do not write layer"):
         to_sae_lens(clt, 2, target=1)
-
-
-@pytest.mark.parametrize("module,old,new", [
-    ("pyvene_causaltrace.transcoders", "CLTConfig", TranscoderConfig),
-    ("pyvene_causaltrace.transcoders", "CLTFormatError", TranscoderFormatError),
-    ("pyvene_causaltrace.transcoders", "CLTMismatchError", TranscoderMismatchError),
-    ("pyvene_causaltrace.transcoders.config", "CLTConfig", TranscoderConfig),
-    ("pyvene_causaltrace.transcoders.transcoder", "CLTMismatchError", TranscoderMismatchError),
-])
-def test_the_clt_names_warn_and_resolve_to_the_transcoder_names(module, old, new):
-    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: use {new.__name__}"):
-        assert getattr(importlib.import_module(module), old) is new
-    assert old not in getattr(importlib.import_module(module), "__all__", ())
 
 
 def test_the_transcoder_errors_are_those_of_errors_py():

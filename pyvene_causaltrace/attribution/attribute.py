@@ -58,7 +58,7 @@ from .edges import (
 )
 from .graph import AttributionGraph
 from .reading import Layout, influence, logit_weights
-from .replacement import ReplacementRun, takes_transcoder
+from .replacement import ReplacementRun
 from .replacement_model import BOS_ERRORS, PreparedPrompt, ReplacementModel, transcoder_metadata
 from .store import RowStore
 from .targets import TARGET_KINDS, Target, make_target
@@ -168,7 +168,6 @@ class _Ranking:
         return order[~done[order]][:min(self.queue, left)]
 
 
-@takes_transcoder
 @measured  # one graph per model at a time, in eval mode
 @accepts_intervenable
 def attribute(
@@ -182,8 +181,7 @@ def attribute(
     checkpoint: str | Path | None = None, keep_checkpoint: bool = True,
     check_closure: bool = True,
 ) -> AttributionGraph:
-    """The attribution graph of ``prompt``'s next token through ``transcoder`` (``clt=``, its
-    old name, still works and warns).
+    """The attribution graph of ``prompt``'s next token through ``transcoder``.
 
     Its logit nodes (:mod:`.targets`): with ``answer`` (a single token), one demeaned-logit
     target of kind ``target`` (``"demeaned"``: minus the top-``k`` mean; ``"demeaned_vocab"``:

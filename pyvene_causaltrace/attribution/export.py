@@ -98,11 +98,6 @@ def node_id(graph, i: int) -> str:
     return f"{graph.n_layers + 1}_{feature}_{pos}"
 
 
-def node_ids(graph) -> list[str]:
-    """Every node's exported id, in node order (small graphs)."""
-    return [node_id(graph, i) for i in range(graph.layout.n_nodes)]
-
-
 #: Links written at most: the viewers slow down long before a million links, and ~60 bytes each
 #: keep a capped export near 25 MB.
 MAX_LINKS = 400_000

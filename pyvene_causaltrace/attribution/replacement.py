@@ -31,12 +31,9 @@ steering nodes (:func:`~pyvene_causaltrace.pyvene_compat.collect_steering`).
 
 from __future__ import annotations
 
-import functools
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 from torch import nn
@@ -55,8 +52,6 @@ from ..models import ArchAdapter, get_adapter, get_module
 from ..pyvene_compat import SteeringLeaf, collect_steering, intervenable_model_class
 from ..transcoders.transcoder import Transcoder, check_fits
 from .reading import Layout
-
-F = TypeVar("F", bound=Callable)
 
 
 @dataclass
@@ -207,30 +202,12 @@ def pre_softcap_logits(model: nn.Module) -> Iterator[float | None]:
         yield float(cap)
 
 
-def takes_transcoder(function: F) -> F:
-    """Let ``function``'s ``transcoder`` parameter also be passed by its old name, ``clt=``,
-    with a :class:`DeprecationWarning`."""
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        if "clt" in kwargs:
-            if "transcoder" in kwargs:
-                raise TypeError(f"{function.__name__}() got transcoder= and clt= (its old "
-                                "name): pass transcoder= only")
-            warnings.warn(f"{function.__name__}(clt=...) is deprecated: use transcoder=",
-                          DeprecationWarning, stacklevel=2)
-            kwargs["transcoder"] = kwargs.pop("clt")
-        return function(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
 def check_batch(input_ids: torch.Tensor) -> None:
     """Refuse ``input_ids`` that are not ``[batch, P]``."""
     if input_ids.dim() != 2:
         raise InputError(f"input_ids must be [batch, P], got {tuple(input_ids.shape)}")
 
 
-@takes_transcoder
 def run_local_replacement(
     model: nn.Module, transcoder: Transcoder, input_ids: torch.Tensor, *,
     freeze: bool = True, from_position: int = 1,

@@ -10,6 +10,7 @@ feature nodes drawn at random, over several draws.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -20,7 +21,9 @@ from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..model_guard import measured
 from ..pyvene_compat import intervenable_model_class
 from ..transcoders.transcoder import Transcoder
-from .replacement import takes_transcoder
+
+if TYPE_CHECKING:  # annotations only
+    from .graph import AttributionGraph
 
 
 @dataclass
@@ -59,7 +62,6 @@ def _ablations(graph, nodes: list[int]) -> list[dict]:
             for (layer, pos), features in sorted(groups.items())]
 
 
-@takes_transcoder
 def answer_prob(model: nn.Module, transcoder: Transcoder, ids: torch.Tensor,
                 errors: torch.Tensor, token: int, ablate: list[int], graph) -> float:
     """P(token) in the spliced model with the feature nodes ``ablate`` zeroed."""
@@ -84,15 +86,14 @@ def ranking(graph, rank_by: str = "influence") -> list[int]:
     return score.argsort(descending=True).tolist()
 
 
-@takes_transcoder
 @measured
-def ablation_test(model: nn.Module, transcoder: Transcoder, graph,
+def ablation_test(model: nn.Module, transcoder: Transcoder, graph: AttributionGraph,
                   sizes: tuple[int, ...] = (5, 10, 20), draws: int = 10, seed: int = 0,
                   rank_by: str = "influence") -> AblationResult:
     """Ablate the graph's top ``n`` features vs ``draws`` random sets of ``n`` (each ``n`` in
     ``sizes``, at most the number of active features) in the model spliced with
-    ``transcoder`` (``clt=``, its old name, still works and warns). The probability read is
-    the first logit node's (the answer's, or the most probable of several)."""
+    ``transcoder``. The probability read is the first logit node's (the answer's, or the most
+    probable of several)."""
     if graph.targets[0].get("output", "logits") != "logits":
         raise InputError("the ablation test reads the answer's probability; this graph explains "
                          f"a direction ({graph.targets[0]['name']}), not a logit")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,10 @@ from ..transcoders.transcoder import Transcoder, check_fits
 from .features import MODES, PatchRunner, noised_activations, target_coefficients, total_effects
 from .result import CrossCheckResult, feature_statistics
 from .sites import SITE_PARTS, compare_grids, reachable_cells, site_influence, window_sum
+
+if TYPE_CHECKING:  # annotations only
+    from ..attribution.graph import AttributionGraph
+    from ..tracing.tracer import Tracer
 
 #: Trace kinds a graph can be compared with: the graph has no attention nodes.
 SITE_KINDS = ("residual", "mlp")
@@ -67,7 +72,7 @@ def _trace_grids(tracer, kinds: Sequence[str], window: int):
 
 
 def cross_check(
-    graph, tracer, transcoder: Transcoder | None = None, *,
+    graph: AttributionGraph, tracer: Tracer, transcoder: Transcoder | None = None, *,
     kinds: Sequence[str] = SITE_KINDS, window: int = 1, top_k: int = 10, top_n: int = 20,
     modes: Sequence[str] = ("spliced",), progress: Callable[[int], None] | None = None,
 ) -> CrossCheckResult:

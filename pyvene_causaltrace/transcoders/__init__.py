@@ -8,8 +8,6 @@ loaders for every layout people publish; pairing and replacement checks; fitting
 
 from __future__ import annotations
 
-import warnings
-
 from ..errors import TranscoderFormatError, TranscoderMismatchError
 from .config import TranscoderConfig
 from .formats import (
@@ -21,24 +19,9 @@ from .formats import (
     save_transcoder,
 )
 from .formats.mntss import from_pretrained, load_from_disk, read_config, save_model
-from .transcoder import CrossLayerTranscoder, Transcoder, check_fits
-
-#: Names from when every transcoder was a CLT: they resolve, with a DeprecationWarning.
-_RENAMED = {"CLTConfig": TranscoderConfig, "CLTFormatError": TranscoderFormatError,
-            "CLTMismatchError": TranscoderMismatchError}
-
-
-def __getattr__(name: str):
-    if name in _RENAMED:
-        new = _RENAMED[name]
-        warnings.warn(f"{name} is deprecated: use {new.__name__}", DeprecationWarning,
-                      stacklevel=2)
-        return new
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+from .transcoder import Transcoder, check_fits
 
 __all__ = [
-    "CrossLayerTranscoder",
     "FORMATS",
     "LayoutDetector",
     "Transcoder",

@@ -20,7 +20,6 @@ with the largest ``relu(z) * score_weight`` over *every layer at once* at each p
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import asdict, dataclass
 
 from ..errors import InputError
@@ -108,13 +107,3 @@ class TranscoderConfig:
         with this architecture adapter."""
         return {"input": hook_component(adapter, self.feature_input_hook, layer),
                 "output": hook_component(adapter, self.feature_output_hook, layer)}
-
-
-def __getattr__(name: str):
-    """``CLTConfig``, this config's name when every transcoder was a CLT, resolves with a
-    DeprecationWarning."""
-    if name == "CLTConfig":
-        warnings.warn("CLTConfig is deprecated: use TranscoderConfig", DeprecationWarning,
-                      stacklevel=2)
-        return TranscoderConfig
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

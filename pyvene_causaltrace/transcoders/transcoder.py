@@ -265,20 +265,6 @@ def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = 
     raise InputError(f"unknown activation {activation!r}")
 
 
-#: The name the class had when every transcoder was a CLT.
-CrossLayerTranscoder = Transcoder
-
-
-def __getattr__(name: str):
-    """``CLTMismatchError``, the error's name when every transcoder was a CLT, resolves with a
-    DeprecationWarning."""
-    if name == "CLTMismatchError":
-        warnings.warn("CLTMismatchError is deprecated: use TranscoderMismatchError",
-                      DeprecationWarning, stacklevel=2)
-        return TranscoderMismatchError
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def check_fits(transcoder: Transcoder, model: nn.Module) -> None:
     """Raise :class:`TranscoderMismatchError` unless ``transcoder`` has the model's layer count
     and width and its hooks exist in the model; warn when the names differ (the shapes may
