@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .defaults import BOS
 from .errors import InputError, MultiTokenAnswerError, SubjectNotFoundError
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
@@ -130,7 +131,7 @@ def check_bos_mode(bos: object) -> None:
                          f"treated), got {bos!r}")
 
 
-def first_position(tokenizer: Tokenizer, bos: str = "auto") -> int:
+def first_position(tokenizer: Tokenizer, bos: str = BOS) -> int:
     """The first position spliced, attributed, fitted and scored under ``bos``
     (:data:`BOS_MODES`): 1 when position 0 is BOS, else 0."""
     check_bos_mode(bos)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .dataset.plan import machine_memory
+from .defaults import BOS
 from .errors import InputError, MemoryCapError, NonFiniteError, PyveneModelError
 from .finite import check_finite, check_weights, positive_number
 from .interventions.clt_splice import clean_errors, clt_splice_representations
@@ -347,7 +348,7 @@ def intervene_features(
     model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, prompt: str,
     interventions: list[FeatureIntervention], *, max_new_tokens: int = 0,
     hold_errors: bool = True, freeze_attention: bool = False, top_k: int = 10,
-    memory_mb: float | None = None, progress: bool | None = None, bos: str = "auto",
+    memory_mb: float | None = None, progress: bool | None = None, bos: str = BOS,
 ) -> FeatureInterventionResult:
     """Set transcoder features to values and read the logits; optionally generate greedily
     with them held (circuit-tracer's ``feature_intervention`` / ``_generate``).

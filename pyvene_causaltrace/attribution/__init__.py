@@ -22,11 +22,13 @@ from .edges import CLOSURE_TOLERANCE, Closure, ClosureError
 from .graph import AttributionGraph, GraphFileError
 from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
 from .replacement_model import PreparedPrompt, ReplacementModel
+from .settings import AttributionSettings
 from .targets import Target, demeaned_logit, logit_difference
 
 __all__ = [
     "CLOSURE_TOLERANCE",
     "AttributionGraph",
+    "AttributionSettings",
     "Closure",
     "ClosureError",
     "GraphFileError",

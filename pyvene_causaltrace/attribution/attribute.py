@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..defaults import GRAPH_DESIRED_LOGIT_PROB, GRAPH_MAX_N_LOGITS
 from ..errors import InputError
 from ..fingerprint import package_version
-from ..finite import check_finite, positive_number
+from ..finite import check_finite
 from ..model_guard import measured
-from ..prompts import check_bos_mode
 from ..pyvene_compat import accepts_intervenable
 from ..runlock import single_writer
 from ..transcoders.transcoder import Transcoder
@@ -60,17 +60,21 @@ from .graph import AttributionGraph
 from .reading import Layout, influence, logit_weights
 from .replacement import ReplacementRun
 from .replacement_model import BOS_ERRORS, PreparedPrompt, ReplacementModel, transcoder_metadata
+from .settings import AttributionSettings, settings_from
 from .store import RowStore
 from .targets import TARGET_KINDS, Target, make_target
 
 if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["TARGET_KINDS", "attribute", "check_attribute_arguments", "make_target",
-           "steering_metadata", "transcoder_metadata"]
+__all__ = ["BOS_ERRORS", "TARGET_KINDS", "attribute", "check_attribute_arguments",
+           "make_target", "steering_metadata", "transcoder_metadata"]
 
-#: The salient logits' defaults (circuit-tracer's): at most 10 tokens, until 95% probability.
-MAX_N_LOGITS, DESIRED_LOGIT_PROB = 10, 0.95
+#: ``attribute()``'s keyword defaults: :class:`~.settings.AttributionSettings`'.
+_DEFAULT = AttributionSettings()
+
+#: The salient logits' defaults (circuit-tracer's), what ``None`` means for either setting.
+MAX_N_LOGITS, DESIRED_LOGIT_PROB = GRAPH_MAX_N_LOGITS, GRAPH_DESIRED_LOGIT_PROB
 #: How often a checkpointed run saves its rows.
 SAVE_EVERY_S = 30.0
 #: At most this many rankings per graph: each reads every stored row, so on big graphs the
@@ -78,74 +82,11 @@ SAVE_EVERY_S = 30.0
 RERANKS = 16
 
 
-def _count(value: object, name: str, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InputError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def check_attribute_arguments(*, answer: object = None,
-                              target: str | Target | torch.Tensor = "demeaned",
-                              other: str | None = None, k: int = 10,
-                              max_feature_nodes: int | None = None, memory_mb: float = 4096,
-                              batch_size: int | None = None, max_batch: int | None = None,
-                              update_interval: int = 4, max_n_logits: int | None = None,
-                              desired_logit_prob: float | None = None,
-                              bos_errors: str = "keep", bos: str = "auto") -> None:
+def check_attribute_arguments(*, answer: object = None, **settings: object) -> None:
     """Raise :class:`InputError` for an argument :func:`attribute` would refuse, before
-    anything is loaded or run: an ``answer`` or ``other`` that is not a string, a target kind
-    it does not know, ``other`` missing for (or given without) ``target="difference"``,
-    ``max_n_logits`` or ``desired_logit_prob`` given where no salient logits are chosen (with
-    an answer, a difference or a direction they would be ignored), a count below its minimum,
-    a probability outside (0, 1], a memory cap that is not a finite positive number, a
-    ``bos_errors`` other than ``"keep"``/``"drop"``, a ``bos`` outside
-    :data:`~..prompts.BOS_MODES`."""
-    for name, value in (("answer", answer), ("other", other)):
-        if value is not None and not isinstance(value, str):
-            raise InputError(f"{name} must be a string (the text of one token) or None, got "
-                             f"{type(value).__name__} {value!r}")
-    if max_n_logits is not None:
-        _count(max_n_logits, "max_n_logits (--max-n-logits)", 1)
-    if desired_logit_prob is not None and (
-            isinstance(desired_logit_prob, bool)
-            or not isinstance(desired_logit_prob, int | float) or not 0 < desired_logit_prob <= 1):
-        raise InputError(f"desired_logit_prob (--desired-logit-prob) must be in (0, 1], got "
-                         f"{desired_logit_prob!r}")
-    if bos_errors not in BOS_ERRORS:
-        raise InputError(f"bos_errors must be one of {', '.join(BOS_ERRORS)}, got "
-                         f"{bos_errors!r}")
-    check_bos_mode(bos)
-    direction = isinstance(target, torch.Tensor | Target)
-    chooser = [name for name, value in (("max_n_logits (--max-n-logits)", max_n_logits),
-                                        ("desired_logit_prob (--desired-logit-prob)",
-                                         desired_logit_prob)) if value is not None]
-    if chooser and (direction or answer is not None or target == "difference"):
-        why = ("a direction target (target=, --direction)" if direction else
-               "one answer's logit (answer=, --answer)" if answer is not None else
-               "a logit difference (target='difference')")
-        raise InputError(f"{' and '.join(chooser)} choose the salient logits of a graph "
-                         f"without an answer; this graph explains {why}, so they would be "
-                         "ignored: drop them, or drop the answer")
-    if direction:
-        if other is not None:
-            raise InputError("other= is only read by target='difference'")
-        target = "demeaned"  # a direction: the remaining checks are the counts
-    if target not in TARGET_KINDS:
-        raise InputError(f"target must be one of {', '.join(TARGET_KINDS)}, a direction "
-                         f"(a tensor [d_model]) or a Target, got {target!r}")
-    if target == "difference" and not other:
-        raise InputError("a logit-difference target needs the other token (other=..., "
-                         "--other)")
-    if target != "difference" and other is not None:
-        raise InputError(f"other={other!r} is only read by target='difference' (--target "
-                         f"difference); the target is {target!r}")
-    _count(k, "k", 1)
-    if max_feature_nodes is not None:
-        _count(max_feature_nodes, "max_feature_nodes", 0)
-    positive_number(memory_mb, "memory_mb")
-    for name, value in (("batch_size", batch_size), ("max_batch", max_batch)):
-        if value is not None:
-            _count(value, name, 1)
-    _count(update_interval, "update_interval", 1)
+    anything is loaded or run: ``AttributionSettings(**settings).check(answer)``
+    (:meth:`~.settings.AttributionSettings.check` lists what is refused)."""
+    AttributionSettings(**settings).check(answer)
 
 
 class _Ranking:
@@ -172,14 +113,17 @@ class _Ranking:
 @accepts_intervenable
 def attribute(
     model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder, prompt: str,
-    answer: str | None = None, *, target: str | Target | torch.Tensor = "demeaned",
-    other: str | None = None, k: int = 10, max_n_logits: int | None = None,
-    desired_logit_prob: float | None = None, bos_errors: str = "keep", bos: str = "auto",
-    max_feature_nodes: int | None = None, memory_mb: float = 4096,
-    batch_size: int | None = None, max_batch: int | None = None, update_interval: int = 4,
-    freeze: bool = True, loop: bool = False, progress: bool = False,
+    answer: str | None = None, *, target: str | Target | torch.Tensor = _DEFAULT.target,
+    other: str | None = _DEFAULT.other, k: int = _DEFAULT.k,
+    max_n_logits: int | None = _DEFAULT.max_n_logits,
+    desired_logit_prob: float | None = _DEFAULT.desired_logit_prob,
+    bos_errors: str = _DEFAULT.bos_errors, bos: str = _DEFAULT.bos,
+    max_feature_nodes: int | None = _DEFAULT.max_feature_nodes,
+    memory_mb: float = _DEFAULT.memory_mb, batch_size: int | None = _DEFAULT.batch_size,
+    max_batch: int | None = _DEFAULT.max_batch, update_interval: int = _DEFAULT.update_interval,
+    freeze: bool = _DEFAULT.freeze, loop: bool = _DEFAULT.loop, progress: bool = False,
     checkpoint: str | Path | None = None, keep_checkpoint: bool = True,
-    check_closure: bool = True,
+    check_closure: bool = _DEFAULT.check_closure, settings: AttributionSettings | None = None,
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next token through ``transcoder``.
 
@@ -221,6 +165,11 @@ def attribute(
     directory to remove. ``metadata["rows_resumed"]`` and ``["rows_computed"]`` count the rows
     loaded from it and computed by this call (the target row included).
 
+    ``settings`` (an :class:`~.settings.AttributionSettings`) gives every setting at once
+    instead of these keywords (their defaults are its fields'); a keyword left at its default
+    then defers to it, and one set to another value than ``settings``' is refused
+    (:class:`~pyvene_causaltrace.errors.InputError`).
+
     ``transcoder`` is any :class:`~..transcoders.Transcoder`: cross-layer or a per-layer set (a
     skip path is a linear route from the input it reads: its effect reaches the graph through
     the nodes upstream of that input). A model whose logits are soft-capped (Gemma-2) is
@@ -242,33 +191,34 @@ def attribute(
     """
     if not prompt:
         raise InputError("the prompt is empty")
-    check_attribute_arguments(answer=answer, target=target, other=other, k=k,
-                              max_feature_nodes=max_feature_nodes, memory_mb=memory_mb,
-                              batch_size=batch_size, max_batch=max_batch,
-                              update_interval=update_interval, max_n_logits=max_n_logits,
-                              desired_logit_prob=desired_logit_prob, bos_errors=bos_errors,
-                              bos=bos)
-    max_n_logits = MAX_N_LOGITS if max_n_logits is None else max_n_logits
-    if desired_logit_prob is None:
-        desired_logit_prob = DESIRED_LOGIT_PROB
+    s = settings_from(settings, target=target, other=other, k=k, max_n_logits=max_n_logits,
+                      desired_logit_prob=desired_logit_prob, bos_errors=bos_errors, bos=bos,
+                      max_feature_nodes=max_feature_nodes, memory_mb=memory_mb,
+                      batch_size=batch_size, max_batch=max_batch,
+                      update_interval=update_interval, freeze=freeze, loop=loop,
+                      check_closure=check_closure).check(answer)
+    target, freeze, check_closure = s.target, s.freeze, s.check_closure
+    max_n_logits = MAX_N_LOGITS if s.max_n_logits is None else s.max_n_logits
+    desired_logit_prob = (DESIRED_LOGIT_PROB if s.desired_logit_prob is None
+                          else s.desired_logit_prob)
     start = time.perf_counter()
-    replacement = ReplacementModel(model, tokenizer, transcoder, bos=bos)
-    replacement.check_bos_errors(bos_errors)
-    prepared = replacement.prepare(prompt, answer, target=target, other=other, k=k,
+    replacement = ReplacementModel(model, tokenizer, transcoder, bos=s.bos)
+    replacement.check_bos_errors(s.bos_errors)
+    prepared = replacement.prepare(prompt, answer, target=target, other=s.other, k=s.k,
                                    max_n_logits=max_n_logits,
                                    desired_logit_prob=desired_logit_prob)
-    replacement.check_memory(prepared.input_ids, memory_mb, prepared.active_counts)
+    replacement.check_memory(prepared.input_ids, s.memory_mb, prepared.active_counts)
     run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
-                          bos_errors=bos_errors)
+                          bos_errors=s.bos_errors)
     top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)
     forward_s = time.perf_counter() - start
-    plan = _plan(run, top, memory_mb=memory_mb, batch_size=batch_size, max_batch=max_batch,
-                 max_feature_nodes=max_feature_nodes, update_interval=update_interval,
-                 freeze=freeze, loop=loop)
+    plan = _plan(run, top, memory_mb=s.memory_mb, batch_size=s.batch_size,
+                 max_batch=s.max_batch, max_feature_nodes=s.max_feature_nodes,
+                 update_interval=s.update_interval, freeze=freeze, loop=s.loop)
     key = _run_key(replacement, run, prepared.targets, plan.settings)
     store, resumed, ranking_s = _feature_rows(
         run, top, plan, key, checkpoint=checkpoint, keep_checkpoint=keep_checkpoint,
-        loop=loop, progress=progress, check_closure=check_closure, freeze=freeze)
+        loop=s.loop, progress=progress, check_closure=check_closure, freeze=freeze)
     seconds = {"total": time.perf_counter() - start, "forward": forward_s, "ranking": ranking_s}
     seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]
     goal = prepared.target

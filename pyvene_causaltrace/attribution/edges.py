@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..defaults import GRAPH_FREEZE
 from ..errors import ClosureError, InputError
 from .leaf_grads import leaf_grads
 from .replacement import ReplacementRun
@@ -133,7 +134,7 @@ def row_closures(rows: torch.Tensor, constants: torch.Tensor, targets: torch.Ten
     return (residual / scale.clamp(min=1e-30)).cpu()
 
 
-def closure_error(what: str, closure: Closure, *, freeze: bool = True,
+def closure_error(what: str, closure: Closure, *, freeze: bool = GRAPH_FREEZE,
                   hidden: list[str] = ()) -> ClosureError:
     """The :class:`ClosureError` for ``what`` (e.g. "the target row"), saying what the graph
     is missing and what to do."""

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..defaults import GRAPH_BOS_ERRORS, GRAPH_FREEZE
 from ..errors import InputError
 from ..hooking import installed, thread_view
 from ..interventions.clt_splice import (
@@ -84,7 +85,7 @@ class ReplacementRun:
     states: dict[str, torch.Tensor] = field(default_factory=dict)
     #: ``"drop"``: the errors at position 0 (BOS) are constants, not nodes (circuit-tracer's
     #: convention); ``"keep"``: they are nodes.
-    bos_errors: str = "keep"
+    bos_errors: str = GRAPH_BOS_ERRORS
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)
     feature_id: torch.Tensor = field(init=False)
@@ -210,7 +211,7 @@ def check_batch(input_ids: torch.Tensor) -> None:
 
 def run_local_replacement(
     model: nn.Module, transcoder: Transcoder, input_ids: torch.Tensor, *,
-    freeze: bool = True, from_position: int = 1,
+    freeze: bool = GRAPH_FREEZE, from_position: int = 1,
 ) -> ReplacementRun:
     """Run ``input_ids`` through the local replacement model (module docstring), after checking
     that ``transcoder`` fits ``model`` (:class:`~.replacement_model.ReplacementModel` checks
@@ -231,7 +232,7 @@ def run_local_replacement(
 
 def replacement_forward(
     model: nn.Module, transcoder: Transcoder, adapter: ArchAdapter, input_ids: torch.Tensor, *,
-    freeze: bool = True, from_position: int = 1, states: Sequence[str] = (),
+    freeze: bool = GRAPH_FREEZE, from_position: int = 1, states: Sequence[str] = (),
 ) -> ReplacementRun:
     """:func:`run_local_replacement` of a ``transcoder`` already checked to fit ``model``
     (``adapter``: the model's); ``states`` names residual-stream states to keep live

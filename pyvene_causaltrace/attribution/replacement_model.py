@@ -7,7 +7,7 @@ and carries them to each phase of :func:`~.attribute.attribute`:
 
     replacement = ReplacementModel(model, tokenizer, transcoder)
     prompt = replacement.prepare("The Eiffel Tower is in the city of", " Paris")
-    replacement.check_memory(prompt.input_ids, memory_mb=4096)
+    replacement.check_memory(prompt.input_ids, memory_mb=AttributionSettings.memory_mb)
     run = replacement.run(prompt.input_ids)      # the local replacement model's forward
 
 Position 0 is spliced and attributed like any token unless it is BOS: ``bos="auto"`` (the
@@ -28,6 +28,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..defaults import (
+    BOS,
+    GRAPH_BOS_ERRORS,
+    GRAPH_DESIRED_LOGIT_PROB,
+    GRAPH_FREEZE,
+    GRAPH_K,
+    GRAPH_MAX_N_LOGITS,
+    GRAPH_TARGET,
+)
 from ..errors import InputError
 from ..fingerprint import model_fingerprint, transcoder_fingerprint
 from ..finite import check_finite, check_weights
@@ -88,7 +97,7 @@ class ReplacementModel:
     :class:`~..errors.UnsupportedModelError` for an architecture without an adapter."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase,
-                 transcoder: Transcoder, *, bos: str = "auto") -> None:
+                 transcoder: Transcoder, *, bos: str = BOS) -> None:
         check_fits(transcoder, model)
         check_weights(model)
         self.model = model
@@ -108,9 +117,9 @@ class ReplacementModel:
         return ids
 
     def prepare(self, prompt: str, answer: str | None = None, *,
-                target: str | Target | torch.Tensor = "demeaned", other: str | None = None,
-                k: int = 10, max_n_logits: int = 10,
-                desired_logit_prob: float = 0.95) -> PreparedPrompt:
+                target: str | Target | torch.Tensor = GRAPH_TARGET, other: str | None = None,
+                k: int = GRAPH_K, max_n_logits: int = GRAPH_MAX_N_LOGITS,
+                desired_logit_prob: float = GRAPH_DESIRED_LOGIT_PROB) -> PreparedPrompt:
         """Tokenize ``prompt``, run the clean model and fix the targets
         (:func:`~.targets.make_targets`: the answer's, a direction, or without an answer the
         salient logits)."""
@@ -157,9 +166,9 @@ class ReplacementModel:
             counts = active_counts(self.model, self.transcoder, input_ids, self.from_position)
         return check_forward_fits(self.model, self.transcoder, input_ids, memory_mb, counts)
 
-    def run(self, input_ids: torch.Tensor, *, freeze: bool = True,
+    def run(self, input_ids: torch.Tensor, *, freeze: bool = GRAPH_FREEZE,
             from_position: int | None = None, states: Sequence[str] = (),
-            bos_errors: str = "keep") -> ReplacementRun:
+            bos_errors: str = GRAPH_BOS_ERRORS) -> ReplacementRun:
         """One forward of the local replacement model
         (:func:`~.replacement.run_local_replacement`, without checking the fit again), spliced
         from ``from_position`` (default :attr:`from_position`, the ``bos`` rule's), keeping

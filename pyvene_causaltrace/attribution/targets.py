@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..defaults import GRAPH_DESIRED_LOGIT_PROB, GRAPH_K, GRAPH_MAX_N_LOGITS, GRAPH_TARGET
 from ..errors import InputError
 from ..finite import check_finite, positive_number
 from ..prompts import answer_token_id
@@ -90,7 +91,7 @@ class Target:
 
 
 
-def demeaned_logit(logits: torch.Tensor, token: int, k: int = 10,
+def demeaned_logit(logits: torch.Tensor, token: int, k: int = GRAPH_K,
                    demean: str = "topk") -> Target:
     """``logit[token] - mean(top-k logits)`` (``demean="topk"``, our default) or
     ``logit[token] - mean(all logits)`` (``demean="vocab"``, circuit-tracer's)."""
@@ -163,8 +164,9 @@ def direction_target(vector: torch.Tensor, *, output: str = "unembed_input", pos
 
 
 def salient_logits(logits: torch.Tensor, probabilities: torch.Tensor, *,
-                   max_n_logits: int = 10, desired_logit_prob: float = 0.95,
-                   demean: str = "topk", k: int = 10) -> list[Target]:
+                   max_n_logits: int = GRAPH_MAX_N_LOGITS,
+                   desired_logit_prob: float = GRAPH_DESIRED_LOGIT_PROB, demean: str = "topk",
+                   k: int = GRAPH_K) -> list[Target]:
     """circuit-tracer's salient logits: the ``max_n_logits`` most probable tokens, cut after the
     first whose cumulative probability reaches ``desired_logit_prob``; each a demeaned-logit
     target on ``logits`` (pre-soft-cap), weighted by its probability (from ``probabilities``,
@@ -179,7 +181,8 @@ def salient_logits(logits: torch.Tensor, probabilities: torch.Tensor, *,
 
 
 def make_target(logits: torch.Tensor, tokenizer: PreTrainedTokenizerBase, answer: str | None,
-                *, kind: str = "demeaned", other: str | None = None, k: int = 10) -> Target:
+                *, kind: str = GRAPH_TARGET, other: str | None = None,
+                k: int = GRAPH_K) -> Target:
     """The target on clean ``logits``: ``kind`` is ``"demeaned"`` (top-k, the default),
     ``"demeaned_vocab"`` or ``"difference"`` (``answer`` minus ``other``). No ``answer``: the
     clean argmax."""
@@ -199,9 +202,9 @@ def make_target(logits: torch.Tensor, tokenizer: PreTrainedTokenizerBase, answer
 
 def make_targets(logits: torch.Tensor, probabilities: torch.Tensor,
                  tokenizer: PreTrainedTokenizerBase, answer: str | None, *,
-                 target: str | Target | torch.Tensor = "demeaned", other: str | None = None,
-                 k: int = 10, max_n_logits: int = 10,
-                 desired_logit_prob: float = 0.95) -> list[Target]:
+                 target: str | Target | torch.Tensor = GRAPH_TARGET, other: str | None = None,
+                 k: int = GRAPH_K, max_n_logits: int = GRAPH_MAX_N_LOGITS,
+                 desired_logit_prob: float = GRAPH_DESIRED_LOGIT_PROB) -> list[Target]:
     """A graph's targets (module docstring), in node order, on the pre-cap ``logits``
     ``[1, P, V]``; ``probabilities`` ``[V]`` are the real model's at the last position.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import safetensors.torch
@@ -10,9 +11,9 @@ import torch
 
 from ..atomic import replacing, write_text
 from ..attribution import attribute
-from ..attribution.attribute import check_attribute_arguments
 from ..attribution.checkpoint import remove_checkpoint
 from ..attribution.export import read_labels
+from ..attribution.settings import AttributionSettings
 from ..attribution.targets import direction_target
 from ..attribution.validate import ablation_test
 from ..crosscheck import MODES, cross_check
@@ -33,13 +34,15 @@ ROWS_PARTIAL = "rows.partial"
 
 def attribution_settings(args) -> dict:
     """The attribution settings: the spec's (if any), then the command line's."""
+    defaults = AttributionSettings()
     settings = {"model": None, "prompt": args.prompt, "answer": args.answer,
-                "target": args.target, "other": args.other, "k": args.k, "memory_mb": 4096.0,
-                "max_feature_nodes": None,
+                "target": args.target, "other": args.other, "k": args.k,
+                "memory_mb": defaults.memory_mb, "max_feature_nodes": None,
                 "node_threshold": args.node_threshold, "edge_threshold": args.edge_threshold,
                 "validate": {"sizes": [5, 10, 20], "draws": 10} if args.validate else None,
                 "clt": None, "format": None, "labels": None, "max_n_logits": None,
-                "desired_logit_prob": None, "bos_errors": "keep", "bos": "auto",
+                "desired_logit_prob": None, "bos_errors": defaults.bos_errors,
+                "bos": defaults.bos,
                 "direction": None}
     if args.spec is not None:
 
@@ -88,11 +91,15 @@ def check_attribute_flags(s: dict, max_links: object) -> None:
             raise InputError(f"--{key.replace('_', '-')} chooses the salient logits of a graph "
                              "without an answer; --direction explains a direction, so it "
                              "would be ignored: drop it")
-    check_attribute_arguments(answer=s["answer"], target=s["target"], other=s["other"], k=s["k"],
-                              max_feature_nodes=s["max_feature_nodes"],
-                              memory_mb=s["memory_mb"], max_n_logits=s["max_n_logits"],
-                              desired_logit_prob=s["desired_logit_prob"],
-                              bos_errors=s["bos_errors"], bos=s["bos"])
+    as_attribution_settings(s).check(s["answer"])
+
+
+def as_attribution_settings(s: dict) -> AttributionSettings:
+    """The :class:`~..attribution.settings.AttributionSettings` of the settings ``s`` (the
+    direction target aside: it is read from its file after the checks)."""
+    return AttributionSettings(**{key: s[key] for key in (
+        "target", "other", "k", "max_feature_nodes", "memory_mb", "max_n_logits",
+        "desired_logit_prob", "bos_errors", "bos")})
 
 
 def cross_check_settings(args, s: dict) -> dict | None:
@@ -181,12 +188,9 @@ def attribute_command(args) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = out / ROWS_PARTIAL  # an interrupted run resumes; removed once all is written
-    graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"], target=target,
-                      other=s["other"], k=s["k"], max_n_logits=s["max_n_logits"],
-                      desired_logit_prob=s["desired_logit_prob"],
-                      bos_errors=s["bos_errors"], bos=s["bos"], memory_mb=s["memory_mb"],
-                      max_feature_nodes=s["max_feature_nodes"], progress=True,
-                      checkpoint=checkpoint)
+    graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"],
+                      settings=replace(as_attribution_settings(s), target=target),
+                      progress=True, checkpoint=checkpoint)
     if graph.metadata["rows_resumed"]:
         print(f"resumed {graph.metadata['rows_resumed']} rows from {checkpoint}, computed "
               f"{graph.metadata['rows_computed']}")

@@ -46,9 +46,10 @@ def graph_settings(args) -> GraphSettings | None:
         return None
     if args.clt is None:
         raise InputError("--graphs needs a transcoder: --clt DIR")
-    memory = 4096.0 if args.graph_memory_mb is None else args.graph_memory_mb
-    return GraphSettings(max_feature_nodes=args.max_feature_nodes, memory_mb=memory,
-                         bos=args.bos or "auto", save=args.save_graphs).check()
+    given = {"max_feature_nodes": args.max_feature_nodes, "memory_mb": args.graph_memory_mb,
+             "bos": args.bos}  # a flag not given: GraphSettings' default
+    return GraphSettings(**{key: value for key, value in given.items() if value is not None},
+                         save=args.save_graphs).check()
 
 
 def dataset_command(args) -> int:

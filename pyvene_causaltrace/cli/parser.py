@@ -5,17 +5,29 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..defaults import DATASET_SEEDS, NOISE_SCALE, TRACE_SEEDS, WINDOW
+from ..defaults import (
+    BOS,
+    DATASET_SEEDS,
+    GRAPH_BOS_ERRORS,
+    GRAPH_DESIRED_LOGIT_PROB,
+    GRAPH_K,
+    GRAPH_MAX_N_LOGITS,
+    GRAPH_MEMORY_MB,
+    GRAPH_TARGET,
+    NOISE_SCALE,
+    TRACE_SEEDS,
+    WINDOW,
+)
 from .common import EIFFEL
 
 _TRANSCODER_HELP = ("transcoder: an mntss CLT directory, a circuit-tracer config.yaml, a "
                     "GemmaScope / sae-lens / sparsify directory, or a hub id")
 
 
-_BOS_HELP = ("how position 0 is treated: auto (default) - as BOS (not spliced, no features, "
-             "not scored) only when the tokenizer prepends one (SmolLM2's adds none); always - "
-             "as BOS whatever the tokenizer does (circuit-tracer's convention); never - like "
-             "any token")
+_BOS_HELP = ("how position 0 is treated: auto - as BOS (not spliced, no features, not "
+             "scored) only when the tokenizer prepends one (SmolLM2's adds none); always - as "
+             "BOS whatever the tokenizer does (circuit-tracer's convention); never - like any "
+             f"token (default {BOS})")
 _FORMAT_HELP = ("the transcoder's layout: mntss, circuit_tracer, gemmascope, sae_lens or "
                 "sparsify (default: detected)")
 
@@ -89,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--prompt", default=EIFFEL["prompt"])
     check.add_argument("--answer", default=None)
     check.add_argument("--out", type=Path, default=None, help="write clt_check.json here")
-    check.add_argument("--bos", default="auto", choices=("auto", "always", "never"),
+    check.add_argument("--bos", default=BOS, choices=("auto", "always", "never"),
                        help=_BOS_HELP)
 
     data = commands.add_parser(
@@ -125,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --graphs: feature rows per graph, the most influential "
                            "(default: every feature whose row fits --graph-memory-mb)")
     data.add_argument("--graph-memory-mb", type=float, default=None,
-                      help="with --graphs: memory cap of one graph (default 4096)")
+                      help=f"with --graphs: memory cap of one graph (default "
+                           f"{GRAPH_MEMORY_MB:g})")
     data.add_argument("--bos", default=None, choices=("auto", "always", "never"),
                       help="with --graphs: " + _BOS_HELP)
     data.add_argument("--save-graphs", action="store_true",
@@ -153,30 +166,31 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--answer", default=None,
                        help="a single-token answer; default ' Paris' for the default prompt, "
                             "else the clean argmax")
-    graph.add_argument("--target", default="demeaned",
+    graph.add_argument("--target", default=GRAPH_TARGET,
                        choices=("demeaned", "demeaned_vocab", "difference"))
     graph.add_argument("--other", default=None, help="the subtracted token of --target difference")
-    graph.add_argument("--k", type=int, default=10, help="top-k logits the target is demeaned by")
+    graph.add_argument("--k", type=int, default=GRAPH_K,
+                       help=f"top-k logits the target is demeaned by (default {GRAPH_K})")
     graph.add_argument("--max-n-logits", type=int, default=None,
                        help="without --answer: a logit node for each of the most probable "
-                            "tokens, at most this many (default 10)")
+                            f"tokens, at most this many (default {GRAPH_MAX_N_LOGITS})")
     graph.add_argument("--desired-logit-prob", type=float, default=None,
                        help="without --answer: stop adding logit nodes once their "
-                            "probabilities reach this (default 0.95)")
+                            f"probabilities reach this (default {GRAPH_DESIRED_LOGIT_PROB:g})")
     graph.add_argument("--direction", type=Path, default=None,
                        help="explain a direction instead of logits: a JSON list of d_model "
                             "numbers or a safetensors file of one 1-D tensor, projected on the "
                             "final norm's output at the last position")
     graph.add_argument("--bos-errors", default=None, choices=("keep", "drop"),
-                       help="keep: the position-0 errors are nodes (default; rows close on "
-                            "nodes); drop: constants, as circuit-tracer's graphs (only where "
-                            "position 0 is BOS: with --bos always on a tokenizer that adds "
-                            "none)")
+                       help="keep: the position-0 errors are nodes (rows close on nodes); "
+                            "drop: constants, as circuit-tracer's graphs (only where position 0 "
+                            "is BOS: with --bos always on a tokenizer that adds none) (default "
+                            f"{GRAPH_BOS_ERRORS})")
     graph.add_argument("--bos", default=None, choices=("auto", "always", "never"),
                        help=_BOS_HELP)
     graph.add_argument("--memory-mb", type=float, default=None,
                        help="cap on the forward graph, batched gradient rows and stored rows "
-                            "(default 4096)")
+                            f"(default {GRAPH_MEMORY_MB:g})")
     graph.add_argument("--max-feature-nodes", type=int, default=None,
                        help="compute rows for at most this many features, the most "
                             "influential (default: every feature whose row fits --memory-mb)")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..atomic import write_text
+from ..defaults import BOS
 from ..errors import InputError, NonFiniteError
 from ..finite import positive_number
 from ..models import OFFLINE_DEFAULT, load_model
@@ -107,7 +108,7 @@ def steer_settings(args) -> dict[str, Any]:
         settings = {"prompt": EIFFEL["prompt"] if args.prompt is None else args.prompt,
                     "model": None, "clt": None, "items": [parse_set(t) for t in args.set],
                     "hold_errors": not args.no_hold_errors, "freeze": args.freeze_attention,
-                    "bos": args.bos or "auto"}
+                    "bos": args.bos or BOS}
     for key in ("model", "clt"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)

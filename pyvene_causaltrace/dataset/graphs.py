@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ..attribution import attribute
-from ..attribution.attribute import check_attribute_arguments
+from ..attribution.settings import AttributionSettings
 from ..crosscheck.sites import SITE_PARTS, site_influence
 from ..errors import InputError
 from ..fingerprint import transcoder_fingerprint
@@ -54,7 +54,8 @@ GRAPH_TARGETS = ("demeaned", "demeaned_vocab")
 
 @dataclass(frozen=True)
 class GraphSettings:
-    """How each fact's graph is built (arguments of :func:`~..attribution.attribute`).
+    """How each fact's graph is built (arguments of :func:`~..attribution.attribute`; the
+    defaults are :class:`~..attribution.settings.AttributionSettings`').
 
     ``target``: ``"demeaned"`` (minus the top-``k`` mean) or ``"demeaned_vocab"``;
     ``max_feature_nodes``: feature rows per graph, the most influential (``None``: every
@@ -64,11 +65,11 @@ class GraphSettings:
     before the BOS rule or under another one is never resumed with it;
     ``save``: keep each graph under ``graphs/`` (an output choice, not in the manifest)."""
 
-    target: str = "demeaned"
-    k: int = 10
-    max_feature_nodes: int | None = None
-    memory_mb: float = 4096.0
-    bos: str = "auto"
+    target: str = AttributionSettings.target
+    k: int = AttributionSettings.k
+    max_feature_nodes: int | None = AttributionSettings.max_feature_nodes
+    memory_mb: float = AttributionSettings.memory_mb
+    bos: str = AttributionSettings.bos
     save: bool = False
 
     def check(self) -> GraphSettings:
@@ -78,12 +79,17 @@ class GraphSettings:
             raise InputError(f"graph target must be one of {', '.join(GRAPH_TARGETS)} (a "
                              f"dataset graph explains the fact's own answer), got "
                              f"{self.target!r}")
-        check_attribute_arguments(target=self.target, k=self.k,
-                                  max_feature_nodes=self.max_feature_nodes,
-                                  memory_mb=self.memory_mb, bos=self.bos)
+        self.attribution().check()
         if not isinstance(self.save, bool):
             raise InputError(f"save must be True or False, got {self.save!r}")
         return self
+
+    def attribution(self) -> AttributionSettings:
+        """The :class:`~..attribution.settings.AttributionSettings` of each fact's graph (the
+        others at their defaults)."""
+        return AttributionSettings(target=self.target, k=self.k,
+                                   max_feature_nodes=self.max_feature_nodes,
+                                   memory_mb=self.memory_mb, bos=self.bos)
 
     def to_manifest(self) -> dict:
         """The settings a resumed run must share (everything that changes a graph)."""
@@ -112,9 +118,7 @@ def graph_row(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, li
     ``save_dir``, the graph is first saved there as ``<index>.safetensors``."""
     tokenized = tokenize_prompt(tokenizer, line["prompt"], record.subject, record.occurrence)
     graph = attribute(model, tokenizer, transcoder, line["prompt"], line["target"],
-                      target=settings.target, k=settings.k,
-                      max_feature_nodes=settings.max_feature_nodes,
-                      memory_mb=settings.memory_mb, bos=settings.bos)
+                      settings=settings.attribution())
     if graph.n_pos != tokenized.seq_len:
         raise InputError(f"fact {record.id}: the graph reads {graph.n_pos} tokens, the trace "
                          f"{tokenized.seq_len}")

@@ -173,7 +173,8 @@ def trace_dataset(
     one writes is refused (:class:`~pyvene_causaltrace.runlock.OutputLockedError`).
 
     ``transcoder``: also build each kept fact's attribution graph with ``graph_options``
-    (default :class:`~.graphs.GraphSettings`: demeaned target, every feature that fits 4 GiB);
+    (default :class:`~.graphs.GraphSettings`: demeaned target, every feature that fits
+    ``memory_mb``);
     a transcoder that does not fit ``model`` is refused
     (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError`) before anything is written."""
     kinds = list(kinds)

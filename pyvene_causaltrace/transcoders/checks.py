@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..defaults import BOS
 from ..errors import InputError
 from ..interventions.clt_splice import clt_splice_representations
 from ..interventions.restore import CleanRestore
@@ -165,7 +166,7 @@ class PairingReport:
 @torch.no_grad()
 @measured
 def check_pairing(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
-                  texts: Sequence[str], *, bos: str = "auto") -> PairingReport:
+                  texts: Sequence[str], *, bos: str = BOS) -> PairingReport:
     """Pairing check on ``texts`` (see module docstring); ``bos``
     (:data:`~..prompts.BOS_MODES`) says whether position 0 is scored."""
     check_fits(clt, model)
@@ -273,7 +274,7 @@ def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]
 @measured
 def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
                        texts: Sequence[str], *, prompt: str | None = None,
-                       answer: str | None = None, bos: str = "auto") -> AnchorReport:
+                       answer: str | None = None, bos: str = BOS) -> AnchorReport:
     """The replacement-model anchor (see module docstring); ``bos``
     (:data:`~..prompts.BOS_MODES`) says whether the splice starts at position 0 or 1."""
     check_fits(clt, model)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..defaults import BOS
 from ..errors import InputError
 from ..models import model_name as name_of
 from ..prompts import first_position
@@ -96,7 +97,7 @@ class _Step(torch.autograd.Function):
 
 @torch.no_grad()
 def collect_pairs(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str],
-                  bos: str = "auto", *, progress: bool = False):
+                  bos: str = BOS, *, progress: bool = False):
     """``(resid_mid, mlp_out)``, each ``[tokens, L, D]``, over ``texts`` without BOS (position
     0 only when it is BOS under ``bos``, :data:`~..prompts.BOS_MODES`)."""
     device = next(model.parameters()).device
