@@ -49,10 +49,9 @@ from .edges import (
     CLOSURE_TOLERANCE,
     Closure,
     closure_error,
-    feature_magnitudes,
     feature_rows,
     feature_rows_loop,
-    feature_targets,
+    feature_targets_and_magnitudes,
     row_closures,
     target_rows,
 )
@@ -356,8 +355,7 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
                 rows, constants = compute(run, chunk.to(on))
                 check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
                 with torch.no_grad():
-                    targets = feature_targets(run, chunk.to(on))
-                    magnitudes = feature_magnitudes(run, chunk.to(on))
+                    targets, magnitudes = feature_targets_and_magnitudes(run, chunk.to(on))
                 if check_closure:
                     _check_rows(run, chunk, rows, constants, targets, magnitudes, freeze,
                                 top.hidden)

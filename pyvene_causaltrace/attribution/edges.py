@@ -10,8 +10,9 @@ check, not a definition: :class:`Closure`, and :class:`ClosureError` when it fai
 
 **Closure tolerance.** A row's residual ``row.sum() + constant - target`` is measured against the
 scale of what is summed, ``sum |row| + |constant| + |target|`` plus, for a feature's row, the
-terms its pre-activation ``w . x`` itself sums, ``sum_i |w_i x_i|`` (:func:`feature_magnitudes`;
-:attr:`Closure.scale`), not against the target, which can be near zero while its terms are not.
+terms its pre-activation ``w . x`` itself sums, ``sum_i |w_i x_i|``
+(:func:`feature_targets_and_magnitudes`; :attr:`Closure.scale`), not against the target,
+which can be near zero while its terms are not.
 float32 rounding leaves ~1e-7..1e-5 of that scale (measured on the tiny models and SmolLM2, 1
 and 4 threads); :data:`CLOSURE_TOLERANCE` (1e-4) is ten times the worst seen. A residual above
 it is not rounding: something changed the forward that the graph has no node for. (Without the
@@ -121,8 +122,8 @@ class Closure:
 def row_closures(rows: torch.Tensor, constants: torch.Tensor, targets: torch.Tensor,
                  magnitudes: torch.Tensor | None = None) -> torch.Tensor:
     """Per row, ``|row.sum() + constant - target|`` over ``sum |row| + |constant| + |target|
-    + magnitude`` (float64; ``magnitudes``: :func:`feature_magnitudes`, 0 when None): the
-    :attr:`Closure.relative` of each row."""
+    + magnitude`` (float64; ``magnitudes``: :func:`feature_targets_and_magnitudes`, 0 when
+    None): the :attr:`Closure.relative` of each row."""
     rows = rows.detach()  # float64 sums without a float64 copy of the rows
     constants = torch.as_tensor(constants).detach().double().to(rows.device).reshape(-1)
     targets = torch.as_tensor(targets).detach().double().to(rows.device).reshape(-1)
@@ -202,22 +203,19 @@ def target_row(run: ReplacementRun, target: Target) -> tuple[torch.Tensor, float
 
 def feature_targets(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:
     """Pre-activations ``W_enc[l, f] . x[l, pos]`` (no ``b_enc``) of feature nodes."""
-    return (_encoder_states(run, index) * run.encoder_rows[index]).sum(-1)
+    return feature_targets_and_magnitudes(run, index)[0]
 
 
-def feature_magnitudes(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:
-    """``sum_i |W_enc[l, f, i] x[l, pos, i]|`` of feature nodes (float64): the size of the terms
-    each pre-activation sums, which its float32 rounding is relative to (module docstring)."""
-    terms = _encoder_states(run, index).double() * run.encoder_rows[index].double()
-    return terms.abs().sum(-1)
-
-
-def _encoder_states(run: ReplacementRun, index: torch.Tensor) -> torch.Tensor:
-    """``x[l, pos]`` ``[n, D]`` of feature nodes, in the encoder rows' dtype."""
+def feature_targets_and_magnitudes(run: ReplacementRun, index: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-activations of feature nodes (:func:`feature_targets`) and, from the same
+    products, ``sum_i |W_enc[l, f, i] x[l, pos, i]|`` (float64): the size of the terms each
+    sums, which its float32 rounding is relative to (module docstring)."""
     layers, positions = run.feature_layer[index], run.feature_position[index]
     states = torch.stack([run.encoder_inputs[layer][0, pos]
                           for layer, pos in zip(layers.tolist(), positions.tolist(), strict=True)])
-    return states.to(run.encoder_rows.dtype)
+    terms = states.to(run.encoder_rows.dtype) * run.encoder_rows[index]
+    return terms.sum(-1), terms.abs().sum(-1, dtype=torch.float64)
 
 
 def _seeds(run: ReplacementRun, index: torch.Tensor) -> tuple[list, list]:

@@ -366,7 +366,7 @@ class AttributionGraph:
     def closure_scales(self) -> torch.Tensor:
         """Per computed row, the scale of what it sums: ``sum |row| + |constant| + |target|``
         plus the terms a feature's pre-activation sums (float64; :attr:`~.edges.Closure.scale`,
-        :func:`~.edges.feature_magnitudes`)."""
+        :func:`~.edges.feature_targets_and_magnitudes`)."""
         return (self.rows.abs_sums() + self.rows.constants.abs() + self.rows.targets.abs()
                 + self.rows.magnitudes)
 
