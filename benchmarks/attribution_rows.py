@@ -32,7 +32,8 @@ from synthetic_clt import synthetic_clt_for  # noqa: E402
 
 from pyvene_causaltrace.attribution import attribute, edges  # noqa: E402
 from pyvene_causaltrace.attribution.replacement import replacement_forward  # noqa: E402
-from pyvene_causaltrace.models import get_adapter, load_model  # noqa: E402
+from pyvene_causaltrace.bound import bind  # noqa: E402
+from pyvene_causaltrace.models import load_model  # noqa: E402
 
 
 def autograd_leaf_grads(run, outputs, seeds):
@@ -85,7 +86,7 @@ def per_batch(model, clt, ids, n_batches: int) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    run = replacement_forward(model, clt, get_adapter(model), ids)
+    run = replacement_forward(bind(model), clt, ids)
     order = torch.randperm(run.n_features, generator=torch.Generator().manual_seed(1))
     batches = [order[32 * i:32 * (i + 1)] for i in range(n_batches)]
     seconds: dict[str, list[float]] = {"old": [], "new": []}

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from trace_speed import plain_rows  # noqa: E402  (the trace's rows as plain batched forwards)
 
 from pyvene_causaltrace import trace  # noqa: E402  (the public function)
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.models import get_adapter, get_module  # noqa: E402
 from pyvene_causaltrace.prompts import tokenize_prompt  # noqa: E402
 from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine  # noqa: E402
@@ -50,7 +51,7 @@ def recipe(seed, n, hidden, scale, sigma):
 def seed_style(model, ids, subject, seeds, scale, sigma, answer):
     """One forward per (layer, seed): batch = positions, row t restores position t."""
     adapter = get_adapter(model)
-    n_layers, seq = adapter.n_layers(model), ids.shape[1]
+    n_layers, seq = bind(model).n_layers, ids.shape[1]
     clean = {}
     handles = [get_module(model, adapter.module_path("block", layer)).register_forward_hook(
         lambda _m, _a, out, _l=layer: clean.__setitem__(_l, (out[0] if isinstance(out, tuple)
@@ -64,7 +65,7 @@ def seed_style(model, ids, subject, seeds, scale, sigma, answer):
     out = torch.empty(len(seeds), n_layers, seq)
     rows = torch.arange(seq)
     for s, seed in enumerate(seeds):
-        noise = recipe(seed, len(subject), adapter.hidden_size(model), scale, sigma).to(
+        noise = recipe(seed, len(subject), bind(model).d_model, scale, sigma).to(
             ids.device, embed.weight.dtype)
 
         def add(_m, _a, output, _noise=noise):

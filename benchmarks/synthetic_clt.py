@@ -73,12 +73,12 @@ def synthetic_clt_for(model, tokenizer, n_features: int, features_per_position: 
     """A random CLT of ``n_features`` per layer for ``model``'s shape (float32), thresholds per
     layer set so that ``features_per_position`` features fire per position on ``calibration``
     (positions >= 1; other texts fire about as many)."""
-    from pyvene_causaltrace.models import get_adapter
+    from pyvene_causaltrace.bound import bind
     from pyvene_causaltrace.transcoders.checks import hook_states
     from pyvene_causaltrace.transcoders.transcoder import Transcoder
 
-    adapter = get_adapter(model)
-    n_layers, d_model = adapter.n_layers(model), adapter.hidden_size(model)
+    bound = bind(model)
+    n_layers, d_model = bound.n_layers, bound.d_model
     g = torch.Generator(device=device).manual_seed(1)
     W_enc = torch.randn(n_layers, n_features, d_model, generator=g, device=device)
     W_enc /= d_model**0.5

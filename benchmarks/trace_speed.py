@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.models import get_adapter, get_module, load_model
 from pyvene_causaltrace.prompts import answer_token_id, tokenize_prompt
 from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine
@@ -48,7 +49,7 @@ def recipe(seed, n, hidden, scale, sigma):
 def rome_method(model, ids, subject, seeds, scale, sigma, answer_id, cells):
     """One forward of batch S+1 per cell, plain hooks (ROME's trace_with_patch)."""
     adapter = get_adapter(model)
-    hidden = adapter.hidden_size(model)
+    hidden = bind(model).d_model
     noise = torch.stack([recipe(s, len(subject), hidden, scale, sigma) for s in seeds])
     embed = get_module(model, adapter.embed)
     batch = ids.repeat(len(seeds) + 1, 1)
@@ -157,7 +158,7 @@ def floor_batch(model, ids, n_rows, batches, sample):
 def bench(name, args):
     model, tokenizer, ids, subject, sigma, answer_text, answer = setup(name)
     seeds = list(range(args.seeds))
-    n_layers = get_adapter(model).n_layers(model)
+    n_layers = bind(model).n_layers
     cells = [(layer, pos) for layer in range(n_layers) for pos in range(ids.shape[1])]
     n_rows = len(cells) * len(seeds)
     repeats = args.repeats if args.repeats else (1 if name == "smollm2" else 5)

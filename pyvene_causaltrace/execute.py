@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .bound import bind
 from .capture import capture
 from .errors import InputError, SpecError
 from .finite import check_finite, check_weights
@@ -39,7 +40,7 @@ from .interventions import get_intervention
 from .interventions.spec_entry import Site, SpecContext, SpecEntry, entry_of
 from .model_guard import measuring
 from .model_interventions import describe, model_for_spec, rebuild, uniform_grad_flags
-from .models import check_inputs, get_adapter, get_module
+from .models import get_module
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
 from .pyvene_compat import applied_interventions, import_pyvene, intervenable_model_class
 from .specs import ExperimentSpec, load_spec
@@ -99,10 +100,10 @@ def resolve_sites(spec: ExperimentSpec | dict | str, model: nn.Module,
 def _resolve(spec: ExperimentSpec, model: nn.Module, tokenizer
              ) -> tuple[SpecContext, list[dict[str, Any]], list[tuple[SpecEntry, list[Site]]]]:
     """:func:`resolve_sites`, with each entry as the dict its type is handed."""
-    adapter = get_adapter(model)
+    bound = bind(model)
     prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence or 0)
-    check_inputs(model, prompt.input_ids)
-    ctx = SpecContext(spec, model, tokenizer, adapter, prompt)
+    bound.check_inputs(prompt.input_ids)
+    ctx = SpecContext(spec, bound, tokenizer, prompt)
     items = [item.to_dict() for item in spec.interventions]
     resolved = []
     for index, item in enumerate(items):
@@ -210,7 +211,7 @@ def _plan(spec: ExperimentSpec, model: nn.Module, tokenizer: Tokenizer) -> Plan:
                  "the weights are finite, so the activations overflow")
     answer_id = (answer_token_id(ctx.tokenizer, spec.answer) if spec.answer is not None
                  else int(clean_probs.argmax()))
-    check_inputs(model, ctx.prompt.input_ids, answer_id)
+    ctx.bound.check_answer(answer_id)
 
     noise = [(site.component, m) for i in corrupting
              for site, m in zip(resolved[i][1], made[i], strict=True)]

@@ -26,6 +26,7 @@ from typing import TypeVar
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .bound import BoundModel
 from .pyvene_compat import is_intervenable
 
 logger = logging.getLogger(__name__)
@@ -53,9 +54,10 @@ def _lock(model: nn.Module) -> threading.RLock:
         return lock
 
 
-def underlying(model: nn.Module) -> nn.Module:
-    """The ``nn.Module`` that holds the weights (the model a pyvene wrapper wraps)."""
-    return model.model if is_intervenable(model) else model
+def underlying(model: nn.Module | BoundModel) -> nn.Module:
+    """The ``nn.Module`` that holds the weights (the model a pyvene wrapper wraps, or a bound
+    model's)."""
+    return model.model if is_intervenable(model) or isinstance(model, BoundModel) else model
 
 
 def _our_hook(hook) -> bool:

@@ -5,7 +5,7 @@ causal tracing and CLT attribution touch. Everything else in the package asks th
 never tests a model's name.
 
     model, tokenizer = load_model("smollm2-135m")     # bundled offline SmolLM2-135M-Instruct
-    adapter = get_adapter(model)
+    adapter = get_adapter(model)     # only pyvene_causaltrace.bound.bind asks, once per call
     adapter.site("mlp_output", 3)    # "model.layers[3].mlp.output"
     adapter.site("resid_mid", 3)     # "model.layers[3].post_attention_layernorm.input"
 """
@@ -18,7 +18,6 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -88,20 +87,6 @@ class ArchAdapter:
     position_embed: str | None = None
     post_attn_norm: str | None = None
     post_mlp_norm: str | None = None
-
-    def n_layers(self, model: nn.Module) -> int:
-        return int(getattr(model.config, self.n_layers_key))
-
-    def hidden_size(self, model: nn.Module) -> int:
-        return int(getattr(model.config, self.hidden_key))
-
-    def max_positions(self, model: nn.Module) -> int | None:
-        """The positions the model reads: the size of its position table (GPT-2's
-        ``n_positions``) or the positions it was trained on (a rotary model's
-        ``max_position_embeddings``); None when its config does not say."""
-        value = getattr(model.config, self.positions_key, None)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
-            else None
 
     def module_path(self, part: str, layer: int | None = None) -> str:
         """Module path of ``part`` (a field name of this adapter, or ``block``), per layer for
@@ -240,48 +225,6 @@ def get_adapter(model_or_type: nn.Module | str) -> ArchAdapter:
         ) from None
 
 
-def check_inputs(model: nn.Module, input_ids: torch.Tensor,
-                 answer_id: int | None = None) -> None:
-    """Refuse token ids the model cannot read: a prompt longer than an absolute position table
-    (GPT-2's), ids outside the embedding (a tokenizer that is not the model's), an answer
-    outside the output vocabulary. A prompt longer than a rotary model's
-    ``max_position_embeddings`` only warns: it runs, on positions it was not trained on."""
-
-    n = int(input_ids.shape[-1])
-    limit = get_adapter(model).max_positions(model)
-    if limit and n > limit:
-        if get_adapter(model).position_embed is not None:
-            raise InputError(f"the prompt is {n} tokens; {model.config.model_type} has a table "
-                             f"of {limit} positions")
-        warnings.warn(f"the prompt is {n} tokens, beyond the {limit} positions "
-                      f"{model.config.model_type} was trained on", stacklevel=2)
-    vocab = model.get_input_embeddings().num_embeddings
-    if n and int(input_ids.max()) >= vocab:
-        raise InputError(f"token id {int(input_ids.max())} is outside the model's vocabulary "
-                         f"of {vocab}: the tokenizer is not this model's")
-    outputs = model.get_output_embeddings()
-    size = outputs.out_features if outputs is not None else vocab
-    if answer_id is not None and not 0 <= answer_id < size:
-        raise InputError(f"the answer's token id {answer_id} is outside the model's vocabulary "
-                         f"of {size}: the tokenizer is not this model's")
-
-
-def check_generation_length(model: nn.Module, n_prompt: int, max_new_tokens: int,
-                            what: str = "max_new_tokens") -> None:
-    """Refuse, before any forward, a generation that would pass the model's positions
-    (:meth:`ArchAdapter.max_positions`, every architecture): a position table has no row for
-    them, and a rotary model was never trained on them (and each step of a generation without
-    a key-value cache reruns the whole sequence, so an absurd count would run for days). No
-    new tokens: nothing to check (a long prompt alone is :func:`check_inputs`' to judge)."""
-    adapter = get_adapter(model)
-    limit = adapter.max_positions(model)
-    if max_new_tokens > 0 and limit is not None and n_prompt + max_new_tokens > limit:
-        raise InputError(f"{what}={max_new_tokens}: the prompt ({n_prompt} tokens) and the new "
-                         f"tokens pass {model.config.model_type}'s {limit} positions "
-                         f"({adapter.positions_key}); at most {max(0, limit - n_prompt)} new "
-                         "tokens fit")
-
-
 def model_name(model: nn.Module) -> str:
     """What results and specs name a model by: what :func:`load_model` was given, else the
     checkpoint's ``_name_or_path`` ("" if neither)."""
@@ -359,7 +302,7 @@ def load_model(
         first = (str(error).strip().splitlines() or [""])[0]
         raise InputError(f"{name_or_path}: transformers cannot load a model and tokenizer from "
                          f"it ({type(error).__name__}: {first})") from error
-    get_adapter(model)  # fail early, naming the supported architectures
+    get_adapter(model)  # fail early, naming the supported architectures (bind's lookup)
     model.pvct_source = name_or_path  # what specs written from this model should name
     return model.to(device).eval(), tokenizer
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .bound import BoundModel, bind
 from .dataset.plan import machine_memory
 from .defaults import BOS
 from .errors import InputError, MemoryCapError, NonFiniteError, PyveneModelError
@@ -34,13 +35,7 @@ from .finite import check_finite, check_weights, positive_number
 from .interventions.clt_splice import clean_errors, clt_splice_representations
 from .interventions.frozen import FrozenAttention, attention_patterns
 from .model_guard import measured
-from .models import (
-    check_generation_length,
-    check_inputs,
-    get_adapter,
-    is_intervenable,
-    model_name,
-)
+from .models import is_intervenable, model_name
 from .prompts import first_position, tokenize_prompt
 from .pyvene_compat import intervenable_model_class
 from .specs import SCHEMA_VERSION, validate_spec
@@ -235,21 +230,17 @@ def _ablations(items: list[tuple[int, int | str, int, float]]) -> list[dict[str,
     return out
 
 
-def generation_mb(model: nn.Module, transcoder: Transcoder, length: int) -> float:
+def generation_mb(model: nn.Module | BoundModel, transcoder: Transcoder, length: int) -> float:
     """MB one step of a generation holds at ``length`` tokens (each step reruns the whole
     sequence): the logits ``[length, vocab]`` (twice: the model's and pyvene's copy), one
     layer's attention scores and probabilities ``[heads, length, length]``, the block's
     states, and the transcoder's features of every layer (a cross-layer decoder reads them
     all)."""
-    config = model.config
-    adapter = get_adapter(model)
-    hidden = adapter.hidden_size(model)
-    heads = int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head", 1))
-    inner = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-                or 4 * hidden)
-    element = next(model.parameters()).element_size()
-    model_bytes = element * (2 * length * int(config.vocab_size) + 2 * heads * length * length
-                             + 8 * length * max(hidden, inner))
+    bound = bind(model)
+    hidden, heads, inner = bound.d_model, bound.n_heads, bound.d_mlp
+    model_bytes = bound.element_size * (2 * length * bound.vocab_size
+                                        + 2 * heads * length * length
+                                        + 8 * length * max(hidden, inner))
     features = transcoder.n_layers * length * transcoder.cfg.d_transcoder
     return (model_bytes + 4 * features) / 2**20
 
@@ -261,13 +252,15 @@ def _device_mb(device: torch.device) -> float:
     return machine_memory() / 2**20
 
 
-def check_generation_fits(model: nn.Module, transcoder: Transcoder, n_prompt: int,
+def check_generation_fits(model: nn.Module | BoundModel, transcoder: Transcoder, n_prompt: int,
                           max_new_tokens: int, memory_mb: float | None = None) -> None:
     """Refuse, before any forward, a generation that passes the model's positions
-    (:func:`~pyvene_causaltrace.models.check_generation_length`) or whose last step would
-    not fit ``memory_mb`` (default: the device's memory), saying how many new tokens fit."""
-    check_generation_length(model, n_prompt, max_new_tokens)
-    device = next(model.parameters()).device
+    (:meth:`~pyvene_causaltrace.bound.BoundModel.check_generation_length`) or whose last step
+    would not fit ``memory_mb`` (default: the device's memory), saying how many new tokens
+    fit."""
+    model = bind(model)
+    model.check_generation_length(n_prompt, max_new_tokens)
+    device = model.device
     budget = _device_mb(device) if memory_mb is None else positive_number(memory_mb,
                                                                           "memory_mb")
     if generation_mb(model, transcoder, n_prompt + max_new_tokens) <= budget:
@@ -422,7 +415,9 @@ def intervene_features(
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if _integer(top_k, "top_k") < 1:
         raise InputError(f"top_k must be >= 1, got {top_k}")
-    check_fits(transcoder, model)
+    bound = bind(model)  # the architecture, resolved once for this call
+    model = bound.model
+    check_fits(transcoder, bound)
     tokenized = tokenize_prompt(tokenizer, prompt)
     n_pos = tokenized.seq_len
     if progress is not None and not isinstance(progress, bool):
@@ -433,8 +428,8 @@ def intervene_features(
     items = check_feature_interventions(interventions, transcoder, n_pos, narrowest, start)
     device = next(model.parameters()).device
     ids = tokenized.input_ids.to(device)
-    check_inputs(model, ids)
-    check_generation_fits(model, transcoder, n_pos, steps, memory_mb)
+    bound.check_inputs(ids)
+    check_generation_fits(bound, transcoder, n_pos, steps, memory_mb)
     check_weights(model)
     eos = tokenizer.eos_token_id
     show = steps >= LONG_GENERATION if progress is None else progress and steps > 0
@@ -442,15 +437,14 @@ def intervene_features(
     with torch.no_grad():
         bar = _bar(show, steps, "clean generation")
         clean, clean_new = _greedy(lambda x: model(input_ids=x).logits, ids, steps, eos, bar)
-        errors = clean_errors(transcoder, model, ids, start) if hold_errors else None
+        errors = clean_errors(transcoder, bound, ids, start) if hold_errors else None
         reps = clt_splice_representations(
-            transcoder, model, from_position=start, ablations=_ablations(items), errors=errors,
+            transcoder, bound, from_position=start, ablations=_ablations(items), errors=errors,
             live_error=True, error_from="clean" if hold_errors else None)
         if freeze_attention:
-            adapter = get_adapter(model)
-            reps += [{"component": adapter.site("attn_output", layer),
+            reps += [{"component": bound.site("attn_output", layer),
                       "intervention": FrozenAttention(pattern=pattern, pattern_from="clean")}
-                     for layer, pattern in enumerate(attention_patterns(model, ids))]
+                     for layer, pattern in enumerate(attention_patterns(bound, ids))]
         pv_model = intervenable_model_class()(reps, model)
         if bar is not None:
             bar.close()

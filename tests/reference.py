@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.models import get_module
 
 
@@ -58,7 +59,7 @@ def reference_cell(model, ids, seed, noise_positions, scale, sigma, answer_id,
     from pyvene_causaltrace.models import get_adapter
 
     adapter = get_adapter(model)
-    delta = recipe_noise(seed, len(noise_positions), adapter.hidden_size(model), scale, sigma)
+    delta = recipe_noise(seed, len(noise_positions), bind(model).d_model, scale, sigma)
     edits = [(adapter.embed, add_at(delta, list(noise_positions)))]
     edits += [(path, set_positions(states, [pos])) for path, states, pos in [*restores, *freezes]]
     with torch.no_grad():
@@ -74,7 +75,7 @@ def reference_kind_cell(model, engine, kind, seed: int, layer: int, position: in
     from pyvene_causaltrace.models import get_adapter
 
     adapter = get_adapter(model)
-    n_layers = adapter.n_layers(model)
+    n_layers = bind(model).n_layers
     sever = ([adapter.module_path(kind.sever, x) for x in range(n_layers)] if kind.sever else [])
     scale, sigma = engine.noise.config()["scale"], engine.noise.config()["sigma"]
     held = corrupted_states(model, engine.ids, seed, engine.noise_positions, scale, sigma, sever)
@@ -92,7 +93,7 @@ def corrupted_states(model, ids, seed, noise_positions, scale, sigma, paths) -> 
     from pyvene_causaltrace.models import get_adapter
 
     adapter = get_adapter(model)
-    delta = recipe_noise(seed, len(noise_positions), adapter.hidden_size(model), scale, sigma)
+    delta = recipe_noise(seed, len(noise_positions), bind(model).d_model, scale, sigma)
     found = {}
     hooks = []
     for path in paths:

@@ -74,7 +74,7 @@ def test_the_public_signatures_name_transcoder_and_type_the_tokenizer(world):
 def test_the_bound_object_is_checked_once_and_runs_the_same_forward(world, tokenizer):
     model, clt = world
     replacement = ReplacementModel(model, tokenizer, clt)
-    assert replacement.adapter.n_layers(model) == clt.n_layers
+    assert replacement.bound.n_layers == clt.n_layers
     prepared = replacement.prepare(PROMPT, target="demeaned")
     assert prepared.softcap is None and prepared.target_logits is prepared.logits
     run = replacement.run(prepared.input_ids)

@@ -20,6 +20,7 @@ from dense_reading import prune as dense_prune
 from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.attribution.export import check_graph_json
 from pyvene_causaltrace.attribution.targets import direction_target
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.capture import capture
 from pyvene_causaltrace.errors import InputError, SpecError
 from pyvene_causaltrace.models import get_adapter
@@ -149,7 +150,7 @@ def test_an_answer_keeps_the_single_target_of_weight_one(setup, tokenizer, salie
 @pytest.mark.numerics
 def test_a_direction_target_explains_its_projection(setup, tokenizer):
     model, clt = setup
-    d_model = get_adapter(model).hidden_size(model)
+    d_model = bind(model).d_model
     direction = torch.randn(d_model, generator=torch.Generator().manual_seed(3))
     ids, _ = _clean_logits(model, tokenizer)
     unembed = get_adapter(model).module_path("unembed")
@@ -226,14 +227,14 @@ def test_bad_target_settings_are_refused(setup, tokenizer, kwargs, message):
     model, clt = setup
     if "target" in kwargs and isinstance(kwargs["target"], torch.Tensor) \
             and kwargs["target"].shape == (64,):
-        kwargs = {"target": kwargs["target"][:get_adapter(model).hidden_size(model)]}
+        kwargs = {"target": kwargs["target"][:bind(model).d_model]}
     with pytest.raises(InputError, match=message):
         attribute(model, tokenizer, clt, PROMPT, **kwargs)
 
 
 def test_a_direction_and_an_answer_together_are_refused(setup, tokenizer):
     model, clt = setup
-    d_model = get_adapter(model).hidden_size(model)
+    d_model = bind(model).d_model
     with pytest.raises(InputError, match="pass one of them"):
         attribute(model, tokenizer, clt, PROMPT, " the", target=torch.ones(d_model))
     with pytest.raises(InputError, match="resid_pre"):

@@ -10,6 +10,7 @@ import torch
 from _support.models import ALL_ARCHS, make_tiny_model
 from reference import add_at, edit_output, recipe_noise, set_positions
 
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.capture import capture
 from pyvene_causaltrace.interventions.frozen import FrozenLayerNorm
 from pyvene_causaltrace.interventions.noise import NoiseAdd, noise_recipe
@@ -51,7 +52,7 @@ def test_noise_add_changes_exactly_the_chosen_positions_by_the_recipe(tiny):
     clean = capture(model, {"input_ids": ids}, [embed])[embed]
     pv_model = intervenable_model_class()([{"component": embed, "intervention": noise}], model)
     noised = capture(model, {}, [embed], run=lambda: pv_model(base={"input_ids": ids}))[embed]
-    hidden = adapter.hidden_size(model)
+    hidden = bind(model).d_model
     for row, (seed, chosen) in enumerate(zip(seeds, positions, strict=True)):
         others = [p for p in range(SEQ) if p not in chosen]
         assert torch.equal(noised[row, others], clean[row, others])
@@ -80,7 +81,7 @@ def test_noise_recipe_uniform_and_errors():
 def _reference_row(model, ids, seed, noise_positions, edits):
     """Batch-1 reference: recipe noise at the embeddings plus ``edits`` [(path, edit)]."""
     adapter = get_adapter(model)
-    delta = recipe_noise(seed, len(noise_positions), adapter.hidden_size(model), SCALE, SIGMA)
+    delta = recipe_noise(seed, len(noise_positions), bind(model).d_model, SCALE, SIGMA)
     with ExitStack() as stack, torch.no_grad():
         stack.enter_context(edit_output(model, adapter.embed, add_at(delta, noise_positions)))
         for path, edit in edits:
@@ -144,7 +145,7 @@ def test_window_layers_follow_rome_centring():
 def test_restoring_every_position_at_last_block_gives_clean_logits(arch):
     model = make_tiny_model(arch)
     adapter = get_adapter(model)
-    last = adapter.module_path("block", adapter.n_layers(model) - 1) + ".output"
+    last = adapter.module_path("block", bind(model).n_layers - 1) + ".output"
     ids = ids_for(model, rows=3)
     with torch.no_grad():
         clean_logits = model(input_ids=ids[:1]).logits

@@ -6,6 +6,7 @@ import pytest
 import torch
 from _support.models import ALL_ARCHS, make_tiny_model
 
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.models import (
     ADAPTERS,
     UnsupportedModelError,
@@ -22,7 +23,7 @@ pv = import_pyvene()
 def test_adapter_paths_resolve_to_the_right_modules(arch):
     model = make_tiny_model(arch)
     adapter = get_adapter(model)
-    assert adapter.n_layers(model) == 3 and adapter.hidden_size(model) == 32
+    assert bind(model).n_layers == 3 and bind(model).d_model == 32
     assert isinstance(get_module(model, adapter.embed), torch.nn.Embedding)
     assert get_module(model, adapter.unembed) is model.get_output_embeddings()
     for layer in range(3):

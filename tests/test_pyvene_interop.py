@@ -8,6 +8,7 @@ import torch
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 from reference import add_at, edit_output, recipe_noise, reload_in_fresh_process
 
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.capture import capture
 from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.interventions.frozen import FrozenAttention, FrozenLayerNorm
@@ -30,7 +31,7 @@ def _noise_and_edit_by_hand(model, ids, seed, noised, block, edit):
     """Logits with recipe noise (scale 3, sigma 0.4) at ``noised`` and ``edit`` on ``block``,
     with plain hooks."""
     adapter = get_adapter(model)
-    delta = recipe_noise(seed, len(noised), adapter.hidden_size(model), 3.0, 0.4)
+    delta = recipe_noise(seed, len(noised), bind(model).d_model, 3.0, 0.4)
     with edit_output(model, adapter.embed, add_at(delta, noised)), \
             edit_output(model, block, edit), torch.no_grad():
         return model(input_ids=ids).logits

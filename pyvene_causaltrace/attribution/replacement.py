@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..bound import BoundModel, bind
 from ..defaults import GRAPH_BOS_ERRORS, GRAPH_FREEZE
 from ..errors import InputError
 from ..hooking import installed, thread_view
@@ -49,7 +50,7 @@ from ..interventions.clt_splice import (
 )
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
 from ..interventions.leaf import GradientLeaf
-from ..models import ArchAdapter, get_adapter, get_module
+from ..models import get_module
 from ..pyvene_compat import SteeringLeaf, collect_steering, intervenable_model_class
 from ..transcoders.transcoder import Transcoder, check_fits
 from .reading import Layout
@@ -166,12 +167,12 @@ class ReplacementRun:
         return [*self.node_inputs(), self.b_dec, *self.constants]
 
 
-def _freeze_representations(adapter, model, replaced: set[str] = frozenset()) -> list[dict]:
+def _freeze_representations(bound: BoundModel, replaced: set[str] = frozenset()) -> list[dict]:
     """``frozen_layernorm`` on every norm in the residual path, ``frozen_attention`` on every
     attention module; not on norms whose output the splice replaces (``replaced``: Gemma's
     post-feedforward norm when the transcoder writes TransformerLens's ``hook_mlp_out``)."""
-    reps = []
-    for layer in range(adapter.n_layers(model)):
+    reps, adapter = [], bound.adapter
+    for layer in range(bound.n_layers):
         for component in adapter.norm_sites(layer):
             if component not in replaced:
                 reps.append({"component": component,
@@ -210,7 +211,7 @@ def check_batch(input_ids: torch.Tensor) -> None:
 
 
 def run_local_replacement(
-    model: nn.Module, transcoder: Transcoder, input_ids: torch.Tensor, *,
+    model: nn.Module | BoundModel, transcoder: Transcoder, input_ids: torch.Tensor, *,
     freeze: bool = GRAPH_FREEZE, from_position: int = 1,
 ) -> ReplacementRun:
     """Run ``input_ids`` through the local replacement model (module docstring), after checking
@@ -225,18 +226,20 @@ def run_local_replacement(
     off for the forward (:func:`pre_softcap_logits`): ``logits`` are the pre-cap ones.
     """
     check_batch(input_ids)
-    check_fits(transcoder, model)
-    return replacement_forward(model, transcoder, get_adapter(model), input_ids, freeze=freeze,
+    bound = bind(model)
+    check_fits(transcoder, bound)
+    return replacement_forward(bound, transcoder, input_ids, freeze=freeze,
                                from_position=from_position)
 
 
 def replacement_forward(
-    model: nn.Module, transcoder: Transcoder, adapter: ArchAdapter, input_ids: torch.Tensor, *,
+    bound: BoundModel, transcoder: Transcoder, input_ids: torch.Tensor, *,
     freeze: bool = GRAPH_FREEZE, from_position: int = 1, states: Sequence[str] = (),
 ) -> ReplacementRun:
-    """:func:`run_local_replacement` of a ``transcoder`` already checked to fit ``model``
-    (``adapter``: the model's); ``states`` names residual-stream states to keep live
+    """:func:`run_local_replacement` of a ``transcoder`` already checked to fit the bound
+    model; ``states`` names residual-stream states to keep live
     (:func:`capturing_states`)."""
+    model, adapter = bound.model, bound.adapter
     n_layers = transcoder.n_layers
     embed_leaves = [GradientLeaf()]
     reps = [{"component": adapter.site("embed"), "intervention": embed_leaves[0]}]
@@ -246,10 +249,10 @@ def replacement_forward(
                      "intervention": embed_leaves[1]})
     if freeze:
         outputs = {transcoder.cfg.hf_hooks(adapter, layer)["output"] for layer in range(n_layers)}
-        reps += _freeze_representations(adapter, model, outputs)
+        reps += _freeze_representations(bound, outputs)
     session = SpliceSession()
-    selection = clean_selection(transcoder, model, input_ids) if transcoder.cfg.joint else None
-    reps += clt_splice_representations(transcoder, model, from_position=from_position,
+    selection = clean_selection(transcoder, bound, input_ids) if transcoder.cfg.joint else None
+    reps += clt_splice_representations(transcoder, bound, from_position=from_position,
                                        leaves=True, session=session, selection=selection)
 
     constants = constant_parameters(model)
@@ -266,7 +269,7 @@ def replacement_forward(
         with torch.enable_grad(), _count_saved_bytes(model) as saved, \
                 _no_grad_inside(replaced), pre_softcap_logits(model) as cap, \
                 collect_steering() as steering, \
-                capturing_states(model, adapter, states) as captured:
+                capturing_states(bound, states) as captured:
             _, out = pv_model(base={"input_ids": input_ids, "use_cache": False})
     finally:
         for p, flag in flags:
@@ -295,23 +298,22 @@ def replacement_forward(
     )
 
 
-def state_module(model: nn.Module, adapter: ArchAdapter, name: str) -> nn.Module:
+def state_module(bound: BoundModel, name: str) -> nn.Module:
     """The module whose input is state ``name``: the unembedding for ``"unembed_input"``, block
     ``l``'s first norm for ``"resid_pre.{l}"`` (the final norm for ``l = n_layers``)."""
     if name == "unembed_input":
-        return get_module(model, adapter.module_path("unembed"))
+        return bound.module("unembed")
     layer = name.removeprefix("resid_pre.")
-    n_layers = adapter.n_layers(model)
+    n_layers = bound.n_layers
     if name == layer or not layer.isdigit() or int(layer) > n_layers:
         raise InputError(f"unknown residual state {name!r}: 'unembed_input' or "
                          f"'resid_pre.<layer>' with layer in 0..{n_layers}")
     part = "final_norm" if int(layer) == n_layers else "pre_attn_norm"
-    return get_module(model, adapter.module_path(part, int(layer)))
+    return bound.module(part, int(layer))
 
 
 @contextmanager
-def capturing_states(model: nn.Module, adapter: ArchAdapter,
-                     names: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
+def capturing_states(bound: BoundModel, names: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
     """Inside the block, keep the live (differentiable) residual-stream states ``names`` as the
     modules that read them receive them (after every edit upstream); yields the dict they land
     in."""
@@ -320,7 +322,7 @@ def capturing_states(model: nn.Module, adapter: ArchAdapter,
     for name in dict.fromkeys(names):
         def keep(_module, args, kwargs, _name=name):
             found[_name] = args[0] if args else kwargs["hidden_states"]
-        hooks.append((state_module(model, adapter, name), "forward_pre_with_kwargs", keep))
+        hooks.append((state_module(bound, name), "forward_pre_with_kwargs", keep))
     with installed(hooks):
         yield found
     missing = [name for name in names if name not in found]

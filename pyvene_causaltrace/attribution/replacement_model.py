@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..bound import BoundModel, bind
 from ..defaults import (
     BOS,
     GRAPH_BOS_ERRORS,
@@ -38,9 +39,9 @@ from ..defaults import (
     GRAPH_TARGET,
 )
 from ..errors import InputError
-from ..fingerprint import model_fingerprint, transcoder_fingerprint
+from ..fingerprint import transcoder_fingerprint
 from ..finite import check_finite, check_weights
-from ..models import check_inputs, get_adapter, model_name
+from ..models import model_name
 from ..prompts import bos_metadata, first_position, tokenizer_adds_bos
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, check_forward_fits
@@ -96,15 +97,17 @@ class ReplacementModel:
     model, :class:`~..errors.NonFiniteError` for weights with NaN/inf, and
     :class:`~..errors.UnsupportedModelError` for an architecture without an adapter."""
 
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase,
+    def __init__(self, model: nn.Module | BoundModel, tokenizer: PreTrainedTokenizerBase,
                  transcoder: Transcoder, *, bos: str = BOS) -> None:
-        check_fits(transcoder, model)
+        #: the model bound once (its architecture, dimensions); ``model`` is its module
+        self.bound = bind(model)
+        check_fits(transcoder, self.bound)
+        self.model = model = self.bound.model
         check_weights(model)
-        self.model = model
         self.tokenizer = tokenizer
         self.transcoder = transcoder
-        self.adapter = get_adapter(model)
-        self.device = next(model.parameters()).device
+        self.adapter = self.bound.adapter
+        self.device = self.bound.device
         #: how position 0 is treated (:data:`~..prompts.BOS_MODES`) and so the first position
         #: spliced and attributed: 1 when position 0 is BOS, else 0
         self.bos = bos
@@ -113,7 +116,7 @@ class ReplacementModel:
     def tokenize(self, prompt: str) -> torch.Tensor:
         """``[1, P]`` token ids of ``prompt`` on the model's device, checked readable."""
         ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"].to(self.device)
-        check_inputs(self.model, ids)
+        self.bound.check_inputs(ids)
         return ids
 
     def prepare(self, prompt: str, answer: str | None = None, *,
@@ -127,7 +130,7 @@ class ReplacementModel:
         box: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             counts = active_counts(  # one forward: logits and counts
-                self.model, self.transcoder, ids, from_position=self.from_position,
+                self.bound, self.transcoder, ids, from_position=self.from_position,
                 run=lambda: box.setdefault("logits", self.model(input_ids=ids).logits))
             clean = box["logits"]
             with pre_softcap_logits(self.model) as cap:
@@ -139,7 +142,8 @@ class ReplacementModel:
                              other=other, k=k, max_n_logits=max_n_logits,
                              desired_logit_prob=desired_logit_prob)
         for goal in goals:
-            check_inputs(self.model, ids, goal.token if goal.is_logit else None)
+            if goal.is_logit:
+                self.bound.check_answer(goal.token)
             self._check_direction(goal, ids.shape[1])
         return PreparedPrompt(prompt, ids, clean, uncapped, cap, tuple(goals), counts)
 
@@ -147,14 +151,14 @@ class ReplacementModel:
         """Refuse a direction target that does not fit the model or the prompt."""
         if goal.is_logit:
             return
-        d_model = self.adapter.hidden_size(self.model)
+        d_model = self.bound.d_model
         if goal.coefficients.numel() != d_model:
             raise InputError(f"the direction target has {goal.coefficients.numel()} entries; "
                              f"the model's residual stream has {d_model}")
         if not -n_pos <= goal.position < n_pos:
             raise InputError(f"the direction target reads position {goal.position}; the prompt "
                              f"has {n_pos} tokens")
-        state_module(self.model, self.adapter, goal.output)  # refuses a layer out of range
+        state_module(self.bound, goal.output)  # refuses a layer out of range
 
     def check_memory(self, input_ids: torch.Tensor, memory_mb: float,
                      counts: torch.Tensor | None = None) -> int:
@@ -163,7 +167,7 @@ class ReplacementModel:
         features per layer if known (:attr:`PreparedPrompt.active_counts`), else one more
         forward counts them."""
         if counts is None:
-            counts = active_counts(self.model, self.transcoder, input_ids, self.from_position)
+            counts = active_counts(self.bound, self.transcoder, input_ids, self.from_position)
         return check_forward_fits(self.model, self.transcoder, input_ids, memory_mb, counts)
 
     def run(self, input_ids: torch.Tensor, *, freeze: bool = GRAPH_FREEZE,
@@ -180,7 +184,7 @@ class ReplacementModel:
             raise InputError(f"bos_errors must be 'keep' or 'drop', got {bos_errors!r}")
         from_position = self.from_position if from_position is None else from_position
         self.check_bos_errors(bos_errors, from_position)
-        run = replacement_forward(self.model, self.transcoder, self.adapter, input_ids,
+        run = replacement_forward(self.bound, self.transcoder, input_ids,
                                   freeze=freeze, from_position=from_position, states=states)
         run.bos_errors = bos_errors
         return run
@@ -200,7 +204,7 @@ class ReplacementModel:
 
     def fingerprints(self) -> dict[str, str]:
         """The model's and the transcoder's weight fingerprints."""
-        return {"model": model_fingerprint(self.model),
+        return {"model": self.bound.fingerprint,
                 "transcoder": transcoder_fingerprint(self.transcoder)}
 
     def describe(self, input_ids: torch.Tensor | None = None) -> dict:

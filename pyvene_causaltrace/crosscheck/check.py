@@ -169,7 +169,7 @@ def _feature_rows(graph, tracer, transcoder: Transcoder, top_n: int, modes: Sequ
     settings = [(int(layer[i]), int(position[i]), int(feature[i]), float(acts.noised[s, i]))
                 for i in range(len(order)) for s in range(n_seeds)]
     for mode in modes:
-        runner = PatchRunner(tracer.model, transcoder, tracer.prompt.input_ids, coefficients,
+        runner = PatchRunner(tracer.bound, transcoder, tracer.prompt.input_ids, coefficients,
                              tracer.answer_id, mode, graph.from_position)
         targets, probs, crossings = runner.run([None, *settings])
         base_target, base_prob = float(targets[0]), float(probs[0])

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..attribution.replacement import pre_softcap_logits
+from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
@@ -42,7 +43,6 @@ from ..interventions.frozen import (
 )
 from ..interventions.noise import NoiseAdd
 from ..interventions.splice_session import SpliceSession
-from ..models import get_adapter
 from ..pyvene_compat import intervenable_model_class
 from ..transcoders.hooks import hook_component, norm_settings, normalize
 from ..transcoders.transcoder import Transcoder
@@ -92,16 +92,15 @@ def target_coefficients(graph, vocab_size: int) -> torch.Tensor:
     return out
 
 
-def _transcoder_inputs(model: nn.Module, transcoder: Transcoder, layers: Sequence[int],
+def _transcoder_inputs(bound: BoundModel, transcoder: Transcoder, layers: Sequence[int],
                        run) -> dict[int, torch.Tensor]:
     """The transcoder's input hook values ``[batch, P, D]`` at ``layers`` during ``run()``."""
-    adapter = get_adapter(model)
     hook = transcoder.cfg.feature_input_hook
-    paths = {layer: hook_component(adapter, hook, layer) for layer in layers}
-    found = capture(model, {}, list(paths.values()), run=run)
+    paths = {layer: hook_component(bound.adapter, hook, layer) for layer in layers}
+    found = capture(bound.model, {}, list(paths.values()), run=run)
     out = {}
     for layer, path in paths.items():
-        norm = norm_settings(model, hook, layer)
+        norm = norm_settings(bound, hook, layer)
         out[layer] = found[path] if norm is None else normalize(found[path], **norm)
     return out
 
@@ -122,9 +121,9 @@ def noised_activations(tracer, transcoder: Transcoder, layer: torch.Tensor,
     """Each chosen feature's activation on the clean prompt and in each of ``tracer``'s noised
     runs (its seeds, scale and sigma on the subject's embeddings), read by the transcoder from
     the real model."""
-    model = tracer.model
-    adapter = get_adapter(model)
-    device = next(model.parameters()).device
+    bound = tracer.bound
+    model, adapter = bound.model, bound.adapter
+    device = bound.device
     ids = tracer.prompt.input_ids.to(device)
     layers = sorted({int(x) for x in layer})
     noise = NoiseAdd(seeds=tracer.seeds, positions=tracer.noise_positions, scale=tracer.scale,
@@ -133,9 +132,9 @@ def noised_activations(tracer, transcoder: Transcoder, layer: torch.Tensor,
                                           "intervention": noise}], model)
     box = {}
     batch = ids.repeat(len(tracer.seeds), 1)
-    noised = _transcoder_inputs(model, transcoder, layers, lambda: box.setdefault(
+    noised = _transcoder_inputs(bound, transcoder, layers, lambda: box.setdefault(
         "out", runner(base={"input_ids": batch, "use_cache": False})[1]))
-    clean = _transcoder_inputs(model, transcoder, layers, lambda: model(input_ids=ids,
+    clean = _transcoder_inputs(bound, transcoder, layers, lambda: model(input_ids=ids,
                                                                          use_cache=False))
     probs = box["out"].logits[:, -1].double().softmax(-1)[:, tracer.answer_id].cpu()
 
@@ -158,36 +157,39 @@ class PatchRunner:
     (``mode="replacement"``); :meth:`run` sets features and reads the target, P(answer) and
     how many features crossed their thresholds."""
 
-    def __init__(self, model: nn.Module, transcoder: Transcoder, input_ids: torch.Tensor,
+    def __init__(self, model: nn.Module | BoundModel, transcoder: Transcoder,
+                 input_ids: torch.Tensor,
                  coefficients: torch.Tensor, answer_id: int, mode: str = "spliced",
                  from_position: int = 1) -> None:
         if mode not in MODES:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        self.model, self.transcoder, self.mode = model, transcoder, mode
+        self.bound = bind(model)
+        self.model, self.transcoder, self.mode = self.bound.model, transcoder, mode
+        model = self.model
         self.ids = input_ids.to(next(model.parameters()).device)
         self.coefficients = coefficients
         self.answer_id = int(answer_id)
         self.from_position = from_position  # the graph's: 0 where position 0 is no BOS
         with torch.no_grad():
-            self.errors = clean_errors(transcoder, model, self.ids, from_position)
+            self.errors = clean_errors(transcoder, self.bound, self.ids, from_position)
             self._held = self._held_states() if mode == "replacement" else None
         self._active: dict[int, torch.Tensor] | None = None
         self._active = self._forward([None])[2]  # the unpatched run's active features
 
     def _held_states(self) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[str]]:
-        adapter = get_adapter(self.model)
+        adapter = self.bound.adapter
         replaced = {self.transcoder.cfg.hf_hooks(adapter, layer)["output"]
                     for layer in range(self.transcoder.n_layers)}
-        norms = [c for layer in range(adapter.n_layers(self.model))
+        norms = [c for layer in range(self.bound.n_layers)
                  for c in adapter.norm_sites(layer) if c not in replaced]
         norms.append(adapter.site("final_norm"))
-        return (attention_patterns(self.model, self.ids),
-                norm_scales(self.model, self.ids, norms), norms)
+        return (attention_patterns(self.bound, self.ids),
+                norm_scales(self.bound, self.ids, norms), norms)
 
     def _freezes(self) -> list[dict]:
         if self._held is None:
             return []
-        adapter = get_adapter(self.model)
+        adapter = self.bound.adapter
         patterns, scales, norms = self._held
         reps = [{"component": c, "intervention": FrozenLayerNorm(kind=adapter.norm_kind,
                                                                  scale=scales[c])}
@@ -219,7 +221,7 @@ class PatchRunner:
                       "row_values": values}
                      for (layer, pos, feature), values in groups.items()]
         session = SpliceSession()
-        reps = clt_splice_representations(self.transcoder, self.model, errors=self.errors,
+        reps = clt_splice_representations(self.transcoder, self.bound, errors=self.errors,
                                           from_position=self.from_position,
                                           ablations=ablations, session=session)
         pv_model = intervenable_model_class()(reps + self._freezes(), self.model)

@@ -50,11 +50,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..bound import BoundModel, bind
 from ..defaults import DATASET_SEEDS, NOISE_SCALE, WINDOW
 from ..errors import DamagedFileError, InputError, ManifestMismatchError
-from ..fingerprint import model_fingerprint, package_version, tokenizer_fingerprint
+from ..fingerprint import package_version, tokenizer_fingerprint
 from ..interventions.noise import seed_list
-from ..models import check_inputs, get_adapter, model_name
 from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..runlock import single_writer
 from ..tracing.chunks import check_seeds_fit
@@ -98,14 +98,16 @@ def target_split(tokenizer: Tokenizer, prompt: str, target: str) -> tuple[str, i
 
 
 @torch.no_grad()
-def screen_record(model: nn.Module, tokenizer: Tokenizer, record: FactRecord, index: int,
-                  known: str) -> dict:
+def screen_record(model: nn.Module | BoundModel, tokenizer: Tokenizer, record: FactRecord,
+                  index: int, known: str) -> dict:
     """One line of ``screen.jsonl``: is ``record`` traced, and if not, why."""
+    bound = bind(model)
+    model = bound.model
     line = {"fact": record.id, "index": index, "kept": False}
     try:
         prompt, target_id, n_target = target_split(tokenizer, record.prompt, record.target)
         tokenized = tokenize_prompt(tokenizer, prompt, record.subject, record.occurrence)
-        check_inputs(model, tokenized.input_ids, target_id)
+        bound.check_inputs(tokenized.input_ids, target_id)
     except (SubjectNotFoundError, ValueError) as error:
         return {**line, "reason": f"malformed: {error}"}
     if answer_token_id(tokenizer, tokenizer.decode([target_id])) != target_id:
@@ -188,17 +190,18 @@ def trace_dataset(
         raise InputError("graph_options without a transcoder: pass transcoder= (--clt) to "
                          "build graphs")
     settings = (graph_options or GraphSettings()) if transcoder is not None else None
+    model = bind(model)  # the architecture, resolved once for every fact
     graphs = graph_manifest(model, transcoder, settings) if settings is not None else {}
     _check_sizes(model, tokenizer, records, n_seeds, memory_budget_mb, n_boot)
     seeds = seed_list(seeds)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pvct-dataset-"))
     manifest = {
-        "model": model_fingerprint(model), "tokenizer": tokenizer_fingerprint(tokenizer),
+        "model": model.fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
         "version": package_version(),
         "records": _records_digest(records), "n_records": len(records), "kinds": kinds,
         "seeds": seeds, "scale": float(scale), "sigma": sigma, "window": window,
         "known": known, "limit": limit, "shard": [rank, world],
-        "about": {"model_name": model_name(model)}, **graphs,
+        "about": {"model_name": model.name}, **graphs,
     }
     if transcoder is not None:
         manifest["about"]["transcoder"] = transcoder.source or transcoder.cfg.model_name
@@ -238,9 +241,9 @@ def trace_dataset(
     return load_dataset_result(run.path, n_boot=n_boot)
 
 
-def _trace_fact(model, tokenizer: Tokenizer, run: RunDirectory, line: dict, record: FactRecord,
-                todo_kinds: list[str], seeds, done, bar, *, scale: float, sigma_value: float,
-                window: int, memory_budget_mb: float) -> None:
+def _trace_fact(model: BoundModel, tokenizer: Tokenizer, run: RunDirectory, line: dict,
+                record: FactRecord, todo_kinds: list[str], seeds, done, bar, *, scale: float,
+                sigma_value: float, window: int, memory_budget_mb: float) -> None:
     """Trace a fact's kinds still to do and append their missing rows."""
     # every seed, as an uninterrupted run: a corrupted run and restore chunks of the
     # same rows round the same way; rows already written are not written again
@@ -260,7 +263,7 @@ def _trace_fact(model, tokenizer: Tokenizer, run: RunDirectory, line: dict, reco
         bar.update(1)
 
 
-def _check_sizes(model: nn.Module,
+def _check_sizes(model: BoundModel,
                  tokenizer: Tokenizer, records: Sequence[FactRecord], n_seeds: int,
                  memory_budget_mb: float, n_boot: int) -> None:
     """Refuse, before screening or allocating, a seed count whose corrupted runs cannot fit the
@@ -268,9 +271,8 @@ def _check_sizes(model: nn.Module,
     if records:
         shortest = min(len(ids) for ids in tokenizer(
             [r.prompt for r in records], add_special_tokens=False)["input_ids"])
-        check_seeds_fit(n_seeds, max(2, shortest), model, get_adapter(model), memory_budget_mb)
-    n_layers = get_adapter(model).n_layers(model)
-    check_boot_fits(n_boot, 1, len(ROLE_ORDER) * n_layers)
+        check_seeds_fit(n_seeds, max(2, shortest), model, memory_budget_mb)
+    check_boot_fits(n_boot, 1, len(ROLE_ORDER) * model.n_layers)
 
 
 def run_path(out: str | Path, shard: tuple[int, int] | None = None) -> Path:

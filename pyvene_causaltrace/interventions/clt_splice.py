@@ -56,10 +56,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
+from ..bound import BoundModel, bind
 from ..errors import InputError, SpecError
 from ..locations import resolve_layers
-from ..models import get_adapter
 from ..transcoders.hooks import norm_settings, normalize, transcoder_states
 from ..transcoders.transcoder import check_fits
 from .feature_ablate import FeatureAblate
@@ -422,7 +423,8 @@ def clean_selection(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def clt_splice_representations(
-    clt, model, *, layers: list[int] | None = None, from_position: int = 1,
+    clt, model: nn.Module | BoundModel, *, layers: list[int] | None = None,
+    from_position: int = 1,
     add_error: bool = False, ablations: list[dict] | None = None, leaves: bool = False,
     errors: torch.Tensor | None = None, session: SpliceSession | None = None,
     live_error: bool = False, error_from: str | None = None,
@@ -440,8 +442,9 @@ def clt_splice_representations(
     :func:`clean_selection`) is required by a ``joint_topk`` transcoder (module docstring)."""
     if leaves and ablations:
         raise InputError("a leaf-mode splice does not take ablations")
-    check_fits(clt, model)
-    adapter = get_adapter(model)
+    bound = bind(model)
+    check_fits(clt, bound)
+    adapter = bound.adapter
     session = SpliceSession() if session is None else session
     if selection is not None:
         if not clt.cfg.joint:
@@ -465,7 +468,7 @@ def clt_splice_representations(
             clt=clt, session=session, role="encode", clt_layer=layer,
             from_position=from_position,
             add_error=add_error or leaves, reset=index == 0, leaves=leaves,
-            normalize=norm_settings(model, clt.cfg.feature_input_hook, layer), **modes)})
+            normalize=norm_settings(bound, clt.cfg.feature_input_hook, layer), **modes)})
         for ablation in ablations or []:
             if ablation["clt_layer"] == layer:
                 out.append({"component": hooks["input"],

@@ -51,10 +51,11 @@ from typing import Any
 
 import torch
 
+from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError, SpecError, UnsupportedModelError
 from ..hooking import installed, thread_view
-from ..models import get_adapter, get_module
+from ..models import get_module
 from ..pyvene_compat import hooked_call
 from .base import CausalTraceIntervention
 from .spec_entry import Site, SpecContext
@@ -190,12 +191,13 @@ def _statistic(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
     return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def norm_scales(model: torch.nn.Module, input_ids: torch.Tensor,
+def norm_scales(model: torch.nn.Module | BoundModel, input_ids: torch.Tensor,
                 components: list[str]) -> dict[str, torch.Tensor]:
     """The clean run's statistic (``[batch, P, 1]``, float32 or wider) of each norm whose
     output is ``components[i]`` (``"<norm module>.output"``), for :class:`FrozenLayerNorm`'s
     ``scale``; the kind is the model adapter's."""
-    kind = get_adapter(model).norm_kind
+    bound = bind(model)
+    model, kind = bound.model, bound.adapter.norm_kind
     modules = {c: get_module(model, c.rpartition(".")[0]) for c in components}
     inputs = capture(model, {"input_ids": input_ids},
                      [c.rpartition(".")[0] + ".input" for c in components])
@@ -292,14 +294,15 @@ def held_pattern(attention: torch.nn.Module, pattern: torch.Tensor) -> Iterator[
         _held_pattern.reset(token)
 
 
-def attention_patterns(model: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
+def attention_patterns(model: torch.nn.Module | BoundModel,
+                       input_ids: torch.Tensor) -> list[torch.Tensor]:
     """Every layer's attention pattern on ``input_ids``, ``[batch, heads, P, P]`` each: the
     softmax weights of the model's eager attention, read in one plain forward during which the
     model runs eager (its own implementation, e.g. sdpa, is put back afterwards; other threads'
     forwards meanwhile run the model's own)."""
-    adapter = get_adapter(model)
-    modules = [get_module(model, adapter.module_path("attn", layer))
-               for layer in range(adapter.n_layers(model))]
+    bound = bind(model)
+    model = bound.model
+    modules = [bound.module("attn", layer) for layer in range(bound.n_layers)]
     configs = {id(m.config): m.config for m in model.modules()
                if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}
     found: dict[int, torch.Tensor | None] = {}

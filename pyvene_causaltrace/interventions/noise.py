@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..bound import BoundModel, bind
 from ..defaults import NOISE_SCALE
 from ..errors import InputError, SpecError
 from ..finite import NonFiniteError, positive_number
-from ..models import get_adapter, get_module
 from .base import (
     CausalTraceIntervention,
     as_positions_last,
@@ -79,10 +79,11 @@ SIGMA_METHODS = ("rome", "embedding_matrix")
 
 
 @torch.no_grad()
-def rome_sigma(model: nn.Module, tokenizer: Tokenizer, subjects: Sequence[str]) -> float:
+def rome_sigma(model: nn.Module | BoundModel, tokenizer: Tokenizer,
+               subjects: Sequence[str]) -> float:
     """Std of the input-embedding outputs of ``subjects`` tokenized alone."""
-    embed = get_module(model, get_adapter(model).embed)
-    device = next(model.parameters()).device
+    bound = bind(model)
+    embed, device = bound.module("embed"), bound.device
     outputs = []
     for subject in subjects:
         ids = tokenizer(subject, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -97,13 +98,13 @@ def rome_sigma(model: nn.Module, tokenizer: Tokenizer, subjects: Sequence[str]) 
 
 
 @torch.no_grad()
-def embedding_matrix_sigma(model: nn.Module) -> float:
+def embedding_matrix_sigma(model: nn.Module | BoundModel) -> float:
     """Std of the input-embedding weight matrix."""
-    embed = get_module(model, get_adapter(model).embed)
+    embed = bind(model).module("embed")
     return float(embed.weight.float().std())
 
 
-def resolve_sigma(sigma: str | float, model: nn.Module, tokenizer: Tokenizer,
+def resolve_sigma(sigma: str | float, model: nn.Module | BoundModel, tokenizer: Tokenizer,
                   subject: str | None) -> tuple[str, float]:
     """``(method, value)`` for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a
     positive number (method ``"given"``)."""

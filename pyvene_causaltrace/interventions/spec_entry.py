@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..bound import BoundModel
 from ..errors import SpecError
 from ..locations import component_layers, component_path, resolve_layers, resolve_positions
 from ..models import ArchAdapter
@@ -96,20 +97,27 @@ class SpecView(Protocol):
 
 @dataclass
 class SpecContext:
-    """What an entry is resolved against: the spec, the model and its adapter, the tokenized
-    prompt; ``cache`` holds what entries compute once per resolution and share (the clean
-    run's transcoder errors, its attention patterns)."""
+    """What an entry is resolved against: the spec, the bound model (its module and adapter as
+    ``model`` and ``adapter``), the tokenized prompt; ``cache`` holds what entries compute once
+    per resolution and share (the clean run's transcoder errors, its attention patterns)."""
 
     spec: SpecView
-    model: nn.Module
+    bound: BoundModel
     tokenizer: Any
-    adapter: ArchAdapter
     prompt: TokenizedPrompt
     cache: dict[Any, Any] = field(default_factory=dict)
 
     @property
+    def model(self) -> nn.Module:
+        return self.bound.model
+
+    @property
+    def adapter(self) -> ArchAdapter:
+        return self.bound.adapter
+
+    @property
     def n_layers(self) -> int:
-        return self.adapter.n_layers(self.model)
+        return self.bound.n_layers
 
     @staticmethod
     def path(index: int, name: str | None = None) -> str:

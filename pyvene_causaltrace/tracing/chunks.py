@@ -43,6 +43,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..bound import BoundModel
 from ..errors import InputError, MemoryCapError
 
 #: Widest band of positions that one chunk may mix (bounds the planner's work on long prompts).
@@ -355,18 +356,10 @@ def corrupted_run_mb(n_seeds: int, seq_len: int, n_layers: int, hidden: int, inn
     return n_seeds * per_seed * element_size / 2**20
 
 
-def check_seeds_fit(n_seeds: int, seq_len: int, model, adapter, budget_mb: float) -> None:
+def check_seeds_fit(n_seeds: int, seq_len: int, bound: BoundModel, budget_mb: float) -> None:
     """Refuse, before allocating, a seed count whose corrupted run exceeds ``budget_mb``."""
-    config = model.config
-    hidden = adapter.hidden_size(model)
-    heads = int(getattr(config, "num_attention_heads", 1) or 1)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    kv_width = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    inner = int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-                or 4 * hidden)
-    element = next(model.parameters()).element_size()
-    need = corrupted_run_mb(n_seeds, seq_len, adapter.n_layers(model), hidden, inner, kv_width,
-                            int(config.vocab_size), element)
+    need = corrupted_run_mb(n_seeds, seq_len, bound.n_layers, bound.d_model, bound.d_mlp,
+                            bound.kv_width, bound.vocab_size, bound.element_size)
     if need > budget_mb:
         per_seed = need / n_seeds
         raise MemoryCapError(

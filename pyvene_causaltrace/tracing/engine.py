@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..bound import BoundModel, bind
 from ..capture import capture
 from ..defaults import WINDOW
 from ..errors import InputError
@@ -42,7 +43,7 @@ from ..hooking import Hook, installed
 from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
-from ..models import get_adapter, get_module
+from ..models import get_module
 from .chunks import Chunk, ChunkCost, plan_chunks
 from .head import ReusedHead
 from .metrics import token_probs
@@ -100,7 +101,7 @@ class TraceEngine:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | BoundModel,
         input_ids: torch.Tensor,
         noise_positions: Sequence[int],
         seeds: Sequence[int],
@@ -114,9 +115,10 @@ class TraceEngine:
         replay_layers: bool = True,
         skip_unchanged: bool = True,
     ) -> None:
-        self.model = model
-        self.adapter = get_adapter(model)
-        self.n_layers = self.adapter.n_layers(model)
+        self.bound = bound = bind(model)
+        self.model = model = bound.model
+        self.adapter = bound.adapter
+        self.n_layers = bound.n_layers
         self.device = next(model.parameters()).device
         self.ids = input_ids.to(self.device)
         self.seq_len = int(self.ids.shape[1])
@@ -142,7 +144,7 @@ class TraceEngine:
         # the clean run and every seed's corrupted run in one forward: row 0 clean, then one
         # row per seed with ``noise_add``'s draws added to the embeddings (as the rows below)
         dtype = model.get_input_embeddings().weight.dtype
-        delta = self.noise.noise(len(self.seeds), self.seq_len, self.adapter.hidden_size(model))
+        delta = self.noise.noise(len(self.seeds), self.seq_len, bound.d_model)
         self._noise_delta = delta.to(self.device, dtype)  # every seed's noise, made once
         noise = torch.cat([torch.zeros_like(self._noise_delta[:1]), self._noise_delta])
         embed = get_module(model, self.adapter.module_path("embed"))
@@ -181,16 +183,14 @@ class TraceEngine:
 
     def rows_per_chunk(self, prefix: int) -> int:
         """Rows that fit the memory budget when positions before ``prefix`` are cached."""
-        config = self.model.config
-        hidden = self.adapter.hidden_size(self.model)
-        inner = int(getattr(config, "intermediate_size", None) or 4 * hidden)
+        hidden, inner = self.bound.d_model, self.bound.d_mlp
         keys, _ = self._kv[0]  # [seeds, kv_heads, seq, head_dim]
         kv_width = keys.shape[1] * keys.shape[3]
         span = self.seq_len - prefix
         floats = (2 * self.n_layers * self.seq_len * kv_width  # cache, grown to full length
                   + 8 * span * max(hidden, inner)  # live activations
                   + 4 * span * hidden  # replayed output, masks, intervention copies
-                  + 3 * config.vocab_size)  # last-position logits and softmax
+                  + 3 * self.bound.vocab_size)  # last-position logits and softmax
         return max(1, int(self.memory_budget_mb * 2**20 // (4 * floats)))
 
     def _noise_rows(self, seed_rows: torch.Tensor, prefix: int) -> torch.Tensor:

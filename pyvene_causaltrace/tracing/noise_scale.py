@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..bound import BoundModel, bind
 from ..finite import NonFiniteError
 from ..interventions.noise import (  # noqa: F401 - re-exported
     SIGMA_METHODS,
@@ -21,7 +22,6 @@ from ..interventions.noise import (  # noqa: F401 - re-exported
     resolve_sigma,
     rome_sigma,
 )
-from ..models import get_adapter
 from ..pyvene_compat import intervenable_model_class
 
 # ------------------------------------------------------------------------ scale sweep
@@ -99,7 +99,7 @@ class NoiseScaleSweep:
 
 @torch.no_grad()
 def sweep_noise_scale(
-    model: nn.Module,
+    model: nn.Module | BoundModel,
     input_ids: torch.Tensor,
     noise_positions: Sequence[int],
     answer_id: int,
@@ -113,6 +113,8 @@ def sweep_noise_scale(
 ) -> NoiseScaleSweep:
     """Corrupted P(answer) for every scale and seed (one forward of ``len(seeds)`` rows per
     scale). ``threshold`` defaults to ``COLLAPSE_FRACTION`` x the clean probability."""
+    bound = bind(model)
+    model = bound.model
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     clean = float(model(input_ids=ids, logits_to_keep=1).logits[0, -1].double()
@@ -120,7 +122,7 @@ def sweep_noise_scale(
     if not math.isfinite(clean):
         raise NonFiniteError("the clean run's probabilities hold NaN/inf: no noise scale can be "
                              "chosen against them")
-    embed = get_adapter(model).site("embed")
+    embed = bound.site("embed")
     rows = []
     for scale in scales:
         noise = NoiseAdd(seeds=list(seeds), positions=list(noise_positions), scale=scale,

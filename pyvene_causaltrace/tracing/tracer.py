@@ -26,13 +26,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..bound import BoundModel, bare, bind
 from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
 from ..errors import InputError
 from ..finite import check_finite, check_weights, positive_number
 from ..interventions.noise import seed_list
 from ..model_guard import measuring
 from ..model_interventions import describe, model_for_spec, uniform_grad_flags
-from ..models import check_inputs, get_adapter, is_intervenable, model_name
+from ..models import is_intervenable, model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from ..pyvene_compat import applied_interventions
 from ..specs import ExperimentSpec, SpecError, load_spec
@@ -122,22 +123,25 @@ class Tracer:
         positive_number(memory_budget_mb, "memory_budget_mb")
         if scale != "auto":
             positive_number(scale, "scale (or 'auto')")
+        given_bound = model if isinstance(model, BoundModel) else None
+        model = bare(model)
         self._given = model  # a pv.IntervenableModel: its interventions act in every run
         with measuring(model), applied_interventions(model) as model, uniform_grad_flags(model):
             check_weights(model)
+            # the architecture, resolved once per tracer (a dataset binds once for every fact)
+            self.bound = bound = given_bound or bind(model)
             self.model, self.tokenizer = model, tokenizer
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
             self.noise_positions = list(range(*self.prompt.subject_range))
-            check_inputs(model, self.prompt.input_ids)
+            bound.check_inputs(self.prompt.input_ids)
             # a count is checked before its list is made: 10^8 seeds would fill memory
-            check_seeds_fit(n_seeds, self.prompt.seq_len, model, get_adapter(model),
-                            memory_budget_mb)
+            check_seeds_fit(n_seeds, self.prompt.seq_len, bound, memory_budget_mb)
             self.seeds = seeds = seed_list(seeds)
-            self.sigma_method, self.sigma = resolve_sigma(sigma, model, tokenizer, subject)
+            self.sigma_method, self.sigma = resolve_sigma(sigma, bound, tokenizer, subject)
             self.answer_text = answer  # as given: a spec written from this tracer repeats it
             if answer is not None:
                 self.answer_id = answer_token_id(tokenizer, answer)
-                check_inputs(model, self.prompt.input_ids, self.answer_id)
+                bound.check_answer(self.answer_id)
             else:
                 with torch.no_grad():
                     ids = self.prompt.input_ids.to(next(model.parameters()).device)
@@ -146,7 +150,7 @@ class Tracer:
             self.sweep: NoiseScaleSweep | None = None
             if scale == "auto":
                 self.sweep = sweep_noise_scale(
-                    model, self.prompt.input_ids, self.noise_positions, self.answer_id, seeds,
+                    bound, self.prompt.input_ids, self.noise_positions, self.answer_id, seeds,
                     self.sigma, sigma_method=self.sigma_method, scales=scales,
                     distribution=distribution)
                 if self.sweep.chosen is None:
@@ -155,7 +159,7 @@ class Tracer:
             self.scale = positive_number(scale, "scale")
             self.distribution = distribution
             self.engine = TraceEngine(
-                model, self.prompt.input_ids, self.noise_positions, seeds, self.scale, self.sigma,
+                bound, self.prompt.input_ids, self.noise_positions, seeds, self.scale, self.sigma,
                 self.answer_id, distribution=distribution, memory_budget_mb=memory_budget_mb,
                 reuse_prefix=reuse_prefix, replay_layers=replay_layers)
             check_finite(self.engine.clean_probs, "the clean run's probabilities",

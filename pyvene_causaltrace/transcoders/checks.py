@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..bound import bind
 from ..defaults import BOS
 from ..errors import InputError
 from ..interventions.clt_splice import clt_splice_representations
 from ..interventions.restore import CleanRestore
 from ..model_guard import measured
-from ..models import get_adapter
 from ..prompts import answer_token_id, first_position
 from ..pyvene_compat import intervenable_model_class
 from .hooks import hook_states, transcoder_states
@@ -251,9 +251,8 @@ def _condition_representations(name: str, clt, model, n_pos: int,
     if name == "b_dec_only":
         ablations = [{"clt_layer": layer, "features": "all"} for layer in range(clt.n_layers)]
         return clt_splice_representations(clt, model, from_position=start, ablations=ablations)
-    adapter = get_adapter(model)
     zeros = torch.zeros(1, n_pos, clt.cfg.d_model)
-    return [{"component": clt.cfg.hf_hooks(adapter, layer)["output"],
+    return [{"component": clt.cfg.hf_hooks(bind(model).adapter, layer)["output"],
              "intervention": CleanRestore(positions=list(range(start, n_pos)), states=zeros)}
             for layer in range(clt.n_layers)]
 

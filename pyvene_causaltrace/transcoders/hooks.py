@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError
-from ..models import get_adapter, get_module
+from ..models import get_module
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,14 @@ def hook_component(adapter, hook: str, layer: int) -> str:
     return adapter.site(hook_site(hook).site, layer)
 
 
-def norm_settings(model, hook: str, layer: int) -> dict | None:
+def norm_settings(model: nn.Module | BoundModel, hook: str, layer: int) -> dict | None:
     """``{"kind", "eps"}`` of the norm a normalised hook divides by (None for other hooks)."""
     site = hook_site(hook)
     if not site.normalized:
         return None
-    adapter = get_adapter(model)
-    module = get_module(model, adapter.site(site.site, layer).rpartition(".")[0])
+    bound = bind(model)
+    adapter = bound.adapter
+    module = get_module(bound.model, adapter.site(site.site, layer).rpartition(".")[0])
     eps = next((float(getattr(module, name)) for name in ("eps", "variance_epsilon")
                 if hasattr(module, name)), None)
     if eps is None:
@@ -104,22 +106,23 @@ def normalize(x: torch.Tensor, kind: str, eps: float, frozen: bool = False) -> t
     return (xf * scale).to(x.dtype)
 
 
-def hook_states(model: nn.Module, ids: torch.Tensor,
+def hook_states(model: nn.Module | BoundModel, ids: torch.Tensor,
                 hooks: dict[str, str],
                 run: Callable[[], object] | None = None) -> dict[str, torch.Tensor]:
     """The values of TransformerLens hooks (``{key: hook name}``, e.g.
     ``{"out": "hook_mlp_out"}``) at every layer for one prompt ``ids [1, P]``:
     ``{key: [L, P, D]}``, one forward (``run()``, when given, performs it: a forward the
     caller needs anyway)."""
-    adapter = get_adapter(model)
-    paths = {key: [hook_component(adapter, hook, layer)
-                   for layer in range(adapter.n_layers(model))]
+    bound = bind(model)
+    paths = {key: [hook_component(bound.adapter, hook, layer)
+                   for layer in range(bound.n_layers)]
              for key, hook in hooks.items()}
-    found = capture(model, {"input_ids": ids}, [p for ps in paths.values() for p in ps], run=run)
+    found = capture(bound.model, {"input_ids": ids}, [p for ps in paths.values() for p in ps],
+                    run=run)
     out = {}
     for key, ps in paths.items():
         states = [found[p][0] for p in ps]
-        norms = [norm_settings(model, hooks[key], layer) for layer in range(len(ps))]
+        norms = [norm_settings(bound, hooks[key], layer) for layer in range(len(ps))]
         out[key] = torch.stack([x if norm is None else normalize(x, **norm)
                                 for x, norm in zip(states, norms, strict=True)])
     return out

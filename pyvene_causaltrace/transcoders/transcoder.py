@@ -37,8 +37,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..bound import BoundModel, bind
 from ..errors import InputError, TranscoderMismatchError
-from ..models import get_adapter, get_module, model_name
+from ..models import get_module, model_name
 from .config import TranscoderConfig
 
 #: The layout reader and writer behind :meth:`Transcoder.from_pretrained`,
@@ -265,12 +266,13 @@ def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = 
     raise InputError(f"unknown activation {activation!r}")
 
 
-def check_fits(transcoder: Transcoder, model: nn.Module) -> None:
+def check_fits(transcoder: Transcoder, model: nn.Module | BoundModel) -> None:
     """Raise :class:`TranscoderMismatchError` unless ``transcoder`` has the model's layer count
     and width and its hooks exist in the model; warn when the names differ (the shapes may
     agree by accident: run the pairing check)."""
-    adapter = get_adapter(model)
-    n_layers, d_model = adapter.n_layers(model), adapter.hidden_size(model)
+    bound = bind(model)
+    model, adapter = bound.model, bound.adapter
+    n_layers, d_model = bound.n_layers, bound.d_model
     cfg = transcoder.cfg
     if (cfg.n_layers, cfg.d_model) != (n_layers, d_model):
         raise TranscoderMismatchError(

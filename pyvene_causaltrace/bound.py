@@ -1,0 +1,164 @@
+"""A model bound once: what every method needs to know about it, learnt at the API boundary.
+
+    bound = bind(model)               # done for you by trace(), attribute(), run_spec(), ...
+    bound.n_layers, bound.d_model     # from the architecture's config keys
+    bound.site("mlp_output", 3)       # "model.layers[3].mlp.output"
+    bound.module("mlp", 3)            # the module itself
+    bound.check_inputs(ids, answer)   # token ids the model can read
+
+:func:`bind` is the one place that resolves a model's architecture (its row of
+:data:`~pyvene_causaltrace.models.ADAPTERS`) and reads its dimensions from the config; every
+function below the public API takes the :class:`BoundModel` and asks it. Public functions take a
+plain model or a bound one (``bind`` of a bound model is itself), so a call binds once however
+deep it goes (``tests/test_bound.py`` counts it).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .errors import InputError
+from .fingerprint import model_fingerprint
+from .models import ArchAdapter, get_adapter, get_module, model_name
+
+__all__ = ["BoundModel", "bare", "bind"]
+
+
+class BoundModel:
+    """A causal LM with its architecture resolved and its dimensions read, once.
+
+    ``model``: the ``nn.Module`` that holds the weights. ``adapter``: its row of the
+    adapter table. ``n_layers``, ``d_model``, ``n_heads``, ``head_dim``, ``kv_width`` (keys'
+    width per position, all heads), ``d_mlp``, ``vocab`` (input embeddings' rows),
+    ``max_positions`` (None when the config does not say): read from the config once.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.adapter: ArchAdapter = get_adapter(model)
+        adapter, config = self.adapter, model.config
+        self.model_type: str = adapter.model_type
+        self.n_layers = int(getattr(config, adapter.n_layers_key))
+        self.d_model = int(getattr(config, adapter.hidden_key))
+        self.n_heads = int(getattr(config, "num_attention_heads", None)
+                           or getattr(config, "n_head", None) or 1)
+        self.head_dim = int(getattr(config, "head_dim", None) or self.d_model // self.n_heads)
+        self.kv_width = int(getattr(config, "num_key_value_heads", None)
+                            or self.n_heads) * self.head_dim
+        self.d_mlp = int(getattr(config, "intermediate_size", None)
+                         or getattr(config, "n_inner", None) or 4 * self.d_model)
+        self.vocab_size = int(config.vocab_size)
+        positions = getattr(config, adapter.positions_key, None)
+        self.max_positions: int | None = positions if isinstance(positions, int) \
+            and not isinstance(positions, bool) and positions > 0 else None
+
+    def __repr__(self) -> str:
+        return (f"BoundModel({self.model_type}, {self.n_layers} layers, d_model "
+                f"{self.d_model}, {self.name or 'unnamed'})")
+
+    # -- what the model is
+    @property
+    def name(self) -> str:
+        """What results and specs name the model by (:func:`~.models.model_name`)."""
+        return model_name(self.model)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The weights' fingerprint (:func:`~.fingerprint.model_fingerprint`), computed on first
+        use: a bound model lives for one call, during which the weights do not change."""
+        return model_fingerprint(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per weight element (the model's first parameter's dtype)."""
+        return next(self.model.parameters()).element_size()
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    # -- where its parts are
+    def site(self, name: str, layer: int | None = None) -> str:
+        """The pyvene component of site ``name`` at ``layer`` (:meth:`ArchAdapter.site`)."""
+        return self.adapter.site(name, layer)
+
+    def module_path(self, part: str, layer: int | None = None) -> str:
+        return self.adapter.module_path(part, layer)
+
+    def module(self, part: str, layer: int | None = None) -> nn.Module:
+        """The module of adapter part ``part`` (``block``, ``mlp``, ``embed``, ...) at
+        ``layer``."""
+        return get_module(self.model, self.adapter.module_path(part, layer))
+
+    @functools.cached_property
+    def blocks(self) -> list[nn.Module]:
+        """Every block (transformer layer), in order."""
+        return [self.module("block", layer) for layer in range(self.n_layers)]
+
+    # -- what it can read
+    def check_inputs(self, input_ids: torch.Tensor, answer_id: int | None = None) -> None:
+        """Refuse token ids the model cannot read: a prompt longer than an absolute position
+        table (GPT-2's), ids outside the embedding (a tokenizer that is not the model's), an
+        answer outside the output vocabulary. A prompt longer than a rotary model's
+        ``max_position_embeddings`` only warns: it runs, on positions it was not trained on."""
+        n = int(input_ids.shape[-1])
+        limit = self.max_positions
+        if limit and n > limit:
+            if self.adapter.position_embed is not None:
+                raise InputError(f"the prompt is {n} tokens; {self.model_type} has a table "
+                                 f"of {limit} positions")
+            warnings.warn(f"the prompt is {n} tokens, beyond the {limit} positions "
+                          f"{self.model_type} was trained on", stacklevel=2)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if n and int(input_ids.max()) >= vocab:
+            raise InputError(f"token id {int(input_ids.max())} is outside the model's "
+                             f"vocabulary of {vocab}: the tokenizer is not this model's")
+        if answer_id is not None:
+            self.check_answer(answer_id)
+
+    def check_answer(self, answer_id: int) -> None:
+        """Refuse an answer token outside the output vocabulary (a tokenizer that is not the
+        model's); for an answer known only after the prompt was checked."""
+        outputs = self.model.get_output_embeddings()
+        size = outputs.out_features if outputs is not None \
+            else self.model.get_input_embeddings().num_embeddings
+        if not 0 <= answer_id < size:
+            raise InputError(f"the answer's token id {answer_id} is outside the model's "
+                             f"vocabulary of {size}: the tokenizer is not this model's")
+
+    def check_generation_length(self, n_prompt: int, max_new_tokens: int,
+                                what: str = "max_new_tokens") -> None:
+        """Refuse, before any forward, a generation that would pass the model's positions: a
+        position table has no row for them, and a rotary model was never trained on them
+        (and each step of a generation without a key-value cache reruns the whole sequence,
+        so an absurd count would run for days). No new tokens: nothing to check."""
+        limit = self.max_positions
+        if max_new_tokens > 0 and limit is not None and n_prompt + max_new_tokens > limit:
+            raise InputError(f"{what}={max_new_tokens}: the prompt ({n_prompt} tokens) and the "
+                             f"new tokens pass {self.model_type}'s {limit} positions "
+                             f"({self.adapter.positions_key}); at most "
+                             f"{max(0, limit - n_prompt)} new tokens fit")
+
+
+def bind(model: nn.Module | BoundModel) -> BoundModel:
+    """``model`` bound (:class:`BoundModel`); a bound model is returned as it is.
+
+    The only place that resolves an architecture: an unsupported one raises
+    ``UnsupportedModelError`` naming the supported ones, and a pyvene ``IntervenableModel``
+    ``PyveneModelError`` (the calls that accept one bind the model it wraps, with its
+    interventions applied: :func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`)."""
+    return model if isinstance(model, BoundModel) else BoundModel(model)
+
+
+def bare(model: nn.Module | BoundModel) -> nn.Module:
+    """The ``nn.Module`` of a plain or bound model."""
+    return model.model if isinstance(model, BoundModel) else model
