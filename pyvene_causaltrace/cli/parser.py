@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="top features (by influence) patched to their noised values "
                             f"(default {CROSS_CHECK_FEATURES})")
     check.add_argument("--check-window", type=int, default=CROSS_CHECK_WINDOW,
-                       help=f"layers one MLP restore spans (default {CROSS_CHECK_WINDOW}: one "
+                       help=f"layers one MLP restore spans (default {CROSS_CHECK_WINDOW}, one "
                             "MLP sublayer, as a graph cell)")
     check.add_argument("--check-modes", default="spliced,replacement",
                        help="where the patches are measured: spliced (attention and norms "

@@ -15,6 +15,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "trace_dataset": ".run", "trace_dataset_distributed": ".run", "merge_shards": ".run",
     "load_dataset_result": ".run", "aggregate_rows": ".aggregate",
     "role_curves": ".aggregate", "bootstrap_interval": ".aggregate",
-    "DatasetSettings": ".settings", "GraphSettings": ".graphs", "aggregate_graphs": ".graph_aggregate",
-    "aggregate_schema": ".results",
+    "DatasetSettings": ".settings", "GraphSettings": ".graphs",
+    "aggregate_graphs": ".graph_aggregate", "aggregate_schema": ".results",
 })
