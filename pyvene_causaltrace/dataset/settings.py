@@ -86,7 +86,8 @@ class DatasetSettings:
         if len(set(kinds)) != len(kinds):
             raise InputError(f"kinds repeat: {','.join(kinds)}")
         positive_number(self.scale, "scale (a dataset run needs one fixed noise scale)")
-        self.trace()  # seeds, sigma, window and the memory budget, as a trace checks them
+        # seeds, sigma, window and the memory budget, as a trace checks them
+        object.__setattr__(self, "window", self.trace().window)
         if self.known not in KNOWN_RULES:
             raise InputError(f"known must be one of {KNOWN_RULES}, got {self.known!r}")
         if self.limit is not None:

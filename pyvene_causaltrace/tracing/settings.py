@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 from .._settings import merge_settings
 from ..defaults import (
@@ -51,11 +52,11 @@ def seed_count(seeds: int | Sequence[int]) -> int:
 
 
 def check_window(window: object) -> int:
-    """``window`` if it is a positive integer (layers per window), else
-    :class:`~..errors.InputError`."""
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+    """``window`` as an ``int`` if it is a positive integer (a NumPy one too: layers per
+    window), else :class:`~..errors.InputError`."""
+    if isinstance(window, bool) or not isinstance(window, Integral) or window <= 0:
         raise InputError(f"window (--window) must be a positive integer, got {window!r}")
-    return window
+    return int(window)
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class TraceSettings:
         if self.distribution not in DISTRIBUTIONS:
             raise InputError(f"distribution must be one of {DISTRIBUTIONS}, got "
                              f"{self.distribution!r}")
-        check_window(self.window)
+        object.__setattr__(self, "window", check_window(self.window))
         positive_number(self.memory_budget_mb, "memory_budget_mb (--budget-mb)")
 
     @property

@@ -308,7 +308,8 @@ def tracer_from_spec(spec, model: nn.Module, tokenizer: Tokenizer, **options) ->
         raise SpecError("$.interventions[0].positions",
                         f"a trace noises the subject; got {positions!r}")
     model = model_for_spec(spec, model)
-    given = {key: noise[key] for key in ("scale", "sigma", "distribution") if key in noise}
+    given = {key: value for key in ("scale", "sigma", "distribution")
+             if (value := noise.get(key)) is not None}
     return Tracer(
         model, tokenizer, spec.prompt, spec.subject, answer=spec.answer,
         seeds=noise.get("seeds"), occurrence=spec.subject_occurrence or 0, **given, **options)
