@@ -12,6 +12,48 @@ WINDOW = 10
 TRACE_SEEDS = 10
 #: Noise seeds per fact when tracing a dataset.
 DATASET_SEEDS = 3
+#: The noise unit: ROME's, the std of the subject's input embeddings
+#: (:data:`~pyvene_causaltrace.interventions.noise.SIGMA_METHODS`, or a number).
+SIGMA = "rome"
+#: The noise's distribution (:data:`~pyvene_causaltrace.interventions.noise.DISTRIBUTIONS`).
+DISTRIBUTION = "gaussian"
+#: The scales (in sigma) a ``scale="auto"`` sweep tries, smallest first.
+NOISE_SCALES = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+#: Memory budget (MB) of one batch of restored rows: ``Tracer``/``trace``, ``trace_dataset``
+#: and the ``trace``, ``run`` and ``dataset`` commands (``--budget-mb``).
+TRACE_MEMORY_MB = 2048.0
+#: The trace engine's exact shortcuts: start each row at its restored position (earlier
+#: positions' keys and values from the corrupted run) and at its restored layer (the blocks
+#: below replaying the corrupted run's outputs). Turned off only to compare.
+REUSE_PREFIX = True
+REPLAY_LAYERS = True
+
+# Dataset runs (:class:`~pyvene_causaltrace.dataset.DatasetSettings`).
+
+#: The trace kinds of a dataset run.
+DATASET_KINDS = ("residual", "mlp", "attn")
+#: Which facts are traced: ``"argmax"``, those whose clean prediction is the target
+#: (``"none"``: every well-formed one; a built-in task may default to it).
+KNOWN = "argmax"
+#: Bootstrap resamples of the aggregate's intervals.
+N_BOOT = 1000
+
+# Reading a graph and checking it against a trace.
+
+#: Pruning: the nodes carrying this share of the cumulative influence, then the edges carrying
+#: ``EDGE_THRESHOLD`` of the cumulative edge score (circuit-tracer's values).
+NODE_THRESHOLD = 0.8
+EDGE_THRESHOLD = 0.98
+#: ``graph.json`` holds at most this many links, those of largest edge score: the viewers slow
+#: down long before a million links, and ~60 bytes each keep a capped export near 25 MB.
+MAX_LINKS = 400_000
+#: The cross-check: layers one MLP restore spans (one MLP sublayer, as a graph cell; not
+#: ROME's ``WINDOW``), the cells of its top-k overlap and the features it patches.
+CROSS_CHECK_WINDOW = 1
+CROSS_CHECK_TOP_K = 10
+CROSS_CHECK_FEATURES = 20
+#: Steering: the top tokens shown per run.
+STEER_TOP_K = 10
 
 #: How position 0 is treated (:data:`~pyvene_causaltrace.prompts.BOS_MODES`): as BOS only when
 #: the tokenizer prepends one. For attribution graphs, steering, transcoder fits and checks.

@@ -29,7 +29,7 @@ from torch import nn
 
 from .bound import BoundModel, bind
 from .dataset.plan import machine_memory
-from .defaults import BOS
+from .defaults import BOS, STEER_TOP_K
 from .errors import InputError, MemoryCapError, NonFiniteError, PyveneModelError
 from .finite import check_finite, check_weights, positive_number
 from .interventions.clt_splice import clean_errors, clt_splice_representations
@@ -340,7 +340,7 @@ def feature_spec(prompt: str, items: list[tuple[int, int | str, int, float]], so
 def intervene_features(
     model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, prompt: str,
     interventions: list[FeatureIntervention], *, max_new_tokens: int = 0,
-    hold_errors: bool = True, freeze_attention: bool = False, top_k: int = 10,
+    hold_errors: bool = True, freeze_attention: bool = False, top_k: int = STEER_TOP_K,
     memory_mb: float | None = None, progress: bool | None = None, bos: str = BOS,
 ) -> FeatureInterventionResult:
     """Set transcoder features to values and read the logits; optionally generate greedily

@@ -33,6 +33,7 @@ from typing import Any
 
 from .. import __version__
 from ..atomic import write_text
+from ..defaults import EDGE_THRESHOLD, MAX_LINKS, NODE_THRESHOLD
 from ..errors import InputError
 from ..graph_schema import SCHEMA, validate
 
@@ -98,10 +99,6 @@ def node_id(graph, i: int) -> str:
     return f"{graph.n_layers + 1}_{feature}_{pos}"
 
 
-#: Links written at most: the viewers slow down long before a million links, and ~60 bytes each
-#: keep a capped export near 25 MB.
-MAX_LINKS = 400_000
-
 
 def check_max_links(max_links: object) -> None:
     """Raise :class:`InputError` unless ``max_links`` is None or an integer >= 1."""
@@ -111,8 +108,8 @@ def check_max_links(max_links: object) -> None:
                          f"{max_links!r}")
 
 
-def graph_json(graph, slug: str | None = None, node_threshold: float = 0.8,
-               edge_threshold: float = 0.98, max_links: int | None = MAX_LINKS,
+def graph_json(graph, slug: str | None = None, node_threshold: float = NODE_THRESHOLD,
+               edge_threshold: float = EDGE_THRESHOLD, max_links: int | None = MAX_LINKS,
                labels: Mapping[tuple[int, int], str] | None = None) -> dict[str, Any]:
     """The viewer's JSON for ``graph`` pruned at the two thresholds; when the pruned graph has
     more than ``max_links`` edges, the ``max_links`` of largest edge score are written (and

@@ -39,6 +39,7 @@ import torch
 from safetensors import safe_open
 
 from ..atomic import replacing
+from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..errors import GraphFileError, InputError
 from .edges import Closure
 from .export import graph_json, write_json
@@ -333,7 +334,8 @@ class AttributionGraph:
     def _logit_row(self) -> int:
         return int(self.rows.row_of_node(self.layout.n_nodes)[self.logit_node])
 
-    def prune(self, node_threshold: float = 0.8, edge_threshold: float = 0.98) -> PruneResult:
+    def prune(self, node_threshold: float = NODE_THRESHOLD,
+              edge_threshold: float = EDGE_THRESHOLD) -> PruneResult:
         """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds (each
         a cumulative-influence fraction in [0, 1])."""
         for name, value in (("node_threshold", node_threshold),

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
+
 
 def _positions(graph, keep) -> dict[int, tuple[float, float]]:
     cells: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -32,8 +34,8 @@ def _positions(graph, keep) -> dict[int, tuple[float, float]]:
     return xy
 
 
-def plot_graph(graph, path: str | Path | None = None, node_threshold: float = 0.8,
-               edge_threshold: float = 0.98, max_nodes: int = 60, max_edges: int = 300):
+def plot_graph(graph, path: str | Path | None = None, node_threshold: float = NODE_THRESHOLD,
+               edge_threshold: float = EDGE_THRESHOLD, max_nodes: int = 60, max_edges: int = 300):
     """Figure of ``graph`` pruned at the thresholds (module docstring); saved to ``path`` when
     given. Returns the figure."""
     import matplotlib  # matplotlib loads only when a figure is drawn

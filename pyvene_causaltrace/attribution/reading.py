@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..errors import InputError
 from .store import RowStore
 
@@ -224,8 +225,8 @@ class PruneResult:
         return mask
 
 
-def prune(store: RowStore, layout: Layout, node_threshold: float = 0.8,
-          edge_threshold: float = 0.98, probabilities: torch.Tensor | None = None,
+def prune(store: RowStore, layout: Layout, node_threshold: float = NODE_THRESHOLD,
+          edge_threshold: float = EDGE_THRESHOLD, probabilities: torch.Tensor | None = None,
           node_influence: torch.Tensor | None = None) -> PruneResult:
     """Prune as circuit-tracer's ``prune_graph`` does (module docstring); ``node_influence``:
     the unpruned graph's influence, if already computed."""

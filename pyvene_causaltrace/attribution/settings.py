@@ -17,10 +17,11 @@ loaded or run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
+from .._settings import merge_settings
 from ..defaults import (
     BOS,
     GRAPH_BOS_ERRORS,
@@ -160,29 +161,9 @@ class AttributionSettings:
         return self
 
 
-def _same(a: object, b: object) -> bool:
-    """Whether two setting values are the same: equal plain values, or the same object (a
-    direction tensor or target is compared by identity)."""
-    plain = (str, int, float, type(None))
-    return a is b or (isinstance(a, plain) and isinstance(b, plain) and a == b)
-
-
 def settings_from(settings: AttributionSettings | None, **keywords: object) -> AttributionSettings:
     """The settings of a call given ``settings`` and its keywords (one per field): without
     ``settings``, the keywords; with it, ``settings`` — a keyword left at its default defers
     to it, and one set to another value than ``settings``' is refused
     (:class:`~..errors.InputError` naming every such keyword)."""
-    if settings is None:
-        return AttributionSettings(**keywords)
-    if not isinstance(settings, AttributionSettings):
-        raise InputError(f"settings must be an AttributionSettings, got "
-                         f"{type(settings).__name__}")
-    clashes = [f"{f.name}={keywords[f.name]!r} (settings.{f.name}="
-               f"{getattr(settings, f.name)!r})" for f in fields(AttributionSettings)
-               if f.name in keywords and not _same(keywords[f.name], f.default)
-               and not _same(keywords[f.name], getattr(settings, f.name))]
-    if clashes:
-        raise InputError(f"pass each setting once: settings= is given and so are "
-                         f"{', '.join(clashes)}; set them in the AttributionSettings "
-                         "(dataclasses.replace(settings, ...)) or drop settings=")
-    return settings
+    return merge_settings(AttributionSettings, settings, keywords)

@@ -18,10 +18,10 @@ from ..attribution.targets import direction_target
 from ..attribution.validate import ablation_test
 from ..crosscheck import MODES, cross_check
 from ..errors import InputError
-from ..finite import positive_number
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
 from ..strict_json import loads
+from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer
 from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
@@ -117,11 +117,7 @@ def cross_check_settings(args, s: dict) -> dict | None:
     if s["direction"] is not None or s["answer"] is None:
         raise InputError("--cross-check compares one answer's graph with its trace: give "
                          "--answer (a single token), not --direction or several logits")
-    if args.seeds < 1:
-        raise InputError(f"--seeds must be >= 1, got {args.seeds}")
-    scale = number_or_name(args.scale)
-    if scale != "auto":
-        positive_number(scale, "--scale (or 'auto')")
+    trace = TraceSettings(seeds=args.seeds, scale=number_or_name(args.scale))  # checked
     for flag, value, low in (("--check-features", args.check_features, 0),
                              ("--check-window", args.check_window, 1)):
         if value < low:
@@ -130,8 +126,8 @@ def cross_check_settings(args, s: dict) -> dict | None:
     if not modes or any(m not in MODES for m in modes):
         raise InputError(f"--check-modes must list some of {', '.join(MODES)}, got "
                          f"{args.check_modes!r}")
-    return {"subject": subject, "seeds": args.seeds, "scale": scale,
-            "top_n": args.check_features, "window": args.check_window, "modes": modes}
+    return {"subject": subject, "trace": trace, "top_n": args.check_features,
+            "window": args.check_window, "modes": modes}
 
 
 def read_direction(entry: dict) -> object:
@@ -184,7 +180,7 @@ def attribute_command(args) -> int:
     tracer = None
     if checking is not None:  # before the graph: a subject the tokens split is refused now
         tracer = Tracer(model, tokenizer, s["prompt"], checking["subject"], answer=s["answer"],
-                        seeds=checking["seeds"], scale=checking["scale"])
+                        settings=checking["trace"])
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = out / ROWS_PARTIAL  # an interrupted run resumes; removed once all is written

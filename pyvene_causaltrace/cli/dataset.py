@@ -15,14 +15,15 @@ from pathlib import Path
 from ..atomic import replacing, write_text
 from ..dataset import get_task, read_records
 from ..dataset.graphs import GraphSettings
-from ..dataset.plan import check_options
 from ..dataset.run import (
     load_dataset_result,
     merge_shards,
     run_path,
     trace_dataset_distributed,
 )
+from ..dataset.settings import DatasetSettings
 from ..dataset.store import check_run_directory
+from ..defaults import KNOWN
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
 from ..transcoders import load_transcoder
@@ -52,22 +53,35 @@ def graph_settings(args) -> GraphSettings | None:
                          save=args.save_graphs).check()
 
 
+#: The ``dataset`` flags that are :class:`~..dataset.settings.DatasetSettings`' fields:
+#: ``(argparse dest, field)`` (the other flags: the data, the model, the output, the graphs').
+DATASET_FLAGS = (("kinds", "kinds"), ("seeds", "seeds"), ("scale", "scale"), ("sigma", "sigma"),
+                 ("window", "window"), ("known", "known"), ("limit", "limit"),
+                 ("budget_mb", "memory_budget_mb"), ("boot", "n_boot"))
+
+
+def dataset_settings(args, default_known: str) -> DatasetSettings:
+    """The :class:`~..dataset.settings.DatasetSettings` the flags ask for (checked: a flag it
+    refuses is refused before the model loads); ``--known`` not given is ``default_known``
+    (a built-in task's)."""
+    given = {field: getattr(args, dest) for dest, field in DATASET_FLAGS}
+    given.update(kinds=args.kinds.split(","), sigma=number_or_name(args.sigma),
+                 known=args.known or default_known)
+    return DatasetSettings(**given)
+
+
 def dataset_command(args) -> int:
     out_dir(args.out)
     if args.task:
         task = get_task(args.task)
         records, errors, default_known = list(task.records), [], task.known
     else:
-        (records, errors), default_known = read_records(args.data), "argmax"
+        (records, errors), default_known = read_records(args.data), KNOWN
         if not records:
             raise InputError(f"no record could be read from {args.data}"
                              + (f": {errors[0]}" if errors else ""))
-    options = dict(kinds=args.kinds.split(","), seeds=args.seeds, scale=args.scale,
-                   sigma=number_or_name(args.sigma), window=args.window,
-                   known=args.known or default_known, limit=args.limit,
-                   memory_budget_mb=args.budget_mb, n_boot=args.boot)
-    check_options(**options)
-    options["progress"] = not args.no_progress
+    run_settings = dataset_settings(args, default_known)  # checked before the model loads
+    options = {"settings": run_settings, "progress": not args.no_progress}
     settings = graph_settings(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     shard = (int(os.environ.get("RANK", "0")), world) if world > 1 else None

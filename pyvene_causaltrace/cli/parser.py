@@ -7,14 +7,25 @@ from pathlib import Path
 
 from ..defaults import (
     BOS,
+    CROSS_CHECK_FEATURES,
+    CROSS_CHECK_WINDOW,
+    DATASET_KINDS,
     DATASET_SEEDS,
+    EDGE_THRESHOLD,
     GRAPH_BOS_ERRORS,
     GRAPH_DESIRED_LOGIT_PROB,
     GRAPH_K,
     GRAPH_MAX_N_LOGITS,
     GRAPH_MEMORY_MB,
     GRAPH_TARGET,
+    KNOWN,
+    MAX_LINKS,
+    N_BOOT,
+    NODE_THRESHOLD,
     NOISE_SCALE,
+    SIGMA,
+    STEER_TOP_K,
+    TRACE_MEMORY_MB,
     TRACE_SEEDS,
     WINDOW,
 )
@@ -59,15 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--kind", default="residual",
                        help="residual|mlp|attn|severed-mlp|severed-attn, or several, "
                             "comma-separated (they share the clean and corrupted runs)")
-    trace.add_argument("--seeds", type=int, default=TRACE_SEEDS)
+    trace.add_argument("--seeds", type=int, default=TRACE_SEEDS,
+                       help=f"noise seeds 0..N-1 (default {TRACE_SEEDS})")
     trace.add_argument("--scale", default=str(NOISE_SCALE),
                        help=f"noise in units of sigma (default {NOISE_SCALE:g}, ROME's), or "
                             "'auto' (sweep 1-10 sigma, take the smallest whose worst seed "
                             "leaves P(answer) below 5%% of clean)")
-    trace.add_argument("--sigma", default="rome", help="rome | embedding_matrix | a number")
-    trace.add_argument("--window", type=int, default=WINDOW)
-    trace.add_argument("--budget-mb", type=float, default=2048.0,
-                       help="memory budget for one batch of rows")
+    trace.add_argument("--sigma", default=SIGMA,
+                       help=f"rome | embedding_matrix | a number (default {SIGMA})")
+    trace.add_argument("--window", type=int, default=WINDOW,
+                       help=f"layers per window of mlp and attn (default {WINDOW}, ROME's)")
+    trace.add_argument("--budget-mb", type=float, default=TRACE_MEMORY_MB,
+                       help=f"memory budget for one batch of rows (default {TRACE_MEMORY_MB:g})")
     trace.add_argument("--controls", action="store_true",
                        help="also run the controls (corrupted-donor, window vs single layer)")
     trace.add_argument("--no-progress", action="store_true",
@@ -114,17 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--task", help="a built-in task: agreement | retrieval | arithmetic")
     data.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
     data.add_argument("--limit", type=int, default=None, help="facts to trace (after the screen)")
-    data.add_argument("--kinds", default="residual,mlp,attn")
-    data.add_argument("--seeds", type=int, default=DATASET_SEEDS)
+    data.add_argument("--kinds", default=",".join(DATASET_KINDS),
+                      help=f"trace kinds, comma-separated (default {','.join(DATASET_KINDS)})")
+    data.add_argument("--seeds", type=int, default=DATASET_SEEDS,
+                      help=f"noise seeds 0..N-1 per fact (default {DATASET_SEEDS})")
     data.add_argument("--scale", type=float, default=NOISE_SCALE,
-                      help="noise in units of sigma")
-    data.add_argument("--sigma", default="rome", help="rome | embedding_matrix | a number")
-    data.add_argument("--window", type=int, default=WINDOW)
+                      help=f"noise in units of sigma (default {NOISE_SCALE:g})")
+    data.add_argument("--sigma", default=SIGMA,
+                      help=f"rome | embedding_matrix | a number (default {SIGMA})")
+    data.add_argument("--window", type=int, default=WINDOW,
+                      help=f"layers per window of mlp and attn (default {WINDOW})")
     data.add_argument("--known", default=None, choices=("argmax", "none"),
-                      help="argmax: trace only facts whose clean prediction is the target "
-                           "(default; a built-in task may default to none)")
-    data.add_argument("--budget-mb", type=float, default=2048.0)
-    data.add_argument("--boot", type=int, default=1000, help="bootstrap resamples")
+                      help="argmax: trace only facts whose clean prediction is the target; "
+                           f"none: every well-formed one (default {KNOWN}; a built-in task may "
+                           "default to none)")
+    data.add_argument("--budget-mb", type=float, default=TRACE_MEMORY_MB,
+                      help=f"memory budget for one batch of rows (default {TRACE_MEMORY_MB:g})")
+    data.add_argument("--boot", type=int, default=N_BOOT,
+                      help=f"bootstrap resamples (default {N_BOOT})")
     data.add_argument("--no-progress", action="store_true",
                       help="no progress bar (tqdm, on stderr)")
     data.add_argument("--graphs", action="store_true",
@@ -148,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     agg = commands.add_parser("aggregate", help="aggregate a dataset run directory")
     agg.add_argument("out", type=Path)
-    agg.add_argument("--boot", type=int, default=1000)
+    agg.add_argument("--boot", type=int, default=N_BOOT,
+                     help=f"bootstrap resamples (default {N_BOOT})")
 
     graph = commands.add_parser(
         "attribute", parents=[plugins],
@@ -194,11 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--max-feature-nodes", type=int, default=None,
                        help="compute rows for at most this many features, the most "
                             "influential (default: every feature whose row fits --memory-mb)")
-    graph.add_argument("--node-threshold", type=float, default=0.8)
-    graph.add_argument("--edge-threshold", type=float, default=0.98)
-    graph.add_argument("--max-links", type=int, default=400_000,
+    graph.add_argument("--node-threshold", type=float, default=NODE_THRESHOLD,
+                       help="pruning: keep the nodes carrying this share of the cumulative "
+                            f"influence (default {NODE_THRESHOLD:g})")
+    graph.add_argument("--edge-threshold", type=float, default=EDGE_THRESHOLD,
+                       help="pruning: then the edges carrying this share of the cumulative "
+                            f"edge score (default {EDGE_THRESHOLD:g})")
+    graph.add_argument("--max-links", type=int, default=MAX_LINKS,
                        help="graph.json holds at most this many links, those of largest edge "
-                            "score (default 400000, ~25 MB)")
+                            f"score (default {MAX_LINKS}, ~25 MB)")
     graph.add_argument("--validate", action="store_true",
                        help="ablate the top 5/10/20 features vs 10 random draws of as many")
     check = graph.add_argument_group(
@@ -213,11 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seeds", type=int, default=TRACE_SEEDS)
     check.add_argument("--scale", default=str(NOISE_SCALE),
                        help=f"noise in units of sigma, or 'auto' (default {NOISE_SCALE})")
-    check.add_argument("--check-features", type=int, default=20,
-                       help="top features (by influence) patched to their noised values")
-    check.add_argument("--check-window", type=int, default=1,
-                       help="layers one MLP restore spans (default 1: one MLP sublayer, as a "
-                            "graph cell)")
+    check.add_argument("--check-features", type=int, default=CROSS_CHECK_FEATURES,
+                       help="top features (by influence) patched to their noised values "
+                            f"(default {CROSS_CHECK_FEATURES})")
+    check.add_argument("--check-window", type=int, default=CROSS_CHECK_WINDOW,
+                       help=f"layers one MLP restore spans (default {CROSS_CHECK_WINDOW}, one "
+                            "MLP sublayer, as a graph cell)")
     check.add_argument("--check-modes", default="spliced,replacement",
                        help="where the patches are measured: spliced (attention and norms "
                             "live), replacement (held: the local replacement model)")
@@ -283,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hold the prompt's attention patterns at the clean run's")
     steer.add_argument("--bos", default=None, choices=("auto", "always", "never"),
                        help=_BOS_HELP)
-    steer.add_argument("--top-k", type=int, default=10, help="top tokens per run")
+    steer.add_argument("--top-k", type=int, default=STEER_TOP_K,
+                       help=f"top tokens per run (default {STEER_TOP_K})")
     steer.add_argument("--out", type=Path, default=None,
                        help="write steering.json (the result) and spec.json (the spec that "
                             "reproduces it) here")

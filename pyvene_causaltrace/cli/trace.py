@@ -5,15 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..atomic import replacing, write_text
-from ..defaults import WINDOW
+from ..defaults import TRACE_MEMORY_MB, WINDOW
 from ..errors import CausalTraceError, InputError
 from ..execute import check_on_model, run_spec
-from ..finite import positive_number
 from ..interventions import RESERVED, get_intervention, list_interventions
-from ..interventions.noise import SIGMA_METHODS
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
 from ..tracing.engine import get_kind
+from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer, tracer_from_spec
 from .common import EIFFEL, number_or_name, out_dir
 
@@ -26,25 +25,30 @@ def trace_command(args) -> int:
     kinds = [k.strip() for k in args.kind.split(",")]
     for kind in kinds:  # every flag before the model loads
         get_kind(kind)
-    if args.window <= 0:
-        raise InputError(f"--window must be positive, got {args.window}")
-    if args.seeds <= 0:
-        raise InputError(f"--seeds must be positive, got {args.seeds}")
-    positive_number(args.budget_mb, "--budget-mb")
-    if args.scale != "auto":
-        positive_number(number_or_name(args.scale), "--scale (or 'auto')")
-    sigma = number_or_name(args.sigma)
-    if sigma not in SIGMA_METHODS:
-        positive_number(sigma, f"--sigma ({' | '.join(SIGMA_METHODS)} | a number)")
+    settings = trace_settings(args)
     model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
     answer = args.answer
     if answer is None and args.prompt == EIFFEL["prompt"]:
         answer = EIFFEL["answer"]
     tracer = Tracer(model, tokenizer, args.prompt, args.subject, answer=answer,
-                    seeds=args.seeds, scale=number_or_name(args.scale), sigma=sigma,
-                    memory_budget_mb=args.budget_mb)
-    return report_traces(tracer, kinds, args.window, args.out, args.controls,
+                    settings=settings)
+    return report_traces(tracer, kinds, settings.window, args.out, args.controls,
                          progress=not args.no_progress)
+
+
+#: The ``trace`` flags that are :class:`~..tracing.settings.TraceSettings`' fields:
+#: ``(argparse dest, field)`` (the other flags: the spec, the model, the prompt and its
+#: answer, the kinds, the controls and the output).
+TRACE_FLAGS = (("seeds", "seeds"), ("scale", "scale"), ("sigma", "sigma"), ("window", "window"),
+               ("budget_mb", "memory_budget_mb"))
+
+
+def trace_settings(args) -> TraceSettings:
+    """The :class:`~..tracing.settings.TraceSettings` the flags ask for (checked: a flag it
+    refuses is refused before the model loads)."""
+    given = {field: getattr(args, dest) for dest, field in TRACE_FLAGS}
+    given.update(scale=number_or_name(args.scale), sigma=number_or_name(args.sigma))
+    return TraceSettings(**given)
 
 
 def trace_spec(path: Path, model_name: str | None, out: Path | None, budget_mb: float,
@@ -86,7 +90,8 @@ def run_command(args) -> int:
     out_dir(args.out)
     spec = load_spec(args.spec)
     if spec.trace is not None:
-        return trace_spec(args.spec, args.model, args.out, budget_mb=2048.0, controls=False)
+        return trace_spec(args.spec, args.model, args.out, budget_mb=TRACE_MEMORY_MB,
+                          controls=False)
     if spec.attribution is not None:
         raise InputError(f"{args.spec} is an attribution spec: run "
                          f"pyvene-causaltrace attribute --spec {args.spec} --out DIR")

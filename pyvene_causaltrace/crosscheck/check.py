@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..defaults import CROSS_CHECK_FEATURES, CROSS_CHECK_TOP_K, CROSS_CHECK_WINDOW
 from ..errors import InputError, PyveneModelError
 from ..tracing.engine import get_kind
 from ..transcoders.transcoder import Transcoder, check_fits
@@ -73,7 +74,8 @@ def _trace_grids(tracer, kinds: Sequence[str], window: int):
 
 def cross_check(
     graph: AttributionGraph, tracer: Tracer, transcoder: Transcoder | None = None, *,
-    kinds: Sequence[str] = SITE_KINDS, window: int = 1, top_k: int = 10, top_n: int = 20,
+    kinds: Sequence[str] = SITE_KINDS, window: int = CROSS_CHECK_WINDOW,
+    top_k: int = CROSS_CHECK_TOP_K, top_n: int = CROSS_CHECK_FEATURES,
     modes: Sequence[str] = ("spliced",), progress: Callable[[int], None] | None = None,
 ) -> CrossCheckResult:
     """Compare ``graph`` with ``tracer``'s traces (module docstring).

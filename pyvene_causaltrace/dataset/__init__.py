@@ -2,7 +2,7 @@
 resumable runs and sharding; with a transcoder, each fact's attribution graph beside its
 traces.
 
-    from pyvene_causaltrace.dataset import read_records, trace_dataset
+    from pyvene_causaltrace.dataset import DatasetSettings, read_records, trace_dataset
 """
 
 from __future__ import annotations
@@ -15,6 +15,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "trace_dataset": ".run", "trace_dataset_distributed": ".run", "merge_shards": ".run",
     "load_dataset_result": ".run", "aggregate_rows": ".aggregate",
     "role_curves": ".aggregate", "bootstrap_interval": ".aggregate",
-    "GraphSettings": ".graphs", "aggregate_graphs": ".graph_aggregate",
-    "aggregate_schema": ".results",
+    "DatasetSettings": ".settings", "GraphSettings": ".graphs",
+    "aggregate_graphs": ".graph_aggregate", "aggregate_schema": ".results",
 })

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..defaults import N_BOOT
 from ..errors import InputError
 from ..tracing.roles import BEFORE_SUBJECT, ROLES, role_positions
 from .plan import check_boot_fits
@@ -46,7 +47,7 @@ def role_curves(restored: np.ndarray, corrupt: float, subject_range: Sequence[in
     return out
 
 
-def bootstrap_interval(values: np.ndarray, *, n_boot: int = 1000, level: float = 0.95,
+def bootstrap_interval(values: np.ndarray, *, n_boot: int = N_BOOT, level: float = 0.95,
                        seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Percentile bootstrap over the first axis of ``values [F, ...]`` (NaN = missing) of the
     mean; returns ``(low, high)`` shaped ``values.shape[1:]``."""
@@ -69,7 +70,7 @@ def bootstrap_interval(values: np.ndarray, *, n_boot: int = 1000, level: float =
 
 
 def aggregate_rows(rows: Iterable[dict], *, kinds: Sequence[str], manifest: dict | None = None,
-                   screen: Sequence[dict] = (), n_boot: int = 1000,
+                   screen: Sequence[dict] = (), n_boot: int = N_BOOT,
                    level: float = 0.95) -> DatasetResult:
     """A :class:`DatasetResult` from result rows (any order; duplicates must agree)."""
     # (fact index, kind) -> seed -> (role curves, clean P, corrupted P)

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 
 from ..crosscheck.sites import SITE_PARTS, reachable_cells, spearman, window_sum
-from ..defaults import WINDOW
+from ..defaults import N_BOOT, WINDOW
 from ..errors import InputError
 from ..locations import window_layers
 from .aggregate import ROLE_ORDER, _nanmean, bootstrap_interval, role_curves
@@ -120,7 +120,7 @@ def _correlations(row: dict, grid: np.ndarray, traces: TraceGrids | None,
 
 
 def aggregate_graphs(rows: Iterable[dict], *, n_layers: int, kinds: Sequence[str] = (),
-                     traces: TraceGrids | None = None, window: int = WINDOW, n_boot: int = 1000,
+                     traces: TraceGrids | None = None, window: int = WINDOW, n_boot: int = N_BOOT,
                      level: float = 0.95) -> dict | None:
     """The ``graphs`` part of a :class:`~.results.DatasetResult` from ``graphs.jsonl`` rows
     (any order), ranked against the ``traces`` of ``kinds`` (those of

@@ -1,71 +1,21 @@
-"""A dataset run's options, checked before the model loads, and its sizes, checked before
-anything large is allocated.
+"""A dataset run's sizes, checked before anything large is allocated (its settings are checked
+when its :class:`~.settings.DatasetSettings` is made, before the model loads).
 
-    check_options(kinds=["residual"], seeds=3, scale=3.0, sigma="rome", window=10,
-                  known="argmax", limit=None, memory_budget_mb=2048, n_boot=1000)
     check_boot_fits(n_boot=1000, n_facts=200, n_values=7 * 30)   # MemoryCapError if it cannot
 
-A seed count is checked as a count: ``seeds=100000000`` is refused (here if it is not a
-positive integer, by :func:`~pyvene_causaltrace.tracing.chunks.check_seeds_fit` against the
-memory budget once the model is known) without building its list of seeds.
+A seed count is checked as a count: ``seeds=100000000`` is refused (by
+:class:`~.settings.DatasetSettings` if it is not a positive integer, by
+:func:`~pyvene_causaltrace.tracing.chunks.check_seeds_fit` against the memory budget once the
+model is known) without building its list of seeds.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import InputError, MemoryCapError
-from ..finite import positive_number
-from ..interventions.noise import SIGMA_METHODS, seed_list
-from ..tracing.engine import get_kind
-
-KNOWN_RULES = ("argmax", "none")
-
-
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InputError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-def seed_count(seeds: int | Sequence[int]) -> int:
-    """How many seeds ``seeds`` names (a count is not expanded into a list)."""
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
-        if seeds <= 0:
-            raise InputError(f"seeds must be a positive count or a non-empty list, got {seeds}")
-        return seeds
-    return len(seed_list(seeds))
-
-
-def check_options(*, kinds: Sequence[str], seeds: int | Sequence[int], scale: float,
-                  sigma: str | float, window: int, known: str, limit: int | None,
-                  memory_budget_mb: float, n_boot: int) -> int:
-    """Refuse an option no dataset run accepts, naming it; returns the number of seeds."""
-    kinds = list(kinds)
-    if not kinds:
-        raise InputError("kinds: give at least one trace kind")
-    for kind in kinds:
-        get_kind(kind)
-    if len(set(kinds)) != len(kinds):
-        raise InputError(f"kinds repeat: {','.join(kinds)}")
-    n_seeds = seed_count(seeds)
-    positive_number(scale, "scale (a dataset run needs one fixed noise scale)")
-    if isinstance(sigma, str):
-        if sigma not in SIGMA_METHODS:
-            raise InputError(f"sigma must be a number or one of {SIGMA_METHODS}, got {sigma!r}")
-    else:
-        positive_number(sigma, "sigma")
-    _positive_int(window, "window")
-    if known not in KNOWN_RULES:
-        raise InputError(f"known must be one of {KNOWN_RULES}, got {known!r}")
-    if limit is not None:
-        _positive_int(limit, "limit")
-    positive_number(memory_budget_mb, "memory_budget_mb (--budget-mb)")
-    _positive_int(n_boot, "n_boot (--boot, bootstrap resamples)")
-    return n_seeds
+from ..errors import MemoryCapError
 
 
 def machine_memory() -> int:

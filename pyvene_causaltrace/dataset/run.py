@@ -22,9 +22,10 @@ the AIE (:mod:`.graph_aggregate`). A resume builds only the graphs that are miss
 whose traces are done but whose graph is not gets only its graph); the manifest holds the
 transcoder's fingerprint and the graph settings, so another transcoder is refused.
 
-Options are checked before anything runs (:func:`~.plan.check_options`, which the command line
-calls before loading the model), and a seed count whose corrupted runs cannot fit the memory
-budget is refused before its list of seeds is built.
+The settings are one :class:`~.settings.DatasetSettings` (``settings=``) or its fields as
+keywords; they are checked before anything runs (when the settings are made: the command line
+makes them before loading the model), and a seed count whose corrupted runs cannot fit the
+memory budget is refused before its list of seeds is built.
 
 ``shard=(rank, world)`` traces every ``world``-th kept fact into ``out/shard-RR-of-WW``
 (every shard screens every record itself: one clean forward each, small next to tracing, and
@@ -42,7 +43,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..bound import BoundModel, bind
-from ..defaults import DATASET_SEEDS, NOISE_SCALE, WINDOW
+from ..defaults import N_BOOT, WINDOW
 from ..errors import DamagedFileError, InputError, ManifestMismatchError
 from ..fingerprint import package_version, tokenizer_fingerprint
 from ..interventions.noise import seed_list
@@ -59,18 +60,22 @@ from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..runlock import single_writer
 from ..tracing.chunks import check_seeds_fit
 from ..tracing.noise_scale import resolve_sigma, rome_sigma
+from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer
 from ..transcoders import Transcoder
 from .aggregate import ROLE_ORDER, aggregate_rows
 from .graph_aggregate import TraceGrids, aggregate_graphs
 from .graphs import GRAPH_DIR, GraphSettings, graph_manifest, graph_row
-from .plan import KNOWN_RULES, check_boot_fits, check_options
+from .plan import check_boot_fits
 from .records import FactRecord, RecordError
 from .results import DatasetResult
+from .settings import KNOWN_RULES, DatasetSettings, dataset_settings_from
 from .store import GRAPHS, MANIFEST, RESULTS, SCREEN, RunDirectory, read_jsonl, read_manifest
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
     from transformers import PreTrainedTokenizerBase as Tokenizer
+
+_DEFAULT = DatasetSettings()
 
 __all__ = ["KNOWN_RULES", "trace_dataset", "trace_dataset_distributed", "merge_shards",
            "load_dataset_result", "run_path", "screen_record", "shard_dir", "target_split"]
@@ -150,39 +155,47 @@ def _screen(model, tokenizer: Tokenizer, records, known, limit, run: RunDirector
 
 
 def trace_dataset(
-    model: nn.Module,
+    model: nn.Module | BoundModel,
     tokenizer: Tokenizer,
     records: Sequence[FactRecord],
     *,
     out: str | Path | None = None,
-    kinds: Sequence[str] = ("residual", "mlp", "attn"),
-    seeds: int | Sequence[int] = DATASET_SEEDS,
-    scale: float = NOISE_SCALE,
-    sigma: str | float = "rome",
-    window: int = WINDOW,
-    known: str = "argmax",
-    limit: int | None = None,
-    memory_budget_mb: float = 2048.0,
+    kinds: Sequence[str] = _DEFAULT.kinds,
+    seeds: int | Sequence[int] = _DEFAULT.seeds,
+    scale: float = _DEFAULT.scale,
+    sigma: str | float = _DEFAULT.sigma,
+    window: int = _DEFAULT.window,
+    known: str = _DEFAULT.known,
+    limit: int | None = _DEFAULT.limit,
+    memory_budget_mb: float = _DEFAULT.memory_budget_mb,
     shard: tuple[int, int] | None = None,
     errors: Sequence[RecordError] = (),
     progress: bool = True,
-    n_boot: int = 1000,
+    n_boot: int = _DEFAULT.n_boot,
     transcoder: Transcoder | None = None,
     graph_options: GraphSettings | None = None,
+    settings: DatasetSettings | None = None,
 ) -> DatasetResult:
     """Trace ``records`` (see module docstring); returns the aggregate of what ``out`` holds
     (of this shard only when ``shard`` is given). A second run on the same ``out`` while this
     one writes is refused (:class:`~pyvene_causaltrace.runlock.OutputLockedError`).
+
+    ``settings``: a :class:`~.settings.DatasetSettings`, or its fields as keywords (``kinds``
+    to ``n_boot``; a keyword that contradicts ``settings`` is refused).
 
     ``transcoder``: also build each kept fact's attribution graph with ``graph_options``
     (default :class:`~.graphs.GraphSettings`: demeaned target, every feature that fits
     ``memory_mb``);
     a transcoder that does not fit ``model`` is refused
     (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError`) before anything is written."""
-    kinds = list(kinds)
-    n_seeds = check_options(kinds=kinds, seeds=seeds, scale=scale, sigma=sigma, window=window,
-                            known=known, limit=limit, memory_budget_mb=memory_budget_mb,
-                            n_boot=n_boot)
+    run_settings = dataset_settings_from(
+        settings, kinds=kinds, seeds=seeds, scale=scale, sigma=sigma, window=window, known=known,
+        limit=limit, memory_budget_mb=memory_budget_mb, n_boot=n_boot)
+    kinds, seeds, scale, sigma = (list(run_settings.kinds), run_settings.seeds,
+                                  run_settings.scale, run_settings.sigma)
+    window, known, limit = run_settings.window, run_settings.known, run_settings.limit
+    memory_budget_mb, n_boot = run_settings.memory_budget_mb, run_settings.n_boot
+    n_seeds = run_settings.n_seeds
     rank, world = shard or (0, 1)
     if not 0 <= rank < world:
         raise InputError(f"shard rank {rank} outside world size {world}")
@@ -231,8 +244,7 @@ def trace_dataset(
                 record = by_id[line["fact"]]
                 if todo_kinds:
                     _trace_fact(model, tokenizer, run, line, record, todo_kinds, seeds, done,
-                                bar, scale=scale, sigma_value=sigma_value, window=window,
-                                memory_budget_mb=memory_budget_mb)
+                                bar, run_settings.trace(sigma=sigma_value))
                 if needs_graph:
                     save_dir = run.path / GRAPH_DIR if settings.save else None
                     run.append(GRAPHS, [graph_row(model, tokenizer, transcoder, line, record,
@@ -242,17 +254,17 @@ def trace_dataset(
 
 
 def _trace_fact(model: BoundModel, tokenizer: Tokenizer, run: RunDirectory, line: dict,
-                record: FactRecord, todo_kinds: list[str], seeds, done, bar, *, scale: float,
-                sigma_value: float, window: int, memory_budget_mb: float) -> None:
-    """Trace a fact's kinds still to do and append their missing rows."""
+                record: FactRecord, todo_kinds: list[str], seeds, done, bar,
+                settings: TraceSettings) -> None:
+    """Trace a fact's kinds still to do and append their missing rows (``settings``: the
+    run's, with the sigma it resolved)."""
     # every seed, as an uninterrupted run: a corrupted run and restore chunks of the
     # same rows round the same way; rows already written are not written again
-    tracer = Tracer(model, tokenizer, line["prompt"], record.subject,
-                    answer=line["target"], seeds=seeds, scale=scale,
-                    sigma=sigma_value, occurrence=record.occurrence,
-                    memory_budget_mb=memory_budget_mb)
+    tracer = Tracer(model, tokenizer, line["prompt"], record.subject, answer=line["target"],
+                    occurrence=record.occurrence, settings=replace(settings, seeds=seeds))
+    scale, sigma_value = settings.scale, settings.sigma
     for kind in todo_kinds:
-        result = tracer.trace(kind, window=window, progress=False)  # the run's bar counts
+        result = tracer.trace(kind, progress=False)  # the run's bar counts
         run.append(RESULTS, [{
             "index": line["index"], "fact": record.id, "kind": kind, "seed": seed,
             "tokens": result.tokens, "subject_range": list(result.subject_range),
@@ -280,7 +292,7 @@ def run_path(out: str | Path, shard: tuple[int, int] | None = None) -> Path:
     return shard_dir(Path(out), *shard) if shard else Path(out)
 
 
-def load_dataset_result(path: str | Path, *, n_boot: int = 1000) -> DatasetResult:
+def load_dataset_result(path: str | Path, *, n_boot: int = N_BOOT) -> DatasetResult:
     """The aggregate of a run directory (a finished, interrupted or merged one), with the
     graphs' part when the run has graphs. A missing or damaged manifest, or a damaged row, is
     refused naming the file (and line)."""
@@ -306,7 +318,7 @@ def load_dataset_result(path: str | Path, *, n_boot: int = 1000) -> DatasetResul
     return replace(result, graphs=graphs) if graphs is not None else result
 
 
-def merge_shards(out: str | Path, world: int, *, n_boot: int = 1000) -> DatasetResult:
+def merge_shards(out: str | Path, world: int, *, n_boot: int = N_BOOT) -> DatasetResult:
     """Join ``out/shard-*-of-WW`` into ``out`` (rows and graph rows streamed, not held; saved
     graphs copied) and aggregate. The merged files replace the old ones only once all are
     written (the rows last)."""
@@ -365,9 +377,12 @@ def trace_dataset_distributed(model: nn.Module, tokenizer: Tokenizer, records, *
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     options["progress"] = options.get("progress", True) and rank == 0
-    trace_dataset(model, tokenizer, records, out=out, shard=(rank, world), **options)
+    given = {f.name: options.pop(f.name) for f in fields(DatasetSettings) if f.name in options}
+    settings = dataset_settings_from(options.pop("settings", None), **given)
+    trace_dataset(model, tokenizer, records, out=out, shard=(rank, world), settings=settings,
+                  **options)
     dist.barrier()
-    merged = merge_shards(out, world, n_boot=options.get("n_boot", 1000)) if rank == 0 else None
+    merged = merge_shards(out, world, n_boot=settings.n_boot) if rank == 0 else None
     dist.barrier()
     dist.destroy_process_group()
     return merged

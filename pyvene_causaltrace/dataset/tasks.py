@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..defaults import KNOWN
 from ..errors import InputError
 from .records import FactRecord
 
@@ -27,7 +28,7 @@ class Task:
     name: str
     description: str
     records: tuple[FactRecord, ...]
-    known: str = "argmax"  # the screen's default rule for this task
+    known: str = KNOWN  # the screen's default rule for this task
 
 
 def _records(task: str, rows: list[tuple[str, str, str, int]]) -> tuple[FactRecord, ...]:

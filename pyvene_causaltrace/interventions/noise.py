@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..bound import BoundModel, bind
-from ..defaults import NOISE_SCALE
+from ..defaults import DISTRIBUTION, NOISE_SCALE, SIGMA
 from ..errors import InputError, SpecError
 from ..finite import NonFiniteError, positive_number
 from .base import (
@@ -48,7 +48,7 @@ DISTRIBUTIONS = ("gaussian", "uniform")
 
 def noise_recipe(
     seed: int, n_tokens: int, hidden: int, scale: float, sigma: float,
-    distribution: str = "gaussian",
+    distribution: str = DISTRIBUTION,
 ) -> torch.Tensor:
     """The ``[n_tokens, hidden]`` float32 noise for one seed (see module docstring)."""
     generator = torch.Generator("cpu").manual_seed(int(seed))
@@ -76,6 +76,16 @@ def seed_list(seeds: int | Sequence[int]) -> list[int]:
 
 
 SIGMA_METHODS = ("rome", "embedding_matrix")
+
+
+def check_sigma(sigma: object) -> str | float:
+    """``sigma`` as given if it names a noise unit: one of :data:`SIGMA_METHODS` or a finite
+    positive number (then as a float); else :class:`~..errors.InputError`."""
+    if isinstance(sigma, int | float) and not isinstance(sigma, bool):
+        return positive_number(sigma, "sigma")
+    if sigma not in SIGMA_METHODS:
+        raise InputError(f"sigma must be a number or one of {SIGMA_METHODS}, got {sigma!r}")
+    return sigma
 
 
 @torch.no_grad()
@@ -108,15 +118,14 @@ def resolve_sigma(sigma: str | float, model: nn.Module | BoundModel, tokenizer: 
                   subject: str | None) -> tuple[str, float]:
     """``(method, value)`` for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a
     positive number (method ``"given"``)."""
-    if isinstance(sigma, (int, float)) and not isinstance(sigma, bool):
-        return "given", positive_number(sigma, "sigma")
+    sigma = check_sigma(sigma)
+    if isinstance(sigma, float):
+        return "given", sigma
     if sigma == "rome":
         if subject is None:
             raise InputError("sigma 'rome' needs a subject")
         return "rome", rome_sigma(model, tokenizer, [subject])
-    if sigma == "embedding_matrix":
-        return "embedding_matrix", embedding_matrix_sigma(model)
-    raise InputError(f"sigma must be a number or one of {SIGMA_METHODS}, got {sigma!r}")
+    return "embedding_matrix", embedding_matrix_sigma(model)
 
 
 class NoiseAdd(CausalTraceIntervention):
@@ -152,7 +161,7 @@ class NoiseAdd(CausalTraceIntervention):
                          distribution=distribution, offset=offset, **pyvene_kwargs)
 
     def _setup(self, seeds=0, positions=None, scale=NOISE_SCALE, sigma=1.0,
-               distribution="gaussian", offset=0) -> None:
+               distribution=DISTRIBUTION, offset=0) -> None:
         if distribution not in DISTRIBUTIONS:
             raise InputError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
         scale, sigma = positive_number(scale, "scale"), positive_number(sigma, "sigma")
@@ -224,8 +233,8 @@ class NoiseAdd(CausalTraceIntervention):
                                      "number.",
                       "oneOf": [{"enum": list(SIGMA_METHODS)},
                                 {"type": "number", "exclusiveMinimum": 0}],
-                      "default": "rome"},
-            "distribution": {"enum": list(DISTRIBUTIONS), "default": "gaussian"}}}
+                      "default": SIGMA},
+            "distribution": {"enum": list(DISTRIBUTIONS), "default": DISTRIBUTION}}}
 
     @classmethod
     def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
@@ -246,13 +255,13 @@ class NoiseAdd(CausalTraceIntervention):
         except (TypeError, ValueError) as error:
             raise SpecError(path + ".seeds", str(error)) from None
         try:
-            _, sigma = resolve_sigma(entry.get("sigma", "rome"), ctx.model, ctx.tokenizer,
+            _, sigma = resolve_sigma(entry.get("sigma", SIGMA), ctx.model, ctx.tokenizer,
                                      ctx.spec.subject)
         except ValueError as error:
             raise SpecError(path + ".sigma", str(error)) from None
         return cls(seeds=seeds, positions=site.positions, scale=float(entry.get("scale",
                                                                                 NOISE_SCALE)),
-                   sigma=sigma, distribution=entry.get("distribution", "gaussian"))
+                   sigma=sigma, distribution=entry.get("distribution", DISTRIBUTION))
 
     def to_spec(self, site: Site) -> dict[str, Any]:
         return {"type": self.registered_name,

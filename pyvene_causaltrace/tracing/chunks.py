@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..bound import BoundModel
+from ..defaults import REPLAY_LAYERS, REUSE_PREFIX
 from ..errors import InputError, MemoryCapError
 
 #: Widest band of positions that one chunk may mix (bounds the planner's work on long prompts).
@@ -115,8 +116,8 @@ def plan_chunks(
     seq_len: int,
     max_rows: Callable[[int], int],
     cost: ChunkCost,
-    reuse_prefix: bool = True,
-    replay_layers: bool = True,
+    reuse_prefix: bool = REUSE_PREFIX,
+    replay_layers: bool = REPLAY_LAYERS,
 ) -> list[Chunk]:
     """Group rows into chunks of least estimated :class:`ChunkCost`.
 

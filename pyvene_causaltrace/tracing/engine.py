@@ -37,7 +37,7 @@ from torch import nn
 
 from ..bound import BoundModel, bind
 from ..capture import capture
-from ..defaults import WINDOW
+from ..defaults import DISTRIBUTION, REPLAY_LAYERS, REUSE_PREFIX, TRACE_MEMORY_MB, WINDOW
 from ..errors import InputError
 from ..hooking import Hook, installed
 from ..interventions.noise import NoiseAdd
@@ -109,10 +109,10 @@ class TraceEngine:
         sigma: float,
         answer_id: int,
         *,
-        distribution: str = "gaussian",
-        memory_budget_mb: float = 2048.0,
-        reuse_prefix: bool = True,
-        replay_layers: bool = True,
+        distribution: str = DISTRIBUTION,
+        memory_budget_mb: float = TRACE_MEMORY_MB,
+        reuse_prefix: bool = REUSE_PREFIX,
+        replay_layers: bool = REPLAY_LAYERS,
         skip_unchanged: bool = True,
     ) -> None:
         self.bound = bound = bind(model)

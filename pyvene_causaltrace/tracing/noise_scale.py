@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..bound import BoundModel, bind
+from ..defaults import DISTRIBUTION, NOISE_SCALES
 from ..finite import NonFiniteError
 from ..interventions.noise import (  # noqa: F401 - re-exported
     SIGMA_METHODS,
@@ -32,7 +33,8 @@ from ..pyvene_compat import intervenable_model_class
 #: after "... is in the city of": 0.02-0.05 at every scale from 2 to 10 sigma), so the
 #: criterion is relative: every seed removes at least 95% of the answer's probability.
 COLLAPSE_FRACTION = 0.05
-DEFAULT_SCALES = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+#: The scales a sweep tries (:data:`~pyvene_causaltrace.defaults.NOISE_SCALES`).
+DEFAULT_SCALES = NOISE_SCALES
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def sweep_noise_scale(
     sigma_method: str = "given",
     scales: Sequence[float] = DEFAULT_SCALES,
     threshold: float | None = None,
-    distribution: str = "gaussian",
+    distribution: str = DISTRIBUTION,
 ) -> NoiseScaleSweep:
     """Corrupted P(answer) for every scale and seed (one forward of ``len(seeds)`` rows per
     scale). ``threshold`` defaults to ``COLLAPSE_FRACTION`` x the clean probability."""

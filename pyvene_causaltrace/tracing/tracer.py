@@ -3,14 +3,18 @@
     model, tokenizer = load_model("smollm2-135m")
     tracer = Tracer(model, tokenizer, "The Eiffel Tower is in the city of", "The Eiffel Tower",
                     answer=" Paris", seeds=10)       # scale: 3 sigma, ROME's
+    # or settings=TraceSettings(seeds=10, ...): the same settings as one frozen object
     result = tracer.trace("residual")            # also "mlp", "attn", "severed-mlp", ...
     result.plot("residual.png"); result.to_dataframe()
     tracer.controls()                            # the two checks that can fail
 
     trace(model, tokenizer, prompt, subject, kind="mlp", window=10)   # one-shot form
 
-The noise scale defaults to ROME's 3 sigma (:data:`~pyvene_causaltrace.defaults.NOISE_SCALE`,
-shared with the command line, specs and dataset runs). ``scale="auto"``, asked for, sweeps the
+The settings (noise, window, memory budget, engine switches) are
+:class:`~.settings.TraceSettings`' fields, given as one object (``settings=``) or as keywords of
+the same names. The noise scale defaults to ROME's 3 sigma
+(:data:`~pyvene_causaltrace.defaults.NOISE_SCALE`, shared with the command line, specs and
+dataset runs). ``scale="auto"``, asked for, sweeps the
 scale first and takes the smallest whose worst seed leaves P(answer) below 5% of its clean
 value (:func:`~pyvene_causaltrace.tracing.noise_scale.sweep_noise_scale`).
 """
@@ -18,7 +22,7 @@ value (:func:`~pyvene_causaltrace.tracing.noise_scale.sweep_noise_scale`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,7 +31,6 @@ from torch import nn
 from tqdm import tqdm
 
 from ..bound import BoundModel, bare, bind
-from ..defaults import NOISE_SCALE, TRACE_SEEDS, WINDOW
 from ..errors import InputError
 from ..finite import check_finite, check_weights, positive_number
 from ..interventions.noise import seed_list
@@ -39,13 +42,15 @@ from ..pyvene_compat import applied_interventions
 from ..specs import ExperimentSpec, SpecError, load_spec
 from .chunks import check_seeds_fit
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
-from .noise_scale import DEFAULT_SCALES, NoiseScaleSweep, resolve_sigma, sweep_noise_scale
+from .noise_scale import NoiseScaleSweep, resolve_sigma, sweep_noise_scale
 from .results import TraceResult
+from .settings import TraceSettings, trace_settings_from
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
     from transformers import PreTrainedTokenizerBase as Tokenizer
 
 WINDOWED = {name for name, kind in KINDS.items() if kind.windowed}
+_DEFAULT = TraceSettings()
 
 
 @dataclass(frozen=True)
@@ -89,11 +94,14 @@ class Tracer:
     Args:
         prompt, subject: the subject must occur in the prompt (``occurrence`` picks which).
         answer: target string (its first token; a warning if it has more) or the clean argmax.
+        settings: a :class:`~.settings.TraceSettings`, or its fields as keywords (a keyword
+            that contradicts ``settings`` is refused):
         seeds: a count ``n`` (seeds ``0..n-1``) or a list.
         scale: noise in units of sigma (default ``NOISE_SCALE``, ROME's 3), or ``"auto"``: the
             smallest scale of ``scales`` that corrupts every seed (:attr:`sweep` says why).
         sigma: ``"rome"`` (std of the subject's input embeddings), ``"embedding_matrix"`` or a
             number.
+        window: layers per window of :meth:`trace` and :meth:`controls` (ROME's 10).
         memory_budget_mb: rows per forward are chosen to fit this.
         reuse_prefix: start each row at its restored position, taking earlier positions' keys
             and values from the corrupted run (exact; turn off only to compare).
@@ -109,20 +117,25 @@ class Tracer:
         subject: str,
         *,
         answer: str | None = None,
-        seeds: int | Sequence[int] = TRACE_SEEDS,
-        scale: float | str = NOISE_SCALE,
-        sigma: str | float = "rome",
+        seeds: int | Sequence[int] = _DEFAULT.seeds,
+        scale: float | str = _DEFAULT.scale,
+        sigma: str | float = _DEFAULT.sigma,
         occurrence: int = 0,
-        distribution: str = "gaussian",
-        memory_budget_mb: float = 2048.0,
-        reuse_prefix: bool = True,
-        replay_layers: bool = True,
-        scales: Sequence[float] = DEFAULT_SCALES,
+        distribution: str = _DEFAULT.distribution,
+        memory_budget_mb: float = _DEFAULT.memory_budget_mb,
+        reuse_prefix: bool = _DEFAULT.reuse_prefix,
+        replay_layers: bool = _DEFAULT.replay_layers,
+        scales: Sequence[float] = _DEFAULT.scales,
+        window: int = _DEFAULT.window,
+        settings: TraceSettings | None = None,
     ) -> None:
-        n_seeds = len(seed_list(seeds)) if not isinstance(seeds, int) or seeds <= 0 else seeds
-        positive_number(memory_budget_mb, "memory_budget_mb")
-        if scale != "auto":
-            positive_number(scale, "scale (or 'auto')")
+        #: The :class:`~.settings.TraceSettings` this tracer runs with (checked when made).
+        self.settings = settings = trace_settings_from(
+            settings, seeds=seeds, scale=scale, scales=scales, sigma=sigma,
+            distribution=distribution, window=window, memory_budget_mb=memory_budget_mb,
+            reuse_prefix=reuse_prefix, replay_layers=replay_layers)
+        seeds, scale, sigma = settings.seeds, settings.scale, settings.sigma
+        distribution, memory_budget_mb = settings.distribution, settings.memory_budget_mb
         given_bound = model if isinstance(model, BoundModel) else None
         model = bare(model)
         self._given = model  # a pv.IntervenableModel: its interventions act in every run
@@ -135,7 +148,7 @@ class Tracer:
             self.noise_positions = list(range(*self.prompt.subject_range))
             bound.check_inputs(self.prompt.input_ids)
             # a count is checked before its list is made: 10^8 seeds would fill memory
-            check_seeds_fit(n_seeds, self.prompt.seq_len, bound, memory_budget_mb)
+            check_seeds_fit(settings.n_seeds, self.prompt.seq_len, bound, memory_budget_mb)
             self.seeds = seeds = seed_list(seeds)
             self.sigma_method, self.sigma = resolve_sigma(sigma, bound, tokenizer, subject)
             self.answer_text = answer  # as given: a spec written from this tracer repeats it
@@ -151,7 +164,7 @@ class Tracer:
             if scale == "auto":
                 self.sweep = sweep_noise_scale(
                     bound, self.prompt.input_ids, self.noise_positions, self.answer_id, seeds,
-                    self.sigma, sigma_method=self.sigma_method, scales=scales,
+                    self.sigma, sigma_method=self.sigma_method, scales=settings.scales,
                     distribution=distribution)
                 if self.sweep.chosen is None:
                     raise InputError(f"scale='auto': {self.sweep.reason()}")
@@ -161,7 +174,7 @@ class Tracer:
             self.engine = TraceEngine(
                 bound, self.prompt.input_ids, self.noise_positions, seeds, self.scale, self.sigma,
                 self.answer_id, distribution=distribution, memory_budget_mb=memory_budget_mb,
-                reuse_prefix=reuse_prefix, replay_layers=replay_layers)
+                reuse_prefix=settings.reuse_prefix, replay_layers=settings.replay_layers)
             check_finite(self.engine.clean_probs, "the clean run's probabilities",
                          "the weights are finite, so the activations overflow (try float32)")
             check_finite(self.engine.corrupt_probs, "the corrupted run's probabilities",
@@ -184,15 +197,20 @@ class Tracer:
         return [(layer, pos) for layer in range(self.engine.n_layers)
                 for pos in range(self.prompt.seq_len)]
 
-    def trace(self, kind: str = "residual", *, window: int = WINDOW,
+    def _window(self, window: int | None) -> int:
+        """``window``, or the settings' when ``None`` (checked as the settings check it)."""
+        return self.settings.window if window is None else \
+            replace(self.settings, window=window).window
+
+    def trace(self, kind: str = "residual", *, window: int | None = None,
               progress: bool = True) -> TraceResult:
-        """Every (layer, position) cell of ``kind``, for every seed.
+        """Every (layer, position) cell of ``kind``, for every seed; ``window`` layers per
+        window of the windowed kinds (``None``: the settings', ROME's 10 by default).
 
         ``progress``: a progress bar over the rows (tqdm, on stderr), as the command line
         shows; ``False`` silences it (a trace of SmolLM2 runs minutes on a busy CPU)."""
         trace_kind = get_kind(kind)
-        if window <= 0:
-            raise InputError(f"window must be positive, got {window}")
+        window = self._window(window)
         if not isinstance(progress, bool):
             raise InputError(f"progress must be True or False, got {progress!r}")
         spec = self.spec(kind, window)  # before the run: a model it cannot write is refused
@@ -215,8 +233,9 @@ class Tracer:
             restored_probs=restored, spec=spec,
         )
 
-    def spec(self, kind: str, window: int = WINDOW) -> dict:
-        """The JSON spec that reproduces ``trace(kind)`` (see ``intervention_specs/``).
+    def spec(self, kind: str, window: int | None = None) -> dict:
+        """The JSON spec that reproduces ``trace(kind)`` (see ``intervention_specs/``;
+        ``window``: ``None`` is the settings').
 
         With a ``pv.IntervenableModel`` its interventions go in ``model_interventions``
         (:func:`~pyvene_causaltrace.model_interventions.describe`); one a spec cannot rebuild
@@ -233,13 +252,15 @@ class Tracer:
         spec["interventions"] = [{"type": "noise_add", "positions": "subject",
                                   "seeds": self.seeds, "scale": self.scale, "sigma": sigma,
                                   "distribution": self.distribution}]
-        spec["trace"] = {"kind": kind, "window": window}
+        spec["trace"] = {"kind": kind, "window": self._window(window)}
         if entries:
             spec["model_interventions"] = entries
         return spec
 
-    def controls(self, *, window: int = WINDOW, tolerance: float = 1e-5) -> ControlReport:
-        """Run the two controls that can fail (see :class:`ControlReport`)."""
+    def controls(self, *, window: int | None = None, tolerance: float = 1e-5) -> ControlReport:
+        """Run the two controls that can fail (see :class:`ControlReport`; ``window``:
+        ``None`` is the settings')."""
+        window = self._window(window)
         with measuring(self._given), applied_interventions(self._given), \
                 uniform_grad_flags(self.model):
             return self._controls(window, tolerance)
@@ -265,20 +286,19 @@ class Tracer:
 
 
 def trace(model: nn.Module, tokenizer: Tokenizer, prompt: str, subject: str, *,
-          kind: str = "residual", window: int = WINDOW, progress: bool = True,
-          **options) -> TraceResult:
-    """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments,
-    ``progress`` :meth:`Tracer.trace`'s."""
+          kind: str = "residual", progress: bool = True, **options) -> TraceResult:
+    """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments (``answer``,
+    ``occurrence``, ``settings=`` a :class:`~.settings.TraceSettings` or its fields, ``window``
+    among them), ``progress`` :meth:`Tracer.trace`'s. Every setting is checked before the model
+    runs."""
     get_kind(kind)
-    if window <= 0:
-        raise InputError(f"window must be positive, got {window}")
-    return Tracer(model, tokenizer, prompt, subject, **options).trace(kind, window=window,
-                                                                      progress=progress)
+    return Tracer(model, tokenizer, prompt, subject, **options).trace(kind, progress=progress)
 
 
 def tracer_from_spec(spec, model: nn.Module, tokenizer: Tokenizer, **options) -> Tracer:
     """A :class:`Tracer` for a trace spec (one with ``"trace"``); ``options`` add Tracer
-    keyword arguments such as ``memory_budget_mb``. The spec's ``model_interventions`` are
+    keyword arguments such as ``memory_budget_mb``; the noise settings the spec leaves out
+    are :class:`~.settings.TraceSettings`' defaults. The spec's ``model_interventions`` are
     rebuilt around ``model`` (the bare model; an ``IntervenableModel`` holding others is
     refused) and act in every run."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
@@ -292,8 +312,8 @@ def tracer_from_spec(spec, model: nn.Module, tokenizer: Tokenizer, **options) ->
         raise SpecError("$.interventions[0].positions",
                         f"a trace noises the subject; got {positions!r}")
     model = model_for_spec(spec, model)
+    given = {key: value for key in ("scale", "sigma", "distribution")
+             if (value := noise.get(key)) is not None}
     return Tracer(
         model, tokenizer, spec.prompt, spec.subject, answer=spec.answer,
-        seeds=noise.get("seeds"), scale=noise.get("scale", NOISE_SCALE),
-        sigma=noise.get("sigma", "rome"), occurrence=spec.subject_occurrence or 0,
-        distribution=noise.get("distribution", "gaussian"), **options)
+        seeds=noise.get("seeds"), occurrence=spec.subject_occurrence or 0, **given, **options)
