@@ -5,12 +5,16 @@
   tables lack (Qwen3, Gemma-3 text), reusing the entries of their closest relative.
 - pyvene hands an intervention only the module's output; :func:`hooked_call` finds the module
   and its inputs in the hook frame that calls it (``frozen_layernorm``, ``frozen_attention``).
-- pyvene removes *every* forward hook on the model before and after each call, including
-  transformers 5's output-capturing hooks (``output_hidden_states`` then returns nothing) and any
-  hook the user registered. :func:`preserve_hooks` puts them back; :class:`IntervenableModel` is
-  ``pv.IntervenableModel`` with that done around every call, and without switching the user's
-  model to ``requires_grad=False``. The hooks it registers act only on the forwards of the
-  thread that calls it (:func:`~pyvene_causaltrace.hooking.gated`), and it removes only those.
+- pyvene removes *every* forward hook on the model before and after each call (its
+  ``_remove_forward_hooks``), including transformers 5's output-capturing hooks
+  (``output_hidden_states`` then returns nothing) and any hook the user registered.
+  :class:`IntervenableModel` is ``pv.IntervenableModel`` whose calls remove only the hooks they
+  registered — so the others are never taken off — and that leaves the user's model's
+  ``requires_grad`` flags as they were. The hooks it registers act only on the forwards of the
+  thread that calls it (:func:`~pyvene_causaltrace.hooking.gated`). :func:`preserve_hooks` does
+  the same for a block of calls of a plain ``pv.IntervenableModel``. Nothing here writes torch's
+  hook tables: hooks are added through the modules' ``register_*`` methods and removed through
+  their handles.
 """
 
 from __future__ import annotations
@@ -28,10 +32,8 @@ import torch
 from torch import nn
 
 from .errors import InputError, PyveneModelError
-from .hooking import gated, installed
+from .hooking import installed, register, release
 from .models import is_intervenable
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
 
 @dataclass(frozen=True)
@@ -137,112 +139,124 @@ def register_architectures() -> None:
     _registered = True
 
 
-def snapshot_hooks(model: nn.Module) -> list[tuple[dict, dict]]:
-    """Copies of every module's forward and pre-forward hook dicts."""
-    return [
-        (getattr(module, name), dict(getattr(module, name)))
-        for module in model.modules()
-        for name in _HOOK_DICTS
-    ]
-
-
-def restore_hooks(snapshot: list[tuple[dict, dict]]) -> None:
-    """Put back every hook of ``snapshot`` that has gone, in its original order.
-
-    The dicts are mutated in place so that the hooks' ``RemovableHandle``\\ s stay valid.
-    """
-    for live, saved in snapshot:
-        if all(key in live for key in saved):
-            continue
-        extra = {k: v for k, v in live.items() if k not in saved}
-        live.clear()
-        live.update(saved)
-        live.update(extra)
-
-
-@contextlib.contextmanager
-def preserve_hooks(model: nn.Module) -> Iterator[None]:
-    """Run a block that may call pyvene; afterwards the model has all its earlier hooks back.
-
-    >>> with preserve_hooks(model):                                       # doctest: +SKIP
-    ...     pv_model(base=inputs)
-    """
-    snapshot = snapshot_hooks(model)
-    try:
-        yield
-    finally:
-        restore_hooks(snapshot)
-
-
-class _GatedRegister:
+class _RecordedRegister:
     """A module's ``register_forward_hook`` / ``register_forward_pre_hook`` as pyvene keeps it
-    in ``intervention_hooks``: each hook it registers acts only on the registering thread's
-    forwards (:func:`~pyvene_causaltrace.hooking.gated`), and its handle is noted in
-    ``handles`` for removal. ``__self__`` and ``__name__`` are the bound method's."""
+    in ``intervention_hooks``, with each handle it returns noted in ``handles`` so that the
+    hooks pyvene registered — and only those — can be removed. ``gate``: each hook acts only
+    on the registering thread's forwards (:func:`~pyvene_causaltrace.hooking.register`; our
+    :class:`IntervenableModel`), or — a user's plain ``pv.IntervenableModel`` in
+    :func:`preserve_hooks` — registered as pyvene would. ``__self__`` and ``__name__`` are the
+    bound method's."""
 
-    def __init__(self, register, handles: list) -> None:
-        self.register, self.handles = register, handles
-        self.__self__, self.__name__ = register.__self__, register.__name__
+    def __init__(self, register_method, handles: list, gate: bool = True) -> None:
+        self.register, self.handles, self.gate = register_method, handles, gate
+        self.__self__, self.__name__ = register_method.__self__, register_method.__name__
 
     def __call__(self, hook, *args: Any, **kwargs: Any):
-        handle = self.register(gated(hook), *args, **kwargs)
+        if self.gate:
+            handle = register(self.register, hook, *args, **kwargs)
+        else:
+            handle = self.register(hook, *args, **kwargs)
         self.handles.append(handle)
         return handle
 
 
+def _record_registers(pv_model, handles: list, gate: bool) -> None:
+    """Wrap each of ``pv_model.intervention_hooks`` (pyvene's bound register methods) in a
+    :class:`_RecordedRegister` noting into ``handles``."""
+    for key, method in list(pv_model.intervention_hooks.items()):
+        if callable(method) and hasattr(method, "__self__"):  # not ndif's tuples
+            pv_model.intervention_hooks[key] = _RecordedRegister(method, handles, gate)
+
+
+def _bind_shared_state(pv_model) -> None:
+    """Hand the interventions of ``pv_model`` that share state by id (a splice built one by
+    one, or loaded) one object per id, held by them (:func:`~.interventions.splice_session.
+    bind_sessions`)."""
+    from .interventions.splice_session import bind_sessions  # it imports this module
+
+    bind_sessions(pv_model.interventions.values())
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        release(handle)
+    handles.clear()
+
+
+@contextlib.contextmanager
+def preserve_hooks(pv_model) -> Iterator[None]:
+    """Inside the block, the calls of a plain ``pv.IntervenableModel`` remove only the hooks
+    they registered, where pyvene removes every hook on the model around each call (so the
+    user's hooks and transformers' output-capturing hooks stay). When the block ends the model
+    is pyvene's own again. Our :class:`IntervenableModel` needs no block: it always does this.
+
+    >>> with preserve_hooks(pv_model):                                    # doctest: +SKIP
+    ...     pv_model(base=inputs)
+    """
+    if not is_intervenable(pv_model):
+        raise TypeError(
+            "preserve_hooks takes the pv.IntervenableModel whose calls would strip the hooks "
+            f"(got {type(pv_model).__name__}): inside the block its calls remove only their own "
+            "hooks. Constructing one strips nothing")
+    if isinstance(pv_model, intervenable_model_class()) \
+            or "_remove_forward_hooks" in vars(pv_model):  # ours, or already inside a block
+        yield
+        return
+    handles: list = []
+    saved = dict(pv_model.intervention_hooks)
+    _record_registers(pv_model, handles, gate=False)
+    # an instance attribute shadows pyvene's method for this object only
+    pv_model._remove_forward_hooks = functools.partial(_remove_handles, handles)
+    try:
+        yield
+    finally:
+        del pv_model._remove_forward_hooks
+        pv_model.intervention_hooks.update(saved)
+        _remove_handles(handles)
+
+
 def _make_intervenable_class():
     pv = import_pyvene()
-    # pyvene prints on import: import_pyvene() above loaded it quietly
-    from pyvene.models.modeling_utils import remove_forward_hooks
 
     class IntervenableModel(pv.IntervenableModel):
         """``pv.IntervenableModel`` that leaves the user's model as it found it.
 
         pyvene strips every hook on the model around each call and sets all parameters to
-        ``requires_grad=False`` (and the model to eval mode). This subclass keeps the hooks that
-        were there before the call (inside the call too, so ``output_hidden_states`` works in an
-        intervened run) and leaves the parameters' ``requires_grad`` flags and train/eval mode
-        as they were. Training is still pyvene's: unless ``enable_model_gradients()`` was
-        called, ``get_trainable_parameters()``, ``named_parameters()`` and
-        ``count_parameters()`` hold only the interventions' parameters, and a forward under
-        autograd records no gradient for the model's weights (their flags are lowered for the
-        call and put back after). ``keep_model_gradients=True`` (our attribution, which
-        differentiates by the model's biases) keeps the flags on during the call too.
-        Saved with ``save()``, it loads back with plain ``pv.IntervenableModel.load``.
+        ``requires_grad=False`` (and the model to eval mode). In this subclass a call removes
+        only the hooks it registered (pyvene's ``_remove_forward_hooks``, overridden; each hook
+        it registers is noted, through its handle), so the hooks that were on the model stay on
+        it, inside the call too (``output_hidden_states`` works in an intervened run); and the
+        parameters' ``requires_grad`` flags and train/eval mode stay as they were. Training is
+        still pyvene's: unless ``enable_model_gradients()`` was called,
+        ``get_trainable_parameters()``, ``named_parameters()`` and ``count_parameters()`` hold
+        only the interventions' parameters, and a forward under autograd records no gradient
+        for the model's weights (their flags are lowered for the call and put back after).
+        ``keep_model_gradients=True`` (our attribution, which differentiates by the model's
+        biases) keeps the flags on during the call too. Saved with ``save()``, it loads back
+        with plain ``pv.IntervenableModel.load``. (pyvene's ``train_alignment`` still calls
+        pyvene's module-level hook removal directly, on every hook.)
 
         Its hooks act only on the forwards of the thread that called it: a forward of the
-        wrapped model from another thread meanwhile sees the bare model. Where pyvene removes
-        every hook on the model before and after a call (anyone's, so a forward in another
-        thread would run without them for a moment), it removes only the hooks it registered.
+        wrapped model from another thread meanwhile sees the bare model.
         """
 
         def __init__(self, config: Any, model: nn.Module, *,
                      keep_model_gradients: bool = False, **kwargs: Any) -> None:
             flags = [(p, p.requires_grad) for p in model.parameters()]
             training = model.training
-            with preserve_hooks(model):
-                super().__init__(config, model, **kwargs)
+            # before pyvene's __init__: whatever of it removes hooks removes only these
+            object.__setattr__(self, "_pyvene_handles", [])
+            super().__init__(config, model, **kwargs)
             for parameter, flag in flags:
                 parameter.requires_grad_(flag)
             model.train(training)
-            self._hook_snapshot: list | None = None
             self._keep_model_gradients = keep_model_gradients
-            self._pyvene_handles: list = []
-            for key, register in list(self.intervention_hooks.items()):
-                if callable(register) and hasattr(register, "__self__"):  # not ndif's tuples
-                    self.intervention_hooks[key] = _GatedRegister(register,
-                                                                  self._pyvene_handles)
+            _record_registers(self, self._pyvene_handles, gate=True)
+            _bind_shared_state(self)
 
         def _remove_forward_hooks(self) -> None:
-            handles = getattr(self, "_pyvene_handles", None)
-            if handles is None:  # before __init__ ends: pyvene's own clean-up
-                remove_forward_hooks(self.model)
-                return
-            for handle in handles:
-                handle.remove()
-            handles.clear()
-            if getattr(self, "_hook_snapshot", None) is not None:
-                restore_hooks(self._hook_snapshot)
+            _remove_handles(self._pyvene_handles)
 
         # -- pyvene's training surface: the model's weights count only once enabled
         def _model_trains(self) -> bool:
@@ -287,22 +301,18 @@ def _make_intervenable_class():
                     parameter.requires_grad_(True)
 
         def forward(self, *args: Any, **kwargs: Any):
-            self._hook_snapshot = snapshot_hooks(self.model)
             try:
                 with self._pyvene_gradients():
                     return super().forward(*args, **kwargs)
-            finally:
-                restore_hooks(self._hook_snapshot)
-                self._hook_snapshot = None
+            finally:  # pyvene removes them in its own finally: nothing should be left
+                self._remove_forward_hooks()
 
         def generate(self, *args: Any, **kwargs: Any):
-            self._hook_snapshot = snapshot_hooks(self.model)
             try:
                 with self._pyvene_gradients():
                     return super().generate(*args, **kwargs)
             finally:
-                restore_hooks(self._hook_snapshot)
-                self._hook_snapshot = None
+                self._remove_forward_hooks()
 
     IntervenableModel.__module__ = __name__
     return IntervenableModel
@@ -429,6 +439,7 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
         yield model
         return
     edits = user_edits(model)
+    _bind_shared_state(model)
     names = {module: name for name, module in model.model.named_modules()}
     hooks = []
     for key, made, representation in edits:

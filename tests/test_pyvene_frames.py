@@ -45,10 +45,9 @@ def _run(ours: bool, component: str, unit_locations):
     if ours:
         pv_model = intervenable_model_class()(reps, model)
     else:
-        with preserve_hooks(model):
-            pv_model = pv.IntervenableModel(reps, model)
+        pv_model = pv.IntervenableModel(reps, model)
     ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with preserve_hooks(pv_model), torch.no_grad():
         pv_model(base={"input_ids": ids}, unit_locations=unit_locations)
     if len(recorder.calls) != 1:
         pytest.fail(CHANGED + f"the intervention ran {len(recorder.calls)} times, not once")
