@@ -170,12 +170,18 @@ def _record_registers(pv_model, handles: list, gate: bool) -> None:
 
 
 def _bind_shared_state(pv_model) -> None:
-    """Hand the interventions of ``pv_model`` that share state by id (a splice built one by
-    one, or loaded) one object per id, held by them (:func:`~.interventions.splice_session.
-    bind_sessions`)."""
-    from .interventions.splice_session import bind_sessions  # it imports this module
-
-    bind_sessions(pv_model.interventions.values())
+    """Let the interventions of ``pv_model`` that share state by id (a splice built one by one,
+    or loaded) bind it among themselves: a class that shares so defines a class method
+    ``bind_shared(interventions)`` (:meth:`~.interventions.splice_session.SpliceIntervention.
+    bind_shared`), called once with all of the model's interventions."""
+    made = list(pv_model.interventions.values())
+    binders = {}
+    for klass in {type(m) for m in made}:
+        bind = getattr(klass, "bind_shared", None)
+        if bind is not None:
+            binders.setdefault(getattr(bind, "__func__", bind), bind)
+    for bind in binders.values():
+        bind(made)
 
 
 def _remove_handles(handles: list) -> None:

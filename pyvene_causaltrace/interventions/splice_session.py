@@ -135,6 +135,12 @@ class SpliceIntervention(CausalTraceIntervention):
     def clt(self):
         return resolve_transcoder(self._config.get("source"), self._clt_object)
 
+    @classmethod
+    def bind_shared(cls, interventions: Iterable[Any]) -> None:
+        """What an ``IntervenableModel`` of ours, or our runs applying a user's, call with all
+        its interventions: :func:`bind_sessions`."""
+        bind_sessions(interventions)
+
     @property
     def session_id(self) -> str | None:
         """The id in this intervention's configuration (its session's)."""
