@@ -3,8 +3,11 @@
 - :func:`import_pyvene` imports pyvene without its import-time ``print``.
 - :func:`register_architectures` adds the architectures our adapters support but pyvene's
   tables lack (Qwen3, Gemma-3 text), reusing the entries of their closest relative.
-- pyvene hands an intervention only the module's output; :func:`hooked_call` finds the module
-  and its inputs in the hook frame that calls it (``frozen_layernorm``, ``frozen_attention``).
+- pyvene hands an intervention only the module's output; :func:`pyvene_call` (and
+  :func:`hooked_call`) give the module, its inputs and the call's ``unit_locations``
+  (``frozen_layernorm``, ``frozen_attention``, positions in ``generate``): announced by the
+  wrapper our :class:`IntervenableModel` puts around pyvene's hook, or — for a user's plain
+  ``pv.IntervenableModel`` — read from the hook's frame.
 - pyvene removes *every* forward hook on the model before and after each call (its
   ``_remove_forward_hooks``), including transformers 5's output-capturing hooks
   (``output_hidden_states`` then returns nothing) and any hook the user registered.
@@ -64,17 +67,33 @@ class PyveneCall:
         return getattr(self.owner, "_key_setter_call_counter", None)
 
 
+#: The call of the pyvene setter hook running now in this context, as the hook wrapper of our
+#: ``IntervenableModel`` (and of :func:`preserve_hooks`) announces it; None outside one.
+_CALL: contextvars.ContextVar[PyveneCall | None] = contextvars.ContextVar("pvct_pyvene_call",
+                                                                          default=None)
+
+
 def pyvene_call() -> PyveneCall | None:
     """The :class:`PyveneCall` of the pyvene setter hook that is calling the caller, or None
     outside one (a direct call).
 
     pyvene 0.1.8 hands an intervention only the (gathered) output — ``as_adaptor`` adds the
     gathered positional input, never the module or its keyword inputs — and its hook closure
-    (``hook_callback(model, args, kwargs, output)`` in ``_intervention_setter``) holds the rest,
-    a few frames up. This is the only place that reads pyvene's frames;
+    (``hook_callback(model, args, kwargs, output)`` in ``_intervention_setter``) holds the rest.
+    In our :class:`IntervenableModel` (and in :func:`preserve_hooks`) each such hook is wrapped
+    when pyvene registers it (:func:`_announcing`): the wrapper has the module and its inputs
+    as arguments and the rest in the hook's closure, and sets them in a context variable for
+    the hook's run. Only for a user's plain ``pv.IntervenableModel`` is the hook's frame read,
+    a few frames up (:func:`_call_from_frames`, the only place that reads pyvene's frames).
     ``tests/test_pyvene_frames.py`` fails, naming pyvene's version, if pyvene moves them.
     """
-    frame = sys._getframe(1)
+    call = _CALL.get()
+    return call if call is not None else _call_from_frames()
+
+
+def _call_from_frames() -> PyveneCall | None:
+    """:func:`pyvene_call` for a plain ``pv.IntervenableModel``: its hook's frame, read."""
+    frame = sys._getframe(2)
     for _ in range(16):
         if frame is None:
             break
@@ -87,6 +106,41 @@ def pyvene_call() -> PyveneCall | None:
                               local.get("key", ""))
         frame = frame.f_back
     return None
+
+
+def _closure(fn) -> dict[str, Any]:
+    """The variables ``fn`` closes over, by name (those bound now)."""
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+    found = {}
+    for name, cell in cells.items():
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:  # not bound yet
+            continue
+    return found
+
+
+def _announcing(hook):
+    """pyvene's setter ``hook_callback(model, args, kwargs[, output])``, run with its
+    :class:`PyveneCall` set for :func:`pyvene_call`; any other hook as it is."""
+    code = getattr(hook, "__code__", None)
+    if (getattr(hook, "__name__", "") != "hook_callback" or code is None
+            or not {"unit_locations_base", "key_i"} <= set(code.co_freevars)):
+        return hook
+
+    def announced(module, args, kwargs, *output):
+        scope = _closure(hook)
+        call = PyveneCall(module, tuple(args), dict(kwargs or {}),
+                          scope["unit_locations_base"][scope["key_i"]], scope.get("self"),
+                          scope.get("key", ""))
+        token = _CALL.set(call)
+        try:
+            return hook(module, args, kwargs, *output)
+        finally:
+            _CALL.reset(token)
+
+    announced.__name__ = announced.__qualname__ = hook.__name__
+    return announced
 
 
 def hooked_call() -> tuple[nn.Module, tuple, dict]:
@@ -142,7 +196,8 @@ def register_architectures() -> None:
 class _RecordedRegister:
     """A module's ``register_forward_hook`` / ``register_forward_pre_hook`` as pyvene keeps it
     in ``intervention_hooks``, with each handle it returns noted in ``handles`` so that the
-    hooks pyvene registered — and only those — can be removed. ``gate``: each hook acts only
+    hooks pyvene registered — and only those — can be removed, and each setter hook announcing
+    its call to :func:`pyvene_call` (:func:`_announcing`). ``gate``: each hook acts only
     on the registering thread's forwards (:func:`~pyvene_causaltrace.hooking.register`; our
     :class:`IntervenableModel`), or — a user's plain ``pv.IntervenableModel`` in
     :func:`preserve_hooks` — registered as pyvene would. ``__self__`` and ``__name__`` are the
@@ -153,6 +208,7 @@ class _RecordedRegister:
         self.__self__, self.__name__ = register_method.__self__, register_method.__name__
 
     def __call__(self, hook, *args: Any, **kwargs: Any):
+        hook = _announcing(hook)
         if self.gate:
             handle = register(self.register, hook, *args, **kwargs)
         else:

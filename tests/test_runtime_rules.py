@@ -21,10 +21,11 @@ PACKAGE = Path(pyvene_causaltrace.__file__).parent
 
 #: "path/inside/the/repo.py::function" -> why that function still walks frames.
 FRAME_WALKS_ALLOWED = {
-    "pyvene_causaltrace/pyvene_compat.py::pyvene_call":
-        "a user's plain pv.IntervenableModel hands an intervention only the module's output; "
-        "the module, its inputs and unit_locations are in pyvene's hook frame (to go: issue 40, "
-        "pyvene's hook wrapped instead, as our IntervenableModel's already is)",
+    "pyvene_causaltrace/pyvene_compat.py::_call_from_frames":
+        "pyvene_call for a user's plain pv.IntervenableModel: pyvene hands an intervention only "
+        "the module's output, and the module, its inputs and unit_locations are in pyvene's "
+        "hook frame (our IntervenableModel wraps pyvene's hook and announces them instead; to "
+        "go with issue 40's next step)",
 }
 
 #: torch's hook tables: per module, and global.
