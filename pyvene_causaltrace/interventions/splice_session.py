@@ -154,12 +154,15 @@ class SpliceIntervention(CausalTraceIntervention):
         if self.__dict__["_session_object"] is None:
             call = pyvene_call()
             owner = getattr(call, "owner", None)
-            bind_sessions([*owner.interventions.values()] if owner is not None else [self])
+            if owner is not None:
+                bind_sessions(owner.interventions.values())
+            if self.__dict__["_session_object"] is None:  # outside an IntervenableModel
+                bind_sessions([self])
         return self.__dict__["_session_object"]
 
     def _session_id(self, session_id: str | None, source: str | None) -> str:
         """The id of the session given to the constructor, else the saved one, else the
-        transcoder's default session (interventions built one by one share it)."""
+        transcoder's default id (interventions built one by one into one model share it)."""
         given = self.__dict__.get("_session_object")
         if given is not None:
             return given.id
