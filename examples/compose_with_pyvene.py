@@ -40,7 +40,7 @@ def main() -> None:
     clean = capture(model, {"input_ids": prompt.input_ids}, [block])[block]
 
     def probs(pv_model, **kwargs):
-        with torch.no_grad(), preserve_hooks(model):
+        with torch.no_grad(), preserve_hooks(pv_model):
             logits = pv_model(base=base, **kwargs)[1].logits[:, -1].softmax(-1)
         return logits[:, paris].mean().item(), logits[:, rome].mean().item()
 

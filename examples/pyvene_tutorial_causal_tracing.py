@@ -57,8 +57,8 @@ def tutorial_cell(model, tokenizer, noise: type, stream: str, layer: int, pos: i
     config = restore_corrupted_with_interval_config(noise, layer, stream, WINDOW,
                                                     model.config.num_hidden_layers)
     n_restores = len(config.representations) - 1
-    with preserve_hooks(model), torch.no_grad():
-        intervenable = pv.IntervenableModel(config, model)
+    intervenable = pv.IntervenableModel(config, model)
+    with preserve_hooks(intervenable), torch.no_grad():
         _, out = intervenable(
             dict(base), [None] + [dict(base)] * n_restores,
             {"sources->base": ([None] + [[[pos]]] * n_restores,

@@ -16,12 +16,25 @@ The same gate serves everything else we put on a model for a run: :func:`thread_
 replaced ``forward`` (other threads get the module's own), :func:`thread_view` for settings we
 switch on a shared object such as the model's config (other threads read the real values).
 
+Every hook of the package goes through :func:`register` (``installed`` and the pyvene hooks of
+our ``IntervenableModel`` both do), through torch's public registration methods; it is taken off
+only through its ``RemovableHandle``. Nothing here reads a frame or writes torch's hook tables.
+Two pieces of per-context state (``contextvars``: per thread, nothing global) go with it:
+
+- :func:`recording` — a block (``model_guard.measuring``) that notes the handle of every hook
+  registered in it and removes any still registered when it ends, whatever the path that
+  should have removed it did;
+- :func:`silenced` — inside it, in this context only, the package's hooks on the given modules
+  do nothing, except those kept (a replayed block's hooks other than the run's own:
+  :mod:`.tracing.replay`). :func:`is_ours` tells such a hook from anyone else's.
+
 This module imports nothing from the package: every other module may import it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -41,21 +54,114 @@ KINDS: dict[str, tuple[str, bool]] = {
 Hook = tuple[nn.Module, str, Callable]
 
 _ident = threading.get_ident
-_NAMES = ("__name__", "__qualname__", "__doc__")  # not __module__: model_guard reads ours
+_NAMES = ("__name__", "__qualname__", "__doc__")
 
 
-def gated(fn: Callable, owner: int | None = None, *, ours: bool = True) -> Callable:
+#: (ids of the modules whose hooks of ours are silent, handle ids kept running there)
+_SILENT: contextvars.ContextVar[tuple[frozenset[int], frozenset[int]]] = contextvars.ContextVar(
+    "pvct_silent", default=(frozenset(), frozenset()))
+#: the innermost :class:`HookRecord` of this context, or None
+_RECORD: contextvars.ContextVar[HookRecord | None] = contextvars.ContextVar("pvct_hook_record",
+                                                                           default=None)
+#: the attribute that marks a hook as the package's; its handle's id once registered
+_MARK = "pvct_handle_id"
+
+
+def gated(fn: Callable, owner: int | None = None) -> Callable:
     """Hook ``fn`` acting only in thread ``owner`` (default: the calling thread); None — no
-    change — in any other. ``ours=False``: the reverse, ``fn`` acts everywhere except there
-    (a user's hook set aside for our forwards only)."""
+    change — in any other, and in this one while its module is :func:`silenced` (unless kept).
+    Such a hook :func:`is_ours`."""
     owner = _ident() if owner is None else owner
-    if ours:
-        def hook(*args):
-            return fn(*args) if _ident() == owner else None
-    else:
-        def hook(*args):
-            return None if _ident() == owner else fn(*args)
-    return functools.wraps(fn, assigned=_NAMES)(hook)
+
+    def hook(*args):
+        if _ident() != owner:
+            return None
+        modules, keep = _SILENT.get()
+        if modules and id(args[0]) in modules and getattr(hook, _MARK) not in keep:
+            return None
+        return fn(*args)
+
+    functools.wraps(fn, assigned=_NAMES)(hook)
+    setattr(hook, _MARK, None)
+    return hook
+
+
+def is_ours(hook: Callable) -> bool:
+    """Whether ``hook`` (a value of a module's hook table) was made by :func:`gated`."""
+    return hasattr(hook, _MARK)
+
+
+class HookRecord:
+    """The handles of the hooks registered inside one :func:`recording` block (and in no inner
+    one) that have not been released."""
+
+    def __init__(self, parent: HookRecord | None) -> None:
+        self.parent = parent
+        self.live: dict[int, RemovableHandle] = {}
+        self.left = 0  # set when the block ends: how many hooks were still registered
+
+    def release(self, handle: RemovableHandle) -> None:
+        record: HookRecord | None = self
+        while record is not None and record.live.pop(handle.id, None) is None:
+            record = record.parent
+
+    def remove_all(self) -> int:
+        """Remove every hook still noted; returns how many were still registered."""
+        left = 0
+        for handle in self.live.values():
+            hooks = handle.hooks_dict_ref()
+            left += hooks is not None and handle.id in hooks
+            handle.remove()
+        self.live.clear()
+        return left
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[HookRecord]:
+    """Note every hook :func:`register` adds in this context inside the block; at its end
+    remove those still registered (``record.left``: how many were)."""
+    record = HookRecord(_RECORD.get())
+    token = _RECORD.set(record)
+    try:
+        yield record
+    finally:
+        _RECORD.reset(token)
+        record.left = record.remove_all()
+
+
+def register(register_method: Callable, fn: Callable, *args: Any,
+             **kwargs: Any) -> RemovableHandle:
+    """``register_method(gated(fn), *args, **kwargs)`` — a module's bound
+    ``register_forward_hook`` or ``register_forward_pre_hook`` — noted in the current
+    :func:`recording` block until :func:`release`."""
+    hook = gated(fn)
+    handle = register_method(hook, *args, **kwargs)
+    setattr(hook, _MARK, handle.id)
+    record = _RECORD.get()
+    if record is not None:
+        record.live[handle.id] = handle
+    return handle
+
+
+def release(handle: RemovableHandle) -> None:
+    """Remove a hook :func:`register` added."""
+    handle.remove()
+    record = _RECORD.get()
+    if record is not None:
+        record.release(handle)
+
+
+@contextlib.contextmanager
+def silenced(modules: Iterable[nn.Module], keep: Iterable[int] = ()) -> Iterator[None]:
+    """Inside the block, in this context, the package's hooks (:func:`is_ours`) on ``modules``
+    return None — change nothing, record nothing — except those whose handle ids are in
+    ``keep``. Anyone else's hook is untouched: the caller checks there is none
+    (:mod:`.tracing.replay`)."""
+    token = _SILENT.set((frozenset(id(module) for module in modules), frozenset(keep)))
+    try:
+        yield
+    finally:
+        _SILENT.reset(token)
 
 
 def thread_gate() -> Callable[[], bool]:
@@ -77,13 +183,12 @@ def installed(hooks: Iterable[Hook]) -> Iterator[list[RemovableHandle]]:
     try:
         for module, kind, fn in hooks:
             method, with_kwargs = KINDS[kind]
-            register = getattr(module, method)
-            fn = gated(fn)
-            handles.append(register(fn, with_kwargs=True) if with_kwargs else register(fn))
+            extra = {"with_kwargs": True} if with_kwargs else {}
+            handles.append(register(getattr(module, method), fn, **extra))
         yield handles
     finally:
         for handle in handles:
-            handle.remove()
+            release(handle)
 
 
 # ------------------------------------------------------------ settings switched for one thread

@@ -8,8 +8,11 @@ mix their hooks and return each other's numbers, so a second call on the same mo
 the first to finish (calls in one thread nest). Dropout in train mode would make every run
 a different random function, so the block runs in eval mode and puts each module's mode back
 afterwards (said once in the log when the model was in train mode). Whatever ends the block —
-an error, Ctrl-C — a hook registered by this package or pyvene inside it and still on the model
-is removed.
+an error, Ctrl-C — a hook registered by this package inside it (through
+:func:`~pyvene_causaltrace.hooking.register`: ours, and pyvene's in our ``IntervenableModel``) and
+still on the model is removed, through its handle (:func:`~pyvene_causaltrace.hooking.recording`):
+every path that registers one removes it in a ``finally`` already, so this is a second line that
+should find nothing, and says so in the log when it does. A hook anyone else registered stays.
 """
 
 from __future__ import annotations
@@ -24,23 +27,13 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .bound import BoundModel
+from .hooking import recording
 from .pyvene_compat import is_intervenable
 
 logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable)
-
-#: The hook tables of a module, and the tables sharing their ids (torch keeps flags there).
-_HOOK_TABLES = {
-    "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
-    "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
-    "_backward_hooks": (),
-    "_backward_pre_hooks": (),
-}
-#: Hooks from these packages are ours to clean up; any other hook is the user's and stays.
-_OUR_PACKAGES = ("pyvene_causaltrace", "pyvene")
 
 _locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
 _locks_guard = threading.Lock()
@@ -60,29 +53,6 @@ def underlying(model: nn.Module | BoundModel) -> nn.Module:
     return model.model if is_intervenable(model) or isinstance(model, BoundModel) else model
 
 
-def _our_hook(hook) -> bool:
-    module = getattr(hook, "__module__", None) or getattr(type(hook), "__module__", "")
-    return module.split(".")[0] in _OUR_PACKAGES
-
-
-def _remove_left_hooks(model: nn.Module, first_id: int) -> int:
-    """Remove our hooks registered since handle id ``first_id`` (torch numbers every hook
-    handle from one increasing counter, so those are exactly the hooks this block added)."""
-    removed = 0
-    for module in model.modules():
-        for table, companions in _HOOK_TABLES.items():
-            hooks = getattr(module, table, None)
-            if not hooks:
-                continue
-            for hook_id in [key for key in hooks if key >= first_id]:
-                if _our_hook(hooks[hook_id]):
-                    del hooks[hook_id]
-                    for companion in companions:
-                        getattr(module, companion, {}).pop(hook_id, None)
-                    removed += 1
-    return removed
-
-
 @contextlib.contextmanager
 def measuring(model: nn.Module) -> Iterator[nn.Module]:
     """Hold ``model`` for one measurement (see module docstring); yields ``model``.
@@ -96,13 +66,14 @@ def measuring(model: nn.Module) -> Iterator[nn.Module]:
             logger.warning("the model is in train mode: measuring it in eval mode (dropout off); "
                            "its mode is restored afterwards")
             inner.eval()
-        first_id = RemovableHandle.next_id
+        record = None
         try:
-            yield model
+            with recording() as record:
+                yield model
         finally:
-            removed = _remove_left_hooks(inner, first_id)
-            if removed:
-                logger.warning("removed %d hook(s) an interrupted run left on the model", removed)
+            if record is not None and record.left:
+                logger.warning("removed %d hook(s) an interrupted run left on the model",
+                               record.left)
             if training:
                 for module, was in modes:
                     module.training = was

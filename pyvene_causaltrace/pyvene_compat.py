@@ -3,14 +3,21 @@
 - :func:`import_pyvene` imports pyvene without its import-time ``print``.
 - :func:`register_architectures` adds the architectures our adapters support but pyvene's
   tables lack (Qwen3, Gemma-3 text), reusing the entries of their closest relative.
-- pyvene hands an intervention only the module's output; :func:`hooked_call` finds the module
-  and its inputs in the hook frame that calls it (``frozen_layernorm``, ``frozen_attention``).
-- pyvene removes *every* forward hook on the model before and after each call, including
-  transformers 5's output-capturing hooks (``output_hidden_states`` then returns nothing) and any
-  hook the user registered. :func:`preserve_hooks` puts them back; :class:`IntervenableModel` is
-  ``pv.IntervenableModel`` with that done around every call, and without switching the user's
-  model to ``requires_grad=False``. The hooks it registers act only on the forwards of the
-  thread that calls it (:func:`~pyvene_causaltrace.hooking.gated`), and it removes only those.
+- pyvene hands an intervention only the module's output; :func:`pyvene_call` (and
+  :func:`hooked_call`) give the module, its inputs and the call's ``unit_locations``
+  (``frozen_layernorm``, ``frozen_attention``, positions in ``generate``): announced by the
+  wrapper our :class:`IntervenableModel` puts around pyvene's hook, or — for a user's plain
+  ``pv.IntervenableModel`` — read from the hook's frame.
+- pyvene removes *every* forward hook on the model before and after each call (its
+  ``_remove_forward_hooks``), including transformers 5's output-capturing hooks
+  (``output_hidden_states`` then returns nothing) and any hook the user registered.
+  :class:`IntervenableModel` is ``pv.IntervenableModel`` whose calls remove only the hooks they
+  registered — so the others are never taken off — and that leaves the user's model's
+  ``requires_grad`` flags as they were. The hooks it registers act only on the forwards of the
+  thread that calls it (:func:`~pyvene_causaltrace.hooking.gated`). :func:`preserve_hooks` does
+  the same for a block of calls of a plain ``pv.IntervenableModel``. Nothing here writes torch's
+  hook tables: hooks are added through the modules' ``register_*`` methods and removed through
+  their handles.
 """
 
 from __future__ import annotations
@@ -28,10 +35,8 @@ import torch
 from torch import nn
 
 from .errors import InputError, PyveneModelError
-from .hooking import gated, installed
+from .hooking import installed, register, release
 from .models import is_intervenable
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
 
 @dataclass(frozen=True)
@@ -62,17 +67,33 @@ class PyveneCall:
         return getattr(self.owner, "_key_setter_call_counter", None)
 
 
+#: The call of the pyvene setter hook running now in this context, as the hook wrapper of our
+#: ``IntervenableModel`` (and of :func:`preserve_hooks`) announces it; None outside one.
+_CALL: contextvars.ContextVar[PyveneCall | None] = contextvars.ContextVar("pvct_pyvene_call",
+                                                                          default=None)
+
+
 def pyvene_call() -> PyveneCall | None:
     """The :class:`PyveneCall` of the pyvene setter hook that is calling the caller, or None
     outside one (a direct call).
 
     pyvene 0.1.8 hands an intervention only the (gathered) output — ``as_adaptor`` adds the
     gathered positional input, never the module or its keyword inputs — and its hook closure
-    (``hook_callback(model, args, kwargs, output)`` in ``_intervention_setter``) holds the rest,
-    a few frames up. This is the only place that reads pyvene's frames;
+    (``hook_callback(model, args, kwargs, output)`` in ``_intervention_setter``) holds the rest.
+    In our :class:`IntervenableModel` (and in :func:`preserve_hooks`) each such hook is wrapped
+    when pyvene registers it (:func:`_announcing`): the wrapper has the module and its inputs
+    as arguments and the rest in the hook's closure, and sets them in a context variable for
+    the hook's run. Only for a user's plain ``pv.IntervenableModel`` is the hook's frame read,
+    a few frames up (:func:`_call_from_frames`, the only place that reads pyvene's frames).
     ``tests/test_pyvene_frames.py`` fails, naming pyvene's version, if pyvene moves them.
     """
-    frame = sys._getframe(1)
+    call = _CALL.get()
+    return call if call is not None else _call_from_frames()
+
+
+def _call_from_frames() -> PyveneCall | None:
+    """:func:`pyvene_call` for a plain ``pv.IntervenableModel``: its hook's frame, read."""
+    frame = sys._getframe(2)
     for _ in range(16):
         if frame is None:
             break
@@ -85,6 +106,41 @@ def pyvene_call() -> PyveneCall | None:
                               local.get("key", ""))
         frame = frame.f_back
     return None
+
+
+def _closure(fn) -> dict[str, Any]:
+    """The variables ``fn`` closes over, by name (those bound now)."""
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
+    found = {}
+    for name, cell in cells.items():
+        try:
+            found[name] = cell.cell_contents
+        except ValueError:  # not bound yet
+            continue
+    return found
+
+
+def _announcing(hook):
+    """pyvene's setter ``hook_callback(model, args, kwargs[, output])``, run with its
+    :class:`PyveneCall` set for :func:`pyvene_call`; any other hook as it is."""
+    code = getattr(hook, "__code__", None)
+    if (getattr(hook, "__name__", "") != "hook_callback" or code is None
+            or not {"unit_locations_base", "key_i"} <= set(code.co_freevars)):
+        return hook
+
+    def announced(module, args, kwargs, *output):
+        scope = _closure(hook)
+        call = PyveneCall(module, tuple(args), dict(kwargs or {}),
+                          scope["unit_locations_base"][scope["key_i"]], scope.get("self"),
+                          scope.get("key", ""))
+        token = _CALL.set(call)
+        try:
+            return hook(module, args, kwargs, *output)
+        finally:
+            _CALL.reset(token)
+
+    announced.__name__ = announced.__qualname__ = hook.__name__
+    return announced
 
 
 def hooked_call() -> tuple[nn.Module, tuple, dict]:
@@ -137,112 +193,132 @@ def register_architectures() -> None:
     _registered = True
 
 
-def snapshot_hooks(model: nn.Module) -> list[tuple[dict, dict]]:
-    """Copies of every module's forward and pre-forward hook dicts."""
-    return [
-        (getattr(module, name), dict(getattr(module, name)))
-        for module in model.modules()
-        for name in _HOOK_DICTS
-    ]
-
-
-def restore_hooks(snapshot: list[tuple[dict, dict]]) -> None:
-    """Put back every hook of ``snapshot`` that has gone, in its original order.
-
-    The dicts are mutated in place so that the hooks' ``RemovableHandle``\\ s stay valid.
-    """
-    for live, saved in snapshot:
-        if all(key in live for key in saved):
-            continue
-        extra = {k: v for k, v in live.items() if k not in saved}
-        live.clear()
-        live.update(saved)
-        live.update(extra)
-
-
-@contextlib.contextmanager
-def preserve_hooks(model: nn.Module) -> Iterator[None]:
-    """Run a block that may call pyvene; afterwards the model has all its earlier hooks back.
-
-    >>> with preserve_hooks(model):                                       # doctest: +SKIP
-    ...     pv_model(base=inputs)
-    """
-    snapshot = snapshot_hooks(model)
-    try:
-        yield
-    finally:
-        restore_hooks(snapshot)
-
-
-class _GatedRegister:
+class _RecordedRegister:
     """A module's ``register_forward_hook`` / ``register_forward_pre_hook`` as pyvene keeps it
-    in ``intervention_hooks``: each hook it registers acts only on the registering thread's
-    forwards (:func:`~pyvene_causaltrace.hooking.gated`), and its handle is noted in
-    ``handles`` for removal. ``__self__`` and ``__name__`` are the bound method's."""
+    in ``intervention_hooks``, with each handle it returns noted in ``handles`` so that the
+    hooks pyvene registered — and only those — can be removed, and each setter hook announcing
+    its call to :func:`pyvene_call` (:func:`_announcing`). ``gate``: each hook acts only
+    on the registering thread's forwards (:func:`~pyvene_causaltrace.hooking.register`; our
+    :class:`IntervenableModel`), or — a user's plain ``pv.IntervenableModel`` in
+    :func:`preserve_hooks` — registered as pyvene would. ``__self__`` and ``__name__`` are the
+    bound method's."""
 
-    def __init__(self, register, handles: list) -> None:
-        self.register, self.handles = register, handles
-        self.__self__, self.__name__ = register.__self__, register.__name__
+    def __init__(self, register_method, handles: list, gate: bool = True) -> None:
+        self.register, self.handles, self.gate = register_method, handles, gate
+        self.__self__, self.__name__ = register_method.__self__, register_method.__name__
 
     def __call__(self, hook, *args: Any, **kwargs: Any):
-        handle = self.register(gated(hook), *args, **kwargs)
+        hook = _announcing(hook)
+        if self.gate:
+            handle = register(self.register, hook, *args, **kwargs)
+        else:
+            handle = self.register(hook, *args, **kwargs)
         self.handles.append(handle)
         return handle
 
 
+def _record_registers(pv_model, handles: list, gate: bool) -> None:
+    """Wrap each of ``pv_model.intervention_hooks`` (pyvene's bound register methods) in a
+    :class:`_RecordedRegister` noting into ``handles``."""
+    for key, method in list(pv_model.intervention_hooks.items()):
+        if callable(method) and hasattr(method, "__self__"):  # not ndif's tuples
+            pv_model.intervention_hooks[key] = _RecordedRegister(method, handles, gate)
+
+
+def _bind_shared_state(pv_model) -> None:
+    """Let the interventions of ``pv_model`` that share state by id (a splice built one by one,
+    or loaded) bind it among themselves: a class that shares so defines a class method
+    ``bind_shared(interventions)`` (:meth:`~.interventions.splice_session.SpliceIntervention.
+    bind_shared`), called once with all of the model's interventions."""
+    made = list(pv_model.interventions.values())
+    binders = {}
+    for klass in {type(m) for m in made}:
+        bind = getattr(klass, "bind_shared", None)
+        if bind is not None:
+            binders.setdefault(getattr(bind, "__func__", bind), bind)
+    for bind in binders.values():
+        bind(made)
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        release(handle)
+    handles.clear()
+
+
+@contextlib.contextmanager
+def preserve_hooks(pv_model) -> Iterator[None]:
+    """Inside the block, the calls of a plain ``pv.IntervenableModel`` remove only the hooks
+    they registered, where pyvene removes every hook on the model around each call (so the
+    user's hooks and transformers' output-capturing hooks stay). When the block ends the model
+    is pyvene's own again. Our :class:`IntervenableModel` needs no block: it always does this.
+
+    >>> with preserve_hooks(pv_model):                                    # doctest: +SKIP
+    ...     pv_model(base=inputs)
+    """
+    if not is_intervenable(pv_model):
+        raise TypeError(
+            "preserve_hooks takes the pv.IntervenableModel whose calls would strip the hooks "
+            f"(got {type(pv_model).__name__}): inside the block its calls remove only their own "
+            "hooks. Constructing one strips nothing")
+    if isinstance(pv_model, intervenable_model_class()) \
+            or "_remove_forward_hooks" in vars(pv_model):  # ours, or already inside a block
+        yield
+        return
+    handles: list = []
+    saved = dict(pv_model.intervention_hooks)
+    _record_registers(pv_model, handles, gate=False)
+    # an instance attribute shadows pyvene's method for this object only
+    pv_model._remove_forward_hooks = functools.partial(_remove_handles, handles)
+    try:
+        yield
+    finally:
+        del pv_model._remove_forward_hooks
+        pv_model.intervention_hooks.update(saved)
+        _remove_handles(handles)
+
+
 def _make_intervenable_class():
     pv = import_pyvene()
-    # pyvene prints on import: import_pyvene() above loaded it quietly
-    from pyvene.models.modeling_utils import remove_forward_hooks
 
     class IntervenableModel(pv.IntervenableModel):
         """``pv.IntervenableModel`` that leaves the user's model as it found it.
 
         pyvene strips every hook on the model around each call and sets all parameters to
-        ``requires_grad=False`` (and the model to eval mode). This subclass keeps the hooks that
-        were there before the call (inside the call too, so ``output_hidden_states`` works in an
-        intervened run) and leaves the parameters' ``requires_grad`` flags and train/eval mode
-        as they were. Training is still pyvene's: unless ``enable_model_gradients()`` was
-        called, ``get_trainable_parameters()``, ``named_parameters()`` and
-        ``count_parameters()`` hold only the interventions' parameters, and a forward under
-        autograd records no gradient for the model's weights (their flags are lowered for the
-        call and put back after). ``keep_model_gradients=True`` (our attribution, which
-        differentiates by the model's biases) keeps the flags on during the call too.
-        Saved with ``save()``, it loads back with plain ``pv.IntervenableModel.load``.
+        ``requires_grad=False`` (and the model to eval mode). In this subclass a call removes
+        only the hooks it registered (pyvene's ``_remove_forward_hooks``, overridden; each hook
+        it registers is noted, through its handle), so the hooks that were on the model stay on
+        it, inside the call too (``output_hidden_states`` works in an intervened run); and the
+        parameters' ``requires_grad`` flags and train/eval mode stay as they were. Training is
+        still pyvene's: unless ``enable_model_gradients()`` was called,
+        ``get_trainable_parameters()``, ``named_parameters()`` and ``count_parameters()`` hold
+        only the interventions' parameters, and a forward under autograd records no gradient
+        for the model's weights (their flags are lowered for the call and put back after).
+        ``keep_model_gradients=True`` (our attribution, which differentiates by the model's
+        biases) keeps the flags on during the call too. Saved with ``save()``, it loads back
+        with plain ``pv.IntervenableModel.load``. (pyvene's ``train_alignment`` still calls
+        pyvene's module-level hook removal directly, on every hook.)
 
         Its hooks act only on the forwards of the thread that called it: a forward of the
-        wrapped model from another thread meanwhile sees the bare model. Where pyvene removes
-        every hook on the model before and after a call (anyone's, so a forward in another
-        thread would run without them for a moment), it removes only the hooks it registered.
+        wrapped model from another thread meanwhile sees the bare model.
         """
 
         def __init__(self, config: Any, model: nn.Module, *,
                      keep_model_gradients: bool = False, **kwargs: Any) -> None:
             flags = [(p, p.requires_grad) for p in model.parameters()]
             training = model.training
-            with preserve_hooks(model):
-                super().__init__(config, model, **kwargs)
+            # before pyvene's __init__: whatever of it removes hooks removes only these
+            object.__setattr__(self, "_pyvene_handles", [])
+            super().__init__(config, model, **kwargs)
             for parameter, flag in flags:
                 parameter.requires_grad_(flag)
             model.train(training)
-            self._hook_snapshot: list | None = None
             self._keep_model_gradients = keep_model_gradients
-            self._pyvene_handles: list = []
-            for key, register in list(self.intervention_hooks.items()):
-                if callable(register) and hasattr(register, "__self__"):  # not ndif's tuples
-                    self.intervention_hooks[key] = _GatedRegister(register,
-                                                                  self._pyvene_handles)
+            _record_registers(self, self._pyvene_handles, gate=True)
+            _bind_shared_state(self)
 
         def _remove_forward_hooks(self) -> None:
-            handles = getattr(self, "_pyvene_handles", None)
-            if handles is None:  # before __init__ ends: pyvene's own clean-up
-                remove_forward_hooks(self.model)
-                return
-            for handle in handles:
-                handle.remove()
-            handles.clear()
-            if getattr(self, "_hook_snapshot", None) is not None:
-                restore_hooks(self._hook_snapshot)
+            _remove_handles(self._pyvene_handles)
 
         # -- pyvene's training surface: the model's weights count only once enabled
         def _model_trains(self) -> bool:
@@ -287,22 +363,18 @@ def _make_intervenable_class():
                     parameter.requires_grad_(True)
 
         def forward(self, *args: Any, **kwargs: Any):
-            self._hook_snapshot = snapshot_hooks(self.model)
             try:
                 with self._pyvene_gradients():
                     return super().forward(*args, **kwargs)
-            finally:
-                restore_hooks(self._hook_snapshot)
-                self._hook_snapshot = None
+            finally:  # pyvene removes them in its own finally: nothing should be left
+                self._remove_forward_hooks()
 
         def generate(self, *args: Any, **kwargs: Any):
-            self._hook_snapshot = snapshot_hooks(self.model)
             try:
                 with self._pyvene_gradients():
                     return super().generate(*args, **kwargs)
             finally:
-                restore_hooks(self._hook_snapshot)
-                self._hook_snapshot = None
+                self._remove_forward_hooks()
 
     IntervenableModel.__module__ = __name__
     return IntervenableModel
@@ -429,6 +501,7 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
         yield model
         return
     edits = user_edits(model)
+    _bind_shared_state(model)
     names = {module: name for name, module in model.model.named_modules()}
     hooks = []
     for key, made, representation in edits:

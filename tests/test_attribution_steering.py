@@ -58,8 +58,7 @@ def _vectors(seed: int, n: int = 2) -> list[torch.Tensor]:
 
 
 def _pv_model(model, reps):
-    with preserve_hooks(model):
-        return pv.IntervenableModel(reps, model)
+    return pv.IntervenableModel(reps, model)
 
 
 def _add(output, delta):
@@ -167,7 +166,7 @@ def test_steering_nodes_carry_the_hand_computed_contribution(setup, steered, tok
                          for leaf, grad in zip(leaves, grads, strict=True)])
     torch.testing.assert_close(_steering_part(graph), by_hand, rtol=0, atol=1e-6)
     assert abs(float(value) - graph.closure.target) < 1e-6
-    with preserve_hooks(model), torch.no_grad():
+    with preserve_hooks(pv_model), torch.no_grad():
         pv_logits = pv_model(base={"input_ids": ids})[1].logits
     assert (pv_logits - hand_logits).abs().max() <= 1e-6
 

@@ -256,6 +256,52 @@ def test_splice_state_is_a_session_object_and_the_cache_follows_the_files(tmp_pa
     assert second is not first and not torch.equal(second.b_enc, first.b_enc)
 
 
+def test_a_loaded_or_one_by_one_splice_shares_a_session_within_its_model_only(tmp_path,
+                                                                            tokenizer):
+    """Interventions holding only their session's id — loaded by pyvene, or built one by one
+    from configured classes — are handed one session by the IntervenableModel holding them:
+    the same logits as the splice they came from, one session per model, none shared with
+    another model or kept in a table."""
+    from pyvene_causaltrace.interventions.clt_splice import CLTSplice, SpliceIntervention
+    from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
+
+    pv = import_pyvene()
+    path = write_clt(tmp_path / "clt", random_clt_tensors(L, D, F, threshold=0.0))
+    model = make_tiny_model("llama", n_layers=L)
+    clt = load_from_disk(str(path))
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    reps = clt_splice_representations(clt, model,
+                                      ablations=[{"clt_layer": 0, "features": [0, 1]}])
+    ours = intervenable_model_class()(reps, model)
+    with torch.no_grad():
+        want = ours(base={"input_ids": ids})[1].logits
+    ours.save(str(tmp_path / "saved"))
+    assert splice_session(reps).acts  # pyvene's save deep-copied a session: not this one
+
+    def sessions(pv_model) -> set[int]:
+        return {id(m.session) for m in pv_model.interventions.values()
+                if isinstance(m, SpliceIntervention)}
+
+    for _ in range(2):
+        loaded = pv.IntervenableModel.load(str(tmp_path / "saved"), model)
+        with preserve_hooks(loaded), torch.no_grad():
+            got = loaded(base={"input_ids": ids})[1].logits  # binds on first use
+        assert torch.equal(got, want)
+        assert len(sessions(loaded)) == 1 and sessions(loaded) != sessions(ours)
+        assert sorted(next(iter(loaded.interventions.values())).session.acts) == list(range(L))
+    hooks = clt.cfg.hf_hooks(get_adapter(model), 1)
+    built = []
+    for _ in range(2):
+        config = pv.IntervenableConfig([{"component": hooks["input"], "intervention_type":
+                                         CLTSplice.configured(clt=clt, role="encode",
+                                                              clt_layer=1, reset=True)}])
+        config.add_intervention({"component": hooks["output"], "intervention_type":
+                                 CLTSplice.configured(clt=clt, role="decode", clt_layer=1)})
+        built.append(intervenable_model_class()(config, model))
+    assert all(len(sessions(made)) == 1 for made in built)
+    assert sessions(built[0]) != sessions(built[1])
+
+
 @pytest.mark.numerics
 def test_a_fitted_clts_top_features_matter_more_than_random(trained_tiny, fitted_clt,
                                                             tokenizer):

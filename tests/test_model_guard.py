@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import types
 
 import pytest
 import torch
@@ -14,7 +13,9 @@ from clt_fixtures import random_clt_tensors, write_clt
 
 from pyvene_causaltrace import Tracer, attribute, run_spec, trace
 from pyvene_causaltrace.cli import main
+from pyvene_causaltrace.hooking import installed
 from pyvene_causaltrace.model_guard import measuring
+from pyvene_causaltrace.pyvene_compat import IntervenableModel
 from pyvene_causaltrace.transcoders import load_from_disk
 
 OPTIONS = {"seeds": 3, "scale": 3.0, "answer": " Paris"}
@@ -115,16 +116,43 @@ def test_an_interrupted_trace_leaves_no_hook(tokenizer, monkeypatch):
     assert (tracer.trace("residual").restored_probs == expected).all()
 
 
-def test_a_hook_of_ours_left_behind_is_removed():
-    """Whatever a run leaves (here: a hook from a package module, as pyvene's or ours would
-    be) is removed when the measurement ends."""
+def test_a_hook_of_ours_left_behind_is_removed(caplog):
+    """Whatever a run leaves (here: a block of hooks entered and never left, its handles lost)
+    is removed through its handle when the measurement ends, and said in the log."""
     model = make_tiny_model("llama")
-    ours = types.FunctionType((lambda *_: None).__code__,
-                              {"__name__": "pyvene_causaltrace.tracing.engine"})
-    with measuring(model):
-        model.model.layers[0].register_forward_hook(ours)
-        assert _hook_count(model) == 1
+    with caplog.at_level(logging.WARNING, logger="pyvene_causaltrace.model_guard"), \
+            measuring(model):
+        left = installed([(model.model.layers[0], "forward", lambda *_: None),
+                          (model.model.layers[1], "forward_pre", lambda *_: None)])
+        left.__enter__()  # held, never exited: its finally has not run
+        assert _hook_count(model) == 2
     assert _hook_count(model) == 0
+    assert any("removed 2 hook(s)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_pyvene_call_leaves_only_the_hooks_that_were_there(error):
+    """Ctrl-C or an error inside an intervention during our IntervenableModel's forward: the
+    hooks pyvene registered are gone; the user's and transformers' output-capturing hooks were
+    never taken off, and hidden states still come back."""
+    model = make_tiny_model("llama")
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    model(input_ids=ids, output_hidden_states=True)  # transformers installs its hooks
+    seen = []
+    handle = model.model.layers[2].register_forward_hook(lambda *_: seen.append(1))
+    before = _hook_count(model)
+
+    def boom(base, source=None, subspaces=None, **kwargs):
+        raise error("stop")
+
+    pv_model = IntervenableModel([{"component": "model.layers[1].output",
+                                   "intervention": boom}], model)
+    with pytest.raises(error):
+        pv_model(base={"input_ids": ids})
+    assert _hook_count(model) == before
+    out = model(input_ids=ids, output_hidden_states=True)
+    assert len(out.hidden_states) == len(model.model.layers) + 1 and seen
+    handle.remove()
 
 
 def test_a_users_own_hook_stays(tokenizer):

@@ -1,7 +1,8 @@
-"""pyvene hands an intervention only the module's output; :func:`pyvene_call` reads the hooked
-module, its inputs and the call's unit_locations from pyvene's hook frame. If a pyvene release
-moves them, this test says so by name (frozen_layernorm, frozen_attention and positions during
-generate depend on it)."""
+"""pyvene hands an intervention only the module's output; :func:`pyvene_call` gives the hooked
+module, its inputs and the call's unit_locations — from the closure of pyvene's hook in our
+IntervenableModel, from pyvene's hook frame in a plain one. If a pyvene release moves them, this
+test says so by name (frozen_layernorm, frozen_attention and positions during generate depend on
+it)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from pyvene_causaltrace.models import get_module
 from pyvene_causaltrace.pyvene_compat import (
     import_pyvene,
     intervenable_model_class,
-    preserve_hooks,
     pyvene_call,
 )
 
@@ -45,10 +45,9 @@ def _run(ours: bool, component: str, unit_locations):
     if ours:
         pv_model = intervenable_model_class()(reps, model)
     else:
-        with preserve_hooks(model):
-            pv_model = pv.IntervenableModel(reps, model)
+        pv_model = pv.IntervenableModel(reps, model)
     ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.no_grad():  # a plain one bare (no preserve_hooks): pyvene_call reads its frames
         pv_model(base={"input_ids": ids}, unit_locations=unit_locations)
     if len(recorder.calls) != 1:
         pytest.fail(CHANGED + f"the intervention ran {len(recorder.calls)} times, not once")
@@ -82,3 +81,20 @@ def test_pyvene_call_at_an_input_site_finds_the_module():
 
 def test_outside_pyvene_there_is_no_call():
     assert pyvene_call() is None
+
+
+def test_our_intervenable_model_announces_the_call_and_reads_no_frame(monkeypatch):
+    """In our IntervenableModel the wrapper around pyvene's hook gives pyvene_call what the
+    frame would: the frames are read only for a user's plain pv.IntervenableModel."""
+    import pyvene_causaltrace.pyvene_compat as compat
+
+    def no_frames():
+        raise AssertionError("pyvene_call read the frames inside our IntervenableModel")
+
+    monkeypatch.setattr(compat, "_call_from_frames", no_frames)
+    for component, locations, where in (("model.layers[1].mlp.output", {"base": [[[1, 2]]]},
+                                         "model.layers[1].mlp"),
+                                        ("model.layers[1].input", None, "model.layers[1]")):
+        model, pv_model, call, _ = _run(True, component, locations)
+        assert call.module is get_module(model, where) and call.owner is pv_model
+        assert call.key in pv_model.interventions

@@ -190,7 +190,7 @@ def test_plain_pyvene_breaks_hidden_states_and_preserve_hooks_mends_it():
     pv_model = pv.IntervenableModel(
         [{"component": "model.layers[0].output",
           "intervention": CleanRestore(positions=[0], states=torch.zeros(1, SEQ, 32))}], model)
-    with preserve_hooks(model):
+    with preserve_hooks(pv_model):
         pv_model(base={"input_ids": _ids(model)})
     assert len(model(input_ids=_ids(model), output_hidden_states=True).hidden_states) == 4
     pv_model(base={"input_ids": _ids(model)})

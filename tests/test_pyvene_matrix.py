@@ -21,7 +21,7 @@ from pyvene_causaltrace.attribution import ClosureError
 from pyvene_causaltrace.attribution.attribute import make_target
 from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.models import PyveneModelError, get_module
-from pyvene_causaltrace.pyvene_compat import applied_interventions, import_pyvene, preserve_hooks
+from pyvene_causaltrace.pyvene_compat import applied_interventions, import_pyvene
 from pyvene_causaltrace.transcoders import load_transcoder
 
 pv = import_pyvene()
@@ -94,9 +94,8 @@ def _user_model(model, kind: str, site: str):
     its refusal in our runs or None)."""
     component, unit, module_path, pre = SITES[site]
     build, expected = TYPES[kind]
-    with preserve_hooks(model):
-        pv_model = pv.IntervenableModel([{"layer": LAYER, "component": component, "unit": unit,
-                                          "intervention": build()}], model)
+    pv_model = pv.IntervenableModel([{"layer": LAYER, "component": component, "unit": unit,
+                                      "intervention": build()}], model)
     refusal = (expected if isinstance(expected, str)
                else "picks heads through unit_locations" if unit != "pos" else None)
     return pv_model, (lambda: hand_edit(model, module_path, pre, expected)), refusal
@@ -177,9 +176,8 @@ def test_a_users_intervention_in_our_runs_is_the_hand_edit_or_refused(model, tok
 def test_upstream_tensors_are_never_written(model, tokenizer, kind):
     """At a pre-hook site (block l's input is block l-1's output), the tensor block l-1
     returned is unchanged after our runs apply the user's edit."""
-    with preserve_hooks(model):
-        pv_model = pv.IntervenableModel([{"layer": LAYER, "component": "block_input",
-                                          "intervention": TYPES[kind][0]()}], model)
+    pv_model = pv.IntervenableModel([{"layer": LAYER, "component": "block_input",
+                                      "intervention": TYPES[kind][0]()}], model)
     upstream = get_module(model, f"model.layers[{LAYER - 1}]")
     seen = {}
 

@@ -32,9 +32,8 @@ def _zero(output):
 
 def _zeroed_mlp(model):
     """The user's pyvene model: MLP 1's output zeroed (a sourceless pyvene built-in)."""
-    with preserve_hooks(model):
-        return pv.IntervenableModel([{"layer": 1, "component": "mlp_output",
-                                      "intervention_type": pv.ZeroIntervention}], model)
+    return pv.IntervenableModel([{"layer": 1, "component": "mlp_output",
+                                  "intervention_type": pv.ZeroIntervention}], model)
 
 
 @pytest.mark.numerics
@@ -71,9 +70,8 @@ def test_our_calls_take_a_pyvene_model_and_apply_its_interventions(tokenizer, tm
 
 def test_a_pyvene_intervention_that_needs_a_source_is_refused(tokenizer):
     model = make_tiny_model("llama")
-    with preserve_hooks(model):
-        pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
-                                          "intervention_type": pv.VanillaIntervention}], model)
+    pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
+                                      "intervention_type": pv.VanillaIntervention}], model)
     for call in (lambda: trace(pv_model, tokenizer, PROMPT, SUBJECT, seeds=1, scale=3.0),
                  lambda: run_spec(SPEC, pv_model, tokenizer),
                  lambda: attribute(pv_model, tokenizer, None, PROMPT)):
@@ -118,8 +116,8 @@ def test_pyvene_builds_every_type_from_the_class():
         config = pv.IntervenableConfig([{"component": component,
                                          "intervention_type": get_intervention(name)}])
         restores = name in ("clean_restore", "window_restore", "freeze")
-        with preserve_hooks(model), torch.no_grad():
-            pv_model = pv.IntervenableModel(config, model)
+        pv_model = pv.IntervenableModel(config, model)
+        with preserve_hooks(pv_model), torch.no_grad():
             sources = [{"input_ids": ids.flip(0)}] if restores else None
             _, out = pv_model(base={"input_ids": ids}, sources=sources)
         if restores:
@@ -149,13 +147,14 @@ def test_configured_classes_equal_instances(tokenizer, tmp_path):
         (FrozenLayerNorm, {"kind": "rms"}, adapter.site("final_norm")),
     ]
     for cls, settings, component in cases:
-        with preserve_hooks(model), torch.no_grad():
-            made = pv.IntervenableModel([{"component": component,
-                                          "intervention": cls(**settings)}], model)
+        made = pv.IntervenableModel([{"component": component,
+                                      "intervention": cls(**settings)}], model)
+        config = pv.IntervenableConfig([{"component": component,
+                                         "intervention_type": cls.configured(**settings)}])
+        configured = pv.IntervenableModel(config, model)
+        with preserve_hooks(made), preserve_hooks(configured), torch.no_grad():
             want = made(base={"input_ids": ids})[1].logits
-            config = pv.IntervenableConfig([{"component": component,
-                                             "intervention_type": cls.configured(**settings)}])
-            got = pv.IntervenableModel(config, model)(base={"input_ids": ids})[1].logits
+            got = configured(base={"input_ids": ids})[1].logits
         assert torch.equal(got, want), cls.__name__
     # add_intervention: pyvene refuses instances there; configured classes go in
     encode = CLTSplice.configured(clt=clt, role="encode", clt_layer=1, reset=True)
@@ -163,12 +162,13 @@ def test_configured_classes_equal_instances(tokenizer, tmp_path):
     hooks = clt.cfg.hf_hooks(adapter, 1)
     config = pv.IntervenableConfig([{"component": hooks["input"], "intervention_type": encode}])
     config.add_intervention({"component": hooks["output"], "intervention_type": decode})
-    with preserve_hooks(model), torch.no_grad():
-        got = pv.IntervenableModel(config, model)(base={"input_ids": ids})[1].logits
-        from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
+    from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
 
-        reps = clt_splice_representations(clt, model, layers=[1])
-        want = pv.IntervenableModel(reps, model)(base={"input_ids": ids})[1].logits
+    added = pv.IntervenableModel(config, model)
+    spliced = pv.IntervenableModel(clt_splice_representations(clt, model, layers=[1]), model)
+    with preserve_hooks(added), preserve_hooks(spliced), torch.no_grad():
+        got = added(base={"input_ids": ids})[1].logits
+        want = spliced(base={"input_ids": ids})[1].logits
         plain = model(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-6) and not torch.allclose(got, plain, atol=1e-4)
 
@@ -181,22 +181,23 @@ def test_unit_locations_choose_the_positions_as_for_pyvenes_builtins():
     embed = get_adapter(model).site("embed")
     ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(2))
     source = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(3))
-    with preserve_hooks(model), torch.no_grad():
-        whole = pv.IntervenableModel([{"component": embed, "intervention": NoiseAdd(
-            seeds=[7], positions=[1, 2, 3], sigma=0.3)}], model)
+    whole = pv.IntervenableModel([{"component": embed, "intervention": NoiseAdd(
+        seeds=[7], positions=[1, 2, 3], sigma=0.3)}], model)
+    located = pv.IntervenableModel([{"component": embed, "intervention": NoiseAdd(
+        seeds=[7], sigma=0.3)}], model)
+    with preserve_hooks(whole), preserve_hooks(located), torch.no_grad():
         want = whole(base={"input_ids": ids})[1].logits
-        located = pv.IntervenableModel([{"component": embed, "intervention": NoiseAdd(
-            seeds=[7], sigma=0.3)}], model)
         got = located(base={"input_ids": ids}, unit_locations={"base": [[[1, 2, 3]]]})[1].logits
-        assert torch.equal(got, want)
-        for cls in (CleanRestore, pv.VanillaIntervention):
-            pv_model = pv.IntervenableModel(
-                [{"layer": 1, "component": "block_output", "intervention_type": cls}], model)
+    assert torch.equal(got, want)
+    for cls in (CleanRestore, pv.VanillaIntervention):
+        pv_model = pv.IntervenableModel(
+            [{"layer": 1, "component": "block_output", "intervention_type": cls}], model)
+        with preserve_hooks(pv_model), torch.no_grad():
             out = pv_model(base={"input_ids": ids}, sources=[{"input_ids": source}],
                            unit_locations={"sources->base": ([[[2, 4]]], [[[2, 4]]])})[1]
-            if cls is CleanRestore:
-                ours = out.logits
-        assert torch.equal(ours, out.logits)
+        if cls is CleanRestore:
+            ours = out.logits
+    assert torch.equal(ours, out.logits)
 
 
 @pytest.mark.parametrize("arch,kind", [("gpt2", "layer"), ("llama", "rms"),
@@ -205,7 +206,7 @@ def test_frozen_layernorm_reads_its_kind_off_the_module(arch, kind):
     model = make_tiny_model(arch)
     norm = get_adapter(model).site("final_norm")
     made = FrozenLayerNorm()
-    with preserve_hooks(model), torch.no_grad():
-        pv.IntervenableModel([{"component": norm, "intervention": made}], model)(
-            base={"input_ids": torch.tensor([[1, 2, 3, 4]])})
+    pv_model = pv.IntervenableModel([{"component": norm, "intervention": made}], model)
+    with preserve_hooks(pv_model), torch.no_grad():
+        pv_model(base={"input_ids": torch.tensor([[1, 2, 3, 4]])})
     assert made.config()["kind"] == kind

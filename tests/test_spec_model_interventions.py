@@ -22,7 +22,7 @@ from pyvene_causaltrace import spec_tensors
 from pyvene_causaltrace.execute import build_interventions, check_on_model, run_spec
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.models import PyveneModelError
-from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
+from pyvene_causaltrace.pyvene_compat import import_pyvene
 from pyvene_causaltrace.specs import SpecError, load_spec, save_spec, validate_spec
 from pyvene_causaltrace.tracing.tracer import Tracer, trace, tracer_from_spec
 
@@ -81,8 +81,7 @@ def _user_model(model, extra: list[dict] | None = None):
         {"layer": 2, "component": "block_output",
          "intervention": pv.AdditionIntervention(source_representation=_delta())},
         *(extra or [])]
-    with preserve_hooks(model):
-        return pv.IntervenableModel(representations, model)
+    return pv.IntervenableModel(representations, model)
 
 
 @pytest.fixture(params=["here", pytest.param("fresh", marks=pytest.mark.process)])
@@ -313,9 +312,8 @@ def test_a_pv_model_given_with_such_a_spec_must_hold_the_same_interventions(toke
     result = trace(pv_model, tokenizer, PROMPT, SUBJECT, **TRACE)
     same = tracer_from_spec(result.spec, pv_model, tokenizer).trace("residual")
     assert np.array_equal(same.restored_probs, result.restored_probs)
-    with preserve_hooks(model):
-        other = pv.IntervenableModel([{"layer": 0, "component": "mlp_output",
-                                       "intervention_type": pv.ZeroIntervention}], model)
+    other = pv.IntervenableModel([{"layer": 0, "component": "mlp_output",
+                                   "intervention_type": pv.ZeroIntervention}], model)
     with pytest.raises(PyveneModelError, match=r"ambiguous.*pv_model\.model"):
         tracer_from_spec(result.spec, other, tokenizer)
     with pytest.raises(PyveneModelError, match="ambiguous"):

@@ -18,7 +18,7 @@ from pyvene_causaltrace import spec_tensors
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.model_interventions import describe, rebuild, resolve_class
 from pyvene_causaltrace.models import PyveneModelError
-from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
+from pyvene_causaltrace.pyvene_compat import import_pyvene
 from pyvene_causaltrace.specs import SpecError
 
 pv = import_pyvene()
@@ -128,22 +128,20 @@ def test_what_describe_refuses_says_which_intervention_and_why():
     class Hooked(Scaled):
         pass
 
-    with preserve_hooks(model):
-        made = Scaled(size=32)
-        made.register_forward_hook(lambda *args: None)
-        pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
-                                          "intervention": made}], model)
+    made = Scaled(size=32)
+    made.register_forward_hook(lambda *args: None)
+    pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
+                                      "intervention": made}], model)
     with pytest.raises(PyveneModelError, match="the intervention has forward hooks of its own"):
         describe(pv_model)
-    with preserve_hooks(model):
-        made = Scaled(size=32)
-        made.note = (1, 2)  # a tuple reads back from JSON as a list: not the same
-        pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
-                                          "intervention": made}], model)
+    made = Scaled(size=32)
+    made.note = (1, 2)  # a tuple reads back from JSON as a list: not the same
+    pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
+                                      "intervention": made}], model)
     with pytest.raises(PyveneModelError, match=r"attribute 'note' is \(1, 2\) \(tuple\)"):
         describe(pv_model)
-    with preserve_hooks(model):  # the control: the same class, nothing odd, is described
-        pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
-                                          "intervention": Scaled(size=32)}], model)
+    # the control: the same class, nothing odd, is described
+    pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
+                                      "intervention": Scaled(size=32)}], model)
     (entry,) = describe(pv_model)
     assert entry["class"] == f"{__name__}.Scaled" and entry["tensors"]["gain"]["shape"] == [32]

@@ -12,6 +12,7 @@ from _support.data import SPEC_DIR
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 from reference import reference_kind_cell
 
+from pyvene_causaltrace.hooking import installed
 from pyvene_causaltrace.models import get_adapter, get_module
 from pyvene_causaltrace.prompts import SubjectNotFoundError
 from pyvene_causaltrace.specs import SpecError, load_spec
@@ -87,11 +88,27 @@ def test_engine_equals_batch_one_loop_in_float64(arch):
     assert worst < (1e-13 if arch == "gpt2" else 1e-7)
 
 
+def _counting(block) -> list[int]:
+    """Count the rows each forward of ``block`` computes (an instance ``forward``: replay
+    swaps it and puts it back, and it is no hook)."""
+    computed: list[int] = []
+    own = block.forward
+
+    def forward(*args, **kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        computed.append(hidden.shape[0])
+        return own(*args, **kwargs)
+
+    block.forward = forward
+    return computed
+
+
 @pytest.mark.numerics
-def test_a_users_hook_on_a_replayed_block_applies_once():
-    """A hook of the user's on a block's output (e.g. a pv.IntervenableModel's intervention)
-    shaped the corrupted run's stored output; when the engine replays that block the hook
-    must not apply again."""
+def test_a_users_hook_on_a_block_applies_once_and_every_layer_computes():
+    """A hook of the user's on a block's output shaped the corrupted run's stored output; the
+    engine cannot silence a hook that is not its own without rewriting torch's hook tables,
+    so with one on a block no row replays a block: each computes every layer, and the hook
+    applies once."""
     model = make_tiny_model("llama", n_layers=N_LAYERS)
     shift = torch.randn(32, generator=torch.Generator().manual_seed(1))
     block = get_module(model, get_adapter(model).module_path("block", 1))
@@ -101,15 +118,49 @@ def test_a_users_hook_on_a_replayed_block_applies_once():
     handle = block.register_forward_hook(lambda _m, _a, output: output + shift)
     try:
         engine = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER)
-        engine.cost = PLANS["fine"]  # rows restoring layers 2, 3 replay block 1
+        engine.cost = PLANS["fine"]  # rows restoring layers 2, 3 would replay block 1
+        first, last = _counting(model.model.layers[0]), _counting(model.model.layers[-1])
         for kind in (KINDS["residual"], KINDS["mlp"]):
+            first.clear(), last.clear()
             got = engine.run(kind, cells, window=3)
+            assert sum(first) == sum(last) > 0  # no block replayed: every row computes all
             for c, (layer, pos) in enumerate(cells):
                 expected = reference_kind_cell(model, engine, kind, SEEDS[0], layer, pos, 3)
                 assert got[0, c].item() == pytest.approx(expected, rel=1e-6), (kind, layer, pos)
         shifted = engine.run(KINDS["residual"], cells)
     finally:
         handle.remove()
+        del model.model.layers[0].forward, model.model.layers[-1].forward
+    assert ((shifted - plain).abs() / plain).max() > 0.05  # the hook matters
+
+
+@pytest.mark.numerics
+def test_the_packages_hook_on_a_replayed_block_is_silenced_and_applies_once():
+    """A hook the package put on a block's output (a pv.IntervenableModel's intervention that
+    our runs apply) shaped the corrupted run's stored output: a row that replays that block
+    is right (the hook is silenced there, not applied twice), and it does replay it."""
+    model = make_tiny_model("llama", n_layers=N_LAYERS)
+    shift = torch.randn(32, generator=torch.Generator().manual_seed(1))
+    block = get_module(model, get_adapter(model).module_path("block", 1))
+    cells = [(layer, pos) for layer in range(N_LAYERS) for pos in range(SEQ)]
+    plain = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER).run(
+        KINDS["residual"], cells)
+    computed, last = _counting(block), _counting(model.model.layers[-1])
+    try:
+        with installed([(block, "forward", lambda _m, _a, output: output + shift)]):
+            engine = TraceEngine(model, _ids(), NOISED, SEEDS, SCALE, SIGMA, ANSWER)
+            engine.cost = PLANS["fine"]  # rows restoring layers 2, 3 replay block 1
+            for kind in (KINDS["residual"], KINDS["mlp"]):
+                computed.clear(), last.clear()
+                got = engine.run(kind, cells, window=3)
+                assert 0 < sum(computed) < sum(last)  # block 1 was replayed for some rows
+                for c, (layer, pos) in enumerate(cells):
+                    expected = reference_kind_cell(model, engine, kind, SEEDS[0], layer, pos, 3)
+                    assert got[0, c].item() == pytest.approx(expected, rel=1e-6), (
+                        kind, layer, pos)
+            shifted = engine.run(KINDS["residual"], cells)
+    finally:
+        del block.forward, model.model.layers[-1].forward
     assert ((shifted - plain).abs() / plain).max() > 0.05  # the hook matters
 
 

@@ -45,9 +45,11 @@ the model. When the tokenizer adds no BOS, position 0 is a real token and caller
 What one splice's interventions share during a forward — each layer's features and inputs,
 and in leaf mode the leaves — is a :class:`SpliceSession`, handed to the caller (pass your own
 with ``session=``, or read ``splice_session(reps)``), never stored on the transcoder. Its
-interventions carry the session's id in their configuration, so a splice loaded by
-``pv.IntervenableModel.load`` finds one session again. They refer to their transcoder by its path
-(``clt.source``); loading reads it once per process and reads it again when its files change.
+interventions carry the session's id in their configuration, so the interventions of a splice
+loaded by ``pv.IntervenableModel.load`` (or built one by one by pyvene) are handed one session
+again by the ``IntervenableModel`` holding them (:func:`.splice_session.bind_sessions`). They
+refer to their transcoder by its path (``clt.source``); loading reads it once per process and
+reads it again when its files change.
 """
 
 from __future__ import annotations

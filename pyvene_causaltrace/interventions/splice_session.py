@@ -6,14 +6,27 @@ version of its files) and the per-forward :class:`SpliceSession`.
     session.encoded[layer]             # the same, as the encoder computed them
 
 ``clt_splice`` (:mod:`.clt_splice`) and ``feature_ablate`` (:mod:`.feature_ablate`) both derive
-from :class:`SpliceIntervention`: a transcoder held by reference or by path (``source``), and the
-session found again by id after pyvene's save/load.
+from :class:`SpliceIntervention`: a transcoder held by reference or by path (``source``), and a
+session held by reference. Each also carries its session's id in its configuration (so in its
+state dict). Interventions built one by one — by pyvene from a class
+(``CLTSplice.configured(...)``, ``add_intervention``), or by ``pv.IntervenableModel.load`` —
+hold only that id, and find their siblings through the ``IntervenableModel`` that holds them
+all: :func:`bind_sessions` gives every group of such interventions with one id one session
+object, which they then hold. Our ``IntervenableModel`` binds when it is built, our runs bind a
+user's ``pv.IntervenableModel`` before they apply it, and inside a plain
+``pv.IntervenableModel``'s call the first splice intervention to run binds its model's. The
+state is the interventions': no table of sessions lives in this module. An intervention with
+only an id that runs outside any ``IntervenableModel`` gets a session of its own.
+
+A deep copy of a session (pyvene's ``save`` deep-copies its configuration, interventions
+included) is a new, empty session with the same id and ``selection``: the copies of one splice
+share it (``copy.deepcopy``'s memo), and none aliases the caller's.
 """
 
 from __future__ import annotations
 
 import uuid
-import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
+from ..pyvene_compat import pyvene_call
 from ..transcoders.formats import load_transcoder
 from .base import CausalTraceIntervention
 
@@ -83,21 +97,26 @@ class SpliceSession:
         self.leaves.clear()
 
     def __deepcopy__(self, memo) -> SpliceSession:
-        # pyvene deep-copies its config, which holds the interventions: they must keep sharing
-        # the session their caller holds
-        return self
+        # per-forward state is not copied (the first encoder of a forward clears it, and in leaf
+        # mode it holds autograd tensors deepcopy refuses); the selection is read-only
+        copied = SpliceSession(id=self.id, selection=self.selection)
+        memo[id(self)] = copied
+        return copied
 
 
-#: Live sessions by id, so interventions rebuilt from a saved configuration share one.
-_SESSIONS: weakref.WeakValueDictionary[str, SpliceSession] = weakref.WeakValueDictionary()
-
-
-def _session_for(session_id: str | None) -> SpliceSession:
-    if session_id is not None and session_id in _SESSIONS:
-        return _SESSIONS[session_id]
-    session = SpliceSession() if session_id is None else SpliceSession(id=session_id)
-    _SESSIONS[session.id] = session
-    return session
+def bind_sessions(interventions: Iterable[Any]) -> None:
+    """Give the splice interventions among ``interventions`` (one ``IntervenableModel``'s) that
+    hold no session object one per session id — a sibling's that holds one, else a new one."""
+    splices = [made for made in interventions if isinstance(made, SpliceIntervention)]
+    held = {made.session_id: made.__dict__["_session_object"] for made in splices
+            if made.__dict__["_session_object"] is not None}
+    for made in splices:
+        if made.__dict__["_session_object"] is None:
+            key = made.session_id
+            if key not in held:
+                held[key] = SpliceSession() if key is None else SpliceSession(id=key)
+            made.__dict__["_session_object"] = held[key]
+            made._config["session"] = held[key].id
 
 
 class SpliceIntervention(CausalTraceIntervention):
@@ -116,20 +135,36 @@ class SpliceIntervention(CausalTraceIntervention):
     def clt(self):
         return resolve_transcoder(self._config.get("source"), self._clt_object)
 
+    @classmethod
+    def bind_shared(cls, interventions: Iterable[Any]) -> None:
+        """What an ``IntervenableModel`` of ours, or our runs applying a user's, call with all
+        its interventions: :func:`bind_sessions`."""
+        bind_sessions(interventions)
+
+    @property
+    def session_id(self) -> str | None:
+        """The id in this intervention's configuration (its session's)."""
+        return self._config.get("session")
+
     @property
     def session(self) -> SpliceSession:
-        """The splice's shared state (found again by id after a pyvene load)."""
+        """The splice's shared state: the object given, or bound among the siblings in this
+        intervention's ``IntervenableModel`` (:func:`bind_sessions`; inside a plain
+        ``pv.IntervenableModel``'s call, bound on first use), else one of its own."""
         if self.__dict__["_session_object"] is None:
-            self.__dict__["_session_object"] = _session_for(self._config.get("session"))
-            self._config["session"] = self.__dict__["_session_object"].id
+            call = pyvene_call()
+            owner = getattr(call, "owner", None)
+            if owner is not None:
+                bind_sessions(owner.interventions.values())
+            if self.__dict__["_session_object"] is None:  # outside an IntervenableModel
+                bind_sessions([self])
         return self.__dict__["_session_object"]
 
     def _session_id(self, session_id: str | None, source: str | None) -> str:
         """The id of the session given to the constructor, else the saved one, else the
-        transcoder's default session (interventions built one by one share it)."""
+        transcoder's default id (interventions built one by one into one model share it)."""
         given = self.__dict__.get("_session_object")
         if given is not None:
-            _SESSIONS[given.id] = given
             return given.id
         if session_id is not None:
             return session_id

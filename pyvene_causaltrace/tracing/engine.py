@@ -9,7 +9,8 @@ A row restoring position ``t`` from layer ``l`` on equals its seed's corrupted r
 below: at positions before ``t`` (attention is causal) and at layers below ``l``. So it is
 computed only from there — earlier positions' keys and values come from the corrupted run's
 cache (``reuse_prefix``), and lower blocks are replayed from the corrupted run's stored outputs
-(``replay_layers``, :mod:`.replay`). Rows that cannot change the answer's probability (a
+(``replay_layers``, :mod:`.replay`; not while a hook that is not the package's sits on a
+block). Rows that cannot change the answer's probability (a
 restore before the first noised position, or at the last layer off the last position) need no
 forward at all (``skip_unchanged``). Rows are grouped into chunks by :func:`.chunks.plan_chunks`,
 which weighs the recomputation a mixed chunk costs against the fixed cost of another forward.
@@ -47,7 +48,7 @@ from ..models import get_module
 from .chunks import Chunk, ChunkCost, plan_chunks
 from .head import ReusedHead
 from .metrics import token_probs
-from .replay import LayerReplay, RaggedLayers
+from .replay import LayerReplay, RaggedLayers, replayable
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ class TraceEngine:
         plan = plan_chunks(rows.position, rows.first, n_layers=self.n_layers,
                            seq_len=self.seq_len, max_rows=self.rows_per_chunk, cost=self.cost,
                            reuse_prefix=self.reuse_prefix,
-                           replay_layers=self.replay_layers and not run.ragged)
+                           replay_layers=run.replays and not run.ragged)
         if run.ragged:  # each chunk's rows by first layer: a block's rows are a batch prefix
             plan = [Chunk(prefix=chunk.prefix, first_layer=chunk.first_layer,
                           rows=chunk.rows[torch.argsort(rows.first[chunk.rows], stable=True)])
@@ -329,6 +330,9 @@ class _RunHooks:
         # block's output would then see stored rows again (LayerReplay handles that case)
         self.ragged = engine.replay_layers and not any(block._forward_hooks
                                                        for block in engine.blocks)
+        # LayerReplay silences the package's hooks on a replayed block, and can silence no
+        # one else's: with such a hook on a block, every row computes every layer
+        self.replays = engine.replay_layers and (self.ragged or replayable(engine.blocks))
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[_RunHooks]:

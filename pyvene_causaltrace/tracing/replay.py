@@ -7,11 +7,16 @@ input on; nothing reads it). The model's own ``forward`` still runs around them 
 rotary tables, masks, the final norm, logit soft-capping — so nothing architecture-specific is
 rewritten here.
 
-While a block is replayed only the hooks named in ``keep`` see its output: a user's hook on it
-(e.g. from a ``pv.IntervenableModel``'s interventions) already shaped the stored output in the
-corrupted run and must not apply twice. Everything is put back when the block ends. Both act on
-the forwards of the thread that installed them (:mod:`..hooking`'s gate): a forward of the model
-from any other thread runs every block's own forward and every hook, as without them.
+While a block is replayed only the hooks named in ``keep`` see its output: another hook of the
+package on it (a ``pv.IntervenableModel``'s interventions applied to our runs) already shaped
+the stored output in the corrupted run and must not apply twice, so it is
+:func:`~..hooking.silenced` for the block. A hook that is not the package's cannot be silenced
+without rewriting torch's hook tables, which nothing here does: :func:`replayable` says whether
+the blocks carry any (transformers' output-capturing hooks aside: they record only for a forward
+that asks for hidden states, which the engine's never do), and the engine computes every layer
+of such a run instead. Each block's own ``forward`` is back when the block ends. Both act on the
+forwards of the thread that installed them (:mod:`..hooking`'s gate): a forward of the model from
+any other thread runs every block's own forward and every hook, as without them.
 
     replay = LayerReplay(blocks, returns_tuple=False, keep=engine_hook_ids)
     with replay.below(first=5, output=corrupted_block_4_rows):
@@ -30,7 +35,24 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..hooking import gated, thread_gate
+from ..hooking import is_ours, silenced, thread_gate
+
+#: The module of transformers 5's output-capturing hooks (inert unless the forward asks for
+#: hidden states or attentions).
+_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _harmless(hook) -> bool:
+    return is_ours(hook) or getattr(hook, "__module__", None) == _CAPTURING
+
+
+def replayable(blocks: Sequence[nn.Module]) -> bool:
+    """Whether :class:`LayerReplay` may replay ``blocks``: every forward or pre-forward hook on
+    them is the package's (it can be silenced) or transformers' output capturing (inert in our
+    forwards). Reads the hook tables, writes nothing."""
+    return all(_harmless(hook) for block in blocks
+               for table in (block._forward_hooks, block._forward_pre_hooks)
+               for hook in table.values())
 
 
 class LayerReplay:
@@ -59,32 +81,24 @@ class LayerReplay:
 
     @contextlib.contextmanager
     def below(self, first: int, output: torch.Tensor | None) -> Iterator[None]:
-        """Blocks ``< first`` replayed; block ``first - 1`` returns ``output``. Their hooks
-        other than ``keep`` are set aside for this thread's forwards only (other threads'
-        forwards still run them)."""
+        """Blocks ``< first`` replayed; block ``first - 1`` returns ``output``. The package's
+        hooks on them other than ``keep`` do nothing in this thread's forwards meanwhile
+        (other threads' forwards still run them); the caller has checked :func:`replayable`."""
         saved = []
         try:
             for index in range(first):
                 block = self.blocks[index]
-                hooks, pre_hooks = block._forward_hooks, block._forward_pre_hooks
-                saved.append((block, block.__dict__.get("forward"), dict(hooks), dict(pre_hooks)))
-                for key in [k for k in hooks if k not in self.keep]:
-                    hooks[key] = gated(hooks[key], ours=False)
-                for key in pre_hooks:
-                    pre_hooks[key] = gated(pre_hooks[key], ours=False)
+                saved.append((block, block.__dict__.get("forward")))
                 block.forward = self._stand_in(block.forward,
                                                output if index == first - 1 else None)
-            yield
+            with silenced(self.blocks[:first], self.keep):
+                yield
         finally:
-            for block, own_forward, hooks, pre_hooks in saved:
+            for block, own_forward in saved:
                 if own_forward is None:
                     del block.forward  # the class's forward again
                 else:  # e.g. accelerate's wrapper when the model was loaded with a device_map
                     block.forward = own_forward
-                block._forward_hooks.clear()
-                block._forward_hooks.update(hooks)
-                block._forward_pre_hooks.clear()
-                block._forward_pre_hooks.update(pre_hooks)
 
 
 class RaggedLayers:

@@ -78,12 +78,11 @@ def readme_pyvene_example(model, tokenizer) -> list[float]:
     inputs = tokenizer(["The Eiffel Tower is in the city of"] * 3, return_tensors="pt")
     source = tokenizer(["The Colosseum is in the city of"] * 3, return_tensors="pt")
     noise = NoiseAdd(seeds=[0, 1, 2], positions=[0, 1, 2, 3], scale=3.0, sigma=0.122)
-    with preserve_hooks(model):
-        pv_model = pv.IntervenableModel([
-            {"component": "model.embed_tokens.output", "intervention": noise},
-            {"layer": 20, "component": "block_output",
-             "intervention_type": pv.VanillaIntervention},
-        ], model)
+    pv_model = pv.IntervenableModel([
+        {"component": "model.embed_tokens.output", "intervention": noise},
+        {"layer": 20, "component": "block_output", "intervention_type": pv.VanillaIntervention},
+    ], model)
+    with preserve_hooks(pv_model):
         _, out = pv_model(base=dict(inputs), sources=[None, dict(source)],
                           unit_locations={"sources->base": ([None, [[8]] * 3],
                                                             [None, [[8]] * 3])})
