@@ -257,7 +257,7 @@ def preserve_hooks(pv_model) -> Iterator[None]:
     ...     pv_model(base=inputs)
     """
     if not is_intervenable(pv_model):
-        raise TypeError(
+        raise PyveneModelError(
             "preserve_hooks takes the pv.IntervenableModel whose calls would strip the hooks "
             f"(got {type(pv_model).__name__}): inside the block its calls remove only their own "
             "hooks. Constructing one strips nothing")
