@@ -73,6 +73,17 @@ _CALL: contextvars.ContextVar[PyveneCall | None] = contextvars.ContextVar("pvct_
                                                                           default=None)
 
 
+@contextlib.contextmanager
+def calling(call: PyveneCall) -> Iterator[None]:
+    """Inside the block :func:`pyvene_call` returns ``call``: for a hook runner that applies
+    an intervention itself (:func:`~pyvene_causaltrace.runtime.intervened`)."""
+    token = _CALL.set(call)
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
+
+
 def pyvene_call() -> PyveneCall | None:
     """The :class:`PyveneCall` of the pyvene setter hook that is calling the caller, or None
     outside one (a direct call).
@@ -225,7 +236,7 @@ def _record_registers(pv_model, handles: list, gate: bool) -> None:
             pv_model.intervention_hooks[key] = _RecordedRegister(method, handles, gate)
 
 
-def _bind_shared_state(pv_model) -> None:
+def bind_shared_state(pv_model) -> None:
     """Let the interventions of ``pv_model`` that share state by id (a splice built one by one,
     or loaded) bind it among themselves: a class that shares so defines a class method
     ``bind_shared(interventions)`` (:meth:`~.interventions.splice_session.SpliceIntervention.
@@ -315,7 +326,7 @@ def _make_intervenable_class():
             model.train(training)
             self._keep_model_gradients = keep_model_gradients
             _record_registers(self, self._pyvene_handles, gate=True)
-            _bind_shared_state(self)
+            bind_shared_state(self)
 
         def _remove_forward_hooks(self) -> None:
             _remove_handles(self._pyvene_handles)
@@ -501,7 +512,7 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
         yield model
         return
     edits = user_edits(model)
-    _bind_shared_state(model)
+    bind_shared_state(model)
     names = {module: name for name, module in model.model.named_modules()}
     hooks = []
     for key, made, representation in edits:

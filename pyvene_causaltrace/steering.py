@@ -37,7 +37,7 @@ from .interventions.frozen import FrozenAttention, attention_patterns
 from .model_guard import measured
 from .models import is_intervenable, model_name
 from .prompts import first_position, tokenize_prompt
-from .pyvene_compat import intervenable_model_class
+from .runtime import intervened
 from .specs import SCHEMA_VERSION, validate_spec
 from .transcoders.transcoder import Transcoder, check_fits
 
@@ -445,12 +445,11 @@ def intervene_features(
             reps += [{"component": bound.site("attn_output", layer),
                       "intervention": FrozenAttention(pattern=pattern, pattern_from="clean")}
                      for layer, pattern in enumerate(attention_patterns(bound, ids))]
-        pv_model = intervenable_model_class()(reps, model)
         if bar is not None:
             bar.close()
         bar = _bar(show, steps, "steered generation")
-        steered, new = _greedy(lambda x: pv_model(base={"input_ids": x})[1].logits, ids, steps,
-                               eos, bar)
+        with intervened(bound, reps) as spliced:
+            steered, new = _greedy(lambda x: spliced(input_ids=x).logits, ids, steps, eos, bar)
         if bar is not None:
             bar.close()
     check_finite(steered, "the intervened run's logits", "a value this large overflows")

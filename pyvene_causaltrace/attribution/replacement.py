@@ -51,7 +51,8 @@ from ..interventions.clt_splice import (
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
 from ..interventions.leaf import GradientLeaf
 from ..models import get_module
-from ..pyvene_compat import SteeringLeaf, collect_steering, intervenable_model_class
+from ..pyvene_compat import SteeringLeaf, collect_steering
+from ..runtime import intervened
 from ..transcoders.transcoder import Transcoder, check_fits
 from .reading import Layout
 
@@ -262,15 +263,15 @@ def replacement_forward(
             p.requires_grad_(False)
         for p in constants:
             p.requires_grad_(True)
-        pv_model = intervenable_model_class()(reps, model, keep_model_gradients=True)
         replaced = [get_module(model, adapter.module_path(part, layer))
                     for layer in range(n_layers)
                     for part in (("mlp", "attn") if freeze else ("mlp",))]
         with torch.enable_grad(), _count_saved_bytes(model) as saved, \
                 _no_grad_inside(replaced), pre_softcap_logits(model) as cap, \
                 collect_steering() as steering, \
-                capturing_states(bound, states) as captured:
-            _, out = pv_model(base={"input_ids": input_ids, "use_cache": False})
+                capturing_states(bound, states) as captured, \
+                intervened(bound, reps, keep_model_gradients=True):
+            out = model(input_ids=input_ids, use_cache=False)
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)

@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import InputError
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..model_guard import measured
-from ..pyvene_compat import intervenable_model_class
+from ..runtime import intervened
 from ..transcoders.transcoder import Transcoder
 
 if TYPE_CHECKING:  # annotations only
@@ -68,8 +68,8 @@ def answer_prob(model: nn.Module, transcoder: Transcoder, ids: torch.Tensor,
     reps = clt_splice_representations(transcoder, model, errors=errors,
                                       from_position=graph.from_position,
                                       ablations=_ablations(graph, ablate))
-    with torch.no_grad():
-        _, out = intervenable_model_class()(reps, model)(base={"input_ids": ids})
+    with torch.no_grad(), intervened(model, reps) as spliced:
+        out = spliced(input_ids=ids)
     return float(out.logits[0, -1].float().softmax(-1)[token])
 
 

@@ -43,7 +43,7 @@ from ..interventions.frozen import (
 )
 from ..interventions.noise import NoiseAdd
 from ..interventions.splice_session import SpliceSession
-from ..pyvene_compat import intervenable_model_class
+from ..runtime import intervened
 from ..transcoders.hooks import hook_component, norm_settings, normalize
 from ..transcoders.transcoder import Transcoder
 
@@ -128,12 +128,14 @@ def noised_activations(tracer, transcoder: Transcoder, layer: torch.Tensor,
     layers = sorted({int(x) for x in layer})
     noise = NoiseAdd(seeds=tracer.seeds, positions=tracer.noise_positions, scale=tracer.scale,
                      sigma=tracer.sigma, distribution=tracer.distribution)
-    runner = intervenable_model_class()([{"component": adapter.site("embed"),
-                                          "intervention": noise}], model)
     box = {}
     batch = ids.repeat(len(tracer.seeds), 1)
-    noised = _transcoder_inputs(bound, transcoder, layers, lambda: box.setdefault(
-        "out", runner(base={"input_ids": batch, "use_cache": False})[1]))
+
+    def noised_run():
+        with intervened(bound, [{"component": adapter.site("embed"), "intervention": noise}]):
+            box["out"] = model(input_ids=batch, use_cache=False)
+
+    noised = _transcoder_inputs(bound, transcoder, layers, noised_run)
     clean = _transcoder_inputs(bound, transcoder, layers, lambda: model(input_ids=ids,
                                                                          use_cache=False))
     probs = box["out"].logits[:, -1].double().softmax(-1)[:, tracer.answer_id].cpu()
@@ -224,10 +226,10 @@ class PatchRunner:
         reps = clt_splice_representations(self.transcoder, self.bound, errors=self.errors,
                                           from_position=self.from_position,
                                           ablations=ablations, session=session)
-        pv_model = intervenable_model_class()(reps + self._freezes(), self.model)
         batch = self.ids.expand(len(rows), -1)
-        with pre_softcap_logits(self.model) as cap:
-            _, out = pv_model(base={"input_ids": batch, "use_cache": False})
+        with pre_softcap_logits(self.model) as cap, \
+                intervened(self.bound, reps + self._freezes()) as model:
+            out = model(input_ids=batch, use_cache=False)
         logits = out.logits[:, -1].double()
         target = logits @ self.coefficients.to(logits.device)
         capped = logits if cap is None else cap * torch.tanh(logits / cap)

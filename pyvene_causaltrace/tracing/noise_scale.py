@@ -23,7 +23,7 @@ from ..interventions.noise import (  # noqa: F401 - re-exported
     resolve_sigma,
     rome_sigma,
 )
-from ..pyvene_compat import intervenable_model_class
+from ..runtime import intervened
 
 # ------------------------------------------------------------------------ scale sweep
 
@@ -129,8 +129,8 @@ def sweep_noise_scale(
     for scale in scales:
         noise = NoiseAdd(seeds=list(seeds), positions=list(noise_positions), scale=scale,
                          sigma=sigma, distribution=distribution)
-        runner = intervenable_model_class()([{"component": embed, "intervention": noise}], model)
-        logits = runner(base={"input_ids": ids.repeat(len(seeds), 1), "logits_to_keep": 1})[1]
+        with intervened(bound, [{"component": embed, "intervention": noise}]):
+            logits = model(input_ids=ids.repeat(len(seeds), 1), logits_to_keep=1)
         rows.append(logits.logits[:, -1].double().softmax(-1)[:, answer_id].tolist())
     if threshold is None:
         threshold = COLLAPSE_FRACTION * clean

@@ -37,7 +37,7 @@ from ..interventions.clt_splice import clt_splice_representations
 from ..interventions.restore import CleanRestore
 from ..model_guard import measured
 from ..prompts import answer_token_id, first_position
-from ..pyvene_compat import intervenable_model_class
+from ..runtime import intervened
 from .hooks import hook_states, transcoder_states
 from .transcoder import Transcoder, check_fits
 
@@ -260,7 +260,8 @@ def _condition_representations(name: str, clt, model, n_pos: int,
 def _logits(model, representations, ids) -> torch.Tensor:
     if not representations:
         return model(input_ids=ids).logits
-    return intervenable_model_class()(representations, model)(base={"input_ids": ids})[1].logits
+    with intervened(model, representations) as spliced:
+        return spliced(input_ids=ids).logits
 
 
 def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
