@@ -43,6 +43,7 @@ from .model_interventions import describe, model_for_spec, rebuild, uniform_grad
 from .models import get_module
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
 from .pyvene_compat import applied_interventions, import_pyvene, intervenable_model_class
+from .runtime import intervened
 from .specs import ExperimentSpec, load_spec
 from .tracing.metrics import answer_probs, recovery
 from .tracing.results import SpecRunResult
@@ -244,12 +245,14 @@ def _corrupted_run(model, ids, noise: list[tuple[str, Any]], components: list[st
         if components:
             raise SpecError("$.interventions", "freeze of the corrupted run needs a noise_add")
         return {}, None
-    pv_model = intervenable_model_class()(
-        [{"component": c, "intervention": m} for c, m in noise], model)
     inputs = {"input_ids": ids.repeat(rows, 1)}
     box: dict[str, Any] = {}
-    states = capture(model, inputs, components,
-                     run=lambda: box.setdefault("out", pv_model(base=inputs)[1]))
+
+    def noised() -> None:
+        with intervened(model, [{"component": c, "intervention": m} for c, m in noise]):
+            box["out"] = model(**inputs)
+
+    states = capture(model, inputs, components, run=noised)
     return states, box["out"].logits[:, -1].double().softmax(-1).cpu()
 
 
@@ -281,10 +284,11 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
     entries = describe(model)
     with measuring(model), applied_interventions(model) as model, uniform_grad_flags(model):
         plan = _plan(spec, model, tokenizer)
-        pv_model = intervenable_model_class()(to_pv_config(plan), model)
         device = _device(model)
         base = {k: v.to(device) for k, v in plan.base_inputs.items()}
-        _, out = pv_model(base=base)
+        representations = [{"component": c, "intervention": m} for c, m in plan.interventions]
+        with intervened(model, representations):
+            out = model(**base)
     probs = answer_probs(out.logits, plan.answer_id).cpu()
     check_finite(probs, "the intervened run's probabilities")
     clean = float(plan.clean_probs[plan.answer_id])
