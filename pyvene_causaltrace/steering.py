@@ -408,8 +408,8 @@ def intervene_features(
         print(result.summary())
     """
     if is_intervenable(model):
-        raise PyveneModelError("intervene_features takes the bare model: it builds its own "
-                               "IntervenableModel around it")
+        raise PyveneModelError("intervene_features takes the bare model: it applies its own "
+                               "interventions to it (pass pv_model.model)")
     steps = _integer(max_new_tokens, "max_new_tokens")
     if steps < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

@@ -1,6 +1,7 @@
 """The local replacement model: the original forward, rebuilt so it is linear in its leaves.
 
-Built only from registered interventions on a plain ``IntervenableModel``:
+Built only from registered interventions, applied by our hook runner
+(:func:`~pyvene_causaltrace.runtime.intervened`, pyvene's numbers without an ``IntervenableModel``):
 
 - ``gradient_leaf`` on the embedding output(s): token nodes;
 - ``clt_splice`` in leaf mode at every layer: active features and ``b_dec`` as leaves, every
