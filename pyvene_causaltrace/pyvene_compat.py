@@ -36,7 +36,7 @@ from torch import nn
 
 from .errors import InputError, PyveneModelError
 from .hooking import installed, register, release
-from .models import is_intervenable
+from .models import ADAPTERS, is_intervenable
 
 
 @dataclass(frozen=True)
@@ -452,6 +452,42 @@ def _is_collect(made: nn.Module) -> bool:
     return isinstance(made, pv.CollectIntervention)
 
 
+def _residual_norm_names(model: nn.Module) -> set[str]:
+    """Module names of the norms that read the residual stream inside the blocks (each
+    block's pre-attention and pre-MLP norm), from the adapter table's row for the model (no
+    row: none; such a model is refused with its architecture later)."""
+    row = ADAPTERS.get(getattr(model.config, "model_type", None))
+    if row is None:
+        return set()
+    n_layers = int(getattr(model.config, row.n_layers_key))
+    return {row.module_path(part, layer).replace("[", ".").replace("]", "")
+            for layer in range(n_layers) for part in ("pre_attn_norm", "pre_mlp_norm")}
+
+
+def _shared_input_refusal(key: str, register: Any, shared: set[str],
+                          model: nn.Module) -> str | None:
+    """Why a user's edit of a residual norm's *input* cannot run in our runs, or None.
+
+    pyvene writes an input edit in place into the module's first argument. A block's norm
+    may read the residual stream tensor itself (Llama's do), and then the edit also reaches
+    the skip path around the sublayer; our runs replace the norm's input (and a trace replays
+    stored block outputs that an in-place write would alter), so they would compute another
+    model than pyvene's. Which tensors alias is the architecture code's business, so every
+    residual norm's input edit is refused rather than possibly silently different."""
+    if getattr(register, "__name__", "") != "register_forward_pre_hook":
+        return None
+    module = getattr(register, "__self__", None)
+    name = next((n for n, m in model.named_modules() if m is module), "")
+    if name not in shared:
+        return None
+    return (f"{key}: edits the input of {name}, a norm that reads the residual stream: pyvene "
+            "writes such an edit in place into the tensor the norm reads, in some "
+            "architectures the residual stream itself (the skip path around the sublayer "
+            "then sees it too), which our runs do not reproduce. Put the edit "
+            "on the block's input or output (block_input / block_output), or on the norm's "
+            "output")
+
+
 def user_edits(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
     """``(key, intervention, representation)`` of a pyvene ``IntervenableModel`` that act on
     the output, in pyvene's order; refuses (``PyveneModelError``) any our runs cannot apply."""
@@ -463,9 +499,11 @@ def user_edits(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
             "the IntervenableModel only interventions that hold their own values (zero, "
             "constant, noise_add, restores with states)")
     edits = []
+    shared = _residual_norm_names(model.model)
     for key, made in model.interventions.items():
         representation = model.representations.get(key)
-        reason = _refusal(key, made, representation)
+        reason = _refusal(key, made, representation) or _shared_input_refusal(
+            key, model.intervention_hooks.get(key), shared, model.model)
         if reason is not None:
             raise PyveneModelError(reason)
         if not _is_collect(made):  # collecting changes nothing

@@ -314,3 +314,44 @@ def test_an_instance_placed_by_layer_and_component_saves_and_loads(tmp_path):
     with preserve_hooks(loaded), torch.no_grad():
         got = loaded(base={"input_ids": ids})[1].logits
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_an_edit_of_a_residual_norms_input_is_refused_not_computed_otherwise(arch, tokenizer):
+    """pyvene writes an input edit in place, so at a Llama block's norm it reaches the residual
+    stream too; our runs replace the norm's input. The two differ (the control below), so the
+    trace refuses (on every architecture: which tensors alias is the architecture code's
+    business) rather than trace another model than the user's; a block-input edit, where both
+    agree, runs."""
+    from pyvene_causaltrace.pyvene_compat import applied_interventions, import_pyvene
+
+    pv = import_pyvene()
+    model = make_tiny_model(arch, init=0.2)
+    norm = {"llama": "model.layers[1].post_attention_layernorm",
+            "gpt2": "transformer.h[1].ln_2"}[arch]
+    block = {"llama": "model.layers[1]", "gpt2": "transformer.h[1]"}[arch]
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+
+    def edit(component):
+        add = pv.AdditionIntervention(source_representation=torch.full((32,), 0.5),
+                                      embed_dim=32)
+        return pv.IntervenableModel([{"component": component, "intervention": add}], model)
+
+    at_norm = edit(norm + ".input")
+    with torch.no_grad():
+        theirs = at_norm(base={"input_ids": ids})[1].logits
+        replaced_input = get_module(model, norm).register_forward_pre_hook(
+            lambda _m, args: (args[0] + 0.5, *args[1:]))
+        try:
+            replaced = model(input_ids=ids).logits
+        finally:
+            replaced_input.remove()
+    if arch == "llama":  # control: there the in-place write is another model (GPT-2's agree)
+        assert (theirs - replaced).abs().max() > 1e-2
+    with pytest.raises(PyveneModelError, match=norm.replace("[", ".").replace("]", "")):
+        trace(at_norm, tokenizer, PROMPT, SUBJECT, seeds=2, progress=False)
+    at_block = edit(block + ".input")
+    with torch.no_grad(), applied_interventions(at_block) as inner:
+        ours = inner(input_ids=ids).logits
+    with torch.no_grad():
+        assert torch.equal(ours, at_block(base={"input_ids": ids})[1].logits)
