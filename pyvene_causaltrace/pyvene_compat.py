@@ -289,6 +289,24 @@ def preserve_hooks(pv_model) -> Iterator[None]:
         _remove_handles(handles)
 
 
+@contextlib.contextmanager
+def weights_without_gradients(model: nn.Module, keep: bool = False) -> Iterator[None]:
+    """Inside the block, under autograd, the model's weights record no gradient (their
+    ``requires_grad`` flags lowered, and put back after), as pyvene's ``IntervenableModel``
+    does for a call; ``keep``: the flags stay as they are (our attribution's forward)."""
+    if keep or not torch.is_grad_enabled():
+        yield
+        return
+    lowered = [p for p in model.parameters() if p.requires_grad]
+    for parameter in lowered:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in lowered:
+            parameter.requires_grad_(True)
+
+
 def _make_intervenable_class():
     pv = import_pyvene()
 
@@ -358,20 +376,9 @@ def _make_intervenable_class():
                 total += sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             return total
 
-        @contextlib.contextmanager
-        def _pyvene_gradients(self) -> Iterator[None]:
+        def _pyvene_gradients(self):
             """The model's weights record no gradient in this call unless they train."""
-            if self._model_trains() or not torch.is_grad_enabled():
-                yield
-                return
-            lowered = [p for p in self.model.parameters() if p.requires_grad]
-            for parameter in lowered:
-                parameter.requires_grad_(False)
-            try:
-                yield
-            finally:
-                for parameter in lowered:
-                    parameter.requires_grad_(True)
+            return weights_without_gradients(self.model, keep=self._model_trains())
 
         def forward(self, *args: Any, **kwargs: Any):
             try:

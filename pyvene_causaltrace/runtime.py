@@ -26,14 +26,19 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from .bound import BoundModel, bare
 from .errors import InputError
 from .hooking import installed
 from .models import get_module
-from .pyvene_compat import PyveneCall, apply_like_pyvene, bind_shared_state, calling
+from .pyvene_compat import (
+    PyveneCall,
+    apply_like_pyvene,
+    bind_shared_state,
+    calling,
+    weights_without_gradients,
+)
 
 __all__ = ["intervened"]
 
@@ -78,23 +83,6 @@ def _hook(made: nn.Module, pre: bool, owner: _Owner, key: str):
 
 
 @contextlib.contextmanager
-def _gradients(model: nn.Module, keep: bool) -> Iterator[None]:
-    """The model's weights record no gradient in the block unless ``keep`` (as pyvene's
-    ``IntervenableModel`` lowers their flags for a call; our attribution keeps them)."""
-    if keep or not torch.is_grad_enabled():
-        yield
-        return
-    lowered = [p for p in model.parameters() if p.requires_grad]
-    for parameter in lowered:
-        parameter.requires_grad_(False)
-    try:
-        yield
-    finally:
-        for parameter in lowered:
-            parameter.requires_grad_(True)
-
-
-@contextlib.contextmanager
 def intervened(model: nn.Module | BoundModel, representations: Sequence[dict[str, Any]], *,
                keep_model_gradients: bool = False) -> Iterator[nn.Module]:
     """Inside the block, this thread's forwards of ``model`` run with ``representations``
@@ -112,5 +100,5 @@ def intervened(model: nn.Module | BoundModel, representations: Sequence[dict[str
         hooks.append((get_module(module, path),
                       "forward_pre_with_kwargs" if pre else "forward_with_kwargs",
                       _hook(intervention, pre, owner, key)))
-    with _gradients(module, keep_model_gradients), installed(hooks):
+    with weights_without_gradients(module, keep_model_gradients), installed(hooks):
         yield module

@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..bound import BoundModel, bind
 from ..errors import InputError
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..model_guard import measured
@@ -62,7 +63,7 @@ def _ablations(graph, nodes: list[int]) -> list[dict]:
             for (layer, pos), features in sorted(groups.items())]
 
 
-def answer_prob(model: nn.Module, transcoder: Transcoder, ids: torch.Tensor,
+def answer_prob(model: nn.Module | BoundModel, transcoder: Transcoder, ids: torch.Tensor,
                 errors: torch.Tensor, token: int, ablate: list[int], graph) -> float:
     """P(token) in the spliced model with the feature nodes ``ablate`` zeroed."""
     reps = clt_splice_representations(transcoder, model, errors=errors,
@@ -97,20 +98,21 @@ def ablation_test(model: nn.Module, transcoder: Transcoder, graph: AttributionGr
     if graph.targets[0].get("output", "logits") != "logits":
         raise InputError("the ablation test reads the answer's probability; this graph explains "
                          f"a direction ({graph.targets[0]['name']}), not a logit")
-    device = next(model.parameters()).device
-    ids = torch.tensor([graph.input_ids], device=device)
-    errors = clean_errors(transcoder, model, ids, graph.from_position)
+    bound = bind(model)  # once for the 1 + len(sizes) * (1 + draws) spliced runs
+    model = bound.model
+    ids = torch.tensor([graph.input_ids], device=bound.device)
+    errors = clean_errors(transcoder, bound, ids, graph.from_position)
     token = int(graph.target["token"])
     with torch.no_grad():
         clean = float(model(input_ids=ids).logits[0, -1].float().softmax(-1)[token])
-    spliced = answer_prob(model, transcoder, ids, errors, token, [], graph)
+    spliced = answer_prob(bound, transcoder, ids, errors, token, [], graph)
     order = ranking(graph, rank_by)
     g = torch.Generator().manual_seed(seed)
     top, random = {}, {}
     for n in sizes:
         n = min(n, graph.n_features)
-        top[n] = answer_prob(model, transcoder, ids, errors, token, order[:n], graph)
-        random[n] = [answer_prob(model, transcoder, ids, errors, token,
+        top[n] = answer_prob(bound, transcoder, ids, errors, token, order[:n], graph)
+        random[n] = [answer_prob(bound, transcoder, ids, errors, token,
                                  torch.randperm(graph.n_features, generator=g)[:n].tolist(),
                                  graph) for _ in range(draws)]
     return AblationResult(graph.answer, clean, spliced, rank_by, top, random)

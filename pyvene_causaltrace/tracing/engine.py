@@ -133,8 +133,7 @@ class TraceEngine:
         self.replay_layers = replay_layers
         self.skip_unchanged = skip_unchanged
         self._cache_kw = _cache_kwarg(model)
-        self.blocks = [get_module(model, self.adapter.module_path("block", layer))
-                       for layer in range(self.n_layers)]
+        self.blocks = bound.blocks
 
         parts = ("block", "mlp", "attn")
         self._paths = {

@@ -251,8 +251,9 @@ def _condition_representations(name: str, clt, model, n_pos: int,
     if name == "b_dec_only":
         ablations = [{"clt_layer": layer, "features": "all"} for layer in range(clt.n_layers)]
         return clt_splice_representations(clt, model, from_position=start, ablations=ablations)
+    adapter = bind(model).adapter
     zeros = torch.zeros(1, n_pos, clt.cfg.d_model)
-    return [{"component": clt.cfg.hf_hooks(bind(model).adapter, layer)["output"],
+    return [{"component": clt.cfg.hf_hooks(adapter, layer)["output"],
              "intervention": CleanRestore(positions=list(range(start, n_pos)), states=zeros)}
             for layer in range(clt.n_layers)]
 
@@ -277,16 +278,17 @@ def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
                        answer: str | None = None, bos: str = BOS) -> AnchorReport:
     """The replacement-model anchor (see module docstring); ``bos``
     (:data:`~..prompts.BOS_MODES`) says whether the splice starts at position 0 or 1."""
-    check_fits(clt, model)
+    bound = bind(model)  # once: every condition's representations read its sites
+    check_fits(clt, bound)
     start = first_position(tokenizer, bos)
-    device = next(model.parameters()).device
+    device = bound.device
     totals = dict.fromkeys(ANCHOR_CONDITIONS, 0.0)
     n_tokens = 0
     for text in texts:
         ids = _ids(tokenizer, text, device)
         for name in ANCHOR_CONDITIONS:
             ce, n = _next_token_ce(
-                _logits(model, _condition_representations(name, clt, model, ids.shape[1],
+                _logits(model, _condition_representations(name, clt, bound, ids.shape[1],
                                                           start), ids),
                 ids)
             totals[name] += ce
@@ -297,7 +299,7 @@ def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
     if prompt is not None:
         ids = _ids(tokenizer, prompt, device)
         clean = model(input_ids=ids).logits[0, -1].double().log_softmax(-1)
-        splice = _condition_representations("clt", clt, model, ids.shape[1], start)
+        splice = _condition_representations("clt", clt, bound, ids.shape[1], start)
         spliced = _logits(model, splice, ids)[0, -1].double().log_softmax(-1)
         answer_id = (answer_token_id(tokenizer, answer) if answer is not None
                      else int(clean.argmax()))
