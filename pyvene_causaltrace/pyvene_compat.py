@@ -5,9 +5,11 @@
   tables lack (Qwen3, Gemma-3 text), reusing the entries of their closest relative.
 - pyvene hands an intervention only the module's output; :func:`pyvene_call` (and
   :func:`hooked_call`) give the module, its inputs and the call's ``unit_locations``
-  (``frozen_layernorm``, ``frozen_attention``, positions in ``generate``): announced by the
-  wrapper our :class:`IntervenableModel` puts around pyvene's hook, or — for a user's plain
-  ``pv.IntervenableModel`` — read from the hook's frame.
+  (``frozen_layernorm``, ``frozen_attention``, positions in ``generate``), announced by a
+  wrapper around each hook pyvene registers: :func:`import_pyvene` wraps
+  ``pv.IntervenableModel._intervention_setter`` once (:func:`announce_setter_calls`), so every
+  ``IntervenableModel`` — a user's plain one, ours, one loaded by pyvene — announces its calls.
+  Nothing reads a frame.
 - pyvene removes *every* forward hook on the model before and after each call (its
   ``_remove_forward_hooks``), including transformers 5's output-capturing hooks
   (``output_hidden_states`` then returns nothing) and any hook the user registered.
@@ -26,7 +28,6 @@ import contextlib
 import contextvars
 import functools
 import io
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -91,32 +92,12 @@ def pyvene_call() -> PyveneCall | None:
     pyvene 0.1.8 hands an intervention only the (gathered) output — ``as_adaptor`` adds the
     gathered positional input, never the module or its keyword inputs — and its hook closure
     (``hook_callback(model, args, kwargs, output)`` in ``_intervention_setter``) holds the rest.
-    In our :class:`IntervenableModel` (and in :func:`preserve_hooks`) each such hook is wrapped
-    when pyvene registers it (:func:`_announcing`): the wrapper has the module and its inputs
-    as arguments and the rest in the hook's closure, and sets them in a context variable for
-    the hook's run. Only for a user's plain ``pv.IntervenableModel`` is the hook's frame read,
-    a few frames up (:func:`_call_from_frames`, the only place that reads pyvene's frames).
-    ``tests/test_pyvene_frames.py`` fails, naming pyvene's version, if pyvene moves them.
+    Each such hook is wrapped when pyvene registers it (:func:`announce_setter_calls`): the
+    wrapper has the module and its inputs as arguments and the rest in the hook's closure, and
+    sets them in a context variable for the hook's run. ``tests/test_pyvene_setter.py`` fails,
+    naming pyvene's version, if pyvene moves them.
     """
-    call = _CALL.get()
-    return call if call is not None else _call_from_frames()
-
-
-def _call_from_frames() -> PyveneCall | None:
-    """:func:`pyvene_call` for a plain ``pv.IntervenableModel``: its hook's frame, read."""
-    frame = sys._getframe(2)
-    for _ in range(16):
-        if frame is None:
-            break
-        local = frame.f_locals
-        if (frame.f_code.co_name == "hook_callback" and "args" in local
-                and local.get("output") is not None and "unit_locations_base" in local):
-            return PyveneCall(local["model"], tuple(local["args"]),
-                              dict(local.get("kwargs") or {}),
-                              local["unit_locations_base"][local["key_i"]], local.get("self"),
-                              local.get("key", ""))
-        frame = frame.f_back
-    return None
+    return _CALL.get()
 
 
 def _closure(fn) -> dict[str, Any]:
@@ -135,7 +116,8 @@ def _announcing(hook):
     """pyvene's setter ``hook_callback(model, args, kwargs[, output])``, run with its
     :class:`PyveneCall` set for :func:`pyvene_call`; any other hook as it is."""
     code = getattr(hook, "__code__", None)
-    if (getattr(hook, "__name__", "") != "hook_callback" or code is None
+    if (getattr(hook, "_pvct_announced", False)
+            or getattr(hook, "__name__", "") != "hook_callback" or code is None
             or not {"unit_locations_base", "key_i"} <= set(code.co_freevars)):
         return hook
 
@@ -151,7 +133,49 @@ def _announcing(hook):
             _CALL.reset(token)
 
     announced.__name__ = announced.__qualname__ = hook.__name__
+    announced._pvct_announced = True
     return announced
+
+
+class _AnnouncingRegister:
+    """A register method of ``intervention_hooks`` whose setter hooks announce their calls
+    (:func:`_announcing`); ``__self__`` and ``__name__`` are the wrapped method's."""
+
+    def __init__(self, register_method) -> None:
+        self.register = register_method
+        self.__self__ = getattr(register_method, "__self__", None)
+        self.__name__ = getattr(register_method, "__name__", "register")
+
+    def __call__(self, hook, *args: Any, **kwargs: Any):
+        return self.register(_announcing(hook), *args, **kwargs)
+
+
+def _setter_announcing(setter):
+    """pyvene's ``IntervenableModel._intervention_setter``, with the register methods of the
+    keys it sets wrapped for its run (:class:`_AnnouncingRegister`) and put back after."""
+
+    @functools.wraps(setter)
+    def _intervention_setter(self, keys, *args: Any, **kwargs: Any):
+        hooks = self.intervention_hooks
+        saved = {key: hooks[key] for key in keys if callable(hooks.get(key))}
+        hooks.update({key: _AnnouncingRegister(method) for key, method in saved.items()})
+        try:
+            return setter(self, keys, *args, **kwargs)
+        finally:
+            hooks.update(saved)
+
+    _intervention_setter._pvct_announcing = True
+    return _intervention_setter
+
+
+def announce_setter_calls(pv) -> None:
+    """Make every ``pv.IntervenableModel``'s setter hooks announce their calls to
+    :func:`pyvene_call` (idempotent; :func:`import_pyvene` calls it). The one change this
+    package makes to a pyvene class: a wrapper around ``_intervention_setter`` that leaves its
+    arguments, results and the hooks' behaviour as they are."""
+    klass = pv.IntervenableModel
+    if not getattr(klass._intervention_setter, "_pvct_announcing", False):
+        klass._intervention_setter = _setter_announcing(klass._intervention_setter)
 
 
 def hooked_call() -> tuple[nn.Module, tuple, dict]:
@@ -170,6 +194,7 @@ def import_pyvene():
     with contextlib.redirect_stdout(io.StringIO()):
         import pyvene  # pyvene prints on import: only import_pyvene() imports it, quietly
     register_architectures()
+    announce_setter_calls(pyvene)
     return pyvene
 
 
@@ -207,8 +232,7 @@ def register_architectures() -> None:
 class _RecordedRegister:
     """A module's ``register_forward_hook`` / ``register_forward_pre_hook`` as pyvene keeps it
     in ``intervention_hooks``, with each handle it returns noted in ``handles`` so that the
-    hooks pyvene registered — and only those — can be removed, and each setter hook announcing
-    its call to :func:`pyvene_call` (:func:`_announcing`). ``gate``: each hook acts only
+    hooks pyvene registered — and only those — can be removed. ``gate``: each hook acts only
     on the registering thread's forwards (:func:`~pyvene_causaltrace.hooking.register`; our
     :class:`IntervenableModel`), or — a user's plain ``pv.IntervenableModel`` in
     :func:`preserve_hooks` — registered as pyvene would. ``__self__`` and ``__name__`` are the
@@ -219,7 +243,6 @@ class _RecordedRegister:
         self.__self__, self.__name__ = register_method.__self__, register_method.__name__
 
     def __call__(self, hook, *args: Any, **kwargs: Any):
-        hook = _announcing(hook)
         if self.gate:
             handle = register(self.register, hook, *args, **kwargs)
         else:

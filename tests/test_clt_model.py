@@ -233,14 +233,17 @@ def test_fitted_per_layer_sets_pair_and_round_trip(tokenizer, tmp_path, trained_
         fit_clt(model, tokenizer, texts[:2], skip=True)
 
 
-def test_splice_state_is_a_session_object_and_the_cache_follows_the_files(tmp_path, tokenizer):
+def test_splice_state_is_a_session_object_and_a_path_is_read_once_per_session(
+        tmp_path, tokenizer, monkeypatch):
     """The splice's state is the session its caller holds (nothing on the transcoder); a
-    transcoder read by path is read again when its files change."""
-    from pyvene_causaltrace.interventions.clt_splice import SpliceSession, resolve_transcoder
+    transcoder named by path is read once by the session its siblings share, again by a new
+    session (so new files at the path are read), and no module-level cache holds it."""
+    import pyvene_causaltrace.interventions.splice_session as session_module
+    from pyvene_causaltrace.interventions.clt_splice import CLTSplice, SpliceSession
+    from pyvene_causaltrace.transcoders import load_transcoder
 
     path = write_clt(tmp_path / "clt", random_clt_tensors(L, D, F, threshold=0.0))
-    first = resolve_transcoder(str(path))
-    assert resolve_transcoder(str(path)) is first
+    first = load_transcoder(str(path))
     model = make_tiny_model("llama", n_layers=L)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     session = SpliceSession()
@@ -251,9 +254,25 @@ def test_splice_state_is_a_session_object_and_the_cache_follows_the_files(tmp_pa
     assert sorted(session.acts) == list(range(L)) and sorted(session.inputs) == list(range(L))
     assert not session.acts[0][..., :2].any()  # the ablation acted on this session's features
     assert "_session" not in first.__dict__
+
+    reads = []
+
+    def counting(source):
+        reads.append(source)
+        return load_transcoder(source)
+
+    monkeypatch.setattr(session_module, "load_transcoder", counting)
+    shared = SpliceSession()
+    by_path = [CLTSplice(session=shared, source=str(path), clt_layer=layer, role="encode")
+               for layer in range(L)]
+    assert len({id(made.clt) for made in by_path}) == 1
+    assert reads == [str(path)]  # one read for all the siblings
     write_clt(path, random_clt_tensors(L, D, F, seed=7))  # new files at the same path
-    second = resolve_transcoder(str(path))
-    assert second is not first and not torch.equal(second.b_enc, first.b_enc)
+    again = CLTSplice(session=SpliceSession(), source=str(path), clt_layer=0,
+                      role="encode").clt
+    assert len(reads) == 2 and not torch.equal(again.b_enc, by_path[0].clt.b_enc)
+    assert not any(isinstance(value, dict) and any(v is again for v in value.values())
+                   for value in vars(session_module).values())
 
 
 def test_a_loaded_or_one_by_one_splice_shares_a_session_within_its_model_only(tmp_path,

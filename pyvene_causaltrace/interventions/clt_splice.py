@@ -63,21 +63,16 @@ from torch import nn
 from ..bound import BoundModel, bind
 from ..errors import InputError, SpecError
 from ..locations import resolve_layers
+from ..transcoders.formats import load_transcoder
 from ..transcoders.hooks import norm_settings, normalize, transcoder_states
 from ..transcoders.transcoder import check_fits
 from .feature_ablate import FeatureAblate
 from .spec_entry import Site, SpecContext
-from .splice_session import (
-    SpliceIntervention,
-    SpliceSession,
-    file_identity,
-    resolve_transcoder,
-)
+from .splice_session import SpliceIntervention, SpliceSession
 
 # FeatureAblate and the splice's shared base used to live here: they stay importable from here
 __all__ = ["ActiveFeatures", "CLTSplice", "FeatureAblate", "SpliceSession", "clean_errors",
-           "clean_selection", "clt_splice_representations", "file_identity", "resolve_transcoder",
-           "splice_session"]
+           "clean_selection", "clt_splice_representations", "splice_session"]
 
 
 def splice_session(representations: list[dict]) -> SpliceSession:
@@ -176,10 +171,13 @@ class CLTSplice(SpliceIntervention):
 
     @classmethod
     def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
-        try:
-            clt = resolve_transcoder(entry["clt"])
-        except (OSError, ValueError) as error:
-            raise SpecError(ctx.path(index, "clt"), str(error)) from None
+        key = ("transcoder", entry["clt"])
+        if key not in ctx.cache:  # read once per run
+            try:
+                ctx.cache[key] = load_transcoder(entry["clt"])
+            except (OSError, ValueError) as error:
+                raise SpecError(ctx.path(index, "clt"), str(error)) from None
+        clt = ctx.cache[key]
         layers = resolve_layers(entry.get("layers", "all"), clt.n_layers,
                                 ctx.path(index, "layers"))
         from_position = entry.get("from_position", 1)

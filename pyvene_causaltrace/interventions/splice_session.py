@@ -1,5 +1,5 @@
-"""What the interventions of one transcoder splice share: the transcoder (read by path once per
-version of its files) and the per-forward :class:`SpliceSession`.
+"""What the interventions of one transcoder splice share: the per-forward :class:`SpliceSession`,
+which also holds the transcoder read by path (once per session).
 
     session = SpliceSession()          # or splice_session(reps) for a splice's own
     session.acts[layer]                # features after any feature_ablate, [B, P, F]
@@ -28,7 +28,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,37 +36,6 @@ from ..errors import InputError
 from ..pyvene_compat import pyvene_call
 from ..transcoders.formats import load_transcoder
 from .base import CausalTraceIntervention
-
-#: Transcoders read by path, keyed by the files' identity (see :func:`file_identity`).
-_TRANSCODERS: dict[tuple, Any] = {}
-
-
-def file_identity(source: str) -> tuple:
-    """What identifies a transcoder's files: the resolved path and each file's size and
-    modification time (a directory's files, or a config file and the files beside it); a hub
-    id as it is."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        return (source,)
-    root = path if path.is_dir() else path.parent
-    files = sorted(p for p in root.iterdir() if p.is_file())
-    return (str(path.resolve()),
-            *((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
-
-
-def resolve_transcoder(source: str | None, clt=None):
-    """``clt`` itself, or the transcoder at ``source`` (read once per version of its files)."""
-    if clt is not None:
-        if clt.source is not None:
-            _TRANSCODERS.setdefault(file_identity(clt.source), clt)
-        return clt
-    if source is None:
-        raise InputError("clt_splice needs a transcoder (an object, or the path it was loaded "
-                         "from)")
-    key = file_identity(source)
-    if key not in _TRANSCODERS:
-        _TRANSCODERS[key] = load_transcoder(source)
-    return _TRANSCODERS[key]
 
 
 @dataclass(eq=False)
@@ -81,7 +49,10 @@ class SpliceSession:
     ``selection`` (bool ``[L, P, F]`` or ``[L, B, P, F]``) is not per forward: the features a
     ``joint_topk`` transcoder keeps, fixed for the splice's life (the clean run's,
     :func:`~.clt_splice.clean_selection`) — such a transcoder ranks all layers together, which a
-    forward cannot do before its last layer ran."""
+    forward cannot do before its last layer ran.
+
+    ``transcoders``: the transcoders its interventions named by path, read once
+    (:meth:`transcoder`), also not per forward; a deep copy shares them (they are read-only)."""
 
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     acts: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -89,6 +60,14 @@ class SpliceSession:
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     leaves: dict[str, Any] = field(default_factory=dict)
     selection: torch.Tensor | None = None
+    transcoders: dict[str, Any] = field(default_factory=dict)
+
+    def transcoder(self, source: str):
+        """The transcoder at ``source``: read the first time this session is asked for it."""
+        found = self.transcoders.get(source)
+        if found is None:
+            found = self.transcoders[source] = load_transcoder(source)
+        return found
 
     def clear(self) -> None:
         self.acts.clear()
@@ -99,14 +78,17 @@ class SpliceSession:
     def __deepcopy__(self, memo) -> SpliceSession:
         # per-forward state is not copied (the first encoder of a forward clears it, and in leaf
         # mode it holds autograd tensors deepcopy refuses); the selection is read-only
-        copied = SpliceSession(id=self.id, selection=self.selection)
+        copied = SpliceSession(id=self.id, selection=self.selection,
+                               transcoders=dict(self.transcoders))
         memo[id(self)] = copied
         return copied
 
 
 def bind_sessions(interventions: Iterable[Any]) -> None:
     """Give the splice interventions among ``interventions`` (one ``IntervenableModel``'s) that
-    hold no session object one per session id — a sibling's that holds one, else a new one."""
+    hold no session object one per session id — a sibling's that holds one, else a new one —
+    and let each session know the transcoders its interventions hold as objects, by their
+    paths (a sibling holding only the path then uses the object instead of reading it again)."""
     splices = [made for made in interventions if isinstance(made, SpliceIntervention)]
     held = {made.session_id: made.__dict__["_session_object"] for made in splices
             if made.__dict__["_session_object"] is not None}
@@ -117,6 +99,10 @@ def bind_sessions(interventions: Iterable[Any]) -> None:
                 held[key] = SpliceSession() if key is None else SpliceSession(id=key)
             made.__dict__["_session_object"] = held[key]
             made._config["session"] = held[key].id
+    for made in splices:
+        clt = made.__dict__["_clt_object"]
+        if clt is not None and clt.source is not None:
+            made.__dict__["_session_object"].transcoders.setdefault(clt.source, clt)
 
 
 class SpliceIntervention(CausalTraceIntervention):
@@ -133,7 +119,15 @@ class SpliceIntervention(CausalTraceIntervention):
 
     @property
     def clt(self):
-        return resolve_transcoder(self._config.get("source"), self._clt_object)
+        """The transcoder object given, else the one at the configured path, read through the
+        session (once for the siblings sharing it)."""
+        if self._clt_object is not None:
+            return self._clt_object
+        source = self._config.get("source")
+        if source is None:
+            raise InputError(f"{self.registered_name} needs a transcoder (an object, or the path "
+                             "it was loaded from)")
+        return self.session.transcoder(source)
 
     @classmethod
     def bind_shared(cls, interventions: Iterable[Any]) -> None:

@@ -1,8 +1,8 @@
 """pyvene hands an intervention only the module's output; :func:`pyvene_call` gives the hooked
-module, its inputs and the call's unit_locations — from the closure of pyvene's hook in our
-IntervenableModel, from pyvene's hook frame in a plain one. If a pyvene release moves them, this
-test says so by name (frozen_layernorm, frozen_attention and positions during generate depend on
-it)."""
+module, its inputs and the call's unit_locations, announced by the wrapper that
+``announce_setter_calls`` puts around pyvene's ``_intervention_setter`` — in our
+IntervenableModel and in a user's plain one alike. If a pyvene release moves them, this test says
+so by name (frozen_layernorm, frozen_attention and positions during generate depend on it)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from pyvene_causaltrace.pyvene_compat import (
 )
 
 pv = import_pyvene()
-CHANGED = (f"pyvene {version('pyvene')} changed the hook frame that calls an intervention "
-           "(pyvene_compat.pyvene_call reads hook_callback(model, args, kwargs, output) in "
-           "_intervention_setter, with unit_locations_base, key_i and key in scope, as of "
+CHANGED = (f"pyvene {version('pyvene')} changed the hook that calls an intervention "
+           "(pyvene_compat.announce_setter_calls wraps hook_callback(model, args, kwargs, "
+           "output), registered by IntervenableModel._intervention_setter through "
+           "intervention_hooks, with unit_locations_base, key_i and key in its closure, as of "
            "0.1.8): ")
 
 
@@ -47,13 +48,13 @@ def _run(ours: bool, component: str, unit_locations):
     else:
         pv_model = pv.IntervenableModel(reps, model)
     ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # a plain one bare (no preserve_hooks): pyvene_call reads its frames
+    with torch.no_grad():  # a plain one bare (no preserve_hooks)
         pv_model(base={"input_ids": ids}, unit_locations=unit_locations)
     if len(recorder.calls) != 1:
         pytest.fail(CHANGED + f"the intervention ran {len(recorder.calls)} times, not once")
     call, handed = recorder.calls[0]
     if call is None:
-        pytest.fail(CHANGED + "pyvene_call() found no such frame above the intervention")
+        pytest.fail(CHANGED + "pyvene_call() was not announced to the intervention")
     return model, pv_model, call, handed
 
 
@@ -62,7 +63,7 @@ def test_pyvene_call_finds_the_module_its_inputs_and_the_locations(ours):
     model, pv_model, call, handed = _run(ours, "model.layers[1].mlp.output",
                                          {"base": [[[1, 2]]]})
     mlp = get_module(model, "model.layers[1].mlp")
-    assert call.module is mlp, CHANGED + f"the frame's module is {type(call.module).__name__}"
+    assert call.module is mlp, CHANGED + f"the announced module is {type(call.module).__name__}"
     assert call.unit_locations == [[1, 2]], CHANGED + f"unit_locations {call.unit_locations!r}"
     assert call.owner is pv_model and call.key in pv_model.interventions, CHANGED + "owner/key"
     assert not call.generating
@@ -83,18 +84,28 @@ def test_outside_pyvene_there_is_no_call():
     assert pyvene_call() is None
 
 
-def test_our_intervenable_model_announces_the_call_and_reads_no_frame(monkeypatch):
-    """In our IntervenableModel the wrapper around pyvene's hook gives pyvene_call what the
-    frame would: the frames are read only for a user's plain pv.IntervenableModel."""
-    import pyvene_causaltrace.pyvene_compat as compat
+def test_the_announcement_is_what_gives_the_call_and_pyvene_keeps_its_register_methods(
+        monkeypatch):
+    """Control: with pyvene's own setter back (the wrapper taken off), a plain model's
+    intervention gets no call; with it, pyvene's ``intervention_hooks`` hold its own bound
+    register methods again after each call, and the wrapper is installed once."""
+    from pyvene_causaltrace.pyvene_compat import announce_setter_calls
 
-    def no_frames():
-        raise AssertionError("pyvene_call read the frames inside our IntervenableModel")
+    wrapped = pv.IntervenableModel._intervention_setter
+    assert wrapped._pvct_announcing
+    announce_setter_calls(pv)
+    assert pv.IntervenableModel._intervention_setter is wrapped  # idempotent
 
-    monkeypatch.setattr(compat, "_call_from_frames", no_frames)
-    for component, locations, where in (("model.layers[1].mlp.output", {"base": [[[1, 2]]]},
-                                         "model.layers[1].mlp"),
-                                        ("model.layers[1].input", None, "model.layers[1]")):
-        model, pv_model, call, _ = _run(True, component, locations)
-        assert call.module is get_module(model, where) and call.owner is pv_model
-        assert call.key in pv_model.interventions
+    model, pv_model, call, _ = _run(False, "model.layers[1].mlp.output", None)
+    assert call is not None
+    for key, method in pv_model.intervention_hooks.items():
+        assert method.__self__ is get_module(model, "model.layers[1].mlp"), key
+        assert method.__func__ is torch.nn.Module.register_forward_hook, key
+
+    monkeypatch.setattr(pv.IntervenableModel, "_intervention_setter", wrapped.__wrapped__)
+    recorder = _Recorder()
+    bare = pv.IntervenableModel([{"component": "model.layers[1].mlp.output",
+                                  "intervention": recorder}], make_tiny_model("llama"))
+    with torch.no_grad():
+        bare(base={"input_ids": torch.ones(1, 4, dtype=torch.long)})
+    assert [found for found, _ in recorder.calls] == [None]
