@@ -5,6 +5,7 @@
     bound.site("mlp_output", 3)       # "model.layers[3].mlp.output"
     bound.module("mlp", 3)            # the module itself
     bound.check_inputs(ids, answer)   # token ids the model can read
+    bound.check_weights()             # no NaN/inf in its weights (scanned again only if written)
 
 :func:`bind` is the one place that resolves a model's architecture (its row of
 :data:`~pyvene_causaltrace.models.ADAPTERS`) and reads its dimensions from the config; every
@@ -24,6 +25,7 @@ from torch import nn
 
 from .errors import InputError
 from .fingerprint import model_fingerprint
+from .finite import check_weights, weights_stamp
 from .models import ArchAdapter, get_adapter, get_module, model_name
 
 __all__ = ["BoundModel", "bare", "bind"]
@@ -56,6 +58,7 @@ class BoundModel:
         positions = getattr(config, adapter.positions_key, None)
         self.max_positions: int | None = positions if isinstance(positions, int) \
             and not isinstance(positions, bool) and positions > 0 else None
+        self._finite_stamp: tuple | None = None  # the weights as they were when last checked
 
     def __repr__(self) -> str:
         return (f"BoundModel({self.model_type}, {self.n_layers} layers, d_model "
@@ -105,6 +108,16 @@ class BoundModel:
         return [self.module("block", layer) for layer in range(self.n_layers)]
 
     # -- what it can read
+    def check_weights(self) -> None:
+        """Refuse weights with NaN or inf (:func:`~.finite.check_weights`, naming the tensor).
+        Weights that passed and have not been written since (same storage, same version
+        counters) are not scanned again: a dataset run checks once for every fact. The stamp
+        lives on this object, not on the user's model."""
+        stamp = weights_stamp(self.model)
+        if stamp != self._finite_stamp:
+            check_weights(self.model)
+            self._finite_stamp = stamp
+
     def check_inputs(self, input_ids: torch.Tensor, answer_id: int | None = None) -> None:
         """Refuse token ids the model cannot read: a prompt longer than an absolute position
         table (GPT-2's), ids outside the embedding (a tokenizer that is not the model's), an

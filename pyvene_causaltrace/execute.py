@@ -35,7 +35,7 @@ from torch import nn
 from .bound import bind
 from .capture import capture
 from .errors import InputError, SpecError
-from .finite import check_finite, check_weights
+from .finite import check_finite
 from .interventions import get_intervention
 from .interventions.spec_entry import Site, SpecContext, SpecEntry, entry_of
 from .model_guard import measuring
@@ -184,7 +184,7 @@ def _plan(spec: ExperimentSpec, model: nn.Module, tokenizer: Tokenizer) -> Plan:
     if not spec.interventions:
         raise SpecError("$.interventions", "empty: a run needs at least one intervention")
     ctx, items, resolved = _resolve(spec, model, tokenizer)
-    check_weights(model)
+    ctx.bound.check_weights()
     ids = ctx.prompt.input_ids.to(_device(model))
 
     def build(index: int, states: dict[str, dict[str, torch.Tensor]]) -> list:

@@ -16,22 +16,22 @@ from torch import nn
 from .errors import InputError, NonFiniteError
 
 
-def check_weights(model: nn.Module) -> None:
-    """Refuse a model with NaN or inf in a parameter or buffer, naming the first one.
+def weights_stamp(model: nn.Module) -> tuple:
+    """What changes when a parameter or buffer of ``model`` is replaced or written: each
+    tensor's storage and version counter."""
+    return tuple((t.data_ptr(), t._version)
+                 for t in (*model.parameters(), *model.buffers()))
 
-    A model that passed and whose tensors have not been written since (same storage, same
-    version counter) is not scanned again: a dataset run builds a tracer per fact."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    stamp = tuple((t.data_ptr(), t._version) for _, t in tensors)
-    if model.__dict__.get("_pvct_finite_stamp") == stamp:
-        return
-    for name, tensor in tensors:
+
+def check_weights(model: nn.Module) -> None:
+    """Refuse a model with NaN or inf in a parameter or buffer, naming the first one (every
+    call scans; :meth:`~.bound.BoundModel.check_weights` scans only weights written since)."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
             raise NonFiniteError(
                 f"the model's weights hold NaN/inf: {name} has {bad} of {tensor.numel()} "
                 "values non-finite (a damaged checkpoint, or one saved from a diverged run)")
-    model.__dict__["_pvct_finite_stamp"] = stamp
 
 
 def check_finite(tensor: torch.Tensor, what: str, hint: str = "") -> None:

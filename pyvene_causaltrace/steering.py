@@ -31,7 +31,7 @@ from .bound import BoundModel, bind
 from .dataset.plan import machine_memory
 from .defaults import BOS, STEER_TOP_K
 from .errors import InputError, MemoryCapError, NonFiniteError, PyveneModelError
-from .finite import check_finite, check_weights, positive_number
+from .finite import check_finite, positive_number
 from .interventions.clt_splice import clean_errors, clt_splice_representations
 from .interventions.frozen import FrozenAttention, attention_patterns
 from .model_guard import measured
@@ -430,7 +430,7 @@ def intervene_features(
     ids = tokenized.input_ids.to(device)
     bound.check_inputs(ids)
     check_generation_fits(bound, transcoder, n_pos, steps, memory_mb)
-    check_weights(model)
+    bound.check_weights()
     eos = tokenizer.eos_token_id
     show = steps >= LONG_GENERATION if progress is None else progress and steps > 0
 

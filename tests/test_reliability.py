@@ -143,13 +143,26 @@ def test_pruning_thresholds_are_fractions(tokenizer, tmp_path):
     assert graph.prune(0.8, 0.98).n_nodes > 0
 
 
-def test_a_weight_written_after_a_passed_check_is_checked_again():
+def test_a_weight_written_after_a_passed_check_is_checked_again(monkeypatch):
+    """The bound model scans its weights once and again only after one is written; the stamp
+    lives on the bound object, not on the user's model (control: a second bound model scans)."""
+    import pyvene_causaltrace.bound as bound_module
+    from pyvene_causaltrace.bound import bind
     from pyvene_causaltrace.finite import check_weights
 
+    scans = []
+    monkeypatch.setattr(bound_module, "check_weights",
+                        lambda model: scans.append(1) or check_weights(model))
     model = make_tiny_model("llama")
-    check_weights(model)
-    check_weights(model)  # unchanged: not scanned again
+    bound = bind(model)
+    bound.check_weights()
+    bound.check_weights()  # unchanged: not scanned again
+    assert len(scans) == 1 and not any(k.startswith("_pvct") for k in vars(model))
+    bind(model).check_weights()
+    assert len(scans) == 2
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match="lm_head.weight"):
+        bound.check_weights()
     with pytest.raises(NonFiniteError, match="lm_head.weight"):
         check_weights(model)

@@ -2,8 +2,8 @@
 
 :class:`ReplacementModel` checks, when it is made, what every later step relies on — the
 transcoder fits the model (:func:`~..transcoders.transcoder.check_fits`), the weights are
-finite (:func:`~..finite.check_weights`) — looks up the architecture adapter and the device,
-and carries them to each phase of :func:`~.attribute.attribute`:
+finite (:meth:`~..bound.BoundModel.check_weights`) — looks up the architecture adapter and the
+device, and carries them to each phase of :func:`~.attribute.attribute`:
 
     replacement = ReplacementModel(model, tokenizer, transcoder)
     prompt = replacement.prepare("The Eiffel Tower is in the city of", " Paris")
@@ -40,7 +40,7 @@ from ..defaults import (
 )
 from ..errors import InputError
 from ..fingerprint import transcoder_fingerprint
-from ..finite import check_finite, check_weights
+from ..finite import check_finite
 from ..models import model_name
 from ..prompts import bos_metadata, first_position, tokenizer_adds_bos
 from ..transcoders.transcoder import Transcoder, check_fits
@@ -103,7 +103,7 @@ class ReplacementModel:
         self.bound = bind(model)
         check_fits(transcoder, self.bound)
         self.model = model = self.bound.model
-        check_weights(model)
+        self.bound.check_weights()
         self.tokenizer = tokenizer
         self.transcoder = transcoder
         self.adapter = self.bound.adapter

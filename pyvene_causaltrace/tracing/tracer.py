@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from ..bound import BoundModel, bare, bind
 from ..errors import InputError
-from ..finite import check_finite, check_weights, positive_number
+from ..finite import check_finite, positive_number
 from ..interventions.noise import seed_list
 from ..model_guard import measuring
 from ..model_interventions import describe, model_for_spec, uniform_grad_flags
@@ -140,9 +140,9 @@ class Tracer:
         model = bare(model)
         self._given = model  # a pv.IntervenableModel: its interventions act in every run
         with measuring(model), applied_interventions(model) as model, uniform_grad_flags(model):
-            check_weights(model)
             # the architecture, resolved once per tracer (a dataset binds once for every fact)
             self.bound = bound = given_bound or bind(model)
+            bound.check_weights()
             self.model, self.tokenizer = model, tokenizer
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
             self.noise_positions = list(range(*self.prompt.subject_range))
