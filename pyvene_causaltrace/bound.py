@@ -11,7 +11,13 @@
 :data:`~pyvene_causaltrace.models.ADAPTERS`) and reads its dimensions from the config; every
 function below the public API takes the :class:`BoundModel` and asks it. Public functions take a
 plain model or a bound one (``bind`` of a bound model is itself), so a call binds once however
-deep it goes (``tests/test_bound.py`` counts it).
+deep it goes (``tests/test_bound_model.py`` counts it).
+
+The calls that apply a user's ``pv.IntervenableModel`` (``Tracer``/``trace``, ``attribute``,
+``run_spec``) bind it with ``interventions=True``: the bound model is the one it wraps, and
+``given`` carries the pyvene model, whose interventions act in every forward of a measurement
+(:func:`~pyvene_causaltrace.model_guard.measurement`, with the model's lock) and in no other.
+Anything else refuses such a model, and such a bound model outside its measurements.
 """
 
 from __future__ import annotations
@@ -23,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import InputError
+from .errors import InputError, PyveneModelError
 from .fingerprint import model_fingerprint
 from .finite import check_weights, weights_stamp
-from .models import ArchAdapter, get_adapter, get_module, model_name
+from .models import ArchAdapter, get_adapter, get_module, is_intervenable, model_name
 
 __all__ = ["BoundModel", "bare", "bind"]
 
@@ -38,10 +44,15 @@ class BoundModel:
     adapter table. ``n_layers``, ``d_model``, ``n_heads``, ``head_dim``, ``kv_width`` (keys'
     width per position, all heads), ``d_mlp``, ``vocab`` (input embeddings' rows),
     ``max_positions`` (None when the config does not say): read from the config once.
+    ``given``: what the caller passed — ``model`` itself, or the ``pv.IntervenableModel``
+    wrapping it, whose interventions then act on every forward of a measurement
+    (:func:`~.model_guard.measurement`, the only place that applies them) and nowhere else.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, given: nn.Module | None = None) -> None:
         self.model = model
+        self.given = model if given is None else given
+        self.applying = 0  # measurements of this bound model open now (nested: one thread)
         self.adapter: ArchAdapter = get_adapter(model)
         adapter, config = self.adapter, model.config
         self.model_type: str = adapter.model_type
@@ -107,6 +118,11 @@ class BoundModel:
         """Every block (transformer layer), in order."""
         return [self.module("block", layer) for layer in range(self.n_layers)]
 
+    @property
+    def carries_interventions(self) -> bool:
+        """Bound from a ``pv.IntervenableModel``: its interventions act in measurements."""
+        return self.given is not self.model
+
     # -- what it can read
     def check_weights(self) -> None:
         """Refuse weights with NaN or inf (:func:`~.finite.check_weights`, naming the tensor).
@@ -162,14 +178,25 @@ class BoundModel:
                              f"{max(0, limit - n_prompt)} new tokens fit")
 
 
-def bind(model: nn.Module | BoundModel) -> BoundModel:
+def bind(model: nn.Module | BoundModel, *, interventions: bool = False) -> BoundModel:
     """``model`` bound (:class:`BoundModel`); a bound model is returned as it is.
 
     The only place that resolves an architecture: an unsupported one raises
-    ``UnsupportedModelError`` naming the supported ones, and a pyvene ``IntervenableModel``
-    ``PyveneModelError`` (the calls that accept one bind the model it wraps, with its
-    interventions applied: :func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`)."""
-    return model if isinstance(model, BoundModel) else BoundModel(model)
+    ``UnsupportedModelError`` naming the supported ones. A pyvene ``IntervenableModel`` is
+    bound (the model it wraps, its interventions carried in ``given``) only by the public calls
+    that apply them (``interventions=True``: :class:`~.tracing.Tracer`, ``attribute``,
+    ``run_spec``); anywhere else it raises ``PyveneModelError``, and so does a bound model that
+    carries interventions outside one of its measurements (it would run without them)."""
+    if isinstance(model, BoundModel):
+        if model.carries_interventions and not (interventions or model.applying):
+            raise PyveneModelError(
+                "this bound model carries a pv.IntervenableModel's interventions, which act "
+                "only inside the calls that apply them (Tracer/trace, attribute, run_spec): "
+                "pass it to one of those, or bind pv_model.model for a run without them")
+        return model
+    if interventions and is_intervenable(model):
+        return BoundModel(model.model, given=model)
+    return BoundModel(model)
 
 
 def bare(model: nn.Module | BoundModel) -> nn.Module:

@@ -32,17 +32,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .bound import bind
+from .bound import BoundModel, bind
 from .capture import capture
 from .errors import InputError, SpecError
 from .finite import check_finite
 from .interventions import get_intervention
 from .interventions.spec_entry import Site, SpecContext, SpecEntry, entry_of
-from .model_guard import measuring
-from .model_interventions import describe, model_for_spec, rebuild, uniform_grad_flags
+from .model_guard import measurement
+from .model_interventions import describe, model_for_spec, rebuild
 from .models import get_module
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
-from .pyvene_compat import applied_interventions, import_pyvene, intervenable_model_class
+from .pyvene_compat import import_pyvene, intervenable_model_class
 from .runtime import intervened
 from .specs import ExperimentSpec, load_spec
 from .tracing.metrics import answer_probs, recovery
@@ -111,7 +111,7 @@ def _resolve(spec: ExperimentSpec, model: nn.Module, tokenizer
         entry = entry_of(get_intervention(item["type"]))
         sites = entry.spec_sites(item, index, ctx)
         for site in sites:
-            _check_module(model, site, item)
+            _check_module(bound.model, site, item)
         resolved.append((entry, sites))
     return ctx, items, resolved
 
@@ -174,7 +174,7 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module,
     return _plan(spec, model, tokenizer)
 
 
-def _plan(spec: ExperimentSpec, model: nn.Module, tokenizer: Tokenizer) -> Plan:
+def _plan(spec: ExperimentSpec, model: nn.Module | BoundModel, tokenizer: Tokenizer) -> Plan:
     if spec.trace is not None:
         raise SpecError("$.trace", "this is a trace spec: run it with tracer_from_spec "
                         "(or `pyvene-causaltrace run`)")
@@ -184,6 +184,7 @@ def _plan(spec: ExperimentSpec, model: nn.Module, tokenizer: Tokenizer) -> Plan:
     if not spec.interventions:
         raise SpecError("$.interventions", "empty: a run needs at least one intervention")
     ctx, items, resolved = _resolve(spec, model, tokenizer)
+    model = ctx.bound.model
     ctx.bound.check_weights()
     ids = ctx.prompt.input_ids.to(_device(model))
 
@@ -276,14 +277,14 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
     """Run a spec: clean, noise-only (if noised) and intervened probabilities of the answer.
 
     ``model`` may be a ``pv.IntervenableModel``: its interventions then act in every run
-    (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`), and the result's spec
+    (:func:`~pyvene_causaltrace.model_guard.measurement`), and the result's spec
     carries them (``model_interventions``; refused, before running, if it cannot). A spec with
     ``model_interventions`` rebuilds them around the bare ``model``."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
-    model = model_for_spec(spec, model)
-    entries = describe(model)
-    with measuring(model), applied_interventions(model) as model, uniform_grad_flags(model):
-        plan = _plan(spec, model, tokenizer)
+    bound = bind(model_for_spec(spec, model), interventions=True)
+    entries = describe(bound.given)
+    with measurement(bound) as model:
+        plan = _plan(spec, bound, tokenizer)
         device = _device(model)
         base = {k: v.to(device) for k, v in plan.base_inputs.items()}
         representations = [{"component": c, "intervention": m} for c, m in plan.interventions]

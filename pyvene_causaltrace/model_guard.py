@@ -1,7 +1,13 @@
 """One measurement at a time on a model, in eval mode, leaving no hook behind.
 
-    with measuring(model):          # a trace, a spec run, an attribution graph
+    with measurement(bound) as model:   # a trace, a spec run, an attribution graph
         ...
+
+:func:`measurement` is what a public call runs inside: :func:`measuring` of the bound model,
+the user's pyvene interventions on every forward when it was bound from a
+``pv.IntervenableModel`` (:func:`~.pyvene_compat.applied_interventions`), and the weights'
+``requires_grad`` flags as loaded (:func:`~.pyvene_compat.uniform_grad_flags`).
+:func:`measured` runs a function inside one.
 
 A trace or a graph hooks the model it measures. Two threads measuring one model object would
 mix their hooks and return each other's numbers, so a second call on the same model waits for
@@ -28,9 +34,10 @@ from typing import TypeVar
 
 from torch import nn
 
-from .bound import BoundModel
+from .bound import BoundModel, bind
+from .errors import PyveneModelError
 from .hooking import recording
-from .pyvene_compat import is_intervenable
+from .pyvene_compat import applied_interventions, is_intervenable, uniform_grad_flags
 
 logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable)
@@ -79,14 +86,40 @@ def measuring(model: nn.Module) -> Iterator[nn.Module]:
                     module.training = was
 
 
-def measured(function: F) -> F:
-    """Run ``function`` inside :func:`measuring` of its argument named ``model``."""
+@contextlib.contextmanager
+def measurement(bound: BoundModel) -> Iterator[nn.Module]:
+    """One measurement of ``bound`` (module docstring): yields the module to run, with the
+    interventions ``bound`` carries acting on its forwards until the block ends."""
+    with measuring(bound.model), applied_interventions(bound.given) as model, \
+            uniform_grad_flags(model):
+        bound.applying += 1
+        try:
+            yield model
+        finally:
+            bound.applying -= 1
+
+
+def measured(function: F | None = None, *, interventions: bool = False):
+    """Run ``function`` inside :func:`measurement` of its argument named ``model``, bound
+    (:func:`~.bound.bind`) and handed to it bound. ``interventions``: a
+    ``pv.IntervenableModel`` is taken (its interventions act in the run); otherwise it is
+    refused with :class:`~.errors.PyveneModelError`."""
+    if function is None:
+        return functools.partial(measured, interventions=interventions)
     signature = inspect.signature(function)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        model = signature.bind_partial(*args, **kwargs).arguments["model"]
-        with measuring(model):
-            return function(*args, **kwargs)
+        call = signature.bind_partial(*args, **kwargs)
+        given = call.arguments["model"]
+        if not interventions and (is_intervenable(given) or (
+                isinstance(given, BoundModel) and given.carries_interventions)):
+            raise PyveneModelError(
+                f"{function.__name__} takes the bare model: it applies its own interventions "
+                "to it (pass pv_model.model)")
+        bound = bind(given, interventions=interventions)
+        call.arguments["model"] = bound
+        with measurement(bound):
+            return function(*call.args, **call.kwargs)
 
     return wrapper  # type: ignore[return-value]

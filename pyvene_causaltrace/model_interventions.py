@@ -34,12 +34,10 @@ tensor, a buffer left out of the state dict, a class defined in ``__main__``).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -416,28 +414,6 @@ def rebuild(entries: list[dict[str, Any]], model: nn.Module, base_dir: str | Pat
     return pv_model
 
 
-@contextlib.contextmanager
-def uniform_grad_flags(model: nn.Module) -> Iterator[None]:
-    """Inside the block every floating parameter of ``model`` has ``requires_grad=True`` (the
-    state a model is loaded in); afterwards each flag is as it was.
-
-    A forward's last bits depend on these flags even under ``torch.no_grad()``: torch's matmul
-    folds a 3-d input differently when the weight requires grad (``logits_to_keep=1`` slices
-    give such an input), which moves logits by ~5e-7 and probabilities by ~1e-8. A plain
-    ``pv.IntervenableModel`` lowers every flag of the model it wraps, so without this a trace
-    of it and the same trace rerun from its spec on a freshly loaded model would differ in
-    those bits. Our runs need no gradients (they run under ``no_grad``)."""
-    lowered = [p for p in model.parameters()
-               if not p.requires_grad and (p.is_floating_point() or p.is_complex())]
-    for parameter in lowered:
-        parameter.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for parameter in lowered:
-            parameter.requires_grad_(False)
-
-
 def model_for_spec(spec: Any, model: nn.Module) -> nn.Module:
     """The model to run ``spec`` on: ``model`` itself, or — when the spec carries
     ``model_interventions`` — an ``IntervenableModel`` rebuilding them around it. A given
@@ -463,4 +439,4 @@ def model_for_spec(spec: Any, model: nn.Module) -> nn.Module:
     return rebuild(list(entries), model, base_dir)
 
 
-__all__ = ["describe", "model_for_spec", "rebuild", "resolve_class", "uniform_grad_flags"]
+__all__ = ["describe", "model_for_spec", "rebuild", "resolve_class"]

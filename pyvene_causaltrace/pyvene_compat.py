@@ -313,6 +313,28 @@ def preserve_hooks(pv_model) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def uniform_grad_flags(model: nn.Module) -> Iterator[None]:
+    """Inside the block every floating parameter of ``model`` has ``requires_grad=True`` (the
+    state a model is loaded in); afterwards each flag is as it was.
+
+    A forward's last bits depend on these flags even under ``torch.no_grad()``: torch's matmul
+    folds a 3-d input differently when the weight requires grad (``logits_to_keep=1`` slices
+    give such an input), which moves logits by ~5e-7 and probabilities by ~1e-8. A plain
+    ``pv.IntervenableModel`` lowers every flag of the model it wraps, so without this a trace
+    of it and the same trace rerun from its spec on a freshly loaded model would differ in
+    those bits. Our runs need no gradients (they run under ``no_grad``)."""
+    lowered = [p for p in model.parameters()
+               if not p.requires_grad and (p.is_floating_point() or p.is_complex())]
+    for parameter in lowered:
+        parameter.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for parameter in lowered:
+            parameter.requires_grad_(False)
+
+
+@contextlib.contextmanager
 def weights_without_gradients(model: nn.Module, keep: bool = False) -> Iterator[None]:
     """Inside the block, under autograd, the model's weights record no gradient (their
     ``requires_grad`` flags lowered, and put back after), as pyvene's ``IntervenableModel``
@@ -440,18 +462,6 @@ def __getattr__(name: str):
 
 
 # ------------------------------------------------------------- a user's IntervenableModel
-
-
-def accepts_intervenable(function):
-    """Let ``function(model, ...)`` take a pyvene ``IntervenableModel`` as ``model``: it runs on
-    the wrapped model with the wrapper's interventions applied (:func:`applied_interventions`)."""
-
-    @functools.wraps(function)
-    def wrapper(model, *args, **kwargs):
-        with applied_interventions(model) as inner:
-            return function(inner, *args, **kwargs)
-
-    return wrapper
 
 
 def _needs_source(intervention: nn.Module) -> bool:

@@ -30,12 +30,12 @@ from torch import nn
 from .bound import BoundModel, bind
 from .dataset.plan import machine_memory
 from .defaults import BOS, STEER_TOP_K
-from .errors import InputError, MemoryCapError, NonFiniteError, PyveneModelError
+from .errors import InputError, MemoryCapError, NonFiniteError
 from .finite import check_finite, positive_number
 from .interventions.clt_splice import clean_errors, clt_splice_representations
 from .interventions.frozen import FrozenAttention, attention_patterns
 from .model_guard import measured
-from .models import is_intervenable, model_name
+from .models import model_name
 from .prompts import first_position, tokenize_prompt
 from .runtime import intervened
 from .specs import SCHEMA_VERSION, validate_spec
@@ -407,9 +407,6 @@ def intervene_features(
                                     [(20, -1, 1234, 10.0)], max_new_tokens=10)
         print(result.summary())
     """
-    if is_intervenable(model):
-        raise PyveneModelError("intervene_features takes the bare model: it applies its own "
-                               "interventions to it (pass pv_model.model)")
     steps = _integer(max_new_tokens, "max_new_tokens")
     if steps < 0:
         raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

@@ -178,3 +178,56 @@ def test_binding_refuses_what_it_cannot_carry(world):
     other.config.model_type = "unknown-arch"
     with pytest.raises(UnsupportedModelError, match="supported"):
         bind(other)
+
+
+def _added(model, amount: float):
+    """A user's ``pv.IntervenableModel`` adding ``amount`` to layer 1's MLP output."""
+    from pyvene_causaltrace.pyvene_compat import import_pyvene
+
+    pv = import_pyvene()
+    add = pv.AdditionIntervention(source_representation=torch.full((32,), amount))
+    return pv.IntervenableModel([{"component": "model.layers[1].mlp.output",
+                                  "intervention": add}], model)
+
+
+def test_a_pyvene_model_is_bound_with_its_interventions_which_act_only_in_a_measurement(world):
+    """The public calls bind a ``pv.IntervenableModel`` with its interventions (``given``) and
+    apply them in :func:`measurement`; the same numbers from the pv model and from the model
+    bound from it; outside a measurement such a bound model is refused (it would run without
+    them). Control: the interventions do change the trace."""
+    from pyvene_causaltrace.attribution import ReplacementModel
+    from pyvene_causaltrace.model_guard import measurement
+
+    model, tokenizer, clt = world
+    pv_model = _added(model, 0.5)
+    bound = bind(pv_model, interventions=True)
+    assert bound.model is model and bound.given is pv_model and bound.carries_interventions
+    assert not bind(model).carries_interventions
+
+    def restored(given):
+        return torch.as_tensor(trace(given, tokenizer, PROMPT, SUBJECT, seeds=2,
+                                     progress=False).restored_probs)
+
+    assert torch.equal(restored(pv_model), restored(bound))
+    assert not torch.equal(restored(pv_model), restored(model))  # control: they act
+    with pytest.raises(PyveneModelError, match="carries a pv.IntervenableModel"):
+        ReplacementModel(bound, tokenizer, clt)
+    with pytest.raises(PyveneModelError, match="carries a pv.IntervenableModel"):
+        bind(bound)
+    with measurement(bound):
+        assert bind(bound) is bound  # inside its measurement, the interventions act
+        ReplacementModel(bound, tokenizer, clt)
+    assert bound.applying == 0
+
+
+def test_calls_that_apply_their_own_interventions_refuse_a_pyvene_model(world):
+    from pyvene_causaltrace.attribution.validate import ablation_test
+    from pyvene_causaltrace.transcoders.checks import check_pairing
+
+    model, tokenizer, clt = world
+    for given in (_added(model, 0.5), bind(_added(model, 0.5), interventions=True)):
+        with pytest.raises(PyveneModelError, match="check_pairing takes the bare model"):
+            check_pairing(clt, given, tokenizer, [PROMPT])
+        with pytest.raises(PyveneModelError, match="ablation_test takes the bare model"):
+            ablation_test(given, clt, None)
+    assert check_pairing(clt, model, tokenizer, [PROMPT]).n_tokens > 0

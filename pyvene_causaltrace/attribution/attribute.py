@@ -40,7 +40,6 @@ from ..errors import InputError
 from ..fingerprint import package_version
 from ..finite import check_finite
 from ..model_guard import measured
-from ..pyvene_compat import accepts_intervenable
 from ..runlock import single_writer
 from ..transcoders.transcoder import Transcoder
 from .budget import batch_size_for, check_batch_fits, feature_budget
@@ -108,8 +107,7 @@ class _Ranking:
         return order[~done[order]][:min(self.queue, left)]
 
 
-@measured  # one graph per model at a time, in eval mode
-@accepts_intervenable
+@measured(interventions=True)  # one graph per model at a time, in eval mode
 def attribute(
     model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder, prompt: str,
     answer: str | None = None, *, target: str | Target | torch.Tensor = _DEFAULT.target,

@@ -30,15 +30,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..bound import BoundModel, bare, bind
+from ..bound import bind
 from ..errors import InputError
 from ..finite import check_finite, positive_number
 from ..interventions.noise import seed_list
-from ..model_guard import measuring
-from ..model_interventions import describe, model_for_spec, uniform_grad_flags
+from ..model_guard import measurement
+from ..model_interventions import describe, model_for_spec
 from ..models import is_intervenable, model_name
 from ..prompts import answer_token_id, tokenize_prompt
-from ..pyvene_compat import applied_interventions
 from ..specs import ExperimentSpec, SpecError, load_spec
 from .chunks import check_seeds_fit
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
@@ -87,9 +86,10 @@ class ControlReport:
 class Tracer:
     """One prompt, its clean and corrupted runs, and every trace kind on top of them.
 
-    ``model`` may be a ``pv.IntervenableModel``: its interventions then act in every run
-    (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`), and :meth:`spec` writes
-    them into the spec (``model_interventions``), or refuses, saying why it cannot.
+    ``model`` may be a ``pv.IntervenableModel`` (or a model bound from one): its interventions
+    then act in every run (:func:`~pyvene_causaltrace.model_guard.measurement`), and
+    :meth:`spec` writes them into the spec (``model_interventions``), or refuses, saying why it
+    cannot.
 
     Args:
         prompt, subject: the subject must occur in the prompt (``occurrence`` picks which).
@@ -136,12 +136,11 @@ class Tracer:
             reuse_prefix=reuse_prefix, replay_layers=replay_layers)
         seeds, scale, sigma = settings.seeds, settings.scale, settings.sigma
         distribution, memory_budget_mb = settings.distribution, settings.memory_budget_mb
-        given_bound = model if isinstance(model, BoundModel) else None
-        model = bare(model)
-        self._given = model  # a pv.IntervenableModel: its interventions act in every run
-        with measuring(model), applied_interventions(model) as model, uniform_grad_flags(model):
-            # the architecture, resolved once per tracer (a dataset binds once for every fact)
-            self.bound = bound = given_bound or bind(model)
+        # the architecture, resolved once per tracer (a dataset binds once for every fact); a
+        # pv.IntervenableModel's interventions act in every run (each inside measurement())
+        self.bound = bound = bind(model, interventions=True)
+        self._given = bound.given
+        with measurement(bound) as model:
             bound.check_weights()
             self.model, self.tokenizer = model, tokenizer
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
@@ -217,8 +216,7 @@ class Tracer:
         cells = self.cells()
         bar = tqdm(total=len(self.seeds) * len(cells), desc=f"{kind} trace", unit="row",
                    disable=not progress)
-        with bar, measuring(self._given), applied_interventions(self._given), \
-                uniform_grad_flags(self.model):
+        with bar, measurement(self.bound):
             probs = self.engine.run(trace_kind, cells, window=window, progress=bar.update)
         check_finite(probs, f"the restored probabilities of the {kind} trace")
         restored = probs.numpy().reshape(len(self.seeds), self.engine.n_layers,
@@ -261,8 +259,7 @@ class Tracer:
         """Run the two controls that can fail (see :class:`ControlReport`; ``window``:
         ``None`` is the settings')."""
         window = self._window(window)
-        with measuring(self._given), applied_interventions(self._given), \
-                uniform_grad_flags(self.model):
+        with measurement(self.bound):
             return self._controls(window, tolerance)
 
     def _controls(self, window: int, tolerance: float) -> ControlReport:

@@ -171,7 +171,7 @@ def check_pairing(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
     (:data:`~..prompts.BOS_MODES`) says whether position 0 is scored."""
     check_fits(clt, model)
     start = first_position(tokenizer, bos)
-    device = next(model.parameters()).device
+    device = bind(model).device
     totals = {k: torch.zeros(clt.n_layers, dtype=torch.float64)
               for k in ("err", "dev", "err_pre", "dev_pre")}
     wrong_layer = torch.zeros(2, dtype=torch.float64)
@@ -279,6 +279,7 @@ def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
     """The replacement-model anchor (see module docstring); ``bos``
     (:data:`~..prompts.BOS_MODES`) says whether the splice starts at position 0 or 1."""
     bound = bind(model)  # once: every condition's representations read its sites
+    model = bound.model
     check_fits(clt, bound)
     start = first_position(tokenizer, bos)
     device = bound.device
