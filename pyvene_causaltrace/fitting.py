@@ -247,7 +247,7 @@ def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | Non
     seconds["fit"] = round(time.perf_counter() - start, 1)
     del x, y
     with phase("held-out pairing check", progress, seconds):
-        pairing = check_pairing(transcoder, model, tokenizer, held_out)
+        pairing = check_pairing(model, transcoder, tokenizer, held_out)
     record = {"settings": asked, "train_tokens": stats.n_tokens, "train_texts": len(train),
               "held_out_texts": len(held_out), "train_fvu": stats.train_fvu,
               "pairing": pairing.to_dict(), "seconds": seconds}

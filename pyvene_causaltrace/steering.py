@@ -436,7 +436,7 @@ def intervene_features(
         clean, clean_new = _greedy(lambda x: model(input_ids=x).logits, ids, steps, eos, bar)
         errors = clean_errors(transcoder, bound, ids, start) if hold_errors else None
         reps = clt_splice_representations(
-            transcoder, bound, from_position=start, ablations=_ablations(items), errors=errors,
+            bound, transcoder, from_position=start, ablations=_ablations(items), errors=errors,
             live_error=True, error_from="clean" if hold_errors else None)
         if freeze_attention:
             reps += [{"component": bound.site("attn_output", layer),

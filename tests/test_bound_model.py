@@ -227,7 +227,17 @@ def test_calls_that_apply_their_own_interventions_refuse_a_pyvene_model(world):
     model, tokenizer, clt = world
     for given in (_added(model, 0.5), bind(_added(model, 0.5), interventions=True)):
         with pytest.raises(PyveneModelError, match="check_pairing takes the bare model"):
-            check_pairing(clt, given, tokenizer, [PROMPT])
+            check_pairing(given, clt, tokenizer, [PROMPT])
         with pytest.raises(PyveneModelError, match="ablation_test takes the bare model"):
             ablation_test(given, clt, None)
-    assert check_pairing(clt, model, tokenizer, [PROMPT]).n_tokens > 0
+    assert check_pairing(model, clt, tokenizer, [PROMPT]).n_tokens > 0
+
+
+def test_the_model_comes_first_and_a_transcoder_in_its_place_is_named(world):
+    """One argument order (model, then transcoder): the old order is refused by name."""
+    from pyvene_causaltrace.errors import InputError
+    from pyvene_causaltrace.transcoders.checks import check_pairing
+
+    model, tokenizer, clt = world
+    with pytest.raises(InputError, match="the model comes first"):
+        check_pairing(clt, model, tokenizer, [PROMPT])

@@ -81,22 +81,22 @@ def test_clt_splice_equals_hooks_by_hand(arch, fixture_clt):
     with torch.no_grad():
         clean = model(input_ids=ids).logits
         for from_position in (0, 1):
-            spliced = runner(clt_splice_representations(fixture_clt, model,
+            spliced = runner(clt_splice_representations(model, fixture_clt,
                                                         from_position=from_position),
                              model)(base={"input_ids": ids})[1].logits
             expected = _spliced_by_hand(model, fixture_clt, ids, from_position)
             torch.testing.assert_close(spliced, expected, atol=1e-5, rtol=1e-5)
-            reps = clt_splice_representations(fixture_clt, model, from_position=from_position)
+            reps = clt_splice_representations(model, fixture_clt, from_position=from_position)
             runner(reps, model)(base={"input_ids": ids})
             fired = sum(int((a != 0).sum()) for a in splice_session(reps).acts.values())
             assert "_session" not in fixture_clt.__dict__
             assert fired > 50  # features really fired, so the decoders were exercised
             assert (spliced - clean).abs().max() > 1e-3
-        exact = runner(clt_splice_representations(fixture_clt, model, add_error=True),
+        exact = runner(clt_splice_representations(model, fixture_clt, add_error=True),
                        model)(base={"input_ids": ids})[1].logits
         torch.testing.assert_close(exact, clean, atol=1e-5, rtol=0)
         ablations = [{"clt_layer": 1, "features": list(range(10))}]
-        ablated = runner(clt_splice_representations(fixture_clt, model, ablations=ablations),
+        ablated = runner(clt_splice_representations(model, fixture_clt, ablations=ablations),
                          model)(base={"input_ids": ids})[1].logits
         expected = _spliced_by_hand(model, fixture_clt, ids, 1, ablate=(1, list(range(10))))
         torch.testing.assert_close(ablated, expected, atol=1e-5, rtol=1e-5)
@@ -104,14 +104,14 @@ def test_clt_splice_equals_hooks_by_hand(arch, fixture_clt):
 
 def test_splice_refuses_a_clt_for_another_model(fixture_clt):
     with pytest.raises(TranscoderMismatchError, match="the model has 4 layers"):
-        clt_splice_representations(fixture_clt, make_tiny_model("llama", n_layers=4))
+        clt_splice_representations(make_tiny_model("llama", n_layers=4), fixture_clt)
 
 
 @pytest.mark.process
 def test_clt_splice_survives_pyvene_save_load_in_a_fresh_process(tmp_path, fixture_clt):
     model = make_tiny_model("llama", n_layers=L)
     ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(1))
-    reps = clt_splice_representations(fixture_clt, model,
+    reps = clt_splice_representations(model, fixture_clt,
                                       ablations=[{"clt_layer": 0, "features": [1, 2, 3]}])
     names, equal = reload_in_fresh_process(tmp_path, model, intervenable_model_class()(reps, model),
                                            ids)
@@ -129,7 +129,7 @@ def test_fitted_clt_passes_pairing_and_anchor(arch, tokenizer, trained_tiny, fit
     clt, stats = fitted_clt(arch)  # fit_clt on _facts(150), d_transcoder=128, steps=300
     assert stats["train_fvu"] < 0.4
     held_out = _facts(20, start=1000)
-    pairing = check_pairing(clt, model, tokenizer, held_out)
+    pairing = check_pairing(model, clt, tokenizer, held_out)
     assert pairing.paired, pairing.verdict()
     assert pairing.fvu < 0.4 and pairing.fvu_wrong_layer > 1
     assert pairing.fvu_wrong_hook > 1.5 * pairing.fvu
@@ -137,11 +137,11 @@ def test_fitted_clt_passes_pairing_and_anchor(arch, tokenizer, trained_tiny, fit
     # normed input), as splice and attribution would, and the verdict changes
     relabelled = copy.copy(clt)
     relabelled.cfg = dataclasses.replace(clt.cfg, feature_input_hook="mlp.hook_in")
-    other = check_pairing(relabelled, model, tokenizer, held_out)
+    other = check_pairing(model, relabelled, tokenizer, held_out)
     assert not other.paired and other.fvu > 2 * pairing.fvu, other.verdict()
     with pytest.raises(ValueError, match="hook"):
         dataclasses.replace(clt.cfg, feature_input_hook="blocks.0.hook_nonsense")
-    anchor = replacement_anchor(clt, model, tokenizer, held_out, prompt=PROMPT)
+    anchor = replacement_anchor(model, clt, tokenizer, held_out, prompt=PROMPT)
     ce = anchor.ce
     assert ce["clean"] < ce["mlp_zero"] - 0.5  # the MLPs matter to this model
     assert ce["clt"] < ce["b_dec_only"] < ce["mlp_zero"] + 0.2
@@ -161,8 +161,8 @@ def test_jumprelu_fit_learns_thresholds_and_stays_paired(tokenizer, tmp_path, tr
                           activation="jumprelu", l0=0.01, init_threshold=0.5)
     assert not torch.allclose(jump.threshold, torch.full_like(jump.threshold, 0.5))
     assert bool((jump.threshold > 0).all())
-    relu_report = check_pairing(relu, model, tokenizer, held_out)
-    jump_report = check_pairing(jump, model, tokenizer, held_out)
+    relu_report = check_pairing(model, relu, tokenizer, held_out)
+    jump_report = check_pairing(model, jump, tokenizer, held_out)
     assert jump_report.mean_l0 < 0.5 * relu_report.mean_l0
     assert jump_report.paired and jump_report.fvu < 0.5, jump_report.verdict()
     jump.save_model(tmp_path / "jump")
@@ -174,7 +174,7 @@ def test_jumprelu_fit_learns_thresholds_and_stays_paired(tokenizer, tmp_path, tr
 
 def test_pairing_flags_a_random_clt(fixture_clt, tokenizer):
     model = make_tiny_model("llama", n_layers=L, init=0.2)
-    report = check_pairing(fixture_clt, model, tokenizer, _facts(5))
+    report = check_pairing(model, fixture_clt, tokenizer, _facts(5))
     assert not report.paired
     with pytest.raises(ValueError, match="MISPAIRED"):
         report.raise_if_mispaired()
@@ -220,15 +220,15 @@ def test_fitted_per_layer_sets_pair_and_round_trip(tokenizer, tmp_path, trained_
                       skip=True)
     assert not plain.cfg.cross_layer and skip.cfg.skip and not plain.cfg.skip
     assert all(w.shape[1] == 1 for w in plain.W_dec)
-    reports = [check_pairing(tc, model, tokenizer, held_out) for tc in (plain, skip)]
+    reports = [check_pairing(model, tc, tokenizer, held_out) for tc in (plain, skip)]
     assert all(r.paired for r in reports), [r.verdict() for r in reports]
     assert reports[1].fvu < reports[0].fvu
-    anchor = replacement_anchor(skip, model, tokenizer, held_out)
+    anchor = replacement_anchor(model, skip, tokenizer, held_out)
     assert anchor.gap_recovered > 0.8, anchor.summary()
     skip.save_model(tmp_path / "skip")
     again = load_transcoder(tmp_path / "skip")
     assert torch.equal(torch.stack(again.W_skip), torch.stack(skip.W_skip))
-    assert check_pairing(again, model, tokenizer, held_out).fvu == reports[1].fvu
+    assert check_pairing(model, again, tokenizer, held_out).fvu == reports[1].fvu
     with pytest.raises(ValueError, match="per-layer set"):
         fit_clt(model, tokenizer, texts[:2], skip=True)
 
@@ -247,7 +247,7 @@ def test_splice_state_is_a_session_object_and_a_path_is_read_once_per_session(
     model = make_tiny_model("llama", n_layers=L)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     session = SpliceSession()
-    reps = clt_splice_representations(first, model, session=session,
+    reps = clt_splice_representations(model, first, session=session,
                                       ablations=[{"clt_layer": 0, "features": [0, 1]}])
     assert splice_session(reps) is session
     intervenable_model_class()(reps, model)(base={"input_ids": ids})
@@ -289,7 +289,7 @@ def test_a_loaded_or_one_by_one_splice_shares_a_session_within_its_model_only(tm
     model = make_tiny_model("llama", n_layers=L)
     clt = load_from_disk(str(path))
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    reps = clt_splice_representations(clt, model,
+    reps = clt_splice_representations(model, clt,
                                       ablations=[{"clt_layer": 0, "features": [0, 1]}])
     ours = intervenable_model_class()(reps, model)
     with torch.no_grad():

@@ -165,7 +165,7 @@ def test_configured_classes_equal_instances(tokenizer, tmp_path):
     from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
 
     added = pv.IntervenableModel(config, model)
-    spliced = pv.IntervenableModel(clt_splice_representations(clt, model, layers=[1]), model)
+    spliced = pv.IntervenableModel(clt_splice_representations(model, clt, layers=[1]), model)
     with preserve_hooks(added), preserve_hooks(spliced), torch.no_grad():
         got = added(base={"input_ids": ids})[1].logits
         want = spliced(base={"input_ids": ids})[1].logits

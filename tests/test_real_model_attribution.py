@@ -120,12 +120,12 @@ def test_smollm2_with_a_fitted_per_layer_skip_set(smollm2):
     tc, stats = fit_clt(model, tokenizer, texts, d_transcoder=64, steps=60, kind="per_layer",
                         skip=True)
     assert stats.train_fvu < 1 and tc.cfg.skip
-    assert check_pairing(tc, model, tokenizer, texts[:7]).fvu < 1
+    assert check_pairing(model, tc, tokenizer, texts[:7]).fvu < 1
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         clean = model(input_ids=ids).logits
         spliced = intervenable_model_class()(
-            clt_splice_representations(tc, model, add_error=True), model)(
+            clt_splice_representations(model, tc, add_error=True), model)(
             base={"input_ids": ids})[1].logits
     assert (spliced - clean).abs().max() < 1e-4
     graph = attribute(model, tokenizer, tc, PROMPT, " Paris", max_feature_nodes=150)

@@ -51,7 +51,7 @@ def cases(bound, clt, ids):
                                          states=torch.randn(1, n, bound.d_model))}],
         "frozen norms and attention": lambda: _freeze_representations(bound),
         "a splice with ablations, errors held": lambda: clt_splice_representations(
-            clt, bound, errors=errors, live_error=True, error_from="clean",
+            bound, clt, errors=errors, live_error=True, error_from="clean",
             ablations=[{"clt_layer": 1, "features": [0, 3, 5]}]),
         "held attention patterns": lambda: [
             {"component": bound.site("attn_output", layer),

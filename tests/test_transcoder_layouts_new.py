@@ -329,11 +329,11 @@ def test_joint_topk_attribution_closes_with_the_selection_frozen_at_the_clean_ru
 def test_joint_topk_live_splice_needs_a_selection_and_is_exact_with_the_clean_one(joint_setup):
     model, t, clt, ids = joint_setup
     runner = intervenable_model_class()
-    bare = runner(clt_splice_representations(clt, model, add_error=True), model)
+    bare = runner(clt_splice_representations(model, clt, add_error=True), model)
     with pytest.raises(InputError, match="only after its last layer.*clean_selection"):
         bare(base={"input_ids": ids, "use_cache": False})
     selection = clean_selection(clt, model, ids)
-    reps = clt_splice_representations(clt, model, add_error=True, selection=selection)
+    reps = clt_splice_representations(model, clt, add_error=True, selection=selection)
     _, out = runner(reps, model)(base={"input_ids": ids, "use_cache": False})
     clean = model(input_ids=ids).logits
     assert (out.logits - clean).abs().max() < 1e-4
@@ -344,7 +344,7 @@ def test_joint_topk_live_splice_needs_a_selection_and_is_exact_with_the_clean_on
     with pytest.raises(InputError, match="selection= is for a joint_topk"):
         per_layer = load_transcoder(write_gs2_clt(Path(clt.source).parent / "gs2",
                                                   gs2_tensors(clt=True)))
-        clt_splice_representations(per_layer, model, selection=selection)
+        clt_splice_representations(model, per_layer, selection=selection)
 
 
 # ------------------------------------------------------------------------ unknown layouts

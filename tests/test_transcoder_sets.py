@@ -84,9 +84,9 @@ def test_sets_splice_attribute_and_check(arch, layout, tmp_path, tokenizer):
     runner = intervenable_model_class()
     with torch.no_grad():
         clean = model(input_ids=ids).logits  # Gemma-2: the capped logits
-        spliced = runner(clt_splice_representations(tc, model, add_error=True), model)(
+        spliced = runner(clt_splice_representations(model, tc, add_error=True), model)(
             base={"input_ids": ids})[1].logits
-        without = runner(clt_splice_representations(tc, model), model)(
+        without = runner(clt_splice_representations(model, tc), model)(
             base={"input_ids": ids})[1].logits
     assert (spliced - clean).abs().max() < 1e-4
     assert (without - clean).abs().max() > 1e-3  # the splice did replace something
@@ -95,9 +95,9 @@ def test_sets_splice_attribute_and_check(arch, layout, tmp_path, tokenizer):
     assert graph.closure.relative < 1e-4, graph.closure
     assert graph.feature_closure() < 1e-4
     assert graph.metadata["transcoder"]["kind"] == "transcoder_set"
-    report = check_pairing(tc, model, tokenizer, TEXTS)
+    report = check_pairing(model, tc, tokenizer, TEXTS)
     assert report.n_tokens > 0 and all(v == v for v in report.fvu_per_layer)
-    anchor = replacement_anchor(tc, model, tokenizer, TEXTS)
+    anchor = replacement_anchor(model, tc, tokenizer, TEXTS)
     assert all(v == v for v in anchor.ce.values())  # random weights: no ordering to expect
     assert anchor.ce["clt"] != anchor.ce["clean"]
 
@@ -182,13 +182,13 @@ def test_gemma2_splice_equals_replacing_the_post_norm_output_by_hand(tmp_path):
     for h in handles:
         h.remove()
     with torch.no_grad():
-        spliced = intervenable_model_class()(clt_splice_representations(tc, model), model)(
+        spliced = intervenable_model_class()(clt_splice_representations(model, tc), model)(
             base={"input_ids": ids})[1].logits
     # by hand uses the clean-run inputs for every layer, so compare layer 0's effect only when
     # later layers' inputs shift: splice one layer at a time instead
     torch.testing.assert_close(spliced[0, 0], by_hand[0, 0], atol=1e-5, rtol=1e-5)
     for layer in range(L):
-        reps = clt_splice_representations(tc, model, layers=[layer])
+        reps = clt_splice_representations(model, tc, layers=[layer])
         with torch.no_grad():
             one = intervenable_model_class()(reps, model)(base={"input_ids": ids})[1].logits
         hook = get_module(model, f"model.layers[{layer}].post_feedforward_layernorm")

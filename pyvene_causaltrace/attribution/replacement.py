@@ -254,7 +254,7 @@ def replacement_forward(
         reps += _freeze_representations(bound, outputs)
     session = SpliceSession()
     selection = clean_selection(transcoder, bound, input_ids) if transcoder.cfg.joint else None
-    reps += clt_splice_representations(transcoder, bound, from_position=from_position,
+    reps += clt_splice_representations(bound, transcoder, from_position=from_position,
                                        leaves=True, session=session, selection=selection)
 
     constants = constant_parameters(model)

@@ -66,7 +66,7 @@ def _ablations(graph, nodes: list[int]) -> list[dict]:
 def answer_prob(model: nn.Module | BoundModel, transcoder: Transcoder, ids: torch.Tensor,
                 errors: torch.Tensor, token: int, ablate: list[int], graph) -> float:
     """P(token) in the spliced model with the feature nodes ``ablate`` zeroed."""
-    reps = clt_splice_representations(transcoder, model, errors=errors,
+    reps = clt_splice_representations(model, transcoder, errors=errors,
                                       from_position=graph.from_position,
                                       ablations=_ablations(graph, ablate))
     with torch.no_grad(), intervened(model, reps) as spliced:

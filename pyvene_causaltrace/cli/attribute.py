@@ -285,13 +285,13 @@ def clt_check_command(args) -> int:
     texts = read_texts(args.data, args.limit)
     clt = load_transcoder(args.clt, format=args.format)
     model, tokenizer = load_model(args.model)
-    pairing = check_pairing(clt, model, tokenizer, texts, bos=args.bos)
+    pairing = check_pairing(model, clt, tokenizer, texts, bos=args.bos)
     print(pairing.verdict())
     print("FVU per layer: " + " ".join(f"{v:.3f}" for v in pairing.fvu_per_layer))
     answer = args.answer
     if answer is None and args.prompt == EIFFEL["prompt"]:
         answer = EIFFEL["answer"]
-    anchor = replacement_anchor(clt, model, tokenizer, texts, prompt=args.prompt, answer=answer,
+    anchor = replacement_anchor(model, clt, tokenizer, texts, prompt=args.prompt, answer=answer,
                                 bos=args.bos)
     print(anchor.summary())
     if args.out:

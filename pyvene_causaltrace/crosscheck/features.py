@@ -223,7 +223,7 @@ class PatchRunner:
                       "row_values": values}
                      for (layer, pos, feature), values in groups.items()]
         session = SpliceSession()
-        reps = clt_splice_representations(self.transcoder, self.bound, errors=self.errors,
+        reps = clt_splice_representations(self.bound, self.transcoder, errors=self.errors,
                                           from_position=self.from_position,
                                           ablations=ablations, session=session)
         batch = self.ids.expand(len(rows), -1)

@@ -193,7 +193,7 @@ class CLTSplice(SpliceIntervention):
             device = next(ctx.model.parameters()).device
             selection = clean_selection(clt, ctx.model, ctx.prompt.input_ids.to(device))
         reps = clt_splice_representations(
-            clt, ctx.model, layers=layers, from_position=from_position,
+            ctx.model, clt, layers=layers, from_position=from_position,
             add_error=entry.get("add_error", False), ablations=ablations,
             live_error=error is not None, error_from="clean" if error == "clean" else None,
             selection=selection)
@@ -423,7 +423,7 @@ def clean_selection(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def clt_splice_representations(
-    clt, model: nn.Module | BoundModel, *, layers: list[int] | None = None,
+    model: nn.Module | BoundModel, clt, *, layers: list[int] | None = None,
     from_position: int = 1,
     add_error: bool = False, ablations: list[dict] | None = None, leaves: bool = False,
     errors: torch.Tensor | None = None, session: SpliceSession | None = None,

@@ -165,7 +165,7 @@ class PairingReport:
 
 @torch.no_grad()
 @measured
-def check_pairing(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
+def check_pairing(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
                   texts: Sequence[str], *, bos: str = BOS) -> PairingReport:
     """Pairing check on ``texts`` (see module docstring); ``bos``
     (:data:`~..prompts.BOS_MODES`) says whether position 0 is scored."""
@@ -245,12 +245,12 @@ def _condition_representations(name: str, clt, model, n_pos: int,
     if name == "clean":
         return []
     if name == "clt":
-        return clt_splice_representations(clt, model, from_position=start)
+        return clt_splice_representations(model, clt, from_position=start)
     if name == "clt_all_positions":
-        return clt_splice_representations(clt, model, from_position=0)
+        return clt_splice_representations(model, clt, from_position=0)
     if name == "b_dec_only":
         ablations = [{"clt_layer": layer, "features": "all"} for layer in range(clt.n_layers)]
-        return clt_splice_representations(clt, model, from_position=start, ablations=ablations)
+        return clt_splice_representations(model, clt, from_position=start, ablations=ablations)
     adapter = bind(model).adapter
     zeros = torch.zeros(1, n_pos, clt.cfg.d_model)
     return [{"component": clt.cfg.hf_hooks(adapter, layer)["output"],
@@ -273,7 +273,7 @@ def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]
 
 @torch.no_grad()
 @measured
-def replacement_anchor(clt: Transcoder, model: nn.Module, tokenizer: Tokenizer,
+def replacement_anchor(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
                        texts: Sequence[str], *, prompt: str | None = None,
                        answer: str | None = None, bos: str = BOS) -> AnchorReport:
     """The replacement-model anchor (see module docstring); ``bos``
