@@ -117,5 +117,10 @@ class DatasetUnavailableError(CausalTraceError, OSError):
     """A named dataset could not be fetched or failed its checksum."""
 
 
+class DistributedError(CausalTraceError, RuntimeError):
+    """Ranks of one distributed run disagree (another model, transcoder, prompt or setting), or
+    a collective failed: a rank died, hung past the timeout or left early."""
+
+
 __all__ = [name for name, value in dict(globals()).items()
            if isinstance(value, type) and issubclass(value, CausalTraceError)]

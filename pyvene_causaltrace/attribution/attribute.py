@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,12 +36,14 @@ import torch
 from torch import nn
 
 from ..defaults import GRAPH_DESIRED_LOGIT_PROB, GRAPH_MAX_N_LOGITS
+from ..distributed import Ranks, current
 from ..errors import InputError
-from ..fingerprint import package_version
+from ..fingerprint import package_version, tensors_fingerprint, transcoder_fingerprint
 from ..finite import check_finite
+from ..interventions.clt_splice import SHARD_ALONE
 from ..model_guard import measured
 from ..runlock import single_writer
-from ..transcoders.transcoder import Transcoder
+from ..transcoders.transcoder import Transcoder, feature_range
 from .budget import batch_size_for, check_batch_fits, feature_budget
 from .checkpoint import Checkpoint, remove_checkpoint, tensor_digest
 from .edges import (
@@ -201,9 +203,13 @@ def attribute(
     start = time.perf_counter()
     replacement = ReplacementModel(model, tokenizer, transcoder, bos=s.bos)
     replacement.check_bos_errors(s.bos_errors)
+    spread = _Spread.of(replacement, prompt, answer, s)
     prepared = replacement.prepare(prompt, answer, target=target, other=s.other, k=s.k,
                                    max_n_logits=max_n_logits,
                                    desired_logit_prob=desired_logit_prob)
+    if spread is not None and spread.mode == "features":  # every rank's features count
+        prepared = replace(prepared, active_counts=spread.ranks.all_reduce(
+            prepared.active_counts, "counting the active features"))
     replacement.check_memory(prepared.input_ids, s.memory_mb, prepared.active_counts)
     run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
                           bos_errors=s.bos_errors)
@@ -211,11 +217,12 @@ def attribute(
     forward_s = time.perf_counter() - start
     plan = _plan(run, top, memory_mb=s.memory_mb, batch_size=s.batch_size,
                  max_batch=s.max_batch, max_feature_nodes=s.max_feature_nodes,
-                 update_interval=s.update_interval, freeze=freeze, loop=s.loop)
-    key = _run_key(replacement, run, prepared.targets, plan.settings)
+                 update_interval=s.update_interval, freeze=freeze, loop=s.loop, spread=spread)
+    key = _run_key(replacement, run, prepared.targets, plan.settings, spread)
     store, resumed, ranking_s = _feature_rows(
         run, top, plan, key, checkpoint=checkpoint, keep_checkpoint=keep_checkpoint,
-        loop=s.loop, progress=progress, check_closure=check_closure, freeze=freeze)
+        loop=s.loop, progress=progress, check_closure=check_closure, freeze=freeze,
+        spread=spread)
     seconds = {"total": time.perf_counter() - start, "forward": forward_s, "ranking": ranking_s}
     seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]
     goal = prepared.target
@@ -229,7 +236,75 @@ def attribute(
                      "probability": float(sum(t.prob for t in prepared.targets))}
     return _graph(replacement, prepared, run, top, store, plan, resumed=resumed,
                   seconds=seconds, freeze=freeze, check_closure=check_closure,
-                  selection=selection)
+                  selection=selection, spread=spread)
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """How one graph's work is spread over the ranks of a distributed run.
+
+    ``"features"``: the transcoder is sharded by feature (each rank holds a slice of every
+    layer's features, :mod:`.sharded`); every rank runs every row's backward and fills its own
+    features' columns. ``"rows"``: the transcoder is whole on every rank; each batch of rows
+    is split across the ranks and the rows gathered. Either way every rank ends with the same
+    rows, the one process's to float rounding; rank 0 chooses each queue and writes the
+    checkpoint. Bytes moved per row: ``4 * n_active`` (features), ``4 * n_columns`` (rows)."""
+
+    ranks: Ranks
+    mode: str
+
+    @classmethod
+    def of(cls, replacement: ReplacementModel, prompt: str, answer: str | None,
+           settings: AttributionSettings) -> _Spread | None:
+        """The run's spread (None: one process), after checking that every rank holds the
+        same model, transcoder, prompt and settings."""
+        ranks, transcoder = current(), replacement.transcoder
+        if ranks is None:
+            if transcoder.features is not None:
+                raise InputError(SHARD_ALONE)
+            return None
+        sharded = transcoder.features is not None
+        if sharded and transcoder.features != feature_range(transcoder.cfg.d_transcoder,
+                                                           ranks.rank, ranks.world):
+            raise InputError(
+                f"rank {ranks.rank} of {ranks.world} holds features {transcoder.features}, not "
+                f"its share {feature_range(transcoder.cfg.d_transcoder, ranks.rank, ranks.world)}"
+                ": load it with shard=(rank, world) of this run")
+        ranks.agree("mode (a sharded transcoder or a whole one)", sharded)
+        ranks.agree("model weights", replacement.bound.fingerprint)
+        ranks.agree("transcoder", (transcoder.cfg.yaml_dict(), _shared_fingerprint(transcoder)))
+        ranks.agree("prompt and answer", (prompt, answer))
+        ranks.agree("settings", repr(settings))
+        return cls(ranks, "features" if sharded else "rows")
+
+    def rows(self, compute, run: ReplacementRun, chunk: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``compute(run, chunk)``, spread as :attr:`mode` says."""
+        if self.mode == "features":
+            return compute(run, chunk)
+        mine = chunk.tensor_split(self.ranks.world)[self.ranks.rank]
+        rows, constants = compute(run, mine)
+        dtype = torch.promote_types(run.activation.dtype, run.errors[0].dtype)
+        both = torch.cat([rows.to(dtype), constants.to(dtype)[:, None]], 1)
+        full = torch.cat(self.ranks.all_gather(both.detach(), "gathering the rows"))
+        return full[:, :-1], full[:, -1]
+
+    def describe(self, transcoder: Transcoder) -> dict:
+        """What ``summary.json`` and the graph's metadata say about the run's ranks."""
+        held = self.ranks.gather_objects(transcoder.resident_bytes(),
+                                         "gathering the transcoder bytes per rank")
+        return {"world": self.ranks.world, "mode": self.mode,
+                "transcoder_bytes_per_rank": held}
+
+
+def _shared_fingerprint(transcoder: Transcoder) -> str:
+    """The fingerprint every rank's transcoder must share: the whole one's, or for a shard
+    what every rank holds alike (biases of the outputs, the skip path) and the source."""
+    if transcoder.features is None:
+        return transcoder_fingerprint(transcoder)
+    named = [("b_dec", transcoder.b_dec)]
+    named += [(f"W_skip.{layer}", w) for layer, w in enumerate(transcoder.W_skip or [])]
+    return f"{transcoder.source}:{tensors_fingerprint(named)}"
 
 
 @dataclass(frozen=True)
@@ -281,17 +356,24 @@ class _Plan:
 
 def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size: int | None,
           max_batch: int | None, max_feature_nodes: int | None, update_interval: int,
-          freeze: bool, loop: bool) -> _Plan:
-    """Fit the batch and the feature budget to ``memory_mb`` (:mod:`.budget`)."""
+          freeze: bool, loop: bool, spread: _Spread | None = None) -> _Plan:
+    """Fit the batch and the feature budget to ``memory_mb`` (:mod:`.budget`); across ranks,
+    the smallest rank's."""
     if batch_size is not None:
         check_batch_fits(run, memory_mb, batch_size)
     size = batch_size or batch_size_for(run, memory_mb, max_batch)
+    if spread is not None:
+        size = int(spread.ranks.all_reduce(torch.tensor([size]), "agreeing on the batch",
+                                           op="min"))
     # the first queue's order: circuit-tracer's partial influence of the logit rows alone
     logit_rows = top.rows.detach().abs().double().cpu()
     normalized = logit_rows / logit_rows.sum(1, keepdim=True).clamp(min=1e-30)
     first_guess = (top.weights[:, None] * normalized[:, :run.n_features]).sum(0) \
         .argsort(descending=True)
     budget = feature_budget(run, memory_mb, size, max_feature_nodes, first_guess)
+    if spread is not None:
+        budget = int(spread.ranks.all_reduce(torch.tensor([budget]), "agreeing on the budget",
+                                             op="min"))
     layout = Layout(run.n_features, run.n_layers * run.n_pos, run.n_pos, len(top.weights),
                     run.n_steering)
     ranking = _Ranking(run, layout, top.weights, budget,
@@ -301,12 +383,20 @@ def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size
 
 
 def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Target, ...],
-             settings: dict) -> dict:
-    """What must match for saved rows to belong to this graph."""
+             settings: dict, spread: _Spread | None = None) -> dict:
+    """What must match for saved rows to belong to this graph (a distributed run's: the same
+    world size and mode, and every rank's transcoder shard)."""
+    fingerprints = replacement.fingerprints()
+    distributed = None
+    if spread is not None:
+        distributed = {"world": spread.ranks.world, "mode": spread.mode}
+        if spread.mode == "features":
+            fingerprints["transcoder"] = spread.ranks.gather_objects(
+                fingerprints["transcoder"], "gathering the transcoder shards' fingerprints")
     return {"input_ids": run.input_ids[0].tolist(),
             "target": [goal.describe() for goal in goals], "bos_errors": run.bos_errors,
-            "from_position": replacement.from_position,
-            **replacement.fingerprints(), "version": package_version(), **settings,
+            "from_position": replacement.from_position, "distributed": distributed,
+            **fingerprints, "version": package_version(), **settings,
             "features": tensor_digest(run.feature_layer, run.feature_position, run.feature_id),
             "steering": [{**s.site.describe(), "value": tensor_digest(s.value)}
                          for s in run.steering]}
@@ -314,15 +404,22 @@ def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Ta
 
 def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict, *,
                   checkpoint: str | Path | None, keep_checkpoint: bool, loop: bool,
-                  progress: bool, check_closure: bool,
-                  freeze: bool) -> tuple[RowStore, int, float]:
+                  progress: bool, check_closure: bool, freeze: bool,
+                  spread: _Spread | None = None) -> tuple[RowStore, int, float]:
     """The target rows and ``plan.budget`` feature rows in a store, resumed from and saved to
-    ``checkpoint``; returns the store, the rows it resumed and the seconds spent ranking."""
+    ``checkpoint``; returns the store, the rows it resumed and the seconds spent ranking.
+    Across ranks (``spread``) rank 0 reads and writes the checkpoint and chooses each queue;
+    every rank holds every row."""
     n, ranking_s = run.n_features, 0.0
-    lock = single_writer(checkpoint) if checkpoint is not None else contextlib.nullcontext()
+    writer = spread is None or spread.ranks.first
+    checkpoint_dir = checkpoint if writer else None
+    lock = single_writer(checkpoint_dir) if checkpoint_dir is not None \
+        else contextlib.nullcontext()
     with lock:
-        store_file = Checkpoint(checkpoint, key, SAVE_EVERY_S)
+        store_file = Checkpoint(checkpoint_dir, key, SAVE_EVERY_S)
         restored = store_file.load(run.n_columns, n, len(top.closures))
+        if spread is not None and checkpoint is not None:
+            restored = spread.ranks.broadcast_object(restored, "sharing the checkpoint's rows")
         resumed = 0 if restored is None else restored[0].n_rows
         if restored is None:
             store, pending = RowStore(run.n_columns), torch.zeros(0, dtype=torch.long)
@@ -334,7 +431,7 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
         done[store.nodes[store.nodes < n]] = True
 
         bar = None
-        if progress:
+        if progress and writer:
             from tqdm.auto import tqdm  # a progress bar only when asked for one
 
             bar = tqdm(total=plan.budget, initial=int(done.sum()), desc="feature rows",
@@ -347,10 +444,15 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
                 if len(pending) == 0:
                     start = time.perf_counter()
                     pending = plan.ranking.next_queue(store, done)
+                    if spread is not None:  # rank 0's choice: ranks must not drift apart
+                        pending = spread.ranks.broadcast_object(pending, "sharing the queue")
                     ranking_s += time.perf_counter() - start
                 chunk, pending = pending[:plan.size], pending[plan.size:]
                 in_flight = chunk
-                rows, constants = compute(run, chunk.to(on))
+                if spread is None:
+                    rows, constants = compute(run, chunk.to(on))
+                else:
+                    rows, constants = spread.rows(compute, run, chunk.to(on))
                 check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
                 with torch.no_grad():
                     targets, magnitudes = feature_targets_and_magnitudes(run, chunk.to(on))
@@ -369,14 +471,15 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
         if bar is not None:
             bar.close()
         store_file.maybe_save(store, pending, force=True)
-    if checkpoint is not None and not keep_checkpoint:
+    if checkpoint is not None and not keep_checkpoint and writer:
         remove_checkpoint(checkpoint)
     return store, resumed, ranking_s
 
 
 def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: ReplacementRun,
            top: _TargetRows, store: RowStore, plan: _Plan, *, resumed: int, seconds: dict,
-           freeze: bool, check_closure: bool, selection: dict) -> AttributionGraph:
+           freeze: bool, check_closure: bool, selection: dict,
+           spread: _Spread | None = None) -> AttributionGraph:
     """The graph of the computed rows, with what its reader needs to know in ``metadata``."""
     tokenizer, ids, goals, cap = (replacement.tokenizer, prepared.input_ids, prepared.targets,
                                   prepared.softcap)
@@ -412,7 +515,9 @@ def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: Replace
                                              - prepared.target_logits).abs().max()),
                   "steering": steering_metadata(run, top.weighted()),
                   "closure_checked": check_closure, "rows_resumed": resumed,
-                  "rows_computed": store.n_rows - resumed})
+                  "rows_computed": store.n_rows - resumed,
+                  "distributed": None if spread is None
+                  else spread.describe(replacement.transcoder)})
 
 
 def steering_metadata(run: ReplacementRun, logit_row: torch.Tensor) -> list[dict]:

@@ -78,6 +78,8 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
     constant = sum((c.detach() * g).reshape(g.shape[0], -1).sum(1)
                    for c, g in zip([run.b_dec, *run.constants], bias_grads, strict=True))
     constant = constant + sum(dropped)
+    if run.shard is not None:  # this rank's feature columns, then everyone's: the whole row
+        rows = run.shard.gather_columns(rows)
     return rows, torch.as_tensor(constant, dtype=rows.dtype).reshape(-1)
 
 

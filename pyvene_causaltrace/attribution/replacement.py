@@ -41,9 +41,11 @@ from torch import nn
 
 from ..bound import BoundModel, bind
 from ..defaults import GRAPH_BOS_ERRORS, GRAPH_FREEZE
+from ..distributed import current
 from ..errors import InputError
 from ..hooking import installed, thread_view
 from ..interventions.clt_splice import (
+    SHARD_ALONE,
     ActiveFeatures,
     SpliceSession,
     clean_selection,
@@ -56,6 +58,7 @@ from ..pyvene_compat import SteeringLeaf, collect_steering
 from ..runtime import intervened
 from ..transcoders.transcoder import Transcoder, check_fits
 from .reading import Layout
+from .sharded import FeatureShard, globalize
 
 
 @dataclass
@@ -89,6 +92,11 @@ class ReplacementRun:
     #: ``"drop"``: the errors at position 0 (BOS) are constants, not nodes (circuit-tracer's
     #: convention); ``"keep"``: they are nodes.
     bos_errors: str = GRAPH_BOS_ERRORS
+    #: With a transcoder sharded by feature: which of the graph's feature nodes this rank holds
+    #: (``features``, ``feature_values`` are then this rank's; ``feature_layer``,
+    #: ``feature_position``, ``feature_id``, ``activation``, ``encoder_rows`` and
+    #: ``n_features`` the whole graph's, :mod:`.sharded`).
+    shard: FeatureShard | None = None
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)
     feature_id: torch.Tensor = field(init=False)
@@ -283,7 +291,7 @@ def replacement_forward(
     encoder_rows = torch.cat([transcoder.encoder_weight(layer)[f.feature]
                               for layer, f in enumerate(features)])
     embeddings = [leaf.leaf for leaf in embed_leaves]
-    return ReplacementRun(
+    run = ReplacementRun(
         input_ids=input_ids,
         logits=out.logits,
         features=features,
@@ -298,6 +306,24 @@ def replacement_forward(
         steering=steering,
         states=captured,
     )
+    if transcoder.features is not None:
+        _gather_features(run, transcoder)
+    return run
+
+
+def _gather_features(run: ReplacementRun, transcoder: Transcoder) -> None:
+    """Make ``run``'s feature nodes the whole graph's (every rank's, :mod:`.sharded`), its
+    features and leaves staying this rank's."""
+    ranks = current()
+    if ranks is None:
+        raise InputError(SHARD_ALONE)
+    found, run.shard = globalize(
+        ranks, run.feature_layer, run.feature_position,
+        run.feature_id + transcoder.feature_offset, run.activation, run.encoder_rows,
+        run.n_pos, transcoder.cfg.d_transcoder)
+    run.feature_layer, run.feature_position = found["layer"], found["position"]
+    run.feature_id, run.activation = found["id"], found["activation"]
+    run.encoder_rows = found["encoder_rows"]
 
 
 def state_module(bound: BoundModel, name: str) -> nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -9,10 +10,12 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from .. import distributed
 from ..atomic import replacing, write_text
 from ..attribution import attribute
 from ..attribution.checkpoint import remove_checkpoint
 from ..attribution.export import read_labels
+from ..attribution.many import INDEX, attribute_many, read_prompts
 from ..attribution.settings import AttributionSettings
 from ..attribution.targets import direction_target
 from ..attribution.validate import ablation_test
@@ -173,7 +176,15 @@ def attribute_command(args) -> int:
     target = s["target"] if s["direction"] is None else read_direction(s["direction"])
     if s["labels"] is not None:  # its form now, before anything loads
         read_labels(s["labels"])
-    clt = load_transcoder(s["clt"], format=s["format"])
+    ranks = distributed.init()  # under torchrun: join the group (a no-op otherwise)
+    if args.prompts is not None:
+        return _many_command(args, s, checking)
+    sharded = ranks is not None and args.split == "features"
+    if sharded and (s["validate"] or checking is not None):
+        raise InputError("--validate and --cross-check run the whole transcoder: with more "
+                         "than one rank pass --split rows (the transcoder whole on every rank)")
+    clt = load_transcoder(s["clt"], format=s["format"],
+                          **({"shard": (ranks.rank, ranks.world)} if sharded else {}))
     labels = None if s["labels"] is None else \
         read_labels(s["labels"], n_layers=clt.n_layers, n_features=clt.cfg.d_transcoder)
     model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
@@ -187,6 +198,36 @@ def attribute_command(args) -> int:
     graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"],
                       settings=replace(as_attribution_settings(s), target=target),
                       progress=True, checkpoint=checkpoint)
+    if ranks is not None and not ranks.first:  # rank 0 writes every file
+        distributed.finish()
+        return 0
+    with distributed.alone() if ranks is not None else contextlib.nullcontext():
+        code = _write_outputs(args, s, graph, model, clt, tracer, checking, labels, checkpoint)
+    if ranks is not None:
+        distributed.finish()
+    return code
+
+
+def _many_command(args, s: dict, checking: dict | None) -> int:
+    """``attribute --prompts FILE``: one graph per prompt, spread over the ranks."""
+    if checking is not None or s["validate"] or s["direction"] is not None:
+        raise InputError("--prompts builds one graph per prompt: --cross-check, --validate "
+                         "and --direction take one prompt")
+    prompts = read_prompts(args.prompts)  # checked before anything loads
+    clt = load_transcoder(s["clt"], format=s["format"])
+    model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
+    index = attribute_many(model, tokenizer, clt, prompts, args.out,
+                           settings=as_attribution_settings(s), progress=True)
+    if index is not None:
+        print(f"wrote {len(index)} graphs and {args.out / INDEX}")
+    distributed.finish()
+    return 0
+
+
+def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
+                   checkpoint: Path) -> int:
+    """Print the graph's reading and write every output file (rank 0 of a distributed run)."""
+    out = args.out
     if graph.metadata["rows_resumed"]:
         print(f"resumed {graph.metadata['rows_resumed']} rows from {checkpoint}, computed "
               f"{graph.metadata['rows_computed']}")
@@ -217,7 +258,8 @@ def attribute_command(args) -> int:
         graph.plot(tmp, node_threshold=s["node_threshold"], edge_threshold=s["edge_threshold"])
     summary = {"settings": s, "closure": c.to_dict(), "feature_closure": graph.feature_closure(),
                "decomposition": parts, "scores": scores, "metadata": graph.metadata,
-               "pruned": {"nodes": pruned.n_nodes, "edges": pruned.n_edges}}
+               "pruned": {"nodes": pruned.n_nodes, "edges": pruned.n_edges},
+               "distributed": graph.metadata.get("distributed")}
     if s["validate"]:
         result = ablation_test(model, clt, graph, sizes=tuple(s["validate"].get("sizes", (5,))),
                                draws=s["validate"].get("draws", 10),

@@ -227,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
                             f"score (default {MAX_LINKS}, ~25 MB)")
     graph.add_argument("--validate", action="store_true",
                        help="ablate the top 5/10/20 features vs 10 random draws of as many")
+    graph.add_argument("--prompts", type=Path, default=None,
+                       help="a JSONL file of prompts (one object per line: prompt, optional "
+                            "answer and target): one graph directory per prompt under --out "
+                            "and index.json; under torchrun the prompts are spread over the "
+                            "ranks; a rerun resumes")
+    graph.add_argument("--split", default="features", choices=("features", "rows"),
+                       help="under torchrun with more than one rank: features shards the "
+                            "transcoder by feature (each rank loads a slice of every layer's "
+                            "features); rows keeps it whole on every rank and splits each batch "
+                            "of rows (default features; docs/attribution.md, 'Beyond one "
+                            "device')")
     check = graph.add_argument_group(
         "cross-check", "trace the same prompt and compare (cross_check.json, cross_check.png)")
     check.add_argument("--cross-check", action="store_true",

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from ..bound import BoundModel, bind
+from ..distributed import current
 from ..errors import InputError, SpecError
 from ..locations import resolve_layers
 from ..transcoders.formats import load_transcoder
@@ -292,14 +293,43 @@ class CLTSplice(SpliceIntervention):
             return base
         recon = leaves["b_dec"][layer].expand(base.shape)
         recon = recon + clt.skip(leaves["inputs"][layer], layer)
+        written = None
         for source_layer in clt.cfg.sources(layer):
             writes = leaves["writes"].get(source_layer)
             if writes is not None:
-                recon = recon + writes[layer - source_layer]
+                part = writes[layer - source_layer]
+                written = part if written is None else written + part
+        if clt.features is not None:  # a shard: every rank's features write this layer
+            written = _summed_over_ranks(written, recon, layer)
+        if written is not None:
+            recon = recon + written
         recon = recon.to(base.dtype)
         error = (base - recon).detach().requires_grad_(True)
         leaves["errors"][layer] = error
-        return recon + error
+        spliced = recon + error
+        # the value is the model's own output exactly (recon + (base - recon) rounds); the
+        # gradient is the splice's: a forward that does not depend on how recon was summed
+        return base.detach() + (spliced - spliced.detach())
+
+
+def _summed_over_ranks(written: torch.Tensor | None, like: torch.Tensor,
+                       layer: int) -> torch.Tensor:
+    """What every rank's features write into ``layer`` (one sum over ranks): the value is the
+    sum, the same on every rank; the gradient reaches this rank's feature leaves only (the
+    other ranks' features are theirs to differentiate)."""
+    ranks = current()
+    if ranks is None:
+        raise InputError(SHARD_ALONE)
+    local = like.new_zeros(like.shape) if written is None else written
+    total = ranks.all_reduce(local, f"summing layer {layer}'s reconstruction over ranks")
+    return total + (local - local.detach())
+
+
+#: Why a shard is refused outside a distributed run: its features are a part of every layer's.
+SHARD_ALONE = ("this transcoder is one rank's shard of its features (Transcoder.shard, "
+               "load_transcoder(..., shard=)): alone it reconstructs every layer from a part of "
+               "its features, which gives wrong numbers; run it under torchrun with every rank "
+               "holding its shard (attribute), or load the whole transcoder")
 
 
 def _selection(clt, session: SpliceSession, layer: int,
@@ -444,6 +474,11 @@ def clt_splice_representations(
         raise InputError("a leaf-mode splice does not take ablations")
     bound = bind(model)
     check_fits(clt, bound)
+    if clt.features is not None and not (leaves and current() is not None):
+        raise InputError(SHARD_ALONE if current() is None else
+                         "a transcoder sharded by feature splices the attribution graph's "
+                         "local replacement model only (attribute under torchrun); steering, "
+                         "checks and specs take the whole transcoder")
     adapter = bound.adapter
     session = SpliceSession() if session is None else session
     if selection is not None:

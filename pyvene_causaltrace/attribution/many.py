@@ -1,0 +1,166 @@
+"""Many prompts' graphs, spread over the ranks of a distributed run: one directory per prompt
+and an index.
+
+    prompts = read_prompts("prompts.jsonl")     # {"prompt": ..., "answer": ..., "target": ...}
+    index = attribute_many(model, tokenizer, transcoder, prompts, out="graphs/")
+
+Prompt ``i`` goes to rank ``i % world`` (one process: every prompt), which builds its graph on
+its own (:func:`~pyvene_causaltrace.distributed.alone`: no collectives, the graph a serial run
+builds) into ``out/<i>/``: ``graph.safetensors`` (written whole or not at all) and
+``summary.json``, its rows checkpointed in ``out/<i>/rows.partial/`` while they are computed.
+A prompt whose ``graph.safetensors`` exists is done: a rerun after a kill (any world size) skips
+it and resumes the one that was interrupted from its checkpoint. When every rank is done rank 0
+writes ``out/index.json``: one entry per prompt (its text, answer, directory, answer
+probability, active and explored features, relative closure residual).
+
+The transcoder must be whole on every rank (a graph per rank needs every feature); each line's
+``answer`` (a single token, optional) and ``target`` (a kind, optional) go to
+:func:`~.attribute.attribute`, the rest of the settings are ``settings``' for every prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from ..atomic import write_text
+from ..distributed import alone, current
+from ..errors import InputError
+from ..strict_json import loads
+from ..transcoders.transcoder import Transcoder
+from .attribute import attribute
+from .checkpoint import remove_checkpoint
+from .settings import AttributionSettings
+from .targets import TARGET_KINDS
+
+if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["INDEX", "attribute_many", "read_prompts"]
+
+#: The index rank 0 writes when every prompt is done.
+INDEX = "index.json"
+#: What a line of a prompts file may hold.
+PROMPT_KEYS = ("prompt", "answer", "target")
+
+
+def read_prompts(path: str | Path) -> list[dict]:
+    """The prompts of a JSONL file: one object per line with ``prompt`` (a non-empty string),
+    optionally ``answer`` (a string) and ``target`` (a kind of :data:`~.targets.TARGET_KINDS`);
+    anything else is refused naming the file and line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"cannot read the prompts file {path}: {error}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            entry = loads(line)
+        except ValueError as error:
+            raise InputError(f"{where}: not JSON: {error}") from None
+        prompts.append(check_prompt(entry, where))
+    if not prompts:
+        raise InputError(f"{path} holds no prompt (one JSON object per line: "
+                         '{"prompt": "...", "answer": " Paris"})')
+    return prompts
+
+
+def check_prompt(entry: object, where: str) -> dict:
+    """One prompt entry, checked (:func:`read_prompts`)."""
+    if not isinstance(entry, dict):
+        raise InputError(f"{where}: a line is a JSON object with 'prompt'")
+    unknown = sorted(set(entry) - set(PROMPT_KEYS))
+    if unknown:
+        raise InputError(f"{where}: unknown field(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(PROMPT_KEYS)})")
+    if not isinstance(entry.get("prompt"), str) or not entry["prompt"]:
+        raise InputError(f"{where}: 'prompt' must be a non-empty string")
+    if entry.get("answer") is not None and not isinstance(entry["answer"], str):
+        raise InputError(f"{where}: 'answer' must be a string")
+    if entry.get("target") is not None and entry["target"] not in TARGET_KINDS:
+        raise InputError(f"{where}: 'target' must be one of {', '.join(TARGET_KINDS)}, got "
+                         f"{entry['target']!r}")
+    return {"prompt": entry["prompt"], "answer": entry.get("answer"),
+            "target": entry.get("target")}
+
+
+def attribute_many(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
+                   transcoder: Transcoder, prompts: Sequence[dict] | str | Path,
+                   out: str | Path, *, settings: AttributionSettings | None = None,
+                   progress: bool = False) -> list[dict] | None:
+    """Every prompt's graph in ``out/<index>/``, the prompts spread over the ranks (module
+    docstring); returns the index on rank 0 (and in one process), None on the other ranks."""
+    if not isinstance(prompts, str | Path):
+        prompts = [check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+    else:
+        prompts = read_prompts(prompts)
+    if transcoder.features is not None:
+        raise InputError("attribute_many builds each prompt's graph on one rank, which needs "
+                         "the whole transcoder: load it without shard=")
+    settings = settings or AttributionSettings()
+    out = Path(out)
+    ranks = current()
+    rank, world = (0, 1) if ranks is None else (ranks.rank, ranks.world)
+    if ranks is not None:
+        ranks.agree("prompts", prompts)
+        ranks.agree("settings", repr(settings))
+    out.mkdir(parents=True, exist_ok=True)
+    mine = [i for i in range(len(prompts)) if i % world == rank]
+    bar = None
+    if progress and rank == 0:
+        from tqdm.auto import tqdm  # a progress bar only when asked for one
+
+        bar = tqdm(total=len(mine), desc=f"prompts (rank {rank} of {world})", unit="graph")
+    with alone():
+        for i in mine:
+            _one(model, tokenizer, transcoder, prompts[i], out / f"{i:05d}", settings)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    if ranks is not None:
+        ranks.barrier("waiting for every rank's prompts")
+        if not ranks.first:
+            return None
+    index = [_entry(i, prompts[i], out) for i in range(len(prompts))]
+    write_text(json.dumps({"prompts": index, "world": world,
+                           "settings": repr(settings)}, indent=2), out / INDEX)
+    return index
+
+
+def _one(model, tokenizer, transcoder: Transcoder, prompt: dict, folder: Path,
+         settings: AttributionSettings) -> None:
+    """One prompt's graph into ``folder`` unless it is there already."""
+    if (folder / "graph.safetensors").exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    checkpoint = folder / "rows.partial"
+    chosen = settings if prompt["target"] is None else replace(settings, target=prompt["target"])
+    graph = attribute(model, tokenizer, transcoder, prompt["prompt"], prompt["answer"],
+                      settings=chosen, checkpoint=checkpoint)
+    summary = {"prompt": prompt["prompt"], "answer": graph.answer,
+               "answer_prob": graph.answer_prob, "n_features": graph.n_features,
+               "n_explored": graph.n_explored, "closure": graph.closure.to_dict(),
+               "metadata": graph.metadata}
+    write_text(json.dumps(summary, indent=2, default=str), folder / "summary.json")
+    graph.save(folder / "graph.safetensors")  # whole or not at all, last: it means done
+    remove_checkpoint(checkpoint)
+
+
+def _entry(i: int, prompt: dict, out: Path) -> dict:
+    """Prompt ``i``'s line of the index, read from its summary."""
+    folder = out / f"{i:05d}"
+    summary = json.loads((folder / "summary.json").read_text())
+    return {"index": i, "prompt": prompt["prompt"], "answer": summary["answer"],
+            "dir": folder.name, "answer_prob": summary["answer_prob"],
+            "n_features": summary["n_features"], "n_explored": summary["n_explored"],
+            "closure": summary["closure"]["relative"]}

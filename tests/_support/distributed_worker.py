@@ -1,0 +1,67 @@
+"""One rank of a distributed attribution test, started by ``torchrun`` (tests/test_distributed.py).
+
+    torchrun --standalone --nproc_per_node N tests/_support/distributed_worker.py CASES.json
+
+``CASES.json``: a list of cases, each ``{"dir": ..., "split": "features" | "rows", "prompt",
+"budget", "kill_rank", ...}``; ``dir`` holds ``model/`` (a saved tiny model and tokenizer) and
+``transcoder/`` (a transcoder in its on-disk layout). Rank 0 saves each case's graph as
+``dir/graph_<split>_w<world>.safetensors`` and the run's metadata beside it. With ``slow_rows``
+each batch of rows sleeps that long (a window for the fault tests to kill a rank mid-rows);
+with ``checkpoint`` the rows are checkpointed there after every batch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pyvene_causaltrace import distributed
+from pyvene_causaltrace.attribution import attribute
+from pyvene_causaltrace.transcoders import load_transcoder
+
+
+def _slow(seconds: float) -> None:
+    """Each batch of rows takes ``seconds`` longer, and the checkpoint is saved after each."""
+    module = sys.modules["pyvene_causaltrace.attribution.attribute"]
+    module.SAVE_EVERY_S = 0.0
+    plain = module.feature_rows
+
+    def feature_rows(run, chunk):
+        time.sleep(seconds)
+        return plain(run, chunk)
+
+    module.feature_rows = feature_rows
+
+
+def main(cases_file: str) -> int:
+    torch.set_num_threads(1)
+    ranks = distributed.init(timeout_s=30)
+    assert ranks is not None, "run me under torchrun with more than one rank"
+    for case in json.loads(Path(cases_file).read_text()):
+        folder = Path(case["dir"])
+        if case.get("slow_rows"):
+            _slow(case["slow_rows"])
+        model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+        shard = {"shard": (ranks.rank, ranks.world)} if case["split"] == "features" else {}
+        transcoder = load_transcoder(str(folder / "transcoder"), **shard)
+        if case.get("kill_rank") == ranks.rank:
+            print(f"rank {ranks.rank}: ready to be killed", flush=True)
+        graph = attribute(model, tokenizer, transcoder, case["prompt"],
+                          max_feature_nodes=case.get("budget"), batch_size=case.get("batch"),
+                          checkpoint=case.get("checkpoint"))
+        if ranks.first:
+            name = f"graph_{case['split']}_w{ranks.world}"
+            graph.save(folder / f"{name}.safetensors")
+            (folder / f"{name}.json").write_text(json.dumps(graph.metadata["distributed"]))
+    distributed.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
