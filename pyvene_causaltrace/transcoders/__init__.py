@@ -19,7 +19,7 @@ from .formats import (
     save_transcoder,
 )
 from .formats.mntss import from_pretrained, load_from_disk, read_config, save_model
-from .transcoder import Transcoder, check_fits
+from .transcoder import Transcoder, check_fits, feature_range
 
 __all__ = [
     "FORMATS",
@@ -31,6 +31,7 @@ __all__ = [
     "TranscoderMismatchError",
     "check_fits",
     "detect_format",
+    "feature_range",
     "from_pretrained",
     "load_from_disk",
     "load_transcoder",

@@ -23,9 +23,20 @@ Features at position 0 (BOS) are zeroed: no dictionary is trained on the attenti
 The decoder is usually far larger than everything else (18 GB for the 1B model's CLT): it can
 stay memory-mapped on disk, and only the rows of features that fired are read.
 
+Sharding by feature (torch.distributed ranks): :meth:`Transcoder.shard` (or ``load_transcoder(...,
+shard=(rank, world))``, which reads only the slice from the mntss and circuit-tracer layouts)
+keeps features ``[lo, hi)`` of :func:`feature_range` of every layer — their ``W_enc`` rows,
+``b_enc``, thresholds and decoder rows (a CLT's rows for every target layer) — while ``b_dec`` and
+``W_skip`` stay whole on every rank. A shard's ``encode`` returns its ``n_local`` features (local
+ids ``0..n_local-1``; global id = local + ``feature_offset``), and its
+``reconstruct(acts, partial=True)`` the decoder sum over its features only: the partial sums of
+all shards plus one ``b_dec`` and one skip path make the whole transcoder's reconstruction.
+``cfg`` stays the whole transcoder's (``d_transcoder`` counts every feature).
+
     tc = Transcoder.from_pretrained("path/or/hub-id")
     acts = tc.encode_all(inputs)              # [L, P, F], position 0 zeroed
     recon = tc.reconstruct(acts, inputs)      # [L, P, D]
+    part = Transcoder.from_pretrained("path", shard=(rank, world))  # features feature_range(...)
 """
 
 from __future__ import annotations
@@ -42,6 +53,10 @@ from ..errors import InputError, TranscoderMismatchError
 from ..models import get_module, model_name
 from .config import TranscoderConfig
 
+#: Activations that rank a layer's features against each other: split over ranks, a top-k needs
+#: a global selection, so these are not sharded by feature.
+RANKED_ACTIVATIONS = ("topk", "relu_topk", "joint_topk")
+
 #: The layout reader and writer behind :meth:`Transcoder.from_pretrained`,
 #: :meth:`~Transcoder.load_from_disk` and :meth:`~Transcoder.save_model`. :mod:`.formats` builds
 #: Transcoders, so it registers them (:func:`register_layouts`) when imported, as importing
@@ -55,10 +70,52 @@ def register_layouts(load: Callable[..., Transcoder],
     _LAYOUTS.update(load=load, save=save)
 
 
+def feature_range(d_transcoder: int, rank: int, world: int) -> tuple[int, int]:
+    """Features ``[lo, hi)`` of each layer that rank ``rank`` of ``world`` holds: contiguous,
+    the first ``d_transcoder % world`` ranks one more than the others.
+
+    >>> [feature_range(47, rank, 3) for rank in range(3)]
+    [(0, 16), (16, 32), (32, 47)]"""
+    for name, value in (("d_transcoder", d_transcoder), ("rank", rank), ("world", world)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InputError(f"{name} must be an integer, got {value!r}")
+    if world < 1:
+        raise InputError(f"world must be >= 1, got world={world}")
+    if not 0 <= rank < world:
+        raise InputError(f"rank must be in 0..{world - 1} for world={world}, got rank={rank}")
+    if world > d_transcoder:
+        raise InputError(f"world={world} ranks cannot share d_transcoder={d_transcoder} "
+                         "features per layer: some would hold none")
+    base, extra = divmod(d_transcoder, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def check_shardable(activation: str) -> None:
+    """Refuse to split a transcoder whose activation ranks features against each other."""
+    if activation in RANKED_ACTIVATIONS:
+        raise InputError(
+            f"a {activation} transcoder cannot be sharded by feature: a top-k over features "
+            "split across ranks needs a global selection; split rows (positions) across ranks "
+            "with a replicated transcoder instead")
+
+
+def shard_features(d_transcoder: int, shard) -> tuple[int, int] | None:
+    """``feature_range`` of a loader's ``shard=(rank, world)`` (None: the whole)."""
+    if shard is None:
+        return None
+    if not isinstance(shard, tuple | list) or len(shard) != 2:
+        raise InputError(f"shard must be (rank, world), got {shard!r}")
+    return feature_range(d_transcoder, *shard)
+
+
 class Transcoder(nn.Module):
     """A transcoder held as buffers (encoder side) and per-layer decoder tensors (resident or
     mmapped). Build one with :func:`~pyvene_causaltrace.transcoders.load_transcoder` (any
-    layout; :meth:`from_pretrained` is the same) or :meth:`from_tensors`."""
+    layout; :meth:`from_pretrained` is the same) or :meth:`from_tensors`.
+
+    ``features=(lo, hi)`` makes it a shard (module docstring): the tensors given hold only
+    features ``[lo, hi)`` of each layer, ``cfg`` describes the whole."""
 
     def __init__(
         self,
@@ -75,8 +132,24 @@ class Transcoder(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         source: str | None = None,
+        features: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
+        if features is not None:
+            check_shardable(cfg.activation)
+            lo, hi = features
+            if not 0 <= lo < hi <= cfg.d_transcoder:
+                raise InputError(f"features {features} is not a range [lo, hi) within the "
+                                 f"transcoder's {cfg.d_transcoder} features per layer")
+            features = (int(lo), int(hi))
+            widths = {"b_enc": b_enc.shape[-1]} \
+                | ({} if W_enc is None else {"W_enc": W_enc.shape[1]}) \
+                | {f"W_dec[{layer}]": w.shape[0] for layer, w in enumerate(W_dec)}
+            wrong = {name: width for name, width in widths.items() if width != hi - lo}
+            if wrong:
+                raise InputError(f"a shard of features {features} holds {hi - lo} features "
+                                 f"per layer; got {wrong}")
+        self.features = features
         self.cfg = cfg
         self.dtype = dtype
         self.device_ = torch.device(device)
@@ -135,6 +208,44 @@ class Transcoder(nn.Module):
         :func:`~pyvene_causaltrace.transcoders.load_transcoder`)."""
         return _LAYOUTS["load"](path, **kwargs)
 
+    def shard(self, rank: int, world: int) -> Transcoder:
+        """Features :func:`feature_range` ``(d_transcoder, rank, world)`` of every layer (module
+        docstring). Resident feature tensors are copied (the whole may then be freed); a
+        memory-mapped decoder stays a view of its file (nothing is read); a streamed encoder
+        then reads only the slice. ``b_dec`` and ``W_skip`` are shared with this transcoder."""
+        if self.features is not None:
+            raise InputError(f"this transcoder is already a shard (features {self.features}); "
+                             "shard the whole transcoder")
+        check_shardable(self.cfg.activation)
+        lo, hi = feature_range(self.cfg.d_transcoder, rank, world)
+        mapped = bool(self._handles)
+        part = Transcoder(
+            self.cfg, b_enc=self.b_enc[:, lo:hi].clone(),
+            threshold=self.threshold[:, lo:hi].clone(), b_dec=self.b_dec,
+            W_enc=None if self.W_enc is None else self.W_enc[:, lo:hi].clone(),
+            W_dec=[w[lo:hi] if mapped else w[lo:hi].clone() for w in self.W_dec],
+            W_skip=self.W_skip,
+            encoder_loader=None if self._encoder_loader is None
+            else sliced_loader(self._encoder_loader, lo, hi),
+            score_weight=None if self.score_weight is None
+            else self.score_weight[:, lo:hi].clone(),
+            dtype=self.dtype, device=self.device_, source=self.source, features=(lo, hi))
+        part._handles = list(self._handles)
+        return part
+
+    def resident_bytes(self) -> int:
+        """Bytes of the tensors this object holds in memory: buffers, ``W_enc``, ``W_skip`` and
+        resident decoders (a memory-mapped decoder counts 0). Each storage counts once, whole
+        (a view keeps all of its storage alive)."""
+        tensors = [*self.buffers(), *([] if self.W_enc is None else [self.W_enc]),
+                   *(self.W_skip or []), *([] if self._handles else self.W_dec)]
+        storages = {}
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+        return sum(storages.values())
+
     def save_model(self, path: str) -> None:
         """Write a CLT in the mntss layout, a per-layer set in circuit-tracer's
         (see :mod:`~pyvene_causaltrace.transcoders.formats`)."""
@@ -145,19 +256,32 @@ class Transcoder(nn.Module):
     def n_layers(self) -> int:
         return self.cfg.n_layers
 
+    @property
+    def n_local(self) -> int:
+        """Features per layer this object holds (``cfg.d_transcoder`` unless a shard)."""
+        return self.cfg.d_transcoder if self.features is None \
+            else self.features[1] - self.features[0]
+
+    @property
+    def feature_offset(self) -> int:
+        """Global id of local feature 0 (0 unless a shard)."""
+        return 0 if self.features is None else self.features[0]
+
     def encoder_weight(self, layer: int) -> torch.Tensor:
-        """``W_enc[layer]`` ``[F, D]`` in the compute dtype (read from disk if streamed)."""
+        """``W_enc[layer]`` ``[F, D]`` (a shard's ``[n_local, D]``) in the compute dtype (read
+        from disk if streamed)."""
         if self.W_enc is not None:
             return self.W_enc[layer]
         return self._encoder_loader(layer).to(self.device_, self.dtype)
 
     def preactivation(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """``z = x @ W_enc[layer].T + b_enc[layer]``, ``[..., F]``."""
+        """``z = x @ W_enc[layer].T + b_enc[layer]``, ``[..., F]`` (a shard's ``n_local``)."""
         return x.to(self.dtype) @ self.encoder_weight(layer).T + self.b_enc[layer]
 
     def encode(self, x: torch.Tensor, layer: int,
                selection: torch.Tensor | None = None) -> torch.Tensor:
-        """Features ``[..., F]`` of the input hook's values ``x [..., D]`` at ``layer``.
+        """Features ``[..., F]`` of the input hook's values ``x [..., D]`` at ``layer`` (a
+        shard's ``[..., n_local]``, local ids).
 
         A ``joint_topk`` transcoder needs ``selection`` (bool ``[..., F]``, this layer's part of
         :meth:`joint_selection`): which features the joint top-k kept cannot be known from one
@@ -188,7 +312,8 @@ class Transcoder(nn.Module):
         return keep.unflatten(-1, (self.n_layers, -1)).movedim(-2, 0)
 
     def encode_all(self, inputs: torch.Tensor, zero_bos: bool = True) -> torch.Tensor:
-        """``[L, P, D]`` -> ``[L, P, F]``; position 0 zeroed unless ``zero_bos=False``."""
+        """``[L, P, D]`` -> ``[L, P, F]`` (a shard's ``n_local``); position 0 zeroed unless
+        ``zero_bos=False``."""
         selection = self.joint_selection(inputs) if self.cfg.joint else [None] * self.n_layers
         acts = torch.stack([self.encode(inputs[layer], layer, selection[layer])
                             for layer in range(self.n_layers)])
@@ -199,7 +324,8 @@ class Transcoder(nn.Module):
     # ------------------------------------------------------------------------ decoder
     def decoder_rows(self, layer: int, feature_ids: torch.Tensor) -> torch.Tensor:
         """``W_dec[layer][feature_ids]`` ``[n, T_layer, D]``, gathered (only these rows are
-        read from a mmapped decoder) and converted to the compute dtype."""
+        read from a mmapped decoder) and converted to the compute dtype. A shard takes local
+        ids."""
         ids = feature_ids.to(self.W_dec[layer].device)
         return self.W_dec[layer].index_select(0, ids).to(self.device_, self.dtype)
 
@@ -210,15 +336,24 @@ class Transcoder(nn.Module):
                                device=x.device)
         return x.to(self.dtype) @ self.W_skip[layer].T
 
-    def reconstruct(self, acts: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
-        """``[L, P, F]`` activations -> ``[L, P, D]`` reconstructed outputs (with ``b_dec``, and
-        the skip path of ``inputs [L, P, D]`` when the transcoder has one)."""
-        n_layers, n_pos, _ = acts.shape
-        if self.W_skip is not None and inputs is None:
+    def reconstruct(self, acts: torch.Tensor, inputs: torch.Tensor | None = None, *,
+                    partial: bool = False) -> torch.Tensor:
+        """``[L, P, F]`` activations (a shard's ``n_local``) -> ``[L, P, D]`` reconstructed
+        outputs (with ``b_dec``, and the skip path of ``inputs [L, P, D]`` when the transcoder
+        has one). ``partial``: the decoder sum alone, without ``b_dec`` or skip (``inputs`` is
+        then not read) — summed over every shard, plus ``b_dec`` and the skip once, it is the
+        whole transcoder's reconstruction."""
+        n_layers, n_pos, width = acts.shape
+        if width != self.n_local:
+            raise InputError(f"acts hold {width} features per layer; this transcoder "
+                             f"{'shard ' if self.features else ''}holds {self.n_local}")
+        if self.W_skip is not None and inputs is None and not partial:
             raise InputError("a transcoder with a skip path reconstructs from its inputs too")
         recon = self.b_dec[:, None, :].expand(n_layers, n_pos, -1).clone()
+        if partial:
+            recon.zero_()
         for layer in range(n_layers):
-            if inputs is not None:
+            if inputs is not None and not partial:
                 recon[layer] += self.skip(inputs[layer], layer)
             pos, fid = acts[layer].nonzero(as_tuple=True)
             if pos.numel() == 0:
@@ -245,8 +380,20 @@ class Transcoder(nn.Module):
         lazy = "mmapped" if self._handles else "resident"
         kind = ("cross-layer" if c.cross_layer else "per-layer") + (" + skip" if c.skip else "")
         act = f"{c.activation}(k={c.k})" if c.k is not None else c.activation
-        return (f"{c.model_name}: {kind}, {c.n_layers} layers x {c.d_transcoder} features, "
+        part = "" if self.features is None else f" (shard: features [{self.features[0]}, " \
+            f"{self.features[1]}))"
+        return (f"{c.model_name}: {kind}, {c.n_layers} layers x {c.d_transcoder} features{part}, "
                 f"d_model={c.d_model}, {act}, decoder {lazy}, dtype={self.dtype}")
+
+
+def sliced_loader(loader: Callable[[int], torch.Tensor], lo: int, hi: int
+                  ) -> Callable[[int], torch.Tensor]:
+    """A streamed encoder's loader for rows ``[lo, hi)``: the loader's own ``sliced(lo, hi)``
+    when it has one (it then reads only those rows), else its whole ``W_enc[layer]`` sliced."""
+    sliced = getattr(loader, "sliced", None)
+    if sliced is not None:
+        return sliced(lo, hi)
+    return lambda layer: loader(layer)[lo:hi]
 
 
 def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = None,

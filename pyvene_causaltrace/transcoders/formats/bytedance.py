@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import CROSS_LAYER, TranscoderConfig
-from ..transcoder import Transcoder
+from ..transcoder import Transcoder, check_shardable
 from .common import (
     DTYPE_NAMES,
     TranscoderFormatError,
@@ -62,9 +62,13 @@ def _config(path: Path) -> dict:
 
 def load(source: str | Path, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, lazy_decoder: bool = True,
-         scan: str | None = None, **_ignored) -> Transcoder:
+         scan: str | None = None, shard: tuple[int, int] | None = None,
+         **_ignored) -> Transcoder:
     """The CLT from its directory; every file checked before anything is returned, decoders
-    memory-mapped with ``lazy_decoder``."""
+    memory-mapped with ``lazy_decoder``. ``shard`` is refused: the joint top-k ranks every
+    feature against the others."""
+    if shard is not None:
+        check_shardable("joint_topk")
     check_dtype(dtype)
     root = Path(source).expanduser()
     meta = _config(root / CONFIG)

@@ -25,6 +25,13 @@ raised to 0, ``affine_skip_connection [D_in, D_out]``. ``.npz`` entries are Gemm
 
 A hub reference to a config is ``org/repo[/subfolder][@revision]``; per-layer ``hf://`` files
 resolve through the hub cache (offline with ``HF_HUB_OFFLINE=1``).
+
+``shard=(rank, world)`` keeps that rank's features (:func:`~..transcoder.feature_range`) of every
+layer. A set of circuit-tracer safetensors files and an mntss CLT are read in slices (safetensors'
+``get_slice``: rows of ``[F, D]`` tensors, columns of ``[D, F]`` ones; a view of a memory-mapped
+decoder), never a whole encoder or decoder; a set with GemmaScope ``.npz`` or GemmaScope-2 files,
+or a GemmaScope-2 CLT, is loaded whole and then :meth:`~..transcoder.Transcoder.shard`-ed (peak
+memory is then the whole encoder).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from safetensors.torch import save_file
 
 from ...errors import InputError
 from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
-from ..transcoder import Transcoder
+from ..transcoder import Transcoder, check_shardable, shard_features
 from . import gemmascope2, mntss
 from .common import (
     LayerTensors,
@@ -49,8 +56,10 @@ from .common import (
     mmap_tensor,
     open_safetensors,
     read_yaml_mapping,
+    refuse_shard,
     resolve_reference,
     shapes_of,
+    shard_loaded,
 )
 from .gemmascope import read_npz
 
@@ -96,11 +105,8 @@ _RENAMES = {"activation_function.threshold": "threshold"}
 _KNOWN = {"W_enc", "W_dec", "b_enc", "b_dec", "threshold", "W_skip", "k"}
 
 
-def read_layer_file(path: Path, *, lazy_decoder: bool = True) -> tuple[LayerTensors, int | None]:
-    """One per-layer safetensors file in our orientation, and its ``k`` (None if absent)."""
-    handle = open_safetensors(path)
-    if "w_enc" in handle.keys():  # GemmaScope-2: oriented by name, not by shape
-        return gemmascope2.read_layer(path, lazy_decoder=lazy_decoder), None
+def _native_shapes(path: Path, handle) -> dict[str, tuple[int, ...]]:
+    """A circuit-tracer file's tensor shapes by our names; unknown or missing names raise."""
     shapes = {_RENAMES.get(key, key): shape for key, shape in shapes_of(handle).items()}
     unknown = sorted(set(shapes) - _KNOWN)
     missing = sorted({"W_enc", "W_dec", "b_enc", "b_dec"} - set(shapes))
@@ -108,6 +114,21 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True) -> tuple[LayerTens
         raise TranscoderFormatError(f"{path}: " + "; ".join(
             part for part in (f"missing {', '.join(missing)}" if missing else "",
                               f"unknown tensors {', '.join(unknown)}" if unknown else "") if part))
+    return shapes
+
+
+def read_layer_file(path: Path, *, lazy_decoder: bool = True,
+                    features: tuple[int, int] | None = None) -> tuple[LayerTensors, int | None]:
+    """One per-layer safetensors file in our orientation, and its ``k`` (None if absent);
+    with ``features=(lo, hi)`` only those features of a circuit-tracer file are read."""
+    handle = open_safetensors(path)
+    if "w_enc" in handle.keys():  # GemmaScope-2: oriented by name, not by shape
+        if features is not None:
+            raise InputError(f"{path}: GemmaScope-2 files are not read in slices")
+        return gemmascope2.read_layer(path, lazy_decoder=lazy_decoder), None
+    shapes = _native_shapes(path, handle)
+    if features is not None:
+        return _read_layer_slice(path, handle, shapes, features, lazy_decoder)
     d_transcoder, d_model = shapes["b_enc"][0], shapes["b_dec"][0]
     names = {_RENAMES.get(key, key): key for key in handle.keys()}
     try:
@@ -132,6 +153,75 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True) -> tuple[LayerTens
                          threshold=tensors.get("threshold"), W_skip=tensors.get("W_skip"),
                          handles=handles)
     return layer, None if k is None else int(k.reshape(-1)[0])
+
+
+def _read_layer_slice(path: Path, handle, shapes: dict, features: tuple[int, int],
+                      lazy_decoder: bool) -> tuple[LayerTensors, int | None]:
+    """Features ``[lo, hi)`` of a circuit-tracer file, read through ``get_slice`` (rows of an
+    ``[F, D]`` tensor, columns of a ``[D, F]`` one; the decoder a view of its memory map with
+    ``lazy_decoder``) after checking every full shape from the header."""
+    d_transcoder, d_model = shapes["b_enc"][0], shapes["b_dec"][0]
+    oriented = {(d_transcoder, d_model), (d_model, d_transcoder)}
+    want = {"W_enc": oriented, "W_dec": oriented, "b_enc": {(d_transcoder,)},
+            "b_dec": {(d_model,)}, "threshold": {(d_transcoder,)}, "W_skip": {(d_model, d_model)}}
+    wrong = {name: shape for name, shape in shapes.items() if name in want
+             and tuple(shape) not in want[name]}
+    if wrong:
+        raise TranscoderFormatError(
+            f"{path}: shapes {wrong} disagree with b_enc/b_dec (d_transcoder {d_transcoder}, "
+            f"d_model {d_model}; W_enc and W_dec are [F, D] or [D, F])")
+    names = {_RENAMES.get(key, key): key for key in handle.keys()}
+    lo, hi = features
+    tensors, handles = {}, []
+    try:
+        for ours, theirs in names.items():
+            shape = tuple(shapes[ours])
+            transposed = ours in ("W_enc", "W_dec") and shape == (d_model, d_transcoder) \
+                and d_model != d_transcoder
+            if ours in ("b_dec", "W_skip", "k"):
+                tensors[ours] = handle.get_tensor(theirs)
+            elif transposed:  # [D, F]: columns; rows of a transposed map are not rows
+                tensors[ours] = handle.get_slice(theirs)[:, lo:hi].T.contiguous()
+            elif ours == "W_dec" and lazy_decoder:
+                mapped_dec, mapped = mmap_tensor(path, theirs)
+                tensors[ours] = mapped_dec[lo:hi]  # a view: nothing read
+                handles.append(mapped)
+            else:  # a view of the file's map (only these rows are read): assemble_set copies
+                tensors[ours] = handle.get_slice(theirs)[lo:hi]
+    except Exception as error:  # a truncated data section surfaces only here
+        raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
+    k = tensors.pop("k", None)
+    layer = LayerTensors(str(path), W_enc=tensors["W_enc"], W_dec=tensors["W_dec"],
+                         b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
+                         threshold=tensors.get("threshold"), W_skip=tensors.get("W_skip"),
+                         handles=handles)
+    return layer, None if k is None else int(k.reshape(-1)[0])
+
+
+def _widths(path: Path) -> tuple[int, int] | None:
+    """``(d_transcoder, d_model)`` of a circuit-tracer safetensors file from its header, or
+    None for a file read whole (``.npz``, GemmaScope-2)."""
+    if path.suffix == ".npz":
+        return None
+    handle = open_safetensors(path)
+    if "w_enc" in handle.keys():
+        return None
+    shapes = _native_shapes(path, handle)
+    return shapes["b_enc"][0], shapes["b_dec"][0]
+
+
+def _slice_plan(files: list[Path], shard) -> tuple[tuple[int, int], int] | None:
+    """``(features, d_transcoder)`` for reading every file in slices, after checking from the
+    headers that every layer has layer 0's widths; None when some file is read whole."""
+    widths = [_widths(path) for path in files]
+    if any(w is None for w in widths):
+        return None
+    for index, (path, got) in enumerate(zip(files, widths, strict=True)):
+        if got != widths[0]:
+            raise TranscoderFormatError(
+                f"{path} (layer {index}): d_transcoder {got[0]}, d_model {got[1]} disagree "
+                f"with layer 0 (d_transcoder {widths[0][0]}, d_model {widths[0][1]})")
+    return shard_features(widths[0][0], shard), widths[0][0]
 
 
 def _read_layer(path: Path, lazy_decoder: bool) -> tuple[LayerTensors, int | None]:
@@ -180,9 +270,11 @@ def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | No
 
 def load(source: str | Path, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, lazy_decoder: bool = True,
-         lazy_encoder: bool = False, revision: str | None = None) -> Transcoder:
+         lazy_encoder: bool = False, revision: str | None = None,
+         shard: tuple[int, int] | None = None) -> Transcoder:
     """A transcoder from a circuit-tracer config: a local ``config.yaml`` (or its directory) or
-    a hub reference ``org/repo[/subfolder][@revision]`` (module docstring)."""
+    a hub reference ``org/repo[/subfolder][@revision]``; ``shard=(rank, world)`` keeps that
+    rank's features (module docstring)."""
     local = Path(str(source)).expanduser()
     hub = None
     config = _config_file(local) if local.exists() else None
@@ -203,28 +295,33 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     if scan is None and hub is not None:
         scan = hub[0] + (f"//{hub[2].rstrip('/')}" if hub[2] else "") \
             + (f"@{hub[1]}" if hub[1] else "")
+    if shard is not None and meta.get("activation") is not None:
+        check_shardable(str(meta["activation"]))  # before reading any weights
     if meta["model_kind"] == CROSS_LAYER and meta.get("transcoders") is not None:
         # GemmaScope-2's CLT: its params_layer_{l} files listed in layer order
-        return gemmascope2.load_clt(
+        return shard_loaded(gemmascope2.load_clt(
             _layer_files(meta, config, hub), device=device, dtype=dtype,
             lazy_decoder=lazy_decoder, scan=None if scan is None else str(scan),
             model_name=str(meta.get("model_name") or ""),
             feature_input_hook=meta["feature_input_hook"],
-            feature_output_hook=meta["feature_output_hook"])
+            feature_output_hook=meta["feature_output_hook"]), shard)
     if meta["model_kind"] == CROSS_LAYER:
         root = config.parent
         if hub is not None:
             repo, rev, sub = hub
             root = hub_snapshot(repo, rev, [f"{sub}*.safetensors", f"{sub}{CONFIG}"]) / sub
         clt = mntss.load_from_disk(root, device=device, dtype=dtype, lazy_decoder=lazy_decoder,
-                                   lazy_encoder=lazy_encoder)
+                                   lazy_encoder=lazy_encoder, shard=shard)
         if scan is not None:
             clt.cfg = replace(clt.cfg, scan=str(scan))
         return clt
     assert meta["model_kind"] == TRANSCODER_SET
+    files = _layer_files(meta, config, hub)
+    plan = None if shard is None else _slice_plan(files, shard)
     layers, ks = [], set()
-    for path in _layer_files(meta, config, hub):
-        layer, k = _read_layer(path, lazy_decoder)
+    for path in files:
+        layer, k = _read_layer(path, lazy_decoder) if plan is None else \
+            read_layer_file(path, lazy_decoder=lazy_decoder, features=plan[0])
         layers.append(layer)
         ks.add(k)
     has_threshold = layers[0].threshold is not None
@@ -237,13 +334,14 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
             raise TranscoderFormatError(f"{config}: activation topk needs k (the config's or "
                                         f"the files'); found {sorted(ks) or 'none'}")
         k = ks.pop()
-    return assemble_set(layers, model_name=str(meta.get("model_name") or ""),
-                        activation=activation, k=k,
-                        feature_input_hook=meta["feature_input_hook"],
-                        feature_output_hook=meta["feature_output_hook"],
-                        scan=None if scan is None else str(scan),
-                        source=str(config if hub is None else source), dtype=dtype,
-                        device=device, lazy_decoder=lazy_decoder)
+    transcoder = assemble_set(
+        layers, model_name=str(meta.get("model_name") or ""), activation=activation, k=k,
+        feature_input_hook=meta["feature_input_hook"],
+        feature_output_hook=meta["feature_output_hook"],
+        scan=None if scan is None else str(scan), source=str(config if hub is None else source),
+        dtype=dtype, device=device, lazy_decoder=lazy_decoder,
+        features=None if plan is None else plan[0], d_transcoder=None if plan is None else plan[1])
+    return transcoder if plan is not None else shard_loaded(transcoder, shard)
 
 
 def save(transcoder: Transcoder, path: str | Path) -> None:
@@ -251,6 +349,7 @@ def save(transcoder: Transcoder, path: str | Path) -> None:
     the relative ``layer_{l}.safetensors`` files) and one native file per layer, in the set's
     on-disk dtype."""
     cfg = transcoder.cfg
+    refuse_shard(transcoder)
     if cfg.cross_layer:
         raise InputError("a cross-layer transcoder is written in the mntss layout")
     root = Path(path)

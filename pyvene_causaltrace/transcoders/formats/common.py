@@ -25,6 +25,24 @@ TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
                 "F64": torch.float64}
 
 
+def shard_loaded(transcoder: Transcoder, shard: tuple[int, int] | None) -> Transcoder:
+    """``transcoder``, or with ``shard=(rank, world)`` its :meth:`~..transcoder.Transcoder.shard`
+    — for layouts loaded whole and then split (peak memory: the whole encoder)."""
+    if shard is None:
+        return transcoder
+    if not isinstance(shard, tuple | list) or len(shard) != 2:
+        raise InputError(f"shard must be (rank, world), got {shard!r}")
+    return transcoder.shard(*shard)
+
+
+def refuse_shard(transcoder: Transcoder) -> None:
+    """A shard holds some features of each layer: writing it as a transcoder would lose the
+    rest."""
+    if transcoder.features is not None:
+        raise InputError(f"this transcoder is a shard (features {transcoder.features} of "
+                         f"{transcoder.cfg.d_transcoder} per layer); write the whole one")
+
+
 def check_dtype(dtype: torch.dtype) -> None:
     if dtype not in FLOAT_DTYPES:
         raise InputError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
@@ -147,18 +165,22 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
                  k: int | None = None, feature_input_hook: str, feature_output_hook: str,
                  scan: str | None = None, source: str | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 lazy_decoder: bool = True) -> Transcoder:
-    """A per-layer set from its layers, every shape and dtype checked first."""
+                 lazy_decoder: bool = True, features: tuple[int, int] | None = None,
+                 d_transcoder: int | None = None) -> Transcoder:
+    """A per-layer set from its layers, every shape and dtype checked first. With ``features=
+    (lo, hi)`` the layers hold only those features of ``d_transcoder`` per layer: a shard."""
     check_dtype(dtype)
     if not layers:
         raise TranscoderFormatError(f"{source}: no layers")
-    d_transcoder, d_model = layers[0].W_enc.shape
+    width, d_model = layers[0].W_enc.shape
+    if features is None:
+        d_transcoder = width
     has_skip = layers[0].W_skip is not None
     for index, layer in enumerate(layers):
-        want = {"W_enc": (d_transcoder, d_model), "W_dec": (d_transcoder, d_model),
-                "b_enc": (d_transcoder,), "b_dec": (d_model,)}
+        want = {"W_enc": (width, d_model), "W_dec": (width, d_model),
+                "b_enc": (width,), "b_dec": (d_model,)}
         if layer.threshold is not None:
-            want["threshold"] = (d_transcoder,)
+            want["threshold"] = (width,)
         if layer.W_skip is not None:
             want["W_skip"] = (d_model, d_model)
         got = {name: tuple(getattr(layer, name).shape) for name in want}
@@ -166,7 +188,7 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
             wrong = {name: got[name] for name in want if got[name] != want[name]}
             raise TranscoderFormatError(
                 f"{layer.origin} (layer {index}): shapes {wrong} disagree with layer 0 "
-                f"(d_transcoder {d_transcoder}, d_model {d_model}; expected {want})")
+                f"(d_transcoder {width}, d_model {d_model}; expected {want})")
         if (layer.W_skip is not None) != has_skip:
             raise TranscoderFormatError(f"{layer.origin} (layer {index}): W_skip "
                                         f"{'present' if layer.W_skip is not None else 'missing'}"
@@ -194,7 +216,7 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
         b_dec=torch.stack([layer.b_dec.to(dtype) for layer in layers]),
         W_enc=torch.stack([layer.W_enc.to(dtype) for layer in layers]), W_dec=W_dec,
         W_skip=[layer.W_skip for layer in layers] if has_skip else None,
-        dtype=dtype, device=device, source=source)
+        dtype=dtype, device=device, source=source, features=features)
     if lazy_decoder:
         transcoder._handles = [h for layer in layers for h in layer.handles]
     return transcoder

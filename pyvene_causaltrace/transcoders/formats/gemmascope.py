@@ -18,7 +18,13 @@ import numpy as np
 import torch
 
 from ..transcoder import Transcoder
-from .common import LayerTensors, TranscoderFormatError, assemble_set, resolve_reference
+from .common import (
+    LayerTensors,
+    TranscoderFormatError,
+    assemble_set,
+    resolve_reference,
+    shard_loaded,
+)
 
 INPUT_HOOK = "ln2.hook_normalized"
 OUTPUT_HOOK = "hook_mlp_out"
@@ -76,15 +82,18 @@ def _files(root: Path) -> list[Path]:
 
 def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu", model_name: str = "gemma-2-2b",
-         scan: str | None = None, **_ignored) -> Transcoder:
+         scan: str | None = None, shard: tuple[int, int] | None = None,
+         **_ignored) -> Transcoder:
     """A per-layer set from GemmaScope files: a root directory (one ``params.npz`` under each
     ``layer_{l}``) or a list of files, one per layer in order (local paths or ``hf://`` hub
-    references)."""
+    references). ``shard=(rank, world)``: loaded whole, then
+    :meth:`~..transcoder.Transcoder.shard`-ed (npz files are not read in slices; peak memory is
+    the whole set)."""
     if isinstance(source, list | tuple):
         files = [resolve_reference(str(ref)) for ref in source]
     else:
         files = _files(Path(source).expanduser())
-    return assemble_set([read_npz(path) for path in files], model_name=model_name,
-                        activation="jumprelu", feature_input_hook=INPUT_HOOK,
-                        feature_output_hook=OUTPUT_HOOK, scan=scan, source=str(source),
-                        dtype=dtype, device=device, lazy_decoder=False)
+    return shard_loaded(assemble_set(
+        [read_npz(path) for path in files], model_name=model_name, activation="jumprelu",
+        feature_input_hook=INPUT_HOOK, feature_output_hook=OUTPUT_HOOK, scan=scan,
+        source=str(source), dtype=dtype, device=device, lazy_decoder=False), shard)

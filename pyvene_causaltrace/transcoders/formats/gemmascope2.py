@@ -49,6 +49,7 @@ from .common import (
     read_json_object,
     read_tensors,
     shapes_of,
+    shard_loaded,
 )
 
 PARAMS = "params.safetensors"
@@ -182,19 +183,22 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
          dtype: torch.dtype = torch.float32, lazy_decoder: bool = True,
          variant: str | None = None, scan: str | None = None,
          feature_input_hook: str | None = None, feature_output_hook: str | None = None,
-         **_ignored) -> Transcoder:
+         shard: tuple[int, int] | None = None, **_ignored) -> Transcoder:
     """A GemmaScope-2 transcoder: a CLT folder (``params_layer_{l}.safetensors``), a folder of
     per-layer folders (``variant`` picks e.g. ``width_16k_l0_small_affine`` when it holds
     several), or a list of per-layer folders, one per layer in order. Hooks come from each
-    config.json (or the keyword arguments)."""
+    config.json (or the keyword arguments). ``shard=(rank, world)``: loaded (decoders
+    memory-mapped with ``lazy_decoder``), then :meth:`~..transcoder.Transcoder.shard`-ed —
+    peak memory is the whole encoder."""
     if not isinstance(source, list | tuple):
         root = Path(source).expanduser()
         if not root.exists():
             raise TranscoderFormatError(f"missing path {root}")
         if _clt_files(root):
-            return load_clt(root, device=device, dtype=dtype, lazy_decoder=lazy_decoder,
-                            scan=scan, feature_input_hook=feature_input_hook,
-                            feature_output_hook=feature_output_hook)
+            return shard_loaded(load_clt(
+                root, device=device, dtype=dtype, lazy_decoder=lazy_decoder, scan=scan,
+                feature_input_hook=feature_input_hook,
+                feature_output_hook=feature_output_hook), shard)
         folders = _variant_folders(root, variant)
     else:
         folders = [Path(str(f)).expanduser() for f in source]
@@ -217,10 +221,10 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
         raise TranscoderFormatError(f"{source}: the layers' config.json name different hooks "
                                     f"{sorted(hooks)}")
     (input_hook, output_hook), = hooks
-    return assemble_set(layers, model_name=sorted(names)[-1], activation="jumprelu",
-                        feature_input_hook=input_hook, feature_output_hook=output_hook,
-                        scan=scan, source=str(source), dtype=dtype, device=device,
-                        lazy_decoder=lazy_decoder)
+    return shard_loaded(assemble_set(
+        layers, model_name=sorted(names)[-1], activation="jumprelu",
+        feature_input_hook=input_hook, feature_output_hook=output_hook, scan=scan,
+        source=str(source), dtype=dtype, device=device, lazy_decoder=lazy_decoder), shard)
 
 
 def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",

@@ -8,6 +8,10 @@
 Everything is checked before anything is returned: a missing file, a header that is not
 safetensors, a shape that disagrees with the other layers or a dtype that is not floating point
 raises a :class:`~.common.TranscoderFormatError` naming the file. Nothing is half-loaded.
+
+``shard=(rank, world)`` reads only that rank's features (:func:`~..transcoder.feature_range`) of
+every layer: row slices of ``W_enc``, ``b_enc``, ``threshold`` and ``W_dec`` through safetensors'
+``get_slice`` (or a view of the memory-mapped decoder); never a whole encoder or decoder.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from safetensors.torch import save_file
 
 from ...errors import InputError
 from ..config import CROSS_LAYER, YAML_KEYS, TranscoderConfig
-from ..transcoder import Transcoder
+from ..transcoder import Transcoder, shard_features
 from .common import (
     DTYPE_NAMES,
     TranscoderFormatError,
@@ -29,6 +33,7 @@ from .common import (
     mmap_tensor,
     open_safetensors,
     read_yaml_mapping,
+    refuse_shard,
     shapes_of,
 )
 
@@ -95,6 +100,30 @@ def _check_shapes(name: str, shapes: dict, want: dict) -> None:
                              f"(expected {want})")
 
 
+class EncoderFiles:
+    """Streams ``W_enc_{layer}`` from ``root`` — rows ``[lo, hi)`` only when ``features`` is
+    given (the encoder loader of a ``lazy_encoder`` CLT, or of its shard)."""
+
+    def __init__(self, root: Path, features: tuple[int, int] | None = None) -> None:
+        self.root, self.features = root, features
+
+    def __call__(self, layer: int) -> torch.Tensor:
+        with open_safetensors(self.root / f"W_enc_{layer}.safetensors") as handle:
+            weight = _read(handle, f"W_enc_{layer}", self.features)
+            return weight if self.features is None else weight.clone()
+
+    def sliced(self, lo: int, hi: int) -> EncoderFiles:
+        return EncoderFiles(self.root, (lo, hi))
+
+
+def _read(handle, name: str, features: tuple[int, int] | None) -> torch.Tensor:
+    """Tensor ``name``, or its rows ``[lo, hi)`` only: a view of the file's map (only those rows
+    are read), to be copied (stacked, cloned) before it is kept."""
+    if features is None:
+        return handle.get_tensor(name)
+    return handle.get_slice(name)[features[0]:features[1]]
+
+
 def load_from_disk(
     path: str | Path,
     *,
@@ -102,36 +131,43 @@ def load_from_disk(
     dtype: torch.dtype = torch.float32,
     lazy_decoder: bool = True,
     lazy_encoder: bool = False,
+    shard: tuple[int, int] | None = None,
 ) -> Transcoder:
     """Load a CLT directory. ``lazy_decoder`` keeps decoders memory-mapped (rows are read when
-    features fire); ``lazy_encoder`` reads each layer's ``W_enc`` from disk when it is used."""
+    features fire); ``lazy_encoder`` reads each layer's ``W_enc`` from disk when it is used;
+    ``shard=(rank, world)`` reads only that rank's features (module docstring)."""
     check_dtype(dtype)
     root = Path(path)
     cfg = read_config(root)
+    features = shard_features(cfg.d_transcoder, shard)
     L = cfg.n_layers
     enc_handles = [open_safetensors(root / f"W_enc_{layer}.safetensors") for layer in range(L)]
     try:
-        b_enc = torch.stack([h.get_tensor(f"b_enc_{i}") for i, h in enumerate(enc_handles)])
+        b_enc = torch.stack([_read(h, f"b_enc_{i}", features) for i, h in enumerate(enc_handles)])
         threshold = None if cfg.activation == "relu" else torch.stack(
-            [h.get_tensor(f"threshold_{i}") for i, h in enumerate(enc_handles)])
+            [_read(h, f"threshold_{i}", features) for i, h in enumerate(enc_handles)])
         b_dec = torch.stack([h.get_tensor(f"b_dec_{i}") for i, h in enumerate(enc_handles)])
         W_enc = None if lazy_encoder else torch.stack(
-            [h.get_tensor(f"W_enc_{i}").to(dtype) for i, h in enumerate(enc_handles)])
-        maps = [mmap_tensor(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}")
-                for layer in range(L)]
-        W_dec = [tensor for tensor, _ in maps]
+            [_read(h, f"W_enc_{i}", features).to(dtype) for i, h in enumerate(enc_handles)])
+        if lazy_decoder or features is None:
+            maps = [mmap_tensor(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}")
+                    for layer in range(L)]
+            lo, hi = features or (0, cfg.d_transcoder)
+            W_dec = [tensor[lo:hi] for tensor, _ in maps]  # views: nothing read
+        else:  # resident slices, read through safetensors
+            maps = []
+            W_dec = [_read(open_safetensors(root / f"W_dec_{layer}.safetensors"),
+                           f"W_dec_{layer}", features).to(device, dtype, copy=True)
+                     for layer in range(L)]
     except Exception as error:  # a truncated data section surfaces only here
         raise TranscoderFormatError(f"{root}: could not read tensors: {error}") from None
-    if not lazy_decoder:
+    if not lazy_decoder and features is None:
         W_dec = [w.to(device, dtype).clone() for w in W_dec]
-
-    def encoder_loader(layer: int) -> torch.Tensor:
-        with open_safetensors(root / f"W_enc_{layer}.safetensors") as handle:
-            return handle.get_tensor(f"W_enc_{layer}")
 
     clt = Transcoder(
         cfg, b_enc=b_enc, threshold=threshold, b_dec=b_dec, W_enc=W_enc, W_dec=W_dec,
-        encoder_loader=encoder_loader, dtype=dtype, device=device, source=str(root))
+        encoder_loader=EncoderFiles(root, features), dtype=dtype, device=device,
+        source=str(root), features=features)
     if lazy_decoder:
         clt._handles = [handle for _, handle in maps]
     return clt
@@ -145,19 +181,22 @@ def from_pretrained(
     lazy_decoder: bool = True,
     lazy_encoder: bool = False,
     revision: str | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> Transcoder:
     """A local directory, or a hub repo fetched with ``huggingface_hub.snapshot_download``
-    (which honours ``HF_HUB_OFFLINE=1`` by using only the local cache)."""
+    (which honours ``HF_HUB_OFFLINE=1`` by using only the local cache); ``shard=(rank,
+    world)`` reads only that rank's features (:func:`load_from_disk`)."""
     path = Path(repo_id_or_dir).expanduser()
     if not path.is_dir():
         path = hub_snapshot(repo_id_or_dir, revision, ["config.yaml", "*.safetensors"])
     return load_from_disk(path, device=device, dtype=dtype, lazy_decoder=lazy_decoder,
-                          lazy_encoder=lazy_encoder)
+                          lazy_encoder=lazy_encoder, shard=shard)
 
 
 def save_model(clt: Transcoder, path: str | Path) -> None:
     """Write ``clt`` in the mntss layout, in its on-disk dtype. Loading a directory and saving
     it again reproduces its safetensors files byte for byte."""
+    refuse_shard(clt)
     if not clt.cfg.cross_layer or clt.cfg.activation not in ("jumprelu", "relu") \
             or clt.cfg.skip:
         raise InputError("the mntss layout holds JumpReLU or ReLU cross-layer transcoders "

@@ -36,7 +36,7 @@ import torch
 
 from ...errors import InputError
 from ..transcoder import Transcoder
-from .common import LayerTensors, TranscoderFormatError, assemble_set
+from .common import LayerTensors, TranscoderFormatError, assemble_set, refuse_shard, shard_loaded
 from .mntss import from_pretrained, load_from_disk
 
 
@@ -46,6 +46,7 @@ def _sae_lens_version() -> str:
 
 def _cfg_and_state(clt: Transcoder, layer: int, target: int | None,
                    device: str, dtype: str = "float32") -> tuple[dict, dict]:
+    refuse_shard(clt)
     target = layer if target is None else target
     if not 0 <= layer <= target < layer + clt.cfg.n_targets(layer) <= clt.n_layers:
         raise InputError(f"layer {layer}'s features do not write layer {target}")
@@ -199,15 +200,17 @@ def _assemble(saes: list, origins: list[str], *, scan: str | None, source: str,
 
 def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu", scan: str | None = None,
-         sae_ids: list[str] | None = None, **_ignored) -> Transcoder:
+         sae_ids: list[str] | None = None, shard: tuple[int, int] | None = None,
+         **_ignored) -> Transcoder:
     """A per-layer set from sae-lens transcoder directories: ``source`` is a directory holding
     one per layer (any names; the layer comes from each ``hook_name``), or a list of them, each
     read by ``SAE.load_from_disk``; or the name of a sae-lens release (:func:`load_release`,
-    with ``sae_ids``)."""
+    with ``sae_ids``). ``shard=(rank, world)``: loaded whole by sae-lens, then
+    :meth:`~..transcoder.Transcoder.shard`-ed (peak memory: the whole set)."""
     from sae_lens import SAE  # takes seconds to import: only when called
 
     if isinstance(source, str) and not Path(source).expanduser().exists():
-        return load_release(source, sae_ids, dtype=dtype, device=device)
+        return shard_loaded(load_release(source, sae_ids, dtype=dtype, device=device), shard)
     if isinstance(source, list | tuple):
         dirs = [Path(p).expanduser() for p in source]
     else:
@@ -224,8 +227,8 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
             saes.append(SAE.load_from_disk(str(path), device="cpu"))
         except (KeyError, ValueError, RuntimeError, OSError) as error:
             raise TranscoderFormatError(f"{path}: sae-lens could not load it: {error}") from None
-    return _assemble(saes, [str(p) for p in dirs], scan=scan, source=str(source), dtype=dtype,
-                     device=device)
+    return shard_loaded(_assemble(saes, [str(p) for p in dirs], scan=scan, source=str(source),
+                                  dtype=dtype, device=device), shard)
 
 
 def release_ids(release: str) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..transcoder import Transcoder
+from ..transcoder import Transcoder, check_shardable
 from .common import LayerTensors, TranscoderFormatError, assemble_set, mmap_tensor, read_tensors
 
 HOOKPOINT = re.compile(r"^(?:.*\.)?(?:layers|h)\.(\d+)\.mlp$")
@@ -72,8 +72,12 @@ def _read(sub: Path, lazy_decoder: bool) -> tuple[LayerTensors, dict]:
 
 def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu", lazy_decoder: bool = True,
-         model_name: str = "", scan: str | None = None, **_ignored) -> Transcoder:
-    """A per-layer TopK set from a sparsify run directory (one subdirectory per layer's MLP)."""
+         model_name: str = "", scan: str | None = None,
+         shard: tuple[int, int] | None = None, **_ignored) -> Transcoder:
+    """A per-layer TopK set from a sparsify run directory (one subdirectory per layer's MLP).
+    ``shard`` is refused: the top-k ranks a layer's features against each other."""
+    if shard is not None:
+        check_shardable("relu_topk")
     root = Path(source).expanduser()
     found = _hookpoints(root)
     if not found:

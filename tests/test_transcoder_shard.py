@@ -1,0 +1,361 @@
+"""Transcoders sharded by feature (issue 41): each rank holds features ``feature_range(F, rank,
+world)`` of every layer, read lazily from the files (never a whole W_enc or W_dec), and the shards
+together are exactly the whole: their encoder rows, biases, thresholds and decoder rows are the
+whole's slices, their features the whole's, their partial reconstructions plus one b_dec and skip
+the whole's reconstruction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from clt_fixtures import random_clt_tensors, write_clt
+from safetensors.torch import load_file, save_file
+from transcoder_fixtures import random_set, write_circuit_tracer, write_gemmascope, write_sparsify
+
+from pyvene_causaltrace.errors import InputError, TranscoderFormatError
+from pyvene_causaltrace.transcoders import Transcoder, feature_range, load_transcoder
+from pyvene_causaltrace.transcoders.formats import circuit_tracer, common, mntss
+
+L, D, F = 3, 32, 47  # 47 features: uneven over 2 and 3 ranks
+WORLDS = (1, 2, 3)
+
+
+# ------------------------------------------------------------------------------ fixtures
+def _mntss(tmp_path: Path, activation: str) -> Path:
+    path = write_clt(tmp_path / f"clt_{activation}", random_clt_tensors(L, D, F, seed=4))
+    if activation == "relu":  # the mntss ReLU CLT: no thresholds anywhere
+        for layer in range(L):
+            file = path / f"W_enc_{layer}.safetensors"
+            tensors = load_file(str(file))
+            del tensors[f"threshold_{layer}"]
+            save_file(tensors, str(file))
+    return path
+
+
+def _circuit_tracer(tmp_path: Path, transposed: bool = False) -> Path:
+    """A per-layer JumpReLU set with skip; ``transposed`` stores W_enc and W_dec as [D, F]."""
+    tensors = random_set(L, D, F, seed=5, skip=True)
+    config = write_circuit_tracer(tmp_path / f"ct_{transposed}", tensors,
+                                  transposed_decoder=transposed)
+    if transposed:
+        for layer in range(L):
+            file = config.parent / f"layer_{layer}.safetensors"
+            stored = load_file(str(file))
+            stored["W_enc"] = stored["W_enc"].T.contiguous()
+            save_file(stored, str(file))
+    return config
+
+
+class Source(NamedTuple):
+    path: Path
+    mappable: bool  # whether a lazy decoder stays memory-mapped ([D, F] files are transposed)
+
+
+@pytest.fixture(params=["mntss_jumprelu", "mntss_relu", "circuit_tracer_skip",
+                        "circuit_tracer_transposed"])
+def source(request, tmp_path) -> Source:
+    name = request.param
+    if name.startswith("mntss"):
+        return Source(_mntss(tmp_path, name.removeprefix("mntss_")), True)
+    transposed = name.endswith("transposed")
+    return Source(_circuit_tracer(tmp_path, transposed=transposed), not transposed)
+
+
+class Guard:
+    """A safetensors handle that refuses to read a whole ``W_enc``/``W_dec`` and records the
+    shape of every slice read of one."""
+
+    def __init__(self, handle, reads: list) -> None:
+        self.handle, self.reads = handle, reads
+
+    def get_tensor(self, name: str):
+        if name.startswith(("W_enc", "W_dec")):
+            raise AssertionError(f"whole {name} read")
+        return self.handle.get_tensor(name)
+
+    def get_slice(self, name: str):
+        return GuardedSlice(self.handle.get_slice(name), name, self.reads)
+
+    def __getattr__(self, name: str):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+
+class GuardedSlice:
+    def __init__(self, part, name: str, reads: list) -> None:
+        self.part, self.name, self.reads = part, name, reads
+
+    def __getitem__(self, key):
+        tensor = self.part[key]
+        if self.name.startswith(("W_enc", "W_dec")):
+            self.reads.append((self.name, tuple(tensor.shape)))
+        return tensor
+
+    def __getattr__(self, name: str):
+        return getattr(self.part, name)
+
+
+@pytest.fixture
+def guarded(monkeypatch) -> list:
+    """Every safetensors file opened through the guard; returns the list of slice reads."""
+    reads: list = []
+    real = common.safe_open
+    monkeypatch.setattr(common, "safe_open", lambda *a, **k: Guard(real(*a, **k), reads))
+    return reads
+
+
+def _inputs(seed: int = 0, n_pos: int = 6) -> torch.Tensor:
+    return torch.randn(L, n_pos, D, generator=torch.Generator().manual_seed(seed))
+
+
+def _skips(tc: Transcoder, inputs: torch.Tensor) -> torch.Tensor:
+    return torch.stack([tc.skip(inputs[layer], layer) for layer in range(L)])
+
+
+# ------------------------------------------------------------------------------ ranges
+def test_feature_range_covers_every_feature_once_uneven_first():
+    for d_transcoder in (1, 7, 47, 48):
+        for world in range(1, min(d_transcoder, 6) + 1):
+            ranges = [feature_range(d_transcoder, rank, world) for rank in range(world)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == d_transcoder
+            assert all(a[1] == b[0] for a, b in zip(ranges[:-1], ranges[1:], strict=True))
+            sizes = [hi - lo for lo, hi in ranges]
+            extra = d_transcoder % world
+            assert sizes == [d_transcoder // world + (rank < extra) for rank in range(world)]
+    assert [feature_range(47, r, 3) for r in range(3)] == [(0, 16), (16, 32), (32, 47)]
+
+
+@pytest.mark.parametrize("args, match", [
+    ((47, 0, 0), "world must be >= 1, got world=0"),
+    ((47, 3, 3), r"rank must be in 0..2 for world=3, got rank=3"),
+    ((47, -1, 2), "got rank=-1"),
+    ((4, 0, 5), "world=5 ranks cannot share d_transcoder=4"),
+    ((47, 0.0, 2), "rank must be an integer"),
+])
+def test_feature_range_refuses_bad_values(args, match):
+    with pytest.raises(InputError, match=match):
+        feature_range(*args)
+
+
+# ------------------------------------------------------------------------------ shards = whole
+@pytest.mark.parametrize("lazy_decoder", [True, False])
+def test_lazy_shards_are_exact_slices_of_the_whole(source, lazy_decoder):
+    whole = load_transcoder(source.path, lazy_decoder=False)
+    inputs = _inputs()
+    acts = whole.encode_all(inputs)
+    recon = whole.reconstruct(acts, inputs)
+    assert acts[:, 1:].count_nonzero() > 0  # some features fire: the comparison means something
+    for world in WORLDS:
+        covered, total = [], torch.zeros_like(recon)
+        for rank in range(world):
+            part = load_transcoder(source.path, shard=(rank, world),
+                                   lazy_decoder=lazy_decoder)
+            lo, hi = part.features
+            assert (lo, hi) == feature_range(F, rank, world)
+            assert (part.n_local, part.feature_offset) == (hi - lo, lo)
+            assert part.cfg == whole.cfg and part.cfg.d_transcoder == F
+            assert bool(part._handles) == (lazy_decoder and source.mappable)
+            covered += range(lo, hi)
+            assert torch.equal(part.W_enc, whole.W_enc[:, lo:hi])
+            assert torch.equal(part.b_enc, whole.b_enc[:, lo:hi])
+            assert torch.equal(part.threshold, whole.threshold[:, lo:hi])
+            assert torch.equal(part.b_dec, whole.b_dec)
+            for layer in range(L):
+                assert torch.equal(part.W_dec[layer], whole.W_dec[layer][lo:hi])
+                ids = torch.tensor([0, hi - lo - 1])
+                assert torch.equal(part.decoder_rows(layer, ids),
+                                   whole.decoder_rows(layer, ids + lo))
+                if whole.W_skip is not None:
+                    assert torch.equal(part.W_skip[layer], whole.W_skip[layer])
+            local = part.encode_all(inputs)
+            assert local.shape == (L, inputs.shape[1], hi - lo)
+            assert torch.equal(local, acts[..., lo:hi])
+            for layer in range(L):
+                assert torch.equal(part.encode(inputs[layer], layer),
+                                   whole.encode(inputs[layer], layer)[:, lo:hi])
+            total += part.reconstruct(local, partial=True)
+        assert sorted(covered) == list(range(F))
+        total += whole.b_dec[:, None] + _skips(whole, inputs)
+        torch.testing.assert_close(total, recon, atol=1e-5, rtol=0)
+
+
+def test_shard_of_a_loaded_transcoder_equals_the_lazy_shard(source):
+    inputs = _inputs(1)
+    for lazy_decoder in (True, False):
+        whole = load_transcoder(source.path, lazy_decoder=lazy_decoder)
+        mapped = lazy_decoder and source.mappable
+        assert bool(whole._handles) == mapped
+        for rank in range(3):
+            part = whole.shard(rank, 3)
+            loaded = load_transcoder(source.path, shard=(rank, 3), lazy_decoder=lazy_decoder)
+            assert part.features == loaded.features
+            assert torch.equal(part.encode_all(inputs), loaded.encode_all(inputs))
+            for layer in range(L):
+                assert torch.equal(part.W_dec[layer], loaded.W_dec[layer])
+                same = part.W_dec[layer].untyped_storage().data_ptr() \
+                    == whole.W_dec[layer].untyped_storage().data_ptr()
+                assert same == mapped  # a mapped decoder stays a view; a resident one is copied
+            assert part._handles == whole._handles
+
+
+def test_reconstruct_without_partial_is_b_dec_skip_and_the_shards_sum(tmp_path):
+    config = _circuit_tracer(tmp_path)
+    whole = load_transcoder(config)
+    part = whole.shard(1, 2)
+    inputs = _inputs(2)
+    acts = part.encode_all(inputs)
+    expected = part.reconstruct(acts, partial=True) + whole.b_dec[:, None] + _skips(whole, inputs)
+    torch.testing.assert_close(part.reconstruct(acts, inputs), expected, atol=1e-6, rtol=0)
+    with pytest.raises(InputError, match="reconstructs from its inputs"):
+        part.reconstruct(acts)
+    with pytest.raises(InputError, match="acts hold 47 features per layer; this transcoder "
+                                         "shard holds 23"):
+        part.reconstruct(whole.encode_all(inputs), inputs)
+
+
+# ------------------------------------------------------------------------------ lazy reads
+@pytest.mark.parametrize("lazy_decoder", [True, False])
+def test_a_sharded_load_never_reads_a_whole_encoder_or_decoder(source, guarded, monkeypatch,
+                                                              lazy_decoder):
+    if not lazy_decoder:  # resident slices come through get_slice, never a map of the decoder
+        def no_map(*args, **kwargs):
+            raise AssertionError("the decoder was mapped for a resident sharded load")
+        monkeypatch.setattr(mntss, "mmap_tensor", no_map)
+        monkeypatch.setattr(circuit_tracer, "mmap_tensor", no_map)
+    part = load_transcoder(source.path, shard=(1, 3), lazy_decoder=lazy_decoder)
+    n_local = part.n_local
+    kinds = {name[:5] for name, _ in guarded}  # W_enc_{l} / W_dec_{l} / W_enc / W_dec
+    assert kinds == ({"W_enc"} if lazy_decoder and source.mappable else {"W_enc", "W_dec"})
+    assert all(n_local in shape and F not in shape for _, shape in guarded), guarded
+    assert all(w.shape[0] == n_local for w in part.W_dec)
+    assert bool(part._handles) == (lazy_decoder and source.mappable)
+
+
+def test_control_an_unsharded_load_trips_the_guard(source, guarded):
+    with pytest.raises((AssertionError, TranscoderFormatError), match="whole W_(enc|dec)"):
+        load_transcoder(source.path, lazy_decoder=False)
+
+
+def test_a_streamed_encoder_reads_only_its_slice(tmp_path, guarded):
+    path = _mntss(tmp_path, "jumprelu")
+    part = load_transcoder(path, shard=(2, 3), lazy_encoder=True)
+    assert part.W_enc is None
+    guarded.clear()
+    weight = part.encoder_weight(1)
+    assert weight.shape == (part.n_local, D) and guarded == [("W_enc_1", (part.n_local, D))]
+    whole_streamed = load_transcoder(path, lazy_encoder=True)  # no W_enc read at load
+    with pytest.raises(AssertionError, match="whole W_enc_1"):  # control
+        whole_streamed.encoder_weight(1)
+    sharded = whole_streamed.shard(2, 3)  # the loader of a shard() reads the slice too
+    assert torch.equal(sharded.encoder_weight(1), weight)
+
+
+# ------------------------------------------------------------------------------ memory
+def test_resident_bytes_of_a_shard_is_its_share(tmp_path):
+    path = _mntss(tmp_path, "jumprelu")
+    whole = load_transcoder(path, lazy_decoder=False)
+    feature_bytes = sum(w.nbytes for w in whole.W_dec) + whole.W_enc.nbytes \
+        + whole.b_enc.nbytes + whole.threshold.nbytes
+    assert whole.resident_bytes() == feature_bytes + whole.b_dec.nbytes
+    halves = [load_transcoder(path, shard=(rank, 2), lazy_decoder=False) for rank in range(2)]
+    assert all(h.resident_bytes() <= 0.55 * whole.resident_bytes() for h in halves)
+    assert sum(h.resident_bytes() for h in halves) == feature_bytes + 2 * whole.b_dec.nbytes
+    assert all(whole.shard(r, 2).resident_bytes() == halves[r].resident_bytes() for r in range(2))
+    mapped = load_transcoder(path, shard=(0, 2))
+    assert mapped.resident_bytes() == halves[0].resident_bytes() \
+        - sum(w.nbytes for w in halves[0].W_dec)  # a mapped decoder counts 0
+
+
+# ------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("activation", ["topk", "relu_topk", "joint_topk"])
+def test_shard_refuses_activations_that_rank_features(activation):
+    g = torch.Generator().manual_seed(0)
+    tc = Transcoder.from_tensors(
+        "tiny", torch.randn(L, F, D, generator=g), torch.zeros(L, F), None, torch.zeros(L, D),
+        [torch.randn(F, L - layer, D, generator=g) for layer in range(L)], activation=activation,
+        k=4, score_weight=torch.ones(L, F) if activation == "joint_topk" else None)
+    with pytest.raises(InputError, match=f"a {activation} transcoder cannot be sharded by "
+                                         "feature: a top-k over features split across ranks "
+                                         "needs a global selection.*replicated transcoder"):
+        tc.shard(0, 2)
+
+
+def test_sharded_loads_refuse_topk_layouts_before_reading(tmp_path, monkeypatch):
+    topk = write_circuit_tracer(tmp_path / "topk", random_set(L, D, F, activation="topk", k=4))
+    sparsify = write_sparsify(tmp_path / "sp", random_set(L, D, F, activation="relu_topk", k=4))
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("a weight file was opened")
+
+    monkeypatch.setattr(common, "safe_open", no_read)
+    with pytest.raises(InputError, match="a topk transcoder cannot be sharded"):
+        load_transcoder(topk, shard=(0, 2))
+    with pytest.raises(InputError, match="a relu_topk transcoder cannot be sharded"):
+        load_transcoder(sparsify, shard=(0, 2))
+    with pytest.raises(AssertionError, match="opened"):  # control: unsharded, it reads
+        load_transcoder(topk)
+
+
+def test_a_shard_of_a_shard_and_saving_a_shard_are_refused(tmp_path):
+    path = _mntss(tmp_path, "jumprelu")
+    part = load_transcoder(path).shard(0, 2)
+    with pytest.raises(InputError, match=r"already a shard \(features \(0, 24\)\)"):
+        part.shard(0, 2)
+    with pytest.raises(InputError, match="is a shard .*write the whole one"):
+        part.save_model(str(tmp_path / "out"))
+    with pytest.raises(InputError, match="shard must be \\(rank, world\\), got 3"):
+        load_transcoder(path, shard=3)
+    with pytest.raises(InputError, match="world=48 ranks cannot share d_transcoder=47"):
+        load_transcoder(path, shard=(0, 48))
+
+
+def test_a_constructor_shard_must_hold_its_range():
+    g = torch.Generator().manual_seed(0)
+    whole = Transcoder.from_tensors(
+        "tiny", torch.randn(L, F, D, generator=g), torch.zeros(L, F), torch.zeros(L, F),
+        torch.zeros(L, D), [torch.randn(F, L - layer, D, generator=g) for layer in range(L)])
+    with pytest.raises(InputError, match=r"holds 10 features per layer; got \{'b_enc': 47"):
+        Transcoder(whole.cfg, b_enc=whole.b_enc, threshold=whole.threshold, b_dec=whole.b_dec,
+                   W_enc=whole.W_enc, W_dec=whole.W_dec, features=(0, 10))
+    with pytest.raises(InputError, match=r"features \(40, 50\) is not a range"):
+        Transcoder(whole.cfg, b_enc=whole.b_enc, threshold=whole.threshold, b_dec=whole.b_dec,
+                   W_enc=whole.W_enc, W_dec=whole.W_dec, features=(40, 50))
+
+
+def test_sliced_loads_still_check_every_layer(tmp_path):
+    config = _circuit_tracer(tmp_path)
+    file = config.parent / "layer_2.safetensors"
+    stored = load_file(str(file))
+    stored["W_enc"] = torch.randn(F + 1, D)  # a row more than b_enc says
+    save_file(stored, str(file))
+    with pytest.raises(TranscoderFormatError, match=r"layer_2.safetensors: shapes \{'W_enc': "
+                                                    r"\(48, 32\)\}"):
+        load_transcoder(config, shard=(0, 2))
+    stored["W_enc"] = torch.randn(F + 1, D)
+    stored["b_enc"] = torch.randn(F + 1)
+    stored["activation_function.threshold"] = torch.rand(F + 1)
+    stored["W_dec"] = torch.randn(F + 1, D)
+    save_file(stored, str(file))
+    with pytest.raises(TranscoderFormatError, match=r"layer 2\): d_transcoder 48, d_model 32 "
+                                                    r"disagree with layer 0 \(d_transcoder 47"):
+        load_transcoder(config, shard=(0, 2))
+
+
+def test_a_layout_loaded_whole_is_sharded_after(tmp_path):
+    tensors = random_set(L, D, F, seed=6)
+    root = write_gemmascope(tmp_path / "gs", tensors)
+    whole = load_transcoder(root, format="gemmascope")
+    part = load_transcoder(root, format="gemmascope", shard=(2, 3))
+    lo, hi = part.features
+    assert torch.equal(part.W_enc, whole.W_enc[:, lo:hi])
+    assert all(torch.equal(a, b[lo:hi]) for a, b in zip(part.W_dec, whole.W_dec, strict=True))
+    inputs = _inputs(3)
+    assert torch.equal(part.encode_all(inputs), whole.encode_all(inputs)[..., lo:hi])
