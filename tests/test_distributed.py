@@ -11,9 +11,11 @@ the checkpoint to the uninterrupted graph; ranks holding other transcoders are r
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,14 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support.models import PROMPT, make_tiny_model
+from clt_fixtures import random_clt_tensors, write_clt
+from transcoder_fixtures import random_set, write_circuit_tracer
 
 from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_transcoder
-
-from _support.models import PROMPT, make_tiny_model
-from clt_fixtures import random_clt_tensors, write_clt
-from transcoder_fixtures import random_set, write_circuit_tracer
 
 WORKER = Path(__file__).parent / "_support" / "distributed_worker.py"
 ROOT = Path(__file__).parent.parent
@@ -54,38 +55,59 @@ def _env() -> dict:
             "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
-def _torchrun(world: int, cases: list[dict], tmp: Path, timeout: float = 120):
+def _torchrun(world: int, cases: list[dict], tmp: Path) -> subprocess.Popen:
+    """``torchrun --standalone`` of ``world`` ranks over ``cases``, started (not waited for)."""
     cases_file = tmp / f"cases_w{world}.json"
     cases_file.write_text(json.dumps(cases))
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc_per_node={world}", str(WORKER), str(cases_file)],
-        env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
 CASES = [(arch, kind, split) for arch in ("llama", "gpt2") for kind in ("clt", "set")
          for split in ("features", "rows")]
+#: Three ranks run every model and transcoder once, each split on two of them (two cores:
+#: three ranks take most of the time).
+CASES_3 = [("llama", "clt", "features"), ("llama", "set", "rows"), ("gpt2", "clt", "rows"),
+           ("gpt2", "set", "features")]
+PAIRS = [(world, *case) for world, cases in ((2, CASES), (3, CASES_3)) for case in cases]
 #: A budget below the active features: rows chosen by influence, re-ranked between batches.
 BUDGET = {"budget": 12, "batch": 4}
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, tokenizer):
-    """Every case's folder, after one torchrun launch of 2 ranks and one of 3."""
+    """Every case's folder, after one torchrun launch of 2 ranks and one of 3, run at the same
+    time (each rank spends most of its time importing; two cores), while this process builds
+    the one-process graphs."""
     tmp = tmp_path_factory.mktemp("distributed")
     folders = {(arch, kind): _case_dir(tmp, tokenizer, arch, kind)
                for arch, kind in {(a, k) for a, k, _ in CASES}}
-    cases = [{"dir": str(folders[arch, kind]), "split": split, "prompt": PROMPT,
-              **(BUDGET if (arch, kind) == ("llama", "clt") else {})}
-             for arch, kind, split in CASES]
-    for world in (2, 3):
-        done = _torchrun(world, cases, tmp)
-        assert done.returncode == 0, done.stderr[-4000:]
+    launches = []
+    for world, chosen in ((2, CASES), (3, CASES_3)):
+        cases = [{"dir": str(folders[arch, kind]), "split": split, "prompt": PROMPT,
+                  **(BUDGET if (arch, kind) == ("llama", "clt") else {})}
+                 for arch, kind, split in chosen]
+        launches.append(_torchrun(world, cases, tmp))
+    for (arch, kind), folder in folders.items():
+        _single(folder, folder / "model", _budget(arch, kind))
+    for process in launches:
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-4000:]
     return folders
 
 
-def _single(folder: Path, tokenizer_dir: Path, budget: dict) -> AttributionGraph:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _budget(arch: str, kind: str) -> tuple:
+    return tuple(BUDGET.items()) if (arch, kind) == ("llama", "clt") else ()
+
+
+@functools.cache
+def _single(folder: Path, tokenizer_dir: Path, budget: tuple = ()) -> AttributionGraph:
+    """One process's graph of a case (built once per case)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # seconds: only when used
+
+    budget = dict(budget)
 
     model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -114,12 +136,11 @@ def assert_same_graph(one: AttributionGraph, many: AttributionGraph) -> None:
     assert torch.equal(one.prune().node_mask, many.prune().node_mask)
 
 
-@pytest.mark.parametrize(("arch", "kind", "split"), CASES)
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("world", "arch", "kind", "split"), PAIRS)
 def test_ranks_build_the_one_process_graph(launched, arch, kind, split, world):
     folder = launched[arch, kind]
-    budget = BUDGET if (arch, kind) == ("llama", "clt") else {}
-    one = _single(folder, folder / "model", budget)
+    budget = dict(_budget(arch, kind))
+    one = _single(folder, folder / "model", _budget(arch, kind))
     many = AttributionGraph.load(folder / f"graph_{split}_w{world}.safetensors")
     assert_same_graph(one, many)
     if budget:  # the control: the budget bound, so the ranking chose the rows
@@ -137,7 +158,7 @@ def test_a_graph_with_one_rank_missing_differs(launched):
     """The control for the equality: a graph built from one rank's shard alone is refused,
     and the check above tells two different graphs apart."""
     folder = launched["llama", "set"]
-    one = _single(folder, folder / "model", {})
+    one = _single(folder, folder / "model")
     shard = load_transcoder(str(folder / "transcoder"), shard=(0, 2))
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -148,3 +169,76 @@ def test_a_graph_with_one_rank_missing_differs(launched):
     other = AttributionGraph.load(launched["gpt2", "set"] / "graph_rows_w2.safetensors")
     with pytest.raises(AssertionError):
         assert_same_graph(one, other)
+
+
+# ----------------------------------------------------------------------------------- faults
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, cases: list[dict], tmp: Path, name: str) -> list[subprocess.Popen]:
+    """The ranks as plain processes (no torchrun agent that would stop the others when one
+    dies: what the survivors do on their own is what is tested)."""
+    cases_file = tmp / f"{name}.json"
+    cases_file.write_text(json.dumps(cases))
+    port = _free_port()
+    return [subprocess.Popen(
+        [sys.executable, str(WORKER), str(cases_file)],
+        env={**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        for rank in range(world)]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_fails_the_other_and_a_rerun_resumes_the_graph(tmp_path, tokenizer):
+    """kill -9 of rank 1 mid-rows: rank 0 exits non-zero with one error line within 60 s and
+    writes no graph; the rerun resumes from rank 0's checkpoint and gives the uninterrupted
+    graph."""
+    folder = _case_dir(tmp_path, tokenizer, "llama", "clt")
+    checkpoint = tmp_path / "rows.partial"
+    case = {"dir": str(folder), "split": "features", "prompt": PROMPT, "batch": 4,
+            "checkpoint": str(checkpoint)}
+    ranks = _spawn(2, [{**case, "slow_rows": 0.5}], tmp_path, "slow")
+    manifest = checkpoint / "manifest.json"
+    deadline = time.monotonic() + 90
+    while not manifest.exists():  # rows are being computed and saved
+        assert time.monotonic() < deadline and ranks[0].poll() is None, ranks[0].stderr.read()
+        time.sleep(0.2)
+    time.sleep(1.0)
+    ranks[1].send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = ranks[0].communicate(timeout=60)
+    assert time.monotonic() - killed < 60
+    assert ranks[0].returncode != 0
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "DistributedError" in lines[0], err[-2000:]
+    assert "rank 0 of 2" in lines[0]
+    assert not (folder / "graph_features_w2.safetensors").exists()
+    saved = json.loads(manifest.read_text())
+    resumed_ranks = _spawn(2, [case], tmp_path, "resume")
+    for process in resumed_ranks:
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-3000:]
+    many = AttributionGraph.load(folder / "graph_features_w2.safetensors")
+    assert many.metadata["rows_resumed"] > 0, saved
+    assert many.metadata["rows_computed"] < many.n_explored + 1
+    assert_same_graph(_single(folder, folder / "model", (("batch", 4),)), many)
+
+
+@pytest.mark.slow
+def test_ranks_with_other_transcoders_are_refused(tmp_path, tokenizer):
+    """Fingerprints compared at start: rank 1 holding another transcoder of the same shape
+    stops both ranks with one error naming the disagreement, before any row."""
+    folder = _case_dir(tmp_path, tokenizer, "gpt2", "set")
+    other = write_circuit_tracer(tmp_path / "other",
+                                 random_set(3, 32, FEATURES, skip=True, seed=1)).parent
+    for split in ("features", "rows"):
+        case = {"dir": str(folder), "split": split, "prompt": PROMPT,
+                "transcoder_by_rank": {"1": str(other)}}
+        for process in _spawn(2, [case], tmp_path, f"other-{split}"):
+            _, err = process.communicate(timeout=120)
+            assert process.returncode == 1
+            assert "the ranks disagree on the transcoder" in err, err[-2000:]

@@ -206,19 +206,24 @@ def test_shard_of_a_loaded_transcoder_equals_the_lazy_shard(source):
             assert part._handles == whole._handles
 
 
-def test_reconstruct_without_partial_is_b_dec_skip_and_the_shards_sum(tmp_path):
+def test_a_shard_reconstructs_only_its_part_and_says_so(tmp_path):
+    """A shard's whole reconstruction would be wrong (a part of every layer's features): it
+    is refused; its partial one plus b_dec and the skip is the whole's for its features."""
     config = _circuit_tracer(tmp_path)
     whole = load_transcoder(config)
     part = whole.shard(1, 2)
     inputs = _inputs(2)
     acts = part.encode_all(inputs)
-    expected = part.reconstruct(acts, partial=True) + whole.b_dec[:, None] + _skips(whole, inputs)
-    torch.testing.assert_close(part.reconstruct(acts, inputs), expected, atol=1e-6, rtol=0)
-    with pytest.raises(InputError, match="reconstructs from its inputs"):
-        part.reconstruct(acts)
+    with pytest.raises(InputError, match="partial=True"):
+        part.reconstruct(acts, inputs)
+    padded = torch.zeros(*acts.shape[:2], whole.n_local)
+    padded[..., part.feature_offset:part.feature_offset + part.n_local] = acts
+    torch.testing.assert_close(
+        part.reconstruct(acts, partial=True) + whole.b_dec[:, None] + _skips(whole, inputs),
+        whole.reconstruct(padded, inputs), atol=1e-6, rtol=0)
     with pytest.raises(InputError, match="acts hold 47 features per layer; this transcoder "
                                          "shard holds 23"):
-        part.reconstruct(whole.encode_all(inputs), inputs)
+        part.reconstruct(whole.encode_all(inputs), partial=True)
 
 
 # ------------------------------------------------------------------------------ lazy reads

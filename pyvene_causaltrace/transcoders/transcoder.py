@@ -347,6 +347,11 @@ class Transcoder(nn.Module):
         if width != self.n_local:
             raise InputError(f"acts hold {width} features per layer; this transcoder "
                              f"{'shard ' if self.features else ''}holds {self.n_local}")
+        if self.features is not None and not partial:
+            raise InputError("a shard's features are a part of every layer's: its reconstruction "
+                             "is partial (reconstruct(..., partial=True), summed over every "
+                             "shard, plus b_dec and the skip once); load the whole transcoder "
+                             "for the whole reconstruction")
         if self.W_skip is not None and inputs is None and not partial:
             raise InputError("a transcoder with a skip path reconstructs from its inputs too")
         recon = self.b_dec[:, None, :].expand(n_layers, n_pos, -1).clone()

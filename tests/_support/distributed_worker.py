@@ -5,7 +5,8 @@
 ``CASES.json``: a list of cases, each ``{"dir": ..., "split": "features" | "rows", "prompt",
 "budget", "kill_rank", ...}``; ``dir`` holds ``model/`` (a saved tiny model and tokenizer) and
 ``transcoder/`` (a transcoder in its on-disk layout). Rank 0 saves each case's graph as
-``dir/graph_<split>_w<world>.safetensors`` and the run's metadata beside it. With ``slow_rows``
+``dir/graph_<split>_w<world>.safetensors`` and the run's metadata beside it; an error of the
+package is one line on stderr and exit status 1. With ``slow_rows``
 each batch of rows sleeps that long (a window for the fault tests to kill a rank mid-rows);
 with ``checkpoint`` the rows are checkpointed there after every batch.
 """
@@ -13,6 +14,7 @@ with ``checkpoint`` the rows are checkpointed there after every batch.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pyvene_causaltrace import distributed
 from pyvene_causaltrace.attribution import attribute
+from pyvene_causaltrace.errors import CausalTraceError
 from pyvene_causaltrace.transcoders import load_transcoder
 
 
@@ -42,16 +45,28 @@ def main(cases_file: str) -> int:
     torch.set_num_threads(1)
     ranks = distributed.init(timeout_s=30)
     assert ranks is not None, "run me under torchrun with more than one rank"
-    for case in json.loads(Path(cases_file).read_text()):
+    try:
+        run_cases(ranks, json.loads(Path(cases_file).read_text()))
+    except CausalTraceError as error:  # one line, as the CLI prints it
+        print(f"error: {type(error).__name__}: {error}".splitlines()[0], file=sys.stderr,
+              flush=True)
+        return 1
+    distributed.finish()
+    return 0
+
+
+def run_cases(ranks, cases: list[dict]) -> None:
+    for case in cases:
         folder = Path(case["dir"])
         if case.get("slow_rows"):
             _slow(case["slow_rows"])
         model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder / "model")
         shard = {"shard": (ranks.rank, ranks.world)} if case["split"] == "features" else {}
-        transcoder = load_transcoder(str(folder / "transcoder"), **shard)
-        if case.get("kill_rank") == ranks.rank:
-            print(f"rank {ranks.rank}: ready to be killed", flush=True)
+        source = case.get("transcoder_by_rank", {}).get(str(ranks.rank),
+                                                        str(folder / "transcoder"))
+        transcoder = load_transcoder(source, **shard)
+        print(f"rank {ranks.rank}: pid {os.getpid()}", flush=True)
         graph = attribute(model, tokenizer, transcoder, case["prompt"],
                           max_feature_nodes=case.get("budget"), batch_size=case.get("batch"),
                           checkpoint=case.get("checkpoint"))
@@ -59,8 +74,6 @@ def main(cases_file: str) -> int:
             name = f"graph_{case['split']}_w{ranks.world}"
             graph.save(folder / f"{name}.safetensors")
             (folder / f"{name}.json").write_text(json.dumps(graph.metadata["distributed"]))
-    distributed.finish()
-    return 0
 
 
 if __name__ == "__main__":
