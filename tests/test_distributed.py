@@ -28,6 +28,7 @@ from clt_fixtures import random_clt_tensors, write_clt
 from transcoder_fixtures import random_set, write_circuit_tracer
 
 from pyvene_causaltrace.attribution import AttributionGraph, attribute
+from pyvene_causaltrace.attribution.many import INDEX, attribute_many, read_prompts
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_transcoder
 
@@ -72,29 +73,39 @@ CASES = [(arch, kind, split) for arch in ("llama", "gpt2") for kind in ("clt", "
 CASES_3 = [("llama", "clt", "features"), ("llama", "set", "rows"), ("gpt2", "clt", "rows"),
            ("gpt2", "set", "features")]
 PAIRS = [(world, *case) for world, cases in ((2, CASES), (3, CASES_3)) for case in cases]
+#: A prompts file's entries for attribute_many (three prompts over two ranks).
+MANY = [{"prompt": PROMPT}, {"prompt": "Miles Davis plays the", "answer": " trumpet"},
+        {"prompt": "Paris is the capital of", "target": "demeaned_vocab"}]
 #: A budget below the active features: rows chosen by influence, re-ranked between batches.
 BUDGET = {"budget": 12, "batch": 4}
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, tokenizer):
-    """Every case's folder, after one torchrun launch of 2 ranks and one of 3, run at the same
-    time (each rank spends most of its time importing; two cores), while this process builds
-    the one-process graphs."""
+    """Every case's folder, after a ``torchrun`` launch of 2 ranks and 3 plain processes (the
+    ``env://`` variables a user's own launcher sets), run at the same time (each rank spends
+    most of its time importing; two cores), while this process builds the one-process
+    graphs."""
     tmp = tmp_path_factory.mktemp("distributed")
-    folders = {(arch, kind): _case_dir(tmp, tokenizer, arch, kind)
+    folders: dict = {(arch, kind): _case_dir(tmp, tokenizer, arch, kind)
                for arch, kind in {(a, k) for a, k, _ in CASES}}
     launches = []
     for world, chosen in ((2, CASES), (3, CASES_3)):
         cases = [{"dir": str(folders[arch, kind]), "split": split, "prompt": PROMPT,
                   **(BUDGET if (arch, kind) == ("llama", "clt") else {})}
                  for arch, kind, split in chosen]
-        launches.append(_torchrun(world, cases, tmp))
+        if world == 2:
+            cases.append({"dir": str(folders["llama", "set"]), "many": MANY,
+                          "out": str(tmp / "many")})
+            launches.append(_torchrun(world, cases, tmp))
+        else:  # plain processes with the env:// variables: a user's own launcher
+            launches += _spawn(world, cases, tmp, f"cases_w{world}")
     for (arch, kind), folder in folders.items():
         _single(folder, folder / "model", _budget(arch, kind))
     for process in launches:
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-4000:]
+    folders["many"] = tmp / "many"
     return folders
 
 
@@ -116,23 +127,51 @@ def _single(folder: Path, tokenizer_dir: Path, budget: tuple = ()) -> Attributio
                      max_feature_nodes=budget.get("budget"), batch_size=budget.get("batch"))
 
 
-def assert_same_graph(one: AttributionGraph, many: AttributionGraph) -> None:
-    """The distributed graph is the one process's (module docstring)."""
+def _plain(value: object) -> object:
+    """The logit nodes, comparable: every non-float leaf as ``path=value`` (mapping keys as
+    strings, JSON's), and the floats (the probabilities of another process's forward: rounding)
+    in a list for approx."""
+    flat: list = []
+    numbers: list = []
+
+    def walk(item, path):
+        if isinstance(item, dict):
+            for key in sorted(item, key=str):
+                walk(item[key], f"{path}.{key}")
+        elif isinstance(item, list | tuple):
+            for i, x in enumerate(item):
+                walk(x, f"{path}[{i}]")
+        elif isinstance(item, float):
+            numbers.append(item)
+        else:
+            flat.append(f"{path}={item}")
+    walk(value, "")
+    return flat, numbers
+
+
+def assert_same_graph(one: AttributionGraph, many: AttributionGraph,
+                      tolerance: float = 1e-6) -> None:
+    """The distributed graph is the one process's (module docstring): edges within
+    ``tolerance`` of their row's largest."""
     for name in ("feature_layer", "feature_position", "feature_id"):
         assert torch.equal(getattr(one, name), getattr(many, name)), name
     moved = float(((one.activation - many.activation).abs()
                    / one.activation.abs().max()).max())
-    assert moved <= 1e-6, f"activations moved by {moved:.2e} of the largest"
-    assert one.targets == many.targets and one.input_ids == many.input_ids
+    assert moved <= tolerance, f"activations moved by {moved:.2e} of the largest"
+    assert one.input_ids == many.input_ids
+    (words_one, numbers_one), (words_many, numbers_many) = _plain(one.targets), \
+        _plain(many.targets)
+    assert words_one == words_many
+    assert numbers_one == pytest.approx(numbers_many, rel=1e-5)
     nodes = one.rows.nodes.sort().values
     assert torch.equal(nodes, many.rows.nodes.sort().values), "other rows were computed"
     order_one = one.rows.row_of_node(one.layout.n_nodes)[nodes]
     order_many = many.rows.row_of_node(many.layout.n_nodes)[nodes]
     a, b = one.rows.dense(order_one), many.rows.dense(order_many)
     scale = a.abs().amax(1, keepdim=True).clamp(min=1e-30)
-    assert float(((a - b).abs() / scale).max()) <= 1e-6
+    assert float(((a - b).abs() / scale).max()) <= tolerance
     assert one.closure.target == pytest.approx(many.closure.target, rel=1e-6, abs=1e-7)
-    assert abs(one.closure.relative - many.closure.relative) <= 1e-6
+    assert abs(one.closure.relative - many.closure.relative) <= tolerance
     assert torch.equal(one.prune().node_mask, many.prune().node_mask)
 
 
@@ -169,6 +208,50 @@ def test_a_graph_with_one_rank_missing_differs(launched):
     other = AttributionGraph.load(launched["gpt2", "set"] / "graph_rows_w2.safetensors")
     with pytest.raises(AssertionError):
         assert_same_graph(one, other)
+
+
+def test_prompts_spread_over_ranks_are_the_serial_graphs_and_resume(launched):
+    """attribute_many under two ranks: one directory per prompt (rank 0 took prompts 0 and 2,
+    rank 1 prompt 1), each the graph a serial attribute() builds, and an index; a rerun in one
+    process builds only what is missing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # seconds: only when used
+
+    out, folder = launched["many"], launched["llama", "set"]
+    index = json.loads((out / INDEX).read_text())
+    assert index["world"] == 2
+    assert [entry["prompt"] for entry in index["prompts"]] == [p["prompt"] for p in MANY]
+    model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+    transcoder = load_transcoder(str(folder / "transcoder"))
+    for i, entry in enumerate(MANY):
+        serial = attribute(model, tokenizer, transcoder, entry["prompt"], entry.get("answer"),
+                           target=entry.get("target", "demeaned"))
+        # each rank built its graph alone, as a serial run does, in another process (whose
+        # thread count may differ from this one's: rounding up to ~1e-6 of a row's largest)
+        assert_same_graph(serial, AttributionGraph.load(out / f"{i:05d}" / "graph.safetensors"),
+                          tolerance=1e-5)
+        assert not (out / f"{i:05d}" / "rows.partial").exists()
+    kept = (out / "00000" / "graph.safetensors").stat().st_mtime_ns
+    (out / "00001" / "graph.safetensors").unlink()
+    again = attribute_many(model, tokenizer, transcoder, MANY, out)
+    assert [e["answer"] for e in again] == [e["answer"] for e in index["prompts"]]
+    assert (out / "00000" / "graph.safetensors").stat().st_mtime_ns == kept
+    assert (out / "00001" / "graph.safetensors").exists()
+    with pytest.raises(InputError, match="needs the whole transcoder"):
+        attribute_many(model, tokenizer, load_transcoder(str(folder / "transcoder"),
+                                                         shard=(0, 2)), MANY, out)
+
+
+def test_a_prompts_file_is_checked_line_by_line(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "colour": 1}\n')
+    with pytest.raises(InputError, match=r"prompts.jsonl:3: unknown field\(s\) colour"):
+        read_prompts(path)
+    path.write_text('{"prompt": "a", "target": "sideways"}\n')
+    with pytest.raises(InputError, match=r"prompts.jsonl:1: 'target' must be one of"):
+        read_prompts(path)
+    path.write_text('{"prompt": "a"}\n{"prompt": "b", "answer": " c"}\n')
+    assert read_prompts(path)[1] == {"prompt": "b", "answer": " c", "target": None}
 
 
 # ----------------------------------------------------------------------------------- faults

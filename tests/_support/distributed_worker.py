@@ -3,10 +3,11 @@
     torchrun --standalone --nproc_per_node N tests/_support/distributed_worker.py CASES.json
 
 ``CASES.json``: a list of cases, each ``{"dir": ..., "split": "features" | "rows", "prompt",
-"budget", "kill_rank", ...}``; ``dir`` holds ``model/`` (a saved tiny model and tokenizer) and
-``transcoder/`` (a transcoder in its on-disk layout). Rank 0 saves each case's graph as
-``dir/graph_<split>_w<world>.safetensors`` and the run's metadata beside it; an error of the
-package is one line on stderr and exit status 1. With ``slow_rows``
+"budget", "batch", "checkpoint", "transcoder_by_rank", "slow_rows"}``, or ``{"dir", "many":
+[prompts], "out"}`` for ``attribute_many``; ``dir`` holds ``model/`` (a saved tiny model and
+tokenizer) and ``transcoder/`` (a transcoder in its on-disk layout). Rank 0 saves each case's
+graph as ``dir/graph_<split>_w<world>.safetensors`` and the run's metadata beside it; an error
+of the package is one line on stderr and exit status 1. With ``slow_rows``
 each batch of rows sleeps that long (a window for the fault tests to kill a rank mid-rows);
 with ``checkpoint`` the rows are checkpointed there after every batch.
 """
@@ -24,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pyvene_causaltrace import distributed
 from pyvene_causaltrace.attribution import attribute
+from pyvene_causaltrace.attribution.many import attribute_many
 from pyvene_causaltrace.errors import CausalTraceError
 from pyvene_causaltrace.transcoders import load_transcoder
 
@@ -58,6 +60,13 @@ def main(cases_file: str) -> int:
 def run_cases(ranks, cases: list[dict]) -> None:
     for case in cases:
         folder = Path(case["dir"])
+        if case.get("many"):  # prompts spread over the ranks, each graph on one rank
+            model = AutoModelForCausalLM.from_pretrained(folder / "model",
+                                                         dtype=torch.float32).eval()
+            tokenizer = AutoTokenizer.from_pretrained(folder / "model")
+            attribute_many(model, tokenizer, load_transcoder(str(folder / "transcoder")),
+                           case["many"], case["out"])
+            continue
         if case.get("slow_rows"):
             _slow(case["slow_rows"])
         model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
