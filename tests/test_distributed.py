@@ -325,3 +325,39 @@ def test_ranks_with_other_transcoders_are_refused(tmp_path, tokenizer):
             _, err = process.communicate(timeout=120)
             assert process.returncode == 1
             assert "the ranks disagree on the transcoder" in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_the_command_line_under_torchrun(tmp_path, tokenizer):
+    """The interface scripts rely on: ``torchrun ... -m pyvene_causaltrace.cli attribute``
+    shards the transcoder, rank 0 writes the outputs and summary.json's ``distributed``; with
+    ``--prompts`` one graph directory per prompt and the index."""
+    folder = _case_dir(tmp_path, tokenizer, "llama", "clt")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", "-m", "pyvene_causaltrace.cli", "attribute",
+               "--model", str(folder / "model"), "--clt", str(folder / "transcoder"),
+               "--prompt", MANY[1]["prompt"], "--answer", MANY[1]["answer"]]
+    done = subprocess.run([*command, "--out", str(out)], env=_env(), capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["distributed"]["world"] == 2 and summary["distributed"]["mode"] == "features"
+    whole = load_transcoder(str(folder / "transcoder")).resident_bytes()
+    assert len(summary["distributed"]["transcoder_bytes_per_rank"]) == 2
+    assert sum(summary["distributed"]["transcoder_bytes_per_rank"]) < 1.5 * whole
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # seconds: only when used
+
+    model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
+    one = attribute(model, AutoTokenizer.from_pretrained(folder / "model"),
+                    load_transcoder(str(folder / "transcoder")), MANY[1]["prompt"],
+                    MANY[1]["answer"])
+    assert_same_graph(one, AttributionGraph.load(out / "graph.safetensors"))
+    assert not (out / "rows.partial").exists()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in MANY))
+    done = subprocess.run([*command, "--prompts", str(prompts), "--out", str(tmp_path / "many")],
+                          env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    index = json.loads((tmp_path / "many" / INDEX).read_text())
+    assert [e["dir"] for e in index["prompts"]] == ["00000", "00001", "00002"]

@@ -1,0 +1,164 @@
+"""Attribution across ranks on this machine (issue 41): rows per second and memory per rank for
+1, 2 and 3 ranks, the transcoder sharded by feature (``features``) or whole on every rank with
+the rows split (``rows``).
+
+SmolLM2-135M-Instruct (the bundled model) with a synthetic mntss JumpReLU CLT of about 1.2 GB
+(float32, 30 layers x 1,120 features, d_model 576: 1,120 x 576 x (30 + 465) x 4 B), thresholds
+calibrated so that about ``--per-position`` features fire per position and layer, written to
+``--dir`` one layer at a time. Each configuration is a fresh launch (``torchrun --standalone``,
+or one plain process for 1 rank) of this file's ``--worker`` mode, which builds the graph of
+the Eiffel prompt with ``--rows`` feature rows (``max_feature_nodes``) and reports per rank:
+rows per second of the rows phase (``metadata["seconds"]["rows"]``), the transcoder's
+resident bytes (``Transcoder.resident_bytes()``: decoders resident with ``--resident``,
+memory-mapped otherwise) and the peak resident set (``ru_maxrss``).
+
+    python benchmarks/distributed_attribution.py --json benchmarks/results/distributed.json
+    python benchmarks/distributed_attribution.py --resident --worlds 1 2 --modes features
+
+Two cores here: expect no speedup from more ranks, only the memory split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package first
+N_FEATURES = 1120
+PROMPT, ANSWER = "The Eiffel Tower is in the city of", " Paris"
+MB = 2**20
+
+
+def write_clt(path: Path, per_position: float) -> int:
+    """The synthetic CLT for SmolLM2 (module docstring); returns its bytes on disk."""
+    import yaml  # only the writer needs it
+    from safetensors.torch import save_file  # likewise
+
+    from pyvene_causaltrace.models import load_model
+    from pyvene_causaltrace.transcoders.checks import hook_states
+
+    model, tokenizer = load_model()
+    n_layers, d_model = model.config.num_hidden_layers, model.config.hidden_size
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        mid = hook_states(model, ids, {"mid": "hook_resid_mid"})["mid"]  # [L, P, D]
+    path.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    count = max(1, int(round(per_position * (mid.shape[1] - 1))))
+    for layer in range(n_layers):
+        W_enc = torch.randn(N_FEATURES, d_model, generator=g) / d_model**0.5
+        z = (mid[layer, 1:].float() @ W_enc.T).flatten()
+        threshold = z.topk(count + 1).values[-1].expand(N_FEATURES).clone()
+        save_file({f"W_enc_{layer}": W_enc, f"b_enc_{layer}": torch.zeros(N_FEATURES),
+                   f"b_dec_{layer}": torch.zeros(d_model), f"threshold_{layer}": threshold},
+                  str(path / f"W_enc_{layer}.safetensors"))
+        dec = torch.randn(N_FEATURES, n_layers - layer, d_model, generator=g) * 0.02
+        save_file({f"W_dec_{layer}": dec}, str(path / f"W_dec_{layer}.safetensors"))
+        del dec
+    (path / "config.yaml").write_text(yaml.safe_dump({
+        "model_name": "smollm2-135m",
+        "model_kind": "cross_layer_transcoder", "feature_input_hook": "hook_resid_mid",
+        "feature_output_hook": "hook_mlp_out"}))
+    return sum(file.stat().st_size for file in path.iterdir())
+
+
+def worker(args) -> None:
+    """One rank: build the graph, append this rank's line to ``args.report``."""
+    from pyvene_causaltrace import distributed
+    from pyvene_causaltrace.attribution import attribute
+    from pyvene_causaltrace.models import load_model
+    from pyvene_causaltrace.transcoders import load_transcoder
+
+    torch.set_num_threads(1)
+    ranks = distributed.init()
+    rank, world = (0, 1) if ranks is None else (ranks.rank, ranks.world)
+    shard = {"shard": (rank, world)} if ranks is not None and args.mode == "features" else {}
+    model, tokenizer = load_model()
+    start = time.perf_counter()
+    clt = load_transcoder(args.dir, lazy_decoder=not args.resident, **shard)
+    load_s = time.perf_counter() - start
+    graph = attribute(model, tokenizer, clt, PROMPT, ANSWER, max_feature_nodes=args.rows)
+    seconds = graph.metadata["seconds"]
+    rows = graph.metadata["rows_computed"] - graph.n_logits
+    line = {"world": world, "mode": args.mode if ranks is not None else "one process",
+            "rank": rank, "rows": rows, "active": graph.n_features,
+            "rows_s": seconds["rows"], "rows_per_s": rows / seconds["rows"],
+            "forward_s": seconds["forward"], "total_s": seconds["total"], "load_s": load_s,
+            "transcoder_mb": clt.resident_bytes() / MB,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "batch": graph.metadata["batch_size"]}
+    with open(args.report, "a") as out:
+        out.write(json.dumps(line) + "\n")
+    if ranks is not None:
+        distributed.finish()
+
+
+def launch(args, world: int, mode: str, report: Path) -> float:
+    """One configuration in fresh processes; returns its wall seconds."""
+    own = [str(Path(__file__).resolve()), "--worker", "--dir", str(args.dir), "--mode", mode,
+           "--rows", str(args.rows), "--report", str(report)] \
+        + (["--resident"] if args.resident else [])
+    command = [sys.executable, *own] if world == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={world}", *own]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    subprocess.run(command, env=env, check=True, cwd=ROOT)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="features", help=argparse.SUPPRESS)
+    parser.add_argument("--report", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", type=Path, default=None, help="where the CLT is (written if "
+                                                               "absent; default: a temp dir)")
+    parser.add_argument("--rows", type=int, default=300, help="feature rows per graph")
+    parser.add_argument("--per-position", type=float, default=8.0)
+    parser.add_argument("--resident", action="store_true",
+                        help="decoders resident (default: memory-mapped, as loaded by default)")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--modes", nargs="+", default=["features", "rows"])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    temporary = None
+    if args.dir is None:
+        temporary = tempfile.TemporaryDirectory()
+        args.dir = Path(temporary.name) / "clt"
+    if not (args.dir / "config.yaml").exists():
+        size = write_clt(args.dir, args.per_position)
+        print(f"wrote {size / MB:,.0f} MB to {args.dir}")
+    report = Path(tempfile.mkdtemp()) / "report.jsonl"
+    walls = []
+    for world in args.worlds:
+        for mode in (["one process"] if world == 1 else args.modes):
+            wall = launch(args, world, "features" if world == 1 else mode, report)
+            walls.append({"world": world, "mode": mode, "wall_s": wall})
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    print(f"{'world':>5} {'mode':>11} {'rank':>4} {'rows':>5} {'rows/s':>7} {'forward s':>9} "
+          f"{'transcoder MB':>13} {'peak RSS MB':>11}")
+    for line in sorted(lines, key=lambda x: (x["world"], x["mode"], x["rank"])):
+        print(f"{line['world']:>5} {line['mode']:>11} {line['rank']:>4} {line['rows']:>5} "
+              f"{line['rows_per_s']:>7.1f} {line['forward_s']:>9.1f} "
+              f"{line['transcoder_mb']:>13.1f} {line['peak_rss_mb']:>11.0f}")
+    if args.json:
+        args.json.write_text(json.dumps({"resident": args.resident, "rows": args.rows,
+                                         "ranks": lines, "launches": walls}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
