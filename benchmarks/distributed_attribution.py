@@ -15,7 +15,9 @@ memory-mapped otherwise) and the peak resident set (``ru_maxrss``).
     python benchmarks/distributed_attribution.py --json benchmarks/results/distributed.json
     python benchmarks/distributed_attribution.py --resident --worlds 1 2 --modes features
 
-Two cores here: expect no speedup from more ranks, only the memory split.
+Two cores here: expect no speedup from more ranks, only the memory split. ``--model random:<shape>``
+(a random-init Llama of ``synthetic_clt.py``'s shape; GPU machines lack SmolLM2) and each rank
+on ``cuda:LOCAL_RANK`` when there are GPUs: ``benchmarks/gpu_check.sh distributed``.
 """
 
 from __future__ import annotations
@@ -34,20 +36,38 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's package first
+sys.path.insert(1, str(ROOT / "benchmarks"))  # synthetic_clt
 N_FEATURES = 1120
 PROMPT, ANSWER = "The Eiffel Tower is in the city of", " Paris"
 MB = 2**20
 
 
-def write_clt(path: Path, per_position: float) -> int:
-    """The synthetic CLT for SmolLM2 (module docstring); returns its bytes on disk."""
+def load(name: str, device: str = "cpu"):
+    """``(model, tokenizer)``: the bundled SmolLM2 (``smollm2-135m``) or ``random:<shape>``, a
+    random-init Llama of ``benchmarks/synthetic_clt.py``'s shape (seed 0: the same weights on
+    every rank) with a BPE tokenizer trained on known_1000 (the GPU machine has no SmolLM2)."""
+    if not name.startswith("random:"):
+        from pyvene_causaltrace.models import load_model
+
+        model, tokenizer = load_model(name)
+        return model.to(device), tokenizer
+    import transformers as tf
+    from synthetic_clt import SHAPES, known_facts_tokenizer
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SHAPES[name.removeprefix("random:")][0]))
+    return model.to(device).eval(), known_facts_tokenizer()
+
+
+def write_clt(path: Path, per_position: float, name: str = "smollm2-135m",
+              n_features: int = N_FEATURES) -> int:
+    """The synthetic CLT for the model (module docstring); returns its bytes on disk."""
     import yaml  # only the writer needs it
     from safetensors.torch import save_file  # likewise
 
-    from pyvene_causaltrace.models import load_model
     from pyvene_causaltrace.transcoders.checks import hook_states
 
-    model, tokenizer = load_model()
+    model, tokenizer = load(name)
     n_layers, d_model = model.config.num_hidden_layers, model.config.hidden_size
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
@@ -56,17 +76,17 @@ def write_clt(path: Path, per_position: float) -> int:
     g = torch.Generator().manual_seed(0)
     count = max(1, int(round(per_position * (mid.shape[1] - 1))))
     for layer in range(n_layers):
-        W_enc = torch.randn(N_FEATURES, d_model, generator=g) / d_model**0.5
+        W_enc = torch.randn(n_features, d_model, generator=g) / d_model**0.5
         z = (mid[layer, 1:].float() @ W_enc.T).flatten()
-        threshold = z.topk(count + 1).values[-1].expand(N_FEATURES).clone()
-        save_file({f"W_enc_{layer}": W_enc, f"b_enc_{layer}": torch.zeros(N_FEATURES),
+        threshold = z.topk(count + 1).values[-1].expand(n_features).clone()
+        save_file({f"W_enc_{layer}": W_enc, f"b_enc_{layer}": torch.zeros(n_features),
                    f"b_dec_{layer}": torch.zeros(d_model), f"threshold_{layer}": threshold},
                   str(path / f"W_enc_{layer}.safetensors"))
-        dec = torch.randn(N_FEATURES, n_layers - layer, d_model, generator=g) * 0.02
+        dec = torch.randn(n_features, n_layers - layer, d_model, generator=g) * 0.02
         save_file({f"W_dec_{layer}": dec}, str(path / f"W_dec_{layer}.safetensors"))
         del dec
     (path / "config.yaml").write_text(yaml.safe_dump({
-        "model_name": "smollm2-135m",
+        "model_name": name,
         "model_kind": "cross_layer_transcoder", "feature_input_hook": "hook_resid_mid",
         "feature_output_hook": "hook_mlp_out"}))
     return sum(file.stat().st_size for file in path.iterdir())
@@ -76,18 +96,19 @@ def worker(args) -> None:
     """One rank: build the graph, append this rank's line to ``args.report``."""
     from pyvene_causaltrace import distributed
     from pyvene_causaltrace.attribution import attribute
-    from pyvene_causaltrace.models import load_model
     from pyvene_causaltrace.transcoders import load_transcoder
 
     torch.set_num_threads(1)
     ranks = distributed.init()
     rank, world = (0, 1) if ranks is None else (ranks.rank, ranks.world)
     shard = {"shard": (rank, world)} if ranks is not None and args.mode == "features" else {}
-    model, tokenizer = load_model()
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load(args.model, device)
     start = time.perf_counter()
-    clt = load_transcoder(args.dir, lazy_decoder=not args.resident, **shard)
+    clt = load_transcoder(args.dir, lazy_decoder=not args.resident, device=device, **shard)
     load_s = time.perf_counter() - start
-    graph = attribute(model, tokenizer, clt, PROMPT, ANSWER, max_feature_nodes=args.rows)
+    graph = attribute(model, tokenizer, clt, PROMPT, ANSWER if args.model == "smollm2-135m"
+                      else None, max_feature_nodes=args.rows, max_n_logits=1)
     seconds = graph.metadata["seconds"]
     rows = graph.metadata["rows_computed"] - graph.n_logits
     line = {"world": world, "mode": args.mode if ranks is not None else "one process",
@@ -106,12 +127,14 @@ def worker(args) -> None:
 def launch(args, world: int, mode: str, report: Path) -> float:
     """One configuration in fresh processes; returns its wall seconds."""
     own = [str(Path(__file__).resolve()), "--worker", "--dir", str(args.dir), "--mode", mode,
-           "--rows", str(args.rows), "--report", str(report)] \
+           "--rows", str(args.rows), "--report", str(report), "--model", args.model] \
         + (["--resident"] if args.resident else [])
     command = [sys.executable, *own] if world == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc_per_node={world}", *own]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT),
+                                                       str(ROOT / "benchmarks")]))}
     start = time.perf_counter()
     subprocess.run(command, env=env, check=True, cwd=ROOT)
     return time.perf_counter() - start
@@ -125,6 +148,11 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where the CLT is (written if "
                                                                "absent; default: a temp dir)")
     parser.add_argument("--rows", type=int, default=300, help="feature rows per graph")
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="smollm2-135m (bundled) or random:<shape> (synthetic_clt.py: "
+                             "llama1b, tiny)")
+    parser.add_argument("--features", type=int, default=N_FEATURES,
+                        help=f"features per layer of the synthetic CLT (default {N_FEATURES})")
     parser.add_argument("--per-position", type=float, default=8.0)
     parser.add_argument("--resident", action="store_true",
                         help="decoders resident (default: memory-mapped, as loaded by default)")
@@ -140,7 +168,7 @@ def main() -> None:
         temporary = tempfile.TemporaryDirectory()
         args.dir = Path(temporary.name) / "clt"
     if not (args.dir / "config.yaml").exists():
-        size = write_clt(args.dir, args.per_position)
+        size = write_clt(args.dir, args.per_position, args.model, args.features)
         print(f"wrote {size / MB:,.0f} MB to {args.dir}")
     report = Path(tempfile.mkdtemp()) / "report.jsonl"
     walls = []

@@ -17,6 +17,11 @@
 #               peak, which the row count does not change; every copy holds every active
 #               feature's decoder rows, ~16 GB) (benchmarks/gpu_attribution.py).
 #   4. one short table of it all (benchmarks/gpu_summary.py).
+#   5. distributed (issue 41): attribution with the transcoder sharded by feature and with the
+#               rows split over one rank per GPU, against one process (benchmarks/
+#               distributed_attribution.py, a random-init Llama-3.2-1B shape with a synthetic CLT
+#               of 16 x 4,096): rows/s, transcoder bytes and peak memory per rank; skipped with
+#               fewer than 2 GPUs. Its table lands in $OUT/distributed.json.
 # Every step has its own time limit and the whole fits BUDGET seconds (default 560): a step that
 # would not fit is skipped and shows as '-' in the table. $OUT gets three files (the tool returns
 # at most 8): log.txt (every step's output), summary.txt and results.json (every step's numbers).
@@ -25,7 +30,7 @@
 # git-ignored .whl with pyvene 0.1.8 and transformers 5.24.0, .devdata with known_1000.json).
 # The tool sends the checkout the session was started in, so run it from there (merged):
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".devdata"], timeout_s=600)
-# Sections: bash benchmarks/gpu_check.sh [all|trace|fit|attribution|dataset]  (dataset: issue 5's
+# Sections: bash benchmarks/gpu_check.sh [all|trace|fit|attribution|distributed|dataset]  (dataset: issue 5's
 # throughput run, not in all).
 # A CPU smoke of every step with tiny shapes (no GPU, no wheels; a few minutes on 2 cores):
 #   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/gpu_smoke bash benchmarks/gpu_check.sh
@@ -104,6 +109,21 @@ if want attribution; then
         "${ATTR_BIG[@]}" "${common[@]}" --rows $REP_ROWS --batches "" --memory-caps "" \
         --replicated $REP_BIG \
         --out "$WORK/attribution_qwen3_8b_replicated.json"
+fi
+if want distributed; then
+    # issue 41: attribution across ranks, the transcoder sharded by feature and the rows split,
+    # one rank per GPU (NCCL needs a device per rank: skipped on a one-GPU machine); the CPU
+    # smoke runs 2 gloo ranks
+    n_gpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+    if [ "${SMOKE:-0}" = 1 ]; then WORLDS=(1 2); DIST_F=256
+    elif [ "$n_gpu" -ge 2 ]; then WORLDS=(1 $((n_gpu < 8 ? n_gpu : 8))); DIST_F=4096
+    else WORLDS=(); echo "== distributed: skipped ($n_gpu GPU: NCCL needs one device per rank)"
+    fi
+    if [ ${#WORLDS[@]} -gt 0 ]; then
+        step distributed 240 "$PY" benchmarks/distributed_attribution.py --model random:$SMALL \
+            --features $DIST_F --rows 2000 --resident --worlds "${WORLDS[@]}" \
+            --json "$OUT/distributed.json"
+    fi
 fi
 if [ "$SECTION" = dataset ]; then
     echo "== dataset throughput, residual, 3 seeds (issue 5)"
