@@ -103,9 +103,10 @@ class Ranks:
             dist.barrier()
 
 
-def _short(value: object, limit: int = 80) -> str:
+def _short(value: object) -> str:
+    """``value``'s repr, cut to 80 characters for an error message."""
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def current() -> Ranks | None:
