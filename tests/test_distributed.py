@@ -32,6 +32,11 @@ from pyvene_causaltrace.attribution.many import INDEX, attribute_many, read_prom
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_transcoder
 
+#: Every test here but the prompts file's line checks starts processes; the graph equality and
+#: the prompts spread over ranks stay in the default tier (core: the issue's acceptance), the
+#: faults and the command line are slow (the extra tier).
+pytestmark = pytest.mark.process
+
 WORKER = Path(__file__).parent / "_support" / "distributed_worker.py"
 ROOT = Path(__file__).parent.parent
 #: Features per layer: 47 splits unevenly over 2 and 3 ranks.
@@ -175,6 +180,7 @@ def assert_same_graph(one: AttributionGraph, many: AttributionGraph,
     assert torch.equal(one.prune().node_mask, many.prune().node_mask)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize(("world", "arch", "kind", "split"), PAIRS)
 def test_ranks_build_the_one_process_graph(launched, arch, kind, split, world):
     folder = launched[arch, kind]
@@ -193,6 +199,7 @@ def test_ranks_build_the_one_process_graph(launched, arch, kind, split, world):
         assert held["transcoder_bytes_per_rank"] == [whole] * world
 
 
+@pytest.mark.core
 def test_a_graph_with_one_rank_missing_differs(launched):
     """The control for the equality: a graph built from one rank's shard alone is refused,
     and the check above tells two different graphs apart."""
@@ -210,6 +217,7 @@ def test_a_graph_with_one_rank_missing_differs(launched):
         assert_same_graph(one, other)
 
 
+@pytest.mark.core
 def test_prompts_spread_over_ranks_are_the_serial_graphs_and_resume(launched):
     """attribute_many under two ranks: one directory per prompt (rank 0 took prompts 0 and 2,
     rank 1 prompt 1), each the graph a serial attribute() builds, and an index; a rerun in one
@@ -242,6 +250,7 @@ def test_prompts_spread_over_ranks_are_the_serial_graphs_and_resume(launched):
                                                          shard=(0, 2)), MANY, out)
 
 
+@pytest.mark.core
 def test_a_prompts_file_is_checked_line_by_line(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b", "colour": 1}\n')
@@ -361,3 +370,22 @@ def test_the_command_line_under_torchrun(tmp_path, tokenizer):
     assert done.returncode == 0, done.stderr[-3000:]
     index = json.loads((tmp_path / "many" / INDEX).read_text())
     assert [e["dir"] for e in index["prompts"]] == ["00000", "00001", "00002"]
+
+
+@pytest.mark.slow
+def test_a_hung_rank_fails_the_other_after_the_collective_timeout(tmp_path, tokenizer):
+    """Rank 1 hangs before its first collective: rank 0 exits with one error line once the
+    group's timeout (30 s in the worker) passes, not never."""
+    folder = _case_dir(tmp_path, tokenizer, "gpt2", "clt")
+    case = {"dir": str(folder), "split": "features", "prompt": PROMPT, "hang_rank": 1}
+    ranks = _spawn(2, [case], tmp_path, "hang")
+    start = time.monotonic()
+    try:
+        _, err = ranks[0].communicate(timeout=120)
+    finally:
+        ranks[1].kill()
+        ranks[1].communicate()
+    assert ranks[0].returncode == 1
+    assert 25 < time.monotonic() - start < 110
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "DistributedError" in lines[0] and "rank 0 of 2" in lines[0]

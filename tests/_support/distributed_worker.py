@@ -3,13 +3,14 @@
     torchrun --standalone --nproc_per_node N tests/_support/distributed_worker.py CASES.json
 
 ``CASES.json``: a list of cases, each ``{"dir": ..., "split": "features" | "rows", "prompt",
-"budget", "batch", "checkpoint", "transcoder_by_rank", "slow_rows"}``, or ``{"dir", "many":
-[prompts], "out"}`` for ``attribute_many``; ``dir`` holds ``model/`` (a saved tiny model and
-tokenizer) and ``transcoder/`` (a transcoder in its on-disk layout). Rank 0 saves each case's
-graph as ``dir/graph_<split>_w<world>.safetensors`` and the run's metadata beside it; an error
-of the package is one line on stderr and exit status 1. With ``slow_rows``
-each batch of rows sleeps that long (a window for the fault tests to kill a rank mid-rows);
-with ``checkpoint`` the rows are checkpointed there after every batch.
+"budget", "batch", "checkpoint", "transcoder_by_rank", "slow_rows", "hang_rank"}``, or
+``{"dir", "many": [prompts], "out"}`` for ``attribute_many``; ``dir`` holds ``model/`` (a
+saved tiny model and tokenizer) and ``transcoder/`` (a transcoder in its on-disk layout).
+Rank 0 saves each case's graph as ``dir/graph_<split>_w<world>.safetensors`` and the run's
+metadata beside it; an error of the package is one line on stderr and exit status 1. With
+``slow_rows`` each batch of rows sleeps that long (a window for the fault tests to kill a rank
+mid-rows); with ``checkpoint`` the rows are checkpointed there after every batch; with
+``hang_rank`` that rank sleeps before its first collective.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def run_cases(ranks, cases: list[dict]) -> None:
                                                         str(folder / "transcoder"))
         transcoder = load_transcoder(source, **shard)
         print(f"rank {ranks.rank}: pid {os.getpid()}", flush=True)
+        if case.get("hang_rank") == ranks.rank:  # a rank that hangs: the others time out
+            time.sleep(3600)
         graph = attribute(model, tokenizer, transcoder, case["prompt"],
                           max_feature_nodes=case.get("budget"), batch_size=case.get("batch"),
                           checkpoint=case.get("checkpoint"))
