@@ -107,8 +107,8 @@ def worker(args) -> None:
     start = time.perf_counter()
     clt = load_transcoder(args.dir, lazy_decoder=not args.resident, device=device, **shard)
     load_s = time.perf_counter() - start
-    graph = attribute(model, tokenizer, clt, PROMPT, ANSWER if args.model == "smollm2-135m"
-                      else None, max_feature_nodes=args.rows, max_n_logits=1)
+    answer = {"answer": ANSWER} if args.model == "smollm2-135m" else {"max_n_logits": 1}
+    graph = attribute(model, tokenizer, clt, PROMPT, max_feature_nodes=args.rows, **answer)
     seconds = graph.metadata["seconds"]
     rows = graph.metadata["rows_computed"] - graph.n_logits
     line = {"world": world, "mode": args.mode if ranks is not None else "one process",

@@ -88,10 +88,12 @@ CASES = [
     Case("Qwen3-8B, 36 x 32k joint TopK CLT (fp32), 8 ranks", 8.19e9, 2, 36, 4096, 32, 32_768,
          4, True, False, 32, 28, 8_192, 64, 8),
 ]
-#: The run benchmarks/distributed_attribution.py measured (SmolLM2-135M, fp32, synthetic CLT).
+#: The run benchmarks/distributed_attribution.py measured (SmolLM2-135M, fp32, synthetic CLT;
+#: 12,283 active features over 9 tokens and 30 layers: position 0, SmolLM2's attention sink,
+#: fires far more than the 8 per position the thresholds were calibrated for on the others).
 SMOLLM2 = dict(n_params=134.5e6, model_bytes=4, n_layers=30, d_model=576, n_heads=9,
                features=1120, transcoder_bytes=4, cross_layer=True, skip=False,
-               positions=9, active_per_position_layer=8, rows=1000, batch=32)
+               positions=9, active_per_position_layer=45.5, rows=1000, batch=32)
 
 
 def table(case: Case) -> list[str]:
