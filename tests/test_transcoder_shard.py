@@ -364,3 +364,37 @@ def test_a_layout_loaded_whole_is_sharded_after(tmp_path):
     assert all(torch.equal(a, b[lo:hi]) for a, b in zip(part.W_dec, whole.W_dec, strict=True))
     inputs = _inputs(3)
     assert torch.equal(part.encode_all(inputs), whole.encode_all(inputs)[..., lo:hi])
+
+
+@pytest.mark.parametrize("layout", ["gemmascope", "gemmascope2"])
+def test_a_per_layer_layout_is_cut_as_each_layer_is_read(tmp_path, monkeypatch, layout):
+    """GemmaScope's npz and GemmaScope-2's per-layer folders are cut layer by layer: what is
+    assembled is already the slice (never the whole set at once), and equals the whole's."""
+    from test_transcoder_layouts_new import gs2_tensors, write_gs2_per_layer
+
+    from pyvene_causaltrace.transcoders.formats import gemmascope, gemmascope2
+
+    module = {"gemmascope": gemmascope, "gemmascope2": gemmascope2}[layout]
+    if layout == "gemmascope":
+        root = write_gemmascope(tmp_path / "gs", random_set(L, D, F, seed=6))
+    else:
+        root, _ = write_gs2_per_layer(tmp_path / "gs2", gs2_tensors(affine=True))
+    seen = []
+    plain = module.assemble_set
+
+    def assemble_set(layers, **options):
+        seen.append([int(layer.W_enc.shape[0]) for layer in layers])
+        return plain(layers, **options)
+
+    monkeypatch.setattr(module, "assemble_set", assemble_set)
+    whole = load_transcoder(root, format=layout)
+    part = load_transcoder(root, format=layout, shard=(1, 3))
+    lo, hi = part.features
+    width = whole.cfg.d_transcoder
+    assert seen == [[width] * whole.n_layers, [hi - lo] * whole.n_layers]  # the control: whole
+    assert part.cfg.d_transcoder == width and hi - lo < width
+    assert torch.equal(part.W_enc, whole.W_enc[:, lo:hi])
+    assert all(torch.equal(a, b[lo:hi]) for a, b in zip(part.W_dec, whole.W_dec, strict=True))
+    inputs = _inputs(whole.n_layers) if layout == "gemmascope" else torch.randn(
+        whole.n_layers, 5, whole.cfg.d_model, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(part.encode_all(inputs), whole.encode_all(inputs)[..., lo:hi])

@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from ...errors import InputError, TranscoderFormatError
 from ..config import TRANSCODER_SET, TranscoderConfig
-from ..transcoder import Transcoder
+from ..transcoder import Transcoder, feature_range
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
@@ -33,6 +33,46 @@ def shard_loaded(transcoder: Transcoder, shard: tuple[int, int] | None) -> Trans
     if not isinstance(shard, tuple | list) or len(shard) != 2:
         raise InputError(f"shard must be (rank, world), got {shard!r}")
     return transcoder.shard(*shard)
+
+
+class LayerSlicer:
+    """A rank's slice of each layer of a per-layer set, cut as each layer is read (so a sharded
+    load holds one whole layer at a time, never the whole set): ``slicer(layer)`` returns the
+    layer with features ``[lo, hi)`` (copies: the whole layer's memory is freed), every layer's
+    width checked against the first's; ``slicer.options`` are :func:`assemble_set`'s."""
+
+    def __init__(self, shard: tuple[int, int] | None) -> None:
+        if shard is not None and (not isinstance(shard, tuple | list) or len(shard) != 2):
+            raise InputError(f"shard must be (rank, world), got {shard!r}")
+        self.shard = shard
+        self.width: int | None = None
+        self.range: tuple[int, int] | None = None
+
+    def __call__(self, layer: LayerTensors) -> LayerTensors:
+        if self.shard is None:
+            return layer
+        width = int(layer.W_enc.shape[0])
+        if self.width is None:
+            self.width, self.range = width, feature_range(width, *self.shard)
+        elif width != self.width:
+            raise TranscoderFormatError(f"{layer.origin}: {width} features, the first layer "
+                                        f"{self.width}")
+        lo, hi = self.range
+
+        def cut(tensor):
+            return None if tensor is None else tensor[lo:hi].clone()
+
+        mapped = bool(layer.handles)
+        return LayerTensors(layer.origin, W_enc=cut(layer.W_enc),
+                            W_dec=layer.W_dec[lo:hi] if mapped else cut(layer.W_dec),
+                            b_enc=cut(layer.b_enc), b_dec=layer.b_dec,
+                            threshold=cut(layer.threshold), W_skip=layer.W_skip,
+                            handles=layer.handles)
+
+    @property
+    def options(self) -> dict:
+        """``features`` and ``d_transcoder`` for :func:`assemble_set` (none when whole)."""
+        return {} if self.shard is None else {"features": self.range, "d_transcoder": self.width}
 
 
 def refuse_shard(transcoder: Transcoder) -> None:

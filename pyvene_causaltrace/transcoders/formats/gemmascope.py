@@ -19,11 +19,11 @@ import torch
 
 from ..transcoder import Transcoder
 from .common import (
+    LayerSlicer,
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
     resolve_reference,
-    shard_loaded,
 )
 
 INPUT_HOOK = "ln2.hook_normalized"
@@ -86,14 +86,15 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
          **_ignored) -> Transcoder:
     """A per-layer set from GemmaScope files: a root directory (one ``params.npz`` under each
     ``layer_{l}``) or a list of files, one per layer in order (local paths or ``hf://`` hub
-    references). ``shard=(rank, world)``: loaded whole, then
-    :meth:`~..transcoder.Transcoder.shard`-ed (npz files are not read in slices; peak memory is
-    the whole set)."""
+    references). ``shard=(rank, world)``: each layer's slice is cut as the layer is read (an
+    npz file is read whole, one layer at a time: the peak is one layer, not the set)."""
     if isinstance(source, list | tuple):
         files = [resolve_reference(str(ref)) for ref in source]
     else:
         files = _files(Path(source).expanduser())
-    return shard_loaded(assemble_set(
-        [read_npz(path) for path in files], model_name=model_name, activation="jumprelu",
-        feature_input_hook=INPUT_HOOK, feature_output_hook=OUTPUT_HOOK, scan=scan,
-        source=str(source), dtype=dtype, device=device, lazy_decoder=False), shard)
+    slicer = LayerSlicer(shard)
+    return assemble_set(
+        [slicer(read_npz(path)) for path in files], model_name=model_name,
+        activation="jumprelu", feature_input_hook=INPUT_HOOK, feature_output_hook=OUTPUT_HOOK,
+        scan=scan, source=str(source), dtype=dtype, device=device, lazy_decoder=False,
+        **slicer.options)

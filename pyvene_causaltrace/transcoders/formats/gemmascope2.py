@@ -40,6 +40,7 @@ from ..config import CROSS_LAYER, TranscoderConfig
 from ..transcoder import Transcoder
 from .common import (
     DTYPE_NAMES,
+    LayerSlicer,
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
@@ -187,9 +188,10 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
     """A GemmaScope-2 transcoder: a CLT folder (``params_layer_{l}.safetensors``), a folder of
     per-layer folders (``variant`` picks e.g. ``width_16k_l0_small_affine`` when it holds
     several), or a list of per-layer folders, one per layer in order. Hooks come from each
-    config.json (or the keyword arguments). ``shard=(rank, world)``: loaded (decoders
-    memory-mapped with ``lazy_decoder``), then :meth:`~..transcoder.Transcoder.shard`-ed —
-    peak memory is the whole encoder."""
+    config.json (or the keyword arguments). ``shard=(rank, world)``: a per-layer set's slice
+    is cut as each layer is read (one whole layer at a time; a memory-mapped decoder stays a
+    view); the CLT is loaded (decoders memory-mapped with ``lazy_decoder``), then
+    :meth:`~..transcoder.Transcoder.shard`-ed — its peak is the whole encoder."""
     if not isinstance(source, list | tuple):
         root = Path(source).expanduser()
         if not root.exists():
@@ -203,6 +205,7 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
     else:
         folders = [Path(str(f)).expanduser() for f in source]
     layers, hooks, names = [], set(), set()
+    slicer = LayerSlicer(shard)
     for layer, folder in enumerate(folders):
         config = folder / CONFIG
         if not config.exists():
@@ -216,15 +219,16 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
         names.add(str(meta.get("model_name") or ""))
         affine = meta.get("affine_connection")
         skip = bool(affine) if affine is not None else _affine_named(folder)
-        layers.append(read_layer(folder / PARAMS, lazy_decoder=lazy_decoder, skip=skip))
+        layers.append(slicer(read_layer(folder / PARAMS, lazy_decoder=lazy_decoder, skip=skip)))
     if len(hooks) != 1:
         raise TranscoderFormatError(f"{source}: the layers' config.json name different hooks "
                                     f"{sorted(hooks)}")
     (input_hook, output_hook), = hooks
-    return shard_loaded(assemble_set(
+    return assemble_set(
         layers, model_name=sorted(names)[-1], activation="jumprelu",
         feature_input_hook=input_hook, feature_output_hook=output_hook, scan=scan,
-        source=str(source), dtype=dtype, device=device, lazy_decoder=lazy_decoder), shard)
+        source=str(source), dtype=dtype, device=device, lazy_decoder=lazy_decoder,
+        **slicer.options)
 
 
 def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
