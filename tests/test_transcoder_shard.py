@@ -398,3 +398,28 @@ def test_a_per_layer_layout_is_cut_as_each_layer_is_read(tmp_path, monkeypatch, 
     inputs = _inputs(whole.n_layers) if layout == "gemmascope" else torch.randn(
         whole.n_layers, 5, whole.cfg.d_model, generator=torch.Generator().manual_seed(3))
     assert torch.equal(part.encode_all(inputs), whole.encode_all(inputs)[..., lo:hi])
+
+
+def test_sae_lens_transcoders_are_cut_as_each_is_read(tmp_path, monkeypatch):
+    """sae-lens reads each transcoder whole; each is cut to the rank's slice before the next is
+    read, so what is assembled is the slice (the control: unsharded, the whole width)."""
+    from transcoder_fixtures import write_sae_lens
+
+    from pyvene_causaltrace.transcoders.formats import sae_lens
+
+    root = write_sae_lens(tmp_path / "sl", random_set(L, D, F, seed=7, skip=True))
+    seen = []
+    plain = sae_lens.assemble_set
+
+    def assemble_set(layers, **options):
+        seen.append([int(layer.W_enc.shape[0]) for layer in layers])
+        return plain(layers, **options)
+
+    monkeypatch.setattr(sae_lens, "assemble_set", assemble_set)
+    whole = load_transcoder(root, format="sae_lens")
+    part = load_transcoder(root, format="sae_lens", shard=(0, 2))
+    lo, hi = part.features
+    assert seen == [[F] * L, [hi - lo] * L]
+    assert torch.equal(part.W_enc, whole.W_enc[:, lo:hi])
+    assert all(torch.equal(a, b[lo:hi]) for a, b in zip(part.W_dec, whole.W_dec, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(part.W_skip, whole.W_skip, strict=True))

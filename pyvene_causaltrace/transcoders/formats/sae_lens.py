@@ -36,7 +36,7 @@ import torch
 
 from ...errors import InputError
 from ..transcoder import Transcoder
-from .common import LayerTensors, TranscoderFormatError, assemble_set, refuse_shard, shard_loaded
+from .common import LayerSlicer, LayerTensors, TranscoderFormatError, assemble_set, refuse_shard
 from .mntss import from_pretrained, load_from_disk
 
 
@@ -172,11 +172,14 @@ def _layer_tensors(sae, origin: str) -> tuple[int, LayerTensors, dict]:
                             "model_name": getattr(meta, "model_name", None) or ""}
 
 
-def _assemble(saes: list, origins: list[str], *, scan: str | None, source: str,
-              dtype: torch.dtype, device: str | torch.device) -> Transcoder:
+def _assemble(entries: list[tuple[int, LayerTensors, dict]], *, scan: str | None, source: str,
+              dtype: torch.dtype, device: str | torch.device,
+              slicer: LayerSlicer | None = None) -> Transcoder:
+    """A set from each transcoder's ``(layer, tensors, info)`` (:func:`_layer_tensors`, cut by
+    ``slicer`` as each was read)."""
     layers = {}
-    for sae, origin in zip(saes, origins, strict=True):
-        layer, tensors, info = _layer_tensors(sae, origin)
+    for layer, tensors, info in entries:
+        origin = tensors.origin
         if layer in layers:
             raise TranscoderFormatError(f"{origin}: a second transcoder for layer {layer} "
                                         f"(first: {layers[layer][0].origin})")
@@ -195,7 +198,15 @@ def _assemble(saes: list, origins: list[str], *, scan: str | None, source: str,
                         model_name=infos[0]["model_name"], activation=infos[0]["activation"],
                         feature_input_hook=hooks["input"].pop(),
                         feature_output_hook=hooks["output"].pop(), scan=scan, source=source,
-                        dtype=dtype, device=device, lazy_decoder=False)
+                        dtype=dtype, device=device, lazy_decoder=False,
+                        **(slicer.options if slicer is not None else {}))
+
+
+def _read(sae, origin: str, slicer: LayerSlicer) -> tuple[int, LayerTensors, dict]:
+    """One transcoder's ``(layer, tensors, info)``, cut to a rank's slice at once (the SAE
+    object and its whole tensors are dropped before the next is read)."""
+    layer, tensors, info = _layer_tensors(sae, origin)
+    return layer, slicer(tensors), info
 
 
 def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
@@ -205,12 +216,12 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
     """A per-layer set from sae-lens transcoder directories: ``source`` is a directory holding
     one per layer (any names; the layer comes from each ``hook_name``), or a list of them, each
     read by ``SAE.load_from_disk``; or the name of a sae-lens release (:func:`load_release`,
-    with ``sae_ids``). ``shard=(rank, world)``: loaded whole by sae-lens, then
-    :meth:`~..transcoder.Transcoder.shard`-ed (peak memory: the whole set)."""
+    with ``sae_ids``). ``shard=(rank, world)``: each transcoder is read by sae-lens and cut to
+    the rank's slice before the next is read (one whole layer at a time, never the set)."""
     from sae_lens import SAE  # takes seconds to import: only when called
 
     if isinstance(source, str) and not Path(source).expanduser().exists():
-        return shard_loaded(load_release(source, sae_ids, dtype=dtype, device=device), shard)
+        return load_release(source, sae_ids, dtype=dtype, device=device, shard=shard)
     if isinstance(source, list | tuple):
         dirs = [Path(p).expanduser() for p in source]
     else:
@@ -218,17 +229,19 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
         dirs = sorted(sub for sub in root.iterdir() if (sub / "cfg.json").exists())
     if not dirs:
         raise TranscoderFormatError(f"{source}: no sae-lens transcoder directories")
-    saes = []
+    entries, slicer = [], LayerSlicer(shard)
     for path in dirs:
         for name in ("cfg.json", "sae_weights.safetensors"):
             if not (path / name).exists():
                 raise TranscoderFormatError(f"missing file {path / name}")
         try:
-            saes.append(SAE.load_from_disk(str(path), device="cpu"))
+            sae = SAE.load_from_disk(str(path), device="cpu")
         except (KeyError, ValueError, RuntimeError, OSError) as error:
             raise TranscoderFormatError(f"{path}: sae-lens could not load it: {error}") from None
-    return shard_loaded(_assemble(saes, [str(p) for p in dirs], scan=scan, source=str(source),
-                                  dtype=dtype, device=device), shard)
+        entries.append(_read(sae, str(path), slicer))
+        del sae
+    return _assemble(entries, scan=scan, source=str(source), dtype=dtype, device=device,
+                     slicer=slicer)
 
 
 def release_ids(release: str) -> list[str]:
@@ -243,24 +256,26 @@ def release_ids(release: str) -> list[str]:
 
 
 def load_release(release: str, sae_ids: list[str] | None = None, *,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                 ) -> Transcoder:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 shard: tuple[int, int] | None = None) -> Transcoder:
     """A per-layer set from a sae-lens release, one ``SAE.from_pretrained(release, id)`` per
     layer (the hub cache serves it offline). ``sae_ids`` default: every id of the release, which
     must then hold one transcoder per layer (GemmaScope's holds several L0s per layer: choose)."""
     from sae_lens import SAE  # takes seconds to import: only when called
 
     ids = release_ids(release) if sae_ids is None else list(sae_ids)
-    saes = []
+    entries, slicer = [], LayerSlicer(shard)
     for sae_id in ids:
         try:
-            saes.append(SAE.from_pretrained(release, sae_id, device="cpu"))
+            sae = SAE.from_pretrained(release, sae_id, device="cpu")
         except (KeyError, ValueError, OSError) as error:
             raise TranscoderFormatError(f"{release}/{sae_id}: sae-lens could not load it: "
                                         f"{error}") from None
+        entries.append(_read(sae, f"{release}/{sae_id}", slicer))
+        del sae
     try:
-        return _assemble(saes, [f"{release}/{i}" for i in ids], scan=release, source=release,
-                         dtype=dtype, device=device)
+        return _assemble(entries, scan=release, source=release, dtype=dtype, device=device,
+                         slicer=slicer)
     except TranscoderFormatError as error:
         if sae_ids is None and "second transcoder" in str(error):
             raise TranscoderFormatError(f"{release} holds several transcoders per layer; pass "
