@@ -2,8 +2,8 @@
 
 Two ``torchrun`` launches (2 and 3 ranks) run every case of a tiny Llama and GPT-2 with a CLT
 and a per-layer set with skip, the transcoder sharded by feature (uneven: 47 features) or whole
-with the rows split, and on Llama a per-layer TopK set and a ByteDance joint TopK CLT sharded by
-feature (their top-k a collective over the ranks); the graphs are compared here with one
+with the rows split, and (3 ranks) on Llama a per-layer TopK set and a ByteDance joint TopK CLT
+sharded by feature (their top-k a collective over the ranks); the graphs are compared here with one
 process's: the same active features in the same order, the same logit nodes and rows computed,
 every edge within 1e-6 of its row's largest, the same closure and the same nodes kept by
 pruning. Then the faults: a rank killed mid-rows makes the other exit with one error line, no
@@ -83,15 +83,15 @@ def _torchrun(world: int, cases: list[dict], tmp: Path) -> subprocess.Popen:
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
-#: The top-k kinds (per-layer and joint) only sharded by feature: the rows split runs the whole
-#: transcoder, as the other kinds' cases show.
-TOPK = [("llama", "topk", "features"), ("llama", "joint", "features")]
 CASES = [(arch, kind, split) for arch in ("llama", "gpt2") for kind in ("clt", "set")
-         for split in ("features", "rows")] + TOPK
+         for split in ("features", "rows")]
 #: Three ranks run every model and transcoder once, each split on two of them (two cores:
-#: three ranks take most of the time).
+#: three ranks take most of the time), and the top-k kinds (per-layer and joint) sharded by
+#: feature only (the rows split runs the whole transcoder, as the other kinds' cases show;
+#: three ranks, not two: the file's time stays under a minute).
 CASES_3 = [("llama", "clt", "features"), ("llama", "set", "rows"), ("gpt2", "clt", "rows"),
-           ("gpt2", "set", "features")] + TOPK
+           ("gpt2", "set", "features"), ("llama", "topk", "features"),
+           ("llama", "joint", "features")]
 PAIRS = [(world, *case) for world, cases in ((2, CASES), (3, CASES_3)) for case in cases]
 #: A prompts file's entries for attribute_many (three prompts over two ranks).
 MANY = [{"prompt": PROMPT}, {"prompt": "Miles Davis plays the", "answer": " trumpet"},
