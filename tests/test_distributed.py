@@ -2,11 +2,13 @@
 
 Two ``torchrun`` launches (2 and 3 ranks) run every case of a tiny Llama and GPT-2 with a CLT
 and a per-layer set with skip, the transcoder sharded by feature (uneven: 47 features) or whole
-with the rows split; the graphs are compared here with one process's: the same active features
-in the same order, the same logit nodes and rows computed, every edge within 1e-6 of its row's
-largest, the same closure and the same nodes kept by pruning. Then the faults: a rank killed
-mid-rows makes the other exit with one error line, no graph written, and a rerun resumes from
-the checkpoint to the uninterrupted graph; ranks holding other transcoders are refused.
+with the rows split, and (3 ranks) on Llama a per-layer TopK set and a ByteDance joint TopK CLT
+sharded by feature (their top-k a collective over the ranks); the graphs are compared here with one
+process's: the same active features in the same order, the same logit nodes and rows computed,
+every edge within 1e-6 of its row's largest, the same closure and the same nodes kept by
+pruning. Then the faults: a rank killed mid-rows makes the other exit with one error line, no
+graph written, and a rerun resumes from the checkpoint to the uninterrupted graph; ranks holding
+other transcoders are refused.
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ import pytest
 import torch
 from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
-from transcoder_fixtures import random_set, write_circuit_tracer
+from transcoder_fixtures import (
+    bytedance_tensors,
+    random_set,
+    write_bytedance,
+    write_circuit_tracer,
+)
 
 from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.attribution.many import INDEX, attribute_many, read_prompts
@@ -50,6 +57,11 @@ def _case_dir(root: Path, tokenizer, arch: str, kind: str) -> Path:
     tokenizer.save_pretrained(folder / "model")
     if kind == "clt":
         write_clt(folder / "transcoder", random_clt_tensors(3, 32, FEATURES, threshold=0.1))
+    elif kind == "topk":  # per-layer TopK: each position's 5 best of a layer's 47
+        write_circuit_tracer(folder / "transcoder",
+                             random_set(3, 32, FEATURES, activation="topk", k=5))
+    elif kind == "joint":  # ByteDance: each position's 3 x 4 best of all layers' features
+        write_bytedance(folder / "transcoder", bytedance_tensors(3, 32, FEATURES, k=4))
     else:
         write_circuit_tracer(folder / "transcoder",
                              random_set(3, 32, FEATURES, skip=True, threshold=0.05))
@@ -74,9 +86,12 @@ def _torchrun(world: int, cases: list[dict], tmp: Path) -> subprocess.Popen:
 CASES = [(arch, kind, split) for arch in ("llama", "gpt2") for kind in ("clt", "set")
          for split in ("features", "rows")]
 #: Three ranks run every model and transcoder once, each split on two of them (two cores:
-#: three ranks take most of the time).
+#: three ranks take most of the time), and the top-k kinds (per-layer and joint) sharded by
+#: feature only (the rows split runs the whole transcoder, as the other kinds' cases show;
+#: three ranks, not two: the file's time stays under a minute).
 CASES_3 = [("llama", "clt", "features"), ("llama", "set", "rows"), ("gpt2", "clt", "rows"),
-           ("gpt2", "set", "features")]
+           ("gpt2", "set", "features"), ("llama", "topk", "features"),
+           ("llama", "joint", "features")]
 PAIRS = [(world, *case) for world, cases in ((2, CASES), (3, CASES_3)) for case in cases]
 #: A prompts file's entries for attribute_many (three prompts over two ranks).
 MANY = [{"prompt": PROMPT}, {"prompt": "Miles Davis plays the", "answer": " trumpet"},
@@ -93,7 +108,7 @@ def launched(tmp_path_factory, tokenizer):
     graphs."""
     tmp = tmp_path_factory.mktemp("distributed")
     folders: dict = {(arch, kind): _case_dir(tmp, tokenizer, arch, kind)
-               for arch, kind in {(a, k) for a, k, _ in CASES}}
+               for arch, kind in {(a, k) for a, k, _ in CASES + CASES_3}}
     launches = []
     for world, chosen in ((2, CASES), (3, CASES_3)):
         cases = [{"dir": str(folders[arch, kind]), "split": split, "prompt": PROMPT,

@@ -13,6 +13,7 @@ import torch
 import yaml
 from _support.models import PROMPT, make_tiny_model
 from safetensors.torch import save_file
+from transcoder_fixtures import bytedance_tensors, write_bytedance
 
 from pyvene_causaltrace.attribution import attribute, demeaned_logit, run_local_replacement
 from pyvene_causaltrace.attribution.edges import target_row
@@ -183,35 +184,6 @@ def test_gemmascope2_files_that_disagree_are_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------ ByteDance files
-def bytedance_tensors(n_layers=L, d_model=D, width=F, k=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    W_enc = [torch.randn(width, d_model, generator=g) / d_model**0.5 for _ in range(n_layers)]
-    # decoder scales differ by layer, so the joint ranking differs from a per-layer one
-    W_dec = [torch.randn(width, n_layers - layer, d_model, generator=g) * 0.1 * (layer + 1)
-             for layer in range(n_layers)]
-    return {"W_enc": W_enc, "W_dec": W_dec, "k": k}
-
-
-def write_bytedance(root: Path, t: dict) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    n_layers = len(t["W_enc"])
-    norms = torch.stack([w.flatten(1).norm(dim=1) for w in t["W_dec"]])
-    for layer in range(n_layers):
-        save_file({f"W_enc_{layer}": t["W_enc"][layer].contiguous()},
-                  str(root / f"W_enc_{layer}.safetensors"))
-        save_file({f"W_dec_{layer}": t["W_dec"][layer].contiguous(),
-                   f"W_dec_norm_{layer}": norms[layer].contiguous()},
-                  str(root / f"W_dec_{layer}.safetensors"))
-    save_file({"W_dec_norm": norms.contiguous()}, str(root / "W_dec_norm.safetensors"))
-    save_file({"resid_mid_l2": torch.ones(n_layers), "mlp_out_l2": torch.ones(n_layers)},
-              str(root / "factors.safetensors"))
-    (root / "config.json").write_text(json.dumps({
-        "base_model": "Qwen/Qwen3-8B-Base", "n_layers": n_layers,
-        "d_model": t["W_enc"][0].shape[1], "d_feature": t["W_enc"][0].shape[0],
-        "k": t["k"]}))
-    return root
-
-
 def joint_reference(t: dict, inputs: torch.Tensor, per_layer: bool = False):
     """Float64: ``a_l = relu(W_enc_l x_l)``, score ``a_l * ||W_dec_l[i]||``, keep the ``L * k``
     best over all layers at each position (``per_layer``: the ``k`` best of each layer, the rule

@@ -13,7 +13,14 @@ import pytest
 import torch
 from clt_fixtures import random_clt_tensors, write_clt
 from safetensors.torch import load_file, save_file
-from transcoder_fixtures import random_set, write_circuit_tracer, write_gemmascope, write_sparsify
+from transcoder_fixtures import (
+    bytedance_tensors,
+    random_set,
+    write_bytedance,
+    write_circuit_tracer,
+    write_gemmascope,
+    write_sparsify,
+)
 
 from pyvene_causaltrace.errors import InputError, TranscoderFormatError
 from pyvene_causaltrace.transcoders import Transcoder, feature_range, load_transcoder
@@ -280,33 +287,58 @@ def test_resident_bytes_of_a_shard_is_its_share(tmp_path):
 
 
 # ------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("activation", ["topk", "relu_topk", "joint_topk"])
-def test_shard_refuses_activations_that_rank_features(activation):
+def _ranked(activation: str) -> Transcoder:
     g = torch.Generator().manual_seed(0)
-    tc = Transcoder.from_tensors(
+    return Transcoder.from_tensors(
         "tiny", torch.randn(L, F, D, generator=g), torch.zeros(L, F), None, torch.zeros(L, D),
         [torch.randn(F, L - layer, D, generator=g) for layer in range(L)], activation=activation,
         k=4, score_weight=torch.ones(L, F) if activation == "joint_topk" else None)
-    with pytest.raises(InputError, match=f"a {activation} transcoder cannot be sharded by "
-                                         "feature: a top-k over features split across ranks "
-                                         "needs a global selection.*replicated transcoder"):
-        tc.shard(0, 2)
 
 
-def test_sharded_loads_refuse_topk_layouts_before_reading(tmp_path, monkeypatch):
+@pytest.mark.parametrize("activation", ["topk", "relu_topk", "joint_topk"])
+def test_a_topk_shard_outside_a_distributed_run_refuses_to_encode(activation):
+    """A top-k shard ranks its features against the other ranks' (a collective inside a
+    distributed run, tests/test_distributed.py): alone it cannot tell which are kept, so it
+    says so rather than keep its own k best. The whole encodes (the control)."""
+    whole = _ranked(activation)
+    inputs = _inputs(4)
+    assert (whole.encode_all(inputs) != 0).any()
+    part = whole.shard(1, 3)
+    lo, hi = part.features
+    assert torch.equal(part.W_enc, whole.W_enc[:, lo:hi])
+    alone = (f"one rank's shard of its features .*its {activation} ranks them against the "
+             "other ranks' features: alone it cannot tell which 4 are kept; encode it under "
+             "torchrun")
+    with pytest.raises(InputError, match=alone):
+        part.encode_all(inputs)
+    with pytest.raises(InputError, match=alone):
+        if activation == "joint_topk":
+            part.joint_selection(inputs)
+        else:
+            part.encode(inputs[0], 0)
+    if activation == "joint_topk":  # given the selection, a layer's features need no ranking
+        selection = whole.joint_selection(inputs)[..., lo:hi]
+        assert torch.equal(part.encode(inputs[2], 2, selection[2]),
+                           whole.encode_all(inputs, zero_bos=False)[2, :, lo:hi])
+
+
+def test_sharded_topk_layouts_load_their_slices(tmp_path):
+    """circuit-tracer TopK is read in slices; sparsify and ByteDance are loaded whole, then
+    sharded: each shard's tensors are the whole's slices."""
     topk = write_circuit_tracer(tmp_path / "topk", random_set(L, D, F, activation="topk", k=4))
     sparsify = write_sparsify(tmp_path / "sp", random_set(L, D, F, activation="relu_topk", k=4))
-
-    def no_read(*args, **kwargs):
-        raise AssertionError("a weight file was opened")
-
-    monkeypatch.setattr(common, "safe_open", no_read)
-    with pytest.raises(InputError, match="a topk transcoder cannot be sharded"):
-        load_transcoder(topk, shard=(0, 2))
-    with pytest.raises(InputError, match="a relu_topk transcoder cannot be sharded"):
-        load_transcoder(sparsify, shard=(0, 2))
-    with pytest.raises(AssertionError, match="opened"):  # control: unsharded, it reads
-        load_transcoder(topk)
+    joint = write_bytedance(tmp_path / "bd", bytedance_tensors(L, D, F, k=2))
+    for path, activation in ((topk, "topk"), (sparsify, "relu_topk"), (joint, "joint_topk")):
+        whole = load_transcoder(path)
+        part = load_transcoder(path, shard=(1, 2))
+        lo, hi = part.features
+        assert (part.cfg.activation, (lo, hi)) == (activation, feature_range(F, 1, 2))
+        assert torch.equal(part.W_enc, whole.W_enc[:, lo:hi])
+        assert torch.equal(part.b_enc, whole.b_enc[:, lo:hi])
+        assert all(torch.equal(a, b[lo:hi]) for a, b in zip(part.W_dec, whole.W_dec,
+                                                             strict=True))
+        if activation == "joint_topk":
+            assert torch.equal(part.score_weight, whole.score_weight[:, lo:hi])
 
 
 def test_a_shard_of_a_shard_and_saving_a_shard_are_refused(tmp_path):

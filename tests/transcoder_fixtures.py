@@ -176,3 +176,35 @@ def write_sparsify(root: Path, tensors: dict, *, dtype=torch.float32, legacy=Fal
         _save(out, where / "sae.safetensors", dtype)
     (root / "config.json").write_text(json.dumps({"model": "tiny"}))
     return root
+
+
+# ------------------------------------------------------------------------ ByteDance files
+def bytedance_tensors(n_layers=3, d_model=32, width=48, k=4, seed=0):
+    """A ByteDance joint TopK CLT's tensors: ``k`` per layer, ``n_layers * k`` kept jointly."""
+    g = torch.Generator().manual_seed(seed)
+    W_enc = [torch.randn(width, d_model, generator=g) / d_model**0.5 for _ in range(n_layers)]
+    # decoder scales differ by layer, so the joint ranking differs from a per-layer one
+    W_dec = [torch.randn(width, n_layers - layer, d_model, generator=g) * 0.1 * (layer + 1)
+             for layer in range(n_layers)]
+    return {"W_enc": W_enc, "W_dec": W_dec, "k": k}
+
+
+def write_bytedance(root: Path, t: dict) -> Path:
+    """``t`` in ByteDance's layout (per-layer W_enc/W_dec files, decoder norms, config.json)."""
+    root.mkdir(parents=True, exist_ok=True)
+    n_layers = len(t["W_enc"])
+    norms = torch.stack([w.flatten(1).norm(dim=1) for w in t["W_dec"]])
+    for layer in range(n_layers):
+        save_file({f"W_enc_{layer}": t["W_enc"][layer].contiguous()},
+                  str(root / f"W_enc_{layer}.safetensors"))
+        save_file({f"W_dec_{layer}": t["W_dec"][layer].contiguous(),
+                   f"W_dec_norm_{layer}": norms[layer].contiguous()},
+                  str(root / f"W_dec_{layer}.safetensors"))
+    save_file({"W_dec_norm": norms.contiguous()}, str(root / "W_dec_norm.safetensors"))
+    save_file({"resid_mid_l2": torch.ones(n_layers), "mlp_out_l2": torch.ones(n_layers)},
+              str(root / "factors.safetensors"))
+    (root / "config.json").write_text(json.dumps({
+        "base_model": "Qwen/Qwen3-8B-Base", "n_layers": n_layers,
+        "d_model": t["W_enc"][0].shape[1], "d_feature": t["W_enc"][0].shape[0],
+        "k": t["k"]}))
+    return root

@@ -446,7 +446,7 @@ def clean_errors(clt, model, input_ids: torch.Tensor, from_position: int = 1) ->
 def clean_selection(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
     """Bool ``[L, P, F]``: the features a ``joint_topk`` transcoder keeps on the clean run of
     ``input_ids [1, P]`` (its joint top-k over every layer's input at each position), for a
-    splice that holds them fixed."""
+    splice that holds them fixed (a shard's ``[L, P, n_local]``: a collective over the ranks)."""
     with torch.no_grad():
         inputs = transcoder_states(clt, model, input_ids[:1])["input"]
         return clt.joint_selection(inputs.to(clt.dtype))
@@ -485,7 +485,7 @@ def clt_splice_representations(
         if not clt.cfg.joint:
             raise InputError(f"selection= is for a joint_topk transcoder; this one is "
                              f"{clt.cfg.activation}, selected per layer")
-        want = (clt.n_layers, clt.cfg.d_transcoder)
+        want = (clt.n_layers, clt.n_local)  # a shard's part of the selection: its features
         if selection.dtype != torch.bool or (selection.shape[0], selection.shape[-1]) != want:
             raise InputError(f"selection must be bool [L, P, F] with L, F = {want}, got "
                              f"{selection.dtype} {tuple(selection.shape)}")

@@ -31,7 +31,13 @@ keeps features ``[lo, hi)`` of :func:`feature_range` of every layer — their ``
 ids ``0..n_local-1``; global id = local + ``feature_offset``), and its
 ``reconstruct(acts, partial=True)`` the decoder sum over its features only: the partial sums of
 all shards plus one ``b_dec`` and one skip path make the whole transcoder's reconstruction.
-``cfg`` stays the whole transcoder's (``d_transcoder`` counts every feature).
+``cfg`` stays the whole transcoder's (``d_transcoder`` counts every feature). A top-k
+(``topk``, ``relu_topk``, ``joint_topk``) ranks features held by other ranks, so a shard's
+``encode`` (and ``joint_selection``) is a collective inside a distributed run: each rank sends its
+``k`` best candidates per position (value, global id), every rank picks the same global ``k``
+best and keeps its own among them — the whole transcoder's selection. Ties at the ``k``-th value
+go to the lower global id (the whole transcoder's ``torch.topk`` leaves ties unspecified, so
+only there may the two differ). Outside a distributed run such a shard refuses to encode.
 
     tc = Transcoder.from_pretrained("path/or/hub-id")
     acts = tc.encode_all(inputs)              # [L, P, F], position 0 zeroed
@@ -48,14 +54,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import distributed
 from ..bound import BoundModel, bind
 from ..errors import InputError, TranscoderMismatchError
 from ..models import get_module, model_name
 from .config import TranscoderConfig
 
-#: Activations that rank a layer's features against each other: split over ranks, a top-k needs
-#: a global selection, so these are not sharded by feature.
+#: Activations that rank features against each other: on a shard, a collective picks the
+#: global top-k (module docstring).
 RANKED_ACTIVATIONS = ("topk", "relu_topk", "joint_topk")
+
+#: Why a top-k shard refuses to encode outside a distributed run.
+RANKED_SHARD_ALONE = ("this transcoder is one rank's shard of its features (Transcoder.shard, "
+                      "load_transcoder(..., shard=)) and its {activation} ranks them against the "
+                      "other ranks' features: alone it cannot tell which {k} are kept; encode it "
+                      "under torchrun with every rank holding its shard (attribute), or load "
+                      "the whole transcoder")
 
 #: The layout reader and writer behind :meth:`Transcoder.from_pretrained`,
 #: :meth:`~Transcoder.load_from_disk` and :meth:`~Transcoder.save_model`. :mod:`.formats` builds
@@ -89,15 +103,6 @@ def feature_range(d_transcoder: int, rank: int, world: int) -> tuple[int, int]:
     base, extra = divmod(d_transcoder, world)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (rank < extra)
-
-
-def check_shardable(activation: str) -> None:
-    """Refuse to split a transcoder whose activation ranks features against each other."""
-    if activation in RANKED_ACTIVATIONS:
-        raise InputError(
-            f"a {activation} transcoder cannot be sharded by feature: a top-k over features "
-            "split across ranks needs a global selection; split rows (positions) across ranks "
-            "with a replicated transcoder instead")
 
 
 def shard_features(d_transcoder: int, shard) -> tuple[int, int] | None:
@@ -136,7 +141,6 @@ class Transcoder(nn.Module):
     ) -> None:
         super().__init__()
         if features is not None:
-            check_shardable(cfg.activation)
             lo, hi = features
             if not 0 <= lo < hi <= cfg.d_transcoder:
                 raise InputError(f"features {features} is not a range [lo, hi) within the "
@@ -212,11 +216,11 @@ class Transcoder(nn.Module):
         """Features :func:`feature_range` ``(d_transcoder, rank, world)`` of every layer (module
         docstring). Resident feature tensors are copied (the whole may then be freed); a
         memory-mapped decoder stays a view of its file (nothing is read); a streamed encoder
-        then reads only the slice. ``b_dec`` and ``W_skip`` are shared with this transcoder."""
+        then reads only the slice. ``b_dec`` and ``W_skip`` are shared with this transcoder.
+        A top-k shard encodes only inside a distributed run (module docstring)."""
         if self.features is not None:
             raise InputError(f"this transcoder is already a shard (features {self.features}); "
                              "shard the whole transcoder")
-        check_shardable(self.cfg.activation)
         lo, hi = feature_range(self.cfg.d_transcoder, rank, world)
         mapped = bool(self._handles)
         part = Transcoder(
@@ -285,7 +289,8 @@ class Transcoder(nn.Module):
 
         A ``joint_topk`` transcoder needs ``selection`` (bool ``[..., F]``, this layer's part of
         :meth:`joint_selection`): which features the joint top-k kept cannot be known from one
-        layer's input."""
+        layer's input (a shard's selection is its ``n_local`` columns). A ``topk``/``relu_topk``
+        shard's encode is a collective over the ranks (module docstring)."""
         z = self.preactivation(x, layer)
         if self.cfg.joint:
             if selection is None:
@@ -295,21 +300,61 @@ class Transcoder(nn.Module):
                     "input alone: use encode_all, or pass selection= (joint_selection of every "
                     "layer's input, e.g. the clean run's)")
             return torch.relu(z) * selection.to(z.device)
+        if self.features is not None and self.cfg.activation in RANKED_ACTIVATIONS:
+            source = torch.relu(z) if self.cfg.activation == "relu_topk" else z
+            ids = torch.arange(self.n_local, device=z.device) + self.feature_offset
+            keep = self._global_topk(source.reshape(-1, self.n_local), ids,
+                                     f"layer {layer}'s top-k over ranks")
+            return torch.where(keep.reshape(source.shape), source, torch.zeros_like(source))
         return activate(z, self.cfg.activation, self.threshold[layer], self.cfg.k)
 
     def joint_selection(self, inputs: torch.Tensor) -> torch.Tensor:
         """Bool ``[L, ..., F]``: the features the joint top-k keeps given every layer's input
         ``inputs [L, ..., D]`` — at each position, the ``k`` largest ``relu(z) *
         score_weight`` over all layers' features together (features with ``relu(z) = 0`` are
-        never kept)."""
+        never kept). A shard returns its part ``[L, ..., n_local]`` of the whole selection (a
+        collective over the ranks, module docstring)."""
         if not self.cfg.joint:
             raise InputError(f"a {self.cfg.activation} transcoder selects per layer")
         scores = torch.stack([torch.relu(self.preactivation(inputs[layer], layer))
                               * self.score_weight[layer] for layer in range(self.n_layers)])
         flat = scores.movedim(0, -2).flatten(-2)  # [..., L * F]
-        index = flat.topk(min(self.cfg.k, flat.shape[-1]), dim=-1).indices
-        keep = torch.zeros_like(flat, dtype=torch.bool).scatter(-1, index, True) & (flat > 0)
+        if self.features is None:
+            index = flat.topk(min(self.cfg.k, flat.shape[-1]), dim=-1).indices
+            keep = torch.zeros_like(flat, dtype=torch.bool).scatter(-1, index, True)
+        else:  # (layer, feature) -> layer * F + global feature: increasing in local order
+            ids = (torch.arange(self.n_layers, device=flat.device)[:, None] * self.cfg.d_transcoder
+                   + torch.arange(self.n_local, device=flat.device) + self.feature_offset)
+            keep = self._global_topk(flat.reshape(-1, flat.shape[-1]), ids.flatten(),
+                                     "the joint top-k over ranks").reshape(flat.shape)
+        keep = keep & (flat > 0)
         return keep.unflatten(-1, (self.n_layers, -1)).movedim(-2, 0)
+
+    def _global_topk(self, source: torch.Tensor, ids: torch.Tensor, what: str) -> torch.Tensor:
+        """Bool ``[N, M]``: which of this shard's ``M`` columns of ``source [N, M]`` (global ids
+        ``ids [M]``, increasing) are among the ``k`` largest of every rank's columns, row by
+        row. Each rank sends its own ``k`` best (value, id), every rank picks the same ``k``
+        best of them all; ties go to the lower global id, here and in the local candidates."""
+        ranks = distributed.current()
+        if ranks is None:
+            raise InputError(RANKED_SHARD_ALONE.format(activation=self.cfg.activation,
+                                                       k=self.cfg.k))
+        n_rows, width = source.shape
+        best = source.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
+        mine = min(self.cfg.k, width)
+        candidates = torch.stack([best.values[:, :mine].double(),
+                                  ids[best.indices[:, :mine]].double()], -1)  # [N, k, 2]
+        # float64 holds every value of the compute dtypes and ids below 2**53 exactly
+        gathered = torch.cat(ranks.all_gather(candidates.transpose(0, 1), what))  # [R*k, N, 2]
+        values, global_ids = gathered.transpose(0, 1).unbind(-1)  # [N, R*k]
+        by_id = global_ids.argsort(dim=-1)
+        values, global_ids = values.gather(-1, by_id), global_ids.gather(-1, by_id)
+        top = values.sort(dim=-1, descending=True, stable=True).indices[:, :self.cfg.k]
+        chosen = global_ids.gather(-1, top).long()  # [N, k] global ids, every rank the same
+        column = torch.searchsorted(ids, chosen).clamp(max=width - 1)
+        column = torch.where(ids[column] == chosen, column, width)  # others' -> a spare column
+        keep = torch.zeros(n_rows, width + 1, dtype=torch.bool, device=source.device)
+        return keep.scatter_(-1, column, True)[:, :width]
 
     def encode_all(self, inputs: torch.Tensor, zero_bos: bool = True) -> torch.Tensor:
         """``[L, P, D]`` -> ``[L, P, F]`` (a shard's ``n_local``); position 0 zeroed unless

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import CROSS_LAYER, TranscoderConfig
-from ..transcoder import Transcoder, check_shardable
+from ..transcoder import Transcoder
 from .common import (
     DTYPE_NAMES,
     TranscoderFormatError,
@@ -34,6 +34,7 @@ from .common import (
     read_json_object,
     read_tensors,
     shapes_of,
+    shard_loaded,
 )
 
 CONFIG = "config.json"
@@ -65,10 +66,9 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
          scan: str | None = None, shard: tuple[int, int] | None = None,
          **_ignored) -> Transcoder:
     """The CLT from its directory; every file checked before anything is returned, decoders
-    memory-mapped with ``lazy_decoder``. ``shard`` is refused: the joint top-k ranks every
-    feature against the others."""
-    if shard is not None:
-        check_shardable("joint_topk")
+    memory-mapped with ``lazy_decoder``. ``shard=(rank, world)``: loaded whole, then
+    :meth:`~..transcoder.Transcoder.shard`-ed (peak memory is the whole encoder; its joint
+    top-k is then a collective over the ranks)."""
     check_dtype(dtype)
     root = Path(source).expanduser()
     meta = _config(root / CONFIG)
@@ -139,4 +139,4 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
                      source=str(root))
     if lazy_decoder:
         clt._handles = handles
-    return clt
+    return shard_loaded(clt, shard)

@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 
 from ...errors import InputError
 from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
-from ..transcoder import Transcoder, check_shardable, shard_features
+from ..transcoder import Transcoder, shard_features
 from . import gemmascope2, mntss
 from .common import (
     LayerTensors,
@@ -295,8 +295,6 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     if scan is None and hub is not None:
         scan = hub[0] + (f"//{hub[2].rstrip('/')}" if hub[2] else "") \
             + (f"@{hub[1]}" if hub[1] else "")
-    if shard is not None and meta.get("activation") is not None:
-        check_shardable(str(meta["activation"]))  # before reading any weights
     if meta["model_kind"] == CROSS_LAYER and meta.get("transcoders") is not None:
         # GemmaScope-2's CLT: its params_layer_{l} files listed in layer order
         return shard_loaded(gemmascope2.load_clt(

@@ -19,8 +19,15 @@ from pathlib import Path
 
 import torch
 
-from ..transcoder import Transcoder, check_shardable
-from .common import LayerTensors, TranscoderFormatError, assemble_set, mmap_tensor, read_tensors
+from ..transcoder import Transcoder
+from .common import (
+    LayerTensors,
+    TranscoderFormatError,
+    assemble_set,
+    mmap_tensor,
+    read_tensors,
+    shard_loaded,
+)
 
 HOOKPOINT = re.compile(r"^(?:.*\.)?(?:layers|h)\.(\d+)\.mlp$")
 KEYS = {"encoder.weight", "encoder.bias", "W_dec", "b_dec"}
@@ -75,9 +82,8 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
          model_name: str = "", scan: str | None = None,
          shard: tuple[int, int] | None = None, **_ignored) -> Transcoder:
     """A per-layer TopK set from a sparsify run directory (one subdirectory per layer's MLP).
-    ``shard`` is refused: the top-k ranks a layer's features against each other."""
-    if shard is not None:
-        check_shardable("relu_topk")
+    ``shard=(rank, world)``: loaded whole, then :meth:`~..transcoder.Transcoder.shard`-ed (peak
+    memory is the whole encoder; its top-k is then a collective over the ranks)."""
     root = Path(source).expanduser()
     found = _hookpoints(root)
     if not found:
@@ -96,7 +102,7 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
     run_config = root / "config.json"
     if not model_name and run_config.exists():
         model_name = str(json.loads(run_config.read_text()).get("model", ""))
-    return assemble_set(layers, model_name=model_name, activation="relu_topk", k=ks.pop(),
-                        feature_input_hook="mlp.hook_in", feature_output_hook="mlp.hook_out",
-                        scan=scan, source=str(root), dtype=dtype, device=device,
-                        lazy_decoder=lazy_decoder)
+    return shard_loaded(assemble_set(
+        layers, model_name=model_name, activation="relu_topk", k=ks.pop(),
+        feature_input_hook="mlp.hook_in", feature_output_hook="mlp.hook_out", scan=scan,
+        source=str(root), dtype=dtype, device=device, lazy_decoder=lazy_decoder), shard)
