@@ -68,7 +68,10 @@ class ArchAdapter:
     ``"rms"`` (``w * x / rms``), ``"rms_offset"`` (``(1 + w) * x / rms``, Gemma).
     ``position_embed`` is a learned position embedding added to the token embedding (GPT-2);
     ``post_attn_norm``/``post_mlp_norm`` are norms applied to a sublayer's output before the
-    residual add (Gemma): attribution freezes them as well.
+    residual add (Gemma): attribution freezes them as well. ``attn_out`` is the attention
+    module's output projection (its input holds one slice of ``head_dim`` per head, head-major:
+    :mod:`~.attribution.heads`); ``qk_norms`` the per-head norms of queries and keys inside the
+    attention module, where the model has them (Qwen3, Gemma-3).
     """
 
     model_type: str
@@ -87,6 +90,8 @@ class ArchAdapter:
     position_embed: str | None = None
     post_attn_norm: str | None = None
     post_mlp_norm: str | None = None
+    attn_out: str = "o_proj"
+    qk_norms: tuple[str, str] | None = None
 
     def module_path(self, part: str, layer: int | None = None) -> str:
         """Module path of ``part`` (a field name of this adapter, or ``block``), per layer for
@@ -101,6 +106,12 @@ class ArchAdapter:
             raise InputError(f"part {part!r} needs a layer")
         if part == "block":
             return f"{self.blocks}[{layer}]"
+        if part == "attn_out":
+            return f"{self.blocks}[{layer}].{self.attn}.{self.attn_out}"
+        if part in ("q_norm", "k_norm"):
+            if self.qk_norms is None:
+                raise InputError(f"{self.model_type} has no {part}")
+            return f"{self.blocks}[{layer}].{self.attn}.{self.qk_norms[part == 'k_norm']}"
         if part in ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm", "post_attn_norm",
                     "post_mlp_norm"):
             if getattr(self, part) is None:
@@ -135,7 +146,8 @@ class ArchAdapter:
 
 def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
                 norm_kind: str = "rms", post_attn_norm: str | None = None,
-                post_mlp_norm: str | None = None) -> ArchAdapter:
+                post_mlp_norm: str | None = None,
+                qk_norms: tuple[str, str] | None = None) -> ArchAdapter:
     return ArchAdapter(
         model_type=model_type,
         embed="model.embed_tokens",
@@ -149,6 +161,7 @@ def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
         norm_kind=norm_kind,
         post_attn_norm=post_attn_norm,
         post_mlp_norm=post_mlp_norm,
+        qk_norms=qk_norms,
     )
 
 
@@ -170,17 +183,18 @@ ADAPTERS: dict[str, ArchAdapter] = {
         hidden_key="n_embd",
         positions_key="n_positions",
         position_embed="transformer.wpe",
+        attn_out="c_proj",
     ),
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
     "qwen2": _llama_like("qwen2"),
-    "qwen3": _llama_like("qwen3"),
+    "qwen3": _llama_like("qwen3", qk_norms=("q_norm", "k_norm")),
     # Gemma applies post_attention_layernorm to the attention output; the MLP reads
     # pre_feedforward_layernorm, and the MLP output is normed again before the residual add.
     "gemma2": _llama_like("gemma2", "pre_feedforward_layernorm", "rms_offset",
                           *_GEMMA_POST_NORMS),
     "gemma3_text": _llama_like("gemma3_text", "pre_feedforward_layernorm", "rms_offset",
-                               *_GEMMA_POST_NORMS),
+                               *_GEMMA_POST_NORMS, qk_norms=("q_norm", "k_norm")),
 }
 
 

@@ -33,7 +33,7 @@ steering nodes (:func:`~pyvene_causaltrace.pyvene_compat.collect_steering`).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +51,7 @@ from ..interventions.clt_splice import (
     clean_selection,
     clt_splice_representations,
 )
-from ..interventions.frozen import FrozenAttention, FrozenLayerNorm
+from ..interventions.frozen import FrozenAttention, FrozenLayerNorm, frozen_qk_norms
 from ..interventions.leaf import GradientLeaf
 from ..models import get_module
 from ..pyvene_compat import SteeringLeaf, collect_steering
@@ -245,10 +245,13 @@ def run_local_replacement(
 def replacement_forward(
     bound: BoundModel, transcoder: Transcoder, input_ids: torch.Tensor, *,
     freeze: bool = GRAPH_FREEZE, from_position: int = 1, states: Sequence[str] = (),
+    qk_norms: bool = False,
 ) -> ReplacementRun:
     """:func:`run_local_replacement` of a ``transcoder`` already checked to fit the bound
     model; ``states`` names residual-stream states to keep live
-    (:func:`capturing_states`)."""
+    (:func:`capturing_states`); ``qk_norms`` freezes the per-head query and key norms as well
+    (:func:`~..interventions.frozen.frozen_qk_norms`), which makes the live queries and keys
+    linear in the leaves (:mod:`.heads`; edges never see them: queries and keys are detached)."""
     model, adapter = bound.model, bound.adapter
     n_layers = transcoder.n_layers
     embed_leaves = [GradientLeaf()]
@@ -279,6 +282,7 @@ def replacement_forward(
                 _no_grad_inside(replaced), pre_softcap_logits(model) as cap, \
                 collect_steering() as steering, \
                 capturing_states(bound, states) as captured, \
+                (frozen_qk_norms(bound) if qk_norms else nullcontext()), \
                 intervened(bound, reps, keep_model_gradients=True):
             out = model(input_ids=input_ids, use_cache=False)
     finally:

@@ -150,23 +150,14 @@ class FrozenLayerNorm(CausalTraceIntervention):
                 f"frozen_layernorm needs the norm's whole output {tuple(x.shape)}, got "
                 f"{tuple(base.shape)}: give it unit_locations=None"
             )
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        dx = xf - xf.detach()  # zero in value; carries the gradient to x
-        frozen = xf.detach()
         kind = self._kind(module, x, base)
-        weight = module.weight.to(xf.dtype)
-        if kind == "layer":
-            dx = dx - dx.mean(-1, keepdim=True)
-        elif kind == "rms_offset":
-            weight = 1.0 + weight
-        scale = _statistic(frozen, kind, _eps(module))
         if self.scale is not None:
-            return self._held(xf, base, scale, kind, weight, getattr(module, "bias", None))
-        linear = weight.detach() * dx / scale
-        bias = getattr(module, "bias", None)
-        if isinstance(bias, torch.Tensor):
-            linear = linear + (bias - bias.detach())  # zero in value; a constant node's gradient
-        return base.detach() + linear.to(base.dtype)
+            xf = x.to(torch.promote_types(x.dtype, torch.float32))
+            weight = module.weight.to(xf.dtype)
+            weight = 1.0 + weight if kind == "rms_offset" else weight
+            return self._held(xf, base, _statistic(xf.detach(), kind, _eps(module)), kind,
+                              weight, getattr(module, "bias", None))
+        return frozen_norm(module, x, base, kind)
 
     def _held(self, xf: torch.Tensor, base: torch.Tensor, live: torch.Tensor, kind: str,
               weight: torch.Tensor, bias) -> torch.Tensor:
@@ -182,6 +173,44 @@ class FrozenLayerNorm(CausalTraceIntervention):
         if isinstance(bias, torch.Tensor):
             out = out + bias.to(out.dtype)
         return out.to(base.dtype)
+
+
+def frozen_norm(module: torch.nn.Module, x: torch.Tensor, base: torch.Tensor,
+                kind: str) -> torch.Tensor:
+    """The norm ``module``'s output ``base`` on input ``x`` with the frozen-scale gradient
+    (module docstring), over the last axis of any shape."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    dx = xf - xf.detach()  # zero in value; carries the gradient to x
+    weight = module.weight.to(xf.dtype)
+    if kind == "layer":
+        dx = dx - dx.mean(-1, keepdim=True)
+    elif kind == "rms_offset":
+        weight = 1.0 + weight
+    linear = weight.detach() * dx / _statistic(xf.detach(), kind, _eps(module))
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        linear = linear + (bias - bias.detach())  # zero in value; a constant node's gradient
+    return base.detach() + linear.to(base.dtype)
+
+
+@contextmanager
+def frozen_qk_norms(bound: BoundModel) -> Iterator[None]:
+    """Inside the block, every layer's per-head query and key norms (Qwen3, Gemma-3: the
+    adapter's ``qk_norms``; nothing elsewhere) have the frozen-scale gradient of
+    :func:`frozen_norm`, their statistic taken per head. Their inputs are ``[B, P, heads,
+    head_dim]``, which pyvene's whole-state types refuse, so this is a hook of our runner, not
+    a ``frozen_layernorm``."""
+    adapter = bound.adapter
+    if adapter.qk_norms is None:
+        yield
+        return
+
+    def freeze(module, args, output):
+        return frozen_norm(module, args[0], output, adapter.norm_kind)
+
+    with installed([(bound.module(part, layer), "forward", freeze)
+                    for layer in range(bound.n_layers) for part in ("q_norm", "k_norm")]):
+        yield
 
 
 def _statistic(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
@@ -215,12 +244,30 @@ FROZEN_QK = "pvct_frozen_qk"
 HELD_PATTERN = "pvct_held_pattern"
 _inner_attention: ContextVar[Callable] = ContextVar("pvct_inner_attention")
 _held_pattern: ContextVar[torch.Tensor] = ContextVar("pvct_held_pattern")
+_qk_watcher: ContextVar[Callable | None] = ContextVar("pvct_qk_watcher", default=None)
 
 
 def _frozen_qk_attention(module, query, key, value, attention_mask, **kwargs):
-    """The model's own attention function with queries and keys detached."""
+    """The model's own attention function with queries and keys detached (shown live, before
+    the detach, to a :func:`watching_qk` callback)."""
+    watcher = _qk_watcher.get()
+    if watcher is not None:
+        watcher(module, query, key, kwargs)
     return _inner_attention.get()(module, query.detach(), key.detach(), value, attention_mask,
                                   **kwargs)
+
+
+@contextmanager
+def watching_qk(callback: Callable) -> Iterator[None]:
+    """Inside the block, every frozen attention calls ``callback(module, query, key, kwargs)``
+    with its live queries ``[B, heads, P, d]`` and keys ``[B, kv_heads, P, d]`` (after every
+    transform: projections, q/k norms, rotary) and the attention function's keyword arguments
+    (``scaling``, ``softcap``, ...), before it detaches them."""
+    token = _qk_watcher.set(callback)
+    try:
+        yield
+    finally:
+        _qk_watcher.reset(token)
 
 
 def _held_pattern_attention(module, query, key, value, attention_mask, **kwargs):
