@@ -12,14 +12,18 @@ once) -> :mod:`.replacement` (one forward of the local replacement model) ->
 :mod:`.store` (sparse rows) -> :mod:`.graph` (the result object; :mod:`.checkpoint` for
 interrupted runs) -> :mod:`.reading` (influence, pruning, scores), :mod:`.export`,
 :mod:`.plots`;
-:mod:`.validate` ablates the graph's top features in the real (spliced) model.
+:mod:`.validate` ablates the graph's top features in the real (spliced) model;
+:mod:`.heads` splits edges by attention head and a head's score into QK terms on the graph's
+replayed run, :mod:`.attention` puts both into the export.
 """
 
+from .attention import AttentionAnnotations, attention_annotations
 from .attribute import attribute, make_target
 from .budget import MemoryCapError
 from .checkpoint import remove_checkpoint
 from .edges import CLOSURE_TOLERANCE, Closure, ClosureError
 from .graph import AttributionGraph, GraphFileError
+from .heads import HeadLoadings, QKAttribution, head_loadings, qk_attribution
 from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
 from .replacement_model import PreparedPrompt, ReplacementModel
 from .settings import AttributionSettings
@@ -27,21 +31,27 @@ from .targets import Target, demeaned_logit, logit_difference
 
 __all__ = [
     "CLOSURE_TOLERANCE",
+    "AttentionAnnotations",
     "AttributionGraph",
     "AttributionSettings",
     "Closure",
     "ClosureError",
     "GraphFileError",
+    "HeadLoadings",
     "MemoryCapError",
     "PreparedPrompt",
+    "QKAttribution",
     "ReplacementModel",
     "ReplacementRun",
     "Target",
     "pre_softcap_logits",
+    "attention_annotations",
     "attribute",
     "demeaned_logit",
+    "head_loadings",
     "logit_difference",
     "make_target",
+    "qk_attribution",
     "remove_checkpoint",
     "run_local_replacement",
 ]

@@ -110,12 +110,15 @@ def check_max_links(max_links: object) -> None:
 
 def graph_json(graph, slug: str | None = None, node_threshold: float = NODE_THRESHOLD,
                edge_threshold: float = EDGE_THRESHOLD, max_links: int | None = MAX_LINKS,
-               labels: Mapping[tuple[int, int], str] | None = None) -> dict[str, Any]:
+               labels: Mapping[tuple[int, int], str] | None = None,
+               attention=None) -> dict[str, Any]:
     """The viewer's JSON for ``graph`` pruned at the two thresholds; when the pruned graph has
     more than ``max_links`` edges, the ``max_links`` of largest edge score are written (and
     the metadata says so). ``labels`` (``{(layer, feature): text}``, see :func:`read_labels`)
     become the features' ``clerp``; ``metadata.scan`` is the transcoder's Neuronpedia scan when
-    it has one (so the viewer links features to their pages), else the model's name."""
+    it has one (so the viewer links features to their pages), else the model's name.
+    ``attention`` (:func:`~.attention.attention_annotations`) adds the heads of the links
+    that cross positions and their QK terms."""
     check_max_links(max_links)
     pruned = graph.prune(node_threshold, edge_threshold)
     edge_target, edge_source, edge_weight = pruned.edge_target, pruned.edge_source, \
@@ -195,7 +198,8 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = NODE_THRE
     }
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",
                 "sg_pos": ""}
-    return {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
+    payload = {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
+    return payload if attention is None else attention.annotate(payload, graph)
 
 
 def write_json(payload: dict, path: str | Path) -> None:

@@ -35,7 +35,7 @@ before its cap.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -153,6 +153,43 @@ def _layers(layers: int | Sequence[int] | None, n_layers: int) -> list[int]:
         raise InputError(f"layers {bad or chosen} are not attention layers of the model "
                          f"(0..{n_layers - 1})")
     return [int(layer) for layer in dict.fromkeys(chosen)]
+
+
+@dataclass
+class _Replay:
+    """The graph's run replayed once, with what the decompositions read from it: the live
+    input of each chosen layer's output projection (``heads``) and, with ``qk``, every layer's
+    live queries, keys and attention keyword arguments (``qk``)."""
+
+    bound: BoundModel
+    graph: AttributionGraph
+    run: ReplacementRun
+    heads: dict[int, torch.Tensor]
+    qk: dict[int, tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+def _replay(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
+            layers: Sequence[int], *, qk: bool = False) -> _Replay:
+    """One forward of ``graph``'s local replacement model (:func:`_graph_run`) keeping the head
+    outputs of ``layers`` and, with ``qk``, every layer's queries and keys (q/k norms
+    frozen)."""
+    check_fits(transcoder, bound)
+    bound.check_weights()
+    attentions = {id(bound.module("attn", layer)): layer for layer in range(bound.n_layers)}
+    seen: dict[int, tuple] = {}
+
+    def watch(module, query, key, kwargs):
+        layer = attentions.get(id(module))
+        if layer is not None and query.requires_grad:
+            seen[layer] = (query, key, kwargs)
+
+    with _head_outputs(bound, layers) as outputs, \
+            (watching_qk(watch) if qk else nullcontext()):
+        run = _graph_run(bound, transcoder, graph, qk_norms=qk)
+    if qk and len(seen) != bound.n_layers:
+        raise InputError(f"the attention of layers {sorted(set(range(bound.n_layers)) - set(seen))}"
+                         " did not run through the frozen attention function")
+    return _Replay(bound, graph, run, dict(outputs), seen)
 
 
 @contextmanager
@@ -300,6 +337,33 @@ def _split_layer(run: ReplacementRun, z: torch.Tensor, g: torch.Tensor, n_heads:
     return edges_from_grads(run, leaf_grads(run, z, seeds), batch=n_heads)
 
 
+def _loadings(replay: _Replay, node: int, layers: Sequence[int]
+              ) -> tuple[torch.Tensor, float, torch.Tensor, torch.Tensor]:
+    """Node ``node``'s row ``[n_sources]``, its constant, and the parts ``[len(layers),
+    n_heads, n_sources]`` and constant parts ``[len(layers), n_heads]`` of each head (module
+    docstring); the row checked against the graph's."""
+    run, graph = replay.run, replay.graph
+    if not 0 <= node < graph.layout.n_nodes:
+        raise InputError(f"target {node} is not a node of the graph "
+                         f"(0..{graph.layout.n_nodes - 1})")
+    output, seed = _row_output(run, graph, node)
+    rows, constants = edges_from_grads(run, leaf_grads(run, output, seed[None]), batch=1)
+    edges, constant = rows[0].detach().cpu(), float(constants[0])
+    _check_row(graph, node, edges)
+    zs = [replay.heads[layer] for layer in layers]
+    grads = torch.autograd.grad(output, zs, seed, retain_graph=True, allow_unused=True)
+    n_heads = replay.bound.n_heads
+    parts = torch.zeros(len(layers), n_heads, len(edges), dtype=edges.dtype)
+    constant_parts = torch.zeros(len(layers), n_heads, dtype=torch.float64)
+    for i, (z, g) in enumerate(zip(zs, grads, strict=True)):
+        if g is None or not bool(g.ne(0).any()):
+            continue  # the target reads nothing after this layer's attention
+        head_rows, head_constants = _split_layer(run, z, g, n_heads)
+        parts[i] = head_rows.detach().cpu().to(parts.dtype)
+        constant_parts[i] = head_constants.detach().double().cpu()
+    return edges, constant, parts, constant_parts
+
+
 @measured
 def head_loadings(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
                   target: int | None = None, *,
@@ -308,38 +372,16 @@ def head_loadings(model: BoundModel, transcoder: Transcoder, graph: AttributionG
     default the first logit node) by the heads of ``layers`` (default every layer), plus a
     bypass per layer (module docstring). ``model`` and ``transcoder`` are the graph's: its
     run is replayed, and refused if its features or the target's row differ from the graph's.
-    """
-    bound = model
-    check_fits(transcoder, bound)
-    bound.check_weights()
-    chosen = _layers(layers, bound.n_layers)
+    One forward, one backward, then one batched backward (one row per head) per layer."""
+    chosen = _layers(layers, model.n_layers)
     node = graph.logit_node if target is None else int(target)
-    if not 0 <= node < graph.layout.n_nodes:
-        raise InputError(f"target {node} is not a node of the graph "
-                         f"(0..{graph.layout.n_nodes - 1})")
-    with _head_outputs(bound, chosen) as outputs:
-        run = _graph_run(bound, transcoder, graph)
-    output, seed = _row_output(run, graph, node)
-    rows, constants = edges_from_grads(run, leaf_grads(run, output, seed[None]), batch=1)
-    edges, constant = rows[0].detach().cpu(), float(constants[0])
-    _check_row(graph, node, edges)
-    zs = [outputs[layer] for layer in chosen]
-    grads = torch.autograd.grad(output, zs, seed, retain_graph=True, allow_unused=True)
-    n_heads, n_sources = bound.n_heads, len(edges)
-    parts = torch.zeros(len(chosen), n_heads, n_sources, dtype=edges.dtype)
-    constant_parts = torch.zeros(len(chosen), n_heads, dtype=torch.float64)
-    for i, (z, g) in enumerate(zip(zs, grads, strict=True)):
-        if g is None or not bool(g.ne(0).any()):
-            continue  # the target reads nothing after this layer's attention
-        head_rows, head_constants = _split_layer(run, z, g, n_heads)
-        parts[i] = head_rows.detach().cpu().to(parts.dtype)
-        constant_parts[i] = head_constants.detach().double().cpu()
-    bypass = edges[None] - parts.sum(1)
+    replay = _replay(model, transcoder, graph, chosen)
+    edges, constant, parts, constant_parts = _loadings(replay, node, chosen)
     return HeadLoadings(
         target=node, target_label=graph.label(node), layers=chosen, edges=edges, parts=parts,
-        bypass=bypass, constant=constant, constant_parts=constant_parts,
+        bypass=edges[None] - parts.sum(1), constant=constant, constant_parts=constant_parts,
         constant_bypass=constant - constant_parts.sum(1),
-        labels=[graph.label(i) for i in range(n_sources)])
+        labels=[graph.label(i) for i in range(len(edges))])
 
 
 # ------------------------------------------------------------------------ QK attribution
@@ -476,6 +518,41 @@ def _side_parts(run: ReplacementRun, vector_of: torch.Tensor, index: tuple, what
     return parts, value
 
 
+def _positions(graph: AttributionGraph, query_pos: int, key_pos: int) -> tuple[int, int]:
+    """Both positions checked and made non-negative."""
+    n_pos, positions = graph.n_pos, []
+    for name, pos in (("query_pos", query_pos), ("key_pos", key_pos)):
+        if not -n_pos <= pos < n_pos:
+            raise InputError(f"{name} {pos} is outside the prompt's {n_pos} tokens")
+        positions.append(pos % n_pos)
+    if positions[1] > positions[0]:
+        raise InputError(f"key_pos {positions[1]} is after query_pos {positions[0]}: a causal "
+                         "head never attends there")
+    return positions[0], positions[1]
+
+
+def _qk(replay: _Replay, layer: int, head: int, query_pos: int, key_pos: int) -> QKAttribution:
+    """:func:`qk_attribution` on a replay that kept the queries and keys."""
+    bound, graph, run = replay.bound, replay.graph, replay.run
+    if not 0 <= head < bound.n_heads:
+        raise InputError(f"head {head} is not a head of the model (0..{bound.n_heads - 1})")
+    query_pos, key_pos = _positions(graph, query_pos, key_pos)
+    query, key, kwargs = replay.qk[layer]
+    kv_head = head // (query.shape[1] // key.shape[1])  # grouped-query: the shared key head
+    query_parts, query_vec = _side_parts(run, query, (0, head, query_pos), "query")
+    key_parts, key_vec = _side_parts(run, key, (0, kv_head, key_pos), "key")
+    scaling = _scaling(bound.module("attn", layer), kwargs, query.shape[-1])
+    nodes = torch.arange(len(query_parts))
+    nodes[-1] = -1
+    keep_q, keep_k = query_parts.ne(0).any(1), key_parts.ne(0).any(1)
+    return QKAttribution(
+        layer=layer, head=head, query_pos=query_pos, key_pos=key_pos,
+        score=scaling * float(query_vec @ key_vec), scaling=scaling,
+        softcap=kwargs.get("softcap"), query_nodes=nodes[keep_q], key_nodes=nodes[keep_k],
+        query_parts=query_parts[keep_q], key_parts=key_parts[keep_k],
+        labels=[graph.label(i) for i in range(len(query_parts) - 1)])
+
+
 @measured
 def qk_attribution(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
                    layer: int, head: int, query_pos: int, key_pos: int) -> QKAttribution:
@@ -483,49 +560,12 @@ def qk_attribution(model: BoundModel, transcoder: Transcoder, graph: Attribution
     negative counts from the end) on ``graph``'s prompt into bilinear node-pair terms (module
     docstring). ``model`` and ``transcoder`` are the graph's (replayed and checked as in
     :func:`head_loadings`)."""
-    bound = model
-    check_fits(transcoder, bound)
-    bound.check_weights()
-    (layer,) = _layers(layer, bound.n_layers)
-    if not 0 <= head < bound.n_heads:
-        raise InputError(f"head {head} is not a head of the model (0..{bound.n_heads - 1})")
-    n_pos = graph.n_pos
-    positions = []
-    for name, pos in (("query_pos", query_pos), ("key_pos", key_pos)):
-        if not -n_pos <= pos < n_pos:
-            raise InputError(f"{name} {pos} is outside the prompt's {n_pos} tokens")
-        positions.append(pos % n_pos)
-    query_pos, key_pos = positions
-    if key_pos > query_pos:
-        raise InputError(f"key_pos {key_pos} is after query_pos {query_pos}: a causal head "
-                         "never attends there")
-    attention = bound.module("attn", layer)
-    seen: dict[str, Any] = {}
-
-    def watch(module, query, key, kwargs):
-        if module is attention and query.requires_grad:
-            seen.update(query=query, key=key, kwargs=kwargs)
-
-    with watching_qk(watch):
-        run = _graph_run(bound, transcoder, graph, qk_norms=True)
-    if "query" not in seen:
-        raise InputError(f"layer {layer}'s attention did not run through the frozen attention "
-                         "function")
-    query, key, kwargs = seen["query"], seen["key"], seen["kwargs"]
-    kv_head = head // (query.shape[1] // key.shape[1])  # grouped-query: the shared key head
-    query_parts, query_vec = _side_parts(run, query, (0, head, query_pos), "query")
-    key_parts, key_vec = _side_parts(run, key, (0, kv_head, key_pos), "key")
-    scaling = _scaling(attention, kwargs, query.shape[-1])
-    nodes = torch.arange(len(query_parts))
-    nodes[-1] = -1
-    keep_q = query_parts.ne(0).any(1)
-    keep_k = key_parts.ne(0).any(1)
-    return QKAttribution(
-        layer=layer, head=head, query_pos=query_pos, key_pos=key_pos,
-        score=scaling * float(query_vec @ key_vec), scaling=scaling,
-        softcap=kwargs.get("softcap"), query_nodes=nodes[keep_q], key_nodes=nodes[keep_k],
-        query_parts=query_parts[keep_q], key_parts=key_parts[keep_k],
-        labels=[graph.label(i) for i in range(len(query_parts) - 1)])
+    (layer,) = _layers(layer, model.n_layers)
+    if not 0 <= head < model.n_heads:
+        raise InputError(f"head {head} is not a head of the model (0..{model.n_heads - 1})")
+    _positions(graph, query_pos, key_pos)  # refused before the forward
+    return _qk(_replay(model, transcoder, graph, [layer], qk=True), layer, head, query_pos,
+               key_pos)
 
 
 def _scaling(attention: torch.nn.Module, kwargs: dict, head_dim: int) -> float:

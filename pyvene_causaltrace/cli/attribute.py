@@ -13,6 +13,7 @@ import torch
 from .. import distributed
 from ..atomic import replacing, write_text
 from ..attribution import attribute
+from ..attribution.attention import attention_annotations
 from ..attribution.checkpoint import remove_checkpoint
 from ..attribution.export import read_labels
 from ..attribution.many import INDEX, attribute_many, read_prompts
@@ -180,9 +181,10 @@ def attribute_command(args) -> int:
     if args.prompts is not None:
         return _many_command(args, s, checking)
     sharded = ranks is not None and args.split == "features"
-    if sharded and (s["validate"] or checking is not None):
-        raise InputError("--validate and --cross-check run the whole transcoder: with more "
-                         "than one rank pass --split rows (the transcoder whole on every rank)")
+    if sharded and (s["validate"] or checking is not None or args.heads):
+        raise InputError("--validate, --cross-check and --heads run the whole transcoder: with "
+                         "more than one rank pass --split rows (the transcoder whole on every "
+                         "rank)")
     clt = load_transcoder(s["clt"], format=s["format"],
                           **({"shard": (ranks.rank, ranks.world)} if sharded else {}))
     labels = None if s["labels"] is None else \
@@ -210,9 +212,9 @@ def attribute_command(args) -> int:
 
 def _many_command(args, s: dict, checking: dict | None) -> int:
     """``attribute --prompts FILE``: one graph per prompt, spread over the ranks."""
-    if checking is not None or s["validate"] or s["direction"] is not None:
-        raise InputError("--prompts builds one graph per prompt: --cross-check, --validate "
-                         "and --direction take one prompt")
+    if checking is not None or s["validate"] or s["direction"] is not None or args.heads:
+        raise InputError("--prompts builds one graph per prompt: --cross-check, --validate, "
+                         "--heads and --direction take one prompt")
     prompts = read_prompts(args.prompts)  # checked before anything loads
     clt = load_transcoder(s["clt"], format=s["format"])
     model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
@@ -246,9 +248,16 @@ def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
     print(graph.direct_attributions(10).to_string(index=False))
     pruned = graph.prune(s["node_threshold"], s["edge_threshold"])
     print(f"pruned: {pruned.n_nodes} nodes, {pruned.n_edges} edges")
+    attention = None
+    if args.heads:
+        attention = attention_annotations(model, clt, graph, node_threshold=s["node_threshold"],
+                                          edge_threshold=s["edge_threshold"], progress=True)
+        print(f"heads: {len(attention.links)} edges across positions split by head, "
+              f"{len(attention.qk)} heads' QK terms")
     # each file is written whole or not at all (atomic.replacing)
     graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
-                  edge_threshold=s["edge_threshold"], max_links=args.max_links, labels=labels)
+                  edge_threshold=s["edge_threshold"], max_links=args.max_links, labels=labels,
+                  attention=attention)
     graph.save(out / "graph.safetensors")
     with replacing(out / "nodes.csv") as tmp:
         graph.nodes().to_csv(tmp, index=False)
@@ -259,7 +268,9 @@ def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
     summary = {"settings": s, "closure": c.to_dict(), "feature_closure": graph.feature_closure(),
                "decomposition": parts, "scores": scores, "metadata": graph.metadata,
                "pruned": {"nodes": pruned.n_nodes, "edges": pruned.n_edges},
-               "distributed": graph.metadata.get("distributed")}
+               "distributed": graph.metadata.get("distributed"),
+               "heads": None if attention is None else {
+                   "edges": len(attention.links), "qk": len(attention.qk)}}
     if s["validate"]:
         result = ablation_test(model, clt, graph, sizes=tuple(s["validate"].get("sizes", (5,))),
                                draws=s["validate"].get("draws", 10),

@@ -227,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                             f"score (default {MAX_LINKS}, ~25 MB)")
     graph.add_argument("--validate", action="store_true",
                        help="ablate the top 5/10/20 features vs 10 random draws of as many")
+    graph.add_argument("--heads", action="store_true",
+                       help="split the kept edges that cross positions by attention head and "
+                            "decompose their leading heads' scores into QK terms (graph.json "
+                            "links' 'heads' and 'attention'; docs/attribution.md, 'Attention "
+                            "inside the graph')")
     graph.add_argument("--prompts", type=Path, default=None,
                        help="a JSONL file of prompts (one object per line: prompt, optional "
                             "answer and target): one graph directory per prompt under --out "

@@ -1,0 +1,143 @@
+"""The heads a pruned graph's edges cross, for the export and the viewer.
+
+:func:`attention_annotations` splits every kept edge that crosses positions (source and target
+at different tokens: something attention moved) by head (:mod:`.heads`), keeps each edge's
+largest head parts, and decomposes the score of each edge's leading head at the edge's two
+positions (query: the target's, key: the source's; the one hop that moves the edge when a single
+head moves it) into its largest QK terms. :meth:`AttentionAnnotations.annotate` writes them into
+the graph JSON where Neuronpedia's schema tolerates them (it sets no ``additionalProperties``):
+
+- each annotated link gains ``"heads": [[layer, head, part], ...]``, largest ``|part|`` first
+  (each a part of ``weight``; the parts of one layer plus that layer's bypass sum to it);
+- the top level gains ``"attention": {"qk": [...]}``, one entry per (layer, head, query
+  position, key position) with ``score`` and Neuronpedia CRM's QK lists:
+  ``pair_wise_contributors [[query node id, key node id, term]]``,
+  ``top_q_marginal_contributors`` / ``top_k_marginal_contributors [[node id, marginal]]``, and
+  ``labels`` for every id they name (nodes pruned out of the graph included; ``"constants"``:
+  biases and ``b_dec``).
+
+    annotations = attention_annotations(model, transcoder, graph)
+    graph.to_json("graph.json", attention=annotations)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..bound import BoundModel
+from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
+from ..model_guard import measured
+from ..transcoders.transcoder import Transcoder
+from .export import node_id
+from .heads import QKAttribution, _loadings, _qk, _replay
+
+if TYPE_CHECKING:  # annotations only
+    from .graph import AttributionGraph
+
+#: Head parts kept per link, QK terms and marginals kept per head.
+TOP_HEADS = 3
+TOP_TERMS = 10
+
+
+@dataclass
+class AttentionAnnotations:
+    """Per kept cross-position edge ``(source, target)`` its largest head parts
+    (``links``: ``[(layer, head, part)]``), and the QK decompositions of the edges' leading
+    heads (``qk``)."""
+
+    links: dict[tuple[int, int], list[tuple[int, int, float]]]
+    qk: list[QKAttribution] = field(default_factory=list)
+
+    def annotate(self, payload: dict[str, Any], graph: AttributionGraph) -> dict[str, Any]:
+        """``payload`` (the graph JSON of ``graph``) with ``heads`` on its annotated links and
+        ``attention.qk`` at the top (module docstring)."""
+        by_ids = {(node_id(graph, s), node_id(graph, t)): heads
+                  for (s, t), heads in self.links.items()}
+        for link in payload["links"]:
+            heads = by_ids.get((link["source"], link["target"]))
+            if heads:
+                link["heads"] = [[layer, head, part] for layer, head, part in heads]
+        payload["attention"] = {"qk": [_qk_json(result, graph) for result in self.qk]}
+        return payload
+
+
+def _qk_json(result: QKAttribution, graph: AttributionGraph) -> dict[str, Any]:
+    """One QK decomposition in Neuronpedia CRM's QK lists, with labels for the ids."""
+    def ident(node: int) -> str:
+        return "constants" if node < 0 else node_id(graph, node)
+
+    terms = result.top_terms(TOP_TERMS)
+    queries = result.query_marginals().head(TOP_TERMS)
+    keys = result.key_marginals().head(TOP_TERMS)
+    named = {int(n) for n in [*terms["query_node"], *terms["key_node"], *queries["node"],
+                              *keys["node"]]}
+    return {"layer": result.layer, "head": result.head, "query_pos": result.query_pos,
+            "key_pos": result.key_pos, "score": result.score, "residual": result.residual,
+            "softcap": result.softcap,
+            "pair_wise_contributors": [[ident(q), ident(k), v] for q, k, v in zip(
+                terms["query_node"], terms["key_node"], terms["term"], strict=True)],
+            "top_q_marginal_contributors": [[ident(n), v] for n, v in zip(
+                queries["node"], queries["marginal"], strict=True)],
+            "top_k_marginal_contributors": [[ident(n), v] for n, v in zip(
+                keys["node"], keys["marginal"], strict=True)],
+            "labels": {ident(n): ("constants" if n < 0 else graph.label(n)) for n in named}}
+
+
+def crossing_edges(graph: AttributionGraph, node_threshold: float = NODE_THRESHOLD,
+                   edge_threshold: float = EDGE_THRESHOLD) -> list[tuple[int, int]]:
+    """The pruned graph's edges ``(source, target)`` whose source and target sit at different
+    positions, largest edge score first."""
+    pruned = graph.prune(node_threshold, edge_threshold)
+    order = pruned.edge_score.argsort(descending=True)
+    edges = []
+    for i in order.tolist():
+        source, target = int(pruned.edge_source[i]), int(pruned.edge_target[i])
+        positions = [graph.coordinates(n, graph.node_kind(n))[1] for n in (source, target)]
+        if positions[0] != positions[1]:
+            edges.append((source, target))
+    return edges
+
+
+@measured
+def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
+                          *, node_threshold: float = NODE_THRESHOLD,
+                          edge_threshold: float = EDGE_THRESHOLD, max_edges: int = 200,
+                          top_heads: int = TOP_HEADS, max_qk: int = 16,
+                          progress: bool = False) -> AttentionAnnotations:
+    """Head parts of the ``max_edges`` kept cross-position edges of largest score
+    (:func:`crossing_edges`) and the QK terms of the leading heads of the first ``max_qk``
+    distinct (layer, head, positions) among them (module docstring). One forward, then per
+    target node one backward and one batched backward of ``n_heads`` rows per layer, and two
+    of ``head_dim`` rows per QK decomposition."""
+    edges = crossing_edges(graph, node_threshold, edge_threshold)[:max_edges]
+    layers = list(range(model.n_layers))
+    replay = _replay(model, transcoder, graph, layers, qk=max_qk > 0)
+    by_target: dict[int, list[int]] = {}
+    for source, target in edges:
+        by_target.setdefault(target, []).append(source)
+    links: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
+    targets = by_target.items()
+    if progress:
+        from tqdm.auto import tqdm  # a progress bar only when asked for one
+
+        targets = tqdm(targets, total=len(by_target), desc="heads (targets)")
+    for target, sources in targets:
+        _, _, parts, _ = _loadings(replay, target, layers)
+        for source in sources:
+            column = parts[:, :, source]
+            order = column.flatten().abs().argsort(descending=True)[:top_heads]
+            links[(source, target)] = [(layers[int(i) // column.shape[1]],
+                                        int(i) % column.shape[1], float(column.flatten()[i]))
+                                       for i in order if float(column.flatten()[i]) != 0.0]
+    wanted = []
+    for (source, target), heads in links.items():
+        if heads:
+            layer, head, _ = heads[0]
+            key = (layer, head, graph.coordinates(target, graph.node_kind(target))[1],
+                   graph.coordinates(source, graph.node_kind(source))[1])
+            if key not in wanted:
+                wanted.append(key)
+    qk = [_qk(replay, *key) for key in wanted[:max_qk]]
+    return AttentionAnnotations(links, qk)
+
