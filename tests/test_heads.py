@@ -4,6 +4,8 @@ recomputed from hand-built query and key vectors — with controls that would fa
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from _support.models import PROMPT, make_tiny_model
@@ -249,3 +251,60 @@ def test_bad_requests_are_refused_by_name(tmp_path, tokenizer):
                                          random_clt_tensors(3, 32, 48, threshold=0.1, seed=5))))
     with pytest.raises(InputError, match="built with"):
         head_loadings(model, other, graph)
+
+
+def test_the_export_carries_each_crossing_links_heads_and_its_heads_qk_terms(tmp_path,
+                                                                           tokenizer):
+    from pyvene_causaltrace.attribution import attention_annotations
+    from pyvene_causaltrace.attribution.export import check_graph_json, node_id
+
+    model, clt, graph = _world("llama", tmp_path, tokenizer)
+    plain = graph.to_json()
+    assert "attention" not in plain and not any("heads" in link for link in plain["links"])
+    annotations = attention_annotations(model, clt, graph, max_edges=40, max_qk=4)
+    payload = graph.to_json(tmp_path / "graph.json", attention=annotations)
+    check_graph_json(payload)  # still Neuronpedia's schema: the new fields are tolerated
+    assert json.loads((tmp_path / "graph.json").read_text())["attention"] == \
+        json.loads(json.dumps(payload["attention"]))
+    annotated = [link for link in payload["links"] if "heads" in link]
+    assert 0 < len(annotated) <= 40
+    ids = {node_id(graph, i): i for i in range(graph.layout.n_nodes)}
+    # every annotated link crosses positions, and its parts are head_loadings' of its target
+    link = annotated[0]
+    source, target = ids[link["source"]], ids[link["target"]]
+    assert graph.coordinates(source, graph.node_kind(source))[1] != \
+        graph.coordinates(target, graph.node_kind(target))[1]
+    loadings = head_loadings(model, clt, graph, target)
+    for layer, head, part in link["heads"]:
+        assert part == pytest.approx(float(loadings.parts[layer, head, source]), abs=1e-7)
+    largest = float(loadings.parts[:, :, source].abs().max())
+    assert abs(link["heads"][0][2]) == pytest.approx(largest, abs=1e-7)
+    # the QK entries are qk_attribution's, in Neuronpedia CRM's QK lists
+    entries = payload["attention"]["qk"]
+    assert 0 < len(entries) <= 4
+    entry = entries[0]
+    qk = qk_attribution(model, clt, graph, entry["layer"], entry["head"], entry["query_pos"],
+                        entry["key_pos"])
+    assert entry["score"] == pytest.approx(qk.score, abs=1e-6)
+    top = qk.top_terms(1)
+    assert entry["pair_wise_contributors"][0][2] == pytest.approx(float(top["term"][0]), abs=1e-7)
+    named = {name for q, k, _ in entry["pair_wise_contributors"] for name in (q, k)}
+    assert named <= set(entry["labels"])
+
+
+def test_attribute_heads_on_the_command_line(tmp_path, tokenizer, capsys):
+    from pyvene_causaltrace.cli import main
+
+    make_tiny_model("llama", init=0.2, n_layers=3).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    clt = write_clt(tmp_path / "clt", random_clt_tensors(3, 32, 48, threshold=0.1))
+    base = ["attribute", "--model", str(tmp_path / "tiny"), "--clt", str(clt), "--prompt",
+            PROMPT, "--answer", " the"]
+    assert main([*base, "--heads", "--out", str(tmp_path / "with")]) == 0
+    assert "split by head" in capsys.readouterr().out
+    written = json.loads((tmp_path / "with" / "graph.json").read_text())
+    summary = json.loads((tmp_path / "with" / "summary.json").read_text())
+    assert summary["heads"]["edges"] == sum("heads" in link for link in written["links"]) > 0
+    assert summary["heads"]["qk"] == len(written["attention"]["qk"]) > 0
+    assert main([*base, "--out", str(tmp_path / "without")]) == 0
+    assert "attention" not in json.loads((tmp_path / "without" / "graph.json").read_text())
