@@ -308,3 +308,48 @@ def test_attribute_heads_on_the_command_line(tmp_path, tokenizer, capsys):
     assert summary["heads"]["qk"] == len(written["attention"]["qk"]) > 0
     assert main([*base, "--out", str(tmp_path / "without")]) == 0
     assert "attention" not in json.loads((tmp_path / "without" / "graph.json").read_text())
+
+
+def _cut_rows(model, clt, graph, layer, nodes):
+    """Rows of ``nodes`` (explored features, then the first logit node) with every head of
+    ``layer`` cut from the gradient: each row's bypass at that layer, independently."""
+    n_heads = model.config.num_attention_heads
+
+    def cut(_module, args):
+        return (args[0].detach(), *args[1:]) if args[0].requires_grad else None
+
+    handle = _out_proj(model, layer).register_forward_pre_hook(cut)
+    try:
+        run = run_local_replacement(model, clt, torch.tensor([graph.input_ids]),
+                                    from_position=graph.from_position)
+        rows = feature_rows(run, nodes)[0].detach().double()
+        logit, _, _ = target_row(run, graph_target(graph, 0))
+    finally:
+        handle.remove()
+    assert n_heads > 1
+    return torch.cat([rows, logit.detach().double()[None]])
+
+
+def test_rows_of_a_graph_split_exactly_at_every_layer(tmp_path, tokenizer):
+    from pyvene_causaltrace.attribution import heads
+    from pyvene_causaltrace.bound import bind
+
+    model, clt, graph = _world("llama", tmp_path, tokenizer)
+    explored = graph.explored.nonzero().squeeze(-1)
+    assert len(explored) > 40
+    # 40 rows drawn from every layer and position (all of them: ~5 backward passes each)
+    nodes = explored[torch.randperm(len(explored), generator=torch.Generator().manual_seed(0))
+                     [:40]].sort().values
+    layers = list(range(graph.n_layers))
+    replay = heads._replay(bind(model), clt, graph, layers)
+    split = [heads._loadings(replay, int(node), layers)
+             for node in [*nodes.tolist(), graph.logit_node]]
+    edges = torch.stack([s[0].double() for s in split])          # [rows, sources]
+    parts = torch.stack([s[2].double().sum(1) for s in split])   # [rows, layers, sources]
+    scale = edges.abs().amax(1, keepdim=True)
+    for layer in layers:
+        bypass = _cut_rows(model, clt, graph, layer, nodes)
+        assert ((parts[:, layer] + bypass - edges).abs() <= 1e-6 * scale).all(), layer
+    # control: the bypass of another layer does not close this one's split
+    wrong = _cut_rows(model, clt, graph, 0, nodes)
+    assert ((parts[:, 2] + wrong - edges).abs() > 1e-4 * scale).any()
