@@ -16,8 +16,8 @@ For each fact: the graph of the answer (demeaned logit), then
   heads at the last position (query) and the subject's last token (key): the largest node-pair
   terms and marginals, and how exactly they sum to the score.
 
-Writes ``examples/results/heads/<fact>/`` (``heads.json``, ``qk.json``, ``heads.png``) and
-``examples/results/heads/summary.md``.
+Writes ``examples/results/heads/<fact>/`` (``heads.json``: the split of the 20 largest subject
+edges; ``qk.json``; ``heads.png``) and ``examples/results/heads/summary.md``.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def one_fact(model, tokenizer, transcoder, name, prompt, subject, answer) -> dic
         qks.append((qk, time.perf_counter() - start))
     folder = OUT / name
     folder.mkdir(parents=True, exist_ok=True)
-    loadings.to_json(folder / "heads.json", sources=sources)
+    largest = sorted(sources, key=lambda s: -abs(float(loadings.edges[s])))[:20]
+    loadings.to_json(folder / "heads.json", sources=largest)  # the 20 largest subject edges
     (folder / "qk.json").write_text(json.dumps([qk.to_dict(10) for qk, _ in qks], indent=1))
     best = max(sources, key=lambda s: abs(float(loadings.edges[s])))
     loadings.plot(best, folder / "heads.png")
@@ -112,6 +113,11 @@ def one_fact(model, tokenizer, transcoder, name, prompt, subject, answer) -> dic
             "subject_edges": subject_edges, "subject_parts": subject_parts,
             "leading": leading, "check_layer": layer, "check_worst": worst / scale,
             "qks": qks, "best": best, "loadings": loadings}
+
+
+def qk_scale(qk) -> float:
+    """The sum of the terms' magnitudes: what float rounding is relative to."""
+    return float(qk.term_matrix().abs().sum())
 
 
 def write_summary(rows) -> None:
@@ -145,7 +151,8 @@ def write_summary(rows) -> None:
                       f"{graph.tokens[qk.query_pos]!r}, key @{qk.key_pos} "
                       f"{graph.tokens[qk.key_pos]!r}: score {qk.score:+.3f} = the sum of "
                       f"{len(qk.query_nodes)} × {len(qk.key_nodes)} terms (residual "
-                      f"{qk.residual:+.1e}; {seconds:.1f} s)", "",
+                      f"{qk.residual:+.1e}, {abs(qk.residual) / qk_scale(qk):.1e} of the "
+                      f"terms' absolute sum; {seconds:.1f} s)", "",
                       "| query node | key node | term |", "|---|---|---|"]
             for _, t in qk.top_terms(5).iterrows():
                 lines.append(f"| {t['query']} | {t['key']} | {t['term']:+.3f} |")
