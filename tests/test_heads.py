@@ -353,3 +353,18 @@ def test_rows_of_a_graph_split_exactly_at_every_layer(tmp_path, tokenizer):
     # control: the bypass of another layer does not close this one's split
     wrong = _cut_rows(model, clt, graph, 0, nodes)
     assert ((parts[:, 2] + wrong - edges).abs() > 1e-4 * scale).any()
+
+
+def test_one_row_per_backward_gives_the_same_split(tmp_path, tokenizer, monkeypatch):
+    """The memory cap's batches (here forced to one row per backward) change nothing."""
+    from pyvene_causaltrace.attribution import heads
+
+    model, clt, graph = _world("llama", tmp_path, tokenizer)
+    whole = head_loadings(model, clt, graph)
+    qk_whole = qk_attribution(model, clt, graph, 2, 1, -1, 3)
+    monkeypatch.setattr(heads, "batch_size_for", lambda run, memory_mb: 1)
+    single = head_loadings(model, clt, graph)
+    qk_single = qk_attribution(model, clt, graph, 2, 1, -1, 3)
+    assert torch.allclose(single.parts, whole.parts, atol=1e-7)
+    assert torch.allclose(qk_single.query_parts, qk_whole.query_parts, atol=1e-7)
+    assert qk_single.score == pytest.approx(qk_whole.score, abs=1e-7)

@@ -104,15 +104,17 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
                           *, node_threshold: float = NODE_THRESHOLD,
                           edge_threshold: float = EDGE_THRESHOLD, max_edges: int = 200,
                           top_heads: int = TOP_HEADS, max_qk: int = 16,
+                          memory_mb: float | None = None,
                           progress: bool = False) -> AttentionAnnotations:
     """Head parts of the ``max_edges`` kept cross-position edges of largest score
     (:func:`crossing_edges`) and the QK terms of the leading heads of the first ``max_qk``
     distinct (layer, head, positions) among them (module docstring). One forward, then per
     target node one backward and one batched backward of ``n_heads`` rows per layer, and two
-    of ``head_dim`` rows per QK decomposition."""
+    of ``head_dim`` rows per QK decomposition, as many rows per backward as fit ``memory_mb``
+    (default the attribution settings')."""
     edges = crossing_edges(graph, node_threshold, edge_threshold)[:max_edges]
     layers = list(range(model.n_layers))
-    replay = _replay(model, transcoder, graph, layers, qk=max_qk > 0)
+    replay = _replay(model, transcoder, graph, layers, qk=max_qk > 0, memory_mb=memory_mb)
     by_target: dict[int, list[int]] = {}
     for source, target in edges:
         by_target.setdefault(target, []).append(source)

@@ -49,10 +49,12 @@ from ..hooking import installed
 from ..interventions.frozen import watching_qk
 from ..model_guard import measured
 from ..transcoders.transcoder import Transcoder, check_fits
+from .budget import batch_size_for
 from .edges import CLOSURE_TOLERANCE, edges_from_grads
 from .export import write_json
 from .leaf_grads import leaf_grads
 from .replacement import ReplacementRun, replacement_forward
+from .settings import AttributionSettings
 from .targets import Target
 
 if TYPE_CHECKING:  # annotations only
@@ -166,13 +168,17 @@ class _Replay:
     run: ReplacementRun
     heads: dict[int, torch.Tensor]
     qk: dict[int, tuple[torch.Tensor, torch.Tensor, dict]]
+    #: gradient rows per backward within the memory cap (:func:`~.budget.batch_size_for`)
+    batch: int
 
 
 def _replay(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
-            layers: Sequence[int], *, qk: bool = False) -> _Replay:
+            layers: Sequence[int], *, qk: bool = False,
+            memory_mb: float | None = None) -> _Replay:
     """One forward of ``graph``'s local replacement model (:func:`_graph_run`) keeping the head
     outputs of ``layers`` and, with ``qk``, every layer's queries and keys (q/k norms
-    frozen)."""
+    frozen); later backwards take as many rows at once as fit ``memory_mb`` (default
+    :attr:`~.settings.AttributionSettings.memory_mb`)."""
     check_fits(transcoder, bound)
     bound.check_weights()
     attentions = {id(bound.module("attn", layer)): layer for layer in range(bound.n_layers)}
@@ -189,7 +195,18 @@ def _replay(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
     if qk and len(seen) != bound.n_layers:
         raise InputError(f"the attention of layers {sorted(set(range(bound.n_layers)) - set(seen))}"
                          " did not run through the frozen attention function")
-    return _Replay(bound, graph, run, dict(outputs), seen)
+    memory_mb = AttributionSettings().memory_mb if memory_mb is None else memory_mb
+    return _Replay(bound, graph, run, dict(outputs), seen, batch_size_for(run, memory_mb))
+
+
+def _rows(replay: _Replay, output: torch.Tensor,
+          seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``[B, n_sources]`` and constants ``[B]`` of ``<seeds[b], output>``, ``replay.batch``
+    rows per backward."""
+    parts = [edges_from_grads(replay.run, leaf_grads(replay.run, output, chunk),
+                              batch=len(chunk))
+             for chunk in seeds.split(replay.batch)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 @contextmanager
@@ -326,15 +343,15 @@ class HeadLoadings:
         return fig
 
 
-def _split_layer(run: ReplacementRun, z: torch.Tensor, g: torch.Tensor, n_heads: int
+def _split_layer(replay: _Replay, z: torch.Tensor, g: torch.Tensor, n_heads: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``[n_heads, n_sources]`` and constants ``[n_heads]`` of ``<g[h], z[h]>`` per head
-    (module docstring): one batched backward."""
+    (module docstring): one batched backward (more if the memory cap says so)."""
     width = z.shape[-1] // n_heads
     seeds = torch.zeros(n_heads, *z.shape, dtype=z.dtype, device=z.device)
     for h in range(n_heads):
         seeds[h, ..., h * width:(h + 1) * width] = g[..., h * width:(h + 1) * width]
-    return edges_from_grads(run, leaf_grads(run, z, seeds), batch=n_heads)
+    return _rows(replay, z, seeds)
 
 
 def _loadings(replay: _Replay, node: int, layers: Sequence[int]
@@ -358,7 +375,7 @@ def _loadings(replay: _Replay, node: int, layers: Sequence[int]
     for i, (z, g) in enumerate(zip(zs, grads, strict=True)):
         if g is None or not bool(g.ne(0).any()):
             continue  # the target reads nothing after this layer's attention
-        head_rows, head_constants = _split_layer(run, z, g, n_heads)
+        head_rows, head_constants = _split_layer(replay, z, g, n_heads)
         parts[i] = head_rows.detach().cpu().to(parts.dtype)
         constant_parts[i] = head_constants.detach().double().cpu()
     return edges, constant, parts, constant_parts
@@ -366,16 +383,17 @@ def _loadings(replay: _Replay, node: int, layers: Sequence[int]
 
 @measured
 def head_loadings(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
-                  target: int | None = None, *,
-                  layers: int | Sequence[int] | None = None) -> HeadLoadings:
+                  target: int | None = None, *, layers: int | Sequence[int] | None = None,
+                  memory_mb: float | None = None) -> HeadLoadings:
     """Split every edge into node ``target`` of ``graph`` (a logit node or a feature node;
     default the first logit node) by the heads of ``layers`` (default every layer), plus a
     bypass per layer (module docstring). ``model`` and ``transcoder`` are the graph's: its
     run is replayed, and refused if its features or the target's row differ from the graph's.
-    One forward, one backward, then one batched backward (one row per head) per layer."""
+    One forward, one backward, then one batched backward (one row per head) per layer; as
+    many rows per backward as fit ``memory_mb`` (default the attribution settings')."""
     chosen = _layers(layers, model.n_layers)
     node = graph.logit_node if target is None else int(target)
-    replay = _replay(model, transcoder, graph, chosen)
+    replay = _replay(model, transcoder, graph, chosen, memory_mb=memory_mb)
     edges, constant, parts, constant_parts = _loadings(replay, node, chosen)
     return HeadLoadings(
         target=node, target_label=graph.label(node), layers=chosen, edges=edges, parts=parts,
@@ -497,7 +515,7 @@ class QKAttribution:
         return fig
 
 
-def _side_parts(run: ReplacementRun, vector_of: torch.Tensor, index: tuple, what: str
+def _side_parts(replay: _Replay, vector_of: torch.Tensor, index: tuple, what: str
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each node's part ``[n_sources + 1, d]`` of the vector ``vector_of[index]`` (the last row:
     the constants) from one batched backward; refused unless the parts sum to the vector."""
@@ -506,7 +524,7 @@ def _side_parts(run: ReplacementRun, vector_of: torch.Tensor, index: tuple, what
     seeds = torch.zeros(d, *vector_of.shape, dtype=vector_of.dtype, device=vector_of.device)
     for c in range(d):
         seeds[(c, *index, c)] = 1.0
-    rows, constants = edges_from_grads(run, leaf_grads(run, vector_of, seeds), batch=d)
+    rows, constants = _rows(replay, vector_of, seeds)
     parts = torch.cat([rows.T.double(), constants.double()[None]]).cpu()  # [n + 1, d]
     value = vector.detach().double().cpu()
     scale = float(parts.abs().sum(0).max()) + float(value.abs().max())
@@ -533,14 +551,14 @@ def _positions(graph: AttributionGraph, query_pos: int, key_pos: int) -> tuple[i
 
 def _qk(replay: _Replay, layer: int, head: int, query_pos: int, key_pos: int) -> QKAttribution:
     """:func:`qk_attribution` on a replay that kept the queries and keys."""
-    bound, graph, run = replay.bound, replay.graph, replay.run
+    bound, graph = replay.bound, replay.graph
     if not 0 <= head < bound.n_heads:
         raise InputError(f"head {head} is not a head of the model (0..{bound.n_heads - 1})")
     query_pos, key_pos = _positions(graph, query_pos, key_pos)
     query, key, kwargs = replay.qk[layer]
     kv_head = head // (query.shape[1] // key.shape[1])  # grouped-query: the shared key head
-    query_parts, query_vec = _side_parts(run, query, (0, head, query_pos), "query")
-    key_parts, key_vec = _side_parts(run, key, (0, kv_head, key_pos), "key")
+    query_parts, query_vec = _side_parts(replay, query, (0, head, query_pos), "query")
+    key_parts, key_vec = _side_parts(replay, key, (0, kv_head, key_pos), "key")
     scaling = _scaling(bound.module("attn", layer), kwargs, query.shape[-1])
     nodes = torch.arange(len(query_parts))
     nodes[-1] = -1
@@ -555,17 +573,18 @@ def _qk(replay: _Replay, layer: int, head: int, query_pos: int, key_pos: int) ->
 
 @measured
 def qk_attribution(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
-                   layer: int, head: int, query_pos: int, key_pos: int) -> QKAttribution:
+                   layer: int, head: int, query_pos: int, key_pos: int, *,
+                   memory_mb: float | None = None) -> QKAttribution:
     """Decompose head ``head`` of ``layer``'s pre-softmax score at (``query_pos``, ``key_pos``;
     negative counts from the end) on ``graph``'s prompt into bilinear node-pair terms (module
     docstring). ``model`` and ``transcoder`` are the graph's (replayed and checked as in
-    :func:`head_loadings`)."""
+    :func:`head_loadings`; ``memory_mb`` as there)."""
     (layer,) = _layers(layer, model.n_layers)
     if not 0 <= head < model.n_heads:
         raise InputError(f"head {head} is not a head of the model (0..{model.n_heads - 1})")
     _positions(graph, query_pos, key_pos)  # refused before the forward
-    return _qk(_replay(model, transcoder, graph, [layer], qk=True), layer, head, query_pos,
-               key_pos)
+    return _qk(_replay(model, transcoder, graph, [layer], qk=True, memory_mb=memory_mb), layer,
+               head, query_pos, key_pos)
 
 
 def _scaling(attention: torch.nn.Module, kwargs: dict, head_dim: int) -> float:
