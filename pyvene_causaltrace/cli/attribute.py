@@ -251,7 +251,8 @@ def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
     attention = None
     if args.heads:
         attention = attention_annotations(model, clt, graph, node_threshold=s["node_threshold"],
-                                          edge_threshold=s["edge_threshold"], progress=True)
+                                          edge_threshold=s["edge_threshold"],
+                                          memory_mb=s["memory_mb"], progress=True)
         print(f"heads: {len(attention.links)} edges across positions split by head, "
               f"{len(attention.qk)} heads' QK terms")
     # each file is written whole or not at all (atomic.replacing)
