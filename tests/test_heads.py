@@ -368,3 +368,25 @@ def test_one_row_per_backward_gives_the_same_split(tmp_path, tokenizer, monkeypa
     assert torch.allclose(single.parts, whole.parts, atol=1e-7)
     assert torch.allclose(qk_single.query_parts, qk_whole.query_parts, atol=1e-7)
     assert qk_single.score == pytest.approx(qk_whole.score, abs=1e-7)
+
+
+def test_a_soft_capped_score_is_decomposed_before_its_cap(tmp_path, tokenizer):
+    """Gemma-2 caps its attention scores (``cap * tanh(s / cap)``): the terms sum to the
+    pre-cap score, and capping it gives the clean run's pattern. The cap is lowered to 0.3 so
+    that it bends these small scores (at the default 50 it is nearly the identity)."""
+    model = make_tiny_model("gemma2", init=0.2, n_layers=3)
+    model.config.attn_logit_softcapping = 0.3
+    for block in model.model.layers:
+        block.self_attn.attn_logit_softcapping = 0.3
+    clt = load_from_disk(str(write_clt(tmp_path / "clt", random_clt_tensors(
+        3, 32, 48, threshold=0.1))))
+    graph = attribute(model, tokenizer, clt, PROMPT)
+    results = [qk_attribution(model, clt, graph, 1, 2, -1, k) for k in range(graph.n_pos)]
+    assert results[0].softcap == 0.3
+    for qk in results:
+        assert abs(qk.residual) <= 1e-5 * max(abs(qk.score), 1.0)
+    scores = torch.tensor([qk.score for qk in results], dtype=torch.float64)
+    pattern = attention_patterns(model, torch.tensor([graph.input_ids]))[1][0, 2, -1].double()
+    assert torch.allclose((0.3 * torch.tanh(scores / 0.3)).softmax(0), pattern, atol=1e-5)
+    # control: the uncapped scores would not give the pattern
+    assert not torch.allclose(scores.softmax(0), pattern, atol=1e-3)
