@@ -6,13 +6,16 @@ the whole's reconstruction."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
+import yaml
 from clt_fixtures import random_clt_tensors, write_clt
 from safetensors.torch import load_file, save_file
+from test_transcoder_layouts_new import gs2_tensors, write_gs2_clt
 from transcoder_fixtures import (
     bytedance_tensors,
     random_set,
@@ -24,7 +27,14 @@ from transcoder_fixtures import (
 
 from pyvene_causaltrace.errors import InputError, TranscoderFormatError
 from pyvene_causaltrace.transcoders import Transcoder, feature_range, load_transcoder
-from pyvene_causaltrace.transcoders.formats import circuit_tracer, common, mntss
+from pyvene_causaltrace.transcoders.formats import (
+    bytedance,
+    circuit_tracer,
+    common,
+    gemmascope2,
+    mntss,
+    sparsify,
+)
 
 L, D, F = 3, 32, 47  # 47 features: uneven over 2 and 3 ranks
 WORLDS = (1, 2, 3)
@@ -323,8 +333,8 @@ def test_a_topk_shard_outside_a_distributed_run_refuses_to_encode(activation):
 
 
 def test_sharded_topk_layouts_load_their_slices(tmp_path):
-    """circuit-tracer TopK is read in slices; sparsify and ByteDance are loaded whole, then
-    sharded: each shard's tensors are the whole's slices."""
+    """circuit-tracer TopK, sparsify and ByteDance are read in slices: each shard's tensors are
+    the whole's slices."""
     topk = write_circuit_tracer(tmp_path / "topk", random_set(L, D, F, activation="topk", k=4))
     sparsify = write_sparsify(tmp_path / "sp", random_set(L, D, F, activation="relu_topk", k=4))
     joint = write_bytedance(tmp_path / "bd", bytedance_tensors(L, D, F, k=2))
@@ -455,3 +465,204 @@ def test_sae_lens_transcoders_are_cut_as_each_is_read(tmp_path, monkeypatch):
     assert torch.equal(part.W_enc, whole.W_enc[:, lo:hi])
     assert all(torch.equal(a, b[lo:hi]) for a, b in zip(part.W_dec, whole.W_dec, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(part.W_skip, whole.W_skip, strict=True))
+
+
+# ------------------------------------------------------------------------------ sliced layouts
+#: Per layout, the feature axis of each tensor that has one (names as full regexes).
+FEATURE_AXES = {
+    "sparsify": {r"encoder\.weight": 0, r"encoder\.bias": 0, r"W_dec": 0},
+    "bytedance": {r"W_enc_\d+": 0, r"W_dec_\d+": 0, r"W_dec_norm_\d+": 0, r"W_dec_norm": 1},
+    "gemmascope2": {r"w_enc": 1, r"b_enc": 0, r"threshold": 0, r"w_dec": 0},
+}
+ENCODERS = {"sparsify": r"encoder\.weight", "bytedance": r"W_enc_\d+", "gemmascope2": r"w_enc"}
+DECODERS = {"sparsify": r"W_dec", "bytedance": r"W_dec_\d+", "gemmascope2": r"w_dec"}
+
+
+class Sliced(NamedTuple):
+    layout: str  # a key of FEATURE_AXES
+    path: Path
+    module: object  # the loader's module (its mmap_tensor)
+
+
+@pytest.fixture(params=["sparsify", "sparsify_legacy", "bytedance", "gs2_clt",
+                        "gs2_clt_trimmed", "gs2_clt_config"])
+def sliced(request, tmp_path) -> Sliced:
+    """sparsify (and its legacy files, whose b_dec is folded into b_enc), ByteDance, the
+    GemmaScope-2 CLT (``w_dec [F, L, D]``, ``[F, L - l, D]``, and listed by a circuit-tracer
+    config), each with 47 features: uneven over 2 and 3 ranks."""
+    name = request.param
+    if name.startswith("sparsify"):
+        tensors = random_set(L, D, F, seed=8, skip=True, activation="relu_topk", k=4)
+        return Sliced("sparsify", write_sparsify(tmp_path / "sp", tensors,
+                                                 legacy=name.endswith("legacy")), sparsify)
+    if name == "bytedance":
+        return Sliced("bytedance", write_bytedance(tmp_path / "bd",
+                                                   bytedance_tensors(L, D, F, k=2, seed=9)),
+                      bytedance)
+    layers = gs2_tensors(L, D, F, affine=True, clt=True, seed=10)
+    if name == "gs2_clt_trimmed":  # target t of source l at t - l
+        layers = [{**t, "w_dec": t["w_dec"][:, layer:]} for layer, t in enumerate(layers)]
+    root = write_gs2_clt(tmp_path / "clt", layers)
+    if name != "gs2_clt_config":
+        return Sliced("gemmascope2", root, gemmascope2)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "model_name": "tiny", "model_kind": "cross_layer_transcoder",
+        "feature_input_hook": "mlp.hook_in", "feature_output_hook": "hook_mlp_out",
+        "transcoders": [str(root / f"params_layer_{layer}.safetensors") for layer in range(L)]}))
+    return Sliced("gemmascope2", tmp_path / "config.yaml", gemmascope2)
+
+
+class Recorder:
+    """A safetensors handle that records ``(name, shape)`` of every tensor read from it: whole
+    (``get_tensor``) or a slice (``get_slice(name)[...]``)."""
+
+    def __init__(self, handle, reads: list) -> None:
+        self.handle, self.reads = handle, reads
+
+    def get_tensor(self, name: str):
+        tensor = self.handle.get_tensor(name)
+        self.reads.append((name, tuple(tensor.shape)))
+        return tensor
+
+    def get_slice(self, name: str):
+        return RecordedSlice(self.handle.get_slice(name), name, self.reads)
+
+    def __getattr__(self, name: str):
+        return getattr(self.handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+
+class RecordedSlice:
+    def __init__(self, part, name: str, reads: list) -> None:
+        self.part, self.name, self.reads = part, name, reads
+
+    def __getitem__(self, key):
+        tensor = self.part[key]
+        self.reads.append((self.name, tuple(tensor.shape)))
+        return tensor
+
+    def __getattr__(self, name: str):
+        return getattr(self.part, name)
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> list:
+    """Every safetensors file opened through the recorder; returns the list of reads."""
+    reads: list = []
+    real = common.safe_open
+    monkeypatch.setattr(common, "safe_open", lambda *a, **k: Recorder(real(*a, **k), reads))
+    return reads
+
+
+def _features_read(reads: list, layout: str, pattern: str = ".*") -> list[int]:
+    """How many features each read of a tensor with a feature axis (matching ``pattern``)
+    held."""
+    return [shape[axis] for name, shape in reads if re.fullmatch(pattern, name)
+            for feature_name, axis in FEATURE_AXES[layout].items()
+            if re.fullmatch(feature_name, name)]
+
+
+@pytest.mark.parametrize("lazy_decoder", [True, False])
+def test_sliced_layouts_load_exactly_the_shard_of_the_whole(sliced, lazy_decoder):
+    """sparsify, ByteDance and the GemmaScope-2 CLT read each rank's slice alone: tensor for
+    tensor the whole's :meth:`Transcoder.shard`, copies of the slice only (the same resident
+    bytes), a memory-mapped decoder still a view of its file."""
+    whole = load_transcoder(sliced.path, lazy_decoder=lazy_decoder)
+    assert whole.features is None and whole.cfg.d_transcoder == F
+    for world in (2, 3):
+        for rank in range(world):
+            part = load_transcoder(sliced.path, shard=(rank, world), lazy_decoder=lazy_decoder)
+            want = whole.shard(rank, world)
+            assert part.features == want.features == feature_range(F, rank, world)
+            assert part.cfg == whole.cfg and part.n_local == want.n_local
+            for name in ("W_enc", "b_enc", "threshold", "b_dec", "score_weight"):
+                a, b = getattr(part, name), getattr(want, name)
+                assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b))
+            assert len(part.W_dec) == len(want.W_dec) == L
+            assert all(a.shape == b.shape and torch.equal(a, b)
+                       for a, b in zip(part.W_dec, want.W_dec, strict=True))
+            assert (part.W_skip is None) == (whole.W_skip is None)
+            if part.W_skip is not None:
+                assert all(torch.equal(a, b) for a, b in zip(part.W_skip, want.W_skip,
+                                                             strict=True))
+            assert bool(part._handles) == lazy_decoder == bool(want._handles)
+            assert part.resident_bytes() == want.resident_bytes()
+    if not whole.cfg.joint and whole.cfg.activation not in ("topk", "relu_topk"):
+        inputs = _inputs(5)  # the GemmaScope-2 CLT encodes alone: its features are the whole's
+        part = load_transcoder(sliced.path, shard=(2, 3), lazy_decoder=lazy_decoder)
+        lo, hi = part.features
+        assert torch.equal(part.encode_all(inputs), whole.encode_all(inputs)[..., lo:hi])
+
+
+@pytest.mark.parametrize("lazy_decoder", [True, False])
+def test_sliced_layouts_read_no_more_features_than_the_slice(sliced, recorded, monkeypatch,
+                                                             lazy_decoder):
+    """Every read of a tensor with a feature axis holds at most the rank's features; the
+    encoders are read (so the bound means something), and the decoders through safetensors
+    slices when resident, never when memory-mapped (a view: nothing read). The control: the
+    same recorder sees whole encoders and decoders in an unsharded load."""
+    if not lazy_decoder:
+        def no_map(*args, **kwargs):
+            raise AssertionError("the decoder was mapped for a resident sharded load")
+        monkeypatch.setattr(sliced.module, "mmap_tensor", no_map)
+    part = load_transcoder(sliced.path, shard=(1, 3), lazy_decoder=lazy_decoder)
+    assert part.n_local == 16 < F
+    widths = _features_read(recorded, sliced.layout)
+    assert widths and max(widths) <= part.n_local, recorded
+    assert _features_read(recorded, sliced.layout, ENCODERS[sliced.layout]) == [16] * L
+    decoders = _features_read(recorded, sliced.layout, DECODERS[sliced.layout])
+    assert decoders == ([] if lazy_decoder else [16] * L), recorded
+    monkeypatch.undo()  # the control: an unsharded load, recorded the same way
+    recorded.clear()
+    monkeypatch.setattr(common, "safe_open",
+                        lambda *a, real=common.safe_open, **k: Recorder(real(*a, **k), recorded))
+    load_transcoder(sliced.path, lazy_decoder=False)
+    assert _features_read(recorded, sliced.layout, ENCODERS[sliced.layout]) == [F] * L
+    assert _features_read(recorded, sliced.layout, DECODERS[sliced.layout]) == [F] * L
+
+
+def test_a_sharded_sparsify_load_checks_every_layers_width_from_its_header(tmp_path):
+    """A shard reads slices, which alone would hide a layer with more features than the first:
+    the header is checked first, and the file named."""
+    tensors = random_set(L, D, F, seed=8, activation="relu_topk", k=4)
+    wide = random_set(L, D, F + 1, seed=8, activation="relu_topk", k=4)
+    tensors["layers"][2] = wide["layers"][2]
+    root = write_sparsify(tmp_path / "sp", tensors)
+    with pytest.raises(TranscoderFormatError, match=r"layers\.2\.mlp/sae\.safetensors: shapes "
+                                                    r"\{'encoder\.weight': \(48, 32\)"):
+        load_transcoder(root, shard=(0, 2))
+    with pytest.raises(TranscoderFormatError, match=r"layer 2\): shapes"):  # the control
+        load_transcoder(root)
+
+
+def test_a_circuit_tracer_set_of_files_read_whole_is_cut_as_each_is_read(tmp_path, monkeypatch):
+    """A circuit-tracer config listing GemmaScope ``.npz`` files (read whole, one at a time):
+    each is cut to the rank's slice before the next is read, so what is assembled is the slice
+    (the control: unsharded, the whole width)."""
+    write_gemmascope(tmp_path / "gs", random_set(L, D, F, seed=6))
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "model_name": "tiny", "model_kind": "transcoder_set",
+        "feature_input_hook": "hook_resid_mid", "feature_output_hook": "hook_mlp_out",
+        "transcoders": [f"gs/layer_{layer}/width_16k/average_l0_41/params.npz"
+                        for layer in range(L)]}))
+    seen = []
+    plain = circuit_tracer.assemble_set
+
+    def assemble_set(layers, **options):
+        seen.append([int(layer.W_enc.shape[0]) for layer in layers])
+        return plain(layers, **options)
+
+    monkeypatch.setattr(circuit_tracer, "assemble_set", assemble_set)
+    whole = load_transcoder(tmp_path / "config.yaml")
+    part = load_transcoder(tmp_path / "config.yaml", shard=(1, 3))
+    lo, hi = part.features
+    assert seen == [[F] * L, [hi - lo] * L]
+    want = whole.shard(1, 3)
+    assert torch.equal(part.W_enc, want.W_enc) and torch.equal(part.b_enc, want.b_enc)
+    assert torch.equal(part.threshold, want.threshold)
+    assert all(torch.equal(a, b) for a, b in zip(part.W_dec, want.W_dec, strict=True))

@@ -24,12 +24,12 @@ The decoder is usually far larger than everything else (18 GB for the 1B model's
 stay memory-mapped on disk, and only the rows of features that fired are read.
 
 Sharding by feature (torch.distributed ranks): :meth:`Transcoder.shard` (or ``load_transcoder(...,
-shard=(rank, world))``, which reads only the slice from the mntss and circuit-tracer layouts)
-keeps features ``[lo, hi)`` of :func:`feature_range` of every layer — their ``W_enc`` rows,
-``b_enc``, thresholds and decoder rows (a CLT's rows for every target layer) — while ``b_dec`` and
-``W_skip`` stay whole on every rank. A shard's ``encode`` returns its ``n_local`` features (local
-ids ``0..n_local-1``; global id = local + ``feature_offset``), and its
-``reconstruct(acts, partial=True)`` the decoder sum over its features only: the partial sums of
+shard=(rank, world))``, which reads only the slice from the files, or from a per-layer set one
+whole layer at a time) keeps features ``[lo, hi)`` of :func:`feature_range` of every layer —
+their ``W_enc`` rows, ``b_enc``, thresholds and decoder rows (a CLT's rows for every target
+layer) — while ``b_dec`` and ``W_skip`` stay whole on every rank. A shard's ``encode`` returns
+its ``n_local`` features (local ids ``0..n_local-1``; global id = local + ``feature_offset``), and
+its ``reconstruct(acts, partial=True)`` the decoder sum over its features only: the partial sums of
 all shards plus one ``b_dec`` and one skip path make the whole transcoder's reconstruction.
 ``cfg`` stays the whole transcoder's (``d_transcoder`` counts every feature). A top-k
 (``topk``, ``relu_topk``, ``joint_topk``) ranks features held by other ranks, so a shard's

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..config import CROSS_LAYER, TranscoderConfig
-from ..transcoder import Transcoder
+from ..transcoder import Transcoder, shard_features
 from .common import (
     DTYPE_NAMES,
     TranscoderFormatError,
@@ -34,7 +34,6 @@ from .common import (
     read_json_object,
     read_tensors,
     shapes_of,
-    shard_loaded,
 )
 
 CONFIG = "config.json"
@@ -66,9 +65,13 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
          scan: str | None = None, shard: tuple[int, int] | None = None,
          **_ignored) -> Transcoder:
     """The CLT from its directory; every file checked before anything is returned, decoders
-    memory-mapped with ``lazy_decoder``. ``shard=(rank, world)``: loaded whole, then
-    :meth:`~..transcoder.Transcoder.shard`-ed (peak memory is the whole encoder; its joint
-    top-k is then a collective over the ranks)."""
+    memory-mapped with ``lazy_decoder``. ``shard=(rank, world)``: only that rank's features
+    (:func:`~..transcoder.feature_range`) are read — row slices of every ``W_enc_{l}``,
+    ``W_dec_{l}`` and ``W_dec_norm_{l}`` and columns of ``W_dec_norm`` through safetensors'
+    ``get_slice`` (a view of the memory-mapped decoder with ``lazy_decoder``), after every
+    file's whole shapes are checked from its header; never a whole encoder or decoder (the
+    norms are checked on the slice read). Its joint top-k is then a collective over the
+    ranks."""
     check_dtype(dtype)
     root = Path(source).expanduser()
     meta = _config(root / CONFIG)
@@ -97,14 +100,16 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
             if got != want:
                 raise TranscoderFormatError(f"{root / name}.safetensors holds {got}, expected "
                                             f"{want}")
-    norms = read_tensors(root / NORMS)
-    if set(norms) != {"W_dec_norm"} or tuple(norms["W_dec_norm"].shape) != (n_layers, width):
-        raise TranscoderFormatError(f"{root / NORMS} holds "
-                                    f"{ {k: tuple(v.shape) for k, v in norms.items()} }, "
-                                    f"expected W_dec_norm [{n_layers}, {width}]")
-    score = norms["W_dec_norm"]
+    features = shard_features(width, shard)
+    lo, hi = features or (0, width)
+    norms_shapes = shapes_of(open_safetensors(root / NORMS))
+    if norms_shapes != {"W_dec_norm": (n_layers, width)}:
+        raise TranscoderFormatError(f"{root / NORMS} holds {norms_shapes}, expected "
+                                    f"W_dec_norm [{n_layers}, {width}]")
+    score = read_tensors(root / NORMS, None, features, {"W_dec_norm": 1})["W_dec_norm"]
     for layer in range(n_layers):
-        own = read_tensors(root / f"W_dec_{layer}.safetensors", [f"W_dec_norm_{layer}"])
+        own = read_tensors(root / f"W_dec_{layer}.safetensors", [f"W_dec_norm_{layer}"],
+                           features, {f"W_dec_norm_{layer}": 0})
         if not torch.equal(own[f"W_dec_norm_{layer}"], score[layer]):
             raise TranscoderFormatError(f"{root}/W_dec_{layer}.safetensors: W_dec_norm_{layer} "
                                         f"differs from {NORMS}'s row {layer}")
@@ -114,16 +119,19 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
                      .get_dtype())
     if disk_dtype not in DTYPE_NAMES:
         raise TranscoderFormatError(f"{root}: W_enc_0 is {disk_dtype}, not floating point")
-    W_enc = torch.stack([read_tensors(root / f"W_enc_{layer}.safetensors")[f"W_enc_{layer}"]
-                         .to(dtype) for layer in range(n_layers)])
+    W_enc = torch.stack([read_tensors(root / f"W_enc_{layer}.safetensors", None, features,
+                                      {f"W_enc_{layer}": 0})[f"W_enc_{layer}"].to(dtype)
+                         for layer in range(n_layers)])
     handles, W_dec = [], []
     for layer in range(n_layers):
         path = root / f"W_dec_{layer}.safetensors"
         if lazy_decoder:
             w, mapped = mmap_tensor(path, f"W_dec_{layer}")
+            w = w if features is None else w[lo:hi]  # a view: nothing read
             handles.append(mapped)
         else:
-            w = read_tensors(path, [f"W_dec_{layer}"])[f"W_dec_{layer}"].to(device, dtype)
+            w = read_tensors(path, [f"W_dec_{layer}"], features, {f"W_dec_{layer}": 0})[
+                f"W_dec_{layer}"].to(device, dtype, copy=features is not None)
         W_dec.append(w)
     model_name = next((str(meta[key]) for key in MODEL_KEYS if isinstance(meta.get(key), str)),
                       "")
@@ -133,10 +141,11 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
                                n_layers * meta["k"], False, scan)
     except ValueError as error:
         raise TranscoderFormatError(f"{root / CONFIG}: {error}") from None
-    zeros = torch.zeros(n_layers, width)
+    zeros = torch.zeros(n_layers, hi - lo)
     clt = Transcoder(cfg, b_enc=zeros, threshold=None, b_dec=torch.zeros(n_layers, d_model),
-                     W_enc=W_enc, W_dec=W_dec, score_weight=score, dtype=dtype, device=device,
-                     source=str(root))
+                     W_enc=W_enc, W_dec=W_dec, score_weight=score if features is None
+                     else score.clone(), dtype=dtype, device=device, source=str(root),
+                     features=features)
     if lazy_decoder:
         clt._handles = handles
-    return shard_loaded(clt, shard)
+    return clt

@@ -27,11 +27,11 @@ A hub reference to a config is ``org/repo[/subfolder][@revision]``; per-layer ``
 resolve through the hub cache (offline with ``HF_HUB_OFFLINE=1``).
 
 ``shard=(rank, world)`` keeps that rank's features (:func:`~..transcoder.feature_range`) of every
-layer. A set of circuit-tracer safetensors files and an mntss CLT are read in slices (safetensors'
-``get_slice``: rows of ``[F, D]`` tensors, columns of ``[D, F]`` ones; a view of a memory-mapped
-decoder), never a whole encoder or decoder; a set with GemmaScope ``.npz`` or GemmaScope-2 files,
-or a GemmaScope-2 CLT, is loaded whole and then :meth:`~..transcoder.Transcoder.shard`-ed (peak
-memory is then the whole encoder).
+layer. A set of circuit-tracer safetensors files, an mntss CLT and a GemmaScope-2 CLT are read in
+slices (safetensors' ``get_slice``: rows of ``[F, D]`` tensors, columns of ``[D, F]`` ones; a view
+of a memory-mapped decoder), never a whole encoder or decoder; a set with GemmaScope ``.npz`` or
+GemmaScope-2 files reads each layer's file whole and keeps its slice before the next is read
+(peak memory: one whole layer).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
 from ..transcoder import Transcoder, shard_features
 from . import gemmascope2, mntss
 from .common import (
+    LayerSlicer,
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
@@ -59,7 +60,6 @@ from .common import (
     refuse_shard,
     resolve_reference,
     shapes_of,
-    shard_loaded,
 )
 from .gemmascope import read_npz
 
@@ -297,12 +297,12 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
             + (f"@{hub[1]}" if hub[1] else "")
     if meta["model_kind"] == CROSS_LAYER and meta.get("transcoders") is not None:
         # GemmaScope-2's CLT: its params_layer_{l} files listed in layer order
-        return shard_loaded(gemmascope2.load_clt(
+        return gemmascope2.load_clt(
             _layer_files(meta, config, hub), device=device, dtype=dtype,
             lazy_decoder=lazy_decoder, scan=None if scan is None else str(scan),
             model_name=str(meta.get("model_name") or ""),
             feature_input_hook=meta["feature_input_hook"],
-            feature_output_hook=meta["feature_output_hook"]), shard)
+            feature_output_hook=meta["feature_output_hook"], shard=shard)
     if meta["model_kind"] == CROSS_LAYER:
         root = config.parent
         if hub is not None:
@@ -316,11 +316,12 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     assert meta["model_kind"] == TRANSCODER_SET
     files = _layer_files(meta, config, hub)
     plan = None if shard is None else _slice_plan(files, shard)
+    slicer = LayerSlicer(shard if plan is None else None)  # files read whole: cut one by one
     layers, ks = [], set()
     for path in files:
         layer, k = _read_layer(path, lazy_decoder) if plan is None else \
             read_layer_file(path, lazy_decoder=lazy_decoder, features=plan[0])
-        layers.append(layer)
+        layers.append(slicer(layer))
         ks.add(k)
     has_threshold = layers[0].threshold is not None
     activation = meta.get("activation") or ("jumprelu" if has_threshold else "relu")
@@ -337,9 +338,9 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
         feature_input_hook=meta["feature_input_hook"],
         feature_output_hook=meta["feature_output_hook"],
         scan=None if scan is None else str(scan), source=str(config if hub is None else source),
-        dtype=dtype, device=device, lazy_decoder=lazy_decoder,
-        features=None if plan is None else plan[0], d_transcoder=None if plan is None else plan[1])
-    return transcoder if plan is not None else shard_loaded(transcoder, shard)
+        dtype=dtype, device=device, lazy_decoder=lazy_decoder, **(
+            slicer.options if plan is None else {"features": plan[0], "d_transcoder": plan[1]}))
+    return transcoder
 
 
 def save(transcoder: Transcoder, path: str | Path) -> None:

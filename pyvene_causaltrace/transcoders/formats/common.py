@@ -25,16 +25,6 @@ TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
                 "F64": torch.float64}
 
 
-def shard_loaded(transcoder: Transcoder, shard: tuple[int, int] | None) -> Transcoder:
-    """``transcoder``, or with ``shard=(rank, world)`` its :meth:`~..transcoder.Transcoder.shard`
-    — for layouts loaded whole and then split (peak memory: the whole encoder)."""
-    if shard is None:
-        return transcoder
-    if not isinstance(shard, tuple | list) or len(shard) != 2:
-        raise InputError(f"shard must be (rank, world), got {shard!r}")
-    return transcoder.shard(*shard)
-
-
 class LayerSlicer:
     """A rank's slice of each layer of a per-layer set, cut as each layer is read (so a sharded
     load holds one whole layer at a time, never the whole set): ``slicer(layer)`` returns the
@@ -104,13 +94,28 @@ def shapes_of(handle) -> dict[str, tuple[int, ...]]:
     return {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
 
 
-def read_tensors(path: Path, names=None) -> dict[str, torch.Tensor]:
-    """Every tensor (or ``names``) of a safetensors file; format errors name the file."""
+def read_tensors(path: Path, names=None, features: tuple[int, int] | None = None,
+                 axes: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor (or ``names``) of a safetensors file; format errors name the file. With
+    ``features=(lo, hi)`` each tensor named in ``axes`` is cut to those features along its
+    feature axis ``axes[name]`` as it is read (:func:`read_features`); the others are whole."""
     handle = open_safetensors(path)
+    axes = axes or {}
     try:
-        return {name: handle.get_tensor(name) for name in (names or handle.keys())}
+        return {name: read_features(handle, name, features, axes.get(name))
+                for name in (names or handle.keys())}
     except Exception as error:  # a truncated data section surfaces only here
         raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
+
+
+def read_features(handle, name: str, features: tuple[int, int] | None,
+                  axis: int | None = 0) -> torch.Tensor:
+    """Tensor ``name`` of a ``safe_open`` handle, or (``features=(lo, hi)``, ``axis`` not None)
+    only its entries ``[lo, hi)`` along ``axis``, through ``get_slice``: only those bytes are
+    read. Either is a view of the file's map: copy (stack, clone, ``.to``) before keeping it."""
+    if features is None or axis is None:
+        return handle.get_tensor(name)
+    return handle.get_slice(name)[(slice(None),) * axis + (slice(*features),)]
 
 
 def mmap_tensor(path: Path, name: str) -> tuple[torch.Tensor, mmap.mmap]:

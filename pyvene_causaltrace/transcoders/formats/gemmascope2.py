@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..config import CROSS_LAYER, TranscoderConfig
-from ..transcoder import Transcoder
+from ..transcoder import Transcoder, shard_features
 from .common import (
     DTYPE_NAMES,
     LayerSlicer,
@@ -50,7 +50,6 @@ from .common import (
     read_json_object,
     read_tensors,
     shapes_of,
-    shard_loaded,
 )
 
 PARAMS = "params.safetensors"
@@ -59,6 +58,8 @@ CLT_FILE = re.compile(r"^params_layer_(\d+)\.safetensors$")
 LAYER_FOLDER = re.compile(r"^layer_(\d+)_(.+)$")
 KEYS = {"w_enc", "b_enc", "threshold", "w_dec", "b_dec"}
 SKIP = "affine_skip_connection"
+#: The feature axis of each CLT tensor that has one (a shard reads only its part of these).
+CLT_AXES = {"w_enc": 1, "b_enc": 0, "threshold": 0, "w_dec": 0}
 #: Hugging Face module points (``model.layers.{l}.<module>.output``) -> TransformerLens hooks.
 HF_POINTS = {"pre_feedforward_layernorm": ("input", "mlp.hook_in"),
              "post_feedforward_layernorm": ("output", "hook_mlp_out"),
@@ -190,17 +191,16 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
     several), or a list of per-layer folders, one per layer in order. Hooks come from each
     config.json (or the keyword arguments). ``shard=(rank, world)``: a per-layer set's slice
     is cut as each layer is read (one whole layer at a time; a memory-mapped decoder stays a
-    view); the CLT is loaded (decoders memory-mapped with ``lazy_decoder``), then
-    :meth:`~..transcoder.Transcoder.shard`-ed — its peak is the whole encoder."""
+    view); the CLT's slices alone are read (:func:`load_clt`)."""
     if not isinstance(source, list | tuple):
         root = Path(source).expanduser()
         if not root.exists():
             raise TranscoderFormatError(f"missing path {root}")
         if _clt_files(root):
-            return shard_loaded(load_clt(
+            return load_clt(
                 root, device=device, dtype=dtype, lazy_decoder=lazy_decoder, scan=scan,
                 feature_input_hook=feature_input_hook,
-                feature_output_hook=feature_output_hook), shard)
+                feature_output_hook=feature_output_hook, shard=shard)
         folders = _variant_folders(root, variant)
     else:
         folders = [Path(str(f)).expanduser() for f in source]
@@ -235,10 +235,15 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
              dtype: torch.dtype = torch.float32, lazy_decoder: bool = True,
              scan: str | None = None, model_name: str = "",
              feature_input_hook: str | None = None,
-             feature_output_hook: str | None = None) -> Transcoder:
+             feature_output_hook: str | None = None,
+             shard: tuple[int, int] | None = None) -> Transcoder:
     """The GemmaScope-2 CLT from its folder, or from its ``params_layer_{l}`` files in layer
     order (circuit-tracer's config lists them). Every file is checked before anything is
-    returned; the decoders stay memory-mapped with ``lazy_decoder``."""
+    returned; the decoders stay memory-mapped with ``lazy_decoder``. ``shard=(rank, world)``:
+    only that rank's features (:func:`~..transcoder.feature_range`) are read, after every
+    file's whole shapes are checked from its header — columns of ``w_enc [D, F]``, rows of
+    ``b_enc``, ``threshold`` and ``w_dec`` through safetensors' ``get_slice`` (a view of the
+    memory-mapped decoder with ``lazy_decoder``); never a whole encoder or decoder."""
     check_dtype(dtype)
     if isinstance(source, list | tuple):
         files, root = [Path(str(f)) for f in source], None
@@ -288,13 +293,16 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
             "w_enc": (d_model, width), "b_enc": (width,), "threshold": (width,),
             "b_dec": (d_model,), "w_dec": (width, targets, d_model)}
             | ({SKIP: (d_model, d_model)} if skip else {}))
+    features = shard_features(width, shard)
     names = ["w_enc", "b_enc", "threshold", "b_dec"] + ([SKIP] if skip else []) \
         + ([] if lazy_decoder else ["w_dec"])
-    tensors = [read_tensors(path, names) for path in files]
+    tensors = [read_tensors(path, names, features, CLT_AXES) for path in files]
     handles, W_dec = [], []
     for layer, path in enumerate(files):
         if lazy_decoder:
             w, mapped = mmap_tensor(path, "w_dec")
+            if features is not None:
+                w = w[features[0]:features[1]]  # a view: nothing read
             handles.append(mapped)
         else:
             w = tensors[layer]["w_dec"]
@@ -313,7 +321,8 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
         b_dec=torch.stack([t["b_dec"].to(dtype) for t in tensors]),
         W_enc=torch.stack([t["w_enc"].to(dtype).T for t in tensors]), W_dec=W_dec,
         W_skip=[t[SKIP].to(dtype).T for t in tensors] if skip else None,
-        dtype=dtype, device=device, source=str(source if root is None else root))
+        dtype=dtype, device=device, source=str(source if root is None else root),
+        features=features)
     if lazy_decoder:
         clt._handles = handles
     return clt

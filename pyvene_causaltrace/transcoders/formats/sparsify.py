@@ -19,18 +19,21 @@ from pathlib import Path
 
 import torch
 
-from ..transcoder import Transcoder
+from ..transcoder import Transcoder, shard_features
 from .common import (
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
     mmap_tensor,
+    open_safetensors,
     read_tensors,
-    shard_loaded,
+    shapes_of,
 )
 
 HOOKPOINT = re.compile(r"^(?:.*\.)?(?:layers|h)\.(\d+)\.mlp$")
 KEYS = {"encoder.weight", "encoder.bias", "W_dec", "b_dec"}
+#: The feature axis of each tensor that has one (a shard reads only its rows of these).
+AXES = {"encoder.weight": 0, "encoder.bias": 0, "W_dec": 0}
 
 
 def _hookpoints(root: Path) -> dict[int, Path]:
@@ -46,7 +49,30 @@ def is_layout(path: Path) -> bool:
     return bool(_hookpoints(path))
 
 
-def _read(sub: Path, lazy_decoder: bool) -> tuple[LayerTensors, dict]:
+def _header(weights: Path, skip: bool, width: int | None = None) -> int:
+    """The file's feature count (``encoder.weight``'s rows) after checking, from its header,
+    that it holds every tensor in a consistent shape — and ``width`` features when given (the
+    first layer's): a sharded load reads slices, which alone would hide a wrong width."""
+    shapes = shapes_of(open_safetensors(weights))
+    names = KEYS | ({"W_skip"} if skip else set())
+    missing = sorted(names - set(shapes))
+    if missing:
+        raise TranscoderFormatError(f"{weights}: missing {', '.join(missing)} (holds "
+                                    f"{sorted(shapes)})")
+    rows, d_model = shapes["encoder.weight"] if len(shapes["encoder.weight"]) == 2 \
+        else (None, None)
+    width = rows if width is None else width
+    want = {"encoder.weight": (width, d_model), "encoder.bias": (width,),
+            "W_dec": (width, d_model), "b_dec": (d_model,)} \
+        | ({"W_skip": (d_model, d_model)} if skip else {})
+    wrong = {name: shapes[name] for name in want if shapes[name] != want[name]}
+    if wrong:
+        raise TranscoderFormatError(f"{weights}: shapes {wrong} disagree with the first "
+                                    f"layer's {width} features (expected {want})")
+    return width
+
+
+def _config(sub: Path) -> dict:
     cfg_file, weights = sub / "cfg.json", sub / "sae.safetensors"
     if not weights.exists():
         raise TranscoderFormatError(f"missing file {weights}")
@@ -60,21 +86,32 @@ def _read(sub: Path, lazy_decoder: bool) -> tuple[LayerTensors, dict]:
     if cfg.get("activation", "topk") != "topk":
         raise TranscoderFormatError(f"{cfg_file}: unknown activation {cfg['activation']!r} "
                                     "(only topk is supported)")
+    return cfg
+
+
+def _read(sub: Path, cfg: dict, lazy_decoder: bool,
+          features: tuple[int, int] | None = None) -> LayerTensors:
+    """One layer; with ``features=(lo, hi)`` only those rows of ``encoder.weight``,
+    ``encoder.bias`` and ``W_dec`` are read (a view of the memory-mapped decoder with
+    ``lazy_decoder``)."""
+    weights = sub / "sae.safetensors"
     skip = bool(cfg.get("skip_connection", False))
     names = KEYS | ({"W_skip"} if skip else set())
-    tensors = read_tensors(weights, sorted(names - ({"W_dec"} if lazy_decoder else set())))
+    tensors = read_tensors(weights, sorted(names - ({"W_dec"} if lazy_decoder else set())),
+                           features, AXES)
     handles = []
     if lazy_decoder:
         tensors["W_dec"], mapped = mmap_tensor(weights, "W_dec")
+        if features is not None:
+            tensors["W_dec"] = tensors["W_dec"][features[0]:features[1]]  # a view: nothing read
         handles.append(mapped)
     b_enc = tensors["encoder.bias"]
     if "transcode" not in cfg:  # the input was x - b_dec: fold it into the encoder's bias
         W = tensors["encoder.weight"]
         b_enc = b_enc.double() - W.double() @ tensors["b_dec"].double()  # kept in float64
-    layer = LayerTensors(str(weights), W_enc=tensors["encoder.weight"], W_dec=tensors["W_dec"],
-                         b_enc=b_enc, b_dec=tensors["b_dec"], W_skip=tensors.get("W_skip"),
-                         handles=handles)
-    return layer, cfg
+    return LayerTensors(str(weights), W_enc=tensors["encoder.weight"], W_dec=tensors["W_dec"],
+                        b_enc=b_enc, b_dec=tensors["b_dec"], W_skip=tensors.get("W_skip"),
+                        handles=handles)
 
 
 def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -82,8 +119,11 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
          model_name: str = "", scan: str | None = None,
          shard: tuple[int, int] | None = None, **_ignored) -> Transcoder:
     """A per-layer TopK set from a sparsify run directory (one subdirectory per layer's MLP).
-    ``shard=(rank, world)``: loaded whole, then :meth:`~..transcoder.Transcoder.shard`-ed (peak
-    memory is the whole encoder; its top-k is then a collective over the ranks)."""
+    ``shard=(rank, world)``: only that rank's features (:func:`~..transcoder.feature_range`) of
+    each layer are read — row slices of ``encoder.weight``, ``encoder.bias`` and ``W_dec``
+    through safetensors' ``get_slice`` (a view of the memory-mapped decoder with
+    ``lazy_decoder``), every file's whole shapes checked from its header first; never a whole
+    encoder or decoder. Its top-k is then a collective over the ranks."""
     root = Path(source).expanduser()
     found = _hookpoints(root)
     if not found:
@@ -92,9 +132,14 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
     if missing:
         raise TranscoderFormatError(f"{root}: no transcoder for layer(s) {missing}")
     layers, ks = [], set()
+    features = width = None
     for layer in range(len(found)):
-        tensors, cfg = _read(found[layer], lazy_decoder)
-        layers.append(tensors)
+        cfg = _config(found[layer])
+        if shard is not None:
+            width = _header(found[layer] / "sae.safetensors",
+                            bool(cfg.get("skip_connection", False)), width)
+            features = features or shard_features(width, shard)
+        layers.append(_read(found[layer], cfg, lazy_decoder, features))
         ks.add(cfg.get("k"))
     if len(ks) != 1 or not isinstance(next(iter(ks)), int):
         raise TranscoderFormatError(f"{root}: layers disagree on k or lack it: "
@@ -102,7 +147,8 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
     run_config = root / "config.json"
     if not model_name and run_config.exists():
         model_name = str(json.loads(run_config.read_text()).get("model", ""))
-    return shard_loaded(assemble_set(
+    return assemble_set(
         layers, model_name=model_name, activation="relu_topk", k=ks.pop(),
         feature_input_hook="mlp.hook_in", feature_output_hook="mlp.hook_out", scan=scan,
-        source=str(root), dtype=dtype, device=device, lazy_decoder=lazy_decoder), shard)
+        source=str(root), dtype=dtype, device=device, lazy_decoder=lazy_decoder,
+        features=features, d_transcoder=width)
