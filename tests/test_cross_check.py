@@ -24,6 +24,7 @@ from transcoder_fixtures import random_set, write_circuit_tracer
 
 from pyvene_causaltrace import Tracer
 from pyvene_causaltrace.attribution import attribute
+from pyvene_causaltrace.attribution.heads import head_loadings
 from pyvene_causaltrace.crosscheck import (
     CrossCheckResult,
     cross_check,
@@ -237,3 +238,66 @@ def test_in_the_replacement_model_only_threshold_crossings_break_the_prediction(
     assert (crossings == 0).any() and (crossings > 0).any()
     assert np.abs(predicted - measured)[crossings == 0].max() <= 1e-5 * scale
     assert np.abs(predicted - measured)[crossings > 0].max() > 1e-5 * scale
+
+
+@pytest.mark.numerics
+def test_heads_put_loadings_beside_per_head_restores(world, tmp_path):
+    """``heads=True``: each head's loading (the graph's head loadings summed over the sources
+    at the subject's positions, or over all) beside its per-head indirect effect, and their
+    rank statistics, all recomputed here by hand; the JSON keeps to its schema."""
+    _, _, clt, tracer, graph, _ = world
+    result = cross_check(graph, tracer, clt, top_n=0, kinds=("residual",), heads=True)
+    heads = result.heads
+    assert heads["layers"] == [0, 1, 2] and heads["n_heads"] == 4
+    assert heads["position"] == tracer.prompt.seq_len - 1
+    assert result.settings["heads"] == [0, 1, 2]
+    loadings = head_loadings(tracer.model, clt, graph)
+    assert heads["target"] == loadings.target_label == graph.label(graph.logit_node)
+    positions = torch.tensor(graph.nodes()["position"].to_numpy()[:len(loadings.edges)])
+    start, stop = tracer.prompt.subject_range
+    parts = loadings.parts.double()
+    subject = parts[:, :, (positions >= start) & (positions < stop)].sum(-1).numpy()
+    every = parts.sum(-1).numpy()
+    assert np.abs(subject).max() > 0 and not np.allclose(subject, every)
+    assert np.allclose(heads["loadings"]["subject"], subject, rtol=1e-9, atol=0)
+    assert np.allclose(heads["loadings"]["all"], every, rtol=1e-9, atol=0)
+    effects = tracer.trace_heads(progress=False).grid("ie")
+    assert np.allclose(heads["effects"], effects, rtol=1e-6, atol=1e-12)
+    assert np.abs(effects).max() > 1e-6
+    for part, grid in (("subject", subject), ("all", every)):
+        stats = heads["stats"][part]
+        assert stats["n_heads"] == 12
+        assert stats["spearman"] == pytest.approx(spearman(grid, effects))
+        assert stats["per_layer"] == pytest.approx([spearman(grid[i], effects[i])
+                                                    for i in range(3)], nan_ok=True)
+    frame = result.heads_dataframe()
+    assert len(frame) == 12 and frame["effect"].tolist() == pytest.approx(effects.ravel())
+    assert "heads, loading (subject sources)" in result.summary()
+
+    path = tmp_path / "cross_check.json"
+    result.to_json(path)
+    data = json.loads(path.read_text())
+    schema = cross_check_schema()
+    jsonschema.validate(data, schema)
+    assert CrossCheckResult.from_json(path.read_text()).to_dict() == result.to_dict()
+    broken = {**data, "heads": {k: v for k, v in data["heads"].items() if k != "stats"}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
+    # one layer asked for; without heads the section is empty and still valid
+    one = cross_check(graph, tracer, clt, top_n=0, kinds=("residual",), heads=1)
+    assert one.heads["layers"] == [1]
+    assert np.allclose(one.heads["effects"], effects[1:2], rtol=1e-6, atol=1e-12)
+    none = cross_check(graph, tracer, top_n=0, kinds=("residual",))
+    assert none.heads == {} and none.settings["heads"] is None
+    jsonschema.validate(json.loads(none.to_json()), schema)
+    assert none.heads_dataframe().empty
+
+
+def test_heads_need_the_transcoder_and_real_layers(world):
+    _, _, clt, tracer, graph, _ = world
+    with pytest.raises(InputError, match="transcoder"):
+        cross_check(graph, tracer, heads=True)
+    with pytest.raises(InputError, match="heads"):
+        cross_check(graph, tracer, clt, top_n=0, heads=[7])
+    with pytest.raises(InputError, match="heads"):
+        cross_check(graph, tracer, clt, top_n=0, heads="all")

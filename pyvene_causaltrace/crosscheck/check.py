@@ -8,7 +8,9 @@
 Sites (:mod:`.sites`): per (layer, position), the graph's influence beside the trace's indirect
 effect, for the residual trace and the MLP trace. Features (:mod:`.features`): for the graph's
 ``top_n`` features by influence, attribution's linear prediction of what the trace's noise does
-to the target through each one, beside the patch measured in the spliced model.
+to the target through each one, beside the patch measured in the spliced model. Heads
+(:mod:`.heads`, asked for with ``heads=``): each attention head's loading of the target's edges
+beside its indirect effect when restored alone at the last position.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch
 from ..defaults import CROSS_CHECK_FEATURES, CROSS_CHECK_TOP_K, CROSS_CHECK_WINDOW
 from ..errors import InputError, PyveneModelError
 from ..tracing.engine import get_kind
+from ..tracing.head_restore import check_layers
 from ..transcoders.transcoder import Transcoder, check_fits
 from .features import MODES, PatchRunner, noised_activations, target_coefficients, total_effects
+from .heads import head_section
 from .result import CrossCheckResult, feature_statistics
 from .sites import SITE_PARTS, compare_grids, reachable_cells, site_influence, window_sum
 
@@ -76,7 +80,8 @@ def cross_check(
     graph: AttributionGraph, tracer: Tracer, transcoder: Transcoder | None = None, *,
     kinds: Sequence[str] = SITE_KINDS, window: int = CROSS_CHECK_WINDOW,
     top_k: int = CROSS_CHECK_TOP_K, top_n: int = CROSS_CHECK_FEATURES,
-    modes: Sequence[str] = ("spliced",), progress: Callable[[int], None] | None = None,
+    modes: Sequence[str] = ("spliced",), heads: bool | int | Sequence[int] = False,
+    progress: Callable[[int], None] | None = None,
 ) -> CrossCheckResult:
     """Compare ``graph`` with ``tracer``'s traces (module docstring).
 
@@ -95,6 +100,10 @@ def cross_check(
         modes: ``"spliced"`` (attention and norms live, the default) and/or
             ``"replacement"`` (held at the clean run's: the local replacement model, where the
             prediction is exact up to threshold crossings).
+        heads: also compare heads (:mod:`.heads`) at these layers: ``True`` every layer, an
+            int or a list those, ``False`` none (the default: it costs a forward and a
+            backward per layer for the loadings and ``layers x heads x seeds`` restore rows).
+            Needs ``transcoder``.
         progress: called with 1 after each mode's patches.
 
     Raises:
@@ -113,6 +122,10 @@ def cross_check(
     for name, value, low in (("window", window, 1), ("top_k", top_k, 1), ("top_n", top_n, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
+    head_layers = _head_layers(heads, tracer.engine.n_layers)
+    if head_layers is not None and transcoder is None:
+        raise InputError("heads: head loadings replay the graph's run, so they need the graph's "
+                         "transcoder (pass transcoder=)")
     check_pair(graph, tracer)
     if transcoder is not None:
         check_fits(transcoder, tracer.model)
@@ -127,6 +140,8 @@ def cross_check(
     sites = {kind: {part: compare_grids(window_sum(graph_grids[part], layers_of[kind]),
                                         trace_grids[kind], mask, top_k)
                     for part in SITE_PARTS} for kind in kinds}
+    head_stats = ({} if head_layers is None
+                  else head_section(graph, tracer, transcoder, head_layers))
     return CrossCheckResult(
         prompt=graph.prompt, tokens=list(graph.tokens),
         subject_range=tuple(tracer.prompt.subject_range), answer=graph.answer,
@@ -142,8 +157,22 @@ def cross_check(
                     "n_logits": graph.n_logits, "closure": graph.closure.relative,
                     "transcoder": graph.metadata.get("transcoder", {})},
         settings={"kinds": list(kinds), "window": window, "top_k": top_k, "top_n": top_n,
-                  "modes": list(modes), "cells": "positions from the subject's first token"},
-        seconds=time.perf_counter() - start)
+                  "modes": list(modes), "cells": "positions from the subject's first token",
+                  "heads": head_layers},
+        heads=head_stats, seconds=time.perf_counter() - start)
+
+
+def _head_layers(heads: bool | int | Sequence[int], n_layers: int) -> list[int] | None:
+    """The layers ``heads=`` asks for (None: no head comparison), checked."""
+    if heads is False or heads is None:
+        return None
+    if heads is True:
+        return list(range(n_layers))
+    try:
+        return check_layers(heads, n_layers)
+    except (InputError, TypeError) as error:
+        raise InputError(f"heads must be True, False, a layer or a list of layers: {error}") \
+            from None
 
 
 def _feature_rows(graph, tracer, transcoder: Transcoder, top_n: int, modes: Sequence[str],

@@ -69,7 +69,11 @@ class CrossCheckResult:
     (restored - corrupt P(answer), mean over seeds). ``sites[kind][part]``: Spearman, Pearson
     and top-k overlap over the cells from the subject on. ``features``: one dict per checked
     feature (``predicted``/``measured`` per seed, ``modes[mode]`` the measurement in each mode,
-    ``sign_disagrees``); ``feature_stats[mode]``: their agreement.
+    ``sign_disagrees``); ``feature_stats[mode]``: their agreement. ``heads`` (empty unless
+    asked for, :mod:`.heads`): per (layer, head) the graph's loading of the target's edges
+    (``loadings[part]``, ``subject`` or ``all`` sources) beside the per-head trace's mean
+    indirect effect (``effects``), and ``stats[part]``: Spearman and Pearson over every head,
+    Spearman per layer.
     """
 
     prompt: str
@@ -90,6 +94,7 @@ class CrossCheckResult:
     feature_stats: dict[str, dict[str, Any]]
     graph_info: dict[str, Any]
     settings: dict[str, Any]
+    heads: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     versions: dict[str, str] = field(default_factory=package_versions)
 
@@ -102,6 +107,22 @@ class CrossCheckResult:
                                                             if not k.endswith("_top")}}
                              for kind, parts in self.sites.items()
                              for part, stats in parts.items()])
+
+    def heads_dataframe(self):
+        """One row per checked (layer, head): its loadings (``loading_subject``,
+        ``loading_all``) and mean indirect effect (``effect``); empty without heads."""
+        import pandas as pd  # pandas loads only when a table is asked for
+
+        if not self.heads:
+            return pd.DataFrame(columns=["layer", "head", "loading_subject", "loading_all",
+                                         "effect"])
+        h = self.heads
+        return pd.DataFrame([{"layer": layer, "head": head,
+                              **{f"loading_{part}": grid[i][head]
+                                 for part, grid in h["loadings"].items()},
+                              "effect": h["effects"][i][head]}
+                             for i, layer in enumerate(h["layers"])
+                             for head in range(h["n_heads"])])
 
     def to_dataframe(self):
         """One row per (checked feature, mode): where it is, activation change, predicted
@@ -159,6 +180,14 @@ class CrossCheckResult:
                          f"{s['n_sign_disagree']} sign disagreements; largest gap "
                          f"{s['max_abs_gap']:.3g}; {s['mean_crossings']:.1f} features switch "
                          "per patch")
+        if self.heads:
+            h = self.heads
+            for part, s in h["stats"].items():
+                per_layer = ", ".join(f"L{layer} {_fmt(value)}" for layer, value
+                                      in zip(h["layers"], s["per_layer"], strict=True))
+                lines.append(f"heads, loading ({part} sources) vs restore at position "
+                             f"{h['position']}: Spearman {_fmt(s['spearman'])} over "
+                             f"{s['n_heads']} heads; per layer {per_layer}")
         if self.features and not self.graph_info.get("complete", True):
             lines.append("note: the graph has features without rows: paths through them are "
                          "missing from the predictions")

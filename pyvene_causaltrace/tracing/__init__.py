@@ -10,7 +10,8 @@ from .._lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(__name__, {
     "Tracer": ".tracer", "trace": ".tracer", "tracer_from_spec": ".tracer",
     "ControlReport": ".tracer", "TraceSettings": ".settings", "TraceResult": ".results",
-    "SpecRunResult": ".results",
+    "SpecRunResult": ".results", "HeadTraceResult": ".results",
+    "HeadRestorer": ".head_restore",
     "KINDS": ".engine", "TraceEngine": ".engine", "sweep_noise_scale": ".noise_scale",
     "NoiseScaleSweep": ".noise_scale", "token_role": ".roles", "ROLES": ".roles",
 })

@@ -48,3 +48,43 @@ def plot_trace(result, path: str | None = None, value: str = "prob", ax=None):
     if path is not None:
         fig.savefig(path, bbox_inches="tight")
     return fig
+
+
+def plot_head_trace(result, path: str | None = None, value: str = "ie", ax=None):
+    """Heat map of a :class:`~.results.HeadTraceResult`: layers down, heads across, the mean
+    over seeds of ``value`` (``"ie"``: indirect effect, ``"recovery"`` or ``"prob"``),
+    coloured around 0 (``"prob"``: from the mean corrupted probability). Saves to ``path`` if
+    given; returns the figure."""
+    import matplotlib  # matplotlib loads only when a figure is drawn
+
+    if ax is None:
+        matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt  # matplotlib loads only when a figure is drawn
+
+    grid = result.grid(value)  # [layer, head]
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(max(4.0, result.n_heads * 0.45 + 2),
+                                        len(result.layers) * 0.32 + 1.4), dpi=150)
+    else:
+        fig = ax.figure
+    if value == "prob":
+        image = ax.pcolor(grid, cmap="Reds", vmin=float(result.corrupt_probs.mean()))
+    else:
+        limit = float(abs(grid).max()) or 1.0
+        image = ax.pcolor(grid, cmap="RdBu_r", vmin=-limit, vmax=limit)
+    ax.invert_yaxis()
+    ax.set_yticks([i + 0.5 for i in range(len(result.layers))])
+    ax.set_yticklabels([str(layer) for layer in result.layers])
+    ax.set_xticks([h + 0.5 for h in range(result.n_heads)])
+    ax.set_xticklabels([str(h) for h in range(result.n_heads)])
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(f"heads restored at {result.tokens[result.position]!r}: clean "
+                 f"P({result.answer!r}) = {result.clean_prob:.3f}, corrupted "
+                 f"{result.corrupt_probs.mean():.3f}", fontsize=9)
+    bar = fig.colorbar(image, ax=ax)
+    bar.set_label({"ie": "mean indirect effect", "recovery": "mean recovery",
+                   "prob": f"mean restored P({result.answer!r})"}[value])
+    if path is not None:
+        fig.savefig(path, bbox_inches="tight")
+    return fig

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .plots import plot_trace
+from ..errors import InputError
+from .plots import plot_head_trace, plot_trace
 from .roles import token_roles
 
 
@@ -340,3 +341,125 @@ class TraceResult:
     def plot(self, path: str | None = None, value: str = "prob", ax=None):
         """ROME-style heatmap; see :func:`pyvene_causaltrace.tracing.plots.plot_trace`."""
         return plot_trace(self, path=path, value=value, ax=ax)
+
+
+@dataclass(frozen=True, eq=False)
+class HeadTraceResult:
+    """A per-head trace of one prompt (:meth:`~.tracer.Tracer.trace_heads`): restored
+    P(answer) with one attention head's clean output put back at one position.
+
+    ``restored_probs[s, i, h]`` is P(answer) with seed ``s``'s noise on the subject and head
+    ``h`` of layer ``layers[i]`` restored at ``position`` (its slice of the input of the
+    layer's attention output projection). ``indirect_effect = restored - corrupt_s``;
+    ``recovery`` divides it by ``clean - corrupt_s``. Per-seed arrays are ``[seed, layer,
+    head]``, grids ``[layer, head]`` (rows in the order of ``layers``).
+    """
+
+    tokens: list[str]
+    subject_range: tuple[int, int]
+    noise_positions: list[int]
+    answer: str
+    answer_id: int
+    layers: list[int]
+    position: int
+    scale: float
+    sigma: float
+    sigma_method: str
+    seeds: list[int]
+    clean_prob: float
+    corrupt_probs: np.ndarray  # [seed]
+    restored_probs: np.ndarray  # [seed, layer, head]
+    versions: dict[str, str] = field(default_factory=package_versions)
+
+    @property
+    def n_heads(self) -> int:
+        return int(self.restored_probs.shape[2])
+
+    @property
+    def total_effect(self) -> np.ndarray:
+        """``[seed]``: clean - corrupt."""
+        return self.clean_prob - self.corrupt_probs
+
+    @property
+    def indirect_effect(self) -> np.ndarray:
+        """``[seed, layer, head]``: restored - corrupt."""
+        return self.restored_probs - self.corrupt_probs[:, None, None]
+
+    @property
+    def recovery(self) -> np.ndarray:
+        """``[seed, layer, head]``: indirect effect / total effect, per seed."""
+        return self.indirect_effect / self.total_effect[:, None, None]
+
+    def grid(self, value: str = "ie") -> np.ndarray:
+        """Mean over seeds of ``"ie"`` (indirect effect), ``"recovery"`` or ``"prob"``:
+        ``[layer, head]``."""
+        arrays = {"ie": self.indirect_effect, "recovery": self.recovery,
+                  "prob": self.restored_probs}
+        if value not in arrays:
+            raise InputError(f"value must be one of {', '.join(arrays)}, got {value!r}")
+        return arrays[value].mean(0)
+
+    def top_heads(self, n: int = 5) -> list[tuple[int, int, float]]:
+        """The ``n`` (layer, head, mean indirect effect) of largest mean indirect effect."""
+        grid = self.grid("ie")
+        order = np.argsort(-grid.ravel(), kind="stable")[:n]
+        return [(self.layers[int(i) // self.n_heads], int(i) % self.n_heads,
+                 float(grid.ravel()[i])) for i in order]
+
+    # ---------------------------------------------------------------------- exports
+    def to_dataframe(self):
+        """Long form: ``seed, layer, head, position, prob, effect, recovery`` (``effect``: the
+        indirect effect; its mean over seeds per (layer, head) is :meth:`grid`)."""
+        import pandas as pd  # pandas loads only when a table is asked for
+
+        s, i, h = np.meshgrid(np.arange(len(self.seeds)), np.arange(len(self.layers)),
+                              np.arange(self.n_heads), indexing="ij")
+        return pd.DataFrame({
+            "seed": np.array(self.seeds)[s.ravel()],
+            "layer": np.array(self.layers)[i.ravel()],
+            "head": h.ravel(),
+            "position": self.position,
+            "prob": self.restored_probs.ravel(),
+            "effect": self.indirect_effect.ravel(),
+            "recovery": self.recovery.ravel(),
+        })
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens, "subject_range": list(self.subject_range),
+            "noise_positions": self.noise_positions, "answer": self.answer,
+            "answer_id": self.answer_id, "kind": "heads", "layers": self.layers,
+            "position": self.position, "n_heads": self.n_heads, "scale": self.scale,
+            "sigma": self.sigma, "sigma_method": self.sigma_method, "seeds": self.seeds,
+            "clean_prob": self.clean_prob, "corrupt_probs": self.corrupt_probs.tolist(),
+            "restored_probs": self.restored_probs.tolist(),
+            "indirect_effect": self.indirect_effect.tolist(),
+            "mean_indirect_effect": self.grid("ie").tolist(),
+            "versions": self.versions,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> HeadTraceResult:
+        data = json.loads(text)
+        for key in ("kind", "n_heads", "indirect_effect", "mean_indirect_effect"):
+            data.pop(key)
+        data["subject_range"] = tuple(data["subject_range"])
+        data["corrupt_probs"] = np.asarray(data["corrupt_probs"], dtype=np.float64)
+        data["restored_probs"] = np.asarray(data["restored_probs"], dtype=np.float64)
+        return cls(**data)
+
+    def summary(self, n: int = 5) -> str:
+        lines = [f"per-head trace at position {self.position} {self.tokens[self.position]!r}: "
+                 f"answer {self.answer!r}, clean P = {self.clean_prob:.4f}, corrupted P (mean of "
+                 f"{len(self.seeds)} seeds) = {float(self.corrupt_probs.mean()):.4f}"]
+        lines += [f"  layer {layer} head {head}: mean indirect effect {effect:+.4f}"
+                  for layer, head, effect in self.top_heads(n)]
+        return "\n".join(lines)
+
+    def plot(self, path: str | None = None, value: str = "ie", ax=None):
+        """Heat map, layers down and heads across; see
+        :func:`pyvene_causaltrace.tracing.plots.plot_head_trace`."""
+        return plot_head_trace(self, path=path, value=value, ax=ax)

@@ -5,6 +5,7 @@
                     answer=" Paris", seeds=10)       # scale: 3 sigma, ROME's
     # or settings=TraceSettings(seeds=10, ...): the same settings as one frozen object
     result = tracer.trace("residual")            # also "mlp", "attn", "severed-mlp", ...
+    heads = tracer.trace_heads(layers=[10, 11])  # one attention head restored at a time
     result.plot("residual.png"); result.to_dataframe()
     tracer.controls()                            # the two checks that can fail
 
@@ -41,8 +42,9 @@ from ..prompts import answer_token_id, tokenize_prompt
 from ..specs import ExperimentSpec, SpecError, load_spec
 from .chunks import check_seeds_fit
 from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
+from .head_restore import HeadRestorer, check_layers
 from .noise_scale import NoiseScaleSweep, resolve_sigma, sweep_noise_scale
-from .results import TraceResult
+from .results import HeadTraceResult, TraceResult
 from .settings import TraceSettings, trace_settings_from
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
@@ -230,6 +232,38 @@ class Tracer:
             clean_prob=self.clean_prob, corrupt_probs=self.corrupt_probs,
             restored_probs=restored, spec=spec,
         )
+
+    def trace_heads(self, layers: int | Sequence[int] | None = None, *, position: int = -1,
+                    progress: bool = True) -> HeadTraceResult:
+        """The attention trace broken down by head: for every head of ``layers`` (default
+        every layer) and every seed, P(answer) with that head's clean output alone restored at
+        ``position`` (default the last; negative counts from the end) in the corrupted run
+        (:mod:`.head_restore`). A head's output is its ``head_dim`` slice of the input of its
+        layer's attention output projection; restoring every head of a layer at once is the
+        ``attn`` trace's restore at that layer alone (``window=1``).
+
+        ``progress``: a progress bar over the rows, as :meth:`trace`'s."""
+        chosen = check_layers(layers, self.engine.n_layers)
+        if not isinstance(progress, bool):
+            raise InputError(f"progress must be True or False, got {progress!r}")
+        with measurement(self.bound):
+            restorer = HeadRestorer(self.engine, chosen)
+            at = restorer.position(position)
+            n_heads = restorer.n_heads
+            cells = [(layer, (head,)) for layer in chosen for head in range(n_heads)]
+            bar = tqdm(total=len(self.seeds) * len(cells), desc="head trace", unit="row",
+                       disable=not progress)
+            with bar:
+                probs = restorer.run(cells, at, progress=bar.update)
+        check_finite(probs, "the restored probabilities of the head trace")
+        return HeadTraceResult(
+            tokens=list(self.prompt.tokens), subject_range=self.prompt.subject_range,
+            noise_positions=self.noise_positions,
+            answer=self.tokenizer.decode([self.answer_id]), answer_id=self.answer_id,
+            layers=chosen, position=at, scale=self.scale, sigma=self.sigma,
+            sigma_method=self.sigma_method, seeds=self.seeds, clean_prob=self.clean_prob,
+            corrupt_probs=self.corrupt_probs,
+            restored_probs=probs.numpy().reshape(len(self.seeds), len(chosen), n_heads))
 
     def spec(self, kind: str, window: int | None = None) -> dict:
         """The JSON spec that reproduces ``trace(kind)`` (see ``intervention_specs/``;
