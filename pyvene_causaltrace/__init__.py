@@ -37,8 +37,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "SpecError": ".specs",
     "attribute": ".attribution.attribute",
     "AttributionGraph": ".attribution.graph",
-    "head_loadings": ".attribution.heads",
-    "qk_attribution": ".attribution.heads",
     "intervene_features": ".steering",
     "cross_check": ".crosscheck.check",
     "load_transcoder": ".transcoders.formats",
