@@ -14,10 +14,15 @@ For each fact: the graph of the answer (demeaned logit), then
   projection), minus the row with all of them cut;
 - the QK terms (:func:`~pyvene_causaltrace.attribution.qk_attribution`) of the three leading
   heads at the last position (query) and the subject's last token (key): the largest node-pair
-  terms and marginals, and how exactly they sum to the score.
+  terms and marginals, and how exactly they sum to the score;
+- the per-head trace beside the loadings (``cross_check``'s heads section): with the subject
+  noised (10 seeds, ``scale="auto"``), each head's clean output alone restored at the last
+  position, and Spearman over the heads between that indirect effect and the head's part of
+  the subject's edges.
 
 Writes ``examples/results/heads/<fact>/`` (``heads.json``: the split of the 20 largest subject
-edges; ``qk.json``; ``heads.png``) and ``examples/results/heads/summary.md``.
+edges; ``qk.json``; ``heads.png``; ``head_trace.json``) and
+``examples/results/heads/summary.md``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pathlib import Path
 import torch
 from smollm2_traces import FACTS
 
-from pyvene_causaltrace import load_model
+from pyvene_causaltrace import Tracer, load_model
 from pyvene_causaltrace.attribution import (
     attribute,
     head_loadings,
@@ -38,6 +43,7 @@ from pyvene_causaltrace.attribution import (
 )
 from pyvene_causaltrace.attribution.edges import target_row
 from pyvene_causaltrace.attribution.heads import graph_target
+from pyvene_causaltrace.crosscheck.heads import head_section
 from pyvene_causaltrace.models import cache_dir, get_adapter, get_module
 from pyvene_causaltrace.prompts import tokenize_prompt
 from pyvene_causaltrace.transcoders import load_transcoder
@@ -101,8 +107,13 @@ def one_fact(model, tokenizer, transcoder, name, prompt, subject, answer) -> dic
         start = time.perf_counter()
         qk = qk_attribution(model, transcoder, graph, layer_h, head, -1, key_pos)
         qks.append((qk, time.perf_counter() - start))
+    start = time.perf_counter()
+    tracer = Tracer(model, tokenizer, prompt, subject, answer=answer, seeds=10, scale="auto")
+    heads = head_section(graph, tracer, transcoder)
+    trace_s = time.perf_counter() - start
     folder = OUT / name
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / "head_trace.json").write_text(json.dumps(heads, indent=1))
     largest = sorted(sources, key=lambda s: -abs(float(loadings.edges[s])))[:20]
     loadings.to_json(folder / "heads.json", sources=largest)  # the 20 largest subject edges
     (folder / "qk.json").write_text(json.dumps([qk.to_dict(10) for qk, _ in qks], indent=1))
@@ -112,7 +123,8 @@ def one_fact(model, tokenizer, transcoder, name, prompt, subject, answer) -> dic
             "graph_s": graph_s, "loadings_s": loadings_s, "subject": positions,
             "subject_edges": subject_edges, "subject_parts": subject_parts,
             "leading": leading, "check_layer": layer, "check_worst": worst / scale,
-            "qks": qks, "best": best, "loadings": loadings}
+            "qks": qks, "best": best, "loadings": loadings, "heads": heads,
+            "trace_s": trace_s}
 
 
 def qk_scale(qk) -> float:
@@ -146,6 +158,21 @@ def write_summary(rows) -> None:
                   f"Largest subject edge: {graph.label(r['best'])} "
                   f"({float(r['loadings'].edges[r['best']]):+.3f}); its split by layer and "
                   "head: `heads.png`.", ""]
+        heads = r["heads"]
+        effects = torch.tensor(heads["effects"])
+        top = effects.flatten().argsort(descending=True)[:5]
+        stats = heads["stats"]
+        lines += [f"Per-head trace ({r['trace_s']:.0f} s, loadings included): each head's clean "
+                  "output alone restored at the last position, the subject noised. Largest "
+                  "mean indirect effects: " + ", ".join(
+                      f"L{int(i) // heads['n_heads']} H{int(i) % heads['n_heads']} "
+                      f"{float(effects.flatten()[i]):+.3f}" for i in top)
+                  + f". Spearman over all {stats['subject']['n_heads']} heads, head part of the "
+                  f"subject's edges vs indirect effect: {stats['subject']['spearman']:+.2f} "
+                  f"(all edges: {stats['all']['spearman']:+.2f}); "
+                  "per head of the leading layers: " + ", ".join(
+                      f"L{layer} {float(effects[layer, head]):+.3f}"
+                      f" (H{head})" for layer, head in r["leading"][:3]) + ".", ""]
         for qk, seconds in r["qks"]:
             lines += [f"**L{qk.layer} H{qk.head}**, query @{qk.query_pos} "
                       f"{graph.tokens[qk.query_pos]!r}, key @{qk.key_pos} "
