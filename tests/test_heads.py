@@ -18,7 +18,7 @@ from pyvene_causaltrace.attribution.heads import (
     head_loadings,
     qk_attribution,
 )
-from pyvene_causaltrace.errors import ClosureError, InputError
+from pyvene_causaltrace.errors import ClosureError, InputError, UnsupportedModelError
 from pyvene_causaltrace.interventions.frozen import attention_patterns
 from pyvene_causaltrace.models import get_adapter, get_module
 from pyvene_causaltrace.transcoders import load_from_disk
@@ -381,6 +381,12 @@ def test_a_soft_capped_score_is_decomposed_before_its_cap(tmp_path, tokenizer):
     clt = load_from_disk(str(write_clt(tmp_path / "clt", random_clt_tensors(
         3, 32, 48, threshold=0.1))))
     graph = attribute(model, tokenizer, clt, PROMPT)
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:  # the oldest tier: refused, not wrong
+        with pytest.raises(UnsupportedModelError, match="transformers 5 only"):
+            qk_attribution(model, clt, graph, 1, 2, -1, 0)
+        return
     results = [qk_attribution(model, clt, graph, 1, 2, -1, k) for k in range(graph.n_pos)]
     assert results[0].softcap == 0.3
     for qk in results:
