@@ -313,8 +313,6 @@ def test_attribute_heads_on_the_command_line(tmp_path, tokenizer, capsys):
 def _cut_rows(model, clt, graph, layer, nodes):
     """Rows of ``nodes`` (explored features, then the first logit node) with every head of
     ``layer`` cut from the gradient: each row's bypass at that layer, independently."""
-    n_heads = model.config.num_attention_heads
-
     def cut(_module, args):
         return (args[0].detach(), *args[1:]) if args[0].requires_grad else None
 
@@ -326,20 +324,17 @@ def _cut_rows(model, clt, graph, layer, nodes):
         logit, _, _ = target_row(run, graph_target(graph, 0))
     finally:
         handle.remove()
-    assert n_heads > 1
     return torch.cat([rows, logit.detach().double()[None]])
 
 
-def test_rows_of_a_graph_split_exactly_at_every_layer(tmp_path, tokenizer):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_row_of_a_graph_splits_exactly_at_every_layer(arch, tmp_path, tokenizer):
     from pyvene_causaltrace.attribution import heads
     from pyvene_causaltrace.bound import bind
 
-    model, clt, graph = _world("llama", tmp_path, tokenizer)
-    explored = graph.explored.nonzero().squeeze(-1)
-    assert len(explored) > 40
-    # 40 rows drawn from every layer and position (all of them: ~5 backward passes each)
-    nodes = explored[torch.randperm(len(explored), generator=torch.Generator().manual_seed(0))
-                     [:40]].sort().values
+    model, clt, graph = _world(arch, tmp_path, tokenizer)
+    nodes = graph.explored.nonzero().squeeze(-1)  # every explored feature, then the logit
+    assert len(nodes) > 40
     layers = list(range(graph.n_layers))
     replay = heads._replay(bind(model), clt, graph, layers)
     split = [heads._loadings(replay, int(node), layers)
