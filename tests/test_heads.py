@@ -344,7 +344,9 @@ def test_every_row_of_a_graph_splits_exactly_at_every_layer(arch, tmp_path, toke
     scale = edges.abs().amax(1, keepdim=True)
     for layer in layers:
         bypass = _cut_rows(model, clt, graph, layer, nodes)
-        assert ((parts[:, layer] + bypass - edges).abs() <= 1e-6 * scale).all(), layer
+        # measured worst 9.8e-7 on every model (benchmarks/heads_exactness.py); 2e-6 leaves
+        # room for another CPU's float32 rounding
+        assert ((parts[:, layer] + bypass - edges).abs() <= 2e-6 * scale).all(), layer
     # control: the bypass of another layer does not close this one's split
     wrong = _cut_rows(model, clt, graph, 0, nodes)
     assert ((parts[:, 2] + wrong - edges).abs() > 1e-4 * scale).any()
