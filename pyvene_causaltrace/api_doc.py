@@ -68,9 +68,15 @@ def signature(obj: object) -> str:
 
 
 def _members(cls: type) -> list[str]:
-    """Lines for a class's public methods and properties defined in the class itself."""
+    """Lines for a class's public methods and properties defined in the class itself or in a
+    private base of the package it inherits them from (a mixin such as ``_Effects``)."""
+    namespace: dict = {}
+    for klass in reversed(cls.__mro__):
+        if klass is cls or (klass.__name__.startswith("_")
+                            and klass.__module__.startswith("pyvene_causaltrace")):
+            namespace.update(vars(klass))
     lines = []
-    for name, member in vars(cls).items():
+    for name, member in namespace.items():
         if name.startswith("_"):
             continue
         if isinstance(member, property):

@@ -94,8 +94,40 @@ class SpecRunResult:
         return "\n".join(lines)
 
 
+class _Effects:
+    """What a restore's probabilities mean, for results holding ``clean_prob``,
+    ``corrupt_probs [seed]`` and ``restored_probs [seed, a, b]`` (cells ``a x b``)."""
+
+    clean_prob: float
+    corrupt_probs: np.ndarray
+    restored_probs: np.ndarray
+
+    @property
+    def total_effect(self) -> np.ndarray:
+        """``[seed]``: clean - corrupt."""
+        return self.clean_prob - self.corrupt_probs
+
+    @property
+    def indirect_effect(self) -> np.ndarray:
+        """``[seed, ...]`` (the cells: layer x position, or layer x head): restored - corrupt."""
+        return self.restored_probs - self.corrupt_probs[:, None, None]
+
+    @property
+    def recovery(self) -> np.ndarray:
+        """``[seed, ...]``: indirect effect / total effect, per seed."""
+        return self.indirect_effect / self.total_effect[:, None, None]
+
+    def _mean(self, value: str) -> np.ndarray:
+        """Mean over seeds of ``"recovery"``, ``"prob"`` or ``"ie"``."""
+        arrays = {"ie": self.indirect_effect, "recovery": self.recovery,
+                  "prob": self.restored_probs}
+        if value not in arrays:
+            raise InputError(f"value must be one of {', '.join(arrays)}, got {value!r}")
+        return arrays[value].mean(0)
+
+
 @dataclass(frozen=True, eq=False)
-class TraceResult:
+class TraceResult(_Effects):
     """A causal trace of one prompt: restored P(answer) for every seed, layer and position.
 
     ``restored_probs[s, l, t]`` is P(answer) with seed ``s``'s noise on the subject and the
@@ -126,26 +158,10 @@ class TraceResult:
     def n_layers(self) -> int:
         return int(self.restored_probs.shape[1])
 
-    @property
-    def total_effect(self) -> np.ndarray:
-        """``[seed]``: clean - corrupt."""
-        return self.clean_prob - self.corrupt_probs
-
-    @property
-    def indirect_effect(self) -> np.ndarray:
-        """``[seed, layer, position]``: restored - corrupt."""
-        return self.restored_probs - self.corrupt_probs[:, None, None]
-
-    @property
-    def recovery(self) -> np.ndarray:
-        """``[seed, layer, position]``: indirect effect / total effect, per seed."""
-        return self.indirect_effect / self.total_effect[:, None, None]
-
     def grid(self, value: str = "recovery") -> np.ndarray:
-        """Mean over seeds of ``"recovery"``, ``"prob"`` or ``"ie"``: ``[layer, position]``."""
-        arrays = {"recovery": self.recovery, "prob": self.restored_probs,
-                  "ie": self.indirect_effect}
-        return arrays[value].mean(0)
+        """Mean over seeds of ``"recovery"``, ``"prob"`` or ``"ie"``: ``[layer, position]``
+        (effects: :class:`_Effects`)."""
+        return self._mean(value)
 
     @property
     def roles(self) -> list[str]:
@@ -344,7 +360,7 @@ class TraceResult:
 
 
 @dataclass(frozen=True, eq=False)
-class HeadTraceResult:
+class HeadTraceResult(_Effects):
     """A per-head trace of one prompt (:meth:`~.tracer.Tracer.trace_heads`): restored
     P(answer) with one attention head's clean output put back at one position.
 
@@ -375,29 +391,10 @@ class HeadTraceResult:
     def n_heads(self) -> int:
         return int(self.restored_probs.shape[2])
 
-    @property
-    def total_effect(self) -> np.ndarray:
-        """``[seed]``: clean - corrupt."""
-        return self.clean_prob - self.corrupt_probs
-
-    @property
-    def indirect_effect(self) -> np.ndarray:
-        """``[seed, layer, head]``: restored - corrupt."""
-        return self.restored_probs - self.corrupt_probs[:, None, None]
-
-    @property
-    def recovery(self) -> np.ndarray:
-        """``[seed, layer, head]``: indirect effect / total effect, per seed."""
-        return self.indirect_effect / self.total_effect[:, None, None]
-
     def grid(self, value: str = "ie") -> np.ndarray:
         """Mean over seeds of ``"ie"`` (indirect effect), ``"recovery"`` or ``"prob"``:
-        ``[layer, head]``."""
-        arrays = {"ie": self.indirect_effect, "recovery": self.recovery,
-                  "prob": self.restored_probs}
-        if value not in arrays:
-            raise InputError(f"value must be one of {', '.join(arrays)}, got {value!r}")
-        return arrays[value].mean(0)
+        ``[layer, head]`` (effects: :class:`_Effects`)."""
+        return self._mean(value)
 
     def top_heads(self, n: int = 5) -> list[tuple[int, int, float]]:
         """The ``n`` (layer, head, mean indirect effect) of largest mean indirect effect."""
