@@ -81,20 +81,20 @@ def source(request, tmp_path) -> Source:
     return Source(_circuit_tracer(tmp_path, transposed=transposed), not transposed)
 
 
-class Guard:
-    """A safetensors handle that refuses to read a whole ``W_enc``/``W_dec`` and records the
-    shape of every slice read of one."""
+class Recorder:
+    """A safetensors handle that records ``(name, shape)`` of every tensor read from it: whole
+    (``get_tensor``) or a slice (``get_slice(name)[...]``)."""
 
     def __init__(self, handle, reads: list) -> None:
         self.handle, self.reads = handle, reads
 
     def get_tensor(self, name: str):
-        if name.startswith(("W_enc", "W_dec")):
-            raise AssertionError(f"whole {name} read")
-        return self.handle.get_tensor(name)
+        tensor = self.handle.get_tensor(name)
+        self.reads.append((name, tuple(tensor.shape)))
+        return tensor
 
     def get_slice(self, name: str):
-        return GuardedSlice(self.handle.get_slice(name), name, self.reads)
+        return RecordedSlice(self.handle.get_slice(name), name, self.reads)
 
     def __getattr__(self, name: str):
         return getattr(self.handle, name)
@@ -106,18 +106,39 @@ class Guard:
         return self.handle.__exit__(*exc)
 
 
-class GuardedSlice:
+class RecordedSlice:
     def __init__(self, part, name: str, reads: list) -> None:
         self.part, self.name, self.reads = part, name, reads
 
     def __getitem__(self, key):
         tensor = self.part[key]
-        if self.name.startswith(("W_enc", "W_dec")):
-            self.reads.append((self.name, tuple(tensor.shape)))
+        self.reads.append((self.name, tuple(tensor.shape)))
         return tensor
 
     def __getattr__(self, name: str):
         return getattr(self.part, name)
+
+
+class Guard(Recorder):
+    """A safetensors handle that refuses to read a whole ``W_enc``/``W_dec`` and records the
+    shape of every slice read of one."""
+
+    def get_tensor(self, name: str):
+        if name.startswith(("W_enc", "W_dec")):
+            raise AssertionError(f"whole {name} read")
+        return self.handle.get_tensor(name)
+
+    def get_slice(self, name: str):
+        return GuardedSlice(self.handle.get_slice(name), name, self.reads)
+
+
+class GuardedSlice(RecordedSlice):
+    """A slice that records reads of ``W_enc``/``W_dec`` only."""
+
+    def __getitem__(self, key):
+        if not self.name.startswith(("W_enc", "W_dec")):
+            return self.part[key]
+        return super().__getitem__(key)
 
 
 @pytest.fixture
@@ -512,42 +533,6 @@ def sliced(request, tmp_path) -> Sliced:
     return Sliced("gemmascope2", tmp_path / "config.yaml", gemmascope2)
 
 
-class Recorder:
-    """A safetensors handle that records ``(name, shape)`` of every tensor read from it: whole
-    (``get_tensor``) or a slice (``get_slice(name)[...]``)."""
-
-    def __init__(self, handle, reads: list) -> None:
-        self.handle, self.reads = handle, reads
-
-    def get_tensor(self, name: str):
-        tensor = self.handle.get_tensor(name)
-        self.reads.append((name, tuple(tensor.shape)))
-        return tensor
-
-    def get_slice(self, name: str):
-        return RecordedSlice(self.handle.get_slice(name), name, self.reads)
-
-    def __getattr__(self, name: str):
-        return getattr(self.handle, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.handle.__exit__(*exc)
-
-
-class RecordedSlice:
-    def __init__(self, part, name: str, reads: list) -> None:
-        self.part, self.name, self.reads = part, name, reads
-
-    def __getitem__(self, key):
-        tensor = self.part[key]
-        self.reads.append((self.name, tuple(tensor.shape)))
-        return tensor
-
-    def __getattr__(self, name: str):
-        return getattr(self.part, name)
 
 
 @pytest.fixture
