@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .arguments import checked
 from .errors import InputError
 from .fingerprint import model_fingerprint
 from .models import OFFLINE_DEFAULT, cache_dir, load_model
@@ -197,6 +198,7 @@ def _differences(recorded: dict, asked: dict) -> list[str]:
             if recorded.get(k) != v]
 
 
+@checked
 def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | None = None,
                    refit: bool = False, progress: bool = True, model=None, tokenizer=None,
                    **changes) -> FitReport:

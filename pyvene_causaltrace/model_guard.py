@@ -34,6 +34,7 @@ from typing import TypeVar
 
 from torch import nn
 
+from .arguments import checked
 from .bound import BoundModel, bind
 from .errors import PyveneModelError
 from .hooking import recording
@@ -101,7 +102,8 @@ def measurement(bound: BoundModel) -> Iterator[nn.Module]:
 
 def measured(function: F | None = None, *, interventions: bool = False):
     """Run ``function`` inside :func:`measurement` of its argument named ``model``, bound
-    (:func:`~.bound.bind`) and handed to it bound. ``interventions``: a
+    (:func:`~.bound.bind`) and handed to it bound, once its arguments pass their annotations
+    (:func:`~.arguments.checked`). ``interventions``: a
     ``pv.IntervenableModel`` is taken (its interventions act in the run); otherwise it is
     refused with :class:`~.errors.PyveneModelError`."""
     if function is None:
@@ -122,4 +124,4 @@ def measured(function: F | None = None, *, interventions: bool = False):
         with measurement(bound):
             return function(*call.args, **call.kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return checked(wrapper)  # type: ignore[return-value]

@@ -28,6 +28,7 @@ from filelock import FileLock
 from torch import nn
 from tqdm import tqdm
 
+from .arguments import checked
 from .errors import InputError, PyveneModelError, UnsupportedModelError
 
 OFFLINE_DEFAULT = "smollm2-135m"
@@ -275,6 +276,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pyvene_causaltrace"
 
 
+@checked
 def load_model(
     name_or_path: str = OFFLINE_DEFAULT,
     *,

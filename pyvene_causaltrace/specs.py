@@ -25,6 +25,7 @@ from typing import Any
 
 from safetensors.torch import save_file
 
+from .arguments import checked
 from .atomic import replacing, write_text
 from .errors import SpecError
 from .interventions import get_intervention, list_interventions
@@ -285,6 +286,7 @@ def _mentions_subject(entries: list[tuple[dict[str, Any], SpecEntry]]) -> str | 
     return None
 
 
+@checked
 def load_spec(path_or_dict: str | Path | dict[str, Any], *,
               base_dir: str | Path | None = None) -> ExperimentSpec:
     """Read and validate a spec from a JSON file path or an already-parsed dict. A file's

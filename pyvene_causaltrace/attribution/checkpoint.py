@@ -32,6 +32,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from ..arguments import checked
 from ..atomic import replacing, write_text
 from ..errors import CheckpointMismatchError, InputError
 from ..runlock import LOCK_NAME, single_writer
@@ -63,6 +64,7 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+@checked
 def remove_checkpoint(path: str | Path) -> None:
     """Delete the checkpoint at ``path``: its manifest, shards, temporary files and lock, then
     the directory if nothing else is in it. Refused (:class:`OutputLockedError`) while another

@@ -38,6 +38,7 @@ import safetensors.torch  # called through the module: tests patch save_file the
 import torch
 from safetensors import safe_open
 
+from ..arguments import checked
 from ..atomic import replacing
 from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..errors import GraphFileError, InputError
@@ -128,6 +129,7 @@ class AttributionGraph:
         return torch.tensor([float(t.get("weight", 1.0)) for t in self.targets],
                             dtype=torch.float64)
 
+    @checked
     def steering_node(self, index: int) -> tuple[int, int]:
         """``(j, position)`` of steering node ``index``: ``self.steering[j]`` at that
         position."""
@@ -136,6 +138,7 @@ class AttributionGraph:
                                             for p in s["positions"]]
         return self._memo["steering_nodes"][index - self.layout.steering.start]
 
+    @checked
     def steering_layer(self, j: int) -> int:
         """The layer whose output steering intervention ``j`` joins: its block's, or the one
         before for an edit of a block's input (-1: the embeddings, or outside the blocks)."""
@@ -160,6 +163,7 @@ class AttributionGraph:
     def n_explored(self) -> int:
         return int(self.explored.sum())
 
+    @checked
     def row(self, node: int) -> torch.Tensor:
         """Dense row of ``node`` (``[n_nodes - n_logits]``: every source node's direct effect on
         its target); raises for a node without a row."""
@@ -168,6 +172,7 @@ class AttributionGraph:
             raise InputError(f"node {node} ({self.label(node)}) has no computed row")
         return self.rows.dense([index])[0]
 
+    @checked
     def target_row(self, logit: int | None = None) -> torch.Tensor:
         """Every node's direct effect on logit node ``logit`` (0: the first), or, by default,
         on the weighted mean target ``sum_i w_i * target_i / sum_i w_i`` (one target: its
@@ -191,6 +196,7 @@ class AttributionGraph:
         weights = self.logit_weights()
         return weights / weights.sum()
 
+    @checked
     def node_kind(self, index: int) -> str:
         lay = self.layout
         if index < lay.n_features:
@@ -201,6 +207,7 @@ class AttributionGraph:
             return "steering"
         return "token" if index < lay.logits.start else "logit"
 
+    @checked
     def coordinates(self, i: int, kind: str) -> tuple[int | None, int, int | None, float | None]:
         """``(layer, position, feature, activation)`` of node ``i`` of ``kind`` (``None`` where
         a kind has none; the logit's "feature" is its token id; a steering node's layer is
@@ -221,6 +228,7 @@ class AttributionGraph:
         goal = self.targets[i - lay.logits.start]
         return self.n_layers, goal.get("position", -1) % self.n_pos, goal["token"], None
 
+    @checked
     def label(self, i: int) -> str:
         """``F L2/#9970 @3 'iff'``, ``ERR L15 @10 ' of'``,
         ``STEER AdditionIntervention block_output L1 @3 'iff'``, ``TOK @3 'iff'``,
@@ -238,6 +246,7 @@ class AttributionGraph:
             return f"TOK @{pos} {token}"
         return f"LOGIT {self.targets[i - self.layout.logits.start]['text']!r}"
 
+    @checked
     def steering_site(self, j: int) -> str:
         """``AdditionIntervention block_output L1``: steering intervention ``j``'s class and
         where it acts."""
@@ -246,6 +255,7 @@ class AttributionGraph:
         layer = "" if site.get("layer") is None or "[" in where else f" L{site['layer']}"
         return f"{site.get('class', 'intervention')} {where}{layer}"
 
+    @checked
     def labels(self, nodes: torch.Tensor) -> list[str]:
         return [self.label(int(i)) for i in nodes]
 
@@ -299,6 +309,7 @@ class AttributionGraph:
                 self.rows, logit_weights(self.layout, self.logit_weights()))
         return self._memo["influence"]
 
+    @checked
     def direct_attributions(self, n: int = 10, logit: int | None = None) -> pd.DataFrame:
         """The ``n`` largest direct effects on the (weighted) target, or on logit node
         ``logit``, by magnitude, with labels."""
@@ -307,6 +318,7 @@ class AttributionGraph:
         return pd.DataFrame({"node": order.tolist(), "label": self.labels(order),
                              "edge": row[order].tolist()})
 
+    @checked
     def decomposition(self, logit: int | None = None) -> dict[str, float]:
         """The weighted mean target (:meth:`target_row`), or logit node ``logit``'s, split by
         node kind — explored
@@ -334,6 +346,7 @@ class AttributionGraph:
     def _logit_row(self) -> int:
         return int(self.rows.row_of_node(self.layout.n_nodes)[self.logit_node])
 
+    @checked
     def prune(self, node_threshold: float = NODE_THRESHOLD,
               edge_threshold: float = EDGE_THRESHOLD) -> PruneResult:
         """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds (each
@@ -387,6 +400,7 @@ class AttributionGraph:
         return float(self.row_closures()[features].max())
 
     # ------------------------------------------------------------------------ output
+    @checked
     def to_dataframe(self, pruned: bool = False) -> pd.DataFrame:
         """Long-form edges (nonzero only; with ``pruned``, the pruned graph's): source, target,
         weight and both labels."""
@@ -404,6 +418,7 @@ class AttributionGraph:
             "source_label": names.reindex(source.tolist()).to_numpy(),
             "target_label": names.reindex(target.tolist()).to_numpy()})
 
+    @checked
     def to_json(self, path: str | Path | None = None, **kwargs: Any) -> dict:
         """The circuit-tracer / Neuronpedia graph JSON (:func:`~.export.graph_json`); written
         compactly to ``path`` when given (whole or not at all)."""
@@ -412,11 +427,13 @@ class AttributionGraph:
             write_json(payload, path)
         return payload
 
+    @checked
     def plot(self, path: str | Path | None = None, **kwargs: Any):
         """Static figure of the pruned graph (:func:`~.plots.plot_graph`)."""
         return plot_graph(self, path, **kwargs)
 
     # ---------------------------------------------------------------------- files
+    @checked
     def save(self, path: str | Path) -> None:
         """Write the graph to one safetensors file: tensors, and everything else as JSON in its
         header (no pickle: loading never runs code). Written under a temporary name and renamed

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
+from ..arguments import checked
 from ..bound import BoundModel
 from ..errors import ClosureError, InputError, UnsupportedModelError
 from ..hooking import installed
@@ -263,6 +264,7 @@ class HeadLoadings:
             raise InputError(f"layer {layer} was not split (split: {self.layers})")
         return self.layers.index(layer)
 
+    @checked
     def of(self, source: int, layer: int | None = None) -> pd.DataFrame:
         """Source ``source``'s edge by (layer, head), with a ``bypass`` row per layer:
         ``part`` and ``share`` (of the edge)."""
@@ -282,12 +284,14 @@ class HeadLoadings:
         frame.insert(0, "source", self.labels[source])
         return frame
 
+    @checked
     def top_heads(self, source: int, n: int = 5) -> pd.DataFrame:
         """The ``n`` (layer, head) pairs carrying the most of ``source``'s edge (by |part|)."""
         frame = self.of(source)
         frame = frame[frame["head"] != "bypass"]
         return frame.reindex(frame["part"].abs().sort_values(ascending=False).index).head(n)
 
+    @checked
     def to_dataframe(self, min_abs: float = 0.0) -> pd.DataFrame:
         """One row per (source, layer, head) with ``|part| > min_abs``: the long table."""
         index = (self.parts.abs() > min_abs).nonzero()
@@ -299,6 +303,7 @@ class HeadLoadings:
             "part": self.parts[index[:, 0], index[:, 1], index[:, 2]].tolist(),
             "edge": self.edges[index[:, 2]].tolist()})
 
+    @checked
     def to_dict(self, sources: Sequence[int] | None = None) -> dict[str, Any]:
         """JSON-ready: the target, the layers, and per source (default: every source with a
         nonzero edge) its edge, parts ``[layer][head]`` and bypass per layer."""
@@ -310,6 +315,7 @@ class HeadLoadings:
                              "parts": self.parts[:, :, s].tolist(),
                              "bypass": self.bypass[:, s].tolist()} for s in chosen]}
 
+    @checked
     def to_json(self, path: str | Path | None = None,
                 sources: Sequence[int] | None = None) -> dict[str, Any]:
         """:meth:`to_dict`, written to ``path`` when given."""
@@ -318,6 +324,7 @@ class HeadLoadings:
             write_json(data, path)
         return data
 
+    @checked
     def plot(self, source: int, path: str | Path | None = None):
         """Heat map of ``source``'s edge by layer (rows) and head (columns), the bypass in the
         last column; returns the figure."""
@@ -444,6 +451,7 @@ class QKAttribution:
                                      @ self.key_parts.double().sum(0))
         return total - self.score
 
+    @checked
     def top_terms(self, n: int = 20) -> pd.DataFrame:
         """The ``n`` largest terms by magnitude: query node, key node, value, share of the
         score."""
@@ -479,9 +487,11 @@ class QKAttribution:
         """Each key-side node's terms summed over every query-side node, largest first."""
         return self._marginals(self.key_parts, self.query_parts, self.key_nodes)
 
+    @checked
     def to_dataframe(self, n: int = 20) -> pd.DataFrame:
         return self.top_terms(n)
 
+    @checked
     def to_dict(self, n: int = 20) -> dict[str, Any]:
         """JSON-ready: the score, its top ``n`` terms and marginals."""
         return {"layer": self.layer, "head": self.head, "query_pos": self.query_pos,
@@ -491,12 +501,14 @@ class QKAttribution:
                 "query_marginals": self.query_marginals().head(n).to_dict("records"),
                 "key_marginals": self.key_marginals().head(n).to_dict("records")}
 
+    @checked
     def to_json(self, path: str | Path | None = None, n: int = 20) -> dict[str, Any]:
         data = self.to_dict(n)
         if path is not None:
             write_json(data, path)
         return data
 
+    @checked
     def plot(self, n: int = 15, path: str | Path | None = None):
         """Bars of the ``n`` largest terms; returns the figure."""
         import matplotlib.pyplot as plt  # heavy: only when a picture is asked for

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..arguments import checked
 from ..bound import BoundModel, bind
 from ..defaults import GRAPH_BOS_ERRORS, GRAPH_FREEZE
 from ..distributed import current
@@ -220,6 +221,7 @@ def check_batch(input_ids: torch.Tensor) -> None:
         raise InputError(f"input_ids must be [batch, P], got {tuple(input_ids.shape)}")
 
 
+@checked
 def run_local_replacement(
     model: nn.Module | BoundModel, transcoder: Transcoder, input_ids: torch.Tensor, *,
     freeze: bool = GRAPH_FREEZE, from_position: int = 1,

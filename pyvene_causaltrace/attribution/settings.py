@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .._settings import merge_settings
+from ..arguments import check_fields
 from ..defaults import (
     BOS,
     GRAPH_BOS_ERRORS,
@@ -96,6 +97,9 @@ class AttributionSettings:
     freeze: bool = GRAPH_FREEZE
     loop: bool = GRAPH_LOOP
     check_closure: bool = GRAPH_CHECK_CLOSURE
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # types here; ranges and combinations in check()
 
     def check(self, answer: object = None) -> AttributionSettings:
         """Raise :class:`~..errors.InputError` for a setting :func:`~.attribute.attribute`

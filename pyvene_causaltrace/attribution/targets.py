@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..arguments import checked
 from ..defaults import GRAPH_DESIRED_LOGIT_PROB, GRAPH_K, GRAPH_MAX_N_LOGITS, GRAPH_TARGET
 from ..errors import InputError
 from ..finite import check_finite, positive_number
@@ -91,6 +92,7 @@ class Target:
 
 
 
+@checked
 def demeaned_logit(logits: torch.Tensor, token: int, k: int = GRAPH_K,
                    demean: str = "topk") -> Target:
     """``logit[token] - mean(top-k logits)`` (``demean="topk"``, our default) or
@@ -114,6 +116,7 @@ def demeaned_logit(logits: torch.Tensor, token: int, k: int = GRAPH_K,
     return Target(name, int(token), c)
 
 
+@checked
 def logit_difference(vocab_size: int, token: int, other: int) -> Target:
     """``logit[token] - logit[other]``."""
     if token == other:
@@ -180,6 +183,7 @@ def salient_logits(logits: torch.Tensor, probabilities: torch.Tensor, *,
     return out
 
 
+@checked
 def make_target(logits: torch.Tensor, tokenizer: PreTrainedTokenizerBase, answer: str | None,
                 *, kind: str = GRAPH_TARGET, other: str | None = None,
                 k: int = GRAPH_K) -> Target:

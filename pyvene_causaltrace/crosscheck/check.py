@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ..arguments import checked
 from ..defaults import CROSS_CHECK_FEATURES, CROSS_CHECK_TOP_K, CROSS_CHECK_WINDOW
 from ..errors import InputError, PyveneModelError
 from ..tracing.engine import get_kind
@@ -44,6 +45,7 @@ ACTIVATION_TOLERANCE = 1e-3
 NOISE_TOLERANCE = 1e-4
 
 
+@checked
 def check_pair(graph, tracer) -> None:
     """Refuse a graph and a tracer of different prompts, answers or models."""
     if tracer.with_interventions or graph.steering:
@@ -76,6 +78,7 @@ def _trace_grids(tracer, kinds: Sequence[str], window: int):
     return grids, layers_of, spans
 
 
+@checked
 def cross_check(
     graph: AttributionGraph, tracer: Tracer, transcoder: Transcoder | None = None, *,
     kinds: Sequence[str] = SITE_KINDS, window: int = CROSS_CHECK_WINDOW,

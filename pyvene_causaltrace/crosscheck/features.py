@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..arguments import checked
 from ..attribution.replacement import pre_softcap_logits
 from ..bound import BoundModel, bind
 from ..capture import capture
@@ -53,6 +54,7 @@ MODES = ("spliced", "replacement")
 ROWS = 64
 
 
+@checked
 def total_effects(graph, max_iter: int = 1000) -> torch.Tensor:
     """``[n_features]`` float64: ``d target / d a_i`` for every feature node in the local
     replacement model, the sum over the graph's paths (the target: the logit nodes' weighted

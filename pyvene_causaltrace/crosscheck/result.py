@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arguments import checked
 from ..atomic import write_text
 from ..tracing.results import package_versions
 from .plots import plot_cross_check
@@ -148,6 +149,7 @@ class CrossCheckResult:
         data["subject_range"] = list(self.subject_range)
         return _finite_or_none(data)
 
+    @checked
     def to_json(self, path: str | Path | None = None) -> str:
         """The JSON text (``cross_check.schema.json``); written whole to ``path`` if given."""
         text = json.dumps(self.to_dict(), indent=1)
@@ -161,6 +163,7 @@ class CrossCheckResult:
         data["subject_range"] = tuple(data["subject_range"])
         return cls(**data)
 
+    @checked
     def plot(self, path: str | Path | None = None):
         """Heat maps of the graph's and the trace's cells side by side, and the features'
         predicted against measured effects (:func:`~.plots.plot_cross_check`)."""

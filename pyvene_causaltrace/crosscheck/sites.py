@@ -22,12 +22,14 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..arguments import checked
 from ..errors import InputError
 
 #: Graph grids: the MLP sublayer's features, its error, or both.
 SITE_PARTS = ("all", "features", "errors")
 
 
+@checked
 def site_influence(graph, part: str = "all", *, share: bool = False) -> np.ndarray:
     """``[n_layers, n_pos]`` float64: the influence of ``graph``'s nodes at each (layer,
     position) — its features (``"features"``), its error node (``"errors"``) or both
@@ -55,6 +57,7 @@ def window_sum(grid: np.ndarray, layers_of: Sequence[Sequence[int]]) -> np.ndarr
     return np.stack([grid[list(layers)].sum(0) for layers in layers_of])
 
 
+@checked
 def reachable_cells(n_layers: int, n_pos: int, subject_start: int) -> np.ndarray:
     """``[n_layers, n_pos]`` bool: the cells a restore can change, from the subject's first
     token on (before it, the noised run equals the clean one)."""
@@ -63,6 +66,7 @@ def reachable_cells(n_layers: int, n_pos: int, subject_start: int) -> np.ndarray
     return mask
 
 
+@checked
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
     """Spearman's rank correlation of two equal-length arrays (average ranks for ties; NaN
     when either is constant)."""
@@ -100,6 +104,7 @@ def top_k_overlap(a: np.ndarray, b: np.ndarray, k: int,
     return len(set(top_a) & set(top_b)) / len(top_a)
 
 
+@checked
 def compare_grids(graph_grid: np.ndarray, trace_grid: np.ndarray, mask: np.ndarray,
                   k: int) -> dict:
     """Spearman and Pearson over the ``mask`` cells, and the top-``k`` overlap; each side's

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..arguments import checked
 from ..defaults import N_BOOT
 from ..errors import InputError
 from ..tracing.roles import BEFORE_SUBJECT, ROLES, role_positions
@@ -36,6 +37,7 @@ def _nanmean(values: np.ndarray) -> np.ndarray:
         return np.where(present, values, 0.0).sum(0) / present.sum(0)
 
 
+@checked
 def role_curves(restored: np.ndarray, corrupt: float, subject_range: Sequence[int]) -> np.ndarray:
     """``[roles, layers]`` mean IE per role (NaN for a role with no position)."""
     ie = np.asarray(restored, dtype=np.float64) - corrupt
@@ -47,6 +49,7 @@ def role_curves(restored: np.ndarray, corrupt: float, subject_range: Sequence[in
     return out
 
 
+@checked
 def bootstrap_interval(values: np.ndarray, *, n_boot: int = N_BOOT, level: float = 0.95,
                        seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Percentile bootstrap over the first axis of ``values [F, ...]`` (NaN = missing) of the
@@ -69,6 +72,7 @@ def bootstrap_interval(values: np.ndarray, *, n_boot: int = N_BOOT, level: float
     return low.reshape(values.shape[1:]), high.reshape(values.shape[1:])
 
 
+@checked
 def aggregate_rows(rows: Iterable[dict], *, kinds: Sequence[str], manifest: dict | None = None,
                    screen: Sequence[dict] = (), n_boot: int = N_BOOT,
                    level: float = 0.95) -> DatasetResult:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ..arguments import checked
 from ..crosscheck.sites import SITE_PARTS, reachable_cells, spearman, window_sum
 from ..defaults import N_BOOT, WINDOW
 from ..errors import InputError
@@ -119,6 +120,7 @@ def _correlations(row: dict, grid: np.ndarray, traces: TraceGrids | None,
     return out
 
 
+@checked
 def aggregate_graphs(rows: Iterable[dict], *, n_layers: int, kinds: Sequence[str] = (),
                      traces: TraceGrids | None = None, window: int = WINDOW, n_boot: int = N_BOOT,
                      level: float = 0.95) -> dict | None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from ..arguments import check_fields
 from ..attribution import attribute
 from ..attribution.settings import AttributionSettings
 from ..crosscheck.sites import SITE_PARTS, site_influence
@@ -71,6 +72,9 @@ class GraphSettings:
     memory_mb: float = AttributionSettings.memory_mb
     bos: str = AttributionSettings.bos
     save: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     def check(self) -> GraphSettings:
         """Refuse settings :func:`~..attribution.attribute` would refuse (or a target that

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..arguments import checked
 from ..errors import InputError
 from .sources import DATASETS, dataset_path
 
@@ -73,6 +74,7 @@ def parse_record(raw: object, index: int, where: str) -> FactRecord | RecordErro
     return FactRecord(rid, raw["prompt"], raw["subject"], raw["attribute"], occurrence)
 
 
+@checked
 def read_records(path: str | Path) -> tuple[list[FactRecord], list[RecordError]]:
     """Records from a JSON list (ROME's format) or a JSONL file (one object per line), or from a
     named dataset (``"known_1000"``: fetched once into the cache, :mod:`.sources`)."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arguments import checked
 from ..strict_json import loads
 from ..tracing.results import package_versions
 from .plots import plot_role_curves, plot_role_heatmaps
@@ -160,11 +161,13 @@ class DatasetResult:
                                for part, grid in graphs[key].items()}
         return cls(**data)
 
+    @checked
     def plot(self, path: str | None = None):
         """ROME's Figure 1: a role x layer AIE heatmap per kind, and with graphs a last panel
         of the graphs' influence share by role x layer."""
         return plot_role_heatmaps(self, path)
 
+    @checked
     def plot_curves(self, path: str | None = None,
                     roles: tuple[str, ...] = ("Last subject token", "Last token")):
         """AIE against layer for ``roles``, one panel per kind, interval bands; with graphs a

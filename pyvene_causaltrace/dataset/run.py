@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..arguments import checked
 from ..bound import BoundModel, bind
 from ..defaults import N_BOOT, WINDOW
 from ..errors import DamagedFileError, InputError, ManifestMismatchError
@@ -154,6 +155,7 @@ def _screen(model, tokenizer: Tokenizer, records, known, limit, run: RunDirector
     return kept
 
 
+@checked
 def trace_dataset(
     model: nn.Module | BoundModel,
     tokenizer: Tokenizer,
@@ -292,6 +294,7 @@ def run_path(out: str | Path, shard: tuple[int, int] | None = None) -> Path:
     return shard_dir(Path(out), *shard) if shard else Path(out)
 
 
+@checked
 def load_dataset_result(path: str | Path, *, n_boot: int = N_BOOT) -> DatasetResult:
     """The aggregate of a run directory (a finished, interrupted or merged one), with the
     graphs' part when the run has graphs. A missing or damaged manifest, or a damaged row, is
@@ -318,6 +321,7 @@ def load_dataset_result(path: str | Path, *, n_boot: int = N_BOOT) -> DatasetRes
     return replace(result, graphs=graphs) if graphs is not None else result
 
 
+@checked
 def merge_shards(out: str | Path, world: int, *, n_boot: int = N_BOOT) -> DatasetResult:
     """Join ``out/shard-*-of-WW`` into ``out`` (rows and graph rows streamed, not held; saved
     graphs copied) and aggregate. The merged files replace the old ones only once all are
@@ -363,6 +367,7 @@ def _merge_saved_graphs(shards: Sequence[Path], out: Path) -> None:
             shutil.copy2(graph, out / GRAPH_DIR / graph.name)
 
 
+@checked
 def trace_dataset_distributed(model: nn.Module, tokenizer: Tokenizer, records, *, out,
                               **options) -> DatasetResult | None:
     """:func:`trace_dataset` under ``torchrun``: each rank traces its shard; rank 0 merges after

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._settings import merge_settings
+from ..arguments import check_fields
 from ..defaults import (
     DATASET_KINDS,
     DATASET_SEEDS,
@@ -77,6 +78,7 @@ class DatasetSettings:
     n_boot: int = N_BOOT
 
     def __post_init__(self) -> None:
+        check_fields(self)
         kinds = tuple(self.kinds)
         object.__setattr__(self, "kinds", kinds)
         if not kinds:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..arguments import checked
 from ..defaults import KNOWN
 from ..errors import InputError
 from .records import FactRecord
@@ -68,6 +69,7 @@ TASKS: dict[str, Task] = {
 }
 
 
+@checked
 def get_task(name: str) -> Task:
     try:
         return TASKS[name]

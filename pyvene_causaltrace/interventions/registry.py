@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterable
 from importlib.metadata import entry_points
 
+from ..arguments import checked
 from ..errors import InputError, PluginError, UnknownInterventionError, UnsupportedError
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def load_plugins(modules: str | Iterable[str] | None = None, *, env: bool = True
     return done
 
 
+@checked
 def register_intervention(name: str, cls: type | None = None, *, replace: bool = False):
     """Register ``cls`` under ``name``; usable as a decorator when ``cls`` is omitted.
 
@@ -124,6 +126,7 @@ def _load_entry_points() -> None:
             logger.warning("skipping intervention entry point %r: %s", entry.name, error)
 
 
+@checked
 def get_intervention(name: str) -> type:
     """The class registered under ``name``; the error lists the known names."""
     _register_builtins()

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arguments import checked
 from ..errors import InputError
 from .plots import plot_head_trace, plot_trace
 from .roles import token_roles
@@ -158,6 +159,7 @@ class TraceResult(_Effects):
     def n_layers(self) -> int:
         return int(self.restored_probs.shape[1])
 
+    @checked
     def grid(self, value: str = "recovery") -> np.ndarray:
         """Mean over seeds of ``"recovery"``, ``"prob"`` or ``"ie"``: ``[layer, position]``
         (effects: :class:`_Effects`)."""
@@ -293,6 +295,7 @@ class TraceResult(_Effects):
         data["restored_probs"] = np.asarray(data["restored_probs"], dtype=np.float64)
         return cls(**data)
 
+    @checked
     def table(self, value: str = "recovery", every: int = 1, *,
               layers_down: bool = False) -> str:
         """Tokens down, layers across (every ``every``-th), subject tokens marked ``*``.
@@ -354,6 +357,7 @@ class TraceResult(_Effects):
         lines += [f"note: {note}" for note in self.diagnose()]
         return "\n".join(lines)
 
+    @checked
     def plot(self, path: str | None = None, value: str = "prob", ax=None):
         """ROME-style heatmap; see :func:`pyvene_causaltrace.tracing.plots.plot_trace`."""
         return plot_trace(self, path=path, value=value, ax=ax)
@@ -391,11 +395,13 @@ class HeadTraceResult(_Effects):
     def n_heads(self) -> int:
         return int(self.restored_probs.shape[2])
 
+    @checked
     def grid(self, value: str = "ie") -> np.ndarray:
         """Mean over seeds of ``"ie"`` (indirect effect), ``"recovery"`` or ``"prob"``:
         ``[layer, head]`` (effects: :class:`_Effects`)."""
         return self._mean(value)
 
+    @checked
     def top_heads(self, n: int = 5) -> list[tuple[int, int, float]]:
         """The ``n`` (layer, head, mean indirect effect) of largest mean indirect effect."""
         grid = self.grid("ie")
@@ -448,6 +454,7 @@ class HeadTraceResult(_Effects):
         data["restored_probs"] = np.asarray(data["restored_probs"], dtype=np.float64)
         return cls(**data)
 
+    @checked
     def summary(self, n: int = 5) -> str:
         lines = [f"per-head trace at position {self.position} {self.tokens[self.position]!r}: "
                  f"answer {self.answer!r}, clean P = {self.clean_prob:.4f}, corrupted P (mean of "
@@ -456,6 +463,7 @@ class HeadTraceResult(_Effects):
                   for layer, head, effect in self.top_heads(n)]
         return "\n".join(lines)
 
+    @checked
     def plot(self, path: str | None = None, value: str = "ie", ax=None):
         """Heat map, layers down and heads across; see
         :func:`pyvene_causaltrace.tracing.plots.plot_head_trace`."""

@@ -9,6 +9,7 @@ the subject; known_1000 has some that do not). When buckets overlap the subject 
 
 from __future__ import annotations
 
+from ..arguments import checked
 from ..errors import InputError
 
 ROLES = (
@@ -22,6 +23,7 @@ ROLES = (
 BEFORE_SUBJECT = "Before subject"
 
 
+@checked
 def token_role(position: int, subject_range: tuple[int, int], seq_len: int) -> str:
     """The role of ``position`` given the subject's ``[start, stop)`` token range."""
     start, stop = subject_range

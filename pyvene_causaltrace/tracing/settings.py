@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 from .._settings import merge_settings
+from ..arguments import check_fields
 from ..defaults import (
     DISTRIBUTION,
     NOISE_SCALE,
@@ -95,6 +96,7 @@ class TraceSettings:
     replay_layers: bool = REPLAY_LAYERS
 
     def __post_init__(self) -> None:
+        check_fields(self)
         seed_count(self.seeds)  # a count is checked without building its list
         if self.scale != "auto":
             positive_number(self.scale, "scale (or 'auto')")

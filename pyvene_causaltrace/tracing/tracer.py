@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from ..arguments import checked
 from ..bound import bind
 from ..errors import InputError
 from ..finite import check_finite, positive_number
@@ -111,6 +112,7 @@ class Tracer:
             corrupted run's outputs (exact; turn off only to compare).
     """
 
+    @checked
     def __init__(
         self,
         model: nn.Module,
@@ -203,6 +205,7 @@ class Tracer:
         return self.settings.window if window is None else \
             replace(self.settings, window=window).window
 
+    @checked
     def trace(self, kind: str = "residual", *, window: int | None = None,
               progress: bool = True) -> TraceResult:
         """Every (layer, position) cell of ``kind``, for every seed; ``window`` layers per
@@ -233,6 +236,7 @@ class Tracer:
             restored_probs=restored, spec=spec,
         )
 
+    @checked
     def trace_heads(self, layers: int | Sequence[int] | None = None, *, position: int = -1,
                     progress: bool = True) -> HeadTraceResult:
         """The attention trace broken down by head: for every head of ``layers`` (default
@@ -289,6 +293,7 @@ class Tracer:
             spec["model_interventions"] = entries
         return spec
 
+    @checked
     def controls(self, *, window: int | None = None, tolerance: float = 1e-5) -> ControlReport:
         """Run the two controls that can fail (see :class:`ControlReport`; ``window``:
         ``None`` is the settings')."""
@@ -316,6 +321,7 @@ class Tracer:
         return ControlReport(float((donor - corrupt).abs().max()), pairs, tolerance)
 
 
+@checked
 def trace(model: nn.Module, tokenizer: Tokenizer, prompt: str, subject: str, *,
           kind: str = "residual", progress: bool = True, **options) -> TraceResult:
     """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments (``answer``,
@@ -326,6 +332,7 @@ def trace(model: nn.Module, tokenizer: Tokenizer, prompt: str, subject: str, *,
     return Tracer(model, tokenizer, prompt, subject, **options).trace(kind, progress=progress)
 
 
+@checked
 def tracer_from_spec(spec, model: nn.Module, tokenizer: Tokenizer, **options) -> Tracer:
     """A :class:`Tracer` for a trace spec (one with ``"trace"``); ``options`` add Tracer
     keyword arguments such as ``memory_budget_mb``; the noise settings the spec leaves out

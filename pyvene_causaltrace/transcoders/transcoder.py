@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from .. import distributed
+from ..arguments import checked
 from ..bound import BoundModel, bind
 from ..errors import InputError, TranscoderMismatchError
 from ..models import get_module, model_name
@@ -84,6 +85,7 @@ def register_layouts(load: Callable[..., Transcoder],
     _LAYOUTS.update(load=load, save=save)
 
 
+@checked
 def feature_range(d_transcoder: int, rank: int, world: int) -> tuple[int, int]:
     """Features ``[lo, hi)`` of each layer that rank ``rank`` of ``world`` holds: contiguous,
     the first ``d_transcoder % world`` ranks one more than the others.
@@ -463,6 +465,7 @@ def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = 
     raise InputError(f"unknown activation {activation!r}")
 
 
+@checked
 def check_fits(transcoder: Transcoder, model: nn.Module | BoundModel) -> None:
     """Raise :class:`TranscoderMismatchError` unless ``transcoder`` has the model's layer count
     and width and its hooks exist in the model; warn when the names differ (the shapes may

@@ -59,6 +59,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+from ..arguments import checked
 from ..errors import InputError
 from .annotations import MAX_SAVE_BYTES, AnnotationError, save, version
 from .listing import MAX_BYTES, MAX_DEPTH, GraphIndex, find_graphs
@@ -80,6 +81,7 @@ _MAX_LENGTH_DIGITS = 18
 _LOCAL_HOST = re.compile(r"(?:localhost|127\.0\.0\.1|\[::1\])(?::\d{1,5})?", re.IGNORECASE)
 
 
+@checked
 def host_allowed(host: str | None) -> bool:
     """Whether a request's ``Host`` header names this machine by a loopback name (``localhost``,
     ``127.0.0.1`` or ``[::1]``, with or without a port)."""
@@ -284,6 +286,7 @@ def _check_port(port: object) -> int:
     return port
 
 
+@checked
 def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1",
                 max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
                 max_save_bytes: int = MAX_SAVE_BYTES) -> ThreadingHTTPServer:
@@ -314,6 +317,7 @@ def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1"
         raise refused from error
 
 
+@checked
 def serve(directory: str | Path, port: int = 8765, open_browser: bool = True,
           server: ThreadingHTTPServer | None = None) -> None:
     """Serve the graphs under ``directory`` until interrupted (Ctrl-C)."""

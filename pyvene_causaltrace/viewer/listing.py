@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..arguments import checked
 from ..graph_schema import LINK, NODE, ItemCheck, outer_problem
 
 log = logging.getLogger("pyvene_causaltrace.viewer")
@@ -223,11 +224,13 @@ class GraphIndex:
         return [{"name": name, "generator": generator, "ours": generator == GENERATOR}
                 for name, (_, generator) in sorted(self._scan().items())]
 
+    @checked
     def read(self, name: str) -> bytes | None:
         """The bytes of graph ``name`` (one of :meth:`names`), or None when it is not listed."""
         loaded = self.load(name)
         return None if loaded is None else loaded[0]
 
+    @checked
     def load(self, name: str) -> tuple[bytes, Key] | None:
         """The bytes of graph ``name`` and the key (mode, device, inode, size, mtime) of the
         file they were read from, or None when it is not listed."""
@@ -309,6 +312,7 @@ def _json_files(root: Path) -> Iterator[Path]:
                 yield Path(folder) / file
 
 
+@checked
 def find_graphs(directory: str | Path, max_bytes: int = MAX_BYTES,
                 max_depth: int = MAX_DEPTH) -> list[str]:
     """Relative paths of the graph JSON files under ``directory``, sorted (see

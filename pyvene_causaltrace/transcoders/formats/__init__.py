@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...arguments import checked
 from ...errors import InputError, TranscoderFormatError
 from ..transcoder import Transcoder, register_layouts
 from . import bytedance, circuit_tracer, gemmascope, gemmascope2, mntss, sae_lens, sparsify
@@ -58,6 +59,7 @@ _DETECTORS: tuple[tuple[str, LayoutDetector], ...] = (
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".yaml", ".yml", ".json")
 
 
+@checked
 def detect_format(path: str | Path) -> str:
     """The layout of a local path (a directory or a config file)."""
     root = Path(path).expanduser()
@@ -90,6 +92,7 @@ def _found(root: Path, limit: int = 12) -> str:
     return ", ".join(files[:limit]) + more
 
 
+@checked
 def load_transcoder(source: str | Path | list, *, format: str | None = None,
                     **kwargs) -> Transcoder:
     """A transcoder from a local path, a hub reference or (GemmaScope, sae-lens) a list of
@@ -128,6 +131,7 @@ def load_transcoder(source: str | Path | list, *, format: str | None = None,
     return FORMATS[detect_format(path)](path, **kwargs)
 
 
+@checked
 def save_transcoder(transcoder: Transcoder, path: str | Path) -> None:
     """A CLT in the mntss layout, a per-layer set in circuit-tracer's."""
     if transcoder.cfg.cross_layer:

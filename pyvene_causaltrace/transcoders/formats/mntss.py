@@ -22,6 +22,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from ...arguments import checked
 from ...errors import InputError
 from ..config import CROSS_LAYER, YAML_KEYS, TranscoderConfig
 from ..transcoder import Transcoder, shard_features
@@ -43,6 +44,7 @@ def is_layout(path: Path) -> bool:
     return (path / "config.yaml").exists() and (path / "W_enc_0.safetensors").exists()
 
 
+@checked
 def read_config(path: str | Path) -> TranscoderConfig:
     """The config from ``config.yaml`` and the safetensors headers (no weights read)."""
     root = Path(path)
@@ -124,6 +126,7 @@ def _read(handle, name: str, features: tuple[int, int] | None) -> torch.Tensor:
     return handle.get_slice(name)[features[0]:features[1]]
 
 
+@checked
 def load_from_disk(
     path: str | Path,
     *,
@@ -173,6 +176,7 @@ def load_from_disk(
     return clt
 
 
+@checked
 def from_pretrained(
     repo_id_or_dir: str | Path,
     *,
@@ -193,6 +197,7 @@ def from_pretrained(
                           lazy_encoder=lazy_encoder, shard=shard)
 
 
+@checked
 def save_model(clt: Transcoder, path: str | Path) -> None:
     """Write ``clt`` in the mntss layout, in its on-disk dtype. Loading a directory and saving
     it again reproduces its safetensors files byte for byte."""
