@@ -49,9 +49,9 @@ from typing import Annotated, Any, Literal
 
 from .errors import InputError
 
-__all__ = ["NONBLANK", "Fraction", "MemoryMB", "NonNegativeInt", "PositiveFloat", "PositiveInt",
-           "Range", "Seed", "Text", "check_fields", "check_index", "check_value", "checked",
-           "flag", "unchecked"]
+__all__ = ["NONBLANK", "Fraction", "MemoryMB", "NonNegativeInt", "Port", "PositiveFloat",
+           "PositiveInt", "Probability", "Range", "Seed", "Text", "check_fields", "check_index",
+           "check_value", "checked", "flag", "unchecked"]
 
 #: The largest memory cap taken, in MB (an exabyte): a larger one is a typo, not a machine.
 MAX_MEMORY_MB = 1e12
@@ -89,6 +89,8 @@ NonNegativeInt = Annotated[int, Range(0)]
 Seed = Annotated[int, Range(0, 2 ** 63 - 1)]
 PositiveFloat = Annotated[float, Range(0, low_open=True)]
 Fraction = Annotated[float, Range(0, 1)]
+Probability = Annotated[float, Range(0, 1, low_open=True)]
+Port = Annotated[int, Range(0, 65535)]
 MemoryMB = Annotated[float, Range(0, MAX_MEMORY_MB, low_open=True)]
 Text = Annotated[str, NONBLANK]
 
@@ -244,6 +246,8 @@ def _instance(cls: type) -> _Check | None:
             raise _Refused
         return value
     name = cls.__name__
+    if kinds != (cls,):
+        return _Check(run, "a model (torch.nn.Module)")
     return _Check(run, f"{'an' if name[0] in 'AEIOU' else 'a'} {name}")
 
 
@@ -301,13 +305,30 @@ def _compile(annotation: object) -> _Check | None:
     return _instance(annotation) if isinstance(annotation, type) else None
 
 
+#: Package classes that modules import only for type checkers (an import cycle otherwise):
+#: an annotation naming one is resolved here, at the first call, when the cycle is closed.
+_DEFERRED = {"AttributionGraph": "attribution.graph", "Tracer": "tracing.tracer",
+             "Transcoder": "transcoders.transcoder", "BoundModel": "bound"}
+
+
+class _Names(dict):
+    """A module's names, then the deferred package classes (:data:`_DEFERRED`)."""
+
+    def __missing__(self, name: str) -> object:
+        if name not in _DEFERRED:
+            raise KeyError(name)
+        from importlib import import_module
+        return getattr(import_module(f"{__package__}.{_DEFERRED[name]}"), name)
+
+
 def _resolve(annotation: object, namespace: dict) -> object:
     """A string annotation (``from __future__ import annotations``) evaluated in its module, or
-    ``Any`` when it names something that module imports only for type checkers."""
+    ``Any`` when it names something that module imports only for type checkers (outside
+    :data:`_DEFERRED`: a tokenizer is duck-typed)."""
     if not isinstance(annotation, str):
         return annotation
     try:
-        return eval(annotation, dict(namespace))  # noqa: S307 -- the package's own annotations
+        return eval(annotation, {"__builtins__": __builtins__}, _Names(namespace))  # noqa: S307
     except Exception:  # noqa: BLE001 -- a TYPE_CHECKING name: not checked (see unchecked())
         return Any
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .arguments import checked
 from .bound import BoundModel, bind
 from .capture import capture
 from .errors import InputError, SpecError
@@ -271,6 +272,7 @@ def build_intervenable(spec: ExperimentSpec | dict | str, model: nn.Module, toke
     return intervenable_model_class()(to_pv_config(plan), model), plan
 
 
+@checked
 @torch.no_grad()
 def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
              tokenizer: Tokenizer) -> SpecRunResult:

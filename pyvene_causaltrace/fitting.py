@@ -200,7 +200,8 @@ def _differences(recorded: dict, asked: dict) -> list[str]:
 
 @checked
 def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | None = None,
-                   refit: bool = False, progress: bool = True, model=None, tokenizer=None,
+                   refit: bool = False, progress: bool = True,
+                   model: torch.nn.Module | None = None, tokenizer=None,
                    **changes) -> FitReport:
     """Fit the first transcoder for ``settings.model`` (keyword ``changes`` override
     :class:`FitSettings`' defaults) into ``out`` (default :func:`transcoder_dir`), or reuse the

@@ -61,6 +61,9 @@ def tokenize_prompt(
 def _subject_span(prompt: str, subject: str, occurrence: int, offsets) -> tuple[int, int]:
     if not subject:
         raise InputError("the subject is empty")
+    if isinstance(occurrence, bool) or not isinstance(occurrence, int) or occurrence < 0:
+        raise InputError(f"occurrence={occurrence!r}: expected an int >= 0 (0: the subject's "
+                         "first appearance; counting from the end is not supported)")
     start = -1
     for _ in range(occurrence + 1):
         start = prompt.find(subject, start + 1)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .arguments import MemoryMB, NonNegativeInt, PositiveInt, Text
 from .bound import BoundModel, bind
 from .dataset.plan import machine_memory
 from .defaults import BOS, STEER_TOP_K
@@ -338,10 +339,10 @@ def feature_spec(prompt: str, items: list[tuple[int, int | str, int, float]], so
 
 @measured  # one measurement per model at a time, in eval mode
 def intervene_features(
-    model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, prompt: str,
-    interventions: list[FeatureIntervention], *, max_new_tokens: int = 0,
-    hold_errors: bool = True, freeze_attention: bool = False, top_k: int = STEER_TOP_K,
-    memory_mb: float | None = None, progress: bool | None = None, bos: str = BOS,
+    model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, prompt: Text,
+    interventions: list[FeatureIntervention], *, max_new_tokens: NonNegativeInt = 0,
+    hold_errors: bool = True, freeze_attention: bool = False, top_k: PositiveInt = STEER_TOP_K,
+    memory_mb: MemoryMB | None = None, progress: bool | None = None, bos: str = BOS,
 ) -> FeatureInterventionResult:
     """Set transcoder features to values and read the logits; optionally generate greedily
     with them held (circuit-tracer's ``feature_intervention`` / ``_generate``).

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..arguments import Fraction, MemoryMB, NonNegativeInt, PositiveInt
 from ..bound import BoundModel
 from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..model_guard import measured
@@ -101,10 +102,10 @@ def crossing_edges(graph: AttributionGraph, node_threshold: float = NODE_THRESHO
 
 @measured
 def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
-                          *, node_threshold: float = NODE_THRESHOLD,
-                          edge_threshold: float = EDGE_THRESHOLD, max_edges: int = 200,
-                          top_heads: int = TOP_HEADS, max_qk: int = 16,
-                          memory_mb: float | None = None,
+                          *, node_threshold: Fraction = NODE_THRESHOLD,
+                          edge_threshold: Fraction = EDGE_THRESHOLD,
+                          max_edges: NonNegativeInt = 200, top_heads: PositiveInt = TOP_HEADS,
+                          max_qk: NonNegativeInt = 16, memory_mb: MemoryMB | None = None,
                           progress: bool = False) -> AttentionAnnotations:
     """Head parts of the ``max_edges`` kept cross-position edges of largest score
     (:func:`crossing_edges`) and the QK terms of the leading heads of the first ``max_qk``

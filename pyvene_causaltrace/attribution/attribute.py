@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..arguments import MemoryMB, PositiveInt, Probability, Text
 from ..defaults import GRAPH_DESIRED_LOGIT_PROB, GRAPH_MAX_N_LOGITS
 from ..distributed import Ranks, current
 from ..errors import InputError
@@ -111,15 +112,16 @@ class _Ranking:
 
 @measured(interventions=True)  # one graph per model at a time, in eval mode
 def attribute(
-    model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder, prompt: str,
-    answer: str | None = None, *, target: str | Target | torch.Tensor = _DEFAULT.target,
-    other: str | None = _DEFAULT.other, k: int = _DEFAULT.k,
-    max_n_logits: int | None = _DEFAULT.max_n_logits,
-    desired_logit_prob: float | None = _DEFAULT.desired_logit_prob,
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder, prompt: Text,
+    answer: Text | None = None, *, target: str | Target | torch.Tensor = _DEFAULT.target,
+    other: Text | None = _DEFAULT.other, k: PositiveInt = _DEFAULT.k,
+    max_n_logits: PositiveInt | None = _DEFAULT.max_n_logits,
+    desired_logit_prob: Probability | None = _DEFAULT.desired_logit_prob,
     bos_errors: str = _DEFAULT.bos_errors, bos: str = _DEFAULT.bos,
-    max_feature_nodes: int | None = _DEFAULT.max_feature_nodes,
-    memory_mb: float = _DEFAULT.memory_mb, batch_size: int | None = _DEFAULT.batch_size,
-    max_batch: int | None = _DEFAULT.max_batch, update_interval: int = _DEFAULT.update_interval,
+    max_feature_nodes: PositiveInt | None = _DEFAULT.max_feature_nodes,
+    memory_mb: MemoryMB = _DEFAULT.memory_mb, batch_size: PositiveInt | None = _DEFAULT.batch_size,
+    max_batch: PositiveInt | None = _DEFAULT.max_batch,
+    update_interval: PositiveInt = _DEFAULT.update_interval,
     freeze: bool = _DEFAULT.freeze, loop: bool = _DEFAULT.loop, progress: bool = False,
     checkpoint: str | Path | None = None, keep_checkpoint: bool = True,
     check_closure: bool = _DEFAULT.check_closure, settings: AttributionSettings | None = None,
@@ -236,7 +238,8 @@ def attribute(
                      "probability": float(sum(t.prob for t in prepared.targets))}
     return _graph(replacement, prepared, run, top, store, plan, resumed=resumed,
                   seconds=seconds, freeze=freeze, check_closure=check_closure,
-                  selection=selection, spread=spread)
+                  selection=selection, spread=spread,
+                  fingerprints={name: key[name] for name in ("model", "transcoder")})
 
 
 @dataclass(frozen=True)
@@ -479,7 +482,7 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
 def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: ReplacementRun,
            top: _TargetRows, store: RowStore, plan: _Plan, *, resumed: int, seconds: dict,
            freeze: bool, check_closure: bool, selection: dict,
-           spread: _Spread | None = None) -> AttributionGraph:
+           spread: _Spread | None = None, fingerprints: dict | None = None) -> AttributionGraph:
     """The graph of the computed rows, with what its reader needs to know in ``metadata``."""
     tokenizer, ids, goals, cap = (replacement.tokenizer, prepared.input_ids, prepared.targets,
                                   prepared.softcap)
@@ -500,7 +503,7 @@ def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: Replace
                   for s, positions in zip(run.steering_leaves, run.steering_positions,
                                           strict=True)],
         targets=targets,
-        metadata={**replacement.describe(ids), "frozen": freeze,
+        metadata={**replacement.describe(ids), "frozen": freeze, "fingerprints": fingerprints,
                   "logit_softcap": None if cap is None else {
                       "cap": cap, "target": "pre-soft-cap logits (cap off while the graph was "
                                             "built, restored after)"},

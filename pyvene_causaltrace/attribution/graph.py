@@ -38,7 +38,7 @@ import safetensors.torch  # called through the module: tests patch save_file the
 import torch
 from safetensors import safe_open
 
-from ..arguments import checked
+from ..arguments import Fraction, checked
 from ..atomic import replacing
 from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..errors import GraphFileError, InputError
@@ -347,8 +347,8 @@ class AttributionGraph:
         return int(self.rows.row_of_node(self.layout.n_nodes)[self.logit_node])
 
     @checked
-    def prune(self, node_threshold: float = NODE_THRESHOLD,
-              edge_threshold: float = EDGE_THRESHOLD) -> PruneResult:
+    def prune(self, node_threshold: Fraction = NODE_THRESHOLD,
+              edge_threshold: Fraction = EDGE_THRESHOLD) -> PruneResult:
         """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds (each
         a cumulative-influence fraction in [0, 1])."""
         for name, value in (("node_threshold", node_threshold),

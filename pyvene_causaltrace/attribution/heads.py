@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
-from ..arguments import checked
+from ..arguments import MemoryMB, check_index, checked
 from ..bound import BoundModel
 from ..errors import ClosureError, InputError, UnsupportedModelError
 from ..hooking import installed
@@ -96,6 +96,11 @@ def _graph_run(bound: BoundModel, transcoder: Transcoder, graph: AttributionGrap
     if transcoder.n_layers != graph.n_layers:
         raise InputError(f"the graph has {graph.n_layers} layers, the transcoder "
                          f"{transcoder.n_layers}")
+    built_on = (graph.metadata.get("fingerprints") or {}).get("model")
+    if built_on is not None and built_on != bound.fingerprint:
+        raise InputError(f"the graph was built on another model (weights fingerprint {built_on}, "
+                         f"this model's {bound.fingerprint}): pass the model the graph was "
+                         "built with")
     ids = torch.tensor([graph.input_ids], device=bound.device)
     bound.check_inputs(ids)
     states = [t["output"] for t in graph.targets if t.get("output", "logits") != "logits"]
@@ -151,11 +156,11 @@ def _layers(layers: int | Sequence[int] | None, n_layers: int) -> list[int]:
     """``layers`` (None: all) as a checked list."""
     chosen = list(range(n_layers)) if layers is None else (
         [layers] if isinstance(layers, int) else list(layers))
-    bad = [layer for layer in chosen if not 0 <= int(layer) < n_layers]
-    if bad or not chosen:
-        raise InputError(f"layers {bad or chosen} are not attention layers of the model "
-                         f"(0..{n_layers - 1})")
-    return [int(layer) for layer in dict.fromkeys(chosen)]
+    if not chosen:
+        raise InputError("layers=[]: give at least one layer (None: every layer)")
+    chosen = [check_index("layers", layer, n_layers, "attention layers of the model")
+              for layer in chosen]
+    return list(dict.fromkeys(chosen))
 
 
 @dataclass
@@ -391,7 +396,7 @@ def _loadings(replay: _Replay, node: int, layers: Sequence[int]
 @measured
 def head_loadings(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
                   target: int | None = None, *, layers: int | Sequence[int] | None = None,
-                  memory_mb: float | None = None) -> HeadLoadings:
+                  memory_mb: MemoryMB | None = None) -> HeadLoadings:
     """Split every edge into node ``target`` of ``graph`` (a logit node or a feature node;
     default the first logit node) by the heads of ``layers`` (default every layer), plus a
     bypass per layer (module docstring). ``model`` and ``transcoder`` are the graph's: its
@@ -399,7 +404,8 @@ def head_loadings(model: BoundModel, transcoder: Transcoder, graph: AttributionG
     One forward, one backward, then one batched backward (one row per head) per layer; as
     many rows per backward as fit ``memory_mb`` (default the attribution settings')."""
     chosen = _layers(layers, model.n_layers)
-    node = graph.logit_node if target is None else int(target)
+    node = graph.logit_node if target is None else check_index(
+        "target", target, graph.layout.n_nodes, "nodes of the graph")
     replay = _replay(model, transcoder, graph, chosen, memory_mb=memory_mb)
     edges, constant, parts, constant_parts = _loadings(replay, node, chosen)
     return HeadLoadings(
@@ -552,9 +558,8 @@ def _positions(graph: AttributionGraph, query_pos: int, key_pos: int) -> tuple[i
     """Both positions checked and made non-negative."""
     n_pos, positions = graph.n_pos, []
     for name, pos in (("query_pos", query_pos), ("key_pos", key_pos)):
-        if not -n_pos <= pos < n_pos:
-            raise InputError(f"{name} {pos} is outside the prompt's {n_pos} tokens")
-        positions.append(pos % n_pos)
+        positions.append(check_index(name, pos, n_pos, "positions of the prompt",
+                                     negative=True))
     if positions[1] > positions[0]:
         raise InputError(f"key_pos {positions[1]} is after query_pos {positions[0]}: a causal "
                          "head never attends there")
@@ -587,14 +592,13 @@ def _qk(replay: _Replay, layer: int, head: int, query_pos: int, key_pos: int) ->
 @measured
 def qk_attribution(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
                    layer: int, head: int, query_pos: int, key_pos: int, *,
-                   memory_mb: float | None = None) -> QKAttribution:
+                   memory_mb: MemoryMB | None = None) -> QKAttribution:
     """Decompose head ``head`` of ``layer``'s pre-softmax score at (``query_pos``, ``key_pos``;
     negative counts from the end) on ``graph``'s prompt into bilinear node-pair terms (module
     docstring). ``model`` and ``transcoder`` are the graph's (replayed and checked as in
     :func:`head_loadings`; ``memory_mb`` as there)."""
     (layer,) = _layers(layer, model.n_layers)
-    if not 0 <= head < model.n_heads:
-        raise InputError(f"head {head} is not a head of the model (0..{model.n_heads - 1})")
+    head = check_index("head", head, model.n_heads, "heads of the model")
     _positions(graph, query_pos, key_pos)  # refused before the forward
     return _qk(_replay(model, transcoder, graph, [layer], qk=True, memory_mb=memory_mb), layer,
                head, query_pos, key_pos)

@@ -200,6 +200,7 @@ def constant_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if name.endswith("bias")]
 
 
+@checked
 @contextmanager
 def pre_softcap_logits(model: nn.Module) -> Iterator[float | None]:
     """Inside the block the model returns its logits before the final soft-cap

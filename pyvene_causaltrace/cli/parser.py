@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Annotated
 
+from ..arguments import (
+    Fraction,
+    MemoryMB,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    Seed,
+    Text,
+    flag,
+)
 from ..defaults import (
     BOS,
     CROSS_CHECK_FEATURES,
@@ -30,6 +42,14 @@ from ..defaults import (
     WINDOW,
 )
 from .common import EIFFEL
+
+# Every typed flag reads through the package's argument rules (arguments.flag): argparse then
+# names the flag in its one error: line, and a flag cannot take a value the API refuses.
+POSITIVE_INT, NON_NEGATIVE_INT, SEED = flag(PositiveInt), flag(NonNegativeInt), flag(Seed)
+PORT = flag(Annotated[int, Range(0, 65535)])
+POSITIVE_FLOAT, FRACTION, MEMORY_MB = flag(PositiveFloat), flag(Fraction), flag(MemoryMB)
+PROBABILITY = flag(Annotated[float, Range(0, 1, low_open=True)])
+TEXT = flag(Text)
 
 _TRANSCODER_HELP = ("transcoder: an mntss CLT directory, a circuit-tracer config.yaml, a "
                     "GemmaScope / sae-lens / sparsify directory, or a hub id")
@@ -62,15 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a trace spec (intervention_specs/trace_*.json); other options "
                             "override nothing but --model/--out/--budget-mb/--controls")
     trace.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
-    trace.add_argument("--prompt", default=EIFFEL["prompt"])
-    trace.add_argument("--subject", default=EIFFEL["subject"])
-    trace.add_argument("--answer", default=None,
+    trace.add_argument("--prompt", type=TEXT, default=EIFFEL["prompt"])
+    trace.add_argument("--subject", type=TEXT, default=EIFFEL["subject"])
+    trace.add_argument("--answer", type=TEXT, default=None,
                        help="target string (its first token); default ' Paris' for the default "
                             "prompt, else the clean argmax")
     trace.add_argument("--kind", default="residual",
                        help="residual|mlp|attn|severed-mlp|severed-attn, or several, "
                             "comma-separated (they share the clean and corrupted runs)")
-    trace.add_argument("--seeds", type=int, default=TRACE_SEEDS,
+    trace.add_argument("--seeds", type=POSITIVE_INT, default=TRACE_SEEDS,
                        help=f"noise seeds 0..N-1 (default {TRACE_SEEDS})")
     trace.add_argument("--scale", default=str(NOISE_SCALE),
                        help=f"noise in units of sigma (default {NOISE_SCALE:g}, ROME's), or "
@@ -78,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "leaves P(answer) below 5%% of clean)")
     trace.add_argument("--sigma", default=SIGMA,
                        help=f"rome | embedding_matrix | a number (default {SIGMA})")
-    trace.add_argument("--window", type=int, default=WINDOW,
+    trace.add_argument("--window", type=POSITIVE_INT, default=WINDOW,
                        help=f"layers per window of mlp and attn (default {WINDOW}, ROME's)")
-    trace.add_argument("--budget-mb", type=float, default=TRACE_MEMORY_MB,
+    trace.add_argument("--budget-mb", type=MEMORY_MB, default=TRACE_MEMORY_MB,
                        help=f"memory budget for one batch of rows (default {TRACE_MEMORY_MB:g})")
     trace.add_argument("--controls", action="store_true",
                        help="also run the controls (corrupted-donor, window vs single layer)")
@@ -111,9 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--data", type=Path, required=True,
                        help="held-out text: a .txt file (one text per line) or known_1000-style "
                             "JSON (prompt + attribute)")
-    check.add_argument("--limit", type=int, default=100, help="texts to use")
-    check.add_argument("--prompt", default=EIFFEL["prompt"])
-    check.add_argument("--answer", default=None)
+    check.add_argument("--limit", type=POSITIVE_INT, default=100, help="texts to use")
+    check.add_argument("--prompt", type=TEXT, default=EIFFEL["prompt"])
+    check.add_argument("--answer", type=TEXT, default=None)
     check.add_argument("--out", type=Path, default=None, help="write clt_check.json here")
     check.add_argument("--bos", default=BOS, choices=("auto", "always", "never"),
                        help=_BOS_HELP)
@@ -127,24 +147,25 @@ def build_parser() -> argparse.ArgumentParser:
                              "attribute}")
     source.add_argument("--task", help="a built-in task: agreement | retrieval | arithmetic")
     data.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
-    data.add_argument("--limit", type=int, default=None, help="facts to trace (after the screen)")
+    data.add_argument("--limit", type=POSITIVE_INT, default=None,
+                      help="facts to trace (after the screen)")
     data.add_argument("--kinds", default=",".join(DATASET_KINDS),
                       help=f"trace kinds, comma-separated (default {','.join(DATASET_KINDS)})")
-    data.add_argument("--seeds", type=int, default=DATASET_SEEDS,
+    data.add_argument("--seeds", type=POSITIVE_INT, default=DATASET_SEEDS,
                       help=f"noise seeds 0..N-1 per fact (default {DATASET_SEEDS})")
-    data.add_argument("--scale", type=float, default=NOISE_SCALE,
+    data.add_argument("--scale", type=POSITIVE_FLOAT, default=NOISE_SCALE,
                       help=f"noise in units of sigma (default {NOISE_SCALE:g})")
     data.add_argument("--sigma", default=SIGMA,
                       help=f"rome | embedding_matrix | a number (default {SIGMA})")
-    data.add_argument("--window", type=int, default=WINDOW,
+    data.add_argument("--window", type=POSITIVE_INT, default=WINDOW,
                       help=f"layers per window of mlp and attn (default {WINDOW})")
     data.add_argument("--known", default=None, choices=("argmax", "none"),
                       help="argmax: trace only facts whose clean prediction is the target; "
                            f"none: every well-formed one (default {KNOWN}; a built-in task may "
                            "default to none)")
-    data.add_argument("--budget-mb", type=float, default=TRACE_MEMORY_MB,
+    data.add_argument("--budget-mb", type=MEMORY_MB, default=TRACE_MEMORY_MB,
                       help=f"memory budget for one batch of rows (default {TRACE_MEMORY_MB:g})")
-    data.add_argument("--boot", type=int, default=N_BOOT,
+    data.add_argument("--boot", type=POSITIVE_INT, default=N_BOOT,
                       help=f"bootstrap resamples (default {N_BOOT})")
     data.add_argument("--no-progress", action="store_true",
                       help="no progress bar (tqdm, on stderr)")
@@ -154,10 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "AIE in the figures")
     data.add_argument("--clt", default=None, help=_TRANSCODER_HELP + " (with --graphs)")
     data.add_argument("--format", default=None, help=_FORMAT_HELP)
-    data.add_argument("--max-feature-nodes", type=int, default=None,
+    data.add_argument("--max-feature-nodes", type=POSITIVE_INT, default=None,
                       help="with --graphs: feature rows per graph, the most influential "
                            "(default: every feature whose row fits --graph-memory-mb)")
-    data.add_argument("--graph-memory-mb", type=float, default=None,
+    data.add_argument("--graph-memory-mb", type=MEMORY_MB, default=None,
                       help=f"with --graphs: memory cap of one graph (default "
                            f"{GRAPH_MEMORY_MB:g})")
     data.add_argument("--bos", default=None, choices=("auto", "always", "never"),
@@ -169,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     agg = commands.add_parser("aggregate", help="aggregate a dataset run directory")
     agg.add_argument("out", type=Path)
-    agg.add_argument("--boot", type=int, default=N_BOOT,
+    agg.add_argument("--boot", type=POSITIVE_INT, default=N_BOOT,
                      help=f"bootstrap resamples (default {N_BOOT})")
 
     graph = commands.add_parser(
@@ -184,19 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--labels", type=Path, default=None,
                        help="feature labels for graph.json's clerp: CSV/TSV/JSON with columns "
                             "layer, feature, label")
-    graph.add_argument("--prompt", default=EIFFEL["prompt"])
-    graph.add_argument("--answer", default=None,
+    graph.add_argument("--prompt", type=TEXT, default=EIFFEL["prompt"])
+    graph.add_argument("--answer", type=TEXT, default=None,
                        help="a single-token answer; default ' Paris' for the default prompt, "
                             "else the clean argmax")
     graph.add_argument("--target", default=GRAPH_TARGET,
                        choices=("demeaned", "demeaned_vocab", "difference"))
-    graph.add_argument("--other", default=None, help="the subtracted token of --target difference")
-    graph.add_argument("--k", type=int, default=GRAPH_K,
+    graph.add_argument("--other", type=TEXT, default=None,
+                       help="the subtracted token of --target difference")
+    graph.add_argument("--k", type=POSITIVE_INT, default=GRAPH_K,
                        help=f"top-k logits the target is demeaned by (default {GRAPH_K})")
-    graph.add_argument("--max-n-logits", type=int, default=None,
+    graph.add_argument("--max-n-logits", type=POSITIVE_INT, default=None,
                        help="without --answer: a logit node for each of the most probable "
                             f"tokens, at most this many (default {GRAPH_MAX_N_LOGITS})")
-    graph.add_argument("--desired-logit-prob", type=float, default=None,
+    graph.add_argument("--desired-logit-prob", type=PROBABILITY, default=None,
                        help="without --answer: stop adding logit nodes once their "
                             f"probabilities reach this (default {GRAPH_DESIRED_LOGIT_PROB:g})")
     graph.add_argument("--direction", type=Path, default=None,
@@ -210,19 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{GRAPH_BOS_ERRORS})")
     graph.add_argument("--bos", default=None, choices=("auto", "always", "never"),
                        help=_BOS_HELP)
-    graph.add_argument("--memory-mb", type=float, default=None,
+    graph.add_argument("--memory-mb", type=MEMORY_MB, default=None,
                        help="cap on the forward graph, batched gradient rows and stored rows "
                             f"(default {GRAPH_MEMORY_MB:g})")
-    graph.add_argument("--max-feature-nodes", type=int, default=None,
+    graph.add_argument("--max-feature-nodes", type=POSITIVE_INT, default=None,
                        help="compute rows for at most this many features, the most "
                             "influential (default: every feature whose row fits --memory-mb)")
-    graph.add_argument("--node-threshold", type=float, default=NODE_THRESHOLD,
+    graph.add_argument("--node-threshold", type=FRACTION, default=NODE_THRESHOLD,
                        help="pruning: keep the nodes carrying this share of the cumulative "
                             f"influence (default {NODE_THRESHOLD:g})")
-    graph.add_argument("--edge-threshold", type=float, default=EDGE_THRESHOLD,
+    graph.add_argument("--edge-threshold", type=FRACTION, default=EDGE_THRESHOLD,
                        help="pruning: then the edges carrying this share of the cumulative "
                             f"edge score (default {EDGE_THRESHOLD:g})")
-    graph.add_argument("--max-links", type=int, default=MAX_LINKS,
+    graph.add_argument("--max-links", type=POSITIVE_INT, default=MAX_LINKS,
                        help="graph.json holds at most this many links, those of largest edge "
                             f"score (default {MAX_LINKS}, ~25 MB)")
     graph.add_argument("--validate", action="store_true",
@@ -249,16 +271,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="per (layer, position): graph influence vs the trace's indirect "
                             "effect; top features: linear prediction vs a patch to their "
                             "noised values")
-    check.add_argument("--subject", default=None,
+    check.add_argument("--subject", type=TEXT, default=None,
                        help="the noised subject (default: 'The Eiffel Tower' for the default "
                             "prompt)")
-    check.add_argument("--seeds", type=int, default=TRACE_SEEDS)
+    check.add_argument("--seeds", type=POSITIVE_INT, default=TRACE_SEEDS)
     check.add_argument("--scale", default=str(NOISE_SCALE),
                        help=f"noise in units of sigma, or 'auto' (default {NOISE_SCALE})")
-    check.add_argument("--check-features", type=int, default=CROSS_CHECK_FEATURES,
+    check.add_argument("--check-features", type=POSITIVE_INT, default=CROSS_CHECK_FEATURES,
                        help="top features (by influence) patched to their noised values "
                             f"(default {CROSS_CHECK_FEATURES})")
-    check.add_argument("--check-window", type=int, default=CROSS_CHECK_WINDOW,
+    check.add_argument("--check-window", type=POSITIVE_INT, default=CROSS_CHECK_WINDOW,
                        help=f"layers one MLP restore spans (default {CROSS_CHECK_WINDOW}, one "
                             "MLP sublayer, as a graph cell)")
     check.add_argument("--check-modes", default="spliced,replacement",
@@ -277,15 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--kind", default=None, choices=("skip_plt", "plt", "clt"),
                      help="skip_plt: per-layer with a skip path (default); plt: per-layer; "
                           "clt: cross-layer")
-    fit.add_argument("--features", type=int, default=None, help="features per layer (128)")
-    fit.add_argument("--steps", type=int, default=None, help="optimiser steps (default 300)")
-    fit.add_argument("--lr", type=float, default=None, help="learning rate")
+    fit.add_argument("--features", type=POSITIVE_INT, default=None, help="features per layer (128)")
+    fit.add_argument("--steps", type=POSITIVE_INT, default=None,
+                     help="optimiser steps (default 300)")
+    fit.add_argument("--lr", type=POSITIVE_FLOAT, default=None, help="learning rate")
     fit.add_argument("--data", default=None,
                      help="self (text the model generates: offline, default), known_1000, or a "
                           "file: one text per line, or facts as JSON/JSONL")
-    fit.add_argument("--texts", type=int, default=None,
+    fit.add_argument("--texts", type=POSITIVE_INT, default=None,
                      help="training texts (a tenth as many more are held out)")
-    fit.add_argument("--seed", type=int, default=None)
+    fit.add_argument("--seed", type=SEED, default=None)
     fit.add_argument("--out", type=Path, default=None,
                      help="where to save (default: named by model, kind and features under the "
                           "cache directory, $PYVENE_CAUSALTRACE_CACHE)")
@@ -305,15 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
     steer.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
     steer.add_argument("--clt", default=None, help=_TRANSCODER_HELP)
     steer.add_argument("--format", default=None, help=_FORMAT_HELP)
-    steer.add_argument("--prompt", default=None, help=f"default: {EIFFEL['prompt']!r}")
+    steer.add_argument("--prompt", type=TEXT, default=None, help=f"default: {EIFFEL['prompt']!r}")
     steer.add_argument("--set", action="append", default=[], metavar="LAYER:POS:FEATURE=VALUE",
                        help="set a feature (repeatable); POS is a prompt position (negative "
                             "from the end) or 'all' (every prompt and generated position)")
-    steer.add_argument("--max-new-tokens", type=int, default=0,
+    steer.add_argument("--max-new-tokens", type=NON_NEGATIVE_INT, default=0,
                        help="greedy tokens to generate, with the features held and without; "
                             "refused before any forward past the model's positions "
                             "(max_position_embeddings) or the memory budget")
-    steer.add_argument("--memory-mb", type=float, default=None,
+    steer.add_argument("--memory-mb", type=MEMORY_MB, default=None,
                        help="memory one generation step may hold (default: the device's); "
                             "each step reruns the whole sequence")
     steer.add_argument("--no-progress", action="store_true",
@@ -326,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hold the prompt's attention patterns at the clean run's")
     steer.add_argument("--bos", default=None, choices=("auto", "always", "never"),
                        help=_BOS_HELP)
-    steer.add_argument("--top-k", type=int, default=STEER_TOP_K,
+    steer.add_argument("--top-k", type=POSITIVE_INT, default=STEER_TOP_K,
                        help=f"top tokens per run (default {STEER_TOP_K})")
     steer.add_argument("--out", type=Path, default=None,
                        help="write steering.json (the result) and spec.json (the spec that "
@@ -338,6 +361,6 @@ def build_parser() -> argparse.ArgumentParser:
     view = commands.add_parser(
         "serve", help="an interactive viewer of the attribution graphs under DIR, on localhost")
     view.add_argument("dir", type=Path, help="a directory holding graph.json files (any depth)")
-    view.add_argument("--port", type=int, default=8765)
+    view.add_argument("--port", type=PORT, default=8765)
     view.add_argument("--no-open", action="store_true", help="do not open a browser")
     return parser

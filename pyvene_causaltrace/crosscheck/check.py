@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..arguments import checked
+from ..arguments import PositiveInt, checked
 from ..defaults import CROSS_CHECK_FEATURES, CROSS_CHECK_TOP_K, CROSS_CHECK_WINDOW
 from ..errors import InputError, PyveneModelError
 from ..tracing.engine import get_kind
@@ -46,7 +46,7 @@ NOISE_TOLERANCE = 1e-4
 
 
 @checked
-def check_pair(graph, tracer) -> None:
+def check_pair(graph: AttributionGraph, tracer: Tracer) -> None:
     """Refuse a graph and a tracer of different prompts, answers or models."""
     if tracer.with_interventions or graph.steering:
         raise PyveneModelError("cross_check compares the bare model's graph and trace: build "
@@ -81,8 +81,8 @@ def _trace_grids(tracer, kinds: Sequence[str], window: int):
 @checked
 def cross_check(
     graph: AttributionGraph, tracer: Tracer, transcoder: Transcoder | None = None, *,
-    kinds: Sequence[str] = SITE_KINDS, window: int = CROSS_CHECK_WINDOW,
-    top_k: int = CROSS_CHECK_TOP_K, top_n: int = CROSS_CHECK_FEATURES,
+    kinds: Sequence[str] = SITE_KINDS, window: PositiveInt = CROSS_CHECK_WINDOW,
+    top_k: PositiveInt = CROSS_CHECK_TOP_K, top_n: PositiveInt = CROSS_CHECK_FEATURES,
     modes: Sequence[str] = ("spliced",), heads: bool | int | Sequence[int] = False,
     progress: Callable[[int], None] | None = None,
 ) -> CrossCheckResult:

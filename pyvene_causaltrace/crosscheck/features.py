@@ -26,11 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..arguments import checked
+from ..arguments import PositiveInt, checked
 from ..attribution.replacement import pre_softcap_logits
 from ..bound import BoundModel, bind
 from ..capture import capture
@@ -48,6 +49,10 @@ from ..runtime import intervened
 from ..transcoders.hooks import hook_component, norm_settings, normalize
 from ..transcoders.transcoder import Transcoder
 
+if TYPE_CHECKING:  # annotations only (an import cycle otherwise)
+    from ..attribution.graph import AttributionGraph
+    from ..tracing.tracer import Tracer
+
 #: How the patch is measured (module docstring).
 MODES = ("spliced", "replacement")
 #: Patched rows (one set feature each) per forward.
@@ -55,7 +60,7 @@ ROWS = 64
 
 
 @checked
-def total_effects(graph, max_iter: int = 1000) -> torch.Tensor:
+def total_effects(graph: AttributionGraph, max_iter: PositiveInt = 1000) -> torch.Tensor:
     """``[n_features]`` float64: ``d target / d a_i`` for every feature node in the local
     replacement model, the sum over the graph's paths (the target: the logit nodes' weighted
     mean). Paths through features without a row (a budgeted graph) are missing."""
@@ -117,8 +122,9 @@ class NoisedActivations:
     noised_probs: torch.Tensor
 
 
+@checked
 @torch.no_grad()
-def noised_activations(tracer, transcoder: Transcoder, layer: torch.Tensor,
+def noised_activations(tracer: Tracer, transcoder: Transcoder, layer: torch.Tensor,
                        position: torch.Tensor, feature: torch.Tensor) -> NoisedActivations:
     """Each chosen feature's activation on the clean prompt and in each of ``tracer``'s noised
     runs (its seeds, scale and sigma on the subject's embeddings), read by the transcoder from

@@ -17,6 +17,7 @@ subject's first token changes anything, and those cells are left out of the stat
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -25,12 +26,16 @@ import torch
 from ..arguments import checked
 from ..errors import InputError
 
+if TYPE_CHECKING:  # annotations only (an import cycle otherwise)
+    from ..attribution.graph import AttributionGraph
+
 #: Graph grids: the MLP sublayer's features, its error, or both.
 SITE_PARTS = ("all", "features", "errors")
 
 
 @checked
-def site_influence(graph, part: str = "all", *, share: bool = False) -> np.ndarray:
+def site_influence(graph: AttributionGraph, part: str = "all", *,
+                   share: bool = False) -> np.ndarray:
     """``[n_layers, n_pos]`` float64: the influence of ``graph``'s nodes at each (layer,
     position) — its features (``"features"``), its error node (``"errors"``) or both
     (``"all"``). ``share``: divided by the influence of every source node (features, errors,

@@ -368,7 +368,8 @@ def _merge_saved_graphs(shards: Sequence[Path], out: Path) -> None:
 
 
 @checked
-def trace_dataset_distributed(model: nn.Module, tokenizer: Tokenizer, records, *, out,
+def trace_dataset_distributed(model: nn.Module, tokenizer: Tokenizer,
+                              records: Sequence[FactRecord], *, out: str | Path,
                               **options) -> DatasetResult | None:
     """:func:`trace_dataset` under ``torchrun``: each rank traces its shard; rank 0 merges after
     all ranks finish and returns the aggregate (other ranks return ``None``). Without a

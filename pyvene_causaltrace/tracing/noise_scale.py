@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..arguments import checked
 from ..bound import BoundModel, bind
 from ..defaults import DISTRIBUTION, NOISE_SCALES
 from ..finite import NonFiniteError
@@ -99,6 +100,7 @@ class NoiseScaleSweep:
         return "\n".join(lines)
 
 
+@checked
 @torch.no_grad()
 def sweep_noise_scale(
     model: nn.Module | BoundModel,

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..arguments import checked
+from ..arguments import MemoryMB, NonNegativeInt, PositiveInt, Text, checked
 from ..bound import bind
 from ..errors import InputError
 from ..finite import check_finite, positive_number
@@ -117,20 +117,20 @@ class Tracer:
         self,
         model: nn.Module,
         tokenizer: Tokenizer,
-        prompt: str,
-        subject: str,
+        prompt: Text,
+        subject: Text,
         *,
-        answer: str | None = None,
+        answer: Text | None = None,
         seeds: int | Sequence[int] = _DEFAULT.seeds,
         scale: float | str = _DEFAULT.scale,
         sigma: str | float = _DEFAULT.sigma,
-        occurrence: int = 0,
+        occurrence: NonNegativeInt = 0,
         distribution: str = _DEFAULT.distribution,
-        memory_budget_mb: float = _DEFAULT.memory_budget_mb,
+        memory_budget_mb: MemoryMB = _DEFAULT.memory_budget_mb,
         reuse_prefix: bool = _DEFAULT.reuse_prefix,
         replay_layers: bool = _DEFAULT.replay_layers,
         scales: Sequence[float] = _DEFAULT.scales,
-        window: int = _DEFAULT.window,
+        window: PositiveInt = _DEFAULT.window,
         settings: TraceSettings | None = None,
     ) -> None:
         #: The :class:`~.settings.TraceSettings` this tracer runs with (checked when made).
@@ -269,6 +269,7 @@ class Tracer:
             corrupt_probs=self.corrupt_probs,
             restored_probs=probs.numpy().reshape(len(self.seeds), len(chosen), n_heads))
 
+    @checked
     def spec(self, kind: str, window: int | None = None) -> dict:
         """The JSON spec that reproduces ``trace(kind)`` (see ``intervention_specs/``;
         ``window``: ``None`` is the settings').
@@ -322,7 +323,7 @@ class Tracer:
 
 
 @checked
-def trace(model: nn.Module, tokenizer: Tokenizer, prompt: str, subject: str, *,
+def trace(model: nn.Module, tokenizer: Tokenizer, prompt: Text, subject: Text, *,
           kind: str = "residual", progress: bool = True, **options) -> TraceResult:
     """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments (``answer``,
     ``occurrence``, ``settings=`` a :class:`~.settings.TraceSettings` or its fields, ``window``
@@ -333,7 +334,8 @@ def trace(model: nn.Module, tokenizer: Tokenizer, prompt: str, subject: str, *,
 
 
 @checked
-def tracer_from_spec(spec, model: nn.Module, tokenizer: Tokenizer, **options) -> Tracer:
+def tracer_from_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer: Tokenizer,
+                     **options) -> Tracer:
     """A :class:`Tracer` for a trace spec (one with ``"trace"``); ``options`` add Tracer
     keyword arguments such as ``memory_budget_mb``; the noise settings the spec leaves out
     are :class:`~.settings.TraceSettings`' defaults. The spec's ``model_interventions`` are
