@@ -44,6 +44,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from importlib import import_module
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -51,7 +52,7 @@ from .errors import InputError
 
 __all__ = ["NONBLANK", "Fraction", "MemoryMB", "NonNegativeInt", "Port", "PositiveFloat",
            "PositiveInt", "Probability", "Range", "Seed", "Text", "check_fields", "check_index",
-           "check_value", "checked", "flag", "unchecked"]
+           "check_value", "call_checker", "checked", "flag", "unchecked"]
 
 #: The largest memory cap taken, in MB (an exabyte): a larger one is a typo, not a machine.
 MAX_MEMORY_MB = 1e12
@@ -124,7 +125,7 @@ def _is_numpy(value: object, kind: str) -> bool:
     module = type(value).__module__
     if module != "numpy":
         return False
-    import numpy as np
+    import numpy as np  # only once a NumPy value is seen (its module is loaded by then)
     return isinstance(value, {"int": np.integer, "float": np.floating, "bool": np.bool_}[kind])
 
 
@@ -233,16 +234,22 @@ def _constrained(base: _Check, constraints: list[object]) -> _Check:
     return _Check(run, f"{base.expected}, {' and '.join(words)}" if words else base.expected)
 
 
+#: A model argument takes either: the public call binds a bare model, and the package hands
+#: the bound one on to the public functions it calls.
+_MODELS = (("torch.nn.modules.module", "Module"), (f"{__package__}.bound", "BoundModel"))
+
+
 def _instance(cls: type) -> _Check | None:
     if getattr(cls, "_is_protocol", False):
         return None  # a Protocol is duck-typed: nothing to test with isinstance
     kinds: tuple[type, ...] = (cls,)
-    if cls.__name__ == "BoundModel" and cls.__module__.endswith(".bound"):
-        from torch import nn  # the boundary binds a bare model
-        kinds = (cls, nn.Module)
+    if (cls.__module__, cls.__name__) in _MODELS:  # a bare model or one the package bound
+        kinds = tuple(getattr(import_module(module), name) for module, name in _MODELS)
 
     def run(value):
         if not isinstance(value, kinds):
+            if name == "Transcoder" and any(c.__name__ == "Module" for c in type(value).__mro__):
+                raise _Refused("the model comes first, then the transcoder")
             raise _Refused
         return value
     name = cls.__name__
@@ -311,26 +318,24 @@ _DEFERRED = {"AttributionGraph": "attribution.graph", "Tracer": "tracing.tracer"
              "Transcoder": "transcoders.transcoder", "BoundModel": "bound"}
 
 
-class _Names(dict):
-    """A module's names, then the deferred package classes (:data:`_DEFERRED`)."""
-
-    def __missing__(self, name: str) -> object:
-        if name not in _DEFERRED:
-            raise KeyError(name)
-        from importlib import import_module
-        return getattr(import_module(f"{__package__}.{_DEFERRED[name]}"), name)
-
-
 def _resolve(annotation: object, namespace: dict) -> object:
-    """A string annotation (``from __future__ import annotations``) evaluated in its module, or
-    ``Any`` when it names something that module imports only for type checkers (outside
-    :data:`_DEFERRED`: a tokenizer is duck-typed)."""
+    """A string annotation (``from __future__ import annotations``) evaluated in its module (a
+    name of :data:`_DEFERRED` imported now), or ``Any`` when it names something the module
+    imports only for type checkers (a tokenizer is duck-typed)."""
     if not isinstance(annotation, str):
         return annotation
-    try:
-        return eval(annotation, {"__builtins__": __builtins__}, _Names(namespace))  # noqa: S307
-    except Exception:  # noqa: BLE001 -- a TYPE_CHECKING name: not checked (see unchecked())
-        return Any
+    names = dict(namespace)
+    for _ in range(len(_DEFERRED) + 1):
+        try:
+            return eval(annotation, names)  # noqa: S307 -- the package's own annotations
+        except NameError as missing:
+            if missing.name not in _DEFERRED or missing.name in names:
+                return Any  # a TYPE_CHECKING name: not checked (see unchecked())
+            module = import_module(f"{__package__}.{_DEFERRED[missing.name]}")
+            names[missing.name] = getattr(module, missing.name)
+        except Exception:  # noqa: BLE001 -- an annotation this module cannot evaluate
+            return Any
+    return Any
 
 
 # -------------------------------------------------------------------------- the decorator
@@ -362,22 +367,32 @@ def _run(name: str, value: object, check: _Check) -> object:
         raise _refuse(name, value, check.expected, extra) from None
 
 
+def call_checker(function: Callable) -> Callable[[inspect.BoundArguments], None]:
+    """What :func:`checked` runs on a call of ``function``: every given argument checked
+    against its annotation, NumPy scalars handed on as Python numbers (in the call)."""
+    compiled: dict[str, _Check] | None = None
+
+    def check(call: inspect.BoundArguments) -> None:
+        nonlocal compiled
+        if compiled is None:  # at the first call: the module's names all exist by then
+            compiled = _checks_of(function)
+        for name, value in call.arguments.items():
+            rule = compiled.get(name)
+            if rule is not None:
+                call.arguments[name] = _run(name, value, rule)
+    return check
+
+
 def checked(function: Callable) -> Callable:
     """Refuse, before ``function`` runs, any argument its annotation does not admit (module
     docstring); the call goes on with NumPy scalars handed on as Python numbers."""
     signature = inspect.signature(function)
-    compiled: dict[str, _Check] | None = None
+    check = call_checker(function)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        nonlocal compiled
-        if compiled is None:  # at the first call: the module's names all exist by then
-            compiled = _checks_of(function)
         call = signature.bind_partial(*args, **kwargs)
-        for name, value in call.arguments.items():
-            check = compiled.get(name)
-            if check is not None:
-                call.arguments[name] = _run(name, value, check)
+        check(call)
         return function(*call.args, **call.kwargs)
 
     wrapper.__checked__ = True  # type: ignore[attr-defined]

@@ -34,7 +34,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from .arguments import checked
+from .arguments import call_checker
 from .bound import BoundModel, bind
 from .errors import PyveneModelError
 from .hooking import recording
@@ -109,6 +109,7 @@ def measured(function: F | None = None, *, interventions: bool = False):
     if function is None:
         return functools.partial(measured, interventions=interventions)
     signature = inspect.signature(function)
+    check = call_checker(function)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
@@ -119,9 +120,15 @@ def measured(function: F | None = None, *, interventions: bool = False):
             raise PyveneModelError(
                 f"{function.__name__} takes the bare model: it applies its own interventions "
                 "to it (pass pv_model.model)")
+        pyvene = is_intervenable(given)  # bind() says what it refuses in one first
+        if not pyvene:
+            check(call)
         bound = bind(given, interventions=interventions)
         call.arguments["model"] = bound
+        if pyvene:
+            check(call)
         with measurement(bound):
             return function(*call.args, **call.kwargs)
 
-    return checked(wrapper)  # type: ignore[return-value]
+    wrapper.__checked__ = True  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]

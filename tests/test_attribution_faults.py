@@ -363,15 +363,15 @@ def test_a_graph_file_with_rows_outside_the_graph_is_refused(world, tmp_path):
 BAD_FLAGS = [
     (["--max-links", "-1"], "--max-links"),
     (["--max-links", "0"], "--max-links"),
-    (["--k", "0"], "k must be"),
+    (["--k", "0"], "--k"),
     (["--node-threshold", "1.5"], "--node-threshold"),
     (["--edge-threshold", "nan"], "--edge-threshold"),
-    (["--memory-mb", "nan"], "memory_mb"),
-    (["--memory-mb", "0"], "memory_mb"),
-    (["--max-feature-nodes", "-1"], "max_feature_nodes"),
+    (["--memory-mb", "nan"], "--memory-mb"),
+    (["--memory-mb", "0"], "--memory-mb"),
+    (["--max-feature-nodes", "-1"], "--max-feature-nodes"),
     (["--target", "difference"], "other token"),
     (["--other", " Rome"], "only read by target='difference'"),
-    (["--prompt", ""], "empty"),
+    (["--prompt", ""], "--prompt"),
 ]
 
 
@@ -390,7 +390,7 @@ def test_attribute_refuses_bad_arguments_before_the_forward(world, tokenizer):
     model = make_tiny_model("llama")
     clt = load_transcoder(world.root / "clt")
     model.forward = None  # any forward would fail with a TypeError
-    for kwargs, needle in (({"k": 0}, "k must"), ({"batch_size": 0}, "batch_size"),
+    for kwargs, needle in (({"k": 0}, "k=0"), ({"batch_size": 0}, "batch_size"),
                            ({"target": "difference"}, "other token"),
                            ({"target": "logit"}, "target must"),
                            ({"max_feature_nodes": 1.5}, "max_feature_nodes"),

@@ -78,7 +78,7 @@ def test_trace_from_a_spec_and_run_dispatch(model_dir, tmp_path):
     (["--kind", "mlps"], "unknown trace kind"),
     (["--window", "0"], "window"),
     (["--seeds", "0"], "seeds"),
-    (["--prompt", "", "--subject", "x"], "empty"),
+    (["--prompt", "", "--subject", "x"], "--prompt: '': expected a string, not blank"),
 ])
 def test_trace_bad_requests_exit_2(model_dir, capsys, args, message):
     assert main(["trace", "--model", str(model_dir), "--scale", "3", *args]) == 2

@@ -517,7 +517,7 @@ def test_trace_settings_are_checked_when_made(options, message):
 
 
 def test_dataset_settings_are_checked_when_made():
-    for options, message in (({"scale": "auto"}, "one fixed noise scale"),
+    for options, message in (({"scale": "auto"}, "scale='auto'"),
                              ({"kinds": ()}, "at least one trace kind"),
                              ({"kinds": ["residual", "residual"]}, "kinds repeat"),
                              ({"kinds": ["residul"]}, "residul"),
@@ -565,7 +565,7 @@ def test_tracer_with_settings_traces_as_the_keywords(tokenizer):
     with pytest.raises(InputError, match=r"scale=4.0 \(settings.scale=2.0\)"):
         Tracer(model, tokenizer, PROMPT, SUBJECT, settings=settings, scale=4.0)
     with pytest.raises(InputError, match="window"):  # before the model runs
-        trace(object(), tokenizer, PROMPT, SUBJECT, window=0)
+        trace(model, tokenizer, PROMPT, SUBJECT, window=0)
 
 
 def test_trace_dataset_with_settings_runs_as_the_keywords(tokenizer, tmp_path):

@@ -251,7 +251,7 @@ def test_only_the_export_marker_or_the_schema_makes_a_graph(graph_file):
 def test_a_bad_port_is_one_error_line(hostile, port, capsys):
     assert _within(STEP_S, main, ["serve", str(hostile), "--port", port, "--no-open"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and f"--port {port}" in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: ") and f"--port: '{port}'" in err[0], err
     with pytest.raises(InputError, match="--port"):
         make_server(hostile, port=int(port))
 
@@ -266,7 +266,7 @@ def test_a_port_in_use_is_one_error_line(hostile, capsys):
         with pytest.raises(OSError) as raised:
             make_server(hostile, port=port)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and f"--port {port}" in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: ") and f"--port: '{port}'" in err[0], err
     assert raised.value.errno == errno.EADDRINUSE
 
 

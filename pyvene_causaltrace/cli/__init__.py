@@ -47,7 +47,10 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:  # a refused flag (its error: line printed) or --help
+        return exit_.code if isinstance(exit_.code, int) else 2
     module, name = COMMANDS[args.command]
     try:
         if hasattr(args, "plugins"):  # the commands that read specs or list the types

@@ -63,8 +63,17 @@ _FORMAT_HELP = ("the transcoder's layout: mntss, circuit_tracer, gemmascope, sae
                 "sparsify (default: detected)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusals read as the package's: one line ``error: attribute:
+    argument --flag: ...`` naming the flag, and exit 2 (``--help`` shows the usage)."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("pyvene-causaltrace").strip()
+        self.exit(2, f"error: {command + ': ' if command else ''}{message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pyvene-causaltrace",
         description="Causal tracing and CLT attribution graphs, as pyvene interventions.")
     commands = parser.add_subparsers(dest="command", required=True)

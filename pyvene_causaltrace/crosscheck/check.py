@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..arguments import PositiveInt, checked
+from ..arguments import NonNegativeInt, PositiveInt, checked
 from ..defaults import CROSS_CHECK_FEATURES, CROSS_CHECK_TOP_K, CROSS_CHECK_WINDOW
 from ..errors import InputError, PyveneModelError
 from ..tracing.engine import get_kind
@@ -82,7 +82,7 @@ def _trace_grids(tracer, kinds: Sequence[str], window: int):
 def cross_check(
     graph: AttributionGraph, tracer: Tracer, transcoder: Transcoder | None = None, *,
     kinds: Sequence[str] = SITE_KINDS, window: PositiveInt = CROSS_CHECK_WINDOW,
-    top_k: PositiveInt = CROSS_CHECK_TOP_K, top_n: PositiveInt = CROSS_CHECK_FEATURES,
+    top_k: PositiveInt = CROSS_CHECK_TOP_K, top_n: NonNegativeInt = CROSS_CHECK_FEATURES,
     modes: Sequence[str] = ("spliced",), heads: bool | int | Sequence[int] = False,
     progress: Callable[[int], None] | None = None,
 ) -> CrossCheckResult:

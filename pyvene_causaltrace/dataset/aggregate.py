@@ -38,7 +38,8 @@ def _nanmean(values: np.ndarray) -> np.ndarray:
 
 
 @checked
-def role_curves(restored: np.ndarray, corrupt: float, subject_range: Sequence[int]) -> np.ndarray:
+def role_curves(restored: np.ndarray | list, corrupt: float,
+                subject_range: Sequence[int]) -> np.ndarray:
     """``[roles, layers]`` mean IE per role (NaN for a role with no position)."""
     ie = np.asarray(restored, dtype=np.float64) - corrupt
     buckets = role_positions(tuple(subject_range), ie.shape[1])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -162,13 +163,13 @@ class DatasetResult:
         return cls(**data)
 
     @checked
-    def plot(self, path: str | None = None):
+    def plot(self, path: str | Path | None = None):
         """ROME's Figure 1: a role x layer AIE heatmap per kind, and with graphs a last panel
         of the graphs' influence share by role x layer."""
         return plot_role_heatmaps(self, path)
 
     @checked
-    def plot_curves(self, path: str | None = None,
+    def plot_curves(self, path: str | Path | None = None,
                     roles: tuple[str, ...] = ("Last subject token", "Last token")):
         """AIE against layer for ``roles``, one panel per kind, interval bands; with graphs a
         last panel of the graphs' influence share for the same roles."""

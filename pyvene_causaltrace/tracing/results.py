@@ -6,6 +6,7 @@ import functools
 import json
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -358,7 +359,7 @@ class TraceResult(_Effects):
         return "\n".join(lines)
 
     @checked
-    def plot(self, path: str | None = None, value: str = "prob", ax=None):
+    def plot(self, path: str | Path | None = None, value: str = "prob", ax=None):
         """ROME-style heatmap; see :func:`pyvene_causaltrace.tracing.plots.plot_trace`."""
         return plot_trace(self, path=path, value=value, ax=ax)
 
@@ -464,7 +465,7 @@ class HeadTraceResult(_Effects):
         return "\n".join(lines)
 
     @checked
-    def plot(self, path: str | None = None, value: str = "ie", ax=None):
+    def plot(self, path: str | Path | None = None, value: str = "ie", ax=None):
         """Heat map, layers down and heads across; see
         :func:`pyvene_causaltrace.tracing.plots.plot_head_trace`."""
         return plot_head_trace(self, path=path, value=value, ax=ax)
