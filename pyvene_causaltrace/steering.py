@@ -340,7 +340,7 @@ def feature_spec(prompt: str, items: list[tuple[int, int | str, int, float]], so
 @measured  # one measurement per model at a time, in eval mode
 def intervene_features(
     model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, prompt: Text,
-    interventions: Sequence, *, max_new_tokens: NonNegativeInt = 0,
+    interventions: list | tuple, *, max_new_tokens: NonNegativeInt = 0,
     hold_errors: bool = True, freeze_attention: bool = False, top_k: PositiveInt = STEER_TOP_K,
     memory_mb: MemoryMB | None = None, progress: bool | None = None, bos: str = BOS,
 ) -> FeatureInterventionResult:
