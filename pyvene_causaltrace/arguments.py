@@ -193,7 +193,8 @@ def _sequence(item: _Check | None, kinds: tuple[type, ...]) -> _Check:
         out = [item.run(v) for v in value]
         return value if isinstance(value, range) else (
             tuple(out) if isinstance(value, tuple) else out)
-    return _Check(run, "a list" + (f" of {_plural(item.expected)}" if item else ""))
+    noun = "a tuple" if kinds == (tuple,) else "a list"
+    return _Check(run, noun + (f" of {_plural(item.expected)}" if item else ""))
 
 
 def _fixed_tuple(items: list[_Check | None]) -> _Check:

@@ -114,6 +114,9 @@ def measured(function: F | None = None, *, interventions: bool = False):
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         call = signature.bind_partial(*args, **kwargs)
+        if "model" not in call.arguments:  # refused by its arguments, or Python's TypeError
+            check(call)
+            return function(*call.args, **call.kwargs)
         given = call.arguments["model"]
         if not interventions and (is_intervenable(given) or (
                 isinstance(given, BoundModel) and given.carries_interventions)):
@@ -125,9 +128,9 @@ def measured(function: F | None = None, *, interventions: bool = False):
             check(call)
         bound = bind(given, interventions=interventions)
         call.arguments["model"] = bound
-        if pyvene:
-            check(call)
-        with measurement(bound):
+        with measurement(bound):  # a pyvene model's refusals (its edits) come first
+            if pyvene:
+                check(call)
             return function(*call.args, **call.kwargs)
 
     wrapper.__checked__ = True  # type: ignore[attr-defined]
