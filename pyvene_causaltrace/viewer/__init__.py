@@ -24,6 +24,8 @@ is opened again.
 The server answers ``GET /`` (the page), ``/annotate.js``, ``/api/graphs`` (the graph files
 under the directory, relative paths), ``/api/listing`` (the same files as ``{"name", "generator",
 "ours"}``: the ``metadata.info.generator.name`` each names, and whether it is this package's),
+``/api/skipped`` (the files that look like graphs but are not served, as ``{"name",
+"reason"}``: the page lists them, disabled, with the reason),
 ``/api/graph?name=PATH`` (one of those listed, nothing
 else) and ``POST /api/save?name=PATH`` (a JSON body ``{"qParams": {...}, "clerps": [[id,
 text]]}`` of at most ``max_save_bytes``; see :func:`.annotations.save`). It lists only graph
@@ -144,6 +146,8 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 self._send(json.dumps(index.names()).encode(), "application/json")
             elif url.path == "/api/listing":
                 self._send(json.dumps(index.entries()).encode(), "application/json")
+            elif url.path == "/api/skipped":
+                self._send(json.dumps(index.skipped()).encode(), "application/json")
             elif url.path == "/api/graph":
                 name = parse_qs(url.query).get("name", [""])[0]
                 loaded = index.load(name)
