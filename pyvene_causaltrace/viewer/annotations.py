@@ -43,9 +43,11 @@ one the index lists, the file is not write-protected (no write bit for its owner
 also for root, who could write it anyway), the body is a JSON object of those fields, every
 node id is one node of the graph, and the file has not changed on disk since the page read it.
 Saves are serialised across processes (two ``serve`` on one directory) by an operating-system
-file lock beside the file (``.NAME.lock``, ``filelock``, as run directories are locked): the
-file is read, checked and replaced under it, so of two saves made from one version one is
-written and the other refused (412), never both. The file is replaced whole
+file lock (``flock``, as ``filelock`` takes it) on a file beside the graph (``.NAME.lock``,
+removed when the save ends, whatever its outcome): the file is read, checked and replaced under
+it, so of two saves made from one version one is written and the other refused (412), never
+both. A body or a file holding a number a browser cannot read back (``NaN``, ``Infinity``,
+``1e400``) is refused, and the file is written as strict JSON. The file is replaced whole
 (:func:`~pyvene_causaltrace.atomic.replacing`) with its permissions kept, so the listing finds
 it again (a new inode: the listing's cache reads it anew) and a reader never sees half of it.
 Every check is linear in the request (duplicates are found with sets), as it runs under the
@@ -56,6 +58,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
 import os
 import re
@@ -94,6 +97,7 @@ _BODY = '{"qParams": {"pinnedIds": [...], "supernodes": [...], ...}, "clerps": [
 #: Seconds a save waits for another process's save of the same file before it is refused (503).
 LOCK_WAIT_S = 10.0
 _lock = threading.Lock()  # one save at a time in this process; _file_lock across processes
+log = logging.getLogger("pyvene_causaltrace.viewer")
 
 
 class AnnotationError(InputError):
@@ -310,6 +314,8 @@ def _file_lock(target: Path, name: str) -> Iterator[None]:
     finally:
         try:
             path.unlink(missing_ok=True)
+        except OSError as error:  # the save's outcome stands; a lock file left is harmless
+            log.warning("viewer: could not remove %s: %s", path, error.strerror or error)
         finally:
             os.close(fd)  # closing drops the lock
 
