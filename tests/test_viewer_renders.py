@@ -220,11 +220,13 @@ def test_the_spread_guard_catches_what_it_should():
 
 
 def write_limit_graph(path: Path, n_bytes: int, node_share: float = 0.4, n_pos: int = 64,
-                      n_layers: int = 26, n_qk: int = 2000, seed: int = 0) -> tuple[int, int]:
+                      n_layers: int = 26, n_qk: int = 2000, pinned: int = 0,
+                      seed: int = 0) -> tuple[int, int]:
     """A graph of ours of at most ``n_bytes``, written as text (a dict of millions of links
     would take GBs): ``node_share`` of it features (influence rising with their index), the
     rest links, nine in ten among the 12,000 most influential features, half of them carrying
-    two heads, and ``n_qk`` QK entries at their leading heads' positions. Returns (nodes, links)."""
+    two heads, ``n_qk`` QK entries at their leading heads' positions, and the ``pinned`` least
+    influential features pinned. Returns (nodes, links)."""
     rng = random.Random(seed)
     items = [f'{{"node_id":"E_{p}_{p}","feature":{p},"layer":"E","ctx_idx":{p},'
              '"feature_type":"embedding","influence":0.5,"activation":null,"clerp":""}'
@@ -246,7 +248,8 @@ def write_limit_graph(path: Path, n_bytes: int, node_share: float = 0.4, n_pos: 
     head = json.dumps({"metadata": {"prompt": "big", "prompt_tokens": [f"t{p}" for p in
                                                                        range(n_pos)],
                                     "info": {"generator": {"name": GENERATOR}}},
-                       "qParams": {}}, separators=(",", ":"))[:-1]
+                       "qParams": {"pinnedIds": [f for f, _ in features[len(features) - pinned:]],
+                                   "supernodes": []}}, separators=(",", ":"))[:-1]
     nodes = head + ',"nodes":[' + ",".join(items) + '],"links":['
     links, qk, size = [], [], len(nodes) + 200 + 2200 * n_qk  # room for the QK entries
     top = features[:12000]
@@ -279,6 +282,9 @@ def write_limit_graph(path: Path, n_bytes: int, node_share: float = 0.4, n_pos: 
     return len(items), len(links)
 
 
+#: Pinned nodes in the size-limit graph (a check of each node against a list of them was
+#: quadratic: minutes for this graph).
+PINNED = 20_000
 #: Seconds the page may take to fetch, parse and draw the largest graph the server lists
 #: (measured: 12-21 s on two shared cores), and then each click or threshold change.
 RENDER_S, CLICK_S = 90, 20
@@ -293,7 +299,7 @@ def test_the_page_renders_a_graph_of_the_size_limit_with_many_heads(tmp_path):
     chromium = _chromium()
     from playwright.sync_api import sync_playwright
 
-    n_nodes, n_links = write_limit_graph(tmp_path / "big.json", MAX_BYTES)
+    n_nodes, n_links = write_limit_graph(tmp_path / "big.json", MAX_BYTES, pinned=PINNED)
     assert n_nodes > 500_000 and n_links > 1_500_000  # far past any spread's stack limit
     (tmp_path / "nan.json").write_text(json.dumps(synthetic()).replace("1.0", "NaN", 1))
     server = make_server(tmp_path, port=0)
@@ -308,9 +314,11 @@ def test_the_page_renders_a_graph_of_the_size_limit_with_many_heads(tmp_path):
                 page.wait_for_selector("#svg .node", timeout=RENDER_S * 1000)
                 times["render"] = time.monotonic() - start
                 count = page.text_content("#count")
-                assert count.startswith(f"{n_nodes} nodes, {n_links} links (drawn: the 10000 "
-                                        "most influential nodes"), count
-                assert page.locator("#svg .node").count() == 10000
+                assert count.startswith(f"{n_nodes} nodes, {n_links} links (drawn: {PINNED + 65} "
+                                        "nodes, the tokens, logits and pinned ones"), count
+                # past the cap: the tokens, the logit and the pinned (least influential) nodes
+                assert page.locator("#svg .node").count() == PINNED + 65
+                assert page.locator("#svg .node.pinned").count() == PINNED
                 assert 0 < page.locator("#svg .link").count() <= 20000
                 skipped = page.locator("#picker option.skipped")
                 assert skipped.count() == 1 and skipped.is_disabled()
@@ -337,8 +345,9 @@ def test_the_page_renders_a_graph_of_the_size_limit_with_many_heads(tmp_path):
                                       "el.dispatchEvent(new Event('input')); }")
                 times["threshold"] = time.monotonic() - start
                 assert page.text_content("#threshold-value") == "0.01"
-                # influence f / 10**6 within 0.01: features 0 to 10000, the tokens, the logit
-                assert page.text_content("#count").startswith("10066 nodes, "), \
+                # influence f / 10**6 within 0.01: features 0 to 10000, the tokens, the logit,
+                # and the pinned nodes
+                assert page.text_content("#count").startswith(f"{10066 + PINNED} nodes, "), \
                     page.text_content("#count")
                 assert not errors, errors
             finally:

@@ -260,7 +260,8 @@ function renderNotes() {
 
 // The subgraph pane: each supernode as one box, each other pinned node as its own, placed by
 // (mean) position and layer; a link between two boxes sums the links between their members
-// (links inside one supernode left out), blue when positive, red when negative.
+// (links inside one supernode left out), blue when positive, red when negative; past
+// MAX_DRAWN_LINKS of them, the strongest.
 function renderSubgraph() {
   const svg = $("subgraph");
   svg.replaceChildren();
@@ -286,8 +287,14 @@ function renderSubgraph() {
     weights.set(key, (weights.get(key) || 0) + link.weight);
   }
   const where = placeSubgraph(items);
-  const maxWeight = maxOf([...weights.values()].map(Math.abs), 1e-12);
-  for (const [key, weight] of weights) {
+  let drawn = [...weights];
+  if (drawn.length > MAX_DRAWN_LINKS) {  // the strongest, as in the graph pane
+    drawn = drawn.sort((a, b) => Math.abs(b[1]) - Math.abs(a[1])).slice(0, MAX_DRAWN_LINKS);
+  }
+  svg.dataset.links = weights.size;
+  svg.dataset.drawnLinks = drawn.length;
+  const maxWeight = maxOf(drawn.map(([, weight]) => Math.abs(weight)), 1e-12);
+  for (const [key, weight] of drawn) {
     const [a, b] = JSON.parse(key).map(k => where.get(k));
     const line = svgElement("line", {x1: a.x, y1: a.y, x2: b.x, y2: b.y,
                                      class: "sg-link " + (weight >= 0 ? "pos" : "neg"),
