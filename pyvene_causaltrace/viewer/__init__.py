@@ -9,9 +9,11 @@ and Neuronpedia's format, which ``attribute`` exports, whoever wrote the file â€
 features, errors, tokens and the logits by layer Ã— position, tokens along the bottom, each logit
 labelled with its token and probability (the target in bold). Hover a node for its label,
 activation and influence; click it to list its strongest inputs and outputs; the slider keeps
-the nodes whose cumulative influence is below a threshold (circuit-tracer's node pruning); the
-picker switches between the graphs in the directory and marks, there and beside it, each graph
-this package did not write, with the generator its metadata names.
+the nodes whose cumulative influence is below a threshold (circuit-tracer's node pruning); past
+10,000 nodes or 20,000 links it draws the tokens, logits, pinned and most influential nodes and
+the strongest links among them, and says so (a graph of the size cap renders); the picker
+switches between the graphs in the directory and marks, there and beside it, each graph this
+package did not write, with the generator its metadata names.
 
 Annotations: pin nodes (the Pin button, or Ctrl-click) to draw them and the links among them in
 the subgraph pane; group pinned nodes into named supernodes, rename and ungroup them; edit a
