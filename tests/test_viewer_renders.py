@@ -282,8 +282,8 @@ def write_limit_graph(path: Path, n_bytes: int, node_share: float = 0.4, n_pos: 
     return len(items), len(links)
 
 
-#: Pinned nodes in the size-limit graph (a check of each node against a list of them was
-#: quadratic: minutes for this graph).
+#: Pinned nodes in the size-limit graph (the page checked each node against a list of them:
+#: quadratic, 24 s for a 22,555-node graph with 20,000 pinned, measured before the fix).
 PINNED = 20_000
 #: Seconds the page may take to fetch, parse and draw the largest graph the server lists
 #: (measured: 12-21 s on two shared cores), and then each click or threshold change.
