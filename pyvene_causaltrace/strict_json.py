@@ -1,10 +1,10 @@
 """JSON as the standard defines it: every number finite.
 
 Python's ``json`` reads ``NaN``, ``Infinity`` and ``-Infinity`` (and turns ``1e400`` into inf)
-by default. A row of ours holding one is damage, and read leniently it would enter a mean as a
-silent NaN (dropped by a nan-mean, moving a statistic without a word). Every reader of the
-package's row and manifest files parses through :func:`loads`, which refuses them; the caller
-names the file and line.
+by default; a browser reads ``1e400`` and a 400-digit integer as ``Infinity``. A row of ours
+holding one is damage, and read leniently it would enter a mean as a silent NaN (dropped by a
+nan-mean, moving a statistic without a word). Every reader of the package's row and manifest
+files parses through :func:`loads`, which refuses them; the caller names the file and line.
 """
 
 from __future__ import annotations
@@ -26,8 +26,20 @@ def _number(text: str) -> float:
     return value
 
 
-def loads(data: str | bytes) -> object:
-    """``json.loads(data)`` refusing NaN, ±Infinity and numbers that overflow a float with
-    :class:`~pyvene_causaltrace.errors.NonFiniteError` (a ``ValueError``, as a syntax error
-    is)."""
-    return json.loads(data, parse_constant=_constant, parse_float=_number)
+def _integer(text: str) -> int:
+    value = int(text)
+    if len(text) > 308:  # shorter ones are within a float's range
+        try:
+            float(value)
+        except OverflowError:
+            raise NonFiniteError(f"{text[:20]}... ({len(text)} digits) overflows a float "
+                                 "(non-finite numbers are refused)") from None
+    return value
+
+
+def loads(data: str | bytes, object_pairs_hook=None) -> object:
+    """``json.loads(data)`` refusing NaN, ±Infinity and numbers (integers too) that overflow a
+    float with :class:`~pyvene_causaltrace.errors.NonFiniteError` (a ``ValueError``, as a
+    syntax error is); ``object_pairs_hook`` as ``json.loads`` takes it."""
+    return json.loads(data, parse_constant=_constant, parse_float=_number, parse_int=_integer,
+                      object_pairs_hook=object_pairs_hook)

@@ -158,7 +158,7 @@ def _refusals(a: str, b: str, logit: str) -> list[tuple[bytes, str]]:
         (_body(**ok, pruningThreshold=2), "from 0 to 1"),
         (_body(**ok, pruningThreshold=True), "from 0 to 1"),
         (json.dumps({"qParams": {**ok, "pruningThreshold": float("nan")}}).encode(),
-         "from 0 to 1"),
+         "NaN is not a finite number"),
         (_body(**ok, clerps=[[logit, "renamed"]]), "only feature labels"),
         (_body(**ok, clerps=[[a]]), "[node_id, text] expected"),
         (_body(**ok, clerps=[[a, "x"], [a, "y"]]), "labelled twice"),

@@ -288,7 +288,10 @@ def test_a_hostile_directory_in_headless_chromium(hostile, graph_file):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(f"http://127.0.0.1:{port}/")
             page.wait_for_selector(".node")
-            assert page.locator("#picker option").all_inner_texts() == ["eiffel/graph.json"]
+            assert page.locator("#picker option:enabled").all_inner_texts() == [
+                "eiffel/graph.json"]  # the skipped ones are named, disabled, with the reason
+            assert page.locator("#picker option.skipped:disabled").count() == len(
+                json.loads(get(port, "/api/skipped")[1]))
             assert page.locator(".node").count() == len(payload["nodes"])
             assert not errors, errors
             probes = page.evaluate("""async names => Promise.all(names.map(async name => {

@@ -9,9 +9,11 @@ and Neuronpedia's format, which ``attribute`` exports, whoever wrote the file â€
 features, errors, tokens and the logits by layer Ã— position, tokens along the bottom, each logit
 labelled with its token and probability (the target in bold). Hover a node for its label,
 activation and influence; click it to list its strongest inputs and outputs; the slider keeps
-the nodes whose cumulative influence is below a threshold (circuit-tracer's node pruning); the
-picker switches between the graphs in the directory and marks, there and beside it, each graph
-this package did not write, with the generator its metadata names.
+the nodes whose cumulative influence is below a threshold (circuit-tracer's node pruning); past
+10,000 nodes or 20,000 links it draws the tokens, logits, pinned and most influential nodes and
+the strongest links among them, and says so (a graph of the size cap renders); the picker
+switches between the graphs in the directory and marks, there and beside it, each graph this
+package did not write, with the generator its metadata names.
 
 Annotations: pin nodes (the Pin button, or Ctrl-click) to draw them and the links among them in
 the subgraph pane; group pinned nodes into named supernodes, rename and ungroup them; edit a
@@ -24,6 +26,8 @@ is opened again.
 The server answers ``GET /`` (the page), ``/annotate.js``, ``/api/graphs`` (the graph files
 under the directory, relative paths), ``/api/listing`` (the same files as ``{"name", "generator",
 "ours"}``: the ``metadata.info.generator.name`` each names, and whether it is this package's),
+``/api/skipped`` (the files that look like graphs but are not served, as ``{"name",
+"reason"}``: the page lists them, disabled, with the reason),
 ``/api/graph?name=PATH`` (one of those listed, nothing
 else) and ``POST /api/save?name=PATH`` (a JSON body ``{"qParams": {...}, "clerps": [[id,
 text]]}`` of at most ``max_save_bytes``; see :func:`.annotations.save`). It lists only graph
@@ -146,6 +150,8 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 self._send(json.dumps(index.names()).encode(), "application/json")
             elif url.path == "/api/listing":
                 self._send(json.dumps(index.entries()).encode(), "application/json")
+            elif url.path == "/api/skipped":
+                self._send(json.dumps(index.skipped()).encode(), "application/json")
             elif url.path == "/api/graph":
                 name = parse_qs(url.query).get("name", [""])[0]
                 loaded = index.load(name)

@@ -21,8 +21,20 @@ const notes = {pinned: [], supernodes: [], edits: new Map(), checked: new Set(),
 // unsaved annotations of graphs the picker left, by name, with the version (ETag) of the file
 // they were made on: they are re-applied only to that version
 const drafts = new Map();
+let pinnedIds = {list: null, set: new Set()};  // notes.pinned as a set, rebuilt when it changes
 
-function isPinned(id) { return notes.pinned.includes(id); }
+// Whether node id is pinned, in constant time (render asks for every node).
+function isPinned(id) {
+  if (pinnedIds.list !== notes.pinned) pinnedIds = {list: notes.pinned, set: new Set(notes.pinned)};
+  return pinnedIds.set.has(id);
+}
+
+// element's children replaced by items, appended one by one (no spread into a call).
+function fill(element, items) {
+  element.replaceChildren();
+  for (const item of items) element.append(item);
+  return element;
+}
 
 // Whether node id can be pinned or labelled: one node's id (circuit-tracer's error ids
 // 0_{layer}_{pos} can equal a layer-0 feature's; the server refuses those).
@@ -132,8 +144,9 @@ function keepDraft() {
 }
 
 function dropFromSupernodes(ids) {
+  const dropped = new Set(ids);
   notes.supernodes = notes.supernodes.map(([name, ...members]) =>
-    [name, ...members.filter(id => !ids.includes(id))]).filter(group => group.length > 1);
+    [name, ...members.filter(id => !dropped.has(id))]).filter(group => group.length > 1);
 }
 
 function togglePin(id) {
@@ -206,13 +219,13 @@ function showAnnotate(node) {
 
 function element(tag, properties, ...children) {
   const el = Object.assign(document.createElement(tag), properties);
-  el.append(...children);
+  for (const child of children) el.append(child);
   return el;
 }
 
 function renderNotes() {
   const owner = new Map(notes.supernodes.flatMap(([name, ...ids]) => ids.map(id => [id, name])));
-  $("pinned").replaceChildren(...notes.pinned.map(id => {
+  fill($("pinned"), notes.pinned.map(id => {
     const pick = element("input", {type: "checkbox", className: "pick",
                                    checked: notes.checked.has(id)});
     pick.addEventListener("change", () => {
@@ -229,7 +242,7 @@ function renderNotes() {
     item.dataset.id = id;
     return item;
   }));
-  $("supernodes").replaceChildren(...notes.supernodes.map(([name, ...ids], i) => {
+  fill($("supernodes"), notes.supernodes.map(([name, ...ids], i) => {
     const input = element("input", {className: "sn-name", value: name, size: 16,
                                     title: "rename (Enter)"});
     input.addEventListener("change", () => renameSupernode(i, input.value));
@@ -247,7 +260,8 @@ function renderNotes() {
 
 // The subgraph pane: each supernode as one box, each other pinned node as its own, placed by
 // (mean) position and layer; a link between two boxes sums the links between their members
-// (links inside one supernode left out), blue when positive, red when negative.
+// (links inside one supernode left out), blue when positive, red when negative; past
+// MAX_DRAWN_LINKS of them, the strongest.
 function renderSubgraph() {
   const svg = $("subgraph");
   svg.replaceChildren();
@@ -273,8 +287,14 @@ function renderSubgraph() {
     weights.set(key, (weights.get(key) || 0) + link.weight);
   }
   const where = placeSubgraph(items);
-  const maxWeight = Math.max(1e-12, ...[...weights.values()].map(Math.abs));
-  for (const [key, weight] of weights) {
+  let drawn = [...weights];
+  if (drawn.length > MAX_DRAWN_LINKS) {  // the strongest, as in the graph pane
+    drawn = drawn.sort((a, b) => Math.abs(b[1]) - Math.abs(a[1])).slice(0, MAX_DRAWN_LINKS);
+  }
+  svg.dataset.links = weights.size;
+  svg.dataset.drawnLinks = drawn.length;
+  const maxWeight = maxOf(drawn.map(([, weight]) => Math.abs(weight)), 1e-12);
+  for (const [key, weight] of drawn) {
     const [a, b] = JSON.parse(key).map(k => where.get(k));
     const line = svgElement("line", {x1: a.x, y1: a.y, x2: b.x, y2: b.y,
                                      class: "sg-link " + (weight >= 0 ? "pos" : "neg"),
@@ -305,7 +325,8 @@ function placeSubgraph(items) {
   const mean = (members, f) => members.reduce((sum, n) => sum + f(n), 0) / members.length;
   const placed = items.map(item => ({key: item.key, pos: mean(item.members, n => n.ctx_idx),
                                      row: Math.round(mean(item.members, n => row(n, nLayers)))}));
-  const first = Math.min(...placed.map(p => p.pos)), last = Math.max(...placed.map(p => p.pos));
+  const first = minOf(placed.map(p => p.pos), Infinity);
+  const last = maxOf(placed.map(p => p.pos), -Infinity);
   const rowsUsed = [...new Set(placed.map(p => p.row))].sort((a, b) => b - a);
   const width = Math.max(400, $("subgraph-pane").clientWidth - 20);
   const colW = (width - SG_BOX.w) / (Math.floor(last - first) + 1);

@@ -43,9 +43,11 @@ one the index lists, the file is not write-protected (no write bit for its owner
 also for root, who could write it anyway), the body is a JSON object of those fields, every
 node id is one node of the graph, and the file has not changed on disk since the page read it.
 Saves are serialised across processes (two ``serve`` on one directory) by an operating-system
-file lock beside the file (``.NAME.lock``, ``filelock``, as run directories are locked): the
-file is read, checked and replaced under it, so of two saves made from one version one is
-written and the other refused (412), never both. The file is replaced whole
+file lock (``flock``, as ``filelock`` takes it) on a file beside the graph (``.NAME.lock``,
+removed when the save ends, whatever its outcome): the file is read, checked and replaced under
+it, so of two saves made from one version one is written and the other refused (412), never
+both. A body or a file holding a number a browser cannot read back (``NaN``, ``Infinity``,
+``1e400``) is refused, and the file is written as strict JSON. The file is replaced whole
 (:func:`~pyvene_causaltrace.atomic.replacing`) with its permissions kept, so the listing finds
 it again (a new inode: the listing's cache reads it anew) and a reader never sees half of it.
 Every check is linear in the request (duplicates are found with sets), as it runs under the
@@ -54,21 +56,23 @@ lock while other saves wait.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import math
 import os
 import re
 import stat
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock, Timeout
-
 from ..atomic import replacing
-from ..errors import InputError
+from ..errors import InputError, NonFiniteError
+from ..strict_json import loads
 from .listing import GraphIndex, Key, file_key
 
 #: Largest save request read, in bytes (``make_server(..., max_save_bytes=...)`` overrides it).
@@ -93,6 +97,7 @@ _BODY = '{"qParams": {"pinnedIds": [...], "supernodes": [...], ...}, "clerps": [
 #: Seconds a save waits for another process's save of the same file before it is refused (503).
 LOCK_WAIT_S = 10.0
 _lock = threading.Lock()  # one save at a time in this process; _file_lock across processes
+log = logging.getLogger("pyvene_causaltrace.viewer")
 
 
 class AnnotationError(InputError):
@@ -196,6 +201,9 @@ def _other_fields(q: dict, kinds: Mapping[str, str]) -> dict[str, Any]:
         sg_pos = _text(q["sg_pos"], "qParams.sg_pos", 100_000)
         if not _SG_POS.fullmatch(sg_pos):
             raise _refuse("qParams.sg_pos: space-separated numbers expected")
+        if not all(math.isfinite(float(x)) for x in sg_pos.split()):
+            raise _refuse("qParams.sg_pos: a number overflows a double (a browser reads it as "
+                          "Infinity)")
         out["sg_pos"] = sg_pos
     if "pruningThreshold" in q:
         threshold = q["pruningThreshold"]
@@ -230,11 +238,13 @@ def parse_save(body: bytes, kinds: Mapping[str, str]) -> tuple[dict[str, Any], d
     against the graph's nodes (``kinds``: node id -> ``feature_type``); raises
     :class:`AnnotationError` (400) naming the first field refused."""
     try:
-        request = json.loads(body.decode("utf-8"))
+        request = loads(body.decode("utf-8"))
     except UnicodeDecodeError:
         raise _refuse("the body is not UTF-8 text") from None
     except RecursionError:
         raise _refuse("the body nests too deeply") from None
+    except NonFiniteError as error:
+        raise _refuse(f"the body holds a number a browser cannot read back ({error})") from None
     except ValueError as error:
         raise _refuse(f"the body is not JSON ({error})") from None
     if not isinstance(request, dict) or not isinstance(request.get("qParams"), dict):
@@ -270,18 +280,51 @@ def lock_path(target: Path) -> Path:
 
 @contextmanager
 def _file_lock(target: Path, name: str) -> Iterator[None]:
-    """Hold ``target``'s lock file (an operating-system lock, dropped when its process ends);
-    a save that waited :data:`LOCK_WAIT_S` for another process's is refused (503)."""
-    lock = FileLock(lock_path(target))
-    try:
-        lock.acquire(timeout=LOCK_WAIT_S)
-    except Timeout:
-        raise _refuse(f"{name} is being saved by another process (it holds "
-                      f"{lock_path(target).name}): save again in a moment", 503) from None
+    """Hold ``target``'s lock file (an operating-system ``flock``, dropped when its process
+    ends); a save that waited :data:`LOCK_WAIT_S` for another process's is refused (503). The
+    lock file is removed however the block ends (a full disk, a refusal, an error): unlinked
+    while still locked, and a lock is only taken on the file the path names at that moment (one
+    a finishing save unlinked is let go and the path opened again), so removing it never lets
+    two saves hold the lock at once."""
+    path = lock_path(target)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            if time.monotonic() >= deadline:
+                raise _refuse(f"{name} is being saved by another process (it holds "
+                              f"{path.name}): save again in a moment", 503) from None
+            time.sleep(0.05)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            held = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            held = False
+        if held:
+            break
+        os.close(fd)  # the file was removed (or replaced) before we locked it: open it again
     try:
         yield
     finally:
-        lock.release()
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:  # the save's outcome stands; a lock file left is harmless
+            log.warning("viewer: could not remove %s: %s", path, error.strerror or error)
+        finally:
+            os.close(fd)  # closing drops the lock
+
+
+def _not_listed(index: GraphIndex, name: str) -> str:
+    """Why a save of ``name`` is refused as not listed: the listing's reason when it has one."""
+    reason = next((e["reason"] for e in index.skipped() if e["name"] == name), None)
+    return f"{name!r} is not a graph the viewer lists" + (f" ({reason}): not saved" if reason
+                                                          else "")
 
 
 def _check_writable(mode: int, name: str) -> None:
@@ -306,7 +349,7 @@ def save(index: GraphIndex, name: str, body: bytes,
     longer be listed), 503 when another process's save of it did not end in time."""
     with _lock:
         if name not in index.names():
-            raise _refuse(f"{name!r} is not a graph the viewer lists", 404)
+            raise _refuse(_not_listed(index, name), 404)
         target = (index.root / name).resolve()  # a listed link: write the file it names
         with _file_lock(target, name):
             summary, key = _save_locked(index, name, target, body, if_match)
@@ -317,7 +360,7 @@ def _save_locked(index: GraphIndex, name: str, target: Path, body: bytes,
                  if_match: str | None) -> tuple[dict[str, int], Key]:
     loaded = index.load(name)
     if loaded is None:
-        raise _refuse(f"{name!r} is not a graph the viewer lists", 404)
+        raise _refuse(_not_listed(index, name), 404)
     if (index.root / name).resolve() != target:
         raise _refuse(f"{name} changed on disk while it was being saved (it now links to "
                       "another file); reload the page and save again", 409)
@@ -326,7 +369,7 @@ def _save_locked(index: GraphIndex, name: str, target: Path, body: bytes,
         raise _refuse(f"{name} changed on disk since the page loaded it: reload the page "
                       "(annotations not saved are lost) and annotate again", 412)
     _check_writable(key[0], name)
-    graph = json.loads(data)
+    graph = loads(data)  # listed: strict JSON already
     nodes = [n for n in graph["nodes"] if isinstance(n, dict)
              and isinstance(n.get("node_id"), str)]
     kinds = node_kinds(nodes)
@@ -336,7 +379,7 @@ def _save_locked(index: GraphIndex, name: str, target: Path, body: bytes,
     for node in nodes:
         if node["node_id"] in labels:
             node["clerp"] = labels[node["node_id"]]
-    text = json.dumps(graph, separators=(",", ":"), ensure_ascii=False)
+    text = json.dumps(graph, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     size = len(text.encode("utf-8", errors="surrogatepass"))
     if size > index.max_bytes:
         raise _refuse(f"the annotated graph would be {size} bytes, over the viewer's "
@@ -349,7 +392,8 @@ def _save_locked(index: GraphIndex, name: str, target: Path, body: bytes,
         try:
             tmp.write_text(text, encoding="utf-8")
         except UnicodeEncodeError:  # a lone surrogate escaped in the file as it was
-            tmp.write_text(json.dumps(graph, separators=(",", ":")), encoding="utf-8")
+            tmp.write_text(json.dumps(graph, separators=(",", ":"), allow_nan=False),
+                           encoding="utf-8")
         os.chmod(tmp, stat.S_IMODE(st.st_mode))
     summary = {"pinned": len(fields["pinnedIds"]), "supernodes": len(fields["supernodes"]),
                "labels": len(labels)}

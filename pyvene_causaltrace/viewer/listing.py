@@ -3,27 +3,29 @@ wrote it.
 
 A file is listed when it is a regular file (or a link, within the directory, to one) named
 ``*.json``, not hidden (``.name``, nor in a hidden folder: a graph being written is), at most
-:data:`MAX_BYTES` long, nested at most :data:`MAX_DEPTH` levels deep, and a graph JSON: one
-that validates against Neuronpedia's graph schema (``graph.schema.json``, see
-:mod:`..graph_schema`) — what circuit-tracer, Neuronpedia and ``attribute`` write — or a JSON
-object with ``nodes`` and ``links`` lists whose ``metadata.info.generator.name`` is
-:data:`GENERATOR` (``attribute``'s own marker: what it wrote before the schema check). In a
-file that is not ours, ``qParams.pinnedIds`` and ``qParams.supernodes`` may also be the strings
-circuit-tracer's own Save writes (a comma-joined list, a JSON string). Each listed graph keeps
-its ``metadata.info.generator.name`` (None when it names none), so the page can say which ones
-this package wrote. Everything else — a FIFO, device or socket, a link to one or out of the
+:data:`MAX_BYTES` long, nested at most :data:`MAX_DEPTH` levels deep, and a graph JSON: one that
+validates against Neuronpedia's graph schema (``graph.schema.json``, see :mod:`..graph_schema`)
+— what circuit-tracer, Neuronpedia and ``attribute`` write — or a JSON object with ``nodes`` and
+``links`` lists whose ``metadata.info.generator.name`` is :data:`GENERATOR` (``attribute``'s own
+marker: what it wrote before the schema check). In a file that is not ours,
+``qParams.pinnedIds`` and ``qParams.supernodes`` may also be the strings circuit-tracer's own
+Save writes (a comma-joined list, a JSON string). Each listed graph keeps its
+``metadata.info.generator.name`` (None when it names none), so the page can say which ones this
+package wrote. Everything else — a FIFO, device or socket, a link to one or out of the
 directory, a file over the cap or too deep, any other JSON, a graph file the schema refuses — is
-skipped and logged once with its reason (again only if it changes). Files are opened
-non-blocking and read only up to their size, so a FIFO or a link to ``/dev/zero`` cannot hang
-or fill memory; a file without ``"nodes"`` and ``"links"`` in its text is never parsed, and one
-that is parsed keeps only a verdict per node and link (not the node), so checking a graph holds
-little more than its text. Verdicts are cached by path and (device, inode, size, mtime): an
-unchanged file is never read twice.
+skipped and logged once with its reason (again only if it changes), and, unless it is no graph
+JSON at all, listed with that reason by :meth:`GraphIndex.skipped`. JSON is read strictly
+(:mod:`..strict_json`): a file holding ``NaN``, ``Infinity`` or a number that overflows a double
+(``1e400``) is skipped, as a browser cannot parse it or reads it as ``Infinity``. Files are
+opened non-blocking and read only up to their size, so a FIFO or a link to ``/dev/zero`` cannot
+hang or fill memory; a file without ``"nodes"`` and ``"links"`` in its text is never parsed, and
+one that is parsed keeps only a verdict per node and link (not the node), so checking a graph
+holds little more than its text. Verdicts are cached by path and (device, inode, size, mtime):
+an unchanged file is never read twice.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -35,7 +37,9 @@ from typing import NamedTuple
 import numpy as np
 
 from ..arguments import checked
+from ..errors import NonFiniteError
 from ..graph_schema import LINK, NODE, ItemCheck, outer_problem
+from ..strict_json import loads
 
 log = logging.getLogger("pyvene_causaltrace.viewer")
 
@@ -141,9 +145,11 @@ def examine(data: bytes, max_depth: int = MAX_DEPTH) -> Verdict:
     if depth > max_depth:
         return Verdict(f"nested deeper than {max_depth} levels")
     try:
-        payload = json.loads(data, object_pairs_hook=_reduce)
+        payload = loads(data, object_pairs_hook=_reduce)
     except RecursionError:
         return Verdict(f"nested deeper than {max_depth} levels")
+    except NonFiniteError as error:
+        return Verdict(f"not JSON: {error}; a browser cannot read it")
     except ValueError as error:
         return Verdict(f"not valid JSON ({error})")
     generator = _field(payload, "metadata", "info", "generator", "name")
@@ -223,6 +229,15 @@ class GraphIndex:
         "ours": whether this package wrote it}`` (its ``metadata.info.generator.name``)."""
         return [{"name": name, "generator": generator, "ours": generator == GENERATOR}
                 for name, (_, generator) in sorted(self._scan().items())]
+
+    def skipped(self) -> list[dict[str, str]]:
+        """The ``*.json`` files that look like graphs but are not listed, sorted by path:
+        ``{"name": path, "reason": why}`` (files that are no graph JSON at all left out)."""
+        self._scan()
+        with self._lock:
+            return [{"name": name, "reason": problem}
+                    for name, (_, problem) in sorted(self._logged.items())
+                    if problem != _NOT_A_GRAPH]
 
     @checked
     def read(self, name: str) -> bytes | None:
