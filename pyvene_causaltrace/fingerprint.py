@@ -6,8 +6,9 @@ model under another spelling of its path is the same model; other weights at the
 not.
 
 - :func:`model_fingerprint`: every parameter's name, shape and dtype, and a fixed sample of its
-  values (at most 4,096 evenly spaced elements), hashed — cheap on a large model and it changes
-  when training or editing touches a tensor anywhere near its sample.
+  values (at most 4,096 elements evenly spaced over the whole tensor; before 2026-12 a
+  large tensor's last elements went unsampled), hashed — cheap on a large model and it
+  changes when training or editing touches a tensor anywhere near its sample.
 - :func:`tokenizer_fingerprint`: the vocabulary and special tokens.
 - :func:`package_version`: this package's version.
 """
@@ -34,7 +35,7 @@ def tensors_fingerprint(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     digest = hashlib.sha256()
     for name, tensor in named:
         flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // SAMPLE)
+        step = max(1, -(-flat.numel() // SAMPLE))  # the samples span the whole tensor
         sample = flat[::step][:SAMPLE].to("cpu", torch.float64)
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
         digest.update(sample.numpy().tobytes())
