@@ -234,9 +234,11 @@ def attribute(
         selection = {"kind": target, "max_n_logits": max_n_logits,
                      "desired_logit_prob": desired_logit_prob, "chosen": len(prepared.targets),
                      "probability": float(sum(t.prob for t in prepared.targets))}
-    return _graph(replacement, prepared, run, top, store, plan, resumed=resumed,
-                  seconds=seconds, freeze=freeze, check_closure=check_closure,
-                  selection=selection, spread=spread)
+    graph = _graph(replacement, prepared, run, top, store, plan, resumed=resumed,
+                   seconds=seconds, freeze=freeze, check_closure=check_closure,
+                   selection=selection, spread=spread)
+    graph.metadata["fingerprints"] = {name: key[name] for name in ("model", "transcoder")}
+    return graph
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from .common import EIFFEL, number_or_name, out_dir
 
 #: The attribution settings a spec may hold that are also flags: given both ways, refused.
 SPEC_KEYS = ("target", "other", "k", "node_threshold", "edge_threshold", "validate")
+#: What --cross-check writes under ``--out``.
+CROSS_CHECK_FILES = ("cross_check.json", "cross_check.png")
 #: The checkpoint directory under ``--out``: rows computed so far, kept until every output is
 #: written.
 ROWS_PARTIAL = "rows.partial"
@@ -281,7 +283,11 @@ def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
                                           memory_mb=s["memory_mb"], progress=True)
         print(f"heads: {len(attention.links)} edges across positions split by head, "
               f"{len(attention.qk)} heads' QK terms")
-    # each file is written whole or not at all (atomic.replacing)
+    # each file is written whole or not at all (atomic.replacing); a cross-check of an earlier
+    # run is removed, not left beside this graph
+    if tracer is None:
+        for name in CROSS_CHECK_FILES:
+            (out / name).unlink(missing_ok=True)
     graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
                   edge_threshold=s["edge_threshold"], max_links=args.max_links, labels=labels,
                   attention=attention)
