@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 from ..arguments import Fraction, MemoryMB, NonNegativeInt, PositiveInt
 from ..bound import BoundModel
 from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
+from ..errors import InputError
 from ..model_guard import measured
 from ..transcoders.transcoder import Transcoder
 from .export import node_id
 from .heads import QKAttribution, _loadings, _qk, _replay
+from .identity import graph_identity
 
 if TYPE_CHECKING:  # annotations only
     from .graph import AttributionGraph
@@ -43,16 +45,30 @@ TOP_TERMS = 10
 
 @dataclass
 class AttentionAnnotations:
-    """Per kept cross-position edge ``(source, target)`` its largest head parts
-    (``links``: ``[(layer, head, part)]``), and the QK decompositions of the edges' leading
-    heads (``qk``)."""
+    """The annotations of the graph whose :func:`~.identity.graph_identity` is ``graph``: per
+    kept cross-position edge ``(source, target)`` its largest head parts (``links``:
+    ``[(layer, head, part)]``), and the QK decompositions of the edges' leading heads
+    (``qk``)."""
 
+    graph: str
     links: dict[tuple[int, int], list[tuple[int, int, float]]]
     qk: list[QKAttribution] = field(default_factory=list)
 
-    def annotate(self, payload: dict[str, Any], graph: AttributionGraph) -> dict[str, Any]:
+    def check(self, graph: AttributionGraph, identity: str | None = None) -> None:
+        """Refuse (:class:`InputError`) a graph other than the one annotated: its node indices
+        would name other nodes."""
+        identity = identity or graph_identity(graph)
+        if identity != self.graph:
+            raise InputError(f"these attention annotations were computed on another graph "
+                             f"(identity {self.graph}, this one {identity}: another prompt, "
+                             "transcoder, model or setting); compute them on this graph: "
+                             "attention_annotations(model, transcoder, graph)")
+
+    def annotate(self, payload: dict[str, Any], graph: AttributionGraph,
+                 identity: str | None = None) -> dict[str, Any]:
         """``payload`` (the graph JSON of ``graph``) with ``heads`` on its annotated links and
-        ``attention.qk`` at the top (module docstring)."""
+        ``attention.qk`` at the top (module docstring); refused on another graph."""
+        self.check(graph, identity)
         by_ids = {(node_id(graph, s), node_id(graph, t)): heads
                   for (s, t), heads in self.links.items()}
         for link in payload["links"]:
@@ -142,5 +158,5 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
             if key not in wanted:
                 wanted.append(key)
     qk = [_qk(replay, *key) for key in wanted[:max_qk]]
-    return AttentionAnnotations(links, qk)
+    return AttentionAnnotations(graph_identity(graph), links, qk)
 

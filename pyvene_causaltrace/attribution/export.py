@@ -36,6 +36,7 @@ from ..atomic import write_text
 from ..defaults import EDGE_THRESHOLD, MAX_LINKS, NODE_THRESHOLD
 from ..errors import InputError
 from ..graph_schema import SCHEMA, validate
+from .identity import check_labels, graph_identity, text_digest
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
 
@@ -118,8 +119,14 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = NODE_THRE
     become the features' ``clerp``; ``metadata.scan`` is the transcoder's Neuronpedia scan when
     it has one (so the viewer links features to their pages), else the model's name.
     ``attention`` (:func:`~.attention.attention_annotations`) adds the heads of the links
-    that cross positions and their QK terms."""
+    that cross positions and their QK terms. Labels of features the graph's transcoder does not
+    have, and annotations of another graph, are refused (:mod:`.identity`)."""
     check_max_links(max_links)
+    if labels:
+        check_labels(graph, labels)
+    identity = graph_identity(graph)
+    if attention is not None:
+        attention.check(graph, identity)
     pruned = graph.prune(node_threshold, edge_threshold)
     edge_target, edge_source, edge_weight = pruned.edge_target, pruned.edge_source, \
         pruned.edge_weight
@@ -184,7 +191,9 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = NODE_THRE
                  "transcoder": graph.metadata.get("transcoder"),
                  "logit_softcap": graph.metadata.get("logit_softcap"),
                  "steering": [{"id": f"S{j}", **site} for j, site in enumerate(graph.steering)],
-                 "feature_nodes": {"active": graph.n_features, "explored": graph.n_explored}},
+                 "feature_nodes": {"active": graph.n_features, "explored": graph.n_explored},
+                 "inputs": {"graph": identity, "prompt_sha256": text_digest(graph.prompt),
+                            **(graph.metadata.get("fingerprints") or {})}},
         "pruning_settings": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
                              "pruned_edges": pruned.n_edges,
                              "max_links": max_links if capped else None},
@@ -199,7 +208,7 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = NODE_THRE
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",
                 "sg_pos": ""}
     payload = {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
-    return payload if attention is None else attention.annotate(payload, graph)
+    return payload if attention is None else attention.annotate(payload, graph, identity)
 
 
 def write_json(payload: dict, path: str | Path) -> None:

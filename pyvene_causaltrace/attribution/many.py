@@ -10,8 +10,15 @@ builds) into ``out/<i>/``: ``graph.safetensors`` (written whole or not at all) a
 ``summary.json``, its rows checkpointed in ``out/<i>/rows.partial/`` while they are computed.
 A prompt whose ``graph.safetensors`` exists is done: a rerun after a kill (any world size) skips
 it and resumes the one that was interrupted from its checkpoint. When every rank is done rank 0
-writes ``out/index.json``: one entry per prompt (its text, answer, directory, answer
-probability, active and explored features, relative closure residual).
+writes ``out/index.json``: one entry per prompt (its text and its SHA-256, answer, directory,
+answer probability, active and explored features, relative closure residual) and the run's
+``inputs``.
+
+Each ``summary.json`` records what its graph was made from (``inputs``: the prompt text's
+SHA-256, the answer and target asked for, the model's, tokenizer's and transcoder's
+fingerprints, the settings). A rerun whose prompt, model, transcoder or settings differ from a
+done graph's is refused before any graph is built (:class:`ManifestMismatchError` naming the
+directories and what changed): a graph is never indexed beside another prompt's text.
 
 The transcoder must be whole on every rank (a graph per rank needs every feature); each line's
 ``answer`` (a single token, optional) and ``target`` (a kind, optional) go to
@@ -29,12 +36,15 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ..atomic import write_text
+from ..bound import bind
 from ..distributed import alone, current
-from ..errors import InputError
+from ..errors import InputError, ManifestMismatchError
+from ..fingerprint import tokenizer_fingerprint, transcoder_fingerprint
 from ..strict_json import loads
 from ..transcoders.transcoder import Transcoder
 from .attribute import attribute
 from .checkpoint import remove_checkpoint
+from .identity import text_digest
 from .settings import AttributionSettings
 from .targets import TARGET_KINDS
 
@@ -113,6 +123,10 @@ def attribute_many(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
     if ranks is not None:
         ranks.agree("prompts", prompts)
         ranks.agree("settings", repr(settings))
+    run = {"model": bind(model).fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
+           "transcoder": transcoder_fingerprint(transcoder), "settings": repr(settings)}
+    wanted = [_inputs(prompt, run) for prompt in prompts]
+    check_done(out, wanted)  # every rank, before any graph: all refuse or none
     out.mkdir(parents=True, exist_ok=True)
     mine = [i for i in range(len(prompts)) if i % world == rank]
     bar = None
@@ -122,7 +136,8 @@ def attribute_many(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
         bar = tqdm(total=len(mine), desc=f"prompts (rank {rank} of {world})", unit="graph")
     with alone():
         for i in mine:
-            _one(model, tokenizer, transcoder, prompts[i], out / f"{i:05d}", settings)
+            _one(model, tokenizer, transcoder, prompts[i], out / f"{i:05d}", settings,
+                 wanted[i])
             if bar is not None:
                 bar.update(1)
     if bar is not None:
@@ -131,14 +146,56 @@ def attribute_many(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
         ranks.barrier("waiting for every rank's prompts")
         if not ranks.first:
             return None
-    index = [_entry(i, prompts[i], out) for i in range(len(prompts))]
-    write_text(json.dumps({"prompts": index, "world": world,
-                           "settings": repr(settings)}, indent=2), out / INDEX)
+    index = [_entry(i, prompts[i], out, wanted[i]) for i in range(len(prompts))]
+    write_text(json.dumps({"prompts": index, "world": world, "settings": repr(settings),
+                           "inputs": run}, indent=2), out / INDEX)
     return index
 
 
+def _inputs(prompt: dict, run: dict) -> dict:
+    """What prompt ``prompt``'s graph is made from (module docstring)."""
+    return {"prompt_sha256": text_digest(prompt["prompt"]), "answer": prompt["answer"],
+            "target": prompt["target"], **run}
+
+
+#: How a refusal names each input that changed.
+_CHANGED = {"prompt_sha256": "prompt text", "answer": "answer", "target": "target",
+            "model": "model weights", "tokenizer": "tokenizer", "transcoder": "transcoder",
+            "settings": "settings"}
+
+
+def check_done(out: Path, wanted: list[dict]) -> None:
+    """Refuse (:class:`ManifestMismatchError`) the done graphs under ``out`` made from other
+    inputs than ``wanted`` (one entry per prompt), naming them, what changed and what to do."""
+    stale = []
+    for i, inputs in enumerate(wanted):
+        folder = out / f"{i:05d}"
+        if not (folder / "graph.safetensors").exists():
+            continue
+        try:
+            recorded = json.loads((folder / "summary.json").read_text(encoding="utf-8"))["inputs"]
+        except (OSError, ValueError, KeyError, TypeError):
+            recorded = None  # a summary without inputs: written by an older version, or damaged
+        changed = _changed(recorded, inputs)
+        if changed:
+            stale.append((folder, changed))
+    if stale:
+        names = "; ".join(f"{folder.name}: {what}" for folder, what in stale[:5])
+        more = f" and {len(stale) - 5} more" if len(stale) > 5 else ""
+        raise ManifestMismatchError(
+            f"{out} holds graphs made from other inputs than this run's ({names}{more} "
+            "changed); remove those directories to rebuild them, or write to another --out")
+
+
+def _changed(recorded: object, inputs: dict) -> str:
+    """What differs between the ``recorded`` inputs of a graph and ``inputs`` ('' if none)."""
+    if not isinstance(recorded, dict):
+        return "its inputs (not recorded: an older version's graph)"
+    return ", ".join(name for key, name in _CHANGED.items() if recorded.get(key) != inputs[key])
+
+
 def _one(model, tokenizer, transcoder: Transcoder, prompt: dict, folder: Path,
-         settings: AttributionSettings) -> None:
+         settings: AttributionSettings, inputs: dict) -> None:
     """One prompt's graph into ``folder`` unless it is there already."""
     if (folder / "graph.safetensors").exists():
         return
@@ -150,17 +207,23 @@ def _one(model, tokenizer, transcoder: Transcoder, prompt: dict, folder: Path,
     summary = {"prompt": prompt["prompt"], "answer": graph.answer,
                "answer_prob": graph.answer_prob, "n_features": graph.n_features,
                "n_explored": graph.n_explored, "closure": graph.closure.to_dict(),
-               "metadata": graph.metadata}
+               "inputs": inputs, "metadata": graph.metadata}
     write_text(json.dumps(summary, indent=2, default=str), folder / "summary.json")
     graph.save(folder / "graph.safetensors")  # whole or not at all, last: it means done
     remove_checkpoint(checkpoint)
 
 
-def _entry(i: int, prompt: dict, out: Path) -> dict:
-    """Prompt ``i``'s line of the index, read from its summary."""
+def _entry(i: int, prompt: dict, out: Path, inputs: dict) -> dict:
+    """Prompt ``i``'s line of the index, read from its summary (refused if it was made from
+    other inputs)."""
     folder = out / f"{i:05d}"
     summary = json.loads((folder / "summary.json").read_text())
-    return {"index": i, "prompt": prompt["prompt"], "answer": summary["answer"],
+    changed = _changed(summary.get("inputs"), inputs)
+    if changed:  # made by another run while this one ran
+        raise ManifestMismatchError(f"{folder} holds a graph made from other inputs ({changed} "
+                                    "changed); remove it and rerun")
+    return {"index": i, "prompt": prompt["prompt"], "prompt_sha256": inputs["prompt_sha256"],
+            "answer": summary["answer"],
             "dir": folder.name, "answer_prob": summary["answer_prob"],
             "n_features": summary["n_features"], "n_explored": summary["n_explored"],
             "closure": summary["closure"]["relative"]}

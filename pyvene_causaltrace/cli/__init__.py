@@ -16,9 +16,10 @@
     pyvene-causaltrace interventions
     pyvene-causaltrace run my_spec.json --plugins my_pkg.steer   # types registered by a module
 
-A user's mistake (:class:`~pyvene_causaltrace.errors.CausalTraceError`, or an ``OSError``) ends
-in one ``error:`` line and exit 2; Ctrl-C in one line and exit 130; anything else is a bug and
-keeps its traceback. Each command lives in its own module, imported only when it runs, so
+A flag the command's mode does not read is refused (:mod:`.flags`). A user's mistake
+(:class:`~pyvene_causaltrace.errors.CausalTraceError`, or an ``OSError``) ends in one
+``error:`` line and exit 2; Ctrl-C in one line and exit 130; anything else is a bug and keeps
+its traceback. Each command lives in its own module, imported only when it runs, so
 ``--help`` does not load torch or pyvene.
 """
 
@@ -28,6 +29,7 @@ import importlib
 import sys
 
 from ..errors import CausalTraceError
+from .flags import check_flags, given_flags
 from .parser import build_parser
 
 #: command → (module under ``cli/``, its handler): ``handler(args) -> exit code``.
@@ -47,12 +49,16 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as exit_:  # a refused flag (its error: line printed) or --help
         return exit_.code if isinstance(exit_.code, int) else 2
     module, name = COMMANDS[args.command]
     try:
+        args.given = given_flags(build_parser(), argv)  # what was typed, defaults or not
+        check_flags(parser, args.command, args.given)  # a flag this mode ignores: refused
         if hasattr(args, "plugins"):  # the commands that read specs or list the types
             from ..interventions.registry import load_plugins  # loads pyvene: not for --help
 

@@ -31,6 +31,10 @@ from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
 from .common import EIFFEL, number_or_name, out_dir
 
+#: The attribution settings a spec may hold that are also flags: given both ways, refused.
+SPEC_KEYS = ("target", "other", "k", "node_threshold", "edge_threshold", "validate")
+#: What --cross-check writes under ``--out``.
+CROSS_CHECK_FILES = ("cross_check.json", "cross_check.png")
 #: The checkpoint directory under ``--out``: rows computed so far, kept until every output is
 #: written.
 ROWS_PARTIAL = "rows.partial"
@@ -48,17 +52,29 @@ def attribution_settings(args) -> dict:
                 "desired_logit_prob": None, "bos_errors": defaults.bos_errors,
                 "bos": defaults.bos,
                 "direction": None}
+    given = getattr(args, "given", frozenset())
     if args.spec is not None:
 
         spec = load_spec(args.spec)
         if spec.attribution is None:
             raise InputError(f"{args.spec} has no 'attribution' block")
+        for key in SPEC_KEYS:  # a flag the spec's setting would silently override
+            if key in given and key in spec.attribution:
+                raise InputError(f"--{key.replace('_', '-')} does not apply to `attribute "
+                                 f"--spec {args.spec}`: the spec sets {key}; drop the flag or "
+                                 "edit the spec")
         settings.update({"model": spec.model, "prompt": spec.prompt, "answer": spec.answer},
                         **spec.attribution)
+    elif args.prompts is not None:  # each line gives its prompt and answer
+        settings["prompt"] = settings["answer"] = None
     elif settings["answer"] is None and settings["prompt"] == EIFFEL["prompt"] \
             and args.direction is None and args.max_n_logits is None \
             and args.desired_logit_prob is None:
         settings["answer"] = EIFFEL["answer"]
+    if "k" in given and settings["direction"] is None and args.prompts is None \
+            and settings["target"] != "demeaned":
+        raise InputError(f"--k sets the top-k logits of --target demeaned; --target "
+                         f"{settings['target']} does not read it: drop it")
     for key in ("model", "clt", "format", "labels"):
         if getattr(args, key) is not None:
             settings[key] = getattr(args, key)
@@ -79,7 +95,7 @@ def attribution_settings(args) -> dict:
 def check_attribute_flags(s: dict, max_links: object) -> None:
     """Refuse any setting ``attribute`` would refuse, before a model, transcoder or row is
     loaded or computed."""
-    if not s["prompt"]:
+    if s["prompt"] is not None and not s["prompt"]:
         raise InputError("the prompt is empty")
     for key in ("node_threshold", "edge_threshold"):
         value = s[key]
@@ -178,8 +194,11 @@ def attribute_command(args) -> int:
     if s["labels"] is not None:  # its form now, before anything loads
         read_labels(s["labels"])
     ranks = distributed.init()  # under torchrun: join the group (a no-op otherwise)
+    if ranks is None and "split" in getattr(args, "given", ()):
+        raise InputError("--split spreads a graph over the ranks of a torchrun: one process "
+                         "does not read it; drop it (or run under torchrun)")
     if args.prompts is not None:
-        return _many_command(args, s, checking)
+        return _many_command(args, s)
     sharded = ranks is not None and args.split == "features"
     if sharded and (s["validate"] or checking is not None or args.heads):
         raise InputError("--validate, --cross-check and --heads run the whole transcoder: with "
@@ -210,16 +229,25 @@ def attribute_command(args) -> int:
     return code
 
 
-def _many_command(args, s: dict, checking: dict | None) -> int:
+def _many_command(args, s: dict) -> int:
     """``attribute --prompts FILE``: one graph per prompt, spread over the ranks."""
-    if checking is not None or s["validate"] or s["direction"] is not None or args.heads:
-        raise InputError("--prompts builds one graph per prompt: --cross-check, --validate, "
-                         "--heads and --direction take one prompt")
-    prompts = read_prompts(args.prompts)  # checked before anything loads
+    prompts = read_prompts(args.prompts)  # checked before anything loads (--cross-check,
+    settings = as_attribution_settings(s)  # --validate and the like: refused by .flags)
+    for i, prompt in enumerate(prompts, 1):
+        chosen = settings if prompt["target"] is None else replace(settings,
+                                                                   target=prompt["target"])
+        try:
+            chosen.check(prompt["answer"])
+        except InputError as error:
+            raise InputError(f"{args.prompts}, prompt {i}: {error}") from None
+    if "k" in getattr(args, "given", ()) and \
+            all((p["target"] or settings.target) != "demeaned" for p in prompts):
+        raise InputError("--k sets the top-k logits of a demeaned target; no prompt of "
+                         f"{args.prompts} has one: drop it")
     clt = load_transcoder(s["clt"], format=s["format"])
     model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
-    index = attribute_many(model, tokenizer, clt, prompts, args.out,
-                           settings=as_attribution_settings(s), progress=True)
+    index = attribute_many(model, tokenizer, clt, prompts, args.out, settings=settings,
+                           progress=True)
     if index is not None:
         print(f"wrote {len(index)} graphs and {args.out / INDEX}")
     distributed.finish()
@@ -255,7 +283,11 @@ def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
                                           memory_mb=s["memory_mb"], progress=True)
         print(f"heads: {len(attention.links)} edges across positions split by head, "
               f"{len(attention.qk)} heads' QK terms")
-    # each file is written whole or not at all (atomic.replacing)
+    # each file is written whole or not at all (atomic.replacing); a cross-check of an earlier
+    # run is removed, not left beside this graph
+    if tracer is None:
+        for name in CROSS_CHECK_FILES:
+            (out / name).unlink(missing_ok=True)
     graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
                   edge_threshold=s["edge_threshold"], max_links=args.max_links, labels=labels,
                   attention=attention)

@@ -29,21 +29,11 @@ from ..models import OFFLINE_DEFAULT, load_model
 from ..transcoders import load_transcoder
 from .common import number_or_name, out_dir
 
-#: Flags that only a run with --graphs reads.
-_GRAPH_FLAGS = (("clt", "--clt"), ("format", "--format"),
-                ("max_feature_nodes", "--max-feature-nodes"),
-                ("graph_memory_mb", "--graph-memory-mb"), ("bos", "--bos"),
-                ("save_graphs", "--save-graphs"))
-
 
 def graph_settings(args) -> GraphSettings | None:
-    """The graph settings the flags ask for (``None`` without ``--graphs``); a graph flag
-    without ``--graphs``, or ``--graphs`` without ``--clt``, is refused."""
+    """The graph settings the flags ask for (``None`` without ``--graphs``; a graph flag
+    without it is refused by :mod:`.flags`); ``--graphs`` without ``--clt`` is refused."""
     if not args.graphs:
-        given = [flag for name, flag in _GRAPH_FLAGS if getattr(args, name) not in (None, False)]
-        if given:
-            raise InputError(f"{given[0]} is read only with --graphs (add --graphs to build "
-                             "each fact's attribution graph)")
         return None
     if args.clt is None:
         raise InputError("--graphs needs a transcoder: --clt DIR")

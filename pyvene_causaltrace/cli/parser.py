@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         "trace", parents=[plugins],
         help="causal trace: noise the subject, restore every (layer, position) cell")
     trace.add_argument("--spec", type=Path, default=None,
-                       help="a trace spec (intervention_specs/trace_*.json); other options "
-                            "override nothing but --model/--out/--budget-mb/--controls")
+                       help="a trace spec (intervention_specs/trace_*.json); with it only "
+                            "--model/--out/--budget-mb/--controls/--no-progress apply (the "
+                            "others are refused)")
     trace.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
     trace.add_argument("--prompt", type=TEXT, default=EIFFEL["prompt"])
     trace.add_argument("--subject", type=TEXT, default=EIFFEL["subject"])
@@ -207,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="CLT attribution graph of the answer: edges, pruning, export, ablation")
     graph.add_argument("--spec", type=Path, default=None,
                        help="an attribution spec (intervention_specs/attribution_graph.json); "
-                            "--model/--clt/--out/--memory-mb override it")
+                            "the flags given override it, but --prompt and --answer (and a "
+                            "setting it holds, e.g. --node-threshold) are refused")
     graph.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
     graph.add_argument("--clt", default=None, help=_TRANSCODER_HELP)
     graph.add_argument("--format", default=None, help=_FORMAT_HELP)

@@ -92,15 +92,7 @@ def spec_settings(path: Path) -> dict[str, Any]:
 
 def steer_settings(args) -> dict[str, Any]:
     """The run's settings from ``--spec`` or the flags, checked before anything loads."""
-    if args.spec is not None:
-        given = [flag for flag, value in (("--prompt", args.prompt), ("--set", args.set),
-                                          ("--no-hold-errors", args.no_hold_errors),
-                                          ("--freeze-attention", args.freeze_attention),
-                                          ("--bos", args.bos)) if value]
-        if given:
-            raise InputError(f"--spec gives the prompt, the interventions, the error and "
-                             f"attention settings and the first spliced position: drop "
-                             f"{', '.join(given)}")
+    if args.spec is not None:  # the flags the spec gives are refused (.flags)
         settings = spec_settings(args.spec)
     else:
         if not args.set:
