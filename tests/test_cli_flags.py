@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import typing
+from typing import Annotated
 
 import pytest
 from _support.models import PROMPT, make_tiny_model
@@ -34,7 +36,10 @@ def _tokens(action: argparse.Action) -> list[str]:
         return [flag]
     if action.choices:
         return [flag, str(list(action.choices)[0])]
-    return [flag, {int: "1", float: "0.5"}.get(action.type, "x")]
+    annotation = getattr(action.type, "annotation", action.type)  # arguments.flag converters
+    base = typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated \
+        else annotation
+    return [flag, {int: "1", float: "0.5"}.get(base, "x")]
 
 
 def _refusal(capsys, argv: list[str]) -> str:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..arguments import Fraction, MemoryMB, NonNegativeInt, PositiveInt
+from ..arguments import Fraction, MemoryMB, NonNegativeInt, PositiveInt, checked
 from ..bound import BoundModel
 from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..errors import InputError
@@ -54,6 +54,7 @@ class AttentionAnnotations:
     links: dict[tuple[int, int], list[tuple[int, int, float]]]
     qk: list[QKAttribution] = field(default_factory=list)
 
+    @checked
     def check(self, graph: AttributionGraph, identity: str | None = None) -> None:
         """Refuse (:class:`InputError`) a graph other than the one annotated: its node indices
         would name other nodes."""
