@@ -279,19 +279,23 @@ def build_parser() -> argparse.ArgumentParser:
                           "clt: cross-layer")
     fit.add_argument("--features", type=int, default=None, help="features per layer (128)")
     fit.add_argument("--steps", type=int, default=None, help="optimiser steps (default 300)")
-    fit.add_argument("--lr", type=float, default=None, help="learning rate")
+    fit.add_argument("--lr", type=float, default=None,
+                     help="learning rate, above 0 and at most 1 (default 5e-3)")
     fit.add_argument("--data", default=None,
                      help="self (text the model generates: offline, default), known_1000, or a "
                           "file: one text per line, or facts as JSON/JSONL")
     fit.add_argument("--texts", type=int, default=None,
-                     help="training texts (a tenth as many more are held out)")
-    fit.add_argument("--seed", type=int, default=None)
+                     help="training texts (a tenth as many more are held out; default 160); "
+                          "the fit's memory is estimated and checked before it starts")
+    fit.add_argument("--seed", type=int, default=None, help="0 to 2**63-1 (default 0)")
     fit.add_argument("--out", type=Path, default=None,
-                     help="where to save (default: named by model, kind and features under the "
-                          "cache directory, $PYVENE_CAUSALTRACE_CACHE)")
+                     help="where to save: a new directory, or one fit wrote (holding fit.json); "
+                          "another folder is refused (default: named by model, kind and "
+                          "features under the cache directory, $PYVENE_CAUSALTRACE_CACHE)")
     fit.add_argument("--refit", action="store_true",
-                     help="replace a transcoder saved there with other settings (without it, "
-                          "one with the same settings is reused and another refused)")
+                     help="replace a transcoder fit saved there with other settings, swapped "
+                          "in whole (without it, one with the same settings is reused and "
+                          "another refused)")
     fit.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     steer = commands.add_parser(
