@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
         "fit", help="fit a first transcoder for a model (default: a per-layer set with skip, "
                     "128 features, for the bundled SmolLM2) and save it under "
                     "~/.cache/pyvene_causaltrace/transcoders/<model>-<kind>-<features>")
-    fit.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    fit.add_argument("--model", default=None,
+                     help="a local model directory or a hub id (default: smollm2-135m, bundled)")
     fit.add_argument("--kind", default=None, choices=("skip_plt", "plt", "clt"),
                      help="skip_plt: per-layer with a skip path (default); plt: per-layer; "
                           "clt: cross-layer")
