@@ -13,15 +13,18 @@ or a file: one text per line, or facts as JSON / JSONL (``prompt`` + ``attribute
 
 The directory holds the transcoder and ``fit.json``, the settings it was fitted with (and the
 model's fingerprint): a later call with the same settings reuses it; with other settings it is
-refused, naming what differs, unless ``refit=True`` replaces it.
+refused, naming what differs, unless ``refit=True`` replaces it. Fit writes only into a new
+directory or one holding its own ``fit.json``, one fit at a time, and swaps a refit in whole
+(:mod:`.fit_output`). Sizes are bounded (:data:`LIMITS`) and checked against memory before
+anything large is allocated; the model runs in eval mode, its mode restored afterwards.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import shutil
-import tempfile
+import math
+import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,11 +35,21 @@ import torch
 from tqdm import tqdm
 
 from .arguments import checked
-from .errors import InputError
+from .bound import bind
+from .errors import InputError, NonFiniteError
 from .fingerprint import model_fingerprint
+from .fit_output import RECORD, fit_output
+from .model_guard import measuring
 from .models import OFFLINE_DEFAULT, cache_dir, load_model
 from .transcoders.checks import check_pairing
-from .transcoders.fit import check_settings, collect_pairs, fit_pairs
+from .transcoders.fit import (
+    check_fit_fits,
+    check_settings,
+    collect_pairs,
+    device_bytes,
+    fit_bytes,
+    fit_pairs,
+)
 from .transcoders.formats import load_transcoder, save_transcoder
 
 #: kind -> (fit_pairs settings, the name's tag)
@@ -54,7 +67,11 @@ STARTS = (
     "The song", "The street", "The station", "The painter", "The king of", "The football club",
     "The lake", "The castle",
 )
-FIT_RECORD = "fit.json"
+FIT_RECORD = RECORD
+#: The largest value each size setting takes: far past any fit a machine here could hold (the
+#: memory check refuses what does not fit), so a typo's extra zeros are refused at once.
+LIMITS = {"features": 2**20, "steps": 10**7, "texts": 10**7, "new_tokens": 8192}
+SEED_RANGE = (0, 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -74,12 +91,21 @@ class FitSettings:
     def check(self) -> None:
         if self.kind not in KINDS:
             raise InputError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        for name in ("features", "steps", "texts", "new_tokens"):
+        if not isinstance(self.model, str) or not self.model:
+            raise InputError(f"model must be a model name or directory, got {self.model!r}")
+        for name, most in LIMITS.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InputError(f"{name} must be a positive integer, got {value!r}")
-        if not self.lr > 0:
-            raise InputError(f"lr must be positive, got {self.lr!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+                raise InputError(f"{name} must be an integer from 1 to {most:,}, got {value!r}")
+        lr = self.lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
+                or not 0 < lr <= 1:
+            raise InputError(f"lr must be a finite number above 0 and at most 1 (Adam moves each "
+                             f"weight by about lr a step), got {lr!r}")
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or \
+                not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+            raise InputError(f"seed must be an integer from 0 to 2**63-1, got {seed!r}")
         if self.data not in ("self", "known_1000") and not Path(self.data).expanduser().is_file():
             raise InputError(f"data must be 'self', 'known_1000' or a text/JSON file; no file "
                              f"at {self.data}")
@@ -201,72 +227,106 @@ def _differences(recorded: dict, asked: dict) -> list[str]:
 @checked
 def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | None = None,
                    refit: bool = False, progress: bool = True,
-                   model: torch.nn.Module | None = None, tokenizer=None,
+                   model: torch.nn.Module | str | Path | None = None, tokenizer=None,
                    **changes) -> FitReport:
     """Fit the first transcoder for ``settings.model`` (keyword ``changes`` override
     :class:`FitSettings`' defaults) into ``out`` (default :func:`transcoder_dir`), or reuse the
     one there when ``fit.json`` records the same settings and model. Another transcoder there is
-    refused, naming what differs, unless ``refit``. ``model``/``tokenizer``: an already loaded
-    model (else :func:`load_model` loads ``settings.model``). Progress bars go to stderr;
-    ``progress=False`` silences them."""
+    refused, naming what differs, unless ``refit``; a folder fit did not write is always
+    refused (:mod:`.fit_output`). ``model``/``tokenizer``: an already loaded model (else
+    :func:`load_model` loads ``settings.model``; a string ``model`` is that setting). Progress
+    bars and the memory estimate go to stderr; ``progress=False`` silences them."""
+    if isinstance(model, (str, os.PathLike)):  # a name or directory: the setting, not a module
+        changes["model"], model = os.fspath(model), None
     settings = FitSettings(**{**(asdict(settings) if settings else {}), **changes})
     settings.check()
+    if model is not None and tokenizer is None:
+        raise InputError("a loaded model needs its tokenizer (tokenizer=...)")
     path = Path(out).expanduser() if out is not None else transcoder_dir(settings)
-    seconds: dict[str, float] = {}
-    if model is None:
-        with phase(f"loading {settings.model}", progress, seconds):
-            model, tokenizer = load_model(settings.model)
-        seconds["load model"] = seconds.pop(f"loading {settings.model}")
-    asked = _asked(settings, model_fingerprint(model))
-    record_path = path / FIT_RECORD
-    if path.exists() and not refit:
-        if not record_path.is_file():
-            raise InputError(f"{path} exists but holds no {FIT_RECORD} (not a transcoder this "
-                             "command fitted): pass refit=True (--refit) to replace it, or "
-                             "another out")
-        record = json.loads(record_path.read_text(encoding="utf-8"))
-        differ = _differences(record.get("settings", {}), asked)
-        if differ:
-            raise InputError(f"{path} holds a transcoder fitted with other settings: "
-                             f"{'; '.join(differ)}. Pass refit=True (--refit) to replace it, "
-                             "or another out")
-        return FitReport(path, True, record)
+    with fit_output(path) as output:
+        record = None if refit else output.record()  # a damaged one refused before loading
+        seconds: dict[str, float] = {}
+        if model is None:
+            with phase(f"loading {settings.model}", progress, seconds):
+                model, tokenizer = load_model(settings.model)
+            seconds["load model"] = seconds.pop(f"loading {settings.model}")
+        asked = _asked(settings, model_fingerprint(model))
+        if record is not None:
+            differ = _differences(record["settings"], asked)
+            if differ:
+                raise InputError(f"{path} holds a transcoder fitted with other settings: "
+                                 f"{'; '.join(differ)}. Pass refit=True (--refit) to replace "
+                                 "it, or another out")
+            return FitReport(path, True, record)
+        with measuring(model):  # eval mode (no dropout) for every forward; modes restored
+            transcoder, record = _fit(model, tokenizer, settings, asked, progress, seconds)
+
+        def write(tmp: Path) -> None:
+            save_transcoder(transcoder, tmp)
+            load_transcoder(tmp)  # what was written reads back
+
+        with phase("saving", progress, {}):  # not in the record it writes (a reuse reads that)
+            output.commit(write, record)
+    return FitReport(path, False, record)
+
+
+def available_bytes(device) -> int:
+    """Memory a fit on ``device`` may use: a GPU's, else what this process may use of the
+    machine's (its control group's limit)."""
+    from .dataset.plan import machine_memory  # the dataset floor loads only for a fit
+
+    return device_bytes(device) if device.type == "cuda" else machine_memory()
+
+
+def _fit(model, tokenizer, settings: FitSettings, asked: dict, progress: bool,
+         seconds: dict) -> tuple:
+    """Gather text, collect, fit and check: ``(transcoder, the record fit.json will hold)``."""
+    bound = bind(model)
     n_held = max(4, settings.texts // 10)
+    have = available_bytes(bound.device)
+    options = KINDS[settings.kind][0]
+
+    def check_memory(n_tokens: int, what: str) -> None:
+        need = fit_bytes(n_tokens, bound.n_layers, bound.d_model, settings.features, **options)
+        check_fit_fits(need, have, what)
+        if progress:
+            tqdm.write(f"fit: {n_tokens:,} tokens x {bound.n_layers} layers, "
+                       f"{settings.features} features per layer: about {need / 2**20:,.0f} MB "
+                       f"of the {have / 2**20:,.0f} MB available", file=sys.stderr)
+
     with phase("gathering text", progress and settings.data != "self", seconds):
         if settings.data == "self":
+            longest = max(len(tokenizer(start)["input_ids"]) for start in STARTS)
+            check_memory(settings.texts * (longest + settings.new_tokens),
+                         f"{settings.texts} generated texts of up to "
+                         f"{longest + settings.new_tokens} tokens")
             texts = generate_texts(model, tokenizer, settings.texts + n_held,
                                    settings.new_tokens, settings.seed, progress)
         else:
             texts = read_texts(settings.data, settings.texts + n_held)
             n_held = max(1, len(texts) // 11) if len(texts) < settings.texts + n_held else n_held
     train, held_out = texts[:-n_held], texts[-n_held:]
+    if settings.data != "self":
+        check_memory(sum(len(ids) for ids in tokenizer(train)["input_ids"]),
+                     f"{len(train)} texts of {settings.data}")
     start = time.perf_counter()
     x, y = collect_pairs(model, tokenizer, train, progress=progress)
     seconds["collect activations"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
     transcoder, stats = fit_pairs(x, y, settings.model, d_transcoder=settings.features,
                                   steps=settings.steps, lr=settings.lr, seed=settings.seed,
-                                  progress=progress, **KINDS[settings.kind][0])
+                                  progress=progress, memory_bytes=have, **options)
     seconds["fit"] = round(time.perf_counter() - start, 1)
     del x, y
     with phase("held-out pairing check", progress, seconds):
         pairing = check_pairing(model, transcoder, tokenizer, held_out)
+    if not (math.isfinite(stats.train_fvu) and math.isfinite(pairing.fvu)):
+        raise NonFiniteError(f"the fit's FVU is not finite (train {stats.train_fvu}, held-out "
+                             f"{pairing.fvu}): nothing saved; lower lr (it was {settings.lr:g})")
     record = {"settings": asked, "train_tokens": stats.n_tokens, "train_texts": len(train),
               "held_out_texts": len(held_out), "train_fvu": stats.train_fvu,
               "pairing": pairing.to_dict(), "seconds": seconds}
-    with phase("saving", progress, {}):  # not in the record it writes (a reuse reads that)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".partial-", dir=path.parent))
-        try:
-            save_transcoder(transcoder, tmp)
-            (tmp / FIT_RECORD).write_text(json.dumps(record, indent=2), encoding="utf-8")
-            load_transcoder(tmp)  # what was written reads back
-            if path.exists():
-                shutil.rmtree(path)
-            tmp.rename(path)  # whole or not at all
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return FitReport(path, False, record)
+    return transcoder, record
 
 
 SETTING_NAMES = tuple(f.name for f in fields(FitSettings))

@@ -27,12 +27,21 @@ def single_writer(directory: str | Path) -> Iterator[None]:
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(directory / LOCK_NAME)
+    with exclusive(directory / LOCK_NAME, directory):
+        yield
+
+
+@contextlib.contextmanager
+def exclusive(lock_file: Path, target: Path) -> Iterator[None]:
+    """Hold ``lock_file`` (creating its folder) for the block; refuse at once, naming
+    ``target``, if another process holds it."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(lock_file)
     try:
         lock.acquire(timeout=0)
     except Timeout:
         raise OutputLockedError(
-            f"{directory} is being written by another run (it holds {directory / LOCK_NAME}); "
+            f"{target} is being written by another run (it holds {lock_file}); "
             "wait for it to finish or choose another output directory") from None
     try:
         yield

@@ -306,26 +306,31 @@ def build_parser() -> argparse.ArgumentParser:
         "fit", help="fit a first transcoder for a model (default: a per-layer set with skip, "
                     "128 features, for the bundled SmolLM2) and save it under "
                     "~/.cache/pyvene_causaltrace/transcoders/<model>-<kind>-<features>")
-    fit.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    fit.add_argument("--model", default=None,
+                     help="a local model directory or a hub id (default: smollm2-135m, bundled)")
     fit.add_argument("--kind", default=None, choices=("skip_plt", "plt", "clt"),
                      help="skip_plt: per-layer with a skip path (default); plt: per-layer; "
                           "clt: cross-layer")
     fit.add_argument("--features", type=POSITIVE_INT, default=None, help="features per layer (128)")
     fit.add_argument("--steps", type=POSITIVE_INT, default=None,
                      help="optimiser steps (default 300)")
-    fit.add_argument("--lr", type=POSITIVE_FLOAT, default=None, help="learning rate")
+    fit.add_argument("--lr", type=PROBABILITY, default=None,
+                     help="learning rate, above 0 and at most 1 (default 5e-3)")
     fit.add_argument("--data", default=None,
                      help="self (text the model generates: offline, default), known_1000, or a "
                           "file: one text per line, or facts as JSON/JSONL")
     fit.add_argument("--texts", type=POSITIVE_INT, default=None,
-                     help="training texts (a tenth as many more are held out)")
-    fit.add_argument("--seed", type=SEED, default=None)
+                     help="training texts (a tenth as many more are held out; default 160); "
+                          "the fit's memory is estimated and checked before it starts")
+    fit.add_argument("--seed", type=SEED, default=None, help="0 to 2**63-1 (default 0)")
     fit.add_argument("--out", type=Path, default=None,
-                     help="where to save (default: named by model, kind and features under the "
-                          "cache directory, $PYVENE_CAUSALTRACE_CACHE)")
+                     help="where to save: a new directory, or one fit wrote (holding fit.json); "
+                          "another folder is refused (default: named by model, kind and "
+                          "features under the cache directory, $PYVENE_CAUSALTRACE_CACHE)")
     fit.add_argument("--refit", action="store_true",
-                     help="replace a transcoder saved there with other settings (without it, "
-                          "one with the same settings is reused and another refused)")
+                     help="replace a transcoder fit saved there with other settings, swapped "
+                          "in whole (without it, one with the same settings is reused and "
+                          "another refused)")
     fit.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     steer = commands.add_parser(

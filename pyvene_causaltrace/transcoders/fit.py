@@ -27,6 +27,8 @@ PLT); position 0 is left out when it is BOS — when the tokenizer adds one
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -37,7 +39,8 @@ from torch import nn
 from tqdm import tqdm
 
 from ..defaults import BOS
-from ..errors import InputError
+from ..errors import InputError, MemoryCapError, NonFiniteError
+from ..model_guard import measuring
 from ..models import model_name as name_of
 from ..prompts import first_position
 from .hooks import hook_states
@@ -99,16 +102,63 @@ class _Step(torch.autograd.Function):
 def collect_pairs(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str],
                   bos: str = BOS, *, progress: bool = False):
     """``(resid_mid, mlp_out)``, each ``[tokens, L, D]``, over ``texts`` without BOS (position
-    0 only when it is BOS under ``bos``, :data:`~..prompts.BOS_MODES`)."""
+    0 only when it is BOS under ``bos``, :data:`~..prompts.BOS_MODES`). The model runs in eval
+    mode (:func:`~..model_guard.measuring`: dropout would fit a different random function per
+    token), its modes restored afterwards; NaN/inf in what it gives is refused."""
     device = next(model.parameters()).device
     start = first_position(tokenizer, bos)
     xs, ys = [], []
-    for text in tqdm(texts, desc="collecting activations", unit="text", disable=not progress):
-        ids = tokenizer(text, return_tensors="pt")["input_ids"].to(device)
-        states = hook_states(model, ids, {"x": "hook_resid_mid", "y": "hook_mlp_out"})
-        xs.append(states["x"][:, start:].transpose(0, 1))
-        ys.append(states["y"][:, start:].transpose(0, 1))
-    return torch.cat(xs).float(), torch.cat(ys).float()
+    with measuring(model):
+        for text in tqdm(texts, desc="collecting activations", unit="text",
+                         disable=not progress):
+            ids = tokenizer(text, return_tensors="pt")["input_ids"].to(device)
+            states = hook_states(model, ids, {"x": "hook_resid_mid", "y": "hook_mlp_out"})
+            xs.append(states["x"][:, start:].transpose(0, 1))
+            ys.append(states["y"][:, start:].transpose(0, 1))
+    x, y = torch.cat(xs).float(), torch.cat(ys).float()
+    for what, tensor in (("MLP inputs (hook_resid_mid)", x), ("MLP outputs (hook_mlp_out)", y)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise NonFiniteError(f"the model's {what} on these texts hold NaN/inf: a fit to "
+                                 "them would be NaN (check the model's weights and dtype)")
+    return x, y
+
+
+def device_bytes(device: torch.device) -> int:
+    """Memory on ``device``: a GPU's, else the machine's physical memory (:mod:`..fitting`
+    checks a control group's limit too)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def fit_bytes(n_tokens: int, n_layers: int, d_model: int, d_transcoder: int, *,
+              kind: str = "cross_layer", skip: bool = False, skip_init: str = "zero",
+              batch_size: int = 256) -> int:
+    """Bytes a fit holds at its peak, estimated from above: the pairs (twice: the per-text
+    pieces and their concatenation), the skip's output on every token, each trained tensor
+    four times (weight, gradient, Adam's two moments) and a batch's activations."""
+    pairs = 2 * n_tokens * n_layers * d_model * 4
+    targets = n_layers * (n_layers + 1) // 2 if kind == "cross_layer" else n_layers
+    params = (n_layers * d_transcoder * (d_model + 2) + d_transcoder * targets * d_model
+              + n_layers * d_model + (n_layers * d_model * d_model if skip else 0))
+    batch = min(batch_size, n_tokens)
+    activations = 4 * (6 * batch * n_layers * d_transcoder + 4 * batch * n_layers * d_model)
+    closed = n_tokens * n_layers * d_model * 4 + 3 * n_layers * d_model * d_model * 8 \
+        if skip and skip_init == "lstsq" else 0
+    return 2 * pairs + closed + 16 * params + activations
+
+
+def check_fit_fits(need: int, have: int, what: str) -> None:
+    """Refuse a fit whose estimate ``need`` passes ``have`` bytes, saying what to lower."""
+    if need > have:
+        raise MemoryCapError(
+            f"{what} needs about {_size(need)} of memory at its peak and {_size(have)} is "
+            "available: lower features (the transcoder's size), texts or new_tokens (the "
+            "activations kept: texts x tokens x layers x d_model, twice)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.1f} GB" if n >= 2**30 else f"{n / 2**20:,.0f} MB"
 
 
 def linear_skip(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-4):
@@ -145,6 +195,13 @@ def fit_clt(
     return transcoder, replace(stats, seconds=time.perf_counter() - start)
 
 
+def _check_step(loss: torch.Tensor, step: int, lr: float) -> None:
+    """Stop a fit whose loss went NaN/inf (every 20 steps: a check is a device sync)."""
+    if not bool(torch.isfinite(loss)):
+        raise NonFiniteError(f"the fit diverged: its loss is {loss.item()} at step {step}; "
+                             f"lower lr (it was {lr:g})")
+
+
 def check_settings(activation: str = "relu", kind: str = "cross_layer",
                    skip: bool = False) -> None:
     """Refuse an activation, kind or skip the fit does not know, before any forward."""
@@ -175,6 +232,7 @@ def fit_pairs(
     skip: bool = False,
     skip_init: str = "zero",
     progress: bool = False,
+    memory_bytes: int | None = None,
 ) -> tuple[Transcoder, FitStats]:
     """Fit a transcoder (``kind`` ``"cross_layer"`` or ``"per_layer"``, ``skip`` for a per-layer
     skip path) to the pairs ``x`` (``hook_resid_mid``) and ``y`` (``hook_mlp_out``), each
@@ -184,12 +242,26 @@ def fit_pairs(
     zero and trains it with the features; ``"lstsq"`` sets it (and ``b_dec``) to the
     least-squares linear map first (:func:`linear_skip`) and trains the features on what it
     leaves, ``W_skip`` fixed — the linear part of an MLP in closed form, the features' steps
-    spent on the rest."""
+    spent on the rest. A fit whose estimate (:func:`fit_bytes`) passes ``memory_bytes``
+    (default :func:`device_bytes`) is refused before its weights are allocated, and one whose
+    loss or weights go NaN/inf stops with :class:`~..errors.NonFiniteError`."""
     check_settings(activation, kind, skip)
     if skip_init not in ("zero", "lstsq"):
         raise InputError(f"skip_init must be 'zero' or 'lstsq', got {skip_init!r}")
+    for name, value in (("d_transcoder", d_transcoder), ("steps", steps),
+                        ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        raise InputError(f"lr must be a finite positive number, got {lr!r}")
+    if not bool(torch.isfinite(x).all() & torch.isfinite(y).all()):
+        raise NonFiniteError("the pairs to fit hold NaN/inf: the fit would be NaN")
     start = time.perf_counter()
     n_tokens, n_layers, d_model = x.shape
+    check_fit_fits(fit_bytes(n_tokens, n_layers, d_model, d_transcoder, kind=kind, skip=skip,
+                             skip_init=skip_init, batch_size=batch_size),
+                   device_bytes(x.device) if memory_bytes is None else memory_bytes,
+                   f"a fit of {d_transcoder} features per layer on {n_tokens} tokens")
     g = torch.Generator().manual_seed(seed)
     x_scale = x.pow(2).mean((0, 2)).sqrt()[:, None]  # [L, 1] per-layer input scale
     y_var = (y - y.mean(0)).pow(2).mean((0, 2))  # [L] per-layer output variance
@@ -201,7 +273,7 @@ def fit_pairs(
         nn.Parameter(torch.randn(d_transcoder, n_targets[layer], d_model, generator=g)
                      * 0.1 / d_transcoder**0.5)
         for layer in range(n_layers))
-    W_skip = nn.Parameter(torch.zeros(n_layers, d_model, d_model))
+    W_skip = nn.Parameter(torch.zeros(n_layers, d_model, d_model) if skip else torch.zeros(0))
     b_dec = nn.Parameter(y.mean(0).clone())
     closed_form = skip and skip_init == "lstsq"
     linear = None  # with the skip fixed, its output on every token is computed once
@@ -252,12 +324,23 @@ def fit_pairs(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
-        if step % 20 == 0:
+        if step % 20 == 0 or step == steps - 1:
+            _check_step(loss, step, lr)
             bar.set_postfix(loss=f"{loss.item():.4f}", fvu=f"{mse.item():.4f}")
             logger.debug("step %d loss %.4f mse %.4f", step, loss.item(), mse.item())
-    with torch.no_grad():
-        _, _, recon = forward(x)
-        fvu = float(((recon - y).pow(2).sum((0, 2)) / (y - y.mean(0)).pow(2).sum((0, 2))).mean())
+    with torch.no_grad():  # in chunks: [tokens, L, F] at once would be the fit's largest
+        errors = torch.zeros(n_layers, dtype=torch.float64)
+        for begin in range(0, n_tokens, 4096):
+            index = torch.arange(begin, min(n_tokens, begin + 4096))
+            _, _, recon = forward(x[index], index)
+            errors += (recon - y[index]).double().pow(2).sum((0, 2))
+        fvu = float((errors / (y - y.mean(0)).double().pow(2).sum((0, 2))).mean())
+        for name, tensor in (("W_enc", W_enc), ("b_enc", b_enc), ("b_dec", b_dec),
+                             ("W_dec", torch.cat([w.flatten() for w in W_dec])),
+                             ("W_skip", W_skip), ("threshold", log_theta)):
+            if not bool(torch.isfinite(tensor).all()):
+                raise NonFiniteError(f"the fit diverged: {name} holds NaN/inf after {steps} "
+                                     f"steps; lower lr (it was {lr:g})")
     threshold = (log_theta.detach().exp() if activation == "jumprelu"
                  else torch.zeros(n_layers, d_transcoder))
     clt = Transcoder.from_tensors(
