@@ -29,6 +29,7 @@ from .common import (
     DTYPE_NAMES,
     TranscoderFormatError,
     check_dtype,
+    check_stored_dtypes,
     mmap_tensor,
     open_safetensors,
     read_json_object,
@@ -113,12 +114,11 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
         if not torch.equal(own[f"W_dec_norm_{layer}"], score[layer]):
             raise TranscoderFormatError(f"{root}/W_dec_{layer}.safetensors: W_dec_norm_{layer} "
                                         f"differs from {NORMS}'s row {layer}")
-    if not torch.isfinite(score).all() or (score < 0).any():
-        raise TranscoderFormatError(f"{root / NORMS}: decoder norms must be finite and >= 0")
-    disk_dtype = str(open_safetensors(root / "W_enc_0.safetensors").get_slice("W_enc_0")
-                     .get_dtype())
-    if disk_dtype not in DTYPE_NAMES:
-        raise TranscoderFormatError(f"{root}: W_enc_0 is {disk_dtype}, not floating point")
+    if (score < 0).any():  # finite: checked as read
+        raise TranscoderFormatError(f"{root / NORMS}: decoder norms must be >= 0")
+    enc_0 = open_safetensors(root / "W_enc_0.safetensors")
+    check_stored_dtypes(root / "W_enc_0.safetensors", enc_0)
+    disk_dtype = str(enc_0.get_slice("W_enc_0").get_dtype())
     W_enc = torch.stack([read_tensors(root / f"W_enc_{layer}.safetensors", None, features,
                                       {f"W_enc_{layer}": 0})[f"W_enc_{layer}"].to(dtype)
                          for layer in range(n_layers)])

@@ -45,6 +45,7 @@ from .common import (
     TranscoderFormatError,
     assemble_set,
     check_dtype,
+    check_stored_dtypes,
     mmap_tensor,
     open_safetensors,
     read_json_object,
@@ -276,9 +277,9 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
     if len(shapes[0]["w_enc"]) != 2:
         raise TranscoderFormatError(f"{files[0]}: w_enc has shape {shapes[0]['w_enc']}")
     d_model, width = shapes[0]["w_enc"]
-    disk_dtype = str(open_safetensors(files[0]).get_slice("w_enc").get_dtype())
-    if disk_dtype not in DTYPE_NAMES:
-        raise TranscoderFormatError(f"{files[0]}: w_enc is {disk_dtype}, not floating point")
+    first = open_safetensors(files[0])
+    check_stored_dtypes(files[0], first)
+    disk_dtype = str(first.get_slice("w_enc").get_dtype())
     full = []
     for layer, (path, shape) in enumerate(zip(files, shapes, strict=True)):
         _check_keys(path, shape, skip)
