@@ -31,6 +31,7 @@ from .common import (
     check_dtype,
     check_stored_dtypes,
     mmap_tensor,
+    named_layers,
     open_safetensors,
     read_json_object,
     read_tensors,
@@ -76,8 +77,12 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     check_dtype(dtype)
     root = Path(source).expanduser()
     meta = _config(root / CONFIG)
-    layers = sorted(int(p.stem.removeprefix("W_enc_")) for p in root.glob("W_enc_*.safetensors")
-                    if p.stem.removeprefix("W_enc_").isdigit())
+    stated = next((meta[key] for key in ("n_layers", "num_layers")
+                   if isinstance(meta.get(key), int)), None)
+    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
+                                  for p in root.glob("W_enc_*.safetensors")
+                                  if p.stem.removeprefix("W_enc_").isdigit()},
+                                 stated, str(root / CONFIG)))
     if not layers or layers != list(range(len(layers))):
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "
                                     "W_enc_0 .. W_enc_<L-1>")

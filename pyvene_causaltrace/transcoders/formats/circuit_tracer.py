@@ -57,6 +57,7 @@ from .common import (
     hub_file,
     hub_snapshot,
     mmap_tensor,
+    named_layers,
     open_safetensors,
     read_yaml_mapping,
     refuse_shard,
@@ -89,6 +90,17 @@ def is_layout(path: Path) -> bool:
     except (yaml.YAMLError, UnicodeDecodeError):
         return True
     return isinstance(meta, dict) and meta.get("model_kind") in MODEL_KINDS
+
+
+def lists_files(path: Path) -> bool:
+    """Whether ``path``'s config lists its files (``transcoders``): then other layouts' files
+    beside it are the ones it names, not a second transcoder."""
+    config = _config_file(path)
+    try:
+        meta = yaml.safe_load(config.read_text(encoding="utf-8")) if config else None
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(meta, dict) and meta.get("transcoders") is not None
 
 
 def read_config(config: Path) -> dict:
@@ -250,8 +262,9 @@ def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | No
             root = hub_snapshot(repo, revision, [f"{sub}layer_*.safetensors"]) / sub
         else:
             root = config.parent
-        found = {int(p.stem.removeprefix("layer_")): p for p in root.glob("layer_*.safetensors")
-                 if p.stem.removeprefix("layer_").isdigit()}
+        found = named_layers({int(p.stem.removeprefix("layer_")): p
+                              for p in root.glob("layer_*.safetensors")
+                              if p.stem.removeprefix("layer_").isdigit()})
         if not found:
             raise TranscoderFormatError(f"{config}: no 'transcoders' list and no "
                                         "layer_<l>.safetensors files beside it")

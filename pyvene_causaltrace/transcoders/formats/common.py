@@ -72,6 +72,27 @@ class LayerSlicer:
         return {} if self.shard is None else {"features": self.range, "d_transcoder": self.width}
 
 
+#: More layers than any model has (the largest have about 130): a layer number parsed from a
+#: file or folder name at or past it is refused before anything is sized by it (the list of
+#: layers missing below ``layer_900000000000`` once grew to 21 GB).
+MAX_LAYERS = 1000
+
+
+def named_layers(found: dict[int, Path], limit: int | None = None,
+                 source: str = "") -> dict[int, Path]:
+    """``found`` (``{layer number parsed from its name: path}``) once every number is below
+    :data:`MAX_LAYERS` and ``limit`` (a config's layer count, ``source`` saying which, where
+    known); else a :class:`TranscoderFormatError` naming the file."""
+    bound = MAX_LAYERS if limit is None else min(limit, MAX_LAYERS)
+    for layer, path in found.items():
+        if layer >= bound:
+            why = (f"{source} says {limit} layers" if limit is not None and limit <= MAX_LAYERS
+                   else f"no model has {MAX_LAYERS} layers")
+            raise TranscoderFormatError(f"{path}: its name says layer {layer}, but {why}; "
+                                        "rename or remove it")
+    return found
+
+
 def refuse_shard(transcoder: Transcoder) -> None:
     """A shard holds some features of each layer: writing it as a transcoder would lose the
     rest."""

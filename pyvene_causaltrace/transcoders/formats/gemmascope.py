@@ -24,6 +24,7 @@ from .common import (
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
+    named_layers,
     resolve_reference,
 )
 
@@ -61,8 +62,8 @@ def read_npz(path: Path) -> LayerTensors:
 
 
 def _layer_dirs(root: Path) -> dict[int, Path]:
-    return {int(p.name.removeprefix("layer_")): p for p in root.glob("layer_*")
-            if p.is_dir() and p.name.removeprefix("layer_").isdigit()}
+    return named_layers({int(p.name.removeprefix("layer_")): p for p in root.glob("layer_*")
+                         if p.is_dir() and p.name.removeprefix("layer_").isdigit()})
 
 
 def is_layout(path: Path) -> bool:

@@ -47,6 +47,7 @@ from .common import (
     check_dtype,
     check_stored_dtypes,
     mmap_tensor,
+    named_layers,
     open_safetensors,
     read_json_object,
     read_tensors,
@@ -77,12 +78,12 @@ def _layer_folders(root: Path) -> dict[str, dict[int, Path]]:
         match = LAYER_FOLDER.match(sub.name)
         if match and (sub / PARAMS).exists():
             found.setdefault(match.group(2), {})[int(match.group(1))] = sub
-    return found
+    return {variant: named_layers(layers) for variant, layers in found.items()}
 
 
 def _clt_files(root: Path) -> dict[int, Path]:
-    return {int(m.group(1)): p for p in root.glob("params_layer_*.safetensors")
-            if (m := CLT_FILE.match(p.name))} if root.is_dir() else {}
+    return named_layers({int(m.group(1)): p for p in root.glob("params_layer_*.safetensors")
+                         if (m := CLT_FILE.match(p.name))} if root.is_dir() else {})
 
 
 def is_layout(path: Path) -> bool:

@@ -32,6 +32,7 @@ from .common import (
     check_weight,
     hub_snapshot,
     mmap_tensor,
+    named_layers,
     open_safetensors,
     read_yaml_mapping,
     refuse_shard,
@@ -57,7 +58,9 @@ def read_config(path: str | Path) -> TranscoderConfig:
     if meta["model_kind"] != CROSS_LAYER:
         raise TranscoderFormatError(f"{config_file}: model_kind is {meta['model_kind']!r}, "
                              f"expected {CROSS_LAYER!r}")
-    layers = sorted(int(p.stem.split("_")[-1]) for p in root.glob("W_enc_*.safetensors"))
+    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
+                                  for p in root.glob("W_enc_*.safetensors")
+                                  if p.stem.removeprefix("W_enc_").isdigit()}))
     if not layers or layers != list(range(len(layers))):
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected 0..L-1")
     n_layers = len(layers)

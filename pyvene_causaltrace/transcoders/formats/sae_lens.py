@@ -43,6 +43,7 @@ from .common import (
     TranscoderFormatError,
     assemble_set,
     check_stored_dtypes,
+    named_layers,
     open_safetensors,
     refuse_shard,
 )
@@ -152,7 +153,9 @@ def _layer_of(hook: str | None, origin: str) -> int:
     if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
         raise TranscoderFormatError(f"{origin}: hook_name {hook!r} does not name a layer "
                                     "(blocks.<l>.<hook>)")
-    return int(parts[1])
+    layer = int(parts[1])
+    named_layers({layer: f"{origin} (hook_name {hook!r})"})
+    return layer
 
 
 def _layer_tensors(sae, origin: str, weights: str | None = None
