@@ -11,6 +11,12 @@ this rank and the step, instead of a backend traceback or a hang.
     ranks = current()                    # None: one process (or alone())
     total = ranks.all_reduce(partial)    # sum over ranks, the same on every rank
     ranks.agree("model", fingerprint)    # DistributedError naming the ranks that differ
+
+The launcher's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``) is read through one check, :func:`environment`, before anything waits on it:
+a variable missing, not an integer or out of range is an :class:`~.errors.InputError` naming it,
+its value and what is allowed. Joining the group (:func:`init`) waits at most
+:data:`RENDEZVOUS_TIMEOUT_S` for rank 0's store and :data:`TIMEOUT_S` for every rank to arrive.
 """
 
 from __future__ import annotations
@@ -18,18 +24,25 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .errors import DistributedError
+from .errors import DistributedError, InputError
 
 #: A collective waits at most this long for the other ranks (``init`` sets it on the group it
 #: makes; a user's own group keeps its own): a hung rank fails the others within it.
 TIMEOUT_S = 120.0
+
+#: Joining: how long a rank waits to reach rank 0's TCP store (``MASTER_ADDR:MASTER_PORT``) before
+#: it fails, named, instead of hanging.
+RENDEZVOUS_TIMEOUT_S = 60.0
+#: The most ranks ``WORLD_SIZE`` may say (a bound for the check, far past any run here).
+MAX_WORLD = 65536
 
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("pvct_alone", default=False)
 
@@ -146,22 +159,132 @@ def collective(ranks: Ranks, what: str) -> Iterator[None]:
             "complete: rerun with the same world size to resume from the checkpoint") from None
 
 
+@dataclass(frozen=True)
+class Launch:
+    """The launcher's environment, checked (:func:`environment`): this process is ``rank`` of
+    ``world``, ``local_rank`` on its machine; rank 0 serves the store at ``master_addr``:
+    ``master_port``."""
+
+    rank: int
+    world: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _integer(env: Mapping[str, str], name: str, low: int, high: int, what: str) -> int:
+    """``env[name]`` as an integer in ``low..high``, else an InputError saying which."""
+    value = env.get(name)
+    if value is None:
+        raise InputError(f"{name} is not set: a distributed run needs {what}, an integer in "
+                         f"{low}..{high} (torchrun sets it)")
+    digits = value.strip()
+    number = int(digits) if digits.isascii() and digits.isdigit() and len(digits) < 19 else None
+    if number is None or not low <= number <= high:
+        raise InputError(f"{name}={value!r}: {what} must be an integer in {low}..{high}")
+    return number
+
+
+def environment(env: Mapping[str, str] | None = None) -> Launch | None:
+    """The distributed environment (``os.environ`` unless ``env``), checked before anything
+    reads or waits on it: None for one process (no ``WORLD_SIZE``, or 1); else a
+    :class:`Launch`. A variable missing, not an integer or out of range is an
+    :class:`~.errors.InputError` naming it, its value and what is allowed."""
+    env = os.environ if env is None else env
+    if "WORLD_SIZE" not in env:
+        stray = next((name for name in ("RANK", "LOCAL_RANK") if name in env), None)
+        if stray is not None:
+            raise InputError(f"{stray}={env[stray]!r} is set but WORLD_SIZE is not: set both "
+                             "(torchrun does), or neither for one process")
+        return None
+    world = _integer(env, "WORLD_SIZE", 1, MAX_WORLD, "the number of ranks")
+    if world == 1:
+        if "RANK" in env:
+            _integer(env, "RANK", 0, 0, "this process's rank (WORLD_SIZE=1)")
+        return None
+    rank = _integer(env, "RANK", 0, world - 1, f"this process's rank (WORLD_SIZE={world})")
+    local = _integer(env, "LOCAL_RANK", 0, world - 1, "this process's rank on its machine") \
+        if "LOCAL_RANK" in env else 0
+    addr = env.get("MASTER_ADDR", "").strip()
+    if not addr:
+        raise InputError(f"MASTER_ADDR={env.get('MASTER_ADDR')!r}: a distributed run needs the "
+                         "host of rank 0 (e.g. 127.0.0.1; torchrun sets it)")
+    port = _integer(env, "MASTER_PORT", 1, 65535, "the port of rank 0's store")
+    return Launch(rank, world, local, addr, port)
+
+
 def launched() -> bool:
-    """Whether this process was started by ``torchrun`` (its environment says so)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    """Whether this process was started by ``torchrun`` (its checked environment says so)."""
+    return environment() is not None
 
 
-def init(timeout_s: float = TIMEOUT_S) -> Ranks | None:
-    """Join ``torchrun``'s process group (gloo on CPU, NCCL when this rank has a GPU) with a
-    collective timeout of ``timeout_s``, unless one is initialised already; returns
-    :func:`current`. Without a ``torchrun`` environment it does nothing and returns None."""
+def _store(launch: Launch, timeout_s: float):
+    """The rendezvous TCP store (rank 0 serves it), or a :class:`DistributedError` naming
+    ``MASTER_ADDR:MASTER_PORT``: the port in use, or no store reached within ``timeout_s``."""
+    where = f"MASTER_ADDR:MASTER_PORT={launch.master_addr}:{launch.master_port}"
+    box: dict = {}
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun serves it
+
+    def connect() -> None:
+        try:
+            box["store"] = dist.TCPStore(  # as torch's env:// rendezvous makes it
+                launch.master_addr, launch.master_port, launch.world,
+                is_master=launch.rank == 0 and not agent, timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False, multi_tenant=not agent)
+        except (RuntimeError, OSError, ValueError) as error:
+            box["error"] = error
+
+    # the store's own timeout does not cover a port held by something that accepts and never
+    # answers (torch 2.13 waits forever there): a thread bounds it
+    thread = threading.Thread(target=connect, name="pvct-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 2)
+    if thread.is_alive():
+        box["error"] = TimeoutError("connected, but no store answered")
+    if "store" in box:
+        return box["store"]
+    reason = (str(box["error"]).strip().splitlines() or ["no answer"])[0][:200]
+    if launch.rank == 0:
+        raise DistributedError(
+            f"rank 0 could not serve the rendezvous store on {where} ({reason}): the port is in "
+            "use (another run?) or the address is not this machine's; pick a free MASTER_PORT")
+    raise DistributedError(
+        f"rank {launch.rank} of {launch.world} reached no rendezvous store on {where} within "
+        f"{timeout_s:g} s ({reason}): rank 0 did not start, failed (its port in use?) or the "
+        "port is another program's")
+
+
+def init(timeout_s: float = TIMEOUT_S, rendezvous_s: float = RENDEZVOUS_TIMEOUT_S,
+         backend: str | None = None) -> Ranks | None:
+    """Join the launcher's process group (``backend``; default gloo on CPU, NCCL when this
+    rank has a GPU) unless one is initialised already; returns :func:`current`. The
+    environment is checked first (:func:`environment`); without one it does nothing and
+    returns None. Reaching rank 0's store waits at most ``rendezvous_s``, every rank's
+    arrival and each collective at most ``timeout_s``: each fails as a
+    :class:`DistributedError`, never a hang."""
+    launch = environment()
     if not dist.is_initialized():
-        if not launched():
+        if launch is None:
             return None
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+            gpus = torch.cuda.device_count()
+            if launch.local_rank >= gpus:
+                raise InputError(f"LOCAL_RANK={launch.local_rank}: this machine has {gpus} "
+                                 f"GPUs, so it must be in 0..{gpus - 1}")
+            torch.cuda.set_device(launch.local_rank)
+        store = _store(launch, rendezvous_s)
+        store.set_timeout(timedelta(seconds=timeout_s))
+        try:  # the prefix torch's own rendezvous gives the group's keys in a shared store
+            dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
+                                    rank=launch.rank,
+                                    world_size=launch.world, timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, OSError) as error:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            raise DistributedError(
+                f"rank {launch.rank} of {launch.world}: not every rank joined within "
+                f"{timeout_s:g} s ({reason}); check that WORLD_SIZE ranks were started with the "
+                "same MASTER_ADDR:MASTER_PORT") from None
     return current()
 
 

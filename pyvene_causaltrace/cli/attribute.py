@@ -186,6 +186,7 @@ def read_direction(entry: dict) -> object:
 
 
 def attribute_command(args) -> int:
+    distributed.environment()  # first: a wrong WORLD_SIZE/RANK/... is named at once
     out_dir(args.out)
     s = attribution_settings(args)
     check_attribute_flags(s, args.max_links)

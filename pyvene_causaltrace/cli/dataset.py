@@ -8,10 +8,10 @@ anything large is allocated, and a transcoder that does not fit the model before
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
+from .. import distributed
 from ..atomic import replacing, write_text
 from ..dataset import get_task, read_records
 from ..dataset.graphs import GraphSettings
@@ -61,6 +61,7 @@ def dataset_settings(args, default_known: str) -> DatasetSettings:
 
 
 def dataset_command(args) -> int:
+    launch = distributed.environment()  # first: a wrong WORLD_SIZE/RANK/... is named at once
     out_dir(args.out)
     if args.task:
         task = get_task(args.task)
@@ -73,8 +74,7 @@ def dataset_command(args) -> int:
     run_settings = dataset_settings(args, default_known)  # checked before the model loads
     options = {"settings": run_settings, "progress": not args.no_progress}
     settings = graph_settings(args)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    shard = (int(os.environ.get("RANK", "0")), world) if world > 1 else None
+    shard = None if launch is None else (launch.rank, launch.world)
     check_run_directory(run_path(args.out, shard))
     # the transcoder's files are read before the model loads: a wrong --clt costs no model load
     transcoder = load_transcoder(args.clt, format=args.format) if settings else None

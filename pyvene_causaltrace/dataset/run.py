@@ -376,12 +376,13 @@ def trace_dataset_distributed(model: nn.Module, tokenizer: Tokenizer,
     ``torchrun`` environment it is a plain single-process run."""
     import torch.distributed as dist  # only under torchrun
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    from .. import distributed
+
+    launch = distributed.environment()  # checked first: a wrong variable is named, not waited on
+    if launch is None:
         return trace_dataset(model, tokenizer, records, out=out, **options)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    distributed.init(backend="gloo")  # bounded rendezvous (a no-op if a group is initialised)
+    rank, world = dist.get_rank(), dist.get_world_size()
     options["progress"] = options.get("progress", True) and rank == 0
     given = {f.name: options.pop(f.name) for f in fields(DatasetSettings) if f.name in options}
     settings = dataset_settings_from(options.pop("settings", None), **given)

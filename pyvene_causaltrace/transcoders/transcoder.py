@@ -58,6 +58,7 @@ from .. import distributed
 from ..arguments import checked
 from ..bound import BoundModel, bind
 from ..errors import InputError, TranscoderMismatchError
+from ..finite import check_weight
 from ..models import get_module, model_name
 from .config import TranscoderConfig
 
@@ -178,7 +179,7 @@ class Transcoder(nn.Module):
         self.W_skip = None if W_skip is None else [w.to(self.device_, dtype) for w in W_skip]
         # Decoders are not buffers: a mmapped one must not be copied by .to() or state_dict().
         self.W_dec = W_dec
-        self._handles: list = []  # file maps that keep mmapped decoders valid
+        self._handles: list = []  # one file map per layer that keeps its mmapped decoder valid
 
     # ----------------------------------------------------------------------- building
     @classmethod
@@ -371,10 +372,12 @@ class Transcoder(nn.Module):
     # ------------------------------------------------------------------------ decoder
     def decoder_rows(self, layer: int, feature_ids: torch.Tensor) -> torch.Tensor:
         """``W_dec[layer][feature_ids]`` ``[n, T_layer, D]``, gathered (only these rows are
-        read from a mmapped decoder) and converted to the compute dtype. A shard takes local
-        ids."""
-        ids = feature_ids.to(self.W_dec[layer].device)
-        return self.W_dec[layer].index_select(0, ids).to(self.device_, self.dtype)
+        read from a mmapped decoder, and checked as they are: dtype, NaN/inf) and converted to
+        the compute dtype. A shard takes local ids."""
+        rows = self.W_dec[layer].index_select(0, feature_ids.to(self.W_dec[layer].device))
+        if self._handles:  # one map per layer: its (file, tensor) names a bad row's source
+            check_weight(rows, *self._handles[layer].origin)
+        return rows.to(self.device_, self.dtype)
 
     def skip(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """The skip path's output ``x @ W_skip[layer].T`` (zeros without one)."""

@@ -49,7 +49,7 @@ FORMATS: dict[str, TranscoderLoader] = {
     "sae_lens": sae_lens.load,
     "sparsify": sparsify.load,
 }
-#: Which layout a local path holds, tried in this order.
+#: Which layout a local path holds (every one is tried: two are refused).
 _DETECTORS: tuple[tuple[str, LayoutDetector], ...] = (
     ("mntss", mntss.is_layout), ("circuit_tracer", circuit_tracer.is_layout),
     ("bytedance", bytedance.is_layout), ("gemmascope2", gemmascope2.is_layout),
@@ -61,13 +61,23 @@ _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".yaml", ".yml", ".json")
 
 @checked
 def detect_format(path: str | Path) -> str:
-    """The layout of a local path (a directory or a config file)."""
+    """The layout of a local path (a directory or a config file); a directory holding the files
+    of two layouts is refused, naming both (unless a circuit-tracer config lists the files it
+    reads)."""
     root = Path(path).expanduser()
     if not root.exists():
         raise TranscoderFormatError(missing_path(root))
-    for name, matches in _DETECTORS:
-        if matches(root):
-            return name
+    found = [name for name, matches in _DETECTORS if matches(root)]
+    if "mntss" in found and "circuit_tracer" in found:  # an mntss config.yaml is one too
+        found.remove("circuit_tracer")
+    if "circuit_tracer" in found and circuit_tracer.lists_files(root):
+        return "circuit_tracer"  # its config names the files it reads
+    if len(found) > 1:
+        raise TranscoderFormatError(
+            f"{root} holds files of {len(found)} layouts, {' and '.join(found)} ({_found(root)}):"
+            f" loading one would leave the other unread; move one out, or pass format=...")
+    if found:
+        return found[0]
     raise TranscoderFormatError(
         f"{root} holds no transcoder layout we know ({', '.join(FORMATS)}); found "
         f"{_found(root)}; pass format=...")

@@ -29,7 +29,9 @@ from .common import (
     DTYPE_NAMES,
     TranscoderFormatError,
     check_dtype,
+    check_stored_dtypes,
     mmap_tensor,
+    named_layers,
     open_safetensors,
     read_json_object,
     read_tensors,
@@ -75,8 +77,12 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     check_dtype(dtype)
     root = Path(source).expanduser()
     meta = _config(root / CONFIG)
-    layers = sorted(int(p.stem.removeprefix("W_enc_")) for p in root.glob("W_enc_*.safetensors")
-                    if p.stem.removeprefix("W_enc_").isdigit())
+    stated = next((meta[key] for key in ("n_layers", "num_layers")
+                   if isinstance(meta.get(key), int)), None)
+    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
+                                  for p in root.glob("W_enc_*.safetensors")
+                                  if p.stem.removeprefix("W_enc_").isdigit()},
+                                 stated, str(root / CONFIG)))
     if not layers or layers != list(range(len(layers))):
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "
                                     "W_enc_0 .. W_enc_<L-1>")
@@ -113,12 +119,11 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
         if not torch.equal(own[f"W_dec_norm_{layer}"], score[layer]):
             raise TranscoderFormatError(f"{root}/W_dec_{layer}.safetensors: W_dec_norm_{layer} "
                                         f"differs from {NORMS}'s row {layer}")
-    if not torch.isfinite(score).all() or (score < 0).any():
-        raise TranscoderFormatError(f"{root / NORMS}: decoder norms must be finite and >= 0")
-    disk_dtype = str(open_safetensors(root / "W_enc_0.safetensors").get_slice("W_enc_0")
-                     .get_dtype())
-    if disk_dtype not in DTYPE_NAMES:
-        raise TranscoderFormatError(f"{root}: W_enc_0 is {disk_dtype}, not floating point")
+    if (score < 0).any():  # finite: checked as read
+        raise TranscoderFormatError(f"{root / NORMS}: decoder norms must be >= 0")
+    enc_0 = open_safetensors(root / "W_enc_0.safetensors")
+    check_stored_dtypes(root / "W_enc_0.safetensors", enc_0)
+    disk_dtype = str(enc_0.get_slice("W_enc_0").get_dtype())
     W_enc = torch.stack([read_tensors(root / f"W_enc_{layer}.safetensors", None, features,
                                       {f"W_enc_{layer}": 0})[f"W_enc_{layer}"].to(dtype)
                          for layer in range(n_layers)])

@@ -48,13 +48,16 @@ from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
 from ..transcoder import Transcoder, shard_features
 from . import gemmascope2, mntss
 from .common import (
+    SETTING_TENSORS,
     LayerSlicer,
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
+    check_weight,
     hub_file,
     hub_snapshot,
     mmap_tensor,
+    named_layers,
     open_safetensors,
     read_yaml_mapping,
     refuse_shard,
@@ -87,6 +90,17 @@ def is_layout(path: Path) -> bool:
     except (yaml.YAMLError, UnicodeDecodeError):
         return True
     return isinstance(meta, dict) and meta.get("model_kind") in MODEL_KINDS
+
+
+def lists_files(path: Path) -> bool:
+    """Whether ``path``'s config lists its files (``transcoders``): then other layouts' files
+    beside it are the ones it names, not a second transcoder."""
+    config = _config_file(path)
+    try:
+        meta = yaml.safe_load(config.read_text(encoding="utf-8")) if config else None
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(meta, dict) and meta.get("transcoders") is not None
 
 
 def read_config(config: Path) -> dict:
@@ -132,8 +146,10 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True,
     d_transcoder, d_model = shapes["b_enc"][0], shapes["b_dec"][0]
     names = {_RENAMES.get(key, key): key for key in handle.keys()}
     try:
-        tensors = {ours: handle.get_tensor(theirs) for ours, theirs in names.items()
-                   if ours != "W_dec" or not lazy_decoder}
+        tensors = {ours: _checked(handle.get_tensor(theirs), path, theirs)
+                   for ours, theirs in names.items() if ours != "W_dec" or not lazy_decoder}
+    except TranscoderFormatError:
+        raise
     except Exception as error:  # a truncated data section surfaces only here
         raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
     handles = []
@@ -145,7 +161,7 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True,
         if shape == (d_model, d_transcoder) and d_model != d_transcoder:
             tensors[name] = tensors[name].T
             if name == "W_dec" and lazy_decoder:  # rows of a transposed map are not rows
-                tensors[name] = tensors[name].contiguous()
+                tensors[name] = check_weight(tensors[name].contiguous(), path, names[name])
                 handles = []
     k = tensors.pop("k", None)
     layer = LayerTensors(str(path), W_enc=tensors["W_enc"], W_dec=tensors["W_dec"],
@@ -153,6 +169,11 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True,
                          threshold=tensors.get("threshold"), W_skip=tensors.get("W_skip"),
                          handles=handles)
     return layer, None if k is None else int(k.reshape(-1)[0])
+
+
+def _checked(tensor, path: Path, name: str):
+    """A weight as read, checked (dtype, NaN/inf); a setting (``k``) as it is."""
+    return tensor if name in SETTING_TENSORS else check_weight(tensor, path, name)
 
 
 def _read_layer_slice(path: Path, handle, shapes: dict, features: tuple[int, int],
@@ -179,15 +200,18 @@ def _read_layer_slice(path: Path, handle, shapes: dict, features: tuple[int, int
             transposed = ours in ("W_enc", "W_dec") and shape == (d_model, d_transcoder) \
                 and d_model != d_transcoder
             if ours in ("b_dec", "W_skip", "k"):
-                tensors[ours] = handle.get_tensor(theirs)
+                tensors[ours] = _checked(handle.get_tensor(theirs), path, theirs)
             elif transposed:  # [D, F]: columns; rows of a transposed map are not rows
-                tensors[ours] = handle.get_slice(theirs)[:, lo:hi].T.contiguous()
+                tensors[ours] = check_weight(handle.get_slice(theirs)[:, lo:hi].T.contiguous(),
+                                             path, theirs)
             elif ours == "W_dec" and lazy_decoder:
                 mapped_dec, mapped = mmap_tensor(path, theirs)
                 tensors[ours] = mapped_dec[lo:hi]  # a view: nothing read
                 handles.append(mapped)
             else:  # a view of the file's map (only these rows are read): assemble_set copies
-                tensors[ours] = handle.get_slice(theirs)[lo:hi]
+                tensors[ours] = check_weight(handle.get_slice(theirs)[lo:hi], path, theirs)
+    except TranscoderFormatError:
+        raise
     except Exception as error:  # a truncated data section surfaces only here
         raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
     k = tensors.pop("k", None)
@@ -238,8 +262,9 @@ def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | No
             root = hub_snapshot(repo, revision, [f"{sub}layer_*.safetensors"]) / sub
         else:
             root = config.parent
-        found = {int(p.stem.removeprefix("layer_")): p for p in root.glob("layer_*.safetensors")
-                 if p.stem.removeprefix("layer_").isdigit()}
+        found = named_layers({int(p.stem.removeprefix("layer_")): p
+                              for p in root.glob("layer_*.safetensors")
+                              if p.stem.removeprefix("layer_").isdigit()})
         if not found:
             raise TranscoderFormatError(f"{config}: no 'transcoders' list and no "
                                         "layer_<l>.safetensors files beside it")

@@ -16,10 +16,17 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 from ...errors import InputError, TranscoderFormatError
+from ...finite import check_weight, dtype_error
 from ..config import TRANSCODER_SET, TranscoderConfig
 from ..transcoder import Transcoder, feature_range
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+#: safetensors' names of the dtypes we refuse, as torch names them (for the error).
+STORED_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32",
+                "I64": "int64", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+                "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64"}
+#: Tensors that hold settings, not weights (circuit-tracer's integer ``k``): not dtype-checked.
+SETTING_TENSORS = ("k",)
 DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                 "F64": torch.float64}
@@ -65,6 +72,27 @@ class LayerSlicer:
         return {} if self.shard is None else {"features": self.range, "d_transcoder": self.width}
 
 
+#: More layers than any model has (the largest have about 130): a layer number parsed from a
+#: file or folder name at or past it is refused before anything is sized by it (the list of
+#: layers missing below ``layer_900000000000`` once grew to 21 GB).
+MAX_LAYERS = 1000
+
+
+def named_layers(found: dict[int, Path], limit: int | None = None,
+                 source: str = "") -> dict[int, Path]:
+    """``found`` (``{layer number parsed from its name: path}``) once every number is below
+    :data:`MAX_LAYERS` and ``limit`` (a config's layer count, ``source`` saying which, where
+    known); else a :class:`TranscoderFormatError` naming the file."""
+    bound = MAX_LAYERS if limit is None else min(limit, MAX_LAYERS)
+    for layer, path in found.items():
+        if layer >= bound:
+            why = (f"{source} says {limit} layers" if limit is not None and limit <= MAX_LAYERS
+                   else f"no model has {MAX_LAYERS} layers")
+            raise TranscoderFormatError(f"{path}: its name says layer {layer}, but {why}; "
+                                        "rename or remove it")
+    return found
+
+
 def refuse_shard(transcoder: Transcoder) -> None:
     """A shard holds some features of each layer: writing it as a transcoder would lose the
     rest."""
@@ -98,14 +126,28 @@ def read_tensors(path: Path, names=None, features: tuple[int, int] | None = None
                  axes: dict[str, int] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor (or ``names``) of a safetensors file; format errors name the file. With
     ``features=(lo, hi)`` each tensor named in ``axes`` is cut to those features along its
-    feature axis ``axes[name]`` as it is read (:func:`read_features`); the others are whole."""
+    feature axis ``axes[name]`` as it is read (:func:`read_features`); the others are whole.
+    Every tensor is checked as it is read (:func:`~...finite.check_weight`: dtype, NaN/inf)."""
     handle = open_safetensors(path)
     axes = axes or {}
     try:
-        return {name: read_features(handle, name, features, axes.get(name))
+        return {name: check_weight(read_features(handle, name, features, axes.get(name)),
+                                   path, name)
                 for name in (names or handle.keys())}
+    except TranscoderFormatError:
+        raise
     except Exception as error:  # a truncated data section surfaces only here
         raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
+
+
+def check_stored_dtypes(path: Path, handle, names=None) -> None:
+    """Refuse (naming the file and tensor) a tensor of ``names`` (default: every one but
+    :data:`SETTING_TENSORS`) whose header dtype is not a weight dtype, before it is read: for
+    what is memory-mapped or handed to another library that would cast it."""
+    for name in names or [key for key in handle.keys() if key not in SETTING_TENSORS]:
+        code = str(handle.get_slice(name).get_dtype())
+        if code not in TORCH_DTYPES:
+            raise dtype_error(path, name, STORED_NAMES.get(code, code))
 
 
 def read_features(handle, name: str, features: tuple[int, int] | None,
@@ -118,10 +160,21 @@ def read_features(handle, name: str, features: tuple[int, int] | None,
     return handle.get_slice(name)[(slice(None),) * axis + (slice(*features),)]
 
 
-def mmap_tensor(path: Path, name: str) -> tuple[torch.Tensor, mmap.mmap]:
-    """``(tensor, mmap)``: ``name`` from a safetensors file as a view of a read-only memory map
+@dataclass(frozen=True)
+class MappedFile:
+    """A read-only memory map of a safetensors file and the tensor of it that is mapped: a
+    Transcoder holds one per layer of a memory-mapped decoder, and checks each row it gathers
+    naming ``origin`` (file, tensor)."""
+
+    mapped: mmap.mmap
+    origin: tuple[str, str]
+
+
+def mmap_tensor(path: Path, name: str) -> tuple[torch.Tensor, MappedFile]:
+    """``(tensor, map)``: ``name`` from a safetensors file as a view of a read-only memory map
     advised for random access (decoder rows are read a few at a time, scattered over the file).
-    The layout is safetensors': an 8-byte header length, a JSON header, then raw data."""
+    The layout is safetensors': an 8-byte header length, a JSON header, then raw data. Its
+    dtype is checked here; its values as rows are read (:meth:`~..Transcoder.decoder_rows`)."""
     with open(path, "rb") as file:
         header_len = int.from_bytes(file.read(8), "little")
         header = json.loads(file.read(header_len))
@@ -129,13 +182,15 @@ def mmap_tensor(path: Path, name: str) -> tuple[torch.Tensor, mmap.mmap]:
     if hasattr(mmap, "MADV_RANDOM"):
         mapped.madvise(mmap.MADV_RANDOM)
     info = header[name]
+    if info["dtype"] not in TORCH_DTYPES:
+        raise dtype_error(path, name, STORED_NAMES.get(info["dtype"], info["dtype"]))
     start, stop = (8 + header_len + offset for offset in info["data_offsets"])
     dtype = TORCH_DTYPES[info["dtype"]]
     with warnings.catch_warnings():  # the buffer is read-only; we never write to it
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(mapped, dtype=dtype, count=(stop - start) // dtype.itemsize,
                                 offset=start)
-    return flat.view(info["shape"]), mapped
+    return flat.view(info["shape"]), MappedFile(mapped, (str(path), name))
 
 
 # ------------------------------------------------------------------------------------- hub
@@ -254,7 +309,10 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
     thresholds = None if activation != "jumprelu" else torch.stack(
         [layer.threshold.to(dtype) for layer in layers])
     W_dec = [layer.W_dec[:, None, :] for layer in layers]
-    if not lazy_decoder or not all(layer.handles for layer in layers):
+    mapped = lazy_decoder and all(layer.handles for layer in layers)
+    if not mapped:  # a map read whole here is checked here; the others were at their read
+        W_dec = [check_weight(w, *layer.handles[0].origin) if layer.handles else w
+                 for w, layer in zip(W_dec, layers, strict=True)]
         W_dec = [w.to(device, dtype).clone() for w in W_dec]
     transcoder = Transcoder(
         cfg, b_enc=torch.stack([layer.b_enc.to(dtype) for layer in layers]), threshold=thresholds,
@@ -262,8 +320,8 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
         W_enc=torch.stack([layer.W_enc.to(dtype) for layer in layers]), W_dec=W_dec,
         W_skip=[layer.W_skip for layer in layers] if has_skip else None,
         dtype=dtype, device=device, source=source, features=features)
-    if lazy_decoder:
-        transcoder._handles = [h for layer in layers for h in layer.handles]
+    if mapped:  # one map per layer, in layer order (decoder_rows names its file)
+        transcoder._handles = [layer.handles[0] for layer in layers]
     return transcoder
 
 

@@ -17,12 +17,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...finite import check_weight, dtype_error
 from ..transcoder import Transcoder
 from .common import (
     LayerSlicer,
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
+    named_layers,
     resolve_reference,
 )
 
@@ -44,7 +46,14 @@ def read_npz(path: Path) -> LayerTensors:
     if missing:
         raise TranscoderFormatError(f"{path}: missing {', '.join(missing)} "
                                     f"(holds {sorted(arrays)})")
-    tensors = {key: torch.from_numpy(np.ascontiguousarray(arrays[key.lower()])) for key in KEYS}
+    tensors = {}
+    for key in KEYS:
+        array = arrays[key.lower()]
+        try:
+            tensors[key] = torch.from_numpy(np.ascontiguousarray(array))
+        except TypeError:  # a dtype torch has no tensor for (a float8 stored as raw bytes)
+            raise dtype_error(path, key, f"numpy {array.dtype}") from None
+        check_weight(tensors[key], path, key)
     if tensors["W_enc"].dim() != 2:
         raise TranscoderFormatError(f"{path}: W_enc has shape {tuple(tensors['W_enc'].shape)}")
     return LayerTensors(str(path), W_enc=tensors["W_enc"].T, W_dec=tensors["W_dec"],
@@ -53,8 +62,8 @@ def read_npz(path: Path) -> LayerTensors:
 
 
 def _layer_dirs(root: Path) -> dict[int, Path]:
-    return {int(p.name.removeprefix("layer_")): p for p in root.glob("layer_*")
-            if p.is_dir() and p.name.removeprefix("layer_").isdigit()}
+    return named_layers({int(p.name.removeprefix("layer_")): p for p in root.glob("layer_*")
+                         if p.is_dir() and p.name.removeprefix("layer_").isdigit()})
 
 
 def is_layout(path: Path) -> bool:

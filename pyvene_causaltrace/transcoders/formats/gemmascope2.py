@@ -45,7 +45,9 @@ from .common import (
     TranscoderFormatError,
     assemble_set,
     check_dtype,
+    check_stored_dtypes,
     mmap_tensor,
+    named_layers,
     open_safetensors,
     read_json_object,
     read_tensors,
@@ -76,12 +78,12 @@ def _layer_folders(root: Path) -> dict[str, dict[int, Path]]:
         match = LAYER_FOLDER.match(sub.name)
         if match and (sub / PARAMS).exists():
             found.setdefault(match.group(2), {})[int(match.group(1))] = sub
-    return found
+    return {variant: named_layers(layers) for variant, layers in found.items()}
 
 
 def _clt_files(root: Path) -> dict[int, Path]:
-    return {int(m.group(1)): p for p in root.glob("params_layer_*.safetensors")
-            if (m := CLT_FILE.match(p.name))} if root.is_dir() else {}
+    return named_layers({int(m.group(1)): p for p in root.glob("params_layer_*.safetensors")
+                         if (m := CLT_FILE.match(p.name))} if root.is_dir() else {})
 
 
 def is_layout(path: Path) -> bool:
@@ -276,9 +278,9 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
     if len(shapes[0]["w_enc"]) != 2:
         raise TranscoderFormatError(f"{files[0]}: w_enc has shape {shapes[0]['w_enc']}")
     d_model, width = shapes[0]["w_enc"]
-    disk_dtype = str(open_safetensors(files[0]).get_slice("w_enc").get_dtype())
-    if disk_dtype not in DTYPE_NAMES:
-        raise TranscoderFormatError(f"{files[0]}: w_enc is {disk_dtype}, not floating point")
+    first = open_safetensors(files[0])
+    check_stored_dtypes(files[0], first)
+    disk_dtype = str(first.get_slice("w_enc").get_dtype())
     full = []
     for layer, (path, shape) in enumerate(zip(files, shapes, strict=True)):
         _check_keys(path, shape, skip)

@@ -30,8 +30,10 @@ from .common import (
     DTYPE_NAMES,
     TranscoderFormatError,
     check_dtype,
+    check_weight,
     hub_snapshot,
     mmap_tensor,
+    named_layers,
     open_safetensors,
     read_yaml_mapping,
     refuse_shard,
@@ -58,7 +60,9 @@ def read_config(path: str | Path) -> TranscoderConfig:
     if meta["model_kind"] != CROSS_LAYER:
         raise TranscoderFormatError(f"{config_file}: model_kind is {meta['model_kind']!r}, "
                              f"expected {CROSS_LAYER!r}")
-    layers = sorted(int(p.stem.split("_")[-1]) for p in root.glob("W_enc_*.safetensors"))
+    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
+                                  for p in root.glob("W_enc_*.safetensors")
+                                  if p.stem.removeprefix("W_enc_").isdigit()}))
     if not layers or layers != list(range(len(layers))):
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected 0..L-1")
     n_layers = len(layers)
@@ -110,20 +114,22 @@ class EncoderFiles:
         self.root, self.features = root, features
 
     def __call__(self, layer: int) -> torch.Tensor:
-        with open_safetensors(self.root / f"W_enc_{layer}.safetensors") as handle:
-            weight = _read(handle, f"W_enc_{layer}", self.features)
+        path = self.root / f"W_enc_{layer}.safetensors"
+        with open_safetensors(path) as handle:
+            weight = _read(handle, f"W_enc_{layer}", self.features, path)
             return weight if self.features is None else weight.clone()
 
     def sliced(self, lo: int, hi: int) -> EncoderFiles:
         return EncoderFiles(self.root, (lo, hi))
 
 
-def _read(handle, name: str, features: tuple[int, int] | None) -> torch.Tensor:
-    """Tensor ``name``, or its rows ``[lo, hi)`` only: a view of the file's map (only those rows
-    are read), to be copied (stacked, cloned) before it is kept."""
+def _read(handle, name: str, features: tuple[int, int] | None, path: Path) -> torch.Tensor:
+    """Tensor ``name`` of ``path``, or its rows ``[lo, hi)`` only: a view of the file's map
+    (only those rows are read), to be copied (stacked, cloned) before it is kept; checked as
+    it is read (dtype, NaN/inf)."""
     if features is None:
-        return handle.get_tensor(name)
-    return handle.get_slice(name)[features[0]:features[1]]
+        return check_weight(handle.get_tensor(name), path, name)
+    return check_weight(handle.get_slice(name)[features[0]:features[1]], path, name)
 
 
 @checked
@@ -144,14 +150,17 @@ def load_from_disk(
     cfg = read_config(root)
     features = shard_features(cfg.d_transcoder, shard)
     L = cfg.n_layers
-    enc_handles = [open_safetensors(root / f"W_enc_{layer}.safetensors") for layer in range(L)]
+    enc = [root / f"W_enc_{layer}.safetensors" for layer in range(L)]
+    enc_handles = [open_safetensors(path) for path in enc]
+
+    def each(name: str, part=features) -> list[torch.Tensor]:
+        return [_read(h, f"{name}_{i}", part, enc[i]) for i, h in enumerate(enc_handles)]
+
     try:
-        b_enc = torch.stack([_read(h, f"b_enc_{i}", features) for i, h in enumerate(enc_handles)])
-        threshold = None if cfg.activation == "relu" else torch.stack(
-            [_read(h, f"threshold_{i}", features) for i, h in enumerate(enc_handles)])
-        b_dec = torch.stack([h.get_tensor(f"b_dec_{i}") for i, h in enumerate(enc_handles)])
-        W_enc = None if lazy_encoder else torch.stack(
-            [_read(h, f"W_enc_{i}", features).to(dtype) for i, h in enumerate(enc_handles)])
+        b_enc = torch.stack(each("b_enc"))
+        threshold = None if cfg.activation == "relu" else torch.stack(each("threshold"))
+        b_dec = torch.stack(each("b_dec", None))
+        W_enc = None if lazy_encoder else torch.stack([w.to(dtype) for w in each("W_enc")])
         if lazy_decoder or features is None:
             maps = [mmap_tensor(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}")
                     for layer in range(L)]
@@ -160,18 +169,21 @@ def load_from_disk(
         else:  # resident slices, read through safetensors
             maps = []
             W_dec = [_read(open_safetensors(root / f"W_dec_{layer}.safetensors"),
-                           f"W_dec_{layer}", features).to(device, dtype, copy=True)
-                     for layer in range(L)]
+                           f"W_dec_{layer}", features, root / f"W_dec_{layer}.safetensors"
+                           ).to(device, dtype, copy=True) for layer in range(L)]
+    except TranscoderFormatError:
+        raise
     except Exception as error:  # a truncated data section surfaces only here
         raise TranscoderFormatError(f"{root}: could not read tensors: {error}") from None
-    if not lazy_decoder and features is None:
-        W_dec = [w.to(device, dtype).clone() for w in W_dec]
+    if not lazy_decoder and features is None:  # the maps read whole here: checked here
+        W_dec = [check_weight(w, *handle.origin).to(device, dtype).clone()
+                 for w, (_, handle) in zip(W_dec, maps, strict=True)]
 
     clt = Transcoder(
         cfg, b_enc=b_enc, threshold=threshold, b_dec=b_dec, W_enc=W_enc, W_dec=W_dec,
         encoder_loader=EncoderFiles(root, features), dtype=dtype, device=device,
         source=str(root), features=features)
-    if lazy_decoder:
+    if lazy_decoder:  # one map per layer; rows are checked as they are read
         clt._handles = [handle for _, handle in maps]
     return clt
 

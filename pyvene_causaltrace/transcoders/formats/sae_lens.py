@@ -35,8 +35,18 @@ from typing import Any
 import torch
 
 from ...errors import InputError
+from ...finite import check_weight
 from ..transcoder import Transcoder
-from .common import LayerSlicer, LayerTensors, TranscoderFormatError, assemble_set, refuse_shard
+from .common import (
+    LayerSlicer,
+    LayerTensors,
+    TranscoderFormatError,
+    assemble_set,
+    check_stored_dtypes,
+    named_layers,
+    open_safetensors,
+    refuse_shard,
+)
 from .mntss import from_pretrained, load_from_disk
 
 
@@ -143,11 +153,15 @@ def _layer_of(hook: str | None, origin: str) -> int:
     if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
         raise TranscoderFormatError(f"{origin}: hook_name {hook!r} does not name a layer "
                                     "(blocks.<l>.<hook>)")
-    return int(parts[1])
+    layer = int(parts[1])
+    named_layers({layer: f"{origin} (hook_name {hook!r})"})
+    return layer
 
 
-def _layer_tensors(sae, origin: str) -> tuple[int, LayerTensors, dict]:
-    """(layer, tensors in our orientation, hooks) of one sae-lens transcoder."""
+def _layer_tensors(sae, origin: str, weights: str | None = None
+                   ) -> tuple[int, LayerTensors, dict]:
+    """(layer, tensors in our orientation, hooks) of one sae-lens transcoder; its tensors are
+    checked (NaN/inf, dtype) naming ``weights``, the file they came from (else ``origin``)."""
     architecture = sae.cfg.architecture()
     if architecture not in TRANSCODER_ARCHITECTURES:
         raise TranscoderFormatError(f"{origin}: architecture {architecture!r} is not a "
@@ -160,7 +174,8 @@ def _layer_tensors(sae, origin: str) -> tuple[int, LayerTensors, dict]:
     if _layer_of(hooks["output"], origin) != layer:
         raise TranscoderFormatError(f"{origin}: reads layer {layer} but writes "
                                     f"{hooks['output']!r}")
-    state = {k: v.detach().cpu() for k, v in sae.state_dict().items()}
+    state = {k: check_weight(v.detach().cpu(), weights or origin, k)
+             for k, v in sae.state_dict().items()}
     threshold = state.get("threshold")
     if threshold is not None:
         threshold = threshold.clamp(min=0)  # relu(z) * 1[z > t] == z * 1[z > max(t, 0)]
@@ -202,10 +217,11 @@ def _assemble(entries: list[tuple[int, LayerTensors, dict]], *, scan: str | None
                         **(slicer.options if slicer is not None else {}))
 
 
-def _read(sae, origin: str, slicer: LayerSlicer) -> tuple[int, LayerTensors, dict]:
+def _read(sae, origin: str, slicer: LayerSlicer, weights: str | None = None
+          ) -> tuple[int, LayerTensors, dict]:
     """One transcoder's ``(layer, tensors, info)``, cut to a rank's slice at once (the SAE
     object and its whole tensors are dropped before the next is read)."""
-    layer, tensors, info = _layer_tensors(sae, origin)
+    layer, tensors, info = _layer_tensors(sae, origin, weights)
     return layer, slicer(tensors), info
 
 
@@ -234,11 +250,13 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
         for name in ("cfg.json", "sae_weights.safetensors"):
             if not (path / name).exists():
                 raise TranscoderFormatError(f"missing file {path / name}")
+        weights = path / "sae_weights.safetensors"  # sae-lens would cast a wrong dtype: not cast
+        check_stored_dtypes(weights, open_safetensors(weights))
         try:
             sae = SAE.load_from_disk(str(path), device="cpu")
         except (KeyError, ValueError, RuntimeError, OSError) as error:
             raise TranscoderFormatError(f"{path}: sae-lens could not load it: {error}") from None
-        entries.append(_read(sae, str(path), slicer))
+        entries.append(_read(sae, str(path), slicer, str(weights)))
         del sae
     return _assemble(entries, scan=scan, source=str(source), dtype=dtype, device=device,
                      slicer=slicer)

@@ -25,6 +25,7 @@ from .common import (
     TranscoderFormatError,
     assemble_set,
     mmap_tensor,
+    named_layers,
     open_safetensors,
     read_tensors,
     shapes_of,
@@ -42,7 +43,7 @@ def _hookpoints(root: Path) -> dict[int, Path]:
         match = HOOKPOINT.match(sub.name)
         if match and (sub / "cfg.json").exists():
             found[int(match.group(1))] = sub
-    return found
+    return named_layers(found)
 
 
 def is_layout(path: Path) -> bool:
