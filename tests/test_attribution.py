@@ -265,7 +265,7 @@ def test_bad_requests_get_clear_errors(tmp_path, tokenizer):
     other_model = make_tiny_model("llama", n_layers=4)
     with pytest.raises(TranscoderMismatchError, match="model has 4 layers"):
         attribute(other_model, tokenizer, clt, PROMPT)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="prompt='' .*not blank"):
         attribute(model, tokenizer, clt, "")
 
 

@@ -448,7 +448,7 @@ def test_bad_requests(tokenizer):
     model = make_tiny_model("llama", n_layers=2)
     with pytest.raises(SubjectNotFoundError, match="Louvre"):
         trace(model, tokenizer, PROMPT, "Louvre")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="prompt='' .*not blank"):
         trace(model, tokenizer, "", SUBJECT)
     with pytest.raises(ValueError, match="seeds"):
         trace(model, tokenizer, PROMPT, SUBJECT, seeds=0)
