@@ -376,7 +376,7 @@ def trace_dataset_distributed(model: nn.Module, tokenizer: Tokenizer,
     ``torchrun`` environment it is a plain single-process run."""
     import torch.distributed as dist  # only under torchrun
 
-    from .. import distributed
+    from .. import distributed  # with torch.distributed: only under torchrun
 
     launch = distributed.environment()  # checked first: a wrong variable is named, not waited on
     if launch is None:
