@@ -358,10 +358,10 @@ def test_the_command_line_under_torchrun(tmp_path, tokenizer):
     ``--prompts`` one graph directory per prompt and the index."""
     folder = _case_dir(tmp_path, tokenizer, "llama", "clt")
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", "-m", "pyvene_causaltrace.cli", "attribute",
-               "--model", str(folder / "model"), "--clt", str(folder / "transcoder"),
-               "--prompt", MANY[1]["prompt"], "--answer", MANY[1]["answer"]]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+              "--nproc_per_node=2", "-m", "pyvene_causaltrace.cli", "attribute",
+              "--model", str(folder / "model"), "--clt", str(folder / "transcoder")]
+    command = [*launch, "--prompt", MANY[1]["prompt"], "--answer", MANY[1]["answer"]]
     done = subprocess.run([*command, "--out", str(out)], env=_env(), capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -380,7 +380,8 @@ def test_the_command_line_under_torchrun(tmp_path, tokenizer):
     assert not (out / "rows.partial").exists()
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in MANY))
-    done = subprocess.run([*command, "--prompts", str(prompts), "--out", str(tmp_path / "many")],
+    # --prompt and --answer are refused beside --prompts (each line gives its own)
+    done = subprocess.run([*launch, "--prompts", str(prompts), "--out", str(tmp_path / "many")],
                           env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     index = json.loads((tmp_path / "many" / INDEX).read_text())
