@@ -14,6 +14,7 @@ import math
 import torch
 from torch import nn
 
+from .arguments import PositiveFloat, check_value
 from .errors import InputError, NonFiniteError, TranscoderFormatError
 
 #: The dtypes a transcoder's tensors may be stored in: the floats torch computes in everywhere.
@@ -80,8 +81,6 @@ def dtype_error(path: object, name: str, dtype: str) -> TranscoderFormatError:
 
 
 def positive_number(value: object, name: str) -> float:
-    """``value`` as a finite positive float, else a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or value <= 0:
-        raise InputError(f"{name} must be a finite positive number, got {value!r}")
-    return float(value)
+    """``value`` as a finite positive float, else an InputError naming ``name`` (the
+    boundary's rule for :data:`~.arguments.PositiveFloat`, for values checked in a body)."""
+    return float(check_value(name, value, PositiveFloat))
