@@ -27,7 +27,8 @@ from clt_fixtures import random_clt_tensors, write_clt
 from test_viewer import _chromium
 
 from pyvene_causaltrace import attribute, graph_schema
-from pyvene_causaltrace.attribution.export import NEURONPEDIA_SCHEMA
+from pyvene_causaltrace.attribution.export import NEURONPEDIA_SCHEMA, check_graph_json
+from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.viewer import GraphIndex, annotations, listing, make_server
 
@@ -359,6 +360,62 @@ def test_an_id_naming_two_nodes_is_not_annotated(served):
     assert f"new Set({json.dumps(list(annotations.EDITABLE))})" in page
 
 
+def _current_ids(graph: dict) -> dict:
+    """``graph`` as circuit-tracer writes it since its PRs #100/#102 (and as ``attribute``
+    exports): error ids ``{layer}_-1_{pos}``; a link naming a 0.5.0 error id that no feature
+    shares is renamed with it."""
+    graph = copy.deepcopy(graph)
+    counts: dict = {}
+    for node in graph["nodes"]:
+        counts[node["node_id"]] = counts.get(node["node_id"], 0) + 1
+    renamed = {}
+    for node in graph["nodes"]:
+        if node["feature_type"] == "mlp reconstruction error":
+            new = f"{node['layer']}_-1_{node['ctx_idx']}"
+            if counts[node["node_id"]] == 1:
+                renamed[node["node_id"]] = new
+            node["node_id"] = new
+    for link in graph["links"]:
+        link["source"] = renamed.get(link["source"], link["source"])
+        link["target"] = renamed.get(link["target"], link["target"])
+    return graph
+
+
+def test_every_circuit_tracer_error_id_convention_reads_the_same():
+    """A 0.5.0 file (error ids ``0_{layer}_{pos}``, one equal to a layer-0 feature's) and the
+    same graph with today's ids (``{layer}_-1_{pos}``) both pass ``check_graph_json``, which
+    tells nodes apart by ``feature_type``; two nodes of one kind under one id, or a link to no
+    node, are still refused."""
+    old = circuit_tracer_graph()
+    ids = [n["node_id"] for n in old["nodes"]]
+    assert ids.count("0_2_4") == 2  # the collision: feature 2 of layer 0, the error of layer 2
+    check_graph_json(old)
+    new = _current_ids(old)
+    check_graph_json(new)
+    errors = [n for n in new["nodes"] if n["feature_type"] == "mlp reconstruction error"]
+    assert {n["node_id"] for n in errors} == {"2_-1_4", "3_-1_4"}
+    assert len({n["node_id"] for n in new["nodes"]}) == len(new["nodes"])
+    twice = copy.deepcopy(old)
+    twice["nodes"].append(copy.deepcopy(twice["nodes"][1]))  # a second feature 1_17_3
+    with pytest.raises(InputError, match="two cross layer transcoder nodes share the id 1_17_3"):
+        check_graph_json(twice)
+    dangling = copy.deepcopy(new)
+    dangling["links"].append({"source": "0_3_4", "target": "5_6081_4", "weight": 1.0})
+    with pytest.raises(InputError, match="0_3_4 -> 5_6081_4 names a missing node"):
+        check_graph_json(dangling)  # today's ids: 0_3_4 is no node (the error is 3_-1_4)
+
+
+def test_our_export_names_errors_by_layer_and_never_repeats_an_id(ours):
+    """``attribute``'s export writes ``{layer}_-1_{pos}`` for every error node: ids are unique."""
+    payload = json.loads(ours.read_text())
+    check_graph_json(payload)
+    ids = [n["node_id"] for n in payload["nodes"]]
+    assert len(set(ids)) == len(ids)
+    errors = [n for n in payload["nodes"] if n["feature_type"] == "mlp reconstruction error"]
+    assert errors, "the fixture's graph keeps some error nodes"
+    assert all(n["node_id"] == f"{n['layer']}_-1_{n['ctx_idx']}" for n in errors)
+
+
 # --- the page ---------------------------------------------------------------------------------
 
 
@@ -390,14 +447,31 @@ def test_the_page_opens_a_circuit_tracer_graph_and_marks_it_not_ours(served):
             assert origin.get_attribute("data-ours") == "false"
             assert "not written by pyvene-causaltrace" in origin.inner_text()
             assert page.locator("#svg .node").count() == len(ct["nodes"])
-            drawn = set(page.eval_on_selector_all("#svg .node", "c => c.map(n => n.dataset.id)"))
-            assert drawn == {n["node_id"] for n in ct["nodes"]}
+            drawn = page.eval_on_selector_all(
+                "#svg .node", "c => c.map(n => [n.dataset.id, +n.getAttribute('cx'), "
+                "+n.getAttribute('cy')])")
+            # 0_2_4 names two nodes (0.5.0's error ids): each drawn in its own layer's row
+            shared = {key: (x, y) for key, x, y in drawn if key.startswith("0_2_4 ")}
+            assert sorted(shared) == ["0_2_4 (cross layer transcoder)",
+                                      "0_2_4 (mlp reconstruction error)"]
+            assert len(set(shared.values())) == 2
+            assert {key for key, _, _ in drawn} - set(shared) \
+                == {n["node_id"] for n in ct["nodes"]} - {"0_2_4"}
+            # the two links naming 0_2_4 cannot say which node they mean: not drawn, and said
+            naming = [link for link in ct["links"] if "0_2_4" in (link["source"],
+                                                                   link["target"])]
+            assert len(naming) == 2
+            assert page.locator("#svg .link").count() == len(ct["links"]) - len(naming)
+            assert page.locator("#count").get_attribute("data-unresolved-links") == "2"
+            assert "2 links not drawn" in page.locator("#count").inner_text()
             assert page.locator(".logit-label.target").text_content().startswith('" Paris"')
             page.locator('#svg .node[data-id="1_17_3"]').dispatch_event("click")
             assert page.locator("#inputs li").count() == 2
             assert not page.locator("#pin-toggle").is_hidden()
-            page.locator('#svg .node[data-id="0_2_4"]').first.dispatch_event("click")
+            page.locator('#svg .node[data-id="0_2_4 (mlp reconstruction error)"]') \
+                .dispatch_event("click")
             assert page.locator("#pin-toggle").is_hidden()  # two nodes: not annotatable
+            assert "its links are not drawn" in page.locator("#details").inner_text()
             page.select_option("#picker", NP)  # no influence at all: every node drawn
             page.wait_for_function("n => document.querySelectorAll('#svg .node').length === n",
                                    arg=len(minimal["nodes"]))

@@ -48,16 +48,27 @@ KINDS = ("cross layer transcoder", "mlp reconstruction error", "embedding", "log
 
 def check_graph_json(payload: dict) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``payload`` matches Neuronpedia's graph
-    schema, or ``ValueError`` if a node is of a kind the export does not write or a link names
-    a node that is not exported."""
+    schema, or :class:`InputError` if a node is of a kind the export does not write, two nodes
+    of one kind share an id, or a link names a node that is not there.
+
+    Graphs of every circuit-tracer version read the same: nodes are told apart by
+    ``feature_type``, never by their ids. circuit-tracer 0.5.0 wrote error ids
+    ``"0_{layer}_{pos}"``, which a layer-0 feature's id can equal; such a file is accepted (its
+    links naming the shared id cannot say which node they mean: the viewer leaves them
+    undrawn); the export writes ``"{layer}_-1_{pos}"``, which never collides."""
     validate(payload)
+    kinds: dict[str, set[str]] = {}
     for node in payload["nodes"]:
-        if node["feature_type"] not in KINDS:
-            raise InputError(f"node {node['node_id']} is of kind {node['feature_type']!r}, not "
+        kind = node["feature_type"]
+        if kind not in KINDS:
+            raise InputError(f"node {node['node_id']} is of kind {kind!r}, not "
                              f"one of {', '.join(KINDS)}")
-    ids = {node["node_id"] for node in payload["nodes"]}
+        shared = kinds.setdefault(node["node_id"], set())
+        if kind in shared:
+            raise InputError(f"two {kind} nodes share the id {node['node_id']}")
+        shared.add(kind)
     for link in payload["links"]:
-        if link["source"] not in ids or link["target"] not in ids:
+        if link["source"] not in kinds or link["target"] not in kinds:
             raise InputError(f"link {link['source']} -> {link['target']} names a missing node")
 
 

@@ -280,7 +280,7 @@ function renderSubgraph() {
   svg.setAttribute("height", 0);
   if (!items.length) return;
   const weights = new Map();
-  for (const link of state.graph.links) {
+  for (const link of state.links) {
     const a = owner.get(link.source), b = owner.get(link.target);
     if (a === undefined || b === undefined || a === b) continue;
     const key = JSON.stringify([a, b]);
