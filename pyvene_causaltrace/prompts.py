@@ -152,8 +152,8 @@ def bos_metadata(tokenizer: Tokenizer, bos: str, first_token: str | None = None)
     if start:
         why = ("the tokenizer adds one" if adds else
                "bos='always', circuit-tracer's convention, though the tokenizer adds none")
-        rule = (f"position 0{token} treated as BOS ({why}): not spliced, no features, its "
-                "MLP output all error")
+        rule = (f"position 0{token} treated as BOS ({why}): not spliced, no features; its "
+                "error node is the MLP output minus b_dec (a constant) and any skip path")
     else:
         why = "the tokenizer adds none" if not adds else "bos='never'"
         rule = (f"position 0{token} is a real token ({why}): spliced, attributed and fitted "
