@@ -175,7 +175,7 @@ def trace_pyvene(model, tokenizer, seeds, scale, layers=None):
     ``embed_to_distrib``, a causal LM gives logits."""
     import torch
 
-    from pyvene_causaltrace.pyvene_compat import import_pyvene
+    from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
     pv = import_pyvene()
     ids, subject, _sigma, answer, noise = _trace_inputs(model, tokenizer, seeds, scale)
@@ -240,7 +240,7 @@ def trace_worker(args) -> dict:
     import torch
 
     from pyvene_causaltrace.models import load_model
-    from pyvene_causaltrace.pyvene_compat import import_pyvene
+    from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
     import_pyvene()  # imports are not the call's cost (pyvene's alone takes seconds)
     model, tokenizer = load_model("smollm2-135m")

@@ -17,7 +17,8 @@ from pyvene_causaltrace.capture import capture
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.interventions.restore import CleanRestore
 from pyvene_causaltrace.prompts import tokenize_prompt
-from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 from pyvene_causaltrace.tracing.noise_scale import rome_sigma
 
 pv = import_pyvene()

@@ -25,7 +25,8 @@ import torch
 from pyvene_causaltrace import load_model, run_spec
 from pyvene_causaltrace.interventions.noise import NoiseAdd, rome_sigma
 from pyvene_causaltrace.interventions.restore import CleanRestore
-from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
 pv = import_pyvene()
 PROMPT, SUBJECT, ANSWER = "The Space Needle is in downtown", "The Space Needle", " Seattle"

@@ -25,7 +25,7 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 #: The verbs and result types most work needs; everything else lives in the subpackages
 #: (``tracing``, ``dataset``, ``attribution``, ``transcoders``, ``interventions``, ``specs``,
-#: ``models``, ``pyvene_compat``).
+#: ``models``, ``pyvene_boundary``).
 __getattr__, __all__ = lazy_exports(__name__, {
     "load_model": ".models",
     "trace": ".tracing.tracer",
@@ -42,5 +42,5 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "load_transcoder": ".transcoders.formats",
     "fit_transcoder": ".fitting",
     "register_intervention": ".interventions",
-    "IntervenableModel": ".pyvene_compat",
+    "IntervenableModel": ".pyvene_boundary.intervenable",
 })

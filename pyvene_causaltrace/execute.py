@@ -43,7 +43,8 @@ from .model_guard import measurement
 from .model_interventions import describe, model_for_spec, rebuild
 from .models import get_module
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
-from .pyvene_compat import import_pyvene, intervenable_model_class
+from .pyvene_boundary.intervenable import intervenable_model_class
+from .pyvene_boundary.quiet_import import import_pyvene
 from .runtime import intervened
 from .specs import ExperimentSpec, load_spec
 from .tracing.metrics import answer_probs, recovery

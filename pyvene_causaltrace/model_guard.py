@@ -5,8 +5,9 @@
 
 :func:`measurement` is what a public call runs inside: :func:`measuring` of the bound model,
 the user's pyvene interventions on every forward when it was bound from a
-``pv.IntervenableModel`` (:func:`~.pyvene_compat.applied_interventions`), and the weights'
-``requires_grad`` flags as loaded (:func:`~.pyvene_compat.uniform_grad_flags`).
+``pv.IntervenableModel`` (:func:`~.pyvene_boundary.user_edits.applied_interventions`), and the
+weights' ``requires_grad`` flags as loaded (:func:`~.pyvene_boundary.intervenable.
+uniform_grad_flags`).
 :func:`measured` runs a function inside one.
 
 A trace or a graph hooks the model it measures. Two threads measuring one model object would
@@ -38,7 +39,9 @@ from .arguments import call_checker
 from .bound import BoundModel, bind
 from .errors import PyveneModelError
 from .hooking import recording
-from .pyvene_compat import applied_interventions, is_intervenable, uniform_grad_flags
+from .models import is_intervenable
+from .pyvene_boundary.intervenable import uniform_grad_flags
+from .pyvene_boundary.user_edits import applied_interventions
 
 logger = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable)

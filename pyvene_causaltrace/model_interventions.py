@@ -1,9 +1,9 @@
 """A user's own pyvene interventions in a spec: the ``model_interventions`` field.
 
 ``trace``, ``Tracer`` and ``run_spec`` take a ``pv.IntervenableModel`` and apply its
-interventions to every run (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`).
-The spec such a run writes carries them, so that rerunning the spec on the bare model makes the
-same experiment, bit for bit:
+interventions to every run (:func:`~pyvene_causaltrace.pyvene_boundary.user_edits.
+applied_interventions`). The spec such a run writes carries them, so that rerunning the spec on
+the bare model makes the same experiment, bit for bit:
 
     entries = describe(pv_model)              # [] for a bare model
     pv_model = rebuild(entries, model, base_dir)
@@ -47,7 +47,10 @@ from torch import nn
 from .errors import PyveneModelError, SpecError, UnknownInterventionError
 from .interventions import get_intervention, list_interventions
 from .interventions.base import CausalTraceIntervention
-from .pyvene_compat import import_pyvene, intervenable_model_class, is_intervenable, user_edits
+from .models import is_intervenable
+from .pyvene_boundary.intervenable import intervenable_model_class
+from .pyvene_boundary.quiet_import import import_pyvene
+from .pyvene_boundary.user_edits import user_edits
 from .spec_tensors import ENTRY_PATH, decode_tensor, digest, encode_tensor, inline
 
 #: pyvene ``RepresentationConfig`` fields an entry carries (where set): where it acts.
@@ -383,10 +386,10 @@ def _build(entry: dict[str, Any], where: str, base_dir: str | Path | None) -> nn
 
 def rebuild(entries: list[dict[str, Any]], model: nn.Module, base_dir: str | Path | None = None,
             *, path: str = ENTRY_PATH):
-    """A hook-preserving ``IntervenableModel`` (:func:`~pyvene_causaltrace.pyvene_compat.
-    intervenable_model_class`) holding ``entries``' interventions around the bare ``model``.
-    File references are relative to ``base_dir`` (the spec file's folder). Errors are
-    :class:`SpecError` at the entry's JSON path."""
+    """A hook-preserving ``IntervenableModel`` (:func:`~pyvene_causaltrace.pyvene_boundary.
+    intervenable.intervenable_model_class`) holding ``entries``' interventions around the bare
+    ``model``. File references are relative to ``base_dir`` (the spec file's folder). Errors
+    are :class:`SpecError` at the entry's JSON path."""
 
     if is_intervenable(model):
         raise PyveneModelError("rebuild needs the bare model (pv_model.model), not an "

@@ -203,14 +203,14 @@ def is_intervenable(model: object) -> bool:
     """Whether ``model`` is a pyvene ``IntervenableModel`` (pyvene's or ours, by class name:
     pyvene need not be imported)."""
     return any(klass.__name__ == "IntervenableModel" and
-               klass.__module__.startswith(("pyvene.", "pyvene_causaltrace.pyvene_compat"))
+               klass.__module__.startswith(("pyvene.", "pyvene_causaltrace.pyvene_boundary"))
                for klass in type(model).__mro__) and hasattr(model, "interventions")
 
 
 def check_not_intervenable(model: object) -> None:
     """Refuse a pyvene ``IntervenableModel`` where the plain model belongs (everything but
     ``trace``, ``Tracer``, ``run_spec`` and ``attribute``, which apply its interventions:
-    :func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`)."""
+    :func:`~pyvene_causaltrace.pyvene_boundary.user_edits.applied_interventions`)."""
     if is_intervenable(model):
         inner = type(getattr(model, "model", None)).__name__
         raise PyveneModelError(

@@ -4,7 +4,7 @@
         logits = model(input_ids=ids).logits
 
 pyvene stays the composition surface for users — every registered type runs inside a user's
-``pv.IntervenableModel`` (:mod:`.pyvene_compat`) and ``to_pyvene()`` of a spec builds one — but
+``pv.IntervenableModel`` (:mod:`.pyvene_boundary`) and ``to_pyvene()`` of a spec builds one — but
 the forwards this package runs itself need none of what an ``IntervenableModel`` adds around a
 call (sources, unit locations, collection, its parameter surface). :func:`intervened` installs
 the same representation dicts (``{"component": "<module path>.output" | ".input",
@@ -12,8 +12,8 @@ the same representation dicts (``{"component": "<module path>.output" | ".input"
 removed when the block ends whatever ends it — and applies each as pyvene 0.1.8 applies it with
 ``unit_locations=None``: on a clone of the whole output (or of a pre-hook's first input),
 written back into it in place, in the order given. Each hook announces its call
-(module, inputs) to :func:`~.pyvene_compat.pyvene_call`, so the types that recompute their
-module (frozen norms and attention) read no frame; interventions sharing state by id (a splice
+(module, inputs) to :func:`~.pyvene_boundary.calls.pyvene_call`, so the types that recompute
+their module (frozen norms and attention) read no frame; interventions sharing state by id (a splice
 built one by one) are bound among themselves first, as an ``IntervenableModel`` binds them.
 
 The numbers are pyvene's bit for bit: ``tests/test_runtime.py`` runs every call site's
@@ -32,13 +32,8 @@ from .bound import BoundModel, bare
 from .errors import InputError
 from .hooking import installed
 from .models import get_module
-from .pyvene_compat import (
-    PyveneCall,
-    apply_like_pyvene,
-    bind_shared_state,
-    calling,
-    weights_without_gradients,
-)
+from .pyvene_boundary.calls import PyveneCall, apply_like_pyvene, calling
+from .pyvene_boundary.intervenable import bind_shared_state, weights_without_gradients
 
 __all__ = ["intervened"]
 

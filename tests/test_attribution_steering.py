@@ -33,7 +33,8 @@ from pyvene_causaltrace.attribution.edges import row_closures
 from pyvene_causaltrace.attribution.export import check_graph_json
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.interventions.restore import CleanRestore
-from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 from pyvene_causaltrace.transcoders import load_transcoder
 
 pv = import_pyvene()

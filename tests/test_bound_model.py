@@ -30,7 +30,7 @@ from pyvene_causaltrace.bound import BoundModel, bind
 from pyvene_causaltrace.errors import PyveneModelError, UnsupportedModelError
 from pyvene_causaltrace.finite import check_weights
 from pyvene_causaltrace.models import ArchAdapter, get_adapter
-from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.tracing.chunks import check_seeds_fit
 from pyvene_causaltrace.transcoders import load_from_disk
 
@@ -182,7 +182,7 @@ def test_binding_refuses_what_it_cannot_carry(world):
 
 def _added(model, amount: float):
     """A user's ``pv.IntervenableModel`` adding ``amount`` to layer 1's MLP output."""
-    from pyvene_causaltrace.pyvene_compat import import_pyvene
+    from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
     pv = import_pyvene()
     add = pv.AdditionIntervention(source_representation=torch.full((32,), amount))

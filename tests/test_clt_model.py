@@ -19,7 +19,7 @@ from pyvene_causaltrace.interventions.clt_splice import (
     splice_session,
 )
 from pyvene_causaltrace.models import get_adapter, get_module
-from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.transcoders import TranscoderMismatchError, load_from_disk
 from pyvene_causaltrace.transcoders.checks import check_pairing, replacement_anchor
 from pyvene_causaltrace.transcoders.fit import fit_clt
@@ -282,7 +282,8 @@ def test_a_loaded_or_one_by_one_splice_shares_a_session_within_its_model_only(tm
     the same logits as the splice they came from, one session per model, none shared with
     another model or kept in a table."""
     from pyvene_causaltrace.interventions.clt_splice import CLTSplice, SpliceIntervention
-    from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
+    from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
+    from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
     pv = import_pyvene()
     path = write_clt(tmp_path / "clt", random_clt_tensors(L, D, F, threshold=0.0))

@@ -35,7 +35,7 @@ from pyvene_causaltrace.crosscheck import (
 )
 from pyvene_causaltrace.crosscheck.sites import reachable_cells, top_k_overlap
 from pyvene_causaltrace.errors import InputError, PyveneModelError
-from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.transcoders import load_transcoder
 
 ANSWER = " the"

@@ -17,7 +17,7 @@ BUILTINS = {"ValueError", "TypeError", "KeyError", "IndexError", "RuntimeError",
 #: Built-in raises that are not a user's mistake (a bug or misuse of an internal API keeps its
 #: traceback): (file, first words of the message) -> why.
 ALLOWED = {
-    ("pyvene_compat.py", "frozen_layernorm / frozen_attention must run"):
+    ("pyvene_boundary/calls.py", "frozen_layernorm / frozen_attention must run"):
         "an intervention type called outside pyvene: a programming error",
     ("attribution/reading.py", "influence did not converge"):
         "a numerical failure of ours, not the user's input",

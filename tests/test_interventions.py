@@ -21,7 +21,8 @@ from pyvene_causaltrace.interventions.restore import (
     window_layers,
 )
 from pyvene_causaltrace.models import get_adapter, get_module
-from pyvene_causaltrace.pyvene_compat import import_pyvene, intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
 pv = import_pyvene()
 SEQ = 7

@@ -15,7 +15,7 @@ from pyvene_causaltrace import Tracer, attribute, run_spec, trace
 from pyvene_causaltrace.cli import main
 from pyvene_causaltrace.hooking import installed
 from pyvene_causaltrace.model_guard import measuring
-from pyvene_causaltrace.pyvene_compat import IntervenableModel
+from pyvene_causaltrace.pyvene_boundary.intervenable import IntervenableModel
 from pyvene_causaltrace.transcoders import load_from_disk
 
 OPTIONS = {"seeds": 3, "scale": 3.0, "answer": " Paris"}

@@ -14,7 +14,7 @@ from pyvene_causaltrace.models import (
     get_module,
     load_model,
 )
-from pyvene_causaltrace.pyvene_compat import import_pyvene
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
 pv = import_pyvene()
 

@@ -17,7 +17,7 @@ from pyvene_causaltrace.cli import main
 from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.interventions import registry
 from pyvene_causaltrace.interventions.registry import PluginError, load_plugins, plugin_modules
-from pyvene_causaltrace.pyvene_compat import import_pyvene
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 from pyvene_causaltrace.specs import SpecError, validate_spec
 
 pv = import_pyvene()

@@ -13,12 +13,9 @@ from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.interventions.noise import NoiseAdd, noise_recipe
 from pyvene_causaltrace.interventions.restore import CleanRestore
 from pyvene_causaltrace.models import PyveneModelError, get_adapter, get_module
-from pyvene_causaltrace.pyvene_compat import (
-    applied_interventions,
-    import_pyvene,
-    intervenable_model_class,
-    preserve_hooks,
-)
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class, preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
+from pyvene_causaltrace.pyvene_boundary.user_edits import applied_interventions
 
 pv = import_pyvene()
 IntervenableModel = intervenable_model_class()
@@ -323,7 +320,8 @@ def test_an_edit_of_a_residual_norms_input_is_refused_not_computed_otherwise(arc
     trace refuses (on every architecture: which tensors alias is the architecture code's
     business) rather than trace another model than the user's; a block-input edit, where both
     agree, runs."""
-    from pyvene_causaltrace.pyvene_compat import applied_interventions, import_pyvene
+    from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
+    from pyvene_causaltrace.pyvene_boundary.user_edits import applied_interventions
 
     pv = import_pyvene()
     model = make_tiny_model(arch, init=0.2)

@@ -16,7 +16,8 @@ from pyvene_causaltrace.interventions.leaf import GradientLeaf
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.interventions.restore import CleanRestore, Freeze, WindowRestore
 from pyvene_causaltrace.models import get_adapter, get_module
-from pyvene_causaltrace.pyvene_compat import import_pyvene, intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
 pv = import_pyvene()
 SEQ = 6
@@ -183,7 +184,7 @@ def test_user_model_still_works_after_our_calls(tokenizer):
                            "pyvene's hook removal cannot break them")
 def test_plain_pyvene_breaks_hidden_states_and_preserve_hooks_mends_it():
     """The fact behind IntervenableModel/preserve_hooks, so the test above can fail."""
-    from pyvene_causaltrace.pyvene_compat import preserve_hooks
+    from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
 
     model = make_tiny_model("llama")
     model(input_ids=_ids(model), output_hidden_states=True)  # transformers installs its hooks

@@ -21,7 +21,8 @@ from pyvene_causaltrace.attribution import ClosureError
 from pyvene_causaltrace.attribution.attribute import make_target
 from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.models import PyveneModelError, get_module
-from pyvene_causaltrace.pyvene_compat import applied_interventions, import_pyvene
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
+from pyvene_causaltrace.pyvene_boundary.user_edits import applied_interventions
 from pyvene_causaltrace.transcoders import load_transcoder
 
 pv = import_pyvene()

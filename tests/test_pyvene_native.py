@@ -17,7 +17,8 @@ from pyvene_causaltrace.interventions.frozen import FrozenLayerNorm
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.interventions.restore import CleanRestore, Freeze, WindowRestore
 from pyvene_causaltrace.models import PyveneModelError, get_adapter
-from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 from pyvene_causaltrace.transcoders import load_transcoder
 
 pv = import_pyvene()

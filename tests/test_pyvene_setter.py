@@ -1,7 +1,7 @@
 """pyvene hands an intervention only the module's output; :func:`pyvene_call` gives the hooked
-module, its inputs and the call's unit_locations, announced by the wrapper that
-``announce_setter_calls`` puts around pyvene's ``_intervention_setter`` — in our
-IntervenableModel and in a user's plain one alike. If a pyvene release moves them, this test says
+module, its inputs and the call's unit_locations, announced by ``announcing_setter`` around
+pyvene's ``_intervention_setter`` — our IntervenableModel's own setter, and the one
+``announce_plain_models`` puts on a user's plain one. If a pyvene release moves them, this test says
 so by name (frozen_layernorm, frozen_attention and positions during generate depend on it)."""
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ import torch
 from _support.models import make_tiny_model
 
 from pyvene_causaltrace.models import get_module
-from pyvene_causaltrace.pyvene_compat import (
-    import_pyvene,
-    intervenable_model_class,
-    pyvene_call,
-)
+from pyvene_causaltrace.pyvene_boundary.calls import announce_plain_models, pyvene_call
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
 pv = import_pyvene()
 CHANGED = (f"pyvene {version('pyvene')} changed the hook that calls an intervention "
-           "(pyvene_compat.announce_setter_calls wraps hook_callback(model, args, kwargs, "
-           "output), registered by IntervenableModel._intervention_setter through "
-           "intervention_hooks, with unit_locations_base, key_i and key in its closure, as of "
-           "0.1.8): ")
+           "(pyvene_boundary.calls.announcing_setter wraps the hooks that "
+           "IntervenableModel._intervention_setter(keys, unit_locations_base, ...) registers "
+           "through intervention_hooks[key], one per key, each called as hook(module, args, "
+           "kwargs, output), as of 0.1.8): ")
 
 
 class _Recorder(pv.ConstantSourceIntervention, pv.LocalistRepresentationIntervention):
@@ -87,13 +85,12 @@ def test_outside_pyvene_there_is_no_call():
 def test_the_announcement_is_what_gives_the_call_and_pyvene_keeps_its_register_methods(
         monkeypatch):
     """Control: with pyvene's own setter back (the wrapper taken off), a plain model's
-    intervention gets no call; with it, pyvene's ``intervention_hooks`` hold its own bound
-    register methods again after each call, and the wrapper is installed once."""
-    from pyvene_causaltrace.pyvene_compat import announce_setter_calls
-
+    intervention gets no call and ours still does (its setter is its own); with it, pyvene's
+    ``intervention_hooks`` hold its own bound register methods again after each call, and the
+    wrapper is installed once."""
     wrapped = pv.IntervenableModel._intervention_setter
-    assert wrapped._pvct_announcing
-    announce_setter_calls(pv)
+    assert wrapped.pvct_announcing
+    announce_plain_models(pv)
     assert pv.IntervenableModel._intervention_setter is wrapped  # idempotent
 
     model, pv_model, call, _ = _run(False, "model.layers[1].mlp.output", None)
@@ -109,3 +106,4 @@ def test_the_announcement_is_what_gives_the_call_and_pyvene_keeps_its_register_m
     with torch.no_grad():
         bare(base={"input_ids": torch.ones(1, 4, dtype=torch.long)})
     assert [found for found, _ in recorder.calls] == [None]
+    assert _run(True, "model.layers[1].mlp.output", None)[2] is not None

@@ -108,7 +108,7 @@ def test_smollm2_with_a_fitted_per_layer_skip_set(smollm2):
     """A per-layer set with a skip path, fitted briefly to the real model's MLPs: the splice with
     its error is the model, and a budgeted graph closes (the skip path's edges included)."""
     from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
-    from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+    from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
     from pyvene_causaltrace.transcoders.checks import check_pairing
     from pyvene_causaltrace.transcoders.fit import fit_clt
 

@@ -14,7 +14,7 @@ from pyvene_causaltrace.interventions import (
     register_intervention,
     registry,
 )
-from pyvene_causaltrace.pyvene_compat import import_pyvene
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
 pv = import_pyvene()
 BUILTINS = {"noise_add", "clean_restore", "window_restore", "freeze", "frozen_layernorm",

@@ -19,7 +19,7 @@ from pyvene_causaltrace.interventions.clt_splice import clean_errors, clt_splice
 from pyvene_causaltrace.interventions.frozen import FrozenAttention, attention_patterns
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.interventions.restore import CleanRestore
-from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.runtime import intervened
 from pyvene_causaltrace.transcoders import load_from_disk
 

@@ -22,7 +22,7 @@ from pyvene_causaltrace import spec_tensors
 from pyvene_causaltrace.execute import build_interventions, check_on_model, run_spec
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.models import PyveneModelError
-from pyvene_causaltrace.pyvene_compat import import_pyvene
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 from pyvene_causaltrace.specs import SpecError, load_spec, save_spec, validate_spec
 from pyvene_causaltrace.tracing.tracer import Tracer, trace, tracer_from_spec
 

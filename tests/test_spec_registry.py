@@ -12,7 +12,7 @@ from _support.models import PROMPT, SUBJECT, make_tiny_model
 from pyvene_causaltrace.execute import build_interventions
 from pyvene_causaltrace.interventions import get_intervention, list_interventions, registry
 from pyvene_causaltrace.interventions.spec_entry import entry_of
-from pyvene_causaltrace.pyvene_compat import import_pyvene
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 from pyvene_causaltrace.specs import SCHEMA_PATH, SpecError, entry_schemas, validate_spec
 
 pv = import_pyvene()

@@ -18,7 +18,7 @@ from pyvene_causaltrace import spec_tensors
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.model_interventions import describe, rebuild, resolve_class
 from pyvene_causaltrace.models import PyveneModelError
-from pyvene_causaltrace.pyvene_compat import import_pyvene
+from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 from pyvene_causaltrace.specs import SpecError
 
 pv = import_pyvene()

@@ -26,7 +26,7 @@ from pyvene_causaltrace.execute import build_interventions, run_spec
 from pyvene_causaltrace.interventions.feature_ablate import FeatureAblate
 from pyvene_causaltrace.models import get_adapter, get_module
 from pyvene_causaltrace.prompts import first_position
-from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.specs import load_spec, validate_spec
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.transcoders.hooks import transcoder_states

@@ -23,7 +23,7 @@ from pyvene_causaltrace.interventions.clt_splice import (
     clt_splice_representations,
     splice_session,
 )
-from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.transcoders.formats import detect_format
 

@@ -29,7 +29,7 @@ from pyvene_causaltrace.attribution import (
 from pyvene_causaltrace.attribution.edges import feature_rows, feature_rows_loop, feature_targets
 from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
 from pyvene_causaltrace.models import get_module
-from pyvene_causaltrace.pyvene_compat import intervenable_model_class
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.transcoders import TranscoderMismatchError, load_transcoder
 from pyvene_causaltrace.transcoders.checks import (
     check_pairing,

@@ -178,10 +178,10 @@ def attribute(
     (``metadata["logit_softcap"]``); ``answer_prob`` is the real, capped model's.
 
     ``model`` may be a ``pv.IntervenableModel``: the graph is then one of the model with its
-    interventions applied (:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`),
-    and the constant part ``c = f(0)`` of each (a steering vector, a constant source, noise, a
-    restored state) is a *steering node* per position where it is nonzero
-    (``graph.steering``, ``metadata["steering"]``); zero-ablations add none.
+    interventions applied (:func:`~pyvene_causaltrace.pyvene_boundary.user_edits.
+    applied_interventions`), and the constant part ``c = f(0)`` of each (a steering vector, a
+    constant source, noise, a restored state) is a *steering node* per position where it is
+    nonzero (``graph.steering``, ``metadata["steering"]``); zero-ablations add none.
 
     The target row and every feature row must close: edges + constants equal the row's target
     to :data:`~.edges.CLOSURE_TOLERANCE` (1e-4) of ``sum |edges| + |constants| + |target|``.

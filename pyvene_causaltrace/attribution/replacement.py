@@ -20,10 +20,11 @@ linear function of the leaves plus the model's additive constants (attention/Lay
 exactly (Euler's identity): the closure check.
 
 Run on a pyvene ``IntervenableModel``'s model inside
-:func:`~pyvene_causaltrace.pyvene_compat.applied_interventions`, each user intervention
-``f(x) = A x + c`` keeps its linear part in the forward graph and its constant ``c = f(0)``
-(a steering vector, a restored state, noise) becomes a leaf too: ``run.steering``, the graph's
-steering nodes (:func:`~pyvene_causaltrace.pyvene_compat.collect_steering`).
+:func:`~pyvene_causaltrace.pyvene_boundary.user_edits.applied_interventions`, each user
+intervention ``f(x) = A x + c`` keeps its linear part in the forward graph and its constant
+``c = f(0)`` (a steering vector, a restored state, noise) becomes a leaf too: ``run.steering``,
+the graph's steering nodes (:func:`~pyvene_causaltrace.pyvene_boundary.steering.
+collect_steering`).
 
     run = run_local_replacement(model, transcoder, ids)
     run.logits                                  # live, differentiable
@@ -55,7 +56,7 @@ from ..interventions.clt_splice import (
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm, frozen_qk_norms
 from ..interventions.leaf import GradientLeaf
 from ..models import get_module
-from ..pyvene_compat import SteeringLeaf, collect_steering
+from ..pyvene_boundary.steering import SteeringLeaf, collect_steering
 from ..runtime import intervened
 from ..transcoders.transcoder import Transcoder, check_fits
 from .reading import Layout

@@ -30,7 +30,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import InputError
-from ..pyvene_compat import import_pyvene, pyvene_call
+from ..pyvene_boundary.calls import pyvene_call
+from ..pyvene_boundary.quiet_import import import_pyvene
 from .spec_entry import Site, SpecContext, extra_fields, generic_schema
 
 pv = import_pyvene()

@@ -36,7 +36,7 @@ attention, Gemma).
                                    "intervention": FrozenAttention()}], model)
 
 Both read the hooked module and its inputs from the pyvene hook that calls them (see
-:func:`~pyvene_causaltrace.pyvene_compat.hooked_call`), so they run only inside an
+:func:`~pyvene_causaltrace.pyvene_boundary.calls.hooked_call`), so they run only inside an
 ``IntervenableModel``. ``FrozenLayerNorm()`` without a ``kind`` reads it off the module's own
 output on the first call (which formula reproduces it), so pyvene can build it from the class.
 """
@@ -56,7 +56,7 @@ from ..capture import capture
 from ..errors import InputError, SpecError, UnsupportedModelError
 from ..hooking import installed, thread_view
 from ..models import get_module
-from ..pyvene_compat import hooked_call
+from ..pyvene_boundary.calls import hooked_call
 from .base import CausalTraceIntervention
 from .spec_entry import Site, SpecContext
 

@@ -82,7 +82,8 @@ def register_intervention(name: str, cls: type | None = None, *, replace: bool =
     """
 
     def add(klass: type) -> type:
-        from ..pyvene_compat import import_pyvene  # torch loads on registering, not on import
+        # torch loads on registering, not on import
+        from ..pyvene_boundary.quiet_import import import_pyvene
 
         pv = import_pyvene()
         if not (isinstance(klass, type) and issubclass(klass, pv.Intervention)):

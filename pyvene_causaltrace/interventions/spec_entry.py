@@ -38,7 +38,8 @@ from ..errors import SpecError
 from ..locations import component_layers, component_path, resolve_layers, resolve_positions
 from ..models import ArchAdapter
 from ..prompts import TokenizedPrompt
-from ..pyvene_compat import NOISE_INTERVENTION_REFUSAL, import_pyvene
+from ..pyvene_boundary.quiet_import import import_pyvene
+from ..pyvene_boundary.user_edits import NOISE_INTERVENTION_REFUSAL
 
 #: The fields of the generic shape and the site they name.
 SITE_FIELDS = ("component", "layers", "positions")

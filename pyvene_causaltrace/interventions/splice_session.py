@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from ..pyvene_compat import pyvene_call
+from ..pyvene_boundary.calls import pyvene_call
 from ..transcoders.formats import load_transcoder
 from .base import CausalTraceIntervention
 

@@ -72,7 +72,8 @@ def spec_numbers(path: Path, model, tokenizer, clt: Path) -> dict:
 def readme_pyvene_example(model, tokenizer) -> list[float]:
     """The README's NoiseAdd + VanillaIntervention example, P(' Paris') per row."""
     from pyvene_causaltrace.interventions.noise import NoiseAdd
-    from pyvene_causaltrace.pyvene_compat import import_pyvene, preserve_hooks
+    from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
+    from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
     pv = import_pyvene()
     inputs = tokenizer(["The Eiffel Tower is in the city of"] * 3, return_tensors="pt")

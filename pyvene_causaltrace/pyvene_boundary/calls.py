@@ -1,0 +1,156 @@
+"""What pyvene's setter hook knows about an intervention's call and does not hand it.
+
+pyvene 0.1.8 hands an intervention only the (gathered) output. The types that recompute their
+module (``frozen_layernorm``, ``frozen_attention``) or place positions in ``generate`` read the
+module, its inputs, the call's ``unit_locations``, the owner and the key from
+:func:`pyvene_call`, announced by :func:`announcing_setter`: a wrapper of pyvene's
+``_intervention_setter`` that has them all as its and the hook's arguments (nothing reads a
+frame or a closure). Our ``IntervenableModel``'s setter is one; :func:`announce_plain_models`
+puts one on ``pv.IntervenableModel``. :func:`apply_like_pyvene` applies as pyvene's setter does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class PyveneCall:
+    """What pyvene's hook knows about the call of an intervention and does not pass it.
+
+    ``module``, ``args``, ``kwargs``: the hooked module and its inputs; ``unit_locations``: this
+    intervention's base locations in this call (None: every position); ``owner``: the
+    ``IntervenableModel``; ``key``: the intervention's key in it.
+    """
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    unit_locations: Any
+    owner: Any
+    key: str
+
+    @property
+    def generating(self) -> bool:
+        """Inside ``IntervenableModel.generate``."""
+        return bool(getattr(self.owner, "_is_generation", False))
+
+    @property
+    def generation_round(self) -> object:
+        """An object that is the same for every step of one ``generate`` call and new for the
+        next: pyvene replaces its hook counters at the start of each call."""
+        return getattr(self.owner, "_key_setter_call_counter", None)
+
+
+#: The call of the hook running now in this context, as :func:`announcing_setter` (or our hook
+#: runner) announces it; None outside one.
+_CALL: contextvars.ContextVar[PyveneCall | None] = contextvars.ContextVar("pvct_pyvene_call",
+                                                                          default=None)
+
+
+@contextlib.contextmanager
+def calling(call: PyveneCall) -> Iterator[None]:
+    """Inside the block :func:`pyvene_call` returns ``call``: for a hook runner that applies
+    an intervention itself (:func:`~pyvene_causaltrace.runtime.intervened`)."""
+    token = _CALL.set(call)
+    try:
+        yield
+    finally:
+        _CALL.reset(token)
+
+
+def pyvene_call() -> PyveneCall | None:
+    """The :class:`PyveneCall` of the pyvene setter hook (or our hook runner's hook) that is
+    calling the caller, or None outside one (a direct call). ``tests/test_pyvene_setter.py``
+    fails, naming pyvene's version, if pyvene registers its setter hooks otherwise."""
+    return _CALL.get()
+
+
+def _announcing(register, owner, key: str, locations: list, index: int):
+    """``register`` (pyvene's ``intervention_hooks[key]``) registering each hook wrapped so
+    that its calls set their :class:`PyveneCall` for :func:`pyvene_call`."""
+    def register_announced(hook, *args: Any, **kwargs: Any):
+        def announced(module, hook_args, hook_kwargs, *output):
+            call = PyveneCall(module, tuple(hook_args), dict(hook_kwargs or {}),
+                              locations[index], owner, key)
+            with calling(call):
+                return hook(module, hook_args, hook_kwargs, *output)
+        return register(announced, *args, **kwargs)
+    return register_announced
+
+
+def announcing_setter(setter):
+    """pyvene's ``_intervention_setter(self, keys, unit_locations_base, ...)`` with the
+    register methods of ``keys`` announcing (:func:`_announcing`) for its run and put back
+    after; its arguments, results and hooks' behaviour are pyvene's."""
+
+    @functools.wraps(setter)
+    def _intervention_setter(self, keys, unit_locations_base, *args: Any, **kwargs: Any):
+        hooks = self.intervention_hooks
+        saved = {key: hooks[key] for key in keys if callable(hooks.get(key))}
+        hooks.update({key: _announcing(saved[key], self, key, unit_locations_base, i)
+                      for i, key in enumerate(keys) if key in saved})
+        try:
+            return setter(self, keys, unit_locations_base, *args, **kwargs)
+        finally:
+            hooks.update(saved)
+
+    _intervention_setter.pvct_announcing = True
+    return _intervention_setter
+
+
+def pyvene_setter(pv):
+    """pyvene's own ``_intervention_setter`` (under :func:`announce_plain_models`' wrapper)."""
+    setter = pv.IntervenableModel._intervention_setter
+    return getattr(setter, "__wrapped__", setter)
+
+
+def announce_plain_models(pv) -> None:
+    """:func:`announcing_setter` put on ``pv.IntervenableModel`` (idempotent; ``import_pyvene``
+    calls it), the one change the package makes to a pyvene class: without it a plain one's
+    ``frozen_layernorm``/``frozen_attention`` cannot recompute their module, a type with
+    positions cannot tell ``generate``'s steps or refuse ``unit_locations`` given too, and a
+    loaded splice cannot find its siblings (pyvene hands none of that to an intervention)."""
+    klass = pv.IntervenableModel
+    if not getattr(klass._intervention_setter, "pvct_announcing", False):
+        klass._intervention_setter = announcing_setter(klass._intervention_setter)
+
+
+def hooked_call() -> tuple[nn.Module, tuple, dict]:
+    """The module, positional and keyword inputs of the pyvene forward hook calling the caller
+    (``frozen_layernorm``, ``frozen_attention``: they recompute the module)."""
+    call = pyvene_call()
+    if call is None:
+        raise RuntimeError(
+            "frozen_layernorm / frozen_attention must run on a module's output inside a pyvene "
+            "IntervenableModel")
+    return call.module, call.args, call.kwargs
+
+
+def apply_like_pyvene(intervention: nn.Module, value: torch.Tensor) -> torch.Tensor:
+    """``intervention`` at every position of ``value`` as pyvene 0.1.8 applies it with
+    ``unit_locations=None`` — on a clone of the tensor, through ``do_intervention`` — but
+    returned as a new tensor: ``value`` itself (which may be an upstream module's output) is
+    never written."""
+    # pyvene is imported on first use (5 s): the package and the CLI's --help stay light
+    from pyvene.models.interventions import InterventionOutput
+    from pyvene.models.modeling_utils import do_intervention  # the same reason
+
+    edited = do_intervention(value.clone(), None, intervention, None)
+    if isinstance(edited, InterventionOutput):
+        edited = edited.output
+    if edited.shape != value.shape:
+        raise InputError(f"{type(intervention).__name__} returned {tuple(edited.shape)} for an "
+                         f"output of {tuple(value.shape)}")
+    return edited
+

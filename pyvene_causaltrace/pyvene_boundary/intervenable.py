@@ -1,0 +1,237 @@
+"""Our ``IntervenableModel``: pyvene's, leaving the user's model as it found it (its hooks, its
+``requires_grad`` flags), its setter hooks announcing their calls; :func:`preserve_hooks` keeps
+the hooks for a block of calls of a user's plain ``pv.IntervenableModel``. Nothing here writes
+torch's hook tables: hooks are added through the modules' ``register_*`` methods and removed
+through their handles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import PyveneModelError
+from ..hooking import register, release
+from ..models import is_intervenable
+from .calls import announcing_setter, pyvene_setter
+from .quiet_import import import_pyvene
+
+
+class _RecordedRegister:
+    """A module's ``register_forward_hook`` / ``register_forward_pre_hook`` as pyvene keeps it
+    in ``intervention_hooks``, with each handle it returns noted in ``handles`` so that the
+    hooks pyvene registered — and only those — can be removed. ``gate``: each hook acts only
+    on the registering thread's forwards (:func:`~pyvene_causaltrace.hooking.register`; our
+    :class:`IntervenableModel`), or — a user's plain ``pv.IntervenableModel`` in
+    :func:`preserve_hooks` — registered as pyvene would. ``__self__`` and ``__name__`` are the
+    bound method's."""
+
+    def __init__(self, register_method, handles: list, gate: bool = True) -> None:
+        self.register, self.handles, self.gate = register_method, handles, gate
+        self.__self__, self.__name__ = register_method.__self__, register_method.__name__
+
+    def __call__(self, hook, *args: Any, **kwargs: Any):
+        if self.gate:
+            handle = register(self.register, hook, *args, **kwargs)
+        else:
+            handle = self.register(hook, *args, **kwargs)
+        self.handles.append(handle)
+        return handle
+
+
+def _record_registers(pv_model, handles: list, gate: bool) -> None:
+    """Wrap each of ``pv_model.intervention_hooks`` (pyvene's bound register methods) in a
+    :class:`_RecordedRegister` noting into ``handles``."""
+    for key, method in list(pv_model.intervention_hooks.items()):
+        if callable(method) and hasattr(method, "__self__"):  # not ndif's tuples
+            pv_model.intervention_hooks[key] = _RecordedRegister(method, handles, gate)
+
+
+def bind_shared_state(pv_model) -> None:
+    """Let the interventions of ``pv_model`` that share state by id (a splice built one by one,
+    or loaded) bind it among themselves: a class that shares so defines a class method
+    ``bind_shared(interventions)`` (:meth:`~.interventions.splice_session.SpliceIntervention.
+    bind_shared`), called once with all of the model's interventions."""
+    made = list(pv_model.interventions.values())
+    binders = {}
+    for klass in {type(m) for m in made}:
+        bind = getattr(klass, "bind_shared", None)
+        if bind is not None:
+            binders.setdefault(getattr(bind, "__func__", bind), bind)
+    for bind in binders.values():
+        bind(made)
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        release(handle)
+    handles.clear()
+
+
+@contextlib.contextmanager
+def preserve_hooks(pv_model) -> Iterator[None]:
+    """Inside the block, the calls of a plain ``pv.IntervenableModel`` remove only the hooks
+    they registered, where pyvene removes every hook on the model around each call (so the
+    user's hooks and transformers' output-capturing hooks stay). When the block ends the model
+    is pyvene's own again. Our :class:`IntervenableModel` needs no block: it always does this.
+
+    >>> with preserve_hooks(pv_model):                                    # doctest: +SKIP
+    ...     pv_model(base=inputs)
+    """
+    if not is_intervenable(pv_model):
+        raise PyveneModelError(
+            "preserve_hooks takes the pv.IntervenableModel whose calls would strip the hooks "
+            f"(got {type(pv_model).__name__}): inside the block its calls remove only their own "
+            "hooks. Constructing one strips nothing")
+    if isinstance(pv_model, intervenable_model_class()) \
+            or "_remove_forward_hooks" in vars(pv_model):  # ours, or already inside a block
+        yield
+        return
+    handles: list = []
+    saved = dict(pv_model.intervention_hooks)
+    _record_registers(pv_model, handles, gate=False)
+    # an instance attribute shadows pyvene's method for this object only
+    pv_model._remove_forward_hooks = functools.partial(_remove_handles, handles)
+    try:
+        yield
+    finally:
+        del pv_model._remove_forward_hooks
+        pv_model.intervention_hooks.update(saved)
+        _remove_handles(handles)
+
+
+@contextlib.contextmanager
+def _flags(parameters: list, value: bool) -> Iterator[None]:
+    """``requires_grad`` set to ``value`` on ``parameters`` inside the block, put back after."""
+    for parameter in parameters:
+        parameter.requires_grad_(value)
+    try:
+        yield
+    finally:
+        for parameter in parameters:
+            parameter.requires_grad_(not value)
+
+
+def uniform_grad_flags(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Inside the block every floating parameter of ``model`` has ``requires_grad=True`` (the
+    state a model is loaded in); afterwards each flag is as it was.
+
+    A forward's last bits depend on these flags even under ``torch.no_grad()``: torch's matmul
+    folds a 3-d input differently when the weight requires grad (``logits_to_keep=1`` slices
+    give such an input), which moves logits by ~5e-7 and probabilities by ~1e-8. A plain
+    ``pv.IntervenableModel`` lowers every flag of the model it wraps, so without this a trace
+    of it and the same trace rerun from its spec on a freshly loaded model would differ in
+    those bits. Our runs need no gradients (they run under ``no_grad``)."""
+    return _flags([p for p in model.parameters()
+                   if not p.requires_grad and (p.is_floating_point() or p.is_complex())], True)
+
+
+def weights_without_gradients(model: nn.Module,
+                              keep: bool = False) -> contextlib.AbstractContextManager:
+    """Inside the block, under autograd, the model's weights record no gradient (their
+    ``requires_grad`` flags lowered, and put back after), as pyvene's ``IntervenableModel``
+    does for a call; ``keep``: the flags stay as they are (our attribution's forward)."""
+    if keep or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    return _flags([p for p in model.parameters() if p.requires_grad], False)
+
+
+@functools.cache
+def intervenable_model_class():
+    """The hook-preserving ``IntervenableModel`` class (built on first use: pyvene is slow
+    to import)."""
+    pv = import_pyvene()
+
+    class IntervenableModel(pv.IntervenableModel):
+        """``pv.IntervenableModel`` that leaves the user's model as it found it.
+
+        pyvene strips every hook on the model around each call and sets all parameters to
+        ``requires_grad=False`` (and the model to eval mode). In this subclass a call removes
+        only the hooks it registered (pyvene's ``_remove_forward_hooks``, overridden; each hook
+        it registers is noted, through its handle), so the hooks that were on the model stay on
+        it, inside the call too (``output_hidden_states`` works in an intervened run); and the
+        parameters' ``requires_grad`` flags and train/eval mode stay as they were. Training is
+        still pyvene's: unless ``enable_model_gradients()`` was called,
+        ``get_trainable_parameters()``, ``named_parameters()`` and ``count_parameters()`` hold
+        only the interventions' parameters, and a forward under autograd records no gradient
+        for the model's weights (their flags are lowered for the call and put back after).
+        ``keep_model_gradients=True`` (our attribution, which differentiates by the model's
+        biases) keeps the flags on during the call too. Saved with ``save()``, it loads back
+        with plain ``pv.IntervenableModel.load``. (pyvene's ``train_alignment`` still calls
+        pyvene's module-level hook removal directly, on every hook.)
+
+        Its hooks act only on the forwards of the thread that called it: a forward of the
+        wrapped model from another thread meanwhile sees the bare model. Its setter hooks
+        announce their calls to :func:`~.calls.pyvene_call` (its own setter is
+        :func:`~.calls.announcing_setter` of pyvene's).
+        """
+
+        def __init__(self, config: Any, model: nn.Module, *,
+                     keep_model_gradients: bool = False, **kwargs: Any) -> None:
+            flags = [(p, p.requires_grad) for p in model.parameters()]
+            training = model.training
+            # before pyvene's __init__: whatever of it removes hooks removes only these
+            object.__setattr__(self, "_pyvene_handles", [])
+            super().__init__(config, model, **kwargs)
+            for parameter, flag in flags:
+                parameter.requires_grad_(flag)
+            model.train(training)
+            self._keep_model_gradients = keep_model_gradients
+            _record_registers(self, self._pyvene_handles, gate=True)
+            bind_shared_state(self)
+
+        def _remove_forward_hooks(self) -> None:
+            _remove_handles(self._pyvene_handles)
+
+        _intervention_setter = announcing_setter(pyvene_setter(pv))  # announced calls
+
+        # -- pyvene's training surface: the model's weights count only once enabled
+        def _model_trains(self) -> bool:
+            return bool(self.model_has_grad or self._keep_model_gradients)
+
+        def get_trainable_parameters(self):
+            return [p for _, p in self.named_parameters()]
+
+        def named_parameters(self, prefix: str = "", recurse: bool = True,
+                             remove_duplicate: bool = True):
+            ours = [(f"{key}.{name}", p) for key, made in self.interventions.items()
+                    if isinstance(made, pv.TrainableIntervention)
+                    for name, p in made.named_parameters()]
+            if self._model_trains():
+                ours += [("model." + name, p) for name, p in self.model.named_parameters()
+                         if p.requires_grad]
+            return ours
+
+        def count_parameters(self, include_model: bool = False) -> int:
+            total = super().count_parameters(include_model=False)
+            if include_model and self._model_trains():
+                total += sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            return total
+
+        def _pyvene_run(self, run, *args: Any, **kwargs: Any):
+            """pyvene's ``run``: the model's weights record no gradient unless they train."""
+            try:
+                with weights_without_gradients(self.model, keep=self._model_trains()):
+                    return run(*args, **kwargs)
+            finally:  # pyvene removes them in its own finally: nothing should be left
+                self._remove_forward_hooks()
+
+        def forward(self, *args: Any, **kwargs: Any):
+            return self._pyvene_run(super().forward, *args, **kwargs)
+
+        def generate(self, *args: Any, **kwargs: Any):
+            return self._pyvene_run(super().generate, *args, **kwargs)
+
+    IntervenableModel.__module__ = __name__
+    return IntervenableModel
+
+
+def __getattr__(name: str):
+    if name == "IntervenableModel":  # built on first use: it subclasses pyvene's
+        return intervenable_model_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,125 @@
+"""Steering: inside :func:`collect_steering` (the attribution graph's forward) each user edit
+applied through :func:`steering_hook` routes its constant part ``f(0)`` through a gradient leaf
+(:class:`SteeringLeaf`), the value unchanged: the graph's steering nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .calls import apply_like_pyvene
+
+
+@dataclass(frozen=True)
+class SteeringSite:
+    """Where a user's intervention acts: its key in the ``IntervenableModel``, class name,
+    pyvene component, the hooked module's name in the wrapped model and whether it edits the
+    module's input (a pre-hook)."""
+
+    key: str
+    intervention: str
+    component: str
+    module: str
+    pre: bool
+
+    @property
+    def layer(self) -> int | None:
+        """The block index in the module's name (``model.layers.1.mlp`` -> 1), None outside
+        the blocks (embeddings, final norm)."""
+        numbers = [int(part) for part in self.module.split(".") if part.isdigit()]
+        return numbers[0] if numbers else None
+
+    def describe(self) -> dict:
+        return {"key": self.key, "class": self.intervention, "component": self.component,
+                "module": self.module, "layer": self.layer, "input": self.pre}
+
+
+@dataclass
+class SteeringLeaf:
+    """The constant part ``c = f(0)`` of one call of a user's intervention ``f`` during a
+    :func:`collect_steering` block, as a gradient leaf ``[1, P, D]`` (or whatever the edited
+    tensor's shape): the edited value is ``f(x) + (leaf - leaf.detach())`` — exactly ``f(x)``,
+    with the output's gradient on the leaf, so ``leaf * grad`` is the edit's constant's
+    contribution. Calls whose constant is zero (``ZeroIntervention``) are recorded too, for
+    ``reached``, and are never nodes.
+
+    ``reached`` (set by the caller after the forward, None until then): whether the logits'
+    gradient reaches the leaf — False when the edit ran where no gradient is recorded, or
+    when the output it edits is replaced downstream by something that detaches it (then
+    ``leaf`` is set to None: its constant cannot be a node)."""
+
+    site: SteeringSite
+    leaf: torch.Tensor | None
+    value: torch.Tensor
+    reached: bool | None = None
+
+    @property
+    def is_zero(self) -> bool:
+        return not bool(self.value.ne(0).any())
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Positions (axis 1) where the constant is nonzero."""
+        flat = self.value.reshape(self.value.shape[0], self.value.shape[1], -1) \
+            if self.value.dim() >= 2 else self.value.reshape(1, -1, 1)
+        return (flat != 0).any(-1).any(0).nonzero().squeeze(-1)
+
+
+_STEERING: contextvars.ContextVar[list | None] = contextvars.ContextVar("pvct_steering",
+                                                                       default=None)
+
+
+@contextlib.contextmanager
+def collect_steering() -> Iterator[list[SteeringLeaf]]:
+    """Inside the block, every call of a user's intervention applied by
+    :func:`~.user_edits.applied_interventions` appends a :class:`SteeringLeaf` (its constant
+    part ``c = f(0)``) to the yielded list and, where a gradient is recorded, routes its value
+    through the leaf (the attribution graph's steering nodes; a zero ``c`` is never a node).
+    Outside such a block the hooks apply ``f`` and nothing else (``f(0)`` is not even
+    computed). Each intervention our runs accept — zero, addition, subtraction, a constant
+    source, ``noise_add``, restores with states — is affine in its input, ``f(x) = A x + c``, so
+    the leaf holds all of the edit that is not a path from ``x``."""
+    collected: list[SteeringLeaf] = []
+    token = _STEERING.set(collected)
+    try:
+        yield collected
+    finally:
+        _STEERING.reset(token)
+
+
+def steering_hook(intervention: nn.Module, pre: bool, site: SteeringSite):
+    """A ``forward_pre_with_kwargs`` (``pre``) or ``forward_with_kwargs`` hook applying
+    ``intervention`` as pyvene does, its constant part recorded in :func:`collect_steering`."""
+    def steer(value: torch.Tensor) -> torch.Tensor:
+        edited = apply_like_pyvene(intervention, value)
+        collected = _STEERING.get()
+        if collected is None:
+            return edited
+        with torch.no_grad():
+            constant = apply_like_pyvene(intervention, torch.zeros_like(value)).detach()
+        if not torch.is_grad_enabled():  # inside a module whose output is recomputed
+            collected.append(SteeringLeaf(site, None, constant, reached=False))
+            return edited
+        leaf = constant.clone().requires_grad_(True)
+        collected.append(SteeringLeaf(site, leaf, constant))
+        return edited + (leaf - leaf.detach())
+
+    def edit(value):
+        if isinstance(value, tuple):
+            return (steer(value[0]), *value[1:])
+        return steer(value)
+
+    if pre:
+        def pre_hook(module, args, kwargs):
+            if args:
+                return (edit(args[0]), *args[1:]), kwargs
+            first = next(iter(kwargs))  # pyvene reads a kwargs-only call's first argument
+            return args, {**kwargs, first: edit(kwargs[first])}
+        return pre_hook
+    return lambda module, args, kwargs, output: edit(output)

@@ -1,0 +1,135 @@
+"""A user's ``pv.IntervenableModel`` in our runs: :func:`applied_interventions` applies its
+edits as pyvene does at every position of every forward; :func:`user_edits` refuses any our runs
+cannot apply so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+
+from ..errors import PyveneModelError
+from ..hooking import installed
+from ..models import ADAPTERS, is_intervenable
+from .intervenable import bind_shared_state
+from .quiet_import import import_pyvene
+from .steering import SteeringSite, steering_hook
+
+#: Why pyvene's NoiseIntervention cannot act where we apply a type at every position.
+NOISE_INTERVENTION_REFUSAL = (
+    "pyvene's NoiseIntervention adds a fixed draw for exactly 4 positions (seed 1, GPT-2-XL's "
+    "noise level), and {where} applies it at every position: use noise_add (NoiseAdd) for "
+    "seeded noise at chosen positions")
+
+
+def _refusal(key: str, made: nn.Module, representation: Any) -> str | None:
+    """Why our runs cannot apply the user's intervention ``key`` as pyvene would, or None."""
+    if isinstance(made, import_pyvene().NoiseIntervention):
+        return f"{key}: " + NOISE_INTERVENTION_REFUSAL.format(where="each of our runs")
+    if "h" in str(getattr(representation, "unit", "pos") or "pos").split("."):
+        return (f"{key}: unit {representation.unit!r} picks heads through unit_locations, which "
+                "our runs cannot give (they apply your interventions at every position, where "
+                "pyvene hands the whole module output). Put the head edit in a hand hook on "
+                "pv_model.model, or run it with pv_model yourself")
+    return None
+
+
+def _residual_norm_names(model: nn.Module) -> set[str]:
+    """Module names of the norms that read the residual stream inside the blocks (each
+    block's pre-attention and pre-MLP norm), from the adapter table's row for the model (no
+    row: none; such a model is refused with its architecture later)."""
+    row = ADAPTERS.get(getattr(model.config, "model_type", None))
+    if row is None:
+        return set()
+    n_layers = int(getattr(model.config, row.n_layers_key))
+    return {row.module_path(part, layer).replace("[", ".").replace("]", "")
+            for layer in range(n_layers) for part in ("pre_attn_norm", "pre_mlp_norm")}
+
+
+def _shared_input_refusal(key: str, register: Any, shared: set[str],
+                          model: nn.Module) -> str | None:
+    """Why a user's edit of a residual norm's *input* cannot run in our runs, or None.
+
+    pyvene writes an input edit in place into the module's first argument. A block's norm
+    may read the residual stream tensor itself (Llama's do), and then the edit also reaches
+    the skip path around the sublayer; our runs replace the norm's input (and a trace replays
+    stored block outputs that an in-place write would alter), so they would compute another
+    model than pyvene's. Which tensors alias is the architecture code's business, so every
+    residual norm's input edit is refused rather than possibly silently different."""
+    if getattr(register, "__name__", "") != "register_forward_pre_hook":
+        return None
+    module = getattr(register, "__self__", None)
+    name = next((n for n, m in model.named_modules() if m is module), "")
+    if name not in shared:
+        return None
+    return (f"{key}: edits the input of {name}, a norm that reads the residual stream: pyvene "
+            "writes such an edit in place into the tensor the norm reads, in some "
+            "architectures the residual stream itself (the skip path around the sublayer "
+            "then sees it too), which our runs do not reproduce. Put the edit "
+            "on the block's input or output (block_input / block_output), or on the norm's "
+            "output")
+
+
+def user_edits(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
+    """``(key, intervention, representation)`` of a pyvene ``IntervenableModel`` that act on
+    the output, in pyvene's order; refuses (``PyveneModelError``) any our runs cannot apply."""
+    needy = [key for key, made in model.interventions.items()
+             if not getattr(made, "is_source_constant", False)]
+    if needy:
+        raise PyveneModelError(
+            f"this IntervenableModel's {', '.join(needy)} need a source at call time; our runs "
+            "(clean, corrupted, restored) have none to give. Pass pv_model.model, or keep in "
+            "the IntervenableModel only interventions that hold their own values (zero, "
+            "constant, noise_add, restores with states)")
+    edits = []
+    shared = _residual_norm_names(model.model)
+    for key, made in model.interventions.items():
+        representation = model.representations.get(key)
+        reason = _refusal(key, made, representation) or _shared_input_refusal(
+            key, model.intervention_hooks.get(key), shared, model.model)
+        if reason is not None:
+            raise PyveneModelError(reason)
+        if not isinstance(made, import_pyvene().CollectIntervention):  # changes nothing
+            edits.append((key, made, representation))
+    return edits
+
+
+@contextlib.contextmanager
+def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
+    """Yield the model to run: ``model`` itself, or — for a pyvene ``IntervenableModel`` — the
+    model it wraps with the wrapper's interventions applied to every forward inside the block.
+
+    They act at every position (as with ``unit_locations=None``) in every run our calls make —
+    clean, corrupted and intervened alike — so a trace or a graph is one *of the intervened
+    model*. Each is applied as pyvene applies it (:func:`~.calls.apply_like_pyvene`: on a
+    clone), and the module's input or output is replaced, never written in place. Refused with
+    :class:`~pyvene_causaltrace.errors.PyveneModelError`: an intervention that needs a source
+    at call time (``VanillaIntervention``, ``SkipIntervention``, a restore without stored
+    states) — our runs have no source to give it; head units (they need ``unit_locations``);
+    pyvene's ``NoiseIntervention`` (a 4-position draw). ``CollectIntervention`` changes nothing
+    and is left out. The hooks are gone when the block ends. Inside
+    :func:`~.steering.collect_steering` (the attribution graph's forward) each edit also routes
+    its constant part ``f(0)`` through a gradient leaf, the value unchanged: the graph's
+    steering nodes.
+    """
+    if not is_intervenable(model):
+        yield model
+        return
+    edits = user_edits(model)
+    bind_shared_state(model)
+    names = {module: name for name, module in model.model.named_modules()}
+    hooks = []
+    for key, made, representation in edits:
+        register = model.intervention_hooks[key]  # pyvene's: the module's bound register method
+        pre = register.__name__ == "register_forward_pre_hook"
+        module = register.__self__
+        site = SteeringSite(key, type(made).__name__,
+                            str(getattr(representation, "component", "")),
+                            names.get(module, ""), pre)
+        hooks.append((module, "forward_pre_with_kwargs" if pre else "forward_with_kwargs",
+                      steering_hook(made, pre, site)))
+    with installed(hooks):
+        yield model.model
