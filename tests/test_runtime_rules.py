@@ -1,13 +1,14 @@
-"""The package's runtime rules (issue 40), read off its source: no frame walking, no write to
-torch's hook tables, no module-level table of splice sessions.
+"""The package's runtime rules (issue 40), read off its source: no frame walking (nor closure
+reading), no write to torch's hook tables, no module-level table of splice sessions.
 
 A hook of ours goes on through a module's ``register_*`` method and comes off through its
 handle (:mod:`pyvene_causaltrace.hooking`); reading a hook table (is it empty? is each hook
 ours?) is fine, writing one is not. State an intervention shares lives with the interventions or
 the run, not in a module-level table.
 
-No frame is read anywhere in the package: what pyvene's hook knows about a call is announced
-by a wrapper around the hook (``pyvene_compat.announce_setter_calls``).
+No frame or closure cell is read anywhere in the package: what pyvene's hook knows about a
+call is announced by a wrapper of pyvene's setter that has it all as arguments
+(``pyvene_boundary.calls.announcing_setter``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ HOOK_TABLES = frozenset({
 _MUTATORS = frozenset({"clear", "update", "pop", "popitem", "setdefault", "move_to_end",
                        "__setitem__", "__delitem__", "__ior__"})
 _FRAME_ATTRIBUTES = frozenset({"_getframe", "currentframe", "f_back", "f_locals", "tb_frame",
-                               "getouterframes", "getinnerframes", "_current_frames"})
+                               "getouterframes", "getinnerframes", "_current_frames",
+                               "__closure__", "cell_contents", "co_freevars"})
 _FRAME_CALLS = frozenset({"inspect.stack", "inspect.trace"})
 _MUTABLE_CALLS = frozenset({"dict", "list", "set", "defaultdict", "OrderedDict",
                             "WeakValueDictionary", "WeakKeyDictionary", "WeakSet", "deque"})
@@ -239,6 +241,7 @@ def test_the_frame_check_sees_each_kind_of_walk():
         "def h(frame):\n    return frame.f_back": "h",
         "import inspect\nx = inspect.stack()": "",
         "from sys import _getframe": "",
+        "def c(fn):\n    return [cell.cell_contents for cell in fn.__closure__]": "c",
     }
     for source, scope in walks.items():
         found = _frame_walks(ast.parse(source))
