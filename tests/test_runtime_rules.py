@@ -260,3 +260,11 @@ def test_the_session_check_sees_a_table():
     for source in tables:
         assert _session_tables(ast.parse(source)), source
     assert not _session_tables(ast.parse("SESSION_HELP = 'a splice session'\n_cache = {}"))
+
+
+def test_the_pyvene_boundary_is_one_small_module_a_job():
+    """pyvene_boundary/ holds every module that knows pyvene's internals, none over 500 lines."""
+    sizes = {path.name: len(path.read_text().splitlines())
+             for path in (PACKAGE / "pyvene_boundary").glob("*.py")}
+    assert sizes and max(sizes.values()) <= 500, sizes
+    assert not (PACKAGE / "pyvene_compat.py").exists()
