@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .applier import Edit, Site, applying
 from .errors import InputError, PyveneModelError
-from .hooking import installed, register, release
+from .hooking import register, release
 from .models import ADAPTERS, is_intervenable
 
 
@@ -600,9 +601,10 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
         site = SteeringSite(key, type(made).__name__,
                             str(getattr(representation, "component", "")),
                             names.get(module, ""), pre)
-        hooks.append((module, "forward_pre_with_kwargs" if pre else "forward_with_kwargs",
-                      _hook(made, pre, site)))
-    with installed(hooks):
+        # a residual-stream input is refused above (_shared_input_refusal): never one here
+        hooks.append(Edit(Site(module, "input" if pre else "output"), _edit(made, site),
+                          group="user"))
+    with applying(model.model, hooks):
         yield model.model
 
 
@@ -686,8 +688,9 @@ def collect_steering() -> Iterator[list[SteeringLeaf]]:
         _STEERING.reset(token)
 
 
-def _hook(intervention: nn.Module, pre: bool, site: SteeringSite | None = None):
-    def steer(value: torch.Tensor) -> torch.Tensor:
+def _edit(intervention: nn.Module, site: SteeringSite | None = None):
+    """The :mod:`~.applier` edit of a user's intervention (a new value: the applier's rule)."""
+    def steer(value: torch.Tensor, _call=None) -> torch.Tensor:
         edited = apply_like_pyvene(intervention, value)
         collected = _STEERING.get()
         if collected is None or site is None:
@@ -700,17 +703,4 @@ def _hook(intervention: nn.Module, pre: bool, site: SteeringSite | None = None):
         leaf = constant.clone().requires_grad_(True)
         collected.append(SteeringLeaf(site, leaf, constant))
         return edited + (leaf - leaf.detach())
-
-    def edit(value):
-        if isinstance(value, tuple):
-            return (steer(value[0]), *value[1:])
-        return steer(value)
-
-    if pre:
-        def pre_hook(module, args, kwargs):
-            if args:
-                return (edit(args[0]), *args[1:]), kwargs
-            first = next(iter(kwargs))  # pyvene reads a kwargs-only call's first argument
-            return args, {**kwargs, first: edit(kwargs[first])}
-        return pre_hook
-    return lambda module, args, kwargs, output: edit(output)
+    return steer

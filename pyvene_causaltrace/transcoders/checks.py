@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..bound import bind
+from ..bound import BoundModel, bind
 from ..defaults import BOS
 from ..errors import InputError
 from ..interventions.clt_splice import clt_splice_representations
@@ -258,10 +258,10 @@ def _condition_representations(name: str, clt, model, n_pos: int,
             for layer in range(clt.n_layers)]
 
 
-def _logits(model, representations, ids) -> torch.Tensor:
+def _logits(bound: BoundModel, representations, ids) -> torch.Tensor:
     if not representations:
-        return model(input_ids=ids).logits
-    with intervened(model, representations) as spliced:
+        return bound.model(input_ids=ids).logits
+    with intervened(bound, representations) as spliced:
         return spliced(input_ids=ids).logits
 
 
@@ -289,7 +289,7 @@ def replacement_anchor(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
         ids = _ids(tokenizer, text, device)
         for name in ANCHOR_CONDITIONS:
             ce, n = _next_token_ce(
-                _logits(model, _condition_representations(name, clt, bound, ids.shape[1],
+                _logits(bound, _condition_representations(name, clt, bound, ids.shape[1],
                                                           start), ids),
                 ids)
             totals[name] += ce
@@ -301,7 +301,7 @@ def replacement_anchor(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
         ids = _ids(tokenizer, prompt, device)
         clean = model(input_ids=ids).logits[0, -1].double().log_softmax(-1)
         splice = _condition_representations("clt", clt, bound, ids.shape[1], start)
-        spliced = _logits(model, splice, ids)[0, -1].double().log_softmax(-1)
+        spliced = _logits(bound, splice, ids)[0, -1].double().log_softmax(-1)
         answer_id = (answer_token_id(tokenizer, answer) if answer is not None
                      else int(clean.argmax()))
         report = {"prompt": prompt, "answer": tokenizer.decode([answer_id]),
