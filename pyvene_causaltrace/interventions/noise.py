@@ -197,6 +197,16 @@ class NoiseAdd(CausalTraceIntervention):
             delta[row, where[kept] - offset] = draws[key][kept]
         return delta
 
+    def retarget(self, by_seed: torch.Tensor, seed_rows: torch.Tensor, offset: int = 0) -> None:
+        """Point this instance at another batch, drawing nothing: row ``r`` of the next
+        forwards takes seed ``seed_rows[r]``'s noise from position ``offset`` on. ``by_seed`` is
+        :meth:`noise` of one row per seed over the whole sequence (``[n_seeds, seq, hidden]``,
+        made once, on the device and in the dtype of the values it is added to). The trace
+        engine calls this once per chunk of rows."""
+        noise = by_seed.index_select(0, seed_rows)[:, offset:]
+        self._config["offset"] = int(offset)
+        self._cache = ((tuple(noise.shape), noise.dtype, noise.device, int(offset)), noise)
+
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         """``base`` plus the noise. Head units (``[batch, heads, seq, d_head]``) take the draw
         of their heads' concatenation; ``subspaces`` keep it to those dimensions."""
