@@ -222,12 +222,11 @@ def _statistic(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
     return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def norm_scales(model: torch.nn.Module | BoundModel, input_ids: torch.Tensor,
+def norm_scales(bound: BoundModel, input_ids: torch.Tensor,
                 components: list[str]) -> dict[str, torch.Tensor]:
     """The clean run's statistic (``[batch, P, 1]``, float32 or wider) of each norm whose
     output is ``components[i]`` (``"<norm module>.output"``), for :class:`FrozenLayerNorm`'s
     ``scale``; the kind is the model adapter's."""
-    bound = bind(model)
     model, kind = bound.model, bound.adapter.norm_kind
     modules = {c: get_module(model, c.rpartition(".")[0]) for c in components}
     inputs = capture(model, {"input_ids": input_ids},
