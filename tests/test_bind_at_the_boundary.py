@@ -6,7 +6,7 @@ that import it) with its enclosing function. Allowed: a function or class the pa
 ``@measured`` decorator that binds for them. The rest are named in :data:`BELOW_THE_API` with
 why each still binds; the test fails on any other — a new ``bind(`` below the API — and on an
 entry of the table that no longer binds (so the table only shrinks). A public ``trace()`` binds
-one model (``BoundModel`` made once) and calls ``bind`` twice; ``attribute()`` once and five
+one model (``BoundModel`` made once) and calls ``bind`` twice; ``attribute()`` once and six
 times (``benchmarks/hooks_per_forward.py``).
 """
 
