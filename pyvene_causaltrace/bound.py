@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .applier import Site
 from .errors import InputError, PyveneModelError
 from .fingerprint import model_fingerprint
 from .finite import check_weights, weights_stamp
@@ -123,6 +124,29 @@ class BoundModel:
     def blocks(self) -> list[nn.Module]:
         """Every block (transformer layer), in order."""
         return [self.module("block", layer) for layer in range(self.n_layers)]
+
+    @functools.cached_property
+    def stream_inputs(self) -> frozenset[int]:
+        """Ids of the modules whose input is the residual stream itself (every block's
+        ``pre_attn_norm`` and ``pre_mlp_norm``: the sites ``resid_pre`` and ``resid_mid``),
+        which the block's residual add also reads (:mod:`.applier`'s rule)."""
+        return frozenset(id(self.module(part, layer)) for layer in range(self.n_layers)
+                         for part in ("pre_attn_norm", "pre_mlp_norm"))
+
+    def site_of(self, component: str) -> Site:
+        """The :class:`~.applier.Site` of a pyvene component (``"<module path>.output"`` or
+        ``".input"``)."""
+        path, _, where = component.rpartition(".")
+        if where not in ("output", "input") or not path:
+            raise InputError(f"component {component!r}: expected '<module path>.output' or "
+                             "'<module path>.input'")
+        module = get_module(self.model, path)
+        return Site(module, where, where == "input" and id(module) in self.stream_inputs)
+
+    def at(self, part: str, layer: int | None = None, where: str = "output") -> Site:
+        """The :class:`~.applier.Site` of adapter part ``part``'s output (or input)."""
+        module = self.module(part, layer)
+        return Site(module, where, where == "input" and id(module) in self.stream_inputs)
 
     @property
     def carries_interventions(self) -> bool:

@@ -220,7 +220,7 @@ def _plan(spec: ExperimentSpec, model: nn.Module | BoundModel, tokenizer: Tokeni
     noise = [(site.component, m) for i in corrupting
              for site, m in zip(resolved[i][1], made[i], strict=True)]
     rows = max((int(getattr(m, "seeds", torch.zeros(1)).numel()) for _, m in noise), default=1)
-    corrupt_states, corrupt_probs = _corrupted_run(model, ids, noise, needs["corrupted"], rows)
+    corrupt_states, corrupt_probs = _corrupted_run(ctx.bound, ids, noise, needs["corrupted"], rows)
     if corrupt_probs is not None:
         check_finite(corrupt_probs, "the corrupted run's probabilities", "the noise is too large")
     states = {"clean": clean_states, "corrupted": corrupt_states}
@@ -242,8 +242,10 @@ def _plan(spec: ExperimentSpec, model: nn.Module | BoundModel, tokenizer: Tokeni
                 settings.get("scale"), clean_probs, corrupt_probs, interventions, sites)
 
 
-def _corrupted_run(model, ids, noise: list[tuple[str, Any]], components: list[str], rows: int):
+def _corrupted_run(bound: BoundModel, ids, noise: list[tuple[str, Any]], components: list[str],
+                   rows: int):
     """States of ``components`` and last-position probabilities with only the noise."""
+    model = bound.model
     if not noise:
         if components:
             raise SpecError("$.interventions", "freeze of the corrupted run needs a noise_add")
@@ -252,7 +254,7 @@ def _corrupted_run(model, ids, noise: list[tuple[str, Any]], components: list[st
     box: dict[str, Any] = {}
 
     def noised() -> None:
-        with intervened(model, [{"component": c, "intervention": m} for c, m in noise]):
+        with intervened(bound, [{"component": c, "intervention": m} for c, m in noise]):
             box["out"] = model(**inputs)
 
     states = capture(model, inputs, components, run=noised)
@@ -291,7 +293,7 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
         device = _device(model)
         base = {k: v.to(device) for k, v in plan.base_inputs.items()}
         representations = [{"component": c, "intervention": m} for c, m in plan.interventions]
-        with intervened(model, representations):
+        with intervened(bound, representations):
             out = model(**base)
     probs = answer_probs(out.logits, plan.answer_id).cpu()
     check_finite(probs, "the intervened run's probabilities")

@@ -231,13 +231,12 @@ def _ablations(items: list[tuple[int, int | str, int, float]]) -> list[dict[str,
     return out
 
 
-def generation_mb(model: nn.Module | BoundModel, transcoder: Transcoder, length: int) -> float:
+def generation_mb(bound: BoundModel, transcoder: Transcoder, length: int) -> float:
     """MB one step of a generation holds at ``length`` tokens (each step reruns the whole
     sequence): the logits ``[length, vocab]`` (twice: the model's and pyvene's copy), one
     layer's attention scores and probabilities ``[heads, length, length]``, the block's
     states, and the transcoder's features of every layer (a cross-layer decoder reads them
     all)."""
-    bound = bind(model)
     hidden, heads, inner = bound.d_model, bound.n_heads, bound.d_mlp
     model_bytes = bound.element_size * (2 * length * bound.vocab_size
                                         + 2 * heads * length * length
@@ -253,13 +252,12 @@ def _device_mb(device: torch.device) -> float:
     return machine_memory() / 2**20
 
 
-def check_generation_fits(model: nn.Module | BoundModel, transcoder: Transcoder, n_prompt: int,
+def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: int,
                           max_new_tokens: int, memory_mb: float | None = None) -> None:
     """Refuse, before any forward, a generation that passes the model's positions
     (:meth:`~pyvene_causaltrace.bound.BoundModel.check_generation_length`) or whose last step
     would not fit ``memory_mb`` (default: the device's memory), saying how many new tokens
     fit."""
-    model = bind(model)
     model.check_generation_length(n_prompt, max_new_tokens)
     device = model.device
     budget = _device_mb(device) if memory_mb is None else positive_number(memory_mb,

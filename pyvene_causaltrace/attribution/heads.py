@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import torch
 
+from ..applier import Call, Edit, applying
 from ..arguments import MemoryMB, check_index, checked
 from ..bound import BoundModel
 from ..errors import ClosureError, InputError, UnsupportedModelError
-from ..hooking import installed
 from ..interventions.frozen import watching_qk
 from ..model_guard import measured
 from ..transcoders.transcoder import Transcoder, check_fits
@@ -223,13 +223,13 @@ def _head_outputs(bound: BoundModel, layers: Sequence[int]) -> Iterator[dict[int
     found: dict[int, torch.Tensor] = {}
 
     def keep(layer: int):
-        def hook(_module, args):
-            if args and args[0].requires_grad:
-                found[layer] = args[0]
-        return hook
+        def read(value: torch.Tensor, call: Call) -> None:
+            if call.args and value.requires_grad:
+                found[layer] = value
+        return read
 
-    with installed([(bound.module("attn_out", layer), "forward_pre", keep(layer))
-                    for layer in layers]):
+    with applying(bound.model, [Edit(bound.at("attn_out", layer, "input"), keep(layer),
+                                     last=True) for layer in layers]):
         yield found
     missing = [layer for layer in layers if layer not in found]
     if missing:

@@ -40,12 +40,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..applier import Call, Edit, Site, applying, reader
 from ..arguments import checked
 from ..bound import BoundModel, bind
 from ..defaults import GRAPH_BOS_ERRORS, GRAPH_FREEZE
 from ..distributed import current
 from ..errors import InputError
-from ..hooking import installed, thread_view
+from ..hooking import thread_view
 from ..interventions.clt_splice import (
     SHARD_ALONE,
     ActiveFeatures,
@@ -55,7 +56,6 @@ from ..interventions.clt_splice import (
 )
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm, frozen_qk_norms
 from ..interventions.leaf import GradientLeaf
-from ..models import get_module
 from ..pyvene_boundary.steering import SteeringLeaf, collect_steering
 from ..runtime import intervened
 from ..transcoders.transcoder import Transcoder, check_fits
@@ -279,11 +279,10 @@ def replacement_forward(
             p.requires_grad_(False)
         for p in constants:
             p.requires_grad_(True)
-        replaced = [get_module(model, adapter.module_path(part, layer))
-                    for layer in range(n_layers)
+        replaced = [bound.module(part, layer) for layer in range(n_layers)
                     for part in (("mlp", "attn") if freeze else ("mlp",))]
         with torch.enable_grad(), _count_saved_bytes(model) as saved, \
-                _no_grad_inside(replaced), pre_softcap_logits(model) as cap, \
+                _no_grad_inside(model, replaced), pre_softcap_logits(model) as cap, \
                 collect_steering() as steering, \
                 capturing_states(bound, states) as captured, \
                 (frozen_qk_norms(bound) if qk_norms else nullcontext()), \
@@ -354,12 +353,12 @@ def capturing_states(bound: BoundModel, names: Sequence[str]) -> Iterator[dict[s
     modules that read them receive them (after every edit upstream); yields the dict they land
     in."""
     found: dict[str, torch.Tensor] = {}
-    hooks = []
+    edits = []
     for name in dict.fromkeys(names):
-        def keep(_module, args, kwargs, _name=name):
-            found[_name] = args[0] if args else kwargs["hidden_states"]
-        hooks.append((state_module(bound, name), "forward_pre_with_kwargs", keep))
-    with installed(hooks):
+        module = state_module(bound, name)
+        edits.append(reader(Site(module, "input", id(module) in bound.stream_inputs),
+                            found, name))
+    with applying(bound.model, edits):
         yield found
     missing = [name for name in names if name not in found]
     if missing:
@@ -391,31 +390,29 @@ def _drop_unreachable(steering: list[SteeringLeaf], logits: torch.Tensor) -> Non
 
 
 @contextmanager
-def _no_grad_inside(modules: list[nn.Module]) -> Iterator[None]:
+def _no_grad_inside(model: nn.Module, modules: list[nn.Module]) -> Iterator[None]:
     """Run ``modules`` without building an autograd graph.
 
-    Their outputs are replaced (MLPs by the splice, attention by its frozen recomputation),
-    but pyvene writes a replacement *into* the original output tensor, which would keep the
-    original computation in the graph: every backward pass — one per batch of adjacency rows —
-    would push zeros through it. Our hooks run before pyvene's (registered first), so the
-    interventions see grad mode restored.
+    Their outputs are replaced (MLPs by the splice, attention by its frozen recomputation):
+    recording the original computation would only cost memory, and every backward pass — one
+    per batch of adjacency rows — would walk it. Two edits of the applier: grad off at the
+    module's input, back on at its output, before the edits added after them there (the
+    splice's, the freezes') run.
     """
-    def off(module, _args):
-        module.__dict__["_pvct_grad"] = torch.is_grad_enabled()
+    saved: dict[int, bool] = {}
+
+    def off(_value, call: Call) -> None:
+        saved[id(call.module)] = torch.is_grad_enabled()
         torch.set_grad_enabled(False)
 
-    def on(module, _args, output):
-        torch.set_grad_enabled(module.__dict__.pop("_pvct_grad", True))
-        # a fresh tensor, not a no-grad view: pyvene writes into it in place
-        if isinstance(output, tuple):
-            return (output[0].clone(), *output[1:])
-        return output.clone()
+    def on(_value, call: Call) -> None:
+        torch.set_grad_enabled(saved.pop(id(call.module), True))
 
     mode = torch.is_grad_enabled()
-    hooks = [hook for module in modules
-             for hook in ((module, "forward_pre", off), (module, "forward", on))]
+    edits = [edit for module in modules
+             for edit in (Edit(Site(module, "input"), off), Edit(Site(module, "output"), on))]
     try:
-        with installed(hooks):
+        with applying(model, edits):
             yield
     finally:
         torch.set_grad_enabled(mode)

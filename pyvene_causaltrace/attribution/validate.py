@@ -69,7 +69,7 @@ def answer_prob(model: nn.Module | BoundModel, transcoder: Transcoder, ids: torc
     reps = clt_splice_representations(model, transcoder, errors=errors,
                                       from_position=graph.from_position,
                                       ablations=_ablations(graph, ablate))
-    with torch.no_grad(), intervened(model, reps) as spliced:
+    with torch.no_grad(), intervened(bind(model), reps) as spliced:
         out = spliced(input_ids=ids)
     return float(out.logits[0, -1].float().softmax(-1)[token])
 

@@ -60,7 +60,7 @@ from ..interventions.noise import seed_list
 from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..runlock import single_writer
 from ..tracing.chunks import check_seeds_fit
-from ..tracing.noise_scale import resolve_sigma, rome_sigma
+from ..tracing.noise_scale import resolve_sigma, subject_sigma
 from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer
 from ..transcoders import Transcoder
@@ -226,7 +226,8 @@ def trace_dataset(
             raise InputError(f"no record passed the screen (see {run.path / SCREEN})")
         by_id = {r.id: r for r in records}
         if sigma == "rome":  # ROME: one sigma over the dataset's subjects
-            sigma_value = rome_sigma(model, tokenizer, [by_id[k["fact"]].subject for k in kept])
+            sigma_value = subject_sigma(model, tokenizer,
+                                        [by_id[k["fact"]].subject for k in kept])
         else:
             sigma_value = resolve_sigma(sigma, model, tokenizer, None)[1]
 

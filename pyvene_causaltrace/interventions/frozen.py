@@ -51,10 +51,11 @@ from typing import Any
 
 import torch
 
+from ..applier import Call, Edit, applying
 from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError, SpecError, UnsupportedModelError
-from ..hooking import installed, thread_view
+from ..hooking import thread_view
 from ..models import get_module
 from ..pyvene_boundary.calls import hooked_call
 from .base import CausalTraceIntervention
@@ -205,11 +206,12 @@ def frozen_qk_norms(bound: BoundModel) -> Iterator[None]:
         yield
         return
 
-    def freeze(module, args, output):
-        return frozen_norm(module, args[0], output, adapter.norm_kind)
+    def freeze(output: torch.Tensor, call: Call) -> torch.Tensor:
+        return frozen_norm(call.module, call.args[0], output, adapter.norm_kind)
 
-    with installed([(bound.module(part, layer), "forward", freeze)
-                    for layer in range(bound.n_layers) for part in ("q_norm", "k_norm")]):
+    with applying(bound.model, [Edit(bound.at(part, layer), freeze)
+                                for layer in range(bound.n_layers)
+                                for part in ("q_norm", "k_norm")]):
         yield
 
 
@@ -220,12 +222,11 @@ def _statistic(x: torch.Tensor, kind: str, eps: float) -> torch.Tensor:
     return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def norm_scales(model: torch.nn.Module | BoundModel, input_ids: torch.Tensor,
+def norm_scales(bound: BoundModel, input_ids: torch.Tensor,
                 components: list[str]) -> dict[str, torch.Tensor]:
     """The clean run's statistic (``[batch, P, 1]``, float32 or wider) of each norm whose
     output is ``components[i]`` (``"<norm module>.output"``), for :class:`FrozenLayerNorm`'s
     ``scale``; the kind is the model adapter's."""
-    bound = bind(model)
     model, kind = bound.model, bound.adapter.norm_kind
     modules = {c: get_module(model, c.rpartition(".")[0]) for c in components}
     inputs = capture(model, {"input_ids": input_ids},
@@ -355,14 +356,16 @@ def attention_patterns(model: torch.nn.Module | BoundModel,
     found: dict[int, torch.Tensor | None] = {}
 
     def read(layer: int):
-        def hook(_module, _args, output):
+        def keep(_value: torch.Tensor, call: Call) -> None:
+            output = call.output
             found[layer] = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-        return hook
+        return keep
 
     with ExitStack() as eager:
         for config in configs.values():
             eager.enter_context(thread_view(config, _attn_implementation_internal="eager"))
-        with installed([(m, "forward", read(i)) for i, m in enumerate(modules)]), \
+        with applying(model, [Edit(bound.at("attn", i), read(i), last=True)
+                              for i in range(len(modules))]), \
                 torch.no_grad():
             model(input_ids=input_ids, use_cache=False)
     missing = [layer for layer in range(len(modules)) if found.get(layer) is None]

@@ -88,11 +88,16 @@ def check_sigma(sigma: object) -> str | float:
     return sigma
 
 
-@torch.no_grad()
 def rome_sigma(model: nn.Module | BoundModel, tokenizer: Tokenizer,
                subjects: Sequence[str]) -> float:
-    """Std of the input-embedding outputs of ``subjects`` tokenized alone."""
-    bound = bind(model)
+    """Std of the input-embedding outputs of ``subjects`` tokenized alone (an entry point:
+    it binds the model; below it, :func:`subject_sigma` takes the bound one)."""
+    return subject_sigma(bind(model), tokenizer, subjects)
+
+
+@torch.no_grad()
+def subject_sigma(bound: BoundModel, tokenizer: Tokenizer, subjects: Sequence[str]) -> float:
+    """:func:`rome_sigma` of a bound model."""
     embed, device = bound.module("embed"), bound.device
     outputs = []
     for subject in subjects:
@@ -108,13 +113,12 @@ def rome_sigma(model: nn.Module | BoundModel, tokenizer: Tokenizer,
 
 
 @torch.no_grad()
-def embedding_matrix_sigma(model: nn.Module | BoundModel) -> float:
+def embedding_matrix_sigma(bound: BoundModel) -> float:
     """Std of the input-embedding weight matrix."""
-    embed = bind(model).module("embed")
-    return float(embed.weight.float().std())
+    return float(bound.module("embed").weight.float().std())
 
 
-def resolve_sigma(sigma: str | float, model: nn.Module | BoundModel, tokenizer: Tokenizer,
+def resolve_sigma(sigma: str | float, bound: BoundModel, tokenizer: Tokenizer,
                   subject: str | None) -> tuple[str, float]:
     """``(method, value)`` for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a
     positive number (method ``"given"``)."""
@@ -124,8 +128,8 @@ def resolve_sigma(sigma: str | float, model: nn.Module | BoundModel, tokenizer: 
     if sigma == "rome":
         if subject is None:
             raise InputError("sigma 'rome' needs a subject")
-        return "rome", rome_sigma(model, tokenizer, [subject])
-    return "embedding_matrix", embedding_matrix_sigma(model)
+        return "rome", subject_sigma(bound, tokenizer, [subject])
+    return "embedding_matrix", embedding_matrix_sigma(bound)
 
 
 class NoiseAdd(CausalTraceIntervention):
@@ -197,6 +201,16 @@ class NoiseAdd(CausalTraceIntervention):
             delta[row, where[kept] - offset] = draws[key][kept]
         return delta
 
+    def retarget(self, by_seed: torch.Tensor, seed_rows: torch.Tensor, offset: int = 0) -> None:
+        """Point this instance at another batch, drawing nothing: row ``r`` of the next
+        forwards takes seed ``seed_rows[r]``'s noise from position ``offset`` on. ``by_seed`` is
+        :meth:`noise` of one row per seed over the whole sequence (``[n_seeds, seq, hidden]``,
+        made once, on the device and in the dtype of the values it is added to). The trace
+        engine calls this once per chunk of rows."""
+        noise = by_seed.index_select(0, seed_rows)[:, offset:]
+        self._config["offset"] = int(offset)
+        self._cache = ((tuple(noise.shape), noise.dtype, noise.device, int(offset)), noise)
+
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         """``base`` plus the noise. Head units (``[batch, heads, seq, d_head]``) take the draw
         of their heads' concatenation; ``subspaces`` keep it to those dimensions."""
@@ -255,7 +269,7 @@ class NoiseAdd(CausalTraceIntervention):
         except (TypeError, ValueError) as error:
             raise SpecError(path + ".seeds", str(error)) from None
         try:
-            _, sigma = resolve_sigma(entry.get("sigma", SIGMA), ctx.model, ctx.tokenizer,
+            _, sigma = resolve_sigma(entry.get("sigma", SIGMA), ctx.bound, ctx.tokenizer,
                                      ctx.spec.subject)
         except ValueError as error:
             raise SpecError(path + ".sigma", str(error)) from None

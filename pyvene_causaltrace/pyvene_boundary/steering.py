@@ -1,5 +1,5 @@
 """Steering: inside :func:`collect_steering` (the attribution graph's forward) each user edit
-applied through :func:`steering_hook` routes its constant part ``f(0)`` through a gradient leaf
+applied through :func:`steering_edit` routes its constant part ``f(0)`` through a gradient leaf
 (:class:`SteeringLeaf`), the value unchanged: the graph's steering nodes.
 """
 
@@ -93,10 +93,10 @@ def collect_steering() -> Iterator[list[SteeringLeaf]]:
         _STEERING.reset(token)
 
 
-def steering_hook(intervention: nn.Module, pre: bool, site: SteeringSite):
-    """A ``forward_pre_with_kwargs`` (``pre``) or ``forward_with_kwargs`` hook applying
-    ``intervention`` as pyvene does, its constant part recorded in :func:`collect_steering`."""
-    def steer(value: torch.Tensor) -> torch.Tensor:
+def steering_edit(intervention: nn.Module, site: SteeringSite):
+    """The :mod:`~..applier` edit applying ``intervention`` as pyvene does (a new value: the
+    applier's rule), its constant part recorded in :func:`collect_steering`."""
+    def steer(value: torch.Tensor, _call=None) -> torch.Tensor:
         edited = apply_like_pyvene(intervention, value)
         collected = _STEERING.get()
         if collected is None:
@@ -110,16 +110,4 @@ def steering_hook(intervention: nn.Module, pre: bool, site: SteeringSite):
         collected.append(SteeringLeaf(site, leaf, constant))
         return edited + (leaf - leaf.detach())
 
-    def edit(value):
-        if isinstance(value, tuple):
-            return (steer(value[0]), *value[1:])
-        return steer(value)
-
-    if pre:
-        def pre_hook(module, args, kwargs):
-            if args:
-                return (edit(args[0]), *args[1:]), kwargs
-            first = next(iter(kwargs))  # pyvene reads a kwargs-only call's first argument
-            return args, {**kwargs, first: edit(kwargs[first])}
-        return pre_hook
-    return lambda module, args, kwargs, output: edit(output)
+    return steer

@@ -11,12 +11,12 @@ from typing import Any
 
 from torch import nn
 
+from ..applier import Edit, Site, applying
 from ..errors import PyveneModelError
-from ..hooking import installed
 from ..models import ADAPTERS, is_intervenable
 from .intervenable import bind_shared_state
 from .quiet_import import import_pyvene
-from .steering import SteeringSite, steering_hook
+from .steering import SteeringSite, steering_edit
 
 #: Why pyvene's NoiseIntervention cannot act where we apply a type at every position.
 NOISE_INTERVENTION_REFUSAL = (
@@ -129,7 +129,8 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
         site = SteeringSite(key, type(made).__name__,
                             str(getattr(representation, "component", "")),
                             names.get(module, ""), pre)
-        hooks.append((module, "forward_pre_with_kwargs" if pre else "forward_with_kwargs",
-                      steering_hook(made, pre, site)))
-    with installed(hooks):
+        # a residual-stream input is refused above (_shared_input_refusal): never one here
+        hooks.append(Edit(Site(module, "input" if pre else "output"), steering_edit(made, site),
+                          group="user"))
+    with applying(model.model, hooks):
         yield model.model

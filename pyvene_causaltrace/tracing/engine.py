@@ -36,11 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..applier import Call, Edit, applying, handle_ids
 from ..bound import BoundModel, bind
 from ..capture import capture
 from ..defaults import DISTRIBUTION, REPLAY_LAYERS, REUSE_PREFIX, TRACE_MEMORY_MB, WINDOW
 from ..errors import InputError
-from ..hooking import Hook, installed
 from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
@@ -146,17 +146,15 @@ class TraceEngine:
         dtype = model.get_input_embeddings().weight.dtype
         delta = self.noise.noise(len(self.seeds), self.seq_len, bound.d_model)
         self._noise_delta = delta.to(self.device, dtype)  # every seed's noise, made once
-        noise = torch.cat([torch.zeros_like(self._noise_delta[:1]), self._noise_delta])
-        embed = get_module(model, self.adapter.module_path("embed"))
         box: dict = {}
 
-        def note_block_output(_module, _args, output) -> None:
-            box["tuple"] = isinstance(output, tuple)
+        def note_block_output(_value, call: Call) -> None:
+            box["tuple"] = call.returned_tuple
 
         def reference_runs():
-            hooks = [(self.blocks[0], "forward", note_block_output),
-                     (embed, "forward", lambda _m, _a, output: output + noise)]
-            with installed(hooks):
+            edits = [Edit(bound.at("block", 0), note_block_output, last=True),
+                     self.reference_noise()]
+            with applying(model, edits):
                 box["out"] = model(input_ids=self.ids.expand(1 + len(self.seeds), -1),
                                    use_cache=True, logits_to_keep=1)
 
@@ -178,6 +176,15 @@ class TraceEngine:
             head_bytes=head.numel() * head.element_size())
 
     # ------------------------------------------------------------------------- helpers
+    def reference_noise(self) -> Edit:
+        """``noise_add`` on the embeddings of the reference runs' rows: row 0 clean, then
+        one row per seed."""
+        noise = self.noise
+        clean = torch.zeros_like(self._noise_delta[:1])
+        noise.retarget(torch.cat([clean, self._noise_delta]),
+                       torch.arange(1 + len(self.seeds), device=self.device))
+        return Edit(self.bound.at("embed"), lambda value, _call: noise(value))
+
     def restore_layers(self, kind: TraceKind, layer: int, window: int) -> list[int]:
         return window_layers(layer, window, self.n_layers) if kind.windowed else [layer]
 
@@ -192,10 +199,6 @@ class TraceEngine:
                   + 4 * span * hidden  # replayed output, masks, intervention copies
                   + 3 * self.bound.vocab_size)  # last-position logits and softmax
         return max(1, int(self.memory_budget_mb * 2**20 // (4 * floats)))
-
-    def _noise_rows(self, seed_rows: torch.Tensor, prefix: int) -> torch.Tensor:
-        """Each row's noise at positions ``prefix..``: ``noise_add``'s draws."""
-        return self._noise_delta.index_select(0, seed_rows)[:, prefix:]
 
     # ------------------------------------------------------------------------------ run
     def run(
@@ -321,7 +324,7 @@ class _RunHooks:
         self.rows = rows.on(engine.device)
         self.lo, self.hi = rows.lo, rows.hi  # on the CPU: which layers a chunk restores
         self.states = engine.clean_states if donor == "clean" else engine.corrupt_states
-        self.noise: torch.Tensor | None = None
+        self.noise_on = False
         self.active: dict[str, nn.Module | None] = {}
         self.restores: dict[int, nn.Module] = {}
         self.freezes: dict[int, Freeze] = {}
@@ -335,68 +338,64 @@ class _RunHooks:
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[_RunHooks]:
-        """The run's hooks on the model for the block; the interventions built on entry."""
+        """The run's edits on the model (:mod:`..applier`) for the block; the interventions
+        built on entry."""
         engine, kind, states = self.engine, self.kind, self.states
-        hooks = []
+        bound = engine.bound
+        edits = []
         for layer, path in enumerate(engine._paths[kind.restore]):
             if kind.windowed:
                 self.restores[layer] = WindowRestore(
                     states=states[path], sublayer=kind.restore, window_layer=layer)
             else:
                 self.restores[layer] = CleanRestore(states=states[path])
-            hooks.append(self._hook(path))
+            edits.append(self._edit(path))
         if kind.sever is not None:
             for layer, path in enumerate(engine._paths[kind.sever]):
                 self.freezes[layer] = Freeze(states=engine.corrupt_states[path], run="corrupted")
-                hooks.append(self._hook(path))
-        embed = get_module(engine.model, engine.adapter.module_path("embed"))
-        hooks.append((embed, "forward", self._add_noise))
+                edits.append(self._edit(path))
+        edits.append(Edit(bound.at("embed"), self._add_noise))
         if kind.restore != "mlp" and kind.sever != "mlp":
-            hooks += self._last_mlp_at_last_position()
-        head = ReusedHead(get_module(engine.model, engine.adapter.module_path("unembed")))
-        with installed(hooks) as handles, head.installed():
+            edits += self._last_mlp_at_last_position()
+        head = ReusedHead(bound.module("unembed"))
+        with applying(engine.model, edits), head.installed():
             if not self.ragged:
-                own = {handle.id for handle in handles}
-                self.replay = LayerReplay(engine.blocks, engine._returns_tuple, keep=own)
+                self.replay = LayerReplay(engine.blocks, engine._returns_tuple,
+                                          keep=handle_ids(engine.model))
                 yield self
                 return
             self.layers = RaggedLayers(engine.blocks, engine._returns_tuple)
             with self.layers.installed():
                 yield self
 
-    def _last_mlp_at_last_position(self) -> list[Hook]:
+    def _last_mlp_at_last_position(self) -> list[Edit]:
         """The last block's MLP on the last position alone: the logits read only that position,
         so its MLP elsewhere is wasted work (the output broadcasts over the residual's
-        positions). Left off when anything else hooks that block: it might read them."""
+        positions). Left off when anything else hooks that block: it might read them. The
+        edit narrows the MLP's input (the applier's rule: its new value replaces the old)."""
         engine = self.engine
         if any(module._forward_hooks or module._forward_pre_hooks
                for module in engine.blocks[-1].modules()):
             return []
 
-        def last_only(_module, args):
-            if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
-                return None
-            return (args[0][:, -1:], *args[1:])
+        def last_only(value: torch.Tensor, _call: Call) -> torch.Tensor | None:
+            return value[:, -1:] if value.dim() == 3 else None
 
-        mlp = get_module(engine.model, engine.adapter.module_path("mlp", engine.n_layers - 1))
-        return [(mlp, "forward_pre", last_only)]
+        return [Edit(engine.bound.at("mlp", engine.n_layers - 1, "input"), last_only)]
 
-    def _hook(self, component: str) -> Hook:
-        module = get_module(self.engine.model, component.rpartition(".")[0])
+    def _edit(self, component: str) -> Edit:
         self.active[component] = None
 
-        def apply(_module, _args, output):
+        def apply(value: torch.Tensor, _call: Call) -> torch.Tensor | None:
             made = self.active[component]
-            if made is None:
-                return None
-            if isinstance(output, tuple):
-                return (made(output[0]), *output[1:])
-            return made(output)
+            return None if made is None else made(value)
 
-        return module, "forward", apply
+        return Edit(self.engine.bound.site_of(component), apply)
 
-    def _add_noise(self, _module, _args, output):
-        return None if self.noise is None else output + self.noise
+    def _add_noise(self, value: torch.Tensor, _call: Call) -> torch.Tensor | None:
+        """``noise_add`` (the engine's, :meth:`NoiseAdd.retarget` to the chunk's rows) when
+        the chunk computes from the embeddings."""
+        return self.engine.noise(value) if self.noise_on else None
 
     def forward(self, chunk: Chunk, index: torch.Tensor) -> torch.Tensor:
         """P(answer) of the chunk's rows (``index``: their row indices on the device; sorted by
@@ -442,7 +441,9 @@ class _RunHooks:
                     made.retarget(at[:k], engine.corrupt_states[component][:, prefix:],
                                   seed_rows[:k])
                 self.active[component] = made
-        self.noise = engine._noise_rows(seed_rows, prefix) if first == 0 else None
+        self.noise_on = first == 0
+        if self.noise_on:
+            engine.noise.retarget(engine._noise_delta, seed_rows, prefix)
 
         base = {"input_ids": engine.ids[:, prefix:].expand(n, -1), "logits_to_keep": 1}
         if prefix:

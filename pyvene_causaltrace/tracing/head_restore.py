@@ -11,7 +11,8 @@ restore of that layer's attention output at that position (``attn`` with a one-l
 the projection acts on each position alone), which the tests check.
 
 The overwrite is ``clean_restore`` (:class:`~..interventions.restore.CleanRestore`) with its
-per-row masks, applied by a pre-hook of ours (:func:`~..hooking.installed`) to the projection's
+per-row masks, an edit of the projection's input (:mod:`..applier`), the noise the engine's
+``noise_add``; the restore sees the projection's
 input seen as ``[rows, positions x heads, head_dim]``: a unit is one (position, head), so one
 forward carries a different head, layer and seed in every row. Rows (cell-major, seed-minor)
 run in forwards of as many rows as fit the engine's memory budget, each over the whole prompt
@@ -29,9 +30,9 @@ from numbers import Integral
 
 import torch
 
+from ..applier import Call, Edit, applying
 from ..capture import capture
 from ..errors import InputError
-from ..hooking import installed
 from ..interventions.restore import CleanRestore
 from .engine import TraceEngine
 from .metrics import token_probs
@@ -71,11 +72,9 @@ class HeadRestorer:
         self.layers = check_layers(layers, bound.n_layers)
         self.n_heads, self.head_dim = bound.n_heads, bound.head_dim
         paths = {layer: bound.module_path("attn_out", layer) + ".input" for layer in self.layers}
-        noise = torch.cat([torch.zeros_like(engine._noise_delta[:1]), engine._noise_delta])
-        embed = bound.module("embed")
 
         def reference_runs() -> None:
-            with installed([(embed, "forward", lambda _m, _a, output: output + noise)]):
+            with applying(engine.model, [engine.reference_noise()]):
                 engine.model(input_ids=engine.ids.expand(1 + len(engine.seeds), -1),
                              logits_to_keep=1)
 
@@ -138,31 +137,27 @@ class HeadRestorer:
         cell_of = torch.arange(len(cells)).repeat_interleave(n_seeds)
         states = self.clean if donor == "clean" else self.corrupt
         restores = {layer: CleanRestore(states=states[layer]) for layer in self.layers}
-        live: dict[str, torch.Tensor | None] = {"noise": None}
-
-        def add_noise(_module, _args, output):
-            return output + live["noise"]
 
         def restore_heads(layer: int):
             restore = restores[layer]
 
-            def hook(_module, args):
-                if not args or not isinstance(args[0], torch.Tensor):
+            def edit(z: torch.Tensor, call: Call) -> torch.Tensor:
+                if not call.args or call.args[0] is not z:
                     raise InputError(f"layer {layer}'s attention output projection was called "
                                      "without its input as the first argument")
-                z = args[0]
-                return (restore(self._units(z)).reshape(z.shape), *args[1:])
-            return hook
+                return restore(self._units(z)).reshape(z.shape)
+            return edit
 
-        hooks = [(self.engine.bound.module("embed"), "forward", add_noise)]
-        hooks += [(self.engine.bound.module("attn_out", layer), "forward_pre",
-                   restore_heads(layer)) for layer in self.layers]
+        bound = engine.bound
+        edits = [Edit(bound.at("embed"), lambda value, _call: engine.noise(value))]
+        edits += [Edit(bound.at("attn_out", layer, "input"), restore_heads(layer))
+                  for layer in self.layers]
         out = torch.empty(len(seed_of), dtype=torch.float64)
         device = engine.device
-        with installed(hooks), torch.no_grad():
+        with applying(engine.model, edits), torch.no_grad():
             for rows in torch.arange(len(seed_of)).split(engine.rows_per_chunk(0)):
                 seeds, chunk_cells = seed_of[rows], cell_of[rows]
-                live["noise"] = engine._noise_rows(seeds.to(device), 0)
+                engine.noise.retarget(engine._noise_delta, seeds.to(device))
                 for layer in self.layers:
                     mask = units[chunk_cells] & (cell_layer[chunk_cells] == layer)[:, None]
                     restores[layer].retarget(mask.to(device),

@@ -23,6 +23,7 @@ from ..interventions.noise import (  # noqa: F401 - re-exported
     embedding_matrix_sigma,
     resolve_sigma,
     rome_sigma,
+    subject_sigma,
 )
 from ..runtime import intervened
 

@@ -7,13 +7,15 @@ input on; nothing reads it). The model's own ``forward`` still runs around them 
 rotary tables, masks, the final norm, logit soft-capping — so nothing architecture-specific is
 rewritten here.
 
-While a block is replayed only the hooks named in ``keep`` see its output: another hook of the
-package on it (a ``pv.IntervenableModel``'s interventions applied to our runs) already shaped
-the stored output in the corrupted run and must not apply twice, so it is
-:func:`~..hooking.silenced` for the block. A hook that is not the package's cannot be silenced
-without rewriting torch's hook tables, which nothing here does: :func:`replayable` says whether
-the blocks carry any (transformers' output-capturing hooks aside: they record only for a forward
-that asks for hidden states, which the engine's never do), and the engine computes every layer
+While a block is replayed only the run's own edits see its output (the applier's hooks, named
+in ``keep``, running the edits of the group ``"run"`` alone: :func:`~..applier.only`): another
+edit of the package on it (a ``pv.IntervenableModel``'s interventions applied to our runs)
+already shaped the stored output in the corrupted run and must not apply twice, and any other
+hook of the package is :func:`~..hooking.silenced` for the block. A hook that is not the
+package's cannot be silenced without rewriting torch's hook tables, which nothing here does:
+:func:`replayable` says whether the blocks carry any (transformers' output-capturing hooks
+aside: they record only for a forward that asks for hidden states, which the engine's never
+do), and the engine computes every layer
 of such a run instead. Each block's own ``forward`` is back when the block ends. Both act on the
 forwards of the thread that installed them (:mod:`..hooking`'s gate): a forward of the model from
 any other thread runs every block's own forward and every hook, as without them.
@@ -35,6 +37,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from ..applier import only
 from ..hooking import is_ours, silenced, thread_gate
 
 #: The module of transformers 5's output-capturing hooks (inert unless the forward asks for
@@ -91,7 +94,7 @@ class LayerReplay:
                 saved.append((block, block.__dict__.get("forward")))
                 block.forward = self._stand_in(block.forward,
                                                output if index == first - 1 else None)
-            with silenced(self.blocks[:first], self.keep):
+            with silenced(self.blocks[:first], self.keep), only(self.blocks[:first], ("run",)):
                 yield
         finally:
             for block, own_forward in saved:

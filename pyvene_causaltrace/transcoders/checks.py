@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..bound import bind
+from ..bound import BoundModel
 from ..defaults import BOS
 from ..errors import InputError
 from ..interventions.clt_splice import clt_splice_representations
@@ -171,7 +171,7 @@ def check_pairing(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
     (:data:`~..prompts.BOS_MODES`) says whether position 0 is scored."""
     check_fits(clt, model)
     start = first_position(tokenizer, bos)
-    device = bind(model).device
+    device = model.device  # bound by @measured
     totals = {k: torch.zeros(clt.n_layers, dtype=torch.float64)
               for k in ("err", "dev", "err_pre", "dev_pre")}
     wrong_layer = torch.zeros(2, dtype=torch.float64)
@@ -240,28 +240,28 @@ class AnchorReport:
         return asdict(self)
 
 
-def _condition_representations(name: str, clt, model, n_pos: int,
+def _condition_representations(name: str, clt, bound: BoundModel, n_pos: int,
                                start: int = 1) -> list[dict]:
     if name == "clean":
         return []
     if name == "clt":
-        return clt_splice_representations(model, clt, from_position=start)
+        return clt_splice_representations(bound, clt, from_position=start)
     if name == "clt_all_positions":
-        return clt_splice_representations(model, clt, from_position=0)
+        return clt_splice_representations(bound, clt, from_position=0)
     if name == "b_dec_only":
         ablations = [{"clt_layer": layer, "features": "all"} for layer in range(clt.n_layers)]
-        return clt_splice_representations(model, clt, from_position=start, ablations=ablations)
-    adapter = bind(model).adapter
+        return clt_splice_representations(bound, clt, from_position=start, ablations=ablations)
+    adapter = bound.adapter
     zeros = torch.zeros(1, n_pos, clt.cfg.d_model)
     return [{"component": clt.cfg.hf_hooks(adapter, layer)["output"],
              "intervention": CleanRestore(positions=list(range(start, n_pos)), states=zeros)}
             for layer in range(clt.n_layers)]
 
 
-def _logits(model, representations, ids) -> torch.Tensor:
+def _logits(bound: BoundModel, representations, ids) -> torch.Tensor:
     if not representations:
-        return model(input_ids=ids).logits
-    with intervened(model, representations) as spliced:
+        return bound.model(input_ids=ids).logits
+    with intervened(bound, representations) as spliced:
         return spliced(input_ids=ids).logits
 
 
@@ -278,7 +278,7 @@ def replacement_anchor(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
                        answer: str | None = None, bos: str = BOS) -> AnchorReport:
     """The replacement-model anchor (see module docstring); ``bos``
     (:data:`~..prompts.BOS_MODES`) says whether the splice starts at position 0 or 1."""
-    bound = bind(model)  # once: every condition's representations read its sites
+    bound = model  # bound by @measured: every condition's representations read its sites
     model = bound.model
     check_fits(clt, bound)
     start = first_position(tokenizer, bos)
@@ -289,7 +289,7 @@ def replacement_anchor(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
         ids = _ids(tokenizer, text, device)
         for name in ANCHOR_CONDITIONS:
             ce, n = _next_token_ce(
-                _logits(model, _condition_representations(name, clt, bound, ids.shape[1],
+                _logits(bound, _condition_representations(name, clt, bound, ids.shape[1],
                                                           start), ids),
                 ids)
             totals[name] += ce
@@ -301,7 +301,7 @@ def replacement_anchor(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
         ids = _ids(tokenizer, prompt, device)
         clean = model(input_ids=ids).logits[0, -1].double().log_softmax(-1)
         splice = _condition_representations("clt", clt, bound, ids.shape[1], start)
-        spliced = _logits(model, splice, ids)[0, -1].double().log_softmax(-1)
+        spliced = _logits(bound, splice, ids)[0, -1].double().log_softmax(-1)
         answer_id = (answer_token_id(tokenizer, answer) if answer is not None
                      else int(clean.argmax()))
         report = {"prompt": prompt, "answer": tokenizer.decode([answer_id]),

@@ -74,12 +74,11 @@ def hook_component(adapter, hook: str, layer: int) -> str:
     return adapter.site(hook_site(hook).site, layer)
 
 
-def norm_settings(model: nn.Module | BoundModel, hook: str, layer: int) -> dict | None:
+def norm_settings(bound: BoundModel, hook: str, layer: int) -> dict | None:
     """``{"kind", "eps"}`` of the norm a normalised hook divides by (None for other hooks)."""
     site = hook_site(hook)
     if not site.normalized:
         return None
-    bound = bind(model)
     adapter = bound.adapter
     module = get_module(bound.model, adapter.site(site.site, layer).rpartition(".")[0])
     eps = next((float(getattr(module, name)) for name in ("eps", "variance_epsilon")
