@@ -68,8 +68,8 @@ from .targets import TARGET_KINDS, Target, make_target
 if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["BOS_ERRORS", "TARGET_KINDS", "attribute", "check_attribute_arguments",
-           "make_target", "steering_metadata", "transcoder_metadata"]
+__all__ = ["BOS_ERRORS", "TARGET_KINDS", "attribute", "make_target", "steering_metadata",
+           "transcoder_metadata"]
 
 #: ``attribute()``'s keyword defaults: :class:`~.settings.AttributionSettings`'.
 _DEFAULT = AttributionSettings()
@@ -81,13 +81,6 @@ SAVE_EVERY_S = 30.0
 #: At most this many rankings per graph: each reads every stored row, so on big graphs the
 #: queue between rankings grows to budget / RERANKS rows.
 RERANKS = 16
-
-
-def check_attribute_arguments(*, answer: object = None, **settings: object) -> None:
-    """Raise :class:`InputError` for an argument :func:`attribute` would refuse, before
-    anything is loaded or run: ``AttributionSettings(**settings).check(answer)``
-    (:meth:`~.settings.AttributionSettings.check` lists what is refused)."""
-    AttributionSettings(**settings).check(answer)
 
 
 class _Ranking:

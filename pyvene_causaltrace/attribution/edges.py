@@ -29,7 +29,7 @@ one-backward-per-node reference it is tested against (plain autograd on every le
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -257,8 +257,3 @@ def feature_rows_loop(run: ReplacementRun,
         constants.append(constant[0])
     return torch.stack(rows), torch.stack(constants)
 
-
-def batches(index: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
-    """``index`` in consecutive pieces of ``size``."""
-    for start in range(0, len(index), size):
-        yield index[start:start + size]

@@ -217,13 +217,6 @@ class PruneResult:
     def n_edges(self) -> int:
         return int(self.edge_target.numel())
 
-    def edge_mask(self) -> torch.Tensor:
-        """Dense ``[N, N]`` boolean mask of kept edges (small graphs only: tests, plots)."""
-        n = len(self.node_mask)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        mask[self.edge_target, self.edge_source] = True
-        return mask
-
 
 def prune(store: RowStore, layout: Layout, node_threshold: float = NODE_THRESHOLD,
           edge_threshold: float = EDGE_THRESHOLD, probabilities: torch.Tensor | None = None,
