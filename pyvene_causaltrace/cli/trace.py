@@ -8,7 +8,7 @@ from ..atomic import replacing, write_text
 from ..defaults import TRACE_MEMORY_MB, WINDOW
 from ..errors import CausalTraceError, InputError
 from ..execute import check_on_model, run_spec
-from ..interventions import RESERVED, get_intervention, list_interventions
+from ..interventions import get_intervention, list_interventions
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
 from ..tracing.engine import get_kind
@@ -127,6 +127,4 @@ def interventions_command(args) -> int:
     for name in list_interventions():
         cls = get_intervention(name)
         print(f"{name:<18} {cls.__module__}.{cls.__qualname__}")
-    for name, why in RESERVED.items():
-        print(f"{name:<18} (reserved: {why})")
     return 0
