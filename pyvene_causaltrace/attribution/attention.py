@@ -4,8 +4,9 @@
 at different tokens: something attention moved) by head (:mod:`.heads`), keeps each edge's
 largest head parts, and decomposes the score of each edge's leading head at the edge's two
 positions (query: the target's, key: the source's; the one hop that moves the edge when a single
-head moves it) into its largest QK terms. :meth:`AttentionAnnotations.annotate` writes them into
-the graph JSON where Neuronpedia's schema tolerates them (it sets no ``additionalProperties``):
+head moves it) into its largest QK terms (:mod:`.qk`). :meth:`AttentionAnnotations.annotate`
+writes them into the graph JSON where Neuronpedia's schema tolerates them (it sets no
+``additionalProperties``):
 
 - each annotated link gains ``"heads": [[layer, head, part], ...]``, largest ``|part|`` first
   (each a part of ``weight``; the parts of one layer plus that layer's bypass sum to it);
@@ -32,8 +33,10 @@ from ..errors import InputError
 from ..model_guard import measured
 from ..transcoders.transcoder import Transcoder
 from .export import node_id
-from .heads import QKAttribution, _loadings, _qk, _replay
+from .graph_replay import replay_graph
+from .heads import node_loadings
 from .identity import graph_identity
+from .qk import QKAttribution, score_terms
 
 if TYPE_CHECKING:  # annotations only
     from .graph import AttributionGraph
@@ -132,7 +135,7 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
     (default the attribution settings')."""
     edges = crossing_edges(graph, node_threshold, edge_threshold)[:max_edges]
     layers = list(range(model.n_layers))
-    replay = _replay(model, transcoder, graph, layers, qk=max_qk > 0, memory_mb=memory_mb)
+    replay = replay_graph(model, transcoder, graph, layers, qk=max_qk > 0, memory_mb=memory_mb)
     by_target: dict[int, list[int]] = {}
     for source, target in edges:
         by_target.setdefault(target, []).append(source)
@@ -143,7 +146,7 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
 
         targets = tqdm(targets, total=len(by_target), desc="heads (targets)")
     for target, sources in targets:
-        _, _, parts, _ = _loadings(replay, target, layers)
+        _, _, parts, _ = node_loadings(replay, target, layers)
         for source in sources:
             column = parts[:, :, source]
             order = column.flatten().abs().argsort(descending=True)[:top_heads]
@@ -158,6 +161,6 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
                    graph.coordinates(source, graph.node_kind(source))[1])
             if key not in wanted:
                 wanted.append(key)
-    qk = [_qk(replay, *key) for key in wanted[:max_qk]]
+    qk = [score_terms(replay, *key) for key in wanted[:max_qk]]
     return AttentionAnnotations(graph_identity(graph), links, qk)
 
