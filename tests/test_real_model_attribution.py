@@ -35,7 +35,7 @@ def test_smollm2_graph_closes_and_batches_exactly(smollm2, tmp_path):
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         clean = model(input_ids=ids).logits
-    target = make_target(clean, tokenizer, " Paris")
+    target = make_target(clean, tokenizer, " Paris", kind="demeaned", k=10)
     run = run_local_replacement(model, clt, ids)
     assert (run.logits.detach() - clean).abs().max() < 1e-4
     assert run.n_features > 100

@@ -29,7 +29,7 @@ from .heads import HeadLoadings, head_loadings
 from .qk import QKAttribution, qk_attribution
 from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
 from .replacement_model import PreparedPrompt, ReplacementModel
-from .settings import AttributionSettings
+from .settings import AttributionSettings, ReadingSettings
 from .targets import Target, demeaned_logit, logit_difference
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "MemoryCapError",
     "PreparedPrompt",
     "QKAttribution",
+    "ReadingSettings",
     "ReplacementModel",
     "ReplacementRun",
     "Target",

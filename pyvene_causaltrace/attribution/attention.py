@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..arguments import Fraction, MemoryMB, NonNegativeInt, PositiveInt, checked
 from ..bound import BoundModel
-from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..errors import InputError
 from ..model_guard import measured
 from ..transcoders.transcoder import Transcoder
@@ -37,6 +36,8 @@ from .graph_replay import replay_graph
 from .heads import node_loadings
 from .identity import graph_identity
 from .qk import QKAttribution, score_terms
+from .reading import PruneResult
+from .settings import ReadingSettings
 
 if TYPE_CHECKING:  # annotations only
     from .graph import AttributionGraph
@@ -44,6 +45,8 @@ if TYPE_CHECKING:  # annotations only
 #: Head parts kept per link, QK terms and marginals kept per head.
 TOP_HEADS = 3
 TOP_TERMS = 10
+#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
+_READING = ReadingSettings()
 
 
 @dataclass
@@ -105,11 +108,9 @@ def _qk_json(result: QKAttribution, graph: AttributionGraph) -> dict[str, Any]:
             "labels": {ident(n): ("constants" if n < 0 else graph.label(n)) for n in named}}
 
 
-def crossing_edges(graph: AttributionGraph, node_threshold: float = NODE_THRESHOLD,
-                   edge_threshold: float = EDGE_THRESHOLD) -> list[tuple[int, int]]:
+def crossing_edges(graph: AttributionGraph, pruned: PruneResult) -> list[tuple[int, int]]:
     """The pruned graph's edges ``(source, target)`` whose source and target sit at different
     positions, largest edge score first."""
-    pruned = graph.prune(node_threshold, edge_threshold)
     order = pruned.edge_score.argsort(descending=True)
     edges = []
     for i in order.tolist():
@@ -122,18 +123,22 @@ def crossing_edges(graph: AttributionGraph, node_threshold: float = NODE_THRESHO
 
 @measured
 def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
-                          *, node_threshold: Fraction = NODE_THRESHOLD,
-                          edge_threshold: Fraction = EDGE_THRESHOLD,
+                          *, node_threshold: Fraction = _READING.node_threshold,
+                          edge_threshold: Fraction = _READING.edge_threshold,
                           max_edges: NonNegativeInt = 200, top_heads: PositiveInt = TOP_HEADS,
                           max_qk: NonNegativeInt = 16, memory_mb: MemoryMB | None = None,
-                          progress: bool = False) -> AttentionAnnotations:
+                          progress: bool = False,
+                          settings: ReadingSettings | None = None) -> AttentionAnnotations:
     """Head parts of the ``max_edges`` kept cross-position edges of largest score
-    (:func:`crossing_edges`) and the QK terms of the leading heads of the first ``max_qk``
-    distinct (layer, head, positions) among them (module docstring). One forward, then per
-    target node one backward and one batched backward of ``n_heads`` rows per layer, and two
-    of ``head_dim`` rows per QK decomposition, as many rows per backward as fit ``memory_mb``
-    (default the attribution settings')."""
-    edges = crossing_edges(graph, node_threshold, edge_threshold)[:max_edges]
+    (:func:`crossing_edges`; pruned at the thresholds, or ``settings``, a
+    :class:`~.settings.ReadingSettings`) and the QK terms of the leading heads of the first
+    ``max_qk`` distinct (layer, head, positions) among them (module docstring). One forward,
+    then per target node one backward and one batched backward of ``n_heads`` rows per layer,
+    and two of ``head_dim`` rows per QK decomposition, as many rows per backward as fit
+    ``memory_mb`` (default the attribution settings')."""
+    reading = ReadingSettings.merged(settings, node_threshold=node_threshold,
+                                    edge_threshold=edge_threshold)
+    edges = crossing_edges(graph, graph.prune(settings=reading))[:max_edges]
     layers = list(range(model.n_layers))
     replay = replay_graph(model, transcoder, graph, layers, qk=max_qk > 0, memory_mb=memory_mb)
     by_target: dict[int, list[int]] = {}

@@ -36,7 +36,6 @@ import torch
 from torch import nn
 
 from ..arguments import MemoryMB, PositiveInt, Probability, Text
-from ..defaults import GRAPH_DESIRED_LOGIT_PROB, GRAPH_MAX_N_LOGITS
 from ..errors import InputError
 from ..fingerprint import package_version
 from ..finite import check_finite
@@ -58,8 +57,8 @@ from .edges import (
 from .graph import AttributionGraph
 from .reading import Layout, influence, logit_weights
 from .replacement import ReplacementRun
-from .replacement_model import BOS_ERRORS, PreparedPrompt, ReplacementModel, transcoder_metadata
-from .settings import AttributionSettings, settings_from
+from .replacement_model import PreparedPrompt, ReplacementModel, transcoder_metadata
+from .settings import BOS_ERRORS, AttributionSettings
 from .spread import Spread
 from .store import RowStore
 from .targets import TARGET_KINDS, Target, make_target
@@ -73,8 +72,6 @@ __all__ = ["BOS_ERRORS", "TARGET_KINDS", "attribute", "make_target", "steering_m
 #: ``attribute()``'s keyword defaults: :class:`~.settings.AttributionSettings`'.
 _DEFAULT = AttributionSettings()
 
-#: The salient logits' defaults (circuit-tracer's), what ``None`` means for either setting.
-MAX_N_LOGITS, DESIRED_LOGIT_PROB = GRAPH_MAX_N_LOGITS, GRAPH_DESIRED_LOGIT_PROB
 #: How often a checkpointed run saves its rows.
 SAVE_EVERY_S = 30.0
 #: At most this many rankings per graph: each reads every stored row, so on big graphs the
@@ -184,23 +181,19 @@ def attribute(
     """
     if not prompt:
         raise InputError("the prompt is empty")
-    s = settings_from(settings, target=target, other=other, k=k, max_n_logits=max_n_logits,
-                      desired_logit_prob=desired_logit_prob, bos_errors=bos_errors, bos=bos,
-                      max_feature_nodes=max_feature_nodes, memory_mb=memory_mb,
-                      batch_size=batch_size, max_batch=max_batch,
-                      update_interval=update_interval, freeze=freeze, loop=loop,
-                      check_closure=check_closure).check(answer)
+    s = AttributionSettings.merged(
+        settings, target=target, other=other, k=k, max_n_logits=max_n_logits,
+        desired_logit_prob=desired_logit_prob, bos_errors=bos_errors, bos=bos,
+        max_feature_nodes=max_feature_nodes, memory_mb=memory_mb, batch_size=batch_size,
+        max_batch=max_batch, update_interval=update_interval, freeze=freeze, loop=loop,
+        check_closure=check_closure).check_answer(answer)
     target, freeze, check_closure = s.target, s.freeze, s.check_closure
-    max_n_logits = MAX_N_LOGITS if s.max_n_logits is None else s.max_n_logits
-    desired_logit_prob = (DESIRED_LOGIT_PROB if s.desired_logit_prob is None
-                          else s.desired_logit_prob)
+    max_n_logits, desired_logit_prob = s.salient()
     start = time.perf_counter()
     replacement = ReplacementModel(model, tokenizer, transcoder, bos=s.bos)
     replacement.check_bos_errors(s.bos_errors)
     spread = Spread.of(replacement, prompt, answer, s)
-    prepared = replacement.prepare(prompt, answer, target=target, other=s.other, k=s.k,
-                                   max_n_logits=max_n_logits,
-                                   desired_logit_prob=desired_logit_prob)
+    prepared = replacement.prepare(prompt, answer, settings=s)
     if spread is not None and spread.mode == "features":  # every rank's features count
         prepared = replace(prepared, active_counts=spread.ranks.all_reduce(
             prepared.active_counts, "counting the active features"))

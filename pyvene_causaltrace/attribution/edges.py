@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..defaults import GRAPH_FREEZE
 from ..errors import ClosureError, InputError
 from .leaf_grads import leaf_grads
 from .replacement import ReplacementRun
@@ -137,7 +136,7 @@ def row_closures(rows: torch.Tensor, constants: torch.Tensor, targets: torch.Ten
     return (residual / scale.clamp(min=1e-30)).cpu()
 
 
-def closure_error(what: str, closure: Closure, *, freeze: bool = GRAPH_FREEZE,
+def closure_error(what: str, closure: Closure, *, freeze: bool,
                   hidden: list[str] = ()) -> ClosureError:
     """The :class:`ClosureError` for ``what`` (e.g. "the target row"), saying what the graph
     is missing and what to do."""

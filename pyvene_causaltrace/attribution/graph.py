@@ -37,14 +37,17 @@ import pandas as pd
 import torch
 
 from ..arguments import Fraction, checked
-from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..errors import InputError
 from .edges import Closure
 from .export import graph_json, write_json
 from .graph_file import load_graph, save_graph
 from .plots import plot_graph
 from .reading import Layout, PruneResult, graph_scores, influence, logit_weights, prune
+from .settings import ReadingSettings
 from .store import RowStore
+
+#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
+_READING = ReadingSettings()
 
 
 @dataclass
@@ -334,17 +337,17 @@ class AttributionGraph:
         return parts
 
     @checked
-    def prune(self, node_threshold: Fraction = NODE_THRESHOLD,
-              edge_threshold: Fraction = EDGE_THRESHOLD) -> PruneResult:
+    def prune(self, node_threshold: Fraction = _READING.node_threshold,
+              edge_threshold: Fraction = _READING.edge_threshold, *,
+              settings: ReadingSettings | None = None) -> PruneResult:
         """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds (each
-        a cumulative-influence fraction in [0, 1])."""
-        for name, value in (("node_threshold", node_threshold),
-                            ("edge_threshold", edge_threshold)):
-            if not 0 <= value <= 1:  # also refuses NaN
-                raise InputError(f"{name} must be in [0, 1], got {value}")
-        key = ("prune", node_threshold, edge_threshold)
+        a cumulative-influence fraction in [0, 1]; or ``settings``, a
+        :class:`~.settings.ReadingSettings`, whose ``max_links`` pruning does not read)."""
+        s = ReadingSettings.merged(settings, node_threshold=node_threshold,
+                                  edge_threshold=edge_threshold)
+        key = ("prune", s.node_threshold, s.edge_threshold)
         if key not in self._memo:
-            self._memo[key] = prune(self.rows, self.layout, node_threshold, edge_threshold,
+            self._memo[key] = prune(self.rows, self.layout, s.node_threshold, s.edge_threshold,
                                     probabilities=self.logit_weights(),
                                     node_influence=self.influence())
         return self._memo[key]
@@ -407,8 +410,10 @@ class AttributionGraph:
 
     @checked
     def to_json(self, path: str | Path | None = None, **kwargs: Any) -> dict:
-        """The circuit-tracer / Neuronpedia graph JSON (:func:`~.export.graph_json`); written
-        compactly to ``path`` when given (whole or not at all)."""
+        """The circuit-tracer / Neuronpedia graph JSON (:func:`~.export.graph_json`: the pruning
+        thresholds and ``max_links``, or ``settings=``, a :class:`~.settings.ReadingSettings`;
+        labels, attention annotations); written compactly to ``path`` when given (whole or not
+        at all)."""
         payload = graph_json(self, **kwargs)
         if path is not None:
             write_json(payload, path)
@@ -416,7 +421,8 @@ class AttributionGraph:
 
     @checked
     def plot(self, path: str | Path | None = None, **kwargs: Any):
-        """Static figure of the pruned graph (:func:`~.plots.plot_graph`)."""
+        """Static figure of the pruned graph (:func:`~.plots.plot_graph`: the pruning
+        thresholds or ``settings=``, and how many nodes and edges are drawn)."""
         return plot_graph(self, path, **kwargs)
 
     # ---------------------------------------------------------------------- files
