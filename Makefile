@@ -95,4 +95,4 @@ test-peer: $(VENV_PEER)/.installed
 	$(VENV_PEER)/bin/python -m pytest -q tests_peer $(ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check pyvene_causaltrace tests tests_peer benchmarks examples
+	$(VENV)/bin/ruff check pyvene_causaltrace tests tests_peer benchmarks examples tools

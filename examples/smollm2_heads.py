@@ -42,7 +42,7 @@ from pyvene_causaltrace.attribution import (
     run_local_replacement,
 )
 from pyvene_causaltrace.attribution.edges import target_row
-from pyvene_causaltrace.attribution.heads import graph_target
+from pyvene_causaltrace.attribution.graph_replay import graph_target
 from pyvene_causaltrace.crosscheck.heads import head_section
 from pyvene_causaltrace.models import cache_dir, get_adapter, get_module
 from pyvene_causaltrace.prompts import tokenize_prompt

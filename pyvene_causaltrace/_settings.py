@@ -1,12 +1,15 @@
-"""A call's settings from a settings object or keywords (one per field), shared by
-:class:`~.attribution.AttributionSettings`, :class:`~.tracing.TraceSettings` and
-:class:`~.dataset.DatasetSettings`."""
+"""A call's settings from a settings object or keywords (one per field), shared by every
+method's settings dataclass through their base :class:`Settings`:
+
+    s = ReadingSettings.merged(settings, node_threshold=node_threshold)
+"""
 
 from __future__ import annotations
 
 from dataclasses import fields
 from typing import TypeVar
 
+from .arguments import check_fields
 from .errors import InputError
 
 T = TypeVar("T")
@@ -27,23 +30,31 @@ def same_value(a: object, b: object) -> bool:
     return False
 
 
-def merge_settings(cls: type[T], settings: T | None, keywords: dict[str, object]) -> T:
-    """The settings of a call given ``settings`` and its keywords (one per field of ``cls``):
-    without ``settings``, ``cls(**keywords)``; with it, ``settings`` — a keyword left at its
-    default defers to it, and one set to another value than ``settings``' is refused
-    (:class:`~.errors.InputError` naming every such keyword)."""
-    if settings is None:
-        return cls(**keywords)
-    name = cls.__name__
-    if not isinstance(settings, cls):
-        raise InputError(f"settings must be {'an' if name[0] in 'AEIOU' else 'a'} {name}, got "
-                         f"{type(settings).__name__}")
-    clashes = [f"{f.name}={keywords[f.name]!r} (settings.{f.name}="
-               f"{getattr(settings, f.name)!r})" for f in fields(cls)
-               if f.name in keywords and not same_value(keywords[f.name], f.default)
-               and not same_value(keywords[f.name], getattr(settings, f.name))]
-    if clashes:
-        raise InputError(f"pass each setting once: settings= is given and so are "
-                         f"{', '.join(clashes)}; set them in the {name} "
-                         "(dataclasses.replace(settings, ...)) or drop settings=")
-    return settings
+class Settings:
+    """The base of every method's frozen settings dataclass: its fields checked when made
+    (:func:`~.arguments.check_fields`; a subclass adds its own checks after ``super()``'s)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @classmethod
+    def merged(cls: type[T], settings: T | None, **keywords: object) -> T:
+        """The settings of a call given ``settings`` and its keywords (one per field of
+        ``cls``): without ``settings``, ``cls(**keywords)``; with it, ``settings`` — a keyword
+        left at its default defers to it, and one set to another value than ``settings``' is
+        refused (:class:`~.errors.InputError` naming every such keyword)."""
+        if settings is None:
+            return cls(**keywords)
+        name = cls.__name__
+        if not isinstance(settings, cls):
+            raise InputError(f"settings must be {'an' if name[0] in 'AEIOU' else 'a'} {name}, "
+                             f"got {type(settings).__name__}")
+        clashes = [f"{f.name}={keywords[f.name]!r} (settings.{f.name}="
+                   f"{getattr(settings, f.name)!r})" for f in fields(cls)
+                   if f.name in keywords and not same_value(keywords[f.name], f.default)
+                   and not same_value(keywords[f.name], getattr(settings, f.name))]
+        if clashes:
+            raise InputError(f"pass each setting once: settings= is given and so are "
+                             f"{', '.join(clashes)}; set them in the {name} "
+                             "(dataclasses.replace(settings, ...)) or drop settings=")
+        return settings

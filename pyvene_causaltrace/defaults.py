@@ -37,6 +37,8 @@ DATASET_KINDS = ("residual", "mlp", "attn")
 KNOWN = "argmax"
 #: Bootstrap resamples of the aggregate's intervals.
 N_BOOT = 1000
+#: With ``--graphs``: each fact's graph is kept under ``graphs/`` only when asked for.
+DATASET_SAVE_GRAPHS = False
 
 # Reading a graph and checking it against a trace.
 
@@ -47,12 +49,22 @@ EDGE_THRESHOLD = 0.98
 #: ``graph.json`` holds at most this many links, those of largest edge score: the viewers slow
 #: down long before a million links, and ~60 bytes each keep a capped export near 25 MB.
 MAX_LINKS = 400_000
-#: The cross-check: layers one MLP restore spans (one MLP sublayer, as a graph cell; not
-#: ROME's ``WINDOW``), the cells of its top-k overlap and the features it patches.
+#: The cross-check (:class:`~pyvene_causaltrace.crosscheck.CrossCheckSettings`): the trace
+#: kinds compared, layers one MLP restore spans (one MLP sublayer, as a graph cell; not ROME's
+#: ``WINDOW``), the cells of its top-k overlap, the features it patches, where the patches are
+#: measured (the spliced model and the local replacement model) and whether heads are compared.
+CROSS_CHECK_KINDS = ("residual", "mlp")
 CROSS_CHECK_WINDOW = 1
 CROSS_CHECK_TOP_K = 10
 CROSS_CHECK_FEATURES = 20
-#: Steering: the top tokens shown per run.
+CROSS_CHECK_MODES = ("spliced", "replacement")
+CROSS_CHECK_HEADS = False
+#: Steering (:class:`~pyvene_causaltrace.steering.SteeringSettings`): the greedy tokens
+#: generated (0: the logits only), the transcoder's errors held at the clean run's, the
+#: attention patterns live, the top tokens shown per run.
+STEER_MAX_NEW_TOKENS = 0
+STEER_HOLD_ERRORS = True
+STEER_FREEZE_ATTENTION = False
 STEER_TOP_K = 10
 
 #: How position 0 is treated (:data:`~pyvene_causaltrace.prompts.BOS_MODES`): as BOS only when

@@ -23,10 +23,6 @@ class InputError(CausalTraceError, ValueError):
     model, prompt or data it is used with."""
 
 
-class UnsupportedError(CausalTraceError, NotImplementedError):
-    """A combination of features this package does not implement (rather than approximate)."""
-
-
 class SpecError(InputError):
     """A spec is malformed; ``path`` is the JSON path of the offending field."""
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .defaults import BOS
 from .errors import InputError, MultiTokenAnswerError, SubjectNotFoundError
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
@@ -134,7 +133,7 @@ def check_bos_mode(bos: object) -> None:
                          f"treated), got {bos!r}")
 
 
-def first_position(tokenizer: Tokenizer, bos: str = BOS) -> int:
+def first_position(tokenizer: Tokenizer, bos: str) -> int:
     """The first position spliced, attributed, fitted and scored under ``bos``
     (:data:`BOS_MODES`): 1 when position 0 is BOS, else 0."""
     check_bos_mode(bos)

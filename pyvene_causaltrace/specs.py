@@ -30,7 +30,6 @@ from .atomic import replacing, write_text
 from .errors import SpecError
 from .interventions import get_intervention, list_interventions
 from .interventions.spec_entry import SpecEntry, entry_of, generic_schema
-from .models import SITES
 from .spec_tensors import externalize
 
 SCHEMA_VERSION = 1
@@ -145,7 +144,7 @@ class ExperimentSpec:
 def spec_schema() -> dict[str, Any]:
     """The JSON Schema of a spec, as shipped for editors: the spec's own fields, the shared
     ``$defs``, and one branch per built-in intervention type, written from each type's
-    ``spec_schema()`` (:func:`write_schema`)."""
+    ``spec_schema()`` (``tools/write_schema.py`` writes them)."""
     return json.loads(SCHEMA_PATH.read_text())
 
 
@@ -172,15 +171,6 @@ def entry_schemas() -> dict[str, Any]:
                      "then": generic_schema()})
     return {"type": "object", "required": ["type"],
             "properties": {"type": {"type": "string", "minLength": 1}}, "allOf": branches}
-
-
-def write_schema(path: str | Path = SCHEMA_PATH) -> None:
-    """Rewrite ``spec.schema.json``'s per-type branches from the registered types."""
-    schema = json.loads(Path(path).read_text())
-    schema["$defs"]["component"]["anyOf"][0]["enum"] = list(SITES)
-    schema["$defs"]["intervention"] = entry_schemas()
-    Path(path).write_text(json.dumps(schema, indent=2) + "\n")
-    spec_schema.cache_clear()
 
 
 def validate_spec(data: Any) -> None:

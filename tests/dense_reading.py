@@ -20,6 +20,15 @@ def square(graph) -> torch.Tensor:
     return full
 
 
+def edge_mask(pruned) -> torch.Tensor:
+    """Dense ``[N, N]`` boolean mask of a sparse :class:`~pyvene_causaltrace.attribution.reading.
+    PruneResult`'s kept edges (rows = targets), to compare with the dense reference's."""
+    n = len(pruned.node_mask)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[pruned.edge_target, pruned.edge_source] = True
+    return mask
+
+
 def normalize_matrix(matrix: torch.Tensor) -> torch.Tensor:
     """``|A|`` with each row divided by its sum (rows of zeros stay zero)."""
     normalized = matrix.abs()

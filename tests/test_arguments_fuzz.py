@@ -32,14 +32,16 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import pytest
 import torch
+from _support.data import tool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyvene_causaltrace import api_doc
 from pyvene_causaltrace.arguments import NONBLANK, Range, _resolve, unchecked
 from pyvene_causaltrace.cli import main
 from pyvene_causaltrace.cli.parser import build_parser
 from pyvene_causaltrace.errors import CausalTraceError
+
+api_doc = tool("api_doc")
 
 EXAMPLES = 25
 EXAMPLES_LONG = 400
@@ -380,7 +382,7 @@ def test_wrong_flag_values_exit_2_with_one_error_line(command, action, data, cap
         label="text")
     flag_name = action.option_strings[0]
     capsys.readouterr()
-    code = main([command, flag_name, text])
+    code = main([command, f"{flag_name}={text}"])  # "--k" as a value, not an option
     err = capsys.readouterr().err
     assert code == 2, err
     lines = [line for line in err.splitlines() if "error:" in line]

@@ -52,7 +52,7 @@ def test_local_replacement_is_the_model_and_closes(arch, tmp_path, tokenizer):
     run = run_local_replacement(model, clt, ids)
     assert run.n_features > 50
     assert (run.logits.detach() - clean).abs().max() < 1e-4
-    target = demeaned_logit(clean, int(clean[0, -1].argmax()))
+    target = demeaned_logit(clean, int(clean[0, -1].argmax()), 10)
     _, _, closure = target_row(run, target)
     assert closure.relative < 1e-4, closure
     # without the freezes the edges are total derivatives and miss the target
@@ -90,7 +90,7 @@ def test_float64_closure_is_exact_and_batches_equal_the_loop(tmp_path, tokenizer
     clt = load_from_disk(str(write_clt(tmp_path / "clt64", tensors)), dtype=torch.float64)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     run = run_local_replacement(model, clt, ids)
-    target = demeaned_logit(run.logits.detach(), 5)
+    target = demeaned_logit(run.logits.detach(), 5, 10)
     _, _, closure = target_row(run, target)
     assert closure.relative < 1e-6
     index = torch.arange(run.n_features)
@@ -109,14 +109,14 @@ def test_targets_are_the_seed_conventions():
     target = demeaned_logit(logits, 7, k=10)
     expected = last[7] - last[last.topk(10).indices].mean()
     assert torch.allclose(target(logits), expected, atol=1e-6)
-    vocab = demeaned_logit(logits, 7, demean="vocab")
+    vocab = demeaned_logit(logits, 7, None)
     assert torch.allclose(vocab(logits), last[7] - last.mean(), atol=1e-6)
     diff = logit_difference(50, 7, 3)
     assert torch.allclose(diff(logits), last[7] - last[3])
     with pytest.raises(ValueError, match="two different"):
         logit_difference(50, 3, 3)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        demeaned_logit(logits, 99)
+        demeaned_logit(logits, 99, 10)
 
 
 @pytest.mark.numerics
@@ -187,7 +187,7 @@ def test_a_graph_runs_two_forwards_and_counts_active_features_in_the_clean_one(t
         handle.remove()
     prepared = ReplacementModel(model, tokenizer, clt).prepare(PROMPT, " the")
     assert torch.equal(prepared.active_counts, active_counts(
-        model, clt, prepared.input_ids, from_position=prepared_from(tokenizer)))
+        model, clt, prepared.input_ids, from_position=prepared_from(tokenizer, "auto")))
     assert int(prepared.active_counts.sum()) > 0
 
 

@@ -13,6 +13,7 @@ from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
 
 from pyvene_causaltrace.attribution import (
+    AttributionSettings,
     ReplacementModel,
     attribute,
     run_local_replacement,
@@ -75,7 +76,7 @@ def test_the_bound_object_is_checked_once_and_runs_the_same_forward(world, token
     model, clt = world
     replacement = ReplacementModel(model, tokenizer, clt)
     assert replacement.bound.n_layers == clt.n_layers
-    prepared = replacement.prepare(PROMPT, target="demeaned")
+    prepared = replacement.prepare(PROMPT, settings=AttributionSettings(target="demeaned"))
     assert prepared.softcap is None and prepared.target_logits is prepared.logits
     run = replacement.run(prepared.input_ids)
     reference = run_local_replacement(model, clt, prepared.input_ids,

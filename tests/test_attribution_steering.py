@@ -160,7 +160,7 @@ def test_steering_nodes_carry_the_hand_computed_contribution(setup, steered, tok
         run = run_local_replacement(model, clt, ids)
         with torch.no_grad():
             hand_logits = model(input_ids=ids).logits
-    goal = make_target(hand_logits, tokenizer, None)
+    goal = make_target(hand_logits, tokenizer, None, kind="demeaned", k=10)
     value = goal(run.logits)
     grads = torch.autograd.grad(value, leaves)
     by_hand = torch.cat([(leaf.detach() * grad).sum(-1)[0]

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from _support.forwards import observe
 from _support.models import PROMPT, SUBJECT, make_tiny_model
+from pyvene_causaltrace.api_doc import public_modules
 
 import pyvene_causaltrace
 from pyvene_causaltrace import trace
-from pyvene_causaltrace.api_doc import public_modules
 
 PACKAGE = Path(pyvene_causaltrace.__file__).parent
 

@@ -161,7 +161,7 @@ def test_role_aggregation_and_spearman_equal_a_hand_computation(reference):
     cells from the subject on (the mlp side summed over each restore's window)."""
     out, result = reference
     rows = graph_rows(out)
-    one = aggregate_graphs(rows[:1], n_layers=N_LAYERS, n_boot=50)
+    one = aggregate_graphs(rows[:1], n_layers=N_LAYERS, window=WINDOW, n_boot=50)
     grid = np.array(rows[0]["influence"]["all"])
     buckets = role_positions(tuple(rows[0]["subject_range"]), grid.shape[1])
     for r, role in enumerate(result.roles):
@@ -173,7 +173,7 @@ def test_role_aggregation_and_spearman_equal_a_hand_computation(reference):
         assert np.array_equal(np.array(one["ci_low"]["all"][r]), got)  # one fact: no spread
     last = result.roles.index("Last token")
     by_hand = np.mean([np.array(row["influence"]["errors"])[:, -1] for row in rows[:2]], axis=0)
-    two = aggregate_graphs(rows[:2], n_layers=N_LAYERS, n_boot=50)
+    two = aggregate_graphs(rows[:2], n_layers=N_LAYERS, window=WINDOW, n_boot=50)
     assert np.allclose(two["influence"]["errors"][last], by_hand, rtol=0, atol=1e-15)
 
     traces = [json.loads(line) for line in (out / "results.jsonl").open()]
@@ -471,7 +471,7 @@ def test_the_bos_rule_is_in_the_manifest(reference, files, model, tokenizer, tmp
     with pytest.raises(ManifestMismatchError, match="bos"):
         _run(files, model, tokenizer, run, limit=2)
     with pytest.raises(InputError, match="bos must be one of"):
-        GraphSettings(bos="first").check()
+        GraphSettings(bos="first")
     # the rule reaches each graph: "always" on this tokenizer (it adds no BOS) leaves position
     # 0 out of the spliced positions, as the same call of attribute does
     always = tmp_path / "always"

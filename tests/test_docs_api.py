@@ -7,10 +7,11 @@ import difflib
 import re
 
 import pytest
-from _support.data import ROOT
+from _support.data import ROOT, tool
 
-from pyvene_causaltrace import api_doc
 from pyvene_causaltrace import attribution as attribution_package
+
+api_doc = tool("api_doc")
 
 API_PAGE = ROOT / "docs" / "api.md"
 TUTORIAL = ROOT / "docs" / "tutorial.md"

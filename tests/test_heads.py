@@ -13,11 +13,9 @@ from clt_fixtures import random_clt_tensors, write_clt
 
 from pyvene_causaltrace.attribution import attribute, run_local_replacement
 from pyvene_causaltrace.attribution.edges import feature_rows, target_row
-from pyvene_causaltrace.attribution.heads import (
-    graph_target,
-    head_loadings,
-    qk_attribution,
-)
+from pyvene_causaltrace.attribution.graph_replay import graph_target, replay_graph
+from pyvene_causaltrace.attribution.heads import head_loadings
+from pyvene_causaltrace.attribution.qk import qk_attribution
 from pyvene_causaltrace.errors import ClosureError, InputError, UnsupportedModelError
 from pyvene_causaltrace.interventions.frozen import attention_patterns
 from pyvene_causaltrace.models import get_adapter, get_module
@@ -229,10 +227,10 @@ def test_qk_terms_sum_to_the_score_and_match_hand_built_vectors(arch, tmp_path, 
 def test_without_the_frozen_qk_norms_the_query_does_not_decompose(tmp_path, tokenizer,
                                                                    monkeypatch):
     model, clt, graph = _world("qwen3", tmp_path, tokenizer)
-    from pyvene_causaltrace.attribution import heads
+    from pyvene_causaltrace.attribution import graph_replay
 
-    real = heads._graph_run
-    monkeypatch.setattr(heads, "_graph_run",
+    real = graph_replay.graph_run
+    monkeypatch.setattr(graph_replay, "graph_run",
                         lambda *args, **kwargs: real(*args, **{**kwargs, "qk_norms": False}))
     with pytest.raises(ClosureError, match="do not sum"):
         qk_attribution(model, clt, graph, 1, 0, -1, 2)
@@ -330,15 +328,15 @@ def _cut_rows(model, clt, graph, layer, nodes):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_row_of_a_graph_splits_exactly_at_every_layer(arch, tmp_path, tokenizer):
-    from pyvene_causaltrace.attribution import heads
+    from pyvene_causaltrace.attribution.heads import node_loadings
     from pyvene_causaltrace.bound import bind
 
     model, clt, graph = _world(arch, tmp_path, tokenizer)
     nodes = graph.explored.nonzero().squeeze(-1)  # every explored feature, then the logit
     assert len(nodes) > 40
     layers = list(range(graph.n_layers))
-    replay = heads._replay(bind(model), clt, graph, layers)
-    split = [heads._loadings(replay, int(node), layers)
+    replay = replay_graph(bind(model), clt, graph, layers)
+    split = [node_loadings(replay, int(node), layers)
              for node in [*nodes.tolist(), graph.logit_node]]
     edges = torch.stack([s[0].double() for s in split])          # [rows, sources]
     parts = torch.stack([s[2].double().sum(1) for s in split])   # [rows, layers, sources]
@@ -355,12 +353,12 @@ def test_every_row_of_a_graph_splits_exactly_at_every_layer(arch, tmp_path, toke
 
 def test_one_row_per_backward_gives_the_same_split(tmp_path, tokenizer, monkeypatch):
     """The memory cap's batches (here forced to one row per backward) change nothing."""
-    from pyvene_causaltrace.attribution import heads
+    from pyvene_causaltrace.attribution import graph_replay
 
     model, clt, graph = _world("llama", tmp_path, tokenizer)
     whole = head_loadings(model, clt, graph)
     qk_whole = qk_attribution(model, clt, graph, 2, 1, -1, 3)
-    monkeypatch.setattr(heads, "batch_size_for", lambda run, memory_mb: 1)
+    monkeypatch.setattr(graph_replay, "batch_size_for", lambda run, memory_mb: 1)
     single = head_loadings(model, clt, graph)
     qk_single = qk_attribution(model, clt, graph, 2, 1, -1, 3)
     assert torch.allclose(single.parts, whole.parts, atol=1e-7)

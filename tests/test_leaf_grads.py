@@ -85,7 +85,7 @@ def test_rows_equal_autograd_on_every_leaf(arch, kind, tmp_path, tokenizer):
         got, _ = feature_rows(run, part)
         assert (got - old[part]).abs().max() <= 1e-6
     # the logit rows too
-    target = demeaned_logit(run.logits.detach(), 5)
+    target = demeaned_logit(run.logits.detach(), 5, 10)
     new_target, new_constant, _ = target_rows(run, [target])
     seed = target.seed(run.logits)[None]
     grads = torch.autograd.grad(run.logits, run.inputs(), seed, retain_graph=True,

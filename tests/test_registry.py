@@ -7,7 +7,6 @@ from importlib.metadata import EntryPoint
 import pytest
 
 from pyvene_causaltrace.interventions import (
-    RESERVED,
     UnknownInterventionError,
     get_intervention,
     list_interventions,
@@ -32,14 +31,6 @@ def test_unknown_name_lists_the_known_ones():
     with pytest.raises(UnknownInterventionError) as error:
         get_intervention("noise_ad")
     assert "noise_add" in str(error.value) and "clean_restore" in str(error.value)
-
-
-def test_reserved_names_say_where_they_come_from(monkeypatch):
-    monkeypatch.setitem(RESERVED, "future_type", "lands with a later milestone")
-    with pytest.raises(NotImplementedError, match="later milestone"):
-        get_intervention("future_type")
-    with pytest.raises(ValueError, match="reserved"):
-        register_intervention("future_type", pv.VanillaIntervention)
 
 
 def test_third_party_registration_and_duplicates(monkeypatch):

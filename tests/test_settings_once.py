@@ -1,45 +1,53 @@
-"""Each setting's default is written once (issue 40): the attribution settings'
-(:class:`~pyvene_causaltrace.attribution.AttributionSettings`' fields), the tracing ones
-(:class:`~pyvene_causaltrace.tracing.TraceSettings`'), the dataset ones
-(:class:`~pyvene_causaltrace.dataset.DatasetSettings`') and those of reading a graph
-(:mod:`pyvene_causaltrace.defaults`: pruning thresholds, links, the cross-check's, steering's top
-tokens). A function parameter, a dataclass field or an argparse flag of one of these names
-anywhere in the package defaults to a name, never to a literal of its own; the spec schema's
-defaults (data) and the command line's help texts say the same values; the ``trace`` and
-``dataset`` flags are the settings' fields; and ``attribute``, ``Tracer``/``trace`` and
-``trace_dataset`` with ``settings=...`` run as with the keywords, refusing a keyword that
-contradicts the settings object."""
+"""Each setting's default is written once (issue 40): every method's settings object —
+:class:`~pyvene_causaltrace.attribution.AttributionSettings`,
+:class:`~pyvene_causaltrace.attribution.ReadingSettings` (pruning, export),
+:class:`~pyvene_causaltrace.tracing.TraceSettings`,
+:class:`~pyvene_causaltrace.dataset.DatasetSettings`,
+:class:`~pyvene_causaltrace.dataset.graphs.GraphSettings`,
+:class:`~pyvene_causaltrace.crosscheck.CrossCheckSettings`,
+:class:`~pyvene_causaltrace.steering.SteeringSettings` — owns its fields' defaults (read from
+:mod:`pyvene_causaltrace.defaults`, where the torch-free parser reads them too). A function
+parameter, a dataclass field or an argparse flag of one of these names anywhere in the package
+defaults to a name, never to a literal of its own; a public signature's default of a field's
+name is None or read from a settings object (``_DEFAULT.<field>``), never from
+:mod:`~pyvene_causaltrace.defaults` (whose constants only the settings modules and the parser
+import); every field of each settings object is a flag of its command (or listed here as not
+one, with the reason), whose default and help state the field's; the spec schema's defaults say
+the same values; each settings object is checked when made; and the entry points with
+``settings=...`` run as with the keywords, refusing a keyword that contradicts the settings
+object."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
 import json
 import re
+from importlib import import_module
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _support.data import tool
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
 
 import pyvene_causaltrace
 from pyvene_causaltrace import defaults
-from pyvene_causaltrace.attribution import AttributionSettings, attribute
-from pyvene_causaltrace.attribution.export import graph_json
-from pyvene_causaltrace.attribution.graph import AttributionGraph
-from pyvene_causaltrace.attribution.plots import plot_graph
-from pyvene_causaltrace.attribution.reading import prune
-from pyvene_causaltrace.attribution.replacement_model import BOS_ERRORS
-from pyvene_causaltrace.attribution.settings import settings_from
+from pyvene_causaltrace._settings import same_value
+from pyvene_causaltrace.attribution import AttributionSettings, ReadingSettings, attribute
+from pyvene_causaltrace.attribution.settings import BOS_ERRORS
 from pyvene_causaltrace.attribution.targets import TARGET_KINDS
+from pyvene_causaltrace.cli import attribute as cli_attribute
+from pyvene_causaltrace.cli import steer as cli_steer
 from pyvene_causaltrace.cli.common import number_or_name
 from pyvene_causaltrace.cli.dataset import DATASET_FLAGS, dataset_settings
 from pyvene_causaltrace.cli.parser import build_parser
 from pyvene_causaltrace.cli.trace import TRACE_FLAGS, trace_settings
-from pyvene_causaltrace.crosscheck import cross_check
+from pyvene_causaltrace.crosscheck import CrossCheckSettings
 from pyvene_causaltrace.dataset import DatasetSettings, trace_dataset
 from pyvene_causaltrace.dataset.graphs import GraphSettings
 from pyvene_causaltrace.dataset.records import FactRecord
@@ -47,25 +55,27 @@ from pyvene_causaltrace.dataset.settings import KNOWN_RULES
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.interventions.noise import DISTRIBUTIONS, SIGMA_METHODS
 from pyvene_causaltrace.prompts import BOS_MODES
-from pyvene_causaltrace.steering import intervene_features
+from pyvene_causaltrace.steering import SteeringSettings
 from pyvene_causaltrace.tracing import Tracer, TraceSettings, trace
-from pyvene_causaltrace.tracing.settings import trace_settings_from
 from pyvene_causaltrace.transcoders import load_from_disk
 
 PACKAGE = Path(pyvene_causaltrace.__file__).parent
+#: Every method's settings object.
+SETTINGS_CLASSES = (AttributionSettings, ReadingSettings, TraceSettings, DatasetSettings,
+                    GraphSettings, CrossCheckSettings, SteeringSettings)
 SETTINGS = {f.name for f in dataclasses.fields(AttributionSettings)}
 #: The tracing settings and the constants that hold their defaults.
 TRACING = {"scale": (defaults.NOISE_SCALE,), "window": (defaults.WINDOW,),
            "seeds": (defaults.TRACE_SEEDS, defaults.DATASET_SEEDS)}
 TRACE_FIELDS = {f.name: f.default for f in dataclasses.fields(TraceSettings)}
 DATASET_FIELDS = {f.name: f.default for f in dataclasses.fields(DatasetSettings)}
-#: Settings of reading a graph and checking it, by the name their parameters and flags use.
-READING = {"node_threshold": defaults.NODE_THRESHOLD, "edge_threshold": defaults.EDGE_THRESHOLD,
-           "max_links": defaults.MAX_LINKS, "check_window": defaults.CROSS_CHECK_WINDOW,
-           "top_n": defaults.CROSS_CHECK_FEATURES,
-           "top_k": (defaults.CROSS_CHECK_TOP_K, defaults.STEER_TOP_K)}
+#: field name -> the settings classes that have it.
+OWNERS: dict[str, list[type]] = {}
+for _cls in SETTINGS_CLASSES:
+    for _field in dataclasses.fields(_cls):
+        OWNERS.setdefault(_field.name, []).append(_cls)
 #: Every name the scan reads.
-SCANNED = SETTINGS | set(TRACING) | set(TRACE_FIELDS) | set(DATASET_FIELDS) | set(READING)
+SCANNED = set(OWNERS) | set(TRACING) | {"check_window", "check_modes"}
 #: What each attribution setting means when not given (``None`` for the salient-logit
 #: settings means circuit-tracer's values).
 EFFECTIVE = {**{f.name: f.default for f in dataclasses.fields(AttributionSettings)},
@@ -155,6 +165,8 @@ def defaults_in(source: str, module: str) -> list[tuple[int, str, str, object]]:
                 found.append((statement.lineno, name, "field", _literal(value)))
         elif isinstance(node, ast.Dict) and module.startswith("cli/"):  # settings dicts
             for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(value, ast.Constant) and value.value in SCANNED:
+                    continue  # a flag table (argparse dest -> field), not a default
                 if isinstance(key, ast.Constant) and isinstance(key.value, str) \
                         and (name := setting(key.value)) is not None:
                     found.append((key.lineno, name, "dict entry", _literal(value)))
@@ -190,12 +202,10 @@ def test_no_setting_default_is_a_literal_outside_its_one_place():
             for _, how, _ in entries}
     assert {("attribution/attribute.py", "memory_mb", "parameter"),
             ("attribution/settings.py", "memory_mb", "field"),
-            ("attribution/targets.py", "target", "parameter"),
             ("attribution/replacement.py", "bos_errors", "field"),
             ("dataset/graphs.py", "k", "field"),
             ("cli/parser.py", "k", "flag"), ("cli/parser.py", "memory_mb", "flag"),
             ("tracing/tracer.py", "scale", "parameter"), ("cli/parser.py", "seeds", "flag"),
-            ("dataset/graph_aggregate.py", "window", "parameter"),
             ("tracing/settings.py", "memory_budget_mb", "field"),
             ("tracing/settings.py", "sigma", "field"),
             ("tracing/tracer.py", "distribution", "parameter"),
@@ -205,11 +215,15 @@ def test_no_setting_default_is_a_literal_outside_its_one_place():
             ("cli/parser.py", "memory_budget_mb", "flag"), ("cli/parser.py", "n_boot", "flag"),
             ("cli/parser.py", "kinds", "flag"), ("cli/parser.py", "node_threshold", "flag"),
             ("cli/parser.py", "top_k", "flag"), ("cli/parser.py", "top_n", "flag"),
-            ("cli/parser.py", "check_window", "flag"),
-            ("attribution/reading.py", "edge_threshold", "parameter"),
+            ("cli/parser.py", "check_window", "flag"), ("cli/parser.py", "check_modes", "flag"),
+            ("cli/parser.py", "max_new_tokens", "flag"),
+            ("attribution/graph.py", "edge_threshold", "parameter"),
             ("attribution/export.py", "max_links", "parameter"),
+            ("attribution/settings.py", "node_threshold", "field"),
             ("crosscheck/check.py", "window", "parameter"),
-            ("steering.py", "top_k", "parameter")} <= seen
+            ("crosscheck/settings.py", "modes", "field"),
+            ("steering/settings.py", "top_k", "field"),
+            ("steering/run.py", "top_k", "parameter")} <= seen
     # every exception names a default that is still there and still a literal
     stale = [key for key in OTHER_SETTINGS
              if not any(v is not _NO_LITERAL for _, _, v in FOUND.get(key, []))]
@@ -298,18 +312,158 @@ def test_the_defaults_are_the_trace_and_dataset_settings_and_their_keywords():
     assert TRACE_FIELDS["distribution"] in DISTRIBUTIONS
 
 
-def test_the_reading_defaults_are_one_constant_each():
-    def default(function, name):
-        return inspect.signature(function).parameters[name].default
+#: A parameter or field named like a settings field that is another setting, or a setting of
+#: something without a settings object, with its own default: (module, name) -> why.
+NOT_A_METHOD_SETTING = {
+    ("dataset/graph_aggregate.py", "kinds"): "the trace kinds a graph aggregate ranks against",
+    ("interventions/noise.py", "seeds"): "a bare noise_add's seed list, not a trace's count",
+    ("interventions/noise.py", "scale"): "a bare noise_add's scale (the spec entry's default)",
+    ("interventions/noise.py", "sigma"): "a bare noise_add's unit (1: the scale is the size)",
+    ("interventions/noise.py", "distribution"): "a bare noise_add's (the spec entry's default: "
+                                                "interventions sit below the tracing settings)",
+    ("transcoders/checks.py", "bos"): "clt-check's pairing and anchor: no method settings; "
+                                      "position 0's rule is defaults.BOS, as the flag's",
+    ("transcoders/fit.py", "bos"): "a transcoder fit (fitting.FitSettings owns the fit's)",
+    ("transcoders/fit.py", "batch_size"): "tokens per optimiser step of a fit",
+    ("specs.py", "limit"): "the nesting depth a spec may reach",
+    ("viewer/listing.py", "limit"): "the nesting depth a graph JSON may reach",
+    ("transcoders/formats/__init__.py", "limit"): "files named in an error message",
+}
 
-    for function in (prune, graph_json, plot_graph, AttributionGraph.prune):
-        assert default(function, "node_threshold") == READING["node_threshold"] == 0.8
-        assert default(function, "edge_threshold") == READING["edge_threshold"] == 0.98
-    assert default(graph_json, "max_links") == READING["max_links"] == 400_000
-    assert (default(cross_check, "window"), default(cross_check, "top_k"),
-            default(cross_check, "top_n")) == (1, 10, 20) \
-        == (READING["check_window"], READING["top_k"][0], READING["top_n"])
-    assert default(intervene_features, "top_k") == READING["top_k"][1] == 10
+
+def _signature_defaults_in(source: str, module: str):
+    """Every function's parameter in ``source`` with a default, named like a settings field:
+    ``(module, line, function, name, default expression)``."""
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        args = node.args
+        positional = args.posonlyargs + args.args
+        pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults,
+                         strict=True))
+        pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+                  if d is not None]
+        for arg, default in pairs:
+            if arg.arg in OWNERS:
+                yield module, default.lineno, node.name, arg.arg, default
+
+
+def _signature_defaults():
+    """:func:`_signature_defaults_in` over the package (the command line aside: its flags are
+    checked against the fields below)."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        if not module.startswith("cli/"):
+            yield from _signature_defaults_in(path.read_text(encoding="utf-8"), module)
+
+
+def _rewritten(entries) -> list[str]:
+    """The entries whose default neither is None nor reads the field of its name."""
+    out = []
+    for module, line, function, name, default in entries:
+        reads_field = isinstance(default, ast.Attribute) and default.attr == name \
+            and isinstance(default.value, ast.Name)
+        none = isinstance(default, ast.Constant) and default.value is None
+        if not (reads_field or none) and (module, name) not in NOT_A_METHOD_SETTING:
+            out.append(f"{module}:{line}: {function}({name}={ast.unparse(default)})")
+    return out
+
+
+def test_the_signature_scan_flags_a_rewritten_default_and_only_that():
+    source = ("def f(x, k=GRAPH_K, *, node_threshold=0.8, top_n=_DEFAULT.top_n, bos=None,\n"
+              "      window=TraceSettings.window, modes=_DEFAULT.kinds, other_name=3): ...\n")
+    assert [entry.split(": ", 1)[1] for entry in
+            _rewritten(_signature_defaults_in(source, "x.py"))] \
+        == ["f(k=GRAPH_K)", "f(node_threshold=0.8)", "f(modes=_DEFAULT.kinds)"]
+
+
+def test_no_signature_writes_a_settings_default_again():
+    """A parameter named like a settings field defaults to None or reads the field
+    (``_DEFAULT.<name>``, ``TraceSettings.<name>``), never to a literal or a
+    :mod:`~pyvene_causaltrace.defaults` constant; and a public callable's default equals the
+    field's (of a settings class that has it)."""
+    written = _rewritten(_signature_defaults())
+    assert written == [], ("a settings field's default written in a signature (read it from the "
+                           "settings object: _DEFAULT.<name>):\n" + "\n".join(written))
+    stale = [key for key in NOT_A_METHOD_SETTING
+             if not any((m, n) == key for m, _, _, n, _ in _signature_defaults())]
+    assert stale == []
+    values = []
+    for qualname, function in public_callables():
+        try:
+            parameters = inspect.signature(function).parameters
+        except (TypeError, ValueError):  # an exception class: nothing to default
+            continue
+        for name, parameter in parameters.items():
+            if name not in OWNERS or parameter.default in (None, inspect.Parameter.empty):
+                continue
+            module = inspect.getmodule(function).__name__.split(".", 1)[1].replace(".", "/")
+            if (module + ".py", name) in NOT_A_METHOD_SETTING:
+                continue
+            fields = [{f.name: f.default for f in dataclasses.fields(c)}[name]
+                      for c in OWNERS[name]]
+            if not any(same_value(parameter.default, f) for f in fields):
+                values.append(f"{qualname}({name}={parameter.default!r}): fields say {fields}")
+    assert values == [], "\n".join(values)
+
+
+def public_callables():
+    """The public API's functions, classes' constructors and public methods."""
+    api_doc = tool("api_doc")
+    seen = {}
+    for module_name in api_doc.public_modules():
+        module = import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isfunction(obj):
+                seen.setdefault(f"{obj.__module__}.{obj.__qualname__}", obj)
+            elif inspect.isclass(obj) and obj not in SETTINGS_CLASSES:
+                if not dataclasses.is_dataclass(obj):  # a result's fields are data (the
+                    seen.setdefault(f"{obj.__module__}.{obj.__qualname__}", obj)  # scan above)
+                for member_name, member in vars(obj).items():
+                    if not member_name.startswith("_") and inspect.isfunction(member):
+                        seen.setdefault(f"{obj.__module__}.{obj.__qualname__}.{member_name}",
+                                        member)
+    return sorted(seen.items())
+
+
+#: The settings modules, the one command-line module that reads defaults.py (flag defaults and
+#: help, checked against the fields below), and the one setting used beyond a method.
+READS_DEFAULTS = {"attribution/settings.py", "tracing/settings.py", "dataset/settings.py",
+                  "dataset/graphs.py",
+                  "crosscheck/settings.py", "steering/settings.py", "cli/parser.py"}
+#: A constant a module other than those imports, and why: (module, constant) -> why.
+DEFAULTS_ELSEWHERE = {
+    ("interventions/noise.py", "NOISE_SCALE"): NOT_A_METHOD_SETTING[("interventions/noise.py",
+                                                                    "scale")],
+    ("interventions/noise.py", "SIGMA"): NOT_A_METHOD_SETTING[("interventions/noise.py",
+                                                              "sigma")],
+    ("interventions/noise.py", "DISTRIBUTION"): NOT_A_METHOD_SETTING[("interventions/noise.py",
+                                                                     "distribution")],
+    ("transcoders/checks.py", "BOS"): NOT_A_METHOD_SETTING[("transcoders/checks.py", "bos")],
+    ("transcoders/fit.py", "BOS"): NOT_A_METHOD_SETTING[("transcoders/fit.py", "bos")],
+}
+
+
+def test_defaults_are_imported_only_by_the_settings_and_the_parser():
+    """The constants of defaults.py are the settings' fields' values: the settings modules
+    read them (and the torch-free parser, for its flags' defaults and help); a function takes
+    the settings object's instead, so no default is re-defaulted in a signature."""
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = path.relative_to(PACKAGE).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("defaults") \
+                    and module not in READS_DEFAULTS:
+                found |= {(module, alias.name) for alias in node.names}
+    assert found == set(DEFAULTS_ELSEWHERE), sorted(found ^ set(DEFAULTS_ELSEWHERE))
+    # and every settings field's default is one of its constants (or None)
+    constants = {name: value for name, value in vars(defaults).items() if name.isupper()}
+    loose = [f"{cls.__name__}.{f.name}" for cls in SETTINGS_CLASSES if cls is not GraphSettings
+             for f in dataclasses.fields(cls)
+             if f.default is not None and not any(f.default is v or same_value(f.default, v)
+                                                  for v in constants.values())]
+    assert loose == []
 
 
 def test_the_spec_schema_states_the_same_defaults():
@@ -332,7 +486,7 @@ def test_the_spec_schema_states_the_same_defaults():
         == [(TRACE_FIELDS["sigma"], TRACE_FIELDS["distribution"])]
     attribution = schema["properties"]["attribution"]["properties"]
     assert (attribution["node_threshold"]["default"], attribution["edge_threshold"]["default"]) \
-        == (READING["node_threshold"], READING["edge_threshold"])
+        == (ReadingSettings.node_threshold, ReadingSettings.edge_threshold)
 
 
 def _commands() -> dict:
@@ -396,24 +550,75 @@ def test_docstrings_state_the_same_defaults():
 
 def test_a_settings_object_and_keywords_must_agree():
     given = AttributionSettings(memory_mb=512, max_feature_nodes=3)
-    assert settings_from(given, memory_mb=4096.0, k=10) is given  # defaults defer
-    assert settings_from(given, memory_mb=512, max_feature_nodes=3) is given  # the same values
-    assert settings_from(None, k=3) == AttributionSettings(k=3)
+    merged = AttributionSettings.merged
+    assert merged(given, memory_mb=4096.0, k=10) is given  # defaults defer
+    assert merged(given, memory_mb=512, max_feature_nodes=3) is given  # the same values
+    assert merged(None, k=3) == AttributionSettings(k=3)
     with pytest.raises(InputError, match=r"k=3 \(settings.k=10\), memory_mb=1024 "
                                          r"\(settings.memory_mb=512\)"):
-        settings_from(given, memory_mb=1024, k=3)
+        AttributionSettings.merged(given, memory_mb=1024, k=3)
     with pytest.raises(InputError, match="must be an AttributionSettings"):
-        settings_from({"memory_mb": 512})
+        AttributionSettings.merged({"memory_mb": 512})
     direction = torch.ones(4)
     with_direction = AttributionSettings(target=direction)
-    assert settings_from(with_direction, target=direction) is with_direction
+    assert AttributionSettings.merged(with_direction, target=direction) is with_direction
     with pytest.raises(InputError, match="target="):
-        settings_from(with_direction, target=torch.ones(4))  # another tensor: not the same
+        merged(with_direction, target=torch.ones(4))  # another tensor: not the same
     with pytest.raises(InputError, match="bos_errors must be one of keep, drop"):
-        AttributionSettings(bos_errors="omit").check()
+        AttributionSettings(bos_errors="omit")
     with pytest.raises(InputError, match="drop them, or drop the answer"):
-        AttributionSettings(max_n_logits=3).check(answer=" Paris")
-    assert AttributionSettings(max_n_logits=3).check() == AttributionSettings(max_n_logits=3)
+        AttributionSettings(max_n_logits=3).check_answer(" Paris")
+    assert AttributionSettings(max_n_logits=3).check_answer(None) \
+        == AttributionSettings(max_n_logits=3)
+    with pytest.raises(InputError, match="pass one of them"):
+        AttributionSettings(target=torch.ones(4)).check_answer(" Paris")
+
+
+@pytest.mark.parametrize("cls, options, message", [
+    (AttributionSettings, {"target": "difference"}, "needs the other token"),
+    (AttributionSettings, {"target": "difference", "other": " x", "max_n_logits": 3},
+     "would be ignored"),
+    (AttributionSettings, {"target": torch.ones(4), "desired_logit_prob": 0.5},
+     "would be ignored"),
+    (AttributionSettings, {"other": " x"}, "only read by target='difference'"),
+    (AttributionSettings, {"target": "logit"}, "target must be one of"),
+    (AttributionSettings, {"k": 0}, r"k=0 \(int\)"),
+    (AttributionSettings, {"desired_logit_prob": 1.5}, "desired_logit_prob"),
+    (AttributionSettings, {"memory_mb": float("inf")}, "memory_mb"),
+    (AttributionSettings, {"bos": "first"}, "bos must be one of"),
+    (ReadingSettings, {"node_threshold": 1.5}, "node_threshold"),
+    (ReadingSettings, {"edge_threshold": float("nan")}, "edge_threshold"),
+    (ReadingSettings, {"max_links": 0}, "max_links"),
+    (CrossCheckSettings, {"modes": ("linear",)}, "modes must list some of"),
+    (CrossCheckSettings, {"modes": ["spliced", "spliced"]}, "modes repeat"),
+    (CrossCheckSettings, {"kinds": ("attn",)}, "attention nodes"),
+    (CrossCheckSettings, {"kinds": ()}, "kinds must list"),
+    (CrossCheckSettings, {"top_n": -1}, "top_n"), (CrossCheckSettings, {"window": 0}, "window"),
+    (CrossCheckSettings, {"heads": "all"}, "heads"),
+    (SteeringSettings, {"max_new_tokens": -1}, "max_new_tokens"),
+    (SteeringSettings, {"top_k": 0}, "top_k"), (SteeringSettings, {"memory_mb": 0}, "memory_mb"),
+    (SteeringSettings, {"bos": "first"}, "bos must be one of"),
+    (GraphSettings, {"target": "difference"}, "graph target"),
+    (GraphSettings, {"memory_mb": -1}, "memory_mb")])
+def test_every_settings_object_is_checked_when_made(cls, options, message):
+    with pytest.raises(InputError, match=message):
+        cls(**options)
+
+
+def test_the_settings_objects_merge_with_keywords_alike():
+    for cls, field, value in ((ReadingSettings, "node_threshold", 0.5),
+                              (CrossCheckSettings, "top_n", 3), (SteeringSettings, "top_k", 4)):
+        merge = cls.merged
+        given = cls(**{field: value})
+        default = {f.name: f.default for f in dataclasses.fields(cls)}[field]
+        assert merge(given, **{field: default}) is given  # a default defers
+        assert merge(None, **{field: value}) == given
+        with pytest.raises(InputError, match=rf"{field}=.*\(settings.{field}="):
+            merge(given, **{field: value * 2})
+        with pytest.raises(InputError, match=f"must be a {cls.__name__}"):
+            merge(object())
+    assert CrossCheckSettings(modes=["replacement"], heads=[1, 2]) \
+        == CrossCheckSettings(modes=("replacement",), heads=(1, 2))
 
 
 def test_attribute_with_settings_builds_the_keywords_graph(tokenizer, tmp_path):
@@ -431,6 +636,15 @@ def test_attribute_with_settings_builds_the_keywords_graph(tokenizer, tmp_path):
         assert torch.equal(by_settings.row(node), by_keywords.row(node))
     with pytest.raises(InputError, match="max_feature_nodes=6"):
         attribute(model, tokenizer, clt, PROMPT, max_feature_nodes=6, settings=settings)
+    # reading the graph: a ReadingSettings or its fields as keywords, alike
+    reading = ReadingSettings(node_threshold=0.5, edge_threshold=0.9, max_links=3)
+    assert by_settings.prune(settings=reading) is by_settings.prune(0.5, 0.9)
+    assert by_settings.to_json(settings=reading) \
+        == by_settings.to_json(node_threshold=0.5, edge_threshold=0.9, max_links=3)
+    with pytest.raises(InputError, match=r"node_threshold=0.6 \(settings.node_threshold=0.5\)"):
+        by_settings.prune(0.6, settings=reading)
+    with pytest.raises(InputError, match="node_threshold"):
+        by_settings.prune(1.5)
 
 
 #: The flags of ``trace`` and ``dataset`` that are not a setting of the run: inputs, outputs,
@@ -441,15 +655,6 @@ FLAG_INPUTS = {
     "dataset": {"help", "data", "task", "model", "no_progress", "out", "graphs", "clt", "format",
                 "max_feature_nodes", "graph_memory_mb", "bos", "save_graphs"},
 }
-#: The flags of the graph-reading settings: (command, dest) -> the default.
-READING_FLAGS = {("attribute", "node_threshold"): READING["node_threshold"],
-                 ("attribute", "edge_threshold"): READING["edge_threshold"],
-                 ("attribute", "max_links"): READING["max_links"],
-                 ("attribute", "check_window"): READING["check_window"],
-                 ("attribute", "check_features"): READING["top_n"],
-                 ("steer", "top_k"): READING["top_k"][1]}
-
-
 def _said(value: object) -> str:
     """A default as a help text states it (a tuple of kinds as the flag's comma list)."""
     return ",".join(value) if isinstance(value, tuple) else _text(value)
@@ -492,12 +697,107 @@ def test_the_trace_and_dataset_flags_are_the_settings_fields(command, flags, set
     assert made == settings()
 
 
-def test_the_reading_flags_state_their_one_default():
-    commands = _commands()
-    for (command, dest), expected in READING_FLAGS.items():
-        action = next(a for a in commands[command]._actions if a.dest == dest)
-        assert action.default == expected, (command, dest)
-        assert _stated(action.help) == _text(expected), (command, action.help)
+#: Each command's settings objects: ``(class, {argparse dest: field}, {field: why it is not a
+#: flag})``; every field is one or the other.
+COMMAND_SETTINGS = {
+    "trace": [(TraceSettings, dict(TRACE_FLAGS), {
+        "scales": "the auto sweep's scales: a Python-level choice",
+        "distribution": "uniform noise is a Python-level and spec option",
+        "reuse_prefix": "an exact engine shortcut, turned off only to compare (benchmarks)",
+        "replay_layers": "an exact engine shortcut, turned off only to compare (benchmarks)"})],
+    "dataset": [
+        (DatasetSettings, dict(DATASET_FLAGS), {}),
+        (GraphSettings, {"max_feature_nodes": "max_feature_nodes",
+                         "graph_memory_mb": "memory_mb", "bos": "bos", "save_graphs": "save"},
+         {"target": "a dataset graph explains the fact's answer, demeaned by the top k",
+          "k": "the top-k of that target, as attribute's default"})],
+    "aggregate": [(DatasetSettings, {"boot": "n_boot"},
+                   {name: "aggregate reads rows a dataset run traced with it"
+                    for name in DATASET_FIELDS if name != "n_boot"})],
+    "attribute": [
+        (AttributionSettings, cli_attribute.ATTRIBUTION_FLAGS, {
+            "batch_size": "engine tuning (rows per backward): Python-level",
+            "max_batch": "engine tuning (a cap on rows per backward): Python-level",
+            "update_interval": "engine tuning (re-ranking cadence): Python-level",
+            "freeze": "freeze=False is a control of the method, Python-level",
+            "loop": "the one-backward-per-node reference, for tests and benchmarks",
+            "check_closure": "a graph that does not close is always refused by the command"}),
+        (ReadingSettings, cli_attribute.READING_FLAGS, {}),
+        (CrossCheckSettings, cli_attribute.CROSS_CHECK_FLAGS, {
+            "kinds": "the command compares both trace kinds a graph can be compared with",
+            "top_k": "the cells of the top-k overlap: the summary reads the default's",
+            "heads": "attribute --heads annotates the graph's own heads instead; the heads "
+                     "comparison is Python-level (it costs a restore per head and seed)"}),
+        (TraceSettings, cli_attribute.CROSS_CHECK_TRACE_FLAGS, {
+            name: "the cross-check's tracer takes the noise's seeds and scale from flags, the "
+                  "rest at the trace defaults" for name in TRACE_FIELDS
+            if name not in ("seeds", "scale")})],
+    "steer": [(SteeringSettings, cli_steer.STEERING_FLAGS, {})],
+}
+#: A flag whose default is None though its field's is not, and whose help does not state the
+#: field's default: (command, dest) -> why.
+UNSTATED = {("dataset", "known"): "None is the task's rule; the help states both"}
+
+
+def _flag_value(value: object, default: object) -> object:
+    """A flag's default as the field holds it (a comma list as a tuple, a number's text as a
+    number)."""
+    if isinstance(value, str) and isinstance(default, tuple):
+        return tuple(value.split(","))
+    return number_or_name(value) if isinstance(value, str) else value
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_SETTINGS))
+def test_every_settings_field_is_a_flag_stating_its_default(command):
+    """Each field of each settings object a command builds is one of its flags (or named above
+    as not one, with the reason); each such flag's default is the field's (a switch: off is the
+    field's default, ``--no-...`` inverted), its help states the field's default where the
+    flag's own default is None, and its choices are the field's allowed values."""
+    actions = {a.dest: a for a in _commands()[command]._actions}
+    choices = {"target": TARGET_KINDS, "bos": BOS_MODES, "bos_errors": BOS_ERRORS,
+               "known": KNOWN_RULES}
+    for cls, flags, not_flags in COMMAND_SETTINGS[command]:
+        fields = {f.name: f.default for f in dataclasses.fields(cls)}
+        assert set(flags.values()) | set(not_flags) == set(fields), cls.__name__
+        assert not set(flags.values()) & set(not_flags), cls.__name__
+        for dest, name in flags.items():
+            action, expected = actions[dest], fields[name]
+            if isinstance(action, argparse._StoreTrueAction):
+                assert expected is dest.startswith("no_"), (command, dest)
+                continue
+            if action.default is not None:
+                assert same_value(_flag_value(action.default, expected), expected), \
+                    (command, dest, action.default, expected)
+            said = _stated(action.help)
+            if isinstance(expected, tuple):
+                assert f"(default {','.join(expected)})" in action.help, (command, dest)
+            elif said is not None and expected is not None:
+                assert same_value(number_or_name(said), expected) or said == _text(expected), \
+                    (command, dest, said, expected)
+            elif action.default is None and expected is not None:
+                assert (command, dest) in UNSTATED, f"{command} --{dest}: help states no default"
+            if name in choices and action.choices is not None:
+                assert tuple(action.choices) == choices[name], (command, dest)
+
+
+def test_settings_from_flags_name_the_flag():
+    """A settings object refused while built from flags names the flag."""
+    args = build_parser().parse_args(["steer", "--set", "1:2:3=1", "--clt", "c"])
+    args.top_k = 0  # past argparse's own check: the settings' refusal is named by flag
+    with pytest.raises(InputError, match=r"^--top-k: top_k=0"):
+        cli_steer.steer_request(args)
+    args = build_parser().parse_args(["attribute", "--out", "o", "--clt", "c", "--cross-check",
+                                      "--check-modes", "spliced,linear"])
+    with pytest.raises(InputError, match=r"^--check-modes: modes must list some of"):
+        cli_attribute.attribute_request(args)
+    made = cli_attribute.attribute_request(build_parser().parse_args(
+        ["attribute", "--out", "o", "--clt", "c", "--cross-check"]))
+    assert made.attribution == AttributionSettings() and made.reading == ReadingSettings()
+    assert made.cross_check.settings == CrossCheckSettings()
+    assert made.cross_check.trace == TraceSettings()
+    steer = cli_steer.steer_request(build_parser().parse_args(
+        ["steer", "--set", "1:2:3=1", "--clt", "c"]))
+    assert steer.settings == SteeringSettings()
 
 
 @pytest.mark.parametrize("options, message", [
@@ -537,14 +837,14 @@ def test_dataset_settings_are_checked_when_made():
 
 def test_trace_settings_and_keywords_must_agree():
     given = TraceSettings(seeds=4, scale="auto")
-    assert trace_settings_from(given, seeds=10, scale=3.0, window=10) is given  # defaults defer
-    assert trace_settings_from(given, seeds=4) is given
-    assert trace_settings_from(TraceSettings(seeds=[0, 1]), seeds=(0, 1)).seeds == [0, 1]
-    assert trace_settings_from(None, window=4) == TraceSettings(window=4)
+    assert TraceSettings.merged(given, seeds=10, scale=3.0, window=10) is given  # defaults defer
+    assert TraceSettings.merged(given, seeds=4) is given
+    assert TraceSettings.merged(TraceSettings(seeds=[0, 1]), seeds=(0, 1)).seeds == [0, 1]
+    assert TraceSettings.merged(None, window=4) == TraceSettings(window=4)
     with pytest.raises(InputError, match=r"seeds=5 \(settings.seeds=4\)"):
-        trace_settings_from(given, seeds=5)
+        TraceSettings.merged(given, seeds=5)
     with pytest.raises(InputError, match="settings must be a TraceSettings"):
-        trace_settings_from(DatasetSettings())
+        TraceSettings.merged(DatasetSettings())
 
 
 def test_tracer_with_settings_traces_as_the_keywords(tokenizer):

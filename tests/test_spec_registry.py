@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from _support.data import tool
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace.execute import build_interventions
@@ -23,11 +24,15 @@ def _spec(*entries, **fields):
             "interventions": list(entries), **fields}
 
 
-def test_shipped_schema_is_written_from_the_registered_types():
+def test_shipped_schema_is_written_from_the_registered_types(tmp_path):
     """spec.schema.json's per-type branches are each type's spec_schema() (regenerate with
-    pyvene_causaltrace.specs.write_schema())."""
-    shipped = json.loads(SCHEMA_PATH.read_text())["$defs"]["intervention"]
-    assert shipped == json.loads(json.dumps(entry_schemas()))
+    python tools/write_schema.py)."""
+    shipped = json.loads(SCHEMA_PATH.read_text())
+    assert shipped["$defs"]["intervention"] == json.loads(json.dumps(entry_schemas()))
+    copy = tmp_path / "spec.schema.json"
+    copy.write_text(SCHEMA_PATH.read_text())
+    tool("write_schema").write_schema(copy)
+    assert json.loads(copy.read_text()) == shipped  # the tool writes the shipped file
 
 
 def test_every_registered_type_works_in_a_spec_or_is_refused_with_its_reason(tokenizer):

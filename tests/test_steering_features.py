@@ -167,7 +167,7 @@ def test_every_feature_at_its_clean_value_gives_the_clean_logits(kind, world, tm
         tc = load_transcoder(path)
         assert tc.cfg.skip and not tc.cfg.cross_layer
     items = _every_active_feature(tc, model, ids)
-    assert first_position(tokenizer) == 0  # the tiny tokenizer adds no BOS: 0 is spliced
+    assert first_position(tokenizer, "auto") == 0  # the tiny tokenizer adds no BOS: 0 is spliced
     assert len(items) > 100 and {p for _, p, _, _ in items} == set(range(ids.shape[1]))
     for hold, freeze in ((True, False), (True, True), (False, False)):
         result = intervene_features(model, tokenizer, tc, PROMPT, items, hold_errors=hold,

@@ -278,7 +278,7 @@ def test_joint_topk_attribution_closes_with_the_selection_frozen_at_the_clean_ru
     clean = model(input_ids=ids).logits
     run = run_local_replacement(model, clt, ids)
     assert (run.logits.detach() - clean).abs().max() < 1e-4
-    target = demeaned_logit(clean, int(clean[0, -1].argmax()))
+    target = demeaned_logit(clean, int(clean[0, -1].argmax()), 10)
     _, _, closure = target_row(run, target)
     assert closure.relative < 1e-4, closure
     # the nodes are exactly the clean run's joint top-k (the reference's, from hand hooks) ...

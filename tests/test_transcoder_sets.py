@@ -220,7 +220,7 @@ def test_gemma2_attributes_the_pre_softcap_logit(tmp_path, tokenizer):
     graph = attribute(model, tokenizer, tc, PROMPT)
     assert model.config.final_logit_softcapping == cap  # restored
     token = int(capped[0, -1].argmax())
-    expected = demeaned_logit(uncapped, token)(uncapped)
+    expected = demeaned_logit(uncapped, token, 10)(uncapped)
     assert abs(graph.closure.target - float(expected)) < 1e-4
     assert graph.closure.relative < 1e-4
     assert graph.metadata["logit_softcap"]["cap"] == cap

@@ -249,7 +249,7 @@ def test_circuit_tracers_own_saved_strings_are_listed():
                         "pruningThreshold": "0.8", "clerps": "[]"}
     assert listing.examine(json.dumps(graph).encode()) == (None, None)
     graph["qParams"]["linkType"] = ["both"]
-    assert "qParams.linkType" in listing.graph_problem(json.dumps(graph).encode())
+    assert "qParams.linkType" in listing.examine(json.dumps(graph).encode()).problem
 
 
 def test_the_schema_is_written_once_and_the_item_checks_agree_with_it():
@@ -295,8 +295,8 @@ def test_a_large_foreign_graph_is_checked_in_little_more_than_its_text(tmp_path,
     monkeypatch.undo()
     broken = copy.deepcopy(graph)
     broken["links"][99_999]["weight"] = None  # the last link: every one is checked
-    assert "links[99999]: weight: not of type number" in listing.graph_problem(
-        json.dumps(broken).encode())
+    assert "links[99999]: weight: not of type number" in listing.examine(
+        json.dumps(broken).encode()).problem
     (tmp_path / "big.json").write_bytes(data)
     assert GraphIndex(tmp_path, max_bytes=len(data)).names() == ["big.json"]
     assert GraphIndex(tmp_path, max_bytes=len(data) - 1).names() == []

@@ -237,14 +237,14 @@ def test_nesting_depth_without_recursion(text, depth):
 
 def test_only_the_export_marker_or_the_schema_makes_a_graph(graph_file):
     payload = json.loads(graph_file.read_text())
-    assert listing.graph_problem(graph_file.read_bytes()) is None
+    assert listing.examine(graph_file.read_bytes()).problem is None
     elsewhere = {"nodes": [], "links": [], "note": listing.GENERATOR}
-    assert "not a graph" in listing.graph_problem(json.dumps(elsewhere).encode())
+    assert "not a graph" in listing.examine(json.dumps(elsewhere).encode()).problem
     payload["metadata"]["info"]["generator"]["name"] = "circuit-tracer"  # valid: listed
     assert listing.examine(json.dumps(payload).encode()) == (None, "circuit-tracer")
     del payload["metadata"]["slug"]  # neither ours nor valid (tests/test_viewer_any_graph.py)
-    assert "not a graph" in listing.graph_problem(json.dumps(payload).encode())
-    assert "deeper than 8" in listing.graph_problem(_marked_deep(9).encode(), max_depth=8)
+    assert "not a graph" in listing.examine(json.dumps(payload).encode()).problem
+    assert "deeper than 8" in listing.examine(_marked_deep(9).encode(), max_depth=8).problem
 
 
 @pytest.mark.parametrize("port", ["70000", "-1"])

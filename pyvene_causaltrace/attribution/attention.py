@@ -4,8 +4,9 @@
 at different tokens: something attention moved) by head (:mod:`.heads`), keeps each edge's
 largest head parts, and decomposes the score of each edge's leading head at the edge's two
 positions (query: the target's, key: the source's; the one hop that moves the edge when a single
-head moves it) into its largest QK terms. :meth:`AttentionAnnotations.annotate` writes them into
-the graph JSON where Neuronpedia's schema tolerates them (it sets no ``additionalProperties``):
+head moves it) into its largest QK terms (:mod:`.qk`). :meth:`AttentionAnnotations.annotate`
+writes them into the graph JSON where Neuronpedia's schema tolerates them (it sets no
+``additionalProperties``):
 
 - each annotated link gains ``"heads": [[layer, head, part], ...]``, largest ``|part|`` first
   (each a part of ``weight``; the parts of one layer plus that layer's bypass sum to it);
@@ -27,13 +28,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..arguments import Fraction, MemoryMB, NonNegativeInt, PositiveInt, checked
 from ..bound import BoundModel
-from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..errors import InputError
 from ..model_guard import measured
 from ..transcoders.transcoder import Transcoder
 from .export import node_id
-from .heads import QKAttribution, _loadings, _qk, _replay
+from .graph_replay import replay_graph
+from .heads import node_loadings
 from .identity import graph_identity
+from .qk import QKAttribution, score_terms
+from .reading import PruneResult
+from .settings import ReadingSettings
 
 if TYPE_CHECKING:  # annotations only
     from .graph import AttributionGraph
@@ -41,6 +45,8 @@ if TYPE_CHECKING:  # annotations only
 #: Head parts kept per link, QK terms and marginals kept per head.
 TOP_HEADS = 3
 TOP_TERMS = 10
+#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
+_READING = ReadingSettings()
 
 
 @dataclass
@@ -102,11 +108,9 @@ def _qk_json(result: QKAttribution, graph: AttributionGraph) -> dict[str, Any]:
             "labels": {ident(n): ("constants" if n < 0 else graph.label(n)) for n in named}}
 
 
-def crossing_edges(graph: AttributionGraph, node_threshold: float = NODE_THRESHOLD,
-                   edge_threshold: float = EDGE_THRESHOLD) -> list[tuple[int, int]]:
+def crossing_edges(graph: AttributionGraph, pruned: PruneResult) -> list[tuple[int, int]]:
     """The pruned graph's edges ``(source, target)`` whose source and target sit at different
     positions, largest edge score first."""
-    pruned = graph.prune(node_threshold, edge_threshold)
     order = pruned.edge_score.argsort(descending=True)
     edges = []
     for i in order.tolist():
@@ -119,20 +123,24 @@ def crossing_edges(graph: AttributionGraph, node_threshold: float = NODE_THRESHO
 
 @measured
 def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
-                          *, node_threshold: Fraction = NODE_THRESHOLD,
-                          edge_threshold: Fraction = EDGE_THRESHOLD,
+                          *, node_threshold: Fraction = _READING.node_threshold,
+                          edge_threshold: Fraction = _READING.edge_threshold,
                           max_edges: NonNegativeInt = 200, top_heads: PositiveInt = TOP_HEADS,
                           max_qk: NonNegativeInt = 16, memory_mb: MemoryMB | None = None,
-                          progress: bool = False) -> AttentionAnnotations:
+                          progress: bool = False,
+                          settings: ReadingSettings | None = None) -> AttentionAnnotations:
     """Head parts of the ``max_edges`` kept cross-position edges of largest score
-    (:func:`crossing_edges`) and the QK terms of the leading heads of the first ``max_qk``
-    distinct (layer, head, positions) among them (module docstring). One forward, then per
-    target node one backward and one batched backward of ``n_heads`` rows per layer, and two
-    of ``head_dim`` rows per QK decomposition, as many rows per backward as fit ``memory_mb``
-    (default the attribution settings')."""
-    edges = crossing_edges(graph, node_threshold, edge_threshold)[:max_edges]
+    (:func:`crossing_edges`; pruned at the thresholds, or ``settings``, a
+    :class:`~.settings.ReadingSettings`) and the QK terms of the leading heads of the first
+    ``max_qk`` distinct (layer, head, positions) among them (module docstring). One forward,
+    then per target node one backward and one batched backward of ``n_heads`` rows per layer,
+    and two of ``head_dim`` rows per QK decomposition, as many rows per backward as fit
+    ``memory_mb`` (default the attribution settings')."""
+    reading = ReadingSettings.merged(settings, node_threshold=node_threshold,
+                                    edge_threshold=edge_threshold)
+    edges = crossing_edges(graph, graph.prune(settings=reading))[:max_edges]
     layers = list(range(model.n_layers))
-    replay = _replay(model, transcoder, graph, layers, qk=max_qk > 0, memory_mb=memory_mb)
+    replay = replay_graph(model, transcoder, graph, layers, qk=max_qk > 0, memory_mb=memory_mb)
     by_target: dict[int, list[int]] = {}
     for source, target in edges:
         by_target.setdefault(target, []).append(source)
@@ -143,7 +151,7 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
 
         targets = tqdm(targets, total=len(by_target), desc="heads (targets)")
     for target, sources in targets:
-        _, _, parts, _ = _loadings(replay, target, layers)
+        _, _, parts, _ = node_loadings(replay, target, layers)
         for source in sources:
             column = parts[:, :, source]
             order = column.flatten().abs().argsort(descending=True)[:top_heads]
@@ -158,6 +166,6 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
                    graph.coordinates(source, graph.node_kind(source))[1])
             if key not in wanted:
                 wanted.append(key)
-    qk = [_qk(replay, *key) for key in wanted[:max_qk]]
+    qk = [score_terms(replay, *key) for key in wanted[:max_qk]]
     return AttentionAnnotations(graph_identity(graph), links, qk)
 

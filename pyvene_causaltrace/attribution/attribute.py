@@ -36,15 +36,12 @@ import torch
 from torch import nn
 
 from ..arguments import MemoryMB, PositiveInt, Probability, Text
-from ..defaults import GRAPH_DESIRED_LOGIT_PROB, GRAPH_MAX_N_LOGITS
-from ..distributed import Ranks, current
 from ..errors import InputError
-from ..fingerprint import package_version, tensors_fingerprint, transcoder_fingerprint
+from ..fingerprint import package_version
 from ..finite import check_finite
-from ..interventions.clt_splice import SHARD_ALONE
 from ..model_guard import measured
 from ..runlock import single_writer
-from ..transcoders.transcoder import Transcoder, feature_range
+from ..transcoders.transcoder import Transcoder
 from .budget import batch_size_for, check_batch_fits, feature_budget
 from .checkpoint import Checkpoint, remove_checkpoint, tensor_digest
 from .edges import (
@@ -60,34 +57,26 @@ from .edges import (
 from .graph import AttributionGraph
 from .reading import Layout, influence, logit_weights
 from .replacement import ReplacementRun
-from .replacement_model import BOS_ERRORS, PreparedPrompt, ReplacementModel, transcoder_metadata
-from .settings import AttributionSettings, settings_from
+from .replacement_model import PreparedPrompt, ReplacementModel, transcoder_metadata
+from .settings import BOS_ERRORS, AttributionSettings
+from .spread import Spread
 from .store import RowStore
 from .targets import TARGET_KINDS, Target, make_target
 
 if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["BOS_ERRORS", "TARGET_KINDS", "attribute", "check_attribute_arguments",
-           "make_target", "steering_metadata", "transcoder_metadata"]
+__all__ = ["BOS_ERRORS", "TARGET_KINDS", "attribute", "make_target", "steering_metadata",
+           "transcoder_metadata"]
 
 #: ``attribute()``'s keyword defaults: :class:`~.settings.AttributionSettings`'.
 _DEFAULT = AttributionSettings()
 
-#: The salient logits' defaults (circuit-tracer's), what ``None`` means for either setting.
-MAX_N_LOGITS, DESIRED_LOGIT_PROB = GRAPH_MAX_N_LOGITS, GRAPH_DESIRED_LOGIT_PROB
 #: How often a checkpointed run saves its rows.
 SAVE_EVERY_S = 30.0
 #: At most this many rankings per graph: each reads every stored row, so on big graphs the
 #: queue between rankings grows to budget / RERANKS rows.
 RERANKS = 16
-
-
-def check_attribute_arguments(*, answer: object = None, **settings: object) -> None:
-    """Raise :class:`InputError` for an argument :func:`attribute` would refuse, before
-    anything is loaded or run: ``AttributionSettings(**settings).check(answer)``
-    (:meth:`~.settings.AttributionSettings.check` lists what is refused)."""
-    AttributionSettings(**settings).check(answer)
 
 
 class _Ranking:
@@ -192,23 +181,19 @@ def attribute(
     """
     if not prompt:
         raise InputError("the prompt is empty")
-    s = settings_from(settings, target=target, other=other, k=k, max_n_logits=max_n_logits,
-                      desired_logit_prob=desired_logit_prob, bos_errors=bos_errors, bos=bos,
-                      max_feature_nodes=max_feature_nodes, memory_mb=memory_mb,
-                      batch_size=batch_size, max_batch=max_batch,
-                      update_interval=update_interval, freeze=freeze, loop=loop,
-                      check_closure=check_closure).check(answer)
+    s = AttributionSettings.merged(
+        settings, target=target, other=other, k=k, max_n_logits=max_n_logits,
+        desired_logit_prob=desired_logit_prob, bos_errors=bos_errors, bos=bos,
+        max_feature_nodes=max_feature_nodes, memory_mb=memory_mb, batch_size=batch_size,
+        max_batch=max_batch, update_interval=update_interval, freeze=freeze, loop=loop,
+        check_closure=check_closure).check_answer(answer)
     target, freeze, check_closure = s.target, s.freeze, s.check_closure
-    max_n_logits = MAX_N_LOGITS if s.max_n_logits is None else s.max_n_logits
-    desired_logit_prob = (DESIRED_LOGIT_PROB if s.desired_logit_prob is None
-                          else s.desired_logit_prob)
+    max_n_logits, desired_logit_prob = s.salient()
     start = time.perf_counter()
     replacement = ReplacementModel(model, tokenizer, transcoder, bos=s.bos)
     replacement.check_bos_errors(s.bos_errors)
-    spread = _Spread.of(replacement, prompt, answer, s)
-    prepared = replacement.prepare(prompt, answer, target=target, other=s.other, k=s.k,
-                                   max_n_logits=max_n_logits,
-                                   desired_logit_prob=desired_logit_prob)
+    spread = Spread.of(replacement, prompt, answer, s)
+    prepared = replacement.prepare(prompt, answer, settings=s)
     if spread is not None and spread.mode == "features":  # every rank's features count
         prepared = replace(prepared, active_counts=spread.ranks.all_reduce(
             prepared.active_counts, "counting the active features"))
@@ -240,74 +225,6 @@ def attribute(
                   seconds=seconds, freeze=freeze, check_closure=check_closure,
                   selection=selection, spread=spread,
                   fingerprints={name: key[name] for name in ("model", "transcoder")})
-
-
-@dataclass(frozen=True)
-class _Spread:
-    """How one graph's work is spread over the ranks of a distributed run.
-
-    ``"features"``: the transcoder is sharded by feature (each rank holds a slice of every
-    layer's features, :mod:`.sharded`); every rank runs every row's backward and fills its own
-    features' columns. ``"rows"``: the transcoder is whole on every rank; each batch of rows
-    is split across the ranks and the rows gathered. Either way every rank ends with the same
-    rows, the one process's to float rounding; rank 0 chooses each queue and writes the
-    checkpoint. Bytes moved per row: ``4 * n_active`` (features), ``4 * n_columns`` (rows)."""
-
-    ranks: Ranks
-    mode: str
-
-    @classmethod
-    def of(cls, replacement: ReplacementModel, prompt: str, answer: str | None,
-           settings: AttributionSettings) -> _Spread | None:
-        """The run's spread (None: one process), after checking that every rank holds the
-        same model, transcoder, prompt and settings."""
-        ranks, transcoder = current(), replacement.transcoder
-        if ranks is None:
-            if transcoder.features is not None:
-                raise InputError(SHARD_ALONE)
-            return None
-        sharded = transcoder.features is not None
-        if sharded and transcoder.features != feature_range(transcoder.cfg.d_transcoder,
-                                                           ranks.rank, ranks.world):
-            raise InputError(
-                f"rank {ranks.rank} of {ranks.world} holds features {transcoder.features}, not "
-                f"its share {feature_range(transcoder.cfg.d_transcoder, ranks.rank, ranks.world)}"
-                ": load it with shard=(rank, world) of this run")
-        ranks.agree("mode (a sharded transcoder or a whole one)", sharded)
-        ranks.agree("model weights", replacement.bound.fingerprint)
-        ranks.agree("transcoder", (transcoder.cfg.yaml_dict(), _shared_fingerprint(transcoder)))
-        ranks.agree("prompt and answer", (prompt, answer))
-        ranks.agree("settings", repr(settings))
-        return cls(ranks, "features" if sharded else "rows")
-
-    def rows(self, compute, run: ReplacementRun, chunk: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``compute(run, chunk)``, spread as :attr:`mode` says."""
-        if self.mode == "features":
-            return compute(run, chunk)
-        mine = chunk.tensor_split(self.ranks.world)[self.ranks.rank]
-        rows, constants = compute(run, mine)
-        dtype = torch.promote_types(run.activation.dtype, run.errors[0].dtype)
-        both = torch.cat([rows.to(dtype), constants.to(dtype)[:, None]], 1)
-        full = torch.cat(self.ranks.all_gather(both.detach(), "gathering the rows"))
-        return full[:, :-1], full[:, -1]
-
-    def describe(self, transcoder: Transcoder) -> dict:
-        """What ``summary.json`` and the graph's metadata say about the run's ranks."""
-        held = self.ranks.gather_objects(transcoder.resident_bytes(),
-                                         "gathering the transcoder bytes per rank")
-        return {"world": self.ranks.world, "mode": self.mode,
-                "transcoder_bytes_per_rank": held}
-
-
-def _shared_fingerprint(transcoder: Transcoder) -> str:
-    """The fingerprint every rank's transcoder must share: the whole one's, or for a shard
-    what every rank holds alike (biases of the outputs, the skip path) and the source."""
-    if transcoder.features is None:
-        return transcoder_fingerprint(transcoder)
-    named = [("b_dec", transcoder.b_dec)]
-    named += [(f"W_skip.{layer}", w) for layer, w in enumerate(transcoder.W_skip or [])]
-    return f"{transcoder.source}:{tensors_fingerprint(named)}"
 
 
 @dataclass(frozen=True)
@@ -359,7 +276,7 @@ class _Plan:
 
 def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size: int | None,
           max_batch: int | None, max_feature_nodes: int | None, update_interval: int,
-          freeze: bool, loop: bool, spread: _Spread | None = None) -> _Plan:
+          freeze: bool, loop: bool, spread: Spread | None = None) -> _Plan:
     """Fit the batch and the feature budget to ``memory_mb`` (:mod:`.budget`); across ranks,
     the smallest rank's."""
     if batch_size is not None:
@@ -386,7 +303,7 @@ def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size
 
 
 def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Target, ...],
-             settings: dict, spread: _Spread | None = None) -> dict:
+             settings: dict, spread: Spread | None = None) -> dict:
     """What must match for saved rows to belong to this graph (a distributed run's: the same
     world size and mode, and every rank's transcoder shard)."""
     fingerprints = replacement.fingerprints()
@@ -408,7 +325,7 @@ def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Ta
 def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict, *,
                   checkpoint: str | Path | None, keep_checkpoint: bool, loop: bool,
                   progress: bool, check_closure: bool, freeze: bool,
-                  spread: _Spread | None = None) -> tuple[RowStore, int, float]:
+                  spread: Spread | None = None) -> tuple[RowStore, int, float]:
     """The target rows and ``plan.budget`` feature rows in a store, resumed from and saved to
     ``checkpoint``; returns the store, the rows it resumed and the seconds spent ranking.
     Across ranks (``spread``) rank 0 reads and writes the checkpoint and chooses each queue;
@@ -482,7 +399,7 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
 def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: ReplacementRun,
            top: _TargetRows, store: RowStore, plan: _Plan, *, resumed: int, seconds: dict,
            freeze: bool, check_closure: bool, selection: dict,
-           spread: _Spread | None = None, fingerprints: dict | None = None) -> AttributionGraph:
+           spread: Spread | None = None, fingerprints: dict | None = None) -> AttributionGraph:
     """The graph of the computed rows, with what its reader needs to know in ``metadata``."""
     tokenizer, ids, goals, cap = (replacement.tokenizer, prepared.input_ids, prepared.targets,
                                   prepared.softcap)

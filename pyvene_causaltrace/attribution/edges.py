@@ -29,12 +29,11 @@ one-backward-per-node reference it is tested against (plain autograd on every le
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..defaults import GRAPH_FREEZE
 from ..errors import ClosureError, InputError
 from .leaf_grads import leaf_grads
 from .replacement import ReplacementRun
@@ -137,7 +136,7 @@ def row_closures(rows: torch.Tensor, constants: torch.Tensor, targets: torch.Ten
     return (residual / scale.clamp(min=1e-30)).cpu()
 
 
-def closure_error(what: str, closure: Closure, *, freeze: bool = GRAPH_FREEZE,
+def closure_error(what: str, closure: Closure, *, freeze: bool,
                   hidden: list[str] = ()) -> ClosureError:
     """The :class:`ClosureError` for ``what`` (e.g. "the target row"), saying what the graph
     is missing and what to do."""
@@ -257,8 +256,3 @@ def feature_rows_loop(run: ReplacementRun,
         constants.append(constant[0])
     return torch.stack(rows), torch.stack(constants)
 
-
-def batches(index: torch.Tensor, size: int) -> Iterator[torch.Tensor]:
-    """``index`` in consecutive pieces of ``size``."""
-    for start in range(0, len(index), size):
-        yield index[start:start + size]

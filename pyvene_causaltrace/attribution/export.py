@@ -11,10 +11,11 @@ intervention; this package's addition, ``feature_type`` ``"steering"``, as other
 ``metadata.info.steering``; no other id starts with ``S``). Only the pruned graph is exported: kept
 nodes touched by a kept link, plus every token and logit; links carry the signed edge weight.
 Numbers are written with 6 significant digits and the JSON without spaces, and at most
-:data:`MAX_LINKS` links (those of largest edge score), so a pruned graph of thousands of features
-stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` is Neuronpedia's graph schema
-(``graph.schema.json``, which also decides what the viewer lists); :func:`check_graph_json`
-checks a payload against it (and that its node kinds are ours, its links' ends exported).
+``max_links`` links (:class:`~.settings.ReadingSettings`; those of largest edge score), so a
+pruned graph of thousands of features stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` is
+Neuronpedia's graph schema (``graph.schema.json``, which also decides what the viewer lists);
+:func:`check_graph_json` checks a payload against it (and that its node kinds are ours, its
+links' ends exported).
 
 Every file here is written by :func:`replacing`: to a temporary name beside it, then renamed
 over it, so a kill or a full disk mid-write leaves the old file or none, never half of one.
@@ -33,10 +34,10 @@ from typing import Any
 
 from .. import __version__
 from ..atomic import write_text
-from ..defaults import EDGE_THRESHOLD, MAX_LINKS, NODE_THRESHOLD
 from ..errors import InputError
 from ..graph_schema import SCHEMA, validate
 from .identity import check_labels, graph_identity, text_digest
+from .settings import ReadingSettings
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
 
@@ -111,34 +112,34 @@ def node_id(graph, i: int) -> str:
     return f"{graph.n_layers + 1}_{feature}_{pos}"
 
 
-
-def check_max_links(max_links: object) -> None:
-    """Raise :class:`InputError` unless ``max_links`` is None or an integer >= 1."""
-    if max_links is not None and (isinstance(max_links, bool) or not isinstance(max_links, int)
-                                  or max_links < 1):
-        raise InputError(f"max_links must be an integer >= 1 (or None: no cap), got "
-                         f"{max_links!r}")
+#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
+_READING = ReadingSettings()
 
 
-def graph_json(graph, slug: str | None = None, node_threshold: float = NODE_THRESHOLD,
-               edge_threshold: float = EDGE_THRESHOLD, max_links: int | None = MAX_LINKS,
+def graph_json(graph, slug: str | None = None,
+               node_threshold: float = _READING.node_threshold,
+               edge_threshold: float = _READING.edge_threshold,
+               max_links: int | None = _READING.max_links,
                labels: Mapping[tuple[int, int], str] | None = None,
-               attention=None) -> dict[str, Any]:
+               attention=None, *, settings: ReadingSettings | None = None) -> dict[str, Any]:
     """The viewer's JSON for ``graph`` pruned at the two thresholds; when the pruned graph has
     more than ``max_links`` edges, the ``max_links`` of largest edge score are written (and
-    the metadata says so). ``labels`` (``{(layer, feature): text}``, see :func:`read_labels`)
+    the metadata says so); ``settings`` (a :class:`~.settings.ReadingSettings`) gives the
+    three at once. ``labels`` (``{(layer, feature): text}``, see :func:`read_labels`)
     become the features' ``clerp``; ``metadata.scan`` is the transcoder's Neuronpedia scan when
     it has one (so the viewer links features to their pages), else the model's name.
     ``attention`` (:func:`~.attention.attention_annotations`) adds the heads of the links
     that cross positions and their QK terms. Labels of features the graph's transcoder does not
     have, and annotations of another graph, are refused (:mod:`.identity`)."""
-    check_max_links(max_links)
+    reading = ReadingSettings.merged(settings, node_threshold=node_threshold,
+                                    edge_threshold=edge_threshold, max_links=max_links)
+    max_links = reading.max_links
     if labels:
         check_labels(graph, labels)
     identity = graph_identity(graph)
     if attention is not None:
         attention.check(graph, identity)
-    pruned = graph.prune(node_threshold, edge_threshold)
+    pruned = graph.prune(settings=reading)
     edge_target, edge_source, edge_weight = pruned.edge_target, pruned.edge_source, \
         pruned.edge_weight
     capped = max_links is not None and pruned.n_edges > max_links
@@ -195,7 +196,7 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = NODE_THRE
         "transcoder_list": [],
         "prompt_tokens": [_clean(t) for t in graph.tokens],
         "prompt": graph.prompt,
-        "node_threshold": node_threshold,
+        "node_threshold": reading.node_threshold,
         "schema_version": 1,
         "info": {"generator": {"name": "pyvene-causaltrace", "version": __version__},
                  "transcoder_set": str(graph.metadata.get("clt", "")),
@@ -205,7 +206,8 @@ def graph_json(graph, slug: str | None = None, node_threshold: float = NODE_THRE
                  "feature_nodes": {"active": graph.n_features, "explored": graph.n_explored},
                  "inputs": {"graph": identity, "prompt_sha256": text_digest(graph.prompt),
                             **(graph.metadata.get("fingerprints") or {})}},
-        "pruning_settings": {"node_threshold": node_threshold, "edge_threshold": edge_threshold,
+        "pruning_settings": {"node_threshold": reading.node_threshold,
+                             "edge_threshold": reading.edge_threshold,
                              "pruned_edges": pruned.n_edges,
                              "max_links": max_links if capped else None},
         # Neuronpedia's schema types max_feature_nodes (an integer): an unknown one is left out

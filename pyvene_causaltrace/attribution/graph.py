@@ -21,40 +21,33 @@ direct effects on every computed row kept, so each row still closes:
     graph.save("graph.safetensors")     # tensors + JSON header, never a pickle
 
 Both write to a temporary name beside the file and rename it over the file when done, so a kill
-or a full disk mid-write leaves the old file or none, never half of one.
+or a full disk mid-write leaves the old file or none, never half of one (the file format:
+:mod:`.graph_file`).
 
 Derived results (influence, pruning, scores) are memoised on the graph.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import safetensors.torch  # called through the module: tests patch save_file there
 import torch
-from safetensors import safe_open
 
 from ..arguments import Fraction, checked
-from ..atomic import replacing
-from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
-from ..errors import GraphFileError, InputError
+from ..errors import InputError
 from .edges import Closure
 from .export import graph_json, write_json
+from .graph_file import load_graph, save_graph
 from .plots import plot_graph
 from .reading import Layout, PruneResult, graph_scores, influence, logit_weights, prune
+from .settings import ReadingSettings
 from .store import RowStore
 
-#: The graph file format (safetensors + JSON header); bump on incompatible changes.
-GRAPH_FORMAT = "pyvene_causaltrace.attribution_graph"
-#: 3 adds steering nodes, 4 several logit nodes or a direction target; a graph without them is
-#: written as the oldest version that holds it, which older versions read.
-SCHEMA_VERSION = 4
-_READABLE_VERSIONS = ("2", "3", "4")
-_FEATURE_TENSORS = ("feature_layer", "feature_position", "feature_id", "activation")
+#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
+_READING = ReadingSettings()
 
 
 @dataclass
@@ -343,21 +336,18 @@ class AttributionGraph:
         parts["unexplored_share"] = parts["unexplored"] / target if target else nan
         return parts
 
-    def _logit_row(self) -> int:
-        return int(self.rows.row_of_node(self.layout.n_nodes)[self.logit_node])
-
     @checked
-    def prune(self, node_threshold: Fraction = NODE_THRESHOLD,
-              edge_threshold: Fraction = EDGE_THRESHOLD) -> PruneResult:
+    def prune(self, node_threshold: Fraction = _READING.node_threshold,
+              edge_threshold: Fraction = _READING.edge_threshold, *,
+              settings: ReadingSettings | None = None) -> PruneResult:
         """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds (each
-        a cumulative-influence fraction in [0, 1])."""
-        for name, value in (("node_threshold", node_threshold),
-                            ("edge_threshold", edge_threshold)):
-            if not 0 <= value <= 1:  # also refuses NaN
-                raise InputError(f"{name} must be in [0, 1], got {value}")
-        key = ("prune", node_threshold, edge_threshold)
+        a cumulative-influence fraction in [0, 1]; or ``settings``, a
+        :class:`~.settings.ReadingSettings`, whose ``max_links`` pruning does not read)."""
+        s = ReadingSettings.merged(settings, node_threshold=node_threshold,
+                                  edge_threshold=edge_threshold)
+        key = ("prune", s.node_threshold, s.edge_threshold)
         if key not in self._memo:
-            self._memo[key] = prune(self.rows, self.layout, node_threshold, edge_threshold,
+            self._memo[key] = prune(self.rows, self.layout, s.node_threshold, s.edge_threshold,
                                     probabilities=self.logit_weights(),
                                     node_influence=self.influence())
         return self._memo[key]
@@ -420,8 +410,10 @@ class AttributionGraph:
 
     @checked
     def to_json(self, path: str | Path | None = None, **kwargs: Any) -> dict:
-        """The circuit-tracer / Neuronpedia graph JSON (:func:`~.export.graph_json`); written
-        compactly to ``path`` when given (whole or not at all)."""
+        """The circuit-tracer / Neuronpedia graph JSON (:func:`~.export.graph_json`: the pruning
+        thresholds and ``max_links``, or ``settings=``, a :class:`~.settings.ReadingSettings`;
+        labels, attention annotations); written compactly to ``path`` when given (whole or not
+        at all)."""
         payload = graph_json(self, **kwargs)
         if path is not None:
             write_json(payload, path)
@@ -429,94 +421,19 @@ class AttributionGraph:
 
     @checked
     def plot(self, path: str | Path | None = None, **kwargs: Any):
-        """Static figure of the pruned graph (:func:`~.plots.plot_graph`)."""
+        """Static figure of the pruned graph (:func:`~.plots.plot_graph`: the pruning
+        thresholds or ``settings=``, and how many nodes and edges are drawn)."""
         return plot_graph(self, path, **kwargs)
 
     # ---------------------------------------------------------------------- files
     @checked
     def save(self, path: str | Path) -> None:
-        """Write the graph to one safetensors file: tensors, and everything else as JSON in its
-        header (no pickle: loading never runs code). Written under a temporary name and renamed
-        over ``path`` when complete: never half a file under ``path``."""
-
-        header = {"prompt": self.prompt, "tokens": self.tokens, "target": self.target,
-                  "answer": self.answer, "answer_prob": self.answer_prob,
-                  "n_layers": self.n_layers, "n_columns": self.rows.n_columns,
-                  "closure": self.closure.to_dict(), "metadata": self.metadata,
-                  "steering": self.steering, "targets": self.targets}
-        tensors = {name: getattr(self, name).contiguous() for name in _FEATURE_TENSORS}
-        tensors["input_ids"] = torch.tensor(self.input_ids, dtype=torch.long)
-        tensors.update(self.rows.state())
-        plain = self.n_logits == 1 and self.targets[0].get("output", "logits") == "logits"
-        version = "3" if self.steering else "2"
-        metadata = {"format": GRAPH_FORMAT, "schema_version": version if plain else "4",
-                    "graph": json.dumps(header, default=str)}
-        with replacing(path) as tmp:
-            safetensors.torch.save_file(tensors, str(tmp), metadata=metadata)
+        """Write the graph to one safetensors file (:func:`~.graph_file.save_graph`: tensors,
+        and everything else as JSON in its header; never a pickle, never half a file)."""
+        save_graph(self, path)
 
     @classmethod
     def load(cls, path: str | Path) -> AttributionGraph:
-        """Read a file written by :meth:`save`. Anything else — a pickle, a ``.pt`` of an older
-        version, another safetensors file — is refused with :class:`GraphFileError`."""
-
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                meta = handle.metadata() or {}
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-        except FileNotFoundError:
-            raise
-        except Exception as error:  # safetensors raises its own error types on a bad header
-            raise GraphFileError(
-                f"{path} is not an attribution graph file (a safetensors file is expected; "
-                f"pickled graphs are never loaded): {error}") from None
-        if meta.get("format") != GRAPH_FORMAT:
-            raise GraphFileError(f"{path} is a safetensors file but not an attribution graph")
-        if meta.get("schema_version") not in _READABLE_VERSIONS:
-            raise GraphFileError(f"{path} has graph schema version {meta.get('schema_version')}; "
-                                 f"this version reads {', '.join(_READABLE_VERSIONS)}")
-        try:
-            graph = cls._from_file(meta, tensors)
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            detail = error if isinstance(error, InputError) else \
-                f"{type(error).__name__}: {error}"
-            raise GraphFileError(f"{path} is a damaged attribution graph file: {detail}") \
-                from None
-        if graph.layout.logits.start != graph.rows.n_columns:
-            raise GraphFileError(f"{path}: {graph.rows.n_columns} columns for "
-                                 f"{graph.layout.logits.start} source nodes")
-        lay = graph.layout
-        if bool((graph.rows.row_of_node(lay.n_nodes)[lay.logits] < 0).any()):
-            raise GraphFileError(f"{path} is a damaged attribution graph file: a logit node "
-                                 "has no row")
-        c = graph.closure
-        if not c.scale:  # written before the scale was kept: the logit row's
-            scale = float(graph.rows.abs_sums()[graph._logit_row()]) + abs(c.constant) \
-                + abs(c.target)
-            graph.closure = Closure(c.target, c.edges, c.constant, scale)
-        return graph
-
-    @classmethod
-    def _from_file(cls, meta: dict, tensors: dict[str, torch.Tensor]) -> AttributionGraph:
-        """The graph in a file's header and tensors (raising KeyError, TypeError or
-        ValueError on anything missing or malformed)."""
-        header = json.loads(meta["graph"])
-        target = header["target"]
-        targets = header.get("targets", [])
-        for entry in (target, *targets):
-            entry["coefficients"] = {int(k): v for k, v in entry.get("coefficients", {}).items()}
-        c = header["closure"]
-        n_features = {len(tensors[name]) for name in _FEATURE_TENSORS}
-        if len(n_features) != 1 or any(tensors[name].dim() != 1 for name in _FEATURE_TENSORS):
-            raise InputError("feature tensors of different lengths")
-        if len(header["tokens"]) != len(tensors["input_ids"]):
-            raise InputError("tokens and input_ids of different lengths")
-        return cls(prompt=header["prompt"], tokens=header["tokens"],
-                   input_ids=tensors["input_ids"].tolist(), target=target,
-                   answer=header["answer"], answer_prob=header["answer_prob"],
-                   n_layers=header["n_layers"],
-                   **{name: tensors[name] for name in _FEATURE_TENSORS},
-                   rows=RowStore.from_state(header["n_columns"], tensors,
-                                            n_logits=max(1, len(targets))),
-                   closure=Closure(c["target"], c["edges"], c["constant"], c.get("scale", 0.0)),
-                   metadata=header["metadata"], steering=header.get("steering", []),
-                   targets=targets)
+        """Read a file written by :meth:`save` (:func:`~.graph_file.load_graph`); anything else
+        is refused with :class:`GraphFileError`."""
+        return load_graph(path, cls)

@@ -15,7 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
+from .settings import ReadingSettings
+
+#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
+_READING = ReadingSettings()
 
 
 def _positions(graph, keep) -> dict[int, tuple[float, float]]:
@@ -34,16 +37,20 @@ def _positions(graph, keep) -> dict[int, tuple[float, float]]:
     return xy
 
 
-def plot_graph(graph, path: str | Path | None = None, node_threshold: float = NODE_THRESHOLD,
-               edge_threshold: float = EDGE_THRESHOLD, max_nodes: int = 60, max_edges: int = 300):
-    """Figure of ``graph`` pruned at the thresholds (module docstring); saved to ``path`` when
-    given. Returns the figure."""
+def plot_graph(graph, path: str | Path | None = None,
+               node_threshold: float = _READING.node_threshold,
+               edge_threshold: float = _READING.edge_threshold, max_nodes: int = 60,
+               max_edges: int = 300, *, settings: ReadingSettings | None = None):
+    """Figure of ``graph`` pruned at the thresholds (or ``settings``, a
+    :class:`~.settings.ReadingSettings`; module docstring); saved to ``path`` when given.
+    Returns the figure."""
     import matplotlib  # matplotlib loads only when a figure is drawn
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt  # matplotlib loads only when a figure is drawn
 
-    pruned = graph.prune(node_threshold, edge_threshold)
+    pruned = graph.prune(settings=ReadingSettings.merged(
+        settings, node_threshold=node_threshold, edge_threshold=edge_threshold))
     lay = graph.layout
     influence = graph.influence()
     inner = pruned.node_mask.clone()

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..defaults import EDGE_THRESHOLD, NODE_THRESHOLD
 from ..errors import InputError
 from .store import RowStore
 
@@ -217,19 +216,13 @@ class PruneResult:
     def n_edges(self) -> int:
         return int(self.edge_target.numel())
 
-    def edge_mask(self) -> torch.Tensor:
-        """Dense ``[N, N]`` boolean mask of kept edges (small graphs only: tests, plots)."""
-        n = len(self.node_mask)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        mask[self.edge_target, self.edge_source] = True
-        return mask
 
-
-def prune(store: RowStore, layout: Layout, node_threshold: float = NODE_THRESHOLD,
-          edge_threshold: float = EDGE_THRESHOLD, probabilities: torch.Tensor | None = None,
+def prune(store: RowStore, layout: Layout, node_threshold: float, edge_threshold: float,
+          probabilities: torch.Tensor | None = None,
           node_influence: torch.Tensor | None = None) -> PruneResult:
-    """Prune as circuit-tracer's ``prune_graph`` does (module docstring); ``node_influence``:
-    the unpruned graph's influence, if already computed."""
+    """Prune as circuit-tracer's ``prune_graph`` does (module docstring; the thresholds'
+    defaults are :class:`~.settings.ReadingSettings`'); ``node_influence``: the unpruned
+    graph's influence, if already computed."""
     weights = logit_weights(layout, probabilities)
     if node_influence is None:
         node_influence = influence(store, weights)

@@ -43,7 +43,6 @@ from torch import nn
 from ..applier import Call, Edit, Site, applying, reader
 from ..arguments import checked
 from ..bound import BoundModel, bind
-from ..defaults import GRAPH_BOS_ERRORS, GRAPH_FREEZE
 from ..distributed import current
 from ..errors import InputError
 from ..hooking import thread_view
@@ -60,6 +59,7 @@ from ..pyvene_boundary.steering import SteeringLeaf, collect_steering
 from ..runtime import intervened
 from ..transcoders.transcoder import Transcoder, check_fits
 from .reading import Layout
+from .settings import AttributionSettings
 from .sharded import FeatureShard, globalize
 
 
@@ -93,7 +93,7 @@ class ReplacementRun:
     states: dict[str, torch.Tensor] = field(default_factory=dict)
     #: ``"drop"``: the errors at position 0 (BOS) are constants, not nodes (circuit-tracer's
     #: convention); ``"keep"``: they are nodes.
-    bos_errors: str = GRAPH_BOS_ERRORS
+    bos_errors: str = AttributionSettings.bos_errors
     #: With a transcoder sharded by feature: which of the graph's feature nodes this rank holds
     #: (``features``, ``feature_values`` are then this rank's; ``feature_layer``,
     #: ``feature_position``, ``feature_id``, ``activation``, ``encoder_rows`` and
@@ -226,7 +226,7 @@ def check_batch(input_ids: torch.Tensor) -> None:
 @checked
 def run_local_replacement(
     model: nn.Module | BoundModel, transcoder: Transcoder, input_ids: torch.Tensor, *,
-    freeze: bool = GRAPH_FREEZE, from_position: int = 1,
+    freeze: bool = AttributionSettings.freeze, from_position: int = 1,
 ) -> ReplacementRun:
     """Run ``input_ids`` through the local replacement model (module docstring), after checking
     that ``transcoder`` fits ``model`` (:class:`~.replacement_model.ReplacementModel` checks
@@ -248,7 +248,7 @@ def run_local_replacement(
 
 def replacement_forward(
     bound: BoundModel, transcoder: Transcoder, input_ids: torch.Tensor, *,
-    freeze: bool = GRAPH_FREEZE, from_position: int = 1, states: Sequence[str] = (),
+    freeze: bool = AttributionSettings.freeze, from_position: int = 1, states: Sequence[str] = (),
     qk_norms: bool = False,
 ) -> ReplacementRun:
     """:func:`run_local_replacement` of a ``transcoder`` already checked to fit the bound

@@ -29,15 +29,6 @@ import torch
 from torch import nn
 
 from ..bound import BoundModel, bind
-from ..defaults import (
-    BOS,
-    GRAPH_BOS_ERRORS,
-    GRAPH_DESIRED_LOGIT_PROB,
-    GRAPH_FREEZE,
-    GRAPH_K,
-    GRAPH_MAX_N_LOGITS,
-    GRAPH_TARGET,
-)
 from ..errors import InputError
 from ..fingerprint import transcoder_fingerprint
 from ..finite import check_finite
@@ -52,11 +43,11 @@ from .replacement import (
     replacement_forward,
     state_module,
 )
+from .settings import BOS_ERRORS, AttributionSettings
 from .targets import Target, make_targets
 
-#: What ``bos_errors`` may be: the position-0 errors as nodes (rows close on nodes alone) or as
-#: constants (circuit-tracer's convention: its graphs zero the BOS error vectors).
-BOS_ERRORS = ("keep", "drop")
+#: The keyword defaults: :class:`~.settings.AttributionSettings`' fields.
+_DEFAULT = AttributionSettings()
 
 if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
     from transformers import PreTrainedTokenizerBase
@@ -98,7 +89,7 @@ class ReplacementModel:
     :class:`~..errors.UnsupportedModelError` for an architecture without an adapter."""
 
     def __init__(self, model: nn.Module | BoundModel, tokenizer: PreTrainedTokenizerBase,
-                 transcoder: Transcoder, *, bos: str = BOS) -> None:
+                 transcoder: Transcoder, *, bos: str = _DEFAULT.bos) -> None:
         #: the model bound once (its architecture, dimensions); ``model`` is its module
         self.bound = bind(model)
         check_fits(transcoder, self.bound)
@@ -120,12 +111,13 @@ class ReplacementModel:
         return ids
 
     def prepare(self, prompt: str, answer: str | None = None, *,
-                target: str | Target | torch.Tensor = GRAPH_TARGET, other: str | None = None,
-                k: int = GRAPH_K, max_n_logits: int = GRAPH_MAX_N_LOGITS,
-                desired_logit_prob: float = GRAPH_DESIRED_LOGIT_PROB) -> PreparedPrompt:
+                settings: AttributionSettings | None = None) -> PreparedPrompt:
         """Tokenize ``prompt``, run the clean model and fix the targets
         (:func:`~.targets.make_targets`: the answer's, a direction, or without an answer the
-        salient logits)."""
+        salient logits) as ``settings`` say (default :class:`~.settings.AttributionSettings`'
+        defaults: its ``target``, ``other``, ``k`` and salient-logit settings are read)."""
+        settings = _DEFAULT if settings is None else settings
+        max_n_logits, desired_logit_prob = settings.salient()
         ids = self.tokenize(prompt)
         box: dict[str, torch.Tensor] = {}
         with torch.no_grad():
@@ -138,9 +130,9 @@ class ReplacementModel:
         check_finite(clean, "the clean run's logits",
                      "the weights are finite, so the activations overflow")
         probabilities = clean[0, -1].float().softmax(-1)
-        goals = make_targets(uncapped, probabilities, self.tokenizer, answer, target=target,
-                             other=other, k=k, max_n_logits=max_n_logits,
-                             desired_logit_prob=desired_logit_prob)
+        goals = make_targets(uncapped, probabilities, self.tokenizer, answer,
+                             target=settings.target, other=settings.other, k=settings.k,
+                             max_n_logits=max_n_logits, desired_logit_prob=desired_logit_prob)
         for goal in goals:
             if goal.is_logit:
                 self.bound.check_answer(goal.token)
@@ -170,9 +162,9 @@ class ReplacementModel:
             counts = active_counts(self.bound, self.transcoder, input_ids, self.from_position)
         return check_forward_fits(self.model, self.transcoder, input_ids, memory_mb, counts)
 
-    def run(self, input_ids: torch.Tensor, *, freeze: bool = GRAPH_FREEZE,
+    def run(self, input_ids: torch.Tensor, *, freeze: bool = _DEFAULT.freeze,
             from_position: int | None = None, states: Sequence[str] = (),
-            bos_errors: str = GRAPH_BOS_ERRORS) -> ReplacementRun:
+            bos_errors: str = _DEFAULT.bos_errors) -> ReplacementRun:
         """One forward of the local replacement model
         (:func:`~.replacement.run_local_replacement`, without checking the fit again), spliced
         from ``from_position`` (default :attr:`from_position`, the ``bos`` rule's), keeping

@@ -6,7 +6,7 @@ is linear in the graph's leaves. A graph has one logit node (one row) per target
 
 - ``"logits"``: ``c`` over the vocabulary. :func:`demeaned_logit` is the answer's logit minus
   the mean of the top-``k`` logits (k = 10; a direction that raises every logit equally does not
-  change the prediction) or of the whole vocabulary (``demean="vocab"``, circuit-tracer's);
+  change the prediction) or of the whole vocabulary (``k=None``, circuit-tracer's);
   :func:`logit_difference` is ``logit[token] - logit[other]``.
 - a residual-stream state: ``c`` is a unit direction in it (a probe, a steering vector,
   normalised so that nothing depends on its scale), built by :func:`direction_target`:
@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..arguments import checked
-from ..defaults import GRAPH_DESIRED_LOGIT_PROB, GRAPH_K, GRAPH_MAX_N_LOGITS, GRAPH_TARGET
 from ..errors import InputError
 from ..finite import check_finite, positive_number
 from ..prompts import answer_token_id
@@ -93,25 +92,23 @@ class Target:
 
 
 @checked
-def demeaned_logit(logits: torch.Tensor, token: int, k: int = GRAPH_K,
-                   demean: str = "topk") -> Target:
-    """``logit[token] - mean(top-k logits)`` (``demean="topk"``, our default) or
-    ``logit[token] - mean(all logits)`` (``demean="vocab"``, circuit-tracer's)."""
+def demeaned_logit(logits: torch.Tensor, token: int, k: int | None) -> Target:
+    """``logit[token] - mean(top-k logits)`` (our default target,
+    :attr:`~.settings.AttributionSettings.k`) or, with ``k=None``, ``logit[token] - mean(all
+    logits)`` (circuit-tracer's)."""
     last = logits.detach()[..., -1, :].reshape(-1).float()
     vocab = last.numel()
     if not 0 <= token < vocab:
         raise InputError(f"token id {token} is outside the vocabulary (size {vocab})")
     c = torch.zeros(vocab)
-    if demean == "topk":
+    if k is None:
+        c -= 1.0 / vocab
+        name = "demeaned logit (vocabulary mean)"
+    else:
         if not 1 <= k <= vocab:
             raise InputError(f"k must be in 1..{vocab}, got {k}")
         c[last.topk(k).indices.cpu()] -= 1.0 / k
         name = f"demeaned logit (top-{k})"
-    elif demean == "vocab":
-        c -= 1.0 / vocab
-        name = "demeaned logit (vocabulary mean)"
-    else:
-        raise InputError(f"demean must be 'topk' or 'vocab', got {demean!r}")
     c[token] += 1.0
     return Target(name, int(token), c)
 
@@ -166,36 +163,33 @@ def direction_target(vector: torch.Tensor, *, output: str = "unembed_input", pos
                   positive_number(weight, "the target's weight"))
 
 
-def salient_logits(logits: torch.Tensor, probabilities: torch.Tensor, *,
-                   max_n_logits: int = GRAPH_MAX_N_LOGITS,
-                   desired_logit_prob: float = GRAPH_DESIRED_LOGIT_PROB, demean: str = "topk",
-                   k: int = GRAPH_K) -> list[Target]:
+def salient_logits(logits: torch.Tensor, probabilities: torch.Tensor, *, max_n_logits: int,
+                   desired_logit_prob: float, k: int | None) -> list[Target]:
     """circuit-tracer's salient logits: the ``max_n_logits`` most probable tokens, cut after the
     first whose cumulative probability reaches ``desired_logit_prob``; each a demeaned-logit
-    target on ``logits`` (pre-soft-cap), weighted by its probability (from ``probabilities``,
-    the real model's ``[V]``)."""
+    target on ``logits`` (pre-soft-cap; :func:`demeaned_logit` by ``k``), weighted by its
+    probability (from ``probabilities``, the real model's ``[V]``)."""
     top_p, top_idx = probabilities.float().topk(min(max_n_logits, probabilities.numel()))
     cutoff = int(torch.searchsorted(top_p.cumsum(0), torch.tensor(desired_logit_prob))) + 1
     out = []
     for p, token in zip(top_p[:cutoff].tolist(), top_idx[:cutoff].tolist(), strict=True):
-        goal = demeaned_logit(logits, token, k, demean)
+        goal = demeaned_logit(logits, token, k)
         out.append(Target(goal.name, goal.token, goal.coefficients, prob=p, weight=p))
     return out
 
 
 @checked
 def make_target(logits: torch.Tensor, tokenizer: PreTrainedTokenizerBase, answer: str | None,
-                *, kind: str = GRAPH_TARGET, other: str | None = None,
-                k: int = GRAPH_K) -> Target:
-    """The target on clean ``logits``: ``kind`` is ``"demeaned"`` (top-k, the default),
-    ``"demeaned_vocab"`` or ``"difference"`` (``answer`` minus ``other``). No ``answer``: the
-    clean argmax."""
+                *, kind: str, k: int, other: str | None = None) -> Target:
+    """The target on clean ``logits``: ``kind`` is ``"demeaned"`` (minus the top-``k`` mean),
+    ``"demeaned_vocab"`` or ``"difference"`` (``answer`` minus ``other``); the settings'
+    defaults are :class:`~.settings.AttributionSettings`'. No ``answer``: the clean argmax."""
     token = (int(logits[0, -1].argmax()) if answer is None
              else answer_token_id(tokenizer, answer, strict=True))
     if kind == "demeaned":
         return demeaned_logit(logits, token, k)
     if kind == "demeaned_vocab":
-        return demeaned_logit(logits, token, demean="vocab")
+        return demeaned_logit(logits, token, None)
     if kind == "difference":
         if other is None:
             raise InputError("a logit-difference target needs the other token (other=...)")
@@ -206,9 +200,8 @@ def make_target(logits: torch.Tensor, tokenizer: PreTrainedTokenizerBase, answer
 
 def make_targets(logits: torch.Tensor, probabilities: torch.Tensor,
                  tokenizer: PreTrainedTokenizerBase, answer: str | None, *,
-                 target: str | Target | torch.Tensor = GRAPH_TARGET, other: str | None = None,
-                 k: int = GRAPH_K, max_n_logits: int = GRAPH_MAX_N_LOGITS,
-                 desired_logit_prob: float = GRAPH_DESIRED_LOGIT_PROB) -> list[Target]:
+                 target: str | Target | torch.Tensor, other: str | None, k: int,
+                 max_n_logits: int, desired_logit_prob: float) -> list[Target]:
     """A graph's targets (module docstring), in node order, on the pre-cap ``logits``
     ``[1, P, V]``; ``probabilities`` ``[V]`` are the real model's at the last position.
 
@@ -234,9 +227,9 @@ def make_targets(logits: torch.Tensor, probabilities: torch.Tensor,
         goal = make_target(logits, tokenizer, answer, kind=target, other=other, k=k)
         return [Target(goal.name, goal.token, goal.coefficients,
                        prob=float(probabilities[goal.token]))]
-    demean = {"demeaned": "topk", "demeaned_vocab": "vocab"}.get(target)
-    if demean is None:
+    if target not in ("demeaned", "demeaned_vocab"):
         raise InputError(f"target kind must be demeaned, demeaned_vocab or difference, got "
                          f"{target!r}")
     return salient_logits(logits, probabilities, max_n_logits=max_n_logits,
-                          desired_logit_prob=desired_logit_prob, demean=demean, k=k)
+                          desired_logit_prob=desired_logit_prob,
+                          k=k if target == "demeaned" else None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import safetensors.torch
@@ -17,10 +17,10 @@ from ..attribution.attention import attention_annotations
 from ..attribution.checkpoint import remove_checkpoint
 from ..attribution.export import read_labels
 from ..attribution.many import INDEX, attribute_many, read_prompts
-from ..attribution.settings import AttributionSettings
+from ..attribution.settings import AttributionSettings, ReadingSettings
 from ..attribution.targets import direction_target
 from ..attribution.validate import ablation_test
-from ..crosscheck import MODES, cross_check
+from ..crosscheck import CrossCheckSettings, cross_check
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
@@ -29,7 +29,7 @@ from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer
 from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
-from .common import EIFFEL, number_or_name, out_dir
+from .common import EIFFEL, number_or_name, out_dir, settings_of
 
 #: The attribution settings a spec may hold that are also flags: given both ways, refused.
 SPEC_KEYS = ("target", "other", "k", "node_threshold", "edge_threshold", "validate")
@@ -39,22 +39,72 @@ CROSS_CHECK_FILES = ("cross_check.json", "cross_check.png")
 #: written.
 ROWS_PARTIAL = "rows.partial"
 
+#: The ``attribute`` flags that are settings' fields, ``{argparse dest: field}``: of
+#: :class:`~..attribution.settings.AttributionSettings`, of
+#: :class:`~..attribution.settings.ReadingSettings`, of the cross-check's
+#: :class:`~..crosscheck.settings.CrossCheckSettings` and of its tracer's
+#: :class:`~..tracing.settings.TraceSettings` (tests/test_settings_once.py checks each against
+#: its field: the default, the help's default, every field a flag or named as not one).
+ATTRIBUTION_FLAGS = {name: name for name in (
+    "target", "other", "k", "max_n_logits", "desired_logit_prob", "bos_errors", "bos",
+    "memory_mb", "max_feature_nodes")}
+READING_FLAGS = {"node_threshold": "node_threshold", "edge_threshold": "edge_threshold",
+                 "max_links": "max_links"}
+CROSS_CHECK_FLAGS = {"check_window": "window", "check_features": "top_n",
+                     "check_modes": "modes"}
+CROSS_CHECK_TRACE_FLAGS = {"seeds": "seeds", "scale": "scale"}
+#: The flags whose ``None`` default leaves the setting to the spec, then to its field.
+_UNSET_IS_DEFAULT = ("max_n_logits", "desired_logit_prob", "bos_errors", "bos", "memory_mb",
+                     "max_feature_nodes")
+#: The ablation test ``--validate`` runs.
+VALIDATE = {"sizes": [5, 10, 20], "draws": 10}
 
-def attribution_settings(args) -> dict:
-    """The attribution settings: the spec's (if any), then the command line's."""
-    defaults = AttributionSettings()
-    settings = {"model": None, "prompt": args.prompt, "answer": args.answer,
-                "target": args.target, "other": args.other, "k": args.k,
-                "memory_mb": defaults.memory_mb, "max_feature_nodes": None,
-                "node_threshold": args.node_threshold, "edge_threshold": args.edge_threshold,
-                "validate": {"sizes": [5, 10, 20], "draws": 10} if args.validate else None,
-                "clt": None, "format": None, "labels": None, "max_n_logits": None,
-                "desired_logit_prob": None, "bos_errors": defaults.bos_errors,
-                "bos": defaults.bos,
-                "direction": None}
+
+@dataclass(frozen=True)
+class CrossCheckRequest:
+    """``--cross-check``: the noised subject, the tracer's noise, the comparison's settings."""
+
+    subject: str
+    trace: TraceSettings
+    settings: CrossCheckSettings
+
+
+@dataclass(frozen=True)
+class AttributeRequest:
+    """What ``attribute`` runs, from the spec and the flags, checked before anything loads:
+    the inputs (model, prompt, answer, transcoder, labels, a direction's entry, the ablation
+    test) and the settings objects."""
+
+    model: str | None
+    prompt: str | None
+    answer: str | None
+    clt: str
+    format: str | None
+    labels: str | None
+    direction: dict | None
+    validate: dict | None
+    attribution: AttributionSettings
+    reading: ReadingSettings
+    cross_check: CrossCheckRequest | None = None
+
+    def record(self) -> dict:
+        """The request as ``summary.json``'s ``settings``: the inputs and every setting."""
+        settings = {f.name: getattr(self.attribution, f.name) for f in fields(self.attribution)}
+        if self.direction is not None:
+            settings["target"] = "direction"
+        return {"model": self.model, "prompt": self.prompt, "answer": self.answer,
+                "clt": self.clt, "format": self.format, "labels": self.labels,
+                "direction": self.direction, "validate": self.validate, **settings,
+                **{f.name: getattr(self.reading, f.name) for f in fields(self.reading)}}
+
+
+def attribute_request(args) -> AttributeRequest:
+    """The request of ``attribute``'s flags and spec: the spec's settings, then the flags'
+    (a setting both give is refused); every setting checked by its settings object, a refusal
+    naming the flag; the direction read from its file."""
     given = getattr(args, "given", frozenset())
+    block, model, prompt, answer = {}, None, args.prompt, args.answer
     if args.spec is not None:
-
         spec = load_spec(args.spec)
         if spec.attribution is None:
             raise InputError(f"{args.spec} has no 'attribution' block")
@@ -63,91 +113,76 @@ def attribution_settings(args) -> dict:
                 raise InputError(f"--{key.replace('_', '-')} does not apply to `attribute "
                                  f"--spec {args.spec}`: the spec sets {key}; drop the flag or "
                                  "edit the spec")
-        settings.update({"model": spec.model, "prompt": spec.prompt, "answer": spec.answer},
-                        **spec.attribution)
+        block, model, prompt, answer = dict(spec.attribution), spec.model, spec.prompt, \
+            spec.answer
     elif args.prompts is not None:  # each line gives its prompt and answer
-        settings["prompt"] = settings["answer"] = None
-    elif settings["answer"] is None and settings["prompt"] == EIFFEL["prompt"] \
-            and args.direction is None and args.max_n_logits is None \
-            and args.desired_logit_prob is None:
-        settings["answer"] = EIFFEL["answer"]
-    if "k" in given and settings["direction"] is None and args.prompts is None \
-            and settings["target"] != "demeaned":
-        raise InputError(f"--k sets the top-k logits of --target demeaned; --target "
-                         f"{settings['target']} does not read it: drop it")
-    for key in ("model", "clt", "format", "labels"):
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
-    for key in ("memory_mb", "max_feature_nodes", "max_n_logits", "desired_logit_prob",
-                "bos_errors", "bos"):
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
-    if args.direction is not None:
-        settings["direction"] = {"file": str(args.direction)}
-    if settings["clt"] is None:
-        raise InputError("attribute needs a CLT: --clt DIR or a spec with attribution.clt")
-    settings["clt"] = str(Path(settings["clt"]).expanduser())
-    if settings["labels"] is not None:
-        settings["labels"] = str(Path(settings["labels"]).expanduser())
-    return settings
-
-
-def check_attribute_flags(s: dict, max_links: object) -> None:
-    """Refuse any setting ``attribute`` would refuse, before a model, transcoder or row is
-    loaded or computed."""
-    if s["prompt"] is not None and not s["prompt"]:
+        prompt = answer = None
+    elif answer is None and prompt == EIFFEL["prompt"] and args.direction is None \
+            and args.max_n_logits is None and args.desired_logit_prob is None:
+        answer = EIFFEL["answer"]
+    if prompt is not None and not prompt:
         raise InputError("the prompt is empty")
-    for key in ("node_threshold", "edge_threshold"):
-        value = s[key]
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-            raise InputError(f"--{key.replace('_', '-')} must be in [0, 1], got {value}")
-    if max_links is not None and (not isinstance(max_links, int) or max_links < 1):
-        raise InputError(f"--max-links must be >= 1, got {max_links}")
-    if s["direction"] is not None and s["answer"] is not None:
-        raise InputError("--direction explains a direction, --answer a logit: pass one of "
-                         "them")
-    for key in ("max_n_logits", "desired_logit_prob"):
-        if s["direction"] is not None and s[key] is not None:
-            raise InputError(f"--{key.replace('_', '-')} chooses the salient logits of a graph "
-                             "without an answer; --direction explains a direction, so it "
-                             "would be ignored: drop it")
-    as_attribution_settings(s).check(s["answer"])
+    direction = {"file": str(args.direction)} if args.direction is not None \
+        else block.get("direction")
+    values = {}
+    for dest, name in {**ATTRIBUTION_FLAGS, **READING_FLAGS}.items():
+        flag = getattr(args, dest)
+        if dest in _UNSET_IS_DEFAULT:  # the flag wins over the spec when given
+            value = flag if flag is not None else block.get(name)
+        else:  # the spec's, where it has one (given both ways: refused above)
+            value = block.get(name, flag)
+        if value is not None:
+            values[name] = value
+    if "k" in given and direction is None and args.prompts is None \
+            and values.get("target") != "demeaned":
+        raise InputError(f"--k sets the top-k logits of --target demeaned; --target "
+                         f"{values.get('target')} does not read it: drop it")
+    if direction is not None:  # read now: a file that is not a direction is refused early
+        if answer is not None:  # before the file: whatever it holds, the two exclude each other
+            raise InputError("--direction explains a direction, --answer a logit: pass one of "
+                             "them")
+        values["target"] = read_direction(direction)
+    attribution = settings_of(AttributionSettings, {
+        k: v for k, v in values.items() if k not in READING_FLAGS}, ATTRIBUTION_FLAGS)
+    if args.prompts is None:
+        attribution.check_answer(answer)
+    reading = settings_of(ReadingSettings, {k: v for k, v in values.items()
+                                            if k in READING_FLAGS}, READING_FLAGS)
+    clt = args.clt if args.clt is not None else block.get("clt")
+    if clt is None:
+        raise InputError("attribute needs a CLT: --clt DIR or a spec with attribution.clt")
+    labels = args.labels if args.labels is not None else block.get("labels")
+    validate = VALIDATE if args.validate else block.get("validate")
+    request = AttributeRequest(
+        model=args.model if args.model is not None else model, prompt=prompt, answer=answer,
+        clt=str(Path(clt).expanduser()),
+        format=args.format if args.format is not None else block.get("format"),
+        labels=None if labels is None else str(Path(labels).expanduser()), direction=direction,
+        validate=validate, attribution=attribution, reading=reading)
+    return replace(request, cross_check=cross_check_request(args, request))
 
 
-def as_attribution_settings(s: dict) -> AttributionSettings:
-    """The :class:`~..attribution.settings.AttributionSettings` of the settings ``s`` (the
-    direction target aside: it is read from its file after the checks)."""
-    return AttributionSettings(**{key: s[key] for key in (
-        "target", "other", "k", "max_feature_nodes", "memory_mb", "max_n_logits",
-        "desired_logit_prob", "bos_errors", "bos")})
-
-
-def cross_check_settings(args, s: dict) -> dict | None:
+def cross_check_request(args, request: AttributeRequest) -> CrossCheckRequest | None:
     """The ``--cross-check`` settings, checked before anything loads (None without it)."""
     if not args.cross_check:
         return None
     subject = args.subject
-    if subject is None and s["prompt"] == EIFFEL["prompt"]:
+    if subject is None and request.prompt == EIFFEL["prompt"]:
         subject = EIFFEL["subject"]
     if not subject:
         raise InputError("--cross-check needs --subject: the part of the prompt the trace "
                          "noises")
-    if subject not in s["prompt"]:
-        raise InputError(f"--subject {subject!r} is not in the prompt {s['prompt']!r}")
-    if s["direction"] is not None or s["answer"] is None:
+    if subject not in request.prompt:
+        raise InputError(f"--subject {subject!r} is not in the prompt {request.prompt!r}")
+    if request.direction is not None or request.answer is None:
         raise InputError("--cross-check compares one answer's graph with its trace: give "
                          "--answer (a single token), not --direction or several logits")
-    trace = TraceSettings(seeds=args.seeds, scale=number_or_name(args.scale))  # checked
-    for flag, value, low in (("--check-features", args.check_features, 0),
-                             ("--check-window", args.check_window, 1)):
-        if value < low:
-            raise InputError(f"{flag} must be >= {low}, got {value}")
-    modes = [m for m in args.check_modes.split(",") if m]
-    if not modes or any(m not in MODES for m in modes):
-        raise InputError(f"--check-modes must list some of {', '.join(MODES)}, got "
-                         f"{args.check_modes!r}")
-    return {"subject": subject, "trace": trace, "top_n": args.check_features,
-            "window": args.check_window, "modes": modes}
+    trace = settings_of(TraceSettings, {"seeds": args.seeds, "scale": number_or_name(args.scale)},
+                        CROSS_CHECK_TRACE_FLAGS)
+    settings = settings_of(CrossCheckSettings, {
+        "window": args.check_window, "top_n": args.check_features,
+        "modes": [m for m in args.check_modes.split(",") if m]}, CROSS_CHECK_FLAGS)
+    return CrossCheckRequest(subject, trace, settings)
 
 
 def read_direction(entry: dict) -> object:
@@ -188,65 +223,62 @@ def read_direction(entry: dict) -> object:
 def attribute_command(args) -> int:
     distributed.environment()  # first: a wrong WORLD_SIZE/RANK/... is named at once
     out_dir(args.out)
-    s = attribution_settings(args)
-    check_attribute_flags(s, args.max_links)
-    checking = cross_check_settings(args, s)
-    target = s["target"] if s["direction"] is None else read_direction(s["direction"])
-    if s["labels"] is not None:  # its form now, before anything loads
-        read_labels(s["labels"])
+    request = attribute_request(args)
+    if request.labels is not None:  # its form now, before anything loads
+        read_labels(request.labels)
     ranks = distributed.init()  # under torchrun: join the group (a no-op otherwise)
     if ranks is None and "split" in getattr(args, "given", ()):
         raise InputError("--split spreads a graph over the ranks of a torchrun: one process "
                          "does not read it; drop it (or run under torchrun)")
     if args.prompts is not None:
-        return _many_command(args, s)
+        return _many_command(args, request)
     sharded = ranks is not None and args.split == "features"
-    if sharded and (s["validate"] or checking is not None or args.heads):
+    if sharded and (request.validate or request.cross_check is not None or args.heads):
         raise InputError("--validate, --cross-check and --heads run the whole transcoder: with "
                          "more than one rank pass --split rows (the transcoder whole on every "
                          "rank)")
-    clt = load_transcoder(s["clt"], format=s["format"],
+    clt = load_transcoder(request.clt, format=request.format,
                           **({"shard": (ranks.rank, ranks.world)} if sharded else {}))
-    labels = None if s["labels"] is None else \
-        read_labels(s["labels"], n_layers=clt.n_layers, n_features=clt.cfg.d_transcoder)
-    model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
+    labels = None if request.labels is None else \
+        read_labels(request.labels, n_layers=clt.n_layers, n_features=clt.cfg.d_transcoder)
+    model, tokenizer = load_model(request.model or OFFLINE_DEFAULT)
     tracer = None
+    checking = request.cross_check
     if checking is not None:  # before the graph: a subject the tokens split is refused now
-        tracer = Tracer(model, tokenizer, s["prompt"], checking["subject"], answer=s["answer"],
-                        settings=checking["trace"])
+        tracer = Tracer(model, tokenizer, request.prompt, checking.subject,
+                        answer=request.answer, settings=checking.trace)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = out / ROWS_PARTIAL  # an interrupted run resumes; removed once all is written
-    graph = attribute(model, tokenizer, clt, s["prompt"], s["answer"],
-                      settings=replace(as_attribution_settings(s), target=target),
-                      progress=True, checkpoint=checkpoint)
+    graph = attribute(model, tokenizer, clt, request.prompt, request.answer,
+                      settings=request.attribution, progress=True, checkpoint=checkpoint)
     if ranks is not None and not ranks.first:  # rank 0 writes every file
         distributed.finish()
         return 0
     with distributed.alone() if ranks is not None else contextlib.nullcontext():
-        code = _write_outputs(args, s, graph, model, clt, tracer, checking, labels, checkpoint)
+        code = _write_outputs(args, request, graph, model, clt, tracer, labels, checkpoint)
     if ranks is not None:
         distributed.finish()
     return code
 
 
-def _many_command(args, s: dict) -> int:
+def _many_command(args, request: AttributeRequest) -> int:
     """``attribute --prompts FILE``: one graph per prompt, spread over the ranks."""
     prompts = read_prompts(args.prompts)  # checked before anything loads (--cross-check,
-    settings = as_attribution_settings(s)  # --validate and the like: refused by .flags)
+    settings = request.attribution  # --validate and the like: refused by .flags)
     for i, prompt in enumerate(prompts, 1):
-        chosen = settings if prompt["target"] is None else replace(settings,
-                                                                   target=prompt["target"])
         try:
-            chosen.check(prompt["answer"])
+            chosen = settings if prompt["target"] is None else replace(settings,
+                                                                       target=prompt["target"])
+            chosen.check_answer(prompt["answer"])
         except InputError as error:
             raise InputError(f"{args.prompts}, prompt {i}: {error}") from None
     if "k" in getattr(args, "given", ()) and \
             all((p["target"] or settings.target) != "demeaned" for p in prompts):
         raise InputError("--k sets the top-k logits of a demeaned target; no prompt of "
                          f"{args.prompts} has one: drop it")
-    clt = load_transcoder(s["clt"], format=s["format"])
-    model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
+    clt = load_transcoder(request.clt, format=request.format)
+    model, tokenizer = load_model(request.model or OFFLINE_DEFAULT)
     index = attribute_many(model, tokenizer, clt, prompts, args.out, settings=settings,
                            progress=True)
     if index is not None:
@@ -255,10 +287,10 @@ def _many_command(args, s: dict) -> int:
     return 0
 
 
-def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
+def _write_outputs(args, request: AttributeRequest, graph, model, clt, tracer, labels,
                    checkpoint: Path) -> int:
     """Print the graph's reading and write every output file (rank 0 of a distributed run)."""
-    out = args.out
+    out, reading = args.out, request.reading
     if graph.metadata["rows_resumed"]:
         print(f"resumed {graph.metadata['rows_resumed']} rows from {checkpoint}, computed "
               f"{graph.metadata['rows_computed']}")
@@ -275,13 +307,13 @@ def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
     print(f"replacement score {scores['replacement']:.3f}, completeness "
           f"{scores['completeness']:.3f}")
     print(graph.direct_attributions(10).to_string(index=False))
-    pruned = graph.prune(s["node_threshold"], s["edge_threshold"])
+    pruned = graph.prune(settings=reading)
     print(f"pruned: {pruned.n_nodes} nodes, {pruned.n_edges} edges")
     attention = None
     if args.heads:
-        attention = attention_annotations(model, clt, graph, node_threshold=s["node_threshold"],
-                                          edge_threshold=s["edge_threshold"],
-                                          memory_mb=s["memory_mb"], progress=True)
+        attention = attention_annotations(model, clt, graph, settings=reading,
+                                          memory_mb=request.attribution.memory_mb,
+                                          progress=True)
         print(f"heads: {len(attention.links)} edges across positions split by head, "
               f"{len(attention.qk)} heads' QK terms")
     # each file is written whole or not at all (atomic.replacing); a cross-check of an earlier
@@ -289,8 +321,7 @@ def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
     if tracer is None:
         for name in CROSS_CHECK_FILES:
             (out / name).unlink(missing_ok=True)
-    graph.to_json(out / "graph.json", slug=out.name, node_threshold=s["node_threshold"],
-                  edge_threshold=s["edge_threshold"], max_links=args.max_links, labels=labels,
+    graph.to_json(out / "graph.json", slug=out.name, settings=reading, labels=labels,
                   attention=attention)
     graph.save(out / "graph.safetensors")
     with replacing(out / "nodes.csv") as tmp:
@@ -298,22 +329,23 @@ def _write_outputs(args, s: dict, graph, model, clt, tracer, checking, labels,
     with replacing(out / "edges.csv") as tmp:
         graph.to_dataframe(pruned=True).to_csv(tmp, index=False)
     with replacing(out / "graph.png") as tmp:
-        graph.plot(tmp, node_threshold=s["node_threshold"], edge_threshold=s["edge_threshold"])
-    summary = {"settings": s, "closure": c.to_dict(), "feature_closure": graph.feature_closure(),
+        graph.plot(tmp, settings=reading)
+    summary = {"settings": request.record(), "closure": c.to_dict(),
+               "feature_closure": graph.feature_closure(),
                "decomposition": parts, "scores": scores, "metadata": graph.metadata,
                "pruned": {"nodes": pruned.n_nodes, "edges": pruned.n_edges},
                "distributed": graph.metadata.get("distributed"),
                "heads": None if attention is None else {
                    "edges": len(attention.links), "qk": len(attention.qk)}}
-    if s["validate"]:
-        result = ablation_test(model, clt, graph, sizes=tuple(s["validate"].get("sizes", (5,))),
-                               draws=s["validate"].get("draws", 10),
-                               rank_by=s["validate"].get("rank_by", "influence"))
+    if request.validate:
+        validate = request.validate
+        result = ablation_test(model, clt, graph, sizes=tuple(validate.get("sizes", (5,))),
+                               draws=validate.get("draws", 10),
+                               rank_by=validate.get("rank_by", "influence"))
         print(result.to_dataframe().to_string(index=False))
         summary["ablation"] = result.to_dict()
     if tracer is not None:
-        check = cross_check(graph, tracer, clt, top_n=checking["top_n"],
-                            window=checking["window"], modes=checking["modes"])
+        check = cross_check(graph, tracer, clt, settings=request.cross_check.settings)
         print(check.summary())
         check.to_json(out / "cross_check.json")
         with replacing(out / "cross_check.png") as tmp:

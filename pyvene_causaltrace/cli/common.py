@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import TypeVar
 
 from ..errors import InputError
+
+T = TypeVar("T")
 
 EIFFEL = {
     "prompt": "The Eiffel Tower is in the city of",
@@ -18,6 +22,20 @@ def number_or_name(text: str):
         return float(text)
     except ValueError:
         return text
+
+
+def settings_of(cls: type[T], values: dict[str, object], flags: dict[str, str]) -> T:
+    """``cls(**values)``, a settings object built from flags (``flags``: argparse dest ->
+    field); a refusal that opens with a field's name is prefixed with that field's flag."""
+    try:
+        return cls(**values)
+    except InputError as error:
+        by_field = {field: "--" + dest.replace("_", "-") for dest, field in flags.items()}
+        first = re.match(r"\w+", str(error))
+        flag = by_field.get(first.group(0)) if first else None
+        if flag is None:
+            raise
+        raise InputError(f"{flag}: {error}") from None
 
 
 def out_dir(path: Path | None) -> Path | None:

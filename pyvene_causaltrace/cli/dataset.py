@@ -23,7 +23,6 @@ from ..dataset.run import (
 )
 from ..dataset.settings import DatasetSettings
 from ..dataset.store import check_run_directory
-from ..defaults import KNOWN
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
 from ..transcoders import load_transcoder
@@ -40,7 +39,7 @@ def graph_settings(args) -> GraphSettings | None:
     given = {"max_feature_nodes": args.max_feature_nodes, "memory_mb": args.graph_memory_mb,
              "bos": args.bos}  # a flag not given: GraphSettings' default
     return GraphSettings(**{key: value for key, value in given.items() if value is not None},
-                         save=args.save_graphs).check()
+                         save=args.save_graphs)
 
 
 #: The ``dataset`` flags that are :class:`~..dataset.settings.DatasetSettings`' fields:
@@ -67,7 +66,7 @@ def dataset_command(args) -> int:
         task = get_task(args.task)
         records, errors, default_known = list(task.records), [], task.known
     else:
-        (records, errors), default_known = read_records(args.data), KNOWN
+        (records, errors), default_known = read_records(args.data), DatasetSettings.known
         if not records:
             raise InputError(f"no record could be read from {args.data}"
                              + (f": {errors[0]}" if errors else ""))
@@ -109,8 +108,6 @@ def write_dataset_report(result, out: Path) -> None:
 
 
 def aggregate_command(args) -> int:
-    if args.boot <= 0:
-        raise InputError(f"--boot must be a positive integer, got {args.boot}")
     shards = sorted(args.out.glob("shard-*-of-*"))
     if shards and not (args.out / "results.jsonl").exists():
         result = merge_shards(args.out, int(shards[0].name.rsplit("-", 1)[1]), n_boot=args.boot)

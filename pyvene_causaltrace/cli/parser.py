@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Annotated
 
 from ..arguments import (
     Fraction,
     MemoryMB,
     NonNegativeInt,
+    Port,
     PositiveFloat,
     PositiveInt,
-    Range,
+    Probability,
     Seed,
     Text,
     flag,
@@ -20,6 +20,7 @@ from ..arguments import (
 from ..defaults import (
     BOS,
     CROSS_CHECK_FEATURES,
+    CROSS_CHECK_MODES,
     CROSS_CHECK_WINDOW,
     DATASET_KINDS,
     DATASET_SEEDS,
@@ -36,6 +37,7 @@ from ..defaults import (
     NODE_THRESHOLD,
     NOISE_SCALE,
     SIGMA,
+    STEER_MAX_NEW_TOKENS,
     STEER_TOP_K,
     TRACE_MEMORY_MB,
     TRACE_SEEDS,
@@ -46,9 +48,9 @@ from .common import EIFFEL
 # Every typed flag reads through the package's argument rules (arguments.flag): argparse then
 # names the flag in its one error: line, and a flag cannot take a value the API refuses.
 POSITIVE_INT, NON_NEGATIVE_INT, SEED = flag(PositiveInt), flag(NonNegativeInt), flag(Seed)
-PORT = flag(Annotated[int, Range(0, 65535)])
+PORT = flag(Port)
 POSITIVE_FLOAT, FRACTION, MEMORY_MB = flag(PositiveFloat), flag(Fraction), flag(MemoryMB)
-PROBABILITY = flag(Annotated[float, Range(0, 1, low_open=True)])
+PROBABILITY = flag(Probability)
 TEXT = flag(Text)
 
 _TRANSCODER_HELP = ("transcoder: an mntss CLT directory, a circuit-tracer config.yaml, a "
@@ -285,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--subject", type=TEXT, default=None,
                        help="the noised subject (default: 'The Eiffel Tower' for the default "
                             "prompt)")
-    check.add_argument("--seeds", type=POSITIVE_INT, default=TRACE_SEEDS)
+    check.add_argument("--seeds", type=POSITIVE_INT, default=TRACE_SEEDS,
+                       help=f"noise seeds 0..N-1 of the trace (default {TRACE_SEEDS})")
     check.add_argument("--scale", default=str(NOISE_SCALE),
                        help=f"noise in units of sigma, or 'auto' (default {NOISE_SCALE})")
     check.add_argument("--check-features", type=POSITIVE_INT, default=CROSS_CHECK_FEATURES,
@@ -294,9 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--check-window", type=POSITIVE_INT, default=CROSS_CHECK_WINDOW,
                        help=f"layers one MLP restore spans (default {CROSS_CHECK_WINDOW}, one "
                             "MLP sublayer, as a graph cell)")
-    check.add_argument("--check-modes", default="spliced,replacement",
+    check.add_argument("--check-modes", default=",".join(CROSS_CHECK_MODES),
                        help="where the patches are measured: spliced (attention and norms "
-                            "live), replacement (held: the local replacement model)")
+                            "live), replacement (held: the local replacement model) (default "
+                            f"{','.join(CROSS_CHECK_MODES)})")
     graph.add_argument("--out", type=Path, required=True,
                        help="writes graph.json (viewer format), graph.safetensors, "
                             "nodes.csv, edges.csv, graph.png, summary.json; rows computed so "
@@ -348,10 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
     steer.add_argument("--set", action="append", default=[], metavar="LAYER:POS:FEATURE=VALUE",
                        help="set a feature (repeatable); POS is a prompt position (negative "
                             "from the end) or 'all' (every prompt and generated position)")
-    steer.add_argument("--max-new-tokens", type=NON_NEGATIVE_INT, default=0,
+    steer.add_argument("--max-new-tokens", type=NON_NEGATIVE_INT, default=STEER_MAX_NEW_TOKENS,
                        help="greedy tokens to generate, with the features held and without; "
                             "refused before any forward past the model's positions "
-                            "(max_position_embeddings) or the memory budget")
+                            "(max_position_embeddings) or the memory budget (default "
+                            f"{STEER_MAX_NEW_TOKENS})")
     steer.add_argument("--memory-mb", type=MEMORY_MB, default=None,
                        help="memory one generation step may hold (default: the device's); "
                             "each step reruns the whole sequence")

@@ -10,18 +10,17 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..atomic import write_text
-from ..defaults import BOS
 from ..errors import InputError, NonFiniteError
-from ..finite import positive_number
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
-from ..steering import intervene_features
+from ..steering import SteeringSettings, intervene_features
 from ..transcoders import load_transcoder
-from .common import EIFFEL, out_dir
+from .common import EIFFEL, out_dir, settings_of
 
 _SET = re.compile(r"^(-?\d+):(-?\d+|all):(-?\d+)=(.+)$")
 _SET_FORM = "LAYER:POS:FEATURE=VALUE (POS an integer or 'all'), e.g. 20:-1:1234=10"
@@ -90,44 +89,59 @@ def spec_settings(path: Path) -> dict[str, Any]:
             "bos": "always" if splice.get("from_position", 1) else "never"}
 
 
-def steer_settings(args) -> dict[str, Any]:
-    """The run's settings from ``--spec`` or the flags, checked before anything loads."""
+#: The ``steer`` flags that are :class:`~..steering.settings.SteeringSettings`' fields
+#: (argparse dest -> field; ``--no-hold-errors`` is ``hold_errors`` inverted, and a spec gives
+#: ``hold_errors``, ``freeze_attention`` and ``bos`` itself).
+STEERING_FLAGS = {"max_new_tokens": "max_new_tokens", "no_hold_errors": "hold_errors",
+                  "freeze_attention": "freeze_attention", "top_k": "top_k",
+                  "memory_mb": "memory_mb", "bos": "bos"}
+
+
+@dataclass(frozen=True)
+class SteerRequest:
+    """What ``steer`` runs: the prompt, model, transcoder and interventions, and the
+    :class:`~..steering.settings.SteeringSettings`, checked before anything loads."""
+
+    prompt: str
+    model: str | None
+    clt: str
+    items: list[tuple[int, int | str, int, float]]
+    settings: SteeringSettings
+
+
+def steer_request(args) -> SteerRequest:
+    """The run's request from ``--spec`` or the flags, checked before anything loads."""
     if args.spec is not None:  # the flags the spec gives are refused (.flags)
-        settings = spec_settings(args.spec)
+        given = spec_settings(args.spec)
     else:
         if not args.set:
             raise InputError(f"steer needs --set {_SET_FORM} (repeatable), or --spec FILE")
-        settings = {"prompt": EIFFEL["prompt"] if args.prompt is None else args.prompt,
-                    "model": None, "clt": None, "items": [parse_set(t) for t in args.set],
-                    "hold_errors": not args.no_hold_errors, "freeze": args.freeze_attention,
-                    "bos": args.bos or BOS}
-    for key in ("model", "clt"):
-        if getattr(args, key) is not None:
-            settings[key] = getattr(args, key)
-    if settings["clt"] is None:
+        given = {"prompt": EIFFEL["prompt"] if args.prompt is None else args.prompt,
+                 "model": None, "clt": None, "items": [parse_set(t) for t in args.set],
+                 "hold_errors": not args.no_hold_errors, "freeze": args.freeze_attention,
+                 **({} if args.bos is None else {"bos": args.bos})}
+    model = args.model if args.model is not None else given["model"]
+    clt = args.clt if args.clt is not None else given["clt"]
+    if clt is None:
         raise InputError("steer needs a transcoder: --clt DIR, or a spec with a clt_splice")
-    if not settings["prompt"]:
+    if not given["prompt"]:
         raise InputError("--prompt is empty")
-    if args.max_new_tokens < 0:
-        raise InputError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.top_k < 1:
-        raise InputError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.memory_mb is not None:
-        positive_number(args.memory_mb, "--memory-mb")
-    settings["clt"] = str(Path(settings["clt"]).expanduser())
-    return settings
+    settings = settings_of(SteeringSettings, {
+        "max_new_tokens": args.max_new_tokens, "top_k": args.top_k, "memory_mb": args.memory_mb,
+        "hold_errors": given["hold_errors"], "freeze_attention": given["freeze"],
+        **({"bos": given["bos"]} if "bos" in given else {})}, STEERING_FLAGS)
+    return SteerRequest(given["prompt"], model, str(Path(clt).expanduser()), given["items"],
+                        settings)
 
 
 def steer_command(args) -> int:
     out_dir(args.out)
-    s = steer_settings(args)
-    transcoder = load_transcoder(s["clt"], format=args.format)
-    model, tokenizer = load_model(s["model"] or OFFLINE_DEFAULT)
-    result = intervene_features(model, tokenizer, transcoder, s["prompt"], s["items"],
-                                max_new_tokens=args.max_new_tokens,
-                                hold_errors=s["hold_errors"], freeze_attention=s["freeze"],
-                                top_k=args.top_k, memory_mb=args.memory_mb,
-                                progress=False if args.no_progress else None, bos=s["bos"])
+    request = steer_request(args)
+    transcoder = load_transcoder(request.clt, format=args.format)
+    model, tokenizer = load_model(request.model or OFFLINE_DEFAULT)
+    result = intervene_features(model, tokenizer, transcoder, request.prompt, request.items,
+                                settings=request.settings,
+                                progress=False if args.no_progress else None)
     print(result.summary())
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..atomic import replacing, write_text
-from ..defaults import TRACE_MEMORY_MB, WINDOW
 from ..errors import CausalTraceError, InputError
 from ..execute import check_on_model, run_spec
-from ..interventions import RESERVED, get_intervention, list_interventions
+from ..interventions import get_intervention, list_interventions
 from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
 from ..tracing.engine import get_kind
@@ -56,8 +55,8 @@ def trace_spec(path: Path, model_name: str | None, out: Path | None, budget_mb: 
     spec = load_spec(path)
     model, tokenizer = load_model(model_name or spec.model or OFFLINE_DEFAULT)
     tracer = tracer_from_spec(spec, model, tokenizer, memory_budget_mb=budget_mb)
-    return report_traces(tracer, [spec.trace["kind"]], spec.trace.get("window", WINDOW), out,
-                         controls, progress=progress)
+    window = spec.trace.get("window", TraceSettings.window)
+    return report_traces(tracer, [spec.trace["kind"]], window, out, controls, progress=progress)
 
 
 def report_traces(tracer, kinds: list[str], window: int, out: Path | None,
@@ -90,7 +89,7 @@ def run_command(args) -> int:
     out_dir(args.out)
     spec = load_spec(args.spec)
     if spec.trace is not None:
-        return trace_spec(args.spec, args.model, args.out, budget_mb=TRACE_MEMORY_MB,
+        return trace_spec(args.spec, args.model, args.out, budget_mb=TraceSettings.memory_budget_mb,
                           controls=False)
     if spec.attribution is not None:
         raise InputError(f"{args.spec} is an attribution spec: run "
@@ -127,6 +126,4 @@ def interventions_command(args) -> int:
     for name in list_interventions():
         cls = get_intervention(name)
         print(f"{name:<18} {cls.__module__}.{cls.__qualname__}")
-    for name, why in RESERVED.items():
-        print(f"{name:<18} (reserved: {why})")
     return 0

@@ -6,14 +6,17 @@
 Data flows one way: :mod:`.sites` (per (layer, position): the graph's influence beside the
 trace's indirect effect) and :mod:`.features` (the graph's top features: linear prediction beside
 a patch in the spliced model) -> :mod:`.check` (``cross_check``) -> :mod:`.result`
-(:class:`CrossCheckResult`) -> :mod:`.plots`.
+(:class:`CrossCheckResult`) -> :mod:`.plots`; :mod:`.settings` holds
+:class:`CrossCheckSettings`.
 """
 
-from .check import SITE_KINDS, check_pair, cross_check
+from .check import check_pair, cross_check
 from .features import MODES, PatchRunner, noised_activations, total_effects
 from .result import CrossCheckResult, cross_check_schema
+from .settings import SITE_KINDS, CrossCheckSettings
 from .sites import SITE_PARTS, compare_grids, reachable_cells, site_influence, spearman
 
-__all__ = ["MODES", "SITE_KINDS", "SITE_PARTS", "CrossCheckResult", "PatchRunner",
-           "check_pair", "compare_grids", "cross_check", "cross_check_schema", "noised_activations",
-           "reachable_cells", "site_influence", "spearman", "total_effects"]
+__all__ = ["MODES", "SITE_KINDS", "SITE_PARTS", "CrossCheckResult", "CrossCheckSettings",
+           "PatchRunner", "check_pair", "compare_grids", "cross_check", "cross_check_schema",
+           "noised_activations", "reachable_cells", "site_influence", "spearman",
+           "total_effects"]

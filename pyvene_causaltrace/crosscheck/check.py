@@ -23,22 +23,22 @@ import numpy as np
 import torch
 
 from ..arguments import NonNegativeInt, PositiveInt, checked
-from ..defaults import CROSS_CHECK_FEATURES, CROSS_CHECK_TOP_K, CROSS_CHECK_WINDOW
 from ..errors import InputError, PyveneModelError
 from ..tracing.engine import get_kind
 from ..tracing.head_restore import check_layers
 from ..transcoders.transcoder import Transcoder, check_fits
-from .features import MODES, PatchRunner, noised_activations, target_coefficients, total_effects
+from .features import PatchRunner, noised_activations, target_coefficients, total_effects
 from .heads import head_section
 from .result import CrossCheckResult, feature_statistics
+from .settings import CrossCheckSettings
 from .sites import SITE_PARTS, compare_grids, reachable_cells, site_influence, window_sum
 
 if TYPE_CHECKING:  # annotations only
     from ..attribution.graph import AttributionGraph
     from ..tracing.tracer import Tracer
 
-#: Trace kinds a graph can be compared with: the graph has no attention nodes.
-SITE_KINDS = ("residual", "mlp")
+#: The keyword defaults: :class:`~.settings.CrossCheckSettings`' fields.
+_DEFAULT = CrossCheckSettings()
 #: Activations recomputed from the model must equal the graph's to this (relative) tolerance.
 ACTIVATION_TOLERANCE = 1e-3
 #: The noised runs' P(answer) must equal the trace's corrupted runs' to this.
@@ -81,10 +81,11 @@ def _trace_grids(tracer, kinds: Sequence[str], window: int):
 @checked
 def cross_check(
     graph: AttributionGraph, tracer: Tracer, transcoder: Transcoder | None = None, *,
-    kinds: Sequence[str] = SITE_KINDS, window: PositiveInt = CROSS_CHECK_WINDOW,
-    top_k: PositiveInt = CROSS_CHECK_TOP_K, top_n: NonNegativeInt = CROSS_CHECK_FEATURES,
-    modes: Sequence[str] = ("spliced",), heads: bool | int | Sequence[int] = False,
+    kinds: Sequence[str] = _DEFAULT.kinds, window: PositiveInt = _DEFAULT.window,
+    top_k: PositiveInt = _DEFAULT.top_k, top_n: NonNegativeInt = _DEFAULT.top_n,
+    modes: Sequence[str] = _DEFAULT.modes, heads: bool | int | Sequence[int] = _DEFAULT.heads,
     progress: Callable[[int], None] | None = None,
+    settings: CrossCheckSettings | None = None,
 ) -> CrossCheckResult:
     """Compare ``graph`` with ``tracer``'s traces (module docstring).
 
@@ -93,20 +94,13 @@ def cross_check(
             first logit node is the trace's answer.
         tracer: a :class:`~..tracing.tracer.Tracer`; its noise (seeds, scale, sigma) is the
             perturbation on both sides.
-        transcoder: the graph's transcoder. Without it only the sites are compared.
-        kinds: trace kinds to compare with (``"residual"``, ``"mlp"``).
-        window: layers an MLP restore spans (default 1: one MLP per cell, as a graph cell
-            holds one MLP sublayer; with more, the graph's cells are summed over the same
-            layers).
-        top_k: cells in the top-``k`` overlap.
-        top_n: features checked (by influence; 0 for none).
-        modes: ``"spliced"`` (attention and norms live, the default) and/or
-            ``"replacement"`` (held at the clean run's: the local replacement model, where the
-            prediction is exact up to threshold crossings).
-        heads: also compare heads (:mod:`.heads`) at these layers: ``True`` every layer, an
-            int or a list those, ``False`` none (the default: it costs a forward and a
-            backward per layer for the loadings and ``layers x heads x seeds`` restore rows).
-            Needs ``transcoder``.
+        transcoder: the graph's transcoder. Without it only the sites are compared; the
+            features (``top_n``) and heads need it.
+        kinds, window, top_k, top_n, modes, heads: the
+            :class:`~.settings.CrossCheckSettings` (what each means, and the defaults: the
+            residual and MLP traces, one layer per restore, a top-10 overlap, 20 features
+            patched in both modes, no heads); ``settings`` gives them at once (a keyword that
+            contradicts it is refused).
         progress: called with 1 after each mode's patches.
 
     Raises:
@@ -115,17 +109,10 @@ def cross_check(
         PyveneModelError: for a graph or tracer of a pyvene ``IntervenableModel``.
     """
     start = time.perf_counter()
-    for kind in kinds:
-        if kind not in SITE_KINDS:
-            raise InputError(f"a graph can be compared with the {' and '.join(SITE_KINDS)} "
-                             f"traces, not {kind!r} (the graph has no attention nodes)")
-    for mode in modes:
-        if mode not in MODES:
-            raise InputError(f"modes must be among {', '.join(MODES)}, got {mode!r}")
-    for name, value, low in (("window", window, 1), ("top_k", top_k, 1), ("top_n", top_n, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
-    head_layers = _head_layers(heads, tracer.engine.n_layers)
+    s = CrossCheckSettings.merged(settings, kinds=kinds, window=window, top_k=top_k,
+                                  top_n=top_n, modes=modes, heads=heads)
+    kinds, window, top_k, top_n, modes = s.kinds, s.window, s.top_k, s.top_n, s.modes
+    head_layers = _head_layers(s.heads, tracer.engine.n_layers)
     if head_layers is not None and transcoder is None:
         raise InputError("heads: head loadings replay the graph's run, so they need the graph's "
                          "transcoder (pass transcoder=)")
@@ -244,4 +231,4 @@ def _check_activations(graph, order: torch.Tensor, clean: torch.Tensor) -> None:
                          "was built with another model or transcoder")
 
 
-__all__ = ["SITE_KINDS", "check_pair", "cross_check"]
+__all__ = ["check_pair", "cross_check"]

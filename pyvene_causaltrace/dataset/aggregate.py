@@ -21,7 +21,6 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..arguments import checked
-from ..defaults import N_BOOT
 from ..errors import InputError
 from ..tracing.roles import BEFORE_SUBJECT, ROLES, role_positions
 from .plan import check_boot_fits
@@ -51,7 +50,7 @@ def role_curves(restored: np.ndarray | list, corrupt: float,
 
 
 @checked
-def bootstrap_interval(values: np.ndarray, *, n_boot: int = N_BOOT, level: float = 0.95,
+def bootstrap_interval(values: np.ndarray, *, n_boot: int, level: float = 0.95,
                        seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Percentile bootstrap over the first axis of ``values [F, ...]`` (NaN = missing) of the
     mean; returns ``(low, high)`` shaped ``values.shape[1:]``."""
@@ -75,7 +74,7 @@ def bootstrap_interval(values: np.ndarray, *, n_boot: int = N_BOOT, level: float
 
 @checked
 def aggregate_rows(rows: Iterable[dict], *, kinds: Sequence[str], manifest: dict | None = None,
-                   screen: Sequence[dict] = (), n_boot: int = N_BOOT,
+                   screen: Sequence[dict] = (), n_boot: int,
                    level: float = 0.95) -> DatasetResult:
     """A :class:`DatasetResult` from result rows (any order; duplicates must agree)."""
     # (fact index, kind) -> seed -> (role curves, clean P, corrupted P)

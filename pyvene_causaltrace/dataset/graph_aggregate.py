@@ -31,7 +31,6 @@ import numpy as np
 
 from ..arguments import checked
 from ..crosscheck.sites import SITE_PARTS, reachable_cells, spearman, window_sum
-from ..defaults import N_BOOT, WINDOW
 from ..errors import InputError
 from ..locations import window_layers
 from .aggregate import ROLE_ORDER, _nanmean, bootstrap_interval, role_curves
@@ -122,7 +121,7 @@ def _correlations(row: dict, grid: np.ndarray, traces: TraceGrids | None,
 
 @checked
 def aggregate_graphs(rows: Iterable[dict], *, n_layers: int, kinds: Sequence[str] = (),
-                     traces: TraceGrids | None = None, window: int = WINDOW, n_boot: int = N_BOOT,
+                     traces: TraceGrids | None = None, window: int, n_boot: int,
                      level: float = 0.95) -> dict | None:
     """The ``graphs`` part of a :class:`~.results.DatasetResult` from ``graphs.jsonl`` rows
     (any order), ranked against the ``traces`` of ``kinds`` (those of

@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..arguments import check_fields
+from .._settings import Settings
+from ..arguments import MemoryMB, PositiveInt
 from ..attribution import attribute
 from ..attribution.settings import AttributionSettings
 from ..crosscheck.sites import SITE_PARTS, site_influence
+from ..defaults import DATASET_SAVE_GRAPHS
 from ..errors import InputError
 from ..fingerprint import transcoder_fingerprint
 from ..prompts import tokenize_prompt
@@ -54,7 +56,7 @@ GRAPH_TARGETS = ("demeaned", "demeaned_vocab")
 
 
 @dataclass(frozen=True)
-class GraphSettings:
+class GraphSettings(Settings):
     """How each fact's graph is built (arguments of :func:`~..attribution.attribute`; the
     defaults are :class:`~..attribution.settings.AttributionSettings`').
 
@@ -64,29 +66,24 @@ class GraphSettings:
     ``bos``: how position 0 is treated (``"auto"``: as BOS only when the tokenizer prepends
     one; ``"always"``: circuit-tracer's convention; ``"never"``), in the manifest, so a run made
     before the BOS rule or under another one is never resumed with it;
-    ``save``: keep each graph under ``graphs/`` (an output choice, not in the manifest)."""
+    ``save``: keep each graph under ``graphs/`` (an output choice, not in the manifest).
+    Refused when made: what :class:`~..attribution.settings.AttributionSettings` refuses, and a
+    target that needs more than the fact's answer."""
 
     target: str = AttributionSettings.target
-    k: int = AttributionSettings.k
-    max_feature_nodes: int | None = AttributionSettings.max_feature_nodes
-    memory_mb: float = AttributionSettings.memory_mb
+    k: PositiveInt = AttributionSettings.k
+    max_feature_nodes: PositiveInt | None = AttributionSettings.max_feature_nodes
+    memory_mb: MemoryMB = AttributionSettings.memory_mb
     bos: str = AttributionSettings.bos
-    save: bool = False
+    save: bool = DATASET_SAVE_GRAPHS
 
     def __post_init__(self) -> None:
-        check_fields(self)
-
-    def check(self) -> GraphSettings:
-        """Refuse settings :func:`~..attribution.attribute` would refuse (or a target that
-        needs more than the fact's answer), naming them; returns ``self``."""
+        super().__post_init__()
         if self.target not in GRAPH_TARGETS:
             raise InputError(f"graph target must be one of {', '.join(GRAPH_TARGETS)} (a "
                              f"dataset graph explains the fact's own answer), got "
                              f"{self.target!r}")
-        self.attribution().check()
-        if not isinstance(self.save, bool):
-            raise InputError(f"save must be True or False, got {self.save!r}")
-        return self
+        self.attribution()  # checked as attribute() checks it
 
     def attribution(self) -> AttributionSettings:
         """The :class:`~..attribution.settings.AttributionSettings` of each fact's graph (the
@@ -104,7 +101,6 @@ class GraphSettings:
 def graph_manifest(model: nn.Module, transcoder: Transcoder, settings: GraphSettings) -> dict:
     """The manifest keys of a run with graphs, once ``transcoder`` is checked to fit ``model``
     (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError` if not)."""
-    settings.check()
     check_fits(transcoder, model)
     return {"transcoder": transcoder_fingerprint(transcoder), "graphs": settings.to_manifest()}
 

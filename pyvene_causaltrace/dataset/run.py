@@ -51,9 +51,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from ..arguments import checked
+from ..arguments import PositiveInt, checked
 from ..bound import BoundModel, bind
-from ..defaults import N_BOOT, WINDOW
 from ..errors import DamagedFileError, InputError, ManifestMismatchError
 from ..fingerprint import package_version, tokenizer_fingerprint
 from ..interventions.noise import seed_list
@@ -70,7 +69,7 @@ from .graphs import GRAPH_DIR, GraphSettings, graph_manifest, graph_row
 from .plan import check_boot_fits
 from .records import FactRecord, RecordError
 from .results import DatasetResult
-from .settings import KNOWN_RULES, DatasetSettings, dataset_settings_from
+from .settings import KNOWN_RULES, DatasetSettings
 from .store import GRAPHS, MANIFEST, RESULTS, SCREEN, RunDirectory, read_jsonl, read_manifest
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
@@ -190,7 +189,7 @@ def trace_dataset(
     ``memory_mb``);
     a transcoder that does not fit ``model`` is refused
     (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError`) before anything is written."""
-    run_settings = dataset_settings_from(
+    run_settings = DatasetSettings.merged(
         settings, kinds=kinds, seeds=seeds, scale=scale, sigma=sigma, window=window, known=known,
         limit=limit, memory_budget_mb=memory_budget_mb, n_boot=n_boot)
     kinds, seeds, scale, sigma = (list(run_settings.kinds), run_settings.seeds,
@@ -296,7 +295,8 @@ def run_path(out: str | Path, shard: tuple[int, int] | None = None) -> Path:
 
 
 @checked
-def load_dataset_result(path: str | Path, *, n_boot: int = N_BOOT) -> DatasetResult:
+def load_dataset_result(path: str | Path, *,
+                        n_boot: PositiveInt = _DEFAULT.n_boot) -> DatasetResult:
     """The aggregate of a run directory (a finished, interrupted or merged one), with the
     graphs' part when the run has graphs. A missing or damaged manifest, or a damaged row, is
     refused naming the file (and line)."""
@@ -315,7 +315,8 @@ def load_dataset_result(path: str | Path, *, n_boot: int = N_BOOT) -> DatasetRes
         raise InputError(f"{path / RESULTS}: {error}") from None
     try:
         graphs = aggregate_graphs(graph_rows, n_layers=result.n_layers, kinds=result.kinds,
-                                  traces=traces, window=int(manifest.get("window", WINDOW)),
+                                  traces=traces,
+                                  window=int(manifest.get("window", _DEFAULT.window)),
                                   n_boot=n_boot, level=result.level)
     except InputError as error:
         raise InputError(f"{path / GRAPHS}: {error}") from None
@@ -323,7 +324,8 @@ def load_dataset_result(path: str | Path, *, n_boot: int = N_BOOT) -> DatasetRes
 
 
 @checked
-def merge_shards(out: str | Path, world: int, *, n_boot: int = N_BOOT) -> DatasetResult:
+def merge_shards(out: str | Path, world: int, *,
+                 n_boot: PositiveInt = _DEFAULT.n_boot) -> DatasetResult:
     """Join ``out/shard-*-of-WW`` into ``out`` (rows and graph rows streamed, not held; saved
     graphs copied) and aggregate. The merged files replace the old ones only once all are
     written (the rows last)."""
@@ -386,7 +388,7 @@ def trace_dataset_distributed(model: nn.Module, tokenizer: Tokenizer,
     rank, world = dist.get_rank(), dist.get_world_size()
     options["progress"] = options.get("progress", True) and rank == 0
     given = {f.name: options.pop(f.name) for f in fields(DatasetSettings) if f.name in options}
-    settings = dataset_settings_from(options.pop("settings", None), **given)
+    settings = DatasetSettings.merged(options.pop("settings", None), **given)
     trace_dataset(model, tokenizer, records, out=out, shard=(rank, world), settings=settings,
                   **options)
     dist.barrier()

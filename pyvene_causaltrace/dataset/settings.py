@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._settings import merge_settings
-from ..arguments import check_fields
+from .._settings import Settings
 from ..defaults import (
     DATASET_KINDS,
     DATASET_SEEDS,
@@ -36,7 +35,7 @@ from ..finite import positive_number
 from ..tracing.engine import get_kind
 from ..tracing.settings import TraceSettings, seed_count
 
-__all__ = ["KNOWN_RULES", "DatasetSettings", "dataset_settings_from"]
+__all__ = ["KNOWN_RULES", "DatasetSettings"]
 
 #: Which facts a run traces: those whose clean prediction is the target, or every one.
 KNOWN_RULES = ("argmax", "none")
@@ -49,7 +48,7 @@ def _positive_int(value: object, name: str) -> int:
 
 
 @dataclass(frozen=True)
-class DatasetSettings:
+class DatasetSettings(Settings):
     """The settings of one dataset run (module docstring); ``trace_dataset(...,
     settings=DatasetSettings(...))`` or the same names as keywords.
 
@@ -78,7 +77,7 @@ class DatasetSettings:
     n_boot: int = N_BOOT
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        super().__post_init__()
         kinds = tuple(self.kinds)
         object.__setattr__(self, "kinds", kinds)
         if not kinds:
@@ -107,12 +106,3 @@ class DatasetSettings:
         return TraceSettings(seeds=self.seeds, scale=self.scale,
                              sigma=self.sigma if sigma is None else sigma, window=self.window,
                              memory_budget_mb=self.memory_budget_mb)
-
-
-def dataset_settings_from(settings: DatasetSettings | None,
-                          **keywords: object) -> DatasetSettings:
-    """The settings of a call given ``settings`` and its keywords (one per field): without
-    ``settings``, the keywords; with it, ``settings`` — a keyword left at its default defers
-    to it, and one set to another value than ``settings``' is refused
-    (:class:`~..errors.InputError` naming every such keyword)."""
-    return merge_settings(DatasetSettings, settings, keywords)

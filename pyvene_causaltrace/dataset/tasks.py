@@ -19,9 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arguments import checked
-from ..defaults import KNOWN
 from ..errors import InputError
 from .records import FactRecord
+from .settings import DatasetSettings
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Task:
     name: str
     description: str
     records: tuple[FactRecord, ...]
-    known: str = KNOWN  # the screen's default rule for this task
+    known: str = DatasetSettings.known  # the screen's default rule for this task
 
 
 def _records(task: str, rows: list[tuple[str, str, str, int]]) -> tuple[FactRecord, ...]:

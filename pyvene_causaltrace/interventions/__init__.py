@@ -18,7 +18,6 @@ name                   class
 from __future__ import annotations
 
 from .registry import (
-    RESERVED,
     UnknownInterventionError,
     get_intervention,
     list_interventions,
@@ -26,7 +25,6 @@ from .registry import (
 )
 
 __all__ = [
-    "RESERVED",
     "UnknownInterventionError",
     "get_intervention",
     "list_interventions",

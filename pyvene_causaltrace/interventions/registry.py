@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from importlib.metadata import entry_points
 
 from ..arguments import checked
-from ..errors import InputError, PluginError, UnknownInterventionError, UnsupportedError
+from ..errors import InputError, PluginError, UnknownInterventionError
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,6 @@ PLUGINS_ENV = "PVCT_PLUGINS"
 
 _REGISTRY: dict[str, type] = {}
 _entry_points_loaded = False
-
-#: Names kept for types that later milestones add; looking them up says where they come from.
-RESERVED: dict[str, str] = {}
 
 
 def plugin_modules(*values: str | Iterable[str] | None) -> list[str]:
@@ -88,8 +85,6 @@ def register_intervention(name: str, cls: type | None = None, *, replace: bool =
         pv = import_pyvene()
         if not (isinstance(klass, type) and issubclass(klass, pv.Intervention)):
             raise TypeError(f"{klass!r} is not a pyvene Intervention subclass")
-        if name in RESERVED:
-            raise InputError(f"{name!r} is reserved: {RESERVED[name]}")
         if name in _REGISTRY and _REGISTRY[name] is not klass and not replace:
             raise InputError(
                 f"an intervention named {name!r} is already registered "
@@ -134,8 +129,6 @@ def get_intervention(name: str) -> type:
     _load_entry_points()
     if name in _REGISTRY:
         return _REGISTRY[name]
-    if name in RESERVED:
-        raise UnsupportedError(f"intervention {name!r} is not available yet: {RESERVED[name]}")
     raise UnknownInterventionError(
         f"unknown intervention type {name!r}; registered: {', '.join(list_interventions())}"
     )

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from ..bound import BoundModel
-from ..defaults import REPLAY_LAYERS, REUSE_PREFIX
 from ..errors import InputError, MemoryCapError
+from .settings import TraceSettings
 
 #: Widest band of positions that one chunk may mix (bounds the planner's work on long prompts).
 MAX_POSITION_BAND = 16
@@ -116,8 +116,8 @@ def plan_chunks(
     seq_len: int,
     max_rows: Callable[[int], int],
     cost: ChunkCost,
-    reuse_prefix: bool = REUSE_PREFIX,
-    replay_layers: bool = REPLAY_LAYERS,
+    reuse_prefix: bool = TraceSettings.reuse_prefix,
+    replay_layers: bool = TraceSettings.replay_layers,
 ) -> list[Chunk]:
     """Group rows into chunks of least estimated :class:`ChunkCost`.
 

@@ -39,7 +39,6 @@ from torch import nn
 from ..applier import Call, Edit, applying, handle_ids
 from ..bound import BoundModel, bind
 from ..capture import capture
-from ..defaults import DISTRIBUTION, REPLAY_LAYERS, REUSE_PREFIX, TRACE_MEMORY_MB, WINDOW
 from ..errors import InputError
 from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore
@@ -49,6 +48,7 @@ from .chunks import Chunk, ChunkCost, plan_chunks
 from .head import ReusedHead
 from .metrics import token_probs
 from .replay import LayerReplay, RaggedLayers, replayable
+from .settings import TraceSettings
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,10 @@ class TraceEngine:
         sigma: float,
         answer_id: int,
         *,
-        distribution: str = DISTRIBUTION,
-        memory_budget_mb: float = TRACE_MEMORY_MB,
-        reuse_prefix: bool = REUSE_PREFIX,
-        replay_layers: bool = REPLAY_LAYERS,
+        distribution: str = TraceSettings.distribution,
+        memory_budget_mb: float = TraceSettings.memory_budget_mb,
+        reuse_prefix: bool = TraceSettings.reuse_prefix,
+        replay_layers: bool = TraceSettings.replay_layers,
         skip_unchanged: bool = True,
     ) -> None:
         self.bound = bound = bind(model)
@@ -206,7 +206,7 @@ class TraceEngine:
         kind: TraceKind,
         cells: Sequence[tuple[int, int]],
         *,
-        window: int = WINDOW,
+        window: int = TraceSettings.window,
         donor: str = "clean",
         progress: Callable[[int], None] | None = None,
         skip_unchanged: bool | None = None,

@@ -15,7 +15,6 @@ from torch import nn
 
 from ..arguments import checked
 from ..bound import BoundModel, bind
-from ..defaults import DISTRIBUTION, NOISE_SCALES
 from ..finite import NonFiniteError
 from ..interventions.noise import (  # noqa: F401 - re-exported
     SIGMA_METHODS,
@@ -26,6 +25,7 @@ from ..interventions.noise import (  # noqa: F401 - re-exported
     subject_sigma,
 )
 from ..runtime import intervened
+from .settings import TraceSettings
 
 # ------------------------------------------------------------------------ scale sweep
 
@@ -35,8 +35,9 @@ from ..runtime import intervened
 #: after "... is in the city of": 0.02-0.05 at every scale from 2 to 10 sigma), so the
 #: criterion is relative: every seed removes at least 95% of the answer's probability.
 COLLAPSE_FRACTION = 0.05
-#: The scales a sweep tries (:data:`~pyvene_causaltrace.defaults.NOISE_SCALES`).
-DEFAULT_SCALES = NOISE_SCALES
+#: The keyword defaults (the scales a sweep tries, the noise's distribution):
+#: :class:`~.settings.TraceSettings`' fields.
+_DEFAULT = TraceSettings()
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,9 @@ def sweep_noise_scale(
     sigma: float,
     *,
     sigma_method: str = "given",
-    scales: Sequence[float] = DEFAULT_SCALES,
+    scales: Sequence[float] = _DEFAULT.scales,
     threshold: float | None = None,
-    distribution: str = DISTRIBUTION,
+    distribution: str = _DEFAULT.distribution,
 ) -> NoiseScaleSweep:
     """Corrupted P(answer) for every scale and seed (one forward of ``len(seeds)`` rows per
     scale). ``threshold`` defaults to ``COLLAPSE_FRACTION`` x the clean probability."""

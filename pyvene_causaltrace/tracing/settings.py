@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
 
-from .._settings import merge_settings
-from ..arguments import check_fields
+from .._settings import Settings
 from ..defaults import (
     DISTRIBUTION,
     NOISE_SCALE,
@@ -38,7 +37,7 @@ from ..errors import InputError
 from ..finite import positive_number
 from ..interventions.noise import DISTRIBUTIONS, check_sigma, seed_list
 
-__all__ = ["TraceSettings", "check_window", "seed_count", "trace_settings_from"]
+__all__ = ["TraceSettings", "check_window", "seed_count"]
 
 
 def seed_count(seeds: int | Sequence[int]) -> int:
@@ -61,7 +60,7 @@ def check_window(window: object) -> int:
 
 
 @dataclass(frozen=True)
-class TraceSettings:
+class TraceSettings(Settings):
     """The settings of one prompt's trace (module docstring); ``Tracer(...,
     settings=TraceSettings(...))`` or the same names as keywords.
 
@@ -96,7 +95,7 @@ class TraceSettings:
     replay_layers: bool = REPLAY_LAYERS
 
     def __post_init__(self) -> None:
-        check_fields(self)
+        super().__post_init__()
         seed_count(self.seeds)  # a count is checked without building its list
         if self.scale != "auto":
             positive_number(self.scale, "scale (or 'auto')")
@@ -111,11 +110,3 @@ class TraceSettings:
     def n_seeds(self) -> int:
         """How many seeds (:func:`seed_count`)."""
         return seed_count(self.seeds)
-
-
-def trace_settings_from(settings: TraceSettings | None, **keywords: object) -> TraceSettings:
-    """The settings of a call given ``settings`` and its keywords (one per field): without
-    ``settings``, the keywords; with it, ``settings`` — a keyword left at its default defers
-    to it, and one set to another value than ``settings``' is refused
-    (:class:`~..errors.InputError` naming every such keyword)."""
-    return merge_settings(TraceSettings, settings, keywords)

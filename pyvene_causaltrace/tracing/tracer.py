@@ -46,12 +46,11 @@ from .engine import KINDS, RESIDUAL_WINDOW, TraceEngine, get_kind
 from .head_restore import HeadRestorer, check_layers
 from .noise_scale import NoiseScaleSweep, resolve_sigma, sweep_noise_scale
 from .results import HeadTraceResult, TraceResult
-from .settings import TraceSettings, trace_settings_from
+from .settings import TraceSettings
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
     from transformers import PreTrainedTokenizerBase as Tokenizer
 
-WINDOWED = {name for name, kind in KINDS.items() if kind.windowed}
 _DEFAULT = TraceSettings()
 
 
@@ -134,7 +133,7 @@ class Tracer:
         settings: TraceSettings | None = None,
     ) -> None:
         #: The :class:`~.settings.TraceSettings` this tracer runs with (checked when made).
-        self.settings = settings = trace_settings_from(
+        self.settings = settings = TraceSettings.merged(
             settings, seeds=seeds, scale=scale, scales=scales, sigma=sigma,
             distribution=distribution, window=window, memory_budget_mb=memory_budget_mb,
             reuse_prefix=reuse_prefix, replay_layers=replay_layers)

@@ -172,11 +172,6 @@ def examine(data: bytes, max_depth: int = MAX_DEPTH) -> Verdict:
     return Verdict(None, generator)
 
 
-def graph_problem(data: bytes, max_depth: int = MAX_DEPTH) -> str | None:
-    """Why ``data`` is not a graph JSON the viewer lists, or None when it is one."""
-    return examine(data, max_depth).problem
-
-
 def _field(payload: object, *keys: str) -> object:
     for key in keys:
         payload = payload.get(key) if isinstance(payload, dict) else None

@@ -3,9 +3,11 @@ known_1000 where it is beside the checkout."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -16,6 +18,14 @@ KNOWN_FACTS = Path(os.environ.get("PVCT_KNOWN_1000",
 #: The project's own facts in known_1000's format (tests/data/make_facts.py writes them): what
 #: the machinery tests read, so a fresh clone with nothing beside it runs them.
 PROJECT_FACTS = ROOT / "tests" / "data" / "facts.json"
+
+
+def tool(name: str) -> ModuleType:
+    """The development tool ``tools/<name>.py`` (not shipped in the wheel) as a module."""
+    spec = importlib.util.spec_from_file_location(f"tools_{name}", ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def known_facts() -> Path:

@@ -1,12 +1,13 @@
 """The public signatures as a Markdown page (docs/api.md), generated from the code so the page
 cannot drift from it.
 
-    python -m pyvene_causaltrace.api_doc > docs/api.md
+    python tools/api_doc.py > docs/api.md
 
 Public means what the package and its subpackages export: ``pyvene_causaltrace.__all__``, then
 each subpackage's ``__all__``. Each name gets its signature and the first line of its
 docstring; a class gets its constructor's signature and its public methods and properties. The
-page has no ``python`` code blocks (tests/test_docs.py would run them).
+page has no ``python`` code blocks (tests/test_docs.py would run them). A development tool:
+it is not shipped in the wheel (tests/test_docs_api.py imports it from here).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import pkgutil
 import re
 import sys
 from importlib import import_module
+from pathlib import Path
 
 PACKAGE = "pyvene_causaltrace"
-COMMAND = f"python -m {PACKAGE}.api_doc > docs/api.md"
+COMMAND = "python tools/api_doc.py > docs/api.md"
 
 
 def public_modules() -> list[str]:
@@ -135,4 +137,5 @@ def render() -> str:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
     sys.stdout.write(render())

@@ -1,138 +1,39 @@
-"""``intervene_features``: set transcoder features to chosen values, read the next-token logits
-and generate with the features held — circuit-tracer's ``feature_intervention`` and
-``feature_intervention_generate``, as registered pyvene interventions.
-
-    result = intervene_features(model, tokenizer, clt, "The Eiffel Tower is in the city of",
-                                [(20, 8, 1234, 10.0), (21, "all", 77, 0.0)], max_new_tokens=10)
-    result.to_dataframe()                  # top tokens, clean and intervened
-    result.generated_text, result.clean_generated_text
-    result.spec                            # the JSON spec that reproduces the logits
-
-The run is the model with the transcoder spliced in at every layer (``clt_splice``), each
-``(layer, position, feature, value)`` a ``feature_ablate`` with ``value`` after its layer's
-encoder, and optionally ``frozen_attention`` holding the clean run's patterns. What the
-transcoder misses (its error) is held at the clean run's value on the prompt (``hold_errors``),
-or kept live — the model's own MLP output plus what the set features change, which is what
-circuit-tracer does. ``result.spec`` runs the same interventions through ``run_spec``.
-"""
+"""``intervene_features``: the run (module docstring of :mod:`pyvene_causaltrace.steering`)."""
 
 from __future__ import annotations
 
-import json
 import math
 import operator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .arguments import MemoryMB, NonNegativeInt, PositiveInt, Text
-from .bound import BoundModel, bind
-from .dataset.plan import machine_memory
-from .defaults import BOS, STEER_TOP_K
-from .errors import InputError, MemoryCapError, NonFiniteError
-from .finite import check_finite, positive_number
-from .interventions.clt_splice import clean_errors, clt_splice_representations
-from .interventions.frozen import FrozenAttention, attention_patterns
-from .model_guard import measured
-from .models import model_name
-from .prompts import first_position, tokenize_prompt
-from .runtime import intervened
-from .specs import SCHEMA_VERSION, validate_spec
-from .transcoders.transcoder import Transcoder, check_fits
+from ..arguments import MemoryMB, NonNegativeInt, PositiveInt, Text
+from ..bound import BoundModel, bind
+from ..dataset.plan import machine_memory
+from ..errors import InputError, MemoryCapError, NonFiniteError
+from ..finite import check_finite, positive_number
+from ..interventions.clt_splice import clean_errors, clt_splice_representations
+from ..interventions.frozen import FrozenAttention, attention_patterns
+from ..model_guard import measured
+from ..models import model_name
+from ..prompts import first_position, tokenize_prompt
+from ..runtime import intervened
+from ..specs import SCHEMA_VERSION, validate_spec
+from ..transcoders.transcoder import Transcoder, check_fits
+from .result import FeatureInterventionResult
+from .settings import SteeringSettings
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
     from transformers import PreTrainedTokenizerBase as Tokenizer
 
-#: One feature intervention: ``(layer, position, feature, value)``; ``position`` an int (a
-#: prompt position, negative counts from the end) or ``"all"``.
-FeatureIntervention = tuple[int, int | str, int, float]
-
-#: Interventions a summary lists before it only counts them.
-SHOWN = 6
+#: The keyword defaults: :class:`~.settings.SteeringSettings`' fields.
+_DEFAULT = SteeringSettings()
 #: New tokens from which a generation shows a progress bar by default.
 LONG_GENERATION = 32
 
-__all__ = ["FeatureIntervention", "FeatureInterventionResult", "check_feature_interventions",
-           "intervene_features"]
-
-
-@dataclass
-class FeatureInterventionResult:
-    """What :func:`intervene_features` measured.
-
-    ``logits`` / ``clean_logits``: ``[vocab]`` float32 at the last prompt position, with the
-    interventions and of the plain model. ``generated_ids`` / ``clean_generated_ids``: the
-    greedy continuations (empty without ``max_new_tokens``). ``top``: the ``top_k`` tokens of
-    each run (``run, rank, token_id, token, logit, prob``). ``spec``: the JSON spec whose
-    ``run_spec`` reproduces the intervened logits (None when the transcoder was not read from
-    files: a spec names it by path)."""
-
-    prompt: str
-    tokens: list[str]
-    interventions: list[tuple[int, int | str, int, float]]
-    hold_errors: bool
-    freeze_attention: bool
-    logits: torch.Tensor
-    clean_logits: torch.Tensor
-    top: list[dict[str, Any]]
-    generated_ids: list[int] = field(default_factory=list)
-    generated_text: str = ""
-    clean_generated_ids: list[int] = field(default_factory=list)
-    clean_generated_text: str = ""
-    spec: dict[str, Any] | None = None
-    model: str = ""
-    transcoder: str | None = None
-
-    @property
-    def max_abs_logit_diff(self) -> float:
-        """``max |logits - clean_logits|`` at the last prompt position."""
-        return float((self.logits.double() - self.clean_logits.double()).abs().max())
-
-    def to_dataframe(self):
-        """The top tokens, long form: ``run`` (``clean`` | ``intervened``), ``rank``,
-        ``token_id``, ``token``, ``logit``, ``prob``."""
-        import pandas as pd  # pandas loads only when a table is asked for
-
-        return pd.DataFrame(self.top, columns=["run", "rank", "token_id", "token", "logit",
-                                               "prob"])
-
-    def to_dict(self) -> dict[str, Any]:
-        """Everything but the full logit vectors, as JSON-ready data."""
-        return {"prompt": self.prompt, "tokens": self.tokens, "model": self.model,
-                "transcoder": self.transcoder,
-                "interventions": [list(item) for item in self.interventions],
-                "hold_errors": self.hold_errors, "freeze_attention": self.freeze_attention,
-                "max_abs_logit_diff": self.max_abs_logit_diff, "top": self.top,
-                "generated_ids": self.generated_ids, "generated_text": self.generated_text,
-                "clean_generated_ids": self.clean_generated_ids,
-                "clean_generated_text": self.clean_generated_text, "spec": self.spec}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def summary(self) -> str:
-        """A short plain-text report: the interventions, the top tokens side by side, the
-        continuations."""
-        shown = ", ".join(f"L{layer} pos {pos} f{feature} = {value:g}"
-                          for layer, pos, feature, value in self.interventions[:SHOWN])
-        if len(self.interventions) > SHOWN:
-            shown += f", ... ({len(self.interventions)} in all)"
-        lines = [f"prompt: {self.prompt!r} ({len(self.tokens)} tokens)", f"set: {shown}",
-                 f"errors {'held at the clean run' if self.hold_errors else 'live'}, attention "
-                 f"{'held at the clean patterns' if self.freeze_attention else 'live'}; "
-                 f"max |logit change| {self.max_abs_logit_diff:.4g}",
-                 f"{'rank':>4}  {'clean':<24}{'p':>8}   {'intervened':<24}{'p':>8}"]
-        clean = [row for row in self.top if row["run"] == "clean"]
-        steered = [row for row in self.top if row["run"] == "intervened"]
-        for a, b in zip(clean, steered, strict=True):
-            lines.append(f"{a['rank']:>4}  {a['token']!r:<24}{a['prob']:>8.4f}   "
-                         f"{b['token']!r:<24}{b['prob']:>8.4f}")
-        if self.generated_ids or self.clean_generated_ids:
-            lines.append(f"clean:      {self.clean_generated_text!r}")
-            lines.append(f"intervened: {self.generated_text!r}")
-        return "\n".join(lines)
+__all__ = ["check_feature_interventions", "feature_spec", "generation_mb", "intervene_features"]
 
 
 def _integer(value: object, what: str) -> int:
@@ -338,9 +239,11 @@ def feature_spec(prompt: str, items: list[tuple[int, int | str, int, float]], so
 @measured  # one measurement per model at a time, in eval mode
 def intervene_features(
     model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, prompt: Text,
-    interventions: list | tuple, *, max_new_tokens: NonNegativeInt = 0,
-    hold_errors: bool = True, freeze_attention: bool = False, top_k: PositiveInt = STEER_TOP_K,
-    memory_mb: MemoryMB | None = None, progress: bool | None = None, bos: str = BOS,
+    interventions: list | tuple, *, max_new_tokens: NonNegativeInt = _DEFAULT.max_new_tokens,
+    hold_errors: bool = _DEFAULT.hold_errors,
+    freeze_attention: bool = _DEFAULT.freeze_attention, top_k: PositiveInt = _DEFAULT.top_k,
+    memory_mb: MemoryMB | None = _DEFAULT.memory_mb, progress: bool | None = None,
+    bos: str = _DEFAULT.bos, settings: SteeringSettings | None = None,
 ) -> FeatureInterventionResult:
     """Set transcoder features to values and read the logits; optionally generate greedily
     with them held (circuit-tracer's ``feature_intervention`` / ``_generate``).
@@ -379,6 +282,9 @@ def intervene_features(
             BOS, never spliced, only when the tokenizer prepends one; SmolLM2's adds none, so
             its position 0 is spliced and can be steered; ``"always"``: circuit-tracer's
             convention; ``"never"``).
+        settings: a :class:`~.settings.SteeringSettings` giving ``max_new_tokens``,
+            ``hold_errors``, ``freeze_attention``, ``top_k``, ``memory_mb`` and ``bos`` at once
+            (their defaults are its fields'; a keyword that contradicts it is refused).
 
     Returns:
         A :class:`FeatureInterventionResult`: intervened and clean last-position logits, top
@@ -406,11 +312,11 @@ def intervene_features(
                                     [(20, -1, 1234, 10.0)], max_new_tokens=10)
         print(result.summary())
     """
-    steps = _integer(max_new_tokens, "max_new_tokens")
-    if steps < 0:
-        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if _integer(top_k, "top_k") < 1:
-        raise InputError(f"top_k must be >= 1, got {top_k}")
+    s = SteeringSettings.merged(settings, max_new_tokens=max_new_tokens, hold_errors=hold_errors,
+                                freeze_attention=freeze_attention, top_k=top_k,
+                                memory_mb=memory_mb, bos=bos)
+    steps, hold_errors, freeze_attention = s.max_new_tokens, s.hold_errors, s.freeze_attention
+    top_k, memory_mb = s.top_k, s.memory_mb
     bound = bind(model)  # the architecture, resolved once for this call
     model = bound.model
     check_fits(transcoder, bound)
@@ -420,7 +326,7 @@ def intervene_features(
         raise InputError(f"progress must be True, False or None, got {progress!r}")
     narrowest = min((next(model.parameters()).dtype, transcoder.dtype),
                     key=lambda t: torch.finfo(t).max)
-    start = first_position(tokenizer, bos)
+    start = first_position(tokenizer, s.bos)
     items = check_feature_interventions(interventions, transcoder, n_pos, narrowest, start)
     device = next(model.parameters()).device
     ids = tokenized.input_ids.to(device)

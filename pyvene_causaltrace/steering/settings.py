@@ -1,0 +1,52 @@
+"""How :func:`~.run.intervene_features` steers: :class:`SteeringSettings`, every setting of
+``intervene_features()`` but its inputs and ``progress``.
+
+    settings = SteeringSettings(max_new_tokens=10, hold_errors=False)
+    result = intervene_features(model, tokenizer, transcoder, prompt, items, settings=settings)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._settings import Settings
+from ..arguments import MemoryMB, NonNegativeInt, PositiveInt
+from ..defaults import (
+    BOS,
+    STEER_FREEZE_ATTENTION,
+    STEER_HOLD_ERRORS,
+    STEER_MAX_NEW_TOKENS,
+    STEER_TOP_K,
+)
+from ..prompts import check_bos_mode
+
+__all__ = ["SteeringSettings"]
+
+
+@dataclass(frozen=True)
+class SteeringSettings(Settings):
+    """The settings of one steering run; ``settings=`` or the same names as keywords
+    (defaults: :mod:`~pyvene_causaltrace.defaults`).
+
+    ``max_new_tokens``: greedy tokens generated with the interventions, and as many without
+    (0: the logits only). ``hold_errors``: each layer's transcoder error at the prompt
+    positions held at the clean run's (False: live, circuit-tracer's ``feature_intervention``).
+    ``freeze_attention``: the prompt's attention patterns held at the clean run's.
+    ``top_k``: top tokens per run in the result. ``memory_mb``: what one generation step may
+    hold (``None``: the device's memory). ``bos``: how position 0 is treated
+    (:data:`~..prompts.BOS_MODES`).
+
+    Refused when made (:class:`~..errors.InputError`): a value its annotation does not admit
+    (a negative token count, a top-k below 1, a memory cap that is not a finite positive
+    number), a ``bos`` outside :data:`~..prompts.BOS_MODES`."""
+
+    max_new_tokens: NonNegativeInt = STEER_MAX_NEW_TOKENS
+    hold_errors: bool = STEER_HOLD_ERRORS
+    freeze_attention: bool = STEER_FREEZE_ATTENTION
+    top_k: PositiveInt = STEER_TOP_K
+    memory_mb: MemoryMB | None = None
+    bos: str = BOS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bos_mode(self.bos)
