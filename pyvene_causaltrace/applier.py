@@ -35,7 +35,7 @@ Edits carry a ``group``: a replayed block (:mod:`.tracing.replay`) runs only the
 groups :func:`only` keeps, in the blocks it names — its stored outputs already hold the
 others'.
 
-This module imports nothing from the package but :mod:`.hooking`.
+This module imports nothing from the package but :mod:`.hooking` and :mod:`.errors`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .errors import InputError
 from .hooking import register, release
 
 __all__ = ["Call", "Edit", "Site", "applying", "edits_on", "handle_ids", "only", "reader"]
@@ -68,9 +69,9 @@ class Site:
 
     def __post_init__(self) -> None:
         if self.where not in ("output", "input"):
-            raise ValueError(f"a site is a module's 'output' or 'input', got {self.where!r}")
+            raise InputError(f"a site is a module's 'output' or 'input', got {self.where!r}")
         if self.stream and self.where != "input":
-            raise ValueError("only an input site is the residual stream itself")
+            raise InputError("only an input site is the residual stream itself")
 
 
 @dataclass(frozen=True)

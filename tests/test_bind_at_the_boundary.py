@@ -17,9 +17,9 @@ from importlib import import_module
 from pathlib import Path
 
 import pytest
+from _support.data import tool
 from _support.forwards import observe
 from _support.models import PROMPT, SUBJECT, make_tiny_model
-from pyvene_causaltrace.api_doc import public_modules
 
 import pyvene_causaltrace
 from pyvene_causaltrace import trace
@@ -46,7 +46,7 @@ BELOW_THE_API = {
 def _exported() -> set[tuple[str, str]]:
     """(module, qualname) of every exported function and class."""
     found = set()
-    for name in public_modules():
+    for name in tool("api_doc").public_modules():
         module = import_module(name)
         for export in module.__all__:
             obj = getattr(module, export)
