@@ -18,13 +18,7 @@ circuit-tracer does. ``result.spec`` runs the same interventions through ``run_s
 :mod:`.settings` holds :class:`SteeringSettings`, :mod:`.run` the run and its result.
 """
 
-from .run import (
-    FeatureIntervention,
-    FeatureInterventionResult,
-    check_feature_interventions,
-    intervene_features,
-)
+from .run import FeatureInterventionResult, intervene_features
 from .settings import SteeringSettings
 
-__all__ = ["FeatureIntervention", "FeatureInterventionResult", "SteeringSettings",
-           "check_feature_interventions", "intervene_features"]
+__all__ = ["FeatureInterventionResult", "SteeringSettings", "intervene_features"]

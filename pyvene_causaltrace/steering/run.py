@@ -34,14 +34,11 @@ if TYPE_CHECKING:  # transformers is slow to import; annotations only
 _DEFAULT = SteeringSettings()
 #: New tokens from which a generation shows a progress bar by default.
 LONG_GENERATION = 32
-#: One feature intervention: ``(layer, position, feature, value)``; ``position`` an int (a
-#: prompt position, negative counts from the end) or ``"all"``.
-FeatureIntervention = tuple[int, int | str, int, float]
 #: Interventions a summary lists before it only counts them.
 SHOWN = 6
 
-__all__ = ["FeatureIntervention", "FeatureInterventionResult", "check_feature_interventions",
-           "feature_spec", "generation_mb", "intervene_features"]
+__all__ = ["FeatureInterventionResult", "check_feature_interventions", "feature_spec",
+           "generation_mb", "intervene_features"]
 
 
 @dataclass
