@@ -15,13 +15,10 @@ transcoder misses (its error) is held at the clean run's value on the prompt (``
 or kept live — the model's own MLP output plus what the set features change, which is what
 circuit-tracer does. ``result.spec`` runs the same interventions through ``run_spec``.
 
-:mod:`.settings` holds :class:`SteeringSettings`, :mod:`.run` the run, :mod:`.result` what it
-measured.
+:mod:`.settings` holds :class:`SteeringSettings`, :mod:`.run` the run and its result.
 """
 
-from .result import FeatureIntervention, FeatureInterventionResult
-from .run import check_feature_interventions, intervene_features
+from .run import FeatureInterventionResult, intervene_features
 from .settings import SteeringSettings
 
-__all__ = ["FeatureIntervention", "FeatureInterventionResult", "SteeringSettings",
-           "check_feature_interventions", "intervene_features"]
+__all__ = ["FeatureInterventionResult", "SteeringSettings", "intervene_features"]
