@@ -70,8 +70,8 @@ def main() -> None:
     out = transcoder_dir(FitSettings(kind=tag, features=args.features))
     tc.save_model(str(out))
     tc = load_transcoder(out)
-    pairing = check_pairing(model, tc, tokenizer, held_out)
-    anchor = replacement_anchor(model, tc, tokenizer, held_out,
+    pairing = check_pairing(model, tokenizer, tc, held_out)
+    anchor = replacement_anchor(model, tokenizer, tc, held_out,
                                 prompt="The Eiffel Tower is in the city of", answer=" Paris")
     print(f"fit: {stats}")
     print(pairing.verdict())

@@ -47,7 +47,7 @@ def prob(result, tokenizer, text: str, clean: bool = False) -> float:
 
 def every_feature_at_its_clean_value(model, clt, tokenizer, prompt: str) -> list[tuple]:
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    acts = clt.encode_all(transcoder_states(clt, model, ids)["input"].to(clt.dtype))
+    acts = clt.encode_all(transcoder_states(model, clt, ids)["input"].to(clt.dtype))
     return [(int(layer), int(pos), int(f), float(acts[layer, pos, f]))
             for layer, pos, f in zip(*acts.nonzero(as_tuple=True), strict=True)]
 

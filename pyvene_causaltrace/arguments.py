@@ -249,8 +249,9 @@ def _instance(cls: type) -> _Check | None:
 
     def run(value):
         if not isinstance(value, kinds):
-            if name == "Transcoder" and any(c.__name__ == "Module" for c in type(value).__mro__):
-                raise _Refused("the model comes first, then the transcoder")
+            if name == "Transcoder" and (hasattr(value, "vocab_size") or any(
+                    c.__name__ == "Module" for c in type(value).__mro__)):  # a model, a tokenizer
+                raise _Refused("the model comes first, then the tokenizer, then the transcoder")
             raise _Refused
         return value
     name = cls.__name__

@@ -55,8 +55,8 @@ class BoundModel:
             raise InputError(
                 f"expected a transformers causal LM as the model (a module with .config), got "
                 f"{type(model).__name__}: the model comes first, then the transcoder "
-                "(attribute(model, tokenizer, transcoder, ...), check_pairing(model, transcoder, "
-                "tokenizer, texts))")
+                "(attribute(model, tokenizer, transcoder, ...), check_pairing(model, tokenizer, "
+                "transcoder, texts))")
         self.model = model
         self.given = model if given is None else given
         self.applying = 0  # measurements of this bound model open now (nested: one thread)

@@ -141,7 +141,7 @@ def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module,
         return
     block = spec.attribution
     try:
-        check_fits(load_transcoder(block["clt"], format=block.get("format")), model)
+        check_fits(model, load_transcoder(block["clt"], format=block.get("format")))
     except (OSError, ValueError) as error:
         raise SpecError("$.attribution.clt", str(error)) from None
 

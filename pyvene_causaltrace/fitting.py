@@ -319,7 +319,7 @@ def _fit(model, tokenizer, settings: FitSettings, asked: dict, progress: bool,
     seconds["fit"] = round(time.perf_counter() - start, 1)
     del x, y
     with phase("held-out pairing check", progress, seconds):
-        pairing = check_pairing(model, transcoder, tokenizer, held_out)
+        pairing = check_pairing(model, tokenizer, transcoder, held_out)
     if not (math.isfinite(stats.train_fvu) and math.isfinite(pairing.fvu)):
         raise NonFiniteError(f"the fit's FVU is not finite (train {stats.train_fvu}, held-out "
                              f"{pairing.fvu}): nothing saved; lower lr (it was {settings.lr:g})")

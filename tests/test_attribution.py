@@ -328,7 +328,7 @@ def test_ablation_test_runs_in_the_spliced_model_with_the_clean_error(tmp_path, 
     # ablating every active feature leaves b_dec + the clean error: one number, any order
     assert result.random[everything][0] == pytest.approx(result.top[everything], abs=1e-6)
     ids = torch.tensor([graph.input_ids])
-    one = answer_prob(model, clt, ids, clean_errors(clt, model, ids), graph.target["token"],
+    one = answer_prob(model, clt, ids, clean_errors(model, clt, ids), graph.target["token"],
                       [0], graph)
     assert one != pytest.approx(result.spliced_prob, abs=1e-9)
     assert list(result.to_dataframe().columns)[:3] == ["n_ablated", "top_prob", "random_mean"]

@@ -54,7 +54,7 @@ def test_run_local_replacement_and_ablation_test_take_transcoder(world, tokenize
     graph = attribute(model, tokenizer, clt, PROMPT)
     named = ablation_test(model, transcoder=clt, graph=graph, sizes=(2,), draws=1)
     assert named == ablation_test(model, clt, graph, sizes=(2,), draws=1)
-    errors = clean_errors(clt, model, ids)
+    errors = clean_errors(model, clt, ids)
     token = graph.target["token"]
     named = answer_prob(model, transcoder=clt, ids=ids, errors=errors, token=token, ablate=[],
                         graph=graph)

@@ -227,17 +227,46 @@ def test_calls_that_apply_their_own_interventions_refuse_a_pyvene_model(world):
     model, tokenizer, clt = world
     for given in (_added(model, 0.5), bind(_added(model, 0.5), interventions=True)):
         with pytest.raises(PyveneModelError, match="check_pairing takes the bare model"):
-            check_pairing(given, clt, tokenizer, [PROMPT])
+            check_pairing(given, tokenizer, clt, [PROMPT])
         with pytest.raises(PyveneModelError, match="ablation_test takes the bare model"):
             ablation_test(given, clt, None)
-    assert check_pairing(model, clt, tokenizer, [PROMPT]).n_tokens > 0
+    assert check_pairing(model, tokenizer, clt, [PROMPT]).n_tokens > 0
 
 
 def test_the_model_comes_first_and_a_transcoder_in_its_place_is_named(world):
-    """One argument order (model, then transcoder): the old order is refused by name."""
+    """One argument order (model, tokenizer, transcoder): another is refused by name."""
     from pyvene_causaltrace.errors import InputError
     from pyvene_causaltrace.transcoders.checks import check_pairing
 
     model, tokenizer, clt = world
-    with pytest.raises(InputError, match="the model comes first"):
-        check_pairing(clt, model, tokenizer, [PROMPT])
+    for order in ((model, clt, tokenizer), (clt, model, tokenizer)):  # the old order, reversed
+        with pytest.raises(InputError, match="the model comes first, then the tokenizer"):
+            check_pairing(*order, [PROMPT])
+
+
+#: The one place a transcoder is still ``clt``: the splice interventions' constructor keyword,
+#: which is their spec entry's field (``{"type": "clt_splice", "clt": PATH}``) and what pyvene
+#: saves and loads them with.
+CLT_KEYWORD = {("interventions/splice_session.py", "__init__")}
+
+
+def test_the_transcoder_is_named_transcoder_and_comes_after_the_model_and_tokenizer():
+    """Every function calls its transcoder parameter ``transcoder`` (the splice interventions'
+    spec keyword aside), and one that takes the model and the tokenizer takes them first:
+    ``(model, tokenizer, transcoder, ...)``."""
+    named_clt, order = [], []
+    package = Path(pyvene_causaltrace.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        module = path.relative_to(package).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            args = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
+            if "clt" in args and (module, node.name) not in CLT_KEYWORD:
+                named_clt.append(f"{module}:{node.lineno} {node.name}")
+            if "transcoder" in args:
+                before = args[:args.index("transcoder")]
+                for first in ("model", "tokenizer"):
+                    if first in args and first not in before:
+                        order.append(f"{module}:{node.lineno} {node.name}({', '.join(args)})")
+    assert named_clt == [] and order == [], (named_clt, order)

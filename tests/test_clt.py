@@ -144,9 +144,9 @@ def test_bad_directories_are_refused(tmp_path, tensors):
 def test_clt_must_fit_the_model(tmp_path, tensors):
     write_clt(tmp_path, tensors, model_name="tiny")
     clt = load_from_disk(tmp_path)
-    check_fits(clt, make_tiny_model("llama", n_layers=L))  # 3 layers x 32: fits
+    check_fits(make_tiny_model("llama", n_layers=L), clt)  # 3 layers x 32: fits
     with pytest.raises(TranscoderMismatchError, match="3 layers x d_model 32; the model has 4"):
-        check_fits(clt, make_tiny_model("llama", n_layers=4))
+        check_fits(make_tiny_model("llama", n_layers=4), clt)
 
 
 @pytest.mark.numerics

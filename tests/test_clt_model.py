@@ -129,7 +129,7 @@ def test_fitted_clt_passes_pairing_and_anchor(arch, tokenizer, trained_tiny, fit
     clt, stats = fitted_clt(arch)  # fit_clt on _facts(150), d_transcoder=128, steps=300
     assert stats["train_fvu"] < 0.4
     held_out = _facts(20, start=1000)
-    pairing = check_pairing(model, clt, tokenizer, held_out)
+    pairing = check_pairing(model, tokenizer, clt, held_out)
     assert pairing.paired, pairing.verdict()
     assert pairing.fvu < 0.4 and pairing.fvu_wrong_layer > 1
     assert pairing.fvu_wrong_hook > 1.5 * pairing.fvu
@@ -137,11 +137,11 @@ def test_fitted_clt_passes_pairing_and_anchor(arch, tokenizer, trained_tiny, fit
     # normed input), as splice and attribution would, and the verdict changes
     relabelled = copy.copy(clt)
     relabelled.cfg = dataclasses.replace(clt.cfg, feature_input_hook="mlp.hook_in")
-    other = check_pairing(model, relabelled, tokenizer, held_out)
+    other = check_pairing(model, tokenizer, relabelled, held_out)
     assert not other.paired and other.fvu > 2 * pairing.fvu, other.verdict()
     with pytest.raises(ValueError, match="hook"):
         dataclasses.replace(clt.cfg, feature_input_hook="blocks.0.hook_nonsense")
-    anchor = replacement_anchor(model, clt, tokenizer, held_out, prompt=PROMPT)
+    anchor = replacement_anchor(model, tokenizer, clt, held_out, prompt=PROMPT)
     ce = anchor.ce
     assert ce["clean"] < ce["mlp_zero"] - 0.5  # the MLPs matter to this model
     assert ce["clt"] < ce["b_dec_only"] < ce["mlp_zero"] + 0.2
@@ -161,8 +161,8 @@ def test_jumprelu_fit_learns_thresholds_and_stays_paired(tokenizer, tmp_path, tr
                           activation="jumprelu", l0=0.01, init_threshold=0.5)
     assert not torch.allclose(jump.threshold, torch.full_like(jump.threshold, 0.5))
     assert bool((jump.threshold > 0).all())
-    relu_report = check_pairing(model, relu, tokenizer, held_out)
-    jump_report = check_pairing(model, jump, tokenizer, held_out)
+    relu_report = check_pairing(model, tokenizer, relu, held_out)
+    jump_report = check_pairing(model, tokenizer, jump, held_out)
     assert jump_report.mean_l0 < 0.5 * relu_report.mean_l0
     assert jump_report.paired and jump_report.fvu < 0.5, jump_report.verdict()
     jump.save_model(tmp_path / "jump")
@@ -174,7 +174,7 @@ def test_jumprelu_fit_learns_thresholds_and_stays_paired(tokenizer, tmp_path, tr
 
 def test_pairing_flags_a_random_clt(fixture_clt, tokenizer):
     model = make_tiny_model("llama", n_layers=L, init=0.2)
-    report = check_pairing(model, fixture_clt, tokenizer, _facts(5))
+    report = check_pairing(model, tokenizer, fixture_clt, _facts(5))
     assert not report.paired
     with pytest.raises(ValueError, match="MISPAIRED"):
         report.raise_if_mispaired()
@@ -220,15 +220,15 @@ def test_fitted_per_layer_sets_pair_and_round_trip(tokenizer, tmp_path, trained_
                       skip=True)
     assert not plain.cfg.cross_layer and skip.cfg.skip and not plain.cfg.skip
     assert all(w.shape[1] == 1 for w in plain.W_dec)
-    reports = [check_pairing(model, tc, tokenizer, held_out) for tc in (plain, skip)]
+    reports = [check_pairing(model, tokenizer, tc, held_out) for tc in (plain, skip)]
     assert all(r.paired for r in reports), [r.verdict() for r in reports]
     assert reports[1].fvu < reports[0].fvu
-    anchor = replacement_anchor(model, skip, tokenizer, held_out)
+    anchor = replacement_anchor(model, tokenizer, skip, held_out)
     assert anchor.gap_recovered > 0.8, anchor.summary()
     skip.save_model(tmp_path / "skip")
     again = load_transcoder(tmp_path / "skip")
     assert torch.equal(torch.stack(again.W_skip), torch.stack(skip.W_skip))
-    assert check_pairing(model, again, tokenizer, held_out).fvu == reports[1].fvu
+    assert check_pairing(model, tokenizer, again, held_out).fvu == reports[1].fvu
     with pytest.raises(ValueError, match="per-layer set"):
         fit_clt(model, tokenizer, texts[:2], skip=True)
 

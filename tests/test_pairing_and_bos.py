@@ -156,10 +156,10 @@ def test_fitting_and_pairing_count_position_0_unless_it_is_bos(setup, tokenizer,
     assert x.shape[0] == y.shape[0] == n_plain  # position 0 fitted (it was dropped before)
     assert collect_pairs(model, bos_tokenizer, texts)[0].shape[0] == n_bos - len(texts)
     assert collect_pairs(model, tokenizer, texts, bos="always")[0].shape[0] == n_plain - 2
-    report = check_pairing(model, clt, tokenizer, texts)
+    report = check_pairing(model, tokenizer, clt, texts)
     assert report.n_tokens == n_plain and report.from_position == 0
-    assert check_pairing(model, clt, bos_tokenizer, texts).n_tokens == n_bos - len(texts)
-    assert check_pairing(model, clt, tokenizer, texts, bos="always").n_tokens == n_plain - 2
+    assert check_pairing(model, bos_tokenizer, clt, texts).n_tokens == n_bos - len(texts)
+    assert check_pairing(model, tokenizer, clt, texts, bos="always").n_tokens == n_plain - 2
 
 
 def test_the_verdict_is_a_field_with_three_values():
@@ -220,15 +220,15 @@ def test_pairing_tells_a_poor_fit_from_a_mispairing(tokenizer, trained_tiny, fit
     model, folder = trained_tiny("llama")
     good, _ = fitted_clt("llama")
     held_out = fact_texts()[1000:1020]
-    paired = check_pairing(model, good, tokenizer, held_out)
+    paired = check_pairing(model, tokenizer, good, held_out)
     assert paired.status == "paired", paired.verdict()
     # measured: FVU 0.60, controls 0.70 (earlier hook: attention moves a 3-layer model's
     # residual little) and 1.38 (next layer); the fitted CLT 0.05, 0.34 and 1.52
     weak, _ = fit_clt(model, tokenizer, fact_texts()[:150], d_transcoder=32, steps=15)
-    poor = check_pairing(model, weak, tokenizer, held_out)
+    poor = check_pairing(model, tokenizer, weak, held_out)
     assert poor.status == "poor_fit", poor.verdict()
     assert poor.verdict().startswith("paired, poor fit")
-    wrong = check_pairing(model, _layers_permuted(good, [1, 2, 0]), tokenizer, held_out)
+    wrong = check_pairing(model, tokenizer, _layers_permuted(good, [1, 2, 0]), held_out)
     assert wrong.status == "mispaired", wrong.verdict()
     # the CLI: the same verdict, the status in clt_check.json, exit 0 for a poor fit
     weak.save_model(str(tmp_path / "weak"))

@@ -120,7 +120,7 @@ def test_smollm2_with_a_fitted_per_layer_skip_set(smollm2):
     tc, stats = fit_clt(model, tokenizer, texts, d_transcoder=64, steps=60, kind="per_layer",
                         skip=True)
     assert stats.train_fvu < 1 and tc.cfg.skip
-    assert check_pairing(model, tc, tokenizer, texts[:7]).fvu < 1
+    assert check_pairing(model, tokenizer, tc, texts[:7]).fvu < 1
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         clean = model(input_ids=ids).logits

@@ -38,7 +38,7 @@ def world(request, tmp_path_factory, tokenizer):
 def cases(bound, clt, ids):
     """name -> a function making fresh representations (interventions hold per-run state)."""
     n = ids.shape[1]
-    errors = clean_errors(clt, bound, ids)
+    errors = clean_errors(bound, clt, ids)
     patterns = attention_patterns(bound, ids)
     return {
         "noise on the embeddings": lambda: [{"component": bound.site("embed"),

@@ -145,7 +145,7 @@ def _dominant_feature(world):
 # ---------------------------------------------------------------------------------- the tests
 
 def _every_active_feature(tc, model, ids, shift: float = 0.0):
-    states = transcoder_states(tc, model, ids)
+    states = transcoder_states(model, tc, ids)
     acts = tc.encode_all(states["input"].to(tc.dtype), zero_bos=False)  # no BOS: 0 spliced
     layer, position, feature = acts.nonzero(as_tuple=True)
     return [(int(l_), int(p), int(f), float(acts[l_, p, f]) + shift)

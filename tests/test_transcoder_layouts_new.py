@@ -304,7 +304,7 @@ def test_joint_topk_live_splice_needs_a_selection_and_is_exact_with_the_clean_on
     bare = runner(clt_splice_representations(model, clt, add_error=True), model)
     with pytest.raises(InputError, match="only after its last layer.*clean_selection"):
         bare(base={"input_ids": ids, "use_cache": False})
-    selection = clean_selection(clt, model, ids)
+    selection = clean_selection(model, clt, ids)
     reps = clt_splice_representations(model, clt, add_error=True, selection=selection)
     _, out = runner(reps, model)(base={"input_ids": ids, "use_cache": False})
     clean = model(input_ids=ids).logits

@@ -95,9 +95,9 @@ def test_sets_splice_attribute_and_check(arch, layout, tmp_path, tokenizer):
     assert graph.closure.relative < 1e-4, graph.closure
     assert graph.feature_closure() < 1e-4
     assert graph.metadata["transcoder"]["kind"] == "transcoder_set"
-    report = check_pairing(model, tc, tokenizer, TEXTS)
+    report = check_pairing(model, tokenizer, tc, TEXTS)
     assert report.n_tokens > 0 and all(v == v for v in report.fvu_per_layer)
-    anchor = replacement_anchor(model, tc, tokenizer, TEXTS)
+    anchor = replacement_anchor(model, tokenizer, tc, TEXTS)
     assert all(v == v for v in anchor.ce.values())  # random weights: no ordering to expect
     assert anchor.ce["clt"] != anchor.ce["clean"]
 
@@ -134,7 +134,7 @@ def test_gemma2_hooks_are_transformerlens(tmp_path):
     ``mlp.hook_out`` is the raw MLP output."""
     model, tc, _ = _set("gemma2", tmp_path, "gemmascope")
     ids = torch.randint(1, 400, (1, 9), generator=torch.Generator().manual_seed(0))
-    states = transcoder_states(tc, model, ids)
+    states = transcoder_states(model, tc, ids)
     found = {}
     handles = []
     for layer in range(L):
@@ -167,7 +167,7 @@ def test_gemma2_hooks_are_transformerlens(tmp_path):
 def test_gemma2_splice_equals_replacing_the_post_norm_output_by_hand(tmp_path):
     model, tc, tensors = _set("gemma2", tmp_path, "gemmascope")
     ids = torch.randint(1, 400, (1, 9), generator=torch.Generator().manual_seed(1))
-    states = transcoder_states(tc, model, ids)
+    states = transcoder_states(model, tc, ids)
     _, recon = dense_reference(tensors, states["input"])
     handles = []
     for layer in range(L):

@@ -49,27 +49,27 @@ CHUNK_BYTES = 48
 INFLUENCE_BYTES = 40
 
 
-def active_counts(model: nn.Module, clt, input_ids: torch.Tensor,
+def active_counts(model: nn.Module, transcoder, input_ids: torch.Tensor,
                   from_position: int = 1,
                   run: Callable[[], object] | None = None) -> torch.Tensor:
     """``[L]``: active features per layer on ``input_ids`` (no graph, one forward: ``run()``
     when given, a clean forward the caller needs anyway)."""
     with torch.no_grad():
-        mid = hook_states(model, input_ids, {"x": clt.cfg.feature_input_hook}, run=run)["x"]
-        if clt.cfg.joint:  # one layer's features need every layer's input
-            acts = clt.encode_all(mid, zero_bos=False)[:, from_position:]
+        mid = hook_states(model, input_ids, {"x": transcoder.cfg.feature_input_hook}, run=run)["x"]
+        if transcoder.cfg.joint:  # one layer's features need every layer's input
+            acts = transcoder.encode_all(mid, zero_bos=False)[:, from_position:]
             return (acts != 0).flatten(1).sum(1).cpu()
-        return torch.tensor([int((clt.encode(mid[layer, from_position:], layer) != 0).sum())
-                             for layer in range(clt.n_layers)])
+        return torch.tensor([int((transcoder.encode(mid[layer, from_position:], layer) != 0).sum())
+                             for layer in range(transcoder.n_layers)])
 
 
-def forward_estimate(model: nn.Module, clt, input_ids: torch.Tensor,
+def forward_estimate(model: nn.Module, transcoder, input_ids: torch.Tensor,
                      counts: torch.Tensor) -> tuple[int, int]:
     """``(decoder_bytes, activation_bytes)`` the local replacement forward will keep: the
     decoder and encoder rows of the active features, and the model's activations."""
-    n_layers, d_model = clt.n_layers, clt.cfg.d_model
-    item = torch.empty(0, dtype=clt.dtype).element_size()
-    targets = torch.tensor([clt.cfg.n_targets(layer) + 1 for layer in range(n_layers)])
+    n_layers, d_model = transcoder.n_layers, transcoder.cfg.d_model
+    item = torch.empty(0, dtype=transcoder.dtype).element_size()
+    targets = torch.tensor([transcoder.cfg.n_targets(layer) + 1 for layer in range(n_layers)])
     decoder = int((counts * targets).sum()) * d_model * item
     n_pos = int(input_ids.shape[-1])
     heads = getattr(model.config, "num_attention_heads", None) or model.config.n_head
@@ -78,11 +78,11 @@ def forward_estimate(model: nn.Module, clt, input_ids: torch.Tensor,
     return decoder, activations
 
 
-def check_forward_fits(model: nn.Module, clt, input_ids: torch.Tensor, memory_mb: float,
+def check_forward_fits(model: nn.Module, transcoder, input_ids: torch.Tensor, memory_mb: float,
                        counts: torch.Tensor) -> int:
     """Raise :class:`MemoryCapError` unless the forward graph fits ``memory_mb``; returns its
     estimated bytes."""
-    decoder, activations = forward_estimate(model, clt, input_ids, counts)
+    decoder, activations = forward_estimate(model, transcoder, input_ids, counts)
     need = decoder + activations
     if need > memory_mb * 2**20:
         raise MemoryCapError(

@@ -161,7 +161,7 @@ def replay_graph(bound: BoundModel, transcoder: Transcoder, graph: AttributionGr
     outputs of ``layers`` and, with ``qk``, every layer's queries and keys (q/k norms
     frozen); later backwards take as many rows at once as fit ``memory_mb`` (default
     :attr:`~.settings.AttributionSettings.memory_mb`)."""
-    check_fits(transcoder, bound)
+    check_fits(bound, transcoder)
     bound.check_weights()
     attentions = {id(bound.module("attn", layer)): layer for layer in range(bound.n_layers)}
     seen: dict[int, tuple] = {}

@@ -241,7 +241,7 @@ def run_local_replacement(
     """
     check_batch(input_ids)
     bound = bind(model)
-    check_fits(transcoder, bound)
+    check_fits(bound, transcoder)
     return replacement_forward(bound, transcoder, input_ids, freeze=freeze,
                                from_position=from_position)
 
@@ -268,7 +268,7 @@ def replacement_forward(
         outputs = {transcoder.cfg.hf_hooks(adapter, layer)["output"] for layer in range(n_layers)}
         reps += _freeze_representations(bound, outputs)
     session = SpliceSession()
-    selection = clean_selection(transcoder, bound, input_ids) if transcoder.cfg.joint else None
+    selection = clean_selection(bound, transcoder, input_ids) if transcoder.cfg.joint else None
     reps += clt_splice_representations(bound, transcoder, from_position=from_position,
                                        leaves=True, session=session, selection=selection)
 

@@ -92,7 +92,7 @@ class ReplacementModel:
                  transcoder: Transcoder, *, bos: str = _DEFAULT.bos) -> None:
         #: the model bound once (its architecture, dimensions); ``model`` is its module
         self.bound = bind(model)
-        check_fits(transcoder, self.bound)
+        check_fits(self.bound, transcoder)
         self.model = model = self.bound.model
         self.bound.check_weights()
         self.tokenizer = tokenizer

@@ -101,7 +101,7 @@ def ablation_test(model: nn.Module, transcoder: Transcoder, graph: AttributionGr
     bound = bind(model)  # once for the 1 + len(sizes) * (1 + draws) spliced runs
     model = bound.model
     ids = torch.tensor([graph.input_ids], device=bound.device)
-    errors = clean_errors(transcoder, bound, ids, graph.from_position)
+    errors = clean_errors(bound, transcoder, ids, graph.from_position)
     token = int(graph.target["token"])
     with torch.no_grad():
         clean = float(model(input_ids=ids).logits[0, -1].float().softmax(-1)[token])

@@ -78,7 +78,7 @@ class AttributeRequest:
     model: str | None
     prompt: str | None
     answer: str | None
-    clt: str
+    transcoder: str
     format: str | None
     labels: str | None
     direction: dict | None
@@ -93,7 +93,7 @@ class AttributeRequest:
         if self.direction is not None:
             settings["target"] = "direction"
         return {"model": self.model, "prompt": self.prompt, "answer": self.answer,
-                "clt": self.clt, "format": self.format, "labels": self.labels,
+                "transcoder": self.transcoder, "format": self.format, "labels": self.labels,
                 "direction": self.direction, "validate": self.validate, **settings,
                 **{f.name: getattr(self.reading, f.name) for f in fields(self.reading)}}
 
@@ -148,14 +148,14 @@ def attribute_request(args) -> AttributeRequest:
         attribution.check_answer(answer)
     reading = settings_of(ReadingSettings, {k: v for k, v in values.items()
                                             if k in READING_FLAGS}, READING_FLAGS)
-    clt = args.clt if args.clt is not None else block.get("clt")
-    if clt is None:
+    transcoder = args.clt if args.clt is not None else block.get("clt")
+    if transcoder is None:
         raise InputError("attribute needs a CLT: --clt DIR or a spec with attribution.clt")
     labels = args.labels if args.labels is not None else block.get("labels")
     validate = VALIDATE if args.validate else block.get("validate")
     request = AttributeRequest(
         model=args.model if args.model is not None else model, prompt=prompt, answer=answer,
-        clt=str(Path(clt).expanduser()),
+        transcoder=str(Path(transcoder).expanduser()),
         format=args.format if args.format is not None else block.get("format"),
         labels=None if labels is None else str(Path(labels).expanduser()), direction=direction,
         validate=validate, attribution=attribution, reading=reading)
@@ -237,10 +237,10 @@ def attribute_command(args) -> int:
         raise InputError("--validate, --cross-check and --heads run the whole transcoder: with "
                          "more than one rank pass --split rows (the transcoder whole on every "
                          "rank)")
-    clt = load_transcoder(request.clt, format=request.format,
-                          **({"shard": (ranks.rank, ranks.world)} if sharded else {}))
-    labels = None if request.labels is None else \
-        read_labels(request.labels, n_layers=clt.n_layers, n_features=clt.cfg.d_transcoder)
+    transcoder = load_transcoder(request.transcoder, format=request.format,
+                                 **({"shard": (ranks.rank, ranks.world)} if sharded else {}))
+    labels = None if request.labels is None else read_labels(
+        request.labels, n_layers=transcoder.n_layers, n_features=transcoder.cfg.d_transcoder)
     model, tokenizer = load_model(request.model or OFFLINE_DEFAULT)
     tracer = None
     checking = request.cross_check
@@ -250,13 +250,14 @@ def attribute_command(args) -> int:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = out / ROWS_PARTIAL  # an interrupted run resumes; removed once all is written
-    graph = attribute(model, tokenizer, clt, request.prompt, request.answer,
+    graph = attribute(model, tokenizer, transcoder, request.prompt, request.answer,
                       settings=request.attribution, progress=True, checkpoint=checkpoint)
     if ranks is not None and not ranks.first:  # rank 0 writes every file
         distributed.finish()
         return 0
     with distributed.alone() if ranks is not None else contextlib.nullcontext():
-        code = _write_outputs(args, request, graph, model, clt, tracer, labels, checkpoint)
+        code = _write_outputs(args, request, graph, model, transcoder, tracer, labels,
+                              checkpoint)
     if ranks is not None:
         distributed.finish()
     return code
@@ -277,9 +278,9 @@ def _many_command(args, request: AttributeRequest) -> int:
             all((p["target"] or settings.target) != "demeaned" for p in prompts):
         raise InputError("--k sets the top-k logits of a demeaned target; no prompt of "
                          f"{args.prompts} has one: drop it")
-    clt = load_transcoder(request.clt, format=request.format)
+    transcoder = load_transcoder(request.transcoder, format=request.format)
     model, tokenizer = load_model(request.model or OFFLINE_DEFAULT)
-    index = attribute_many(model, tokenizer, clt, prompts, args.out, settings=settings,
+    index = attribute_many(model, tokenizer, transcoder, prompts, args.out, settings=settings,
                            progress=True)
     if index is not None:
         print(f"wrote {len(index)} graphs and {args.out / INDEX}")
@@ -287,7 +288,7 @@ def _many_command(args, request: AttributeRequest) -> int:
     return 0
 
 
-def _write_outputs(args, request: AttributeRequest, graph, model, clt, tracer, labels,
+def _write_outputs(args, request: AttributeRequest, graph, model, transcoder, tracer, labels,
                    checkpoint: Path) -> int:
     """Print the graph's reading and write every output file (rank 0 of a distributed run)."""
     out, reading = args.out, request.reading
@@ -311,7 +312,7 @@ def _write_outputs(args, request: AttributeRequest, graph, model, clt, tracer, l
     print(f"pruned: {pruned.n_nodes} nodes, {pruned.n_edges} edges")
     attention = None
     if args.heads:
-        attention = attention_annotations(model, clt, graph, settings=reading,
+        attention = attention_annotations(model, transcoder, graph, settings=reading,
                                           memory_mb=request.attribution.memory_mb,
                                           progress=True)
         print(f"heads: {len(attention.links)} edges across positions split by head, "
@@ -339,13 +340,13 @@ def _write_outputs(args, request: AttributeRequest, graph, model, clt, tracer, l
                    "edges": len(attention.links), "qk": len(attention.qk)}}
     if request.validate:
         validate = request.validate
-        result = ablation_test(model, clt, graph, sizes=tuple(validate.get("sizes", (5,))),
+        result = ablation_test(model, transcoder, graph, sizes=tuple(validate.get("sizes", (5,))),
                                draws=validate.get("draws", 10),
                                rank_by=validate.get("rank_by", "influence"))
         print(result.to_dataframe().to_string(index=False))
         summary["ablation"] = result.to_dict()
     if tracer is not None:
-        check = cross_check(graph, tracer, clt, settings=request.cross_check.settings)
+        check = cross_check(graph, tracer, transcoder, settings=request.cross_check.settings)
         print(check.summary())
         check.to_json(out / "cross_check.json")
         with replacing(out / "cross_check.png") as tmp:
@@ -402,16 +403,16 @@ def clt_check_command(args) -> int:
     if not args.prompt:
         raise InputError("--prompt is empty")
     texts = read_texts(args.data, args.limit)
-    clt = load_transcoder(args.clt, format=args.format)
+    transcoder = load_transcoder(args.clt, format=args.format)
     model, tokenizer = load_model(args.model)
-    pairing = check_pairing(model, clt, tokenizer, texts, bos=args.bos)
+    pairing = check_pairing(model, tokenizer, transcoder, texts, bos=args.bos)
     print(pairing.verdict())
     print("FVU per layer: " + " ".join(f"{v:.3f}" for v in pairing.fvu_per_layer))
     answer = args.answer
     if answer is None and args.prompt == EIFFEL["prompt"]:
         answer = EIFFEL["answer"]
-    anchor = replacement_anchor(model, clt, tokenizer, texts, prompt=args.prompt, answer=answer,
-                                bos=args.bos)
+    anchor = replacement_anchor(model, tokenizer, transcoder, texts, prompt=args.prompt,
+                                answer=answer, bos=args.bos)
     print(anchor.summary())
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,7 @@ class SteerRequest:
 
     prompt: str
     model: str | None
-    clt: str
+    transcoder: str
     items: list[tuple[int, int | str, int, float]]
     settings: SteeringSettings
 
@@ -137,7 +137,7 @@ def steer_request(args) -> SteerRequest:
 def steer_command(args) -> int:
     out_dir(args.out)
     request = steer_request(args)
-    transcoder = load_transcoder(request.clt, format=args.format)
+    transcoder = load_transcoder(request.transcoder, format=args.format)
     model, tokenizer = load_model(request.model or OFFLINE_DEFAULT)
     result = intervene_features(model, tokenizer, transcoder, request.prompt, request.items,
                                 settings=request.settings,

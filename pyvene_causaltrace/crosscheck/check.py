@@ -118,7 +118,7 @@ def cross_check(
                          "transcoder (pass transcoder=)")
     check_pair(graph, tracer)
     if transcoder is not None:
-        check_fits(transcoder, tracer.model)
+        check_fits(tracer.model, transcoder)
 
     features, stats = [], {}
     if transcoder is not None and top_n > 0:  # first: it refuses another transcoder quickly

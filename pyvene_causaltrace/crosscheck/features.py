@@ -181,7 +181,7 @@ class PatchRunner:
         self.answer_id = int(answer_id)
         self.from_position = from_position  # the graph's: 0 where position 0 is no BOS
         with torch.no_grad():
-            self.errors = clean_errors(transcoder, self.bound, self.ids, from_position)
+            self.errors = clean_errors(self.bound, transcoder, self.ids, from_position)
             self._held = self._held_states() if mode == "replacement" else None
         self._active: dict[int, torch.Tensor] | None = None
         self._active = self._forward([None])[2]  # the unpatched run's active features

@@ -101,7 +101,7 @@ class GraphSettings(Settings):
 def graph_manifest(model: nn.Module, transcoder: Transcoder, settings: GraphSettings) -> dict:
     """The manifest keys of a run with graphs, once ``transcoder`` is checked to fit ``model``
     (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError` if not)."""
-    check_fits(transcoder, model)
+    check_fits(model, transcoder)
     return {"transcoder": transcoder_fingerprint(transcoder), "graphs": settings.to_manifest()}
 
 

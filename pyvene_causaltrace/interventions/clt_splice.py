@@ -192,7 +192,7 @@ class CLTSplice(SpliceIntervention):
         selection = None
         if clt.cfg.joint:  # the clean prompt's joint top-k, held fixed (module docstring)
             device = next(ctx.model.parameters()).device
-            selection = clean_selection(clt, ctx.model, ctx.prompt.input_ids.to(device))
+            selection = clean_selection(ctx.model, clt, ctx.prompt.input_ids.to(device))
         reps = clt_splice_representations(
             ctx.model, clt, layers=layers, from_position=from_position,
             add_error=entry.get("add_error", False), ablations=ablations,
@@ -210,7 +210,7 @@ class CLTSplice(SpliceIntervention):
             key = ("clean_errors", config["source"], config["from_position"])
             if key not in ctx.cache:
                 device = next(ctx.model.parameters()).device
-                ctx.cache[key] = clean_errors(made.clt, ctx.model,
+                ctx.cache[key] = clean_errors(ctx.model, made.clt,
                                               ctx.prompt.input_ids.to(device),
                                               config["from_position"])
             made._set_tensor("error", ctx.cache[key][config["clt_layer"]])
@@ -272,34 +272,35 @@ class CLTSplice(SpliceIntervention):
         norm = self._config.get("normalize")
         return base if norm is None else normalize(base, norm["kind"], norm["eps"], frozen)
 
-    def _leaf_forward(self, base: torch.Tensor, clt, layer: int, start: int,
+    def _leaf_forward(self, base: torch.Tensor, transcoder, layer: int, start: int,
                       leaves: dict) -> torch.Tensor:
         if self._config["role"] == "encode":
             x = self._input(base, frozen=True)
             with torch.no_grad():
-                acts = clt.encode(x, layer, _selection(clt, self.session, layer, x))
+                acts = transcoder.encode(x, layer, _selection(transcoder, self.session, layer, x))
                 acts[:, :start] = 0
                 row, position, feature = acts.nonzero(as_tuple=True)
                 unique, inverse = feature.unique(return_inverse=True)
-                decoder = clt.decoder_rows(layer, unique)[inverse]
+                decoder = transcoder.decoder_rows(layer, unique)[inverse]
             value = acts[row, position, feature].detach().requires_grad_(True)
             active = ActiveFeatures(row, position, feature, value, decoder)
             leaves["features"][layer] = active
-            leaves["writes"][layer] = _writes(active, base.shape[:2], clt.cfg.n_targets(layer),
-                                              clt.cfg.d_model)
+            leaves["writes"][layer] = _writes(active, base.shape[:2],
+                                              transcoder.cfg.n_targets(layer),
+                                              transcoder.cfg.d_model)
             leaves["inputs"][layer] = x
             if "b_dec" not in leaves:
-                leaves["b_dec"] = clt.b_dec.detach().clone().requires_grad_(True)
+                leaves["b_dec"] = transcoder.b_dec.detach().clone().requires_grad_(True)
             return base
         recon = leaves["b_dec"][layer].expand(base.shape)
-        recon = recon + clt.skip(leaves["inputs"][layer], layer)
+        recon = recon + transcoder.skip(leaves["inputs"][layer], layer)
         written = None
-        for source_layer in clt.cfg.sources(layer):
+        for source_layer in transcoder.cfg.sources(layer):
             writes = leaves["writes"].get(source_layer)
             if writes is not None:
                 part = writes[layer - source_layer]
                 written = part if written is None else written + part
-        if clt.features is not None:  # a shard: every rank's features write this layer
+        if transcoder.features is not None:  # a shard: every rank's features write this layer
             written = _summed_over_ranks(written, recon, layer)
         if written is not None:
             recon = recon + written
@@ -332,17 +333,18 @@ SHARD_ALONE = ("this transcoder is one rank's shard of its features (Transcoder.
                "holding its shard (attribute), or load the whole transcoder")
 
 
-def _selection(clt, session: SpliceSession, layer: int,
+def _selection(transcoder, session: SpliceSession, layer: int,
                x: torch.Tensor) -> torch.Tensor | None:
     """Layer ``layer``'s part of the splice's fixed joint selection (None for a transcoder that
     selects per layer); refused when there is none or it does not cover ``x``'s positions."""
-    if not clt.cfg.joint:
+    if not transcoder.cfg.joint:
         return None
     if session.selection is None:
         raise InputError(
-            f"a {clt.cfg.activation} transcoder keeps the {clt.cfg.k} best features over all "
-            f"{clt.n_layers} layers at once, which a forward knows only after its last layer: "
-            "splice it with selection= (clean_selection(transcoder, model, input_ids): the clean "
+            f"a {transcoder.cfg.activation} transcoder keeps the {transcoder.cfg.k} best features "
+            f"over all {transcoder.n_layers} layers at once, which a forward knows only after its "
+            "last layer: "
+            "splice it with selection= (clean_selection(model, transcoder, input_ids): the clean "
             "run's joint top-k, held fixed)")
     chosen = session.selection[layer]
     if chosen.shape[-2] != x.shape[-2]:
@@ -351,28 +353,29 @@ def _selection(clt, session: SpliceSession, layer: int,
     return chosen
 
 
-def _reconstruct(clt, layer: int, session: SpliceSession, base: torch.Tensor) -> torch.Tensor:
+def _reconstruct(transcoder, layer: int, session: SpliceSession,
+                 base: torch.Tensor) -> torch.Tensor:
     """``b_dec[layer] + skip(x) + sum_{l writing layer} a_l @ W_dec[l][:, layer - l]`` from the
     session's features (after any feature_ablate), in ``base``'s dtype."""
-    recon = clt.b_dec[layer].to(base.dtype).expand_as(base)
-    recon = recon + clt.skip(session.inputs[layer], layer).to(base.dtype)
-    for source_layer in clt.cfg.sources(layer):
+    recon = transcoder.b_dec[layer].to(base.dtype).expand_as(base)
+    recon = recon + transcoder.skip(session.inputs[layer], layer).to(base.dtype)
+    for source_layer in transcoder.cfg.sources(layer):
         acts = session.acts.get(source_layer)
         if acts is None:
             continue
         active = (acts != 0).reshape(-1, acts.shape[-1]).any(0).nonzero().squeeze(-1)
         if active.numel() == 0:
             continue
-        rows = clt.decoder_rows(source_layer, active)[:, layer - source_layer]  # [n, D]
+        rows = transcoder.decoder_rows(source_layer, active)[:, layer - source_layer]  # [n, D]
         recon = recon + (acts[..., active] @ rows).to(base.dtype)
     return recon
 
 
-def _change(clt, layer: int, session: SpliceSession) -> torch.Tensor | None:
+def _change(transcoder, layer: int, session: SpliceSession) -> torch.Tensor | None:
     """What feature_ablate changed in ``layer``'s output: ``sum_l (a'_l - a_l) @ W_dec[l][:,
     layer - l]`` over the features it changed (None when it changed none)."""
     change = None
-    for source_layer in clt.cfg.sources(layer):
+    for source_layer in transcoder.cfg.sources(layer):
         now, encoded = session.acts.get(source_layer), session.encoded.get(source_layer)
         if now is None or encoded is None or now is encoded:
             continue
@@ -380,13 +383,13 @@ def _change(clt, layer: int, session: SpliceSession) -> torch.Tensor | None:
         changed = (diff != 0).reshape(-1, diff.shape[-1]).any(0).nonzero().squeeze(-1)
         if changed.numel() == 0:
             continue
-        rows = clt.decoder_rows(source_layer, changed)[:, layer - source_layer]  # [n, D]
+        rows = transcoder.decoder_rows(source_layer, changed)[:, layer - source_layer]  # [n, D]
         term = diff[..., changed] @ rows
         change = term if change is None else change + term
     return change
 
 
-def _check_ablation(entry: dict, path: str, clt, layers: list[int], from_position: int,
+def _check_ablation(entry: dict, path: str, transcoder, layers: list[int], from_position: int,
                     n_pos: int) -> None:
     """A spec's feature_ablate entry names a spliced layer, features the transcoder has and
     spliced positions of the prompt (otherwise it would act nowhere, without a word)."""
@@ -394,9 +397,9 @@ def _check_ablation(entry: dict, path: str, clt, layers: list[int], from_positio
         raise SpecError(f"{path}.clt_layer", f"layer {entry['clt_layer']} is not spliced (the "
                                              f"clt_splice entry splices layers {layers})")
     features = entry["features"]
-    if features != "all" and max(features) >= clt.cfg.d_transcoder:
+    if features != "all" and max(features) >= transcoder.cfg.d_transcoder:
         raise SpecError(f"{path}.features", f"feature {max(features)} is outside the "
-                                            f"transcoder's {clt.cfg.d_transcoder} per layer")
+                                            f"transcoder's {transcoder.cfg.d_transcoder} per layer")
     for position in entry.get("positions") or []:
         if position >= n_pos:
             raise SpecError(f"{path}.positions", f"position {position} is outside the prompt's "
@@ -432,35 +435,36 @@ def _writes(active: ActiveFeatures, shape: tuple[int, int], n_targets: int,
     return torch.stack(per_position).reshape(batch, n_pos, n_targets, d_model).unbind(2)
 
 
-def clean_errors(clt, model, input_ids: torch.Tensor, from_position: int = 1) -> torch.Tensor:
+def clean_errors(model, transcoder, input_ids: torch.Tensor,
+                 from_position: int = 1) -> torch.Tensor:
     """The clean run's transcoder error ``out - recon`` per layer, ``[L, 1, P, D]``, for a
     splice with a fixed error that starts at ``from_position`` (features before it zero)."""
-    states = transcoder_states(clt, model, input_ids)
-    inputs = states["input"].to(clt.dtype)
-    acts = clt.encode_all(inputs, zero_bos=False)
+    states = transcoder_states(model, transcoder, input_ids)
+    inputs = states["input"].to(transcoder.dtype)
+    acts = transcoder.encode_all(inputs, zero_bos=False)
     acts[:, :from_position] = 0
-    recon = clt.reconstruct(acts, inputs)
+    recon = transcoder.reconstruct(acts, inputs)
     return (states["output"] - recon.to(states["output"].dtype))[:, None]
 
 
-def clean_selection(clt, model, input_ids: torch.Tensor) -> torch.Tensor:
+def clean_selection(model, transcoder, input_ids: torch.Tensor) -> torch.Tensor:
     """Bool ``[L, P, F]``: the features a ``joint_topk`` transcoder keeps on the clean run of
     ``input_ids [1, P]`` (its joint top-k over every layer's input at each position), for a
     splice that holds them fixed (a shard's ``[L, P, n_local]``: a collective over the ranks)."""
     with torch.no_grad():
-        inputs = transcoder_states(clt, model, input_ids[:1])["input"]
-        return clt.joint_selection(inputs.to(clt.dtype))
+        inputs = transcoder_states(model, transcoder, input_ids[:1])["input"]
+        return transcoder.joint_selection(inputs.to(transcoder.dtype))
 
 
 def clt_splice_representations(
-    model: nn.Module | BoundModel, clt, *, layers: list[int] | None = None,
+    model: nn.Module | BoundModel, transcoder, *, layers: list[int] | None = None,
     from_position: int = 1,
     add_error: bool = False, ablations: list[dict] | None = None, leaves: bool = False,
     errors: torch.Tensor | None = None, session: SpliceSession | None = None,
     live_error: bool = False, error_from: str | None = None,
     selection: torch.Tensor | None = None,
 ) -> list[dict]:
-    """pyvene representation dicts that splice ``clt`` into ``model`` at ``layers`` (all by
+    """pyvene representation dicts that splice ``transcoder`` into ``model`` at ``layers`` (all by
     default), with ``ablations`` (``feature_ablate`` keyword dicts with ``clt_layer``) after
     their layer's encoder; ``leaves=True`` builds the attribution graph's leaf-mode splice
     (always with the error term, see module docstring); ``errors`` (``[L, 1, P, D]``, from
@@ -473,8 +477,8 @@ def clt_splice_representations(
     if leaves and ablations:
         raise InputError("a leaf-mode splice does not take ablations")
     bound = bind(model)
-    check_fits(clt, bound)
-    if clt.features is not None and not (leaves and current() is not None):
+    check_fits(bound, transcoder)
+    if transcoder.features is not None and not (leaves and current() is not None):
         raise InputError(SHARD_ALONE if current() is None else
                          "a transcoder sharded by feature splices the attribution graph's "
                          "local replacement model only (attribute under torchrun); steering, "
@@ -482,15 +486,15 @@ def clt_splice_representations(
     adapter = bound.adapter
     session = SpliceSession() if session is None else session
     if selection is not None:
-        if not clt.cfg.joint:
+        if not transcoder.cfg.joint:
             raise InputError(f"selection= is for a joint_topk transcoder; this one is "
-                             f"{clt.cfg.activation}, selected per layer")
-        want = (clt.n_layers, clt.n_local)  # a shard's part of the selection: its features
+                             f"{transcoder.cfg.activation}, selected per layer")
+        want = (transcoder.n_layers, transcoder.n_local)  # a shard's part: its features
         if selection.dtype != torch.bool or (selection.shape[0], selection.shape[-1]) != want:
             raise InputError(f"selection must be bool [L, P, F] with L, F = {want}, got "
                              f"{selection.dtype} {tuple(selection.shape)}")
         session.selection = selection
-    layers = list(range(clt.n_layers)) if layers is None else sorted(layers)
+    layers = list(range(transcoder.n_layers)) if layers is None else sorted(layers)
     for ablation in ablations or []:
         if ablation.get("clt_layer") not in layers:
             raise InputError(f"an ablation names layer {ablation.get('clt_layer')!r}, which is "
@@ -498,20 +502,20 @@ def clt_splice_representations(
     modes = {"live_error": live_error, "error_from": error_from}
     out = []
     for index, layer in enumerate(layers):
-        hooks = clt.cfg.hf_hooks(adapter, layer)
+        hooks = transcoder.cfg.hf_hooks(adapter, layer)
         out.append({"component": hooks["input"], "intervention": CLTSplice(
-            clt=clt, session=session, role="encode", clt_layer=layer,
+            clt=transcoder, session=session, role="encode", clt_layer=layer,
             from_position=from_position,
             add_error=add_error or leaves, reset=index == 0, leaves=leaves,
-            normalize=norm_settings(bound, clt.cfg.feature_input_hook, layer), **modes)})
+            normalize=norm_settings(bound, transcoder.cfg.feature_input_hook, layer), **modes)})
         for ablation in ablations or []:
             if ablation["clt_layer"] == layer:
                 out.append({"component": hooks["input"],
-                            "intervention": FeatureAblate(clt=clt, session=session,
+                            "intervention": FeatureAblate(clt=transcoder, session=session,
                                                           **ablation)})
     for layer in layers:
-        out.append({"component": clt.cfg.hf_hooks(adapter, layer)["output"],
-                    "intervention": CLTSplice(clt=clt, session=session, role="decode",
+        out.append({"component": transcoder.cfg.hf_hooks(adapter, layer)["output"],
+                    "intervention": CLTSplice(clt=transcoder, session=session, role="decode",
                                               clt_layer=layer,
                                               from_position=from_position,
                                               add_error=add_error or leaves, leaves=leaves,

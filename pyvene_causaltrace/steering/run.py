@@ -401,7 +401,7 @@ def intervene_features(
     top_k, memory_mb = s.top_k, s.memory_mb
     bound = bind(model)  # the architecture, resolved once for this call
     model = bound.model
-    check_fits(transcoder, bound)
+    check_fits(bound, transcoder)
     tokenized = tokenize_prompt(tokenizer, prompt)
     n_pos = tokenized.seq_len
     if progress is not None and not isinstance(progress, bool):
@@ -421,7 +421,7 @@ def intervene_features(
     with torch.no_grad():
         bar = _bar(show, steps, "clean generation")
         clean, clean_new = _greedy(lambda x: model(input_ids=x).logits, ids, steps, eos, bar)
-        errors = clean_errors(transcoder, bound, ids, start) if hold_errors else None
+        errors = clean_errors(bound, transcoder, ids, start) if hold_errors else None
         reps = clt_splice_representations(
             bound, transcoder, from_position=start, ablations=_ablations(items), errors=errors,
             live_error=True, error_from="clean" if hold_errors else None)

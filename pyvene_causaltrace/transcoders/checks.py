@@ -165,35 +165,35 @@ class PairingReport:
 
 @torch.no_grad()
 @measured
-def check_pairing(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
+def check_pairing(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder,
                   texts: Sequence[str], *, bos: str = BOS) -> PairingReport:
     """Pairing check on ``texts`` (see module docstring); ``bos``
     (:data:`~..prompts.BOS_MODES`) says whether position 0 is scored."""
-    check_fits(clt, model)
+    check_fits(model, transcoder)
     start = first_position(tokenizer, bos)
     device = model.device  # bound by @measured
-    totals = {k: torch.zeros(clt.n_layers, dtype=torch.float64)
+    totals = {k: torch.zeros(transcoder.n_layers, dtype=torch.float64)
               for k in ("err", "dev", "err_pre", "dev_pre")}
     wrong_layer = torch.zeros(2, dtype=torch.float64)
     l0 = l0_pre = 0.0
     n_tokens = 0
     for text in texts:
-        states = transcoder_states(clt, model, _ids(tokenizer, text, device), control=True)
-        acts = clt.encode_all(states["input"], zero_bos=start > 0)
-        recon = clt.reconstruct(acts, states["input"])
+        states = transcoder_states(model, transcoder, _ids(tokenizer, text, device), control=True)
+        acts = transcoder.encode_all(states["input"], zero_bos=start > 0)
+        recon = transcoder.reconstruct(acts, states["input"])
         err, dev = _fvu_parts(recon, states["output"], start)
         totals["err"] += err
         totals["dev"] += dev
-        acts_pre = clt.encode_all(states["control"], zero_bos=start > 0)
-        err, dev = _fvu_parts(clt.reconstruct(acts_pre, states["control"]), states["output"],
+        acts_pre = transcoder.encode_all(states["control"], zero_bos=start > 0)
+        err, dev = _fvu_parts(transcoder.reconstruct(acts_pre, states["control"]), states["output"],
                               start)
         totals["err_pre"] += err
         totals["dev_pre"] += dev
         err, dev = _fvu_parts(recon[:-1], states["output"][1:], start)
         wrong_layer += torch.stack([err.sum(), dev.sum()])
         n_tokens += acts.shape[1] - start
-        l0 += float((acts[:, start:] != 0).sum()) / clt.n_layers
-        l0_pre += float((acts_pre[:, start:] != 0).sum()) / clt.n_layers
+        l0 += float((acts[:, start:] != 0).sum()) / transcoder.n_layers
+        l0_pre += float((acts_pre[:, start:] != 0).sum()) / transcoder.n_layers
     if n_tokens == 0:
         raise InputError("the pairing check's texts hold no token past position 0 (BOS)")
     return PairingReport(
@@ -240,22 +240,24 @@ class AnchorReport:
         return asdict(self)
 
 
-def _condition_representations(name: str, clt, bound: BoundModel, n_pos: int,
+def _condition_representations(name: str, bound: BoundModel, transcoder, n_pos: int,
                                start: int = 1) -> list[dict]:
     if name == "clean":
         return []
     if name == "clt":
-        return clt_splice_representations(bound, clt, from_position=start)
+        return clt_splice_representations(bound, transcoder, from_position=start)
     if name == "clt_all_positions":
-        return clt_splice_representations(bound, clt, from_position=0)
+        return clt_splice_representations(bound, transcoder, from_position=0)
     if name == "b_dec_only":
-        ablations = [{"clt_layer": layer, "features": "all"} for layer in range(clt.n_layers)]
-        return clt_splice_representations(bound, clt, from_position=start, ablations=ablations)
+        ablations = [{"clt_layer": layer, "features": "all"}
+                     for layer in range(transcoder.n_layers)]
+        return clt_splice_representations(bound, transcoder, from_position=start,
+                                          ablations=ablations)
     adapter = bound.adapter
-    zeros = torch.zeros(1, n_pos, clt.cfg.d_model)
-    return [{"component": clt.cfg.hf_hooks(adapter, layer)["output"],
+    zeros = torch.zeros(1, n_pos, transcoder.cfg.d_model)
+    return [{"component": transcoder.cfg.hf_hooks(adapter, layer)["output"],
              "intervention": CleanRestore(positions=list(range(start, n_pos)), states=zeros)}
-            for layer in range(clt.n_layers)]
+            for layer in range(transcoder.n_layers)]
 
 
 def _logits(bound: BoundModel, representations, ids) -> torch.Tensor:
@@ -273,14 +275,14 @@ def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]
 
 @torch.no_grad()
 @measured
-def replacement_anchor(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
+def replacement_anchor(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder,
                        texts: Sequence[str], *, prompt: str | None = None,
                        answer: str | None = None, bos: str = BOS) -> AnchorReport:
     """The replacement-model anchor (see module docstring); ``bos``
     (:data:`~..prompts.BOS_MODES`) says whether the splice starts at position 0 or 1."""
     bound = model  # bound by @measured: every condition's representations read its sites
     model = bound.model
-    check_fits(clt, bound)
+    check_fits(bound, transcoder)
     start = first_position(tokenizer, bos)
     device = bound.device
     totals = dict.fromkeys(ANCHOR_CONDITIONS, 0.0)
@@ -289,7 +291,7 @@ def replacement_anchor(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
         ids = _ids(tokenizer, text, device)
         for name in ANCHOR_CONDITIONS:
             ce, n = _next_token_ce(
-                _logits(bound, _condition_representations(name, clt, bound, ids.shape[1],
+                _logits(bound, _condition_representations(name, bound, transcoder, ids.shape[1],
                                                           start), ids),
                 ids)
             totals[name] += ce
@@ -300,7 +302,7 @@ def replacement_anchor(model: nn.Module, clt: Transcoder, tokenizer: Tokenizer,
     if prompt is not None:
         ids = _ids(tokenizer, prompt, device)
         clean = model(input_ids=ids).logits[0, -1].double().log_softmax(-1)
-        splice = _condition_representations("clt", clt, bound, ids.shape[1], start)
+        splice = _condition_representations("clt", bound, transcoder, ids.shape[1], start)
         spliced = _logits(bound, splice, ids)[0, -1].double().log_softmax(-1)
         answer_id = (answer_token_id(tokenizer, answer) if answer is not None
                      else int(clean.argmax()))

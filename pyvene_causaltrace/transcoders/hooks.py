@@ -127,7 +127,7 @@ def hook_states(model: nn.Module | BoundModel, ids: torch.Tensor,
     return out
 
 
-def transcoder_states(transcoder, model: nn.Module, ids: torch.Tensor,
+def transcoder_states(model: nn.Module, transcoder, ids: torch.Tensor,
                       control: bool = False) -> dict[str, torch.Tensor]:
     """``{"input", "output"}`` (and ``"control"``: the pairing check's wrong input hook) of
     ``transcoder``'s hooks at every layer, ``[L, P, D]`` each, one forward."""

@@ -469,7 +469,7 @@ def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = 
 
 
 @checked
-def check_fits(transcoder: Transcoder, model: nn.Module | BoundModel) -> None:
+def check_fits(model: nn.Module | BoundModel, transcoder: Transcoder) -> None:
     """Raise :class:`TranscoderMismatchError` unless ``transcoder`` has the model's layer count
     and width and its hooks exist in the model; warn when the names differ (the shapes may
     agree by accident: run the pairing check)."""

@@ -210,24 +210,25 @@ def from_pretrained(
 
 
 @checked
-def save_model(clt: Transcoder, path: str | Path) -> None:
-    """Write ``clt`` in the mntss layout, in its on-disk dtype. Loading a directory and saving
-    it again reproduces its safetensors files byte for byte."""
-    refuse_shard(clt)
-    if not clt.cfg.cross_layer or clt.cfg.activation not in ("jumprelu", "relu") \
-            or clt.cfg.skip:
+def save_model(transcoder: Transcoder, path: str | Path) -> None:
+    """Write ``transcoder`` in the mntss layout, in its on-disk dtype. Loading a directory and
+    saving it again reproduces its safetensors files byte for byte."""
+    refuse_shard(transcoder)
+    if not transcoder.cfg.cross_layer or transcoder.cfg.activation not in ("jumprelu", "relu") \
+            or transcoder.cfg.skip:
         raise InputError("the mntss layout holds JumpReLU or ReLU cross-layer transcoders "
                          "without a skip path only")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    dtype = getattr(torch, clt.cfg.disk_dtype)
-    for layer in range(clt.n_layers):
-        tensors = {f"W_enc_{layer}": clt.encoder_weight(layer), f"b_enc_{layer}": clt.b_enc[layer],
-                   f"b_dec_{layer}": clt.b_dec[layer]}
-        if clt.cfg.activation == "jumprelu":
-            tensors[f"threshold_{layer}"] = clt.threshold[layer]
+    dtype = getattr(torch, transcoder.cfg.disk_dtype)
+    for layer in range(transcoder.n_layers):
+        tensors = {f"W_enc_{layer}": transcoder.encoder_weight(layer),
+                   f"b_enc_{layer}": transcoder.b_enc[layer],
+                   f"b_dec_{layer}": transcoder.b_dec[layer]}
+        if transcoder.cfg.activation == "jumprelu":
+            tensors[f"threshold_{layer}"] = transcoder.threshold[layer]
         save_file({k: v.to(dtype).contiguous().cpu() for k, v in tensors.items()},
                   str(root / f"W_enc_{layer}.safetensors"))
-        save_file({f"W_dec_{layer}": clt.W_dec[layer].to(dtype).contiguous().cpu()},
+        save_file({f"W_dec_{layer}": transcoder.W_dec[layer].to(dtype).contiguous().cpu()},
                   str(root / f"W_dec_{layer}.safetensors"))
-    (root / "config.yaml").write_text(yaml.safe_dump(clt.cfg.yaml_dict(), sort_keys=False))
+    (root / "config.yaml").write_text(yaml.safe_dump(transcoder.cfg.yaml_dict(), sort_keys=False))

@@ -54,36 +54,38 @@ def _sae_lens_version() -> str:
     return version("sae-lens")
 
 
-def _cfg_and_state(clt: Transcoder, layer: int, target: int | None,
+def _cfg_and_state(transcoder: Transcoder, layer: int, target: int | None,
                    device: str, dtype: str = "float32") -> tuple[dict, dict]:
-    refuse_shard(clt)
+    refuse_shard(transcoder)
     target = layer if target is None else target
-    if not 0 <= layer <= target < layer + clt.cfg.n_targets(layer) <= clt.n_layers:
+    if not 0 <= layer <= target < layer + transcoder.cfg.n_targets(layer) <= transcoder.n_layers:
         raise InputError(f"layer {layer}'s features do not write layer {target}")
-    if clt.cfg.activation not in ("jumprelu", "relu"):
-        raise InputError(f"sae-lens has no {clt.cfg.activation} transcoder")
+    if transcoder.cfg.activation not in ("jumprelu", "relu"):
+        raise InputError(f"sae-lens has no {transcoder.cfg.activation} transcoder")
     torch_dtype = getattr(torch, dtype)
-    rows = clt.decoder_rows(layer, torch.arange(clt.cfg.d_transcoder))[:, target - layer]
+    features = torch.arange(transcoder.cfg.d_transcoder)
+    rows = transcoder.decoder_rows(layer, features)[:, target - layer]
     state = {
-        "W_enc": clt.encoder_weight(layer).T.contiguous(),
-        "b_enc": clt.b_enc[layer],
-        "threshold": clt.threshold[layer],
+        "W_enc": transcoder.encoder_weight(layer).T.contiguous(),
+        "b_enc": transcoder.b_enc[layer],
+        "threshold": transcoder.threshold[layer],
         "W_dec": rows.contiguous(),
-        "b_dec": clt.b_dec[target],
+        "b_dec": transcoder.b_dec[target],
     }
-    skip = clt.W_skip is not None and target == layer  # a skip reads its own layer's input
+    skip = transcoder.W_skip is not None and target == layer  # a skip reads its own layer's input
     if skip:
-        state["W_skip"] = clt.W_skip[layer]
+        state["W_skip"] = transcoder.W_skip[layer]
     state = {k: v.detach().to(device, torch_dtype).clone() for k, v in state.items()}
     cfg = {
         "architecture": "jumprelu_skip_transcoder" if skip else "jumprelu_transcoder",
-        "d_in": clt.cfg.d_model, "d_sae": clt.cfg.d_transcoder, "d_out": clt.cfg.d_model,
+        "d_in": transcoder.cfg.d_model, "d_sae": transcoder.cfg.d_transcoder,
+        "d_out": transcoder.cfg.d_model,
         "dtype": dtype, "device": device, "apply_b_dec_to_input": False,
         "normalize_activations": "none",
         "metadata": {
-            "model_name": clt.cfg.model_name,
-            "hook_name": f"blocks.{layer}.{clt.cfg.feature_input_hook}",
-            "hook_name_out": f"blocks.{target}.{clt.cfg.feature_output_hook}",
+            "model_name": transcoder.cfg.model_name,
+            "hook_name": f"blocks.{layer}.{transcoder.cfg.feature_input_hook}",
+            "hook_name_out": f"blocks.{target}.{transcoder.cfg.feature_output_hook}",
             "neuronpedia_id": None,
             "sae_lens_version": _sae_lens_version(),  # a 6.x config: no pre-6.0 rewriting
         },
@@ -91,7 +93,7 @@ def _cfg_and_state(clt: Transcoder, layer: int, target: int | None,
     return cfg, state
 
 
-def to_sae_lens(clt: Transcoder, layer: int, target: int | None = None,
+def to_sae_lens(transcoder: Transcoder, layer: int, target: int | None = None,
                 device: str = "cpu"):
     """A sae-lens ``JumpReLUTranscoder`` (``JumpReLUSkipTranscoder`` with a skip path) for
     ``layer`` (see module docstring)."""
@@ -103,13 +105,13 @@ def to_sae_lens(clt: Transcoder, layer: int, target: int | None = None,
         JumpReLUTranscoderConfig,
     )
 
-    cfg, state = _cfg_and_state(clt, layer, target, device)
+    cfg, state = _cfg_and_state(transcoder, layer, target, device)
     if "W_skip" in state:
-        transcoder = JumpReLUSkipTranscoder(JumpReLUSkipTranscoderConfig.from_dict(cfg))
+        sae = JumpReLUSkipTranscoder(JumpReLUSkipTranscoderConfig.from_dict(cfg))
     else:
-        transcoder = JumpReLUTranscoder(JumpReLUTranscoderConfig.from_dict(cfg))
-    transcoder.load_state_dict(state)
-    return transcoder
+        sae = JumpReLUTranscoder(JumpReLUTranscoderConfig.from_dict(cfg))
+    sae.load_state_dict(state)
+    return sae
 
 
 def disk_converter(layer: int, target: int | None = None):
