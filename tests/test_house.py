@@ -1,6 +1,7 @@
 """The house's shape, checked from the source: no import circle between package modules
 (imports inside functions included), and every import inside a function says why it is there
-(a ``#`` comment on its line or the line above). docs/layout.md draws the floors."""
+(a ``#`` comment on its line or the line above), and no module over :data:`MAX_LINES` lines.
+docs/layout.md draws the floors."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+
+#: The most lines one module may have: past it a module holds more than one concept.
+MAX_LINES = 500
 
 
 def _imports(name: str, path: Path) -> list[tuple[ast.AST, bool, list[str]]]:
@@ -140,3 +144,26 @@ def test_the_package_cites_nothing_outside_it():
              for number, line in enumerate(path.read_text().split("\n"), 1)
              if any(word in line for word in outside)]
     assert not found, found
+
+
+def oversized(paths, limit: int = MAX_LINES) -> list[str]:
+    """``path: lines`` of every file in ``paths`` longer than ``limit`` lines."""
+    found = []
+    for path in paths:
+        count = len(Path(path).read_text().splitlines())
+        if count > limit:
+            found.append(f"{path}: {count}")
+    return found
+
+
+def test_no_module_is_over_the_line_limit():
+    found = oversized(MODULES.values())
+    assert not found, f"modules over {MAX_LINES} lines (split them by concept): {found}"
+
+
+def test_the_line_limit_sees_a_long_module(tmp_path):
+    """The check above can fail: a module one line too long is named, one at the limit is not."""
+    long, ok = tmp_path / "long.py", tmp_path / "ok.py"
+    long.write_text("x = 1\n" * (MAX_LINES + 1))
+    ok.write_text("x = 1\n" * MAX_LINES)
+    assert oversized([long, ok]) == [f"{long}: {MAX_LINES + 1}"]

@@ -15,7 +15,7 @@ import torch
 from ..distributed import Ranks, current
 from ..errors import InputError
 from ..fingerprint import tensors_fingerprint, transcoder_fingerprint
-from ..interventions.clt_splice import SHARD_ALONE
+from ..interventions.splice_math import SHARD_ALONE
 from ..transcoders.transcoder import Transcoder, feature_range
 from .replacement import ReplacementRun
 

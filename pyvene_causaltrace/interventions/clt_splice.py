@@ -54,7 +54,6 @@ reads it again when its files change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,6 +68,15 @@ from ..transcoders.hooks import norm_settings, normalize, transcoder_states
 from ..transcoders.transcoder import check_fits
 from .feature_ablate import FeatureAblate
 from .spec_entry import Site, SpecContext
+from .splice_math import (
+    SHARD_ALONE,
+    ActiveFeatures,
+    ablation_change,
+    joint_selection,
+    leaf_writes,
+    reconstruct,
+    summed_over_ranks,
+)
 from .splice_session import SpliceIntervention, SpliceSession
 
 # FeatureAblate and the splice's shared base used to live here: they stay importable from here
@@ -84,18 +92,6 @@ def splice_session(representations: list[dict]) -> SpliceSession:
         if isinstance(intervention, SpliceIntervention):
             return intervention.session
     raise InputError("no clt_splice among these representations")
-
-
-@dataclass
-class ActiveFeatures:
-    """The active features of one layer in a leaf-mode splice: batch row, position, feature id
-    and value (an autograd leaf) of each, and their decoder rows ``[n, L - layer, D]``."""
-
-    row: torch.Tensor
-    position: torch.Tensor
-    feature: torch.Tensor
-    value: torch.Tensor
-    decoder: torch.Tensor
 
 
 def _leaf_session(session: SpliceSession) -> dict:
@@ -237,7 +233,7 @@ class CLTSplice(SpliceIntervention):
             return self._leaf_forward(base, clt, layer, start, _leaf_session(session))
         if self._config["role"] == "encode":
             x = self._input(base)
-            acts = clt.encode(x, layer, _selection(clt, session, layer, x))
+            acts = clt.encode(x, layer, joint_selection(clt, session, layer, x))
             acts = torch.cat([torch.zeros_like(acts[:, :start]), acts[:, start:]], dim=1)
             session.acts[layer] = session.encoded[layer] = acts
             session.inputs[layer] = x
@@ -248,7 +244,7 @@ class CLTSplice(SpliceIntervention):
         n_pos, held = base.shape[1], self.error
         live = None
         if self._config["live_error"]:
-            change = _change(clt, layer, session)
+            change = ablation_change(clt, layer, session)
             live = base if change is None else base + change.to(base.dtype)
             if held is None:
                 return torch.cat([base[:, :start], live[:, start:]], dim=1)
@@ -256,7 +252,7 @@ class CLTSplice(SpliceIntervention):
             raise InputError(f"the fixed error of layer {layer} covers {held.shape[-2]} "
                              f"positions and the sequence has {n_pos}: give the error of this "
                              "sequence, or live_error=True for the positions past it")
-        recon = _reconstruct(clt, layer, session, base)
+        recon = reconstruct(clt, layer, session, base)
         if self._config["add_error"]:
             recon = recon + (base - recon).detach()
         elif held is not None:
@@ -277,7 +273,8 @@ class CLTSplice(SpliceIntervention):
         if self._config["role"] == "encode":
             x = self._input(base, frozen=True)
             with torch.no_grad():
-                acts = transcoder.encode(x, layer, _selection(transcoder, self.session, layer, x))
+                chosen = joint_selection(transcoder, self.session, layer, x)
+                acts = transcoder.encode(x, layer, chosen)
                 acts[:, :start] = 0
                 row, position, feature = acts.nonzero(as_tuple=True)
                 unique, inverse = feature.unique(return_inverse=True)
@@ -285,7 +282,7 @@ class CLTSplice(SpliceIntervention):
             value = acts[row, position, feature].detach().requires_grad_(True)
             active = ActiveFeatures(row, position, feature, value, decoder)
             leaves["features"][layer] = active
-            leaves["writes"][layer] = _writes(active, base.shape[:2],
+            leaves["writes"][layer] = leaf_writes(active, base.shape[:2],
                                               transcoder.cfg.n_targets(layer),
                                               transcoder.cfg.d_model)
             leaves["inputs"][layer] = x
@@ -301,7 +298,7 @@ class CLTSplice(SpliceIntervention):
                 part = writes[layer - source_layer]
                 written = part if written is None else written + part
         if transcoder.features is not None:  # a shard: every rank's features write this layer
-            written = _summed_over_ranks(written, recon, layer)
+            written = summed_over_ranks(written, recon, layer)
         if written is not None:
             recon = recon + written
         recon = recon.to(base.dtype)
@@ -311,82 +308,6 @@ class CLTSplice(SpliceIntervention):
         # the value is the model's own output exactly (recon + (base - recon) rounds); the
         # gradient is the splice's: a forward that does not depend on how recon was summed
         return base.detach() + (spliced - spliced.detach())
-
-
-def _summed_over_ranks(written: torch.Tensor | None, like: torch.Tensor,
-                       layer: int) -> torch.Tensor:
-    """What every rank's features write into ``layer`` (one sum over ranks): the value is the
-    sum, the same on every rank; the gradient reaches this rank's feature leaves only (the
-    other ranks' features are theirs to differentiate)."""
-    ranks = current()
-    if ranks is None:
-        raise InputError(SHARD_ALONE)
-    local = like.new_zeros(like.shape) if written is None else written
-    total = ranks.all_reduce(local, f"summing layer {layer}'s reconstruction over ranks")
-    return total + (local - local.detach())
-
-
-#: Why a shard is refused outside a distributed run: its features are a part of every layer's.
-SHARD_ALONE = ("this transcoder is one rank's shard of its features (Transcoder.shard, "
-               "load_transcoder(..., shard=)): alone it reconstructs every layer from a part of "
-               "its features, which gives wrong numbers; run it under torchrun with every rank "
-               "holding its shard (attribute), or load the whole transcoder")
-
-
-def _selection(transcoder, session: SpliceSession, layer: int,
-               x: torch.Tensor) -> torch.Tensor | None:
-    """Layer ``layer``'s part of the splice's fixed joint selection (None for a transcoder that
-    selects per layer); refused when there is none or it does not cover ``x``'s positions."""
-    if not transcoder.cfg.joint:
-        return None
-    if session.selection is None:
-        raise InputError(
-            f"a {transcoder.cfg.activation} transcoder keeps the {transcoder.cfg.k} best features "
-            f"over all {transcoder.n_layers} layers at once, which a forward knows only after its "
-            "last layer: "
-            "splice it with selection= (clean_selection(model, transcoder, input_ids): the clean "
-            "run's joint top-k, held fixed)")
-    chosen = session.selection[layer]
-    if chosen.shape[-2] != x.shape[-2]:
-        raise InputError(f"the splice's joint selection covers {chosen.shape[-2]} positions and "
-                         f"the sequence has {x.shape[-2]}: compute it on this sequence")
-    return chosen
-
-
-def _reconstruct(transcoder, layer: int, session: SpliceSession,
-                 base: torch.Tensor) -> torch.Tensor:
-    """``b_dec[layer] + skip(x) + sum_{l writing layer} a_l @ W_dec[l][:, layer - l]`` from the
-    session's features (after any feature_ablate), in ``base``'s dtype."""
-    recon = transcoder.b_dec[layer].to(base.dtype).expand_as(base)
-    recon = recon + transcoder.skip(session.inputs[layer], layer).to(base.dtype)
-    for source_layer in transcoder.cfg.sources(layer):
-        acts = session.acts.get(source_layer)
-        if acts is None:
-            continue
-        active = (acts != 0).reshape(-1, acts.shape[-1]).any(0).nonzero().squeeze(-1)
-        if active.numel() == 0:
-            continue
-        rows = transcoder.decoder_rows(source_layer, active)[:, layer - source_layer]  # [n, D]
-        recon = recon + (acts[..., active] @ rows).to(base.dtype)
-    return recon
-
-
-def _change(transcoder, layer: int, session: SpliceSession) -> torch.Tensor | None:
-    """What feature_ablate changed in ``layer``'s output: ``sum_l (a'_l - a_l) @ W_dec[l][:,
-    layer - l]`` over the features it changed (None when it changed none)."""
-    change = None
-    for source_layer in transcoder.cfg.sources(layer):
-        now, encoded = session.acts.get(source_layer), session.encoded.get(source_layer)
-        if now is None or encoded is None or now is encoded:
-            continue
-        diff = now - encoded
-        changed = (diff != 0).reshape(-1, diff.shape[-1]).any(0).nonzero().squeeze(-1)
-        if changed.numel() == 0:
-            continue
-        rows = transcoder.decoder_rows(source_layer, changed)[:, layer - source_layer]  # [n, D]
-        term = diff[..., changed] @ rows
-        change = term if change is None else change + term
-    return change
 
 
 def _check_ablation(entry: dict, path: str, transcoder, layers: list[int], from_position: int,
@@ -410,31 +331,6 @@ def _check_ablation(entry: dict, path: str, transcoder, layers: list[int], from_
                                                  "leaves alone")
 
 
-def _writes(active: ActiveFeatures, shape: tuple[int, int], n_targets: int,
-            d_model: int) -> tuple[torch.Tensor, ...] | None:
-    """What one layer's leaf features write into each later layer: ``n_targets`` tensors
-    ``[B, P, D]``. One matrix product per (row, position) (features there times their decoder
-    rows), so that the backward pass — run once per adjacency row — is a few matrix products
-    that read each decoder row once per batch of rows, not an elementwise product per (source,
-    target) layer pair. Features come sorted by row, then position (``nonzero`` order)."""
-    if active.value.numel() == 0:
-        return None
-    batch, n_pos = shape
-    cells = active.row * n_pos + active.position
-    counts = torch.bincount(cells, minlength=batch * n_pos).tolist()
-    zeros = active.decoder.new_zeros(n_targets * d_model)
-    per_position, offset = [], 0
-    for count in counts:
-        if count == 0:
-            per_position.append(zeros)
-            continue
-        values = active.value[offset:offset + count]
-        rows = active.decoder[offset:offset + count].reshape(count, -1)
-        per_position.append(values @ rows)
-        offset += count
-    return torch.stack(per_position).reshape(batch, n_pos, n_targets, d_model).unbind(2)
-
-
 def clean_errors(model, transcoder, input_ids: torch.Tensor,
                  from_position: int = 1) -> torch.Tensor:
     """The clean run's transcoder error ``out - recon`` per layer, ``[L, 1, P, D]``, for a
@@ -453,7 +349,7 @@ def clean_selection(model, transcoder, input_ids: torch.Tensor) -> torch.Tensor:
     splice that holds them fixed (a shard's ``[L, P, n_local]``: a collective over the ranks)."""
     with torch.no_grad():
         inputs = transcoder_states(model, transcoder, input_ids[:1])["input"]
-        return transcoder.joint_selection(inputs.to(transcoder.dtype))
+        return transcoder.jointjoint_selection(inputs.to(transcoder.dtype))
 
 
 def clt_splice_representations(
