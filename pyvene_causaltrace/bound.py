@@ -22,8 +22,10 @@ Anything else refuses such a model, and such a bound model outside its measureme
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from .applier import Site
 from .errors import InputError, PyveneModelError
 from .fingerprint import model_fingerprint
 from .finite import check_weights, weights_stamp
+from .hooking import thread_view
 from .models import ArchAdapter, get_adapter, get_module, is_intervenable, model_name
 
 __all__ = ["BoundModel", "bare", "bind"]
@@ -61,21 +64,22 @@ class BoundModel:
         self.given = model if given is None else given
         self.applying = 0  # measurements of this bound model open now (nested: one thread)
         self.adapter: ArchAdapter = get_adapter(model)
-        adapter, config = self.adapter, model.config
+        adapter = self.adapter
+        key = functools.partial(getattr, model.config)  # the adapter's keys: only here
         self.model_type: str = adapter.model_type
-        self.n_layers = int(getattr(config, adapter.n_layers_key))
-        self.d_model = int(getattr(config, adapter.hidden_key))
-        self.n_heads = int(getattr(config, "num_attention_heads", None)
-                           or getattr(config, "n_head", None) or 1)
-        self.head_dim = int(getattr(config, "head_dim", None) or self.d_model // self.n_heads)
-        self.kv_width = int(getattr(config, "num_key_value_heads", None)
-                            or self.n_heads) * self.head_dim
-        self.d_mlp = int(getattr(config, "intermediate_size", None)
-                         or getattr(config, "n_inner", None) or 4 * self.d_model)
-        self.vocab_size = int(config.vocab_size)
-        positions = getattr(config, adapter.positions_key, None)
+        self.n_layers = int(key(adapter.n_layers_key))
+        self.d_model = int(key(adapter.hidden_key))
+        self.n_heads = int(key(adapter.heads_key))
+        self.head_dim = int(key(adapter.head_dim_key, None) or self.d_model // self.n_heads)
+        self.kv_width = int(key(adapter.kv_heads_key, None) or self.n_heads) * self.head_dim
+        self.d_mlp = int(key(adapter.mlp_key, None) or 4 * self.d_model)
+        self.vocab_size = int(key(adapter.vocab_key))
+        positions = key(adapter.positions_key, None)
         self.max_positions: int | None = positions if isinstance(positions, int) \
             and not isinstance(positions, bool) and positions > 0 else None
+        cap = key(adapter.softcap_key, None) if adapter.softcap_key else None
+        #: the final logit soft-cap, None without one (:meth:`pre_softcap`)
+        self.logit_softcap: float | None = float(cap) if cap else None
         self._finite_stamp: tuple | None = None  # the weights as they were when last checked
 
     def __repr__(self) -> str:
@@ -106,6 +110,25 @@ class BoundModel:
     @property
     def config(self) -> Any:
         return self.model.config
+
+    @functools.cached_property
+    def decoder_config(self) -> Any:
+        """The transformers config of the module that holds the blocks (what its forward builds
+        a key/value cache from), whatever the top-level config's keys are called."""
+        path = self.adapter.blocks.rpartition(".")[0]
+        return getattr(get_module(self.model, path) if path else self.model, "config",
+                       self.config)
+
+    @contextlib.contextmanager
+    def pre_softcap(self) -> Iterator[float | None]:
+        """Inside the block the model returns its logits before the final soft-cap, which are
+        linear in the residual stream; yields the cap (None without one). The cap is off for
+        this thread alone (:func:`~.hooking.thread_view`)."""
+        if self.logit_softcap is None:
+            yield None
+            return
+        with thread_view(self.config, **{self.adapter.softcap_key: None}):
+            yield self.logit_softcap
 
     # -- where its parts are
     def site(self, name: str, layer: int | None = None) -> str:

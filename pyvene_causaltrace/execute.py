@@ -113,7 +113,7 @@ def _resolve(spec: ExperimentSpec, model: nn.Module, tokenizer
         entry = entry_of(get_intervention(item["type"]))
         sites = entry.spec_sites(item, index, ctx)
         for site in sites:
-            _check_module(bound.model, site, item)
+            _check_module(bound, site, item)
         resolved.append((entry, sites))
     return ctx, items, resolved
 
@@ -146,15 +146,15 @@ def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module,
         raise SpecError("$.attribution.clt", str(error)) from None
 
 
-def _check_module(model: nn.Module, site: Site, item: dict) -> None:
+def _check_module(bound: BoundModel, site: Site, item: dict) -> None:
     """A site whose module the model lacks is a :class:`SpecError` at the field that named it."""
     module_path, _, kind = site.component.rpartition(".")
     if kind not in ("input", "output"):
         raise SpecError(site.where, f"{site.component!r} must end in .output or .input")
     try:
-        get_module(model, module_path)
+        get_module(bound.model, module_path)
     except InputError:
-        raise SpecError(site.where, f"{model.config.model_type} has no module {module_path!r}"
+        raise SpecError(site.where, f"{bound.model_type} has no module {module_path!r}"
                         + (f" (from {item['component']!r})" if "component" in item else "")
                         ) from None
 
@@ -287,7 +287,7 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
     ``model_interventions`` rebuilds them around the bare ``model``."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     bound = bind(model_for_spec(spec, model), interventions=True)
-    entries = describe(bound.given)
+    entries = describe(bound)
     with measurement(bound) as model:
         plan = _plan(spec, bound, tokenizer)
         device = _device(model)

@@ -94,7 +94,7 @@ def measuring(model: nn.Module) -> Iterator[nn.Module]:
 def measurement(bound: BoundModel) -> Iterator[nn.Module]:
     """One measurement of ``bound`` (module docstring): yields the module to run, with the
     interventions ``bound`` carries acting on its forwards until the block ends."""
-    with measuring(bound.model), applied_interventions(bound.given) as model, \
+    with measuring(bound.model), applied_interventions(bound) as model, \
             uniform_grad_flags(model):
         bound.applying += 1
         try:

@@ -5,7 +5,7 @@ interventions to every run (:func:`~pyvene_causaltrace.pyvene_boundary.user_edit
 applied_interventions`). The spec such a run writes carries them, so that rerunning the spec on
 the bare model makes the same experiment, bit for bit:
 
-    entries = describe(pv_model)              # [] for a bare model
+    entries = describe(bind(pv_model, interventions=True))   # [] for a bare model
     pv_model = rebuild(entries, model, base_dir)
 
 One entry per intervention, in pyvene's order::
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bound import BoundModel
 from .errors import PyveneModelError, SpecError, UnknownInterventionError
 from .interventions import get_intervention, list_interventions
 from .interventions.base import CausalTraceIntervention
@@ -78,16 +79,13 @@ def _refuse(message: str):
 # ----------------------------------------------------------------------------- describe
 
 
-def describe(model: Any) -> list[dict[str, Any]]:
-    """The ``model_interventions`` entries of a pyvene ``IntervenableModel`` (``[]`` for a
-    plain model): every intervention our runs apply, in pyvene's order. Refuses
-    (``PyveneModelError``) an intervention our runs cannot apply or a spec cannot rebuild
-    exactly, saying why."""
-    if not is_intervenable(model):
-        return []
-
+def describe(bound: BoundModel) -> list[dict[str, Any]]:
+    """The ``model_interventions`` entries of the pyvene ``IntervenableModel`` ``bound`` was
+    bound from (``[]`` for a plain model): every intervention our runs apply, in pyvene's
+    order. Refuses (``PyveneModelError``) an intervention our runs cannot apply or a spec
+    cannot rebuild exactly, saying why."""
     return [_describe_one(key, made, representation)
-            for key, made, representation in user_edits(model)]
+            for key, made, representation in user_edits(bound)]
 
 
 def _class_path(key: str, made: nn.Module) -> str:

@@ -276,7 +276,7 @@ class Tracer:
         With a ``pv.IntervenableModel`` its interventions go in ``model_interventions``
         (:func:`~pyvene_causaltrace.model_interventions.describe`); one a spec cannot rebuild
         exactly is refused (``PyveneModelError``, with the reason)."""
-        entries = describe(self._given)
+        entries = describe(self.bound)
         model = model_name(self.model)
         sigma = self.sigma if self.sigma_method == "given" else self.sigma_method
         spec = {"schema_version": 1}
