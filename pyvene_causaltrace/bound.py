@@ -23,6 +23,7 @@ Anything else refuses such a model, and such a bound model outside its measureme
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import warnings
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from .finite import check_weights, weights_stamp
 from .hooking import thread_view
 from .models import ArchAdapter, get_adapter, get_module, is_intervenable, model_name
 
-__all__ = ["BoundModel", "bare", "bind"]
+__all__ = ["BoundModel", "bind"]
 
 
 class BoundModel:
@@ -171,6 +172,13 @@ class BoundModel:
         module = self.module(part, layer)
         return Site(module, where, where == "input" and id(module) in self.stream_inputs)
 
+    def carrying(self, given: nn.Module) -> BoundModel:
+        """This bound model as if bound from ``given`` (its model, or a ``pv.IntervenableModel``
+        wrapping it): nothing is resolved or read again."""
+        twin = copy.copy(self)
+        twin.given, twin.applying = given, 0
+        return twin
+
     @property
     def carries_interventions(self) -> bool:
         """Bound from a ``pv.IntervenableModel``: its interventions act in measurements."""
@@ -250,8 +258,3 @@ def bind(model: nn.Module | BoundModel, *, interventions: bool = False) -> Bound
     if interventions and is_intervenable(model):
         return BoundModel(model.model, given=model)
     return BoundModel(model)
-
-
-def bare(model: nn.Module | BoundModel) -> nn.Module:
-    """The ``nn.Module`` of a plain or bound model."""
-    return model.model if isinstance(model, BoundModel) else model

@@ -415,29 +415,25 @@ def rebuild(entries: list[dict[str, Any]], model: nn.Module, base_dir: str | Pat
     return pv_model
 
 
-def model_for_spec(spec: Any, model: nn.Module) -> nn.Module:
-    """The model to run ``spec`` on: ``model`` itself, or — when the spec carries
-    ``model_interventions`` — an ``IntervenableModel`` rebuilding them around it. A given
-    ``IntervenableModel`` holding other interventions than the spec's is refused (which set
-    would be meant?); one holding exactly the spec's is used as it is."""
+def model_for_spec(spec: Any, bound: BoundModel) -> BoundModel:
+    """The bound model to run ``spec`` on: ``bound`` itself, or — when the spec carries
+    ``model_interventions`` — carrying an ``IntervenableModel`` that rebuilds them around its
+    model. A given ``IntervenableModel`` holding other interventions than the spec's is refused
+    (which set would be meant?); one holding exactly the spec's is used as it is."""
     entries = getattr(spec, "model_interventions", None)
     if not entries:
-        return model
+        return bound
     base_dir = getattr(spec, "base_dir", None)
-    if is_intervenable(model):
-        if len(model.interventions) == 0:
-            model = model.model
-        else:
-
-            if describe(model) != inline(list(entries), base_dir):
-                raise PyveneModelError(
-                    f"this spec carries {len(entries)} pyvene intervention(s) of its model "
-                    f"($.model_interventions) and the model given is an IntervenableModel "
-                    f"holding {len(model.interventions)} other(s): which set is meant is "
-                    "ambiguous. Pass the bare model (pv_model.model) to rerun the spec's, or "
-                    "drop model_interventions from the spec to run yours")
-            return model
-    return rebuild(list(entries), model, base_dir)
+    if bound.carries_interventions and len(bound.given.interventions):
+        if describe(bound) != inline(list(entries), base_dir):
+            raise PyveneModelError(
+                f"this spec carries {len(entries)} pyvene intervention(s) of its model "
+                f"($.model_interventions) and the model given is an IntervenableModel "
+                f"holding {len(bound.given.interventions)} other(s): which set is meant is "
+                "ambiguous. Pass the bare model (pv_model.model) to rerun the spec's, or "
+                "drop model_interventions from the spec to run yours")
+        return bound
+    return bound.carrying(rebuild(list(entries), bound.model, base_dir))
 
 
 __all__ = ["describe", "model_for_spec", "rebuild", "resolve_class"]

@@ -350,7 +350,7 @@ def tracer_from_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokeni
     if positions != "subject":
         raise SpecError("$.interventions[0].positions",
                         f"a trace noises the subject; got {positions!r}")
-    model = model_for_spec(spec, model)
+    model = model_for_spec(spec, bind(model, interventions=True))
     given = {key: value for key in ("scale", "sigma", "distribution")
              if (value := noise.get(key)) is not None}
     return Tracer(
