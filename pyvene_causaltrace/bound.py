@@ -8,7 +8,8 @@
     bound.check_weights()             # no NaN/inf in its weights (scanned again only if written)
 
 :func:`bind` is the one place that resolves a model's architecture (its row of
-:data:`~pyvene_causaltrace.models.ADAPTERS`) and reads its dimensions from the config; every
+:data:`~pyvene_causaltrace.models.ADAPTERS`), and :class:`BoundModel` the one reader of the
+model's config, through the keys the row names (``tests/test_adapter_table.py``); every
 function below the public API takes the :class:`BoundModel` and asks it. Public functions take a
 plain model or a bound one (``bind`` of a bound model is itself), so a call binds once however
 deep it goes (``tests/test_bound_model.py`` counts it).
@@ -47,8 +48,9 @@ class BoundModel:
 
     ``model``: the ``nn.Module`` that holds the weights. ``adapter``: its row of the
     adapter table. ``n_layers``, ``d_model``, ``n_heads``, ``head_dim``, ``kv_width`` (keys'
-    width per position, all heads), ``d_mlp``, ``vocab`` (input embeddings' rows),
-    ``max_positions`` (None when the config does not say): read from the config once.
+    width per position, all heads), ``d_mlp``, ``vocab_size``, ``max_positions`` (None when the
+    config does not say), ``logit_softcap`` (None without one): read from the config once,
+    under the keys the adapter names.
     ``given``: what the caller passed — ``model`` itself, or the ``pv.IntervenableModel``
     wrapping it, whose interventions then act on every forward of a measurement
     (:func:`~.model_guard.measurement`, the only place that applies them) and nowhere else.
@@ -79,7 +81,6 @@ class BoundModel:
         self.max_positions: int | None = positions if isinstance(positions, int) \
             and not isinstance(positions, bool) and positions > 0 else None
         cap = key(adapter.softcap_key, None) if adapter.softcap_key else None
-        #: the final logit soft-cap, None without one (:meth:`pre_softcap`)
         self.logit_softcap: float | None = float(cap) if cap else None
         self._finite_stamp: tuple | None = None  # the weights as they were when last checked
 
