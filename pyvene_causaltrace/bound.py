@@ -8,7 +8,8 @@
     bound.check_weights()             # no NaN/inf in its weights (scanned again only if written)
 
 :func:`bind` is the one place that resolves a model's architecture (its row of
-:data:`~pyvene_causaltrace.models.ADAPTERS`) and reads its dimensions from the config; every
+:data:`~pyvene_causaltrace.models.ADAPTERS`), and :class:`BoundModel` the one reader of the
+model's config, through the keys the row names (``tests/test_adapter_table.py``); every
 function below the public API takes the :class:`BoundModel` and asks it. Public functions take a
 plain model or a bound one (``bind`` of a bound model is itself), so a call binds once however
 deep it goes (``tests/test_bound_model.py`` counts it).
@@ -22,8 +23,11 @@ Anything else refuses such a model, and such a bound model outside its measureme
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,9 +37,10 @@ from .applier import Site
 from .errors import InputError, PyveneModelError
 from .fingerprint import model_fingerprint
 from .finite import check_weights, weights_stamp
+from .hooking import thread_view
 from .models import ArchAdapter, get_adapter, get_module, is_intervenable, model_name
 
-__all__ = ["BoundModel", "bare", "bind"]
+__all__ = ["BoundModel", "bind"]
 
 
 class BoundModel:
@@ -43,8 +48,9 @@ class BoundModel:
 
     ``model``: the ``nn.Module`` that holds the weights. ``adapter``: its row of the
     adapter table. ``n_layers``, ``d_model``, ``n_heads``, ``head_dim``, ``kv_width`` (keys'
-    width per position, all heads), ``d_mlp``, ``vocab`` (input embeddings' rows),
-    ``max_positions`` (None when the config does not say): read from the config once.
+    width per position, all heads), ``d_mlp``, ``vocab_size``, ``max_positions`` (None when the
+    config does not say), ``logit_softcap`` (None without one): read from the config once,
+    under the keys the adapter names.
     ``given``: what the caller passed — ``model`` itself, or the ``pv.IntervenableModel``
     wrapping it, whose interventions then act on every forward of a measurement
     (:func:`~.model_guard.measurement`, the only place that applies them) and nowhere else.
@@ -61,21 +67,21 @@ class BoundModel:
         self.given = model if given is None else given
         self.applying = 0  # measurements of this bound model open now (nested: one thread)
         self.adapter: ArchAdapter = get_adapter(model)
-        adapter, config = self.adapter, model.config
+        adapter = self.adapter
+        key = functools.partial(getattr, model.config)  # the adapter's keys: only here
         self.model_type: str = adapter.model_type
-        self.n_layers = int(getattr(config, adapter.n_layers_key))
-        self.d_model = int(getattr(config, adapter.hidden_key))
-        self.n_heads = int(getattr(config, "num_attention_heads", None)
-                           or getattr(config, "n_head", None) or 1)
-        self.head_dim = int(getattr(config, "head_dim", None) or self.d_model // self.n_heads)
-        self.kv_width = int(getattr(config, "num_key_value_heads", None)
-                            or self.n_heads) * self.head_dim
-        self.d_mlp = int(getattr(config, "intermediate_size", None)
-                         or getattr(config, "n_inner", None) or 4 * self.d_model)
-        self.vocab_size = int(config.vocab_size)
-        positions = getattr(config, adapter.positions_key, None)
+        self.n_layers = int(key(adapter.n_layers_key))
+        self.d_model = int(key(adapter.hidden_key))
+        self.n_heads = int(key(adapter.heads_key))
+        self.head_dim = int(key(adapter.head_dim_key, None) or self.d_model // self.n_heads)
+        self.kv_width = int(key(adapter.kv_heads_key, None) or self.n_heads) * self.head_dim
+        self.d_mlp = int(key(adapter.mlp_key, None) or 4 * self.d_model)
+        self.vocab_size = int(key(adapter.vocab_key))
+        positions = key(adapter.positions_key, None)
         self.max_positions: int | None = positions if isinstance(positions, int) \
             and not isinstance(positions, bool) and positions > 0 else None
+        cap = key(adapter.softcap_key, None) if adapter.softcap_key else None
+        self.logit_softcap: float | None = float(cap) if cap else None
         self._finite_stamp: tuple | None = None  # the weights as they were when last checked
 
     def __repr__(self) -> str:
@@ -106,6 +112,25 @@ class BoundModel:
     @property
     def config(self) -> Any:
         return self.model.config
+
+    @functools.cached_property
+    def decoder_config(self) -> Any:
+        """The transformers config of the module that holds the blocks (what its forward builds
+        a key/value cache from), whatever the top-level config's keys are called."""
+        path = self.adapter.blocks.rpartition(".")[0]
+        return getattr(get_module(self.model, path) if path else self.model, "config",
+                       self.config)
+
+    @contextlib.contextmanager
+    def pre_softcap(self) -> Iterator[float | None]:
+        """Inside the block the model returns its logits before the final soft-cap, which are
+        linear in the residual stream; yields the cap (None without one). The cap is off for
+        this thread alone (:func:`~.hooking.thread_view`)."""
+        if self.logit_softcap is None:
+            yield None
+            return
+        with thread_view(self.config, **{self.adapter.softcap_key: None}):
+            yield self.logit_softcap
 
     # -- where its parts are
     def site(self, name: str, layer: int | None = None) -> str:
@@ -147,6 +172,13 @@ class BoundModel:
         """The :class:`~.applier.Site` of adapter part ``part``'s output (or input)."""
         module = self.module(part, layer)
         return Site(module, where, where == "input" and id(module) in self.stream_inputs)
+
+    def carrying(self, given: nn.Module) -> BoundModel:
+        """This bound model as if bound from ``given`` (its model, or a ``pv.IntervenableModel``
+        wrapping it): nothing is resolved or read again."""
+        twin = copy.copy(self)
+        twin.given, twin.applying = given, 0
+        return twin
 
     @property
     def carries_interventions(self) -> bool:
@@ -227,8 +259,3 @@ def bind(model: nn.Module | BoundModel, *, interventions: bool = False) -> Bound
     if interventions and is_intervenable(model):
         return BoundModel(model.model, given=model)
     return BoundModel(model)
-
-
-def bare(model: nn.Module | BoundModel) -> nn.Module:
-    """The ``nn.Module`` of a plain or bound model."""
-    return model.model if isinstance(model, BoundModel) else model

@@ -39,7 +39,7 @@ from .errors import InputError, SpecError
 from .finite import check_finite
 from .interventions import get_intervention
 from .interventions.spec_entry import Site, SpecContext, SpecEntry, entry_of
-from .model_guard import measurement
+from .model_guard import measured, measurement
 from .model_interventions import describe, model_for_spec, rebuild
 from .models import get_module
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
@@ -90,7 +90,8 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def resolve_sites(spec: ExperimentSpec | dict | str, model: nn.Module,
+@measured
+def resolve_sites(spec: ExperimentSpec | dict | str, model: BoundModel,
                   tokenizer: Tokenizer) -> tuple[SpecContext, list[tuple[SpecEntry, list[Site]]]]:
     """The context and each entry's (answerer, sites) of ``spec`` on ``model``; checks layers,
     positions and that every site's module exists (errors are :class:`SpecError` with the
@@ -100,10 +101,9 @@ def resolve_sites(spec: ExperimentSpec | dict | str, model: nn.Module,
     return ctx, resolved
 
 
-def _resolve(spec: ExperimentSpec, model: nn.Module, tokenizer
+def _resolve(spec: ExperimentSpec, bound: BoundModel, tokenizer
              ) -> tuple[SpecContext, list[dict[str, Any]], list[tuple[SpecEntry, list[Site]]]]:
     """:func:`resolve_sites`, with each entry as the dict its type is handed."""
-    bound = bind(model)
     prompt = tokenize_prompt(tokenizer, spec.prompt, spec.subject, spec.subject_occurrence or 0)
     bound.check_inputs(prompt.input_ids)
     ctx = SpecContext(spec, bound, tokenizer, prompt)
@@ -113,7 +113,7 @@ def _resolve(spec: ExperimentSpec, model: nn.Module, tokenizer
         entry = entry_of(get_intervention(item["type"]))
         sites = entry.spec_sites(item, index, ctx)
         for site in sites:
-            _check_module(bound.model, site, item)
+            _check_module(bound, site, item)
         resolved.append((entry, sites))
     return ctx, items, resolved
 
@@ -146,20 +146,21 @@ def check_on_model(spec: ExperimentSpec | dict | str, model: nn.Module,
         raise SpecError("$.attribution.clt", str(error)) from None
 
 
-def _check_module(model: nn.Module, site: Site, item: dict) -> None:
+def _check_module(bound: BoundModel, site: Site, item: dict) -> None:
     """A site whose module the model lacks is a :class:`SpecError` at the field that named it."""
     module_path, _, kind = site.component.rpartition(".")
     if kind not in ("input", "output"):
         raise SpecError(site.where, f"{site.component!r} must end in .output or .input")
     try:
-        get_module(model, module_path)
+        get_module(bound.model, module_path)
     except InputError:
-        raise SpecError(site.where, f"{model.config.model_type} has no module {module_path!r}"
+        raise SpecError(site.where, f"{bound.model_type} has no module {module_path!r}"
                         + (f" (from {item['component']!r})" if "component" in item else "")
                         ) from None
 
 
-def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module,
+@measured
+def build_interventions(spec: ExperimentSpec | dict | str, model: BoundModel,
                         tokenizer: Tokenizer) -> Plan:
     """Resolve ``spec`` on ``model``: tokens, answer, the noise, and one intervention per site.
 
@@ -176,7 +177,7 @@ def build_interventions(spec: ExperimentSpec | dict | str, model: nn.Module,
     return _plan(spec, model, tokenizer)
 
 
-def _plan(spec: ExperimentSpec, model: nn.Module | BoundModel, tokenizer: Tokenizer) -> Plan:
+def _plan(spec: ExperimentSpec, model: BoundModel, tokenizer: Tokenizer) -> Plan:
     if spec.trace is not None:
         raise SpecError("$.trace", "this is a trace spec: run it with tracer_from_spec "
                         "(or `pyvene-causaltrace run`)")
@@ -286,8 +287,8 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
     carries them (``model_interventions``; refused, before running, if it cannot). A spec with
     ``model_interventions`` rebuilds them around the bare ``model``."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
-    bound = bind(model_for_spec(spec, model), interventions=True)
-    entries = describe(bound.given)
+    bound = model_for_spec(spec, bind(model, interventions=True))
+    entries = describe(bound)
     with measurement(bound) as model:
         plan = _plan(spec, bound, tokenizer)
         device = _device(model)

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from .arguments import checked
-from .bound import bind
+from .bound import BoundModel, bind
 from .errors import InputError, NonFiniteError
 from .fingerprint import model_fingerprint
 from .fit_output import RECORD, fit_output
@@ -259,7 +259,7 @@ def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | Non
                                  "it, or another out")
             return FitReport(path, True, record)
         with measuring(model):  # eval mode (no dropout) for every forward; modes restored
-            transcoder, record = _fit(model, tokenizer, settings, asked, progress, seconds)
+            transcoder, record = _fit(bind(model), tokenizer, settings, asked, progress, seconds)
 
         def write(tmp: Path) -> None:
             save_transcoder(transcoder, tmp)
@@ -278,10 +278,10 @@ def available_bytes(device) -> int:
     return device_bytes(device) if device.type == "cuda" else machine_memory()
 
 
-def _fit(model, tokenizer, settings: FitSettings, asked: dict, progress: bool,
+def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progress: bool,
          seconds: dict) -> tuple:
     """Gather text, collect, fit and check: ``(transcoder, the record fit.json will hold)``."""
-    bound = bind(model)
+    model = bound.model
     n_held = max(4, settings.texts // 10)
     have = available_bytes(bound.device)
     options = KINDS[settings.kind][0]

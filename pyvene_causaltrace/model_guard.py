@@ -58,18 +58,12 @@ def _lock(model: nn.Module) -> threading.RLock:
         return lock
 
 
-def underlying(model: nn.Module | BoundModel) -> nn.Module:
-    """The ``nn.Module`` that holds the weights (the model a pyvene wrapper wraps, or a bound
-    model's)."""
-    return model.model if is_intervenable(model) or isinstance(model, BoundModel) else model
-
-
 @contextlib.contextmanager
 def measuring(model: nn.Module) -> Iterator[nn.Module]:
     """Hold ``model`` for one measurement (see module docstring); yields ``model``.
 
     ``model`` may be a pyvene ``IntervenableModel``: the model it wraps is the one held."""
-    inner = underlying(model)
+    inner = model.model if is_intervenable(model) else model  # the one holding the weights
     with _lock(inner):
         modes = [(module, module.training) for module in inner.modules()]
         training = any(training for _, training in modes)
@@ -94,7 +88,7 @@ def measuring(model: nn.Module) -> Iterator[nn.Module]:
 def measurement(bound: BoundModel) -> Iterator[nn.Module]:
     """One measurement of ``bound`` (module docstring): yields the module to run, with the
     interventions ``bound`` carries acting on its forwards until the block ends."""
-    with measuring(bound.model), applied_interventions(bound.given) as model, \
+    with measuring(bound.model), applied_interventions(bound) as model, \
             uniform_grad_flags(model):
         bound.applying += 1
         try:

@@ -5,7 +5,7 @@ interventions to every run (:func:`~pyvene_causaltrace.pyvene_boundary.user_edit
 applied_interventions`). The spec such a run writes carries them, so that rerunning the spec on
 the bare model makes the same experiment, bit for bit:
 
-    entries = describe(pv_model)              # [] for a bare model
+    entries = describe(bind(pv_model, interventions=True))   # [] for a bare model
     pv_model = rebuild(entries, model, base_dir)
 
 One entry per intervention, in pyvene's order::
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bound import BoundModel
 from .errors import PyveneModelError, SpecError, UnknownInterventionError
 from .interventions import get_intervention, list_interventions
 from .interventions.base import CausalTraceIntervention
@@ -78,16 +79,13 @@ def _refuse(message: str):
 # ----------------------------------------------------------------------------- describe
 
 
-def describe(model: Any) -> list[dict[str, Any]]:
-    """The ``model_interventions`` entries of a pyvene ``IntervenableModel`` (``[]`` for a
-    plain model): every intervention our runs apply, in pyvene's order. Refuses
-    (``PyveneModelError``) an intervention our runs cannot apply or a spec cannot rebuild
-    exactly, saying why."""
-    if not is_intervenable(model):
-        return []
-
+def describe(bound: BoundModel) -> list[dict[str, Any]]:
+    """The ``model_interventions`` entries of the pyvene ``IntervenableModel`` ``bound`` was
+    bound from (``[]`` for a plain model): every intervention our runs apply, in pyvene's
+    order. Refuses (``PyveneModelError``) an intervention our runs cannot apply or a spec
+    cannot rebuild exactly, saying why."""
     return [_describe_one(key, made, representation)
-            for key, made, representation in user_edits(model)]
+            for key, made, representation in user_edits(bound)]
 
 
 def _class_path(key: str, made: nn.Module) -> str:
@@ -417,29 +415,25 @@ def rebuild(entries: list[dict[str, Any]], model: nn.Module, base_dir: str | Pat
     return pv_model
 
 
-def model_for_spec(spec: Any, model: nn.Module) -> nn.Module:
-    """The model to run ``spec`` on: ``model`` itself, or — when the spec carries
-    ``model_interventions`` — an ``IntervenableModel`` rebuilding them around it. A given
-    ``IntervenableModel`` holding other interventions than the spec's is refused (which set
-    would be meant?); one holding exactly the spec's is used as it is."""
+def model_for_spec(spec: Any, bound: BoundModel) -> BoundModel:
+    """The bound model to run ``spec`` on: ``bound`` itself, or — when the spec carries
+    ``model_interventions`` — carrying an ``IntervenableModel`` that rebuilds them around its
+    model. A given ``IntervenableModel`` holding other interventions than the spec's is refused
+    (which set would be meant?); one holding exactly the spec's is used as it is."""
     entries = getattr(spec, "model_interventions", None)
     if not entries:
-        return model
+        return bound
     base_dir = getattr(spec, "base_dir", None)
-    if is_intervenable(model):
-        if len(model.interventions) == 0:
-            model = model.model
-        else:
-
-            if describe(model) != inline(list(entries), base_dir):
-                raise PyveneModelError(
-                    f"this spec carries {len(entries)} pyvene intervention(s) of its model "
-                    f"($.model_interventions) and the model given is an IntervenableModel "
-                    f"holding {len(model.interventions)} other(s): which set is meant is "
-                    "ambiguous. Pass the bare model (pv_model.model) to rerun the spec's, or "
-                    "drop model_interventions from the spec to run yours")
-            return model
-    return rebuild(list(entries), model, base_dir)
+    if bound.carries_interventions and len(bound.given.interventions):
+        if describe(bound) != inline(list(entries), base_dir):
+            raise PyveneModelError(
+                f"this spec carries {len(entries)} pyvene intervention(s) of its model "
+                f"($.model_interventions) and the model given is an IntervenableModel "
+                f"holding {len(bound.given.interventions)} other(s): which set is meant is "
+                "ambiguous. Pass the bare model (pv_model.model) to rerun the spec's, or "
+                "drop model_interventions from the spec to run yours")
+        return bound
+    return bound.carrying(rebuild(list(entries), bound.model, base_dir))
 
 
 __all__ = ["describe", "model_for_spec", "rebuild", "resolve_class"]

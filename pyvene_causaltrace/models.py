@@ -73,6 +73,14 @@ class ArchAdapter:
     module's output projection (its input holds one slice of ``head_dim`` per head, head-major:
     :mod:`~.attribution.heads`); ``qk_norms`` the per-head norms of queries and keys inside the
     attention module, where the model has them (Qwen3, Gemma-3).
+
+    The ``*_key`` fields name the config keys of its dimensions, which only
+    :class:`~.bound.BoundModel` reads: a key that is None or absent from the config falls back
+    (``head_dim``: ``d_model // n_heads``; key/value heads: the query heads; MLP width:
+    ``4 * d_model``, GPT-2's ``n_inner``). ``softcap_key``: the final logit soft-cap
+    (``cap * tanh(logits / cap)``, Gemma), switched off to attribute the pre-cap logits.
+    ``qk_from``: the first transformers major version whose attention scores QK attribution
+    is checked against (Gemma-2: 5, where its eager pattern is the softmax of the capped scores).
     """
 
     model_type: str
@@ -88,6 +96,13 @@ class ArchAdapter:
     n_layers_key: str = "num_hidden_layers"
     hidden_key: str = "hidden_size"
     positions_key: str = "max_position_embeddings"
+    heads_key: str = "num_attention_heads"
+    head_dim_key: str = "head_dim"
+    kv_heads_key: str = "num_key_value_heads"
+    mlp_key: str = "intermediate_size"
+    vocab_key: str = "vocab_size"
+    softcap_key: str | None = None
+    qk_from: int = 0
     position_embed: str | None = None
     post_attn_norm: str | None = None
     post_mlp_norm: str | None = None
@@ -145,28 +160,20 @@ class ArchAdapter:
         return [self.site(name, layer) for name in names if self.has_site(name)]
 
 
-def _llama_like(model_type: str, pre_mlp_norm: str = "post_attention_layernorm",
-                norm_kind: str = "rms", post_attn_norm: str | None = None,
-                post_mlp_norm: str | None = None,
-                qk_norms: tuple[str, str] | None = None) -> ArchAdapter:
-    return ArchAdapter(
-        model_type=model_type,
-        embed="model.embed_tokens",
-        blocks="model.layers",
-        attn="self_attn",
-        mlp="mlp",
-        pre_attn_norm="input_layernorm",
-        pre_mlp_norm=pre_mlp_norm,
-        final_norm="model.norm",
-        unembed="lm_head",
-        norm_kind=norm_kind,
-        post_attn_norm=post_attn_norm,
-        post_mlp_norm=post_mlp_norm,
-        qk_norms=qk_norms,
-    )
+def _llama_like(model_type: str, **differences) -> ArchAdapter:
+    return ArchAdapter(**{
+        "model_type": model_type, "embed": "model.embed_tokens", "blocks": "model.layers",
+        "attn": "self_attn", "mlp": "mlp", "pre_attn_norm": "input_layernorm",
+        "pre_mlp_norm": "post_attention_layernorm", "final_norm": "model.norm",
+        "unembed": "lm_head", "norm_kind": "rms", **differences})
 
 
-_GEMMA_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+#: Gemma applies post_attention_layernorm to the attention output; the MLP reads
+#: pre_feedforward_layernorm, and the MLP output is normed again before the residual add.
+_GEMMA = {"pre_mlp_norm": "pre_feedforward_layernorm", "norm_kind": "rms_offset",
+          "post_attn_norm": "post_attention_layernorm",
+          "post_mlp_norm": "post_feedforward_layernorm", "softcap_key": "final_logit_softcapping"}
+_QK_NORMS = {"qk_norms": ("q_norm", "k_norm")}
 
 ADAPTERS: dict[str, ArchAdapter] = {
     "gpt2": ArchAdapter(
@@ -183,19 +190,17 @@ ADAPTERS: dict[str, ArchAdapter] = {
         n_layers_key="n_layer",
         hidden_key="n_embd",
         positions_key="n_positions",
+        heads_key="n_head",
+        mlp_key="n_inner",
         position_embed="transformer.wpe",
         attn_out="c_proj",
     ),
     "llama": _llama_like("llama"),
     "mistral": _llama_like("mistral"),
     "qwen2": _llama_like("qwen2"),
-    "qwen3": _llama_like("qwen3", qk_norms=("q_norm", "k_norm")),
-    # Gemma applies post_attention_layernorm to the attention output; the MLP reads
-    # pre_feedforward_layernorm, and the MLP output is normed again before the residual add.
-    "gemma2": _llama_like("gemma2", "pre_feedforward_layernorm", "rms_offset",
-                          *_GEMMA_POST_NORMS),
-    "gemma3_text": _llama_like("gemma3_text", "pre_feedforward_layernorm", "rms_offset",
-                               *_GEMMA_POST_NORMS, qk_norms=("q_norm", "k_norm")),
+    "qwen3": _llama_like("qwen3", **_QK_NORMS),
+    "gemma2": _llama_like("gemma2", **_GEMMA, qk_from=5),
+    "gemma3_text": _llama_like("gemma3_text", **_GEMMA, **_QK_NORMS),
 }
 
 

@@ -317,6 +317,7 @@ def test_an_interrupted_graph_resumes_from_its_checkpoint(tmp_path, tokenizer, m
 @pytest.mark.numerics
 def test_ablation_test_runs_in_the_spliced_model_with_the_clean_error(tmp_path, tokenizer):
     from pyvene_causaltrace.attribution.validate import ablation_test, answer_prob
+    from pyvene_causaltrace.bound import bind
     from pyvene_causaltrace.interventions.clt_splice import clean_errors
 
     model, clt = _setup("qwen3", tmp_path)
@@ -328,7 +329,7 @@ def test_ablation_test_runs_in_the_spliced_model_with_the_clean_error(tmp_path, 
     # ablating every active feature leaves b_dec + the clean error: one number, any order
     assert result.random[everything][0] == pytest.approx(result.top[everything], abs=1e-6)
     ids = torch.tensor([graph.input_ids])
-    one = answer_prob(model, clt, ids, clean_errors(model, clt, ids), graph.target["token"],
-                      [0], graph)
+    one = answer_prob(bind(model), clt, ids, clean_errors(model, clt, ids),
+                      graph.target["token"], [0], graph)
     assert one != pytest.approx(result.spliced_prob, abs=1e-9)
     assert list(result.to_dataframe().columns)[:3] == ["n_ablated", "top_prob", "random_mean"]

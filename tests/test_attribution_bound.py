@@ -19,6 +19,7 @@ from pyvene_causaltrace.attribution import (
     run_local_replacement,
 )
 from pyvene_causaltrace.attribution.validate import ablation_test, answer_prob
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.interventions.clt_splice import clean_errors
 from pyvene_causaltrace.transcoders import TranscoderMismatchError, load_from_disk
 from pyvene_causaltrace.transcoders.transcoder import check_fits
@@ -56,9 +57,9 @@ def test_run_local_replacement_and_ablation_test_take_transcoder(world, tokenize
     assert named == ablation_test(model, clt, graph, sizes=(2,), draws=1)
     errors = clean_errors(model, clt, ids)
     token = graph.target["token"]
-    named = answer_prob(model, transcoder=clt, ids=ids, errors=errors, token=token, ablate=[],
-                        graph=graph)
-    assert named == answer_prob(model, clt, ids, errors, token, [], graph)
+    named = answer_prob(bind(model), transcoder=clt, ids=ids, errors=errors, token=token,
+                        ablate=[], graph=graph)
+    assert named == answer_prob(bind(model), clt, ids, errors, token, [], graph)
 
 
 def test_the_public_signatures_name_transcoder_and_type_the_tokenizer(world):

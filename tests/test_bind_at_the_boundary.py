@@ -28,18 +28,17 @@ PACKAGE = Path(pyvene_causaltrace.__file__).parent
 
 #: (file, function) -> why it still binds below the exported names (the remaining work)
 BELOW_THE_API = {
-    ("model_guard.py", "measured.wrapper"): "the decorator of the public functions: their bind",
-    ("attribution/many.py", "attribute_many"): "fingerprints the model it is handed",
-    ("attribution/validate.py", "answer_prob"): "called by tests with a plain model",
-    ("attribution/validate.py", "ablation_test"): "an entry point not in __all__",
-    ("dataset/run.py", "screen_record"): "an entry point not in __all__",
-    ("execute.py", "_resolve"): "resolve_sites and build_interventions hand it a plain model",
-    ("fitting.py", "_fit"): "fit_transcoder's worker, handed the plain model",
+    ("model_guard.py", "measured.wrapper"): "the decorator of the public functions: their bind "
+                                            "(and of attribute_many, ablation_test, resolve_sites "
+                                            "and build_interventions, entry points of the CLI "
+                                            "and of users not in __all__)",
     ("interventions/clt_splice.py", "clt_splice_representations"):
-        "users build pyvene configs from a plain model with it",
-    ("interventions/frozen.py", "attention_patterns"): "users and tests pass a plain model",
+        "users build pyvene configs from a plain model with it (docs/transcoders.md)",
+    ("interventions/frozen.py", "attention_patterns"):
+        "users fetch a pattern for frozen_attention with it (docs/interventions.md)",
     ("interventions/noise.py", "rome_sigma"): "the examples' entry to ROME's sigma",
-    ("transcoders/hooks.py", "hook_states"): "users, tests and benchmarks pass a plain model",
+    ("transcoders/hooks.py", "hook_states"): "the entry to TransformerLens hooks' values for "
+                                             "users, examples and benchmarks",
 }
 
 

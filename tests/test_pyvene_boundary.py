@@ -9,6 +9,7 @@ import torch
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace import trace
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.interventions.noise import NoiseAdd, noise_recipe
 from pyvene_causaltrace.interventions.restore import CleanRestore
@@ -224,7 +225,7 @@ def test_a_users_edit_at_a_pre_hook_site_leaves_the_upstream_output_alone(tokeni
 
     handle = layer1.register_forward_hook(keep)
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    with applied_interventions(pv_model) as inner, torch.no_grad():
+    with applied_interventions(bind(pv_model, interventions=True)) as inner, torch.no_grad():
         inner(input_ids=ids)
     handle.remove()
     assert torch.equal(kept["ref"], kept["copy"])  # upstream untouched
@@ -349,7 +350,7 @@ def test_an_edit_of_a_residual_norms_input_is_refused_not_computed_otherwise(arc
     with pytest.raises(PyveneModelError, match=norm.replace("[", ".").replace("]", "")):
         trace(at_norm, tokenizer, PROMPT, SUBJECT, seeds=2, progress=False)
     at_block = edit(block + ".input")
-    with torch.no_grad(), applied_interventions(at_block) as inner:
+    with torch.no_grad(), applied_interventions(bind(at_block, interventions=True)) as inner:
         ours = inner(input_ids=ids).logits
     with torch.no_grad():
         assert torch.equal(ours, at_block(base={"input_ids": ids})[1].logits)

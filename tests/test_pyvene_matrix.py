@@ -19,6 +19,7 @@ from reference import edit_output
 from pyvene_causaltrace import attribute, trace
 from pyvene_causaltrace.attribution import ClosureError
 from pyvene_causaltrace.attribution.attribute import make_target
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.execute import run_spec
 from pyvene_causaltrace.models import PyveneModelError, get_module
 from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
@@ -188,7 +189,7 @@ def test_upstream_tensors_are_never_written(model, tokenizer, kind):
 
     handle = upstream.register_forward_hook(keep)
     try:
-        with applied_interventions(pv_model) as inner, torch.no_grad():
+        with applied_interventions(bind(pv_model, interventions=True)) as inner, torch.no_grad():
             inner(input_ids=tokenizer(PROMPT, return_tensors="pt")["input_ids"])
     finally:
         handle.remove()

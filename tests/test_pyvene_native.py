@@ -85,7 +85,8 @@ def test_calls_that_need_the_model_itself_say_so():
 
     model = make_tiny_model("llama")
     pv_model = _zeroed_mlp(model)
-    with pytest.raises(PyveneModelError, match=r"holding 1 intervention.*pv_model\.model"):
+    with pytest.raises(PyveneModelError, match=r"build_interventions takes the bare model.*"
+                                               r"pv_model\.model"):
         build_interventions(SPEC, pv_model, None)
 
 

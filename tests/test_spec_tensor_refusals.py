@@ -15,6 +15,7 @@ from _support.models import make_tiny_model
 from safetensors.torch import save_file
 
 from pyvene_causaltrace import spec_tensors
+from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.model_interventions import describe, rebuild, resolve_class
 from pyvene_causaltrace.models import PyveneModelError
@@ -133,15 +134,15 @@ def test_what_describe_refuses_says_which_intervention_and_why():
     pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
                                       "intervention": made}], model)
     with pytest.raises(PyveneModelError, match="the intervention has forward hooks of its own"):
-        describe(pv_model)
+        describe(bind(pv_model, interventions=True))
     made = Scaled(size=32)
     made.note = (1, 2)  # a tuple reads back from JSON as a list: not the same
     pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
                                       "intervention": made}], model)
     with pytest.raises(PyveneModelError, match=r"attribute 'note' is \(1, 2\) \(tuple\)"):
-        describe(pv_model)
+        describe(bind(pv_model, interventions=True))
     # the control: the same class, nothing odd, is described
     pv_model = pv.IntervenableModel([{"layer": 0, "component": "block_output",
                                       "intervention": Scaled(size=32)}], model)
-    (entry,) = describe(pv_model)
+    (entry,) = describe(bind(pv_model, interventions=True))
     assert entry["class"] == f"{__name__}.Scaled" and entry["tensors"]["gain"]["shape"] == [32]

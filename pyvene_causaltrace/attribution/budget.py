@@ -21,8 +21,8 @@ import logging
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
+from ..bound import BoundModel
 from ..errors import InputError, MemoryCapError
 from ..transcoders.checks import hook_states
 from .store import CHUNK_ENTRIES
@@ -49,7 +49,7 @@ CHUNK_BYTES = 48
 INFLUENCE_BYTES = 40
 
 
-def active_counts(model: nn.Module, transcoder, input_ids: torch.Tensor,
+def active_counts(model: BoundModel, transcoder, input_ids: torch.Tensor,
                   from_position: int = 1,
                   run: Callable[[], object] | None = None) -> torch.Tensor:
     """``[L]``: active features per layer on ``input_ids`` (no graph, one forward: ``run()``
@@ -63,7 +63,7 @@ def active_counts(model: nn.Module, transcoder, input_ids: torch.Tensor,
                              for layer in range(transcoder.n_layers)])
 
 
-def forward_estimate(model: nn.Module, transcoder, input_ids: torch.Tensor,
+def forward_estimate(model: BoundModel, transcoder, input_ids: torch.Tensor,
                      counts: torch.Tensor) -> tuple[int, int]:
     """``(decoder_bytes, activation_bytes)`` the local replacement forward will keep: the
     decoder and encoder rows of the active features, and the model's activations."""
@@ -72,13 +72,12 @@ def forward_estimate(model: nn.Module, transcoder, input_ids: torch.Tensor,
     targets = torch.tensor([transcoder.cfg.n_targets(layer) + 1 for layer in range(n_layers)])
     decoder = int((counts * targets).sum()) * d_model * item
     n_pos = int(input_ids.shape[-1])
-    heads = getattr(model.config, "num_attention_heads", None) or model.config.n_head
     activations = ACTIVATION_UNITS * n_pos * n_layers * d_model * 4 \
-        + 2 * n_pos * n_pos * heads * n_layers * 4
+        + 2 * n_pos * n_pos * model.n_heads * n_layers * 4
     return decoder, activations
 
 
-def check_forward_fits(model: nn.Module, transcoder, input_ids: torch.Tensor, memory_mb: float,
+def check_forward_fits(model: BoundModel, transcoder, input_ids: torch.Tensor, memory_mb: float,
                        counts: torch.Tensor) -> int:
     """Raise :class:`MemoryCapError` unless the forward graph fits ``memory_mb``; returns its
     estimated bytes."""

@@ -33,13 +33,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from torch import nn
-
 from ..atomic import write_text
-from ..bound import bind
+from ..bound import BoundModel
 from ..distributed import alone, current
 from ..errors import InputError, ManifestMismatchError
 from ..fingerprint import tokenizer_fingerprint, transcoder_fingerprint
+from ..model_guard import measured
 from ..strict_json import loads
 from ..transcoders.transcoder import Transcoder
 from .attribute import attribute
@@ -103,7 +102,8 @@ def check_prompt(entry: object, where: str) -> dict:
             "target": entry.get("target")}
 
 
-def attribute_many(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
+@measured  # bound once for every prompt's graph; one run per model at a time, in eval mode
+def attribute_many(model: BoundModel, tokenizer: PreTrainedTokenizerBase,
                    transcoder: Transcoder, prompts: Sequence[dict] | str | Path,
                    out: str | Path, *, settings: AttributionSettings | None = None,
                    progress: bool = False) -> list[dict] | None:
@@ -123,7 +123,7 @@ def attribute_many(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
     if ranks is not None:
         ranks.agree("prompts", prompts)
         ranks.agree("settings", repr(settings))
-    run = {"model": bind(model).fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
+    run = {"model": model.fingerprint, "tokenizer": tokenizer_fingerprint(tokenizer),
            "transcoder": transcoder_fingerprint(transcoder), "settings": repr(settings)}
     wanted = [_inputs(prompt, run) for prompt in prompts]
     check_done(out, wanted)  # every rank, before any graph: all refuse or none

@@ -230,16 +230,18 @@ def qk_attribution(model: BoundModel, transcoder: Transcoder, graph: Attribution
 
 
 def check_qk_supported(bound: BoundModel) -> None:
-    """Refuse QK attribution where its score is not known to be the model's: Gemma-2 under
-    transformers 4 (with a soft cap of 0.3 the eager pattern there is not the softmax of the
-    capped scores; under transformers 5 it is, tests/test_heads.py)."""
+    """Refuse QK attribution where its score is not known to be the model's: under a
+    transformers older than the adapter's ``qk_from`` (Gemma-2 under 4: with a soft cap of 0.3
+    the eager pattern there is not the softmax of the capped scores; under 5 it is,
+    tests/test_heads.py)."""
     import transformers  # loaded already: the model is a transformers model
 
-    if bound.adapter.model_type == "gemma2" and int(transformers.__version__.split(".")[0]) < 5:
+    if int(transformers.__version__.split(".")[0]) < bound.adapter.qk_from:
         raise UnsupportedModelError(
-            "QK attribution of Gemma-2 is checked against the model's attention pattern under "
-            f"transformers 5 only (this is {transformers.__version__}, where the check fails): "
-            "upgrade transformers; head loadings are not affected")
+            f"QK attribution of {bound.model_type} is checked against the model's attention "
+            f"pattern under transformers {bound.adapter.qk_from} or later only (this is "
+            f"{transformers.__version__}, where the check fails): upgrade transformers; head "
+            "loadings are not affected")
 
 
 def _scaling(attention: torch.nn.Module, kwargs: dict, head_dim: int) -> float:

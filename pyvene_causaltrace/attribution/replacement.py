@@ -45,7 +45,6 @@ from ..arguments import checked
 from ..bound import BoundModel, bind
 from ..distributed import current
 from ..errors import InputError
-from ..hooking import thread_view
 from ..interventions.clt_splice import (
     SHARD_ALONE,
     ActiveFeatures,
@@ -203,18 +202,13 @@ def constant_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 @checked
 @contextmanager
-def pre_softcap_logits(model: nn.Module) -> Iterator[float | None]:
+def pre_softcap_logits(model: BoundModel) -> Iterator[float | None]:
     """Inside the block the model returns its logits before the final soft-cap
     (``cap * tanh(logits / cap)``, Gemma-2), which are linear in the residual stream; yields the
-    cap (None without one). The cap is off for this thread alone (:func:`thread_view`): other
-    threads' forwards of the model keep it."""
-    config = model.config
-    cap = getattr(config, "final_logit_softcapping", None)
-    if not cap:
-        yield None
-        return
-    with thread_view(config, final_logit_softcapping=None):
-        yield float(cap)
+    cap (None without one). The cap is off for this thread alone: other threads' forwards of the
+    model keep it (:meth:`~..bound.BoundModel.pre_softcap`, what the package's own runs use)."""
+    with bind(model).pre_softcap() as cap:
+        yield cap
 
 
 def check_batch(input_ids: torch.Tensor) -> None:
@@ -282,7 +276,7 @@ def replacement_forward(
         replaced = [bound.module(part, layer) for layer in range(n_layers)
                     for part in (("mlp", "attn") if freeze else ("mlp",))]
         with torch.enable_grad(), _count_saved_bytes(model) as saved, \
-                _no_grad_inside(model, replaced), pre_softcap_logits(model) as cap, \
+                _no_grad_inside(model, replaced), bound.pre_softcap() as cap, \
                 collect_steering() as steering, \
                 capturing_states(bound, states) as captured, \
                 (frozen_qk_norms(bound) if qk_norms else nullcontext()), \

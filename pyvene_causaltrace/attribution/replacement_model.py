@@ -36,13 +36,7 @@ from ..models import model_name
 from ..prompts import bos_metadata, first_position, tokenizer_adds_bos
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, check_forward_fits
-from .replacement import (
-    ReplacementRun,
-    check_batch,
-    pre_softcap_logits,
-    replacement_forward,
-    state_module,
-)
+from .replacement import ReplacementRun, check_batch, replacement_forward, state_module
 from .settings import BOS_ERRORS, AttributionSettings
 from .targets import Target, make_targets
 
@@ -125,7 +119,7 @@ class ReplacementModel:
                 self.bound, self.transcoder, ids, from_position=self.from_position,
                 run=lambda: box.setdefault("logits", self.model(input_ids=ids).logits))
             clean = box["logits"]
-            with pre_softcap_logits(self.model) as cap:
+            with self.bound.pre_softcap() as cap:
                 uncapped = clean if cap is None else self.model(input_ids=ids).logits
         check_finite(clean, "the clean run's logits",
                      "the weights are finite, so the activations overflow")
@@ -160,7 +154,7 @@ class ReplacementModel:
         forward counts them."""
         if counts is None:
             counts = active_counts(self.bound, self.transcoder, input_ids, self.from_position)
-        return check_forward_fits(self.model, self.transcoder, input_ids, memory_mb, counts)
+        return check_forward_fits(self.bound, self.transcoder, input_ids, memory_mb, counts)
 
     def run(self, input_ids: torch.Tensor, *, freeze: bool = _DEFAULT.freeze,
             from_position: int | None = None, states: Sequence[str] = (),

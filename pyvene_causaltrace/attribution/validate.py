@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
-from torch import nn
 
-from ..bound import BoundModel, bind
+from ..bound import BoundModel
 from ..errors import InputError
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..model_guard import measured
@@ -63,13 +62,13 @@ def _ablations(graph, nodes: list[int]) -> list[dict]:
             for (layer, pos), features in sorted(groups.items())]
 
 
-def answer_prob(model: nn.Module | BoundModel, transcoder: Transcoder, ids: torch.Tensor,
+def answer_prob(model: BoundModel, transcoder: Transcoder, ids: torch.Tensor,
                 errors: torch.Tensor, token: int, ablate: list[int], graph) -> float:
     """P(token) in the spliced model with the feature nodes ``ablate`` zeroed."""
     reps = clt_splice_representations(model, transcoder, errors=errors,
                                       from_position=graph.from_position,
                                       ablations=_ablations(graph, ablate))
-    with torch.no_grad(), intervened(bind(model), reps) as spliced:
+    with torch.no_grad(), intervened(model, reps) as spliced:
         out = spliced(input_ids=ids)
     return float(out.logits[0, -1].float().softmax(-1)[token])
 
@@ -88,31 +87,29 @@ def ranking(graph, rank_by: str = "influence") -> list[int]:
 
 
 @measured
-def ablation_test(model: nn.Module, transcoder: Transcoder, graph: AttributionGraph,
+def ablation_test(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
                   sizes: tuple[int, ...] = (5, 10, 20), draws: int = 10, seed: int = 0,
                   rank_by: str = "influence") -> AblationResult:
     """Ablate the graph's top ``n`` features vs ``draws`` random sets of ``n`` (each ``n`` in
     ``sizes``, at most the number of active features) in the model spliced with
     ``transcoder``. The probability read is the first logit node's (the answer's, or the most
-    probable of several)."""
+    probable of several). ``model`` is bound once (``@measured``) for every spliced run."""
     if graph.targets[0].get("output", "logits") != "logits":
         raise InputError("the ablation test reads the answer's probability; this graph explains "
                          f"a direction ({graph.targets[0]['name']}), not a logit")
-    bound = bind(model)  # once for the 1 + len(sizes) * (1 + draws) spliced runs
-    model = bound.model
-    ids = torch.tensor([graph.input_ids], device=bound.device)
-    errors = clean_errors(bound, transcoder, ids, graph.from_position)
+    ids = torch.tensor([graph.input_ids], device=model.device)
+    errors = clean_errors(model, transcoder, ids, graph.from_position)
     token = int(graph.target["token"])
     with torch.no_grad():
-        clean = float(model(input_ids=ids).logits[0, -1].float().softmax(-1)[token])
-    spliced = answer_prob(bound, transcoder, ids, errors, token, [], graph)
+        clean = float(model.model(input_ids=ids).logits[0, -1].float().softmax(-1)[token])
+    spliced = answer_prob(model, transcoder, ids, errors, token, [], graph)
     order = ranking(graph, rank_by)
     g = torch.Generator().manual_seed(seed)
     top, random = {}, {}
     for n in sizes:
         n = min(n, graph.n_features)
-        top[n] = answer_prob(bound, transcoder, ids, errors, token, order[:n], graph)
-        random[n] = [answer_prob(bound, transcoder, ids, errors, token,
+        top[n] = answer_prob(model, transcoder, ids, errors, token, order[:n], graph)
+        random[n] = [answer_prob(model, transcoder, ids, errors, token,
                                  torch.randperm(graph.n_features, generator=g)[:n].tolist(),
                                  graph) for _ in range(draws)]
     return AblationResult(graph.answer, clean, spliced, rank_by, top, random)

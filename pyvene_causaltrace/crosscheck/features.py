@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from ..arguments import PositiveInt, checked
-from ..attribution.replacement import pre_softcap_logits
 from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError
@@ -235,7 +234,7 @@ class PatchRunner:
                                           from_position=self.from_position,
                                           ablations=ablations, session=session)
         batch = self.ids.expand(len(rows), -1)
-        with pre_softcap_logits(self.model) as cap, \
+        with self.bound.pre_softcap() as cap, \
                 intervened(self.bound, reps + self._freezes()) as model:
             out = model(input_ids=batch, use_cache=False)
         logits = out.logits[:, -1].double()

@@ -103,11 +103,9 @@ def target_split(tokenizer: Tokenizer, prompt: str, target: str) -> tuple[str, i
 
 
 @torch.no_grad()
-def screen_record(model: nn.Module | BoundModel, tokenizer: Tokenizer, record: FactRecord,
+def screen_record(bound: BoundModel, tokenizer: Tokenizer, record: FactRecord,
                   index: int, known: str) -> dict:
     """One line of ``screen.jsonl``: is ``record`` traced, and if not, why."""
-    bound = bind(model)
-    model = bound.model
     line = {"fact": record.id, "index": index, "kept": False}
     try:
         prompt, target_id, n_target = target_split(tokenizer, record.prompt, record.target)
@@ -122,8 +120,8 @@ def screen_record(model: nn.Module | BoundModel, tokenizer: Tokenizer, record: F
     if stop >= tokenized.seq_len:
         return {**line, "reason": "malformed: the subject ends at the last token; nothing "
                                   "follows it to read the answer from"}
-    ids = tokenized.input_ids.to(next(model.parameters()).device)
-    probs = model(input_ids=ids, logits_to_keep=1).logits[0, -1].double().softmax(-1)
+    ids = tokenized.input_ids.to(bound.device)
+    probs = bound.model(input_ids=ids, logits_to_keep=1).logits[0, -1].double().softmax(-1)
     predicted = int(probs.argmax())
     line.update(prompt=prompt, target_id=target_id, target=tokenizer.decode([target_id]),
                 target_tokens=n_target, clean_prob=float(probs[target_id]),

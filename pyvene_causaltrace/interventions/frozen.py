@@ -370,7 +370,7 @@ def attention_patterns(model: torch.nn.Module | BoundModel,
             model(input_ids=input_ids, use_cache=False)
     missing = [layer for layer in range(len(modules)) if found.get(layer) is None]
     if missing:
-        raise UnsupportedModelError(f"{model.config.model_type}'s attention at layers "
+        raise UnsupportedModelError(f"{bound.model_type}'s attention at layers "
                                     f"{missing} returned no pattern in eager mode")
     return [found[layer].detach().clone() for layer in range(len(modules))]
 

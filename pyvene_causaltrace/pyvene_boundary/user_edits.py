@@ -12,8 +12,8 @@ from typing import Any
 from torch import nn
 
 from ..applier import Edit, Site, applying
+from ..bound import BoundModel
 from ..errors import PyveneModelError
-from ..models import ADAPTERS, is_intervenable
 from .intervenable import bind_shared_state
 from .quiet_import import import_pyvene
 from .steering import SteeringSite, steering_edit
@@ -37,20 +37,7 @@ def _refusal(key: str, made: nn.Module, representation: Any) -> str | None:
     return None
 
 
-def _residual_norm_names(model: nn.Module) -> set[str]:
-    """Module names of the norms that read the residual stream inside the blocks (each
-    block's pre-attention and pre-MLP norm), from the adapter table's row for the model (no
-    row: none; such a model is refused with its architecture later)."""
-    row = ADAPTERS.get(getattr(model.config, "model_type", None))
-    if row is None:
-        return set()
-    n_layers = int(getattr(model.config, row.n_layers_key))
-    return {row.module_path(part, layer).replace("[", ".").replace("]", "")
-            for layer in range(n_layers) for part in ("pre_attn_norm", "pre_mlp_norm")}
-
-
-def _shared_input_refusal(key: str, register: Any, shared: set[str],
-                          model: nn.Module) -> str | None:
+def _shared_input_refusal(key: str, register: Any, bound: BoundModel) -> str | None:
     """Why a user's edit of a residual norm's *input* cannot run in our runs, or None.
 
     pyvene writes an input edit in place into the module's first argument. A block's norm
@@ -59,12 +46,11 @@ def _shared_input_refusal(key: str, register: Any, shared: set[str],
     stored block outputs that an in-place write would alter), so they would compute another
     model than pyvene's. Which tensors alias is the architecture code's business, so every
     residual norm's input edit is refused rather than possibly silently different."""
-    if getattr(register, "__name__", "") != "register_forward_pre_hook":
-        return None
     module = getattr(register, "__self__", None)
-    name = next((n for n, m in model.named_modules() if m is module), "")
-    if name not in shared:
+    if getattr(register, "__name__", "") != "register_forward_pre_hook" \
+            or id(module) not in bound.stream_inputs:  # the blocks' pre-attention/MLP norms
         return None
+    name = next((n for n, m in bound.model.named_modules() if m is module), "")
     return (f"{key}: edits the input of {name}, a norm that reads the residual stream: pyvene "
             "writes such an edit in place into the tensor the norm reads, in some "
             "architectures the residual stream itself (the skip path around the sublayer "
@@ -73,9 +59,13 @@ def _shared_input_refusal(key: str, register: Any, shared: set[str],
             "output")
 
 
-def user_edits(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
-    """``(key, intervention, representation)`` of a pyvene ``IntervenableModel`` that act on
-    the output, in pyvene's order; refuses (``PyveneModelError``) any our runs cannot apply."""
+def user_edits(bound: BoundModel) -> list[tuple[str, nn.Module, Any]]:
+    """``(key, intervention, representation)`` of the pyvene ``IntervenableModel`` ``bound``
+    was bound from that act on the output, in pyvene's order (none for a plain model); refuses
+    (``PyveneModelError``) any our runs cannot apply."""
+    if not bound.carries_interventions:
+        return []
+    model = bound.given
     needy = [key for key, made in model.interventions.items()
              if not getattr(made, "is_source_constant", False)]
     if needy:
@@ -85,11 +75,10 @@ def user_edits(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
             "the IntervenableModel only interventions that hold their own values (zero, "
             "constant, noise_add, restores with states)")
     edits = []
-    shared = _residual_norm_names(model.model)
     for key, made in model.interventions.items():
         representation = model.representations.get(key)
         reason = _refusal(key, made, representation) or _shared_input_refusal(
-            key, model.intervention_hooks.get(key), shared, model.model)
+            key, model.intervention_hooks.get(key), bound)
         if reason is not None:
             raise PyveneModelError(reason)
         if not isinstance(made, import_pyvene().CollectIntervention):  # changes nothing
@@ -98,9 +87,10 @@ def user_edits(model: nn.Module) -> list[tuple[str, nn.Module, Any]]:
 
 
 @contextlib.contextmanager
-def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
-    """Yield the model to run: ``model`` itself, or — for a pyvene ``IntervenableModel`` — the
-    model it wraps with the wrapper's interventions applied to every forward inside the block.
+def applied_interventions(bound: BoundModel) -> Iterator[nn.Module]:
+    """Yield the model to run: ``bound``'s, with — when it was bound from a pyvene
+    ``IntervenableModel`` — the wrapper's interventions applied to every forward inside the
+    block.
 
     They act at every position (as with ``unit_locations=None``) in every run our calls make —
     clean, corrupted and intervened alike — so a trace or a graph is one *of the intervened
@@ -115,10 +105,10 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
     its constant part ``f(0)`` through a gradient leaf, the value unchanged: the graph's
     steering nodes.
     """
-    if not is_intervenable(model):
-        yield model
+    if not bound.carries_interventions:
+        yield bound.model
         return
-    edits = user_edits(model)
+    model, edits = bound.given, user_edits(bound)
     bind_shared_state(model)
     names = {module: name for name, module in model.model.named_modules()}
     hooks = []

@@ -454,7 +454,7 @@ class _RunHooks:
                  v[:, :, :prefix].index_select(0, seed_rows[:count].to(v.device))) if count
                 else (k[:1, :, :prefix], v[:1, :, :prefix])  # never read: a stored block
                 for count, (k, v) in zip(counts[:-1], engine._kv, strict=True)],
-                config=engine.model.config)
+                config=engine.bound.decoder_config)
         if self.ragged:
             blocks = engine.corrupt_states
             paths = engine._paths["block"]

@@ -276,7 +276,7 @@ class Tracer:
         With a ``pv.IntervenableModel`` its interventions go in ``model_interventions``
         (:func:`~pyvene_causaltrace.model_interventions.describe`); one a spec cannot rebuild
         exactly is refused (``PyveneModelError``, with the reason)."""
-        entries = describe(self._given)
+        entries = describe(self.bound)
         model = model_name(self.model)
         sigma = self.sigma if self.sigma_method == "given" else self.sigma_method
         spec = {"schema_version": 1}
@@ -350,7 +350,7 @@ def tracer_from_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokeni
     if positions != "subject":
         raise SpecError("$.interventions[0].positions",
                         f"a trace noises the subject; got {positions!r}")
-    model = model_for_spec(spec, model)
+    model = model_for_spec(spec, bind(model, interventions=True))
     given = {key: value for key in ("scale", "sigma", "distribution")
              if (value := noise.get(key)) is not None}
     return Tracer(

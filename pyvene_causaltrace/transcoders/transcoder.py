@@ -488,7 +488,7 @@ def check_fits(model: nn.Module | BoundModel, transcoder: Transcoder) -> None:
         except InputError:
             raise TranscoderMismatchError(
                 f"the transcoder's {role} hook {getattr(cfg, f'feature_{role}_hook')!r} maps to "
-                f"{path}, which {model.config.model_type} does not have") from None
+                f"{path}, which {bound.model_type} does not have") from None
     name = model_name(model)
     if cfg.model_name and name and cfg.model_name not in (name, name.split("/")[-1]):
         warnings.warn(f"the transcoder was made for {cfg.model_name!r}, the model is {name!r}; "
