@@ -119,7 +119,7 @@ def applied_interventions(model: nn.Module) -> Iterator[nn.Module]:
         yield model
         return
     edits = user_edits(model)
-    bind_shared_state(model)
+    bind_shared_state(model.interventions.values())
     names = {module: name for name, module in model.model.named_modules()}
     hooks = []
     for key, made, representation in edits:
