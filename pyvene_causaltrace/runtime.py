@@ -3,8 +3,8 @@
     with intervened(bound, [{"component": bound.site("embed"), "intervention": noise}]):
         logits = bound.model(input_ids=ids).logits
 
-pyvene stays the composition surface for users — every registered type runs inside a user's
-``pv.IntervenableModel`` (:mod:`.pyvene_boundary`) and ``to_pyvene()`` of a spec builds one — but
+pyvene stays the composition surface for users — every registered type runs inside our
+``IntervenableModel`` (:mod:`.pyvene_boundary`), which ``build_intervenable`` makes of a spec — but
 the forwards this package runs itself need none of what an ``IntervenableModel`` adds around a
 call (sources, unit locations, collection, its parameter surface). :func:`intervened` hands the
 same representation dicts (``{"component": "<module path>.output" | ".input",
@@ -32,29 +32,18 @@ from torch import nn
 
 from .applier import Call, Edit, applying
 from .bound import BoundModel
-from .pyvene_boundary.calls import PyveneCall, apply_like_pyvene, calling
+from .pyvene_boundary.calls import apply_like_pyvene, calling
 from .pyvene_boundary.intervenable import bind_shared_state, weights_without_gradients
 
 __all__ = ["intervened"]
 
 
-class _Owner:
-    """What an intervention sees as its owner in our runs (:attr:`PyveneCall.owner`): the
-    interventions by key, never generating."""
-
-    _is_generation = False
-
-    def __init__(self, interventions: dict[str, nn.Module]) -> None:
-        self.interventions = interventions
-
-
-def intervention_edit(made: nn.Module, owner: _Owner, key: str):
+def intervention_edit(made: nn.Module, key: str):
     """The edit applying ``made`` as pyvene 0.1.8's setter does with ``unit_locations=None``:
     on a clone of the value (:func:`~.pyvene_boundary.calls.apply_like_pyvene`), its call
     announced."""
     def edit(value: torch.Tensor, call: Call) -> torch.Tensor:
-        with calling(PyveneCall(call.module, tuple(call.args), dict(call.kwargs or {}), None,
-                                owner, key)):
+        with calling(call.module, call.args, call.kwargs, key=key):
             return apply_like_pyvene(made, value)
     return edit
 
@@ -70,9 +59,8 @@ def intervened(bound: BoundModel, representations: Sequence[dict[str, Any]], *,
     module = bound.model
     made = {f"{index}:{rep['component']}": rep["intervention"]
             for index, rep in enumerate(representations)}
-    owner = _Owner(made)
-    bind_shared_state(owner)
-    edits = [Edit(bound.site_of(rep["component"]), intervention_edit(intervention, owner, key))
+    bind_shared_state(made.values())
+    edits = [Edit(bound.site_of(rep["component"]), intervention_edit(intervention, key))
              for (key, intervention), rep in zip(made.items(), representations, strict=True)]
     with weights_without_gradients(module, keep_model_gradients), applying(module, edits):
         yield module

@@ -120,11 +120,12 @@ def _all(model, edits):
         yield
 
 
-def reload_in_fresh_process(tmp_path, model, pv_model, ids) -> tuple[list[str], bool]:
-    """Save ``model`` and ``pv_model`` (pyvene's own ``save``), load both back with plain
-    ``pv.IntervenableModel.load`` in a new Python process and run ``ids`` there. Returns the
-    loaded intervention class names (sorted, unique) and whether the logits are bit-identical
-    to this process's."""
+def reload_in_fresh_process(tmp_path, model, pv_model, ids) -> tuple[list[str], bool, str]:
+    """Save ``model`` and ``pv_model`` (pyvene's own ``save``), load both back with our
+    ``IntervenableModel.load`` in a new Python process and run ``ids`` there; then load them
+    with pyvene's own ``pv.IntervenableModel.load`` and run again. Returns the loaded
+    intervention class names (sorted, unique), whether our load's logits are bit-identical to
+    this process's, and what pyvene's load's run raised (``"Class: message"``, or "")."""
     import json
     import subprocess
     import sys
@@ -141,19 +142,27 @@ def reload_in_fresh_process(tmp_path, model, pv_model, ids) -> tuple[list[str], 
         torch.set_num_threads({torch.get_num_threads()})  # bit-identity holds per thread count
         with contextlib.redirect_stdout(io.StringIO()):
             import pyvene as pv
+        from pyvene_causaltrace import IntervenableModel
         model = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r})
-        loaded = pv.IntervenableModel.load({str(tmp_path / 'saved')!r}, model.eval())
+        loaded = IntervenableModel.load({str(tmp_path / 'saved')!r}, model.eval())
+        assert type(loaded) is IntervenableModel, type(loaded)
         for parameter in model.parameters():  # as in the saving process: torch folds a matmul
             parameter.requires_grad_({grad})   # differently by this flag, under some threads
         expected = torch.load({str(tmp_path / 'expected.pt')!r})
         with torch.no_grad():
             logits = loaded(base={{"input_ids": expected["ids"]}})[1].logits
         names = sorted({{type(v).__name__ for v in loaded.interventions.values()}})
-        print("RESULT " + json.dumps([names, torch.equal(logits, expected["logits"])]))
+        theirs, refusal = pv.IntervenableModel.load({str(tmp_path / 'saved')!r}, model), ""
+        try:
+            with torch.no_grad():
+                theirs(base={{"input_ids": expected["ids"]}})
+        except Exception as error:
+            refusal = f"{{type(error).__name__}}: {{error}}"
+        print("RESULT " + json.dumps([names, torch.equal(logits, expected["logits"]), refusal]))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    names, equal = json.loads(line.removeprefix("RESULT "))
-    return names, equal
+    names, equal, refusal = json.loads(line.removeprefix("RESULT "))
+    return names, equal, refusal

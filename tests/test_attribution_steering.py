@@ -253,7 +253,7 @@ def test_noise_add_and_restores_are_nodes_at_their_positions(setup, tokenizer):
     assert graph.closure.relative < 1e-6 and graph.feature_closure() < 1e-5
     # the noise alone, as a hand hook: the graph misses what the two noise nodes carry
     with torch.no_grad():
-        drawn = noise(torch.zeros(1, ids.shape[1], D))
+        drawn = noise.noise(1, ids.shape[1], D)  # what it adds
     assert drawn[0, [0, 1, 4]].abs().max() == 0 and drawn[0, [2, 3]].abs().min() > 0
     only_noise = attribute(_pv_model(model, [{"layer": 0, "component": "block_output",
                                               "intervention": NoiseAdd(
@@ -282,7 +282,7 @@ def test_edits_of_replaced_outputs_are_inside_their_node_or_refused(setup, token
     assert graph.metadata["steering"][0]["nodes"] == 0
     assert "replaces" in graph.metadata["steering"][0]["note"]
     with torch.no_grad():
-        drawn = noise(torch.zeros(1, ids.shape[1], D))
+        drawn = noise.noise(1, ids.shape[1], D)  # what it adds
     with ExitStack() as stack:
         stack.enter_context(_embedding_edit(model, drawn))
         same = attribute(model, tokenizer, clt, PROMPT)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -113,9 +114,13 @@ def test_clt_splice_survives_pyvene_save_load_in_a_fresh_process(tmp_path, fixtu
     ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(1))
     reps = clt_splice_representations(model, fixture_clt,
                                       ablations=[{"clt_layer": 0, "features": [1, 2, 3]}])
-    names, equal = reload_in_fresh_process(tmp_path, model, intervenable_model_class()(reps, model),
-                                           ids)
+    names, equal, refusal = reload_in_fresh_process(
+        tmp_path, model, intervenable_model_class()(reps, model), ids)
     assert names == ["CLTSplice", "FeatureAblate"] and equal
+    # loaded by pyvene's own load, its parts hold only their session's id: refused, naming ours
+    assert re.fullmatch(r"PyveneModelError: (clt_splice|feature_ablate) holds only its "
+                        r"splice's session id.*pyvene_causaltrace\.IntervenableModel\.load"
+                        r"\(\.\.\.\).*", refusal), refusal
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3"])
@@ -277,10 +282,12 @@ def test_splice_state_is_a_session_object_and_a_path_is_read_once_per_session(
 
 def test_a_loaded_or_one_by_one_splice_shares_a_session_within_its_model_only(tmp_path,
                                                                             tokenizer):
-    """Interventions holding only their session's id — loaded by pyvene, or built one by one
-    from configured classes — are handed one session by the IntervenableModel holding them:
-    the same logits as the splice they came from, one session per model, none shared with
-    another model or kept in a table."""
+    """Interventions holding only their session's id — loaded, or built one by one from
+    configured classes — are handed one session by our IntervenableModel holding them (loaded
+    by its ``load``): the same logits as the splice they came from, one session per model,
+    none shared with another model or kept in a table. pyvene's own class cannot bind them
+    (it hands an intervention no owner): its load's model refuses to run, naming ours."""
+    from pyvene_causaltrace.errors import PyveneModelError
     from pyvene_causaltrace.interventions.clt_splice import CLTSplice, SpliceIntervention
     from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
     from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
@@ -303,12 +310,18 @@ def test_a_loaded_or_one_by_one_splice_shares_a_session_within_its_model_only(tm
                 if isinstance(m, SpliceIntervention)}
 
     for _ in range(2):
-        loaded = pv.IntervenableModel.load(str(tmp_path / "saved"), model)
-        with preserve_hooks(loaded), torch.no_grad():
-            got = loaded(base={"input_ids": ids})[1].logits  # binds on first use
+        loaded = intervenable_model_class().load(str(tmp_path / "saved"), model)
+        assert len(sessions(loaded)) == 1  # bound when loaded
+        with torch.no_grad():
+            got = loaded(base={"input_ids": ids})[1].logits
         assert torch.equal(got, want)
         assert len(sessions(loaded)) == 1 and sessions(loaded) != sessions(ours)
         assert sorted(next(iter(loaded.interventions.values())).session.acts) == list(range(L))
+    theirs = pv.IntervenableModel.load(str(tmp_path / "saved"), model)
+    with preserve_hooks(theirs), torch.no_grad(), pytest.raises(
+            PyveneModelError, match=r"holds only its splice's session id and must find its "
+                                    r"siblings.*pyvene_causaltrace\.IntervenableModel\.load"):
+        theirs(base={"input_ids": ids})
     hooks = clt.cfg.hf_hooks(get_adapter(model), 1)
     built = []
     for _ in range(2):

@@ -20,12 +20,14 @@ from pyvene_causaltrace.interventions.restore import (
     WindowRestore,
     window_layers,
 )
-from pyvene_causaltrace.models import get_adapter, get_module
+from pyvene_causaltrace.models import PyveneModelError, get_adapter, get_module
 from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
 pv = import_pyvene()
 SEQ = 7
+#: what a type refuses with where it needs our IntervenableModel
+OURS = r"build the model with pyvene_causaltrace\.IntervenableModel\(\.\.\.\)"
 SCALE, SIGMA = 3.0, 0.5
 
 
@@ -35,8 +37,9 @@ def ids_for(model, rows: int = 1, seed: int = 1) -> torch.Tensor:
 
 
 def run(model, reps, ids):
-    """Logits of ``model`` on ``ids`` with ``reps`` = [(component, intervention)] applied."""
-    pv_model = pv.IntervenableModel(
+    """Logits of ``model`` on ``ids`` with ``reps`` = [(component, intervention)] applied, in
+    our IntervenableModel (positions of their own need it: pyvene's own refuses them)."""
+    pv_model = intervenable_model_class()(
         [{"component": c, "intervention": i} for c, i in reps], model)
     with torch.no_grad():
         return pv_model(base={"input_ids": ids})[1].logits
@@ -183,7 +186,7 @@ def test_restore_without_states_uses_pyvene_source(tiny):
     block = adapter.module_path("block", 0) + ".output"
     ids, source = ids_for(model, seed=1), ids_for(model, seed=3)
     donor = capture(model, {"input_ids": source}, [block])[block]
-    pv_model = pv.IntervenableModel(
+    pv_model = intervenable_model_class()(
         [{"component": block, "intervention": CleanRestore(positions=[2])}], model)
     with torch.no_grad():
         _, out = pv_model(base={"input_ids": ids}, sources=[{"input_ids": source}])
@@ -244,7 +247,7 @@ def test_frozen_layernorm_keeps_forward_and_gives_frozen_gradient(arch):
 
 
 def test_frozen_layernorm_outside_pyvene_is_a_clear_error():
-    with pytest.raises(RuntimeError, match="inside a pyvene"):
+    with pytest.raises(PyveneModelError, match=OURS):
         FrozenLayerNorm(kind="rms")(torch.zeros(1, 2, 4))
     with pytest.raises(ValueError, match="kind"):
         FrozenLayerNorm(kind="batch")
@@ -252,11 +255,40 @@ def test_frozen_layernorm_outside_pyvene_is_a_clear_error():
 
 def test_frozen_layernorm_refuses_gathered_positions():
     model = make_tiny_model("llama")
-    pv_model = pv.IntervenableModel(
-        [{"component": "model.norm.output", "intervention": FrozenLayerNorm(kind="rms")}], model)
+    reps = [{"component": "model.norm.output", "intervention": FrozenLayerNorm(kind="rms")}]
+    ids = torch.ones(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="unit_locations=None"):
-        pv_model(base={"input_ids": torch.ones(1, 4, dtype=torch.long)},
-                 unit_locations={"base": [[[1]]]})
+        intervenable_model_class()(reps, model)(base={"input_ids": ids},
+                                                unit_locations={"base": [[[1]]]})
+    # pyvene's own class hands it neither the norm nor its inputs: refused, naming ours
+    with pytest.raises(PyveneModelError, match="frozen_layernorm recomputes the norm.*" + OURS):
+        pv.IntervenableModel(reps, model)(base={"input_ids": ids})
+
+
+@pytest.mark.parametrize("unit_locations", [None, {"base": [[[2, 3, 4]]]}])
+def test_a_type_with_positions_refuses_pyvenes_own_class_and_a_direct_call(unit_locations):
+    """pyvene's own IntervenableModel tells an intervention neither the call's unit_locations
+    nor generate's steps, so own positions there could land on gathered or generated tokens
+    (with unit_locations they did: a silent wrong number): refused, naming our class, as is a
+    direct call. Without positions, noise_add in pyvene's class equals ours."""
+    model = make_tiny_model("llama", init=0.2)
+    embed, ids = "model.embed_tokens.output", ids_for(model)
+    states = torch.zeros(1, SEQ, 32)
+    for made in (NoiseAdd(seeds=[1], positions=[1], sigma=0.3),
+                 CleanRestore(positions=[1], states=states), Freeze(positions=[1], states=states)):
+        refused = pv.IntervenableModel([{"component": embed, "intervention": made}], model)
+        with pytest.raises(PyveneModelError, match=f"{made.registered_name} has its own "
+                           "positions.*unit_locations.*generating.*" + OURS):
+            refused(base={"input_ids": ids}, unit_locations=unit_locations)
+        with pytest.raises(PyveneModelError, match="has its own positions"):
+            made(torch.zeros(1, SEQ, 32))
+    reps = [{"component": embed, "intervention": NoiseAdd(seeds=[1], sigma=0.3)}]
+    with torch.no_grad():
+        theirs = pv.IntervenableModel(reps, model)(base={"input_ids": ids},
+                                                   unit_locations=unit_locations)[1].logits
+        ours = intervenable_model_class()(reps, model)(base={"input_ids": ids},
+                                                       unit_locations=unit_locations)[1].logits
+    assert torch.equal(theirs, ours)
 
 
 def test_seed_list_is_the_one_seed_rule():

@@ -20,6 +20,9 @@ from pyvene_causaltrace.pyvene_boundary.user_edits import applied_interventions
 
 pv = import_pyvene()
 IntervenableModel = intervenable_model_class()
+#: what a type with its own positions refuses with in pyvene's own class
+OWN_POSITIONS = (r"noise_add has its own positions.*unit_locations and whether pyvene is "
+                 r"generating.*build the model with pyvene_causaltrace\.IntervenableModel")
 
 
 def _ids(seed: int, n: int = 6, batch: int = 2) -> torch.Tensor:
@@ -145,10 +148,15 @@ def test_types_that_need_whole_states_refuse_subspaces_and_head_units():
 def test_positions_and_unit_locations_together_are_refused():
     model = make_tiny_model("llama", init=0.2)
     embed = get_adapter(model).site("embed")
-    pv_model = _pv(model, [{"component": embed,
-                            "intervention": NoiseAdd(seeds=[1], positions=[1], sigma=0.3)}])
+    reps = [{"component": embed, "intervention": NoiseAdd(seeds=[1], positions=[1], sigma=0.3)}]
+    pv_model = _pv(model, reps, ours=True)
     with pytest.raises(ValueError, match="both its own positions and pyvene unit_locations"):
         pv_model(base={"input_ids": _ids(5, batch=1)}, unit_locations={"base": [[[2, 3, 4]]]})
+    # pyvene's own class cannot tell gathered positions from the whole output (it would noise
+    # the gathered index: a silent wrong number): refused, naming our class
+    with pytest.raises(PyveneModelError, match=OWN_POSITIONS):
+        _pv(model, reps)(base={"input_ids": _ids(5, batch=1)},
+                         unit_locations={"base": [[[2, 3, 4]]]})
     # either one alone is fine, and they agree
     with torch.no_grad():
         alone = pv_model(base={"input_ids": _ids(5, batch=1)})[1].logits
@@ -183,13 +191,19 @@ def _generate_by_hand(model, ids, edit_embeddings, steps):
 def test_noise_add_in_generate_noises_the_prompt_once(ours):
     """generate(intervene_on_prompt=True) with noise_add at prompt positions [1, 2, 3]: the
     prompt is noised, the generated tokens are not: the same tokens as a hand-made decode
-    that noises only the prompt's forward (and other tokens than the plain model's)."""
+    that noises only the prompt's forward (and other tokens than the plain model's). pyvene's
+    own class cannot tell generate's steps apart: refused there, naming ours."""
     model = make_tiny_model("llama", init=0.2)
     model.generation_config.pad_token_id = 0
     ids = _ids(6, n=7, batch=2)
     embed = get_adapter(model).site("embed")
     noise = NoiseAdd(seeds=[0, 1], positions=[1, 2, 3], sigma=0.5)
     pv_model = _pv(model, [{"component": embed, "intervention": noise}], ours=ours)
+    if not ours:
+        with torch.no_grad(), pytest.raises(PyveneModelError, match=OWN_POSITIONS):
+            pv_model.generate({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                              intervene_on_prompt=True, max_new_tokens=5, do_sample=False)
+        return
     with torch.no_grad():
         _, got = pv_model.generate({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                                    intervene_on_prompt=True, max_new_tokens=5, do_sample=False)
@@ -300,18 +314,25 @@ def test_trainable_parameters_are_pyvenes_and_the_model_keeps_its_flags():
 
 def test_an_instance_placed_by_layer_and_component_saves_and_loads(tmp_path):
     """pyvene's load builds the type with embed_dim (a buffer the saved instance lacked): the
-    load still restores the settings and gives the same logits."""
+    load (our class's: pyvene's gives its own class, which refuses own positions) still
+    restores the settings and gives the same logits."""
     model = make_tiny_model("llama", init=0.2)
     ids = _ids(8)
     noise = NoiseAdd(seeds=[4, 5], positions=[1, 2], sigma=0.4)
-    pv_model = _pv(model, [{"layer": 1, "component": "block_output", "intervention": noise}])
+    pv_model = _pv(model, [{"layer": 1, "component": "block_output", "intervention": noise}],
+                   ours=True)
     with torch.no_grad():
         want = pv_model(base={"input_ids": ids})[1].logits
     pv_model.save(str(tmp_path / "saved"))
-    loaded = pv.IntervenableModel.load(str(tmp_path / "saved"), model)
-    with preserve_hooks(loaded), torch.no_grad():
+    loaded = IntervenableModel.load(str(tmp_path / "saved"), model)
+    assert type(loaded) is IntervenableModel
+    with torch.no_grad():
         got = loaded(base={"input_ids": ids})[1].logits
     assert torch.equal(got, want)
+    theirs = pv.IntervenableModel.load(str(tmp_path / "saved"), model)
+    with preserve_hooks(theirs), torch.no_grad(), pytest.raises(PyveneModelError,
+                                                                match=OWN_POSITIONS):
+        theirs(base={"input_ids": ids})
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

@@ -3,6 +3,8 @@ save/load in a fresh process, and leaving the user's model working afterwards.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _support.models import PROMPT, SUBJECT, make_tiny_model
@@ -45,7 +47,7 @@ def test_with_vanilla_intervention_equals_both_by_hand(arch):
     adapter = get_adapter(model)
     block = adapter.module_path("block", 2)
     base, source = _ids(model, 0), _ids(model, 1)
-    pv_model = pv.IntervenableModel([
+    pv_model = intervenable_model_class()([  # own positions: ours (pyvene's refuses them)
         {"component": adapter.embed + ".output",
          "intervention": NoiseAdd(seeds=[7], positions=[1, 2], scale=3.0, sigma=0.4)},
         {"component": block + ".output", "intervention_type": pv.VanillaIntervention},
@@ -71,7 +73,7 @@ def test_with_rotated_space_intervention_equals_both_by_hand():
     model = make_tiny_model("llama")
     adapter = get_adapter(model)
     base, source = _ids(model, 0), _ids(model, 1)
-    pv_model = pv.IntervenableModel([
+    pv_model = intervenable_model_class()([  # own positions: ours (pyvene's refuses them)
         {"component": adapter.embed + ".output",
          "intervention": NoiseAdd(seeds=[2], positions=[0, 1], scale=3.0, sigma=0.4)},
         {"layer": 1, "component": "block_output", "intervention_type":
@@ -141,10 +143,14 @@ def test_pyvene_save_then_load_in_a_fresh_process_reproduces_logits(tmp_path):
     with torch.no_grad():
         changed = pv_model(base={"input_ids": ids})[1].logits - model(input_ids=ids).logits
     assert changed.abs().max() > 1e-3
-    names, equal = reload_in_fresh_process(tmp_path, model, pv_model, ids)
+    names, equal, refusal = reload_in_fresh_process(tmp_path, model, pv_model, ids)
     assert names == ["CleanRestore", "Freeze", "FrozenAttention", "FrozenLayerNorm",
                      "GradientLeaf", "NoiseAdd", "WindowRestore"]
     assert equal
+    # pyvene's own load gives its own class, which refuses the first type needing ours
+    assert re.fullmatch(r"PyveneModelError: noise_add has its own positions.*load a saved one "
+                        r"with pyvene_causaltrace\.IntervenableModel\.load\(\.\.\.\), not "
+                        r"pv\.IntervenableModel\.load", refusal), refusal
 
 
 def test_state_dict_round_trip_restores_config_and_tensors():
@@ -190,7 +196,7 @@ def test_plain_pyvene_breaks_hidden_states_and_preserve_hooks_mends_it():
     model(input_ids=_ids(model), output_hidden_states=True)  # transformers installs its hooks
     pv_model = pv.IntervenableModel(
         [{"component": "model.layers[0].output",
-          "intervention": CleanRestore(positions=[0], states=torch.zeros(1, SEQ, 32))}], model)
+          "intervention": CleanRestore(states=torch.zeros(1, SEQ, 32))}], model)
     with preserve_hooks(pv_model):
         pv_model(base={"input_ids": _ids(model)})
     assert len(model(input_ids=_ids(model), output_hidden_states=True).hidden_states) == 4

@@ -17,11 +17,14 @@ from pyvene_causaltrace.interventions.frozen import FrozenLayerNorm
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.interventions.restore import CleanRestore, Freeze, WindowRestore
 from pyvene_causaltrace.models import PyveneModelError, get_adapter
-from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
+from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class, preserve_hooks
 from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 from pyvene_causaltrace.transcoders import load_transcoder
 
 pv = import_pyvene()
+IntervenableModel = intervenable_model_class()
+#: what a type refuses with in pyvene's own class, where it needs ours
+OURS = r"build the model with pyvene_causaltrace\.IntervenableModel\(\.\.\.\)"
 SPEC = {"schema_version": 1, "prompt": PROMPT, "subject": SUBJECT, "interventions": [
     {"type": "noise_add", "seeds": [0, 1], "scale": 3.0, "sigma": 0.5},
     {"type": "clean_restore", "component": "block_output", "layers": [1], "positions": "last"}]}
@@ -103,7 +106,9 @@ def test_pyvene_builds_every_type_from_the_class():
     """``intervention_type=Cls`` builds each type with working defaults (the splice, which
     needs a transcoder, only from ``configured``): noise_add noises every position it is
     handed; the restores, with no stored states, take the whole source state (so the output is
-    the source run's); the freezes and the leaf leave the forward value as it was."""
+    the source run's); the freezes and the leaf leave the forward value as it was. All in
+    pyvene's own class but the frozen types, which recompute their module: those need ours,
+    and pyvene's refuses them, naming it."""
     assert set(_bare_buildable()) == set(list_interventions()) - {"clt_splice", "feature_ablate"}
     model = make_tiny_model("llama", init=0.2)
     adapter = get_adapter(model)
@@ -115,10 +120,16 @@ def test_pyvene_builds_every_type_from_the_class():
         component = ("model.layers[1].input_layernorm.output" if name == "frozen_layernorm"
                      else "model.layers[1].self_attn.output" if name == "frozen_attention"
                      else adapter.site("block_output", 1))
-        config = pv.IntervenableConfig([{"component": component,
-                                         "intervention_type": get_intervention(name)}])
+        rep = {"component": component, "intervention_type": get_intervention(name)}
         restores = name in ("clean_restore", "window_restore", "freeze")
-        pv_model = pv.IntervenableModel(config, model)
+        frozen = name.startswith("frozen_")
+        if frozen:
+            theirs = pv.IntervenableModel(pv.IntervenableConfig([dict(rep)]), model)
+            with preserve_hooks(theirs), torch.no_grad(), pytest.raises(
+                    PyveneModelError, match=f"{name} recomputes .* from its inputs.*{OURS}"):
+                theirs(base={"input_ids": ids})
+        pv_model = (IntervenableModel if frozen else pv.IntervenableModel)(
+            pv.IntervenableConfig([dict(rep)]), model)
         with preserve_hooks(pv_model), torch.no_grad():
             sources = [{"input_ids": ids.flip(0)}] if restores else None
             _, out = pv_model(base={"input_ids": ids}, sources=sources)
@@ -133,7 +144,9 @@ def test_pyvene_builds_every_type_from_the_class():
 @pytest.mark.numerics
 def test_configured_classes_equal_instances(tokenizer, tmp_path):
     """``Cls.configured(**settings)`` given to pyvene (RepresentationConfig, intervention_types,
-    add_intervention) runs exactly as the instance ``Cls(**settings)``."""
+    add_intervention) runs exactly as the instance ``Cls(**settings)``, in our IntervenableModel
+    (own positions, a frozen norm and a splice built one by one need it: pyvene's own refuses
+    them, naming it)."""
     model = make_tiny_model("llama", init=0.2)
     ids = torch.randint(1, 400, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -149,15 +162,20 @@ def test_configured_classes_equal_instances(tokenizer, tmp_path):
         (FrozenLayerNorm, {"kind": "rms"}, adapter.site("final_norm")),
     ]
     for cls, settings, component in cases:
-        made = pv.IntervenableModel([{"component": component,
-                                      "intervention": cls(**settings)}], model)
+        made = IntervenableModel([{"component": component,
+                                   "intervention": cls(**settings)}], model)
         config = pv.IntervenableConfig([{"component": component,
                                          "intervention_type": cls.configured(**settings)}])
-        configured = pv.IntervenableModel(config, model)
-        with preserve_hooks(made), preserve_hooks(configured), torch.no_grad():
+        configured = IntervenableModel(config, model)
+        with torch.no_grad():
             want = made(base={"input_ids": ids})[1].logits
             got = configured(base={"input_ids": ids})[1].logits
         assert torch.equal(got, want), cls.__name__
+        theirs = pv.IntervenableModel(config, model)
+        with preserve_hooks(theirs), torch.no_grad(), pytest.raises(
+                PyveneModelError, match=f"{cls.registered_name} (has its own positions|"
+                                        f"recomputes the norm).*{OURS}"):
+            theirs(base={"input_ids": ids})
     # add_intervention: pyvene refuses instances there; configured classes go in
     encode = CLTSplice.configured(clt=clt, role="encode", clt_layer=1, reset=True)
     decode = CLTSplice.configured(clt=clt, role="decode", clt_layer=1)
@@ -166,31 +184,42 @@ def test_configured_classes_equal_instances(tokenizer, tmp_path):
     config.add_intervention({"component": hooks["output"], "intervention_type": decode})
     from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
 
-    added = pv.IntervenableModel(config, model)
+    added = IntervenableModel(config, model)
+    # one splice given its session runs in pyvene's own class too
     spliced = pv.IntervenableModel(clt_splice_representations(model, clt, layers=[1]), model)
-    with preserve_hooks(added), preserve_hooks(spliced), torch.no_grad():
+    with preserve_hooks(spliced), torch.no_grad():
         got = added(base={"input_ids": ids})[1].logits
         want = spliced(base={"input_ids": ids})[1].logits
         plain = model(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-6) and not torch.allclose(got, plain, atol=1e-4)
+    # built one by one, its parts hold only their session's id: pyvene's own cannot bind them
+    theirs = pv.IntervenableModel(config, model)
+    with preserve_hooks(theirs), torch.no_grad(), pytest.raises(
+            PyveneModelError, match=f"clt_splice holds only its splice's session id.*{OURS}"):
+        theirs(base={"input_ids": ids})
 
 
 def test_unit_locations_choose_the_positions_as_for_pyvenes_builtins():
-    """Without their own positions our types act where pyvene's ``unit_locations`` say:
-    noise_add at locations [1, 2, 3] is noise_add(positions=[1, 2, 3]) on the whole output, and
-    clean_restore from a source equals pyvene's VanillaIntervention."""
+    """Without their own positions our types act where pyvene's ``unit_locations`` say, in
+    pyvene's own class too: noise_add at locations [1, 2, 3] is noise_add(positions=[1, 2, 3])
+    on the whole output (in ours: pyvene's refuses own positions), and clean_restore from a
+    source equals pyvene's VanillaIntervention."""
     model = make_tiny_model("qwen3", init=0.2)
     embed = get_adapter(model).site("embed")
     ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(2))
     source = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(3))
-    whole = pv.IntervenableModel([{"component": embed, "intervention": NoiseAdd(
-        seeds=[7], positions=[1, 2, 3], sigma=0.3)}], model)
-    located = pv.IntervenableModel([{"component": embed, "intervention": NoiseAdd(
-        seeds=[7], sigma=0.3)}], model)
-    with preserve_hooks(whole), preserve_hooks(located), torch.no_grad():
-        want = whole(base={"input_ids": ids})[1].logits
-        got = located(base={"input_ids": ids}, unit_locations={"base": [[[1, 2, 3]]]})[1].logits
-    assert torch.equal(got, want)
+    positioned = [{"component": embed, "intervention": NoiseAdd(seeds=[7], positions=[1, 2, 3],
+                                                                 sigma=0.3)}]
+    located = [{"component": embed, "intervention": NoiseAdd(seeds=[7], sigma=0.3)}]
+    theirs = pv.IntervenableModel(located, model)
+    at = {"base": [[[1, 2, 3]]]}
+    with preserve_hooks(theirs), torch.no_grad():
+        want = IntervenableModel(positioned, model)(base={"input_ids": ids})[1].logits
+        got = theirs(base={"input_ids": ids}, unit_locations=at)[1].logits
+        ours = IntervenableModel(located, model)(base={"input_ids": ids}, unit_locations=at)
+    assert torch.equal(got, want) and torch.equal(ours[1].logits, want)
+    with pytest.raises(PyveneModelError, match=f"noise_add has its own positions.*{OURS}"):
+        pv.IntervenableModel(positioned, model)(base={"input_ids": ids})
     for cls in (CleanRestore, pv.VanillaIntervention):
         pv_model = pv.IntervenableModel(
             [{"layer": 1, "component": "block_output", "intervention_type": cls}], model)
@@ -208,7 +237,13 @@ def test_frozen_layernorm_reads_its_kind_off_the_module(arch, kind):
     model = make_tiny_model(arch)
     norm = get_adapter(model).site("final_norm")
     made = FrozenLayerNorm()
-    pv_model = pv.IntervenableModel([{"component": norm, "intervention": made}], model)
-    with preserve_hooks(pv_model), torch.no_grad():
-        pv_model(base={"input_ids": torch.tensor([[1, 2, 3, 4]])})
+    ids = torch.tensor([[1, 2, 3, 4]])
+    theirs = pv.IntervenableModel([{"component": norm, "intervention": made}], model)
+    with preserve_hooks(theirs), torch.no_grad(), pytest.raises(
+            PyveneModelError, match=f"frozen_layernorm recomputes the norm.*{OURS}"):
+        theirs(base={"input_ids": ids})
+    assert made.config()["kind"] is None  # refused before it read anything
+    with torch.no_grad():
+        IntervenableModel([{"component": norm, "intervention": made}], model)(
+            base={"input_ids": ids})
     assert made.config()["kind"] == kind

@@ -1,8 +1,9 @@
 """pyvene hands an intervention only the module's output; :func:`pyvene_call` gives the hooked
 module, its inputs and the call's unit_locations, announced by ``announcing_setter`` around
-pyvene's ``_intervention_setter`` — our IntervenableModel's own setter, and the one
-``announce_plain_models`` puts on a user's plain one. If a pyvene release moves them, this test says
-so by name (frozen_layernorm, frozen_attention and positions during generate depend on it)."""
+pyvene's ``_intervention_setter``, our IntervenableModel's own setter (a user's plain
+``pv.IntervenableModel`` announces nothing, and the types that need the call refuse there). If a
+pyvene release moves them, this test says so by name (frozen_layernorm, frozen_attention and
+positions with unit_locations or during generate depend on it)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from _support.models import make_tiny_model
 
 from pyvene_causaltrace.models import get_module
-from pyvene_causaltrace.pyvene_boundary.calls import announce_plain_models, pyvene_call
+from pyvene_causaltrace.pyvene_boundary.calls import pyvene_call
 from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 
@@ -56,9 +57,8 @@ def _run(ours: bool, component: str, unit_locations):
     return model, pv_model, call, handed
 
 
-@pytest.mark.parametrize("ours", [False, True])
-def test_pyvene_call_finds_the_module_its_inputs_and_the_locations(ours):
-    model, pv_model, call, handed = _run(ours, "model.layers[1].mlp.output",
+def test_pyvene_call_finds_the_module_its_inputs_and_the_locations():
+    model, pv_model, call, handed = _run(True, "model.layers[1].mlp.output",
                                          {"base": [[[1, 2]]]})
     mlp = get_module(model, "model.layers[1].mlp")
     assert call.module is mlp, CHANGED + f"the announced module is {type(call.module).__name__}"
@@ -82,28 +82,20 @@ def test_outside_pyvene_there_is_no_call():
     assert pyvene_call() is None
 
 
-def test_the_announcement_is_what_gives_the_call_and_pyvene_keeps_its_register_methods(
-        monkeypatch):
-    """Control: with pyvene's own setter back (the wrapper taken off), a plain model's
-    intervention gets no call and ours still does (its setter is its own); with it, pyvene's
-    ``intervention_hooks`` hold its own bound register methods again after each call, and the
-    wrapper is installed once."""
-    wrapped = pv.IntervenableModel._intervention_setter
-    assert wrapped.pvct_announcing
-    announce_plain_models(pv)
-    assert pv.IntervenableModel._intervention_setter is wrapped  # idempotent
-
-    model, pv_model, call, _ = _run(False, "model.layers[1].mlp.output", None)
+def test_only_our_model_announces_and_its_register_methods_come_back():
+    """A user's plain ``pv.IntervenableModel`` announces nothing (pyvene's class is left as it
+    is); ours does, and its ``intervention_hooks`` hold the register methods they held (our
+    recording ones, around pyvene's bound methods) again after each call."""
+    assert not hasattr(pv.IntervenableModel._intervention_setter, "__wrapped__")
+    model, pv_model, call, _ = _run(True, "model.layers[1].mlp.output", None)
     assert call is not None
     for key, method in pv_model.intervention_hooks.items():
         assert method.__self__ is get_module(model, "model.layers[1].mlp"), key
-        assert method.__func__ is torch.nn.Module.register_forward_hook, key
+        assert method.register.__func__ is torch.nn.Module.register_forward_hook, key
 
-    monkeypatch.setattr(pv.IntervenableModel, "_intervention_setter", wrapped.__wrapped__)
     recorder = _Recorder()
     bare = pv.IntervenableModel([{"component": "model.layers[1].mlp.output",
                                   "intervention": recorder}], make_tiny_model("llama"))
     with torch.no_grad():
         bare(base={"input_ids": torch.ones(1, 4, dtype=torch.long)})
     assert [found for found, _ in recorder.calls] == [None]
-    assert _run(True, "model.layers[1].mlp.output", None)[2] is not None

@@ -1,17 +1,26 @@
 """What the overwriting types (clean_restore, freeze) refuse, each in one line naming the type
 and the shapes: donor states of the wrong rank, rows without states or past the donors, unknown
 settings, a forward with no donor, a donor whose positions or width do not fit the component.
-A control in each: the same call with fitting inputs overwrites exactly the masked cells."""
+A control in each: the same call with fitting inputs overwrites exactly the masked cells. The
+calls are announced as our hooks announce theirs: a type with its own positions refuses a call
+that is not (pyvene's own class, or a direct call)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pyvene_causaltrace.errors import InputError
+from pyvene_causaltrace.errors import InputError, PyveneModelError
 from pyvene_causaltrace.interventions.restore import CleanRestore, Freeze
+from pyvene_causaltrace.pyvene_boundary.calls import calling
 
 BASE = torch.zeros(2, 5, 8)
+
+
+def announced(made, *args):
+    """``made(*args)`` with its call announced (to the whole value), as our hooks call it."""
+    with calling(torch.nn.Identity(), (BASE,), None):
+        return made(*args)
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -30,14 +39,17 @@ def test_a_donor_that_does_not_fit_the_component_is_refused():
     restore = CleanRestore(positions=[[1], [3]])
     with pytest.raises(InputError, match="clean_restore has no stored states and pyvene "
                                          "passed no source"):
-        restore(BASE)
+        announced(restore, BASE)
     with pytest.raises(InputError, match=r"donor states are \(2, 4, 8\), the component output "
                                          r"is \(2, 5, 8\)"):
-        restore(BASE, torch.ones(2, 4, 8))
+        announced(restore, BASE, torch.ones(2, 4, 8))
     with pytest.raises(InputError, match=r"freeze: donor states are \(2, 5, 6\)"):
-        Freeze(positions=[1])(BASE, torch.ones(2, 5, 6))
-    out = restore(BASE, torch.ones(2, 5, 8))  # the control: row 0 at 1, row 1 at 3, nothing else
+        announced(Freeze(positions=[1]), BASE, torch.ones(2, 5, 6))
+    # the control: row 0 at 1, row 1 at 3, nothing else
+    out = announced(restore, BASE, torch.ones(2, 5, 8))
     assert out.sum() == 16 and out[0, 1].eq(1).all() and out[1, 3].eq(1).all()
     stored = CleanRestore(positions=[2], states=torch.full((5, 8), 3.0), state_rows=[0, 0])
-    out = stored(BASE)  # one donor row shared by both rows, through state_rows
+    out = announced(stored, BASE)  # one donor row shared by both rows, through state_rows
     assert out[:, 2].eq(3).all() and out.sum() == 2 * 8 * 3
+    with pytest.raises(PyveneModelError, match="clean_restore has its own positions"):
+        stored(BASE)  # not announced: it could be a gathered or generated sequence

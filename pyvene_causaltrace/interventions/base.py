@@ -4,8 +4,8 @@ Positions, two ways. With its own ``positions`` (a list, a list per row, or a ``
 mask) a type acts on those positions of the component's whole ``[batch, seq, hidden]`` output —
 pass ``unit_locations=None`` (or ``None`` in its slot): this is how per-row masks and seeds work,
 which pyvene's ``unit_locations`` cannot express (they cannot skip a row and turn sticky once
-given an int). Without ``positions`` it acts on every position pyvene hands it, so pyvene's
-``unit_locations`` choose them, as for pyvene's built-ins.
+given an int); it needs our ``IntervenableModel``. Without ``positions`` it acts on every
+position pyvene hands it, so pyvene's ``unit_locations`` choose them, as for its built-ins.
 
 pyvene can build every type from the class: ``intervention_type=NoiseAdd`` gives the defaults,
 and ``NoiseAdd.configured(seeds=[0], sigma=0.1)`` is a class whose instances have those settings,
@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import InputError
-from ..pyvene_boundary.calls import pyvene_call
+from ..pyvene_boundary.calls import announced_call
 from ..pyvene_boundary.quiet_import import import_pyvene
 from .spec_entry import Site, SpecContext, extra_fields, generic_schema
 
@@ -197,16 +197,17 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
         the prompt had).
 
         ``positions`` and pyvene's ``unit_locations`` are two meanings of "where"; a call with
-        both is refused rather than guessed at. Inside ``IntervenableModel.generate``
+        both, or not announced (pyvene's own class, a direct call: it could be either), is
+        refused rather than guessed at. Inside ``IntervenableModel.generate``
         (``intervene_on_prompt=True``, ``unit_locations=None``) positions are the prompt's:
         the first forward is the prompt (offset 0); each later one holds the newest tokens,
         and its offset follows from the prompt's length and the step.
         """
         if self.positions is None:
             return offset, False
-        call = pyvene_call()
-        if call is None:
-            return offset, False
+        call = announced_call(self.registered_name, "has its own positions (built without them, "
+                              "pyvene's unit_locations choose) and must know this call's "
+                              "unit_locations and whether pyvene is generating")
         if call.unit_locations is not None:
             if call.generating:
                 raise InputError(

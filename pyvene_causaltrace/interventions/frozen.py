@@ -35,10 +35,10 @@ attention, Gemma).
     pv_model = IntervenableModel([{"component": "model.layers[0].self_attn.output",
                                    "intervention": FrozenAttention()}], model)
 
-Both read the hooked module and its inputs from the pyvene hook that calls them (see
-:func:`~pyvene_causaltrace.pyvene_boundary.calls.hooked_call`), so they run only inside an
-``IntervenableModel``. ``FrozenLayerNorm()`` without a ``kind`` reads it off the module's own
-output on the first call (which formula reproduces it), so pyvene can build it from the class.
+Both read the hooked module and its inputs from the call announced to them
+(:func:`~pyvene_causaltrace.pyvene_boundary.calls.announced_call`): in our ``IntervenableModel``
+or our runs, not pyvene's own. ``FrozenLayerNorm()`` without a ``kind`` reads it off the module's
+first output (which formula reproduces it), so pyvene can build it from the class.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from ..capture import capture
 from ..errors import InputError, SpecError, UnsupportedModelError
 from ..hooking import thread_view
 from ..models import get_module
-from ..pyvene_boundary.calls import hooked_call
+from ..pyvene_boundary.calls import announced_call
 from .base import CausalTraceIntervention
 from .spec_entry import Site, SpecContext
 
@@ -144,7 +144,8 @@ class FrozenLayerNorm(CausalTraceIntervention):
         return self._config["kind"]
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
-        module, args, kwargs = hooked_call()
+        call = announced_call(self.registered_name, "recomputes the norm from its inputs")
+        module, args, kwargs = call.module, call.args, call.kwargs
         x = args[0] if args else next(iter(kwargs.values()))
         if x.shape != base.shape:
             raise InputError(
@@ -439,7 +440,8 @@ class FrozenAttention(CausalTraceIntervention):
         return {"type": self.registered_name, "pattern": "clean", "layers": [site.layer]}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
-        module, args, call_kwargs = hooked_call()
+        call = announced_call(self.registered_name, "recomputes attention from its inputs")
+        module, args, call_kwargs = call.module, call.args, call.kwargs
         for name in _CACHE_KWARGS:
             cache = call_kwargs.get(name)
             if cache is None:

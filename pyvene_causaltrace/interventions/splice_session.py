@@ -12,11 +12,10 @@ state dict). Interventions built one by one — by pyvene from a class
 (``CLTSplice.configured(...)``, ``add_intervention``), or by ``pv.IntervenableModel.load`` —
 hold only that id, and find their siblings through the ``IntervenableModel`` that holds them
 all: :func:`bind_sessions` gives every group of such interventions with one id one session
-object, which they then hold. Our ``IntervenableModel`` binds when it is built, our runs bind a
-user's ``pv.IntervenableModel`` before they apply it, and inside a plain
-``pv.IntervenableModel``'s call the first splice intervention to run binds its model's. The
-state is the interventions': no table of sessions lives in this module. An intervention with
-only an id that runs outside any ``IntervenableModel`` gets a session of its own.
+object, which they then hold. Our ``IntervenableModel`` binds when it is built (and loaded, by
+its ``load``), and our runs bind a user's ``pv.IntervenableModel`` before they apply it; inside
+a plain ``pv.IntervenableModel``'s call such an intervention cannot find its siblings and is
+refused. The state is the interventions': no table of sessions lives in this module.
 
 A deep copy of a session (pyvene's ``save`` deep-copies its configuration, interventions
 included) is a new, empty session with the same id and ``selection``: the copies of one splice
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from ..pyvene_boundary.calls import pyvene_call
+from ..pyvene_boundary.calls import announced_call
 from ..transcoders.formats import load_transcoder
 from .base import CausalTraceIntervention
 
@@ -142,16 +141,13 @@ class SpliceIntervention(CausalTraceIntervention):
 
     @property
     def session(self) -> SpliceSession:
-        """The splice's shared state: the object given, or bound among the siblings in this
-        intervention's ``IntervenableModel`` (:func:`bind_sessions`; inside a plain
-        ``pv.IntervenableModel``'s call, bound on first use), else one of its own."""
+        """The splice's shared state: the object given, or bound among the siblings when our
+        ``IntervenableModel`` (or our runs) took them (:func:`bind_sessions`), else one of its
+        own in an announced call; refused in pyvene's own class (and in a direct call)."""
         if self.__dict__["_session_object"] is None:
-            call = pyvene_call()
-            owner = getattr(call, "owner", None)
-            if owner is not None:
-                bind_sessions(owner.interventions.values())
-            if self.__dict__["_session_object"] is None:  # outside an IntervenableModel
-                bind_sessions([self])
+            announced_call(self.registered_name, "holds only its splice's session id and must "
+                           "find its siblings through its model")
+            bind_sessions([self])
         return self.__dict__["_session_object"]
 
     def _session_id(self, session_id: str | None, source: str | None) -> str:

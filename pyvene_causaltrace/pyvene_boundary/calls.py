@@ -1,12 +1,12 @@
 """What pyvene's setter hook knows about an intervention's call and does not hand it.
 
 pyvene 0.1.8 hands an intervention only the (gathered) output. The types that recompute their
-module (``frozen_layernorm``, ``frozen_attention``) or place positions in ``generate`` read the
-module, its inputs, the call's ``unit_locations``, the owner and the key from
-:func:`pyvene_call`, announced by :func:`announcing_setter`: a wrapper of pyvene's
-``_intervention_setter`` that has them all as its and the hook's arguments (nothing reads a
-frame or a closure). Our ``IntervenableModel``'s setter is one; :func:`announce_plain_models`
-puts one on ``pv.IntervenableModel``. :func:`apply_like_pyvene` applies as pyvene's setter does.
+module (``frozen_layernorm``, ``frozen_attention``) or have their own positions read the module,
+its inputs, the call's ``unit_locations`` and the owner from :func:`pyvene_call`, announced by
+:func:`announcing_setter` (our ``IntervenableModel``'s setter: a wrapper of pyvene's with them all
+as its and the hook's arguments; no frame or closure is read) or by our own hooks
+(:func:`calling`). pyvene's own class is left as it is and announces nothing: there those types
+refuse (:func:`announced_call`). :func:`apply_like_pyvene` applies as pyvene's setter does.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InputError
+from ..errors import InputError, PyveneModelError
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class PyveneCall:
 
     ``module``, ``args``, ``kwargs``: the hooked module and its inputs; ``unit_locations``: this
     intervention's base locations in this call (None: every position); ``owner``: the
-    ``IntervenableModel``; ``key``: the intervention's key in it.
+    ``IntervenableModel`` (None in our own hooks); ``key``: the intervention's key in it.
     """
 
     module: nn.Module
@@ -59,14 +59,24 @@ _CALL: contextvars.ContextVar[PyveneCall | None] = contextvars.ContextVar("pvct_
 
 
 @contextlib.contextmanager
-def calling(call: PyveneCall) -> Iterator[None]:
-    """Inside the block :func:`pyvene_call` returns ``call``: for a hook runner that applies
-    an intervention itself (:func:`~pyvene_causaltrace.runtime.intervened`)."""
-    token = _CALL.set(call)
+def calling(module: nn.Module, args: tuple, kwargs: dict | None, unit_locations: Any = None,
+            owner: Any = None, key: str = "") -> Iterator[None]:
+    """Inside the block :func:`pyvene_call` returns this call (:class:`PyveneCall`'s fields):
+    for a hook of ours that applies an intervention itself, to the whole value by default
+    (:func:`~pyvene_causaltrace.runtime.intervened`, the trace engine, a user's edits)."""
+    token = _CALL.set(PyveneCall(module, tuple(args), dict(kwargs or {}), unit_locations, owner,
+                                 key))
     try:
         yield
     finally:
         _CALL.reset(token)
+
+
+def applied(intervention: nn.Module, value: torch.Tensor, call: Any) -> torch.Tensor:
+    """``intervention(value)`` in a hook of ours, the hook's ``call`` (the applier's: module
+    and inputs) announced, to the whole value: the trace engine's direct application."""
+    with calling(call.module, call.args, call.kwargs):
+        return intervention(value)
 
 
 def pyvene_call() -> PyveneCall | None:
@@ -81,9 +91,7 @@ def _announcing(register, owner, key: str, locations: list, index: int):
     that its calls set their :class:`PyveneCall` for :func:`pyvene_call`."""
     def register_announced(hook, *args: Any, **kwargs: Any):
         def announced(module, hook_args, hook_kwargs, *output):
-            call = PyveneCall(module, tuple(hook_args), dict(hook_kwargs or {}),
-                              locations[index], owner, key)
-            with calling(call):
+            with calling(module, hook_args, hook_kwargs, locations[index], owner, key):
                 return hook(module, hook_args, hook_kwargs, *output)
         return register(announced, *args, **kwargs)
     return register_announced
@@ -105,36 +113,20 @@ def announcing_setter(setter):
         finally:
             hooks.update(saved)
 
-    _intervention_setter.pvct_announcing = True
     return _intervention_setter
 
 
-def pyvene_setter(pv):
-    """pyvene's own ``_intervention_setter`` (under :func:`announce_plain_models`' wrapper)."""
-    setter = pv.IntervenableModel._intervention_setter
-    return getattr(setter, "__wrapped__", setter)
-
-
-def announce_plain_models(pv) -> None:
-    """:func:`announcing_setter` put on ``pv.IntervenableModel`` (idempotent; ``import_pyvene``
-    calls it), the one change the package makes to a pyvene class: without it a plain one's
-    ``frozen_layernorm``/``frozen_attention`` cannot recompute their module, a type with
-    positions cannot tell ``generate``'s steps or refuse ``unit_locations`` given too, and a
-    loaded splice cannot find its siblings (pyvene hands none of that to an intervention)."""
-    klass = pv.IntervenableModel
-    if not getattr(klass._intervention_setter, "pvct_announcing", False):
-        klass._intervention_setter = announcing_setter(klass._intervention_setter)
-
-
-def hooked_call() -> tuple[nn.Module, tuple, dict]:
-    """The module, positional and keyword inputs of the pyvene forward hook calling the caller
-    (``frozen_layernorm``, ``frozen_attention``: they recompute the module)."""
+def announced_call(name: str, needs: str) -> PyveneCall:
+    """The announced call (:func:`pyvene_call`) of a type ``name`` that ``needs`` it; refused
+    without one — a plain ``pv.IntervenableModel``'s hook (or a direct call) announces none."""
     call = pyvene_call()
     if call is None:
-        raise RuntimeError(
-            "frozen_layernorm / frozen_attention must run on a module's output inside a pyvene "
-            "IntervenableModel")
-    return call.module, call.args, call.kwargs
+        raise PyveneModelError(
+            f"{name} {needs}, which pyvene's own IntervenableModel does not hand an intervention "
+            "(nor does a direct call): build the model with "
+            "pyvene_causaltrace.IntervenableModel(...), and load a saved one with "
+            "pyvene_causaltrace.IntervenableModel.load(...), not pv.IntervenableModel.load")
+    return call
 
 
 def apply_like_pyvene(intervention: nn.Module, value: torch.Tensor) -> torch.Tensor:

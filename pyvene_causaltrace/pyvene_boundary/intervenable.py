@@ -1,15 +1,15 @@
 """Our ``IntervenableModel``: pyvene's, leaving the user's model as it found it (its hooks, its
-``requires_grad`` flags), its setter hooks announcing their calls; :func:`preserve_hooks` keeps
-the hooks for a block of calls of a user's plain ``pv.IntervenableModel``. Nothing here writes
-torch's hook tables: hooks are added through the modules' ``register_*`` methods and removed
-through their handles.
+``requires_grad`` flags), its setter hooks announcing their calls, loading as itself;
+:func:`preserve_hooks` keeps the hooks for a block of calls of a user's plain
+``pv.IntervenableModel``. Nothing here writes torch's hook tables: hooks are added through the
+modules' ``register_*`` methods and removed through their handles.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 from ..errors import PyveneModelError
 from ..hooking import register, release
 from ..models import is_intervenable
-from .calls import announcing_setter, pyvene_setter
+from .calls import announcing_setter
 from .quiet_import import import_pyvene
 
 
@@ -52,12 +52,12 @@ def _record_registers(pv_model, handles: list, gate: bool) -> None:
             pv_model.intervention_hooks[key] = _RecordedRegister(method, handles, gate)
 
 
-def bind_shared_state(pv_model) -> None:
-    """Let the interventions of ``pv_model`` that share state by id (a splice built one by one,
+def bind_shared_state(interventions: Iterable[nn.Module]) -> None:
+    """Let ``interventions`` (one model's) that share state by id (a splice built one by one,
     or loaded) bind it among themselves: a class that shares so defines a class method
     ``bind_shared(interventions)`` (:meth:`~.interventions.splice_session.SpliceIntervention.
-    bind_shared`), called once with all of the model's interventions."""
-    made = list(pv_model.interventions.values())
+    bind_shared`), called once with all of them."""
+    made = list(interventions)
     binders = {}
     for klass in {type(m) for m in made}:
         bind = getattr(klass, "bind_shared", None)
@@ -103,6 +103,19 @@ def preserve_hooks(pv_model) -> Iterator[None]:
         del pv_model._remove_forward_hooks
         pv_model.intervention_hooks.update(saved)
         _remove_handles(handles)
+
+
+@contextlib.contextmanager
+def _as_found(model: nn.Module) -> Iterator[None]:
+    """After the block the model's ``requires_grad`` flags and train/eval mode are as before
+    it (pyvene's ``IntervenableModel.__init__`` lowers the flags and sets eval mode)."""
+    flags, training = [(p, p.requires_grad) for p in model.parameters()], model.training
+    try:
+        yield
+    finally:
+        for parameter, flag in flags:
+            parameter.requires_grad_(flag)
+        model.train(training)
 
 
 @contextlib.contextmanager
@@ -162,33 +175,38 @@ def intervenable_model_class():
         for the model's weights (their flags are lowered for the call and put back after).
         ``keep_model_gradients=True`` (our attribution, which differentiates by the model's
         biases) keeps the flags on during the call too. Saved with ``save()``, it loads back
-        with plain ``pv.IntervenableModel.load``. (pyvene's ``train_alignment`` still calls
-        pyvene's module-level hook removal directly, on every hook.)
+        with its :meth:`load`. (pyvene's ``train_alignment`` still calls pyvene's module-level
+        hook removal directly, on every hook.)
 
         Its hooks act only on the forwards of the thread that called it: a forward of the
         wrapped model from another thread meanwhile sees the bare model. Its setter hooks
         announce their calls to :func:`~.calls.pyvene_call` (its own setter is
-        :func:`~.calls.announcing_setter` of pyvene's).
+        :func:`~.calls.announcing_setter` of pyvene's; pyvene's class is left as it is).
         """
 
         def __init__(self, config: Any, model: nn.Module, *,
                      keep_model_gradients: bool = False, **kwargs: Any) -> None:
-            flags = [(p, p.requires_grad) for p in model.parameters()]
-            training = model.training
-            # before pyvene's __init__: whatever of it removes hooks removes only these
-            object.__setattr__(self, "_pyvene_handles", [])
-            super().__init__(config, model, **kwargs)
-            for parameter, flag in flags:
-                parameter.requires_grad_(flag)
-            model.train(training)
+            with _as_found(model):
+                # before pyvene's __init__: whatever of it removes hooks removes only these
+                object.__setattr__(self, "_pyvene_handles", [])
+                super().__init__(config, model, **kwargs)
             self._keep_model_gradients = keep_model_gradients
             _record_registers(self, self._pyvene_handles, gate=True)
-            bind_shared_state(self)
+            bind_shared_state(self.interventions.values())
 
         def _remove_forward_hooks(self) -> None:
             _remove_handles(self._pyvene_handles)
 
-        _intervention_setter = announcing_setter(pyvene_setter(pv))  # announced calls
+        _intervention_setter = announcing_setter(pv.IntervenableModel._intervention_setter)
+
+        @classmethod
+        def load(cls, load_directory: str, model: nn.Module, *args: Any, **kwargs: Any):
+            """pyvene's ``load`` (which builds pyvene's own class by name), giving this class."""
+            with _as_found(model):
+                loaded = pv.IntervenableModel.load(load_directory, model, *args, **kwargs)
+            loaded.config.representations = [rep._replace(intervention=made) for rep, made in zip(
+                loaded.config.representations, loaded.interventions.values(), strict=True)]
+            return cls(loaded.config, model)
 
         # -- pyvene's training surface: the model's weights count only once enabled
         def _model_trains(self) -> bool:

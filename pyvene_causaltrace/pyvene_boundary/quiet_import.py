@@ -7,16 +7,13 @@ from __future__ import annotations
 import contextlib
 import io
 
-from .calls import announce_plain_models
-
 
 def import_pyvene():
-    """``import pyvene`` with its import-time print about nnsight swallowed; a user's plain
-    ``pv.IntervenableModel`` announces its calls (:func:`~.calls.announce_plain_models`)."""
+    """``import pyvene`` with its import-time print about nnsight swallowed; no attribute of a
+    pyvene class is changed (``tests/test_pyvene_untouched.py``)."""
     with contextlib.redirect_stdout(io.StringIO()):
         import pyvene  # pyvene prints on import: only import_pyvene() imports it, quietly
     register_architectures()
-    announce_plain_models(pyvene)
     return pyvene
 
 

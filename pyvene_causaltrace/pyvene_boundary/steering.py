@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .calls import apply_like_pyvene
+from .calls import apply_like_pyvene, calling
 
 
 @dataclass(frozen=True)
@@ -95,14 +95,16 @@ def collect_steering() -> Iterator[list[SteeringLeaf]]:
 
 def steering_edit(intervention: nn.Module, site: SteeringSite):
     """The :mod:`~..applier` edit applying ``intervention`` as pyvene does (a new value: the
-    applier's rule), its constant part recorded in :func:`collect_steering`."""
-    def steer(value: torch.Tensor, _call=None) -> torch.Tensor:
-        edited = apply_like_pyvene(intervention, value)
-        collected = _STEERING.get()
-        if collected is None:
-            return edited
-        with torch.no_grad():
-            constant = apply_like_pyvene(intervention, torch.zeros_like(value)).detach()
+    applier's rule; its call announced, to the whole value), its constant part recorded in
+    :func:`collect_steering`."""
+    def steer(value: torch.Tensor, call) -> torch.Tensor:
+        with calling(call.module, call.args, call.kwargs, key=site.key):
+            edited = apply_like_pyvene(intervention, value)
+            collected = _STEERING.get()
+            if collected is None:
+                return edited
+            with torch.no_grad():
+                constant = apply_like_pyvene(intervention, torch.zeros_like(value)).detach()
         if not torch.is_grad_enabled():  # inside a module whose output is recomputed
             collected.append(SteeringLeaf(site, None, constant, reached=False))
             return edited

@@ -109,7 +109,7 @@ def applied_interventions(bound: BoundModel) -> Iterator[nn.Module]:
         yield bound.model
         return
     model, edits = bound.given, user_edits(bound)
-    bind_shared_state(model)
+    bind_shared_state(model.interventions.values())
     names = {module: name for name, module in model.model.named_modules()}
     hooks = []
     for key, made, representation in edits:

@@ -44,6 +44,7 @@ from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore, Freeze, WindowRestore
 from ..locations import window_layers
 from ..models import get_module
+from ..pyvene_boundary.calls import applied
 from .chunks import Chunk, ChunkCost, plan_chunks
 from .head import ReusedHead
 from .metrics import token_probs
@@ -183,7 +184,7 @@ class TraceEngine:
         clean = torch.zeros_like(self._noise_delta[:1])
         noise.retarget(torch.cat([clean, self._noise_delta]),
                        torch.arange(1 + len(self.seeds), device=self.device))
-        return Edit(self.bound.at("embed"), lambda value, _call: noise(value))
+        return Edit(self.bound.at("embed"), lambda value, call: applied(noise, value, call))
 
     def restore_layers(self, kind: TraceKind, layer: int, window: int) -> list[int]:
         return window_layers(layer, window, self.n_layers) if kind.windowed else [layer]
@@ -386,16 +387,16 @@ class _RunHooks:
     def _edit(self, component: str) -> Edit:
         self.active[component] = None
 
-        def apply(value: torch.Tensor, _call: Call) -> torch.Tensor | None:
+        def apply(value: torch.Tensor, call: Call) -> torch.Tensor | None:
             made = self.active[component]
-            return None if made is None else made(value)
+            return None if made is None else applied(made, value, call)
 
         return Edit(self.engine.bound.site_of(component), apply)
 
-    def _add_noise(self, value: torch.Tensor, _call: Call) -> torch.Tensor | None:
+    def _add_noise(self, value: torch.Tensor, call: Call) -> torch.Tensor | None:
         """``noise_add`` (the engine's, :meth:`NoiseAdd.retarget` to the chunk's rows) when
         the chunk computes from the embeddings."""
-        return self.engine.noise(value) if self.noise_on else None
+        return applied(self.engine.noise, value, call) if self.noise_on else None
 
     def forward(self, chunk: Chunk, index: torch.Tensor) -> torch.Tensor:
         """P(answer) of the chunk's rows (``index``: their row indices on the device; sorted by

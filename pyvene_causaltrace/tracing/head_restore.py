@@ -34,6 +34,7 @@ from ..applier import Call, Edit, applying
 from ..capture import capture
 from ..errors import InputError
 from ..interventions.restore import CleanRestore
+from ..pyvene_boundary.calls import applied
 from .engine import TraceEngine
 from .metrics import token_probs
 
@@ -145,11 +146,11 @@ class HeadRestorer:
                 if not call.args or call.args[0] is not z:
                     raise InputError(f"layer {layer}'s attention output projection was called "
                                      "without its input as the first argument")
-                return restore(self._units(z)).reshape(z.shape)
+                return applied(restore, self._units(z), call).reshape(z.shape)
             return edit
 
         bound = engine.bound
-        edits = [Edit(bound.at("embed"), lambda value, _call: engine.noise(value))]
+        edits = [Edit(bound.at("embed"), lambda value, call: applied(engine.noise, value, call))]
         edits += [Edit(bound.at("attn_out", layer, "input"), restore_heads(layer))
                   for layer in self.layers]
         out = torch.empty(len(seed_of), dtype=torch.float64)
