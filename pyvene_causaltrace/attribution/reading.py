@@ -1,27 +1,20 @@
 """Reading a graph: influence, pruning and scores, with circuit-tracer's semantics, from the
 sparse rows of a :class:`~.store.RowStore` — never an ``N x N`` matrix.
 
-Nodes are ordered features (every active feature), errors, steering (the constant parts of a
-user's pyvene interventions; none in a plain model's graph), tokens, logits (circuit-tracer's
-order, with steering where circuit-tracer has none); ``A[t, s]`` is source ``s``'s direct
-effect on target ``t``, nonzero only in the rows the store holds (the logit and the features
-whose rows were computed; every other node is a leaf).
+Node order is :mod:`.graph`'s; ``A[t, s]`` is source ``s``'s direct effect on target ``t``,
+nonzero only in the stored rows (every other node is a leaf).
 
-- influence: ``w @ (N + N^2 + ...)`` with ``N`` = ``|A|``, each row scaled to sum to 1, and ``w``
-  the logit weights. Only nodes with rows pass influence on, so the series runs on the rows x
-  row-nodes part of ``N`` and one last pass spreads it to every column. The graph is acyclic (a
-  node reads earlier layers only), so the series ends after at most ``n_layers + 2`` terms.
-- :func:`prune`: keep the nodes carrying ``node_threshold`` of the cumulative influence (tokens
-  and logits always), then the edges carrying ``edge_threshold`` of the cumulative edge score
-  ``N_kept[t, s] * (influence_kept[t] + w[t])``, then drop nodes left without edges;
-- :func:`graph_scores`: replacement score (input influence / (input + error influence), the
-  inputs being tokens and steering nodes) and completeness score (influence-weighted share of
-  incoming edge weight not from errors).
+- influence: ``w @ (N + N^2 + ...)``, ``N`` = ``|A|`` with rows scaled to sum to 1, ``w`` the
+  logit weights; the series runs on the rows x row-nodes part, one last pass spreads it to
+  every column, and ends within ``n_layers + 2`` terms (the graph is acyclic).
+- :func:`prune`: the nodes carrying ``node_threshold`` of cumulative influence (tokens and
+  logits always), then the edges carrying ``edge_threshold`` of cumulative edge score
+  ``N_kept[t, s] * (influence_kept[t] + w[t])``, then nodes left without edges dropped.
+- :func:`graph_scores`: replacement score (input influence / (input + error influence);
+  inputs are tokens and steering nodes) and completeness score.
 
-Thresholds are found by :func:`threshold_for` without sorting all edges: a histogram over the
-scores' float bits finds the bucket where the cumulative share crosses, and only that bucket is
-sorted (circuit-tracer sorts all ``n^2`` edge scores, its OOM at ~63k nodes).
-"""
+:func:`threshold_for` finds a threshold from a histogram of the scores' float bits, sorting one
+bucket (circuit-tracer sorts all ``n^2`` scores, its OOM at ~63k nodes)."""
 
 from __future__ import annotations
 

@@ -120,11 +120,9 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
          model_name: str = "", scan: str | None = None,
          shard: tuple[int, int] | None = None, **_ignored) -> Transcoder:
     """A per-layer TopK set from a sparsify run directory (one subdirectory per layer's MLP).
-    ``shard=(rank, world)``: only that rank's features (:func:`~..transcoder.feature_range`) of
-    each layer are read — row slices of ``encoder.weight``, ``encoder.bias`` and ``W_dec``
-    through safetensors' ``get_slice`` (a view of the memory-mapped decoder with
-    ``lazy_decoder``), every file's whole shapes checked from its header first; never a whole
-    encoder or decoder. Its top-k is then a collective over the ranks."""
+    ``shard=(rank, world)`` reads only that rank's rows of ``encoder.weight``, ``encoder.bias``
+    and ``W_dec`` (``get_slice``), never a whole encoder or decoder; its top-k is then a
+    collective over the ranks."""
     root = Path(source).expanduser()
     found = _hookpoints(root)
     if not found:
