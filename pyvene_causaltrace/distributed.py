@@ -251,12 +251,11 @@ def _store(launch: Launch, timeout_s: float):
 
 def init(timeout_s: float = TIMEOUT_S, rendezvous_s: float = RENDEZVOUS_TIMEOUT_S,
          backend: str | None = None) -> Ranks | None:
-    """Join the launcher's process group (``backend``; default gloo on CPU, NCCL when this
-    rank has a GPU) unless one is initialised already; returns :func:`current`. The
-    environment is checked first (:func:`environment`); without one it does nothing and
-    returns None. Reaching rank 0's store waits at most ``rendezvous_s``, every rank's
-    arrival and each collective at most ``timeout_s``: each fails as a
-    :class:`DistributedError`, never a hang."""
+    """Join the launcher's process group (``backend``: gloo on CPU, NCCL on a GPU rank)
+    unless one exists; returns :func:`current`, or None without a launcher's environment
+    (checked first, :func:`environment`). Rank 0's store is awaited at most ``rendezvous_s``,
+    every rank and each collective at most ``timeout_s``: a :class:`DistributedError`, never a
+    hang."""
     launch = environment()
     if not dist.is_initialized():
         if launch is None:

@@ -48,9 +48,7 @@ def tokenize_prompt(
     input_ids = encoded["input_ids"]
     offsets = encoded["offset_mapping"][0].tolist()
     tokens = tuple(tokenizer.decode([i]) for i in input_ids[0].tolist())
-    span = None
-    if subject is not None:
-        span = _subject_span(prompt, subject, occurrence, offsets)
+    span = None if subject is None else _subject_span(prompt, subject, occurrence, offsets)
     return TokenizedPrompt(prompt, input_ids, tokens, subject, span)
 
 

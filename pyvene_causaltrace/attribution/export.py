@@ -37,14 +37,10 @@ KINDS = ("cross layer transcoder", "mlp reconstruction error", "embedding", "log
 
 def check_graph_json(payload: dict) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``payload`` matches Neuronpedia's graph
-    schema, or :class:`InputError` if a node is of a kind the export does not write, two nodes
-    of one kind share an id, or a link names a node that is not there.
-
-    Graphs of every circuit-tracer version read the same: nodes are told apart by
-    ``feature_type``, never by their ids. circuit-tracer 0.5.0 wrote error ids
-    ``"0_{layer}_{pos}"``, which a layer-0 feature's id can equal; such a file is accepted (its
-    links naming the shared id cannot say which node they mean: the viewer leaves them
-    undrawn); the export writes ``"{layer}_-1_{pos}"``, which never collides."""
+    schema, or :class:`InputError` for a node kind the export does not write, two nodes of one
+    kind sharing an id, or a link to a missing node. Nodes are told apart by ``feature_type``, so
+    circuit-tracer 0.5.0's error ids ``"0_{layer}_{pos}"`` (which can equal a layer-0 feature's)
+    are accepted; the viewer leaves links naming a shared id undrawn."""
     validate(payload)
     kinds: dict[str, set[str]] = {}
     for node in payload["nodes"]:
@@ -110,15 +106,12 @@ def graph_json(graph, slug: str | None = None,
                max_links: int | None = _READING.max_links,
                labels: Mapping[tuple[int, int], str] | None = None,
                attention=None, *, settings: ReadingSettings | None = None) -> dict[str, Any]:
-    """The viewer's JSON for ``graph`` pruned at the two thresholds; when the pruned graph has
-    more than ``max_links`` edges, the ``max_links`` of largest edge score are written (and
-    the metadata says so); ``settings`` (a :class:`~.settings.ReadingSettings`) gives the
-    three at once. ``labels`` (``{(layer, feature): text}``, see :func:`read_labels`)
-    become the features' ``clerp``; ``metadata.scan`` is the transcoder's Neuronpedia scan when
-    it has one (so the viewer links features to their pages), else the model's name.
-    ``attention`` (:func:`~.attention.attention_annotations`) adds the heads of the links
-    that cross positions and their QK terms. Labels of features the graph's transcoder does not
-    have, and annotations of another graph, are refused (:mod:`.identity`)."""
+    """The viewer's JSON for ``graph`` pruned at the two thresholds (or ``settings``), at most
+    ``max_links`` links of largest edge score (the metadata says when capped). ``labels``
+    (``{(layer, feature): text}``, :func:`read_labels`) become the features' ``clerp``;
+    ``metadata.scan`` is the transcoder's Neuronpedia scan, else the model's name; ``attention``
+    (:func:`~.attention.attention_annotations`) adds heads and QK terms. Labels the transcoder
+    lacks and another graph's annotations are refused (:mod:`.identity`)."""
     reading = ReadingSettings.merged(settings, node_threshold=node_threshold,
                                     edge_threshold=edge_threshold, max_links=max_links)
     max_links = reading.max_links

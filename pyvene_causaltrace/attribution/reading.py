@@ -137,15 +137,11 @@ _SHIFT = 12  # histogram buckets: float32 bit patterns >> 12 (relative width ~5e
 
 def threshold_for(chunks: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
                   fraction: float) -> float:
-    """The smallest score among the top scores that together carry ``fraction`` of the total
-    (clamped to the smallest nonzero score; ``fraction=1`` keeps every nonzero score, never
-    zeros); ``inf`` when all scores are zero.
-
-    ``chunks``: the (nonnegative) scores as one tensor, a list of tensors, or a callable that
-    yields them afresh (it is called twice), so that scores need never be held at once.
-    Equals sorting every score descending and taking the first where the cumulative sum
-    reaches ``fraction`` of the total (float64 sums).
-    """
+    """The smallest score among the top scores that together carry ``fraction`` of the total,
+    as sorting every score and cumulating in float64 would give (clamped to the smallest nonzero
+    score: ``fraction=1`` keeps every nonzero one; ``inf`` when all are zero). ``chunks``: the
+    nonnegative scores as a tensor, a list of them, or a callable yielding them afresh (called
+    twice), so scores need never be held at once."""
     if not 0.0 <= fraction <= 1.0:
         raise InputError(f"a threshold is a fraction in [0, 1], got {fraction}")
     if isinstance(chunks, torch.Tensor):

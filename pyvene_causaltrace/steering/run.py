@@ -43,14 +43,11 @@ __all__ = ["FeatureInterventionResult", "check_feature_interventions", "feature_
 
 @dataclass
 class FeatureInterventionResult:
-    """What :func:`~.run.intervene_features` measured.
-
-    ``logits`` / ``clean_logits``: ``[vocab]`` float32 at the last prompt position, with the
-    interventions and of the plain model. ``generated_ids`` / ``clean_generated_ids``: the
-    greedy continuations (empty without ``max_new_tokens``). ``top``: the ``top_k`` tokens of
-    each run (``run, rank, token_id, token, logit, prob``). ``spec``: the JSON spec whose
-    ``run_spec`` reproduces the intervened logits (None when the transcoder was not read from
-    files: a spec names it by path)."""
+    """What :func:`~.run.intervene_features` measured: ``logits`` / ``clean_logits`` ``[vocab]``
+    float32 at the last prompt position, with the interventions and without; the greedy
+    continuations (empty without ``max_new_tokens``); ``top``, the ``top_k`` tokens of each run;
+    ``spec``, whose ``run_spec`` reproduces the intervened logits (None for a transcoder not read
+    from files: a spec names it by path)."""
 
     prompt: str
     tokens: list[str]

@@ -45,14 +45,11 @@ _DEFAULT = TraceSettings()
 
 @dataclass(frozen=True)
 class ControlReport:
-    """The controls that can fail (the grid's corners cannot: they hold for any donor).
-
-    - ``corrupted_donor_max_abs``: restoring every cell from the corrupted run's own states must
-      leave P(answer) at its corrupted value; the largest change over all cells and seeds.
-    - ``window_vs_single``: at the last position, a residual restore over a window of layers
-      equals the single-layer restore at the window's last layer; ``(window layers,
-      |difference|)`` per window tried.
-    """
+    """The controls that can fail (the grid's corners hold for any donor):
+    ``corrupted_donor_max_abs``, the largest change of P(answer) when every cell restores the
+    corrupted run's own states (should be 0), and ``window_vs_single``, per window tried at the last
+    position, ``(window layers, |difference|)`` between a residual window restore and the
+    single-layer restore at the window's last layer (should be 0)."""
 
     corrupted_donor_max_abs: float
     window_vs_single: list[tuple[list[int], float]]

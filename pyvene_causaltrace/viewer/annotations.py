@@ -240,12 +240,10 @@ def lock_path(target: Path) -> Path:
 
 @contextmanager
 def _file_lock(target: Path, name: str) -> Iterator[None]:
-    """Hold ``target``'s lock file (an operating-system ``flock``, dropped when its process
-    ends); a save that waited :data:`LOCK_WAIT_S` for another process's is refused (503). The
-    lock file is removed however the block ends (a full disk, a refusal, an error): unlinked
-    while still locked, and a lock is only taken on the file the path names at that moment (one
-    a finishing save unlinked is let go and the path opened again), so removing it never lets
-    two saves hold the lock at once."""
+    """Hold ``target``'s lock file (a ``flock``, dropped when its process ends); a save that
+    waited :data:`LOCK_WAIT_S` is refused (503). The file is unlinked while still locked however
+    the block ends, and a lock counts only on the file the path names at that moment, so removing
+    it never lets two saves in at once."""
     path = lock_path(target)
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:

@@ -4,12 +4,11 @@
     root/layers.{l}.mlp/sae.safetensors   encoder.weight [F, D], encoder.bias [F], W_dec [F, D],
                                           b_dec [D], W_skip [D, D] (skip_connection)
 
-(``h.{l}.mlp`` for GPT-2.) The transcoder reads the MLP module's input and predicts its output
-(circuit-tracer's ``mlp.hook_in`` / ``mlp.hook_out``). Encode: ``relu(x @ W_enc.T + b_enc)``, then
-the ``k`` largest per token; decode adds ``x @ W_skip.T``. Files written before sparsify stored
-``transcode`` subtracted ``b_dec`` from the input first: that is folded exactly into the encoder
-bias (``b_enc - W_enc @ b_dec``). ``transcode: false`` marks a plain SAE, which is refused.
-"""
+(``h.{l}.mlp`` for GPT-2.) It reads the MLP module's input and predicts its output
+(``mlp.hook_in`` / ``mlp.hook_out``): ``relu(x @ W_enc.T + b_enc)``, the ``k`` largest per
+token, decoded plus ``x @ W_skip.T``. Files from before sparsify stored ``transcode``
+subtracted ``b_dec`` from the input first: folded exactly into ``b_enc - W_enc @ b_dec``.
+``transcode: false`` (a plain SAE) is refused."""
 
 from __future__ import annotations
 
