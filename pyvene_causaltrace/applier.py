@@ -3,40 +3,15 @@
     with applying(model, [Edit(Site(block, "output"), restore), Edit(Site(embed, "output"), add)]):
         logits = model(input_ids=ids).logits
 
-An :class:`Edit` is a function ``fn(value, call) -> tensor | None`` at a :class:`Site` — a
-module's output (its first element when it returns a tuple) or its input (the first positional
-argument, or the first keyword argument of a keyword-only call); ``call`` is the
-:class:`Call` (module, args, kwargs) it happens in. None means "no change": a reader (a
-capture) or a switch (grad mode) returns it. Everything the package does inside a forward is
-such an edit: the trace engine's restores and noise, per-head restores, the splice, frozen
-norms and attention, captures, a user's pyvene interventions and their steering leaves.
-
-**One hook per site.** However many edits target a site in one thread, the site carries one
-hook of ours (:func:`~.hooking.register`, gated to the thread), which runs them in the order
-they were added — an outer block's (a user's interventions, added by the measurement) before an
-inner one's (the run's own) — each on the value the previous left. The hook comes off when the
-site's last edit leaves; edits leave when the block that added them ends, however it ends.
-
-**The rule: an edit replaces the site's value.** The hook hands the new value on — returns the
-new output, or the new first argument — so the module's readers see it, and the tensor the
-module produced or was handed is never written. That is why it was chosen over writing in
-place: a tensor autograd saved for the backward is never modified under it (no "modified by an
-inplace operation"), a no-grad view is never written into, nothing is copied back, and an edit
-may narrow what a module computes (the engine's last MLP on the last position alone). One kind
-of site needs the same rule carried out differently: an input that *is* the residual stream
-(the adapter's ``resid_pre`` / ``resid_mid``, the input of a block's norm, which the block's
-residual add reads too without calling any module). There the readers of the site are the norm
-and the add, and the add holds the tensor itself, so the new value is copied into it; a
-:class:`Site` says which it is (``stream=True``), as the bound model knows
-(:attr:`~.bound.BoundModel.stream_inputs`). This is what pyvene's setter does at such a site,
-and the numbers of a spec run equal pyvene's bit for bit (``tests/test_runtime.py``).
-
-Edits carry a ``group``: a replayed block (:mod:`.tracing.replay`) runs only the edits of the
-groups :func:`only` keeps, in the blocks it names — its stored outputs already hold the
-others'.
-
-This module imports nothing from the package but :mod:`.hooking` and :mod:`.errors`.
-"""
+An :class:`Edit` is ``fn(value, call) -> tensor | None`` (None: no change, as a reader or a
+switch returns) at a :class:`Site`: a module's output (a tuple's first element) or its input
+(the first positional argument, else the first keyword one). Each site carries one hook of
+ours per thread, running its edits in the order added (outer blocks first). The rule: an
+edit *replaces* the site's value, never writing the tensor autograd may have saved — except
+at a residual-stream input (``Site(stream=True)``), where the block's add holds the tensor
+itself and the new value is copied into it, as pyvene's setter does. A replayed block runs
+only the groups :func:`only` keeps. Why: docs/interventions.md, "One applier". Imports only
+:mod:`.hooking` and :mod:`.errors` from the package."""
 
 from __future__ import annotations
 
@@ -61,7 +36,7 @@ __all__ = ["Call", "Edit", "Site", "applying", "edits_on", "handle_ids", "only",
 @dataclass(frozen=True)
 class Site:
     """A module's ``"output"`` or ``"input"``; ``stream``: an input that is the residual stream
-    (module docstring: the new value is copied into it)."""
+    (the new value is copied into it)."""
 
     module: nn.Module
     where: str
@@ -171,7 +146,7 @@ class _Applier:
             new = self._run(hook, value, Call(module, args, kwargs, output))
             if new is value:
                 return None
-            return (new, *output[1:]) if isinstance(output, tuple) else new
+            return (new, *output[1:]) if is_tuple else new
         return apply
 
     def _input_hook(self, hook: _SiteHook):

@@ -1,23 +1,18 @@
 """The ranks of a ``torch.distributed`` run, as our methods see them: who we are, the
 collectives they need, and one clear error when a rank disagrees, dies or hangs.
 
-A method runs distributed when a process group is initialised with more than one rank (under
-``torchrun``, or a user's own script) and the caller has not asked for a local run
-(:func:`alone`: each rank then works on its own, e.g. its own prompts). Every collective goes
-through :func:`collective`, which turns the backend's failure — a peer's socket closed (a rank
-killed), the group's timeout (a rank hung) — into one :class:`~.errors.DistributedError` naming
-this rank and the step, instead of a backend traceback or a hang.
+A method runs distributed when a process group of more than one rank is initialised and the
+caller has not asked for a local run (:func:`alone`). Every collective goes through
+:func:`collective`, which turns the backend's failure (a peer's socket closed, the group's
+timeout) into one :class:`~.errors.DistributedError` naming this rank and the step.
 
     ranks = current()                    # None: one process (or alone())
     total = ranks.all_reduce(partial)    # sum over ranks, the same on every rank
     ranks.agree("model", fingerprint)    # DistributedError naming the ranks that differ
 
-The launcher's environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``) is read through one check, :func:`environment`, before anything waits on it:
-a variable missing, not an integer or out of range is an :class:`~.errors.InputError` naming it,
-its value and what is allowed. Joining the group (:func:`init`) waits at most
-:data:`RENDEZVOUS_TIMEOUT_S` for rank 0's store and :data:`TIMEOUT_S` for every rank to arrive.
-"""
+The launcher's variables are checked by :func:`environment` before anything waits on them;
+:func:`init` waits at most :data:`RENDEZVOUS_TIMEOUT_S` for rank 0's store and
+:data:`TIMEOUT_S` for every rank."""
 
 from __future__ import annotations
 
@@ -256,12 +251,11 @@ def _store(launch: Launch, timeout_s: float):
 
 def init(timeout_s: float = TIMEOUT_S, rendezvous_s: float = RENDEZVOUS_TIMEOUT_S,
          backend: str | None = None) -> Ranks | None:
-    """Join the launcher's process group (``backend``; default gloo on CPU, NCCL when this
-    rank has a GPU) unless one is initialised already; returns :func:`current`. The
-    environment is checked first (:func:`environment`); without one it does nothing and
-    returns None. Reaching rank 0's store waits at most ``rendezvous_s``, every rank's
-    arrival and each collective at most ``timeout_s``: each fails as a
-    :class:`DistributedError`, never a hang."""
+    """Join the launcher's process group (``backend``: gloo on CPU, NCCL on a GPU rank)
+    unless one exists; returns :func:`current`, or None without a launcher's environment
+    (checked first, :func:`environment`). Rank 0's store is awaited at most ``rendezvous_s``,
+    every rank and each collective at most ``timeout_s``: a :class:`DistributedError`, never a
+    hang."""
     launch = environment()
     if not dist.is_initialized():
         if launch is None:

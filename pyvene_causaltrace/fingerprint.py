@@ -1,17 +1,10 @@
-"""What produced a result: fingerprints of the model, tokenizer, transcoder and package.
-
-A resumable run (a dataset directory, an attribution checkpoint) stores these beside its rows and
-refuses to resume when one differs, saying which. They identify content, not names: the same
-model under another spelling of its path is the same model; other weights at the same path are
-not.
-
-- :func:`model_fingerprint`: every parameter's name, shape and dtype, and a fixed sample of its
-  values (at most 4,096 elements evenly spaced over the whole tensor; before 2026-12 a
-  large tensor's last elements went unsampled), hashed — cheap on a large model and it
-  changes when training or editing touches a tensor anywhere near its sample.
-- :func:`tokenizer_fingerprint`: the vocabulary and special tokens.
-- :func:`package_version`: this package's version.
-"""
+"""What produced a result: fingerprints of the model, tokenizer, transcoder and package, which a
+resumable run stores beside its rows and must match to resume. They identify content, not
+names (another spelling of a path is the same model; other weights there are not).
+:func:`model_fingerprint` hashes every parameter's name, shape, dtype and a fixed sample of at
+most 4,096 evenly spaced values (cheap, yet it changes when an edit touches a tensor near its
+sample; before 2026-12 a large tensor's last elements went unsampled);
+:func:`tokenizer_fingerprint` the vocabulary and special tokens; :func:`package_version`."""
 
 from __future__ import annotations
 
@@ -56,7 +49,6 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 
 
 def package_version() -> str:
-
     try:
         return version("pyvene-causaltrace")
     except PackageNotFoundError:  # run from a source tree that was never installed

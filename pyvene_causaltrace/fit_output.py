@@ -4,18 +4,12 @@
         record = out.record()              # the fit there (None when there is none)
         out.commit(write)                  # write(tmp) fills a fresh directory; swapped in
 
-- Ownership: ``path`` is written only when it does not exist or holds ``fit.json``. A user's
-  folder (even an empty one) is refused, with or without ``refit``: nothing else is ever
-  deleted.
-- Lock: ``.<name>.fit.lock`` beside ``path`` (:func:`~.runlock.exclusive`): a second fit of
-  the same directory gets :class:`~.errors.OutputLockedError`. Beside, not inside: the
-  directory itself is renamed away by a refit.
-- Swap: the new transcoder is written to ``<name>.partial-XXXXXXXX`` (marked with
-  :data:`MARK` first, ``fit.json`` last), the old one renamed to ``<name>.old-XXXXXXXX``, the
-  new one renamed to ``path``, then the old one removed. A kill at any step leaves a complete
-  transcoder at ``path`` or a complete partial beside it; the next call (:meth:`recover`)
-  puts it in place and removes only the marked leftovers.
-"""
+``path`` is written only when absent or holding ``fit.json`` (a user's folder, even empty, is
+refused: nothing else is ever deleted). ``.<name>.fit.lock`` beside it (beside: a refit renames
+the directory away) makes a second fit raise :class:`~.errors.OutputLockedError`. The new
+transcoder is written to ``<name>.partial-XXXXXXXX`` (:data:`MARK` first, ``fit.json`` last),
+the old renamed to ``<name>.old-XXXXXXXX``, the new renamed in, the old removed; after a kill at
+any step :meth:`recover` puts the complete one in place and removes only marked leftovers."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""The attribution-graph JSON schema, written once in ``graph.schema.json``: the format
-circuit-tracer writes and Neuronpedia's viewer reads (Neuronpedia's "Anthropic Attribution
-Graph" 1.0.0, draft-07: ``metadata`` with ``slug``, ``scan``, ``prompt_tokens`` and ``prompt``;
-``qParams``; ``nodes`` with ``node_id``, ``feature``, ``layer``, ``ctx_idx``, ``feature_type``,
-``jsNodeId`` and ``clerp``; ``links`` with ``source``, ``target`` and ``weight``).
+"""The attribution-graph JSON schema, written once in ``graph.schema.json``: Neuronpedia's
+"Anthropic Attribution Graph" 1.0.0 (draft-07), the format circuit-tracer writes.
 
 ``attribute``'s export is checked against it (:func:`validate`), and the viewer lists any file
-that validates. jsonschema validates a parsed payload, which for a graph of millions of links
-is several times the file's size in memory; so :data:`NODE` and :data:`LINK` check one node or
-link against the schema's ``items`` directly (the viewer checks each as the file is parsed and
-keeps only the verdict), and :func:`outer_problem` checks the rest with jsonschema.
-"""
+that validates. A parsed payload of millions of links is several times the file in memory, so
+:data:`NODE` and :data:`LINK` check one node or link against the schema's ``items`` (the viewer
+keeps only each verdict as it parses) and :func:`outer_problem` checks the rest."""
 
 from __future__ import annotations
 

@@ -3,33 +3,16 @@
     with installed([(block, "forward", read), (norm, "forward_pre", edit)]) as handles:
         model(**inputs)
 
-Each hook is ``(module, kind, fn)``; ``kind`` names the torch registration: ``forward``
-(``fn(module, args, output)``), ``forward_pre`` (``fn(module, args)``), and their
-``_with_kwargs`` forms, which also hand ``fn`` the call's keyword arguments. Hooks are registered
-in the order given. When the block ends — normally, on an exception, on Ctrl-C — every hook it
-registered is removed, and only those: hooks the user registered before or inside the block stay.
-
-A hook is global to its module: a forward from any thread runs it. Ours act only on the forwards
-of the thread that installed them — the measuring thread — and return None (change nothing) in
-every other, so a user's own forward of the same model in another thread sees the bare model.
-The same gate serves everything else we put on a model for a run: :func:`thread_gate` for a
-replaced ``forward`` (other threads get the module's own), :func:`thread_view` for settings we
-switch on a shared object such as the model's config (other threads read the real values).
-
-Every hook of the package goes through :func:`register` (``installed`` and the pyvene hooks of
-our ``IntervenableModel`` both do), through torch's public registration methods; it is taken off
-only through its ``RemovableHandle``. Nothing here reads a frame or writes torch's hook tables.
-Two pieces of per-context state (``contextvars``: per thread, nothing global) go with it:
-
-- :func:`recording` — a block (``model_guard.measuring``) that notes the handle of every hook
-  registered in it and removes any still registered when it ends, whatever the path that
-  should have removed it did;
-- :func:`silenced` — inside it, in this context only, the package's hooks on the given modules
-  do nothing, except those kept (a replayed block's hooks other than the run's own:
-  :mod:`.tracing.replay`). :func:`is_ours` tells such a hook from anyone else's.
-
-This module imports nothing from the package: every other module may import it.
-"""
+Each hook is ``(module, kind, fn)``; ``kind`` is one of :data:`KINDS`, torch's registrations
+(``forward``: ``fn(module, args, output)``; ``forward_pre``: ``fn(module, args)``; their
+``_with_kwargs`` forms add the keyword arguments), registered in the order given and removed,
+only they, when the block ends however it ends. Every hook of the package goes through
+:func:`register` (torch's public methods; off only through its handle — nothing here writes
+torch's hook tables) and acts only on the forwards of the thread that installed it (other
+threads see the bare model; :func:`thread_gate` and :func:`thread_view` do the same for a
+replaced ``forward`` and a switched setting). Per context: :func:`recording` removes, at a
+measurement's end, any hook registered in it that is still there; :func:`silenced` turns the
+package's hooks on given modules off (:mod:`.tracing.replay`). Imports nothing from the package."""
 
 from __future__ import annotations
 
@@ -229,13 +212,9 @@ def _view_class(base: type, names: frozenset) -> type:
 @contextlib.contextmanager
 def thread_view(obj: Any, **overrides: Any) -> Iterator[None]:
     """Inside the block, the calling thread reads ``obj.<name>`` as ``overrides[name]``; every
-    other thread reads the real values, which are never written.
-
-    For a setting we switch for a run on an object the model shares between threads — the
-    attention implementation or the logit soft-cap on the model's config. While a view is
-    open ``obj`` is an instance of a subclass with a property per overridden name (plain
-    attributes of ``obj`` only); its own class is back when the last view on it closes.
-    Views nest and stack per thread."""
+    other thread reads the real values, which are never written (a setting switched for a run
+    on a shared object, such as the model's config). ``obj`` is meanwhile an instance of a
+    subclass with a property per name (plain attributes only); views nest and stack per thread."""
     key, me = id(obj), _ident()
     with _views_lock:
         threads = _views.setdefault(key, {})

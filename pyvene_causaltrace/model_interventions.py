@@ -1,36 +1,19 @@
 """A user's own pyvene interventions in a spec: the ``model_interventions`` field.
 
-``trace``, ``Tracer`` and ``run_spec`` take a ``pv.IntervenableModel`` and apply its
-interventions to every run (:func:`~pyvene_causaltrace.pyvene_boundary.user_edits.
-applied_interventions`). The spec such a run writes carries them, so that rerunning the spec on
-the bare model makes the same experiment, bit for bit:
+A trace or ``run_spec`` on a ``pv.IntervenableModel`` applies its interventions in every run;
+the spec it writes carries them, so rerunning it on the bare model repeats the experiment bit
+for bit:
 
     entries = describe(bind(pv_model, interventions=True))   # [] for a bare model
     pv_model = rebuild(entries, model, base_dir)
 
-One entry per intervention, in pyvene's order::
-
-    {"class": "pyvene.models.interventions.AdditionIntervention",   # import path; ours by name
-     "component": "block_output", "layer": 2, "unit": "pos", "max_number_of_units": 1,
-     "init": {"embed_dim": 32},                # constructor keywords, when it needs any
-     "settings": {"keep_last_dim": false, "use_fast": false, "is_source_constant": true, ...},
-     "tensors": {"source_representation": {"dtype": "float32", "shape": [32],
-                                           "data": [0.12, ...]}},
-     "tensor_attributes": {...}}               # tensors held as plain attributes, if any
-
-``tensors`` is the intervention's whole ``state_dict()`` (for our own types it also carries
-their JSON configuration). A tensor is inline — nested lists, exact: a float32 becomes a Python
-float whose JSON repr reads back to the same bits — or, in a spec saved by
-:func:`~pyvene_causaltrace.specs.save_spec`, a reference ``{"dtype", "shape", "file", "key",
-"sha256"}`` into a safetensors file beside the JSON (:mod:`~pyvene_causaltrace.spec_tensors`).
-Nothing is pickled.
-
-:func:`describe` writes an intervention only when a rebuild from what it wrote gives back the
-same module: same class, state dict, buffers, parameters and attributes, bit for bit. Anything
-else is refused with the reason (a plain function, an attribute that is neither JSON nor a
-tensor, a buffer left out of the state dict, a class defined in ``__main__``).
-:func:`rebuild` imports only classes that are ``pyvene.Intervention`` subclasses.
-"""
+One entry per intervention, in pyvene's order (``class``, pyvene's representation fields,
+``init``, ``settings``, ``tensors``: its whole ``state_dict()``, ``tensor_attributes``);
+tensors inline and exact, or in a spec saved by :func:`~pyvene_causaltrace.specs.save_spec`
+references into a safetensors file beside it (:mod:`~pyvene_causaltrace.spec_tensors`);
+nothing pickled. :func:`describe` writes an intervention only when rebuilding it gives back the
+same module bit for bit, else refuses with the reason; :func:`rebuild` imports only
+``pyvene.Intervention`` subclasses. The format: docs/specs.md."""
 
 from __future__ import annotations
 
@@ -67,9 +50,7 @@ _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 _OURS_TRANSIENT = frozenset({"leaf"})
 
 
-
-def _refuse(message: str):
-
+def _refuse(message: str) -> PyveneModelError:
     return PyveneModelError(message + ". The spec a trace or run_spec writes must reproduce "
                             "the run, so this model is refused: keep the intervention's state "
                             "in the buffers, parameters and JSON attributes of an importable "
@@ -77,7 +58,6 @@ def _refuse(message: str):
 
 
 # ----------------------------------------------------------------------------- describe
-
 
 def describe(bound: BoundModel) -> list[dict[str, Any]]:
     """The ``model_interventions`` entries of the pyvene ``IntervenableModel`` ``bound`` was
@@ -112,7 +92,6 @@ def _class_path(key: str, made: nn.Module) -> str:
 
 def _registered_name(made: nn.Module) -> str | None:
     """Our registered name for one of our own types (or a plugin type on our base)."""
-
     if not isinstance(made, CausalTraceIntervention) or not made.registered_name:
         return None
     try:
@@ -184,16 +163,13 @@ def _describe_one(key: str, made: nn.Module, representation: Any) -> dict[str, A
             continue
         difference = _difference(made, rebuilt, ours)
         if difference is None:
-            return _ordered(trial)
+            order = ["class", *REPRESENTATION_FIELDS, "init", "settings", "tensors",
+                     "tensor_attributes"]
+            return {name: trial[name] for name in order if name in trial}
         reasons.append(difference)
     raise _refuse(f"{key}: {entry['class']} cannot be rebuilt from what a spec holds "
                   f"(its class, constructor keywords, JSON attributes and tensors): "
                   f"{reasons[-1]}")
-
-
-def _ordered(entry: dict[str, Any]) -> dict[str, Any]:
-    order = ["class", *REPRESENTATION_FIELDS, "init", "settings", "tensors", "tensor_attributes"]
-    return {name: entry[name] for name in order if name in entry}
 
 
 def _encode(key: str, what: str, tensor: torch.Tensor) -> dict[str, Any]:
@@ -217,7 +193,6 @@ def _init_candidates(made: nn.Module, representation: Any) -> list[dict[str, Any
 
 
 # ----------------------------------------------------------------------------- compare
-
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -293,7 +268,6 @@ def _difference(made: nn.Module, rebuilt: nn.Module, ours: bool) -> str | None:
 
 # ----------------------------------------------------------------------------- rebuild
 
-
 def _import_class(path: str) -> Any:
     """The object at dotted ``path``: the longest importable module prefix, then attributes."""
     import_pyvene()  # pyvene's own import prints; this swallows it
@@ -322,7 +296,6 @@ def resolve_class(name: str, where: str) -> type:
     if not isinstance(name, str) or not name:
         raise SpecError(where, "expected a registered intervention name or an import path")
     if "." not in name:
-
         try:
             found = get_intervention(name)
         except (UnknownInterventionError, NotImplementedError):
@@ -388,7 +361,6 @@ def rebuild(entries: list[dict[str, Any]], model: nn.Module, base_dir: str | Pat
     intervenable.intervenable_model_class`) holding ``entries``' interventions around the bare
     ``model``. File references are relative to ``base_dir`` (the spec file's folder). Errors
     are :class:`SpecError` at the entry's JSON path."""
-
     if is_intervenable(model):
         raise PyveneModelError("rebuild needs the bare model (pv_model.model), not an "
                                "IntervenableModel")

@@ -40,20 +40,15 @@ class TokenizedPrompt:
 def tokenize_prompt(
     tokenizer: Tokenizer, prompt: str, subject: str | None = None, occurrence: int = 0
 ) -> TokenizedPrompt:
-    """Tokenize ``prompt`` (with the tokenizer's usual special tokens) and locate ``subject``.
-
-    ``occurrence`` picks which appearance of the subject (0 = first). Raises
-    :class:`SubjectNotFoundError` when the subject is not in the prompt.
-    """
+    """Tokenize ``prompt`` (with the tokenizer's usual special tokens) and locate the
+    ``occurrence``-th ``subject`` (:class:`SubjectNotFoundError` when it is not there)."""
     if not prompt:
         raise InputError("the prompt is empty")
     encoded = tokenizer(prompt, return_tensors="pt", return_offsets_mapping=True)
     input_ids = encoded["input_ids"]
     offsets = encoded["offset_mapping"][0].tolist()
     tokens = tuple(tokenizer.decode([i]) for i in input_ids[0].tolist())
-    span = None
-    if subject is not None:
-        span = _subject_span(prompt, subject, occurrence, offsets)
+    span = None if subject is None else _subject_span(prompt, subject, occurrence, offsets)
     return TokenizedPrompt(prompt, input_ids, tokens, subject, span)
 
 
@@ -82,11 +77,9 @@ def _subject_span(prompt: str, subject: str, occurrence: int, offsets) -> tuple[
 
 
 def answer_token_id(tokenizer: Tokenizer, answer: str, strict: bool = False) -> int:
-    """The first token of ``answer`` (tokenized without special tokens).
-
-    Warns when the answer spans several tokens: only the first is the target. With ``strict``
-    that is a :class:`MultiTokenAnswerError` instead.
-    """
+    """The first token of ``answer`` (tokenized without special tokens); a longer answer warns
+    (only the first token is the target), or with ``strict`` raises
+    :class:`MultiTokenAnswerError`."""
     ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
     if not ids:
         raise InputError(f"answer {answer!r} tokenizes to nothing")

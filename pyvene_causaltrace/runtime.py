@@ -3,23 +3,14 @@
     with intervened(bound, [{"component": bound.site("embed"), "intervention": noise}]):
         logits = bound.model(input_ids=ids).logits
 
-pyvene stays the composition surface for users — every registered type runs inside our
-``IntervenableModel`` (:mod:`.pyvene_boundary`), which ``build_intervenable`` makes of a spec — but
-the forwards this package runs itself need none of what an ``IntervenableModel`` adds around a
-call (sources, unit locations, collection, its parameter surface). :func:`intervened` hands the
-same representation dicts (``{"component": "<module path>.output" | ".input",
-"intervention": made}``) to the one applier (:mod:`.applier`: one hook per site, removed when
-the block ends whatever ends it) and applies each as pyvene 0.1.8 applies it with
-``unit_locations=None``: on a clone of the whole output (or of a pre-hook's first input), in
-the order given, by the applier's rule (the new value replaces the site's; at a residual-stream
-input it is copied into the stream, as pyvene's setter writes it). Each edit announces its call
-(module, inputs) to :func:`~.pyvene_boundary.calls.pyvene_call`, so the types that recompute their
-module (frozen norms and attention) read no frame; interventions sharing state by id (a splice
-built one by one) are bound among themselves first, as an ``IntervenableModel`` binds them.
-
-The numbers are pyvene's bit for bit: ``tests/test_runtime.py`` runs every call site's
-representations both ways.
-"""
+Users compose through pyvene (:mod:`.pyvene_boundary`), but the forwards this package runs
+itself need nothing an ``IntervenableModel`` adds around a call. :func:`intervened` hands the
+same representation dicts (``{"component": "<module path>.output" | ".input", "intervention":
+made}``) to the one applier (:mod:`.applier`) and applies each as pyvene 0.1.8 does with
+``unit_locations=None``: on a clone of the whole output (or first input), in order, by the
+applier's rule. Each edit announces its call to :func:`~.pyvene_boundary.calls.pyvene_call`
+(so types that recompute their module read no frame); interventions sharing state by id are
+bound among themselves first. The numbers are pyvene's bit for bit (``tests/test_runtime.py``)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """JSON experiment specs: schema, validation, load and save.
 
-A spec is plain data — no live objects, nothing pickled — so it can be shared as a file and
-reproduces the same run anywhere (the noise is seeded). The schema ships as ``spec.schema.json``
-next to this module (``SCHEMA_PATH``). Errors name the JSON path of the bad field and what was
-expected.
+A spec is plain data — nothing pickled — so a file reproduces the same run anywhere (the noise
+is seeded). The schema ships as ``spec.schema.json`` beside this module (``SCHEMA_PATH``);
+errors name the JSON path of the bad field and what was expected. A user's pyvene
+interventions go in ``model_interventions`` (:mod:`~pyvene_causaltrace.model_interventions`),
+big tensors in a safetensors file :func:`save_spec` writes beside the JSON.
 
     spec = load_spec("intervention_specs/residual_trace.json")
-    save_spec(spec, "copy.json")          # byte-for-byte the same data back
-
-A run made on a user's ``pv.IntervenableModel`` writes its interventions into
-``model_interventions`` (:mod:`~pyvene_causaltrace.model_interventions`): their class, where they
-act, their settings and tensors — inline when small, else in a safetensors file that
-:func:`save_spec` writes beside the JSON and :func:`load_spec` finds again (``base_dir``).
-"""
+    save_spec(spec, "copy.json")          # byte-for-byte the same data back"""
 
 from __future__ import annotations
 
@@ -174,11 +169,9 @@ def entry_schemas() -> dict[str, Any]:
 
 
 def validate_spec(data: Any) -> None:
-    """Raise :class:`SpecError` for the first problem in ``data``, naming its JSON path.
-
-    The spec's own fields are checked against the schema; each intervention entry against its
-    registered type's ``spec_schema()`` and rules (unique, requires, ``check_spec``), so a
-    type registered by a plugin is checked exactly as a built-in is."""
+    """Raise :class:`SpecError` for the first problem in ``data``, naming its JSON path: the
+    spec's fields against the schema, each intervention against its registered type's
+    ``spec_schema()`` and rules, so a plugin's type is checked exactly as a built-in is."""
     import jsonschema  # slow to import: only validation needs it
 
     check_depth(data)
@@ -299,11 +292,10 @@ def load_spec(path_or_dict: str | Path | dict[str, Any], *,
 def save_spec(spec: ExperimentSpec | dict[str, Any], path: str | Path, *,
               base_dir: str | Path | None = None) -> None:
     """Write ``spec`` (an :class:`ExperimentSpec` or a dict such as ``result.spec``) as
-    indented JSON. Tensors of its ``model_interventions`` over
-    :data:`~pyvene_causaltrace.model_interventions.INLINE_LIMIT` elements (or holding NaN or
-    infinity) go to ``<name>.safetensors`` beside it, referenced by file and key with their
-    sha256; ``load_spec(path)`` finds them again. Both files are written under a temporary
-    name, then renamed. ``base_dir``: where a dict's existing tensor files are."""
+    indented JSON, whole or not at all; ``model_interventions`` tensors over
+    :data:`~pyvene_causaltrace.spec_tensors.INLINE_LIMIT` elements (or non-finite) go to
+    ``<name>.safetensors`` beside it, which ``load_spec(path)`` finds again. ``base_dir``: where a
+    dict's existing tensor files are."""
     if not isinstance(spec, ExperimentSpec):
         spec = ExperimentSpec.from_dict(spec, base_dir=base_dir)
     path = Path(path)

@@ -1,11 +1,9 @@
 """JSON as the standard defines it: every number finite.
 
-Python's ``json`` reads ``NaN``, ``Infinity`` and ``-Infinity`` (and turns ``1e400`` into inf)
-by default; a browser reads ``1e400`` and a 400-digit integer as ``Infinity``. A row of ours
-holding one is damage, and read leniently it would enter a mean as a silent NaN (dropped by a
-nan-mean, moving a statistic without a word). Every reader of the package's row and manifest
-files parses through :func:`loads`, which refuses them; the caller names the file and line.
-"""
+Python's ``json`` reads ``NaN`` and ``Infinity`` and turns ``1e400`` into inf; a browser reads
+``1e400`` and a 400-digit integer as ``Infinity``. In our rows such a value is damage, which a
+lenient read would let into a mean as a silent NaN; every reader of the package's row and
+manifest files parses through :func:`loads`, which refuses them."""
 
 from __future__ import annotations
 

@@ -3,20 +3,13 @@
     from pyvene_causaltrace.attribution import attribute
     graph = attribute(model, tokenizer, transcoder, "The Eiffel Tower is in the city of", " Paris")
     graph.closure.relative            # ~1e-7 of what is summed: the edges sum to the target
-    graph.direct_attributions(10)
     graph.to_json("eiffel.json")      # opens in the circuit-tracer / Neuronpedia viewer
 
-Data flows one way: :mod:`.replacement_model` (the model, tokenizer and transcoder, checked
-once) -> :mod:`.replacement` (one forward of the local replacement model) ->
-:mod:`.edges` (rows of the adjacency, closure; :mod:`.budget` plans their memory) ->
-:mod:`.store` (sparse rows) -> :mod:`.graph` (the result object, its file
-:mod:`.graph_file`; :mod:`.checkpoint` for interrupted runs, :mod:`.spread` for a run over
-several ranks) -> :mod:`.reading` (influence, pruning, scores), :mod:`.export`, :mod:`.plots`;
-:mod:`.validate` ablates the graph's top features in the real (spliced) model;
-:mod:`.heads` splits edges by attention head and :mod:`.qk` a head's score into QK terms, both
-on the graph's replayed run (:mod:`.graph_replay`); :mod:`.attention` puts both into the
-export.
-"""
+Data flows one way: :mod:`.replacement_model` -> :mod:`.replacement` (the local replacement
+forward) -> :mod:`.edges` (rows, closure; :mod:`.budget`) -> :mod:`.store` -> :mod:`.graph`
+(:mod:`.graph_file`, :mod:`.checkpoint`, :mod:`.spread`) -> :mod:`.reading`, :mod:`.export`,
+:mod:`.plots`; :mod:`.validate` ablates top features; :mod:`.heads` and :mod:`.qk` decompose
+edges and scores on the replayed run (:mod:`.graph_replay`), :mod:`.attention` exports them."""
 
 from ..errors import GraphFileError
 from .attention import AttentionAnnotations, attention_annotations

@@ -1,25 +1,16 @@
 """The heads a pruned graph's edges cross, for the export and the viewer.
 
-:func:`attention_annotations` splits every kept edge that crosses positions (source and target
-at different tokens: something attention moved) by head (:mod:`.heads`), keeps each edge's
-largest head parts, and decomposes the score of each edge's leading head at the edge's two
-positions (query: the target's, key: the source's; the one hop that moves the edge when a single
-head moves it) into its largest QK terms (:mod:`.qk`). :meth:`AttentionAnnotations.annotate`
-writes them into the graph JSON where Neuronpedia's schema tolerates them (it sets no
-``additionalProperties``):
-
-- each annotated link gains ``"heads": [[layer, head, part], ...]``, largest ``|part|`` first
-  (each a part of ``weight``; the parts of one layer plus that layer's bypass sum to it);
-- the top level gains ``"attention": {"qk": [...]}``, one entry per (layer, head, query
-  position, key position) with ``score`` and Neuronpedia CRM's QK lists:
-  ``pair_wise_contributors [[query node id, key node id, term]]``,
-  ``top_q_marginal_contributors`` / ``top_k_marginal_contributors [[node id, marginal]]``, and
-  ``labels`` for every id they name (nodes pruned out of the graph included; ``"constants"``:
-  biases and ``b_dec``).
+:func:`attention_annotations` splits every kept edge that crosses positions by head
+(:mod:`.heads`), keeps each edge's largest head parts, and decomposes the score of its leading
+head at the edge's two positions (query: the target's, key: the source's) into its largest QK
+terms (:mod:`.qk`). :meth:`AttentionAnnotations.annotate` writes them where Neuronpedia's schema
+tolerates them: each link gains ``"heads": [[layer, head, part], ...]`` (largest ``|part|``
+first; a layer's parts plus its bypass sum to ``weight``), the top level ``"attention": {"qk":
+[...]}`` in Neuronpedia CRM's QK lists with ``labels`` for every id named (docs/attribution.md,
+"Attention inside the graph").
 
     annotations = attention_annotations(model, transcoder, graph)
-    graph.to_json("graph.json", attention=annotations)
-"""
+    graph.to_json("graph.json", attention=annotations)"""
 
 from __future__ import annotations
 
@@ -130,12 +121,9 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
                           progress: bool = False,
                           settings: ReadingSettings | None = None) -> AttentionAnnotations:
     """Head parts of the ``max_edges`` kept cross-position edges of largest score
-    (:func:`crossing_edges`; pruned at the thresholds, or ``settings``, a
-    :class:`~.settings.ReadingSettings`) and the QK terms of the leading heads of the first
-    ``max_qk`` distinct (layer, head, positions) among them (module docstring). One forward,
-    then per target node one backward and one batched backward of ``n_heads`` rows per layer,
-    and two of ``head_dim`` rows per QK decomposition, as many rows per backward as fit
-    ``memory_mb`` (default the attribution settings')."""
+    (:func:`crossing_edges`, pruned by ``settings``' thresholds) and the QK terms of the leading
+    heads of the first ``max_qk`` distinct (layer, head, positions) among them; backwards take as
+    many rows as fit ``memory_mb`` (default the attribution settings')."""
     reading = ReadingSettings.merged(settings, node_threshold=node_threshold,
                                     edge_threshold=edge_threshold)
     edges = crossing_edges(graph, graph.prune(settings=reading))[:max_edges]

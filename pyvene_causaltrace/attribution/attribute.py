@@ -1,28 +1,11 @@
 """``attribute``: prompt + answer -> :class:`~.graph.AttributionGraph`.
 
-Phases, on a :class:`~.replacement_model.ReplacementModel` (the model, tokenizer and
-transcoder checked once): prepare (tokenize, clean logits, target, the forward graph's memory,
-:mod:`.budget`); one forward of the local replacement model (:mod:`.replacement`); the target
-row over every active feature by one backward and its closure check; then feature rows in
-batches of gradient seeds (:mod:`.edges`) into a sparse :class:`~.store.RowStore`:
-
-- every feature, in node order, when no budget binds;
-- with ``max_feature_nodes=N`` below the active count (or a memory cap that cannot hold every
-  row), the ``N`` features of largest estimated influence: ranked by the influence of the rows
-  computed so far (circuit-tracer's partial influence), re-ranked every ``update_interval``
-  batches (or every ``budget / RERANKS`` rows, if more). Features left without a row stay in
-  the graph as leaves.
-
-Every row is checked as it is computed: one whose residual exceeds
-:data:`~.edges.CLOSURE_TOLERANCE` of the scale of what it sums raises
-:class:`~.edges.ClosureError` (unless ``check_closure=False``) — a graph that does not add up
-is never returned as if it did.
-
-With a checkpoint directory the rows are saved as they are computed (:mod:`.checkpoint`) and the
-checkpoint is left in place, complete, when the graph is returned: a rerun with the same inputs
-loads every row and computes none. Remove it (:func:`~.checkpoint.remove_checkpoint`) once the
-graph is saved.
-"""
+Phases on a :class:`~.replacement_model.ReplacementModel`: prepare (tokens, target, memory
+check), one forward of the local replacement model, the target rows and their closure check,
+then feature rows in batches (:mod:`.edges`) into a :class:`~.store.RowStore` — every feature
+in node order, or under a budget the most influential by circuit-tracer's partial influence,
+re-ranked as rows arrive (unexplored features stay as leaves). docs/attribution.md has the
+whole story."""
 
 from __future__ import annotations
 
@@ -117,68 +100,29 @@ def attribute(
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next token through ``transcoder``.
 
-    Its logit nodes (:mod:`.targets`): with ``answer`` (a single token), one demeaned-logit
-    target of kind ``target`` (``"demeaned"``: minus the top-``k`` mean; ``"demeaned_vocab"``:
-    minus the vocabulary mean; ``"difference"``: ``answer`` minus ``other``). Without one,
-    circuit-tracer's salient logits: the most probable tokens, at most ``max_n_logits``
-    (default 10), until their probabilities reach ``desired_logit_prob`` (default 0.95), each
-    a node and a row demeaned by ``target``'s kind, weighted by its probability in influence
-    and pruning; those two are refused with an answer, a difference or a direction (they would
-    be ignored). ``target`` may also be a direction ``[d_model]`` (the projection of the final
-    norm's output at the last position on its unit vector, circuit-tracer's ``CustomTarget``;
-    the direction's scale does not matter) or a :func:`~.targets.direction_target` (another
-    residual state or position).
+    Targets (:mod:`.targets`): with ``answer`` (one token), one demeaned logit of kind ``target``
+    (``"demeaned"``, ``"demeaned_vocab"``, ``"difference"`` against ``other``); without one,
+    circuit-tracer's salient logits — the most probable tokens, at most ``max_n_logits``
+    (default 10), until their probabilities reach ``desired_logit_prob`` (default 0.95) — refused
+    beside an answer, a difference or a direction. ``target`` may also be a ``[d_model]``
+    direction on the final norm's output at the last position, or a
+    :func:`~.targets.direction_target`.
 
-    Position 0 is spliced, attributed (features, errors) and counted like any token unless it
-    is BOS: ``bos="auto"`` (default) treats it as BOS only when the tokenizer prepends one
-    (SmolLM2's adds none: its first token is the prompt's), ``"always"`` whatever the tokenizer
-    does (circuit-tracer's convention), ``"never"`` never; ``metadata["bos"]`` records which
-    rule held. ``bos_errors="drop"`` makes the position-0 (BOS) errors constants instead of
-    nodes, circuit-tracer's convention (``"keep"``, the default, keeps them as nodes); rows
-    close either way. It is refused where position 0 is spliced (its errors are then a real
-    token's): circuit-tracer's graphs are ``bos="always", bos_errors="drop"``.
+    ``bos`` (``"auto"``, ``"always"``, ``"never"``) says whether position 0 is BOS (not spliced);
+    ``bos_errors="drop"`` makes its errors constants (refused where position 0 is spliced).
+    ``max_feature_nodes`` bounds the feature rows (default: as many as fit ``memory_mb``, which
+    caps the forward graph, gradient rows and stored rows; too big a prompt raises
+    :class:`~.budget.MemoryCapError` before it runs). ``checkpoint`` (a directory) saves rows as
+    they come and resumes from them; it is kept on return unless ``keep_checkpoint=False``
+    (another graph's or a damaged one raises
+    :class:`~pyvene_causaltrace.errors.CheckpointMismatchError`). ``settings`` gives every
+    setting at once; a keyword that contradicts it is refused.
 
-    ``max_feature_nodes`` bounds the feature rows (module docstring); default: every active
-    feature if their rows fit ``memory_mb``, otherwise as many as fit (logged). ``memory_mb``
-    caps the forward graph, the batched gradient rows and the stored rows: a prompt whose
-    forward graph alone exceeds it raises :class:`~.budget.MemoryCapError` before it runs. Rows
-    per backward are as many as fit, at most ``max_batch`` (default: 32 on CPU, 512 on GPU);
-    ``batch_size`` fixes them instead; ``loop=True`` uses one backward per node (the reference).
-    With ``checkpoint`` (a directory) the rows computed so far are saved every
-    ``SAVE_EVERY_S`` seconds and once more when the last row is done, and an interrupted call
-    with the same inputs resumes from them exactly. The directory is **kept** when the graph is
-    returned, so that a crash before the graph is saved loses no row (a rerun loads them all
-    and computes none); delete it with ``keep_checkpoint=False`` here (the graph then lives only
-    in memory) or, better, with :func:`~.checkpoint.remove_checkpoint` after saving the graph.
-    A checkpoint of another graph, or a damaged one (every shard is checked against its
-    SHA-256), raises :class:`~pyvene_causaltrace.errors.CheckpointMismatchError` naming the
-    directory to remove. ``metadata["rows_resumed"]`` and ``["rows_computed"]`` count the rows
-    loaded from it and computed by this call (the target row included).
-
-    ``settings`` (an :class:`~.settings.AttributionSettings`) gives every setting at once
-    instead of these keywords (their defaults are its fields'); a keyword left at its default
-    then defers to it, and one set to another value than ``settings``' is refused
-    (:class:`~pyvene_causaltrace.errors.InputError`).
-
-    ``transcoder`` is any :class:`~..transcoders.Transcoder`: cross-layer or a per-layer set (a
-    skip path is a linear route from the input it reads: its effect reaches the graph through
-    the nodes upstream of that input). A model whose logits are soft-capped (Gemma-2) is
-    explained before the cap, which is switched off while the graph is built and restored after
-    (``metadata["logit_softcap"]``); ``answer_prob`` is the real, capped model's.
-
-    ``model`` may be a ``pv.IntervenableModel``: the graph is then one of the model with its
-    interventions applied (:func:`~pyvene_causaltrace.pyvene_boundary.user_edits.
-    applied_interventions`), and the constant part ``c = f(0)`` of each (a steering vector, a
-    constant source, noise, a restored state) is a *steering node* per position where it is
-    nonzero (``graph.steering``, ``metadata["steering"]``); zero-ablations add none.
-
-    The target row and every feature row must close: edges + constants equal the row's target
-    to :data:`~.edges.CLOSURE_TOLERANCE` (1e-4) of ``sum |edges| + |constants| + |target|``.
-    A row that does not raises :class:`~.edges.ClosureError`, naming the likely causes (a hook
-    on the model that the graph cannot see as a node, a non-linear intervention, dropout in
-    train mode). ``check_closure=False`` returns such a graph anyway (its ``closure`` and
-    ``feature_closure()`` say by how much it misses; ``metadata["closure_checked"]`` is False).
-    """
+    A soft-capped model (Gemma-2) is explained before its cap. On a ``pv.IntervenableModel``
+    the graph is of the model with its interventions applied, their constant parts as
+    steering nodes. Every row must close to :data:`~.edges.CLOSURE_TOLERANCE` or
+    :class:`~.edges.ClosureError` is raised (``check_closure=False`` returns the graph anyway).
+    docs/attribution.md has the details."""
     if not prompt:
         raise InputError("the prompt is empty")
     s = AttributionSettings.merged(

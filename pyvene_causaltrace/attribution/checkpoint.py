@@ -1,25 +1,14 @@
 """Rows computed so far, on disk, so an interrupted ``attribute`` resumes where it stopped.
 
-A checkpoint is a directory: ``manifest.json`` (format, schema version, the run's key, the shard
-list, each shard's size and SHA-256 under ``checksums``, and the queue of feature rows still
-pending from the last ranking) and one safetensors shard per save holding only the rows added
-since the previous one. A shard is written under a temporary name, hashed, and renamed before
-the manifest that names it is replaced (the same way), so a kill at any moment leaves a
-consistent checkpoint (at worst an unnamed shard, overwritten next time). Nothing in it is a
-pickle.
-
-On load every shard is checked against the manifest's size and SHA-256, and the rows against
-each other and the graph's size: a damaged, truncated or missing shard, or a manifest that
-cannot be read, is refused with :class:`CheckpointMismatchError` naming the directory to remove
-— never resumed from, in part or in whole.
-
-The run's key holds what the rows depend on — the prompt's tokens, the target, the settings,
-and fingerprints of the model's weights, the transcoder and the package version — and a
-checkpoint saved under another key is refused, naming what differs. While a graph is being built
-its checkpoint directory is locked (:mod:`~pyvene_causaltrace.runlock`): a second ``attribute``
-on it is refused. ``attribute`` leaves a complete checkpoint in place; :func:`remove_checkpoint`
-deletes it once the graph is saved.
-"""
+A directory: ``manifest.json`` (the run's key, the shards with their sizes and SHA-256, the
+queue still pending) and one safetensors shard per save with the rows added since the last.
+Each shard is written under a temporary name, hashed and renamed before the manifest naming it
+is replaced, so a kill leaves a consistent checkpoint; nothing is pickled. On load every shard
+is checked against the manifest and the rows against the graph: damage, or a key that differs
+(prompt, target, settings, model, transcoder, package version), raises
+:class:`CheckpointMismatchError` naming the directory — never a partial resume. The directory
+is locked while a graph is built (:mod:`~pyvene_causaltrace.runlock`), left complete on return,
+and deleted by :func:`remove_checkpoint`."""
 
 from __future__ import annotations
 

@@ -1,31 +1,22 @@
 """Edges: ``x_i * d(row target) / d(x_i)`` for every node ``i``, and the closure check.
 
-A row of the adjacency belongs to a target — the answer's :class:`~.targets.Target` or one
-active feature's pre-activation ``W_enc[l, f] . x[l, pos]`` — and has one column per
-node: features, then errors (layer-major, then position), then steering (the constant parts of
-a user's pyvene interventions, per position where nonzero), then tokens (one per position: token
-and position embeddings together). What the model's additive constants (``b_dec``, attention and
-LayerNorm biases) contribute is kept beside the row, so ``row.sum() + constant == target`` is a
-check, not a definition: :class:`Closure`, and :class:`ClosureError` when it fails.
+A row belongs to a target — a :class:`~.targets.Target` or one active feature's
+pre-activation ``W_enc[l, f] . x[l, pos]`` — with one column per node (features, errors
+layer-major, steering, tokens). What the additive constants (``b_dec``, attention and norm
+biases) contribute is kept beside the row, so ``row.sum() + constant == target`` is a check:
+:class:`Closure`, :class:`ClosureError`.
 
-**Closure tolerance.** A row's residual ``row.sum() + constant - target`` is measured against the
-scale of what is summed, ``sum |row| + |constant| + |target|`` plus, for a feature's row, the
-terms its pre-activation ``w . x`` itself sums, ``sum_i |w_i x_i|``
-(:func:`feature_targets_and_magnitudes`; :attr:`Closure.scale`), not against the target,
-which can be near zero while its terms are not.
-float32 rounding leaves ~1e-7..1e-5 of that scale (measured on the tiny models and SmolLM2, 1
-and 4 threads); :data:`CLOSURE_TOLERANCE` (1e-4) is ten times the worst seen. A residual above
-it is not rounding: something changed the forward that the graph has no node for. (Without the
-``sum_i |w_i x_i|`` term a feature barely active read as a failure: on SmolLM2 a layer-0 feature
-at position 0 with pre-activation 4.4e-4 summed from terms of 2.3 in all left 1.8e-7, 1.4e-4 of
-its edges' scale.)
+**Closure tolerance.** The residual is measured against the scale of what is summed
+(:attr:`Closure.scale`: ``sum |row| + |constant| + |target|``, plus for a feature row the terms
+``sum_i |w_i x_i|`` its pre-activation sums, :func:`feature_targets_and_magnitudes`), not the
+target, which can be near zero while its terms are not (a barely active SmolLM2 feature left
+1.4e-4 of its edges' scale without that term). float32 rounding leaves ~1e-7..1e-5 of the
+scale; :data:`CLOSURE_TOLERANCE` (1e-4) is ten times the worst seen, so a larger residual means
+the forward changed in a way the graph has no node for.
 
-:func:`feature_rows` computes many feature rows per backward pass by batching the gradient
-seeds (``torch.autograd.grad(..., is_grads_batched=True)``): the forward graph is built once
-and never replicated; the feature leaves' gradients are matrix products of the error leaves'
-with the decoder rows (:mod:`.leaf_grads`). :func:`feature_rows_loop` is the obviously correct
-one-backward-per-node reference it is tested against (plain autograd on every leaf).
-"""
+:func:`feature_rows` batches gradient seeds (``is_grads_batched=True``) on one forward graph,
+the feature leaves' gradients coming from the error leaves' (:mod:`.leaf_grads`);
+:func:`feature_rows_loop` is the one-backward-per-node reference it is tested against."""
 
 from __future__ import annotations
 
@@ -89,12 +80,9 @@ CLOSURE_TOLERANCE = 1e-4
 
 @dataclass(frozen=True)
 class Closure:
-    """How well a row's edges (plus constants) add up to its target.
-
-    ``scale`` is the size of what is summed: ``sum |edges| + |constant| + |target|``.
-    ``relative`` is the residual over that scale (it used to be over ``|target|``, which
-    made a near-zero target's rounding look like a failure); ``ok`` says whether it is within
-    :data:`CLOSURE_TOLERANCE`."""
+    """How well a row's edges (plus constants) add up to its target: ``relative`` is the
+    residual over ``scale`` (``sum |edges| + |constant| + |target|``, not ``|target|``, which can
+    be near zero), ``ok`` whether it is within :data:`CLOSURE_TOLERANCE`."""
 
     target: float
     edges: float

@@ -1,25 +1,13 @@
 """The circuit-tracer / Neuronpedia graph JSON, so a graph opens in their viewer.
 
-Top level ``metadata``, ``qParams``, ``nodes``, ``links``. Node ids follow circuit-tracer's current
-format: feature ``"{layer}_{feature}_{pos}"``, error ``"{layer}_-1_{pos}"`` (the older
-``"0_{layer}_{pos}"`` collided with feature ids), token ``"E_{token_id}_{pos}"``, logit
-``"{n_layers + 1}_{token_id}_{pos}"`` (one per target, each with its ``token_prob``; the first,
-the most probable, ``is_target_logit``; a direction target's token id is circuit-tracer's
-virtual ``vocab_size + i``); a steering node (the constant part of a user's pyvene
-intervention; this package's addition, ``feature_type`` ``"steering"``, as other tools add
-``"bias"`` nodes) ``"S{j}_{pos}"`` for steering intervention ``j`` (listed in
-``metadata.info.steering``; no other id starts with ``S``). Only the pruned graph is exported: kept
-nodes touched by a kept link, plus every token and logit; links carry the signed edge weight.
-Numbers are written with 6 significant digits and the JSON without spaces, and at most
-``max_links`` links (:class:`~.settings.ReadingSettings`; those of largest edge score), so a
-pruned graph of thousands of features stays a few tens of MB. :data:`NEURONPEDIA_SCHEMA` is
-Neuronpedia's graph schema (``graph.schema.json``, which also decides what the viewer lists);
-:func:`check_graph_json` checks a payload against it (and that its node kinds are ours, its
-links' ends exported).
-
-Every file here is written by :func:`replacing`: to a temporary name beside it, then renamed
-over it, so a kill or a full disk mid-write leaves the old file or none, never half of one.
-"""
+Top level ``metadata``, ``qParams``, ``nodes``, ``links``; node ids are circuit-tracer's
+current ones (:func:`node_id`: errors ``"{layer}_-1_{pos}"``, never colliding with a feature's)
+plus this package's steering nodes ``"S{j}_{pos}"`` (``feature_type`` ``"steering"``, listed in
+``metadata.info.steering``). Only the pruned graph is exported (kept nodes a kept link touches,
+every token and logit), at most ``max_links`` links, numbers to 6 significant digits without
+spaces, so a pruned graph of thousands of features stays a few tens of MB. Files are written
+whole or not at all (:func:`~..atomic.write_text`). :func:`check_graph_json` checks a payload
+against Neuronpedia's schema (:data:`NEURONPEDIA_SCHEMA`)."""
 
 from __future__ import annotations
 
@@ -49,14 +37,10 @@ KINDS = ("cross layer transcoder", "mlp reconstruction error", "embedding", "log
 
 def check_graph_json(payload: dict) -> None:
     """Raise ``jsonschema.ValidationError`` unless ``payload`` matches Neuronpedia's graph
-    schema, or :class:`InputError` if a node is of a kind the export does not write, two nodes
-    of one kind share an id, or a link names a node that is not there.
-
-    Graphs of every circuit-tracer version read the same: nodes are told apart by
-    ``feature_type``, never by their ids. circuit-tracer 0.5.0 wrote error ids
-    ``"0_{layer}_{pos}"``, which a layer-0 feature's id can equal; such a file is accepted (its
-    links naming the shared id cannot say which node they mean: the viewer leaves them
-    undrawn); the export writes ``"{layer}_-1_{pos}"``, which never collides."""
+    schema, or :class:`InputError` for a node kind the export does not write, two nodes of one
+    kind sharing an id, or a link to a missing node. Nodes are told apart by ``feature_type``, so
+    circuit-tracer 0.5.0's error ids ``"0_{layer}_{pos}"`` (which can equal a layer-0 feature's)
+    are accepted; the viewer leaves links naming a shared id undrawn."""
     validate(payload)
     kinds: dict[str, set[str]] = {}
     for node in payload["nodes"]:
@@ -122,15 +106,12 @@ def graph_json(graph, slug: str | None = None,
                max_links: int | None = _READING.max_links,
                labels: Mapping[tuple[int, int], str] | None = None,
                attention=None, *, settings: ReadingSettings | None = None) -> dict[str, Any]:
-    """The viewer's JSON for ``graph`` pruned at the two thresholds; when the pruned graph has
-    more than ``max_links`` edges, the ``max_links`` of largest edge score are written (and
-    the metadata says so); ``settings`` (a :class:`~.settings.ReadingSettings`) gives the
-    three at once. ``labels`` (``{(layer, feature): text}``, see :func:`read_labels`)
-    become the features' ``clerp``; ``metadata.scan`` is the transcoder's Neuronpedia scan when
-    it has one (so the viewer links features to their pages), else the model's name.
-    ``attention`` (:func:`~.attention.attention_annotations`) adds the heads of the links
-    that cross positions and their QK terms. Labels of features the graph's transcoder does not
-    have, and annotations of another graph, are refused (:mod:`.identity`)."""
+    """The viewer's JSON for ``graph`` pruned at the two thresholds (or ``settings``), at most
+    ``max_links`` links of largest edge score (the metadata says when capped). ``labels``
+    (``{(layer, feature): text}``, :func:`read_labels`) become the features' ``clerp``;
+    ``metadata.scan`` is the transcoder's Neuronpedia scan, else the model's name; ``attention``
+    (:func:`~.attention.attention_annotations`) adds heads and QK terms. Labels the transcoder
+    lacks and another graph's annotations are refused (:mod:`.identity`)."""
     reading = ReadingSettings.merged(settings, node_threshold=node_threshold,
                                     edge_threshold=edge_threshold, max_links=max_links)
     max_links = reading.max_links
@@ -330,14 +311,11 @@ def read_labels(path: str | Path, n_layers: int | None = None,
     ``label``, ``clerp`` or ``description``) or JSON (a list of such records, or
     ``{"layer/feature": label}``).
 
-    ``layer`` and ``feature`` must be exact non-negative integers: ``3`` or ``"3"``, and
-    ``3.0`` (exactly integral) from tables written with float columns; ``1.9``, ``-1``, ``x``
-    or a missing value are refused. A (layer, feature) given twice with different labels is
-    refused (the same label twice is kept once). With ``n_layers`` / ``n_features`` (the
-    transcoder's layers and features per layer), a label of a layer or feature the transcoder
-    does not have is refused: it would label nothing, silently. Every refusal is an
-    :class:`InputError` naming the file and the row (CSV: ``row N (line M)``; JSON: ``record
-    N`` or the key)."""
+    ``layer`` and ``feature`` must be exact non-negative integers (``3``, ``"3"``, ``3.0``; not
+    ``1.9``, ``-1`` or missing); one (layer, feature) given two different labels is refused; with
+    ``n_layers`` / ``n_features``, a label of a layer or feature the transcoder lacks is refused
+    (it would label nothing, silently). Each refusal is an :class:`InputError` naming the file and
+    the row."""
     path = Path(path)
     if not path.exists():
         raise InputError(f"labels file {path} does not exist")

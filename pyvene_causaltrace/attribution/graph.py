@@ -1,31 +1,16 @@
 """The attribution graph of one prompt: nodes, the computed rows of the edge matrix, and ways to
 read them.
 
-Nodes, in circuit-tracer's order: every active feature (layer, position, feature id), errors (one
-per layer x position, layer-major), steering nodes (only in a graph of a pyvene
-``IntervenableModel``: the constant part of each of its interventions, one node per position where
-it is nonzero, see :attr:`AttributionGraph.steering`), tokens (one per position), and the targets
-(the logit nodes, :attr:`AttributionGraph.targets`: the answer's, a direction, or circuit-tracer's
-salient logits, each weighted in influence and pruning by its probability).
-``rows`` (a sparse :class:`~.store.RowStore`) holds the logits' rows and the rows of the features
-that were *explored*: with a feature-node budget (``attribute(..., max_feature_nodes=N)``) only
-the ``N`` most influential features get a row; the others stay in the graph as leaves, their
-direct effects on every computed row kept, so each row still closes:
-``row.sum() + constant == target``. Edges between two unexplored features are never seen.
-
-    graph = attribute(model, tokenizer, clt, "The Eiffel Tower is in the city of", " Paris")
-    graph.closure                       # target, sum of edges, residual
-    graph.direct_attributions(10)       # DataFrame
-    graph.prune()                       # PruneResult (node mask, kept edges)
-    graph.to_json("graph.json")         # circuit-tracer / Neuronpedia viewer format
-    graph.save("graph.safetensors")     # tensors + JSON header, never a pickle
-
-Both write to a temporary name beside the file and rename it over the file when done, so a kill
-or a full disk mid-write leaves the old file or none, never half of one (the file format:
-:mod:`.graph_file`).
-
-Derived results (influence, pruning, scores) are memoised on the graph.
-"""
+Nodes, in circuit-tracer's order: active features (layer, position, feature id), errors (one
+per layer x position, layer-major), steering nodes (a pyvene ``IntervenableModel``'s
+interventions' constant parts, one per position where nonzero: :attr:`~AttributionGraph.steering`),
+tokens (one per position), then the logit nodes (:attr:`~AttributionGraph.targets`, each
+weighted by its probability in influence and pruning). ``rows`` (a :class:`~.store.RowStore`)
+holds the logits' rows and those of the *explored* features; under a feature-node budget the
+others stay as leaves whose direct effects every computed row keeps, so each row still closes
+(``row.sum() + constant == target``) though edges between unexplored features are never seen.
+Derived results (influence, pruning, scores) are memoised; files are written whole or not at
+all (:mod:`.graph_file`)."""
 
 from __future__ import annotations
 

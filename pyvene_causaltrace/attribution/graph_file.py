@@ -3,13 +3,10 @@
     save_graph(graph, "graph.safetensors")                   # graph.save(...)
     graph = load_graph("graph.safetensors", AttributionGraph)  # AttributionGraph.load(...)
 
-The header (safetensors metadata) holds ``format`` (:data:`GRAPH_FORMAT`), ``schema_version``
-and ``graph``: the prompt, tokens, targets, closure, metadata and steering sites as JSON. The
-tensors are the feature table (:data:`FEATURE_TENSORS`), ``input_ids`` and the row store's
-(:meth:`~.store.RowStore.state`). A file is written under a temporary name and renamed over the
-path when complete; loading refuses anything else (a pickle, an older ``.pt``, another
-safetensors file, a damaged header) with :class:`~..errors.GraphFileError`.
-"""
+The header holds ``format`` (:data:`GRAPH_FORMAT`), ``schema_version`` and ``graph`` (prompt,
+tokens, targets, closure, metadata, steering sites); the tensors are :data:`FEATURE_TENSORS`,
+``input_ids`` and :meth:`~.store.RowStore.state`. Written whole or not at all; anything else
+(a pickle, an older ``.pt``, a damaged header) is refused with :class:`~..errors.GraphFileError`."""
 
 from __future__ import annotations
 

@@ -1,26 +1,19 @@
-"""Attention inside the graph: which heads carry an edge.
+"""Attention inside the graph: which heads carry an edge — an exact decomposition of the local
+replacement model (Anthropic's "Tracing Attention Computation Through Feature Interactions",
+2025; circuit-tracer PR #114's head loadings).
 
-An exact decomposition of the graph's local replacement model (attention patterns and norm
-scales frozen, so a node's effect on a target is linear): Anthropic's "Tracing Attention
-Computation Through Feature Interactions" (transformer-circuits.pub, 2025), circuit-tracer
-PR #114's head loadings.
-
-**Head loadings** (:func:`head_loadings`). Every path from a source node to the target crosses
-layer ``l``'s attention through exactly one head, or skips it. Head ``h``'s output is the
-``h``-th ``head_dim`` slice ``z[l, h]`` of the input of layer ``l``'s output projection (the
-adapter's ``attn_out``: ``o_proj``, GPT-2's ``c_proj``; with grouped-query attention one slice
-per query head). With ``g[l] = d target / d z[l]`` from one backward, the part of source ``i``'s
-edge through head ``h`` is ``x_i * d <g[l, h], z[l, h]> / d x_i``: the row of a scalar, computed
-as any target's row is (:func:`~.edges.edges_from_grads`), for every source at once; one batched
-backward per layer gives all its heads. The bypass (paths that skip layer ``l``'s attention) is
-the edge minus its heads' parts. The tests check both sides against independent references (the
-edge recomputed with other heads' outputs detached).
+**Head loadings** (:func:`head_loadings`). Every path from a source to the target crosses layer
+``l``'s attention through exactly one head, or skips it. Head ``h``'s output is the ``h``-th
+``head_dim`` slice ``z[l, h]`` of the input of the attention output projection (one per query
+head under grouped-query attention). With ``g[l] = d target / d z[l]``, source ``i``'s part
+through head ``h`` is ``x_i * d <g[l, h], z[l, h]> / d x_i``, a row like any target's
+(:func:`~.edges.edges_from_grads`), one batched backward per layer; the bypass is the edge
+minus its heads' parts.
 
     loadings = head_loadings(model, transcoder, graph)        # the first logit node's edges
     loadings.of(source)                                       # DataFrame: layer, head, part
 
-The graph's run is replayed by :mod:`.graph_replay`; a head's score is decomposed by :mod:`.qk`.
-"""
+The run is replayed by :mod:`.graph_replay`; a head's score is decomposed by :mod:`.qk`."""
 
 from __future__ import annotations
 
@@ -206,12 +199,10 @@ def node_loadings(replay: Replay, node: int, layers: Sequence[int]
 def head_loadings(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
                   target: int | None = None, *, layers: int | Sequence[int] | None = None,
                   memory_mb: MemoryMB | None = None) -> HeadLoadings:
-    """Split every edge into node ``target`` of ``graph`` (a logit node or a feature node;
-    default the first logit node) by the heads of ``layers`` (default every layer), plus a
-    bypass per layer (module docstring). ``model`` and ``transcoder`` are the graph's: its
-    run is replayed, and refused if its features or the target's row differ from the graph's.
-    One forward, one backward, then one batched backward (one row per head) per layer; as
-    many rows per backward as fit ``memory_mb`` (default the attribution settings')."""
+    """Split every edge into node ``target`` of ``graph`` (default the first logit node) by
+    the heads of ``layers`` (default all), plus a bypass per layer. ``model`` and ``transcoder``
+    are the graph's: its run is replayed, and refused if its features or the target's row
+    differ. Backwards take as many rows as fit ``memory_mb`` (default the attribution settings')."""
     chosen = chosen_layers(layers, model.n_layers)
     node = graph.logit_node if target is None else check_index(
         "target", target, graph.layout.n_nodes, "nodes of the graph")

@@ -1,13 +1,8 @@
-"""What a graph is, so nothing made for one graph is written onto another.
-
-- :func:`graph_identity`: a hash of the graph's tokens, targets, nodes, rows' nodes, constants
-  and targets, and the model's and transcoder's fingerprints it records
-  (``metadata["fingerprints"]``). The same graph saved and loaded keeps it; another prompt,
-  transcoder, model or setting changes it. :class:`~.attention.AttentionAnnotations` carry it and
-  are refused on another graph.
-- :func:`check_labels`: labels of features the graph's transcoder does not have are refused.
-- :func:`text_digest`: SHA-256 of a text (a prompt), for the files that record one.
-"""
+"""What a graph is, so nothing made for one graph is written onto another:
+:func:`graph_identity` hashes its tokens, targets, nodes, rows and recorded fingerprints (kept
+by save and load, changed by another prompt, model, transcoder or setting; annotations carry
+it), :func:`check_labels` refuses labels the transcoder lacks, :func:`text_digest` is a text's
+SHA-256."""
 
 from __future__ import annotations
 
@@ -42,11 +37,9 @@ def graph_identity(graph) -> str:
 
 
 def check_labels(graph, labels: Mapping) -> None:
-    """Refuse (:class:`InputError`, naming the first few) the keys of ``labels`` that are not
-    ``(layer, feature)`` of the graph's transcoder: a layer the graph does not have, or a feature
-    past the transcoder's width (``metadata["transcoder"]["d_transcoder"]``, when recorded).
-    Labels of features the transcoder has but this prompt does not activate are kept: a labels
-    table covers the transcoder, a graph only its active features."""
+    """Refuse (:class:`InputError`, naming the first few) label keys that are not ``(layer,
+    feature)`` of the graph's transcoder. Features the prompt does not activate are kept: a
+    labels table covers the transcoder, a graph only its active features."""
     width = (graph.metadata.get("transcoder") or {}).get("d_transcoder")
     missing = [key for key in labels if not (
         isinstance(key, tuple) and len(key) == 2

@@ -2,24 +2,18 @@
 the error leaves' instead of by autograd through the splice.
 
 A feature of layer ``l`` at position ``p`` writes ``value * W_dec[l][f, t - l]`` into layer
-``t``'s MLP output at ``p``, and that output is ``reconstruction + error``: every write into
-layer ``t`` has the error leaf's gradient ``g_t``. So the gradient on the feature's value is
-``sum_t g_t[p] . W_dec[l][f, t - l]``, and :func:`leaf_grads` asks autograd only for the other
-leaves, then computes the features' as one matrix product per (layer, position): the
-decoder rows of the features there ``[n, T_l * D]`` times the target layers' gradients at that
-position ``[T_l * D, rows]``, read as a strided view of one stack of the error gradients
-``[rows, B, P, L, D]`` (the targets of layer ``l`` are a contiguous slice of its last two dims).
-
-Autograd through the splice's writes gives the same numbers (``feature_rows_loop``, the
-reference, still takes that path), but under ``is_grads_batched`` its backward stacks each
-source layer's target gradients again (a copy per source layer, ``[rows, P, L - l, D]``) and
-runs one matrix-vector product per gradient row: most of a batched backward on SmolLM2
-(``benchmarks/RESULTS.md``, "Attribution rows, issue 27").
+``t``'s MLP output, which is ``reconstruction + error``: every write there has the error leaf's
+gradient ``g_t``. So the feature's gradient is ``sum_t g_t[p] . W_dec[l][f, t - l]``:
+:func:`leaf_grads` asks autograd only for the other leaves, then computes the features' as one
+matrix product per (layer, position), decoder rows ``[n, T_l * D]`` times a strided view of the
+stacked error gradients ``[rows, B, P, L, D]``. Autograd through the splice gives the same
+numbers (``feature_rows_loop`` still takes that path) but under ``is_grads_batched`` copies the
+target gradients per source layer and runs one matrix-vector product per row: most of a
+batched backward on SmolLM2 (benchmarks/RESULTS.md, "Attribution rows, issue 27").
 
     grads = leaf_grads(run, outputs, seeds)
     # == torch.autograd.grad(outputs, run.inputs(), seeds, allow_unused=True,
-    #                        is_grads_batched=True), to float rounding
-"""
+    #                        is_grads_batched=True), to float rounding"""
 
 from __future__ import annotations
 

@@ -4,26 +4,13 @@ and an index.
     prompts = read_prompts("prompts.jsonl")     # {"prompt": ..., "answer": ..., "target": ...}
     index = attribute_many(model, tokenizer, transcoder, prompts, out="graphs/")
 
-Prompt ``i`` goes to rank ``i % world`` (one process: every prompt), which builds its graph on
-its own (:func:`~pyvene_causaltrace.distributed.alone`: no collectives, the graph a serial run
-builds) into ``out/<i>/``: ``graph.safetensors`` (written whole or not at all) and
-``summary.json``, its rows checkpointed in ``out/<i>/rows.partial/`` while they are computed.
-A prompt whose ``graph.safetensors`` exists is done: a rerun after a kill (any world size) skips
-it and resumes the one that was interrupted from its checkpoint. When every rank is done rank 0
-writes ``out/index.json``: one entry per prompt (its text and its SHA-256, answer, directory,
-answer probability, active and explored features, relative closure residual) and the run's
-``inputs``.
-
-Each ``summary.json`` records what its graph was made from (``inputs``: the prompt text's
-SHA-256, the answer and target asked for, the model's, tokenizer's and transcoder's
-fingerprints, the settings). A rerun whose prompt, model, transcoder or settings differ from a
-done graph's is refused before any graph is built (:class:`ManifestMismatchError` naming the
-directories and what changed): a graph is never indexed beside another prompt's text.
-
-The transcoder must be whole on every rank (a graph per rank needs every feature); each line's
-``answer`` (a single token, optional) and ``target`` (a kind, optional) go to
-:func:`~.attribute.attribute`, the rest of the settings are ``settings``' for every prompt.
-"""
+Prompt ``i`` goes to rank ``i % world``, which builds its graph alone
+(:func:`~pyvene_causaltrace.distributed.alone`) into ``out/<i>/`` (``graph.safetensors``,
+``summary.json`` with the graph's ``inputs``; rows checkpointed in ``rows.partial/``). A prompt
+whose graph exists is done, so a rerun after a kill, at any world size, resumes; one whose
+inputs differ from a done graph's is refused before any graph is built
+(:class:`ManifestMismatchError`). Rank 0 then writes ``out/index.json``. The transcoder must be
+whole on every rank."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""A static picture of the pruned attribution graph (matplotlib is imported inside).
-
-Positions across (token labels), layers up: tokens at the bottom, the target logit at the top,
-features as circles, errors as squares and steering nodes as diamonds at (position, layer); edges
-drawn with width and opacity by |weight| (blue positive, red negative). Nodes at the same (layer,
-position) are spread sideways. Of the pruned graph, the ``max_nodes`` most influential feature and
-error nodes are drawn (with every token and the target), and the strongest ``max_edges`` edges
-among them.
-"""
+"""A static picture of the pruned attribution graph (matplotlib is imported inside): positions
+across, layers up (tokens at the bottom, the target logit at the top), features as circles,
+errors as squares, steering nodes as diamonds, edges by |weight| (blue positive, red negative).
+The ``max_nodes`` most influential feature and error nodes are drawn (with every token and the
+target), and the strongest ``max_edges`` edges among them."""
 
 from __future__ import annotations
 

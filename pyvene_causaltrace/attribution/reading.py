@@ -1,27 +1,20 @@
 """Reading a graph: influence, pruning and scores, with circuit-tracer's semantics, from the
 sparse rows of a :class:`~.store.RowStore` — never an ``N x N`` matrix.
 
-Nodes are ordered features (every active feature), errors, steering (the constant parts of a
-user's pyvene interventions; none in a plain model's graph), tokens, logits (circuit-tracer's
-order, with steering where circuit-tracer has none); ``A[t, s]`` is source ``s``'s direct
-effect on target ``t``, nonzero only in the rows the store holds (the logit and the features
-whose rows were computed; every other node is a leaf).
+Node order is :mod:`.graph`'s; ``A[t, s]`` is source ``s``'s direct effect on target ``t``,
+nonzero only in the stored rows (every other node is a leaf).
 
-- influence: ``w @ (N + N^2 + ...)`` with ``N`` = ``|A|``, each row scaled to sum to 1, and ``w``
-  the logit weights. Only nodes with rows pass influence on, so the series runs on the rows x
-  row-nodes part of ``N`` and one last pass spreads it to every column. The graph is acyclic (a
-  node reads earlier layers only), so the series ends after at most ``n_layers + 2`` terms.
-- :func:`prune`: keep the nodes carrying ``node_threshold`` of the cumulative influence (tokens
-  and logits always), then the edges carrying ``edge_threshold`` of the cumulative edge score
-  ``N_kept[t, s] * (influence_kept[t] + w[t])``, then drop nodes left without edges;
-- :func:`graph_scores`: replacement score (input influence / (input + error influence), the
-  inputs being tokens and steering nodes) and completeness score (influence-weighted share of
-  incoming edge weight not from errors).
+- influence: ``w @ (N + N^2 + ...)``, ``N`` = ``|A|`` with rows scaled to sum to 1, ``w`` the
+  logit weights; the series runs on the rows x row-nodes part, one last pass spreads it to
+  every column, and ends within ``n_layers + 2`` terms (the graph is acyclic).
+- :func:`prune`: the nodes carrying ``node_threshold`` of cumulative influence (tokens and
+  logits always), then the edges carrying ``edge_threshold`` of cumulative edge score
+  ``N_kept[t, s] * (influence_kept[t] + w[t])``, then nodes left without edges dropped.
+- :func:`graph_scores`: replacement score (input influence / (input + error influence);
+  inputs are tokens and steering nodes) and completeness score.
 
-Thresholds are found by :func:`threshold_for` without sorting all edges: a histogram over the
-scores' float bits finds the bucket where the cumulative share crosses, and only that bucket is
-sorted (circuit-tracer sorts all ``n^2`` edge scores, its OOM at ~63k nodes).
-"""
+:func:`threshold_for` finds a threshold from a histogram of the scores' float bits, sorting one
+bucket (circuit-tracer sorts all ``n^2`` scores, its OOM at ~63k nodes)."""
 
 from __future__ import annotations
 
@@ -144,15 +137,11 @@ _SHIFT = 12  # histogram buckets: float32 bit patterns >> 12 (relative width ~5e
 
 def threshold_for(chunks: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
                   fraction: float) -> float:
-    """The smallest score among the top scores that together carry ``fraction`` of the total
-    (clamped to the smallest nonzero score; ``fraction=1`` keeps every nonzero score, never
-    zeros); ``inf`` when all scores are zero.
-
-    ``chunks``: the (nonnegative) scores as one tensor, a list of tensors, or a callable that
-    yields them afresh (it is called twice), so that scores need never be held at once.
-    Equals sorting every score descending and taking the first where the cumulative sum
-    reaches ``fraction`` of the total (float64 sums).
-    """
+    """The smallest score among the top scores that together carry ``fraction`` of the total,
+    as sorting every score and cumulating in float64 would give (clamped to the smallest nonzero
+    score: ``fraction=1`` keeps every nonzero one; ``inf`` when all are zero). ``chunks``: the
+    nonnegative scores as a tensor, a list of them, or a callable yielding them afresh (called
+    twice), so scores need never be held at once."""
     if not 0.0 <= fraction <= 1.0:
         raise InputError(f"a threshold is a fraction in [0, 1], got {fraction}")
     if isinstance(chunks, torch.Tensor):

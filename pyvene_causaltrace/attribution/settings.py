@@ -1,23 +1,9 @@
-"""How :func:`~.attribute.attribute` builds a graph and how a graph is read, as typed, frozen
-objects.
-
-    from pyvene_causaltrace.attribution import AttributionSettings, ReadingSettings, attribute
-    settings = AttributionSettings(max_feature_nodes=2000, memory_mb=8192)
-    graph = attribute(model, tokenizer, transcoder, prompt, " Paris", settings=settings)
-    graph.to_json("graph.json", settings=ReadingSettings(node_threshold=0.6))
-
-:class:`AttributionSettings` holds every setting of ``attribute()`` that is not an input (the
-prompt and answer) or a choice about this call's files and display (``checkpoint``,
-``keep_checkpoint``, ``progress``); :class:`ReadingSettings` those of reading a graph (pruning,
-the export's link cap), which ``graph.prune()``, ``graph.to_json()``, ``graph.plot()`` and
-``attention_annotations()`` take. Their fields' defaults are those of the functions' keywords
-(each ``_DEFAULT.<field>``), the ``attribute`` command's flags, attribution specs and
-:class:`~..dataset.graphs.GraphSettings`: all of them read the values from
-:mod:`pyvene_causaltrace.defaults` (where the command line's parser reads them without importing
-torch), and none writes the value again. Both are checked when made (``__post_init__``): one
-that exists holds settings the functions accept (only a combination with the call's answer is
-left, :meth:`AttributionSettings.check_answer`).
-"""
+"""How :func:`~.attribute.attribute` builds a graph (:class:`AttributionSettings`) and how a
+graph is read (:class:`ReadingSettings`: pruning and the export's link cap, taken by
+``graph.prune()``, ``graph.to_json()``, ``graph.plot()``, ``attention_annotations()``), as
+typed, frozen objects checked when made. Inputs (prompt, answer) and this call's files and
+display (``checkpoint``, ``keep_checkpoint``, ``progress``) are not settings. Defaults come
+from :mod:`pyvene_causaltrace.defaults`, shared with the command line and specs."""
 
 from __future__ import annotations
 
@@ -56,39 +42,25 @@ BOS_ERRORS = ("keep", "drop")
 
 @dataclass(frozen=True)
 class AttributionSettings(Settings):
-    """The settings of one attribution graph (module docstring); ``attribute(...,
+    """The settings of one attribution graph; ``attribute(...,
     settings=AttributionSettings(...))`` or the same names as keywords.
 
-    What the graph explains: ``target`` is a kind (:data:`~.targets.TARGET_KINDS`:
-    ``"demeaned"``, the answer's logit minus the mean of the top-``k`` logits;
-    ``"demeaned_vocab"``, minus the vocabulary mean; ``"difference"``, the answer's minus
-    ``other``'s), a direction ``[d_model]`` or a :func:`~.targets.direction_target`.
+    ``target``: a kind of :data:`~.targets.TARGET_KINDS` (``"demeaned"``: minus the top-``k``
+    mean; ``"demeaned_vocab"``; ``"difference"``: minus ``other``'s logit), a ``[d_model]``
+    direction or a :func:`~.targets.direction_target`. Without an answer, circuit-tracer's
+    salient logits: ``max_n_logits`` (default 10) tokens at most, until their probabilities reach
+    ``desired_logit_prob`` (default 0.95) (``None``: those, :meth:`salient`). ``bos``
+    (:data:`~..prompts.BOS_MODES`) says whether position 0 is BOS; ``bos_errors`` keeps its
+    errors as nodes or (``"drop"``) constants. Budget: ``max_feature_nodes`` feature rows
+    (``None``: as many as fit ``memory_mb``, which caps forward graph, gradient rows and stored
+    rows); ``batch_size`` fixes the rows per backward (``None``: as many as fit, at most
+    ``max_batch`` or :data:`~.budget.DEFAULT_MAX_BATCH`); ``update_interval`` batches between
+    rankings. ``freeze`` the attention patterns and norm scales, ``loop`` one backward per node
+    (the reference), ``check_closure`` refuse a row that does not close.
 
-    Without an answer, circuit-tracer's salient logits: at most ``max_n_logits`` tokens, until
-    their probabilities reach ``desired_logit_prob`` (``None``: ``max_n_logits`` (default 10)
-    and ``desired_logit_prob`` (default 0.95), :meth:`salient`; either given with an answer, a
-    difference or a direction is refused).
-
-    Position 0: ``bos`` (:data:`~..prompts.BOS_MODES`) says whether it is BOS; ``bos_errors``
-    keeps its errors as nodes (``"keep"``) or makes them constants (``"drop"``, only where it
-    is BOS).
-
-    Budget: ``max_feature_nodes`` feature rows at most (``None``: every feature whose row fits
-    ``memory_mb``), ``memory_mb`` caps the forward graph, the gradient rows and the stored
-    rows; ``batch_size`` fixes the rows per backward (``None``: as many as fit, at most
-    ``max_batch``, ``None``: the device's :data:`~.budget.DEFAULT_MAX_BATCH`);
-    ``update_interval`` batches between two rankings by partial influence.
-
-    Computation: ``freeze`` the attention patterns and norm scales (the local replacement
-    model), ``loop`` one backward per node (the reference) instead of batches,
-    ``check_closure`` refuse a row that does not close.
-
-    Refused when made (:class:`~..errors.InputError`): a value its annotation does not admit
-    (a count below its minimum, a probability outside (0, 1], a memory cap that is not a
-    finite positive number), a target kind it does not know, ``other`` missing for (or given
-    without) ``target="difference"``, ``max_n_logits`` or ``desired_logit_prob`` beside a
-    difference or a direction (they would be ignored), a ``bos_errors`` other than
-    ``"keep"``/``"drop"``, a ``bos`` outside :data:`~..prompts.BOS_MODES`."""
+    Refused when made (:class:`~..errors.InputError`): a value its annotation does not admit, an
+    unknown target kind, ``other`` missing for or given without ``"difference"``, salient-logit
+    settings beside a difference or direction, an unknown ``bos_errors`` or ``bos``."""
 
     target: str | Target | torch.Tensor = GRAPH_TARGET
     other: str | None = None
@@ -174,7 +146,7 @@ class AttributionSettings(Settings):
 
 @dataclass(frozen=True)
 class ReadingSettings(Settings):
-    """How a graph is read (module docstring): pruning keeps the nodes carrying
+    """How a graph is read: pruning keeps the nodes carrying
     ``node_threshold`` of the cumulative influence, then the edges carrying ``edge_threshold``
     of the cumulative edge score (circuit-tracer's 0.8 and 0.98; :func:`~.reading.prune`);
     ``graph.json`` holds at most ``max_links`` links, those of largest edge score (``None``:

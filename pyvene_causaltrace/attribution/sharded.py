@@ -1,18 +1,12 @@
 """A graph's feature nodes when the transcoder is sharded by feature across ranks.
 
-Each rank holds features ``[lo, hi)`` of every layer (:meth:`~..transcoders.Transcoder.shard`):
-its splice encodes them, writes their partial reconstruction, and the ranks sum the partials
-once per layer (:func:`~..interventions.clt_splice` in leaf mode), so every rank runs the same
-forward — the one process's, to float rounding — with only its own features as leaves.
-
-:func:`globalize` then gives every rank the graph's whole feature list, in the one process's
-node order (layer, position, feature id), with each rank's encoder rows (a row's gradient seed
-is its feature's encoder vector), and a :class:`FeatureShard` that says which global nodes are
-this rank's. A row is computed by the same backward on every rank (replicated rows); each rank
-fills only its own features' columns — their gradients come from its own decoder rows — and
-:meth:`FeatureShard.gather_columns` puts the ranks' columns together: per row, the ranks move
-``4 * n_active`` bytes in all (each rank's ``4 * n_local``, float32), once.
-"""
+Each rank holds features ``[lo, hi)`` of every layer: its splice encodes them and the ranks sum
+their partial reconstructions once per layer, so every rank runs the one process's forward (to
+float rounding) with only its own features as leaves. :func:`globalize` gives every rank the
+whole feature list in the one process's node order, with its own encoder rows (a row's gradient
+seed), and a :class:`FeatureShard` naming its nodes. Rows are replicated; each rank fills its
+own features' columns and :meth:`FeatureShard.gather_columns` joins them (``4 * n_active``
+bytes per row in all)."""
 
 from __future__ import annotations
 

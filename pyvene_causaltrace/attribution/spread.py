@@ -28,14 +28,12 @@ __all__ = ["Spread", "shared_fingerprint"]
 
 @dataclass(frozen=True)
 class Spread:
-    """How one graph's work is spread over the ranks of a distributed run.
-
-    ``"features"``: the transcoder is sharded by feature (each rank holds a slice of every
-    layer's features, :mod:`.sharded`); every rank runs every row's backward and fills its own
-    features' columns. ``"rows"``: the transcoder is whole on every rank; each batch of rows
-    is split across the ranks and the rows gathered. Either way every rank ends with the same
-    rows, the one process's to float rounding; rank 0 chooses each queue and writes the
-    checkpoint. Bytes moved per row: ``4 * n_active`` (features), ``4 * n_columns`` (rows)."""
+    """How one graph's work is spread over the ranks of a distributed run: ``"features"`` (the
+    transcoder sharded by feature, :mod:`.sharded`: every rank runs every row's backward and fills
+    its own features' columns, ``4 * n_active`` bytes per row) or ``"rows"`` (the transcoder whole
+    on every rank: each batch of rows split and gathered, ``4 * n_columns`` bytes per row). Every
+    rank ends with the one process's rows, to float rounding; rank 0 chooses each queue and writes
+    the checkpoint."""
 
     ranks: Ranks
     mode: str

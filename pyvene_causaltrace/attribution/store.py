@@ -1,21 +1,13 @@
 """The computed rows of an attribution graph, held sparsely.
 
-A row belongs to one node with a target (the logit, or a feature whose row was computed) and has
-one column per source node (every active feature, then errors, then tokens). Rows are dense in
-what autograd returns but mostly zero in what they mean: a feature only reads features of earlier
-layers at the same or earlier positions, so a row at layer ``l``, position ``p`` is zero for every
-later layer or position. Only the nonzero entries are kept, in blocks as they were computed:
-
-- ``counts`` ``[b]`` (entries per row), ``columns`` ``[nnz]`` int32, ``values`` ``[nnz]``;
-- per row: its node (``nodes``), what the model's constants add (``constants``), its target's
-  value (``targets``), so ``row.sum() + constant == target`` stays a check, and the size of the
-  terms the target itself sums (``magnitudes``: ``sum_i |w_i x_i|`` of a feature's
-  pre-activation ``w . x``; 0 where not measured), the scale its float32 rounding is relative to.
-
-Readers iterate :meth:`RowStore.chunks` (bounded entry counts, global row index per entry) and
-never build an ``N x N`` matrix. Derived per-row quantities (``|row|`` sums) are memoised until
-the next :meth:`RowStore.append`.
-"""
+A row belongs to a node with a target (a logit, or an explored feature) and has a column per
+source node; a row at layer ``l``, position ``p`` is zero for later layers and positions, so
+only nonzero entries are kept, in blocks as computed: ``counts`` ``[b]``, ``columns``
+``[nnz]`` int32, ``values`` ``[nnz]``, and per row its ``nodes``, ``constants``, ``targets``
+(so ``row.sum() + constant == target`` stays a check) and ``magnitudes`` (``sum_i |w_i x_i|``
+of a feature's pre-activation, the scale of its rounding; 0 where not measured). Readers
+iterate :meth:`RowStore.chunks`, never an ``N x N`` matrix; per-row sums are memoised until the
+next :meth:`RowStore.append`."""
 
 from __future__ import annotations
 
@@ -188,12 +180,10 @@ class RowStore:
     @classmethod
     def from_state(cls, n_columns: int, tensors: dict[str, torch.Tensor],
                    prefix: str = "rows.", n_logits: int = 1) -> RowStore:
-        """Inverse of :meth:`state`. Refuses (:class:`InputError`, saying what is wrong)
-        arrays that cannot be rows of a graph of ``n_columns`` source nodes and ``n_logits``
-        logit nodes after them: missing, of the
-        wrong kind or lengths, entry counts that do not add up, a node or column outside the
-        graph, a node twice, a value that is not finite. A file written before ``magnitudes``
-        were kept reads them as 0."""
+        """Inverse of :meth:`state`, refusing (:class:`InputError`, saying what) arrays that
+        cannot be rows of a graph of ``n_columns`` source and ``n_logits`` logit nodes: missing, of
+        the wrong kind or length, inconsistent counts, nodes or columns out of range or repeated,
+        non-finite values. A file written before ``magnitudes`` were kept reads them as 0."""
         names = ("nodes", "counts", "columns", "values", "constants", "targets")
         missing = [f"{prefix}{name}" for name in names if f"{prefix}{name}" not in tensors]
         if missing:

@@ -1,24 +1,14 @@
 """What an attribution graph explains: fixed linear functions of the model's last states.
 
 A :class:`Target` is a coefficient vector ``c`` on one output of the local replacement model at
-one position, chosen once on the clean run and then held fixed, so ``target = c . output[pos]``
-is linear in the graph's leaves. A graph has one logit node (one row) per target. Outputs:
-
-- ``"logits"``: ``c`` over the vocabulary. :func:`demeaned_logit` is the answer's logit minus
-  the mean of the top-``k`` logits (k = 10; a direction that raises every logit equally does not
-  change the prediction) or of the whole vocabulary (``k=None``, circuit-tracer's);
-  :func:`logit_difference` is ``logit[token] - logit[other]``.
-- a residual-stream state: ``c`` is a unit direction in it (a probe, a steering vector,
-  normalised so that nothing depends on its scale), built by :func:`direction_target`:
-  ``"unembed_input"`` (the final norm's output at the last position, where circuit-tracer's
-  ``CustomTarget`` vectors live) or ``"resid_pre.{l}"`` (the residual stream entering block
-  ``l``; ``l = n_layers``: leaving the last block).
-
-:func:`make_targets` builds a graph's targets: the answer's (one row, weight 1), or, without an
-answer, circuit-tracer's salient logits (:func:`salient_logits`): the most probable next tokens,
-at most ``max_n_logits``, until their probabilities sum to ``desired_logit_prob``, each weighted
-by its probability in influence and pruning.
-"""
+one position, chosen on the clean run and then held fixed, so ``c . output[pos]`` is linear in
+the graph's leaves; a graph has one logit node (one row) per target. On ``"logits"``:
+:func:`demeaned_logit` (the answer's logit minus the top-``k`` mean, or with ``k=None`` the
+vocabulary mean, circuit-tracer's: raising every logit equally changes nothing) and
+:func:`logit_difference`. On a residual state, a unit direction (:func:`direction_target`:
+``"unembed_input"``, where circuit-tracer's ``CustomTarget`` vectors live, or
+``"resid_pre.{l}"``). :func:`make_targets` builds a graph's targets: the answer's, or
+circuit-tracer's salient logits (:func:`salient_logits`), each weighted by its probability."""
 
 from __future__ import annotations
 
@@ -90,7 +80,6 @@ class Target:
                 "weight": self.weight, "size": int(self.coefficients.numel())}
 
 
-
 @checked
 def demeaned_logit(logits: torch.Tensor, token: int, k: int | None) -> Target:
     """``logit[token] - mean(top-k logits)`` (our default target,
@@ -129,17 +118,11 @@ def logit_difference(vocab_size: int, token: int, other: int) -> Target:
 def direction_target(vector: torch.Tensor, *, output: str = "unembed_input", position: int = -1,
                      name: str = "direction", weight: float = 1.0) -> Target:
     """The projection of a residual-stream state on the unit vector ``vector / |vector|``
-    (``vector``: ``[d_model]``): ``output`` is ``"unembed_input"`` (the final norm's output,
-    circuit-tracer's ``CustomTarget`` space) or ``"resid_pre.{l}"``; ``position`` (default the
-    last) the position read. Its node's token id is set when the graph is built
-    (``vocab_size + i``).
-
-    The direction is normalised (in float64) before use, so the graph, its closure and its
-    scores do not depend on the vector's scale: the logit node's value is the state's
-    component along the direction, in the state's own units. A vector whose norm is below
-    :data:`MIN_DIRECTION_NORM` (zero, subnormal, or so small that its own squared norm
-    underflows float32) carries no direction the model's float32 arithmetic can compute, and
-    is refused, as is a non-finite one."""
+    (``vector``: ``[d_model]``) at ``position`` (default the last); ``output`` is
+    ``"unembed_input"`` or ``"resid_pre.{l}"``. Its node's token id is set when the graph is built
+    (``vocab_size + i``). Normalised in float64, so nothing depends on the vector's scale; a vector
+    below :data:`MIN_DIRECTION_NORM` (its squared norm underflows float32) or non-finite is
+    refused."""
     if not isinstance(vector, torch.Tensor) or vector.dim() != 1 or vector.numel() == 0:
         raise InputError("a direction target is a 1-D tensor [d_model], got "
                          f"{getattr(vector, 'shape', type(vector).__name__)}")
@@ -202,13 +185,10 @@ def make_targets(logits: torch.Tensor, probabilities: torch.Tensor,
                  tokenizer: PreTrainedTokenizerBase, answer: str | None, *,
                  target: str | Target | torch.Tensor, other: str | None, k: int,
                  max_n_logits: int, desired_logit_prob: float) -> list[Target]:
-    """A graph's targets (module docstring), in node order, on the pre-cap ``logits``
-    ``[1, P, V]``; ``probabilities`` ``[V]`` are the real model's at the last position.
-
-    ``target`` a kind name: with ``answer`` (or ``"difference"``) one target of that kind
-    (weight 1), else the salient logits, demeaned by that kind. ``target`` a tensor or a
-    :class:`Target` from :func:`direction_target`: that direction alone (``answer`` must be
-    None)."""
+    """A graph's targets in node order, on the pre-cap ``logits`` ``[1, P, V]``
+    (``probabilities`` ``[V]``: the real model's at the last position): for a kind name, one
+    target of it with ``answer`` (or ``"difference"``), else the salient logits demeaned by it;
+    for a tensor or :class:`Target`, that direction alone (``answer`` must be None)."""
     vocab = logits.shape[-1]
     if isinstance(target, torch.Tensor):
         target = direction_target(target)

@@ -1,27 +1,15 @@
 """``pyvene-causaltrace``: the command line. Parses arguments, calls the library, writes files.
 
-    pyvene-causaltrace trace                     # Eiffel Tower prompt on the bundled SmolLM2
     pyvene-causaltrace trace --kind residual,mlp,attn --seeds 10 --out out/
     pyvene-causaltrace run intervention_specs/residual_trace.json --out out/
-    pyvene-causaltrace validate intervention_specs/*.json
-    pyvene-causaltrace clt-check --clt DIR --data held_out.txt
-    pyvene-causaltrace dataset --data known_1000.json --limit 200 --kinds residual,mlp,attn \
-        --seeds 3 --out runs/known                   # resumable; under torchrun it shards
-    pyvene-causaltrace dataset --data known_1000 --limit 50 --graphs --clt DIR \
-        --out runs/graphs                            # each fact's attribution graph too
-    pyvene-causaltrace dataset --task agreement --out runs/agreement
-    pyvene-causaltrace aggregate runs/known          # re-aggregate (merges shards if needed)
-    pyvene-causaltrace fit                          # a first transcoder for the bundled model
-    pyvene-causaltrace steer --clt DIR --set 20:-1:1234=10 --max-new-tokens 10
-    pyvene-causaltrace interventions
-    pyvene-causaltrace run my_spec.json --plugins my_pkg.steer   # types registered by a module
+    pyvene-causaltrace dataset --data known_1000.json --limit 200 --out runs/known
+    pyvene-causaltrace attribute --clt DIR --prompt "..." --answer " Paris" --out out/
 
 A flag the command's mode does not read is refused (:mod:`.flags`). A user's mistake
 (:class:`~pyvene_causaltrace.errors.CausalTraceError`, or an ``OSError``) ends in one
-``error:`` line and exit 2; Ctrl-C in one line and exit 130; anything else is a bug and keeps
-its traceback. Each command lives in its own module, imported only when it runs, so
-``--help`` does not load torch or pyvene.
-"""
+``error:`` line and exit 2, Ctrl-C in one line and exit 130; anything else is a bug and keeps
+its traceback. Each command's module is imported only when it runs, so ``--help`` loads
+neither torch nor pyvene."""
 
 from __future__ import annotations
 

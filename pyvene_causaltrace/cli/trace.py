@@ -105,10 +105,7 @@ def run_command(args) -> int:
 
 
 def validate_command(args) -> int:
-    loaded = None
-    if args.model is not None:
-
-        loaded = load_model(args.model)
+    loaded = None if args.model is None else load_model(args.model)
     failed = 0
     for path in args.specs:
         try:

@@ -3,12 +3,8 @@
     check = cross_check(graph, tracer, transcoder)
     check.summary(); check.plot("cross_check.png"); check.to_json("cross_check.json")
 
-Data flows one way: :mod:`.sites` (per (layer, position): the graph's influence beside the
-trace's indirect effect) and :mod:`.features` (the graph's top features: linear prediction beside
-a patch in the spliced model) -> :mod:`.check` (``cross_check``) -> :mod:`.result`
-(:class:`CrossCheckResult`) -> :mod:`.plots`; :mod:`.settings` holds
-:class:`CrossCheckSettings`.
-"""
+:mod:`.sites` and :mod:`.features` -> :mod:`.check` -> :mod:`.result` -> :mod:`.plots`;
+:mod:`.settings` holds :class:`CrossCheckSettings`."""
 
 from .check import check_pair, cross_check
 from .features import MODES, PatchRunner, noised_activations, total_effects

@@ -89,25 +89,13 @@ def cross_check(
 ) -> CrossCheckResult:
     """Compare ``graph`` with ``tracer``'s traces (module docstring).
 
-    Args:
-        graph: an :class:`~..attribution.graph.AttributionGraph` of ``tracer``'s prompt whose
-            first logit node is the trace's answer.
-        tracer: a :class:`~..tracing.tracer.Tracer`; its noise (seeds, scale, sigma) is the
-            perturbation on both sides.
-        transcoder: the graph's transcoder. Without it only the sites are compared; the
-            features (``top_n``) and heads need it.
-        kinds, window, top_k, top_n, modes, heads: the
-            :class:`~.settings.CrossCheckSettings` (what each means, and the defaults: the
-            residual and MLP traces, one layer per restore, a top-10 overlap, 20 features
-            patched in both modes, no heads); ``settings`` gives them at once (a keyword that
-            contradicts it is refused).
-        progress: called with 1 after each mode's patches.
-
-    Raises:
-        InputError: for a graph and tracer of different prompts, answers or models, a
-            transcoder whose activations are not the graph's, an unknown kind or mode.
-        PyveneModelError: for a graph or tracer of a pyvene ``IntervenableModel``.
-    """
+    ``graph`` is of ``tracer``'s prompt, its first logit node the trace's answer; the tracer's
+    noise is the perturbation on both sides. Without ``transcoder`` only the sites are compared.
+    ``kinds``, ``window``, ``top_k``, ``top_n``, ``modes``, ``heads`` are
+    :class:`~.settings.CrossCheckSettings`' fields, or ``settings`` gives them at once.
+    ``progress`` is called with 1 after each mode's patches. Raises ``InputError`` for a graph and
+    tracer of different prompts, answers or models, a transcoder not the graph's, an unknown kind
+    or mode; ``PyveneModelError`` for an ``IntervenableModel``'s graph or tracer."""
     start = time.perf_counter()
     s = CrossCheckSettings.merged(settings, kinds=kinds, window=window, top_k=top_k,
                                   top_n=top_n, modes=modes, heads=heads)

@@ -1,22 +1,14 @@
 """Which heads carry the fact: the graph's head loadings beside the per-head trace.
 
-The graph's side of head ``h`` of layer ``l`` is its *loading*: the part of the target's edges
-that crosses that head (:func:`~..attribution.heads.head_loadings`, exact in the local
-replacement model), summed over source nodes — those at the subject's positions (``subject``:
-the nodes the trace's noise perturbs, whose edges into a target at the last position must
-cross attention somewhere) or every source (``all``). The target is the graph's first logit
-node. The trace's side is the head's indirect effect: P(answer) with that head's clean output
-restored at the last position of the corrupted run, minus the corrupted P, mean over seeds
-(:meth:`~..tracing.tracer.Tracer.trace_heads`).
-
-Like the sites, the two answer different questions (a loading splits the clean run's edges,
-summed over every query position; a restore gives back one position's head output in the noised
-run), so they are compared by rank: Spearman and Pearson over every (layer, head) checked, and
+The graph's side of head ``h`` of layer ``l`` is its loading: the part of the first logit
+node's edges crossing it (:func:`~..attribution.heads.head_loadings`), summed over the sources
+at the subject's positions (``subject``) or over all (``all``). The trace's side is its
+indirect effect restored alone at the last position (:meth:`~..tracing.tracer.Tracer.trace_heads`).
+Different questions, so compared by rank: Spearman and Pearson over every (layer, head),
 Spearman within each layer.
 
     section = head_section(graph, tracer, transcoder, layers=[0, 1, 2])
-    section["stats"]["subject"]["spearman"]
-"""
+    section["stats"]["subject"]["spearman"]"""
 
 from __future__ import annotations
 

@@ -45,18 +45,14 @@ class CrossCheckSettings(Settings):
     """The settings of one cross-check; ``settings=`` or the same names as keywords (defaults:
     :mod:`~pyvene_causaltrace.defaults`).
 
-    ``kinds``: the traces compared with the graph (:data:`SITE_KINDS`). ``window``: layers an
-    MLP restore spans (one MLP per cell, as a graph cell holds one MLP sublayer; with more, the
-    graph's cells are summed over the same layers). ``top_k``: cells in the top-``k`` overlap.
-    ``top_n``: features checked, by influence (0: none). ``modes``: where their patches are
-    measured, ``"spliced"`` (attention and norms live) and/or ``"replacement"`` (held at the
-    clean run's: the local replacement model, where the prediction is exact up to threshold
-    crossings). ``heads``: also compare heads at these layers (``True`` every layer, an int or
-    a list those, ``False`` none: it costs a forward and a backward per layer and
-    ``layers x heads x seeds`` restore rows).
-
-    Refused when made (:class:`~..errors.InputError`): a value its annotation does not admit,
-    a kind or mode it does not know, none or a repeated one."""
+    ``kinds``: the traces compared (:data:`SITE_KINDS`). ``window``: layers an MLP restore spans
+    (with more than one the graph's cells are summed alike). ``top_k``: cells in the top-``k``
+    overlap. ``top_n``: features checked, by influence (0: none). ``modes``: where their patches are
+    measured, ``"spliced"`` and/or ``"replacement"`` (attention and norms held: the prediction is
+    exact up to threshold crossings). ``heads``: the layers whose heads are compared (``True``
+    all, ``False`` none; each costs a forward, a backward and ``heads x seeds`` restores). Refused
+    when made (:class:`~..errors.InputError`): a value its annotation does not admit, an unknown,
+    missing or repeated kind or mode."""
 
     kinds: Sequence[str] = CROSS_CHECK_KINDS
     window: PositiveInt = CROSS_CHECK_WINDOW

@@ -1,18 +1,10 @@
 """Where the graph and the trace put the fact: per (layer, position) cell, side by side.
 
-The graph's side of a cell is the influence on the target of the nodes there
-(:meth:`~..attribution.graph.AttributionGraph.influence`): the transcoder features that read
-layer ``l``'s MLP input at position ``p`` and the error node of layer ``l``'s MLP output at
-``p`` — everything the local replacement model computes in that MLP sublayer. The trace's side
-is the indirect effect (``restored - corrupt``, mean over seeds) of restoring the residual
-stream, or the MLP output, at that cell.
-
-The two answer different questions — the graph splits the clean run's target among all nodes,
-the trace asks where the subject's information can be given back — so they are compared by
-rank over the cells both can see: the noise enters at the subject, so no restore before the
-subject's first token changes anything, and those cells are left out of the statistics
-(:func:`reachable_cells`); the heat maps show every cell.
-"""
+The graph's side of a cell is the influence of the nodes of that MLP sublayer there (its
+transcoder features and error node); the trace's is the indirect effect (``restored -
+corrupt``, mean over seeds) of restoring the residual stream or MLP output there. They answer
+different questions, so they are compared by rank, over the cells a restore can change (from
+the subject's first token on: :func:`reachable_cells`); the heat maps show every cell."""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Average indirect effects over facts, by ROME's token roles, with bootstrap intervals.
 
-For fact ``f``, kind ``k`` and seed ``s``: ``IE[l, t] = restored[l, t] - corrupt`` (a
-probability gap, as in ROME). A role's curve is the mean of ``IE`` over the role's
-positions (:func:`~pyvene_causaltrace.tracing.roles.role_positions`), then over the fact's
-seeds; the AIE is the mean over facts that have the role, with a percentile bootstrap interval
-over facts. The total effect is ``clean - corrupt`` per fact (seeds averaged).
-
-Aggregation does not depend on the order of rows: per-fact values are kept by (fact, kind,
-seed) and combined in sorted order, so a merged sharded run, or a resumed one, gives exactly the
-numbers of a single uninterrupted run. A key given twice must carry the same values. Only
-per-fact role curves are held ([roles, layers] per fact and kind), never grids.
-"""
+``IE[l, t] = restored[l, t] - corrupt`` per fact, kind and seed (a probability gap, as in
+ROME); a role's curve is its mean over the role's positions
+(:func:`~pyvene_causaltrace.tracing.roles.role_positions`), then over seeds; the AIE is the mean
+over the facts with the role, with a percentile bootstrap interval. The total effect is
+``clean - corrupt`` per fact. Values are kept by (fact, kind, seed) and combined in sorted
+order, so a merged or resumed run gives exactly an uninterrupted one's numbers; a key given
+twice must agree. Only per-fact role curves are held, never grids."""
 
 from __future__ import annotations
 

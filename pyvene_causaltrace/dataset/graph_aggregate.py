@@ -1,27 +1,15 @@
 """Attribution graphs averaged over facts by ROME's token roles, beside the AIE.
 
-For fact ``f`` and part ``"all"`` (the MLP sublayer's features and error node), ``"features"``
-or ``"errors"``, ``G[l, p]`` is the share of the graph's source-node influence held by the
-part's nodes at (layer ``l``, position ``p``) (a ``graphs.jsonl`` grid,
-:mod:`~pyvene_causaltrace.dataset.graphs`). A role's curve is the mean of ``G`` over the role's
-positions (the AIE's buckets, :func:`~pyvene_causaltrace.tracing.roles.role_positions`); the
-curve over facts is the mean over the facts that have the role, with a percentile bootstrap
-interval over facts (:func:`~.aggregate.bootstrap_interval`, as the AIE's).
-
-Per fact, the graph is also ranked against its traces: Spearman's correlation between ``G_all``
-and the residual trace's ``IE`` grid (``restored - corrupt``, mean over the run's seeds), over
-the cells a restore can reach (from the subject's first token on,
-:func:`~pyvene_causaltrace.crosscheck.sites.reachable_cells`); with an mlp trace, against its
-``IE`` grid with ``G_all`` summed over the layers each windowed restore covers
-(:func:`~pyvene_causaltrace.crosscheck.sites.window_sum`). A fact whose trace is not complete
-(all seeds) has no value yet; a constant grid gives NaN (counted as ``n_undefined``). Each is
-summarised by its mean, median and bootstrap interval over facts.
-
-Like the AIE, nothing depends on the order of rows: facts are combined in index order, seeds in
-seed order, so a resumed or merged run gives exactly the numbers of an uninterrupted one. A
-fact given twice must carry the same values (its ``seconds`` aside). Wall time is left out of
-the aggregate: it differs between any two runs.
-"""
+``G[l, p]`` is the share of a fact's graph's source-node influence held by a part's nodes
+(``"all"``: the MLP sublayer's features and error node; ``"features"``; ``"errors"``) at layer
+``l``, position ``p`` (a ``graphs.jsonl`` grid). A role's curve is the mean of ``G`` over the
+role's positions (:func:`~pyvene_causaltrace.tracing.roles.role_positions`), then over facts,
+with a bootstrap interval as the AIE's. Per fact, ``G_all`` is ranked (Spearman) against the
+residual trace's ``IE`` grid over the cells a restore can reach, and against an mlp trace's
+with ``G_all`` summed over each window (:mod:`~pyvene_causaltrace.crosscheck.sites`); an
+incomplete trace has no value yet, a constant grid gives NaN (``n_undefined``). Nothing
+depends on row order (a resumed or merged run gives the same numbers); a fact given twice must
+agree; wall time is left out."""
 
 from __future__ import annotations
 
@@ -94,10 +82,6 @@ def _summary(values: list[float], n_boot: int, level: float) -> dict:
             "ci": [float(low[0]), float(high[0])]}
 
 
-def _none_if_nan(value: float) -> float | None:
-    return None if not np.isfinite(value) else float(value)
-
-
 def _correlations(row: dict, grid: np.ndarray, traces: TraceGrids | None,
                   kinds: Sequence[str], window: int) -> dict[str, float | None]:
     """Per compared kind: Spearman of the graph's grid and the trace's IE (NaN: undefined,
@@ -156,7 +140,8 @@ def aggregate_graphs(rows: Iterable[dict], *, n_layers: int, kinds: Sequence[str
                 rhos[kind].append(value)
         per_fact.append({
             "index": index, "fact": row["fact"],
-            "spearman": {k: None if v is None else _none_if_nan(v) for k, v in rho.items()},
+            "spearman": {k: None if v is None or not np.isfinite(v) else float(v)
+                         for k, v in rho.items()},
             **{key: row.get(key) for key in ("n_features", "n_explored", "closure",
                                              "feature_closure", "error_share", "replacement",
                                              "completeness")}})

@@ -1,13 +1,8 @@
-"""A dataset run's sizes, checked before anything large is allocated (its settings are checked
-when its :class:`~.settings.DatasetSettings` is made, before the model loads).
+"""A dataset run's sizes, checked before anything large is allocated.
 
     check_boot_fits(n_boot=1000, n_facts=200, n_values=7 * 30)   # MemoryCapError if it cannot
 
-A seed count is checked as a count: ``seeds=100000000`` is refused (by
-:class:`~.settings.DatasetSettings` if it is not a positive integer, by
-:func:`~pyvene_causaltrace.tracing.chunks.check_seeds_fit` against the memory budget once the
-model is known) without building its list of seeds.
-"""
+A seed count is checked as a count (``seeds=100000000`` is refused without building its list)."""
 
 from __future__ import annotations
 

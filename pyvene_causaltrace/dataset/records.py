@@ -1,13 +1,11 @@
 """Fact records: ROME's ``known_1000.json`` or JSONL of ``{prompt, subject, attribute}``.
 
-A record names a prompt, the span to corrupt (``subject``, with ``occurrence`` when it appears
-more than once) and the target (``attribute``; the scored token is the first token of
-``" " + attribute`` unless the attribute already starts with whitespace, as in ROME).
+``subject`` is the span to corrupt (``occurrence`` when it appears more than once); the scored
+token is the first of ``" " + attribute`` unless it starts with whitespace, as in ROME.
 Malformed records do not stop a run: :func:`read_records` returns them as
-:class:`RecordError`s naming the record, and the caller reports them and goes on.
+:class:`RecordError` values naming the record.
 
-    records, errors = read_records("known_1000.json")   # or "known_1000": fetched once
-"""
+    records, errors = read_records("known_1000.json")   # or "known_1000": fetched once"""
 
 from __future__ import annotations
 

@@ -41,16 +41,12 @@ def _nan_to_none(value):
 
 @dataclass(frozen=True)
 class DatasetResult:
-    """Average indirect effects over facts (see :mod:`~pyvene_causaltrace.dataset.aggregate`).
+    """Average indirect effects over facts (:mod:`~pyvene_causaltrace.dataset.aggregate`).
 
-    ``aie[kind][role][layer]`` with ``ci_low``/``ci_high`` the bootstrap interval at ``level``;
-    ``n_facts[kind][role]`` facts that have the role; ``effects[kind]`` the average total
-    effect (with interval), clean and corrupted P(answer); ``screen`` counts kept and skipped
-    records by reason; ``manifest`` the run's settings. ``graphs``: ``None`` in a run without
-    attribution graphs, else the graphs' influence share by role x layer with intervals, their
-    rank correlation with the traces and their quality
-    (:func:`~.graph_aggregate.aggregate_graphs`).
-    """
+    ``aie[kind][role][layer]`` with ``ci_low``/``ci_high`` at ``level``; ``n_facts[kind][role]``;
+    ``effects[kind]``: the average total effect (with interval), clean and corrupted P(answer);
+    ``screen``: kept and skipped records by reason; ``manifest``: the run's settings; ``graphs``:
+    ``None`` without attribution graphs, else :func:`~.graph_aggregate.aggregate_graphs`'."""
 
     kinds: list[str]
     roles: list[str]

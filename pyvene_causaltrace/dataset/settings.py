@@ -1,18 +1,10 @@
-"""How :func:`~.run.trace_dataset` traces a dataset, as one typed, frozen object.
+"""How :func:`~.run.trace_dataset` traces a dataset: :class:`DatasetSettings`, every setting of
+``trace_dataset()`` but its inputs (records, transcoder and its
+:class:`~.graphs.GraphSettings`), outputs (``out``, ``shard``) and ``progress``, checked when
+made, before any model loads. Defaults come from :mod:`pyvene_causaltrace.defaults`.
 
-    from pyvene_causaltrace.dataset import DatasetSettings, trace_dataset
     settings = DatasetSettings(kinds=("residual", "mlp"), seeds=5, limit=200)
-    result = trace_dataset(model, tokenizer, records, out="runs/known", settings=settings)
-
-:class:`DatasetSettings` holds every setting of ``trace_dataset()`` that is not an input (the
-records, the transcoder and its :class:`~.graphs.GraphSettings`), an output (``out``,
-``shard``) or a choice about display (``progress``). Its fields' defaults are those of
-``trace_dataset()``'s keywords and the ``dataset`` command's flags: all of them read the values
-from :mod:`pyvene_causaltrace.defaults`, and none writes the value again. The settings each
-fact's :class:`~..tracing.Tracer` shares with it (seeds, scale, sigma, window, memory budget)
-are checked by :class:`~..tracing.settings.TraceSettings` (:meth:`DatasetSettings.trace`). A
-:class:`DatasetSettings` is checked when it is made, before any model loads.
-"""
+    result = trace_dataset(model, tokenizer, records, out="runs/known", settings=settings)"""
 
 from __future__ import annotations
 
@@ -49,22 +41,16 @@ def _positive_int(value: object, name: str) -> int:
 
 @dataclass(frozen=True)
 class DatasetSettings(Settings):
-    """The settings of one dataset run (module docstring); ``trace_dataset(...,
-    settings=DatasetSettings(...))`` or the same names as keywords.
+    """The settings of one dataset run; ``trace_dataset(..., settings=DatasetSettings(...))`` or
+    the same names as keywords.
 
-    ``kinds``: the trace kinds (at least one, none twice; a list is kept as a tuple);
-    ``seeds``: a count per fact (seeds ``0..n-1``) or a list; ``scale``: one fixed noise scale in
-    sigma (not ``"auto"``: every fact shares it); ``sigma``: ``"rome"`` (one sigma over the kept
-    subjects), ``"embedding_matrix"`` or a number; ``window``: layers per window;
-    ``known``: ``"argmax"`` traces only facts whose clean prediction is the target, ``"none"``
-    every well-formed one; ``limit``: facts to trace, after the screen (``None``: all);
-    ``memory_budget_mb``: the budget of one batch of restored rows; ``n_boot``: bootstrap
-    resamples of the aggregate's intervals.
-
-    Refused when made (:class:`~..errors.InputError`, naming the setting): what
-    :class:`~..tracing.settings.TraceSettings` refuses, an unknown or repeated kind, a scale
-    that is not a finite positive number, a ``known`` outside :data:`KNOWN_RULES`, a limit or
-    resample count that is not a positive integer."""
+    ``kinds``: the trace kinds (at least one, none twice); ``seeds``, ``sigma``, ``window`` as in
+    :class:`~..tracing.settings.TraceSettings` (which checks them, :meth:`trace`; ``"rome"``: one
+    sigma over the kept subjects); ``scale``: one fixed scale shared by every fact (not
+    ``"auto"``); ``known``: ``"argmax"`` traces only facts whose clean prediction is the target,
+    ``"none"`` every well-formed one; ``limit``: facts traced after the screen (``None``: all);
+    ``memory_budget_mb``: one batch of restored rows; ``n_boot``: bootstrap resamples. A value
+    outside these is refused when made (:class:`~..errors.InputError`, naming the setting)."""
 
     kinds: Sequence[str] = DATASET_KINDS
     seeds: int | Sequence[int] = DATASET_SEEDS

@@ -1,29 +1,16 @@
 """Where a dataset run's rows go as they are produced, so that nothing is lost on interruption.
 
-An output directory holds:
+An output directory holds ``manifest.json`` (settings and identity: fingerprints of model,
+tokenizer, data and package, :mod:`~pyvene_causaltrace.fingerprint`; a rerun resumes only when
+they match, else says what differs; rows without one are refused), ``.pvct.lock`` (held while a
+run writes, :mod:`~pyvene_causaltrace.runlock`), ``screen.jsonl`` (each record kept or skipped,
+and why), ``results.jsonl`` (one line per fact, kind and seed) and, with a transcoder,
+``graphs.jsonl`` and ``graphs/`` (:mod:`~pyvene_causaltrace.dataset.graphs`).
 
-- ``manifest.json``: the run's settings and identity — fingerprints of the model's weights, the
-  tokenizer and the data, the package version (:mod:`~pyvene_causaltrace.fingerprint`) — plus
-  informational fields (``about``: the model's name as given). A rerun into the same directory
-  resumes only when settings and identity are the same; otherwise it stops and says what
-  differs. The same model under another spelling of its path is the same model. Rows without a
-  manifest are refused: their settings cannot be proven (rows do not record the model, window,
-  screen rule or limit).
-- ``.pvct.lock``: held while a run writes (:mod:`~pyvene_causaltrace.runlock`): a second run on
-  the same directory is refused.
-- ``screen.jsonl``: one line per record: kept (the model knows it) or skipped, and why.
-- ``results.jsonl``: one line per (fact, kind, seed) with the restored P(answer) grid.
-- ``graphs.jsonl`` (runs with a transcoder, :mod:`~pyvene_causaltrace.dataset.graphs`): one
-  line per fact with its attribution graph's summary (features, closure, scores) and its
-  influence-share grids ``[layer][position]``; ``graphs/`` holds each graph's
-  ``.safetensors`` when asked to keep them.
-
-Rows are appended with one ``write`` per batch, synced; a batch whose write fails (disk full,
-Ctrl-C) is cut off again, so the file ends at a batch boundary. Only ``kill -9`` mid-write can
-leave a last line without its newline: it is dropped when the directory is next opened (and
-skipped when read). Any other line that is not a complete row is damage and is refused, naming
-the file and line. Reading streams line by line.
-"""
+Rows are appended one synced ``write`` per batch; a failed write is cut off again, so a file
+ends at a batch boundary. Only ``kill -9`` mid-write can leave a last line without its newline:
+it is dropped when the directory is next opened. Any other incomplete line is damage and is
+refused, naming the file and line."""
 
 from __future__ import annotations
 

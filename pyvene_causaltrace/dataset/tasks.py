@@ -1,18 +1,11 @@
-"""Built-in tasks other than factual recall: each is a small prompt set with the span to corrupt
-and the target, run through the same engine, CLI and aggregation as known facts.
-
-- ``agreement``: subject-verb agreement across a distractor of the other number; corrupt the
-  head noun, score the verb that agrees with it (" are" / " is").
-- ``retrieval``: in-context key-value retrieval; corrupt the queried name (its second
-  occurrence), score the value bound to it earlier in the prompt.
-- ``arithmetic``: two-step sums ``a + b + c =`` after two worked examples; corrupt the first
-  step ``a + b``, score the result. Its screen defaults to ``known="none"``: SmolLM2-135M-Instruct
-  puts 4-43% on the right sum but rarely ranks it first, and the trace still says where the
-  probability it does give comes from.
-
-User tasks are JSONL files of ``{prompt, subject, attribute[, occurrence]}`` (``subject`` is the
-span to corrupt), read with :func:`~pyvene_causaltrace.dataset.records.read_records`.
-"""
+"""Built-in tasks other than factual recall, run through the same engine, CLI and aggregation as
+known facts: ``agreement`` (subject-verb agreement across a distractor of the other number:
+corrupt the head noun, score the verb), ``retrieval`` (in-context key-value retrieval: corrupt
+the queried name's second occurrence, score its value) and ``arithmetic`` (``a + b + c =``
+after two worked examples: corrupt ``a + b``, score the result; screened with
+``known="none"``, as SmolLM2-135M-Instruct puts 4-43% on the sum but rarely ranks it first).
+User tasks are JSONL files of ``{prompt, subject, attribute[, occurrence]}``
+(:func:`~pyvene_causaltrace.dataset.records.read_records`)."""
 
 from __future__ import annotations
 

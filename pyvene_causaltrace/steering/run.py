@@ -43,14 +43,11 @@ __all__ = ["FeatureInterventionResult", "check_feature_interventions", "feature_
 
 @dataclass
 class FeatureInterventionResult:
-    """What :func:`~.run.intervene_features` measured.
-
-    ``logits`` / ``clean_logits``: ``[vocab]`` float32 at the last prompt position, with the
-    interventions and of the plain model. ``generated_ids`` / ``clean_generated_ids``: the
-    greedy continuations (empty without ``max_new_tokens``). ``top``: the ``top_k`` tokens of
-    each run (``run, rank, token_id, token, logit, prob``). ``spec``: the JSON spec whose
-    ``run_spec`` reproduces the intervened logits (None when the transcoder was not read from
-    files: a spec names it by path)."""
+    """What :func:`~.run.intervene_features` measured: ``logits`` / ``clean_logits`` ``[vocab]``
+    float32 at the last prompt position, with the interventions and without; the greedy
+    continuations (empty without ``max_new_tokens``); ``top``, the ``top_k`` tokens of each run;
+    ``spec``, whose ``run_spec`` reproduces the intervened logits (None for a transcoder not read
+    from files: a spec names it by path)."""
 
     prompt: str
     tokens: list[str]
@@ -130,13 +127,11 @@ def _integer(value: object, what: str) -> int:
 def check_feature_interventions(interventions: object, transcoder: Transcoder, n_positions: int,
                                 dtype: torch.dtype = torch.float32, first: int = 1
                                 ) -> list[tuple[int, int | str, int, float]]:
-    """``interventions`` as ``(layer, position, feature, value)`` tuples of plain Python
-    numbers, negative positions made absolute; :class:`InputError` for an empty list, a
-    malformed item, a layer, feature or position out of range (the spliced positions start at
-    ``first``: 1 when position 0 is BOS, :func:`~.prompts.first_position`),
-    a non-finite value or one that ``dtype`` (the narrower of the model's and the
-    transcoder's) cannot hold (:class:`NonFiniteError`: it would become inf), or one feature
-    set twice at a position."""
+    """``interventions`` as ``(layer, position, feature, value)`` tuples of plain numbers,
+    negative positions made absolute. :class:`InputError` for an empty list, a malformed item, a
+    layer, feature or position out of range (spliced positions start at ``first``), or a feature
+    set twice at a position; :class:`NonFiniteError` for a value ``dtype`` (the narrower of the
+    model's and transcoder's) cannot hold."""
     largest = float(torch.finfo(dtype).max)
     items = None
     if not isinstance(interventions, str | bytes):
@@ -215,11 +210,9 @@ def _ablations(items: list[tuple[int, int | str, int, float]]) -> list[dict[str,
 
 
 def generation_mb(bound: BoundModel, transcoder: Transcoder, length: int) -> float:
-    """MB one step of a generation holds at ``length`` tokens (each step reruns the whole
-    sequence): the logits ``[length, vocab]`` (twice: the model's and pyvene's copy), one
-    layer's attention scores and probabilities ``[heads, length, length]``, the block's
-    states, and the transcoder's features of every layer (a cross-layer decoder reads them
-    all)."""
+    """MB one generation step holds at ``length`` tokens (each step reruns the whole
+    sequence): the logits twice (the model's and pyvene's copy), one layer's attention scores
+    and probabilities, the block's states, and every layer's transcoder features."""
     hidden, heads, inner = bound.d_model, bound.n_heads, bound.d_mlp
     model_bytes = bound.element_size * (2 * length * bound.vocab_size
                                         + 2 * heads * length * length
@@ -237,9 +230,8 @@ def _device_mb(device: torch.device) -> float:
 
 def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: int,
                           max_new_tokens: int, memory_mb: float | None = None) -> None:
-    """Refuse, before any forward, a generation that passes the model's positions
-    (:meth:`~pyvene_causaltrace.bound.BoundModel.check_generation_length`) or whose last step
-    would not fit ``memory_mb`` (default: the device's memory), saying how many new tokens
+    """Refuse, before any forward, a generation past the model's positions or whose last
+    step would not fit ``memory_mb`` (default: the device's memory), saying how many new tokens
     fit."""
     model.check_generation_length(n_prompt, max_new_tokens)
     device = model.device
@@ -330,70 +322,23 @@ def intervene_features(
     """Set transcoder features to values and read the logits; optionally generate greedily
     with them held (circuit-tracer's ``feature_intervention`` / ``_generate``).
 
-    Args:
-        model, tokenizer: the bare model (not a pyvene ``IntervenableModel``) and its tokenizer;
-            the prompt is tokenized with the tokenizer's usual special tokens.
-        transcoder: a CLT or per-layer set that fits ``model``; it is spliced in at every layer.
-        interventions: ``(layer, position, feature, value)`` tuples: feature ``feature`` of
-            transcoder layer ``layer`` is set to ``value`` (after its encoder, before any
-            decoder reads it, so a cross-layer feature writes ``value`` times its decoder into
-            every later layer). ``position`` is a spliced prompt position (negative counts
-            from the end; position 0 only where it is not BOS, see ``bos``), or ``"all"``:
-            every spliced prompt position and every generated position. A feature set twice
-            at one position is refused.
-        max_new_tokens: greedy tokens to generate with the interventions, and as many without
-            (the clean continuation); 0 reads the logits only. Generation stops early after the
-            tokenizer's end-of-sequence token. Refused before any forward when the prompt and
-            the new tokens pass the model's positions (``max_position_embeddings``, GPT-2's
-            ``n_positions``) or the last step would not fit ``memory_mb``.
-        hold_errors: the error term of each layer (``mlp_out - reconstruction``) at the prompt
-            positions is held at the clean run's value, so only the set features (and what
-            they change downstream) move the output. False keeps it live: each layer outputs
-            the model's own MLP output plus ``(value - activation) * decoder`` for the set
-            features — circuit-tracer's ``feature_intervention`` (with ``constrained_layers``
-            unset), which never holds errors.
-        freeze_attention: hold every prompt query position's attention pattern at the clean
-            run's (values stay live); the norms stay live, as in circuit-tracer, whose
-            ``freeze_attention`` (its default is True) freezes the patterns only.
-        top_k: rows per run in ``result.top``.
-        memory_mb: the memory a generation step may hold (default: the device's memory);
-            each step reruns the whole sequence (:func:`generation_mb`).
-        progress: a progress bar (tqdm, on stderr) per generation; None (the default) shows
-            one when ``max_new_tokens >= LONG_GENERATION``, False never.
-        bos: how position 0 is treated, as in :func:`~.attribution.attribute` (``"auto"``: as
-            BOS, never spliced, only when the tokenizer prepends one; SmolLM2's adds none, so
-            its position 0 is spliced and can be steered; ``"always"``: circuit-tracer's
-            convention; ``"never"``).
-        settings: a :class:`~.settings.SteeringSettings` giving ``max_new_tokens``,
-            ``hold_errors``, ``freeze_attention``, ``top_k``, ``memory_mb`` and ``bos`` at once
-            (their defaults are its fields'; a keyword that contradicts it is refused).
+    ``model`` is the bare model (not an ``IntervenableModel``); ``transcoder`` is spliced in at
+    every layer. Each ``(layer, position, feature, value)`` sets the feature after its encoder
+    (a cross-layer feature then writes ``value`` times its decoder into every later layer);
+    ``position`` is a spliced prompt position (negative from the end) or ``"all"`` (also every
+    generated token). ``hold_errors`` holds each layer's error at the prompt positions at the
+    clean run's (False: live, as circuit-tracer's with ``constrained_layers`` unset);
+    ``freeze_attention`` holds the prompt's attention patterns. ``max_new_tokens`` greedy
+    tokens are generated with and without the interventions, each step on the whole sequence
+    (no key-value cache), stopping after EOS; ``progress`` (None: from ``LONG_GENERATION``
+    tokens) shows a bar. ``bos`` as in :func:`~.attribution.attribute`; ``settings`` gives
+    every setting at once.
 
-    Returns:
-        A :class:`FeatureInterventionResult`: intervened and clean last-position logits, top
-        tokens (``to_dataframe()``), the continuations, ``to_json()``, and ``spec``, a JSON
-        spec whose ``run_spec`` reproduces the intervened logits exactly.
-
-    At generated positions — which no clean run holds — the errors are live and the attention
-    attends as the model does, what circuit-tracer does there (its ``freeze_attention`` applies
-    to the first forward only). An intervention at a prompt position stays at that position in
-    every step; ``"all"`` also sets the feature at each new token (circuit-tracer's open-ended
-    ``slice(1, None)``). Each step runs the whole sequence (no key-value cache), so every
-    step's prompt positions are exactly the first forward's — the equivalence circuit-tracer
-    promises only without its cache.
-
-    Raises:
-        InputError: for an empty list, a malformed tuple, a layer, feature or position out of
-            range, a feature set twice, a negative ``max_new_tokens`` or one past the model's
-            positions; NonFiniteError for a non-finite value or one the model's dtype cannot
-            hold; MemoryCapError for a generation over ``memory_mb``; PyveneModelError for an
-            ``IntervenableModel``; TranscoderMismatchError for a transcoder of another model.
-
-    Example::
-
-        result = intervene_features(model, tokenizer, clt, "The Eiffel Tower is in the city of",
-                                    [(20, -1, 1234, 10.0)], max_new_tokens=10)
-        print(result.summary())
-    """
+    Refused before any forward: malformed, out-of-range or repeated items (``InputError``),
+    values the dtype cannot hold (``NonFiniteError``), a generation past the model's positions or
+    over ``memory_mb`` (``MemoryCapError``), an ``IntervenableModel``, a transcoder of another
+    model. ``result.spec`` reproduces the intervened logits through ``run_spec``. Details:
+    docs/attribution.md, "Feature interventions and steering"."""
     s = SteeringSettings.merged(settings, max_new_tokens=max_new_tokens, hold_errors=hold_errors,
                                 freeze_attention=freeze_attention, top_k=top_k,
                                 memory_mb=memory_mb, bos=bos)

@@ -1,9 +1,5 @@
 """How :func:`~.run.intervene_features` steers: :class:`SteeringSettings`, every setting of
-``intervene_features()`` but its inputs and ``progress``.
-
-    settings = SteeringSettings(max_new_tokens=10, hold_errors=False)
-    result = intervene_features(model, tokenizer, transcoder, prompt, items, settings=settings)
-"""
+``intervene_features()`` but its inputs and ``progress``."""
 
 from __future__ import annotations
 
@@ -29,16 +25,11 @@ class SteeringSettings(Settings):
     (defaults: :mod:`~pyvene_causaltrace.defaults`).
 
     ``max_new_tokens``: greedy tokens generated with the interventions, and as many without
-    (0: the logits only). ``hold_errors``: each layer's transcoder error at the prompt
-    positions held at the clean run's (False: live, circuit-tracer's ``feature_intervention``).
-    ``freeze_attention``: the prompt's attention patterns held at the clean run's.
-    ``top_k``: top tokens per run in the result. ``memory_mb``: what one generation step may
-    hold (``None``: the device's memory). ``bos``: how position 0 is treated
-    (:data:`~..prompts.BOS_MODES`).
-
-    Refused when made (:class:`~..errors.InputError`): a value its annotation does not admit
-    (a negative token count, a top-k below 1, a memory cap that is not a finite positive
-    number), a ``bos`` outside :data:`~..prompts.BOS_MODES`."""
+    (0: logits only). ``hold_errors``: transcoder errors at the prompt held at the clean run's.
+    ``freeze_attention``: prompt attention patterns held at the clean run's. ``top_k``: top
+    tokens per run. ``memory_mb``: what one generation step may hold (``None``: the device's).
+    ``bos``: one of :data:`~..prompts.BOS_MODES`. A value its annotation does not admit is
+    refused when made (:class:`~..errors.InputError`)."""
 
     max_new_tokens: NonNegativeInt = STEER_MAX_NEW_TOKENS
     hold_errors: bool = STEER_HOLD_ERRORS

@@ -1,36 +1,21 @@
 """Which restore rows share a forward: the engine's chunk plan.
 
-A row is one (seed, cell) of a trace. Two numbers say how much of the model it needs:
-
-- its *position* ``t``: every position before ``t`` equals the corrupted run (attention is
-  causal and nothing before ``t`` is touched), so those positions' keys and values come from
-  the corrupted run's cache;
-- its *first layer* ``c``: every layer below ``c`` equals the corrupted run as well, so those
-  layers are replayed from the corrupted run's stored outputs instead of being computed.
-
-A chunk of rows is computed from its smallest position (the *prefix*) and its smallest first
-layer; a row above either simply recomputes corrupted states, which is exact but costs time. So
-the plan trades that waste against the fixed cost of every extra forward and every layer it runs
-(Python, hooks, kernel launches), which on a small model or a GPU outweighs the arithmetic.
+A row is one (seed, cell) of a trace. Positions before its position ``t`` and layers below its
+first layer ``c`` equal the corrupted run, so they come from the corrupted run's cache and
+stored outputs. A chunk is computed from its smallest position (the *prefix*) and smallest
+first layer; a row above either recomputes corrupted states (exact, but costs time), so the
+plan trades that waste against the fixed cost of each extra forward and layer (Python, hooks,
+kernel launches), which on a small model or a GPU outweighs the arithmetic.
 
     plan = plan_chunks(positions, first_layers, n_layers=30, seq_len=9, max_rows=lambda p: 512,
                        cost=ChunkCost(layer=4.0, forward=40.0))
     for chunk in plan: ...   # chunk.prefix, chunk.first_layer, chunk.rows
 
-The plan is a pure function of its inputs, so a trace's row grouping (and with it its float
-rounding) is the same on every run with the same settings.
-
-:func:`plan_chunks` runs the first-layer programme of every position band at once in numpy
-(``[first layer, band]`` arrays in C order, one step per first layer, in a buffer each thread
-keeps between calls) and only the position programme's few candidates in Python: 5.1 ms (a layer
-of SmolLM2's size) and 4.0 ms (a tiny one) for 40 layers x 64 tokens x 10 seeds on a quiet 2-core
-CPU, right after another planner has run (a cold cache), 40-47x faster than the reference
-planner, the same search as two plain nested loops (``plan_chunks_reference``, a test oracle in
-``tests/_support/chunks_reference.py``; ``benchmarks/planner.py``); by position alone
-(``replay_layers=False``, how the engine plans its ragged rows) 1.8 and 1.7 ms. The two return
-the same chunks, since they add the same floats in the same order and break ties alike
-(``tests/test_chunks.py``).
-"""
+The plan is a pure function of its inputs (the same grouping, hence rounding, every run).
+:func:`plan_chunks` runs the first-layer programme in numpy and only the position programme's
+few candidates in Python; it returns the same chunks as the plain nested-loop planner in
+``tests/_support/chunks_reference.py`` (``tests/test_chunks.py``; timings in
+benchmarks/RESULTS.md, "Chunk planner")."""
 
 from __future__ import annotations
 

@@ -1,21 +1,15 @@
 """The unembedding written into one buffer that every chunk of a run reuses.
 
-A chunk's last-position logits are rows × vocabulary floats: 57 MB for 290 SmolLM2 rows. On the
-CPU a fresh tensor of that size is mapped from the system on every call (glibc maps allocations
-over 32 MB anew, and the kernel zeroes each page): at 290 rows and two threads the product runs
-at 48 G multiply-adds/s into fresh memory and 67 into a reused buffer
-(``benchmarks/head_buffer.py``). The values are the head's own: the same matrix product as
-``nn.Linear``'s, bit for bit (the tests compare them).
-
-Only a plain ``nn.Linear`` head without a bias, on the CPU, that no hook of anyone's watches, is
-redirected: a hook might keep the logits, which the next chunk overwrites. Any other head keeps
-its own forward. The redirect is the installing thread's alone: another thread's forward of the
-model gets ``nn.Linear``'s own (:func:`..hooking.thread_gate`).
+A chunk's last-position logits are large (57 MB for 290 SmolLM2 rows); on the CPU a fresh
+tensor that size is mapped and zeroed by the kernel on every call, so the product runs at 48 G
+multiply-adds/s into fresh memory and 67 into a reused buffer (``benchmarks/head_buffer.py``).
+The values are ``nn.Linear``'s, bit for bit. Only a plain bias-free ``nn.Linear`` head on the
+CPU that no hook watches is redirected (a hook might keep logits the next chunk overwrites),
+and only in the installing thread (:func:`..hooking.thread_gate`).
 
     with ReusedHead(model.lm_head).installed():
         for chunk in chunks:
-            probs = token_probs(model(**chunk).logits[:, -1], answer)  # read before the next
-"""
+            probs = token_probs(model(**chunk).logits[:, -1], answer)  # read before the next"""
 
 from __future__ import annotations
 

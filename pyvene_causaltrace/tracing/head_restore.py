@@ -1,27 +1,17 @@
 """Per-head restores: attention heads' clean outputs put back into the corrupted run.
 
-Head ``h`` of layer ``l`` writes the ``h``-th ``head_dim`` slice of the input of the layer's
-attention output projection (the adapter's ``attn_out``: ``o_proj``, GPT-2's ``c_proj``; one
-slice per query head under grouped-query attention) — the slices
-:func:`~pyvene_causaltrace.attribution.heads.head_loadings` splits a graph's edges by. A row of
-a head trace is one seed's corrupted run with, at one position, the chosen heads' slices of one
-layer overwritten by the clean run's; its P(answer) minus the corrupted run's is that head's
-indirect effect there. Restoring every head of a layer at a position is the attention trace's
-restore of that layer's attention output at that position (``attn`` with a one-layer window;
-the projection acts on each position alone), which the tests check.
-
-The overwrite is ``clean_restore`` (:class:`~..interventions.restore.CleanRestore`) with its
-per-row masks, an edit of the projection's input (:mod:`..applier`), the noise the engine's
-``noise_add``; the restore sees the projection's
-input seen as ``[rows, positions x heads, head_dim]``: a unit is one (position, head), so one
-forward carries a different head, layer and seed in every row. Rows (cell-major, seed-minor)
-run in forwards of as many rows as fit the engine's memory budget, each over the whole prompt
-and every layer (a head trace has ``layers x heads x seeds`` rows, few beside a residual
-trace's, so the engine's prefix reuse and layer replay are not worth their machinery here).
+Head ``h`` of layer ``l`` writes the ``h``-th ``head_dim`` slice of the input of the attention
+output projection (one per query head under grouped-query attention), the slices
+:func:`~pyvene_causaltrace.attribution.heads.head_loadings` splits edges by. A row is one seed's
+corrupted run with the chosen heads' slices of one layer overwritten by the clean run's at one
+position; restoring every head of a layer equals the ``attn`` trace with a one-layer window
+(tested). The overwrite is ``clean_restore`` with per-row masks over (position, head) units on
+the projection's input, so a forward carries a different head, layer and seed in every row.
+Rows run over the whole prompt in forwards sized to the engine's memory budget (a head trace
+has few rows: prefix reuse and layer replay are not worth their machinery here).
 
     restorer = HeadRestorer(tracer.engine, layers=[2, 5])   # one reference forward
-    probs = restorer.run([(2, (0,)), (5, (1, 3))], position=-1)   # [seeds, cells] float64
-"""
+    probs = restorer.run([(2, (0,)), (5, (1, 3))], position=-1)   # [seeds, cells] float64"""
 
 from __future__ import annotations
 

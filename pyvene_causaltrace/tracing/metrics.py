@@ -1,12 +1,6 @@
-"""Causal-tracing metrics as pure tensor functions (no model access).
-
-With ``clean`` = P(answer) in the clean run, ``corrupt`` = P(answer) with the subject noised and
-``restored`` = P(answer) with the noise and one restoration:
-
-- total effect ``TE = clean - corrupt``;
-- indirect effect ``IE = restored - corrupt``;
-- recovery ``IE / TE``, per noise seed (average recoveries, not probabilities, across seeds).
-"""
+"""Causal-tracing metrics as pure tensor functions (no model access): total effect ``TE = clean
+- corrupt``, indirect effect ``IE = restored - corrupt``, recovery ``IE / TE`` per noise seed
+(average recoveries, not probabilities, across seeds)."""
 
 from __future__ import annotations
 

@@ -9,12 +9,8 @@ _CMAPS = {"residual": "Purples", "mlp": "Greens", "attn": "Reds",
 
 def plot_trace(result, path: str | None = None, value: str = "prob", ax=None):
     """ROME-style heatmap of a :class:`~.results.TraceResult`: tokens down, layers across,
-    subject tokens marked with ``*``.
-
-    ``value="prob"`` colours the mean restored P(answer) from the mean corrupted probability
-    (the floor) upwards; ``"recovery"`` colours mean recovery from 0. Saves to ``path`` if
-    given; returns the figure.
-    """
+    subject tokens marked ``*``; ``value="prob"`` colours from the mean corrupted probability up,
+    ``"recovery"`` from 0. Saves to ``path`` if given; returns the figure."""
     import matplotlib  # matplotlib loads only when a figure is drawn
 
     if ax is None:
@@ -51,10 +47,9 @@ def plot_trace(result, path: str | None = None, value: str = "prob", ax=None):
 
 
 def plot_head_trace(result, path: str | None = None, value: str = "ie", ax=None):
-    """Heat map of a :class:`~.results.HeadTraceResult`: layers down, heads across, the mean
-    over seeds of ``value`` (``"ie"``: indirect effect, ``"recovery"`` or ``"prob"``),
-    coloured around 0 (``"prob"``: from the mean corrupted probability). Saves to ``path`` if
-    given; returns the figure."""
+    """Heat map of a :class:`~.results.HeadTraceResult`: layers down, heads across, the seed
+    mean of ``value`` (``"ie"``, ``"recovery"`` or ``"prob"``). Saves to ``path`` if given;
+    returns the figure."""
     import matplotlib  # matplotlib loads only when a figure is drawn
 
     if ax is None:

@@ -127,6 +127,20 @@ class _Effects:
             raise InputError(f"value must be one of {', '.join(arrays)}, got {value!r}")
         return arrays[value].mean(0)
 
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())  # type: ignore[attr-defined]
+
+
+def _fields(text: str, derived: tuple[str, ...]) -> dict[str, Any]:
+    """A result's fields from its JSON: the ``derived`` keys dropped, arrays as float64."""
+    data = json.loads(text)
+    for key in derived:
+        data.pop(key)
+    data["subject_range"] = tuple(data["subject_range"])
+    for key in ("corrupt_probs", "restored_probs"):
+        data[key] = np.asarray(data[key], dtype=np.float64)
+    return data
+
 
 @dataclass(frozen=True, eq=False)
 class TraceResult(_Effects):
@@ -180,21 +194,13 @@ class TraceResult(_Effects):
                 "subject_last": stop - 1}
 
     def peaks(self) -> dict[str, dict[str, Any]]:
-        """Per-seed peak layer and peak recovery of each site, the range the layers span, and
-        the peak of the curve averaged over seeds. Sites:
-
-        - ``subject_best``: the subject token whose mean curve peaks highest;
-        - ``subject_last``: the last subject token (what ROME reports);
-        - ``subject_mean``: recovery averaged over the subject's tokens first (lower than the
-          best token's when one token carries the site; SmolLM2's Eiffel trace at 3 sigma, 10
-          seeds: 0.17 beside 0.665 at 'iffel', the last subject token ' Tower' 0.03);
-        - ``last``: the prompt's last token (its last layer left out for residual kinds: the
-          last block at the last token reproduces any donor).
-
-        Token sites also give their ``position`` and ``token``. A stability check: every seed
-        should put a site on the same side of the model, while the exact peak layer moves
-        between seeds — report the site, not one seed's layer.
-        """
+        """Per-seed peak layer and recovery of each site, the span of those layers, and the peak of
+        the seed-mean curve. Sites: ``subject_best`` (the subject token whose mean curve peaks
+        highest), ``subject_last`` (the last subject token, ROME's), ``subject_mean`` (averaged over
+        the subject's tokens first: it understates a site one token carries) and ``last`` (the last
+        token; its last layer left out for residual kinds, where it reproduces any donor). Token
+        sites give their ``position`` and ``token``. Seeds should agree on the side of the model
+        while the exact layer moves: report the site, not one seed's layer (docs/tracing.md)."""
         start, stop = self.subject_range
         last = self.recovery[:, :, -1]
         if self.kind in ("residual", "severed-mlp", "severed-attn"):
@@ -282,28 +288,16 @@ class TraceResult(_Effects):
             "spec": self.spec, "versions": self.versions,
         }
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
     @classmethod
     def from_json(cls, text: str) -> TraceResult:
-        data = json.loads(text)
-        derived = ("recovery", "mean_recovery", "total_effect", "peaks", "diagnosis")
-        for key in derived:
-            data.pop(key)
-        data["subject_range"] = tuple(data["subject_range"])
-        data["corrupt_probs"] = np.asarray(data["corrupt_probs"], dtype=np.float64)
-        data["restored_probs"] = np.asarray(data["restored_probs"], dtype=np.float64)
-        return cls(**data)
+        return cls(**_fields(text, ("recovery", "mean_recovery", "total_effect", "peaks",
+                                    "diagnosis")))
 
     @checked
     def table(self, value: str = "recovery", every: int = 1, *,
               layers_down: bool = False) -> str:
-        """Tokens down, layers across (every ``every``-th), subject tokens marked ``*``.
-
-        ``layers_down``: layers down, tokens across, so that every layer fits a terminal (30
-        rows for SmolLM2), each site's mean-curve peak layer marked at the row's end
-        (:meth:`peaks`)."""
+        """Tokens down, layers across (every ``every``-th), subject tokens marked ``*``;
+        ``layers_down`` turns it so every layer fits a terminal, each site's peak layer marked."""
         grid = self.grid(value)
         start, stop = self.subject_range
         layers = range(0, self.n_layers, every)
@@ -366,15 +360,12 @@ class TraceResult(_Effects):
 
 @dataclass(frozen=True, eq=False)
 class HeadTraceResult(_Effects):
-    """A per-head trace of one prompt (:meth:`~.tracer.Tracer.trace_heads`): restored
-    P(answer) with one attention head's clean output put back at one position.
+    """A per-head trace of one prompt (:meth:`~.tracer.Tracer.trace_heads`).
 
     ``restored_probs[s, i, h]`` is P(answer) with seed ``s``'s noise on the subject and head
-    ``h`` of layer ``layers[i]`` restored at ``position`` (its slice of the input of the
-    layer's attention output projection). ``indirect_effect = restored - corrupt_s``;
-    ``recovery`` divides it by ``clean - corrupt_s``. Per-seed arrays are ``[seed, layer,
-    head]``, grids ``[layer, head]`` (rows in the order of ``layers``).
-    """
+    ``h`` of layer ``layers[i]`` restored at ``position``; ``indirect_effect = restored -
+    corrupt_s``, ``recovery`` divides it by ``clean - corrupt_s``. Per-seed arrays are ``[seed,
+    layer, head]``, grids ``[layer, head]``."""
 
     tokens: list[str]
     subject_range: tuple[int, int]
@@ -442,18 +433,10 @@ class HeadTraceResult(_Effects):
             "versions": self.versions,
         }
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
     @classmethod
     def from_json(cls, text: str) -> HeadTraceResult:
-        data = json.loads(text)
-        for key in ("kind", "n_heads", "indirect_effect", "mean_indirect_effect"):
-            data.pop(key)
-        data["subject_range"] = tuple(data["subject_range"])
-        data["corrupt_probs"] = np.asarray(data["corrupt_probs"], dtype=np.float64)
-        data["restored_probs"] = np.asarray(data["restored_probs"], dtype=np.float64)
-        return cls(**data)
+        return cls(**_fields(text, ("kind", "n_heads", "indirect_effect",
+                                    "mean_indirect_effect")))
 
     @checked
     def summary(self, n: int = 5) -> str:

@@ -50,13 +50,10 @@ def token_roles(subject_range: tuple[int, int], seq_len: int) -> list[str]:
 
 def role_positions(subject_range: tuple[int, int], seq_len: int) -> dict[str, list[int]]:
     """ROME's bucketing for averaging over facts: the positions each role averages over.
-
-    Unlike :func:`token_role` (one role per position, for labelling a single trace) buckets
-    may share a position and may be empty, as in ROME's averaging code: a single-token subject
-    is both its first and its last subject token; a subject that ends right before the last
-    token makes that token both the first subsequent token and the last token, and leaves
-    "Further tokens" empty. Middle and further tokens are averaged within a prompt first.
-    """
+    Unlike :func:`token_role`'s, buckets may share a position or be empty, as in ROME's code (a
+    one-token subject is its first and last token; a subject ending right before the last token
+    makes that token first subsequent and last, and leaves "Further tokens" empty). Middle and
+    further tokens are averaged within a prompt first."""
     start, stop = subject_range
     if not (0 <= start < stop <= seq_len - 1):
         raise InputError(f"subject {subject_range} must end before the last of {seq_len} tokens")

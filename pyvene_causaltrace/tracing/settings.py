@@ -1,19 +1,7 @@
-"""How :class:`~.tracer.Tracer` traces one prompt, as one typed, frozen object.
-
-    from pyvene_causaltrace.tracing import TraceSettings, Tracer, trace
-    settings = TraceSettings(seeds=20, scale="auto", memory_budget_mb=8192)
-    tracer = Tracer(model, tokenizer, prompt, subject, answer=" Paris", settings=settings)
-    result = trace(model, tokenizer, prompt, subject, kind="mlp", settings=settings)
-
-:class:`TraceSettings` holds every setting of ``Tracer(...)`` and ``trace(...)`` that is not an
-input (the prompt, subject and its ``occurrence``, the answer, the trace ``kind``) or a choice
-about display (``progress``). Its fields' defaults are those of ``Tracer``'s and ``trace``'s
-keywords, the ``trace`` command's flags and trace specs: all of them read the values from
-:mod:`pyvene_causaltrace.defaults` (where the command line's parser reads them without importing
-torch), and none writes the value again. A :class:`TraceSettings` is checked when it is made
-(``__post_init__``): one that exists holds settings a trace accepts (a seed count that cannot
-fit the memory budget is refused by the tracer, once the model is known).
-"""
+"""How :class:`~.tracer.Tracer` traces one prompt, as one typed, frozen object:
+:class:`TraceSettings`, every setting of ``Tracer(...)`` and ``trace(...)`` but the inputs
+(prompt, subject, ``occurrence``, answer, ``kind``) and ``progress``. Defaults come from
+:mod:`pyvene_causaltrace.defaults`, shared with the command line and specs."""
 
 from __future__ import annotations
 
@@ -61,28 +49,18 @@ def check_window(window: object) -> int:
 
 @dataclass(frozen=True)
 class TraceSettings(Settings):
-    """The settings of one prompt's trace (module docstring); ``Tracer(...,
-    settings=TraceSettings(...))`` or the same names as keywords.
+    """The settings of one prompt's trace; ``Tracer(..., settings=TraceSettings(...))`` or the
+    same names as keywords.
 
-    Noise: ``seeds`` is a count ``n`` (seeds ``0..n-1``) or a list of distinct seeds;
-    ``scale`` is in units of sigma (ROME's 3), or ``"auto"``: the smallest of ``scales`` whose
-    worst seed leaves P(answer) below 5% of its clean value; ``sigma`` is the noise unit
-    (``"rome"``: the std of the subject's input embeddings, ``"embedding_matrix"``, or a
-    number); ``distribution`` is ``"gaussian"`` or ``"uniform"``.
-
-    Restores: ``window`` layers per window of the windowed kinds (``mlp``, ``attn``; ROME's
-    10), the default of :meth:`~.tracer.Tracer.trace` and :meth:`~.tracer.Tracer.controls`.
-
-    Engine: rows per forward are chosen to fit ``memory_budget_mb``; ``reuse_prefix`` starts
-    each row at its restored position (earlier positions' keys and values from the corrupted
-    run) and ``replay_layers`` at its restored layer (the blocks below return the corrupted
-    run's outputs): both exact, turned off only to compare.
-
-    Refused when made (:class:`~..errors.InputError`): a seed count below 1, an empty list or
-    one that repeats a seed, a scale that is not a finite positive number or ``"auto"``, a
-    sigma that is neither a method nor a finite positive number, a distribution other than
-    ``"gaussian"``/``"uniform"``, a window that is not a positive integer, a memory budget that
-    is not a finite positive number."""
+    ``seeds``: a count ``n`` (seeds ``0..n-1``) or a list of distinct seeds. ``scale``: noise in
+    units of sigma (ROME's 3), or ``"auto"``: the smallest of ``scales`` whose worst seed leaves
+    P(answer) below 5% of its clean value. ``sigma``: ``"rome"`` (std of the subject's input
+    embeddings), ``"embedding_matrix"`` or a number. ``distribution``: ``"gaussian"`` or
+    ``"uniform"``. ``window``: layers per window of ``mlp`` / ``attn`` traces and of the controls
+    (ROME's 10). ``memory_budget_mb``: rows per forward are chosen to fit it. ``reuse_prefix`` /
+    ``replay_layers`` start each row at its restored position / layer, taking the rest from the
+    corrupted run: exact, off only to compare. A value outside these is refused when made
+    (:class:`~..errors.InputError`)."""
 
     seeds: int | Sequence[int] = TRACE_SEEDS
     scale: float | str = NOISE_SCALE

@@ -1,24 +1,13 @@
 """Causal tracing of one prompt (Meng et al. 2022): the whole protocol in a few calls.
 
-    model, tokenizer = load_model("smollm2-135m")
     tracer = Tracer(model, tokenizer, "The Eiffel Tower is in the city of", "The Eiffel Tower",
-                    answer=" Paris", seeds=10)       # scale: 3 sigma, ROME's
-    # or settings=TraceSettings(seeds=10, ...): the same settings as one frozen object
+                    answer=" Paris", seeds=10)   # or settings=TraceSettings(...)
     result = tracer.trace("residual")            # also "mlp", "attn", "severed-mlp", ...
     heads = tracer.trace_heads(layers=[10, 11])  # one attention head restored at a time
-    result.plot("residual.png"); result.to_dataframe()
     tracer.controls()                            # the two checks that can fail
-
     trace(model, tokenizer, prompt, subject, kind="mlp", window=10)   # one-shot form
 
-The settings (noise, window, memory budget, engine switches) are
-:class:`~.settings.TraceSettings`' fields, given as one object (``settings=``) or as keywords of
-the same names. The noise scale defaults to ROME's 3 sigma
-(:data:`~pyvene_causaltrace.defaults.NOISE_SCALE`, shared with the command line, specs and
-dataset runs). ``scale="auto"``, asked for, sweeps the
-scale first and takes the smallest whose worst seed leaves P(answer) below 5% of its clean
-value (:func:`~pyvene_causaltrace.tracing.noise_scale.sweep_noise_scale`).
-"""
+Settings are :class:`~.settings.TraceSettings`' fields; docs/tracing.md has the protocol."""
 
 from __future__ import annotations
 
@@ -56,14 +45,11 @@ _DEFAULT = TraceSettings()
 
 @dataclass(frozen=True)
 class ControlReport:
-    """The controls that can fail (the grid's corners cannot: they hold for any donor).
-
-    - ``corrupted_donor_max_abs``: restoring every cell from the corrupted run's own states must
-      leave P(answer) at its corrupted value; the largest change over all cells and seeds.
-    - ``window_vs_single``: at the last position, a residual restore over a window of layers
-      equals the single-layer restore at the window's last layer; ``(window layers,
-      |difference|)`` per window tried.
-    """
+    """The controls that can fail (the grid's corners hold for any donor):
+    ``corrupted_donor_max_abs``, the largest change of P(answer) when every cell restores the
+    corrupted run's own states (should be 0), and ``window_vs_single``, per window tried at the last
+    position, ``(window layers, |difference|)`` between a residual window restore and the
+    single-layer restore at the window's last layer (should be 0)."""
 
     corrupted_donor_max_abs: float
     window_vs_single: list[tuple[list[int], float]]
@@ -88,28 +74,11 @@ class ControlReport:
 class Tracer:
     """One prompt, its clean and corrupted runs, and every trace kind on top of them.
 
-    ``model`` may be a ``pv.IntervenableModel`` (or a model bound from one): its interventions
-    then act in every run (:func:`~pyvene_causaltrace.model_guard.measurement`), and
-    :meth:`spec` writes them into the spec (``model_interventions``), or refuses, saying why it
-    cannot.
-
-    Args:
-        prompt, subject: the subject must occur in the prompt (``occurrence`` picks which).
-        answer: target string (its first token; a warning if it has more) or the clean argmax.
-        settings: a :class:`~.settings.TraceSettings`, or its fields as keywords (a keyword
-            that contradicts ``settings`` is refused):
-        seeds: a count ``n`` (seeds ``0..n-1``) or a list.
-        scale: noise in units of sigma (default ``NOISE_SCALE``, ROME's 3), or ``"auto"``: the
-            smallest scale of ``scales`` that corrupts every seed (:attr:`sweep` says why).
-        sigma: ``"rome"`` (std of the subject's input embeddings), ``"embedding_matrix"`` or a
-            number.
-        window: layers per window of :meth:`trace` and :meth:`controls` (ROME's 10).
-        memory_budget_mb: rows per forward are chosen to fit this.
-        reuse_prefix: start each row at its restored position, taking earlier positions' keys
-            and values from the corrupted run (exact; turn off only to compare).
-        replay_layers: start each row at its restored layer, the blocks below returning the
-            corrupted run's outputs (exact; turn off only to compare).
-    """
+    ``subject`` must occur in ``prompt`` (``occurrence`` picks which); ``answer`` is a string
+    (its first token; a warning if it has more) or, by default, the clean argmax. The other
+    keywords are :class:`~.settings.TraceSettings`' fields, or ``settings=`` gives them at once
+    (a keyword that contradicts it is refused). ``model`` may be a ``pv.IntervenableModel``: its
+    interventions act in every run, and :meth:`spec` writes them into the spec or refuses."""
 
     @checked
     def __init__(
@@ -208,10 +177,8 @@ class Tracer:
     def trace(self, kind: str = "residual", *, window: int | None = None,
               progress: bool = True) -> TraceResult:
         """Every (layer, position) cell of ``kind``, for every seed; ``window`` layers per
-        window of the windowed kinds (``None``: the settings', ROME's 10 by default).
-
-        ``progress``: a progress bar over the rows (tqdm, on stderr), as the command line
-        shows; ``False`` silences it (a trace of SmolLM2 runs minutes on a busy CPU)."""
+        window of the windowed kinds (``None``: the settings'). ``progress``: a tqdm bar over the
+        rows on stderr, as the command line shows."""
         trace_kind = get_kind(kind)
         window = self._window(window)
         if not isinstance(progress, bool):
@@ -238,14 +205,9 @@ class Tracer:
     @checked
     def trace_heads(self, layers: int | Sequence[int] | None = None, *, position: int = -1,
                     progress: bool = True) -> HeadTraceResult:
-        """The attention trace broken down by head: for every head of ``layers`` (default
-        every layer) and every seed, P(answer) with that head's clean output alone restored at
-        ``position`` (default the last; negative counts from the end) in the corrupted run
-        (:mod:`.head_restore`). A head's output is its ``head_dim`` slice of the input of its
-        layer's attention output projection; restoring every head of a layer at once is the
-        ``attn`` trace's restore at that layer alone (``window=1``).
-
-        ``progress``: a progress bar over the rows, as :meth:`trace`'s."""
+        """The attention trace broken down by head: for every head of ``layers`` (default all)
+        and seed, P(answer) with that head's clean output alone restored at ``position`` (default
+        the last) in the corrupted run (:mod:`.head_restore`). ``progress`` as :meth:`trace`'s."""
         chosen = check_layers(layers, self.engine.n_layers)
         if not isinstance(progress, bool):
             raise InputError(f"progress must be True or False, got {progress!r}")
@@ -270,12 +232,9 @@ class Tracer:
 
     @checked
     def spec(self, kind: str, window: int | None = None) -> dict:
-        """The JSON spec that reproduces ``trace(kind)`` (see ``intervention_specs/``;
-        ``window``: ``None`` is the settings').
-
-        With a ``pv.IntervenableModel`` its interventions go in ``model_interventions``
-        (:func:`~pyvene_causaltrace.model_interventions.describe`); one a spec cannot rebuild
-        exactly is refused (``PyveneModelError``, with the reason)."""
+        """The JSON spec that reproduces ``trace(kind)`` (``window``: ``None`` is the settings'),
+        a ``pv.IntervenableModel``'s interventions in ``model_interventions``; one a spec cannot
+        rebuild exactly is refused (``PyveneModelError``, with the reason)."""
         entries = describe(self.bound)
         model = model_name(self.model)
         sigma = self.sigma if self.sigma_method == "given" else self.sigma_method
@@ -324,10 +283,8 @@ class Tracer:
 @checked
 def trace(model: nn.Module, tokenizer: Tokenizer, prompt: Text, subject: Text, *,
           kind: str = "residual", progress: bool = True, **options) -> TraceResult:
-    """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments (``answer``,
-    ``occurrence``, ``settings=`` a :class:`~.settings.TraceSettings` or its fields, ``window``
-    among them), ``progress`` :meth:`Tracer.trace`'s. Every setting is checked before the model
-    runs."""
+    """One trace of one kind; ``options`` are :class:`Tracer`'s keyword arguments, ``progress``
+    :meth:`Tracer.trace`'s. Every setting is checked before the model runs."""
     get_kind(kind)
     return Tracer(model, tokenizer, prompt, subject, **options).trace(kind, progress=progress)
 
@@ -336,10 +293,9 @@ def trace(model: nn.Module, tokenizer: Tokenizer, prompt: Text, subject: Text, *
 def tracer_from_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokenizer: Tokenizer,
                      **options) -> Tracer:
     """A :class:`Tracer` for a trace spec (one with ``"trace"``); ``options`` add Tracer
-    keyword arguments such as ``memory_budget_mb``; the noise settings the spec leaves out
-    are :class:`~.settings.TraceSettings`' defaults. The spec's ``model_interventions`` are
-    rebuilt around ``model`` (the bare model; an ``IntervenableModel`` holding others is
-    refused) and act in every run."""
+    keywords (``memory_budget_mb``), other noise settings default to
+    :class:`~.settings.TraceSettings`'. The spec's ``model_interventions`` are rebuilt around the
+    bare ``model`` and act in every run."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     if spec.trace is None:
         raise SpecError("$.trace", "not a trace spec: add {\"trace\": {\"kind\": ...}}")

@@ -1,25 +1,16 @@
 """Is this transcoder the right one for this model, and does the model still work through it?
 
-- :func:`check_pairing`: FVU of every layer's output hook from the transcoder
-  fed its input hook, mean L0, and two controls that must be far worse — encoding the same kind
-  of state one module too early (``hook_resid_pre`` for ``hook_resid_mid``, the attention norm's
-  output for the MLP norm's) and scoring layer ``t``'s reconstruction against layer ``t + 1``.
-  The verdict is a field, ``status``: ``paired``, ``poor_fit`` (the controls are far worse, so
-  the pairing is right, but the FVU is high: pooled, or at the median layer, since the pooled
-  FVU is ruled by the few layers of largest variance) or ``mispaired`` (a control fits as well
-  or nearly); :meth:`PairingReport.verdict` says it in words and
-  :meth:`PairingReport.raise_if_mispaired` stops a pipeline before it uses a wrong transcoder.
-- :func:`replacement_anchor`: next-token cross-entropy on held-out text (every
-  target token) for the clean model, the transcoder spliced from its first position (1 when
-  position 0 is BOS, :func:`~..prompts.first_position`),
-  spliced at all positions, ``b_dec`` only (every feature off; a skip path stays), and MLPs
-  zeroed; the fraction of the clean-to-zero gap the splice recovers; answer probability, top-1 and
+- :func:`check_pairing`: FVU of every layer's output hook from the transcoder fed its input
+  hook, mean L0, and two controls that must be far worse (the same kind of state one module
+  too early; layer ``t``'s reconstruction scored against layer ``t + 1``); the verdict is
+  :class:`PairingReport`'s ``status``.
+- :func:`replacement_anchor`: next-token cross-entropy on held-out text for the clean model,
+  the transcoder spliced from its first position and at all positions, ``b_dec`` only, and MLPs
+  zeroed; the share of the clean-to-zero gap the splice recovers; answer probability, top-1 and
   KL on a prompt.
 
-FVU = sum of squared errors / sum of squared deviations from each layer's mean over positions,
-from the first position (position 0 only when it is not BOS: ``bos``,
-:data:`~..prompts.BOS_MODES`; BOS is no dictionary's business).
-"""
+FVU = squared error / squared deviation from each layer's mean, from the first position that
+is not BOS (``bos``, :data:`~..prompts.BOS_MODES`; BOS is no dictionary's business)."""
 
 from __future__ import annotations
 
@@ -74,17 +65,11 @@ PAIRING_STATUSES = ("paired", "poor_fit", "mispaired")
 @dataclass(frozen=True)
 class PairingReport:
     """The pairing check's numbers and its verdict, ``status`` (:data:`PAIRING_STATUSES`):
-
-    - ``"mispaired"``: a control fits as well or better (at FVU >= 1: nearly as well, within
-      :data:`CONTROL_RATIO`) — wrong model, layer or hook;
-    - ``"poor_fit"``: both controls fit worse, so it reads its own layers and hooks, but the FVU
-      is :data:`POOR_FIT_FVU` or more, pooled or at the median layer: much of the MLP outputs
-      is left to the error nodes (the pooled FVU sums every layer's squared errors, so the few
-      layers of largest variance rule it: SmolLM2's first transcoder pooled 0.013 with half
-      its layers above 0.58);
-    - ``"paired"``: both controls worse, and the pooled and the median layer's FVU below
-      :data:`POOR_FIT_FVU`.
-
+    ``"mispaired"`` when a control fits as well or better (at FVU >= 1: within
+    :data:`CONTROL_RATIO`) — wrong model, layer or hook; ``"poor_fit"`` when the controls fit
+    worse but the FVU, pooled or at the median layer, is :data:`POOR_FIT_FVU` or more (the median
+    too, because the few layers of largest variance rule the pooled FVU: SmolLM2's first
+    transcoder pooled 0.013 with half its layers above 0.58); else ``"paired"``.
     ``from_position``: the first position scored (1 when position 0 is BOS)."""
 
     fvu_per_layer: list[float]

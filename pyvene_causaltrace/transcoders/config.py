@@ -1,22 +1,11 @@
 """What a transcoder is, apart from its weights: kind, shapes, activation, hooks.
 
-Two kinds, one abstraction (:class:`~.transcoder.Transcoder`):
-
-- ``cross_layer_transcoder`` (CLT): features born at layer ``l`` decode into every layer
-  ``t >= l``;
-- ``transcoder_set`` (per-layer transcoders, PLT): layer ``l``'s features decode only into layer
-  ``l``.
-
-Either kind may have a linear skip ``W_skip`` from each layer's input to its output (GemmaScope-2's
-affine skip transcoders and its CLT).
-
-Activations: ``jumprelu`` (``z * 1[z > threshold]``), ``relu``, ``topk`` (circuit-tracer's: the
-``k`` largest pre-activations per token, kept as they are), ``relu_topk`` (sparsify's: the ``k``
-largest of ``relu(z)``) and ``joint_topk`` (ByteDance's cross-layer TopK CLT: the ``k`` features
-with the largest ``relu(z) * score_weight`` over *every layer at once* at each position, kept as
-``relu(z)``; ``k`` counts all layers together). Hook names are TransformerLens names
-(:mod:`.hooks`).
-"""
+Kinds: ``cross_layer_transcoder`` (CLT: layer ``l``'s features decode into every layer ``t >=
+l``) and ``transcoder_set`` (per-layer: only into ``l``), either with an optional linear skip
+``W_skip``. Activations: ``jumprelu`` (``z * 1[z > threshold]``), ``relu``, ``topk`` (the ``k``
+largest pre-activations per token), ``relu_topk`` (the ``k`` largest of ``relu(z)``) and
+``joint_topk`` (the ``k`` largest ``relu(z) * score_weight`` over every layer at once, kept as
+``relu(z)``; ``k`` counts all layers). Hooks are TransformerLens names (:mod:`.hooks`)."""
 
 from __future__ import annotations
 

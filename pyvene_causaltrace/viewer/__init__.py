@@ -3,54 +3,14 @@ graph file.
 
     pyvene-causaltrace serve out/            # every graph.json under out/, in the browser
 
-One self-contained page (``index.html`` and ``annotate.js`` beside this module: plain JavaScript
-and SVG, nothing from a CDN, so it works offline) reads attribution-graph JSON — circuit-tracer's
-and Neuronpedia's format, which ``attribute`` exports, whoever wrote the file — and draws
-features, errors, tokens and the logits by layer × position, tokens along the bottom, each logit
-labelled with its token and probability (the target in bold). Hover a node for its label,
-activation and influence; click it to list its strongest inputs and outputs; the slider keeps
-the nodes whose cumulative influence is below a threshold (circuit-tracer's node pruning); past
-10,000 nodes or 20,000 links it draws the tokens, logits, pinned and most influential nodes and
-the strongest links among them, and says so (a graph of the size cap renders); the picker
-switches between the graphs in the directory and marks, there and beside it, each graph this
-package did not write, with the generator its metadata names.
-
-Annotations: pin nodes (the Pin button, or Ctrl-click) to draw them and the links among them in
-the subgraph pane; group pinned nodes into named supernodes, rename and ungroup them; edit a
-feature's label. Save writes them into the graph file — ``qParams.pinnedIds``,
-``qParams.supernodes``, ``clickedId``, ``linkType``, ``sg_pos``, ``pruningThreshold``, and the
-edited labels into the nodes' ``clerp`` — in the names and shapes circuit-tracer's and
-Neuronpedia's viewers read (see :mod:`.annotations`), and the page restores them when the graph
-is opened again.
-
-The server answers ``GET /`` (the page), ``/annotate.js``, ``/api/graphs`` (the graph files
-under the directory, relative paths), ``/api/listing`` (the same files as ``{"name", "generator",
-"ours"}``: the ``metadata.info.generator.name`` each names, and whether it is this package's),
-``/api/skipped`` (the files that look like graphs but are not served, as ``{"name",
-"reason"}``: the page lists them, disabled, with the reason),
-``/api/graph?name=PATH`` (one of those listed, nothing
-else) and ``POST /api/save?name=PATH`` (a JSON body ``{"qParams": {...}, "clerps": [[id,
-text]]}`` of at most ``max_save_bytes``; see :func:`.annotations.save`). It lists only graph
-JSON (see :mod:`.listing`: regular files under a size cap and a nesting depth that Neuronpedia's
-graph schema validates, or that carry the export's generator marker; the rest is skipped and
-logged once, with the reason), and
-answers only requests whose ``Host`` is ``localhost``, ``127.0.0.1`` or ``[::1]`` (any other
-gets an empty 403: a page on another site cannot reach it by rebinding its DNS name to this
-machine). A save must also come from the page itself: ``Content-Type: application/json`` (a
-form or a plain-text POST from another site is refused with 415; a JSON one needs a CORS
-preflight the server never grants) and, when the browser names it, an ``Origin`` on a loopback
-host and ``Sec-Fetch-Site: same-origin``. ``/api/graph`` sends the file's version as its
-``ETag``; the page sends it back as ``If-Match`` and a save is refused (412) once the file has
-changed on disk since the page loaded it, so annotations are never written onto a regenerated
-graph whose node ids happen to match; unsaved annotations kept while the picker shows another
-graph belong to the version they were made on, and are dropped (the page says so), not
-re-applied, when the file changed meanwhile. Saves of one file are serialised across
-processes by a lock file beside it (see :func:`.annotations.save`); a write-protected file is
-refused (403). Every answer but the foreign-``Host`` one is a status with a one-line JSON body,
-``{"error": reason}`` for a refusal (a file that cannot be written, e.g. a full disk: 500, the
-file as it was); a request that fails in an unforeseen way is answered 500 the same way and
-logged with its traceback, never with an empty reply.
-"""
+One self-contained page (``index.html`` and ``annotate.js``: plain JavaScript and SVG, works
+offline) draws any graph JSON in circuit-tracer's / Neuronpedia's format (:mod:`.listing`
+decides which files are served) and saves pins, supernodes and labels into it
+(:mod:`.annotations`). The server answers only a loopback ``Host`` (else an empty 403: no DNS
+rebinding), takes saves only from its own page (JSON content type, loopback ``Origin``,
+same-origin fetch), refuses a save onto a file changed since the page loaded it (``ETag`` /
+``If-Match``, 412), and answers every other request with a status and a one-line JSON body.
+The routes and every refusal: docs/attribution.md, "The viewer"."""
 
 from __future__ import annotations
 

@@ -4,55 +4,15 @@ opens the same there.
 
     summary = save(index, "eiffel/graph.json", body)   # body: the page's POST, as bytes
 
-The request body is ``{"qParams": {...}, "clerps": [[node_id, text], ...]}``. In the file:
-
-- ``qParams.pinnedIds``: a list of node ids (``["3_17_5", "E_791_2"]``), the nodes drawn in
-  the subgraph pane. A list, as circuit-tracer's ``QParams`` model declares it
-  (``frontend/graph_models.py``: ``pinnedIds: list[str]``) and Neuronpedia's graph schema and
-  ``CLTGraphQParams`` type do. (circuit-tracer's page also reads a comma-joined string, what its
-  own Save button copies from the URL, ``frontend/assets/index.html``; the page here reads both
-  and writes the list.)
-- ``qParams.supernodes``: a list of ``[name, node_id, node_id, ...]`` lists, one per
-  supernode: circuit-tracer's ``supernodes: list[list[str]]`` and the shape its subgraph code
-  builds (``attribution_graph/init-cg-subgraph.js``: ``supernodes.push([label, ...ids])``).
-  Each member is a pinned node and in one supernode at most.
-- ``qParams.clickedId``: the selected node's id, or ``""``; ``qParams.linkType``: one of
-  ``input``, ``output``, ``either``, ``both`` (kept as loaded; this viewer draws both);
-  ``qParams.sg_pos``: circuit-tracer's saved subgraph positions (space-separated numbers, two
-  per subgraph node in its order) — kept while the pinned nodes and supernodes are unchanged,
-  ``""`` once they change; ``qParams.pruningThreshold``: the node-threshold slider, a number in
-  [0, 1] (circuit-tracer's page saves it under that name). Other ``qParams`` keys already in the
-  file are left as they are; the request may not set them.
-- Edited labels go into the node's own ``clerp`` (``nodes[i].clerp``), the field both viewers
-  show as a feature's label (Neuronpedia's schema: "my label for this feature"). Not
-  ``qParams.clerps``: circuit-tracer's page ``JSON.parse``-s that as a string of
-  ``[[feature, text]]`` pairs (``attribution_graph/init-cg.js``, ``util-cg.js``) while
-  Neuronpedia spreads it into its state as an array of ``[featureId, text]`` pairs, so either
-  encoding breaks the other viewer. Only feature labels (:data:`EDITABLE`: transcoder and
-  attention features, steering nodes) can be edited: both viewers write their own for tokens
-  and errors and parse ``(p=...)`` out of a logit's.
-
-Any graph the index lists can be annotated — one this package wrote, circuit-tracer's or
-Neuronpedia's — and keeps everything else it holds (no generator marker is added). A node id
-that names two nodes (circuit-tracer writes an error node ``0_{layer}_{pos}``, which is also the
-id of layer 0's feature ``layer`` at ``pos``) cannot be pinned, grouped or labelled: either
-viewer would annotate whichever of the two it finds first.
-
-A save is refused (:class:`AnnotationError`, its ``status`` an HTTP status) unless the graph is
-one the index lists, the file is not write-protected (no write bit for its owner: refused 403,
-also for root, who could write it anyway), the body is a JSON object of those fields, every
-node id is one node of the graph, and the file has not changed on disk since the page read it.
-Saves are serialised across processes (two ``serve`` on one directory) by an operating-system
-file lock (``flock``, as ``filelock`` takes it) on a file beside the graph (``.NAME.lock``,
-removed when the save ends, whatever its outcome): the file is read, checked and replaced under
-it, so of two saves made from one version one is written and the other refused (412), never
-both. A body or a file holding a number a browser cannot read back (``NaN``, ``Infinity``,
-``1e400``) is refused, and the file is written as strict JSON. The file is replaced whole
-(:func:`~pyvene_causaltrace.atomic.replacing`) with its permissions kept, so the listing finds
-it again (a new inode: the listing's cache reads it anew) and a reader never sees half of it.
-Every check is linear in the request (duplicates are found with sets), as it runs under the
-lock while other saves wait.
-"""
+The body is ``{"qParams": {...}, "clerps": [[node_id, text], ...]}``: :data:`FIELDS` go into
+``qParams`` (``pinnedIds`` a list of ids, ``supernodes`` ``[name, id, ...]`` lists of pinned
+nodes, each in one at most), edited labels into the node's own ``clerp`` — not
+``qParams.clerps``, which the two viewers encode incompatibly. Only :data:`EDITABLE` labels
+change; an id naming two nodes (circuit-tracer's error ``0_{layer}_{pos}`` equals a layer-0
+feature's) cannot be annotated. A save is checked in time linear in the request, then the file
+is read, checked against its version and replaced whole under a ``flock`` on ``.NAME.lock``
+beside it, so of two saves from one version one is written and the other refused (412).
+Field shapes and sources: docs/attribution.md, "The viewer"."""
 
 from __future__ import annotations
 
@@ -280,12 +240,10 @@ def lock_path(target: Path) -> Path:
 
 @contextmanager
 def _file_lock(target: Path, name: str) -> Iterator[None]:
-    """Hold ``target``'s lock file (an operating-system ``flock``, dropped when its process
-    ends); a save that waited :data:`LOCK_WAIT_S` for another process's is refused (503). The
-    lock file is removed however the block ends (a full disk, a refusal, an error): unlinked
-    while still locked, and a lock is only taken on the file the path names at that moment (one
-    a finishing save unlinked is let go and the path opened again), so removing it never lets
-    two saves hold the lock at once."""
+    """Hold ``target``'s lock file (a ``flock``, dropped when its process ends); a save that
+    waited :data:`LOCK_WAIT_S` is refused (503). The file is unlinked while still locked however
+    the block ends, and a lock counts only on the file the path names at that moment, so removing
+    it never lets two saves in at once."""
     path = lock_path(target)
     deadline = time.monotonic() + LOCK_WAIT_S
     while True:

@@ -1,28 +1,15 @@
 """Which files under a directory the viewer lists and serves: attribution-graph JSON, whoever
 wrote it.
 
-A file is listed when it is a regular file (or a link, within the directory, to one) named
-``*.json``, not hidden (``.name``, nor in a hidden folder: a graph being written is), at most
-:data:`MAX_BYTES` long, nested at most :data:`MAX_DEPTH` levels deep, and a graph JSON: one that
-validates against Neuronpedia's graph schema (``graph.schema.json``, see :mod:`..graph_schema`)
-— what circuit-tracer, Neuronpedia and ``attribute`` write — or a JSON object with ``nodes`` and
-``links`` lists whose ``metadata.info.generator.name`` is :data:`GENERATOR` (``attribute``'s own
-marker: what it wrote before the schema check). In a file that is not ours,
-``qParams.pinnedIds`` and ``qParams.supernodes`` may also be the strings circuit-tracer's own
-Save writes (a comma-joined list, a JSON string). Each listed graph keeps its
-``metadata.info.generator.name`` (None when it names none), so the page can say which ones this
-package wrote. Everything else — a FIFO, device or socket, a link to one or out of the
-directory, a file over the cap or too deep, any other JSON, a graph file the schema refuses — is
-skipped and logged once with its reason (again only if it changes), and, unless it is no graph
-JSON at all, listed with that reason by :meth:`GraphIndex.skipped`. JSON is read strictly
-(:mod:`..strict_json`): a file holding ``NaN``, ``Infinity`` or a number that overflows a double
-(``1e400``) is skipped, as a browser cannot parse it or reads it as ``Infinity``. Files are
-opened non-blocking and read only up to their size, so a FIFO or a link to ``/dev/zero`` cannot
-hang or fill memory; a file without ``"nodes"`` and ``"links"`` in its text is never parsed, and
-one that is parsed keeps only a verdict per node and link (not the node), so checking a graph
-holds little more than its text. Verdicts are cached by path and (device, inode, size, mtime):
-an unchanged file is never read twice.
-"""
+Listed: a regular ``*.json`` file (or a link within the directory to one), not hidden nor in a
+hidden folder, at most :data:`MAX_BYTES` long and :data:`MAX_DEPTH` deep, that validates against
+Neuronpedia's graph schema (:mod:`..graph_schema`) or carries ``attribute``'s :data:`GENERATOR`
+marker; each keeps the generator it names, so the page can say which are ours. Everything else
+is skipped and logged once with its reason (:meth:`GraphIndex.skipped` lists the near-misses).
+JSON is read strictly (:mod:`..strict_json`: ``NaN``, ``Infinity``, ``1e400`` are refused, as a
+browser cannot read them back). Files are opened non-blocking and read only up to their size (a
+FIFO or ``/dev/zero`` cannot hang or fill memory), checked keeping one verdict per node and
+link, and cached by path and (device, inode, size, mtime)."""
 
 from __future__ import annotations
 

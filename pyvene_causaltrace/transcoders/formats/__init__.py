@@ -1,31 +1,14 @@
-"""Loaders, one per on-disk layout, looked up by name (sae-lens's convention).
-
-=================  =====================================================================
-``mntss``          the mntss cross-layer transcoder directory (:mod:`.mntss`)
-``circuit_tracer`` circuit-tracer's ``config.yaml``: a ``transcoder_set`` of per-layer
-                   safetensors files (local or ``hf://``), or a ``cross_layer_transcoder``
-                   pointing at a CLT repo (:mod:`.circuit_tracer`)
-``gemmascope``     GemmaScope per-layer ``params.npz`` files (:mod:`.gemmascope`)
-``gemmascope2``    GemmaScope-2 (Gemma 3): per-layer ``layer_{l}_<variant>/params.safetensors``
-                   + ``config.json`` folders, or the CLT's ``params_layer_{l}.safetensors``
-                   (:mod:`.gemmascope2`)
-``bytedance``      ByteDance's cross-layer TopK CLT: ``W_enc_{l}``/``W_dec_{l}``
-                   safetensors, ``W_dec_norm.safetensors``, ``config.json``; one top-k over
-                   all layers jointly (:mod:`.bytedance`)
-``sae_lens``       sae-lens transcoders, one per layer, through sae-lens's own loading
-                   (:mod:`.sae_lens`)
-``sparsify``       EleutherAI sparsify TopK transcoders, one directory per hookpoint
-                   (:mod:`.sparsify`)
-=================  =====================================================================
-
-Every loader checks everything before it returns: a missing file or layer, mixed widths, an
-unknown activation or hook, a ``W_skip`` of the wrong shape raise
-:class:`~pyvene_causaltrace.errors.TranscoderFormatError` naming the file; nothing is
-half-loaded. Each layout's loader and detector follow :mod:`.protocol`.
+"""Loaders, one per on-disk layout, looked up by name in :data:`FORMATS` (sae-lens's
+convention): ``mntss`` (:mod:`.mntss`), ``circuit_tracer`` (:mod:`.circuit_tracer`),
+``gemmascope`` (:mod:`.gemmascope`), ``gemmascope2`` (:mod:`.gemmascope2`), ``bytedance``
+(:mod:`.bytedance`), ``sae_lens`` (:mod:`.sae_lens`), ``sparsify`` (:mod:`.sparsify`); each
+module's docstring draws its files. Each loader and detector follows :mod:`.protocol` and
+checks everything before it returns: a missing file or layer, mixed widths, an unknown
+activation or hook, a ``W_skip`` of the wrong shape raise
+:class:`~pyvene_causaltrace.errors.TranscoderFormatError` naming the file.
 
     tc = load_transcoder("mntss/clt-llama-3.2-1b-524k")          # layout detected
-    tc = load_transcoder("path/to/config.yaml", format="circuit_tracer")
-"""
+    tc = load_transcoder("path/to/config.yaml", format="circuit_tracer")"""
 
 from __future__ import annotations
 

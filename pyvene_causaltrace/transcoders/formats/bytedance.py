@@ -5,17 +5,12 @@ layers x 32,768 features, fp32), as its model card describes it::
     W_enc_{l}.safetensors       W_enc_{l} [F, D]                    (no encoder bias)
     W_dec_{l}.safetensors       W_dec_{l} [F, L - l, D], W_dec_norm_{l} [F]   (no decoder bias)
     W_dec_norm.safetensors      W_dec_norm [L, F]: the decoder norms that rank features
-    factors.safetensors         resid_mid_l2, mlp_out_l2 [L]: folded into the weights already,
-                                never applied again (not read)
+    factors.safetensors         resid_mid_l2, mlp_out_l2 [L]: already folded in (not read)
 
-Encode every layer ``a_l = relu(W_enc_l x_l)``, score ``a_l[i] * W_dec_norm[l, i]`` and keep the
-``L * k`` best-scoring features over all layers jointly at each position (``joint_topk``, with
-``score_weight = W_dec_norm``); decode ``mlp_out[m] = sum_{l <= m} a_l @ W_dec_l[:, m - l]``.
-The CLT reads ``resid_mid`` (the input of ``post_attention_layernorm``: ``hook_resid_mid``) and
-writes the MLP module's output (``mlp.hook_out``). The card drops tokens whose norm on some layer
-reaches 20x the layer's mean (in practice the first token): position 0 is zeroed here, as for
-every transcoder; the rule is not applied to later positions.
-"""
+``a_l = relu(W_enc_l x_l)``; the ``L * k`` features of best ``a_l[i] * W_dec_norm[l, i]`` over
+all layers jointly are kept at each position (``joint_topk``); ``mlp_out[m] = sum_{l <= m} a_l
+@ W_dec_l[:, m - l]``. It reads ``hook_resid_mid`` and writes ``mlp.hook_out``. The card's rule
+dropping tokens of outsized norm is applied to position 0 only, zeroed as for every transcoder."""
 
 from __future__ import annotations
 
@@ -67,13 +62,10 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
          scan: str | None = None, shard: tuple[int, int] | None = None,
          **_ignored) -> Transcoder:
     """The CLT from its directory; every file checked before anything is returned, decoders
-    memory-mapped with ``lazy_decoder``. ``shard=(rank, world)``: only that rank's features
-    (:func:`~..transcoder.feature_range`) are read — row slices of every ``W_enc_{l}``,
-    ``W_dec_{l}`` and ``W_dec_norm_{l}`` and columns of ``W_dec_norm`` through safetensors'
-    ``get_slice`` (a view of the memory-mapped decoder with ``lazy_decoder``), after every
-    file's whole shapes are checked from its header; never a whole encoder or decoder (the
-    norms are checked on the slice read). Its joint top-k is then a collective over the
-    ranks."""
+    memory-mapped with ``lazy_decoder``. ``shard=(rank, world)`` reads only that rank's features
+    (rows of each ``W_enc_{l}``, ``W_dec_{l}``, ``W_dec_norm_{l}``, columns of ``W_dec_norm``,
+    through ``get_slice``), never a whole encoder or decoder; its joint top-k is then a
+    collective over the ranks."""
     check_dtype(dtype)
     root = Path(source).expanduser()
     meta = _config(root / CONFIG)

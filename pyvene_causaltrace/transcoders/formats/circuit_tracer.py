@@ -14,25 +14,12 @@
       - local/path/layer_1.safetensors                     # relative to the config
       - hf://google/gemma-scope-2b-pt-transcoders/layer_2/width_16k/average_l0_41/params.npz
 
-A per-layer file (circuit-tracer's ``single_layer_transcoder``) holds ``W_enc [F, D]``,
-``W_dec [F, D]``, ``b_enc [F]``, ``b_dec [D]``, optionally ``activation_function.threshold [F]``,
-``W_skip [D, D]`` (``skip(x) = x @ W_skip.T``) and ``k`` (TopK). Older files store ``W_dec`` as
-``[D, F]`` (told apart by the biases' lengths). A file with lowercase ``w_enc``/``w_dec`` is a
-GemmaScope-2 ``params.safetensors`` (circuit-tracer's ``special_load_fn: gemma-scope-2``), read by
-:mod:`.gemmascope2` by its names: ``w_enc [D, F]`` whatever the widths, thresholds below 0
-raised to 0, ``affine_skip_connection [D_in, D_out]``. ``.npz`` entries are GemmaScope files
-(:mod:`.gemmascope`). The old list-of-dicts form (``{id, layer, filepath}``) is read too.
-
-A hub reference to a config is ``org/repo[/subfolder][@revision]``; per-layer ``hf://`` files
-resolve through the hub cache (offline with ``HF_HUB_OFFLINE=1``).
-
-``shard=(rank, world)`` keeps that rank's features (:func:`~..transcoder.feature_range`) of every
-layer. A set of circuit-tracer safetensors files, an mntss CLT and a GemmaScope-2 CLT are read in
-slices (safetensors' ``get_slice``: rows of ``[F, D]`` tensors, columns of ``[D, F]`` ones; a view
-of a memory-mapped decoder), never a whole encoder or decoder; a set with GemmaScope ``.npz`` or
-GemmaScope-2 files reads each layer's file whole and keeps its slice before the next is read
-(peak memory: one whole layer).
-"""
+A per-layer file holds ``W_enc [F, D]``, ``W_dec [F, D]`` (older files ``[D, F]``, told apart by
+the biases' lengths), ``b_enc [F]``, ``b_dec [D]``, optionally
+``activation_function.threshold [F]``, ``W_skip [D, D]`` and ``k``. Lowercase ``w_enc``/``w_dec``
+marks a GemmaScope-2 file (:mod:`.gemmascope2`), ``.npz`` a GemmaScope one (:mod:`.gemmascope`);
+the old list-of-dicts form (``{id, layer, filepath}``) is read too. ``shard=(rank, world)``
+keeps that rank's features, read in slices where the files allow (docs/transcoders.md)."""
 
 from __future__ import annotations
 

@@ -15,19 +15,14 @@ The cross-layer transcoder (270m and 1b), one file per source layer::
 
     clt/width_262k_l0_medium_affine/params_layer_{l}.safetensors
         w_enc [D, F], b_enc [F], threshold [F], b_dec [D], affine_skip_connection [D, D],
-        w_dec [F, L, D]: target layer t at index t (circuit-tracer's and sae-lens's reading);
-        the entries t < l are not read. [F, L - l, D] (target t at t - l) is read too.
+        w_dec [F, L, D] (target t at index t; entries t < l unread) or [F, L - l, D]
     (a config.json beside them is read when present: type "clt")
 
-Maths (the model card's ``JumpReLUSAE``): ``a = relu(z) * 1[z > threshold]`` with ``z = x @ w_enc
-+ b_enc`` — our ``z * 1[z > threshold]`` once a negative threshold is raised to 0, which is exact
-(done here); ``out = a @ w_dec + b_dec + x @ affine_skip_connection``, so ``W_skip =
-affine_skip_connection.T`` (``[D_in, D_out]`` on disk; the skip has no bias of its own: ``b_dec``
-is the affine part). Hooks: config.json's Hugging Face module points, mapped to TransformerLens
-names — the pre-feedforward norm's output is the MLP's input (``mlp.hook_in``, after the norm's
-gain), the post-feedforward norm's output is ``hook_mlp_out``. Without a config.json (the CLT)
-those two are assumed, as sae-lens assumes them for ``clt`` folders.
-"""
+The model card's ``relu(z) * 1[z > threshold]`` is our ``z * 1[z > threshold]`` once negative
+thresholds are raised to 0 (exact, done here); ``W_skip = affine_skip_connection.T`` (no bias of
+its own: ``b_dec`` is the affine part). The pre-feedforward norm's output maps to
+``mlp.hook_in``, the post-feedforward norm's to ``hook_mlp_out`` — assumed without a
+config.json (the CLT), as sae-lens does for ``clt`` folders."""
 
 from __future__ import annotations
 
@@ -190,10 +185,9 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
          shard: tuple[int, int] | None = None, **_ignored) -> Transcoder:
     """A GemmaScope-2 transcoder: a CLT folder (``params_layer_{l}.safetensors``), a folder of
     per-layer folders (``variant`` picks e.g. ``width_16k_l0_small_affine`` when it holds
-    several), or a list of per-layer folders, one per layer in order. Hooks come from each
-    config.json (or the keyword arguments). ``shard=(rank, world)``: a per-layer set's slice
-    is cut as each layer is read (one whole layer at a time; a memory-mapped decoder stays a
-    view); the CLT's slices alone are read (:func:`load_clt`)."""
+    several), or a list of per-layer folders in layer order. Hooks come from each config.json (or
+    the keyword arguments). ``shard=(rank, world)``: a per-layer set's slice is cut as each layer
+    is read (one whole layer at a time); the CLT's slices alone are read (:func:`load_clt`)."""
     if not isinstance(source, list | tuple):
         root = Path(source).expanduser()
         if not root.exists():
@@ -240,12 +234,10 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
              feature_output_hook: str | None = None,
              shard: tuple[int, int] | None = None) -> Transcoder:
     """The GemmaScope-2 CLT from its folder, or from its ``params_layer_{l}`` files in layer
-    order (circuit-tracer's config lists them). Every file is checked before anything is
-    returned; the decoders stay memory-mapped with ``lazy_decoder``. ``shard=(rank, world)``:
-    only that rank's features (:func:`~..transcoder.feature_range`) are read, after every
-    file's whole shapes are checked from its header — columns of ``w_enc [D, F]``, rows of
-    ``b_enc``, ``threshold`` and ``w_dec`` through safetensors' ``get_slice`` (a view of the
-    memory-mapped decoder with ``lazy_decoder``); never a whole encoder or decoder."""
+    order (circuit-tracer's config lists them). Every file is checked first; decoders stay
+    memory-mapped with ``lazy_decoder``. ``shard=(rank, world)`` reads only that rank's features
+    (columns of ``w_enc``, rows of the rest, through ``get_slice``), never a whole encoder or
+    decoder."""
     check_dtype(dtype)
     if isinstance(source, list | tuple):
         files, root = [Path(str(f)) for f in source], None

@@ -5,14 +5,9 @@
                                    (no thresholds anywhere: a ReLU CLT)
     path/W_dec_{l}.safetensors     W_dec_{l} [F, L - l, D]
 
-Everything is checked before anything is returned: a missing file, a header that is not
-safetensors, a shape that disagrees with the other layers or a dtype that is not floating point
-raises a :class:`~.common.TranscoderFormatError` naming the file. Nothing is half-loaded.
-
-``shard=(rank, world)`` reads only that rank's features (:func:`~..transcoder.feature_range`) of
-every layer: row slices of ``W_enc``, ``b_enc``, ``threshold`` and ``W_dec`` through safetensors'
-``get_slice`` (or a view of the memory-mapped decoder); never a whole encoder or decoder.
-"""
+A missing file, a header that is not safetensors, a shape that disagrees with the other layers
+or a non-floating dtype raises :class:`~.common.TranscoderFormatError` naming the file, before
+anything is returned. ``shard=(rank, world)`` reads only that rank's rows (``get_slice``)."""
 
 from __future__ import annotations
 

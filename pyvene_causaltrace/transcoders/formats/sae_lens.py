@@ -2,29 +2,20 @@
 sae_lens, and only when called).
 
 **In** (:func:`load`, :func:`load_release`): one sae-lens ``Transcoder``, ``SkipTranscoder``,
-``JumpReLUTranscoder`` or ``JumpReLUSkipTranscoder`` per layer, loaded by sae-lens itself
-(``SAE.load_from_disk`` / ``SAE.from_pretrained``), assembled into a per-layer set. sae-lens holds
-``W_enc [d_in, d_sae]``, ``W_dec [d_sae, d_out]``, ``W_skip [d_out, d_in]`` (``x @ W_skip.T``), and
-its JumpReLU is ``relu(z) * 1[z > threshold]``, which is ours (``z * 1[z > threshold]``) with the
-threshold raised to 0 where it is negative — exactly. Hooks come from each config's metadata
-(``hook_name``, ``hook_name_out``, ``blocks.{l}.`` prefixes giving the layer); the release name
-and id are the Neuronpedia scan.
+``JumpReLUTranscoder`` or ``JumpReLUSkipTranscoder`` per layer, loaded by sae-lens itself,
+assembled into a per-layer set (sae-lens's ``W_enc [d_in, d_sae]``, ``W_dec [d_sae, d_out]``,
+``W_skip [d_out, d_in]``; its JumpReLU is ours with negative thresholds raised to 0, exactly).
+Hooks and layers come from each config's metadata; the release name and id are the scan.
 
-**Out** (:func:`to_sae_lens`, the converters): a CLT is not one sae-lens object: feature ``f`` of
-layer ``l`` writes into every layer ``t >= l``. :func:`to_sae_lens` gives a per-layer
-``JumpReLUTranscoder`` whose *encoder is exact* (same W_enc, b_enc, threshold for the input hook
-of layer ``l``) and whose *decoder is one slice of the cross-layer decoder*:
-``W_dec[l][:, target - l]``, i.e. what layer ``l``'s features write into layer ``target``'s output
-(``target = l`` by default), plus ``b_dec[target]``. Summing these views over source layers
-``l <= t`` (with ``b_dec[t]`` once) is the CLT's reconstruction of layer ``t``; one view alone is
-not. sae-lens's own loading entry points read our CLT directories through the converters:
+**Out** (:func:`to_sae_lens`): a CLT is not one sae-lens object, so layer ``l``'s view has the
+exact encoder and one slice of the cross-layer decoder, ``W_dec[l][:, target - l]`` plus
+``b_dec[target]`` (``target = l`` by default); summing the views over ``l <= t`` (``b_dec[t]``
+once) is the CLT's reconstruction of layer ``t``, one view alone is not. Unlike sae-lens's
+mntss loader nothing is summed over targets and thresholds are kept. sae-lens's own entry points
+read our CLT directories through the converters:
 
     JumpReLUTranscoder.load_from_disk(clt_dir, converter=disk_converter(layer=3))
-    JumpReLUTranscoder.from_pretrained("org/clt-repo", "layer_3", converter=hub_converter)
-
-Unlike sae-lens's built-in mntss loader, nothing is summed over target layers and thresholds are
-kept.
-"""
+    JumpReLUTranscoder.from_pretrained("org/clt-repo", "layer_3", converter=hub_converter)"""
 
 from __future__ import annotations
 
@@ -48,10 +39,6 @@ from .common import (
     refuse_shard,
 )
 from .mntss import from_pretrained, load_from_disk
-
-
-def _sae_lens_version() -> str:
-    return version("sae-lens")
 
 
 def _cfg_and_state(transcoder: Transcoder, layer: int, target: int | None,
@@ -87,7 +74,7 @@ def _cfg_and_state(transcoder: Transcoder, layer: int, target: int | None,
             "hook_name": f"blocks.{layer}.{transcoder.cfg.feature_input_hook}",
             "hook_name_out": f"blocks.{target}.{transcoder.cfg.feature_output_hook}",
             "neuronpedia_id": None,
-            "sae_lens_version": _sae_lens_version(),  # a 6.x config: no pre-6.0 rewriting
+            "sae_lens_version": version("sae-lens"),  # a 6.x config: no pre-6.0 rewriting
         },
     }
     return cfg, state

@@ -4,12 +4,11 @@
     root/layers.{l}.mlp/sae.safetensors   encoder.weight [F, D], encoder.bias [F], W_dec [F, D],
                                           b_dec [D], W_skip [D, D] (skip_connection)
 
-(``h.{l}.mlp`` for GPT-2.) The transcoder reads the MLP module's input and predicts its output
-(circuit-tracer's ``mlp.hook_in`` / ``mlp.hook_out``). Encode: ``relu(x @ W_enc.T + b_enc)``, then
-the ``k`` largest per token; decode adds ``x @ W_skip.T``. Files written before sparsify stored
-``transcode`` subtracted ``b_dec`` from the input first: that is folded exactly into the encoder
-bias (``b_enc - W_enc @ b_dec``). ``transcode: false`` marks a plain SAE, which is refused.
-"""
+(``h.{l}.mlp`` for GPT-2.) It reads the MLP module's input and predicts its output
+(``mlp.hook_in`` / ``mlp.hook_out``): ``relu(x @ W_enc.T + b_enc)``, the ``k`` largest per
+token, decoded plus ``x @ W_skip.T``. Files from before sparsify stored ``transcode``
+subtracted ``b_dec`` from the input first: folded exactly into ``b_enc - W_enc @ b_dec``.
+``transcode: false`` (a plain SAE) is refused."""
 
 from __future__ import annotations
 
@@ -120,11 +119,9 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
          model_name: str = "", scan: str | None = None,
          shard: tuple[int, int] | None = None, **_ignored) -> Transcoder:
     """A per-layer TopK set from a sparsify run directory (one subdirectory per layer's MLP).
-    ``shard=(rank, world)``: only that rank's features (:func:`~..transcoder.feature_range`) of
-    each layer are read — row slices of ``encoder.weight``, ``encoder.bias`` and ``W_dec``
-    through safetensors' ``get_slice`` (a view of the memory-mapped decoder with
-    ``lazy_decoder``), every file's whole shapes checked from its header first; never a whole
-    encoder or decoder. Its top-k is then a collective over the ranks."""
+    ``shard=(rank, world)`` reads only that rank's rows of ``encoder.weight``, ``encoder.bias``
+    and ``W_dec`` (``get_slice``), never a whole encoder or decoder; its top-k is then a
+    collective over the ranks."""
     root = Path(source).expanduser()
     found = _hookpoints(root)
     if not found:
