@@ -1,18 +1,13 @@
 """The ranks of a ``torch.distributed`` run, as our methods see them: who we are, the
 collectives they need, and one clear error when a rank disagrees, dies or hangs.
 
-A method runs distributed when a process group of more than one rank is initialised and the
-caller has not asked for a local run (:func:`alone`). Every collective goes through
-:func:`collective`, which turns the backend's failure (a peer's socket closed, the group's
-timeout) into one :class:`~.errors.DistributedError` naming this rank and the step.
-
     ranks = current()                    # None: one process (or alone())
     total = ranks.all_reduce(partial)    # sum over ranks, the same on every rank
     ranks.agree("model", fingerprint)    # DistributedError naming the ranks that differ
 
-The launcher's variables are checked by :func:`environment` before anything waits on them;
-:func:`init` waits at most :data:`RENDEZVOUS_TIMEOUT_S` for rank 0's store and
-:data:`TIMEOUT_S` for every rank."""
+Every collective goes through :func:`collective`, which turns a backend failure (a peer gone,
+the group's timeout) into one :class:`~.errors.DistributedError` naming this rank and the step.
+The launcher's variables are checked by :func:`environment` before anything waits on them."""
 
 from __future__ import annotations
 

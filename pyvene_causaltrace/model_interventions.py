@@ -1,19 +1,13 @@
-"""A user's own pyvene interventions in a spec: the ``model_interventions`` field.
-
-A trace or ``run_spec`` on a ``pv.IntervenableModel`` applies its interventions in every run;
-the spec it writes carries them, so rerunning it on the bare model repeats the experiment bit
-for bit:
+"""A user's own pyvene interventions in a spec: the ``model_interventions`` field, so a spec
+written from a run on a ``pv.IntervenableModel`` repeats it bit for bit on the bare model.
 
     entries = describe(bind(pv_model, interventions=True))   # [] for a bare model
     pv_model = rebuild(entries, model, base_dir)
 
-One entry per intervention, in pyvene's order (``class``, pyvene's representation fields,
-``init``, ``settings``, ``tensors``: its whole ``state_dict()``, ``tensor_attributes``);
-tensors inline and exact, or in a spec saved by :func:`~pyvene_causaltrace.specs.save_spec`
-references into a safetensors file beside it (:mod:`~pyvene_causaltrace.spec_tensors`);
-nothing pickled. :func:`describe` writes an intervention only when rebuilding it gives back the
-same module bit for bit, else refuses with the reason; :func:`rebuild` imports only
-``pyvene.Intervention`` subclasses. The format: docs/specs.md."""
+One entry per intervention, in pyvene's order, tensors inline or in a safetensors file beside
+the spec (:mod:`~pyvene_causaltrace.spec_tensors`; the format: docs/specs.md). :func:`describe`
+writes an intervention only when rebuilding it gives back the same module bit for bit, else
+refuses saying why; :func:`rebuild` imports only ``pyvene.Intervention`` subclasses."""
 
 from __future__ import annotations
 

@@ -3,14 +3,12 @@
     with intervened(bound, [{"component": bound.site("embed"), "intervention": noise}]):
         logits = bound.model(input_ids=ids).logits
 
-Users compose through pyvene (:mod:`.pyvene_boundary`), but the forwards this package runs
-itself need nothing an ``IntervenableModel`` adds around a call. :func:`intervened` hands the
-same representation dicts (``{"component": "<module path>.output" | ".input", "intervention":
-made}``) to the one applier (:mod:`.applier`) and applies each as pyvene 0.1.8 does with
-``unit_locations=None``: on a clone of the whole output (or first input), in order, by the
-applier's rule. Each edit announces its call to :func:`~.pyvene_boundary.calls.pyvene_call`
-(so types that recompute their module read no frame); interventions sharing state by id are
-bound among themselves first. The numbers are pyvene's bit for bit (``tests/test_runtime.py``)."""
+Users compose through pyvene (:mod:`.pyvene_boundary`); the package's own forwards need
+nothing an ``IntervenableModel`` adds around a call. :func:`intervened` hands the same
+representation dicts to the one applier (:mod:`.applier`), each applied as pyvene 0.1.8 does
+with ``unit_locations=None`` and announcing its call (:func:`~.pyvene_boundary.calls.pyvene_call`)
+so recomputing types read no frame. The numbers are pyvene's bit for bit
+(``tests/test_runtime.py``)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """The heads a pruned graph's edges cross, for the export and the viewer.
 
 :func:`attention_annotations` splits every kept edge that crosses positions by head
-(:mod:`.heads`), keeps each edge's largest head parts, and decomposes the score of its leading
-head at the edge's two positions (query: the target's, key: the source's) into its largest QK
-terms (:mod:`.qk`). :meth:`AttentionAnnotations.annotate` writes them where Neuronpedia's schema
-tolerates them: each link gains ``"heads": [[layer, head, part], ...]`` (largest ``|part|``
-first; a layer's parts plus its bypass sum to ``weight``), the top level ``"attention": {"qk":
-[...]}`` in Neuronpedia CRM's QK lists with ``labels`` for every id named (docs/attribution.md,
+(:mod:`.heads`) and decomposes its leading head's score at the edge's two positions into QK
+terms (:mod:`.qk`); :meth:`AttentionAnnotations.annotate` writes them where Neuronpedia's schema
+tolerates them (``links[i].heads``, top-level ``attention.qk``: docs/attribution.md,
 "Attention inside the graph").
 
     annotations = attention_annotations(model, transcoder, graph)

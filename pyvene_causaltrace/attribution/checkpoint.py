@@ -1,14 +1,10 @@
 """Rows computed so far, on disk, so an interrupted ``attribute`` resumes where it stopped.
 
-A directory: ``manifest.json`` (the run's key, the shards with their sizes and SHA-256, the
-queue still pending) and one safetensors shard per save with the rows added since the last.
-Each shard is written under a temporary name, hashed and renamed before the manifest naming it
-is replaced, so a kill leaves a consistent checkpoint; nothing is pickled. On load every shard
-is checked against the manifest and the rows against the graph: damage, or a key that differs
-(prompt, target, settings, model, transcoder, package version), raises
-:class:`CheckpointMismatchError` naming the directory — never a partial resume. The directory
-is locked while a graph is built (:mod:`~pyvene_causaltrace.runlock`), left complete on return,
-and deleted by :func:`remove_checkpoint`."""
+A directory: ``manifest.json`` (the run's key, the shards' sizes and SHA-256, the pending queue)
+and one safetensors shard per save. Shards are renamed into place before the manifest naming
+them, so a kill leaves a consistent checkpoint; damage or another graph's key raises
+:class:`CheckpointMismatchError` naming the directory, never a partial resume. Locked while a
+graph is built (:mod:`~pyvene_causaltrace.runlock`); :func:`remove_checkpoint` deletes it."""
 
 from __future__ import annotations
 

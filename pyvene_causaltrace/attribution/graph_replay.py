@@ -1,15 +1,10 @@
-"""A graph's local replacement run, replayed: what head loadings (:mod:`.heads`) and QK
-attribution (:mod:`.qk`) decompose.
-
-The replay runs the local replacement forward the graph was built from (attention patterns and
-norm scales frozen, so a node's effect on a target is linear), refuses it unless its active
-features (and a recomputed row) are the graph's, and keeps the live tensors the decompositions
-read: the input of each chosen layer's attention output projection and, for QK, every layer's
-queries and keys.
+"""A graph's local replacement run, replayed for head loadings (:mod:`.heads`) and QK
+attribution (:mod:`.qk`): the forward the graph was built from (patterns and norm scales
+frozen), refused unless its active features and a recomputed row are the graph's, keeping each
+chosen layer's attention-output-projection input and, for QK, every layer's queries and keys.
 
     replayed = replay_graph(bound, transcoder, graph, layers=[0, 1], qk=True)
-    rows, constants = replay_rows(replayed, output, seeds)   # rows of <seeds[b], output>
-"""
+    rows, constants = replay_rows(replayed, output, seeds)   # rows of <seeds[b], output>"""
 
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
 """Many prompts' graphs, spread over the ranks of a distributed run: one directory per prompt
-and an index.
+and an index (the layout, resuming and refusals: docs/attribution.md, "Beyond one device").
 
     prompts = read_prompts("prompts.jsonl")     # {"prompt": ..., "answer": ..., "target": ...}
     index = attribute_many(model, tokenizer, transcoder, prompts, out="graphs/")
 
 Prompt ``i`` goes to rank ``i % world``, which builds its graph alone
-(:func:`~pyvene_causaltrace.distributed.alone`) into ``out/<i>/`` (``graph.safetensors``,
-``summary.json`` with the graph's ``inputs``; rows checkpointed in ``rows.partial/``). A prompt
-whose graph exists is done, so a rerun after a kill, at any world size, resumes; one whose
-inputs differ from a done graph's is refused before any graph is built
-(:class:`ManifestMismatchError`). Rank 0 then writes ``out/index.json``. The transcoder must be
-whole on every rank."""
+(:func:`~pyvene_causaltrace.distributed.alone`) into ``out/<i>/``; a done graph is skipped on a
+rerun, one made from other inputs refused (:class:`ManifestMismatchError`). The transcoder must
+be whole on every rank."""
 
 from __future__ import annotations
 

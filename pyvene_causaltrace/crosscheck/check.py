@@ -1,17 +1,12 @@
 """``cross_check``: one prompt's attribution graph against its causal trace, both ways.
 
-    tracer = Tracer(model, tokenizer, prompt, subject, answer=" Paris", seeds=10)
-    graph = attribute(model, tokenizer, clt, prompt, " Paris")
     check = cross_check(graph, tracer, clt)          # sites, and the top 20 features
     check.summary(); check.plot("cross_check.png"); check.to_json("cross_check.json")
 
-Sites (:mod:`.sites`): per (layer, position), the graph's influence beside the trace's indirect
-effect, for the residual trace and the MLP trace. Features (:mod:`.features`): for the graph's
-``top_n`` features by influence, attribution's linear prediction of what the trace's noise does
-to the target through each one, beside the patch measured in the spliced model. Heads
-(:mod:`.heads`, asked for with ``heads=``): each attention head's loading of the target's edges
-beside its indirect effect when restored alone at the last position.
-"""
+Sites (:mod:`.sites`): per cell, the graph's influence beside the residual and MLP traces'
+indirect effects. Features (:mod:`.features`): for the ``top_n`` features, attribution's linear
+prediction of the noise's effect through each beside the patch measured in the spliced model.
+Heads (:mod:`.heads`, with ``heads=``): each head's loading beside its restore alone."""
 
 from __future__ import annotations
 

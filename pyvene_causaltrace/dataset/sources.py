@@ -1,12 +1,9 @@
 """Datasets by name: ROME's files fetched once into the cache, checked by SHA-256.
 
     path = dataset_path("known_1000")         # ~/.cache/pyvene_causaltrace/data/known_1000.json
-    records, errors = read_records("known_1000")
 
-The download goes through ``pooch`` (retries, atomic writes, hash check), from the URL ROME's own
-code uses. An environment variable names a local copy instead (``PVCT_KNOWN_1000``), which is
-checked the same way. Offline, the error says where to put the file.
-"""
+Downloaded through ``pooch`` from the URL ROME's code uses; ``PVCT_KNOWN_1000`` names a local
+copy instead (checked the same way). Offline, the error says where to put the file."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """Where a dataset run's rows go as they are produced, so that nothing is lost on interruption.
 
-An output directory holds ``manifest.json`` (settings and identity: fingerprints of model,
-tokenizer, data and package, :mod:`~pyvene_causaltrace.fingerprint`; a rerun resumes only when
-they match, else says what differs; rows without one are refused), ``.pvct.lock`` (held while a
-run writes, :mod:`~pyvene_causaltrace.runlock`), ``screen.jsonl`` (each record kept or skipped,
-and why), ``results.jsonl`` (one line per fact, kind and seed) and, with a transcoder,
-``graphs.jsonl`` and ``graphs/`` (:mod:`~pyvene_causaltrace.dataset.graphs`).
-
-Rows are appended one synced ``write`` per batch; a failed write is cut off again, so a file
-ends at a batch boundary. Only ``kill -9`` mid-write can leave a last line without its newline:
-it is dropped when the directory is next opened. Any other incomplete line is damage and is
-refused, naming the file and line."""
+An output directory holds ``manifest.json`` (settings and fingerprints: a rerun resumes only
+when they match), ``.pvct.lock``, ``screen.jsonl``, ``results.jsonl`` and, with a transcoder,
+``graphs.jsonl`` and ``graphs/`` (docs/datasets.md). Rows are appended one synced ``write`` per
+batch, cut back if the write fails; only ``kill -9`` can leave a last line without its newline,
+dropped when the directory is next opened. Any other incomplete line is damage, refused naming
+the file and line."""
 
 from __future__ import annotations
 

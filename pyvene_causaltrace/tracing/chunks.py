@@ -1,20 +1,17 @@
 """Which restore rows share a forward: the engine's chunk plan.
 
-A row is one (seed, cell) of a trace. Positions before its position ``t`` and layers below its
-first layer ``c`` equal the corrupted run, so they come from the corrupted run's cache and
-stored outputs. A chunk is computed from its smallest position (the *prefix*) and smallest
-first layer; a row above either recomputes corrupted states (exact, but costs time), so the
-plan trades that waste against the fixed cost of each extra forward and layer (Python, hooks,
-kernel launches), which on a small model or a GPU outweighs the arithmetic.
+A row (one seed, one cell) equals the corrupted run before its position and below its first
+layer, so a chunk runs from its smallest position (the *prefix*) and first layer; rows above
+either recompute corrupted states (exact, but wasted). The plan trades that waste against the
+fixed cost of each forward and layer (Python, hooks, kernel launches), which on a small model or
+a GPU outweighs the arithmetic.
 
     plan = plan_chunks(positions, first_layers, n_layers=30, seq_len=9, max_rows=lambda p: 512,
                        cost=ChunkCost(layer=4.0, forward=40.0))
     for chunk in plan: ...   # chunk.prefix, chunk.first_layer, chunk.rows
 
-The plan is a pure function of its inputs (the same grouping, hence rounding, every run).
-:func:`plan_chunks` runs the first-layer programme in numpy and only the position programme's
-few candidates in Python; it returns the same chunks as the plain nested-loop planner in
-``tests/_support/chunks_reference.py`` (``tests/test_chunks.py``; timings in
+The plan is a pure function of its inputs (the same grouping, hence rounding, every run), the
+same chunks as the nested-loop planner in ``tests/_support/chunks_reference.py`` (timings:
 benchmarks/RESULTS.md, "Chunk planner")."""
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Per-head restores: attention heads' clean outputs put back into the corrupted run.
 
-Head ``h`` of layer ``l`` writes the ``h``-th ``head_dim`` slice of the input of the attention
-output projection (one per query head under grouped-query attention), the slices
-:func:`~pyvene_causaltrace.attribution.heads.head_loadings` splits edges by. A row is one seed's
-corrupted run with the chosen heads' slices of one layer overwritten by the clean run's at one
-position; restoring every head of a layer equals the ``attn`` trace with a one-layer window
-(tested). The overwrite is ``clean_restore`` with per-row masks over (position, head) units on
-the projection's input, so a forward carries a different head, layer and seed in every row.
-Rows run over the whole prompt in forwards sized to the engine's memory budget (a head trace
-has few rows: prefix reuse and layer replay are not worth their machinery here).
+Head ``h`` of layer ``l`` writes the ``h``-th ``head_dim`` slice of the attention output
+projection's input (the slices :func:`~pyvene_causaltrace.attribution.heads.head_loadings`
+splits edges by). A row restores chosen heads of one layer at one position in one seed's
+corrupted run, by ``clean_restore`` with per-row masks over (position, head) units, so a forward
+carries a different head, layer and seed in every row; all heads of a layer equal the ``attn``
+trace with a one-layer window (tested). Head traces are small, so no prefix reuse or replay.
 
     restorer = HeadRestorer(tracer.engine, layers=[2, 5])   # one reference forward
     probs = restorer.run([(2, (0,)), (5, (1, 3))], position=-1)   # [seeds, cells] float64"""

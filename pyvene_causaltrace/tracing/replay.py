@@ -1,23 +1,18 @@
 """Run a model with its lowest blocks *replayed*: they return stored outputs instead of computing.
 
-A restore row equals the corrupted run below its first restored layer, so blocks
-``0..first-1`` are swapped for a stand-in returning the corrupted run's output of block
-``first - 1``; the model's own ``forward`` still runs around them (embeddings, rotary tables,
-masks, final norm, soft-capping), so nothing architecture-specific is rewritten. On a replayed
-block only the run's own edits (``keep``, the ``"run"`` group: :func:`~..applier.only`) see its
-output: the package's other edits already shaped the stored output and must not apply twice,
-so they are :func:`~..hooking.silenced`. Hooks that are not the package's cannot be silenced,
-so :func:`replayable` says whether the blocks carry any (transformers' inert output capturing
-aside) and the engine then computes every layer. Both act only on the installing thread's
-forwards (:mod:`..hooking`'s gate).
+Below its first restored layer a row equals the corrupted run, so blocks ``0..first-1`` are
+swapped for a stand-in returning the corrupted output of block ``first - 1``, while the model's
+own ``forward`` runs around them (nothing architecture-specific is rewritten). On a replayed
+block only the run's own edits run (:func:`~..applier.only`); the package's others already
+shaped the stored output and are :func:`~..hooking.silenced`. Hooks that are not ours cannot
+be silenced: :func:`replayable` says whether a block carries any, and the engine then computes
+every layer. Both act only on the installing thread's forwards.
 
     replay = LayerReplay(blocks, returns_tuple=False, keep=engine_hook_ids)
     with replay.below(first=5, output=corrupted_block_4_rows):
         logits = model(input_ids=ids, ...).logits
 
-:class:`RaggedLayers` goes further: rows of different first layers share a forward, each
-block computing only the rows that have started (the engine's default when no other hook sits
-on a block's output)."""
+:class:`RaggedLayers` goes further: rows of different first layers share a forward."""
 
 from __future__ import annotations
 

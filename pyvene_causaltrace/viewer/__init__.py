@@ -3,14 +3,11 @@ graph file.
 
     pyvene-causaltrace serve out/            # every graph.json under out/, in the browser
 
-One self-contained page (``index.html`` and ``annotate.js``: plain JavaScript and SVG, works
-offline) draws any graph JSON in circuit-tracer's / Neuronpedia's format (:mod:`.listing`
-decides which files are served) and saves pins, supernodes and labels into it
-(:mod:`.annotations`). The server answers only a loopback ``Host`` (else an empty 403: no DNS
-rebinding), takes saves only from its own page (JSON content type, loopback ``Origin``,
-same-origin fetch), refuses a save onto a file changed since the page loaded it (``ETag`` /
-``If-Match``, 412), and answers every other request with a status and a one-line JSON body.
-The routes and every refusal: docs/attribution.md, "The viewer"."""
+One self-contained page (``index.html``, ``annotate.js``: works offline) draws the graphs
+:mod:`.listing` serves and saves annotations (:mod:`.annotations`). Only a loopback ``Host``
+is answered (else an empty 403: no DNS rebinding); saves must come from the page itself and
+onto the version it loaded (412 otherwise); every other answer is a status with one line of
+JSON. Routes and refusals: docs/attribution.md, "The viewer"."""
 
 from __future__ import annotations
 

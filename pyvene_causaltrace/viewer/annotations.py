@@ -1,18 +1,14 @@
 """Annotations made in the viewer — pinned nodes, supernodes, edited labels — saved into the
-graph file, in the fields circuit-tracer's and Neuronpedia's viewers read, so an annotated graph
-opens the same there.
+graph file in the fields circuit-tracer's and Neuronpedia's viewers read (docs/attribution.md,
+"The viewer", has the fields and why labels go into each node's ``clerp``).
 
     summary = save(index, "eiffel/graph.json", body)   # body: the page's POST, as bytes
 
-The body is ``{"qParams": {...}, "clerps": [[node_id, text], ...]}``: :data:`FIELDS` go into
-``qParams`` (``pinnedIds`` a list of ids, ``supernodes`` ``[name, id, ...]`` lists of pinned
-nodes, each in one at most), edited labels into the node's own ``clerp`` — not
-``qParams.clerps``, which the two viewers encode incompatibly. Only :data:`EDITABLE` labels
-change; an id naming two nodes (circuit-tracer's error ``0_{layer}_{pos}`` equals a layer-0
-feature's) cannot be annotated. A save is checked in time linear in the request, then the file
-is read, checked against its version and replaced whole under a ``flock`` on ``.NAME.lock``
-beside it, so of two saves from one version one is written and the other refused (412).
-Field shapes and sources: docs/attribution.md, "The viewer"."""
+Only :data:`FIELDS` and :data:`EDITABLE` labels change; an id naming two nodes
+(circuit-tracer's error ``0_{layer}_{pos}``) cannot be annotated. A save is checked in time
+linear in the request, then the file is read, checked against its version and replaced whole
+under a ``flock`` on ``.NAME.lock`` beside it: of two saves from one version one is written and
+the other refused (412)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Which files under a directory the viewer lists and serves: attribution-graph JSON, whoever
-wrote it.
+wrote it (the rules: docs/attribution.md, "The viewer").
 
-Listed: a regular ``*.json`` file (or a link within the directory to one), not hidden nor in a
-hidden folder, at most :data:`MAX_BYTES` long and :data:`MAX_DEPTH` deep, that validates against
-Neuronpedia's graph schema (:mod:`..graph_schema`) or carries ``attribute``'s :data:`GENERATOR`
-marker; each keeps the generator it names, so the page can say which are ours. Everything else
-is skipped and logged once with its reason (:meth:`GraphIndex.skipped` lists the near-misses).
-JSON is read strictly (:mod:`..strict_json`: ``NaN``, ``Infinity``, ``1e400`` are refused, as a
-browser cannot read them back). Files are opened non-blocking and read only up to their size (a
-FIFO or ``/dev/zero`` cannot hang or fill memory), checked keeping one verdict per node and
-link, and cached by path and (device, inode, size, mtime)."""
+Listed: a regular ``*.json`` file, not hidden, within :data:`MAX_BYTES` and :data:`MAX_DEPTH`,
+that Neuronpedia's graph schema validates or that carries :data:`GENERATOR`. Everything else
+is skipped and logged once with its reason. JSON is read strictly (:mod:`..strict_json`), files
+non-blocking and only up to their size, checked keeping one verdict per node and link, and
+cached by path and (device, inode, size, mtime)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,11 @@
 """ByteDance's cross-layer TopK CLT (``ByteDance-Seed/Cross-Layer-TopK-CLT``, Qwen3-8B-Base: 36
-layers x 32,768 features, fp32), as its model card describes it::
-
-    config.json                 d_feature, k (per layer on average), the base model, dimensions
-    W_enc_{l}.safetensors       W_enc_{l} [F, D]                    (no encoder bias)
-    W_dec_{l}.safetensors       W_dec_{l} [F, L - l, D], W_dec_norm_{l} [F]   (no decoder bias)
-    W_dec_norm.safetensors      W_dec_norm [L, F]: the decoder norms that rank features
-    factors.safetensors         resid_mid_l2, mlp_out_l2 [L]: already folded in (not read)
-
-``a_l = relu(W_enc_l x_l)``; the ``L * k`` features of best ``a_l[i] * W_dec_norm[l, i]`` over
-all layers jointly are kept at each position (``joint_topk``); ``mlp_out[m] = sum_{l <= m} a_l
-@ W_dec_l[:, m - l]``. It reads ``hook_resid_mid`` and writes ``mlp.hook_out``. The card's rule
-dropping tokens of outsized norm is applied to position 0 only, zeroed as for every transcoder."""
+layers x 32,768 features, fp32), as its model card describes it (files and tensors:
+docs/transcoders.md). ``a_l = relu(W_enc_l x_l)``; the ``L * k`` features of best ``a_l[i] *
+W_dec_norm[l, i]`` over all layers are kept jointly at each position (``joint_topk``);
+``mlp_out[m] = sum_{l <= m} a_l @ W_dec_l[:, m - l]``, read from ``hook_resid_mid`` into
+``mlp.hook_out``. ``factors.safetensors`` is already folded in (not read). The card's rule
+dropping tokens of outsized norm (20x a layer's mean) is applied to position 0 only, zeroed as
+for every transcoder."""
 
 from __future__ import annotations
 

@@ -1,25 +1,19 @@
 """circuit-tracer's transcoder configs: a ``config.yaml`` naming a per-layer set or a CLT.
 
-    model_kind: transcoder_set            # or cross_layer_transcoder: mntss files beside it,
-                                          #   or a GemmaScope-2 CLT's params_layer_{l} files
-                                          #   listed under transcoders
-    model_name: google/gemma-2-2b
+    model_kind: transcoder_set            # or cross_layer_transcoder (mntss files beside it,
+    model_name: google/gemma-2-2b         #   or GemmaScope-2 params_layer_{l} files listed)
     feature_input_hook: ln2.hook_normalized
     feature_output_hook: hook_mlp_out
-    activation: topk                      # optional: relu | topk | jumprelu (default: jumprelu
-    k: 64                                 #   when the files hold thresholds, else relu)
-    scan: gemmascope-transcoders          # optional; default: the hub reference it came from
-    transcoders:                          # one per layer, in layer order; optional: default
-      - hf://org/repo/layer_0.safetensors?revision=main   #   layer_{l}.safetensors beside it
+    activation: topk                      # optional (default: jumprelu with thresholds, else
+    k: 64                                 #   relu); scan: optional, default the hub reference
+    transcoders:                          # optional, in layer order (default: layer_{l}.
+      - hf://org/repo/layer_0.safetensors?revision=main   #   safetensors beside the config)
       - local/path/layer_1.safetensors                     # relative to the config
-      - hf://google/gemma-scope-2b-pt-transcoders/layer_2/width_16k/average_l0_41/params.npz
 
-A per-layer file holds ``W_enc [F, D]``, ``W_dec [F, D]`` (older files ``[D, F]``, told apart by
-the biases' lengths), ``b_enc [F]``, ``b_dec [D]``, optionally
-``activation_function.threshold [F]``, ``W_skip [D, D]`` and ``k``. Lowercase ``w_enc``/``w_dec``
-marks a GemmaScope-2 file (:mod:`.gemmascope2`), ``.npz`` a GemmaScope one (:mod:`.gemmascope`);
-the old list-of-dicts form (``{id, layer, filepath}``) is read too. ``shard=(rank, world)``
-keeps that rank's features, read in slices where the files allow (docs/transcoders.md)."""
+Per-layer files are circuit-tracer's (``W_dec`` ``[F, D]``, or ``[D, F]`` in older files, told
+apart by the biases), GemmaScope-2's (lowercase ``w_enc``: :mod:`.gemmascope2`) or GemmaScope's
+``.npz`` (:mod:`.gemmascope`); the old list-of-dicts form (``{id, layer, filepath}``) is read
+too. Tensors per layout: docs/transcoders.md."""
 
 from __future__ import annotations
 

@@ -1,28 +1,14 @@
-"""GemmaScope-2 transcoders (``google/gemma-scope-2-{270m,1b,4b,12b,27b}-{pt,it}``, Gemma 3).
-
-Per-layer sets (``transcoder_all/``: every layer; ``transcoder/``: a sweep on a few layers), one
-folder per layer and variant::
-
-    transcoder_all/layer_{l}_width_{16k|262k}_l0_{small|medium|big}[_affine]/
-        config.json         type "transcoder", architecture "jump_relu", model_name,
-                            hf_hook_point_in  "model.layers.{l}.pre_feedforward_layernorm.output",
-                            hf_hook_point_out "model.layers.{l}.post_feedforward_layernorm.output",
-                            width, l0, affine_connection
-        params.safetensors  w_enc [D, F], b_enc [F], threshold [F], w_dec [F, D], b_dec [D],
-                            affine_skip_connection [D, D] (the ``_affine`` variants)
-
-The cross-layer transcoder (270m and 1b), one file per source layer::
-
-    clt/width_262k_l0_medium_affine/params_layer_{l}.safetensors
-        w_enc [D, F], b_enc [F], threshold [F], b_dec [D], affine_skip_connection [D, D],
-        w_dec [F, L, D] (target t at index t; entries t < l unread) or [F, L - l, D]
-    (a config.json beside them is read when present: type "clt")
+"""GemmaScope-2 transcoders (``google/gemma-scope-2-{270m,1b,4b,12b,27b}-{pt,it}``, Gemma 3):
+per-layer sets (``transcoder_all/layer_{l}_width_{16k|262k}_l0_{small|medium|big}[_affine]/``,
+each a ``config.json`` and ``params.safetensors``) and the CLT (270m, 1b:
+``clt/width_262k_l0_medium_affine/params_layer_{l}.safetensors``, ``w_dec`` ``[F, L, D]``
+with target ``t`` at index ``t``, or ``[F, L - l, D]``). Files, tensors and hooks:
+docs/transcoders.md.
 
 The model card's ``relu(z) * 1[z > threshold]`` is our ``z * 1[z > threshold]`` once negative
-thresholds are raised to 0 (exact, done here); ``W_skip = affine_skip_connection.T`` (no bias of
-its own: ``b_dec`` is the affine part). The pre-feedforward norm's output maps to
-``mlp.hook_in``, the post-feedforward norm's to ``hook_mlp_out`` — assumed without a
-config.json (the CLT), as sae-lens does for ``clt`` folders."""
+thresholds are raised to 0 (exact, done here); ``W_skip = affine_skip_connection.T`` (``b_dec``
+is the affine part). Without a config.json (the CLT) the hooks are ``mlp.hook_in`` ->
+``hook_mlp_out``, as sae-lens assumes for ``clt`` folders."""
 
 from __future__ import annotations
 

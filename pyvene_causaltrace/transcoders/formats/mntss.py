@@ -1,13 +1,9 @@
-"""The mntss cross-layer transcoder layout, read and written exactly.
-
-    path/config.yaml               model_name, model_kind, feature_input_hook, feature_output_hook
-    path/W_enc_{l}.safetensors     W_enc_{l} [F, D], b_enc_{l} [F], b_dec_{l} [D], threshold_{l} [F]
-                                   (no thresholds anywhere: a ReLU CLT)
-    path/W_dec_{l}.safetensors     W_dec_{l} [F, L - l, D]
-
-A missing file, a header that is not safetensors, a shape that disagrees with the other layers
-or a non-floating dtype raises :class:`~.common.TranscoderFormatError` naming the file, before
-anything is returned. ``shard=(rank, world)`` reads only that rank's rows (``get_slice``)."""
+"""The mntss cross-layer transcoder layout, read and written exactly: ``config.yaml``,
+``W_enc_{l}.safetensors`` (``W_enc_{l}`` ``[F, D]``, ``b_enc_{l}``, ``b_dec_{l}``,
+``threshold_{l}``; none anywhere: a ReLU CLT) and ``W_dec_{l}.safetensors`` (``[F, L - l,
+D]``). Anything missing, not safetensors, inconsistent across layers or not floating point
+raises :class:`~.common.TranscoderFormatError` naming the file, before anything is returned;
+``shard=(rank, world)`` reads only that rank's rows (``get_slice``)."""
 
 from __future__ import annotations
 

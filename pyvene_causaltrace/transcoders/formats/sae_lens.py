@@ -1,18 +1,14 @@
 """sae-lens transcoders in, and sae-lens views of our transcoders out (the only module that imports
 sae_lens, and only when called).
 
-**In** (:func:`load`, :func:`load_release`): one sae-lens ``Transcoder``, ``SkipTranscoder``,
-``JumpReLUTranscoder`` or ``JumpReLUSkipTranscoder`` per layer, loaded by sae-lens itself,
-assembled into a per-layer set (sae-lens's ``W_enc [d_in, d_sae]``, ``W_dec [d_sae, d_out]``,
-``W_skip [d_out, d_in]``; its JumpReLU is ours with negative thresholds raised to 0, exactly).
-Hooks and layers come from each config's metadata; the release name and id are the scan.
+**In** (:func:`load`, :func:`load_release`): one sae-lens transcoder per layer, loaded by
+sae-lens itself, assembled into a per-layer set (its JumpReLU is ours with negative thresholds
+raised to 0, exactly); hooks and layers come from each config, the release is the scan.
 
-**Out** (:func:`to_sae_lens`): a CLT is not one sae-lens object, so layer ``l``'s view has the
-exact encoder and one slice of the cross-layer decoder, ``W_dec[l][:, target - l]`` plus
-``b_dec[target]`` (``target = l`` by default); summing the views over ``l <= t`` (``b_dec[t]``
-once) is the CLT's reconstruction of layer ``t``, one view alone is not. Unlike sae-lens's
-mntss loader nothing is summed over targets and thresholds are kept. sae-lens's own entry points
-read our CLT directories through the converters:
+**Out** (:func:`to_sae_lens`): layer ``l``'s view of a CLT has the exact encoder and one slice
+of the decoder, ``W_dec[l][:, target - l]`` plus ``b_dec[target]``; the views over ``l <= t``
+summed (``b_dec[t]`` once) are the CLT's reconstruction of layer ``t``. Unlike sae-lens's mntss
+loader nothing is summed over targets and thresholds are kept. Through the converters:
 
     JumpReLUTranscoder.load_from_disk(clt_dir, converter=disk_converter(layer=3))
     JumpReLUTranscoder.from_pretrained("org/clt-repo", "layer_3", converter=hub_converter)"""
