@@ -43,10 +43,14 @@ def _is_config(node: ast.AST, aliases: set[str]) -> bool:
         isinstance(node, ast.Name) and node.id in aliases)
 
 
+#: Keys of a pyvene ``IntervenableConfig`` (``made.config``), which is no model's config.
+PYVENE_CONFIG_KEYS = {"representations"}
+
+
 def _private(key: str) -> bool:
     """transformers' own machinery (``_attn_implementation``, ``_name_or_path``): the same on
-    every architecture, not a fact of one."""
-    return key.startswith("_")
+    every architecture, not a fact of one; or a key of pyvene's config."""
+    return key.startswith("_") or key in PYVENE_CONFIG_KEYS
 
 
 def offences(source: str) -> list[tuple[int, str]]:
