@@ -1,4 +1,7 @@
-"""Our registered types next to pyvene's own, in one plain ``pv.IntervenableModel``.
+"""Our registered types next to pyvene's own, in one ``IntervenableModel``.
+
+It is ours (a ``pv.IntervenableModel`` subclass): ``noise_add`` and ``clean_restore`` with their
+own positions need it, and pyvene's own class refuses them.
 
 The Eiffel Tower prompt on SmolLM2 with its subject noised (one row per seed). At layer 23 of the
 last token we then either restore the clean state (``clean_restore``) or transplant the state of
@@ -12,12 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from pyvene_causaltrace import load_model
+from pyvene_causaltrace import IntervenableModel, load_model
 from pyvene_causaltrace.capture import capture
 from pyvene_causaltrace.interventions.noise import NoiseAdd
 from pyvene_causaltrace.interventions.restore import CleanRestore
 from pyvene_causaltrace.prompts import tokenize_prompt
-from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
 from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
 from pyvene_causaltrace.tracing.noise_scale import rome_sigma
 
@@ -41,18 +43,18 @@ def main() -> None:
     clean = capture(model, {"input_ids": prompt.input_ids}, [block])[block]
 
     def probs(pv_model, **kwargs):
-        with torch.no_grad(), preserve_hooks(pv_model):
+        with torch.no_grad():
             logits = pv_model(base=base, **kwargs)[1].logits[:, -1].softmax(-1)
         return logits[:, paris].mean().item(), logits[:, rome].mean().item()
 
     rows = {
-        "noise only": probs(pv.IntervenableModel([embed], model)),
-        f"noise + clean_restore L{LAYER}": probs(pv.IntervenableModel([embed, {
+        "noise only": probs(IntervenableModel([embed], model)),
+        f"noise + clean_restore L{LAYER}": probs(IntervenableModel([embed, {
             "component": block,
             "intervention": CleanRestore(positions=[last], states=clean)}], model)),
         f"noise + Colosseum state L{LAYER} (pyvene Vanilla)": probs(
-            pv.IntervenableModel([embed, {"layer": LAYER, "component": "block_output",
-                                          "intervention_type": pv.VanillaIntervention}], model),
+            IntervenableModel([embed, {"layer": LAYER, "component": "block_output",
+                                       "intervention_type": pv.VanillaIntervention}], model),
             sources=[None, {"input_ids": source.repeat(len(SEEDS), 1)}],
             unit_locations={"sources->base": ([None, [[last]] * len(SEEDS)],
                                               [None, [[last]] * len(SEEDS)])}),
