@@ -349,7 +349,7 @@ def clean_selection(model, transcoder, input_ids: torch.Tensor) -> torch.Tensor:
     splice that holds them fixed (a shard's ``[L, P, n_local]``: a collective over the ranks)."""
     with torch.no_grad():
         inputs = transcoder_states(model, transcoder, input_ids[:1])["input"]
-        return transcoder.jointjoint_selection(inputs.to(transcoder.dtype))
+        return transcoder.joint_selection(inputs.to(transcoder.dtype))
 
 
 def clt_splice_representations(
