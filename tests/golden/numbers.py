@@ -70,7 +70,9 @@ def spec_numbers(path: Path, model, tokenizer, clt: Path) -> dict:
 
 
 def readme_pyvene_example(model, tokenizer) -> list[float]:
-    """The README's NoiseAdd + VanillaIntervention example, P(' Paris') per row."""
+    """The README's NoiseAdd + VanillaIntervention example, P(' Paris') per row, in our
+    ``IntervenableModel`` (pyvene's own refuses a ``NoiseAdd`` with its own positions)."""
+    from pyvene_causaltrace import IntervenableModel
     from pyvene_causaltrace.interventions.noise import NoiseAdd
     from pyvene_causaltrace.pyvene_boundary.intervenable import preserve_hooks
     from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
@@ -79,7 +81,7 @@ def readme_pyvene_example(model, tokenizer) -> list[float]:
     inputs = tokenizer(["The Eiffel Tower is in the city of"] * 3, return_tensors="pt")
     source = tokenizer(["The Colosseum is in the city of"] * 3, return_tensors="pt")
     noise = NoiseAdd(seeds=[0, 1, 2], positions=[0, 1, 2, 3], scale=3.0, sigma=0.122)
-    pv_model = pv.IntervenableModel([
+    pv_model = IntervenableModel([
         {"component": "model.embed_tokens.output", "intervention": noise},
         {"layer": 20, "component": "block_output", "intervention_type": pv.VanillaIntervention},
     ], model)
