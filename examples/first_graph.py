@@ -1,9 +1,9 @@
 """A first attribution graph on this machine (``make attribute``): fit the first transcoder for
-SmolLM2 unless the same one is saved (``pyvene-causaltrace fit``: a per-layer set with skip, 128
-features, on text the model writes itself; saved as
-``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128``, where the README's blocks
-load it), then build the graph of " Paris" after "The Eiffel Tower is in the city of", write it
-out and say how to view it.
+SmolLM2 unless the same one is saved (``pyvene-causaltrace fit``: a per-layer set with skip, 256
+TopK features, on text the model writes itself; saved as
+``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16``, where the README's
+blocks load it), then build the graph of " Paris" after "The Eiffel Tower is in the city of",
+write it out and say how to view it.
 
     make attribute                          # = python examples/first_graph.py --out out/graph
     python examples/first_graph.py --features 256 --steps 600       # another (named) transcoder

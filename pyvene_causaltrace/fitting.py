@@ -1,7 +1,7 @@
 """The first transcoder for a model: gather text, collect its MLPs' inputs and outputs, fit,
 check on held-out text, save under a name that says what it is.
 
-    report = fit_transcoder()  # ~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128
+    report = fit_transcoder()  # saved at transcoder_dir(): .../smollm2-135m-skip-plt-256-top16
     clt = load_transcoder(report.path)
 
 The default is the fit that reached the best held-out pairing FVU per CPU minute on SmolLM2-135M

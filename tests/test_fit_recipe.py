@@ -60,25 +60,29 @@ def test_topk_beats_relu_at_the_same_l0_and_round_trips(tmp_path):
     assert torch.equal(*outs)
 
 
-@pytest.mark.parametrize("kind,skip,skip_init", [("per_layer", True, "lstsq"),
-                                                 ("per_layer", True, "zero"),
-                                                 ("cross_layer", False, "zero")])
-@pytest.mark.parametrize("activation,k", [("relu", None), ("relu_topk", 4), ("jumprelu", None)])
+@pytest.mark.parametrize("kind,skip,skip_init,activation,k", [
+    ("cross_layer", False, "zero", "relu", None),
+    ("per_layer", True, "lstsq", "relu_topk", 4),
+    ("per_layer", True, "zero", "jumprelu", None),
+])
 def test_normalised_units_fold_back_into_the_weights(kind, skip, skip_init, activation, k):
     """With ``normalize`` the fit runs on centred, scaled pairs (a first position hundreds of
     times the rest, as SmolLM2's); the transcoder it returns, in the model's units, scores
     the FVU the fit reported, from 16-bit pairs and with bfloat16 products too."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1500, 3, 12, generator=g) * torch.tensor([1.0, 5.0, 30.0])[:, None] + 3
+    x = torch.randn(800, 3, 12, generator=g) * torch.tensor([1.0, 5.0, 30.0])[:, None] + 3
     x[::50] *= 40
     y = torch.relu(torch.einsum("nld,lod->nlo", x, torch.randn(3, 12, 12, generator=g))) + 2
     for dtype in (torch.float32, torch.bfloat16):
         xs, ys = x.to(dtype), y.to(dtype)
-        tc, stats = fit_pairs(xs.clone(), ys.clone(), "m", d_transcoder=16, steps=60, kind=kind,
+        tc, stats = fit_pairs(xs.clone(), ys.clone(), "m", d_transcoder=16, steps=30, kind=kind,
                               skip=skip, skip_init=skip_init, activation=activation, k=k,
                               normalize=True, consume=True, bf16=dtype == torch.bfloat16)
         fvu, _ = _fvu_l0(tc, xs.float(), ys.float())
-        assert fvu == pytest.approx(stats.train_fvu, rel=1e-3, abs=1e-5)
+        # 16-bit pairs are put in the fit's units in place, so its score rounds them again
+        # (2**-9 relative): a wrong fold would be off by far more
+        rel = 1e-3 if dtype == torch.float32 else 1e-2
+        assert fvu == pytest.approx(stats.train_fvu, rel=rel, abs=1e-5)
 
 
 def test_the_chunked_skip_equals_a_direct_solve():
