@@ -88,7 +88,7 @@ RECIPE = {"batch_size": 256, "warmup": 20, "normalize": True}
 READABLE_FVU = 0.3
 #: ``make attribute QUALITY=...`` (``examples/first_graph.py --quality``, ``fit --quality``):
 #: changes to :class:`FitSettings`' defaults.
-QUALITIES = {"quick": {}, "long": {"texts": 2048, "features": 1024, "k": 32, "steps": 3000}}
+QUALITIES = {"quick": {}, "long": {"texts": 2048, "features": 1024, "k": 32, "steps": 2000}}
 #: The largest value each size setting takes: far past any fit a machine here could hold (the
 #: memory check refuses what does not fit), so a typo's extra zeros are refused at once.
 LIMITS = {"features": 2**20, "k": 2**20, "steps": 10**7, "texts": 10**7, "new_tokens": 8192}
