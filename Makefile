@@ -47,8 +47,15 @@ $(VENV)/.installed: pyproject.toml
 trace: setup
 	$(VENV)/bin/pyvene-causaltrace trace $(ARGS)
 
+# QUALITY=long fits the first transcoder longer and wider on more text (its time and figures:
+# docs/transcoders.md); quick, the default, fits in about 4 minutes on 2 CPU cores.
+# OMP_WAIT_POLICY=passive: OpenMP threads that spin at each small product's barrier while
+# another process holds the other core made generating text 15-20x slower on a shared 2-core
+# machine (16 texts of 12 tokens: 28-38 s against 1.7 s passive); passive threads sleep.
+QUALITY ?= quick
+OMP_WAIT_POLICY ?= passive
 attribute: setup
-	$(PY) examples/first_graph.py $(ARGS)
+	OMP_WAIT_POLICY=$(OMP_WAIT_POLICY) $(PY) examples/first_graph.py --quality $(QUALITY) $(ARGS)
 
 # the default tier, on every core (the 15 slowest tests at the end)
 test: setup

@@ -38,7 +38,7 @@ PROMPTS = {
             "millions every year, is in the city of",
 }
 FITTED = Path(os.path.expanduser(
-    "~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"))
+    "~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16"))
 
 
 def prompt_text(tokenizer, name: str) -> str:

@@ -28,7 +28,7 @@ from pyvene_causaltrace.transcoders import load_transcoder
 
 ROOT = Path(__file__).resolve().parents[1]
 KNOWN = ROOT.parent / "shared" / "data" / "known_1000.json"
-CLT = Path("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128").expanduser()
+CLT = Path("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16").expanduser()
 
 
 def parse(argv=None):

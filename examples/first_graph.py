@@ -1,9 +1,9 @@
 """A first attribution graph on this machine (``make attribute``): fit the first transcoder for
-SmolLM2 unless the same one is saved (``pyvene-causaltrace fit``: a per-layer set with skip, 128
-features, on text the model writes itself; saved as
-``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128``, where the README's blocks
-load it), then build the graph of " Paris" after "The Eiffel Tower is in the city of", write it
-out and say how to view it.
+SmolLM2 unless the same one is saved (``pyvene-causaltrace fit``: a per-layer set with skip, 256
+TopK features, on text the model writes itself; saved as
+``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16``, where the README's
+blocks load it), then build the graph of " Paris" after "The Eiffel Tower is in the city of",
+write it out and say how to view it.
 
     make attribute                          # = python examples/first_graph.py --out out/graph
     python examples/first_graph.py --features 256 --steps 600       # another (named) transcoder
@@ -26,18 +26,22 @@ import pandas as pd
 from pyvene_causaltrace import load_model
 from pyvene_causaltrace.atomic import write_text
 from pyvene_causaltrace.cli import main as cli
-from pyvene_causaltrace.fitting import FitSettings, fit_transcoder
+from pyvene_causaltrace.fitting import QUALITIES, FitSettings, fit_transcoder
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out/graph"))
-    defaults = FitSettings()
-    parser.add_argument("--kind", default=defaults.kind, choices=("skip_plt", "plt", "clt"))
-    parser.add_argument("--features", type=int, default=defaults.features)
-    parser.add_argument("--steps", type=int, default=defaults.steps)
-    parser.add_argument("--texts", type=int, default=defaults.texts)
-    parser.add_argument("--data", default=defaults.data)
+    parser.add_argument("--quality", default="quick", choices=tuple(QUALITIES),
+                        help="quick: the default settings (about 4 minutes on 2 CPU cores); "
+                             "long: more text, features and steps (make attribute QUALITY=long)")
+    parser.add_argument("--kind", choices=("skip_plt", "plt", "clt"))
+    parser.add_argument("--features", type=int)
+    parser.add_argument("--activation", choices=("relu_topk", "relu", "jumprelu"))
+    parser.add_argument("--k", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--texts", type=int)
+    parser.add_argument("--data")
     parser.add_argument("--refit", action="store_true",
                         help="replace a saved transcoder of the same name and other settings")
     parser.add_argument("--no-progress", action="store_true")
@@ -49,8 +53,10 @@ def main() -> None:
     progress = not args.no_progress
     model, tokenizer = load_model("smollm2-135m")
     loaded = time.perf_counter() - start
-    settings = FitSettings(kind=args.kind, features=args.features, steps=args.steps,
-                           texts=args.texts, data=args.data)
+    given = {name: getattr(args, name) for name in ("kind", "features", "activation", "k",
+                                                    "steps", "texts", "data")
+             if getattr(args, name) is not None}
+    settings = FitSettings(**{**QUALITIES[args.quality], **given})
     try:
         report = fit_transcoder(settings, refit=args.refit, progress=progress, model=model,
                                 tokenizer=tokenizer)
@@ -83,7 +89,8 @@ def record_run(args, report, seconds: dict) -> None:
     error_influence = float(inputs.loc[inputs["kind"] == "error", "influence"].sum()
                             / inputs["influence"].sum())
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    record = {"command": "make attribute  (= python examples/first_graph.py --out out/graph)",
+    record = {"command": f"make attribute QUALITY={args.quality}  (= python "
+                         f"examples/first_graph.py --quality {args.quality} --out out/graph)",
               "machine": f"{os.cpu_count()} CPU cores, shared; uptime after the run: {load}",
               "transcoder": str(report.path), "reused": report.reused, "fit": report.record,
               "seconds": seconds,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -26,9 +25,10 @@ from smollm2_traces import FACTS
 from pyvene_causaltrace import load_model
 from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.attribution.validate import ablation_test
+from pyvene_causaltrace.fitting import transcoder_dir
 from pyvene_causaltrace.transcoders import load_from_disk
 
-CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"))
+CLT = transcoder_dir()  # the first transcoder: make attribute (or pyvene-causaltrace fit)
 OUT = Path(__file__).parent / "results" / "attribution"
 GRAPHS = CLT.parent.parent / "graphs"
 SIZES, DRAWS = (5, 10, 20), 10

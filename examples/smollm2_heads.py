@@ -1,7 +1,7 @@
 """Attention inside the SmolLM2-135M graphs: which heads move the subject to the last position,
 what their scores are made of, checked exact on the real model.
 
-    python examples/first_graph.py          # once: fits smollm2-135m-skip-plt-128
+    python examples/first_graph.py          # once: fits smollm2-135m-skip-plt-256-top16
     python examples/smollm2_heads.py        # ~2 min per fact on 2 cores
 
 For each fact: the graph of the answer (demeaned logit), then
@@ -49,7 +49,7 @@ from pyvene_causaltrace.prompts import tokenize_prompt
 from pyvene_causaltrace.transcoders import load_transcoder
 
 OUT = Path(__file__).parent / "results" / "heads"
-TRANSCODER = "smollm2-135m-skip-plt-128"
+TRANSCODER = "smollm2-135m-skip-plt-256-top16"
 
 
 def cut_row(model, transcoder, graph, layer, heads, n_heads):

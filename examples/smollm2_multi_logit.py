@@ -13,7 +13,6 @@ serve examples/results/multi_logit`` and on Neuronpedia), ``summary.json`` and `
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -23,9 +22,10 @@ from smollm2_traces import FACTS
 from pyvene_causaltrace import load_model
 from pyvene_causaltrace.atomic import write_text
 from pyvene_causaltrace.attribution import attribute
+from pyvene_causaltrace.fitting import transcoder_dir
 from pyvene_causaltrace.transcoders import load_from_disk
 
-CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"))
+CLT = transcoder_dir()  # the first transcoder: make attribute (or pyvene-causaltrace fit)
 OUT = Path(__file__).parent / "results" / "multi_logit"
 
 

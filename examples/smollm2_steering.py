@@ -24,14 +24,14 @@ reproduce) and ``README.md`` (the numbers).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from pyvene_causaltrace import attribute, intervene_features, load_model, load_transcoder
+from pyvene_causaltrace.fitting import transcoder_dir
 from pyvene_causaltrace.transcoders.hooks import transcoder_states
 
-CLT = Path(os.path.expanduser("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"))
+CLT = transcoder_dir()  # the first transcoder: make attribute (or pyvene-causaltrace fit)
 OUT = Path(__file__).parent / "results" / "steering"
 PROMPT, ANSWER = "The Eiffel Tower is in the city of", " Paris"
 OTHER = "The Colosseum is in the city of"

@@ -1,7 +1,7 @@
 """The first transcoder for a model: gather text, collect its MLPs' inputs and outputs, fit,
 check on held-out text, save under a name that says what it is.
 
-    report = fit_transcoder()  # ~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128
+    report = fit_transcoder()  # saved at transcoder_dir(): .../smollm2-135m-skip-plt-256-top16
     clt = load_transcoder(report.path)
 
 The default is the fit that reached the best held-out pairing FVU per CPU minute on SmolLM2-135M
@@ -22,6 +22,7 @@ anything large is allocated; the model runs in eval mode, its mode restored afte
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import sys
@@ -36,21 +37,26 @@ from tqdm import tqdm
 
 from .arguments import checked
 from .bound import BoundModel, bind
+from .defaults import BOS
 from .errors import InputError, NonFiniteError
 from .fingerprint import model_fingerprint
 from .fit_output import RECORD, fit_output
 from .model_guard import measuring
 from .models import OFFLINE_DEFAULT, cache_dir, load_model
-from .transcoders.checks import check_pairing
+from .prompts import first_position
+from .transcoders.checks import POOR_FIT_FVU, check_pairing
 from .transcoders.fit import (
+    FIT_ACTIVATIONS,
     check_fit_fits,
     check_settings,
     collect_pairs,
     device_bytes,
+    fast_bf16,
     fit_bytes,
     fit_pairs,
 )
 from .transcoders.formats import load_transcoder, save_transcoder
+from .transcoders.hooks import keeping_states
 
 #: kind -> (fit_pairs settings, the name's tag)
 KINDS = {
@@ -68,9 +74,24 @@ STARTS = (
     "The lake", "The castle",
 )
 FIT_RECORD = RECORD
+#: Texts generated together (one batch of the model's forwards per new token).
+GENERATION_BATCH = 64
+#: How the pairs read from generated text are held: half float32's memory, float32's range
+#: (SmolLM2's first position reaches ~2e4, a third of float16's largest), and an error (2**-9
+#: relative) far below any fit's.
+GENERATED_PAIRS = torch.bfloat16
+#: The fit's fixed parts (:func:`~.transcoders.fit.fit_pairs`); ``fit.json`` records them
+#: beside the settings, so a transcoder fitted another way is never reused.
+RECIPE = {"batch_size": 256, "warmup": 20, "normalize": True}
+#: The median layer FVU at or below which a first transcoder counts as worth reading; from
+#: :data:`~.transcoders.checks.POOR_FIT_FVU` on it is a poor fit, between the two a rough one.
+READABLE_FVU = 0.3
+#: ``make attribute QUALITY=...`` (``examples/first_graph.py --quality``, ``fit --quality``):
+#: changes to :class:`FitSettings`' defaults.
+QUALITIES = {"quick": {}, "long": {"texts": 2048, "features": 1024, "k": 32, "steps": 2000}}
 #: The largest value each size setting takes: far past any fit a machine here could hold (the
 #: memory check refuses what does not fit), so a typo's extra zeros are refused at once.
-LIMITS = {"features": 2**20, "steps": 10**7, "texts": 10**7, "new_tokens": 8192}
+LIMITS = {"features": 2**20, "k": 2**20, "steps": 10**7, "texts": 10**7, "new_tokens": 8192}
 SEED_RANGE = (0, 2**63 - 1)
 
 
@@ -80,11 +101,13 @@ class FitSettings:
 
     model: str = OFFLINE_DEFAULT
     kind: str = "skip_plt"
-    features: int = 128
-    steps: int = 300
+    features: int = 256
+    activation: str = "relu_topk"  # relu_topk (k a layer and token), relu (L1) or jumprelu
+    k: int = 16  # relu_topk's features kept per layer and token (at most features)
+    steps: int = 400
     lr: float = 5e-3
     data: str = "self"  # "self" (text the model generates), "known_1000", or a file
-    texts: int = 160  # training texts; a tenth as many more are held out for the pairing FVU
+    texts: int = 480  # training texts; a tenth as many more (4 to 32) are held out
     new_tokens: int = 48  # per generated text
     seed: int = 0
 
@@ -109,8 +132,22 @@ class FitSettings:
         if self.data not in ("self", "known_1000") and not Path(self.data).expanduser().is_file():
             raise InputError(f"data must be 'self', 'known_1000' or a text/JSON file; no file "
                              f"at {self.data}")
+        if self.activation not in FIT_ACTIVATIONS:
+            raise InputError(f"activation must be one of {', '.join(FIT_ACTIVATIONS)}, got "
+                             f"{self.activation!r}")
         options = KINDS[self.kind][0]
-        check_settings(kind=options["kind"], skip=options["skip"])
+        if options["kind"] == "cross_layer" and self.activation == "relu_topk":
+            raise InputError("a cross-layer transcoder is saved in the mntss layout, which holds "
+                             "JumpReLU or ReLU features only: fit it with --activation relu or "
+                             "jumprelu")
+        check_settings(self.activation, options["kind"], options["skip"], self.fit_k,
+                       self.features)
+
+    @property
+    def fit_k(self) -> int | None:
+        """``k`` as the fit takes it and ``fit.json`` records it: at most ``features``, None
+        unless the activation is ``relu_topk``."""
+        return min(self.k, self.features) if self.activation == "relu_topk" else None
 
 
 @dataclass(frozen=True)
@@ -123,17 +160,32 @@ class FitReport:
     record: dict = field(default_factory=dict)
 
     def summary(self) -> str:
-        pairing, seconds = self.record["pairing"], self.record["seconds"]
+        pairing, seconds, settings = (self.record[key] for key in ("pairing", "seconds",
+                                                                     "settings"))
         how = "reused" if self.reused else "fitted in " + ", ".join(
             f"{k} {v:.0f} s" for k, v in seconds.items())
-        per_layer = sorted(pairing["fvu_per_layer"])
-        median = per_layer[len(per_layer) // 2]
+        median = pairing["median_layer_fvu"]
+        top = f" (top {settings['k']} a token)" if settings.get("k") else ""
         # the pooled FVU weighs each layer by its output's variance (the last layers' and
         # position 0's outputs are large): the per-layer median says how a typical layer fits
-        return (f"{self.path}: {self.record['settings']['kind']}, "
-                f"{self.record['settings']['features']} features per layer, held-out pairing "
-                f"FVU {pairing['fvu']:.3f} pooled, {median:.2f} the median layer (mean L0 "
-                f"{pairing['mean_l0']:.1f}); {how}")
+        return (f"{self.path}: {settings['kind']}, {settings['features']} "
+                f"{settings.get('activation', 'relu')} features per layer{top}, held-out "
+                f"pairing FVU {pairing['fvu']:.3f} pooled, {median:.2f} the median layer (mean "
+                f"L0 {pairing['mean_l0']:.1f}): {fit_words(median)}; {how}")
+
+
+def fit_words(median: float) -> str:
+    """How a first transcoder whose median layer FVU is ``median`` fits, in words."""
+    share = f"a typical layer leaves {median:.0%} of its MLP output's variance to the error nodes"
+    if median <= READABLE_FVU:
+        return f"a fit worth reading ({share})"
+    return (f"{'a poor' if median >= POOR_FIT_FVU else 'a rough'} fit — {share}, where one "
+            f"worth reading leaves at most {READABLE_FVU:.0%}")
+
+
+def held_out_texts(texts: int) -> int:
+    """How many texts beside ``texts`` training texts are held out for the pairing FVU."""
+    return min(32, max(4, texts // 10))
 
 
 def model_slug(model: str) -> str:
@@ -144,10 +196,15 @@ def model_slug(model: str) -> str:
 
 
 def transcoder_dir(settings: FitSettings = FitSettings()) -> Path:
-    """Where :func:`fit_transcoder` writes: ``cache_dir()/transcoders/<model>-<kind>-<features>``,
-    e.g. ``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128``."""
+    """Where :func:`fit_transcoder` writes:
+    ``cache_dir()/transcoders/<model>-<kind>-<features>[-<activation>]`` (``top<k>`` for
+    ``relu_topk``, nothing for ``relu``), e.g.
+    ``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16``."""
     tag = KINDS[settings.kind][1] if settings.kind in KINDS else settings.kind
-    return cache_dir() / "transcoders" / f"{model_slug(settings.model)}-{tag}-{settings.features}"
+    activation = {"relu": "", "relu_topk": f"-top{settings.fit_k}"}.get(
+        settings.activation, f"-{settings.activation}")
+    return cache_dir() / "transcoders" / (f"{model_slug(settings.model)}-{tag}-"
+                                          f"{settings.features}{activation}")
 
 
 @contextmanager
@@ -160,33 +217,58 @@ def phase(name: str, progress: bool, seconds: dict) -> Iterator[None]:
     seconds[name] = round(time.perf_counter() - start, 1)
 
 
-def generate_texts(model, tokenizer, n: int, new_tokens: int, seed: int,
-                   progress: bool = False) -> list[str]:
-    """``n`` texts the model writes itself: each of :data:`STARTS` in turn, continued by
-    ``new_tokens`` sampled tokens (temperature 1, seeded; the caller's random state is left as
-    it was). Starts of one token length share a batch, so nothing is padded."""
+def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: int,
+                   progress: bool = False, *, record: int = 0,
+                   dtype: torch.dtype = GENERATED_PAIRS):
+    """``(texts, x, y)``: ``n`` texts the model writes itself — each of :data:`STARTS` in turn,
+    continued by ``new_tokens`` sampled tokens (temperature 1, seeded; the caller's random
+    state is left as it was; starts of one token length share batches of up to
+    :data:`GENERATION_BATCH`, as even as they can be, so nothing is padded) — and the pairs of
+    the first ``record`` texts, read from the generation's own forwards
+    (:func:`~.transcoders.hooks.keeping_states`): ``hook_resid_mid`` and ``hook_mlp_out``,
+    ``[tokens, L, D]`` in ``dtype``, at every position but BOS and the last token (which no
+    forward reads); None when ``record`` is 0."""
     starts = [STARTS[i % len(STARTS)] for i in range(n)]
     groups: dict[int, list[tuple[int, list[int]]]] = {}
     for i, start in enumerate(starts):
         ids = tokenizer(start)["input_ids"]
         groups.setdefault(len(ids), []).append((i, ids))
+    first = first_position(tokenizer, BOS)
+    lengths = {i: len(ids) + new_tokens - 1 - first for group in groups.values()
+               for i, ids in group}
+    offsets = [0, *itertools.accumulate(lengths[i] for i in range(min(record, n)))]
+    x = torch.empty(offsets[-1], bound.n_layers, bound.d_model, dtype=dtype) if record else None
+    y = torch.empty_like(x) if record else None
     texts: list[str] = [""] * n
-    device = next(model.parameters()).device
+    hooks = {"x": "hook_resid_mid", "y": "hook_mlp_out"} if record else {}
     with torch.random.fork_rng(devices=[]), torch.no_grad(), \
-            tqdm(total=n, desc="generating text", unit="text", disable=not progress) as bar:
+            keeping_states(bound, hooks, dtype) as take, \
+            tqdm(total=n, desc="generating text" + (", reading its activations" if record
+                                                    else ""),
+                 unit="text", disable=not progress) as bar:
         torch.manual_seed(seed)
         for _, group in sorted(groups.items()):
-            for begin in range(0, len(group), 32):
-                chunk = group[begin:begin + 32]
-                ids = torch.tensor([ids for _, ids in chunk], device=device)
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                     do_sample=True, temperature=1.0, top_k=0,
-                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                     pad_token_id=tokenizer.eos_token_id)
-                for (i, _), row in zip(chunk, out, strict=True):
-                    texts[i] = tokenizer.decode(row, skip_special_tokens=True)
+            size = math.ceil(len(group) / math.ceil(len(group) / GENERATION_BATCH))
+            for begin in range(0, len(group), size):
+                chunk = group[begin:begin + size]
+                ids = torch.tensor([ids for _, ids in chunk], device=bound.device)
+                out = bound.model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                    temperature=1.0, top_k=0, max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens, pad_token_id=tokenizer.eos_token_id)
+                pairs = take() if record else {}
+                for row, (i, _) in enumerate(chunk):
+                    texts[i] = tokenizer.decode(out[row], skip_special_tokens=True)
+                    if i < record:
+                        if pairs["x"].shape[1] - first != lengths[i]:
+                            raise RuntimeError(f"the generation's forwards read "
+                                               f"{pairs['x'].shape[1]} positions of a text of "
+                                               f"{out.shape[1]} tokens")
+                        x[offsets[i]:offsets[i + 1]] = pairs["x"][row, first:]
+                        y[offsets[i]:offsets[i + 1]] = pairs["y"][row, first:]
+                del pairs
                 bar.update(len(chunk))
-    return texts
+    return texts, x, y
 
 
 def read_texts(data: str, n: int) -> list[str]:
@@ -216,7 +298,8 @@ def _data_identity(data: str) -> str:
 
 
 def _asked(settings: FitSettings, fingerprint: str) -> dict:
-    return dict(asdict(settings), data=_data_identity(settings.data), model_fingerprint=fingerprint)
+    return dict(asdict(settings), k=settings.fit_k, data=_data_identity(settings.data),
+                recipe=dict(RECIPE), model_fingerprint=fingerprint)
 
 
 def _differences(recorded: dict, asked: dict) -> list[str]:
@@ -282,40 +365,49 @@ def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progr
          seconds: dict) -> tuple:
     """Gather text, collect, fit and check: ``(transcoder, the record fit.json will hold)``."""
     model = bound.model
-    n_held = max(4, settings.texts // 10)
+    n_held = held_out_texts(settings.texts)
     have = available_bytes(bound.device)
     options = KINDS[settings.kind][0]
+    generated = settings.data == "self"
+    pair_dtype = GENERATED_PAIRS if generated else torch.float32
 
     def check_memory(n_tokens: int, what: str) -> None:
-        need = fit_bytes(n_tokens, bound.n_layers, bound.d_model, settings.features, **options)
+        need = fit_bytes(n_tokens, bound.n_layers, bound.d_model, settings.features, **options,
+                         element_bytes=pair_dtype.itemsize, pieces=not generated)
         check_fit_fits(need, have, what)
         if progress:
             tqdm.write(f"fit: {n_tokens:,} tokens x {bound.n_layers} layers, "
                        f"{settings.features} features per layer: about {need / 2**20:,.0f} MB "
                        f"of the {have / 2**20:,.0f} MB available", file=sys.stderr)
 
-    with phase("gathering text", progress and settings.data != "self", seconds):
-        if settings.data == "self":
-            longest = max(len(tokenizer(start)["input_ids"]) for start in STARTS)
-            check_memory(settings.texts * (longest + settings.new_tokens),
-                         f"{settings.texts} generated texts of up to "
-                         f"{longest + settings.new_tokens} tokens")
-            texts = generate_texts(model, tokenizer, settings.texts + n_held,
-                                   settings.new_tokens, settings.seed, progress)
-        else:
+    start = time.perf_counter()
+    if generated:  # the pairs are read from the generation's own forwards: one pass
+        longest = max(len(tokenizer(opening)["input_ids"]) for opening in STARTS)
+        check_memory(settings.texts * (longest + settings.new_tokens),
+                     f"{settings.texts} generated texts of up to "
+                     f"{longest + settings.new_tokens} tokens")
+        texts, x, y = generate_pairs(bound, tokenizer, settings.texts + n_held,
+                                     settings.new_tokens, settings.seed, progress,
+                                     record=settings.texts, dtype=pair_dtype)
+        seconds["generate text, collect activations"] = round(time.perf_counter() - start, 1)
+        train, held_out = texts[:-n_held], texts[-n_held:]
+    else:
+        with phase("gathering text", progress, seconds):
             texts = read_texts(settings.data, settings.texts + n_held)
             n_held = max(1, len(texts) // 11) if len(texts) < settings.texts + n_held else n_held
-    train, held_out = texts[:-n_held], texts[-n_held:]
-    if settings.data != "self":
+        train, held_out = texts[:-n_held], texts[-n_held:]
         check_memory(sum(len(ids) for ids in tokenizer(train)["input_ids"]),
                      f"{len(train)} texts of {settings.data}")
+        start = time.perf_counter()
+        x, y = collect_pairs(model, tokenizer, train, progress=progress)
+        seconds["collect activations"] = round(time.perf_counter() - start, 1)
     start = time.perf_counter()
-    x, y = collect_pairs(model, tokenizer, train, progress=progress)
-    seconds["collect activations"] = round(time.perf_counter() - start, 1)
-    start = time.perf_counter()
+    bf16 = fast_bf16(bound.device)  # the steps' products: twice as fast where native
     transcoder, stats = fit_pairs(x, y, settings.model, d_transcoder=settings.features,
                                   steps=settings.steps, lr=settings.lr, seed=settings.seed,
-                                  progress=progress, memory_bytes=have, **options)
+                                  activation=settings.activation, k=settings.fit_k,
+                                  progress=progress, memory_bytes=have, consume=True,
+                                  bf16=bf16, **options, **RECIPE)
     seconds["fit"] = round(time.perf_counter() - start, 1)
     del x, y
     with phase("held-out pairing check", progress, seconds):
@@ -325,6 +417,7 @@ def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progr
                              f"{pairing.fvu}): nothing saved; lower lr (it was {settings.lr:g})")
     record = {"settings": asked, "train_tokens": stats.n_tokens, "train_texts": len(train),
               "held_out_texts": len(held_out), "train_fvu": stats.train_fvu,
+              "products": "bfloat16" if bf16 else "float32",
               "pairing": pairing.to_dict(), "seconds": seconds}
     return transcoder, record
 

@@ -32,7 +32,7 @@ from pyvene_causaltrace.transcoders import load_transcoder
 
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 CACHED = re.compile(r"~/\.cache/pyvene_causaltrace/(?:clts|transcoders)/[\w.<>|-]+")
-DEFAULT = "~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128"
+DEFAULT = "~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16"
 FEW = ["--steps", "5", "--texts", "8", "--no-progress"]  # a fit of a second or two
 
 
@@ -70,7 +70,7 @@ def test_the_fit_writes_where_the_docs_load(fresh_home):
     assert named == {DEFAULT}, sorted(named)
     assert fitting.transcoder_dir() == Path(DEFAULT).expanduser()
     assert fitting.transcoder_dir(fitting.FitSettings(features=64)).name == \
-        "smollm2-135m-skip-plt-64"  # named by what it is, not "quick-128" whatever it holds
+        "smollm2-135m-skip-plt-64-top16"  # named by what it is, not "quick" whatever it holds
 
 
 def test_readme_blocks_run_in_order_after_the_fit(fresh_home, tmp_path, monkeypatch, capsys):
@@ -113,7 +113,7 @@ def test_a_second_fit_reuses_only_the_same_settings(fresh_home, capsys):
     refitted = fitting.fit_transcoder(steps=6, texts=8, progress=False, refit=True)
     assert not refitted.reused and refitted.record["settings"]["steps"] == 6
     # a directory this command did not write is never taken for a fit
-    other = report.path.parent / "smollm2-135m-plt-128"
+    other = fitting.transcoder_dir(fitting.FitSettings(kind="plt"))
     other.mkdir()
     with pytest.raises(InputError, match="no fit.json"):
         fitting.fit_transcoder(kind="plt", steps=5, texts=8, progress=False)
@@ -131,7 +131,7 @@ def test_a_missing_transcoder_says_how_to_get_one(fresh_home, capsys):
         load_transcoder(DEFAULT)
     assert cli(["attribute", "--clt", DEFAULT, "--out", os.fspath(fresh_home / "g")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "make attribute" in err and "smollm2-135m-skip-plt-128" in err
+    assert err.count("\n") == 1 and "make attribute" in err and DEFAULT.rsplit("/")[-1] in err
 
 
 def _readme_runner():

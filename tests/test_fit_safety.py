@@ -76,11 +76,15 @@ def test_cli_fit_on_a_model_directory_with_every_flag(tmp_path, tokenizer, data_
     flags = ["fit", "--model", str(model_dir), "--kind", "clt", "--features", "8", "--steps",
              "3", "--lr", "0.01", "--data", str(data_file), "--texts", "8", "--seed", "3",
              "--out", str(out), "--no-progress"]
+    # a CLT is saved in the mntss layout (JumpReLU or ReLU): the top-k default is refused
+    assert main(flags) == 2 and "--activation relu" in capsys.readouterr().err
+    flags[flags.index("--kind"):flags.index("--kind")] = ["--activation", "relu", "--k", "5"]
     assert main(flags) == 0, capsys.readouterr().err
     assert "held-out pairing FVU" in capsys.readouterr().out
     settings = fit_output.read_record(out)["settings"]
     assert (settings["model"], settings["kind"], settings["features"], settings["steps"],
-            settings["lr"], settings["seed"]) == (str(model_dir), "clt", 8, 3, 0.01, 3)
+            settings["lr"], settings["seed"], settings["activation"], settings["k"]) == \
+        (str(model_dir), "clt", 8, 3, 0.01, 3, "relu", None)  # k: unused by relu
     assert load_transcoder(out).cfg.cross_layer
     assert main(flags) == 0 and "reused" in capsys.readouterr().out
     flags[flags.index("--steps") + 1] = "4"
@@ -90,12 +94,13 @@ def test_cli_fit_on_a_model_directory_with_every_flag(tmp_path, tokenizer, data_
     # without --out: under the cache directory, named by the model, kind and features
     monkeypatch.setenv("PYVENE_CAUSALTRACE_CACHE", str(tmp_path / "cache"))
     assert main(["fit", "--model", str(model_dir), "--kind", "plt", "--features", "8",
-                 "--steps", "3", "--data", str(data_file), "--texts", "8",
+                 "--k", "3", "--steps", "3", "--data", str(data_file), "--texts", "8",
                  "--no-progress"]) == 0
     default = fitting.transcoder_dir(fitting.FitSettings(model=str(model_dir), kind="plt",
-                                                         features=8))
+                                                         features=8, k=3))
     assert default.parent == tmp_path / "cache" / "transcoders"
-    assert not load_transcoder(default).cfg.cross_layer
+    saved = load_transcoder(default).cfg
+    assert not saved.cross_layer and (saved.activation, saved.k) == ("relu_topk", 3)
 
 
 # -- 2. lr and seed; a fit that diverges ---------------------------------------------------------

@@ -73,7 +73,8 @@ MODES: dict[str, tuple[Mode, ...]] = {
               f"{_ATTRIBUTE_COMMON} {_ATTRIBUTE_ONE} prompt answer", "--out o"),
     ),
     "fit": (_mode("fit", None,
-                  "model kind features steps lr data texts seed out refit no_progress", ""),),
+                  "model quality kind features activation k steps lr data texts seed out "
+                  "refit no_progress", ""),),
     "steer": (
         _mode("steer --spec FILE", "spec", f"{_STEER_COMMON} spec", "--spec s.json",
               "the spec gives the prompt, the interventions, the error and attention "

@@ -308,23 +308,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     fit = commands.add_parser(
         "fit", help="fit a first transcoder for a model (default: a per-layer set with skip, "
-                    "128 features, for the bundled SmolLM2) and save it under "
-                    "~/.cache/pyvene_causaltrace/transcoders/<model>-<kind>-<features>")
+                    "256 TopK features per layer, 16 a token, for the bundled SmolLM2) and "
+                    "save it under ~/.cache/pyvene_causaltrace/transcoders/"
+                    "<model>-<kind>-<features>[-top<k>]")
     fit.add_argument("--model", default=None,
                      help="a local model directory or a hub id (default: smollm2-135m, bundled)")
     fit.add_argument("--kind", default=None, choices=("skip_plt", "plt", "clt"),
                      help="skip_plt: per-layer with a skip path (default); plt: per-layer; "
                           "clt: cross-layer")
-    fit.add_argument("--features", type=POSITIVE_INT, default=None, help="features per layer (128)")
+    fit.add_argument("--quality", default="quick", choices=("quick", "long"),
+                     help="the preset the other flags change: quick (default; about 4 minutes "
+                          "on 2 CPU cores for SmolLM2) or long (more text, features and steps; "
+                          "docs/transcoders.md gives its time and figures)")
+    fit.add_argument("--features", type=POSITIVE_INT, default=None,
+                     help="features per layer (default 256)")
+    fit.add_argument("--activation", default=None, choices=("relu_topk", "relu", "jumprelu"),
+                     help="relu_topk: each layer's k largest features per token, no penalty "
+                          "(default); relu: an L1 penalty; jumprelu: learned thresholds and an "
+                          "L0 penalty")
+    fit.add_argument("--k", type=POSITIVE_INT, default=None,
+                     help="relu_topk's features kept per layer and token, at most --features "
+                          "(default 16)")
     fit.add_argument("--steps", type=POSITIVE_INT, default=None,
-                     help="optimiser steps (default 300)")
+                     help="optimiser steps (default 400)")
     fit.add_argument("--lr", type=PROBABILITY, default=None,
                      help="learning rate, above 0 and at most 1 (default 5e-3)")
     fit.add_argument("--data", default=None,
                      help="self (text the model generates: offline, default), known_1000, or a "
                           "file: one text per line, or facts as JSON/JSONL")
     fit.add_argument("--texts", type=POSITIVE_INT, default=None,
-                     help="training texts (a tenth as many more are held out; default 160); "
+                     help="training texts (a tenth as many more, 4 to 32, are held out; "
+                          "default 480); "
                           "the fit's memory is estimated and checked before it starts")
     fit.add_argument("--seed", type=SEED, default=None, help="0 to 2**63-1 (default 0)")
     fit.add_argument("--out", type=Path, default=None,

@@ -1,6 +1,6 @@
 """Attribution graphs over a dataset run: each kept fact's graph beside its traces.
 
-    clt = load_transcoder("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128")
+    clt = load_transcoder("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16")
     trace_dataset(model, tokenizer, records, out="runs/known", transcoder=clt,
                   graph_options=GraphSettings(max_feature_nodes=2000))
 

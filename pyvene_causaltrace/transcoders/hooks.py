@@ -12,17 +12,20 @@ vocabulary (:data:`~pyvene_causaltrace.models.SITES`). Two need care:
   norm, the MLP's own output elsewhere; ``mlp.hook_out`` is always the MLP module's output.
 
 :func:`hook_states` and :func:`transcoder_states` read these hooks' values at every layer of a
-model, in one forward.
+model, in one forward; :func:`keeping_states` keeps them from every forward in a block (a
+generation's, so the text a model writes gives its activations without a second pass).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..applier import Edit, Site, applying
 from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError
@@ -136,3 +139,35 @@ def transcoder_states(model: nn.Module, transcoder, ids: torch.Tensor,
     if control:
         hooks["control"] = CONTROL_HOOKS[hook_name(cfg.feature_input_hook)]
     return hook_states(model, ids, hooks)
+
+
+@contextmanager
+def keeping_states(bound: BoundModel, hooks: dict[str, str],
+                   dtype: torch.dtype = torch.float32) -> Iterator[Callable[[], dict]]:
+    """Keep the values of TransformerLens ``hooks`` (``{key: hook name}``, plain sites only) at
+    every layer from each forward of the bound model in the block, in ``dtype``; yields ``take()``,
+    which hands over ``{key: [batch, positions, L, D]}`` — the forwards since the last take
+    joined along positions (a generation's prompt, then one position a step) — and forgets
+    them. Readers of the one applier (:mod:`~..applier`), gone when the block ends."""
+    kept: dict[str, list[list[torch.Tensor]]] = {key: [[] for _ in range(bound.n_layers)]
+                                                 for key in hooks}
+    edits = []
+    for key, hook in hooks.items():
+        if hook_site(hook).normalized:
+            raise InputError(f"{hook} is computed from its site, not read: use hook_states")
+        for layer, parts in enumerate(kept[key]):
+            path, _, where = hook_component(bound.adapter, hook, layer).rpartition(".")
+            edits.append(Edit(Site(get_module(bound.model, path), where),
+                              lambda value, _call, parts=parts: parts.append(
+                                  value.detach().to(dtype)), last=True))
+
+    def take() -> dict[str, torch.Tensor]:
+        out = {key: torch.stack([torch.cat(parts, 1) for parts in layers], 2)
+               for key, layers in kept.items()}
+        for layers in kept.values():
+            for parts in layers:
+                parts.clear()
+        return out
+
+    with applying(bound.model, edits):
+        yield take

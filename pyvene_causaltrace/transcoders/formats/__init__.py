@@ -70,7 +70,8 @@ def missing_path(path: Path) -> str:
     """The error for a transcoder path that does not exist: it says how to get one."""
     return (f"missing path {path}: no transcoder there. `pyvene-causaltrace fit` (or `make "
             "attribute`, or pyvene_causaltrace.fit_transcoder()) fits one for the bundled model "
-            "and saves it as ~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-128")
+            "and saves it as "
+            "~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16")
 
 
 def _found(root: Path, limit: int = 12) -> str:
