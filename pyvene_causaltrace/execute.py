@@ -218,11 +218,9 @@ def _plan(spec: ExperimentSpec, model: BoundModel, tokenizer: Tokenizer) -> Plan
     states = {"clean": clean_states, "corrupted": corrupt_states}
     made.update({i: build(i, states) for i in range(len(resolved)) if i not in made})
 
-    interventions, sites = [], []
-    for index in corrupting + [i for i in range(len(resolved)) if i not in corrupting]:
-        for site, m in zip(resolved[index][1], made[index], strict=True):
-            interventions.append((site.component, m))
-            sites.append(site)
+    order = corrupting + [i for i in range(len(resolved)) if i not in corrupting]
+    placed = [(site, m) for i in order for site, m in zip(resolved[i][1], made[i], strict=True)]
+    interventions, sites = [(site.component, m) for site, m in placed], [s for s, _ in placed]
     # what the result reports of the noise: its seeds (the batch rows), sigma and scale
     first = noise[0][1] if noise else None
     seeds = getattr(first, "seeds", None)

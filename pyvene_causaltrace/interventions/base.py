@@ -291,8 +291,7 @@ def positions_to_mask(
     if positions is None:
         return None
     if isinstance(positions, torch.Tensor) and positions.dtype == torch.bool:
-        mask = positions
-        return mask.unsqueeze(0) if mask.dim() == 1 else mask
+        return positions.unsqueeze(0) if positions.dim() == 1 else positions
     if isinstance(positions, torch.Tensor):
         positions = positions.tolist()
     rows = [list(positions)] if not positions or isinstance(positions[0], int) else positions

@@ -1,11 +1,9 @@
 """Name → intervention class registry.
 
-Specs name interventions by string; this table turns the string into a pyvene
-``Intervention`` subclass. Third-party packages add types either by calling
-:func:`register_intervention` or through an entry point in the group
-``pyvene_causaltrace.interventions`` (loaded on the first lookup). The command line imports the
-modules named by ``--plugins`` and ``$PVCT_PLUGINS`` (:func:`load_plugins`), which register
-their types when imported.
+Specs name interventions by string; this table turns it into a pyvene ``Intervention``
+subclass. Other packages add types by :func:`register_intervention` or an entry point in the
+group ``pyvene_causaltrace.interventions`` (loaded on the first lookup); the command line
+imports the modules named by ``--plugins`` and ``$PVCT_PLUGINS`` (:func:`load_plugins`).
 
     @register_intervention("my_steer")
     class MySteer(pv.Intervention): ...

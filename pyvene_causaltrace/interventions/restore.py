@@ -1,13 +1,10 @@
 """Overwrite a component's output with stored states, by per-row position masks.
 
 Three registered names share one mechanism and differ in what the stored states mean:
-
-- ``clean_restore``: clean-run states (ROME's restoration of one cell);
-- ``window_restore``: clean sublayer (MLP or attention) outputs at one layer of a window of
-  layers centred ROME's way (:func:`window_layers`); a spec names it once and it expands to one
-  instance per layer of the window;
-- ``freeze``: the states a component had in another run, typically the corrupted one (ROME's
-  severed traces).
+``clean_restore``, clean-run states (ROME's restoration of one cell); ``window_restore``, clean
+sublayer outputs at one layer of a window centred ROME's way (:func:`window_layers`; a spec
+names it once and it expands to one instance per layer); ``freeze``, the states a component had
+in another run, typically the corrupted one (ROME's severed traces).
 
 Row ``r`` of the batch takes ``states[r]`` (or the single row of ``states``, or
 ``states[state_rows[r]]`` when ``state_rows`` maps rows to donors, e.g. to their noise seed's

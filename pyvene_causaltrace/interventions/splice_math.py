@@ -1,12 +1,8 @@
-"""What a splice computes from its session, apart from the pyvene intervention that runs it.
-
-A :class:`~.clt_splice.CLTSplice` decoder replaces its layer's MLP output by the transcoder's
-reconstruction from the features its encoders kept (:func:`reconstruct`), plus what
-``feature_ablate`` changed (:func:`ablation_change`) in ``live_error`` mode. A ``joint_topk``
-transcoder encodes with the clean run's fixed selection (:func:`joint_selection`). In leaf mode each
-layer's active features are :class:`ActiveFeatures` whose writes into later layers
-:func:`leaf_writes` computes once per forward, summed over ranks for a shard
-(:func:`summed_over_ranks`).
+"""What a splice computes from its session, apart from the pyvene intervention that runs it:
+the reconstruction (:func:`reconstruct`), what ``feature_ablate`` changed
+(:func:`ablation_change`, for ``live_error``), a ``joint_topk`` transcoder's fixed selection
+(:func:`joint_selection`), and in leaf mode the writes of each layer's :class:`ActiveFeatures`
+into later layers (:func:`leaf_writes`), summed over ranks for a shard (:func:`summed_over_ranks`).
 """
 
 from __future__ import annotations
