@@ -44,12 +44,10 @@ _PYVENE_KWARGS = frozenset(
 
 
 class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableIntervention):
-    """Base class: JSON config + tensor buffers that survive pyvene's save/load.
-
-    Subclasses set ``registered_name``, list their tensor buffers in ``tensor_fields``, implement
-    :meth:`_setup` (called with the config and tensors, at construction and after loading) and
-    ``forward(base, source=None, subspaces=None, **kwargs)``.
-    """
+    """Base class: JSON config + tensor buffers that survive pyvene's save/load. Subclasses set
+    ``registered_name``, list their tensor buffers in ``tensor_fields``, implement :meth:`_setup`
+    (called with the config and tensors, at construction and after loading) and
+    ``forward(base, source=None, subspaces=None, **kwargs)``."""
 
     registered_name: ClassVar[str] = ""
     tensor_fields: ClassVar[tuple[str, ...]] = ()

@@ -335,14 +335,12 @@ def clt_splice_representations(
 ) -> list[dict]:
     """pyvene representation dicts that splice ``transcoder`` into ``model`` at ``layers`` (all by
     default), with ``ablations`` (``feature_ablate`` keyword dicts with ``clt_layer``) after
-    their layer's encoder; ``leaves=True`` builds the attribution graph's leaf-mode splice
-    (always with the error term, see module docstring); ``errors`` (``[L, 1, P, D]``, from
-    :func:`clean_errors`) fixes each decoder's error term; ``live_error`` keeps the model's own
-    MLP output plus what changed features change (past the fixed errors' positions, when
-    given); ``error_from="clean"`` says the fixed errors are the clean run's on the input, so a
-    spec can name them. The interventions share ``session`` (a new :class:`SpliceSession` by
-    default; :func:`splice_session` finds it). ``selection`` (bool ``[L, P, F]``, from
-    :func:`clean_selection`) is required by a ``joint_topk`` transcoder (module docstring)."""
+    their layer's encoder; ``leaves=True``: the attribution graph's leaf-mode splice. The error
+    term (module docstring): ``add_error``, ``errors`` (``[L, 1, P, D]``, :func:`clean_errors`)
+    and/or ``live_error``; ``error_from="clean"`` says ``errors`` are the clean run's, so a spec
+    can name them. The interventions share ``session`` (a new :class:`SpliceSession` by default;
+    :func:`splice_session` finds it); a ``joint_topk`` transcoder needs ``selection`` (bool
+    ``[L, P, F]``, :func:`clean_selection`)."""
     if leaves and ablations:
         raise InputError("a leaf-mode splice does not take ablations")
     bound = bind(model)
