@@ -1,17 +1,16 @@
-"""The one applier: every edit of every forward we run, applied in one place by one rule.
+"""The one applier: every edit of every forward we run, applied in one place by one rule
+(why: docs/interventions.md, "One applier").
 
     with applying(model, [Edit(Site(block, "output"), restore), Edit(Site(embed, "output"), add)]):
         logits = model(input_ids=ids).logits
 
-An :class:`Edit` is ``fn(value, call) -> tensor | None`` (None: no change, as a reader or a
-switch returns) at a :class:`Site`: a module's output (a tuple's first element) or its input
-(the first positional argument, else the first keyword one). Each site carries one hook of
-ours per thread, running its edits in the order added (outer blocks first). The rule: an
-edit *replaces* the site's value, never writing the tensor autograd may have saved — except
-at a residual-stream input (``Site(stream=True)``), where the block's add holds the tensor
-itself and the new value is copied into it, as pyvene's setter does. A replayed block runs
-only the groups :func:`only` keeps. Why: docs/interventions.md, "One applier". Imports only
-:mod:`.hooking` and :mod:`.errors` from the package."""
+An :class:`Edit` is ``fn(value, call) -> tensor | None`` (None: no change) at a :class:`Site`: a
+module's output (a tuple's first element) or its input (the first positional argument, else the
+first keyword one). Each site carries one hook of ours per thread, running its edits in the
+order added (outer blocks first). An edit *replaces* the site's value, never writing the tensor
+autograd may have saved, except at a residual-stream input (``Site(stream=True)``), where the
+new value is copied into it, as pyvene's setter does. A replayed block runs only the groups
+:func:`only` keeps. Imports only :mod:`.hooking` and :mod:`.errors` from the package."""
 
 from __future__ import annotations
 
@@ -176,30 +175,12 @@ _appliers: weakref.WeakKeyDictionary[nn.Module, dict[int, _Applier]] = \
 _lock = threading.Lock()
 
 
-def _applier(model: nn.Module) -> _Applier:
-    me = threading.get_ident()
-    with _lock:
-        per_thread = _appliers.setdefault(model, {})
-        applier = per_thread.get(me)
-        if applier is None:
-            applier = per_thread[me] = _Applier()
-        return applier
-
-
-def _forget(model: nn.Module, applier: _Applier) -> None:
-    with _lock:
-        per_thread = _appliers.get(model)
-        if per_thread is not None and not applier.sites:
-            per_thread.pop(threading.get_ident(), None)
-            if not per_thread:
-                del _appliers[model]
-
-
 @contextlib.contextmanager
 def applying(model: nn.Module, edits: Iterable[Edit]) -> Iterator[list[Edit]]:
     """``edits`` act on this thread's forwards of ``model`` inside the block (module
     docstring); yields them. Edits added by blocks opened inside this one run after these."""
-    applier = _applier(model)
+    with _lock:
+        applier = _appliers.setdefault(model, {}).setdefault(threading.get_ident(), _Applier())
     added: list[Edit] = []
     try:
         for edit in edits:
@@ -209,14 +190,17 @@ def applying(model: nn.Module, edits: Iterable[Edit]) -> Iterator[list[Edit]]:
     finally:
         for edit in reversed(added):
             applier.remove(edit)
-        _forget(model, applier)
+        with _lock:  # this thread's applier goes with its last site
+            per_thread = _appliers.get(model)
+            if per_thread is not None and not applier.sites:
+                per_thread.pop(threading.get_ident(), None)
+                if not per_thread:
+                    del _appliers[model]
 
 
 def edits_on(model: nn.Module, module: nn.Module) -> int:
     """How many edits of this thread sit on ``module``'s input and output now."""
-    applier = _appliers.get(model, {}).get(threading.get_ident())
-    if applier is None:
-        return 0
+    applier = _appliers.get(model, {}).get(threading.get_ident(), _Applier())
     return sum(len(hook.edits) for (key, _), hook in applier.sites.items()
                if key == id(module))
 
@@ -242,7 +226,5 @@ def reader(site: Site, store: dict, key: Any) -> Edit:
 
 def handle_ids(model: nn.Module) -> set[int]:
     """The ids of the hooks this thread's applier holds on ``model`` now."""
-    applier = _appliers.get(model, {}).get(threading.get_ident())
-    if applier is None:
-        return set()
+    applier = _appliers.get(model, {}).get(threading.get_ident(), _Applier())
     return {hook.handle.id for hook in applier.sites.values() if hook.handle is not None}

@@ -11,17 +11,12 @@ states (the clean run's, the corrupted run's) it needs — then makes those two 
 each, and asks the type to build one intervention per site. An entry whose type ``spec_corrupts``
 (``noise_add``) makes the corrupted run; its seeds are the batch rows.
 
-For composing a spec with other pyvene interventions, :func:`build_interventions` returns the
-resolved ``(component, intervention)`` pairs and :func:`to_pv_config` a ``pv.IntervenableConfig``
-(its representations hold the intervention instances); add yours to it and build
-``IntervenableModel(config, model)``. Batch rows are the noise seeds: feed ``plan.base_inputs``.
-:func:`resolve_sites` resolves a spec's sites on a model without running it, and
-:func:`check_on_model` is everything ``validate --model`` checks.
-
-A spec's ``model_interventions`` (a user's own pyvene interventions, written by a run on a
-``pv.IntervenableModel``) are rebuilt around the model by :func:`run_spec` and act in every run
-(:mod:`~pyvene_causaltrace.model_interventions`); :func:`build_interventions`, which builds only
-the spec's own entries, refuses such a spec rather than leave them out.
+:func:`build_interventions` and :func:`to_pv_config` give the resolved interventions to compose
+with yours (docs/specs.md); :func:`resolve_sites` resolves a spec's sites without running it, and
+:func:`check_on_model` is everything ``validate --model`` checks. A spec's
+``model_interventions`` (:mod:`~pyvene_causaltrace.model_interventions`) act in every run of
+:func:`run_spec`; :func:`build_interventions`, which builds only the spec's own entries, refuses
+such a spec rather than leave them out.
 """
 
 from __future__ import annotations
@@ -84,10 +79,6 @@ class Plan:
         """Each intervention's own single-site entry (``to_spec``), in order."""
         return [made.to_spec(site) for (_, made), site in zip(self.interventions, self.sites,
                                                              strict=True)]
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 @measured
@@ -189,7 +180,7 @@ def _plan(spec: ExperimentSpec, model: BoundModel, tokenizer: Tokenizer) -> Plan
     ctx, items, resolved = _resolve(spec, model, tokenizer)
     model = ctx.bound.model
     ctx.bound.check_weights()
-    ids = ctx.prompt.input_ids.to(_device(model))
+    ids = ctx.prompt.input_ids.to(ctx.bound.device)
 
     def build(index: int, states: dict[str, dict[str, torch.Tensor]]) -> list:
         entry, sites = resolved[index]
@@ -225,15 +216,11 @@ def _plan(spec: ExperimentSpec, model: BoundModel, tokenizer: Tokenizer) -> Plan
     if corrupt_probs is not None:
         check_finite(corrupt_probs, "the corrupted run's probabilities", "the noise is too large")
     states = {"clean": clean_states, "corrupted": corrupt_states}
-    for index in range(len(resolved)):
-        if index not in made:
-            made[index] = build(index, states)
+    made.update({i: build(i, states) for i in range(len(resolved)) if i not in made})
 
-    interventions, sites = [], []
-    for index in corrupting + [i for i in range(len(resolved)) if i not in corrupting]:
-        for site, m in zip(resolved[index][1], made[index], strict=True):
-            interventions.append((site.component, m))
-            sites.append(site)
+    order = corrupting + [i for i in range(len(resolved)) if i not in corrupting]
+    placed = [(site, m) for i in order for site, m in zip(resolved[i][1], made[i], strict=True)]
+    interventions, sites = [(site.component, m) for site, m in placed], [s for s, _ in placed]
     # what the result reports of the noise: its seeds (the batch rows), sigma and scale
     first = noise[0][1] if noise else None
     seeds = getattr(first, "seeds", None)
@@ -291,8 +278,7 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
     entries = describe(bound)
     with measurement(bound) as model:
         plan = _plan(spec, bound, tokenizer)
-        device = _device(model)
-        base = {k: v.to(device) for k, v in plan.base_inputs.items()}
+        base = {k: v.to(bound.device) for k, v in plan.base_inputs.items()}
         representations = [{"component": c, "intervention": m} for c, m in plan.interventions]
         with intervened(bound, representations):
             out = model(**base)

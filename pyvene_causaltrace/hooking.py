@@ -3,16 +3,14 @@
     with installed([(block, "forward", read), (norm, "forward_pre", edit)]) as handles:
         model(**inputs)
 
-Each hook is ``(module, kind, fn)``; ``kind`` is one of :data:`KINDS`, torch's registrations
-(``forward``: ``fn(module, args, output)``; ``forward_pre``: ``fn(module, args)``; their
-``_with_kwargs`` forms add the keyword arguments), registered in the order given and removed,
-only they, when the block ends however it ends. Every hook of the package goes through
-:func:`register` (torch's public methods; off only through its handle — nothing here writes
-torch's hook tables) and acts only on the forwards of the thread that installed it (other
-threads see the bare model; :func:`thread_gate` and :func:`thread_view` do the same for a
-replaced ``forward`` and a switched setting). Per context: :func:`recording` removes, at a
-measurement's end, any hook registered in it that is still there; :func:`silenced` turns the
-package's hooks on given modules off (:mod:`.tracing.replay`). Imports nothing from the package."""
+Each hook is ``(module, kind, fn)``, ``kind`` one of :data:`KINDS` (torch's registrations),
+registered in the order given and removed, only they, when the block ends. Every hook of the
+package goes through :func:`register` (torch's public methods; off only through its handle) and
+acts only on the forwards of the thread that installed it; :func:`thread_gate` and
+:func:`thread_view` do the same for a replaced ``forward`` and a switched setting. Per context,
+:func:`recording` removes at a measurement's end any hook registered in it that is still there,
+and :func:`silenced` turns the package's hooks on given modules off (:mod:`.tracing.replay`).
+Imports nothing from the package."""
 
 from __future__ import annotations
 
@@ -50,27 +48,8 @@ _RECORD: contextvars.ContextVar[HookRecord | None] = contextvars.ContextVar("pvc
 _MARK = "pvct_handle_id"
 
 
-def gated(fn: Callable, owner: int | None = None) -> Callable:
-    """Hook ``fn`` acting only in thread ``owner`` (default: the calling thread); None — no
-    change — in any other, and in this one while its module is :func:`silenced` (unless kept).
-    Such a hook :func:`is_ours`."""
-    owner = _ident() if owner is None else owner
-
-    def hook(*args):
-        if _ident() != owner:
-            return None
-        modules, keep = _SILENT.get()
-        if modules and id(args[0]) in modules and getattr(hook, _MARK) not in keep:
-            return None
-        return fn(*args)
-
-    functools.wraps(fn, assigned=_NAMES)(hook)
-    setattr(hook, _MARK, None)
-    return hook
-
-
 def is_ours(hook: Callable) -> bool:
-    """Whether ``hook`` (a value of a module's hook table) was made by :func:`gated`."""
+    """Whether ``hook`` (a value of a module's hook table) was made by :func:`register`."""
     return hasattr(hook, _MARK)
 
 
@@ -114,10 +93,22 @@ def recording() -> Iterator[HookRecord]:
 
 def register(register_method: Callable, fn: Callable, *args: Any,
              **kwargs: Any) -> RemovableHandle:
-    """``register_method(gated(fn), *args, **kwargs)`` — a module's bound
-    ``register_forward_hook`` or ``register_forward_pre_hook`` — noted in the current
-    :func:`recording` block until :func:`release`."""
-    hook = gated(fn)
+    """``register_method(hook, *args, **kwargs)`` — a module's bound ``register_forward_hook``
+    or ``register_forward_pre_hook`` — noted in the current :func:`recording` block until
+    :func:`release`. ``hook`` is ``fn`` acting only in the calling thread: None (no change) in
+    any other, and in this one while its module is :func:`silenced` (unless kept)."""
+    owner = _ident()
+
+    def hook(*args):
+        if _ident() != owner:
+            return None
+        modules, keep = _SILENT.get()
+        if modules and id(args[0]) in modules and getattr(hook, _MARK) not in keep:
+            return None
+        return fn(*args)
+
+    functools.wraps(fn, assigned=_NAMES)(hook)
+    setattr(hook, _MARK, None)
     handle = register_method(hook, *args, **kwargs)
     setattr(hook, _MARK, handle.id)
     record = _RECORD.get()
@@ -157,7 +148,7 @@ def thread_gate() -> Callable[[], bool]:
 @contextlib.contextmanager
 def installed(hooks: Iterable[Hook]) -> Iterator[list[RemovableHandle]]:
     """Register ``hooks`` for the block (module docstring); yields their handles, in order.
-    Each acts only on this thread's forwards (:func:`gated`)."""
+    Each acts only on this thread's forwards (:func:`register`)."""
     hooks = list(hooks)
     for _, kind, _ in hooks:
         if kind not in KINDS:
@@ -166,8 +157,7 @@ def installed(hooks: Iterable[Hook]) -> Iterator[list[RemovableHandle]]:
     try:
         for module, kind, fn in hooks:
             method, with_kwargs = KINDS[kind]
-            extra = {"with_kwargs": True} if with_kwargs else {}
-            handles.append(register(getattr(module, method), fn, **extra))
+            handles.append(register(getattr(module, method), fn, with_kwargs=with_kwargs))
         yield handles
     finally:
         for handle in handles:
@@ -179,7 +169,6 @@ def installed(hooks: Iterable[Hook]) -> Iterator[list[RemovableHandle]]:
 #: id(obj) -> {thread: [overrides, ...]} (a stack: views nest), while a view is open on obj
 _views: dict[int, dict[int, list[dict[str, Any]]]] = {}
 _view_bases: dict[int, type] = {}
-_view_classes: dict[tuple[type, frozenset], type] = {}
 _views_lock = threading.Lock()
 
 
@@ -199,14 +188,10 @@ def _view_property(name: str) -> property:
     return property(get, set_)
 
 
+@functools.cache
 def _view_class(base: type, names: frozenset) -> type:
-    key = (base, names)
-    if key not in _view_classes:
-        _view_classes[key] = type(base.__name__, (base,),
-                                  {name: _view_property(name) for name in names}
-                                  | {"__module__": base.__module__,
-                                     "__qualname__": base.__qualname__})
-    return _view_classes[key]
+    return type(base.__name__, (base,), {name: _view_property(name) for name in names}
+                | {"__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
 @contextlib.contextmanager

@@ -132,8 +132,8 @@ def _describe_one(key: str, made: nn.Module, representation: Any) -> dict[str, A
     ours = _registered_name(made) is not None
     settings: dict[str, Any] = {}
     tensor_attributes: dict[str, Any] = {}
-    for name, value in vars(made).items():
-        if name in _MODULE_INTERNALS or (ours and (_transient(name) or name == "_config")):
+    for name, value in _attributes(made, ours).items():
+        if ours and name == "_config":
             continue  # our types keep their configuration in their state dict
         if isinstance(value, torch.Tensor):
             tensor_attributes[name] = _encode(key, f"attribute {name!r}", value)
@@ -189,9 +189,7 @@ def _init_candidates(made: nn.Module, representation: Any) -> list[dict[str, Any
 # ----------------------------------------------------------------------------- compare
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return digest(a) == digest(b)
+    return a.dtype == b.dtype and a.shape == b.shape and digest(a) == digest(b)
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -207,26 +205,21 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 def _attributes(module: nn.Module, ours: bool) -> dict[str, Any]:
+    """``module``'s attributes past ``nn.Module``'s; of our types, not those that are no state
+    (``_OURS_TRANSIENT``, and the private ones but ``_config``)."""
     return {name: value for name, value in vars(module).items()
-            if name not in _MODULE_INTERNALS and not (ours and _transient(name))}
-
-
-def _transient(name: str) -> bool:
-    """An attribute of our own types that is not state (see ``_OURS_TRANSIENT``)."""
-    return name in _OURS_TRANSIENT or (name.startswith("_") and name != "_config")
+            if name not in _MODULE_INTERNALS and not (ours and (
+                name in _OURS_TRANSIENT or (name.startswith("_") and name != "_config")))}
 
 
 def _difference(made: nn.Module, rebuilt: nn.Module, ours: bool) -> str | None:
     """Why ``rebuilt`` is not ``made`` (None: the same, bit for bit)."""
-    if ours:  # ``made`` may be a ``configured`` subclass of the registered class
-        if not isinstance(made, type(rebuilt)):
-            return f"it rebuilt as a {type(rebuilt).__name__}"
-        source = getattr(made, "_config", {}).get("source", "-")
-        if source is None and made.__dict__.get("_clt_object") is not None:
-            return ("its transcoder was given as an object, not a path or hub id a spec can "
-                    "name")
-    elif type(made) is not type(rebuilt):
+    # ours: ``made`` may be a ``configured`` subclass of the registered class
+    if not (isinstance(made, type(rebuilt)) if ours else type(made) is type(rebuilt)):
         return f"it rebuilt as a {type(rebuilt).__name__}"
+    if ours and getattr(made, "_config", {}).get("source", "-") is None \
+            and made.__dict__.get("_clt_object") is not None:
+        return "its transcoder was given as an object, not a path or hub id a spec can name"
     state, again = made.state_dict(), rebuilt.state_dict()
     if list(state) != list(again):
         return f"its state dict keys {list(state)} came back as {list(again)}"
@@ -358,14 +351,10 @@ def rebuild(entries: list[dict[str, Any]], model: nn.Module, base_dir: str | Pat
     if is_intervenable(model):
         raise PyveneModelError("rebuild needs the bare model (pv_model.model), not an "
                                "IntervenableModel")
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        device = torch.device("cpu")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     built, representations = [], []
     for index, entry in enumerate(entries):
-        where = f"{path}[{index}]"
-        made = _build(entry, where, base_dir).to(device)
+        made = _build(entry, f"{path}[{index}]", base_dir).to(device)
         built.append(made)
         representations.append({**{name: copy.deepcopy(entry[name])
                                    for name in REPRESENTATION_FIELDS if name in entry},

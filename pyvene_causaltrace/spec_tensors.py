@@ -102,14 +102,11 @@ def _read_file_tensor(encoded: dict, where: str, base_dir: str | Path | None) ->
 
 
 def _needs_file(encoded: dict[str, Any]) -> bool:
-    if "data" not in encoded:
-        return False
-    count = math.prod(encoded["shape"])
-    if count > INLINE_LIMIT:
+    """Whether an inline tensor goes to the file: too big, or holding NaN or infinity."""
+    if math.prod(encoded["shape"]) > INLINE_LIMIT:
         return True
-    if encoded["dtype"] in ("float64", "float32", "float16", "bfloat16"):
-        return not _finite(encoded["data"])
-    return False
+    floating = encoded["dtype"] in ("float64", "float32", "float16", "bfloat16")
+    return floating and not _finite(encoded["data"])
 
 
 def _finite(data: Any) -> bool:

@@ -1,22 +1,18 @@
-"""The shared base of our pyvene interventions.
+"""The shared base of our pyvene interventions (placing them: docs/interventions.md).
 
 Positions, two ways. With its own ``positions`` (a list, a list per row, or a ``[rows, seq]``
-mask) a type acts on those positions of the component's whole ``[batch, seq, hidden]`` output —
-pass ``unit_locations=None`` (or ``None`` in its slot): this is how per-row masks and seeds work,
-which pyvene's ``unit_locations`` cannot express (they cannot skip a row and turn sticky once
-given an int); it needs our ``IntervenableModel``. Without ``positions`` it acts on every
-position pyvene hands it, so pyvene's ``unit_locations`` choose them, as for its built-ins.
+mask) a type acts on those positions of the component's whole ``[batch, seq, hidden]`` output
+(``unit_locations=None``): how per-row masks and seeds work, which pyvene's ``unit_locations``
+cannot express (they cannot skip a row and turn sticky once given an int); it needs our
+``IntervenableModel``. Without ``positions`` pyvene's ``unit_locations`` choose, as for its
+built-ins. pyvene can build every type from the class (``intervention_type=NoiseAdd``: the
+defaults; ``NoiseAdd.configured(seeds=[0], sigma=0.1)``: a class with those settings).
 
-pyvene can build every type from the class: ``intervention_type=NoiseAdd`` gives the defaults,
-and ``NoiseAdd.configured(seeds=[0], sigma=0.1)`` is a class whose instances have those settings,
-for ``RepresentationConfig(..., intervention_type=...)``, ``intervention_types=[...]`` and
-``IntervenableConfig.add_intervention``.
-
-State is a few JSON scalars (:meth:`config`) plus tensors (buffers). Both travel in
-``state_dict()``, so ``pv.IntervenableModel.save`` / ``load`` round-trips them: the class inherits
+State is a few JSON scalars (:meth:`config`) plus tensor buffers, both in ``state_dict()``, so
+``pv.IntervenableModel.save`` / ``load`` round-trips them: the class inherits
 ``SourcelessIntervention`` (pyvene's load then skips its broken constant-source branch) and
-``TrainableIntervention`` (pyvene then saves the state dict and loads it back with
-``load_state_dict``). None of our types has trainable parameters.
+``TrainableIntervention`` (pyvene then saves the state dict and loads it back). None of our
+types has trainable parameters.
 """
 
 from __future__ import annotations
@@ -48,19 +44,13 @@ _PYVENE_KWARGS = frozenset(
 
 
 class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableIntervention):
-    """Base class: JSON config + tensor buffers that survive pyvene's save/load.
-
-    Subclasses set ``registered_name``, list their tensor buffers in ``tensor_fields``, implement
-    :meth:`_setup` (called with the config and tensors, at construction and after loading) and
-    ``forward(base, source=None, subspaces=None, **kwargs)``.
-    """
+    """Base class: JSON config + tensor buffers that survive pyvene's save/load. Subclasses set
+    ``registered_name``, list their tensor buffers in ``tensor_fields``, implement :meth:`_setup`
+    (called with the config and tensors, at construction and after loading) and
+    ``forward(base, source=None, subspaces=None, **kwargs)``."""
 
     registered_name: ClassVar[str] = ""
     tensor_fields: ClassVar[tuple[str, ...]] = ()
-    #: Whether an instance built bare (only pyvene's keyword arguments) sets itself up with
-    #: defaults; None: when every argument of ``_setup`` has one. A type that needs settings
-    #: (a splice needs its transcoder) is set up by pyvene's load, or built ``configured``.
-    bare_defaults: ClassVar[bool | None] = None
 
     # -- the spec entry (see spec_entry.py): the generic shape unless a subclass says more
     spec_refusal: ClassVar[str | None] = None
@@ -90,8 +80,9 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
 
     @classmethod
     def _has_bare_defaults(cls) -> bool:
-        if cls.bare_defaults is not None:
-            return cls.bare_defaults
+        """Whether an instance built bare (only pyvene's keyword arguments) sets itself up with
+        defaults: when every argument of ``_setup`` has one. A type that needs settings (a
+        splice needs its transcoder) is set up by pyvene's load, or built ``configured``."""
         return all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
                    for p in inspect.signature(cls._setup).parameters.values()
                    if p.name != "self")
@@ -147,12 +138,10 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
 
     def _set_tensor(self, name: str, value: torch.Tensor | None) -> None:
         if value is None:
-            if name in self._buffers:
-                del self._buffers[name]
+            self._buffers.pop(name, None)
             setattr(self, name, None)
             return
-        if name in self.__dict__:
-            del self.__dict__[name]
+        self.__dict__.pop(name, None)
         self.register_buffer(name, value)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # noqa: D401 - torch hook
@@ -168,9 +157,8 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
             return
         payload = json.loads(bytes(state_dict[key].tolist()).decode())
         if payload["type"] != self.registered_name:
-            error_msgs.append(
-                f"state dict holds a {payload['type']!r} intervention, not {self.registered_name!r}"
-            )
+            error_msgs.append(f"state dict holds a {payload['type']!r} intervention, not "
+                              f"{self.registered_name!r}")
             return
         ours = {key} | {prefix + name for name in self.tensor_fields}
         tensors = {name: state_dict[prefix + name] for name in self.tensor_fields
@@ -193,16 +181,11 @@ class CausalTraceIntervention(pv.SourcelessIntervention, pv.TrainableInterventio
     # -- where a call acts ---------------------------------------------------------------
     def _placement(self, seq_len: int, offset: int = 0) -> tuple[int, bool]:
         """``(offset, generating)``: the absolute position of the handed sequence's first
-        position, and whether pyvene is generating (a step may then see fewer positions than
-        the prompt had).
-
-        ``positions`` and pyvene's ``unit_locations`` are two meanings of "where"; a call with
-        both, or not announced (pyvene's own class, a direct call: it could be either), is
-        refused rather than guessed at. Inside ``IntervenableModel.generate``
-        (``intervene_on_prompt=True``, ``unit_locations=None``) positions are the prompt's:
-        the first forward is the prompt (offset 0); each later one holds the newest tokens,
-        and its offset follows from the prompt's length and the step.
-        """
+        position, and whether pyvene is generating (a step may see fewer positions than the
+        prompt had). A call with both ``positions`` and ``unit_locations``, or not announced,
+        is refused rather than guessed at. Inside ``generate(intervene_on_prompt=True)``
+        positions are the prompt's: the first forward is the prompt (offset 0), each later one
+        holds the newest tokens, its offset following from the prompt's length and the step."""
         if self.positions is None:
             return offset, False
         call = announced_call(self.registered_name, "has its own positions (built without them, "
@@ -267,13 +250,14 @@ def as_positions_last(base: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch
     return flat, lambda x: x.reshape(batch, seq_len, heads, d_head).transpose(1, 2)
 
 
-def subspace_mask(subspaces: Any, batch: int, width: int,
+def subspace_mask(subspaces: Any, base: torch.Tensor,
                   partition: list[list[int]] | None = None) -> torch.Tensor | None:
     """pyvene's ``subspaces`` for one intervention — a list of dimensions for every row, one
-    list per row, or indices into ``subspace_partition`` — as a ``[batch, width]`` bool mask
-    of the last dimension; None stays None (every dimension)."""
+    list per row, or indices into ``subspace_partition`` — as a bool mask of ``base``'s last
+    dimension, ``[batch, 1, ..., width]`` on its device; None stays None (every dimension)."""
     if subspaces is None:
         return None
+    batch, width = base.shape[0], base.shape[-1]
     rows = subspaces.tolist() if isinstance(subspaces, torch.Tensor) else list(subspaces)
     if not rows or isinstance(rows[0], int):
         rows = [rows]
@@ -284,7 +268,7 @@ def subspace_mask(subspaces: Any, batch: int, width: int,
         if any(not 0 <= int(c) < width for c in columns):
             raise InputError(f"subspace dimensions {columns} are outside 0..{width - 1}")
         mask[r, [int(c) for c in columns]] = True
-    return mask.expand(batch, width)
+    return mask.expand(batch, width).to(base.device).reshape(batch, *(1,) * (base.dim() - 2), -1)
 
 
 def rows_for(batch: int, rows: int, what: str) -> None:
@@ -305,8 +289,7 @@ def positions_to_mask(
     if positions is None:
         return None
     if isinstance(positions, torch.Tensor) and positions.dtype == torch.bool:
-        mask = positions
-        return mask.unsqueeze(0) if mask.dim() == 1 else mask
+        return positions.unsqueeze(0) if positions.dim() == 1 else positions
     if isinstance(positions, torch.Tensor):
         positions = positions.tolist()
     rows = [list(positions)] if not positions or isinstance(positions[0], int) else positions
@@ -335,8 +318,7 @@ def fit_mask(mask: torch.Tensor | None, batch: int, seq_len: int) -> torch.Tenso
         if mask[:, seq_len:].any():
             raise InputError(
                 f"positions up to {int(mask.nonzero()[:, 1].max())} requested but the "
-                f"sequence has {seq_len} tokens"
-            )
+                f"sequence has {seq_len} tokens")
         mask = mask[:, :seq_len]
     elif mask.shape[1] < seq_len:
         mask = torch.nn.functional.pad(mask, (0, seq_len - mask.shape[1]))

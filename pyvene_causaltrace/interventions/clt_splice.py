@@ -3,53 +3,38 @@
 A splice is two registered interventions per layer, built by :func:`clt_splice_representations`:
 
 - ``role="encode"`` on the transcoder's input hook (``hook_resid_mid``, or the MLP's normalised
-  input): computes the layer's features and keeps them, with the decoder rows of the features
-  that fired and the hook's value (for a skip path), in the transcoder's per-forward session
-  (positions before ``from_position`` zeroed);
+  input): computes the layer's features (zero before ``from_position``) and keeps them, with the
+  hook's value (for a skip path), in the splice's :class:`SpliceSession`;
 - ``role="decode"`` on its output hook (``hook_mlp_out``): replaces positions
-  ``>= from_position`` by ``b_dec[t] + sum_{l writing t} a_l @ W_dec[l][:, t - l] + skip_t(x_t)``,
-  plus, with ``add_error``, the frozen error ``(out - recon).detach()`` so the forward is the
-  original one while gradients flow through the features; or plus a fixed ``error`` tensor
-  ``[1, P, D]`` (the clean run's error, :func:`clean_errors`), so that ablating features changes
-  the output while the part the dictionary misses stays as it was; or, with ``live_error``, the
-  hook's own value plus what changed features change, ``out + sum_l (a'_l - a_l) @ W_dec`` (``a``
-  as encoded, ``a'`` after ``feature_ablate``): the model itself wherever no feature changed, as
-  circuit-tracer's feature interventions run. With both a fixed error and ``live_error`` the
-  fixed error covers the positions it has (the prompt's) and the live one every later position
-  (generated tokens); without ``live_error`` a sequence longer than the fixed error is refused.
+  ``>= from_position`` by ``b_dec[t] + sum_{l writing t} a_l @ W_dec[l][:, t - l] + skip_t(x_t)``
+  plus one error term: with ``add_error`` the frozen ``(out - recon).detach()`` (the forward is
+  the original one, gradients flow through the features); a fixed ``error`` ``[1, P, D]`` (the
+  clean run's, :func:`clean_errors`: ablating features changes the output, the part the
+  dictionary misses stays); or, with ``live_error``, the hook's own value plus what changed
+  features change, ``out + sum_l (a'_l - a_l) @ W_dec`` (the model itself wherever no feature
+  changed, as circuit-tracer's feature interventions run). A fixed error with ``live_error``
+  covers the prompt's positions and the live one every later (generated) position; without
+  ``live_error`` a sequence longer than the fixed error is refused.
 
-With ``leaves=True`` (the attribution graph's local replacement model) the encoder keeps the
-layer's active features as one autograd leaf vector (:class:`ActiveFeatures`, values cut from
-the residual stream), and the decoder builds every position's output from those leaves, a
-``b_dec`` leaf, the skip path of the live input (linear: its edges run to whatever feeds that
-input) and the error ``out - recon`` as a leaf constant: the forward is still the original one,
-and ``torch.autograd.grad`` on the leaves gives each feature's, error's and bias's direct effect.
-The encoder also keeps its input live so each feature's pre-activation can be a gradient target.
+With ``leaves=True`` (the attribution graph's local replacement model) each layer's active
+features are one autograd leaf vector (:class:`ActiveFeatures`, cut from the residual stream),
+and the decoder builds every position from them, a ``b_dec`` leaf, the skip path of the live
+input and the error ``out - recon`` as a leaf constant: the forward is the original one, and
+``torch.autograd.grad`` on the leaves gives each feature's, error's and bias's direct effect.
+The encoder keeps its input live so each feature's pre-activation can be a gradient target.
 Features before ``from_position`` are zero, but the decoder covers every position (the error
 carries BOS exactly).
 
-A ``joint_topk`` transcoder (ByteDance's CLT) keeps the ``k`` best features over *all* layers at
-a position, so layer ``l``'s features depend on inputs the forward has not reached yet, and in a
-spliced forward those inputs depend on the splice itself. Its splice therefore takes a fixed
-``selection`` (:func:`clean_selection`: the joint top-k of the clean run) and computes each kept
-feature's value from the live input; without one it is refused. With ``add_error`` (and in leaf
-mode) the forward is the clean one, so the clean selection is exactly the joint top-k; after
-``feature_ablate`` the selection stays the clean run's, as attribution holds it.
+A ``joint_topk`` transcoder ranks features over all layers at once, so its splice holds a fixed
+``selection`` (:func:`clean_selection`) and is refused without one (docs/transcoders.md).
+``feature_ablate`` (:mod:`.feature_ablate`) sits on the input hook after the encoder. The
+default ``from_position=1`` never splices BOS (no dictionary is trained on the attention sink,
+and splicing it wrecks the model); without a BOS callers splice from 0
+(:func:`~..prompts.first_position`).
 
-``feature_ablate`` (:mod:`.feature_ablate`) sits on the same input hook after the encoder and
-scales or sets chosen features before any decoder reads them. The default ``from_position=1``
-never splices BOS: no dictionary is trained on the attention sink there, and splicing it wrecks
-the model. When the tokenizer adds no BOS, position 0 is a real token and callers splice from
-0 (:func:`~..prompts.first_position`: attribution, the pairing check and the anchor do).
-
-What one splice's interventions share during a forward — each layer's features and inputs,
-and in leaf mode the leaves — is a :class:`SpliceSession`, handed to the caller (pass your own
-with ``session=``, or read ``splice_session(reps)``), never stored on the transcoder. Its
-interventions carry the session's id in their configuration, so the interventions of a splice
-loaded by ``pv.IntervenableModel.load`` (or built one by one by pyvene) are handed one session
-again by the ``IntervenableModel`` holding them (:func:`.splice_session.bind_sessions`). They
-refer to their transcoder by its path (``clt.source``); loading reads it once per process and
-reads it again when its files change.
+One splice's interventions share a :class:`SpliceSession` (pass ``session=``, or read
+``splice_session(reps)``), never stored on the transcoder; how interventions built one by one or
+loaded find it again, and their transcoder by its path: :mod:`.splice_session`.
 """
 
 from __future__ import annotations
@@ -94,19 +79,11 @@ def splice_session(representations: list[dict]) -> SpliceSession:
     raise InputError("no clt_splice among these representations")
 
 
-def _leaf_session(session: SpliceSession) -> dict:
-    if not session.leaves:
-        session.leaves.update({"features": {}, "writes": {}, "errors": {}, "inputs": {}})
-    return session.leaves
-
-
 class CLTSplice(SpliceIntervention):
     """One role of a CLT splice at one layer (see module docstring)."""
 
     registered_name = "clt_splice"
     tensor_fields = ("error",)
-    _config_keys = ("role", "clt_layer", "from_position", "add_error", "reset", "leaves",
-                    "source", "error", "normalize", "session", "live_error", "error_from")
 
     def _setup(self, role: str, clt_layer: int, from_position: int = 1, add_error: bool = False,
                reset: bool = False, leaves: bool = False, source: str | None = None,
@@ -126,10 +103,8 @@ class CLTSplice(SpliceIntervention):
             raise InputError(f"error_from must be None or 'clean', got {error_from!r}")
         self._set_tensor("error", error)
         self._config = {"role": role, "clt_layer": int(clt_layer),
-                        "from_position": int(from_position),
-                        "add_error": bool(add_error), "reset": bool(reset),
-                        "leaves": bool(leaves),
-                        "source": source,
+                        "from_position": int(from_position), "add_error": bool(add_error),
+                        "reset": bool(reset), "leaves": bool(leaves), "source": source,
                         "normalize": None if normalize is None else dict(normalize),
                         "session": self._session_id(session, source),
                         "live_error": bool(live_error), "error_from": error_from}
@@ -187,8 +162,7 @@ class CLTSplice(SpliceIntervention):
         error = entry.get("error")
         selection = None
         if clt.cfg.joint:  # the clean prompt's joint top-k, held fixed (module docstring)
-            device = next(ctx.model.parameters()).device
-            selection = clean_selection(ctx.model, clt, ctx.prompt.input_ids.to(device))
+            selection = clean_selection(ctx.model, clt, ctx.prompt.input_ids.to(ctx.bound.device))
         reps = clt_splice_representations(
             ctx.model, clt, layers=layers, from_position=from_position,
             add_error=entry.get("add_error", False), ablations=ablations,
@@ -205,9 +179,8 @@ class CLTSplice(SpliceIntervention):
             # the clean run's errors, computed once for the whole splice
             key = ("clean_errors", config["source"], config["from_position"])
             if key not in ctx.cache:
-                device = next(ctx.model.parameters()).device
                 ctx.cache[key] = clean_errors(ctx.model, made.clt,
-                                              ctx.prompt.input_ids.to(device),
+                                              ctx.prompt.input_ids.to(ctx.bound.device),
                                               config["from_position"])
             made._set_tensor("error", ctx.cache[key][config["clt_layer"]])
         return made
@@ -219,8 +192,7 @@ class CLTSplice(SpliceIntervention):
             raise InputError("this splice holds an error tensor of its caller's; a spec can "
                              "name only the clean run's errors ('error': 'clean')")
         return {"type": self.registered_name, "clt": config["source"],
-                "layers": [config["clt_layer"]],
-                "from_position": config["from_position"],
+                "layers": [config["clt_layer"]], "from_position": config["from_position"],
                 "add_error": config["add_error"], **({"error": error} if error else {})}
 
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
@@ -230,7 +202,9 @@ class CLTSplice(SpliceIntervention):
         if self._config["reset"] and self._config["role"] == "encode":
             session.clear()
         if self._config["leaves"]:
-            return self._leaf_forward(base, clt, layer, start, _leaf_session(session))
+            if not session.leaves:
+                session.leaves.update({"features": {}, "writes": {}, "errors": {}, "inputs": {}})
+            return self._leaf_forward(base, clt, layer, start, session.leaves)
         if self._config["role"] == "encode":
             x = self._input(base)
             acts = clt.encode(x, layer, joint_selection(clt, session, layer, x))
@@ -293,9 +267,8 @@ class CLTSplice(SpliceIntervention):
         recon = recon + transcoder.skip(leaves["inputs"][layer], layer)
         written = None
         for source_layer in transcoder.cfg.sources(layer):
-            writes = leaves["writes"].get(source_layer)
-            if writes is not None:
-                part = writes[layer - source_layer]
+            if leaves["writes"].get(source_layer) is not None:
+                part = leaves["writes"][source_layer][layer - source_layer]
                 written = part if written is None else written + part
         if transcoder.features is not None:  # a shard: every rank's features write this layer
             written = summed_over_ranks(written, recon, layer)
@@ -362,14 +335,12 @@ def clt_splice_representations(
 ) -> list[dict]:
     """pyvene representation dicts that splice ``transcoder`` into ``model`` at ``layers`` (all by
     default), with ``ablations`` (``feature_ablate`` keyword dicts with ``clt_layer``) after
-    their layer's encoder; ``leaves=True`` builds the attribution graph's leaf-mode splice
-    (always with the error term, see module docstring); ``errors`` (``[L, 1, P, D]``, from
-    :func:`clean_errors`) fixes each decoder's error term; ``live_error`` keeps the model's own
-    MLP output plus what changed features change (past the fixed errors' positions, when
-    given); ``error_from="clean"`` says the fixed errors are the clean run's on the input, so a
-    spec can name them. The interventions share ``session`` (a new :class:`SpliceSession` by
-    default; :func:`splice_session` finds it). ``selection`` (bool ``[L, P, F]``, from
-    :func:`clean_selection`) is required by a ``joint_topk`` transcoder (module docstring)."""
+    their layer's encoder; ``leaves=True``: the attribution graph's leaf-mode splice. The error
+    term (module docstring): ``add_error``, ``errors`` (``[L, 1, P, D]``, :func:`clean_errors`)
+    and/or ``live_error``; ``error_from="clean"`` says ``errors`` are the clean run's, so a spec
+    can name them. The interventions share ``session`` (a new :class:`SpliceSession` by default;
+    :func:`splice_session` finds it); a ``joint_topk`` transcoder needs ``selection`` (bool
+    ``[L, P, F]``, :func:`clean_selection`)."""
     if leaves and ablations:
         raise InputError("a leaf-mode splice does not take ablations")
     bound = bind(model)
@@ -379,7 +350,6 @@ def clt_splice_representations(
                          "a transcoder sharded by feature splices the attribution graph's "
                          "local replacement model only (attribute under torchrun); steering, "
                          "checks and specs take the whole transcoder")
-    adapter = bound.adapter
     session = SpliceSession() if session is None else session
     if selection is not None:
         if not transcoder.cfg.joint:
@@ -395,26 +365,20 @@ def clt_splice_representations(
         if ablation.get("clt_layer") not in layers:
             raise InputError(f"an ablation names layer {ablation.get('clt_layer')!r}, which is "
                              f"not spliced (layers {layers})")
-    modes = {"live_error": live_error, "error_from": error_from}
+    common = {"clt": transcoder, "session": session, "from_position": from_position,
+              "add_error": add_error or leaves, "leaves": leaves, "live_error": live_error,
+              "error_from": error_from}
     out = []
     for index, layer in enumerate(layers):
-        hooks = transcoder.cfg.hf_hooks(adapter, layer)
+        hooks = transcoder.cfg.hf_hooks(bound.adapter, layer)
         out.append({"component": hooks["input"], "intervention": CLTSplice(
-            clt=transcoder, session=session, role="encode", clt_layer=layer,
-            from_position=from_position,
-            add_error=add_error or leaves, reset=index == 0, leaves=leaves,
-            normalize=norm_settings(bound, transcoder.cfg.feature_input_hook, layer), **modes)})
-        for ablation in ablations or []:
-            if ablation["clt_layer"] == layer:
-                out.append({"component": hooks["input"],
-                            "intervention": FeatureAblate(clt=transcoder, session=session,
-                                                          **ablation)})
-    for layer in layers:
-        out.append({"component": transcoder.cfg.hf_hooks(adapter, layer)["output"],
-                    "intervention": CLTSplice(clt=transcoder, session=session, role="decode",
-                                              clt_layer=layer,
-                                              from_position=from_position,
-                                              add_error=add_error or leaves, leaves=leaves,
-                                              error=None if errors is None else errors[layer],
-                                              **modes)})
+            role="encode", clt_layer=layer, reset=index == 0, **common,
+            normalize=norm_settings(bound, transcoder.cfg.feature_input_hook, layer))})
+        out.extend({"component": hooks["input"], "intervention": FeatureAblate(
+            clt=transcoder, session=session, **ablation)}
+            for ablation in ablations or [] if ablation["clt_layer"] == layer)
+    out.extend({"component": transcoder.cfg.hf_hooks(bound.adapter, layer)["output"],
+                "intervention": CLTSplice(role="decode", clt_layer=layer, **common,
+                                          error=None if errors is None else errors[layer])}
+               for layer in layers)
     return out

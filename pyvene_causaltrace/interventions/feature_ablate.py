@@ -54,8 +54,6 @@ class FeatureAblate(SpliceIntervention):
     ``positions`` (None: all) inside a splice (see module docstring)."""
 
     registered_name = "feature_ablate"
-    _config_keys = ("clt_layer", "features", "positions", "scale", "value", "row_values",
-                    "source", "session")
 
     def _setup(self, clt_layer: int, features: list[int] | str,
                positions: list[int] | None = None, scale: float | None = None,

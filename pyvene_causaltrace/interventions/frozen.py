@@ -1,11 +1,8 @@
 """``frozen_layernorm`` and ``frozen_attention``: the freezes of circuit tracing's local
 replacement model, which make a transformer linear in its residual stream.
 
-``frozen_layernorm``: a norm made linear in its input by freezing its scale.
-
-Placed on a norm module's *output*, it leaves the forward value unchanged (bit for bit) and
-replaces the gradient with the frozen-scale one — the statistic (RMS or standard deviation) is
-treated as a constant, as in circuit tracing's local replacement model:
+``frozen_layernorm``, on a norm's *output*, keeps the value (bit for bit) and gives the gradient
+with the statistic (RMS or standard deviation) a constant; a LayerNorm's bias keeps its own:
 
 - ``kind="rms"``: ``d y = w * d x / rms(x)``; ``"rms_offset"`` (Gemma): ``(1 + w) * d x / rms(x)``;
 - ``kind="layer"``: ``d y = w * (d x - mean(d x)) / std(x)``.
@@ -13,32 +10,25 @@ treated as a constant, as in circuit tracing's local replacement model:
     pv_model = IntervenableModel([{"component": "model.layers[0].input_layernorm.output",
                                    "intervention": FrozenLayerNorm(kind="rms")}], model)
 
-A norm's bias (LayerNorm) keeps its gradient, so it can be counted as a constant node.
+Given ``scale`` (``[batch, n, 1]``, the clean run's, :func:`norm_scales`) it holds the scale in
+the forward too at the first ``n`` positions, so the norm is linear in its input whatever the
+input becomes (``crosscheck``'s linear check).
 
-Given ``scale`` (``[batch, n, 1]``, the clean run's statistic from :func:`norm_scales`) it holds
-the scale in the forward too: ``y = w * x / scale`` (LayerNorm: ``w * (x - mean x) / scale + b``)
-at the first ``n`` positions, so the norm is linear in its input whatever the input becomes —
-the local replacement model run forward on an edited input (``crosscheck``'s linear check).
-
-``frozen_attention``: placed on an attention module's *output*, it recomputes the module with
-queries and keys detached after every transform (projections, q/k norms, rotary) — the pattern is
-a constant while values flow — and returns the original value with that gradient. Given a
-``pattern`` (``[1, heads, n, n]``, the clean run's from :func:`attention_patterns`) it holds the
-pattern in the forward too: query positions below ``n`` mix the live values by the held weights,
-later positions (generated tokens) attend as the model does — circuit-tracer's
-``freeze_attention`` of feature interventions. The
-recomputation goes through the model's own attention function (eager, sdpa, ...) via a
-registered transformers ``AttentionInterface`` entry, so it works for every architecture that
-dispatches through that interface (GPT-2, Llama/SmolLM2, Mistral, Qwen2/3 with grouped-query
-attention, Gemma).
+``frozen_attention``, on an attention's *output*, recomputes the module with queries and keys
+detached after every transform (projections, q/k norms, rotary) and returns the original value
+with that gradient: the pattern a constant, values flowing. Given a ``pattern`` (``[1, heads, n,
+n]``, the clean run's, :func:`attention_patterns`) it holds it in the forward too at query
+positions below ``n`` (circuit-tracer's ``freeze_attention``). The recomputation calls the
+model's own attention function (eager, sdpa, ...) through a registered transformers
+``AttentionInterface`` entry: every architecture dispatching through it, grouped-query included.
 
     pv_model = IntervenableModel([{"component": "model.layers[0].self_attn.output",
                                    "intervention": FrozenAttention()}], model)
 
-Both read the hooked module and its inputs from the call announced to them
+Both read the hooked module and its inputs from the announced call
 (:func:`~pyvene_causaltrace.pyvene_boundary.calls.announced_call`): in our ``IntervenableModel``
 or our runs, not pyvene's own. ``FrozenLayerNorm()`` without a ``kind`` reads it off the module's
-first output (which formula reproduces it), so pyvene can build it from the class.
+first output, so pyvene can build it from the class.
 """
 
 from __future__ import annotations
@@ -103,16 +93,10 @@ class FrozenLayerNorm(CausalTraceIntervention):
     @classmethod
     def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
         layers = ctx.layers(entry.get("layers", "all"), ctx.path(index, "layers"))
-        sites = []
-        for norm in entry.get("norms", cls._NORMS):
-            if norm == "final":
-                sites.append(Site(index, ctx.adapter.site("final_norm"), where=ctx.path(index),
-                                  settings={"norm": norm}))
-            else:
-                sites.extend(Site(index, ctx.adapter.site(f"{norm}_norm", layer), layer,
-                                  where=ctx.path(index), settings={"norm": norm})
-                             for layer in layers)
-        return sites
+        return [Site(index, ctx.adapter.site(f"{norm}_norm", layer), layer, where=ctx.path(index),
+                     settings={"norm": norm})
+                for norm in entry.get("norms", cls._NORMS)
+                for layer in ([None] if norm == "final" else layers)]
 
     @classmethod
     def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
@@ -150,28 +134,24 @@ class FrozenLayerNorm(CausalTraceIntervention):
         if x.shape != base.shape:
             raise InputError(
                 f"frozen_layernorm needs the norm's whole output {tuple(x.shape)}, got "
-                f"{tuple(base.shape)}: give it unit_locations=None"
-            )
+                f"{tuple(base.shape)}: give it unit_locations=None")
         kind = self._kind(module, x, base)
-        if self.scale is not None:
-            xf = x.to(torch.promote_types(x.dtype, torch.float32))
-            weight = module.weight.to(xf.dtype)
-            weight = 1.0 + weight if kind == "rms_offset" else weight
-            return self._held(xf, base, _statistic(xf.detach(), kind, _eps(module)), kind,
-                              weight, getattr(module, "bias", None))
-        return frozen_norm(module, x, base, kind)
-
-    def _held(self, xf: torch.Tensor, base: torch.Tensor, live: torch.Tensor, kind: str,
-              weight: torch.Tensor, bias) -> torch.Tensor:
-        """The norm with the held scale at the first ``n`` positions (the live one after)."""
+        if self.scale is None:
+            return frozen_norm(module, x, base, kind)
+        # the held scale at the first n positions, the live one after
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         held = self.scale.to(xf.device, xf.dtype)
-        n = min(held.shape[1], xf.shape[1])
         if held.shape[0] not in (1, xf.shape[0]):
             raise InputError(f"a held norm scale for {held.shape[0]} rows, the batch has "
                              f"{xf.shape[0]}")
+        n = min(held.shape[1], xf.shape[1])
+        live = _statistic(xf.detach(), kind, _eps(module))
         scale = torch.cat([held[:, :n].expand(xf.shape[0], -1, -1), live[:, n:]], dim=1)
+        weight = module.weight.to(xf.dtype)
+        weight = 1.0 + weight if kind == "rms_offset" else weight
         centred = xf - xf.mean(-1, keepdim=True) if kind == "layer" else xf
         out = weight * centred / scale
+        bias = getattr(module, "bias", None)
         if isinstance(bias, torch.Tensor):
             out = out + bias.to(out.dtype)
         return out.to(base.dtype)
@@ -245,7 +225,7 @@ def norm_scales(bound: BoundModel, input_ids: torch.Tensor,
 FROZEN_QK = "pvct_frozen_qk"
 HELD_PATTERN = "pvct_held_pattern"
 _inner_attention: ContextVar[Callable] = ContextVar("pvct_inner_attention")
-_held_pattern: ContextVar[torch.Tensor] = ContextVar("pvct_held_pattern")
+_held_pattern: ContextVar[torch.Tensor | None] = ContextVar("pvct_held_pattern")
 _qk_watcher: ContextVar[Callable | None] = ContextVar("pvct_qk_watcher", default=None)
 
 
@@ -291,22 +271,18 @@ def _held_pattern_attention(module, query, key, value, attention_mask, **kwargs)
 _FUNCTIONS = {FROZEN_QK: _frozen_qk_attention, HELD_PATTERN: _held_pattern_attention}
 
 
-def _register_frozen_qk() -> None:
+@contextmanager
+def _attention_function(attention: torch.nn.Module,
+                        pattern: torch.Tensor | None = None) -> Iterator[None]:
+    """Inside the block, ``attention``'s forward computes its pattern from detached q and k, or
+    (given ``pattern`` ``[1, heads, n, n]``) mixes values by it at its first ``n`` query
+    positions: our registered function, which calls the model's own (eager, sdpa, ...)."""
     # transformers loads when an attention is frozen, not with the registry's built-ins
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     for name, function in _FUNCTIONS.items():
         if name not in ALL_ATTENTION_FUNCTIONS:
             AttentionInterface.register(name, function)
-
-
-@contextmanager
-def _attention_function(attention: torch.nn.Module, name: str) -> Iterator[None]:
-    """Inside the block, ``attention``'s forward calls our function ``name``, which calls the
-    model's own (eager, sdpa, ...)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # heavy: as above
-
-    _register_frozen_qk()
     config = attention.config
     original = config._attn_implementation
     if original in (None, "eager", *_FUNCTIONS):
@@ -316,31 +292,14 @@ def _attention_function(attention: torch.nn.Module, name: str) -> Iterator[None]
                                         "eager_attention_forward")
     else:
         inner = ALL_ATTENTION_FUNCTIONS[original]
-    token = _inner_attention.set(inner)
+    name = FROZEN_QK if pattern is None else HELD_PATTERN
+    tokens = _inner_attention.set(inner), _held_pattern.set(pattern)
     try:
         with thread_view(config, _attn_implementation_internal=name):  # this thread's alone
             yield
     finally:
-        _inner_attention.reset(token)
-
-
-@contextmanager
-def frozen_qk(attention: torch.nn.Module) -> Iterator[None]:
-    """Inside the block, ``attention``'s forward computes its pattern from detached q and k."""
-    with _attention_function(attention, FROZEN_QK):
-        yield
-
-
-@contextmanager
-def held_pattern(attention: torch.nn.Module, pattern: torch.Tensor) -> Iterator[None]:
-    """Inside the block, ``attention``'s forward mixes values by ``pattern`` ``[1, heads, n,
-    n]`` at its first ``n`` query positions."""
-    token = _held_pattern.set(pattern)
-    try:
-        with _attention_function(attention, HELD_PATTERN):
-            yield
-    finally:
-        _held_pattern.reset(token)
+        _inner_attention.reset(tokens[0])
+        _held_pattern.reset(tokens[1])
 
 
 def attention_patterns(model: torch.nn.Module | BoundModel,
@@ -350,8 +309,7 @@ def attention_patterns(model: torch.nn.Module | BoundModel,
     model runs eager (its own implementation, e.g. sdpa, is put back afterwards; other threads'
     forwards meanwhile run the model's own)."""
     bound = bind(model)
-    model = bound.model
-    modules = [bound.module("attn", layer) for layer in range(bound.n_layers)]
+    model, layers = bound.model, range(bound.n_layers)
     configs = {id(m.config): m.config for m in model.modules()
                if hasattr(getattr(m, "config", None), "_attn_implementation_internal")}
     found: dict[int, torch.Tensor | None] = {}
@@ -365,15 +323,14 @@ def attention_patterns(model: torch.nn.Module | BoundModel,
     with ExitStack() as eager:
         for config in configs.values():
             eager.enter_context(thread_view(config, _attn_implementation_internal="eager"))
-        with applying(model, [Edit(bound.at("attn", i), read(i), last=True)
-                              for i in range(len(modules))]), \
+        with applying(model, [Edit(bound.at("attn", i), read(i), last=True) for i in layers]), \
                 torch.no_grad():
             model(input_ids=input_ids, use_cache=False)
-    missing = [layer for layer in range(len(modules)) if found.get(layer) is None]
+    missing = [layer for layer in layers if found.get(layer) is None]
     if missing:
         raise UnsupportedModelError(f"{bound.model_type}'s attention at layers "
                                     f"{missing} returned no pattern in eager mode")
-    return [found[layer].detach().clone() for layer in range(len(modules))]
+    return [found[layer].detach().clone() for layer in layers]
 
 
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
@@ -387,9 +344,6 @@ class FrozenAttention(CausalTraceIntervention):
 
     registered_name = "frozen_attention"
     tensor_fields = ("pattern",)
-
-    def __init__(self, **pyvene_kwargs: Any) -> None:
-        super().__init__(**pyvene_kwargs)
 
     def _setup(self, pattern: torch.Tensor | None = None,
                pattern_from: str | None = None) -> None:
@@ -428,9 +382,8 @@ class FrozenAttention(CausalTraceIntervention):
     @classmethod
     def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
         if "attention_patterns" not in ctx.cache:  # one clean forward for every layer
-            device = next(ctx.model.parameters()).device
             ctx.cache["attention_patterns"] = attention_patterns(
-                ctx.model, ctx.prompt.input_ids.to(device))
+                ctx.model, ctx.prompt.input_ids.to(ctx.bound.device))
         return cls(pattern=ctx.cache["attention_patterns"][site.layer], pattern_from="clean")
 
     def to_spec(self, site: Site) -> dict[str, Any]:
@@ -454,14 +407,13 @@ class FrozenAttention(CausalTraceIntervention):
                 raise InputError("frozen_attention cannot recompute attention over cached "
                                  "tokens: run the whole sequence with use_cache=False")
             call_kwargs[name] = None
-        held = self.pattern is not None
-        with held_pattern(module, self.pattern) if held else frozen_qk(module):
+        with _attention_function(module, self.pattern):
             out = module.forward(*args, **call_kwargs)
         out = out[0] if isinstance(out, tuple) else out
         if out.shape != base.shape:
             raise InputError(
                 f"frozen_attention needs the attention's whole output {tuple(out.shape)}, got "
                 f"{tuple(base.shape)}: give it unit_locations=None")
-        if held:
+        if self.pattern is not None:
             return out.to(base.dtype)
         return base.detach() + (out - out.detach()).to(base.dtype)

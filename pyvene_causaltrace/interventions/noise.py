@@ -1,6 +1,6 @@
 """``noise_add``: seeded noise added at chosen positions, one seed per batch row.
 
-This noise recipe makes a JSON spec reproduce the same corruption anywhere: for seed
+The recipe (docs/specs.md) makes a JSON spec reproduce the same corruption anywhere: for seed
 ``s`` and ``n`` noised positions, ``torch.randn((n, hidden), generator=torch.Generator("cpu")
 .manual_seed(s), dtype=torch.float32) * scale * sigma`` (``uniform``: ``rand * 2 - 1`` in place of
 ``randn``), added to the chosen positions in order.
@@ -10,11 +10,10 @@ This noise recipe makes a JSON spec reproduce the same corruption anywhere: for 
                                    "intervention": noise}], model)
     _, out = pv_model(base=inputs3)          # row r carries seed r's draw
 
-The noise unit sigma: ROME's (the default in specs and traces) is the standard deviation over all
-elements of the input-embedding module's outputs for the subject strings tokenized alone (no
-special tokens) — the spread of the embeddings a subject actually uses. The embedding matrix's
-standard deviation is an option with its own name; the two can differ enough that 3 sigma of
-the matrix fails to corrupt some models.
+The noise unit sigma: ROME's (the default) is the standard deviation of the input-embedding
+outputs of the subject strings tokenized alone, the spread of the embeddings a subject uses;
+the embedding matrix's is an option, and can differ enough that 3 sigma of it fails to corrupt
+some models.
 """
 
 from __future__ import annotations
@@ -221,10 +220,9 @@ class NoiseAdd(CausalTraceIntervention):
         if self._cache is None or self._cache[0] != key:
             noise = back(self.noise(batch, seq_len, hidden, offset))
             self._cache = (key, noise.to(base.device, base.dtype))
-        dims = subspace_mask(subspaces, base.shape[0], base.shape[-1], self.subspace_partition)
+        dims = subspace_mask(subspaces, base, self.subspace_partition)
         if dims is None:
             return base + self._cache[1]
-        dims = dims.to(base.device).reshape(base.shape[0], *(1,) * (base.dim() - 2), -1)
         return torch.where(dims, base + self._cache[1], base)
 
     # -- spec entry ----------------------------------------------------------------------

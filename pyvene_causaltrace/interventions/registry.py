@@ -1,11 +1,9 @@
 """Name → intervention class registry.
 
-Specs name interventions by string; this table turns the string into a pyvene
-``Intervention`` subclass. Third-party packages add types either by calling
-:func:`register_intervention` or through an entry point in the group
-``pyvene_causaltrace.interventions`` (loaded on the first lookup). The command line imports the
-modules named by ``--plugins`` and ``$PVCT_PLUGINS`` (:func:`load_plugins`), which register
-their types when imported.
+Specs name interventions by string; this table turns it into a pyvene ``Intervention``
+subclass. Other packages add types by :func:`register_intervention` or an entry point in the
+group ``pyvene_causaltrace.interventions`` (loaded on the first lookup); the command line
+imports the modules named by ``--plugins`` and ``$PVCT_PLUGINS`` (:func:`load_plugins`).
 
     @register_intervention("my_steer")
     class MySteer(pv.Intervention): ...
@@ -36,15 +34,10 @@ _entry_points_loaded = False
 def plugin_modules(*values: str | Iterable[str] | None) -> list[str]:
     """Module names from comma-separated strings or lists of them, in order, without repeats
     or blanks."""
-    names: list[str] = []
-    for value in values:
-        if value is None:
-            continue
-        for part in [value] if isinstance(value, str) else value:
-            for name in part.split(","):
-                if name.strip() and name.strip() not in names:
-                    names.append(name.strip())
-    return names
+    parts = [part for value in values if value is not None
+             for part in ([value] if isinstance(value, str) else value)]
+    return list(dict.fromkeys(name.strip() for part in parts for name in part.split(",")
+                              if name.strip()))
 
 
 def load_plugins(modules: str | Iterable[str] | None = None, *, env: bool = True,
@@ -74,8 +67,8 @@ def load_plugins(modules: str | Iterable[str] | None = None, *, env: bool = True
 def register_intervention(name: str, cls: type | None = None, *, replace: bool = False):
     """Register ``cls`` under ``name``; usable as a decorator when ``cls`` is omitted.
 
-    Refuses duplicate names unless ``replace=True`` and reserved names. ``cls`` must subclass
-    ``pyvene.Intervention`` so that it runs inside a plain ``pv.IntervenableModel``.
+    Refuses a name already taken by another class unless ``replace=True``. ``cls`` must
+    subclass ``pyvene.Intervention`` so that it runs inside a plain ``pv.IntervenableModel``.
     """
 
     def add(klass: type) -> type:
@@ -88,8 +81,7 @@ def register_intervention(name: str, cls: type | None = None, *, replace: bool =
         if name in _REGISTRY and _REGISTRY[name] is not klass and not replace:
             raise InputError(
                 f"an intervention named {name!r} is already registered "
-                f"({_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__})"
-            )
+                f"({_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__})")
         _REGISTRY[name] = klass
         return klass
 
@@ -130,8 +122,7 @@ def get_intervention(name: str) -> type:
     if name in _REGISTRY:
         return _REGISTRY[name]
     raise UnknownInterventionError(
-        f"unknown intervention type {name!r}; registered: {', '.join(list_interventions())}"
-    )
+        f"unknown intervention type {name!r}; registered: {', '.join(list_interventions())}")
 
 
 def list_interventions() -> list[str]:

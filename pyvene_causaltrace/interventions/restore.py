@@ -1,13 +1,10 @@
 """Overwrite a component's output with stored states, by per-row position masks.
 
 Three registered names share one mechanism and differ in what the stored states mean:
-
-- ``clean_restore``: clean-run states (ROME's restoration of one cell);
-- ``window_restore``: clean sublayer (MLP or attention) outputs at one layer of a window of
-  layers centred ROME's way (:func:`window_layers`); a spec names it once and it expands to one
-  instance per layer of the window;
-- ``freeze``: the states a component had in another run, typically the corrupted one (ROME's
-  severed traces).
+``clean_restore``, clean-run states (ROME's restoration of one cell); ``window_restore``, clean
+sublayer outputs at one layer of a window centred ROME's way (:func:`window_layers`; a spec
+names it once and it expands to one instance per layer); ``freeze``, the states a component had
+in another run, typically the corrupted one (ROME's severed traces).
 
 Row ``r`` of the batch takes ``states[r]`` (or the single row of ``states``, or
 ``states[state_rows[r]]`` when ``state_rows`` maps rows to donors, e.g. to their noise seed's
@@ -82,8 +79,7 @@ class _Overwrite(CausalTraceIntervention):
         donor = self.states if self.states is not None else source
         if donor is None:
             raise InputError(
-                f"{self.registered_name} has no stored states and pyvene passed no source"
-            )
+                f"{self.registered_name} has no stored states and pyvene passed no source")
         flat, back = as_positions_last(base)
         batch, seq_len, hidden = flat.shape
         if donor.dim() == base.dim():
@@ -95,29 +91,19 @@ class _Overwrite(CausalTraceIntervention):
             return base
         if generating:
             donor = _window(donor, offset, seq_len, mask, self.registered_name)
-        elif donor.shape[1] != seq_len:
+        if donor.shape[1] != seq_len or donor.shape[-1] != hidden:
             raise InputError(
                 f"{self.registered_name}: donor states are {tuple(donor.shape)}, the component "
-                f"output is {tuple(base.shape)}"
-            )
-        if donor.shape[-1] != hidden:
-            raise InputError(
-                f"{self.registered_name}: donor states are {tuple(donor.shape)}, the component "
-                f"output is {tuple(base.shape)}"
-            )
+                f"output is {tuple(base.shape)}")
         if self.state_rows is not None:
             rows_for(batch, self.state_rows.numel(), "state_rows")
             donor = donor.index_select(0, self.state_rows.to(donor.device))
         rows_for(batch, donor.shape[0], "the donor states")
-        where = mask.unsqueeze(-1)
-        dims = subspace_mask(subspaces, batch, base.shape[-1], self.subspace_partition)
-        if base.dim() == 4 or dims is not None:
-            where = back(where.expand(batch, seq_len, hidden))
-            if dims is not None:
-                where = where & dims.to(base.device).reshape(batch, *(1,) * (base.dim() - 2),
-                                                             -1)
-            return torch.where(where, back(donor.to(base.device, base.dtype)), base)
-        return torch.where(where, donor.to(base.device, base.dtype), base)
+        where = back(mask.unsqueeze(-1).expand(batch, seq_len, hidden))
+        dims = subspace_mask(subspaces, base, self.subspace_partition)
+        if dims is not None:
+            where = where & dims
+        return torch.where(where, back(donor.to(base.device, base.dtype)), base)
 
     def retarget(self, positions: torch.Tensor, states: torch.Tensor | None = None,
                  state_rows: torch.Tensor | None = None) -> None:

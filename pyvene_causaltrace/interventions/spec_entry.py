@@ -14,18 +14,16 @@ Every registered type answers three questions (the :class:`SpecEntry` protocol),
 :class:`~.base.CausalTraceIntervention` gives every subclass the *generic shape* — ``component``
 (a site name such as ``"mlp_output"`` or a raw module path), ``layers``, ``positions``, and any
 other field passed to the constructor as a keyword — so a third-party type needs nothing more
-than registering. A plain ``pyvene.Intervention`` subclass gets the same shape through
-:func:`entry_of`: its fields go to the constructor; it acts at every position, its ``forward``
-handed the component's whole ``[batch, seq, hidden]`` output and ``source=None`` (a type whose
-forward is pyvene's own and takes a source, ``VanillaIntervention`` and the like, is refused;
-one of yours that fails without a source is a :class:`~pyvene_causaltrace.errors.SpecError`
-naming its entry). Class attributes add cross-entry rules: ``spec_refusal`` (a spec cannot hold
-the type, and why), ``spec_unique`` (at most one entry), ``spec_requires`` (another type that
-must be present), ``spec_corrupts`` (the entry makes the corrupted run: the noise).
+than registering; a plain ``pyvene.Intervention`` subclass gets it through :func:`entry_of`
+(docs/plugins.md, "A plain pyvene type"). Class attributes add cross-entry rules:
+``spec_refusal`` (a spec cannot hold the type, and why), ``spec_unique`` (at most one entry),
+``spec_requires`` (another type that must be present), ``spec_corrupts`` (the entry makes the
+corrupted run: the noise).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -185,34 +183,30 @@ def _plain_refusal(cls: type) -> str | None:
     return None
 
 
-_WITHOUT_SOURCE: dict[type, type] = {}
-
-
+@functools.cache
 def _called_without_source(cls: type) -> type:
     """``cls`` whose ``forward``, called without a source, turns a failure that a missing
     source explains (``TypeError``, ``AttributeError``) into a :class:`SpecError` naming the
     entry. Keeps ``cls``'s name and module, so pyvene's save/load see ``cls``."""
-    if cls not in _WITHOUT_SOURCE:
-        class WithoutSource(cls):
-            def forward(self, base, source=None, *args, **kwargs):
+    class WithoutSource(cls):
+        def forward(self, base, source=None, *args, **kwargs):
+            try:
+                return super().forward(base, source, *args, **kwargs)
+            except (TypeError, AttributeError) as error:
                 if source is not None:
-                    return super().forward(base, source, *args, **kwargs)
-                try:
-                    return super().forward(base, source, *args, **kwargs)
-                except (TypeError, AttributeError) as error:
-                    where = getattr(self, "_pvct_spec_entry", ("$.interventions", cls.__name__))
-                    raise SpecError(where[0], (
-                        f"{where[1]} ({cls.__qualname__}) failed when called without a source "
-                        f"({type(error).__name__}: {error}). In a spec a plain pyvene type is "
-                        "called with source=None on its component's whole [batch, seq, hidden] "
-                        "output: compute the edit from base alone (and subclass "
-                        "pv.SourcelessIntervention), or take states from a run with "
-                        "clean_restore / freeze")) from error
+                    raise
+                where = getattr(self, "_pvct_spec_entry", ("$.interventions", cls.__name__))
+                raise SpecError(where[0], (
+                    f"{where[1]} ({cls.__qualname__}) failed when called without a source "
+                    f"({type(error).__name__}: {error}). In a spec a plain pyvene type is "
+                    "called with source=None on its component's whole [batch, seq, hidden] "
+                    "output: compute the edit from base alone (and subclass "
+                    "pv.SourcelessIntervention), or take states from a run with "
+                    "clean_restore / freeze")) from error
 
-        WithoutSource.__name__, WithoutSource.__qualname__ = cls.__name__, cls.__qualname__
-        WithoutSource.__module__ = cls.__module__
-        _WITHOUT_SOURCE[cls] = WithoutSource
-    return _WITHOUT_SOURCE[cls]
+    WithoutSource.__name__, WithoutSource.__qualname__ = cls.__name__, cls.__qualname__
+    WithoutSource.__module__ = cls.__module__
+    return WithoutSource
 
 
 class _PlainPyveneEntry:

@@ -1,12 +1,8 @@
-"""What a splice computes from its session, apart from the pyvene intervention that runs it.
-
-A :class:`~.clt_splice.CLTSplice` decoder replaces its layer's MLP output by the transcoder's
-reconstruction from the features its encoders kept (:func:`reconstruct`), plus what
-``feature_ablate`` changed (:func:`ablation_change`) in ``live_error`` mode. A ``joint_topk``
-transcoder encodes with the clean run's fixed selection (:func:`joint_selection`). In leaf mode each
-layer's active features are :class:`ActiveFeatures` whose writes into later layers
-:func:`leaf_writes` computes once per forward, summed over ranks for a shard
-(:func:`summed_over_ranks`).
+"""What a splice computes from its session, apart from the pyvene intervention that runs it:
+the reconstruction (:func:`reconstruct`), what ``feature_ablate`` changed
+(:func:`ablation_change`, for ``live_error``), a ``joint_topk`` transcoder's fixed selection
+(:func:`joint_selection`), and in leaf mode the writes of each layer's :class:`ActiveFeatures`
+into later layers (:func:`leaf_writes`), summed over ranks for a shard (:func:`summed_over_ranks`).
 """
 
 from __future__ import annotations
@@ -53,7 +49,7 @@ SHARD_ALONE = ("this transcoder is one rank's shard of its features (Transcoder.
 
 
 def joint_selection(transcoder, session: SpliceSession, layer: int,
-               x: torch.Tensor) -> torch.Tensor | None:
+                    x: torch.Tensor) -> torch.Tensor | None:
     """Layer ``layer``'s part of the splice's fixed joint selection (None for a transcoder that
     selects per layer); refused when there is none or it does not cover ``x``'s positions."""
     if not transcoder.cfg.joint:
@@ -73,21 +69,27 @@ def joint_selection(transcoder, session: SpliceSession, layer: int,
 
 
 def reconstruct(transcoder, layer: int, session: SpliceSession,
-                 base: torch.Tensor) -> torch.Tensor:
+                base: torch.Tensor) -> torch.Tensor:
     """``b_dec[layer] + skip(x) + sum_{l writing layer} a_l @ W_dec[l][:, layer - l]`` from the
     session's features (after any feature_ablate), in ``base``'s dtype."""
     recon = transcoder.b_dec[layer].to(base.dtype).expand_as(base)
     recon = recon + transcoder.skip(session.inputs[layer], layer).to(base.dtype)
     for source_layer in transcoder.cfg.sources(layer):
         acts = session.acts.get(source_layer)
-        if acts is None:
-            continue
-        active = (acts != 0).reshape(-1, acts.shape[-1]).any(0).nonzero().squeeze(-1)
-        if active.numel() == 0:
-            continue
-        rows = transcoder.decoder_rows(source_layer, active)[:, layer - source_layer]  # [n, D]
-        recon = recon + (acts[..., active] @ rows).to(base.dtype)
+        term = None if acts is None else _decoded(transcoder, source_layer, layer, acts)
+        if term is not None:
+            recon = recon + term.to(base.dtype)
     return recon
+
+
+def _decoded(transcoder, source_layer: int, layer: int, acts: torch.Tensor) -> torch.Tensor | None:
+    """``acts @ W_dec[source_layer][:, layer - source_layer]`` over the features nonzero
+    somewhere in ``acts`` (None when none is)."""
+    active = (acts != 0).reshape(-1, acts.shape[-1]).any(0).nonzero().squeeze(-1)
+    if active.numel() == 0:
+        return None
+    rows = transcoder.decoder_rows(source_layer, active)[:, layer - source_layer]  # [n, D]
+    return acts[..., active] @ rows
 
 
 def ablation_change(transcoder, layer: int, session: SpliceSession) -> torch.Tensor | None:
@@ -98,18 +100,14 @@ def ablation_change(transcoder, layer: int, session: SpliceSession) -> torch.Ten
         now, encoded = session.acts.get(source_layer), session.encoded.get(source_layer)
         if now is None or encoded is None or now is encoded:
             continue
-        diff = now - encoded
-        changed = (diff != 0).reshape(-1, diff.shape[-1]).any(0).nonzero().squeeze(-1)
-        if changed.numel() == 0:
-            continue
-        rows = transcoder.decoder_rows(source_layer, changed)[:, layer - source_layer]  # [n, D]
-        term = diff[..., changed] @ rows
-        change = term if change is None else change + term
+        term = _decoded(transcoder, source_layer, layer, now - encoded)
+        if term is not None:
+            change = term if change is None else change + term
     return change
 
 
 def leaf_writes(active: ActiveFeatures, shape: tuple[int, int], n_targets: int,
-            d_model: int) -> tuple[torch.Tensor, ...] | None:
+                d_model: int) -> tuple[torch.Tensor, ...] | None:
     """What one layer's leaf features write into each later layer: ``n_targets`` tensors
     ``[B, P, D]``. One matrix product per (row, position) (features there times their decoder
     rows), so that the backward pass — run once per adjacency row — is a few matrix products

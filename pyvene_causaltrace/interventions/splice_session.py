@@ -5,21 +5,18 @@ which also holds the transcoder read by path (once per session).
     session.acts[layer]                # features after any feature_ablate, [B, P, F]
     session.encoded[layer]             # the same, as the encoder computed them
 
-``clt_splice`` (:mod:`.clt_splice`) and ``feature_ablate`` (:mod:`.feature_ablate`) both derive
-from :class:`SpliceIntervention`: a transcoder held by reference or by path (``source``), and a
-session held by reference. Each also carries its session's id in its configuration (so in its
-state dict). Interventions built one by one — by pyvene from a class
-(``CLTSplice.configured(...)``, ``add_intervention``), or by ``pv.IntervenableModel.load`` —
-hold only that id, and find their siblings through the ``IntervenableModel`` that holds them
-all: :func:`bind_sessions` gives every group of such interventions with one id one session
-object, which they then hold. Our ``IntervenableModel`` binds when it is built (and loaded, by
-its ``load``), and our runs bind a user's ``pv.IntervenableModel`` before they apply it; inside
-a plain ``pv.IntervenableModel``'s call such an intervention cannot find its siblings and is
-refused. The state is the interventions': no table of sessions lives in this module.
+``clt_splice`` and ``feature_ablate`` derive from :class:`SpliceIntervention`: a transcoder held
+by reference or by path (``source``), and a session held by reference whose id is also in the
+configuration (so in the state dict). Interventions built one by one — by pyvene from a class
+(``CLTSplice.configured(...)``, ``add_intervention``) or by ``pv.IntervenableModel.load`` — hold
+only that id; :func:`bind_sessions` gives each group with one id one session object. Our
+``IntervenableModel`` binds when built (and loaded), our runs before they apply a user's
+``pv.IntervenableModel``; inside a plain ``pv.IntervenableModel``'s call such an intervention
+cannot find its siblings and is refused. No table of sessions lives in this module.
 
-A deep copy of a session (pyvene's ``save`` deep-copies its configuration, interventions
-included) is a new, empty session with the same id and ``selection``: the copies of one splice
-share it (``copy.deepcopy``'s memo), and none aliases the caller's.
+A deep copy of a session (pyvene's ``save`` deep-copies its configuration) is a new, empty
+session with the same id and ``selection``: the copies of one splice share it, none aliases the
+caller's.
 """
 
 from __future__ import annotations
@@ -39,19 +36,16 @@ from .base import CausalTraceIntervention
 
 @dataclass(eq=False)
 class SpliceSession:
-    """What one splice's interventions share during a forward: per layer the features
-    (``acts``, after any ``feature_ablate``; ``encoded``, as the encoder computed them — the
-    same tensor when nothing changed them) and the transcoder's inputs; in leaf mode
-    ``leaves`` — ``features`` (:class:`~.clt_splice.ActiveFeatures`), ``writes``, ``errors``,
-    ``inputs`` per layer and the ``b_dec`` leaf. The first encoder of a forward clears it.
+    """What one splice's interventions share during a forward (the first encoder of a forward
+    clears it): per layer the features (``acts``, after any ``feature_ablate``; ``encoded``, as
+    the encoder computed them — the same tensor when nothing changed them) and the transcoder's
+    inputs; in leaf mode ``leaves`` — ``features`` (:class:`~.clt_splice.ActiveFeatures`),
+    ``writes``, ``errors``, ``inputs`` per layer and the ``b_dec`` leaf.
 
-    ``selection`` (bool ``[L, P, F]`` or ``[L, B, P, F]``) is not per forward: the features a
-    ``joint_topk`` transcoder keeps, fixed for the splice's life (the clean run's,
-    :func:`~.clt_splice.clean_selection`) — such a transcoder ranks all layers together, which a
-    forward cannot do before its last layer ran.
-
-    ``transcoders``: the transcoders its interventions named by path, read once
-    (:meth:`transcoder`), also not per forward; a deep copy shares them (they are read-only)."""
+    Not per forward: ``selection`` (bool ``[L, P, F]`` or ``[L, B, P, F]``), the features a
+    ``joint_topk`` transcoder keeps, fixed for the splice's life
+    (:func:`~.clt_splice.clean_selection`); ``transcoders``, those its interventions named by
+    path, read once (:meth:`transcoder`; a deep copy shares them: they are read-only)."""
 
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     acts: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -98,7 +92,6 @@ def bind_sessions(interventions: Iterable[Any]) -> None:
                 held[key] = SpliceSession() if key is None else SpliceSession(id=key)
             made.__dict__["_session_object"] = held[key]
             made._config["session"] = held[key].id
-    for made in splices:
         clt = made.__dict__["_clt_object"]
         if clt is not None and clt.source is not None:
             made.__dict__["_session_object"].transcoders.setdefault(clt.source, clt)
@@ -107,14 +100,11 @@ def bind_sessions(interventions: Iterable[Any]) -> None:
 class SpliceIntervention(CausalTraceIntervention):
     """Base of the splice's types: a transcoder (object or path) and a shared session."""
 
-    _config_keys: tuple[str, ...] = ()
-
     def __init__(self, clt=None, session: SpliceSession | None = None, **kwargs: Any) -> None:
         # plain references, not submodules: they must not enter pyvene's state dicts
         self.__dict__["_clt_object"] = clt
         self.__dict__["_session_object"] = session
-        own = {k: kwargs.pop(k) for k in self._config_keys if k in kwargs}
-        super().__init__(**own, **kwargs)
+        super().__init__(**kwargs)
 
     @property
     def clt(self):
@@ -128,11 +118,9 @@ class SpliceIntervention(CausalTraceIntervention):
                              "it was loaded from)")
         return self.session.transcoder(source)
 
-    @classmethod
-    def bind_shared(cls, interventions: Iterable[Any]) -> None:
-        """What an ``IntervenableModel`` of ours, or our runs applying a user's, call with all
-        its interventions: :func:`bind_sessions`."""
-        bind_sessions(interventions)
+    #: What an ``IntervenableModel`` of ours, or our runs applying a user's, call with all its
+    #: interventions.
+    bind_shared = staticmethod(bind_sessions)
 
     @property
     def session_id(self) -> str | None:

@@ -1,12 +1,10 @@
 """What pyvene's setter hook knows about an intervention's call and does not hand it.
 
 pyvene 0.1.8 hands an intervention only the (gathered) output. The types that recompute their
-module (``frozen_layernorm``, ``frozen_attention``) or have their own positions read the module,
-its inputs, the call's ``unit_locations`` and the owner from :func:`pyvene_call`, announced by
-:func:`announcing_setter` (our ``IntervenableModel``'s setter: a wrapper of pyvene's with them all
-as its and the hook's arguments; no frame or closure is read) or by our own hooks
-(:func:`calling`). pyvene's own class is left as it is and announces nothing: there those types
-refuse (:func:`announced_call`). :func:`apply_like_pyvene` applies as pyvene's setter does.
+module or have their own positions read the module, its inputs, the call's ``unit_locations``
+and the owner from :func:`pyvene_call`, announced by our ``IntervenableModel``'s setter
+(:func:`announcing_setter`: no frame or closure is read) or by our own hooks (:func:`calling`).
+pyvene's own class announces nothing: there those types refuse (:func:`announced_call`).
 """
 
 from __future__ import annotations

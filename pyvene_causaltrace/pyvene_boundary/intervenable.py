@@ -24,12 +24,10 @@ from .quiet_import import import_pyvene
 
 class _RecordedRegister:
     """A module's ``register_forward_hook`` / ``register_forward_pre_hook`` as pyvene keeps it
-    in ``intervention_hooks``, with each handle it returns noted in ``handles`` so that the
-    hooks pyvene registered — and only those — can be removed. ``gate``: each hook acts only
-    on the registering thread's forwards (:func:`~pyvene_causaltrace.hooking.register`; our
-    :class:`IntervenableModel`), or — a user's plain ``pv.IntervenableModel`` in
-    :func:`preserve_hooks` — registered as pyvene would. ``__self__`` and ``__name__`` are the
-    bound method's."""
+    in ``intervention_hooks``, noting each handle in ``handles`` so that the hooks pyvene
+    registered, and only those, can be removed. ``gate``: each hook acts only on the
+    registering thread's forwards (ours), else registered as pyvene would (a user's plain one
+    in :func:`preserve_hooks`). ``__self__`` and ``__name__`` are the bound method's."""
 
     def __init__(self, register_method, handles: list, gate: bool = True) -> None:
         self.register, self.handles, self.gate = register_method, handles, gate
@@ -54,9 +52,8 @@ def _record_registers(pv_model, handles: list, gate: bool) -> None:
 
 def bind_shared_state(interventions: Iterable[nn.Module]) -> None:
     """Let ``interventions`` (one model's) that share state by id (a splice built one by one,
-    or loaded) bind it among themselves: a class that shares so defines a class method
-    ``bind_shared(interventions)`` (:meth:`~.interventions.splice_session.SpliceIntervention.
-    bind_shared`), called once with all of them."""
+    or loaded) bind it among themselves: a class that shares so has a ``bind_shared``
+    (``SpliceIntervention``'s), called once with all of them."""
     made = list(interventions)
     binders = {}
     for klass in {type(m) for m in made}:
@@ -161,27 +158,19 @@ def intervenable_model_class():
     pv = import_pyvene()
 
     class IntervenableModel(pv.IntervenableModel):
-        """``pv.IntervenableModel`` that leaves the user's model as it found it.
+        """``pv.IntervenableModel`` that leaves the user's model as it found it
+        (docs/interventions.md, "pyvene's side effects, mended").
 
-        pyvene strips every hook on the model around each call and sets all parameters to
-        ``requires_grad=False`` (and the model to eval mode). In this subclass a call removes
-        only the hooks it registered (pyvene's ``_remove_forward_hooks``, overridden; each hook
-        it registers is noted, through its handle), so the hooks that were on the model stay on
-        it, inside the call too (``output_hidden_states`` works in an intervened run); and the
-        parameters' ``requires_grad`` flags and train/eval mode stay as they were. Training is
-        still pyvene's: unless ``enable_model_gradients()`` was called,
-        ``get_trainable_parameters()``, ``named_parameters()`` and ``count_parameters()`` hold
-        only the interventions' parameters, and a forward under autograd records no gradient
-        for the model's weights (their flags are lowered for the call and put back after).
+        A call removes only the hooks it registered (pyvene's ``_remove_forward_hooks``,
+        overridden), so the model's own hooks stay, inside the call too; the parameters'
+        ``requires_grad`` flags and train/eval mode stay as they were. Training is still
+        pyvene's: until ``enable_model_gradients()`` only the interventions' parameters count,
+        and a forward under autograd records no gradient for the model's weights;
         ``keep_model_gradients=True`` (our attribution, which differentiates by the model's
-        biases) keeps the flags on during the call too. Saved with ``save()``, it loads back
-        with its :meth:`load`. (pyvene's ``train_alignment`` still calls pyvene's module-level
-        hook removal directly, on every hook.)
-
-        Its hooks act only on the forwards of the thread that called it: a forward of the
-        wrapped model from another thread meanwhile sees the bare model. Its setter hooks
-        announce their calls to :func:`~.calls.pyvene_call` (its own setter is
-        :func:`~.calls.announcing_setter` of pyvene's; pyvene's class is left as it is).
+        biases) keeps their flags on during the call. It loads back with its :meth:`load`.
+        (pyvene's ``train_alignment`` still calls pyvene's module-level hook removal directly.)
+        Its hooks act only on the calling thread's forwards, and its setter hooks announce
+        their calls (:func:`~.calls.announcing_setter`); pyvene's class is left as it is.
         """
 
         def __init__(self, config: Any, model: nn.Module, *,

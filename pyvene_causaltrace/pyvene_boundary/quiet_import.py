@@ -5,6 +5,7 @@ architectures its 0.1.8 wheel lacks, Qwen3 and Gemma-3 text (:func:`register_arc
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 
 
@@ -17,14 +18,9 @@ def import_pyvene():
     return pyvene
 
 
-_registered = False
-
-
+@functools.cache
 def register_architectures() -> None:
-    """Teach pyvene the architectures its 0.1.8 wheel does not know (idempotent)."""
-    global _registered
-    if _registered:
-        return
+    """Teach pyvene the architectures its 0.1.8 wheel does not know (once)."""
     import transformers.models as hf  # transformers is slow to import: it loads when a model does
 
     with contextlib.redirect_stdout(io.StringIO()):
@@ -45,4 +41,3 @@ def register_architectures() -> None:
             continue
         card.type_to_module_mapping.setdefault(ours, card.type_to_module_mapping[theirs])
         card.type_to_dimension_mapping.setdefault(ours, card.type_to_dimension_mapping[theirs])
-    _registered = True

@@ -43,16 +43,12 @@ class SteeringSite:
 @dataclass
 class SteeringLeaf:
     """The constant part ``c = f(0)`` of one call of a user's intervention ``f`` during a
-    :func:`collect_steering` block, as a gradient leaf ``[1, P, D]`` (or whatever the edited
-    tensor's shape): the edited value is ``f(x) + (leaf - leaf.detach())`` — exactly ``f(x)``,
-    with the output's gradient on the leaf, so ``leaf * grad`` is the edit's constant's
-    contribution. Calls whose constant is zero (``ZeroIntervention``) are recorded too, for
-    ``reached``, and are never nodes.
-
-    ``reached`` (set by the caller after the forward, None until then): whether the logits'
-    gradient reaches the leaf — False when the edit ran where no gradient is recorded, or
-    when the output it edits is replaced downstream by something that detaches it (then
-    ``leaf`` is set to None: its constant cannot be a node)."""
+    :func:`collect_steering` block, as a gradient leaf shaped like the edited tensor: the
+    edited value is ``f(x) + (leaf - leaf.detach())``, exactly ``f(x)``, so ``leaf * grad`` is
+    the constant's contribution. Zero constants (``ZeroIntervention``) are recorded too, never
+    nodes. ``reached`` (set by the caller after the forward): whether the logits' gradient
+    reaches the leaf — False when no gradient was recorded there, or the edited output is
+    detached downstream (then ``leaf`` is None: its constant cannot be a node)."""
 
     site: SteeringSite
     leaf: torch.Tensor | None
@@ -78,13 +74,11 @@ _STEERING: contextvars.ContextVar[list | None] = contextvars.ContextVar("pvct_st
 @contextlib.contextmanager
 def collect_steering() -> Iterator[list[SteeringLeaf]]:
     """Inside the block, every call of a user's intervention applied by
-    :func:`~.user_edits.applied_interventions` appends a :class:`SteeringLeaf` (its constant
-    part ``c = f(0)``) to the yielded list and, where a gradient is recorded, routes its value
-    through the leaf (the attribution graph's steering nodes; a zero ``c`` is never a node).
-    Outside such a block the hooks apply ``f`` and nothing else (``f(0)`` is not even
-    computed). Each intervention our runs accept — zero, addition, subtraction, a constant
-    source, ``noise_add``, restores with states — is affine in its input, ``f(x) = A x + c``, so
-    the leaf holds all of the edit that is not a path from ``x``."""
+    :func:`~.user_edits.applied_interventions` appends a :class:`SteeringLeaf` to the yielded
+    list and, where a gradient is recorded, routes its value through the leaf (outside, ``f(0)``
+    is not even computed). Each intervention our runs accept (zero, addition, subtraction, a
+    constant source, ``noise_add``, restores with states) is affine, ``f(x) = A x + c``, so the
+    leaf holds all of the edit that is not a path from ``x``."""
     collected: list[SteeringLeaf] = []
     token = _STEERING.set(collected)
     try:

@@ -40,12 +40,10 @@ def _refusal(key: str, made: nn.Module, representation: Any) -> str | None:
 def _shared_input_refusal(key: str, register: Any, bound: BoundModel) -> str | None:
     """Why a user's edit of a residual norm's *input* cannot run in our runs, or None.
 
-    pyvene writes an input edit in place into the module's first argument. A block's norm
-    may read the residual stream tensor itself (Llama's do), and then the edit also reaches
-    the skip path around the sublayer; our runs replace the norm's input (and a trace replays
-    stored block outputs that an in-place write would alter), so they would compute another
-    model than pyvene's. Which tensors alias is the architecture code's business, so every
-    residual norm's input edit is refused rather than possibly silently different."""
+    pyvene writes an input edit in place into the module's first argument, which for a block's
+    norm may be the residual stream itself (Llama's), so the edit also reaches the skip path;
+    our runs replace the norm's input and would compute another model. Which tensors alias is
+    the architecture code's business, so every residual norm's input edit is refused."""
     module = getattr(register, "__self__", None)
     if getattr(register, "__name__", "") != "register_forward_pre_hook" \
             or id(module) not in bound.stream_inputs:  # the blocks' pre-attention/MLP norms
@@ -90,20 +88,14 @@ def user_edits(bound: BoundModel) -> list[tuple[str, nn.Module, Any]]:
 def applied_interventions(bound: BoundModel) -> Iterator[nn.Module]:
     """Yield the model to run: ``bound``'s, with — when it was bound from a pyvene
     ``IntervenableModel`` — the wrapper's interventions applied to every forward inside the
-    block.
+    block (docs/interventions.md, "Your pv.IntervenableModel in our calls").
 
-    They act at every position (as with ``unit_locations=None``) in every run our calls make —
-    clean, corrupted and intervened alike — so a trace or a graph is one *of the intervened
-    model*. Each is applied as pyvene applies it (:func:`~.calls.apply_like_pyvene`: on a
-    clone), and the module's input or output is replaced, never written in place. Refused with
-    :class:`~pyvene_causaltrace.errors.PyveneModelError`: an intervention that needs a source
-    at call time (``VanillaIntervention``, ``SkipIntervention``, a restore without stored
-    states) — our runs have no source to give it; head units (they need ``unit_locations``);
-    pyvene's ``NoiseIntervention`` (a 4-position draw). ``CollectIntervention`` changes nothing
-    and is left out. The hooks are gone when the block ends. Inside
-    :func:`~.steering.collect_steering` (the attribution graph's forward) each edit also routes
-    its constant part ``f(0)`` through a gradient leaf, the value unchanged: the graph's
-    steering nodes.
+    They act at every position in every run our calls make, so a trace or a graph is one *of
+    the intervened model*; each is applied as pyvene applies it
+    (:func:`~.calls.apply_like_pyvene`) and replaces the module's input or output, never
+    writing it. What our runs cannot apply so is refused by :func:`user_edits`. Inside
+    :func:`~.steering.collect_steering` each edit also routes its constant part ``f(0)``
+    through a gradient leaf, the value unchanged: the graph's steering nodes.
     """
     if not bound.carries_interventions:
         yield bound.model
