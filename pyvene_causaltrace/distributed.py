@@ -203,11 +203,6 @@ def environment(env: Mapping[str, str] | None = None) -> Launch | None:
     return Launch(rank, world, local, addr, port)
 
 
-def launched() -> bool:
-    """Whether this process was started by ``torchrun`` (its checked environment says so)."""
-    return environment() is not None
-
-
 def _store(launch: Launch, timeout_s: float):
     """The rendezvous TCP store (rank 0 serves it), or a :class:`DistributedError` naming
     ``MASTER_ADDR:MASTER_PORT``: the port in use, or no store reached within ``timeout_s``."""
