@@ -130,18 +130,15 @@ class CrossCheckResult:
         and measured effect on the target (means over seeds), P(answer) change, flag."""
         import pandas as pd  # pandas loads only when a table is asked for
 
-        rows = []
-        for f in self.features:
-            for mode, m in f["modes"].items():
-                rows.append({"mode": mode, "label": f["label"], "layer": f["layer"],
-                             "position": f["position"], "feature": f["feature"],
-                             "influence": f["influence"], "activation": f["activation"],
-                             "delta": f["delta_mean"], "total_effect": f["total_effect"],
-                             "predicted": f["predicted_mean"], "measured": m["measured_mean"],
-                             "prob_change": m["prob_change_mean"],
-                             "crossings": float(np.mean(m["crossings"])),
-                             "sign_disagrees": m.get("sign_disagrees", False)})
-        return pd.DataFrame(rows)
+        return pd.DataFrame([{"mode": mode, "label": f["label"], "layer": f["layer"],
+                              "position": f["position"], "feature": f["feature"],
+                              "influence": f["influence"], "activation": f["activation"],
+                              "delta": f["delta_mean"], "total_effect": f["total_effect"],
+                              "predicted": f["predicted_mean"], "measured": m["measured_mean"],
+                              "prob_change": m["prob_change_mean"],
+                              "crossings": float(np.mean(m["crossings"])),
+                              "sign_disagrees": m.get("sign_disagrees", False)}
+                             for f in self.features for mode, m in f["modes"].items()])
 
     # ------------------------------------------------------------------------- files
     def to_dict(self) -> dict[str, Any]:
