@@ -140,11 +140,9 @@ def _float(value):
 
 
 def _bool(value):
-    if isinstance(value, bool):
-        return value
-    if _is_numpy(value, "bool"):
-        return bool(value)
-    raise _Refused
+    if not (isinstance(value, bool) or _is_numpy(value, "bool")):
+        raise _Refused
+    return bool(value)
 
 
 def _str(value):
@@ -282,7 +280,7 @@ def _compile(annotation: object) -> _Check | None:
         if len(args) == 2 and args[1] is Ellipsis:
             return _sequence(_compile(args[0]), (list, tuple))
         return _fixed_tuple([_compile(a) for a in args]) if args else _sequence(None, (tuple,))
-    if origin in (dict, abc.Mapping):
+    if origin in (dict, abc.Mapping) or annotation is dict:
         return _instance(abc.Mapping)
     if origin in (abc.Iterable, abc.Iterator, abc.Collection):
         return _sequence(None, (abc.Iterable,))
@@ -294,8 +292,6 @@ def _compile(annotation: object) -> _Check | None:
         return _instance(origin) if isinstance(origin, type) else None
     if annotation in (list, tuple):
         return _sequence(None, (annotation,))
-    if annotation is dict:
-        return _instance(abc.Mapping)
     return _instance(annotation) if isinstance(annotation, type) else None
 
 

@@ -115,9 +115,7 @@ def _short(value: object) -> str:
 def current() -> Ranks | None:
     """This process's :class:`Ranks`, or None: no initialised group, one rank, or inside
     :func:`alone`."""
-    if _ALONE.get():
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
+    if _ALONE.get() or not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.get_world_size()
     return None if world == 1 else Ranks(dist.get_rank(), world)

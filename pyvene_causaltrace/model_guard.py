@@ -46,10 +46,7 @@ _locks_guard = threading.Lock()
 
 def _lock(model: nn.Module) -> threading.RLock:
     with _locks_guard:
-        lock = _locks.get(model)
-        if lock is None:
-            lock = _locks[model] = threading.RLock()
-        return lock
+        return _locks.setdefault(model, threading.RLock())
 
 
 @contextlib.contextmanager

@@ -66,15 +66,11 @@ class CrossCheckResult:
     """One prompt's graph against its trace (:func:`~.check.cross_check`).
 
     ``graph_grids[part]``: ``[layer][position]`` influence share of the graph's nodes at each
-    cell (``all``, ``features``, ``errors``). ``trace_grids[kind]``: the trace's indirect effect
-    (restored - corrupt P(answer), mean over seeds). ``sites[kind][part]``: Spearman, Pearson
-    and top-k overlap over the cells from the subject on. ``features``: one dict per checked
-    feature (``predicted``/``measured`` per seed, ``modes[mode]`` the measurement in each mode,
-    ``sign_disagrees``); ``feature_stats[mode]``: their agreement. ``heads`` (empty unless
-    asked for, :mod:`.heads`): per (layer, head) the graph's loading of the target's edges
-    (``loadings[part]``, ``subject`` or ``all`` sources) beside the per-head trace's mean
-    indirect effect (``effects``), and ``stats[part]``: Spearman and Pearson over every head,
-    Spearman per layer.
+    cell (:data:`~.sites.SITE_PARTS`). ``trace_grids[kind]``: the trace's mean indirect effect.
+    ``sites[kind][part]``: Spearman, Pearson and top-k overlap over the cells from the subject
+    on. ``features``: one dict per checked feature (``predicted``/``measured`` per seed,
+    ``modes[mode]``, ``sign_disagrees``); ``feature_stats[mode]``: their agreement. ``heads``
+    (empty unless asked for): :func:`~.heads.head_section`'s loadings, effects and statistics.
     """
 
     prompt: str
