@@ -115,10 +115,6 @@ def _show(value: object) -> str:
     return f"{text} ({type(value).__name__})"
 
 
-def _refuse(name: str, value: object, expected: str, extra: str = "") -> InputError:
-    return InputError(f"{name}={_show(value)}: expected {expected}{extra}")
-
-
 # ------------------------------------------------------------------------------ the rules
 
 def _is_numpy(value: object, kind: str) -> bool:
@@ -136,22 +132,17 @@ def _int(value):
 
 
 def _float(value):
-    if isinstance(value, bool) or not (isinstance(value, int | float) or _is_numpy(value, "int")
-                                       or _is_numpy(value, "float")):
-        raise _Refused
     if isinstance(value, int) or _is_numpy(value, "int"):
-        return int(value)
-    if not math.isfinite(value):
+        return _int(value)  # an int stays one (a bool is refused)
+    if not (isinstance(value, float) or _is_numpy(value, "float")) or not math.isfinite(value):
         raise _Refused
     return float(value)
 
 
 def _bool(value):
-    if isinstance(value, bool):
-        return value
-    if _is_numpy(value, "bool"):
-        return bool(value)
-    raise _Refused
+    if not (isinstance(value, bool) or _is_numpy(value, "bool")):
+        raise _Refused
+    return bool(value)
 
 
 def _str(value):
@@ -165,15 +156,19 @@ def _str(value):
     return value
 
 
-def _path(value):
-    if not isinstance(value, os.PathLike):
-        raise _Refused
-    return value
+def _test(admits: Callable[[Any], bool], expected: str) -> _Check:
+    """The check of values that ``admits``, handed on as they are."""
+    def run(value):
+        if not admits(value):
+            raise _Refused
+        return value
+    return _Check(run, expected)
 
 
-_SIMPLE: dict[object, tuple[Checker, str]] = {
-    int: (_int, "an int"), float: (_float, "a finite number"), bool: (_bool, "True or False"),
-    str: (_str, "a string"), Path: (_path, "a path"),
+_SIMPLE: dict[object, _Check] = {
+    int: _Check(_int, "an int"), float: _Check(_float, "a finite number"),
+    bool: _Check(_bool, "True or False"), str: _Check(_str, "a string"),
+    Path: _test(lambda value: isinstance(value, os.PathLike), "a path"),
 }
 
 
@@ -266,14 +261,9 @@ def _compile(annotation: object) -> _Check | None:
             isinstance(annotation, typing.TypeVar):
         return None
     if annotation is None or annotation is type(None):
-        def none(value):
-            if value is not None:
-                raise _Refused
-            return value
-        return _Check(none, "None")
+        return _test(lambda value: value is None, "None")
     if annotation in _SIMPLE:
-        run, expected = _SIMPLE[annotation]
-        return _Check(run, expected)
+        return _SIMPLE[annotation]
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is Annotated:
         base = _compile(args[0])
@@ -282,35 +272,26 @@ def _compile(annotation: object) -> _Check | None:
         members = [_compile(a) for a in args]
         return None if any(m is None for m in members) else _union(members)  # type: ignore[arg-type]
     if origin is Literal:
-        def literal(value):
-            if not any(value == a and type(value) is type(a) for a in args):
-                raise _Refused
-            return value
-        return _Check(literal, "one of " + ", ".join(repr(a) for a in args))
+        return _test(lambda value: any(value == a and type(value) is type(a) for a in args),
+                     "one of " + ", ".join(repr(a) for a in args))
     if origin in (list, abc.Sequence, abc.MutableSequence):
         return _sequence(_compile(args[0]) if args else None, (list, tuple, range))
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             return _sequence(_compile(args[0]), (list, tuple))
         return _fixed_tuple([_compile(a) for a in args]) if args else _sequence(None, (tuple,))
-    if origin in (dict, abc.Mapping):
+    if origin in (dict, abc.Mapping) or annotation is dict:
         return _instance(abc.Mapping)
     if origin in (abc.Iterable, abc.Iterator, abc.Collection):
         return _sequence(None, (abc.Iterable,))
     if origin is abc.Callable or annotation is abc.Callable:
-        def call(value):
-            if not callable(value):
-                raise _Refused
-            return value
-        return _Check(call, "a callable")
+        return _test(callable, "a callable")
     if origin is type or annotation is type:
         return _instance(type)
     if origin is not None:
         return _instance(origin) if isinstance(origin, type) else None
     if annotation in (list, tuple):
         return _sequence(None, (annotation,))
-    if annotation is dict:
-        return _instance(abc.Mapping)
     return _instance(annotation) if isinstance(annotation, type) else None
 
 
@@ -366,7 +347,7 @@ def _run(name: str, value: object, check: _Check) -> object:
         return check.run(value)
     except _Refused as refused:
         extra = f" ({refused.args[0]})" if refused.args else ""
-        raise _refuse(name, value, check.expected, extra) from None
+        raise InputError(f"{name}={_show(value)}: expected {check.expected}{extra}") from None
 
 
 def call_checker(function: Callable) -> Callable[[inspect.BoundArguments], None]:
@@ -424,7 +405,7 @@ def check_fields(settings: object) -> None:
 def check_index(name: str, value: int, size: int, what: str, *, negative: bool = False) -> int:
     """``value`` as an index into ``size`` items (``what``: "layers of the model"); with
     ``negative``, -1 is the last (the message says so). Returns the index counted from 0."""
-    value = _run(name, value, _Check(_int, "an int"))
+    value = _run(name, value, _SIMPLE[int])
     low = -size if negative else 0
     if not low <= value < size:
         allowed = f"{low}..{size - 1}" + (" (negative counts from the end)" if negative else "")

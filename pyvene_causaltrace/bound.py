@@ -12,13 +12,8 @@
 model's config, through the keys the row names (``tests/test_adapter_table.py``); every
 function below the public API takes the :class:`BoundModel` and asks it. Public functions take a
 plain model or a bound one (``bind`` of a bound model is itself), so a call binds once however
-deep it goes (``tests/test_bound_model.py`` counts it).
-
-The calls that apply a user's ``pv.IntervenableModel`` (``Tracer``/``trace``, ``attribute``,
-``run_spec``) bind it with ``interventions=True``: the bound model is the one it wraps, and
-``given`` carries the pyvene model, whose interventions act in every forward of a measurement
-(:func:`~pyvene_causaltrace.model_guard.measurement`, with the model's lock) and in no other.
-Anything else refuses such a model, and such a bound model outside its measurements.
+deep it goes (``tests/test_bound_model.py`` counts it). A ``pv.IntervenableModel`` is bound
+only by the calls that apply its interventions (:func:`bind`).
 """
 
 from __future__ import annotations
@@ -38,7 +33,7 @@ from .errors import InputError, PyveneModelError
 from .fingerprint import model_fingerprint
 from .finite import check_weights, weights_stamp
 from .hooking import thread_view
-from .models import ArchAdapter, get_adapter, get_module, is_intervenable, model_name
+from .models import get_adapter, get_module, is_intervenable, model_name
 
 __all__ = ["BoundModel", "bind"]
 
@@ -66,8 +61,7 @@ class BoundModel:
         self.model = model
         self.given = model if given is None else given
         self.applying = 0  # measurements of this bound model open now (nested: one thread)
-        self.adapter: ArchAdapter = get_adapter(model)
-        adapter = self.adapter
+        self.adapter = adapter = get_adapter(model)
         key = functools.partial(getattr, model.config)  # the adapter's keys: only here
         self.model_type: str = adapter.model_type
         self.n_layers = int(key(adapter.n_layers_key))
@@ -134,7 +128,7 @@ class BoundModel:
 
     # -- where its parts are
     def site(self, name: str, layer: int | None = None) -> str:
-        """The pyvene component of site ``name`` at ``layer`` (:meth:`ArchAdapter.site`)."""
+        """The pyvene component of site ``name`` at ``layer`` (:meth:`.ArchAdapter.site`)."""
         return self.adapter.site(name, layer)
 
     def module_path(self, part: str, layer: int | None = None) -> str:

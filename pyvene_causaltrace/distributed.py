@@ -115,9 +115,7 @@ def _short(value: object) -> str:
 def current() -> Ranks | None:
     """This process's :class:`Ranks`, or None: no initialised group, one rank, or inside
     :func:`alone`."""
-    if _ALONE.get():
-        return None
-    if not (dist.is_available() and dist.is_initialized()):
+    if _ALONE.get() or not (dist.is_available() and dist.is_initialized()):
         return None
     world = dist.get_world_size()
     return None if world == 1 else Ranks(dist.get_rank(), world)
@@ -201,11 +199,6 @@ def environment(env: Mapping[str, str] | None = None) -> Launch | None:
                          "host of rank 0 (e.g. 127.0.0.1; torchrun sets it)")
     port = _integer(env, "MASTER_PORT", 1, 65535, "the port of rank 0's store")
     return Launch(rank, world, local, addr, port)
-
-
-def launched() -> bool:
-    """Whether this process was started by ``torchrun`` (its checked environment says so)."""
-    return environment() is not None
 
 
 def _store(launch: Launch, timeout_s: float):

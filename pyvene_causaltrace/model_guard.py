@@ -6,20 +6,14 @@
 :func:`measurement` is what a public call runs inside: :func:`measuring` of the bound model,
 the user's pyvene interventions on every forward when it was bound from a
 ``pv.IntervenableModel`` (:func:`~.pyvene_boundary.user_edits.applied_interventions`), and the
-weights' ``requires_grad`` flags as loaded (:func:`~.pyvene_boundary.intervenable.
-uniform_grad_flags`).
-:func:`measured` runs a function inside one.
+weights' ``requires_grad`` flags as loaded. :func:`measured` runs a function inside one.
 
-A trace or a graph hooks the model it measures. Two threads measuring one model object would
-mix their hooks and return each other's numbers, so a second call on the same model waits for
-the first to finish (calls in one thread nest). Dropout in train mode would make every run
-a different random function, so the block runs in eval mode and puts each module's mode back
-afterwards (said once in the log when the model was in train mode). Whatever ends the block —
-an error, Ctrl-C — a hook registered by this package inside it (through
-:func:`~pyvene_causaltrace.hooking.register`: ours, and pyvene's in our ``IntervenableModel``) and
-still on the model is removed, through its handle (:func:`~pyvene_causaltrace.hooking.recording`):
-every path that registers one removes it in a ``finally`` already, so this is a second line that
-should find nothing, and says so in the log when it does. A hook anyone else registered stays.
+Why (docs/errors.md, "State we refuse to measure in"): two threads hooking one model would mix
+their numbers, so a second call waits for the first (calls in one thread nest); dropout would
+make every run a different function, so the block runs in eval mode and puts each module's
+mode back. A hook this package registered (:func:`~pyvene_causaltrace.hooking.register`) and
+still on the model when the block ends is removed through its handle — a second line behind
+every path's own ``finally``, logged when it finds one; anyone else's hooks stay.
 """
 
 from __future__ import annotations
@@ -52,10 +46,7 @@ _locks_guard = threading.Lock()
 
 def _lock(model: nn.Module) -> threading.RLock:
     with _locks_guard:
-        lock = _locks.get(model)
-        if lock is None:
-            lock = _locks[model] = threading.RLock()
-        return lock
+        return _locks.setdefault(model, threading.RLock())
 
 
 @contextlib.contextmanager
@@ -100,9 +91,8 @@ def measurement(bound: BoundModel) -> Iterator[nn.Module]:
 def measured(function: F | None = None, *, interventions: bool = False):
     """Run ``function`` inside :func:`measurement` of its argument named ``model``, bound
     (:func:`~.bound.bind`) and handed to it bound, once its arguments pass their annotations
-    (:func:`~.arguments.checked`). ``interventions``: a
-    ``pv.IntervenableModel`` is taken (its interventions act in the run); otherwise it is
-    refused with :class:`~.errors.PyveneModelError`."""
+    (:func:`~.arguments.checked`). ``interventions``: a ``pv.IntervenableModel`` is taken (its
+    interventions act in the run); otherwise :class:`~.errors.PyveneModelError` refuses it."""
     if function is None:
         return functools.partial(measured, interventions=interventions)
     signature = inspect.signature(function)

@@ -63,24 +63,21 @@ _MODEL_PARTS = ("embed", "position_embed", "final_norm", "unembed")  # the parts
 class ArchAdapter:
     """Where one architecture keeps its parts, as pyvene-style module paths.
 
-    Paths are relative to the ``*ForCausalLM`` model; ``{blocks}[l].{attn}`` is block ``l``'s
-    attention module, and so on. :meth:`site` names the states between them (:data:`SITES`).
-    ``norm_kind`` says how the norms compute their output: ``"layer"`` (LayerNorm with bias),
-    ``"rms"`` (``w * x / rms``), ``"rms_offset"`` (``(1 + w) * x / rms``, Gemma).
-    ``position_embed`` is a learned position embedding added to the token embedding (GPT-2);
-    ``post_attn_norm``/``post_mlp_norm`` are norms applied to a sublayer's output before the
-    residual add (Gemma): attribution freezes them as well. ``attn_out`` is the attention
-    module's output projection (its input holds one slice of ``head_dim`` per head, head-major:
-    :mod:`~.attribution.heads`); ``qk_norms`` the per-head norms of queries and keys inside the
-    attention module, where the model has them (Qwen3, Gemma-3).
+    Paths are relative to the ``*ForCausalLM`` model (``{blocks}[l].{attn}``: block ``l``'s
+    attention); :meth:`site` names the states between them (:data:`SITES`). ``norm_kind``:
+    ``"layer"`` (LayerNorm with bias), ``"rms"`` (``w * x / rms``) or ``"rms_offset"``
+    (``(1 + w) * x / rms``, Gemma). ``position_embed``: a learned position embedding (GPT-2);
+    ``post_attn_norm``/``post_mlp_norm``: norms of a sublayer's output before the residual add
+    (Gemma), frozen by attribution too. ``attn_out``: the attention's output projection (its
+    input one ``head_dim`` slice per head, head-major); ``qk_norms``: the per-head query and key
+    norms, where the model has them (Qwen3, Gemma-3).
 
-    The ``*_key`` fields name the config keys of its dimensions, which only
-    :class:`~.bound.BoundModel` reads: a key that is None or absent from the config falls back
-    (``head_dim``: ``d_model // n_heads``; key/value heads: the query heads; MLP width:
-    ``4 * d_model``, GPT-2's ``n_inner``). ``softcap_key``: the final logit soft-cap
-    (``cap * tanh(logits / cap)``, Gemma), switched off to attribute the pre-cap logits.
-    ``qk_from``: the first transformers major version whose attention scores QK attribution
-    is checked against (Gemma-2: 5, where its eager pattern is the softmax of the capped scores).
+    The ``*_key`` fields name the config keys of its dimensions, read only by
+    :class:`~.bound.BoundModel`; one None or absent falls back (``head_dim``: ``d_model //
+    n_heads``; key/value heads: the query heads; MLP width: ``4 * d_model``). ``softcap_key``:
+    the final logit soft-cap (``cap * tanh(logits / cap)``, Gemma), off to attribute the
+    pre-cap logits. ``qk_from``: the first transformers major version whose attention scores
+    QK attribution is checked against (Gemma-2: 5, its eager pattern the capped scores' softmax).
     """
 
     model_type: str

@@ -62,6 +62,11 @@ class InterventionSpec:
         return {"type": self.type, **self.fields}
 
 
+#: A spec's data fields, in the order a written spec lists them (after ``schema_version``).
+_KEYS = ("name", "description", "model", "prompt", "subject", "subject_occurrence", "answer",
+         "interventions", "trace", "attribution", "model_interventions")
+
+
 @dataclass(frozen=True)
 class ExperimentSpec:
     """A validated spec. ``to_dict()`` gives back exactly the JSON it came from."""
@@ -91,42 +96,24 @@ class ExperimentSpec:
         relative to (set by :func:`load_spec`)."""
         validate_spec(data)
         return cls(
-            prompt=data["prompt"],
             interventions=tuple(
                 InterventionSpec(item["type"], {k: v for k, v in item.items() if k != "type"})
                 for item in data["interventions"]
             ),
-            subject=data.get("subject"),
-            subject_occurrence=data.get("subject_occurrence"),
-            answer=data.get("answer"),
-            model=data.get("model"),
-            name=data.get("name"),
-            description=data.get("description"),
             schema_version=data["schema_version"],
-            trace=data.get("trace"),
-            attribution=data.get("attribution"),
             extra={k: v for k, v in data.items() if k.startswith("$")},
-            model_interventions=data.get("model_interventions"),
             base_dir=Path(base_dir) if base_dir is not None else None,
+            **{key: data.get(key) for key in _KEYS if key != "interventions"},
         )
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.extra)
-        out["schema_version"] = self.schema_version
-        for key in ("name", "description", "model", "prompt", "subject"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if self.subject_occurrence is not None:
-            out["subject_occurrence"] = self.subject_occurrence
-        if self.answer is not None:
-            out["answer"] = self.answer
-        out["interventions"] = [item.to_dict() for item in self.interventions]
-        if self.trace is not None:
-            out["trace"] = self.trace
-        if self.attribution is not None:
-            out["attribution"] = self.attribution
-        if self.model_interventions is not None:
-            out["model_interventions"] = self.model_interventions
+        out: dict[str, Any] = {**self.extra, "schema_version": self.schema_version}
+        for key in _KEYS:
+            value = getattr(self, key)
+            if key == "interventions":
+                value = [item.to_dict() for item in value]
+            if value is not None:
+                out[key] = value
         return out
 
     @property

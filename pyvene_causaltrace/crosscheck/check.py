@@ -61,18 +61,6 @@ def check_pair(graph: AttributionGraph, tracer: Tracer) -> None:
                          f"{tracer.engine.n_layers}: another model")
 
 
-def _trace_grids(tracer, kinds: Sequence[str], window: int):
-    grids, layers_of, spans = {}, {}, {}
-    for kind in kinds:
-        trace_kind = get_kind(kind)
-        result = tracer.trace(kind, window=window)
-        grids[kind] = result.indirect_effect.mean(0)
-        layers_of[kind] = [tracer.engine.restore_layers(trace_kind, layer, window)
-                           for layer in range(tracer.engine.n_layers)]
-        spans[kind] = result.window
-    return grids, layers_of, spans
-
-
 @checked
 def cross_check(
     graph: AttributionGraph, tracer: Tracer, transcoder: Transcoder | None = None, *,
@@ -107,7 +95,10 @@ def cross_check(
     if transcoder is not None and top_n > 0:  # first: it refuses another transcoder quickly
         features = _feature_rows(graph, tracer, transcoder, top_n, modes, progress)
         stats = {mode: feature_statistics(features, mode) for mode in modes}
-    trace_grids, layers_of, spans = _trace_grids(tracer, kinds, window)
+    traces = {kind: tracer.trace(kind, window=window) for kind in kinds}
+    trace_grids = {kind: result.indirect_effect.mean(0) for kind, result in traces.items()}
+    layers_of = {kind: [tracer.engine.restore_layers(get_kind(kind), layer, window)
+                        for layer in range(tracer.engine.n_layers)] for kind in kinds}
     graph_grids = {part: site_influence(graph, part, share=True) for part in SITE_PARTS}
     mask = reachable_cells(graph.n_layers, graph.n_pos, tracer.prompt.subject_range[0])
     sites = {kind: {part: compare_grids(window_sum(graph_grids[part], layers_of[kind]),
@@ -121,7 +112,7 @@ def cross_check(
         n_layers=graph.n_layers, seeds=list(tracer.seeds), scale=float(tracer.scale),
         sigma=float(tracer.sigma), clean_prob=tracer.clean_prob,
         corrupt_probs=[float(p) for p in tracer.corrupt_probs],
-        windows={kind: spans[kind] for kind in kinds},
+        windows={kind: result.window for kind, result in traces.items()},
         graph_grids={part: grid.tolist() for part, grid in graph_grids.items()},
         trace_grids={kind: grid.tolist() for kind, grid in trace_grids.items()},
         sites=sites, features=features, feature_stats=stats,

@@ -1,25 +1,14 @@
-"""The graph's features under the trace's noise: attribution's linear prediction beside a patch.
+"""The graph's features under the trace's noise: attribution's linear prediction beside a patch
+(docs/crosscheck.md, "Features").
 
-For a feature node ``i`` (layer ``l``, position ``p``, activation ``a_i`` on the clean prompt) and
-noise seed ``s``:
-
-- ``a_i(s)``: its activation when the transcoder reads the noised run (the tracer's noise on the
-  subject's embeddings, the real model, nothing spliced);
-- **prediction** ``(a_i(s) - a_i) * g_i``, where ``g_i = d target / d a_i`` in the local
-  replacement model: the sum over every path of the graph from ``i`` to the target
-  (:func:`total_effects`, from the graph's rows: edges are contributions, so an edge ``j <- i``
-  divided by ``a_i`` is the derivative of ``j``'s pre-activation);
-- **measured**: the target in the model with the transcoder spliced in at every layer and its
-  errors held at the clean run's values, with feature ``i`` set to ``a_i(s)`` at its position
-  (``feature_ablate`` with ``value``), minus the same model unset (which *is* the clean run).
-  ``mode="spliced"``: attention and norms live — the real model's own nonlinearities.
-  ``mode="replacement"``: attention patterns and norm scales held at the clean run's — the local
-  replacement model itself, in which the target is linear in ``a_i`` as long as no other feature
-  crosses its threshold, so there prediction and patch agree to float error (the test that pins
-  the machinery).
-
-The target is the graph's (its logit nodes' weighted mean: ``sum_k w_k c_k . logits``, before a
-final soft-cap); P(answer) is the real, capped probability.
+For feature ``i`` (clean activation ``a_i``) and noise seed ``s``: the **prediction** is
+``(a_i(s) - a_i) * g_i``, ``a_i(s)`` read by the transcoder from the noised real model and
+``g_i = d target / d a_i`` summed over the graph's paths (:func:`total_effects`); the
+**measured** effect is the target in the spliced model (errors held at the clean run's) with
+feature ``i`` set to ``a_i(s)``, minus the same model unset. ``mode="replacement"`` also holds
+attention patterns and norm scales: the local replacement model, where prediction and patch
+agree to float error until another feature crosses its threshold. The target is the graph's
+(its logit nodes' weighted mean, before a final soft-cap); P(answer) is the real, capped one.
 """
 
 from __future__ import annotations
@@ -174,8 +163,7 @@ class PatchRunner:
             raise InputError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.bound = bind(model)
         self.model, self.transcoder, self.mode = self.bound.model, transcoder, mode
-        model = self.model
-        self.ids = input_ids.to(next(model.parameters()).device)
+        self.ids = input_ids.to(self.bound.device)
         self.coefficients = coefficients
         self.answer_id = int(answer_id)
         self.from_position = from_position  # the graph's: 0 where position 0 is no BOS

@@ -1,11 +1,9 @@
 """Which heads carry the fact: the graph's head loadings beside the per-head trace.
 
-The graph's side of head ``h`` of layer ``l`` is its loading: the part of the first logit
-node's edges crossing it (:func:`~..attribution.heads.head_loadings`), summed over the sources
-at the subject's positions (``subject``) or over all (``all``). The trace's side is its
+The graph's side of a head is its loading (:func:`~..attribution.heads.head_loadings`) summed
+over the sources at the subject's positions (``subject``) or all (``all``); the trace's, its
 indirect effect restored alone at the last position (:meth:`~..tracing.tracer.Tracer.trace_heads`).
-Different questions, so compared by rank: Spearman and Pearson over every (layer, head),
-Spearman within each layer.
+Different questions, so compared by rank (:func:`compare_heads`).
 
     section = head_section(graph, tracer, transcoder, layers=[0, 1, 2])
     section["stats"]["subject"]["spearman"]"""

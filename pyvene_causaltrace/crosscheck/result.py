@@ -66,15 +66,11 @@ class CrossCheckResult:
     """One prompt's graph against its trace (:func:`~.check.cross_check`).
 
     ``graph_grids[part]``: ``[layer][position]`` influence share of the graph's nodes at each
-    cell (``all``, ``features``, ``errors``). ``trace_grids[kind]``: the trace's indirect effect
-    (restored - corrupt P(answer), mean over seeds). ``sites[kind][part]``: Spearman, Pearson
-    and top-k overlap over the cells from the subject on. ``features``: one dict per checked
-    feature (``predicted``/``measured`` per seed, ``modes[mode]`` the measurement in each mode,
-    ``sign_disagrees``); ``feature_stats[mode]``: their agreement. ``heads`` (empty unless
-    asked for, :mod:`.heads`): per (layer, head) the graph's loading of the target's edges
-    (``loadings[part]``, ``subject`` or ``all`` sources) beside the per-head trace's mean
-    indirect effect (``effects``), and ``stats[part]``: Spearman and Pearson over every head,
-    Spearman per layer.
+    cell (:data:`~.sites.SITE_PARTS`). ``trace_grids[kind]``: the trace's mean indirect effect.
+    ``sites[kind][part]``: Spearman, Pearson and top-k overlap over the cells from the subject
+    on. ``features``: one dict per checked feature (``predicted``/``measured`` per seed,
+    ``modes[mode]``, ``sign_disagrees``); ``feature_stats[mode]``: their agreement. ``heads``
+    (empty unless asked for): :func:`~.heads.head_section`'s loadings, effects and statistics.
     """
 
     prompt: str
@@ -130,18 +126,15 @@ class CrossCheckResult:
         and measured effect on the target (means over seeds), P(answer) change, flag."""
         import pandas as pd  # pandas loads only when a table is asked for
 
-        rows = []
-        for f in self.features:
-            for mode, m in f["modes"].items():
-                rows.append({"mode": mode, "label": f["label"], "layer": f["layer"],
-                             "position": f["position"], "feature": f["feature"],
-                             "influence": f["influence"], "activation": f["activation"],
-                             "delta": f["delta_mean"], "total_effect": f["total_effect"],
-                             "predicted": f["predicted_mean"], "measured": m["measured_mean"],
-                             "prob_change": m["prob_change_mean"],
-                             "crossings": float(np.mean(m["crossings"])),
-                             "sign_disagrees": m.get("sign_disagrees", False)})
-        return pd.DataFrame(rows)
+        return pd.DataFrame([{"mode": mode, "label": f["label"], "layer": f["layer"],
+                              "position": f["position"], "feature": f["feature"],
+                              "influence": f["influence"], "activation": f["activation"],
+                              "delta": f["delta_mean"], "total_effect": f["total_effect"],
+                              "predicted": f["predicted_mean"], "measured": m["measured_mean"],
+                              "prob_change": m["prob_change_mean"],
+                              "crossings": float(np.mean(m["crossings"])),
+                              "sign_disagrees": m.get("sign_disagrees", False)}
+                             for f in self.features for mode, m in f["modes"].items()])
 
     # ------------------------------------------------------------------------- files
     def to_dict(self) -> dict[str, Any]:

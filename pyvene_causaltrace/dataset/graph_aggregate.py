@@ -1,15 +1,11 @@
-"""Attribution graphs averaged over facts by ROME's token roles, beside the AIE.
+"""Attribution graphs averaged over facts by ROME's token roles, beside the AIE
+(docs/datasets.md, "Attribution graphs beside the traces").
 
-``G[l, p]`` is the share of a fact's graph's source-node influence held by a part's nodes
-(``"all"``: the MLP sublayer's features and error node; ``"features"``; ``"errors"``) at layer
-``l``, position ``p`` (a ``graphs.jsonl`` grid). A role's curve is the mean of ``G`` over the
-role's positions (:func:`~pyvene_causaltrace.tracing.roles.role_positions`), then over facts,
-with a bootstrap interval as the AIE's. Per fact, ``G_all`` is ranked (Spearman) against the
-residual trace's ``IE`` grid over the cells a restore can reach, and against an mlp trace's
-with ``G_all`` summed over each window (:mod:`~pyvene_causaltrace.crosscheck.sites`); an
-incomplete trace has no value yet, a constant grid gives NaN (``n_undefined``). Nothing
-depends on row order (a resumed or merged run gives the same numbers); a fact given twice must
-agree; wall time is left out."""
+A part's ``graphs.jsonl`` grid ``G[l, p]`` is averaged over each role's positions, then over
+facts, with a bootstrap interval as the AIE's. Per fact, ``G_all`` is ranked (Spearman) against
+the residual and mlp traces' ``IE`` (:mod:`~pyvene_causaltrace.crosscheck.sites`): ``None``
+until the trace is complete, NaN for a constant grid (``n_undefined``). Nothing depends on row
+order; a fact given twice must agree; wall time is left out."""
 
 from __future__ import annotations
 

@@ -5,22 +5,14 @@
                   graph_options=GraphSettings(max_feature_nodes=2000))
 
 A fact's graph (:func:`~pyvene_causaltrace.attribution.attribute`) explains the token its trace
-scores: the same prompt (with a whitespace-only first target token moved into it, as the
-screen split it) and ``answer`` = the target token as the screen decoded it, through target
-``settings.target`` (default ``"demeaned"``: the answer's logit minus the mean of the top
-``k``). Its line in ``graphs.jsonl`` (:func:`graph_row`) keeps what the dataset aggregate reads
-and drops the graph: the tokens and the subject's token range, the number of active and
-explored features, the target row's relative closure residual (and the feature rows' largest),
-the error nodes' share of the target, the replacement and completeness scores, the seconds the
-graph took, and ``influence``: for each part (``"all"``, ``"features"``, ``"errors"``) the
-``[layer][position]`` grid of the influence of the MLP sublayer's nodes at each cell, as a share
-of every source node's influence (:func:`~pyvene_causaltrace.crosscheck.sites.site_influence`,
-``share=True``), so that grids of different prompts average. ``settings.save`` also keeps each
-graph as ``graphs/<index>.safetensors`` (written before its row, so a row means its file).
-
-The run's manifest records the transcoder's fingerprint and :meth:`GraphSettings.to_manifest`:
-a resume with another transcoder or other graph settings, or with graphs into a directory run
-without them (or the reverse), is refused by the manifest check.
+scores (the prompt and target as the screen split them). Its ``graphs.jsonl`` line
+(:func:`graph_row`) keeps what the aggregate reads and drops the graph: sizes, closure and
+quality scores, seconds, and per part the ``[layer][position]`` influence share of the MLP
+sublayer's nodes (:func:`~pyvene_causaltrace.crosscheck.sites.site_influence`, ``share=True``,
+so grids of different prompts average). ``settings.save`` also keeps each graph as
+``graphs/<index>.safetensors``, written before its row. The manifest records the transcoder's
+fingerprint and :meth:`GraphSettings.to_manifest`, so a resume that differs is refused
+(docs/datasets.md, "Attribution graphs beside the traces").
 """
 
 from __future__ import annotations

@@ -63,40 +63,29 @@ def plot_role_heatmaps(result, path: str | None = None):
     return fig
 
 
-def _curve(ax, layers, mean, low, high, label) -> None:
-    ax.plot(layers, mean, label=label)
-    ax.fill_between(layers, low, high, alpha=0.25)
-
-
 def plot_role_curves(result, path: str | None = None,
                      roles: tuple[str, ...] = ("Last subject token", "Last token")):
     """AIE against layer for ``roles``, a panel per kind, bands = the bootstrap interval; with
     graphs, a last panel of the graphs' influence share for the same roles."""
+    # (title, y label, mean, low and high [role][layer], facts per role) per panel
+    panels = [(kind, "AIE (P gap)", result.aie[kind], result.ci_low[kind], result.ci_high[kind],
+               result.n_facts[kind]) for kind in result.kinds]
     graphs = result.graphs
-    plt, fig, axes = _figure(len(result.kinds) + (graphs is not None), 4.2, 3.0)
-    layers = np.arange(result.n_layers)
-    for ax, kind in zip(axes, result.kinds, strict=False):
-        for role in roles:
-            r = result.roles.index(role)
-            if result.n_facts[kind][r] == 0:
-                continue
-            _curve(ax, layers, result.aie[kind][r], result.ci_low[kind][r],
-                   result.ci_high[kind][r], role)
-        ax.set_title(kind, fontsize=9)
-        ax.set_xlabel("layer")
-        ax.set_ylabel("AIE (P gap)")
-        ax.legend(fontsize=7)
     if graphs is not None:
-        ax = axes[-1]
+        panels.append((f"graph: MLP features + errors, {graphs['n_facts']} facts",
+                       "influence share", graphs["influence"]["all"], graphs["ci_low"]["all"],
+                       graphs["ci_high"]["all"], graphs["n_role_facts"]))
+    plt, fig, axes = _figure(len(panels), 4.2, 3.0)
+    layers = np.arange(result.n_layers)
+    for ax, (title, label, mean, low, high, n_facts) in zip(axes, panels, strict=True):
         for role in roles:
             r = result.roles.index(role)
-            if graphs["n_role_facts"][r] == 0:
-                continue
-            _curve(ax, layers, graphs["influence"]["all"][r], graphs["ci_low"]["all"][r],
-                   graphs["ci_high"]["all"][r], role)
-        ax.set_title(f"graph: MLP features + errors, {graphs['n_facts']} facts", fontsize=9)
+            if n_facts[r] != 0:
+                ax.plot(layers, mean[r], label=role)
+                ax.fill_between(layers, low[r], high[r], alpha=0.25)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer")
-        ax.set_ylabel("influence share")
+        ax.set_ylabel(label)
         ax.legend(fontsize=7)
     fig.tight_layout()
     if path is not None:

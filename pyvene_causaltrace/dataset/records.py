@@ -88,12 +88,8 @@ def read_records(path: str | Path) -> tuple[list[FactRecord], list[RecordError]]
         except json.JSONDecodeError as error:
             raise InputError(f"{path}: not valid JSON: {error}") from None
         return _collect((raw, i, f"{path}[{i}]") for i, raw in enumerate(items))
-    parsed: list[tuple[object, int, str]] = []
-    for line_no, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            parsed.append((_json_or_error(line, f"{path}:{line_no}"), line_no - 1,
-                           f"{path}:{line_no}"))
-    return _collect(parsed)
+    return _collect((_json_or_error(line, f"{path}:{n}"), n - 1, f"{path}:{n}")
+                    for n, line in enumerate(text.splitlines(), start=1) if line.strip())
 
 
 def _json_or_error(line: str, where: str) -> object:

@@ -67,44 +67,30 @@ class DatasetResult:
         """Long form: kind, role, layer, relative depth, aie, ci_low, ci_high, n_facts. A role
         no fact has (no token before the subject in any prompt, one-token subjects' middle)
         has no rows; :attr:`aie` keeps it as NaN, ``to_json`` as ``null``."""
-        import pandas as pd  # pandas loads only when a table is asked for
-
-        columns = ["kind", "role", "layer", "depth", "aie", "ci_low", "ci_high", "n_facts"]
-        rows = []
-        for kind in self.kinds:
-            for r, role in enumerate(self.roles):
-                if self.n_facts[kind][r] == 0:
-                    continue
-                for layer in range(self.n_layers):
-                    rows.append({"kind": kind, "role": role, "layer": layer,
-                                 "depth": layer / max(1, self.n_layers - 1),
-                                 "aie": self.aie[kind][r][layer],
-                                 "ci_low": self.ci_low[kind][r][layer],
-                                 "ci_high": self.ci_high[kind][r][layer],
-                                 "n_facts": self.n_facts[kind][r]})
-        return pd.DataFrame(rows, columns=columns)
+        return self._long_form(["kind", "role", "layer", "depth", "aie", "ci_low", "ci_high",
+                                "n_facts"], self.kinds, self.aie, self.ci_low, self.ci_high,
+                               self.n_facts)
 
     def graph_dataframe(self):
         """Long form of the graphs' influence share: part, role, layer, relative depth,
         influence, ci_low, ci_high, n_facts (empty without graphs; no rows for a role no fact
         has, as in :meth:`to_dataframe`)."""
+        g = self.graphs or {"parts": [], "influence": {}, "ci_low": {}, "ci_high": {}}
+        return self._long_form(["part", "role", "layer", "depth", "influence", "ci_low",
+                                "ci_high", "n_facts"], g["parts"], g["influence"], g["ci_low"],
+                               g["ci_high"], {part: g["n_role_facts"] for part in g["parts"]})
+
+    def _long_form(self, columns: list[str], names: list[str], grids: dict, low: dict,
+                   high: dict, counts: dict):
+        """One row per name, role and layer of the ``[role][layer]`` grids, in ``columns``'
+        order; none for a role no fact has (``counts[name][role] == 0``)."""
         import pandas as pd  # pandas loads only when a table is asked for
 
-        columns = ["part", "role", "layer", "depth", "influence", "ci_low", "ci_high", "n_facts"]
-        if self.graphs is None:
-            return pd.DataFrame(columns=columns)
-        g, rows = self.graphs, []
-        for part in g["parts"]:
-            for r, role in enumerate(self.roles):
-                if g["n_role_facts"][r] == 0:
-                    continue
-                for layer in range(self.n_layers):
-                    rows.append({"part": part, "role": role, "layer": layer,
-                                 "depth": layer / max(1, self.n_layers - 1),
-                                 "influence": g["influence"][part][r][layer],
-                                 "ci_low": g["ci_low"][part][r][layer],
-                                 "ci_high": g["ci_high"][part][r][layer],
-                                 "n_facts": g["n_role_facts"][r]})
+        depth = max(1, self.n_layers - 1)
+        rows = [(name, role, layer, layer / depth, grids[name][r][layer], low[name][r][layer],
+                 high[name][r][layer], counts[name][r])
+                for name in names for r, role in enumerate(self.roles) if counts[name][r] != 0
+                for layer in range(self.n_layers)]
         return pd.DataFrame(rows, columns=columns)
 
     def peaks(self):

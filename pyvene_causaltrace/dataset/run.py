@@ -5,34 +5,18 @@
                            kinds=("residual", "mlp", "attn"), seeds=3)
     result.to_dataframe(); result.plot("figure1.png")
 
-Steps: *screen* every record in order (the subject must be in the prompt and end before the
-last token; with ``known="argmax"`` the clean prediction must be the target's first token)
-until ``limit`` facts are kept; compute ROME's sigma once over the kept subjects; trace every
-kept fact for every kind with one :class:`~pyvene_causaltrace.tracing.Tracer` per fact (the
-clean and corrupted runs are shared by the kinds); write each (fact, kind, seed) row as soon as
-its kind is done. Rerunning into the same directory skips what is there; a fact with
-anything left to do is traced again with all its seeds, exactly as an uninterrupted run traces
-it (same batches, so the same float rounding), and only the missing rows are written: a resumed
-run's rows equal an uninterrupted run's bit for bit.
+Steps (docs/datasets.md): *screen* records in order until ``limit`` facts are kept; compute
+ROME's sigma once over the kept subjects; trace every kept fact for every kind with one
+:class:`~pyvene_causaltrace.tracing.Tracer` (its clean and corrupted runs shared by the kinds);
+write each (fact, kind, seed) row as soon as its kind is done. A rerun into the same directory
+traces a fact with anything left to do again with all its seeds (the same batches, so the same
+rounding) and writes only the missing rows: a resumed run's rows equal an uninterrupted run's
+bit for bit. With a ``transcoder`` each kept fact also gets its attribution graph
+(:mod:`.graphs`, aggregated by :mod:`.graph_aggregate`; files: :mod:`.store`).
 
-With a ``transcoder``, each kept fact also gets its attribution graph after its traces, one
-``graphs.jsonl`` row per fact (:mod:`.graphs`; the files of a run directory are listed in
-:mod:`.store`), and the aggregate adds the graphs' influence share by token role x layer beside
-the AIE (:mod:`.graph_aggregate`). A resume builds only the graphs that are missing (a fact
-whose traces are done but whose graph is not gets only its graph); the manifest holds the
-transcoder's fingerprint and the graph settings, so another transcoder is refused.
-
-The settings are one :class:`~.settings.DatasetSettings` (``settings=``) or its fields as
-keywords; they are checked before anything runs (when the settings are made: the command line
-makes them before loading the model), and a seed count whose corrupted runs cannot fit the
-memory budget is refused before its list of seeds is built.
-
-``shard=(rank, world)`` traces every ``world``-th kept fact into ``out/shard-RR-of-WW``
-(every shard screens every record itself: one clean forward each, small next to tracing, and
-it keeps shards independent of each other);
-:func:`merge_shards` joins the shards, and the aggregate equals a single-process run's exactly
-(aggregation is independent of row order). :func:`trace_dataset_distributed` does both under
-``torchrun``.
+``shard=(rank, world)`` traces every ``world``-th kept fact into ``out/shard-RR-of-WW`` (each
+shard screens every record itself); :func:`merge_shards` joins them, and the aggregate equals a
+single-process run's exactly. :func:`trace_dataset_distributed` does both under ``torchrun``.
 """
 
 from __future__ import annotations
@@ -183,18 +167,15 @@ def trace_dataset(
     to ``n_boot``; a keyword that contradicts ``settings`` is refused).
 
     ``transcoder``: also build each kept fact's attribution graph with ``graph_options``
-    (default :class:`~.graphs.GraphSettings`: demeaned target, every feature that fits
-    ``memory_mb``);
-    a transcoder that does not fit ``model`` is refused
-    (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError`) before anything is written."""
+    (default :class:`~.graphs.GraphSettings`); a transcoder that does not fit ``model`` is
+    refused (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError`) before anything is
+    written."""
     run_settings = DatasetSettings.merged(
         settings, kinds=kinds, seeds=seeds, scale=scale, sigma=sigma, window=window, known=known,
         limit=limit, memory_budget_mb=memory_budget_mb, n_boot=n_boot)
     kinds, seeds, scale, sigma = (list(run_settings.kinds), run_settings.seeds,
                                   run_settings.scale, run_settings.sigma)
     window, known, limit = run_settings.window, run_settings.known, run_settings.limit
-    memory_budget_mb, n_boot = run_settings.memory_budget_mb, run_settings.n_boot
-    n_seeds = run_settings.n_seeds
     rank, world = shard or (0, 1)
     if not 0 <= rank < world:
         raise InputError(f"shard rank {rank} outside world size {world}")
@@ -204,7 +185,7 @@ def trace_dataset(
     settings = (graph_options or GraphSettings()) if transcoder is not None else None
     model = bind(model)  # the architecture, resolved once for every fact
     graphs = graph_manifest(model, transcoder, settings) if settings is not None else {}
-    _check_sizes(model, tokenizer, records, n_seeds, memory_budget_mb, n_boot)
+    _check_sizes(model, tokenizer, records, run_settings)
     seeds = seed_list(seeds)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pvct-dataset-"))
     manifest = {
@@ -250,7 +231,7 @@ def trace_dataset(
                     run.append(GRAPHS, [graph_row(model, tokenizer, transcoder, line, record,
                                                   settings, save_dir)])
                     bar.update(1)
-    return load_dataset_result(run.path, n_boot=n_boot)
+    return load_dataset_result(run.path, n_boot=run_settings.n_boot)
 
 
 def _trace_fact(model: BoundModel, tokenizer: Tokenizer, run: RunDirectory, line: dict,
@@ -275,16 +256,15 @@ def _trace_fact(model: BoundModel, tokenizer: Tokenizer, run: RunDirectory, line
         bar.update(1)
 
 
-def _check_sizes(model: BoundModel,
-                 tokenizer: Tokenizer, records: Sequence[FactRecord], n_seeds: int,
-                 memory_budget_mb: float, n_boot: int) -> None:
+def _check_sizes(model: BoundModel, tokenizer: Tokenizer, records: Sequence[FactRecord],
+                 settings: DatasetSettings) -> None:
     """Refuse, before screening or allocating, a seed count whose corrupted runs cannot fit the
     budget even on the shortest prompt, or a bootstrap that cannot fit even over one fact."""
     if records:
         shortest = min(len(ids) for ids in tokenizer(
             [r.prompt for r in records], add_special_tokens=False)["input_ids"])
-        check_seeds_fit(n_seeds, max(2, shortest), model, memory_budget_mb)
-    check_boot_fits(n_boot, 1, len(ROLE_ORDER) * model.n_layers)
+        check_seeds_fit(settings.n_seeds, max(2, shortest), model, settings.memory_budget_mb)
+    check_boot_fits(settings.n_boot, 1, len(ROLE_ORDER) * model.n_layers)
 
 
 def run_path(out: str | Path, shard: tuple[int, int] | None = None) -> Path:
@@ -348,7 +328,10 @@ def merge_shards(out: str | Path, world: int, *,
                     for path in shards:
                         for row in read_jsonl(path / name):
                             handle.write(json.dumps(row, separators=(",", ":")) + "\n")
-            _merge_saved_graphs(shards, out)
+            for path in shards:  # the graphs the shards saved
+                for graph in sorted((path / GRAPH_DIR).glob("*.safetensors")):
+                    (out / GRAPH_DIR).mkdir(exist_ok=True)
+                    shutil.copy2(graph, out / GRAPH_DIR / graph.name)
             tmp[SCREEN].write_text((shards[0] / SCREEN).read_text())
             tmp[MANIFEST].write_text(json.dumps({**base, "shard": [0, 1], "merged": world},
                                                 indent=2, sort_keys=True))
@@ -358,14 +341,6 @@ def merge_shards(out: str | Path, world: int, *,
             for path in tmp.values():
                 path.unlink(missing_ok=True)
     return load_dataset_result(out, n_boot=n_boot)
-
-
-def _merge_saved_graphs(shards: Sequence[Path], out: Path) -> None:
-    """Copy the graphs the shards saved (``graphs/<index>.safetensors``) into ``out``."""
-    for path in shards:
-        for graph in sorted((path / GRAPH_DIR).glob("*.safetensors")):
-            (out / GRAPH_DIR).mkdir(exist_ok=True)
-            shutil.copy2(graph, out / GRAPH_DIR / graph.name)
 
 
 @checked

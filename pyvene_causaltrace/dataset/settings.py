@@ -44,13 +44,12 @@ class DatasetSettings(Settings):
     """The settings of one dataset run; ``trace_dataset(..., settings=DatasetSettings(...))`` or
     the same names as keywords.
 
-    ``kinds``: the trace kinds (at least one, none twice); ``seeds``, ``sigma``, ``window`` as in
-    :class:`~..tracing.settings.TraceSettings` (which checks them, :meth:`trace`; ``"rome"``: one
-    sigma over the kept subjects); ``scale``: one fixed scale shared by every fact (not
-    ``"auto"``); ``known``: ``"argmax"`` traces only facts whose clean prediction is the target,
-    ``"none"`` every well-formed one; ``limit``: facts traced after the screen (``None``: all);
-    ``memory_budget_mb``: one batch of restored rows; ``n_boot``: bootstrap resamples. A value
-    outside these is refused when made (:class:`~..errors.InputError`, naming the setting)."""
+    ``kinds``: the trace kinds (at least one, none twice); ``seeds``, ``sigma``, ``window``,
+    ``memory_budget_mb`` as in :class:`~..tracing.settings.TraceSettings`, which checks them
+    (``"rome"``: one sigma over the kept subjects); ``scale``: one fixed scale for every fact;
+    ``known``: ``"argmax"`` traces only facts whose clean prediction is the target, ``"none"``
+    every well-formed one; ``limit``: facts traced (``None``: all); ``n_boot``: bootstrap
+    resamples. Anything else is refused when made (:class:`~..errors.InputError`)."""
 
     kinds: Sequence[str] = DATASET_KINDS
     seeds: int | Sequence[int] = DATASET_SEEDS

@@ -39,10 +39,6 @@ DATASETS: dict[str, DatasetSource] = {
 }
 
 
-def data_dir() -> Path:
-    return cache_dir() / "data"
-
-
 def dataset_path(name: str, *, progress: bool = False) -> Path:
     """The local file of dataset ``name``: ``$<env>`` if set, else the cache, fetching it on
     first use. Every copy is checked against the dataset's SHA-256."""
@@ -63,10 +59,10 @@ def dataset_path(name: str, *, progress: bool = False) -> Path:
                 f"{path} (from ${source.env}) is not {name}: SHA-256 {digest}, expected "
                 f"{source.sha256}")
         return path
-    target = data_dir() / source.filename
+    folder = cache_dir() / "data"
     try:
         fetched = pooch.retrieve(source.url, known_hash=f"sha256:{source.sha256}",
-                                 fname=source.filename, path=data_dir(), progressbar=progress,
+                                 fname=source.filename, path=folder, progressbar=progress,
                                  downloader=_file_downloader if source.url.startswith("file:")
                                  else None)
     except ValueError as error:  # pooch's checksum mismatch
@@ -75,7 +71,8 @@ def dataset_path(name: str, *, progress: bool = False) -> Path:
     except Exception as error:  # no network, a proxy, a server error: say where to put it
         raise DatasetUnavailableError(
             f"could not fetch {name} from {source.url} ({type(error).__name__}: {error}); "
-            f"download it by hand to {target}, or set {source.env} to a local copy") from None
+            f"download it by hand to {folder / source.filename}, or set {source.env} to a local "
+            "copy") from None
     return Path(fetched)
 
 

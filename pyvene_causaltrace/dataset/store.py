@@ -127,8 +127,8 @@ def read_manifest(directory: Path) -> dict:
                 f"{directory} holds no {MANIFEST}: not a dataset run directory") from None
         raise ManifestMismatchError(
             f"{directory} holds rows ({', '.join(rows)}) but no {MANIFEST} (deleted?): the "
-            "settings they were made with cannot be proven; rerun the dataset into another "
-            "--out") from None
+            "settings they were made with cannot be proven, so they are not resumed; "
+            f"{_afresh(directory)}") from None
     try:
         manifest = loads(text)
     except ValueError as error:
@@ -160,17 +160,8 @@ def check_run_directory(directory: Path) -> None:
     no manifest, or a damaged manifest. A directory that does not exist, or holds no rows and
     no manifest, is a fresh start."""
     directory = Path(directory)
-    if not directory.is_dir():
-        return
-    if not (directory / MANIFEST).exists():
-        rows = has_rows(directory)
-        if rows:
-            raise ManifestMismatchError(
-                f"{directory} holds rows ({', '.join(rows)}) but no {MANIFEST}: the settings "
-                f"they were made with cannot be proven, so they are not resumed; "
-                f"{_afresh(directory)}")
-        return
-    read_manifest(directory)
+    if directory.is_dir() and ((directory / MANIFEST).exists() or has_rows(directory)):
+        read_manifest(directory)  # refuses rows without a manifest, or a damaged one
 
 
 def _differences(previous: dict, manifest: dict, skip: Sequence[str] = ("about",)) -> str:

@@ -1,11 +1,7 @@
-"""Built-in tasks other than factual recall, run through the same engine, CLI and aggregation as
-known facts: ``agreement`` (subject-verb agreement across a distractor of the other number:
-corrupt the head noun, score the verb), ``retrieval`` (in-context key-value retrieval: corrupt
-the queried name's second occurrence, score its value) and ``arithmetic`` (``a + b + c =``
-after two worked examples: corrupt ``a + b``, score the result; screened with
-``known="none"``, as SmolLM2-135M-Instruct puts 4-43% on the sum but rarely ranks it first).
-User tasks are JSONL files of ``{prompt, subject, attribute[, occurrence]}``
-(:func:`~pyvene_causaltrace.dataset.records.read_records`)."""
+"""Built-in tasks other than factual recall, run as known facts are (docs/datasets.md, "Other
+tasks"): ``agreement``, ``retrieval`` and ``arithmetic`` (screened with ``known="none"``:
+SmolLM2-135M-Instruct puts 4-43% on the sum but rarely ranks it first). User tasks are JSONL
+files (:func:`~pyvene_causaltrace.dataset.records.read_records`)."""
 
 from __future__ import annotations
 

@@ -330,19 +330,14 @@ class _LayerRuns:
         return value
 
 
-def corrupted_run_mb(n_seeds: int, seq_len: int, n_layers: int, hidden: int, inner: int,
-                     kv_width: int, vocab: int, element_size: int = 4) -> float:
-    """MB the corrupted run holds for ``n_seeds`` seeds: every layer's block, MLP and attention
-    outputs and keys and values of each seed, plus one forward's live activations and logits."""
-    per_seed = (3 * n_layers * seq_len * hidden + 2 * n_layers * seq_len * kv_width
-                + 8 * seq_len * max(hidden, inner) + 3 * vocab)
-    return n_seeds * per_seed * element_size / 2**20
-
-
 def check_seeds_fit(n_seeds: int, seq_len: int, bound: BoundModel, budget_mb: float) -> None:
-    """Refuse, before allocating, a seed count whose corrupted run exceeds ``budget_mb``."""
-    need = corrupted_run_mb(n_seeds, seq_len, bound.n_layers, bound.d_model, bound.d_mlp,
-                            bound.kv_width, bound.vocab_size, bound.element_size)
+    """Refuse, before allocating, a seed count whose corrupted run exceeds ``budget_mb``: per
+    seed, every layer's block, MLP and attention outputs and keys and values, plus one
+    forward's live activations and logits."""
+    n_layers, hidden = bound.n_layers, bound.d_model
+    per_seed = (3 * n_layers * seq_len * hidden + 2 * n_layers * seq_len * bound.kv_width
+                + 8 * seq_len * max(hidden, bound.d_mlp) + 3 * bound.vocab_size)
+    need = n_seeds * per_seed * bound.element_size / 2**20
     if need > budget_mb:
         per_seed = need / n_seeds
         raise MemoryCapError(

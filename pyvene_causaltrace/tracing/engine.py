@@ -5,21 +5,14 @@ rows: each carries its own noise seed and its own restore mask, applied by the r
 intervention types (``clean_restore``, ``window_restore``, ``freeze``, with ``noise_add``'s
 recipe for the noise).
 
-A row restoring position ``t`` from layer ``l`` on equals its seed's corrupted run everywhere
-below: at positions before ``t`` (attention is causal) and at layers below ``l``. So it is
-computed only from there — earlier positions' keys and values come from the corrupted run's
-cache (``reuse_prefix``), and lower blocks are replayed from the corrupted run's stored outputs
-(``replay_layers``, :mod:`.replay`; not while a hook that is not the package's sits on a
-block). Rows that cannot change the answer's probability (a
-restore before the first noised position, or at the last layer off the last position) need no
-forward at all (``skip_unchanged``). Rows are grouped into chunks by :func:`.chunks.plan_chunks`,
-which weighs the recomputation a mixed chunk costs against the fixed cost of another forward.
-On the CPU each chunk's logits go into one buffer that the run reuses (:mod:`.head`).
-
-The interventions are built once per :meth:`TraceEngine.run` and applied by forward hooks
-registered once per run; per chunk only their row masks change (``retarget``). pyvene's
-``IntervenableModel`` would register and remove every hook on every call, which is most of the
-cost on a small model or a GPU; the tests check the engine against batch-1 runs row by row.
+A row restoring position ``t`` from layer ``l`` equals its seed's corrupted run before ``t``
+and below ``l``, so it is computed only from there (``reuse_prefix``: the corrupted run's keys
+and values; ``replay_layers``: its stored block outputs, :mod:`.replay`); rows a forward would
+only round take the reference runs' values (``skip_unchanged``). :func:`.chunks.plan_chunks`
+groups rows into forwards. The interventions and their hooks are made once per
+:meth:`TraceEngine.run` (pyvene's ``IntervenableModel`` would add and remove every hook on
+every call, most of the cost on a small model or a GPU); per chunk only their row masks change.
+docs/tracing.md ("Engine") has the whole design; the tests check it against batch-1 runs.
 
     engine = TraceEngine(model, ids, subject_positions, seeds=[0, 1], scale=3.0, sigma=0.12,
                          answer_id=7042)
@@ -86,11 +79,6 @@ def get_kind(name: str) -> TraceKind:
         raise InputError(f"unknown trace kind {name!r}; kinds: {', '.join(KINDS)}") from None
 
 
-def _cache_kwarg(model: nn.Module) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 class TraceEngine:
     """Clean and corrupted reference runs of one prompt, and batched restore rows on top.
 
@@ -133,7 +121,8 @@ class TraceEngine:
         self.reuse_prefix = reuse_prefix
         self.replay_layers = replay_layers
         self.skip_unchanged = skip_unchanged
-        self._cache_kw = _cache_kwarg(model)
+        self._cache_kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                          else "past_key_values")
         self.blocks = bound.blocks
 
         parts = ("block", "mlp", "attn")

@@ -1,11 +1,10 @@
 """The unembedding written into one buffer that every chunk of a run reuses.
 
-A chunk's last-position logits are large (57 MB for 290 SmolLM2 rows); on the CPU a fresh
-tensor that size is mapped and zeroed by the kernel on every call, so the product runs at 48 G
-multiply-adds/s into fresh memory and 67 into a reused buffer (``benchmarks/head_buffer.py``).
-The values are ``nn.Linear``'s, bit for bit. Only a plain bias-free ``nn.Linear`` head on the
-CPU that no hook watches is redirected (a hook might keep logits the next chunk overwrites),
-and only in the installing thread (:func:`..hooking.thread_gate`).
+A chunk's logits are large (57 MB for 290 SmolLM2 rows), and on the CPU fresh memory that size
+costs page faults on every call: 48 G multiply-adds/s against 67 into a reused buffer
+(``benchmarks/head_buffer.py``), the same values bit for bit. Only a bias-free ``nn.Linear``
+head on the CPU that no hook watches (one might keep logits the next chunk overwrites) is
+redirected, in the installing thread only (:func:`..hooking.thread_gate`).
 
     with ReusedHead(model.lm_head).installed():
         for chunk in chunks:

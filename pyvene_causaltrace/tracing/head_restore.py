@@ -18,6 +18,7 @@ from numbers import Integral
 import torch
 
 from ..applier import Call, Edit, applying
+from ..arguments import check_index
 from ..capture import capture
 from ..errors import InputError
 from ..interventions.restore import CleanRestore
@@ -86,12 +87,8 @@ class HeadRestorer:
 
     def position(self, position: int) -> int:
         """``position`` (negative: from the end) as an index of the prompt, or refused."""
-        seq_len = self.engine.seq_len
-        if isinstance(position, bool) or not isinstance(position, Integral) \
-                or not -seq_len <= position < seq_len:
-            raise InputError(f"position must be an integer in {-seq_len}..{seq_len - 1} (the "
-                             f"prompt has {seq_len} tokens), got {position!r}")
-        return int(position) % seq_len
+        return check_index("position", position, self.engine.seq_len, "positions of the prompt",
+                           negative=True)
 
     def run(self, cells: Sequence[tuple[int, Sequence[int]]], position: int = -1, *,
             donor: str = "clean",

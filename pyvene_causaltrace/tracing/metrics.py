@@ -30,16 +30,8 @@ def answer_probs(logits: torch.Tensor, answer_id: int) -> torch.Tensor:
     return token_probs(logits[:, -1], answer_id)
 
 
-def total_effect(clean: torch.Tensor | float, corrupt: torch.Tensor) -> torch.Tensor:
-    return clean - corrupt
-
-
-def indirect_effect(restored: torch.Tensor, corrupt: torch.Tensor) -> torch.Tensor:
-    return restored - corrupt
-
-
 def recovery(
     restored: torch.Tensor, corrupt: torch.Tensor, clean: torch.Tensor | float
 ) -> torch.Tensor:
     """``(restored - corrupt) / (clean - corrupt)``, broadcast over leading dimensions."""
-    return indirect_effect(restored, corrupt) / total_effect(clean, corrupt)
+    return (restored - corrupt) / (clean - corrupt)

@@ -121,8 +121,7 @@ def sweep_noise_scale(
     scale). ``threshold`` defaults to ``COLLAPSE_FRACTION`` x the clean probability."""
     bound = bind(model)
     model = bound.model
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
+    ids = input_ids.to(bound.device)
     clean = float(model(input_ids=ids, logits_to_keep=1).logits[0, -1].double()
                   .softmax(-1)[answer_id])
     if not math.isfinite(clean):

@@ -7,23 +7,26 @@ _CMAPS = {"residual": "Purples", "mlp": "Greens", "attn": "Reds",
           "severed-mlp": "Purples", "severed-attn": "Purples"}
 
 
+def _axes(ax, width: float, height: float):
+    """``(figure, ax)``: ``ax``'s, or a new ``width`` x ``height`` figure (Agg unless a backend
+    is set)."""
+    if ax is not None:
+        return ax.figure, ax
+    import matplotlib  # matplotlib loads only when a figure is drawn
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt  # matplotlib loads only when a figure is drawn
+
+    return plt.subplots(figsize=(width, height), dpi=150)
+
+
 def plot_trace(result, path: str | None = None, value: str = "prob", ax=None):
     """ROME-style heatmap of a :class:`~.results.TraceResult`: tokens down, layers across,
     subject tokens marked ``*``; ``value="prob"`` colours from the mean corrupted probability up,
     ``"recovery"`` from 0. Saves to ``path`` if given; returns the figure."""
-    import matplotlib  # matplotlib loads only when a figure is drawn
-
-    if ax is None:
-        matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt  # matplotlib loads only when a figure is drawn
-
     grid = result.grid(value).T  # [position, layer]
     floor = float(result.corrupt_probs.mean()) if value == "prob" else 0.0
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(max(4.0, result.n_layers * 0.22 + 2),
-                                        len(result.tokens) * 0.32 + 1.2), dpi=150)
-    else:
-        fig = ax.figure
+    fig, ax = _axes(ax, max(4.0, result.n_layers * 0.22 + 2), len(result.tokens) * 0.32 + 1.2)
     image = ax.pcolor(grid, cmap=_CMAPS.get(result.kind, "Purples"), vmin=floor)
     ax.invert_yaxis()
     start, stop = result.subject_range
@@ -50,18 +53,8 @@ def plot_head_trace(result, path: str | None = None, value: str = "ie", ax=None)
     """Heat map of a :class:`~.results.HeadTraceResult`: layers down, heads across, the seed
     mean of ``value`` (``"ie"``, ``"recovery"`` or ``"prob"``). Saves to ``path`` if given;
     returns the figure."""
-    import matplotlib  # matplotlib loads only when a figure is drawn
-
-    if ax is None:
-        matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt  # matplotlib loads only when a figure is drawn
-
     grid = result.grid(value)  # [layer, head]
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(max(4.0, result.n_heads * 0.45 + 2),
-                                        len(result.layers) * 0.32 + 1.4), dpi=150)
-    else:
-        fig = ax.figure
+    fig, ax = _axes(ax, max(4.0, result.n_heads * 0.45 + 2), len(result.layers) * 0.32 + 1.4)
     if value == "prob":
         image = ax.pcolor(grid, cmap="Reds", vmin=float(result.corrupt_probs.mean()))
     else:

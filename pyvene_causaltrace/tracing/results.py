@@ -18,20 +18,18 @@ from .roles import token_roles
 
 
 @functools.cache
-def _versions() -> tuple[tuple[str, str], ...]:
-    out = []
-    for name in ("pyvene-causaltrace", "pyvene", "torch", "transformers"):
-        try:
-            out.append((name, version(name)))
-        except PackageNotFoundError:
-            out.append((name, "unknown"))
-    return tuple(out)
+def _version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def package_versions() -> dict[str, str]:
     """Versions of the packages a result depends on, for the record (read once a process:
     the metadata lookup costs milliseconds, a tiny model's whole trace only tens)."""
-    return dict(_versions())
+    return {name: _version(name) for name in ("pyvene-causaltrace", "pyvene", "torch",
+                                              "transformers")}
 
 
 @dataclass(frozen=True)
@@ -96,13 +94,17 @@ class SpecRunResult:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True, eq=False)
 class _Effects:
-    """What a restore's probabilities mean, for results holding ``clean_prob``,
-    ``corrupt_probs [seed]`` and ``restored_probs [seed, a, b]`` (cells ``a x b``)."""
+    """The prompt's fields every trace result opens with, and what a restore's probabilities
+    mean, for results holding ``clean_prob``, ``corrupt_probs [seed]`` and ``restored_probs
+    [seed, a, b]`` (cells ``a x b``)."""
 
-    clean_prob: float
-    corrupt_probs: np.ndarray
-    restored_probs: np.ndarray
+    tokens: list[str]
+    subject_range: tuple[int, int]
+    noise_positions: list[int]
+    answer: str
+    answer_id: int
 
     @property
     def total_effect(self) -> np.ndarray:
@@ -152,11 +154,6 @@ class TraceResult(_Effects):
     ``[layer, position]``; per-seed arrays ``[seed, layer, position]``.
     """
 
-    tokens: list[str]
-    subject_range: tuple[int, int]
-    noise_positions: list[int]
-    answer: str
-    answer_id: int
     kind: str
     window: int | None
     scale: float
@@ -195,22 +192,16 @@ class TraceResult(_Effects):
 
     def peaks(self) -> dict[str, dict[str, Any]]:
         """Per-seed peak layer and recovery of each site, the span of those layers, and the peak of
-        the seed-mean curve. Sites: ``subject_best`` (the subject token whose mean curve peaks
-        highest), ``subject_last`` (the last subject token, ROME's), ``subject_mean`` (averaged over
-        the subject's tokens first: it understates a site one token carries) and ``last`` (the last
-        token; its last layer left out for residual kinds, where it reproduces any donor). Token
-        sites give their ``position`` and ``token``. Seeds should agree on the side of the model
-        while the exact layer moves: report the site, not one seed's layer (docs/tracing.md)."""
+        the seed-mean curve. Sites (docs/tracing.md): :meth:`subject_sites`, ``subject_mean``
+        (averaged over the subject's tokens) and ``last`` (its last layer left out for residual
+        kinds, where it reproduces any donor); token sites give their ``position`` and ``token``."""
         start, stop = self.subject_range
         last = self.recovery[:, :, -1]
         if self.kind in ("residual", "severed-mlp", "severed-attn"):
             last = last[:, :-1]  # the last block at the last token reproduces any donor
-        at = self.subject_sites()
-        best, last_subject = at["subject_best"], at["subject_last"]
-        sites = {"subject_best": (best, self.recovery[:, :, best]),
-                 "subject_last": (last_subject, self.recovery[:, :, last_subject]),
-                 "subject_mean": (None, self.recovery[:, :, start:stop].mean(-1)),
-                 "last": (len(self.tokens) - 1, last)}
+        sites = {site: (p, self.recovery[:, :, p]) for site, p in self.subject_sites().items()}
+        sites.update(subject_mean=(None, self.recovery[:, :, start:stop].mean(-1)),
+                     last=(len(self.tokens) - 1, last))
         out = {}
         for site, (position, curve) in sites.items():
             layers = curve.argmax(1)
@@ -303,8 +294,7 @@ class TraceResult(_Effects):
         layers = range(0, self.n_layers, every)
         if layers_down:
             return self._layer_table(grid, layers)
-        head = f"{'token':>14} " + "".join(f"{'L' + str(layer):>7}" for layer in layers)
-        lines = [head]
+        lines = [f"{'token':>14} " + "".join(f"{'L' + str(layer):>7}" for layer in layers)]
         for t, token in enumerate(self.tokens):
             label = ("*" if start <= t < stop else " ") + repr(token)
             lines.append(f"{label:>14} " + "".join(f"{grid[layer, t]:>7.3f}" for layer in layers))
@@ -367,11 +357,6 @@ class HeadTraceResult(_Effects):
     corrupt_s``, ``recovery`` divides it by ``clean - corrupt_s``. Per-seed arrays are ``[seed,
     layer, head]``, grids ``[layer, head]``."""
 
-    tokens: list[str]
-    subject_range: tuple[int, int]
-    noise_positions: list[int]
-    answer: str
-    answer_id: int
     layers: list[int]
     position: int
     scale: float

@@ -57,10 +57,9 @@ class TraceSettings(Settings):
     P(answer) below 5% of its clean value. ``sigma``: ``"rome"`` (std of the subject's input
     embeddings), ``"embedding_matrix"`` or a number. ``distribution``: ``"gaussian"`` or
     ``"uniform"``. ``window``: layers per window of ``mlp`` / ``attn`` traces and of the controls
-    (ROME's 10). ``memory_budget_mb``: rows per forward are chosen to fit it. ``reuse_prefix`` /
-    ``replay_layers`` start each row at its restored position / layer, taking the rest from the
-    corrupted run: exact, off only to compare. A value outside these is refused when made
-    (:class:`~..errors.InputError`)."""
+    (ROME's 10). ``memory_budget_mb``: rows per forward fit it. ``reuse_prefix`` /
+    ``replay_layers``: exact shortcuts (:mod:`.engine`), off only to compare. Anything else is
+    refused when made (:class:`~..errors.InputError`)."""
 
     seeds: int | Sequence[int] = TRACE_SEEDS
     scale: float | str = NOISE_SCALE

@@ -27,7 +27,7 @@ from ..finite import check_finite, positive_number
 from ..interventions.noise import seed_list
 from ..model_guard import measurement
 from ..model_interventions import describe, model_for_spec
-from ..models import is_intervenable, model_name
+from ..models import model_name
 from ..prompts import answer_token_id, tokenize_prompt
 from ..specs import ExperimentSpec, SpecError, load_spec
 from .chunks import check_seeds_fit
@@ -111,7 +111,6 @@ class Tracer:
         # the architecture, resolved once per tracer (a dataset binds once for every fact); a
         # pv.IntervenableModel's interventions act in every run (each inside measurement())
         self.bound = bound = bind(model, interventions=True)
-        self._given = bound.given
         with measurement(bound) as model:
             bound.check_weights()
             self.model, self.tokenizer = model, tokenizer
@@ -154,7 +153,7 @@ class Tracer:
     @property
     def with_interventions(self) -> bool:
         """Built on a ``pv.IntervenableModel``: its interventions act in every run."""
-        return is_intervenable(self._given)
+        return self.bound.carries_interventions
 
     @property
     def clean_prob(self) -> float:
@@ -181,8 +180,6 @@ class Tracer:
         rows on stderr, as the command line shows."""
         trace_kind = get_kind(kind)
         window = self._window(window)
-        if not isinstance(progress, bool):
-            raise InputError(f"progress must be True or False, got {progress!r}")
         spec = self.spec(kind, window)  # before the run: a model it cannot write is refused
         cells = self.cells()
         bar = tqdm(total=len(self.seeds) * len(cells), desc=f"{kind} trace", unit="row",
@@ -192,15 +189,8 @@ class Tracer:
         check_finite(probs, f"the restored probabilities of the {kind} trace")
         restored = probs.numpy().reshape(len(self.seeds), self.engine.n_layers,
                                          self.prompt.seq_len)
-        return TraceResult(
-            tokens=list(self.prompt.tokens), subject_range=self.prompt.subject_range,
-            noise_positions=self.noise_positions,
-            answer=self.tokenizer.decode([self.answer_id]), answer_id=self.answer_id,
-            kind=kind, window=window if trace_kind.windowed else None, scale=self.scale,
-            sigma=self.sigma, sigma_method=self.sigma_method, seeds=self.seeds,
-            clean_prob=self.clean_prob, corrupt_probs=self.corrupt_probs,
-            restored_probs=restored, spec=spec,
-        )
+        return TraceResult(**self._result_fields(), kind=kind, restored_probs=restored,
+                           window=window if trace_kind.windowed else None, spec=spec)
 
     @checked
     def trace_heads(self, layers: int | Sequence[int] | None = None, *, position: int = -1,
@@ -209,8 +199,6 @@ class Tracer:
         and seed, P(answer) with that head's clean output alone restored at ``position`` (default
         the last) in the corrupted run (:mod:`.head_restore`). ``progress`` as :meth:`trace`'s."""
         chosen = check_layers(layers, self.engine.n_layers)
-        if not isinstance(progress, bool):
-            raise InputError(f"progress must be True or False, got {progress!r}")
         with measurement(self.bound):
             restorer = HeadRestorer(self.engine, chosen)
             at = restorer.position(position)
@@ -221,14 +209,17 @@ class Tracer:
             with bar:
                 probs = restorer.run(cells, at, progress=bar.update)
         check_finite(probs, "the restored probabilities of the head trace")
-        return HeadTraceResult(
-            tokens=list(self.prompt.tokens), subject_range=self.prompt.subject_range,
-            noise_positions=self.noise_positions,
-            answer=self.tokenizer.decode([self.answer_id]), answer_id=self.answer_id,
-            layers=chosen, position=at, scale=self.scale, sigma=self.sigma,
-            sigma_method=self.sigma_method, seeds=self.seeds, clean_prob=self.clean_prob,
-            corrupt_probs=self.corrupt_probs,
-            restored_probs=probs.numpy().reshape(len(self.seeds), len(chosen), n_heads))
+        restored = probs.numpy().reshape(len(self.seeds), len(chosen), n_heads)
+        return HeadTraceResult(**self._result_fields(), layers=chosen, position=at,
+                               restored_probs=restored)
+
+    def _result_fields(self) -> dict:
+        """The fields a trace's and a head trace's results share."""
+        return {"tokens": list(self.prompt.tokens), "subject_range": self.prompt.subject_range,
+                "noise_positions": self.noise_positions, "answer_id": self.answer_id,
+                "answer": self.tokenizer.decode([self.answer_id]), "scale": self.scale,
+                "sigma": self.sigma, "sigma_method": self.sigma_method, "seeds": self.seeds,
+                "clean_prob": self.clean_prob, "corrupt_probs": self.corrupt_probs}
 
     @checked
     def spec(self, kind: str, window: int | None = None) -> dict:
@@ -257,24 +248,19 @@ class Tracer:
         """Run the two controls that can fail (see :class:`ControlReport`; ``window``:
         ``None`` is the settings')."""
         window = self._window(window)
-        with measurement(self.bound):
-            return self._controls(window, tolerance)
-
-    def _controls(self, window: int, tolerance: float) -> ControlReport:
-        residual = KINDS["residual"]
-        cells = self.cells()
-        donor = self.engine.run(residual, cells, donor="corrupted")
-        corrupt = self.engine.corrupt_probs[:, self.answer_id][:, None]
-        last = self.prompt.seq_len - 1
-        n_layers = self.engine.n_layers
+        engine, residual, last = self.engine, KINDS["residual"], self.prompt.seq_len - 1
+        n_layers = engine.n_layers
         centres = sorted({0, n_layers // 3, (2 * n_layers) // 3, n_layers - 1})
-        # every row computed: a window reaching the last layer would otherwise take the clean P
-        # on both sides without a forward, and the control would check nothing there
-        windowed = self.engine.run(RESIDUAL_WINDOW, [(c, last) for c in centres], window=window,
-                                   skip_unchanged=False)
-        ends = [self.engine.restore_layers(RESIDUAL_WINDOW, c, window) for c in centres]
-        single = self.engine.run(residual, [(layers[-1], last) for layers in ends],
-                                 skip_unchanged=False)
+        ends = [engine.restore_layers(RESIDUAL_WINDOW, c, window) for c in centres]
+        with measurement(self.bound):
+            donor = engine.run(residual, self.cells(), donor="corrupted")
+            # every row computed: a window reaching the last layer would otherwise take the
+            # clean P on both sides without a forward, and the control would check nothing there
+            windowed = engine.run(RESIDUAL_WINDOW, [(c, last) for c in centres], window=window,
+                                  skip_unchanged=False)
+            single = engine.run(residual, [(layers[-1], last) for layers in ends],
+                                skip_unchanged=False)
+        corrupt = engine.corrupt_probs[:, self.answer_id][:, None]
         pairs = [(layers, float((windowed[:, i] - single[:, i]).abs().max()))
                  for i, layers in enumerate(ends)]
         return ControlReport(float((donor - corrupt).abs().max()), pairs, tolerance)
