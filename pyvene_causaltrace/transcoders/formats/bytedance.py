@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import CROSS_LAYER, TranscoderConfig
+from ..config import CROSS_LAYER
 from ..transcoder import Transcoder, shard_features
 from .common import (
     DTYPE_NAMES,
@@ -26,6 +26,7 @@ from .common import (
     read_json_object,
     read_tensors,
     shapes_of,
+    transcoder_config,
 )
 
 CONFIG = "config.json"
@@ -118,8 +119,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     for layer in range(n_layers):
         path = root / f"W_dec_{layer}.safetensors"
         if lazy_decoder:
-            w, mapped = mmap_tensor(path, f"W_dec_{layer}")
-            w = w if features is None else w[lo:hi]  # a view: nothing read
+            w, mapped = mmap_tensor(path, f"W_dec_{layer}", features)
             handles.append(mapped)
         else:
             w = read_tensors(path, [f"W_dec_{layer}"], features, {f"W_dec_{layer}": 0})[
@@ -127,12 +127,9 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
         W_dec.append(w)
     model_name = next((str(meta[key]) for key in MODEL_KEYS if isinstance(meta.get(key), str)),
                       "")
-    try:
-        cfg = TranscoderConfig(model_name, n_layers, d_model, width, INPUT_HOOK, OUTPUT_HOOK,
-                               CROSS_LAYER, DTYPE_NAMES[disk_dtype], "joint_topk",
-                               n_layers * meta["k"], False, scan)
-    except ValueError as error:
-        raise TranscoderFormatError(f"{root / CONFIG}: {error}") from None
+    cfg = transcoder_config(root / CONFIG, model_name, n_layers, d_model, width, INPUT_HOOK,
+                            OUTPUT_HOOK, CROSS_LAYER, DTYPE_NAMES[disk_dtype], "joint_topk",
+                            n_layers * meta["k"], False, scan)
     zeros = torch.zeros(n_layers, hi - lo)
     clt = Transcoder(cfg, b_enc=zeros, threshold=None, b_dec=torch.zeros(n_layers, d_model),
                      W_enc=W_enc, W_dec=W_dec, score_weight=score if features is None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import CROSS_LAYER, TranscoderConfig
+from ..config import CROSS_LAYER
 from ..transcoder import Transcoder, shard_features
 from .common import (
     DTYPE_NAMES,
@@ -27,12 +27,15 @@ from .common import (
     assemble_set,
     check_dtype,
     check_stored_dtypes,
+    existing,
+    in_layer_order,
     mmap_tensor,
     named_layers,
     open_safetensors,
     read_json_object,
     read_tensors,
     shapes_of,
+    transcoder_config,
 )
 
 PARAMS = "params.safetensors"
@@ -157,11 +160,7 @@ def _variant_folders(root: Path, variant: str | None) -> list[Path]:
     if variant not in variants:
         raise TranscoderFormatError(f"{root}: no layer_<l>_{variant} folders (variants: "
                                     f"{', '.join(sorted(variants))})")
-    layers = variants[variant]
-    missing = sorted(set(range(max(layers) + 1)) - set(layers))
-    if missing:
-        raise TranscoderFormatError(f"{root}: variant {variant} lacks layer(s) {missing}")
-    return [layers[layer] for layer in range(len(layers))]
+    return in_layer_order(variants[variant], f"{root}: variant {variant} has no folder")
 
 
 def load(source: str | Path | list, *, device: str | torch.device = "cpu",
@@ -189,9 +188,7 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
     layers, hooks, names = [], set(), set()
     slicer = LayerSlicer(shard)
     for layer, folder in enumerate(folders):
-        config = folder / CONFIG
-        if not config.exists():
-            raise TranscoderFormatError(f"missing file {config}")
+        config = existing(folder / CONFIG)
         meta = _read_config(config)
         if meta.get("type", "transcoder") != "transcoder":
             raise TranscoderFormatError(f"{config}: type {meta.get('type')!r}, not a transcoder")
@@ -229,12 +226,8 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
         files, root = [Path(str(f)) for f in source], None
     else:
         root = Path(source).expanduser()
-        found = _clt_files(root)
-        missing = sorted(set(range(max(found) + 1)) - set(found)) if found else [0]
-        if missing:
-            raise TranscoderFormatError(f"{root}: missing params_layer_<l>.safetensors for "
-                                        f"layer(s) {missing}")
-        files = [found[layer] for layer in range(len(found))]
+        files = in_layer_order(_clt_files(root),
+                               f"{root}: missing params_layer_<l>.safetensors")
     meta: dict = {}
     config = (root / CONFIG) if root is not None else files[0].parent / CONFIG
     if config.exists():
@@ -280,21 +273,16 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
     handles, W_dec = [], []
     for layer, path in enumerate(files):
         if lazy_decoder:
-            w, mapped = mmap_tensor(path, "w_dec")
-            if features is not None:
-                w = w[features[0]:features[1]]  # a view: nothing read
+            w, mapped = mmap_tensor(path, "w_dec", features)
             handles.append(mapped)
         else:
             w = tensors[layer]["w_dec"]
         w = w[:, layer:] if full[layer] else w
         W_dec.append(w if lazy_decoder else w.to(device, dtype).clone())
-    try:
-        cfg = TranscoderConfig(model_name or str(meta.get("model_name") or ""), n_layers,
-                               d_model, width, input_hook, output_hook, CROSS_LAYER,
-                               DTYPE_NAMES.get(disk_dtype, disk_dtype), "jumprelu", None,
-                               skip, scan)
-    except ValueError as error:
-        raise TranscoderFormatError(f"{source}: {error}") from None
+    cfg = transcoder_config(source, model_name or str(meta.get("model_name") or ""), n_layers,
+                            d_model, width, input_hook, output_hook, CROSS_LAYER,
+                            DTYPE_NAMES.get(disk_dtype, disk_dtype), "jumprelu", None, skip,
+                            scan)
     clt = Transcoder(
         cfg, b_enc=torch.stack([t["b_enc"].to(dtype) for t in tensors]),
         threshold=torch.stack([t["threshold"].to(dtype).clamp(min=0) for t in tensors]),

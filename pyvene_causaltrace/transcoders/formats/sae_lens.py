@@ -30,6 +30,8 @@ from .common import (
     TranscoderFormatError,
     assemble_set,
     check_stored_dtypes,
+    existing,
+    in_layer_order,
     named_layers,
     open_safetensors,
     refuse_shard,
@@ -143,10 +145,12 @@ def _layer_of(hook: str | None, origin: str) -> int:
     return layer
 
 
-def _layer_tensors(sae, origin: str, weights: str | None = None
-                   ) -> tuple[int, LayerTensors, dict]:
-    """(layer, tensors in our orientation, hooks) of one sae-lens transcoder; its tensors are
-    checked (NaN/inf, dtype) naming ``weights``, the file they came from (else ``origin``)."""
+def _read(sae, origin: str, slicer: LayerSlicer, weights: str | None = None
+          ) -> tuple[int, LayerTensors, dict]:
+    """(layer, tensors in our orientation, hooks) of one sae-lens transcoder, cut to a rank's
+    slice at once by ``slicer`` (the SAE object and its whole tensors are dropped before the
+    next is read); its tensors are checked (NaN/inf, dtype) naming ``weights``, the file they
+    came from (else ``origin``)."""
     architecture = sae.cfg.architecture()
     if architecture not in TRANSCODER_ARCHITECTURES:
         raise TranscoderFormatError(f"{origin}: architecture {architecture!r} is not a "
@@ -168,14 +172,14 @@ def _layer_tensors(sae, origin: str, weights: str | None = None
                            b_enc=state["b_enc"], b_dec=state["b_dec"], threshold=threshold,
                            W_skip=state.get("W_skip"))
     activation = "jumprelu" if threshold is not None else "relu"
-    return layer, tensors, {**hooks, "activation": activation,
-                            "model_name": getattr(meta, "model_name", None) or ""}
+    return layer, slicer(tensors), {**hooks, "activation": activation,
+                                    "model_name": getattr(meta, "model_name", None) or ""}
 
 
 def _assemble(entries: list[tuple[int, LayerTensors, dict]], *, scan: str | None, source: str,
               dtype: torch.dtype, device: str | torch.device,
               slicer: LayerSlicer | None = None) -> Transcoder:
-    """A set from each transcoder's ``(layer, tensors, info)`` (:func:`_layer_tensors`, cut by
+    """A set from each transcoder's ``(layer, tensors, info)`` (:func:`_read`, cut by
     ``slicer`` as each was read)."""
     layers = {}
     for layer, tensors, info in entries:
@@ -184,30 +188,20 @@ def _assemble(entries: list[tuple[int, LayerTensors, dict]], *, scan: str | None
             raise TranscoderFormatError(f"{origin}: a second transcoder for layer {layer} "
                                         f"(first: {layers[layer][0].origin})")
         layers[layer] = (tensors, info)
-    missing = sorted(set(range(max(layers) + 1)) - set(layers))
-    if missing:
-        raise TranscoderFormatError(f"{source}: no transcoder for layer(s) {missing}")
-    infos = [layers[layer][1] for layer in range(len(layers))]
+    ordered = in_layer_order(layers, f"{source}: no transcoder")
+    infos = [info for _, info in ordered]
     activations = sorted({info["activation"] for info in infos})
     if len(activations) > 1:
         raise TranscoderFormatError(f"{source}: layers mix activations {activations}")
     hooks = {role: {info[role].split(".", 2)[2] for info in infos} for role in ("input", "output")}
     if any(len(names) > 1 for names in hooks.values()):
         raise TranscoderFormatError(f"{source}: layers read or write different hooks {hooks}")
-    return assemble_set([layers[layer][0] for layer in range(len(layers))],
+    return assemble_set([tensors for tensors, _ in ordered],
                         model_name=infos[0]["model_name"], activation=infos[0]["activation"],
                         feature_input_hook=hooks["input"].pop(),
                         feature_output_hook=hooks["output"].pop(), scan=scan, source=source,
                         dtype=dtype, device=device, lazy_decoder=False,
                         **(slicer.options if slicer is not None else {}))
-
-
-def _read(sae, origin: str, slicer: LayerSlicer, weights: str | None = None
-          ) -> tuple[int, LayerTensors, dict]:
-    """One transcoder's ``(layer, tensors, info)``, cut to a rank's slice at once (the SAE
-    object and its whole tensors are dropped before the next is read)."""
-    layer, tensors, info = _layer_tensors(sae, origin, weights)
-    return layer, slicer(tensors), info
 
 
 def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
@@ -232,11 +226,9 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
         raise TranscoderFormatError(f"{source}: no sae-lens transcoder directories")
     entries, slicer = [], LayerSlicer(shard)
     for path in dirs:
-        for name in ("cfg.json", "sae_weights.safetensors"):
-            if not (path / name).exists():
-                raise TranscoderFormatError(f"missing file {path / name}")
-        weights = path / "sae_weights.safetensors"  # sae-lens would cast a wrong dtype: not cast
-        check_stored_dtypes(weights, open_safetensors(weights))
+        existing(path / "cfg.json")
+        weights = existing(path / "sae_weights.safetensors")
+        check_stored_dtypes(weights, open_safetensors(weights))  # sae-lens would cast it
         try:
             sae = SAE.load_from_disk(str(path), device="cpu")
         except (KeyError, ValueError, RuntimeError, OSError) as error:

@@ -23,9 +23,12 @@ from .common import (
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
+    existing,
+    in_layer_order,
     mmap_tensor,
     named_layers,
     open_safetensors,
+    read_json_object,
     read_tensors,
     shapes_of,
 )
@@ -73,13 +76,9 @@ def _header(weights: Path, skip: bool, width: int | None = None) -> int:
 
 
 def _config(sub: Path) -> dict:
-    cfg_file, weights = sub / "cfg.json", sub / "sae.safetensors"
-    if not weights.exists():
-        raise TranscoderFormatError(f"missing file {weights}")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as error:
-        raise TranscoderFormatError(f"{cfg_file} is not JSON: {error}") from None
+    cfg_file = sub / "cfg.json"
+    existing(sub / "sae.safetensors")
+    cfg = read_json_object(cfg_file)
     if cfg.get("transcode") is False:
         raise TranscoderFormatError(f"{cfg_file}: transcode is false — a sparse autoencoder, "
                                     "not a transcoder")
@@ -101,9 +100,7 @@ def _read(sub: Path, cfg: dict, lazy_decoder: bool,
                            features, AXES)
     handles = []
     if lazy_decoder:
-        tensors["W_dec"], mapped = mmap_tensor(weights, "W_dec")
-        if features is not None:
-            tensors["W_dec"] = tensors["W_dec"][features[0]:features[1]]  # a view: nothing read
+        tensors["W_dec"], mapped = mmap_tensor(weights, "W_dec", features)
         handles.append(mapped)
     b_enc = tensors["encoder.bias"]
     if "transcode" not in cfg:  # the input was x - b_dec: fold it into the encoder's bias
@@ -126,18 +123,15 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
     found = _hookpoints(root)
     if not found:
         raise TranscoderFormatError(f"{root}: no <layers|h>.<l>.mlp directories with cfg.json")
-    missing = sorted(set(range(max(found) + 1)) - set(found))
-    if missing:
-        raise TranscoderFormatError(f"{root}: no transcoder for layer(s) {missing}")
     layers, ks = [], set()
     features = width = None
-    for layer in range(len(found)):
-        cfg = _config(found[layer])
+    for sub in in_layer_order(found, f"{root}: no transcoder"):
+        cfg = _config(sub)
         if shard is not None:
-            width = _header(found[layer] / "sae.safetensors",
-                            bool(cfg.get("skip_connection", False)), width)
+            width = _header(sub / "sae.safetensors", bool(cfg.get("skip_connection", False)),
+                            width)
             features = features or shard_features(width, shard)
-        layers.append(_read(found[layer], cfg, lazy_decoder, features))
+        layers.append(_read(sub, cfg, lazy_decoder, features))
         ks.add(cfg.get("k"))
     if len(ks) != 1 or not isinstance(next(iter(ks)), int):
         raise TranscoderFormatError(f"{root}: layers disagree on k or lack it: "
