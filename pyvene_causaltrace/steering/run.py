@@ -322,23 +322,14 @@ def intervene_features(
     """Set transcoder features to values and read the logits; optionally generate greedily
     with them held (circuit-tracer's ``feature_intervention`` / ``_generate``).
 
-    ``model`` is the bare model (not an ``IntervenableModel``); ``transcoder`` is spliced in at
-    every layer. Each ``(layer, position, feature, value)`` sets the feature after its encoder
-    (a cross-layer feature then writes ``value`` times its decoder into every later layer);
-    ``position`` is a spliced prompt position (negative from the end) or ``"all"`` (also every
-    generated token). ``hold_errors`` holds each layer's error at the prompt positions at the
-    clean run's (False: live, as circuit-tracer's with ``constrained_layers`` unset);
-    ``freeze_attention`` holds the prompt's attention patterns. ``max_new_tokens`` greedy
-    tokens are generated with and without the interventions, each step on the whole sequence
-    (no key-value cache), stopping after EOS; ``progress`` (None: from ``LONG_GENERATION``
-    tokens) shows a bar. ``bos`` as in :func:`~.attribution.attribute`; ``settings`` gives
-    every setting at once.
-
-    Refused before any forward: malformed, out-of-range or repeated items (``InputError``),
-    values the dtype cannot hold (``NonFiniteError``), a generation past the model's positions or
-    over ``memory_mb`` (``MemoryCapError``), an ``IntervenableModel``, a transcoder of another
-    model. ``result.spec`` reproduces the intervened logits through ``run_spec``. Details:
-    docs/attribution.md, "Feature interventions and steering"."""
+    ``model`` is the bare model; ``transcoder`` is spliced in at every layer. Each ``(layer,
+    position, feature, value)`` sets the feature after its encoder; ``position`` is a spliced
+    prompt position (negative from the end) or ``"all"`` (also every generated token). The
+    settings are :class:`~.settings.SteeringSettings`' fields; ``progress`` (None: from
+    ``LONG_GENERATION`` tokens) shows a bar. Bad items, values the dtype cannot hold and a
+    generation over ``memory_mb`` are refused before any forward. ``result.spec`` reproduces
+    the intervened logits through ``run_spec``. Details: docs/attribution.md, "Feature
+    interventions and steering"."""
     s = SteeringSettings.merged(settings, max_new_tokens=max_new_tokens, hold_errors=hold_errors,
                                 freeze_attention=freeze_attention, top_k=top_k,
                                 memory_mb=memory_mb, bos=bos)
