@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -41,14 +42,11 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
              for x, g in zip(inputs, grads, strict=True)]
     if batch is None:
         grads = [g[None] for g in grads]
-    n_layers, n_emb = run.n_layers, len(run.embeddings)
-    k = len(run.feature_values)
-    feature_grads = grads[:k]
-    error_grads = grads[k:k + n_layers]
-    steering = run.steering_leaves
-    steer_grads = grads[k + n_layers:k + n_layers + len(steering)]
-    emb_grads = grads[k + n_layers + len(steering):k + n_layers + len(steering) + n_emb]
-    bias_grads = grads[k + n_layers + len(steering) + n_emb:]
+    steering = run.steering_leaves  # run.inputs() order: features, errors, steering, ...
+    ends = list(accumulate((len(run.feature_values), run.n_layers, len(steering),
+                            len(run.embeddings))))
+    feature_grads, error_grads, steer_grads, emb_grads, bias_grads = (
+        grads[start:end] for start, end in zip([0, *ends], [*ends, None], strict=True))
     parts = [(v.detach() * g) for v, g in zip(run.feature_values, feature_grads, strict=True)]
     dropped = []  # bos_errors="drop": the BOS errors' edges join the constant instead
     for e, g in zip(run.errors, error_grads, strict=True):

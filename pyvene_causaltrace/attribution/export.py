@@ -205,9 +205,12 @@ def graph_json(graph, slug: str | None = None,
     return payload if attention is None else attention.annotate(payload, graph, identity)
 
 
-def write_json(payload: dict, path: str | Path) -> None:
-    """Write ``payload`` compactly (no spaces), through :func:`replacing`."""
-    write_text(json.dumps(payload, separators=(",", ":"), ensure_ascii=False), path)
+def write_json(payload: dict, path: str | Path | None) -> dict:
+    """``payload``, written compactly (no spaces) through :func:`replacing` to ``path`` when
+    given."""
+    if path is not None:
+        write_text(json.dumps(payload, separators=(",", ":"), ensure_ascii=False), path)
+    return payload
 
 
 def write_circuit_tracer_dir(payload: dict, directory: str | Path) -> Path:

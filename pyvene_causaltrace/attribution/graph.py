@@ -399,10 +399,7 @@ class AttributionGraph:
         thresholds and ``max_links``, or ``settings=``, a :class:`~.settings.ReadingSettings`;
         labels, attention annotations); written compactly to ``path`` when given (whole or not
         at all)."""
-        payload = graph_json(self, **kwargs)
-        if path is not None:
-            write_json(payload, path)
-        return payload
+        return write_json(graph_json(self, **kwargs), path)
 
     @checked
     def plot(self, path: str | Path | None = None, **kwargs: Any):

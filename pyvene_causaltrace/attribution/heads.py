@@ -126,10 +126,7 @@ class HeadLoadings:
     def to_json(self, path: str | Path | None = None,
                 sources: Sequence[int] | None = None) -> dict[str, Any]:
         """:meth:`to_dict`, written to ``path`` when given."""
-        data = self.to_dict(sources)
-        if path is not None:
-            write_json(data, path)
-        return data
+        return write_json(self.to_dict(sources), path)
 
     @checked
     def plot(self, source: int, path: str | Path | None = None):

@@ -11,10 +11,7 @@ layer ``l`` writes: ``L - l`` for a cross-layer transcoder, 1 for a per-layer se
   by to rank it (ByteDance's decoder norms; ones when absent).
 
 Encode: ``z = x @ W_enc[l].T + b_enc[l]`` with ``x`` the input hook's value at layer ``l``, then
-the activation: ``jumprelu`` ``z * 1[z > threshold]``, ``relu`` ``max(z, 0)``, ``topk`` the ``k``
-largest of ``z`` per token (circuit-tracer), ``relu_topk`` the ``k`` largest of ``relu(z)``
-(sparsify), ``joint_topk`` the ``k`` largest ``relu(z) * score_weight`` over all layers' features at
-a position together (ByteDance), so one layer's features need every layer's input: only
+the activation (:mod:`.config`); ``joint_topk``'s features need every layer's input, so only
 :meth:`~Transcoder.encode_all` computes them, or :meth:`~Transcoder.encode` given a selection
 fixed beforehand (:meth:`~Transcoder.joint_selection`, e.g. the clean run's). Reconstruct:
 ``out_t ~= b_dec[t] + sum_{l writing t} sum_f a[l, f] * W_dec[l][f, t - l] + skip_t(x_t)``.
