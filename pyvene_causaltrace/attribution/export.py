@@ -1,13 +1,10 @@
 """The circuit-tracer / Neuronpedia graph JSON, so a graph opens in their viewer.
 
-Top level ``metadata``, ``qParams``, ``nodes``, ``links``; node ids are circuit-tracer's
-current ones (:func:`node_id`: errors ``"{layer}_-1_{pos}"``, never colliding with a feature's)
-plus this package's steering nodes ``"S{j}_{pos}"`` (``feature_type`` ``"steering"``, listed in
-``metadata.info.steering``). Only the pruned graph is exported (kept nodes a kept link touches,
-every token and logit), at most ``max_links`` links, numbers to 6 significant digits without
-spaces, so a pruned graph of thousands of features stays a few tens of MB. Files are written
-whole or not at all (:func:`~..atomic.write_text`). :func:`check_graph_json` checks a payload
-against Neuronpedia's schema (:data:`NEURONPEDIA_SCHEMA`)."""
+Node ids are circuit-tracer's current ones (:func:`node_id`: errors ``"{layer}_-1_{pos}"``,
+never a feature's) plus steering nodes ``"S{j}_{pos}"`` (``feature_type`` ``"steering"``, listed
+in ``metadata.info.steering``). Only the pruned graph is exported, at most ``max_links`` links,
+numbers to 6 significant digits, so a graph of thousands of features stays a few tens of MB.
+:func:`check_graph_json` checks a payload against Neuronpedia's schema."""
 
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
 """The attribution graph of one prompt: nodes, the computed rows of the edge matrix, and ways to
 read them.
 
-Nodes, in circuit-tracer's order: active features (layer, position, feature id), errors (one
-per layer x position, layer-major), steering nodes (a pyvene ``IntervenableModel``'s
-interventions' constant parts, one per position where nonzero: :attr:`~AttributionGraph.steering`),
-tokens (one per position), then the logit nodes (:attr:`~AttributionGraph.targets`, each
-weighted by its probability in influence and pruning). ``rows`` (a :class:`~.store.RowStore`)
-holds the logits' rows and those of the *explored* features; under a feature-node budget the
-others stay as leaves whose direct effects every computed row keeps, so each row still closes
-(``row.sum() + constant == target``) though edges between unexplored features are never seen.
-Derived results (influence, pruning, scores) are memoised; files are written whole or not at
-all (:mod:`.graph_file`)."""
+Nodes, in circuit-tracer's order: active features (layer, position, feature id), errors (layer
+x position, layer-major), steering nodes (a pyvene ``IntervenableModel``'s interventions'
+constant parts, :attr:`~AttributionGraph.steering`), tokens, then the logit nodes
+(:attr:`~AttributionGraph.targets`, weighted by probability in influence and pruning). ``rows``
+holds the logits' rows and the *explored* features'; under a feature-node budget the others are
+leaves whose direct effects every row keeps, so each row still closes. Derived results are
+memoised; files are written whole or not at all (:mod:`.graph_file`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
-"""Attention inside the graph: which heads carry an edge — an exact decomposition of the local
+"""Attention inside the graph: which heads carry an edge, an exact decomposition of the local
 replacement model (Anthropic's "Tracing Attention Computation Through Feature Interactions",
 2025; circuit-tracer PR #114's head loadings).
 
-**Head loadings** (:func:`head_loadings`). Every path from a source to the target crosses layer
-``l``'s attention through exactly one head, or skips it. Head ``h``'s output is the ``h``-th
-``head_dim`` slice ``z[l, h]`` of the input of the attention output projection (one per query
-head under grouped-query attention). With ``g[l] = d target / d z[l]``, source ``i``'s part
-through head ``h`` is ``x_i * d <g[l, h], z[l, h]> / d x_i``, a row like any target's
-(:func:`~.edges.edges_from_grads`), one batched backward per layer; the bypass is the edge
-minus its heads' parts.
+Every path from a source to the target crosses layer ``l``'s attention through one head or
+skips it. With ``z[l, h]`` head ``h``'s slice of the output projection's input and ``g[l] = d
+target / d z[l]``, source ``i``'s part through head ``h`` is ``x_i * d <g[l, h], z[l, h]> / d
+x_i``, a row like any target's (one batched backward per layer); the bypass is the edge minus
+its heads' parts.
 
     loadings = head_loadings(model, transcoder, graph)        # the first logit node's edges
     loadings.of(source)                                       # DataFrame: layer, head, part

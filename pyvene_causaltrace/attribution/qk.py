@@ -1,21 +1,15 @@
 """Attention inside the graph: what a head's pre-softmax score is made of.
 
-An exact decomposition of the graph's local replacement model, as :mod:`.heads`' (Anthropic's
-"Tracing Attention Computation Through Feature Interactions", transformer-circuits.pub, 2025).
-
-**QK attribution** (:func:`qk_attribution`). A head's pre-softmax score at query position ``q``
-and key position ``k`` is ``s = scaling * <query[q], key[k]>``, each side taken after every
-transform (projections, q/k norms frozen as the graph freezes norms, rotary). Each side is linear
-in the graph's nodes plus constants (biases, ``b_dec``), so it is the sum of its nodes'
-contributions (one batched backward of ``head_dim`` seeds per side; the rows close on the vector
-exactly, as a graph's rows close on their target), and ``s`` is the sum of the bilinear terms
-``scaling * <query part of node i, key part of node j>`` over every pair, the constants included
-as one node ``"constants"`` per side. A score soft-capped by the model (Gemma-2) is decomposed
-before its cap.
+An exact decomposition of the local replacement model, as :mod:`.heads`' (Anthropic's "Tracing
+Attention Computation Through Feature Interactions", 2025). A head's score at query ``q`` and
+key ``k`` is ``s = scaling * <query[q], key[k]>``, each side after every transform (projections,
+frozen q/k norms, rotary). Each side is linear in the graph's nodes plus constants, so it is the
+sum of its nodes' parts (one batched backward per side, closing on the vector exactly), and
+``s`` the sum of ``scaling * <query part of i, key part of j>`` over every pair, the constants
+one node ``"constants"`` per side. A soft-capped score (Gemma-2) is decomposed before its cap.
 
     qk = qk_attribution(model, transcoder, graph, layer=2, head=1, query_pos=-1, key_pos=3)
-    qk.terms.head(10)                                         # the largest bilinear terms
-"""
+    qk.terms.head(10)                                         # the largest bilinear terms"""
 
 from __future__ import annotations
 
