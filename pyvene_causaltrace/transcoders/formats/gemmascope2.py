@@ -1,13 +1,9 @@
 """GemmaScope-2 transcoders (``google/gemma-scope-2-{270m,1b,4b,12b,27b}-{pt,it}``, Gemma 3):
-per-layer sets (``transcoder_all/layer_{l}_width_{16k|262k}_l0_{small|medium|big}[_affine]/``,
-each a ``config.json`` and ``params.safetensors``) and the CLT (270m, 1b:
-``clt/width_262k_l0_medium_affine/params_layer_{l}.safetensors``, ``w_dec`` ``[F, L, D]``
-with target ``t`` at index ``t``, or ``[F, L - l, D]``). Files, tensors and hooks:
-docs/transcoders.md.
-
-The model card's ``relu(z) * 1[z > threshold]`` is our ``z * 1[z > threshold]`` once negative
-thresholds are raised to 0 (exact, done here); ``W_skip = affine_skip_connection.T`` (``b_dec``
-is the affine part). Without a config.json (the CLT) the hooks are ``mlp.hook_in`` ->
+per-layer sets (``transcoder_all/layer_{l}_{variant}/``) and the CLT (270m, 1b:
+``clt/width_262k_l0_medium_affine/params_layer_{l}.safetensors``). Files, tensors and hooks:
+docs/transcoders.md. The model card's ``relu(z) * 1[z > threshold]`` is our ``z * 1[z >
+threshold]`` once negative thresholds are raised to 0 (exact, done here); ``W_skip =
+affine_skip_connection.T``. Without a config.json (the CLT) the hooks are ``mlp.hook_in`` ->
 ``hook_mlp_out``, as sae-lens assumes for ``clt`` folders."""
 
 from __future__ import annotations
