@@ -5,26 +5,19 @@ Built only from registered interventions, applied by our hook runner
 
 - ``gradient_leaf`` on the embedding output(s): token nodes;
 - ``clt_splice`` in leaf mode at every layer: active features and ``b_dec`` as leaves, every
-  MLP output (the transcoder's output hook) = reconstruction + skip path + error, the error a
-  leaf constant; a ``joint_topk`` transcoder's features are those its joint top-k keeps on the
-  clean run (one no-grad forward first, :func:`~..interventions.clt_splice.clean_selection`),
-  held fixed — as a per-layer TopK's are, being leaves — with values from the live input;
-- with ``freeze=True``: ``frozen_layernorm`` on every norm in the residual path and
-  ``frozen_attention`` on every attention module.
+  MLP output = reconstruction + skip path + error, the error a leaf constant; a ``joint_topk``
+  transcoder's features are those its joint top-k keeps on the clean run
+  (:func:`~..interventions.clt_splice.clean_selection`), held fixed, valued from the live input;
+- with ``freeze=True``: ``frozen_layernorm`` on every residual-path norm, ``frozen_attention``
+  on every attention module.
 
 The forward value is the clean model's (to float rounding), before any final logit soft-cap
 (not linear; the graph explains the pre-cap logits, as circuit-tracer's does). Under the freezes
 the logits are linear in the leaves plus the model's additive constants (biases, ``b_dec``), so
 ``sum_i x_i * d target / d x_i`` over them equals the target exactly: the closure check.
-
 Inside :func:`~pyvene_causaltrace.pyvene_boundary.user_edits.applied_interventions`, each user
 intervention ``f(x) = A x + c`` keeps its linear part in the forward and its constant ``c =
-f(0)`` becomes a leaf: ``run.steering``, the graph's steering nodes.
-
-    run = run_local_replacement(model, transcoder, ids)
-    run.logits                                  # live, differentiable
-    run.inputs()                                # every leaf and constant, for autograd.grad
-"""
+f(0)`` becomes a leaf: ``run.steering``, the graph's steering nodes."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """sae-lens transcoders in, and sae-lens views of our transcoders out (the only module that imports
 sae_lens, and only when called).
 
-**In** (:func:`load`, :func:`load_release`): one sae-lens transcoder per layer, loaded by
-sae-lens itself, assembled into a per-layer set (its JumpReLU is ours with negative thresholds
-raised to 0, exactly); hooks and layers come from each config, the release is the scan.
+**In** (:func:`load`, :func:`load_release`): one sae-lens transcoder per layer, read by sae-lens
+itself, assembled into a per-layer set (negative JumpReLU thresholds raised to 0, exactly).
 
-**Out** (:func:`to_sae_lens`): layer ``l``'s view of a CLT has the exact encoder and one slice
-of the decoder, ``W_dec[l][:, target - l]`` plus ``b_dec[target]``; the views over ``l <= t``
-summed (``b_dec[t]`` once) are the CLT's reconstruction of layer ``t``. Unlike sae-lens's mntss
-loader nothing is summed over targets and thresholds are kept. Through the converters:
+**Out** (:func:`to_sae_lens`): layer ``l``'s view of a CLT has the exact encoder and the slice
+``W_dec[l][:, target - l]`` plus ``b_dec[target]``; the views over ``l <= t`` summed (``b_dec[t]``
+once) are the CLT's reconstruction of layer ``t`` (nothing summed over targets, thresholds kept,
+unlike sae-lens's mntss loader). Through the converters:
 
     JumpReLUTranscoder.load_from_disk(clt_dir, converter=disk_converter(layer=3))
     JumpReLUTranscoder.from_pretrained("org/clt-repo", "layer_3", converter=hub_converter)"""

@@ -4,10 +4,9 @@
     root/layers.{l}.mlp/sae.safetensors   encoder.weight [F, D], encoder.bias [F], W_dec [F, D],
                                           b_dec [D], W_skip [D, D] (skip_connection)
 
-(``h.{l}.mlp`` for GPT-2.) It reads the MLP module's input and predicts its output
-(``mlp.hook_in`` / ``mlp.hook_out``): ``relu(x @ W_enc.T + b_enc)``, the ``k`` largest per
-token, decoded plus ``x @ W_skip.T``. Files from before sparsify stored ``transcode``
-subtracted ``b_dec`` from the input first: folded exactly into ``b_enc - W_enc @ b_dec``.
+(``h.{l}.mlp`` for GPT-2.) It reads ``mlp.hook_in`` and predicts ``mlp.hook_out``: the ``k``
+largest of ``relu(x @ W_enc.T + b_enc)``, decoded plus ``x @ W_skip.T``. Files from before
+``transcode`` was stored subtracted ``b_dec`` from the input: folded exactly into ``b_enc``.
 ``transcode: false`` (a plain SAE) is refused."""
 
 from __future__ import annotations
