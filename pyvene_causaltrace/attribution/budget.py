@@ -38,9 +38,8 @@ ENTRY_BYTES = 8
 #: Transient bytes per entry of a reading chunk (row/column int64, values as float64, masks).
 CHUNK_BYTES = 48
 #: Transient bytes per stored entry whose source is an explored feature while a ranking reads
-#: the rows' influence (:func:`~.reading.influence` keeps the edges among rows: row and source
-#: int64 and weight float64, concatenated, then two float64 temporaries per term): measured
-#: 38 B beyond the chunks on a 6 M-entry store of only such entries.
+#: the rows' influence (the edges among rows, int64 and float64, and two float64 temporaries per
+#: term): measured 38 B beyond the chunks on a 6 M-entry store of only such entries.
 INFLUENCE_BYTES = 40
 
 

@@ -79,9 +79,8 @@ class ReplacementRun:
     #: convention); ``"keep"``: they are nodes.
     bos_errors: str = AttributionSettings.bos_errors
     #: With a transcoder sharded by feature: which of the graph's feature nodes this rank holds
-    #: (``features``, ``feature_values`` are then this rank's; ``feature_layer``,
-    #: ``feature_position``, ``feature_id``, ``activation``, ``encoder_rows`` and
-    #: ``n_features`` the whole graph's, :mod:`.sharded`).
+    #: (``features`` and ``feature_values`` are this rank's, the ``feature_*``, ``activation``
+    #: and ``encoder_rows`` the whole graph's, :mod:`.sharded`).
     shard: FeatureShard | None = None
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)

@@ -29,9 +29,8 @@ TARGET_KINDS = ("demeaned", "demeaned_vocab", "difference")
 #: Residual-stream outputs a direction target reads (besides the logits).
 _SITE = re.compile(r"unembed_input|resid_pre\.(\d+)")
 #: The smallest direction norm :func:`direction_target` accepts: ``sqrt`` of float32's smallest
-#: normal number (~1.08e-19). Below it ``|v|^2`` underflows float32 (the model's arithmetic),
-#: every entry is at most that small, and products with the model's states lose their
-#: precision to subnormals or become 0: nothing below it is a direction the run can follow.
+#: normal number (~1.08e-19); below it ``|v|^2`` underflows float32 and products with the
+#: model's states lose their precision to subnormals or become 0.
 MIN_DIRECTION_NORM = float(torch.finfo(torch.float32).tiny) ** 0.5
 
 

@@ -38,9 +38,8 @@ MAX_NAME_CHARS = 200
 FIELDS = ("pinnedIds", "supernodes", "clickedId", "linkType", "sg_pos", "pruningThreshold")
 #: circuit-tracer's link-type buttons (``attribution_graph/init-cg-button-container.js``).
 LINK_TYPES = ("input", "output", "either", "both")
-#: Node kinds whose label (``clerp``) can be edited: features (circuit-tracer's and
-#: Neuronpedia's ``cross layer transcoder``, whatever the transcoder; Neuronpedia's attention
-#: features, ``lorsa``) and this package's steering nodes.
+#: Node kinds whose label (``clerp``) can be edited: features (``cross layer transcoder``
+#: whatever the transcoder, Neuronpedia's attention ``lorsa``) and our steering nodes.
 EDITABLE = ("cross layer transcoder", "lorsa", "steering")
 #: The kind given to a node id that names more than one node (see :func:`node_kinds`).
 AMBIGUOUS = "\0ambiguous"
