@@ -87,18 +87,14 @@ def check_forward_fits(model: BoundModel, transcoder, input_ids: torch.Tensor, m
     return need
 
 
-def graph_bytes(run) -> int:
-    """Bytes of the leaves and constants one gradient row produces."""
-    return sum(x.numel() * x.element_size() for x in run.inputs())
-
-
 def row_bytes(run) -> int:
     """Estimated bytes one batched gradient row costs: its leaf gradients (computed and
     accumulated), its dense edge row, and an eighth of the forward's saved activations. On
     SmolLM2 (9 tokens) 2.2-4.6 MB were measured against this estimate's 9.3 MB
     (benchmarks/attribution_speed.py)."""
     activations = max(0, run.forward_bytes - run.decoder_bytes)
-    return 2 * graph_bytes(run) + 8 * run.n_columns + activations // 8
+    gradients = sum(x.numel() * x.element_size() for x in run.inputs())
+    return 2 * gradients + 8 * run.n_columns + activations // 8
 
 
 def batch_size_for(run, memory_mb: float, max_batch: int | None = None) -> int:

@@ -179,11 +179,6 @@ def _freeze_representations(bound: BoundModel, replaced: set[str] = frozenset())
     return reps
 
 
-def constant_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The model's bias parameters: under the freezes they enter the logits additively."""
-    return [p for name, p in model.named_parameters() if name.endswith("bias")]
-
-
 @checked
 @contextmanager
 def pre_softcap_logits(model: BoundModel) -> Iterator[float | None]:
@@ -243,7 +238,8 @@ def replacement_forward(
     reps += clt_splice_representations(bound, transcoder, from_position=from_position,
                                        leaves=True, session=session, selection=selection)
 
-    constants = constant_parameters(model)
+    # the model's biases: under the freezes they enter the logits additively
+    constants = [p for name, p in model.named_parameters() if name.endswith("bias")]
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
         for p in model.parameters():
