@@ -64,11 +64,6 @@ class HeadLoadings:
     def n_heads(self) -> int:
         return int(self.parts.shape[1])
 
-    def _layer_index(self, layer: int) -> int:
-        if layer not in self.layers:
-            raise InputError(f"layer {layer} was not split (split: {self.layers})")
-        return self.layers.index(layer)
-
     @checked
     def of(self, source: int, layer: int | None = None) -> pd.DataFrame:
         """Source ``source``'s edge by (layer, head), with a ``bypass`` row per layer:
@@ -79,7 +74,9 @@ class HeadLoadings:
         layers = self.layers if layer is None else [layer]
         rows = []
         for chosen in layers:
-            i = self._layer_index(chosen)
+            if chosen not in self.layers:
+                raise InputError(f"layer {chosen} was not split (split: {self.layers})")
+            i = self.layers.index(chosen)
             rows += [{"layer": chosen, "head": str(h), "part": float(self.parts[i, h, source])}
                      for h in range(self.n_heads)]
             rows.append({"layer": chosen, "head": "bypass",

@@ -278,15 +278,6 @@ def _not_listed(index: GraphIndex, name: str) -> str:
                                                           else "")
 
 
-def _check_writable(mode: int, name: str) -> None:
-    """Refuse (403) a file without a write bit for its owner: its owner protected it, and the
-    rename that replaces it would ignore that (by the mode bits, not ``os.access``, which says
-    yes to root)."""
-    if not mode & stat.S_IWUSR:
-        raise _refuse(f"{name} is write-protected (mode {stat.S_IMODE(mode):04o}): not saved; "
-                      "make it writable (chmod u+w) to save annotations into it", 403)
-
-
 def save(index: GraphIndex, name: str, body: bytes,
          if_match: str | None = None) -> tuple[dict[str, int], str]:
     """Write the annotations in ``body`` (a save request) into graph ``name`` of ``index`` under its
@@ -317,7 +308,11 @@ def _save_locked(index: GraphIndex, name: str, target: Path, body: bytes,
     if if_match is not None and if_match.strip() != version(key):
         raise _refuse(f"{name} changed on disk since the page loaded it: reload the page "
                       "(annotations not saved are lost) and annotate again", 412)
-    _check_writable(key[0], name)
+    # no write bit for the owner: protected, which the replacing rename would ignore (the mode
+    # bits, not os.access, which says yes to root)
+    if not key[0] & stat.S_IWUSR:
+        raise _refuse(f"{name} is write-protected (mode {stat.S_IMODE(key[0]):04o}): not saved; "
+                      "make it writable (chmod u+w) to save annotations into it", 403)
     graph = loads(data)  # listed: strict JSON already
     nodes = [n for n in graph["nodes"] if isinstance(n, dict)
              and isinstance(n.get("node_id"), str)]
