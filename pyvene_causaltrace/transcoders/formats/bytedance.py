@@ -75,9 +75,11 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "
                                     "W_enc_0 .. W_enc_<L-1>")
     n_layers, width = len(layers), meta["d_feature"]
-    enc_shape = shapes_of(open_safetensors(root / "W_enc_0.safetensors")).get("W_enc_0")
+    first = root / "W_enc_0.safetensors"
+    enc_0 = open_safetensors(first)
+    enc_shape = shapes_of(enc_0).get("W_enc_0")
     if enc_shape is None or len(enc_shape) != 2 or enc_shape[0] != width:
-        raise TranscoderFormatError(f"{root / 'W_enc_0.safetensors'}: W_enc_0 has shape "
+        raise TranscoderFormatError(f"{first}: W_enc_0 has shape "
                                     f"{enc_shape}; config.json's d_feature is {width}")
     d_model = enc_shape[1]
     dims = (n_layers, width, d_model)
@@ -109,8 +111,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
                                         f"differs from {NORMS}'s row {layer}")
     if (score < 0).any():  # finite: checked as read
         raise TranscoderFormatError(f"{root / NORMS}: decoder norms must be >= 0")
-    enc_0 = open_safetensors(root / "W_enc_0.safetensors")
-    check_stored_dtypes(root / "W_enc_0.safetensors", enc_0)
+    check_stored_dtypes(first, enc_0)
     disk_dtype = str(enc_0.get_slice("W_enc_0").get_dtype())
     W_enc = torch.stack([read_tensors(root / f"W_enc_{layer}.safetensors", None, features,
                                       {f"W_enc_{layer}": 0})[f"W_enc_{layer}"].to(dtype)

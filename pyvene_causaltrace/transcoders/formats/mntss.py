@@ -60,9 +60,7 @@ def read_config(path: str | Path) -> TranscoderConfig:
     if not layers or layers != list(range(len(layers))):
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected 0..L-1")
     n_layers = len(layers)
-    d_transcoder = d_model = None
-    disk_dtype = None
-    thresholds = None
+    d_transcoder = d_model = disk_dtype = thresholds = None
     for layer in range(n_layers):
         enc = open_safetensors(root / f"W_enc_{layer}.safetensors")
         shapes = shapes_of(enc)
