@@ -52,7 +52,7 @@ def _fvu_parts(recon: torch.Tensor, target: torch.Tensor,
 #: CLTs score about 0.2 on their own model; 1.0 is no better than each layer's mean.
 POOR_FIT_FVU = 0.5
 #: At FVU >= 1 a transcoder of another model scores about as badly everywhere: there it counts
-#: as paired only at most this fraction of the better control's FVU (the seed's CLT: 0.21
+#: as paired only at most this fraction of the better control's FVU (a paired CLT: 0.21
 #: against 3.3 and 215).
 CONTROL_RATIO = 0.5
 #: What :attr:`PairingReport.status` may be.
