@@ -4,10 +4,8 @@ graph file.
     pyvene-causaltrace serve out/            # every graph.json under out/, in the browser
 
 One self-contained page (``index.html``, ``annotate.js``: works offline) draws the graphs
-:mod:`.listing` serves and saves annotations (:mod:`.annotations`). Only a loopback ``Host``
-is answered (else an empty 403: no DNS rebinding); saves must come from the page itself and
-onto the version it loaded (412 otherwise); every other answer is a status with one line of
-JSON. Routes and refusals: docs/attribution.md, "The viewer"."""
+:mod:`.listing` serves and saves annotations (:mod:`.annotations`). Only a loopback ``Host`` is
+answered (no DNS rebinding); routes and refusals: docs/attribution.md, "The viewer"."""
 
 from __future__ import annotations
 

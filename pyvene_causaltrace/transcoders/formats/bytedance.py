@@ -59,9 +59,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
          **_ignored) -> Transcoder:
     """The CLT from its directory; every file checked before anything is returned, decoders
     memory-mapped with ``lazy_decoder``. ``shard=(rank, world)`` reads only that rank's features
-    (rows of each ``W_enc_{l}``, ``W_dec_{l}``, ``W_dec_norm_{l}``, columns of ``W_dec_norm``,
-    through ``get_slice``), never a whole encoder or decoder; its joint top-k is then a
-    collective over the ranks."""
+    (``get_slice``); its joint top-k is then a collective over the ranks."""
     check_dtype(dtype)
     root = Path(source).expanduser()
     meta = _config(root / CONFIG)

@@ -212,11 +212,9 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
              feature_input_hook: str | None = None,
              feature_output_hook: str | None = None,
              shard: tuple[int, int] | None = None) -> Transcoder:
-    """The GemmaScope-2 CLT from its folder, or from its ``params_layer_{l}`` files in layer
-    order (circuit-tracer's config lists them). Every file is checked first; decoders stay
-    memory-mapped with ``lazy_decoder``. ``shard=(rank, world)`` reads only that rank's features
-    (columns of ``w_enc``, rows of the rest, through ``get_slice``), never a whole encoder or
-    decoder."""
+    """The GemmaScope-2 CLT from its folder, or from its ``params_layer_{l}`` files in layer order
+    (circuit-tracer's config lists them). Every file is checked first; decoders stay memory-mapped
+    with ``lazy_decoder``; ``shard=(rank, world)`` reads only that rank's features."""
     check_dtype(dtype)
     if isinstance(source, list | tuple):
         files, root = [Path(str(f)) for f in source], None

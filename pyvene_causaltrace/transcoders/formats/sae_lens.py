@@ -207,11 +207,10 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu", scan: str | None = None,
          sae_ids: list[str] | None = None, shard: tuple[int, int] | None = None,
          **_ignored) -> Transcoder:
-    """A per-layer set from sae-lens transcoder directories: ``source`` is a directory holding
-    one per layer (any names; the layer comes from each ``hook_name``), or a list of them, each
-    read by ``SAE.load_from_disk``; or the name of a sae-lens release (:func:`load_release`,
-    with ``sae_ids``). ``shard=(rank, world)``: each transcoder is read by sae-lens and cut to
-    the rank's slice before the next is read (one whole layer at a time, never the set)."""
+    """A per-layer set from sae-lens transcoder directories: ``source`` is a directory holding one
+    per layer (the layer comes from each ``hook_name``) or a list of them, each read by
+    ``SAE.load_from_disk``; or a sae-lens release's name (:func:`load_release`, with ``sae_ids``).
+    ``shard=(rank, world)``: each is cut to the rank's slice before the next is read."""
     from sae_lens import SAE  # takes seconds to import: only when called
 
     if isinstance(source, str) and not Path(source).expanduser().exists():

@@ -115,8 +115,7 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
          model_name: str = "", scan: str | None = None,
          shard: tuple[int, int] | None = None, **_ignored) -> Transcoder:
     """A per-layer TopK set from a sparsify run directory (one subdirectory per layer's MLP).
-    ``shard=(rank, world)`` reads only that rank's rows of ``encoder.weight``, ``encoder.bias``
-    and ``W_dec`` (``get_slice``), never a whole encoder or decoder; its top-k is then a
+    ``shard=(rank, world)`` reads only that rank's features (``get_slice``); its top-k is then a
     collective over the ranks."""
     root = Path(source).expanduser()
     found = _hookpoints(root)
