@@ -221,13 +221,6 @@ def generation_mb(bound: BoundModel, transcoder: Transcoder, length: int) -> flo
     return (model_bytes + 4 * features) / 2**20
 
 
-def _device_mb(device: torch.device) -> float:
-    """The memory of ``device``: a GPU's, or what this process may use of the machine's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / 2**20
-    return machine_memory() / 2**20
-
-
 def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: int,
                           max_new_tokens: int, memory_mb: float | None = None) -> None:
     """Refuse, before any forward, a generation past the model's positions or whose last
@@ -235,8 +228,12 @@ def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: i
     fit."""
     model.check_generation_length(n_prompt, max_new_tokens)
     device = model.device
-    budget = _device_mb(device) if memory_mb is None else positive_number(memory_mb,
-                                                                          "memory_mb")
+    if memory_mb is not None:
+        budget = positive_number(memory_mb, "memory_mb")
+    elif device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory / 2**20
+    else:  # what this process may use of the machine's memory
+        budget = machine_memory() / 2**20
     if generation_mb(model, transcoder, n_prompt + max_new_tokens) <= budget:
         return
     low, high = 0, max_new_tokens  # the most new tokens that fit: low fits, high does not
