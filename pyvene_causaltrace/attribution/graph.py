@@ -295,11 +295,10 @@ class AttributionGraph:
 
     @checked
     def decomposition(self, logit: int | None = None) -> dict[str, float]:
-        """The weighted mean target (:meth:`target_row`), or logit node ``logit``'s, split by
-        node kind — explored
-        features, unexplored features (no row of their own), errors, steering (the constants
-        of a pyvene model's interventions; 0 without them), tokens — plus the constants, and
-        the shares of errors and of unexplored features."""
+        """The weighted mean target (:meth:`target_row`), or logit node ``logit``'s, split by node
+        kind — explored features, unexplored features (no row of their own), errors, steering (the
+        constants of a pyvene model's interventions; 0 without them), tokens — plus the constants,
+        and the shares of errors and of unexplored features."""
         lay, row = self.layout, self.target_row(logit).double()
         rows = self.rows.row_of_node(lay.n_nodes)[lay.logits]
         weights = self._mean_weights() if logit is None else \
