@@ -100,29 +100,17 @@ def attribute(
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next token through ``transcoder``.
 
-    Targets (:mod:`.targets`): with ``answer`` (one token), one demeaned logit of kind ``target``
-    (``"demeaned"``, ``"demeaned_vocab"``, ``"difference"`` against ``other``); without one,
-    circuit-tracer's salient logits — the most probable tokens, at most ``max_n_logits``
-    (default 10), until their probabilities reach ``desired_logit_prob`` (default 0.95) — refused
-    beside an answer, a difference or a direction. ``target`` may also be a ``[d_model]``
-    direction on the final norm's output at the last position, or a
-    :func:`~.targets.direction_target`.
-
-    ``bos`` (``"auto"``, ``"always"``, ``"never"``) says whether position 0 is BOS (not spliced);
-    ``bos_errors="drop"`` makes its errors constants (refused where position 0 is spliced).
-    ``max_feature_nodes`` bounds the feature rows (default: as many as fit ``memory_mb``, which
-    caps the forward graph, gradient rows and stored rows; too big a prompt raises
-    :class:`~.budget.MemoryCapError` before it runs). ``checkpoint`` (a directory) saves rows as
-    they come and resumes from them; it is kept on return unless ``keep_checkpoint=False``
-    (another graph's or a damaged one raises
-    :class:`~pyvene_causaltrace.errors.CheckpointMismatchError`). ``settings`` gives every
-    setting at once; a keyword that contradicts it is refused.
-
-    A soft-capped model (Gemma-2) is explained before its cap. On a ``pv.IntervenableModel``
-    the graph is of the model with its interventions applied, their constant parts as
-    steering nodes. Every row must close to :data:`~.edges.CLOSURE_TOLERANCE` or
-    :class:`~.edges.ClosureError` is raised (``check_closure=False`` returns the graph anyway).
-    docs/attribution.md has the details."""
+    Targets (:mod:`.targets`): with ``answer`` (one token), one logit of kind ``target``;
+    without one, circuit-tracer's salient logits; or a direction. The settings (target,
+    budget, ``bos``, ...) are :class:`~.settings.AttributionSettings`' fields, as keywords or
+    all at once as ``settings`` (a keyword that contradicts it is refused); too big a prompt
+    raises :class:`~.budget.MemoryCapError` before it runs. ``checkpoint`` (a directory) saves
+    rows as they come and resumes from them (another graph's raises
+    :class:`~pyvene_causaltrace.errors.CheckpointMismatchError`); it is kept on return unless
+    ``keep_checkpoint=False``. On a ``pv.IntervenableModel`` the graph is of the model with its
+    interventions applied, their constant parts as steering nodes. Every row must close to
+    :data:`~.edges.CLOSURE_TOLERANCE` or :class:`~.edges.ClosureError` is raised
+    (``check_closure=False`` returns the graph anyway). Details: docs/attribution.md."""
     if not prompt:
         raise InputError("the prompt is empty")
     s = AttributionSettings.merged(

@@ -1,16 +1,11 @@
 """Memory planning for an attribution graph: what the forward graph, a batch of gradient rows and
 the stored rows will cost, decided before anything large is allocated.
 
-- :func:`check_forward_fits` (before the local replacement forward): the decoder rows of every
-  active feature — the leaf-mode splice keeps ``[T_l, D]`` per active feature of layer ``l``
-  (``T_l = L - l`` for a CLT, 1 for a per-layer set), which dominates on real transcoders —
-  plus the model's saved activations;
-- :func:`batch_size_for`: rows per backward that fit beside the forward graph;
-- :func:`feature_budget`: how many feature rows the sparse row store can hold; each row's
-  nonzero entries are bounded by its causal cone (features and errors of earlier layers at the
-  same or earlier positions, tokens at the same or earlier positions), and a budget below the
-  active features also holds what ranking by influence reads (the edges among explored rows);
-- :func:`check_batch_fits`: a batch size fixed by the caller, checked like the one chosen.
+- :func:`check_forward_fits`: the decoder rows ``[T_l, D]`` the leaf-mode splice keeps per
+  active feature (dominant on real transcoders), plus the model's saved activations;
+- :func:`batch_size_for` / :func:`check_batch_fits`: rows per backward beside the forward graph;
+- :func:`feature_budget`: how many feature rows the row store can hold, each bounded by its
+  causal cone, plus what ranking by influence reads below the active features.
 
 Every refusal is a :class:`MemoryCapError` that says what to change.
 """
@@ -43,9 +38,8 @@ ENTRY_BYTES = 8
 #: Transient bytes per entry of a reading chunk (row/column int64, values as float64, masks).
 CHUNK_BYTES = 48
 #: Transient bytes per stored entry whose source is an explored feature while a ranking reads
-#: the rows' influence (:func:`~.reading.influence` keeps the edges among rows: row and source
-#: int64 and weight float64, concatenated, then two float64 temporaries per term): measured
-#: 38 B beyond the chunks on a 6 M-entry store of only such entries.
+#: the rows' influence (the edges among rows, int64 and float64, and two float64 temporaries per
+#: term): measured 38 B beyond the chunks on a 6 M-entry store of only such entries.
 INFLUENCE_BYTES = 40
 
 
@@ -93,19 +87,14 @@ def check_forward_fits(model: BoundModel, transcoder, input_ids: torch.Tensor, m
     return need
 
 
-def graph_bytes(run) -> int:
-    """Bytes of the leaves and constants one gradient row produces."""
-    return sum(x.numel() * x.element_size() for x in run.inputs())
-
-
 def row_bytes(run) -> int:
-    """Estimated bytes one batched gradient row costs: its leaf gradients (twice: computed and
-    accumulated), its dense edge row, and an eighth of the forward's saved activations (not the
-    decoder rows) for the batched activation gradients alive at once. Measured on SmolLM2 (CPU,
-    9 tokens, forward graph 63 MB): 2.2-4.6 MB per row at 8-128 rows per backward, against this
-    estimate's 9.3 MB (benchmarks/attribution_speed.py)."""
+    """Estimated bytes one batched gradient row costs: its leaf gradients (computed and
+    accumulated), its dense edge row, and an eighth of the forward's saved activations. On
+    SmolLM2 (9 tokens) 2.2-4.6 MB were measured against this estimate's 9.3 MB
+    (benchmarks/attribution_speed.py)."""
     activations = max(0, run.forward_bytes - run.decoder_bytes)
-    return 2 * graph_bytes(run) + 8 * run.n_columns + activations // 8
+    gradients = sum(x.numel() * x.element_size() for x in run.inputs())
+    return 2 * gradients + 8 * run.n_columns + activations // 8
 
 
 def batch_size_for(run, memory_mb: float, max_batch: int | None = None) -> int:
@@ -166,13 +155,11 @@ def _ranking_bytes(feature_cones: torch.Tensor, rows: int) -> float:
 
 def feature_budget(run, memory_mb: float, batch: int, requested: int | None,
                    order: torch.Tensor) -> int:
-    """Feature rows to compute: ``requested`` (capped at the active features) when given;
-    otherwise every feature if their rows fit ``memory_mb`` beside the forward graph and a batch
-    of gradient rows, else the largest number that fits, taken in ``order`` (one log line says
-    so). Row sizes are their causal cones' (an upper bound); a budget below ``n_features`` is
-    ranked by influence, which reads the edges among the rows, and that is counted too.
-    Raises :class:`MemoryCapError` when not even one row fits, or the requested rows
-    cannot."""
+    """Feature rows to compute: ``requested`` (capped at the active features) when given, else
+    as many as fit ``memory_mb`` beside the forward graph and a batch of gradient rows, taken in
+    ``order`` (logged when not all). Rows are sized by their causal cones, and a budget below
+    ``n_features`` counts its ranking too. :class:`MemoryCapError` when not one row (or not the
+    requested rows) fits."""
     n = run.n_features
     bounds = row_entry_bounds(run)[order.cpu()].double()
     cones = row_feature_bounds(run)[order.cpu()]

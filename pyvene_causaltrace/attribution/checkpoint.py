@@ -139,11 +139,10 @@ class Checkpoint:
 
     def load(self, n_columns: int, n_features: int | None = None, n_logits: int = 1
              ) -> tuple[RowStore, torch.Tensor] | None:
-        """``(store, pending)`` saved for this key, or ``None`` when nothing is saved. A
-        checkpoint of another graph, or a damaged one, raises
-        :class:`CheckpointMismatchError` (module docstring). ``n_features``: the graph's
-        active features (rows and the queue are checked against it); ``n_logits``: its logit
-        nodes (after the ``n_columns`` source nodes), each of which must have its row."""
+        """``(store, pending)`` saved for this key, or ``None`` when nothing is saved; another
+        graph's or a damaged checkpoint raises :class:`CheckpointMismatchError`. Rows and the
+        queue are checked against ``n_features``; each of the ``n_logits`` logit nodes must have
+        its row."""
         if self.path is None or not (self.path / MANIFEST).exists():
             return None
         manifest = self._manifest()

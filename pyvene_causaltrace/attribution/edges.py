@@ -1,27 +1,23 @@
 """Edges: ``x_i * d(row target) / d(x_i)`` for every node ``i``, and the closure check.
 
-A row belongs to a target — a :class:`~.targets.Target` or one active feature's
-pre-activation ``W_enc[l, f] . x[l, pos]`` — with one column per node (features, errors
-layer-major, steering, tokens). What the additive constants (``b_dec``, attention and norm
-biases) contribute is kept beside the row, so ``row.sum() + constant == target`` is a check:
-:class:`Closure`, :class:`ClosureError`.
-
-**Closure tolerance.** The residual is measured against the scale of what is summed
-(:attr:`Closure.scale`: ``sum |row| + |constant| + |target|``, plus for a feature row the terms
-``sum_i |w_i x_i|`` its pre-activation sums, :func:`feature_targets_and_magnitudes`), not the
-target, which can be near zero while its terms are not (a barely active SmolLM2 feature left
-1.4e-4 of its edges' scale without that term). float32 rounding leaves ~1e-7..1e-5 of the
-scale; :data:`CLOSURE_TOLERANCE` (1e-4) is ten times the worst seen, so a larger residual means
+A row belongs to a target (a :class:`~.targets.Target`, or one active feature's pre-activation
+``W_enc[l, f] . x[l, pos]``), one column per node. What the additive constants (``b_dec``,
+biases) contribute is kept beside it, so ``row.sum() + constant == target`` is a check
+(:class:`Closure`, :class:`ClosureError`). The residual is measured against the scale of what is
+summed (:attr:`Closure.scale`, plus for a feature row its pre-activation's terms ``sum_i |w_i
+x_i|``), not the target, which can be near zero while its terms are not. float32 rounding leaves
+~1e-7..1e-5 of it; :data:`CLOSURE_TOLERANCE` (1e-4) is ten times the worst seen, so more means
 the forward changed in a way the graph has no node for.
 
-:func:`feature_rows` batches gradient seeds (``is_grads_batched=True``) on one forward graph,
-the feature leaves' gradients coming from the error leaves' (:mod:`.leaf_grads`);
-:func:`feature_rows_loop` is the one-backward-per-node reference it is tested against."""
+:func:`feature_rows` batches gradient seeds on one forward graph (the feature leaves' gradients
+from the error leaves', :mod:`.leaf_grads`); :func:`feature_rows_loop` is the one backward per
+node reference it is tested against."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -41,14 +37,11 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
              for x, g in zip(inputs, grads, strict=True)]
     if batch is None:
         grads = [g[None] for g in grads]
-    n_layers, n_emb = run.n_layers, len(run.embeddings)
-    k = len(run.feature_values)
-    feature_grads = grads[:k]
-    error_grads = grads[k:k + n_layers]
-    steering = run.steering_leaves
-    steer_grads = grads[k + n_layers:k + n_layers + len(steering)]
-    emb_grads = grads[k + n_layers + len(steering):k + n_layers + len(steering) + n_emb]
-    bias_grads = grads[k + n_layers + len(steering) + n_emb:]
+    steering = run.steering_leaves  # run.inputs() order: features, errors, steering, ...
+    ends = list(accumulate((len(run.feature_values), run.n_layers, len(steering),
+                            len(run.embeddings))))
+    feature_grads, error_grads, steer_grads, emb_grads, bias_grads = (
+        grads[start:end] for start, end in zip([0, *ends], [*ends, None], strict=True))
     parts = [(v.detach() * g) for v, g in zip(run.feature_values, feature_grads, strict=True)]
     dropped = []  # bos_errors="drop": the BOS errors' edges join the constant instead
     for e, g in zip(run.errors, error_grads, strict=True):

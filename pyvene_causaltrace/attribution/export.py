@@ -1,13 +1,10 @@
 """The circuit-tracer / Neuronpedia graph JSON, so a graph opens in their viewer.
 
-Top level ``metadata``, ``qParams``, ``nodes``, ``links``; node ids are circuit-tracer's
-current ones (:func:`node_id`: errors ``"{layer}_-1_{pos}"``, never colliding with a feature's)
-plus this package's steering nodes ``"S{j}_{pos}"`` (``feature_type`` ``"steering"``, listed in
-``metadata.info.steering``). Only the pruned graph is exported (kept nodes a kept link touches,
-every token and logit), at most ``max_links`` links, numbers to 6 significant digits without
-spaces, so a pruned graph of thousands of features stays a few tens of MB. Files are written
-whole or not at all (:func:`~..atomic.write_text`). :func:`check_graph_json` checks a payload
-against Neuronpedia's schema (:data:`NEURONPEDIA_SCHEMA`)."""
+Node ids are circuit-tracer's current ones (:func:`node_id`: errors ``"{layer}_-1_{pos}"``,
+never a feature's) plus steering nodes ``"S{j}_{pos}"`` (``feature_type`` ``"steering"``, listed
+in ``metadata.info.steering``). Only the pruned graph is exported, at most ``max_links`` links,
+numbers to 6 significant digits, so a graph of thousands of features stays a few tens of MB.
+:func:`check_graph_json` checks a payload against Neuronpedia's schema."""
 
 from __future__ import annotations
 
@@ -205,9 +202,12 @@ def graph_json(graph, slug: str | None = None,
     return payload if attention is None else attention.annotate(payload, graph, identity)
 
 
-def write_json(payload: dict, path: str | Path) -> None:
-    """Write ``payload`` compactly (no spaces), through :func:`replacing`."""
-    write_text(json.dumps(payload, separators=(",", ":"), ensure_ascii=False), path)
+def write_json(payload: dict, path: str | Path | None) -> dict:
+    """``payload``, written compactly (no spaces) through :func:`replacing` to ``path`` when
+    given."""
+    if path is not None:
+        write_text(json.dumps(payload, separators=(",", ":"), ensure_ascii=False), path)
+    return payload
 
 
 def write_circuit_tracer_dir(payload: dict, directory: str | Path) -> Path:

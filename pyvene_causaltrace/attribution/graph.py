@@ -1,16 +1,13 @@
 """The attribution graph of one prompt: nodes, the computed rows of the edge matrix, and ways to
 read them.
 
-Nodes, in circuit-tracer's order: active features (layer, position, feature id), errors (one
-per layer x position, layer-major), steering nodes (a pyvene ``IntervenableModel``'s
-interventions' constant parts, one per position where nonzero: :attr:`~AttributionGraph.steering`),
-tokens (one per position), then the logit nodes (:attr:`~AttributionGraph.targets`, each
-weighted by its probability in influence and pruning). ``rows`` (a :class:`~.store.RowStore`)
-holds the logits' rows and those of the *explored* features; under a feature-node budget the
-others stay as leaves whose direct effects every computed row keeps, so each row still closes
-(``row.sum() + constant == target``) though edges between unexplored features are never seen.
-Derived results (influence, pruning, scores) are memoised; files are written whole or not at
-all (:mod:`.graph_file`)."""
+Nodes, in circuit-tracer's order: active features (layer, position, feature id), errors (layer
+x position, layer-major), steering nodes (a pyvene ``IntervenableModel``'s interventions'
+constant parts, :attr:`~AttributionGraph.steering`), tokens, then the logit nodes
+(:attr:`~AttributionGraph.targets`, weighted by probability in influence and pruning). ``rows``
+holds the logits' rows and the *explored* features'; under a feature-node budget the others are
+leaves whose direct effects every row keeps, so each row still closes. Derived results are
+memoised; files are written whole or not at all (:mod:`.graph_file`)."""
 
 from __future__ import annotations
 
@@ -298,11 +295,10 @@ class AttributionGraph:
 
     @checked
     def decomposition(self, logit: int | None = None) -> dict[str, float]:
-        """The weighted mean target (:meth:`target_row`), or logit node ``logit``'s, split by
-        node kind — explored
-        features, unexplored features (no row of their own), errors, steering (the constants
-        of a pyvene model's interventions; 0 without them), tokens — plus the constants, and
-        the shares of errors and of unexplored features."""
+        """The weighted mean target (:meth:`target_row`), or logit node ``logit``'s, split by node
+        kind — explored features, unexplored features (no row of their own), errors, steering (the
+        constants of a pyvene model's interventions; 0 without them), tokens — plus the constants,
+        and the shares of errors and of unexplored features."""
         lay, row = self.layout, self.target_row(logit).double()
         rows = self.rows.row_of_node(lay.n_nodes)[lay.logits]
         weights = self._mean_weights() if logit is None else \
@@ -399,10 +395,7 @@ class AttributionGraph:
         thresholds and ``max_links``, or ``settings=``, a :class:`~.settings.ReadingSettings`;
         labels, attention annotations); written compactly to ``path`` when given (whole or not
         at all)."""
-        payload = graph_json(self, **kwargs)
-        if path is not None:
-            write_json(payload, path)
-        return payload
+        return write_json(graph_json(self, **kwargs), path)
 
     @checked
     def plot(self, path: str | Path | None = None, **kwargs: Any):

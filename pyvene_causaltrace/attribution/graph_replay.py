@@ -153,9 +153,8 @@ def replay_graph(bound: BoundModel, transcoder: Transcoder, graph: AttributionGr
             layers: Sequence[int], *, qk: bool = False,
             memory_mb: float | None = None) -> Replay:
     """One forward of ``graph``'s local replacement model (:func:`graph_run`) keeping the head
-    outputs of ``layers`` and, with ``qk``, every layer's queries and keys (q/k norms
-    frozen); later backwards take as many rows at once as fit ``memory_mb`` (default
-    :attr:`~.settings.AttributionSettings.memory_mb`)."""
+    outputs of ``layers`` and, with ``qk``, every layer's queries and keys (q/k norms frozen);
+    later backwards take as many rows as fit ``memory_mb`` (default the attribution settings')."""
     check_fits(bound, transcoder)
     bound.check_weights()
     attentions = {id(bound.module("attn", layer)): layer for layer in range(bound.n_layers)}

@@ -1,14 +1,12 @@
-"""Attention inside the graph: which heads carry an edge — an exact decomposition of the local
+"""Attention inside the graph: which heads carry an edge, an exact decomposition of the local
 replacement model (Anthropic's "Tracing Attention Computation Through Feature Interactions",
 2025; circuit-tracer PR #114's head loadings).
 
-**Head loadings** (:func:`head_loadings`). Every path from a source to the target crosses layer
-``l``'s attention through exactly one head, or skips it. Head ``h``'s output is the ``h``-th
-``head_dim`` slice ``z[l, h]`` of the input of the attention output projection (one per query
-head under grouped-query attention). With ``g[l] = d target / d z[l]``, source ``i``'s part
-through head ``h`` is ``x_i * d <g[l, h], z[l, h]> / d x_i``, a row like any target's
-(:func:`~.edges.edges_from_grads`), one batched backward per layer; the bypass is the edge
-minus its heads' parts.
+Every path from a source to the target crosses layer ``l``'s attention through one head or
+skips it. With ``z[l, h]`` head ``h``'s slice of the output projection's input and ``g[l] = d
+target / d z[l]``, source ``i``'s part through head ``h`` is ``x_i * d <g[l, h], z[l, h]> / d
+x_i``, a row like any target's (one batched backward per layer); the bypass is the edge minus
+its heads' parts.
 
     loadings = head_loadings(model, transcoder, graph)        # the first logit node's edges
     loadings.of(source)                                       # DataFrame: layer, head, part
@@ -66,11 +64,6 @@ class HeadLoadings:
     def n_heads(self) -> int:
         return int(self.parts.shape[1])
 
-    def _layer_index(self, layer: int) -> int:
-        if layer not in self.layers:
-            raise InputError(f"layer {layer} was not split (split: {self.layers})")
-        return self.layers.index(layer)
-
     @checked
     def of(self, source: int, layer: int | None = None) -> pd.DataFrame:
         """Source ``source``'s edge by (layer, head), with a ``bypass`` row per layer:
@@ -81,7 +74,9 @@ class HeadLoadings:
         layers = self.layers if layer is None else [layer]
         rows = []
         for chosen in layers:
-            i = self._layer_index(chosen)
+            if chosen not in self.layers:
+                raise InputError(f"layer {chosen} was not split (split: {self.layers})")
+            i = self.layers.index(chosen)
             rows += [{"layer": chosen, "head": str(h), "part": float(self.parts[i, h, source])}
                      for h in range(self.n_heads)]
             rows.append({"layer": chosen, "head": "bypass",
@@ -126,10 +121,7 @@ class HeadLoadings:
     def to_json(self, path: str | Path | None = None,
                 sources: Sequence[int] | None = None) -> dict[str, Any]:
         """:meth:`to_dict`, written to ``path`` when given."""
-        data = self.to_dict(sources)
-        if path is not None:
-            write_json(data, path)
-        return data
+        return write_json(self.to_dict(sources), path)
 
     @checked
     def plot(self, source: int, path: str | Path | None = None):

@@ -2,14 +2,11 @@
 the error leaves' instead of by autograd through the splice.
 
 A feature of layer ``l`` at position ``p`` writes ``value * W_dec[l][f, t - l]`` into layer
-``t``'s MLP output, which is ``reconstruction + error``: every write there has the error leaf's
-gradient ``g_t``. So the feature's gradient is ``sum_t g_t[p] . W_dec[l][f, t - l]``:
-:func:`leaf_grads` asks autograd only for the other leaves, then computes the features' as one
-matrix product per (layer, position), decoder rows ``[n, T_l * D]`` times a strided view of the
-stacked error gradients ``[rows, B, P, L, D]``. Autograd through the splice gives the same
-numbers (``feature_rows_loop`` still takes that path) but under ``is_grads_batched`` copies the
-target gradients per source layer and runs one matrix-vector product per row: most of a
-batched backward on SmolLM2 (benchmarks/RESULTS.md, "Attribution rows, issue 27").
+``t``'s MLP output, ``reconstruction + error``, whose error leaf has gradient ``g_t``; so the
+feature's gradient is ``sum_t g_t[p] . W_dec[l][f, t - l]``, one matrix product per (layer,
+position) of decoder rows and the stacked error gradients. Autograd through the splice gives the
+same numbers (``feature_rows_loop`` takes that path) but under ``is_grads_batched`` it was most
+of a batched backward on SmolLM2 (benchmarks/RESULTS.md, "Attribution rows, issue 27").
 
     grads = leaf_grads(run, outputs, seeds)
     # == torch.autograd.grad(outputs, run.inputs(), seeds, allow_unused=True,

@@ -1,21 +1,15 @@
 """Attention inside the graph: what a head's pre-softmax score is made of.
 
-An exact decomposition of the graph's local replacement model, as :mod:`.heads`' (Anthropic's
-"Tracing Attention Computation Through Feature Interactions", transformer-circuits.pub, 2025).
-
-**QK attribution** (:func:`qk_attribution`). A head's pre-softmax score at query position ``q``
-and key position ``k`` is ``s = scaling * <query[q], key[k]>``, each side taken after every
-transform (projections, q/k norms frozen as the graph freezes norms, rotary). Each side is linear
-in the graph's nodes plus constants (biases, ``b_dec``), so it is the sum of its nodes'
-contributions (one batched backward of ``head_dim`` seeds per side; the rows close on the vector
-exactly, as a graph's rows close on their target), and ``s`` is the sum of the bilinear terms
-``scaling * <query part of node i, key part of node j>`` over every pair, the constants included
-as one node ``"constants"`` per side. A score soft-capped by the model (Gemma-2) is decomposed
-before its cap.
+An exact decomposition of the local replacement model, as :mod:`.heads`' (Anthropic's "Tracing
+Attention Computation Through Feature Interactions", 2025). A head's score at query ``q`` and
+key ``k`` is ``s = scaling * <query[q], key[k]>``, each side after every transform (projections,
+frozen q/k norms, rotary). Each side is linear in the graph's nodes plus constants, so it is the
+sum of its nodes' parts (one batched backward per side, closing on the vector exactly), and
+``s`` the sum of ``scaling * <query part of i, key part of j>`` over every pair, the constants
+one node ``"constants"`` per side. A soft-capped score (Gemma-2) is decomposed before its cap.
 
     qk = qk_attribution(model, transcoder, graph, layer=2, head=1, query_pos=-1, key_pos=3)
-    qk.terms.head(10)                                         # the largest bilinear terms
-"""
+    qk.terms.head(10)                                         # the largest bilinear terms"""
 
 from __future__ import annotations
 
@@ -48,11 +42,8 @@ class QKAttribution:
     docstring).
 
     ``query_parts [n_q, head_dim]`` / ``key_parts [n_k, head_dim]``: each contributing node's
-    part of the query / key vector (the last row: the constants), ``query_nodes`` /
-    ``key_nodes`` their node indices (-1: the constants). ``terms`` lists the largest
-    ``scaling * <query part i, key part j>``; ``query_marginals`` / ``key_marginals`` each node's
-    terms summed over the other side. Everything sums to ``score`` (``residual``: the float
-    rounding)."""
+    part of the vector, ``query_nodes`` / ``key_nodes`` their node indices (-1, the last: the
+    constants). Every term sums to ``score`` (``residual``: the float rounding)."""
 
     layer: int
     head: int
@@ -133,10 +124,7 @@ class QKAttribution:
 
     @checked
     def to_json(self, path: str | Path | None = None, n: int = 20) -> dict[str, Any]:
-        data = self.to_dict(n)
-        if path is not None:
-            write_json(data, path)
-        return data
+        return write_json(self.to_dict(n), path)
 
     @checked
     def plot(self, n: int = 15, path: str | Path | None = None):
@@ -180,14 +168,13 @@ def _side_parts(replay: Replay, vector_of: torch.Tensor, index: tuple, what: str
 
 def _positions(graph: AttributionGraph, query_pos: int, key_pos: int) -> tuple[int, int]:
     """Both positions checked and made non-negative."""
-    n_pos, positions = graph.n_pos, []
-    for name, pos in (("query_pos", query_pos), ("key_pos", key_pos)):
-        positions.append(check_index(name, pos, n_pos, "positions of the prompt",
-                                     negative=True))
-    if positions[1] > positions[0]:
-        raise InputError(f"key_pos {positions[1]} is after query_pos {positions[0]}: a causal "
-                         "head never attends there")
-    return positions[0], positions[1]
+    query_pos, key_pos = (check_index(name, pos, graph.n_pos, "positions of the prompt",
+                                      negative=True)
+                          for name, pos in (("query_pos", query_pos), ("key_pos", key_pos)))
+    if key_pos > query_pos:
+        raise InputError(f"key_pos {key_pos} is after query_pos {query_pos}: a causal head "
+                         "never attends there")
+    return query_pos, key_pos
 
 
 def score_terms(replay: Replay, layer: int, head: int, query_pos: int,

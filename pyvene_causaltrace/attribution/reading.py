@@ -1,17 +1,15 @@
 """Reading a graph: influence, pruning and scores, with circuit-tracer's semantics, from the
-sparse rows of a :class:`~.store.RowStore` — never an ``N x N`` matrix.
-
-Node order is :mod:`.graph`'s; ``A[t, s]`` is source ``s``'s direct effect on target ``t``,
-nonzero only in the stored rows (every other node is a leaf).
+sparse rows of a :class:`~.store.RowStore`, never an ``N x N`` matrix. ``A[t, s]`` is source
+``s``'s direct effect on target ``t`` (:mod:`.graph`'s node order), nonzero only in stored rows.
 
 - influence: ``w @ (N + N^2 + ...)``, ``N`` = ``|A|`` with rows scaled to sum to 1, ``w`` the
-  logit weights; the series runs on the rows x row-nodes part, one last pass spreads it to
-  every column, and ends within ``n_layers + 2`` terms (the graph is acyclic).
+  logit weights; run on the rows x row-nodes part, then spread to every column in one pass; it
+  ends within ``n_layers + 2`` terms (the graph is acyclic).
 - :func:`prune`: the nodes carrying ``node_threshold`` of cumulative influence (tokens and
   logits always), then the edges carrying ``edge_threshold`` of cumulative edge score
   ``N_kept[t, s] * (influence_kept[t] + w[t])``, then nodes left without edges dropped.
-- :func:`graph_scores`: replacement score (input influence / (input + error influence);
-  inputs are tokens and steering nodes) and completeness score.
+- :func:`graph_scores`: replacement score (input influence / (input + error influence); inputs
+  are tokens and steering nodes) and completeness score.
 
 :func:`threshold_for` finds a threshold from a histogram of the scores' float bits, sorting one
 bucket (circuit-tracer sorts all ``n^2`` scores, its OOM at ~63k nodes)."""

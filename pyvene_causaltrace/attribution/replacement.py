@@ -5,31 +5,19 @@ Built only from registered interventions, applied by our hook runner
 
 - ``gradient_leaf`` on the embedding output(s): token nodes;
 - ``clt_splice`` in leaf mode at every layer: active features and ``b_dec`` as leaves, every
-  MLP output (the transcoder's output hook) = reconstruction + skip path + error, the error a
-  leaf constant; a ``joint_topk`` transcoder's features are those its joint top-k keeps on the
-  clean run (one no-grad forward first, :func:`~..interventions.clt_splice.clean_selection`),
-  held fixed — as a per-layer TopK's are, being leaves — with values from the live input;
-- with ``freeze=True``: ``frozen_layernorm`` on every norm in the residual path and
-  ``frozen_attention`` on every attention module.
+  MLP output = reconstruction + skip path + error, the error a leaf constant; a ``joint_topk``
+  transcoder's features are those its joint top-k keeps on the clean run
+  (:func:`~..interventions.clt_splice.clean_selection`), held fixed, valued from the live input;
+- with ``freeze=True``: ``frozen_layernorm`` on every residual-path norm, ``frozen_attention``
+  on every attention module.
 
 The forward value is the clean model's (to float rounding), before any final logit soft-cap
-(Gemma-2's ``cap * tanh(logits / cap)`` is not linear; the graph explains the pre-cap logits, as
-circuit-tracer's does). Under the freezes the logits are a
-linear function of the leaves plus the model's additive constants (attention/LayerNorm biases,
-``b_dec``), so ``sum_i x_i * d target / d x_i`` over leaves and constants equals the target
-exactly (Euler's identity): the closure check.
-
-Run on a pyvene ``IntervenableModel``'s model inside
-:func:`~pyvene_causaltrace.pyvene_boundary.user_edits.applied_interventions`, each user
-intervention ``f(x) = A x + c`` keeps its linear part in the forward graph and its constant
-``c = f(0)`` (a steering vector, a restored state, noise) becomes a leaf too: ``run.steering``,
-the graph's steering nodes (:func:`~pyvene_causaltrace.pyvene_boundary.steering.
-collect_steering`).
-
-    run = run_local_replacement(model, transcoder, ids)
-    run.logits                                  # live, differentiable
-    run.inputs()                                # every leaf and constant, for autograd.grad
-"""
+(not linear; the graph explains the pre-cap logits, as circuit-tracer's does). Under the freezes
+the logits are linear in the leaves plus the model's additive constants (biases, ``b_dec``), so
+``sum_i x_i * d target / d x_i`` over them equals the target exactly: the closure check.
+Inside :func:`~pyvene_causaltrace.pyvene_boundary.user_edits.applied_interventions`, each user
+intervention ``f(x) = A x + c`` keeps its linear part in the forward and its constant ``c =
+f(0)`` becomes a leaf: ``run.steering``, the graph's steering nodes."""
 
 from __future__ import annotations
 
@@ -66,14 +54,11 @@ from .sharded import FeatureShard, globalize
 class ReplacementRun:
     """One forward of the local replacement model: live outputs and every leaf.
 
-    Feature nodes are ordered layer, then position, then feature id; ``feature_layer`` etc. give
-    each node's coordinates and ``activation`` its value. ``errors[l]`` is ``[1, P, D]``;
-    ``embeddings`` are the token (and position) embedding outputs ``[1, P, D]``; ``constants`` are
-    the model's additive bias parameters; ``encoder_inputs[l]`` is the live ``[1, P, D]`` input of
-    layer ``l``'s feature encoders. ``steering`` holds the constant parts of a user's pyvene
-    interventions (module docstring): one node per (intervention call, position where its
-    constant is nonzero), between the errors and the tokens.
-    """
+    Feature nodes are ordered layer, then position, then feature id (``feature_layer`` etc.,
+    ``activation`` their values). ``errors[l]``, ``embeddings`` (token, and position, embedding
+    outputs) and ``encoder_inputs[l]`` (the live input of layer ``l``'s encoders) are ``[1, P,
+    D]``; ``constants`` the model's bias parameters; ``steering`` one node per (user
+    intervention call, position where its constant is nonzero), between errors and tokens."""
 
     input_ids: torch.Tensor
     logits: torch.Tensor
@@ -94,9 +79,8 @@ class ReplacementRun:
     #: convention); ``"keep"``: they are nodes.
     bos_errors: str = AttributionSettings.bos_errors
     #: With a transcoder sharded by feature: which of the graph's feature nodes this rank holds
-    #: (``features``, ``feature_values`` are then this rank's; ``feature_layer``,
-    #: ``feature_position``, ``feature_id``, ``activation``, ``encoder_rows`` and
-    #: ``n_features`` the whole graph's, :mod:`.sharded`).
+    #: (``features`` and ``feature_values`` are this rank's, the ``feature_*``, ``activation``
+    #: and ``encoder_rows`` the whole graph's, :mod:`.sharded`).
     shard: FeatureShard | None = None
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)
@@ -195,11 +179,6 @@ def _freeze_representations(bound: BoundModel, replaced: set[str] = frozenset())
     return reps
 
 
-def constant_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The model's bias parameters: under the freezes they enter the logits additively."""
-    return [p for name, p in model.named_parameters() if name.endswith("bias")]
-
-
 @checked
 @contextmanager
 def pre_softcap_logits(model: BoundModel) -> Iterator[float | None]:
@@ -224,15 +203,8 @@ def run_local_replacement(
 ) -> ReplacementRun:
     """Run ``input_ids`` through the local replacement model (module docstring), after checking
     that ``transcoder`` fits ``model`` (:class:`~.replacement_model.ReplacementModel` checks
-    once and calls :func:`replacement_forward`).
-
-    The edge functions take one prompt (``[1, P]``); a batch of copies is what circuit-tracer's
-    replicated-forward method runs (``benchmarks/attribution_speed.py`` compares with it).
-
-    ``freeze=False`` leaves attention patterns and norm scales live (the closure check's
-    control: the edges then no longer sum to the target). A final logit soft-cap is switched
-    off for the forward (:func:`pre_softcap_logits`): ``logits`` are the pre-cap ones.
-    """
+    once and calls :func:`replacement_forward`). ``freeze=False`` leaves attention patterns and
+    norm scales live (the closure check's control); ``logits`` are the pre-soft-cap ones."""
     check_batch(input_ids)
     bound = bind(model)
     check_fits(bound, transcoder)
@@ -266,7 +238,8 @@ def replacement_forward(
     reps += clt_splice_representations(bound, transcoder, from_position=from_position,
                                        leaves=True, session=session, selection=selection)
 
-    constants = constant_parameters(model)
+    # the model's biases: under the freezes they enter the logits additively
+    constants = [p for name, p in model.named_parameters() if name.endswith("bias")]
     flags = [(p, p.requires_grad) for p in model.parameters()]
     try:
         for p in model.parameters():
@@ -289,24 +262,15 @@ def replacement_forward(
     leaves = dict(session.leaves)
     session.clear()
     features = [leaves["features"][layer] for layer in range(n_layers)]
-    encoder_rows = torch.cat([transcoder.encoder_weight(layer)[f.feature]
-                              for layer, f in enumerate(features)])
-    embeddings = [leaf.leaf for leaf in embed_leaves]
     run = ReplacementRun(
-        input_ids=input_ids,
-        logits=out.logits,
-        features=features,
+        input_ids=input_ids, logits=out.logits, features=features,
         errors=[leaves["errors"][layer] for layer in range(n_layers)],
-        embeddings=embeddings,
-        b_dec=leaves["b_dec"],
+        embeddings=[leaf.leaf for leaf in embed_leaves], b_dec=leaves["b_dec"],
         constants=constants,
         encoder_inputs=[leaves["inputs"][layer] for layer in range(n_layers)],
-        encoder_rows=encoder_rows,
-        forward_bytes=saved["bytes"],
-        logit_softcap=cap,
-        steering=steering,
-        states=captured,
-    )
+        encoder_rows=torch.cat([transcoder.encoder_weight(layer)[f.feature]
+                                for layer, f in enumerate(features)]),
+        forward_bytes=saved["bytes"], logit_softcap=cap, steering=steering, states=captured)
     if transcoder.features is not None:
         _gather_features(run, transcoder)
     return run
@@ -361,16 +325,11 @@ def capturing_states(bound: BoundModel, names: Sequence[str]) -> Iterator[dict[s
 
 def _drop_unreachable(steering: list[SteeringLeaf], logits: torch.Tensor) -> None:
     """Set ``reached`` on every steering record, and ``leaf = None`` where it is no node: a
-    zero constant, or a leaf no gradient from the logits reaches — an edit of an output the
-    local replacement model then replaces by its own leaf or recomputation (the token
-    embeddings' leaf, an MLP's reconstruction + error, frozen attention, a frozen norm). Such
-    an edit's value is inside that node (token, error) or — for attention, whose
-    recomputation keeps the value but not the edit's gradient — nowhere, which the closure
-    check reports.
-
-    One backward of the logits against a fixed random seed (pyvene writes replacements into
-    the original tensor in place, so the autograd graph still *links* an overwritten edit: only
-    a gradient tells)."""
+    zero constant, or a leaf no gradient from the logits reaches (an edit of an output the
+    replacement model replaces by its own leaf or recomputation; its value is then inside that
+    node, or for attention nowhere, which the closure check reports). One backward against a
+    fixed random seed: pyvene writes in place, so the autograd graph still links an overwritten
+    edit; only a gradient tells."""
     live = [s for s in steering if s.leaf is not None]
     if live:
         seed = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0))
@@ -385,14 +344,10 @@ def _drop_unreachable(steering: list[SteeringLeaf], logits: torch.Tensor) -> Non
 
 @contextmanager
 def _no_grad_inside(model: nn.Module, modules: list[nn.Module]) -> Iterator[None]:
-    """Run ``modules`` without building an autograd graph.
-
-    Their outputs are replaced (MLPs by the splice, attention by its frozen recomputation):
-    recording the original computation would only cost memory, and every backward pass — one
-    per batch of adjacency rows — would walk it. Two edits of the applier: grad off at the
-    module's input, back on at its output, before the edits added after them there (the
-    splice's, the freezes') run.
-    """
+    """Run ``modules`` without building an autograd graph: their outputs are replaced (by the
+    splice, by frozen attention), so recording them would only cost memory and every backward
+    would walk it. Grad goes off at the module's input, back on at its output, before the
+    edits added after these (the splice's, the freezes') run."""
     saved: dict[int, bool] = {}
 
     def off(_value, call: Call) -> None:

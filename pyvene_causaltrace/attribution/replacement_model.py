@@ -1,23 +1,18 @@
 """The bound object attribution runs on: a model with its tokenizer and transcoder, checked once.
 
-:class:`ReplacementModel` checks, when it is made, what every later step relies on — the
-transcoder fits the model (:func:`~..transcoders.transcoder.check_fits`), the weights are
-finite (:meth:`~..bound.BoundModel.check_weights`) — looks up the architecture adapter and the
-device, and carries them to each phase of :func:`~.attribute.attribute`:
+:class:`ReplacementModel` checks when made what every later step relies on (the transcoder fits
+the model, the weights are finite), resolves the adapter and the device, and carries them to
+each phase of :func:`~.attribute.attribute`:
 
     replacement = ReplacementModel(model, tokenizer, transcoder)
     prompt = replacement.prepare("The Eiffel Tower is in the city of", " Paris")
     replacement.check_memory(prompt.input_ids, memory_mb=AttributionSettings.memory_mb)
     run = replacement.run(prompt.input_ids)      # the local replacement model's forward
 
-Position 0 is spliced and attributed like any token unless it is BOS: ``bos="auto"`` (the
-default) follows the tokenizer — BOS only when it prepends one (SmolLM2's adds none) —,
-``"always"`` is circuit-tracer's convention (position 0 treated as BOS whatever the tokenizer
-does), ``"never"`` splices it always (:data:`~..prompts.BOS_MODES`).
-
-``model`` is a plain model: :func:`~.attribute.attribute` takes a pyvene ``IntervenableModel``
-too, and binds the model it wraps inside the block where its interventions are applied.
-"""
+Position 0 is spliced and attributed like any token unless it is BOS (``bos``,
+:data:`~..prompts.BOS_MODES`: ``"auto"`` follows the tokenizer, ``"always"`` is circuit-tracer's
+convention). ``model`` is a plain model; :func:`~.attribute.attribute` binds the one a pyvene
+``IntervenableModel`` wraps."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """A graph's feature nodes when the transcoder is sharded by feature across ranks.
 
-Each rank holds features ``[lo, hi)`` of every layer: its splice encodes them and the ranks sum
-their partial reconstructions once per layer, so every rank runs the one process's forward (to
-float rounding) with only its own features as leaves. :func:`globalize` gives every rank the
-whole feature list in the one process's node order, with its own encoder rows (a row's gradient
-seed), and a :class:`FeatureShard` naming its nodes. Rows are replicated; each rank fills its
-own features' columns and :meth:`FeatureShard.gather_columns` joins them (``4 * n_active``
-bytes per row in all)."""
+Each rank holds features ``[lo, hi)`` of every layer; the ranks sum their partial
+reconstructions once per layer, so every rank runs the one process's forward (to float
+rounding) with only its own features as leaves. :func:`globalize` gives every rank the whole
+feature list in node order and a :class:`FeatureShard` naming its own; each rank fills its own
+features' columns of the replicated rows and :meth:`FeatureShard.gather_columns` joins them."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """The computed rows of an attribution graph, held sparsely.
 
-A row belongs to a node with a target (a logit, or an explored feature) and has a column per
-source node; a row at layer ``l``, position ``p`` is zero for later layers and positions, so
-only nonzero entries are kept, in blocks as computed: ``counts`` ``[b]``, ``columns``
-``[nnz]`` int32, ``values`` ``[nnz]``, and per row its ``nodes``, ``constants``, ``targets``
-(so ``row.sum() + constant == target`` stays a check) and ``magnitudes`` (``sum_i |w_i x_i|``
-of a feature's pre-activation, the scale of its rounding; 0 where not measured). Readers
-iterate :meth:`RowStore.chunks`, never an ``N x N`` matrix; per-row sums are memoised until the
-next :meth:`RowStore.append`."""
+A row (of a logit or an explored feature) has a column per source node and is zero for later
+layers and positions, so only nonzero entries are kept, in blocks as computed: ``counts``
+``[b]``, ``columns`` ``[nnz]`` int32, ``values`` ``[nnz]``, and per row its ``nodes``,
+``constants``, ``targets`` (so closure stays a check) and ``magnitudes`` (its rounding's scale,
+:mod:`.edges`; 0 where not measured). Readers iterate :meth:`RowStore.chunks`; per-row sums are
+memoised until the next :meth:`RowStore.append`."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """What an attribution graph explains: fixed linear functions of the model's last states.
 
 A :class:`Target` is a coefficient vector ``c`` on one output of the local replacement model at
-one position, chosen on the clean run and then held fixed, so ``c . output[pos]`` is linear in
-the graph's leaves; a graph has one logit node (one row) per target. On ``"logits"``:
-:func:`demeaned_logit` (the answer's logit minus the top-``k`` mean, or with ``k=None`` the
-vocabulary mean, circuit-tracer's: raising every logit equally changes nothing) and
-:func:`logit_difference`. On a residual state, a unit direction (:func:`direction_target`:
-``"unembed_input"``, where circuit-tracer's ``CustomTarget`` vectors live, or
-``"resid_pre.{l}"``). :func:`make_targets` builds a graph's targets: the answer's, or
+one position, chosen on the clean run and held fixed, so ``c . output[pos]`` is linear in the
+leaves; one logit node (one row) per target. On ``"logits"``: :func:`demeaned_logit` (the
+answer's logit minus the top-``k`` mean, or the vocabulary mean: raising every logit equally
+changes nothing) and :func:`logit_difference`; on a residual state, a unit direction
+(:func:`direction_target`). :func:`make_targets` builds a graph's targets: the answer's, or
 circuit-tracer's salient logits (:func:`salient_logits`), each weighted by its probability."""
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ TARGET_KINDS = ("demeaned", "demeaned_vocab", "difference")
 #: Residual-stream outputs a direction target reads (besides the logits).
 _SITE = re.compile(r"unembed_input|resid_pre\.(\d+)")
 #: The smallest direction norm :func:`direction_target` accepts: ``sqrt`` of float32's smallest
-#: normal number (~1.08e-19). Below it ``|v|^2`` underflows float32 (the model's arithmetic),
-#: every entry is at most that small, and products with the model's states lose their
-#: precision to subnormals or become 0: nothing below it is a direction the run can follow.
+#: normal number (~1.08e-19); below it ``|v|^2`` underflows float32 and products with the
+#: model's states lose their precision to subnormals or become 0.
 MIN_DIRECTION_NORM = float(torch.finfo(torch.float32).tiny) ** 0.5
 
 

@@ -1,11 +1,8 @@
 """The graph's test on the real model: ablate what it blames, watch the answer.
 
-In the spliced model — every MLP replaced by the CLT plus the clean run's error as a fixed
-constant (``clt_splice`` with ``error``), attention and norms live, so unablated it *is* the
-original model — zero the ``n`` feature nodes the graph ranks highest (``feature_ablate`` at
-their layer and position) and compare the answer's probability with ablating ``n`` active
-feature nodes drawn at random, over several draws.
-"""
+In the spliced model (every MLP replaced by the CLT plus the clean run's error, attention and
+norms live, so unablated it *is* the original model) zero the ``n`` feature nodes the graph ranks
+highest and compare the answer's probability with ablating ``n`` random active ones, over draws."""
 
 from __future__ import annotations
 

@@ -39,12 +39,9 @@ CROSS_CHECK_FILES = ("cross_check.json", "cross_check.png")
 #: written.
 ROWS_PARTIAL = "rows.partial"
 
-#: The ``attribute`` flags that are settings' fields, ``{argparse dest: field}``: of
-#: :class:`~..attribution.settings.AttributionSettings`, of
-#: :class:`~..attribution.settings.ReadingSettings`, of the cross-check's
-#: :class:`~..crosscheck.settings.CrossCheckSettings` and of its tracer's
-#: :class:`~..tracing.settings.TraceSettings` (tests/test_settings_once.py checks each against
-#: its field: the default, the help's default, every field a flag or named as not one).
+#: The ``attribute`` flags that are settings' fields, ``{argparse dest: field}``, one table per
+#: settings class (attribution, reading, the cross-check and its tracer's);
+#: tests/test_settings_once.py checks each against its field.
 ATTRIBUTION_FLAGS = {name: name for name in (
     "target", "other", "k", "max_n_logits", "desired_logit_prob", "bos_errors", "bos",
     "memory_mb", "max_feature_nodes")}
@@ -72,8 +69,7 @@ class CrossCheckRequest:
 @dataclass(frozen=True)
 class AttributeRequest:
     """What ``attribute`` runs, from the spec and the flags, checked before anything loads:
-    the inputs (model, prompt, answer, transcoder, labels, a direction's entry, the ablation
-    test) and the settings objects."""
+    the inputs and the settings objects."""
 
     model: str | None
     prompt: str | None

@@ -89,9 +89,9 @@ def spec_settings(path: Path) -> dict[str, Any]:
             "bos": "always" if splice.get("from_position", 1) else "never"}
 
 
-#: The ``steer`` flags that are :class:`~..steering.settings.SteeringSettings`' fields
-#: (argparse dest -> field; ``--no-hold-errors`` is ``hold_errors`` inverted, and a spec gives
-#: ``hold_errors``, ``freeze_attention`` and ``bos`` itself).
+#: The ``steer`` flags that are :class:`~..steering.settings.SteeringSettings`' fields (argparse
+#: dest -> field; ``--no-hold-errors`` inverts it; a spec gives ``hold_errors``,
+#: ``freeze_attention`` and ``bos`` itself).
 STEERING_FLAGS = {"max_new_tokens": "max_new_tokens", "no_hold_errors": "hold_errors",
                   "freeze_attention": "freeze_attention", "top_k": "top_k",
                   "memory_mb": "memory_mb", "bos": "bos"}

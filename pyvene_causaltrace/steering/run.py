@@ -221,13 +221,6 @@ def generation_mb(bound: BoundModel, transcoder: Transcoder, length: int) -> flo
     return (model_bytes + 4 * features) / 2**20
 
 
-def _device_mb(device: torch.device) -> float:
-    """The memory of ``device``: a GPU's, or what this process may use of the machine's."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory / 2**20
-    return machine_memory() / 2**20
-
-
 def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: int,
                           max_new_tokens: int, memory_mb: float | None = None) -> None:
     """Refuse, before any forward, a generation past the model's positions or whose last
@@ -235,8 +228,12 @@ def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: i
     fit."""
     model.check_generation_length(n_prompt, max_new_tokens)
     device = model.device
-    budget = _device_mb(device) if memory_mb is None else positive_number(memory_mb,
-                                                                          "memory_mb")
+    if memory_mb is not None:
+        budget = positive_number(memory_mb, "memory_mb")
+    elif device.type == "cuda":
+        budget = torch.cuda.get_device_properties(device).total_memory / 2**20
+    else:  # what this process may use of the machine's memory
+        budget = machine_memory() / 2**20
     if generation_mb(model, transcoder, n_prompt + max_new_tokens) <= budget:
         return
     low, high = 0, max_new_tokens  # the most new tokens that fit: low fits, high does not
@@ -322,23 +319,14 @@ def intervene_features(
     """Set transcoder features to values and read the logits; optionally generate greedily
     with them held (circuit-tracer's ``feature_intervention`` / ``_generate``).
 
-    ``model`` is the bare model (not an ``IntervenableModel``); ``transcoder`` is spliced in at
-    every layer. Each ``(layer, position, feature, value)`` sets the feature after its encoder
-    (a cross-layer feature then writes ``value`` times its decoder into every later layer);
-    ``position`` is a spliced prompt position (negative from the end) or ``"all"`` (also every
-    generated token). ``hold_errors`` holds each layer's error at the prompt positions at the
-    clean run's (False: live, as circuit-tracer's with ``constrained_layers`` unset);
-    ``freeze_attention`` holds the prompt's attention patterns. ``max_new_tokens`` greedy
-    tokens are generated with and without the interventions, each step on the whole sequence
-    (no key-value cache), stopping after EOS; ``progress`` (None: from ``LONG_GENERATION``
-    tokens) shows a bar. ``bos`` as in :func:`~.attribution.attribute`; ``settings`` gives
-    every setting at once.
-
-    Refused before any forward: malformed, out-of-range or repeated items (``InputError``),
-    values the dtype cannot hold (``NonFiniteError``), a generation past the model's positions or
-    over ``memory_mb`` (``MemoryCapError``), an ``IntervenableModel``, a transcoder of another
-    model. ``result.spec`` reproduces the intervened logits through ``run_spec``. Details:
-    docs/attribution.md, "Feature interventions and steering"."""
+    ``model`` is the bare model; ``transcoder`` is spliced in at every layer. Each ``(layer,
+    position, feature, value)`` sets the feature after its encoder; ``position`` is a spliced
+    prompt position (negative from the end) or ``"all"`` (also every generated token). The
+    settings are :class:`~.settings.SteeringSettings`' fields; ``progress`` (None: from
+    ``LONG_GENERATION`` tokens) shows a bar. Bad items, values the dtype cannot hold and a
+    generation over ``memory_mb`` are refused before any forward. ``result.spec`` reproduces
+    the intervened logits through ``run_spec``. Details: docs/attribution.md, "Feature
+    interventions and steering"."""
     s = SteeringSettings.merged(settings, max_new_tokens=max_new_tokens, hold_errors=hold_errors,
                                 freeze_attention=freeze_attention, top_k=top_k,
                                 memory_mb=memory_mb, bos=bos)

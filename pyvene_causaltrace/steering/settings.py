@@ -25,7 +25,8 @@ class SteeringSettings(Settings):
     (defaults: :mod:`~pyvene_causaltrace.defaults`).
 
     ``max_new_tokens``: greedy tokens generated with the interventions, and as many without
-    (0: logits only). ``hold_errors``: transcoder errors at the prompt held at the clean run's.
+    (0: logits only). ``hold_errors``: transcoder errors at the prompt held at the clean run's
+    (False: live, as circuit-tracer's with ``constrained_layers`` unset).
     ``freeze_attention``: prompt attention patterns held at the clean run's. ``top_k``: top
     tokens per run. ``memory_mb``: what one generation step may hold (``None``: the device's).
     ``bos``: one of :data:`~..prompts.BOS_MODES`. A value its annotation does not admit is

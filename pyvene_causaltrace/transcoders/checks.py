@@ -1,16 +1,14 @@
 """Is this transcoder the right one for this model, and does the model still work through it?
 
 - :func:`check_pairing`: FVU of every layer's output hook from the transcoder fed its input
-  hook, mean L0, and two controls that must be far worse (the same kind of state one module
-  too early; layer ``t``'s reconstruction scored against layer ``t + 1``); the verdict is
-  :class:`PairingReport`'s ``status``.
-- :func:`replacement_anchor`: next-token cross-entropy on held-out text for the clean model,
-  the transcoder spliced from its first position and at all positions, ``b_dec`` only, and MLPs
-  zeroed; the share of the clean-to-zero gap the splice recovers; answer probability, top-1 and
-  KL on a prompt.
+  hook, mean L0, and two controls that must be far worse (the input one module too early; layer
+  ``t``'s reconstruction scored against layer ``t + 1``): :class:`PairingReport`.
+- :func:`replacement_anchor`: next-token cross-entropy on held-out text, clean, spliced (from
+  the first position and at all), ``b_dec`` only and MLPs zeroed, the share of the clean-to-zero
+  gap the splice recovers; answer probability, top-1 and KL on a prompt.
 
 FVU = squared error / squared deviation from each layer's mean, from the first position that
-is not BOS (``bos``, :data:`~..prompts.BOS_MODES`; BOS is no dictionary's business)."""
+is not BOS (BOS is no dictionary's business)."""
 
 from __future__ import annotations
 
@@ -53,10 +51,9 @@ def _fvu_parts(recon: torch.Tensor, target: torch.Tensor,
 #: FVU from which a transcoder that beats its controls is a poor fit, not a good one: published
 #: CLTs score about 0.2 on their own model; 1.0 is no better than each layer's mean.
 POOR_FIT_FVU = 0.5
-#: At FVU >= 1 (it explains nothing of its outputs' variance) beating the controls says little
-#: by itself: a transcoder of another model scores about as badly everywhere. There it counts
-#: as paired (a poor fit) only if its FVU is at most this fraction of the better control's (the
-#: seed's CLT: 0.21 against 3.3 and 215).
+#: At FVU >= 1 a transcoder of another model scores about as badly everywhere: there it counts
+#: as paired only at most this fraction of the better control's FVU (a paired CLT: 0.21
+#: against 3.3 and 215).
 CONTROL_RATIO = 0.5
 #: What :attr:`PairingReport.status` may be.
 PAIRING_STATUSES = ("paired", "poor_fit", "mispaired")
@@ -66,11 +63,10 @@ PAIRING_STATUSES = ("paired", "poor_fit", "mispaired")
 class PairingReport:
     """The pairing check's numbers and its verdict, ``status`` (:data:`PAIRING_STATUSES`):
     ``"mispaired"`` when a control fits as well or better (at FVU >= 1: within
-    :data:`CONTROL_RATIO`) — wrong model, layer or hook; ``"poor_fit"`` when the controls fit
-    worse but the FVU, pooled or at the median layer, is :data:`POOR_FIT_FVU` or more (the median
-    too, because the few layers of largest variance rule the pooled FVU: SmolLM2's first
-    transcoder pooled 0.013 with half its layers above 0.58); else ``"paired"``.
-    ``from_position``: the first position scored (1 when position 0 is BOS)."""
+    :data:`CONTROL_RATIO`): wrong model, layer or hook; ``"poor_fit"`` when the controls fit worse
+    but the FVU, pooled or at the median layer (the layers of largest variance rule the pooled
+    one), is :data:`POOR_FIT_FVU` or more; else ``"paired"``. ``from_position``: the first
+    position scored."""
 
     fvu_per_layer: list[float]
     fvu: float

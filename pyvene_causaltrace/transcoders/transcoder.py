@@ -11,10 +11,7 @@ layer ``l`` writes: ``L - l`` for a cross-layer transcoder, 1 for a per-layer se
   by to rank it (ByteDance's decoder norms; ones when absent).
 
 Encode: ``z = x @ W_enc[l].T + b_enc[l]`` with ``x`` the input hook's value at layer ``l``, then
-the activation: ``jumprelu`` ``z * 1[z > threshold]``, ``relu`` ``max(z, 0)``, ``topk`` the ``k``
-largest of ``z`` per token (circuit-tracer), ``relu_topk`` the ``k`` largest of ``relu(z)``
-(sparsify), ``joint_topk`` the ``k`` largest ``relu(z) * score_weight`` over all layers' features at
-a position together (ByteDance), so one layer's features need every layer's input: only
+the activation (:mod:`.config`); ``joint_topk``'s features need every layer's input, so only
 :meth:`~Transcoder.encode_all` computes them, or :meth:`~Transcoder.encode` given a selection
 fixed beforehand (:meth:`~Transcoder.joint_selection`, e.g. the clean run's). Reconstruct:
 ``out_t ~= b_dec[t] + sum_{l writing t} sum_f a[l, f] * W_dec[l][f, t - l] + skip_t(x_t)``.
@@ -23,21 +20,13 @@ Features at position 0 (BOS) are zeroed: no dictionary is trained on the attenti
 The decoder is usually far larger than everything else (18 GB for the 1B model's CLT): it can
 stay memory-mapped on disk, and only the rows of features that fired are read.
 
-Sharding by feature (torch.distributed ranks): :meth:`Transcoder.shard` (or ``load_transcoder(...,
-shard=(rank, world))``, which reads only the slice from the files, or from a per-layer set one
-whole layer at a time) keeps features ``[lo, hi)`` of :func:`feature_range` of every layer —
-their ``W_enc`` rows, ``b_enc``, thresholds and decoder rows (a CLT's rows for every target
-layer) — while ``b_dec`` and ``W_skip`` stay whole on every rank. A shard's ``encode`` returns
-its ``n_local`` features (local ids ``0..n_local-1``; global id = local + ``feature_offset``), and
-its ``reconstruct(acts, partial=True)`` the decoder sum over its features only: the partial sums of
-all shards plus one ``b_dec`` and one skip path make the whole transcoder's reconstruction.
-``cfg`` stays the whole transcoder's (``d_transcoder`` counts every feature). A top-k
-(``topk``, ``relu_topk``, ``joint_topk``) ranks features held by other ranks, so a shard's
-``encode`` (and ``joint_selection``) is a collective inside a distributed run: each rank sends its
-``k`` best candidates per position (value, global id), every rank picks the same global ``k``
-best and keeps its own among them — the whole transcoder's selection. Ties at the ``k``-th value
-go to the lower global id (the whole transcoder's ``torch.topk`` leaves ties unspecified, so
-only there may the two differ). Outside a distributed run such a shard refuses to encode.
+Sharding by feature (docs/transcoders.md, "Sharded by feature"): :meth:`Transcoder.shard` or
+``load_transcoder(..., shard=(rank, world))`` keeps features :func:`feature_range` of every
+layer; ``b_dec``, ``W_skip`` and ``cfg`` stay the whole transcoder's. A shard's ``encode`` gives
+local ids (global = local + ``feature_offset``), ``reconstruct(..., partial=True)`` its part of
+the decoder sum. A top-k shard's ``encode`` (and ``joint_selection``) is a collective over the
+ranks, ties going to the lower global id (only there may it differ from the whole transcoder's
+``torch.topk``); outside a distributed run it refuses to encode.
 
     tc = Transcoder.from_pretrained("path/or/hub-id")
     acts = tc.encode_all(inputs)              # [L, P, F], position 0 zeroed
@@ -73,10 +62,8 @@ RANKED_SHARD_ALONE = ("this transcoder is one rank's shard of its features (Tran
                       "under torchrun with every rank holding its shard (attribute), or load "
                       "the whole transcoder")
 
-#: The layout reader and writer behind :meth:`Transcoder.from_pretrained`,
-#: :meth:`~Transcoder.load_from_disk` and :meth:`~Transcoder.save_model`. :mod:`.formats` builds
-#: Transcoders, so it registers them (:func:`register_layouts`) when imported, as importing
-#: this package does, rather than being imported here.
+#: The layout reader and writer behind the class's loading and saving methods: :mod:`.formats`
+#: builds Transcoders, so it registers them (:func:`register_layouts`) on import.
 _LAYOUTS: dict[str, Callable] = {}
 
 
@@ -217,10 +204,8 @@ class Transcoder(nn.Module):
 
     def shard(self, rank: int, world: int) -> Transcoder:
         """Features :func:`feature_range` ``(d_transcoder, rank, world)`` of every layer (module
-        docstring). Resident feature tensors are copied (the whole may then be freed); a
-        memory-mapped decoder stays a view of its file (nothing is read); a streamed encoder
-        then reads only the slice. ``b_dec`` and ``W_skip`` are shared with this transcoder.
-        A top-k shard encodes only inside a distributed run (module docstring)."""
+        docstring). Resident feature tensors are copied, a memory-mapped decoder stays a view, a
+        streamed encoder reads only the slice; ``b_dec`` and ``W_skip`` are shared."""
         if self.features is not None:
             raise InputError(f"this transcoder is already a shard (features {self.features}); "
                              "shard the whole transcoder")
@@ -242,8 +227,7 @@ class Transcoder(nn.Module):
 
     def resident_bytes(self) -> int:
         """Bytes of the tensors this object holds in memory: buffers, ``W_enc``, ``W_skip`` and
-        resident decoders (a memory-mapped decoder counts 0). Each storage counts once, whole
-        (a view keeps all of its storage alive)."""
+        resident decoders (a memory-mapped decoder counts 0). Each storage counts once, whole."""
         tensors = [*self.buffers(), *([] if self.W_enc is None else [self.W_enc]),
                    *(self.W_skip or []), *([] if self._handles else self.W_dec)]
         storages = {}
@@ -288,12 +272,9 @@ class Transcoder(nn.Module):
     def encode(self, x: torch.Tensor, layer: int,
                selection: torch.Tensor | None = None) -> torch.Tensor:
         """Features ``[..., F]`` of the input hook's values ``x [..., D]`` at ``layer`` (a
-        shard's ``[..., n_local]``, local ids).
-
-        A ``joint_topk`` transcoder needs ``selection`` (bool ``[..., F]``, this layer's part of
-        :meth:`joint_selection`): which features the joint top-k kept cannot be known from one
-        layer's input (a shard's selection is its ``n_local`` columns). A ``topk``/``relu_topk``
-        shard's encode is a collective over the ranks (module docstring)."""
+        shard's ``[..., n_local]``, local ids). A ``joint_topk`` transcoder needs ``selection``
+        (bool, this layer's part of :meth:`joint_selection`): one layer's input cannot say what
+        the joint top-k kept. A top-k shard's encode is a collective (module docstring)."""
         z = self.preactivation(x, layer)
         if self.cfg.joint:
             if selection is None:
@@ -315,8 +296,7 @@ class Transcoder(nn.Module):
         """Bool ``[L, ..., F]``: the features the joint top-k keeps given every layer's input
         ``inputs [L, ..., D]`` — at each position, the ``k`` largest ``relu(z) *
         score_weight`` over all layers' features together (features with ``relu(z) = 0`` are
-        never kept). A shard returns its part ``[L, ..., n_local]`` of the whole selection (a
-        collective over the ranks, module docstring)."""
+        never kept). A shard returns its part ``[L, ..., n_local]`` (a collective)."""
         if not self.cfg.joint:
             raise InputError(f"a {self.cfg.activation} transcoder selects per layer")
         scores = torch.stack([torch.relu(self.preactivation(inputs[layer], layer))
@@ -334,10 +314,9 @@ class Transcoder(nn.Module):
         return keep.unflatten(-1, (self.n_layers, -1)).movedim(-2, 0)
 
     def _global_topk(self, source: torch.Tensor, ids: torch.Tensor, what: str) -> torch.Tensor:
-        """Bool ``[N, M]``: which of this shard's ``M`` columns of ``source [N, M]`` (global ids
-        ``ids [M]``, increasing) are among the ``k`` largest of every rank's columns, row by
-        row. Each rank sends its own ``k`` best (value, id), every rank picks the same ``k``
-        best of them all; ties go to the lower global id, here and in the local candidates."""
+        """Bool ``[N, M]``: which of this shard's columns of ``source [N, M]`` (global ids
+        ``ids [M]``, increasing) are among the ``k`` largest of every rank's, row by row: each
+        rank sends its ``k`` best (value, id) and all pick the same ``k``, ties to the lower id."""
         ranks = distributed.current()
         if ranks is None:
             raise InputError(RANKED_SHARD_ALONE.format(activation=self.cfg.activation,
@@ -390,9 +369,7 @@ class Transcoder(nn.Module):
                     partial: bool = False) -> torch.Tensor:
         """``[L, P, F]`` activations (a shard's ``n_local``) -> ``[L, P, D]`` reconstructed
         outputs (with ``b_dec``, and the skip path of ``inputs [L, P, D]`` when the transcoder
-        has one). ``partial``: the decoder sum alone, without ``b_dec`` or skip (``inputs`` is
-        then not read) — summed over every shard, plus ``b_dec`` and the skip once, it is the
-        whole transcoder's reconstruction."""
+        has one). ``partial``: the decoder sum alone (``inputs`` unread), a shard's part."""
         n_layers, n_pos, width = acts.shape
         if width != self.n_local:
             raise InputError(f"acts hold {width} features per layer; this transcoder "

@@ -4,10 +4,8 @@ graph file.
     pyvene-causaltrace serve out/            # every graph.json under out/, in the browser
 
 One self-contained page (``index.html``, ``annotate.js``: works offline) draws the graphs
-:mod:`.listing` serves and saves annotations (:mod:`.annotations`). Only a loopback ``Host``
-is answered (else an empty 403: no DNS rebinding); saves must come from the page itself and
-onto the version it loaded (412 otherwise); every other answer is a status with one line of
-JSON. Routes and refusals: docs/attribution.md, "The viewer"."""
+:mod:`.listing` serves and saves annotations (:mod:`.annotations`). Only a loopback ``Host`` is
+answered (no DNS rebinding); routes and refusals: docs/attribution.md, "The viewer"."""
 
 from __future__ import annotations
 
@@ -67,6 +65,8 @@ def _content_length(value: str | None) -> int | None:
 
 def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHandler]:
     refused: set[str] = set()
+    listings = {"/api/graphs": index.names, "/api/listing": index.entries,
+                "/api/skipped": index.skipped}
 
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S
@@ -103,12 +103,8 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
             elif url.path in STATIC:
                 path, kind = STATIC[url.path]
                 self._send(path.read_bytes(), kind)
-            elif url.path == "/api/graphs":
-                self._send(json.dumps(index.names()).encode(), "application/json")
-            elif url.path == "/api/listing":
-                self._send(json.dumps(index.entries()).encode(), "application/json")
-            elif url.path == "/api/skipped":
-                self._send(json.dumps(index.skipped()).encode(), "application/json")
+            elif url.path in listings:
+                self._send(json.dumps(listings[url.path]()).encode(), "application/json")
             elif url.path == "/api/graph":
                 name = parse_qs(url.query).get("name", [""])[0]
                 loaded = index.load(name)
@@ -186,13 +182,11 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 pass
 
         def _host_ok(self) -> bool:
+            """Whether the one ``Host`` header is a loopback name; else an empty 403 sent."""
             hosts = self.headers.get_all("Host") or []
             if len(hosts) == 1 and host_allowed(hosts[0]):
                 return True
-            self._refuse(", ".join(hosts))
-            return False
-
-        def _refuse(self, host: str) -> None:
+            host = ", ".join(hosts)
             if host not in refused and len(refused) < 32:  # bounded: any page can vary it
                 refused.add(host)
                 log.warning("viewer: refused a request for Host %r (only localhost, 127.0.0.1 "
@@ -203,6 +197,7 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
             self.send_header("Connection", "close")
             self.end_headers()
             self.close_connection = True
+            return False
 
         def _fail(self, status: int, message: str) -> None:
             """A refusal: ``status`` and ``{"error": message}`` on one line of JSON; the

@@ -1,14 +1,12 @@
-"""Annotations made in the viewer — pinned nodes, supernodes, edited labels — saved into the
-graph file in the fields circuit-tracer's and Neuronpedia's viewers read (docs/attribution.md,
-"The viewer", has the fields and why labels go into each node's ``clerp``).
+"""Annotations made in the viewer (pinned nodes, supernodes, edited labels) saved into the graph
+file in the fields circuit-tracer's and Neuronpedia's viewers read (docs/attribution.md, "The
+viewer", has the fields and why labels go into each node's ``clerp``).
 
     summary = save(index, "eiffel/graph.json", body)   # body: the page's POST, as bytes
 
-Only :data:`FIELDS` and :data:`EDITABLE` labels change; an id naming two nodes
-(circuit-tracer's error ``0_{layer}_{pos}``) cannot be annotated. A save is checked in time
-linear in the request, then the file is read, checked against its version and replaced whole
-under a ``flock`` on ``.NAME.lock`` beside it: of two saves from one version one is written and
-the other refused (412)."""
+Only :data:`FIELDS` and :data:`EDITABLE` labels change; an id naming two nodes cannot be
+annotated. A save is checked in time linear in the request, then the file is read, checked
+against its version and replaced whole under a ``flock`` on ``.NAME.lock`` beside it."""
 
 from __future__ import annotations
 
@@ -40,9 +38,8 @@ MAX_NAME_CHARS = 200
 FIELDS = ("pinnedIds", "supernodes", "clickedId", "linkType", "sg_pos", "pruningThreshold")
 #: circuit-tracer's link-type buttons (``attribution_graph/init-cg-button-container.js``).
 LINK_TYPES = ("input", "output", "either", "both")
-#: Node kinds whose label (``clerp``) can be edited: features (circuit-tracer's and
-#: Neuronpedia's ``cross layer transcoder``, whatever the transcoder; Neuronpedia's attention
-#: features, ``lorsa``) and this package's steering nodes.
+#: Node kinds whose label (``clerp``) can be edited: features (``cross layer transcoder``
+#: whatever the transcoder, Neuronpedia's attention ``lorsa``) and our steering nodes.
 EDITABLE = ("cross layer transcoder", "lorsa", "steering")
 #: The kind given to a node id that names more than one node (see :func:`node_kinds`).
 AMBIGUOUS = "\0ambiguous"
@@ -281,26 +278,15 @@ def _not_listed(index: GraphIndex, name: str) -> str:
                                                           else "")
 
 
-def _check_writable(mode: int, name: str) -> None:
-    """Refuse (403) a file without a write bit for its owner: its owner protected it, and the
-    rename that replaces it would ignore that (by the mode bits, not ``os.access``, which says
-    yes to root)."""
-    if not mode & stat.S_IWUSR:
-        raise _refuse(f"{name} is write-protected (mode {stat.S_IMODE(mode):04o}): not saved; "
-                      "make it writable (chmod u+w) to save annotations into it", 403)
-
-
 def save(index: GraphIndex, name: str, body: bytes,
          if_match: str | None = None) -> tuple[dict[str, int], str]:
-    """Write the annotations in ``body`` (a save request) into graph ``name`` of ``index``;
-    returns how many pinned nodes, supernodes and labels the file now has or got, and the
-    written file's :func:`version`. The file is read, checked and replaced under its lock file
-    (:func:`lock_path`), so saves from several processes are serialised on it. Raises
-    :class:`AnnotationError`: 404 for a graph the index does not list, 400 for a malformed
-    request, 403 for a write-protected file, 412 when ``if_match`` (a :func:`version`) is not
-    the file's version (it changed since the page loaded it), 409 when it changed while being
-    saved, 413 when the annotated file would be over the listing's size cap (it would no
-    longer be listed), 503 when another process's save of it did not end in time."""
+    """Write the annotations in ``body`` (a save request) into graph ``name`` of ``index`` under its
+    lock file (:func:`lock_path`); returns how many pinned nodes, supernodes and labels the file
+    now has or got, and the written file's :func:`version`. Raises :class:`AnnotationError`: 404
+    for a graph not listed, 400 for a malformed request, 403 for a write-protected file, 412 when
+    ``if_match`` is not the file's version (it changed since the page loaded it), 409 when it
+    changed while being saved, 413 when the annotated file would be over the listing's size cap,
+    503 when another process's save of it did not end in time."""
     with _lock:
         if name not in index.names():
             raise _refuse(_not_listed(index, name), 404)
@@ -322,7 +308,11 @@ def _save_locked(index: GraphIndex, name: str, target: Path, body: bytes,
     if if_match is not None and if_match.strip() != version(key):
         raise _refuse(f"{name} changed on disk since the page loaded it: reload the page "
                       "(annotations not saved are lost) and annotate again", 412)
-    _check_writable(key[0], name)
+    # no write bit for the owner: protected, which the replacing rename would ignore (the mode
+    # bits, not os.access, which says yes to root)
+    if not key[0] & stat.S_IWUSR:
+        raise _refuse(f"{name} is write-protected (mode {stat.S_IMODE(key[0]):04o}): not saved; "
+                      "make it writable (chmod u+w) to save annotations into it", 403)
     graph = loads(data)  # listed: strict JSON already
     nodes = [n for n in graph["nodes"] if isinstance(n, dict)
              and isinstance(n.get("node_id"), str)]

@@ -89,10 +89,9 @@ _ItemVerdict = tuple[str | None, str | None]
 
 
 def _reduce(pairs: list[tuple[str, object]]) -> dict | _ItemVerdict:
-    """An object as it is parsed: one that may be a node (it has ``node_id``) or a link (it has
-    ``source``) is checked against both item schemas and replaced by the two verdicts (a few
-    distinct, shared tuples however many nodes a file has); any other (metadata, qParams) is
-    kept."""
+    """An object as it is parsed: one that may be a node (``node_id``) or a link (``source``) is
+    checked against both item schemas and replaced by the two verdicts (a few shared tuples
+    however many nodes a file has); any other (metadata, qParams) is kept."""
     item = dict(pairs)
     node, link = "node_id" in item, "source" in item
     if not (node or link):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import CROSS_LAYER, TranscoderConfig
+from ..config import CROSS_LAYER
 from ..transcoder import Transcoder, shard_features
 from .common import (
     DTYPE_NAMES,
@@ -26,6 +26,7 @@ from .common import (
     read_json_object,
     read_tensors,
     shapes_of,
+    transcoder_config,
 )
 
 CONFIG = "config.json"
@@ -58,9 +59,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
          **_ignored) -> Transcoder:
     """The CLT from its directory; every file checked before anything is returned, decoders
     memory-mapped with ``lazy_decoder``. ``shard=(rank, world)`` reads only that rank's features
-    (rows of each ``W_enc_{l}``, ``W_dec_{l}``, ``W_dec_norm_{l}``, columns of ``W_dec_norm``,
-    through ``get_slice``), never a whole encoder or decoder; its joint top-k is then a
-    collective over the ranks."""
+    (``get_slice``); its joint top-k is then a collective over the ranks."""
     check_dtype(dtype)
     root = Path(source).expanduser()
     meta = _config(root / CONFIG)
@@ -74,9 +73,11 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "
                                     "W_enc_0 .. W_enc_<L-1>")
     n_layers, width = len(layers), meta["d_feature"]
-    enc_shape = shapes_of(open_safetensors(root / "W_enc_0.safetensors")).get("W_enc_0")
+    first = root / "W_enc_0.safetensors"
+    enc_0 = open_safetensors(first)
+    enc_shape = shapes_of(enc_0).get("W_enc_0")
     if enc_shape is None or len(enc_shape) != 2 or enc_shape[0] != width:
-        raise TranscoderFormatError(f"{root / 'W_enc_0.safetensors'}: W_enc_0 has shape "
+        raise TranscoderFormatError(f"{first}: W_enc_0 has shape "
                                     f"{enc_shape}; config.json's d_feature is {width}")
     d_model = enc_shape[1]
     dims = (n_layers, width, d_model)
@@ -108,8 +109,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
                                         f"differs from {NORMS}'s row {layer}")
     if (score < 0).any():  # finite: checked as read
         raise TranscoderFormatError(f"{root / NORMS}: decoder norms must be >= 0")
-    enc_0 = open_safetensors(root / "W_enc_0.safetensors")
-    check_stored_dtypes(root / "W_enc_0.safetensors", enc_0)
+    check_stored_dtypes(first, enc_0)
     disk_dtype = str(enc_0.get_slice("W_enc_0").get_dtype())
     W_enc = torch.stack([read_tensors(root / f"W_enc_{layer}.safetensors", None, features,
                                       {f"W_enc_{layer}": 0})[f"W_enc_{layer}"].to(dtype)
@@ -118,8 +118,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     for layer in range(n_layers):
         path = root / f"W_dec_{layer}.safetensors"
         if lazy_decoder:
-            w, mapped = mmap_tensor(path, f"W_dec_{layer}")
-            w = w if features is None else w[lo:hi]  # a view: nothing read
+            w, mapped = mmap_tensor(path, f"W_dec_{layer}", features)
             handles.append(mapped)
         else:
             w = read_tensors(path, [f"W_dec_{layer}"], features, {f"W_dec_{layer}": 0})[
@@ -127,12 +126,9 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
         W_dec.append(w)
     model_name = next((str(meta[key]) for key in MODEL_KEYS if isinstance(meta.get(key), str)),
                       "")
-    try:
-        cfg = TranscoderConfig(model_name, n_layers, d_model, width, INPUT_HOOK, OUTPUT_HOOK,
-                               CROSS_LAYER, DTYPE_NAMES[disk_dtype], "joint_topk",
-                               n_layers * meta["k"], False, scan)
-    except ValueError as error:
-        raise TranscoderFormatError(f"{root / CONFIG}: {error}") from None
+    cfg = transcoder_config(root / CONFIG, model_name, n_layers, d_model, width, INPUT_HOOK,
+                            OUTPUT_HOOK, CROSS_LAYER, DTYPE_NAMES[disk_dtype], "joint_topk",
+                            n_layers * meta["k"], False, scan)
     zeros = torch.zeros(n_layers, hi - lo)
     clt = Transcoder(cfg, b_enc=zeros, threshold=None, b_dec=torch.zeros(n_layers, d_model),
                      W_enc=W_enc, W_dec=W_dec, score_weight=score if features is None

@@ -37,10 +37,12 @@ from .common import (
     check_weight,
     hub_file,
     hub_snapshot,
+    in_layer_order,
     mmap_tensor,
     named_layers,
     open_safetensors,
     read_yaml_mapping,
+    reading,
     refuse_shard,
     resolve_reference,
     shapes_of,
@@ -126,13 +128,9 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True,
         return _read_layer_slice(path, handle, shapes, features, lazy_decoder)
     d_transcoder, d_model = shapes["b_enc"][0], shapes["b_dec"][0]
     names = {_RENAMES.get(key, key): key for key in handle.keys()}
-    try:
+    with reading(path):
         tensors = {ours: _checked(handle.get_tensor(theirs), path, theirs)
                    for ours, theirs in names.items() if ours != "W_dec" or not lazy_decoder}
-    except TranscoderFormatError:
-        raise
-    except Exception as error:  # a truncated data section surfaces only here
-        raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
     handles = []
     if lazy_decoder:
         tensors["W_dec"], mapped = mmap_tensor(path, names["W_dec"])
@@ -144,6 +142,11 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True,
             if name == "W_dec" and lazy_decoder:  # rows of a transposed map are not rows
                 tensors[name] = check_weight(tensors[name].contiguous(), path, names[name])
                 handles = []
+    return _layer(path, tensors, handles)
+
+
+def _layer(path: Path, tensors: dict, handles: list) -> tuple[LayerTensors, int | None]:
+    """A file's tensors (by our names) as one layer, and its ``k`` (None if absent)."""
     k = tensors.pop("k", None)
     layer = LayerTensors(str(path), W_enc=tensors["W_enc"], W_dec=tensors["W_dec"],
                          b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
@@ -175,7 +178,7 @@ def _read_layer_slice(path: Path, handle, shapes: dict, features: tuple[int, int
     names = {_RENAMES.get(key, key): key for key in handle.keys()}
     lo, hi = features
     tensors, handles = {}, []
-    try:
+    with reading(path):
         for ours, theirs in names.items():
             shape = tuple(shapes[ours])
             transposed = ours in ("W_enc", "W_dec") and shape == (d_model, d_transcoder) \
@@ -186,21 +189,11 @@ def _read_layer_slice(path: Path, handle, shapes: dict, features: tuple[int, int
                 tensors[ours] = check_weight(handle.get_slice(theirs)[:, lo:hi].T.contiguous(),
                                              path, theirs)
             elif ours == "W_dec" and lazy_decoder:
-                mapped_dec, mapped = mmap_tensor(path, theirs)
-                tensors[ours] = mapped_dec[lo:hi]  # a view: nothing read
+                tensors[ours], mapped = mmap_tensor(path, theirs, features)
                 handles.append(mapped)
             else:  # a view of the file's map (only these rows are read): assemble_set copies
                 tensors[ours] = check_weight(handle.get_slice(theirs)[lo:hi], path, theirs)
-    except TranscoderFormatError:
-        raise
-    except Exception as error:  # a truncated data section surfaces only here
-        raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
-    k = tensors.pop("k", None)
-    layer = LayerTensors(str(path), W_enc=tensors["W_enc"], W_dec=tensors["W_dec"],
-                         b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
-                         threshold=tensors.get("threshold"), W_skip=tensors.get("W_skip"),
-                         handles=handles)
-    return layer, None if k is None else int(k.reshape(-1)[0])
+    return _layer(path, tensors, handles)
 
 
 def _widths(path: Path) -> tuple[int, int] | None:
@@ -249,11 +242,7 @@ def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | No
         if not found:
             raise TranscoderFormatError(f"{config}: no 'transcoders' list and no "
                                         "layer_<l>.safetensors files beside it")
-        missing = sorted(set(range(max(found) + 1)) - set(found))
-        if missing:
-            raise TranscoderFormatError(f"{root}: missing layer_<l>.safetensors for layer(s) "
-                                        f"{missing}")
-        return [found[layer] for layer in range(len(found))]
+        return in_layer_order(found, f"{root}: missing layer_<l>.safetensors")
     if not isinstance(entries, list) or not entries:
         raise TranscoderFormatError(f"{config}: 'transcoders' must be a list of files")
     if all(isinstance(e, dict) for e in entries):  # the old {id, layer, filepath} form
@@ -339,14 +328,13 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
             raise TranscoderFormatError(f"{config}: activation topk needs k (the config's or "
                                         f"the files'); found {sorted(ks) or 'none'}")
         k = ks.pop()
-    transcoder = assemble_set(
+    return assemble_set(
         layers, model_name=str(meta.get("model_name") or ""), activation=activation, k=k,
         feature_input_hook=meta["feature_input_hook"],
         feature_output_hook=meta["feature_output_hook"],
         scan=None if scan is None else str(scan), source=str(config if hub is None else source),
         dtype=dtype, device=device, lazy_decoder=lazy_decoder, **(
             slicer.options if plan is None else {"features": plan[0], "d_transcoder": plan[1]}))
-    return transcoder
 
 
 def save(transcoder: Transcoder, path: str | Path) -> None:

@@ -8,6 +8,7 @@ import json
 import mmap
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,32 @@ def named_layers(found: dict[int, Path], limit: int | None = None,
     return found
 
 
+def in_layer_order(found: dict, what: str) -> list:
+    """``found``'s values (``{layer: item}``) in layer order once its layers are 0..L-1; else a
+    :class:`TranscoderFormatError`: ``what`` (the folder and the files it lacks) "for layer(s)"
+    the missing ones."""
+    missing = sorted(set(range(max(found) + 1)) - set(found)) if found else [0]
+    if missing:
+        raise TranscoderFormatError(f"{what} for layer(s) {missing}")
+    return [found[layer] for layer in range(len(found))]
+
+
+def existing(path: Path) -> Path:
+    """``path``, or a :class:`TranscoderFormatError` when there is no such file."""
+    if not Path(path).exists():
+        raise TranscoderFormatError(f"missing file {path}")
+    return path
+
+
+def transcoder_config(where, *fields, **options) -> TranscoderConfig:
+    """A :class:`TranscoderConfig`; its refusal is a :class:`TranscoderFormatError` naming
+    ``where``."""
+    try:
+        return TranscoderConfig(*fields, **options)
+    except ValueError as error:
+        raise TranscoderFormatError(f"{where}: {error}") from None
+
+
 def refuse_shard(transcoder: Transcoder) -> None:
     """A shard holds some features of each layer: writing it as a transcoder would lose the
     rest."""
@@ -109,10 +136,8 @@ def check_dtype(dtype: torch.dtype) -> None:
 # ------------------------------------------------------------------------------ safetensors
 def open_safetensors(path: Path):
     """A ``safe_open`` handle, or a :class:`TranscoderFormatError` naming the file."""
-    if not Path(path).exists():
-        raise TranscoderFormatError(f"missing file {path}")
     try:
-        return safe_open(str(path), framework="pt", device="cpu")
+        return safe_open(str(existing(path)), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError) as error:
         raise TranscoderFormatError(f"{path} is not a readable safetensors file: {error}") \
             from None
@@ -130,13 +155,21 @@ def read_tensors(path: Path, names=None, features: tuple[int, int] | None = None
     Every tensor is checked as it is read (:func:`~...finite.check_weight`: dtype, NaN/inf)."""
     handle = open_safetensors(path)
     axes = axes or {}
-    try:
+    with reading(path):
         return {name: check_weight(read_features(handle, name, features, axes.get(name)),
                                    path, name)
                 for name in (names or handle.keys())}
+
+
+@contextmanager
+def reading(path: Path):
+    """Errors of reading tensors (a truncated data section surfaces only then) as a
+    :class:`TranscoderFormatError` naming the file."""
+    try:
+        yield
     except TranscoderFormatError:
         raise
-    except Exception as error:  # a truncated data section surfaces only here
+    except Exception as error:
         raise TranscoderFormatError(f"{path}: could not read tensors: {error}") from None
 
 
@@ -170,9 +203,11 @@ class MappedFile:
     origin: tuple[str, str]
 
 
-def mmap_tensor(path: Path, name: str) -> tuple[torch.Tensor, MappedFile]:
-    """``(tensor, map)``: ``name`` from a safetensors file as a view of a read-only memory map
-    advised for random access (decoder rows are read a few at a time, scattered over the file).
+def mmap_tensor(path: Path, name: str, features: tuple[int, int] | None = None
+                ) -> tuple[torch.Tensor, MappedFile]:
+    """``(tensor, map)``: ``name`` from a safetensors file (its rows ``[lo, hi)`` with
+    ``features``) as a view of a read-only memory map advised for random access (decoder rows
+    are read a few at a time, scattered over the file).
     The layout is safetensors': an 8-byte header length, a JSON header, then raw data. Its
     dtype is checked here; its values as rows are read (:meth:`~..Transcoder.decoder_rows`)."""
     with open(path, "rb") as file:
@@ -190,7 +225,10 @@ def mmap_tensor(path: Path, name: str) -> tuple[torch.Tensor, MappedFile]:
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(mapped, dtype=dtype, count=(stop - start) // dtype.itemsize,
                                 offset=start)
-    return flat.view(info["shape"]), MappedFile(mapped, (str(path), name))
+    tensor = flat.view(info["shape"])
+    if features is not None:
+        tensor = tensor[features[0]:features[1]]  # a view: nothing read
+    return tensor, MappedFile(mapped, (str(path), name))
 
 
 # ------------------------------------------------------------------------------------- hub
@@ -237,11 +275,7 @@ def resolve_reference(ref: str, base: Path | None = None) -> Path:
             repo, revision = repo.split("@", 1)
         return hub_file(repo, "/".join(parts[2:]), revision)
     path = Path(ref).expanduser()
-    if not path.is_absolute() and base is not None:
-        path = base / path
-    if not path.exists():
-        raise TranscoderFormatError(f"missing file {path}")
-    return path
+    return existing(base / path if not path.is_absolute() and base is not None else path)
 
 
 # ------------------------------------------------------------------------------ assembling
@@ -299,13 +333,10 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
             if not getattr(layer, name).is_floating_point():
                 raise TranscoderFormatError(f"{layer.origin}: {name} is "
                                             f"{getattr(layer, name).dtype}, not floating point")
-    disk_dtype = str(layers[0].W_enc.dtype).removeprefix("torch.")
-    try:
-        cfg = TranscoderConfig(model_name, len(layers), d_model, d_transcoder,
-                               feature_input_hook, feature_output_hook, TRANSCODER_SET,
-                               disk_dtype, activation, k, has_skip, scan)
-    except ValueError as error:
-        raise TranscoderFormatError(f"{source}: {error}") from None
+    cfg = transcoder_config(source, model_name, len(layers), d_model, d_transcoder,
+                            feature_input_hook, feature_output_hook, TRANSCODER_SET,
+                            str(layers[0].W_enc.dtype).removeprefix("torch."), activation, k,
+                            has_skip, scan)
     thresholds = None if activation != "jumprelu" else torch.stack(
         [layer.threshold.to(dtype) for layer in layers])
     W_dec = [layer.W_dec[:, None, :] for layer in layers]

@@ -24,6 +24,8 @@ from .common import (
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
+    existing,
+    in_layer_order,
     named_layers,
     resolve_reference,
 )
@@ -35,10 +37,8 @@ KEYS = ("W_enc", "W_dec", "b_enc", "b_dec", "threshold")
 
 def read_npz(path: Path) -> LayerTensors:
     """One GemmaScope file in our orientation (``W_enc`` transposed to ``[F, D]``)."""
-    if not path.exists():
-        raise TranscoderFormatError(f"missing file {path}")
     try:
-        with np.load(path) as data:
+        with np.load(existing(path)) as data:
             arrays = {key.lower(): data[key] for key in data.files}
     except (OSError, ValueError, zipfile.BadZipFile) as error:
         raise TranscoderFormatError(f"{path} is not a readable npz file: {error}") from None
@@ -72,17 +72,12 @@ def is_layout(path: Path) -> bool:
 
 
 def _files(root: Path) -> list[Path]:
-    layers = _layer_dirs(root)
-    missing = sorted(set(range(max(layers) + 1)) - set(layers)) if layers else []
-    if not layers or missing:
-        raise TranscoderFormatError(f"{root}: missing layer_<l> directories for layer(s) "
-                                    f"{missing or [0]}")
     files = []
-    for layer in range(len(layers)):
-        found = sorted(layers[layer].rglob("params.npz"))
+    for folder in in_layer_order(_layer_dirs(root), f"{root}: missing layer_<l> directories"):
+        found = sorted(folder.rglob("params.npz"))
         if len(found) != 1:
             raise TranscoderFormatError(
-                f"{layers[layer]}: {len(found)} params.npz files "
+                f"{folder}: {len(found)} params.npz files "
                 f"({', '.join(str(f.relative_to(root)) for f in found) or 'none'}); pass one "
                 "file per layer instead")
         files.append(found[0])

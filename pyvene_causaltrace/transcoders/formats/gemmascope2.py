@@ -1,13 +1,9 @@
 """GemmaScope-2 transcoders (``google/gemma-scope-2-{270m,1b,4b,12b,27b}-{pt,it}``, Gemma 3):
-per-layer sets (``transcoder_all/layer_{l}_width_{16k|262k}_l0_{small|medium|big}[_affine]/``,
-each a ``config.json`` and ``params.safetensors``) and the CLT (270m, 1b:
-``clt/width_262k_l0_medium_affine/params_layer_{l}.safetensors``, ``w_dec`` ``[F, L, D]``
-with target ``t`` at index ``t``, or ``[F, L - l, D]``). Files, tensors and hooks:
-docs/transcoders.md.
-
-The model card's ``relu(z) * 1[z > threshold]`` is our ``z * 1[z > threshold]`` once negative
-thresholds are raised to 0 (exact, done here); ``W_skip = affine_skip_connection.T`` (``b_dec``
-is the affine part). Without a config.json (the CLT) the hooks are ``mlp.hook_in`` ->
+per-layer sets (``transcoder_all/layer_{l}_{variant}/``) and the CLT (270m, 1b:
+``clt/width_262k_l0_medium_affine/params_layer_{l}.safetensors``). Files, tensors and hooks:
+docs/transcoders.md. The model card's ``relu(z) * 1[z > threshold]`` is our ``z * 1[z >
+threshold]`` once negative thresholds are raised to 0 (exact, done here); ``W_skip =
+affine_skip_connection.T``. Without a config.json (the CLT) the hooks are ``mlp.hook_in`` ->
 ``hook_mlp_out``, as sae-lens assumes for ``clt`` folders."""
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import CROSS_LAYER, TranscoderConfig
+from ..config import CROSS_LAYER
 from ..transcoder import Transcoder, shard_features
 from .common import (
     DTYPE_NAMES,
@@ -27,12 +23,15 @@ from .common import (
     assemble_set,
     check_dtype,
     check_stored_dtypes,
+    existing,
+    in_layer_order,
     mmap_tensor,
     named_layers,
     open_safetensors,
     read_json_object,
     read_tensors,
     shapes_of,
+    transcoder_config,
 )
 
 PARAMS = "params.safetensors"
@@ -157,11 +156,7 @@ def _variant_folders(root: Path, variant: str | None) -> list[Path]:
     if variant not in variants:
         raise TranscoderFormatError(f"{root}: no layer_<l>_{variant} folders (variants: "
                                     f"{', '.join(sorted(variants))})")
-    layers = variants[variant]
-    missing = sorted(set(range(max(layers) + 1)) - set(layers))
-    if missing:
-        raise TranscoderFormatError(f"{root}: variant {variant} lacks layer(s) {missing}")
-    return [layers[layer] for layer in range(len(layers))]
+    return in_layer_order(variants[variant], f"{root}: variant {variant} has no folder")
 
 
 def load(source: str | Path | list, *, device: str | torch.device = "cpu",
@@ -189,9 +184,7 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
     layers, hooks, names = [], set(), set()
     slicer = LayerSlicer(shard)
     for layer, folder in enumerate(folders):
-        config = folder / CONFIG
-        if not config.exists():
-            raise TranscoderFormatError(f"missing file {config}")
+        config = existing(folder / CONFIG)
         meta = _read_config(config)
         if meta.get("type", "transcoder") != "transcoder":
             raise TranscoderFormatError(f"{config}: type {meta.get('type')!r}, not a transcoder")
@@ -219,22 +212,16 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
              feature_input_hook: str | None = None,
              feature_output_hook: str | None = None,
              shard: tuple[int, int] | None = None) -> Transcoder:
-    """The GemmaScope-2 CLT from its folder, or from its ``params_layer_{l}`` files in layer
-    order (circuit-tracer's config lists them). Every file is checked first; decoders stay
-    memory-mapped with ``lazy_decoder``. ``shard=(rank, world)`` reads only that rank's features
-    (columns of ``w_enc``, rows of the rest, through ``get_slice``), never a whole encoder or
-    decoder."""
+    """The GemmaScope-2 CLT from its folder, or from its ``params_layer_{l}`` files in layer order
+    (circuit-tracer's config lists them). Every file is checked first; decoders stay memory-mapped
+    with ``lazy_decoder``; ``shard=(rank, world)`` reads only that rank's features."""
     check_dtype(dtype)
     if isinstance(source, list | tuple):
         files, root = [Path(str(f)) for f in source], None
     else:
         root = Path(source).expanduser()
-        found = _clt_files(root)
-        missing = sorted(set(range(max(found) + 1)) - set(found)) if found else [0]
-        if missing:
-            raise TranscoderFormatError(f"{root}: missing params_layer_<l>.safetensors for "
-                                        f"layer(s) {missing}")
-        files = [found[layer] for layer in range(len(found))]
+        files = in_layer_order(_clt_files(root),
+                               f"{root}: missing params_layer_<l>.safetensors")
     meta: dict = {}
     config = (root / CONFIG) if root is not None else files[0].parent / CONFIG
     if config.exists():
@@ -280,21 +267,16 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
     handles, W_dec = [], []
     for layer, path in enumerate(files):
         if lazy_decoder:
-            w, mapped = mmap_tensor(path, "w_dec")
-            if features is not None:
-                w = w[features[0]:features[1]]  # a view: nothing read
+            w, mapped = mmap_tensor(path, "w_dec", features)
             handles.append(mapped)
         else:
             w = tensors[layer]["w_dec"]
         w = w[:, layer:] if full[layer] else w
         W_dec.append(w if lazy_decoder else w.to(device, dtype).clone())
-    try:
-        cfg = TranscoderConfig(model_name or str(meta.get("model_name") or ""), n_layers,
-                               d_model, width, input_hook, output_hook, CROSS_LAYER,
-                               DTYPE_NAMES.get(disk_dtype, disk_dtype), "jumprelu", None,
-                               skip, scan)
-    except ValueError as error:
-        raise TranscoderFormatError(f"{source}: {error}") from None
+    cfg = transcoder_config(source, model_name or str(meta.get("model_name") or ""), n_layers,
+                            d_model, width, input_hook, output_hook, CROSS_LAYER,
+                            DTYPE_NAMES.get(disk_dtype, disk_dtype), "jumprelu", None, skip,
+                            scan)
     clt = Transcoder(
         cfg, b_enc=torch.stack([t["b_enc"].to(dtype) for t in tensors]),
         threshold=torch.stack([t["threshold"].to(dtype).clamp(min=0) for t in tensors]),

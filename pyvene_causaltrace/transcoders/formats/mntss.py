@@ -26,9 +26,12 @@ from .common import (
     mmap_tensor,
     named_layers,
     open_safetensors,
+    read_features,
     read_yaml_mapping,
+    reading,
     refuse_shard,
     shapes_of,
+    transcoder_config,
 )
 
 
@@ -57,9 +60,7 @@ def read_config(path: str | Path) -> TranscoderConfig:
     if not layers or layers != list(range(len(layers))):
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected 0..L-1")
     n_layers = len(layers)
-    d_transcoder = d_model = None
-    disk_dtype = None
-    thresholds = None
+    d_transcoder = d_model = disk_dtype = thresholds = None
     for layer in range(n_layers):
         enc = open_safetensors(root / f"W_enc_{layer}.safetensors")
         shapes = shapes_of(enc)
@@ -80,14 +81,11 @@ def read_config(path: str | Path) -> TranscoderConfig:
         dec = open_safetensors(root / f"W_dec_{layer}.safetensors")
         _check_shapes(f"W_dec_{layer}.safetensors", shapes_of(dec),
                       {f"W_dec_{layer}": (d_transcoder, n_layers - layer, d_model)})
-    try:
-        return TranscoderConfig(meta["model_name"], n_layers, d_model, d_transcoder,
-                                meta["feature_input_hook"], meta["feature_output_hook"],
-                                CROSS_LAYER, DTYPE_NAMES.get(disk_dtype, disk_dtype),
-                                activation="jumprelu" if thresholds else "relu",
-                                scan=meta.get("scan"))
-    except ValueError as error:
-        raise TranscoderFormatError(f"{config_file}: {error}") from None
+    return transcoder_config(config_file, meta["model_name"], n_layers, d_model, d_transcoder,
+                             meta["feature_input_hook"], meta["feature_output_hook"],
+                             CROSS_LAYER, DTYPE_NAMES.get(disk_dtype, disk_dtype),
+                             activation="jumprelu" if thresholds else "relu",
+                             scan=meta.get("scan"))
 
 
 def _check_shapes(name: str, shapes: dict, want: dict) -> None:
@@ -115,12 +113,9 @@ class EncoderFiles:
 
 
 def _read(handle, name: str, features: tuple[int, int] | None, path: Path) -> torch.Tensor:
-    """Tensor ``name`` of ``path``, or its rows ``[lo, hi)`` only: a view of the file's map
-    (only those rows are read), to be copied (stacked, cloned) before it is kept; checked as
-    it is read (dtype, NaN/inf)."""
-    if features is None:
-        return check_weight(handle.get_tensor(name), path, name)
-    return check_weight(handle.get_slice(name)[features[0]:features[1]], path, name)
+    """Tensor ``name`` of ``path`` (its rows ``[lo, hi)`` with ``features``: a view, to copy
+    before keeping), checked as it is read (dtype, NaN/inf)."""
+    return check_weight(read_features(handle, name, features), path, name)
 
 
 @checked
@@ -147,7 +142,7 @@ def load_from_disk(
     def each(name: str, part=features) -> list[torch.Tensor]:
         return [_read(h, f"{name}_{i}", part, enc[i]) for i, h in enumerate(enc_handles)]
 
-    try:
+    with reading(root):
         b_enc = torch.stack(each("b_enc"))
         threshold = None if cfg.activation == "relu" else torch.stack(each("threshold"))
         b_dec = torch.stack(each("b_dec", None))
@@ -162,10 +157,6 @@ def load_from_disk(
             W_dec = [_read(open_safetensors(root / f"W_dec_{layer}.safetensors"),
                            f"W_dec_{layer}", features, root / f"W_dec_{layer}.safetensors"
                            ).to(device, dtype, copy=True) for layer in range(L)]
-    except TranscoderFormatError:
-        raise
-    except Exception as error:  # a truncated data section surfaces only here
-        raise TranscoderFormatError(f"{root}: could not read tensors: {error}") from None
     if not lazy_decoder and features is None:  # the maps read whole here: checked here
         W_dec = [check_weight(w, *handle.origin).to(device, dtype).clone()
                  for w, (_, handle) in zip(W_dec, maps, strict=True)]

@@ -1,14 +1,13 @@
 """sae-lens transcoders in, and sae-lens views of our transcoders out (the only module that imports
 sae_lens, and only when called).
 
-**In** (:func:`load`, :func:`load_release`): one sae-lens transcoder per layer, loaded by
-sae-lens itself, assembled into a per-layer set (its JumpReLU is ours with negative thresholds
-raised to 0, exactly); hooks and layers come from each config, the release is the scan.
+**In** (:func:`load`, :func:`load_release`): one sae-lens transcoder per layer, read by sae-lens
+itself, assembled into a per-layer set (negative JumpReLU thresholds raised to 0, exactly).
 
-**Out** (:func:`to_sae_lens`): layer ``l``'s view of a CLT has the exact encoder and one slice
-of the decoder, ``W_dec[l][:, target - l]`` plus ``b_dec[target]``; the views over ``l <= t``
-summed (``b_dec[t]`` once) are the CLT's reconstruction of layer ``t``. Unlike sae-lens's mntss
-loader nothing is summed over targets and thresholds are kept. Through the converters:
+**Out** (:func:`to_sae_lens`): layer ``l``'s view of a CLT has the exact encoder and the slice
+``W_dec[l][:, target - l]`` plus ``b_dec[target]``; the views over ``l <= t`` summed (``b_dec[t]``
+once) are the CLT's reconstruction of layer ``t`` (nothing summed over targets, thresholds kept,
+unlike sae-lens's mntss loader). Through the converters:
 
     JumpReLUTranscoder.load_from_disk(clt_dir, converter=disk_converter(layer=3))
     JumpReLUTranscoder.from_pretrained("org/clt-repo", "layer_3", converter=hub_converter)"""
@@ -30,6 +29,8 @@ from .common import (
     TranscoderFormatError,
     assemble_set,
     check_stored_dtypes,
+    existing,
+    in_layer_order,
     named_layers,
     open_safetensors,
     refuse_shard,
@@ -143,10 +144,12 @@ def _layer_of(hook: str | None, origin: str) -> int:
     return layer
 
 
-def _layer_tensors(sae, origin: str, weights: str | None = None
-                   ) -> tuple[int, LayerTensors, dict]:
-    """(layer, tensors in our orientation, hooks) of one sae-lens transcoder; its tensors are
-    checked (NaN/inf, dtype) naming ``weights``, the file they came from (else ``origin``)."""
+def _read(sae, origin: str, slicer: LayerSlicer, weights: str | None = None
+          ) -> tuple[int, LayerTensors, dict]:
+    """(layer, tensors in our orientation, hooks) of one sae-lens transcoder, cut to a rank's
+    slice at once by ``slicer`` (the SAE object and its whole tensors are dropped before the
+    next is read); its tensors are checked (NaN/inf, dtype) naming ``weights``, the file they
+    came from (else ``origin``)."""
     architecture = sae.cfg.architecture()
     if architecture not in TRANSCODER_ARCHITECTURES:
         raise TranscoderFormatError(f"{origin}: architecture {architecture!r} is not a "
@@ -168,14 +171,14 @@ def _layer_tensors(sae, origin: str, weights: str | None = None
                            b_enc=state["b_enc"], b_dec=state["b_dec"], threshold=threshold,
                            W_skip=state.get("W_skip"))
     activation = "jumprelu" if threshold is not None else "relu"
-    return layer, tensors, {**hooks, "activation": activation,
-                            "model_name": getattr(meta, "model_name", None) or ""}
+    return layer, slicer(tensors), {**hooks, "activation": activation,
+                                    "model_name": getattr(meta, "model_name", None) or ""}
 
 
 def _assemble(entries: list[tuple[int, LayerTensors, dict]], *, scan: str | None, source: str,
               dtype: torch.dtype, device: str | torch.device,
               slicer: LayerSlicer | None = None) -> Transcoder:
-    """A set from each transcoder's ``(layer, tensors, info)`` (:func:`_layer_tensors`, cut by
+    """A set from each transcoder's ``(layer, tensors, info)`` (:func:`_read`, cut by
     ``slicer`` as each was read)."""
     layers = {}
     for layer, tensors, info in entries:
@@ -184,17 +187,15 @@ def _assemble(entries: list[tuple[int, LayerTensors, dict]], *, scan: str | None
             raise TranscoderFormatError(f"{origin}: a second transcoder for layer {layer} "
                                         f"(first: {layers[layer][0].origin})")
         layers[layer] = (tensors, info)
-    missing = sorted(set(range(max(layers) + 1)) - set(layers))
-    if missing:
-        raise TranscoderFormatError(f"{source}: no transcoder for layer(s) {missing}")
-    infos = [layers[layer][1] for layer in range(len(layers))]
+    ordered = in_layer_order(layers, f"{source}: no transcoder")
+    infos = [info for _, info in ordered]
     activations = sorted({info["activation"] for info in infos})
     if len(activations) > 1:
         raise TranscoderFormatError(f"{source}: layers mix activations {activations}")
     hooks = {role: {info[role].split(".", 2)[2] for info in infos} for role in ("input", "output")}
     if any(len(names) > 1 for names in hooks.values()):
         raise TranscoderFormatError(f"{source}: layers read or write different hooks {hooks}")
-    return assemble_set([layers[layer][0] for layer in range(len(layers))],
+    return assemble_set([tensors for tensors, _ in ordered],
                         model_name=infos[0]["model_name"], activation=infos[0]["activation"],
                         feature_input_hook=hooks["input"].pop(),
                         feature_output_hook=hooks["output"].pop(), scan=scan, source=source,
@@ -202,23 +203,14 @@ def _assemble(entries: list[tuple[int, LayerTensors, dict]], *, scan: str | None
                         **(slicer.options if slicer is not None else {}))
 
 
-def _read(sae, origin: str, slicer: LayerSlicer, weights: str | None = None
-          ) -> tuple[int, LayerTensors, dict]:
-    """One transcoder's ``(layer, tensors, info)``, cut to a rank's slice at once (the SAE
-    object and its whole tensors are dropped before the next is read)."""
-    layer, tensors, info = _layer_tensors(sae, origin, weights)
-    return layer, slicer(tensors), info
-
-
 def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
          device: str | torch.device = "cpu", scan: str | None = None,
          sae_ids: list[str] | None = None, shard: tuple[int, int] | None = None,
          **_ignored) -> Transcoder:
-    """A per-layer set from sae-lens transcoder directories: ``source`` is a directory holding
-    one per layer (any names; the layer comes from each ``hook_name``), or a list of them, each
-    read by ``SAE.load_from_disk``; or the name of a sae-lens release (:func:`load_release`,
-    with ``sae_ids``). ``shard=(rank, world)``: each transcoder is read by sae-lens and cut to
-    the rank's slice before the next is read (one whole layer at a time, never the set)."""
+    """A per-layer set from sae-lens transcoder directories: ``source`` is a directory holding one
+    per layer (the layer comes from each ``hook_name``) or a list of them, each read by
+    ``SAE.load_from_disk``; or a sae-lens release's name (:func:`load_release`, with ``sae_ids``).
+    ``shard=(rank, world)``: each is cut to the rank's slice before the next is read."""
     from sae_lens import SAE  # takes seconds to import: only when called
 
     if isinstance(source, str) and not Path(source).expanduser().exists():
@@ -232,11 +224,9 @@ def load(source: str | Path | list, *, dtype: torch.dtype = torch.float32,
         raise TranscoderFormatError(f"{source}: no sae-lens transcoder directories")
     entries, slicer = [], LayerSlicer(shard)
     for path in dirs:
-        for name in ("cfg.json", "sae_weights.safetensors"):
-            if not (path / name).exists():
-                raise TranscoderFormatError(f"missing file {path / name}")
-        weights = path / "sae_weights.safetensors"  # sae-lens would cast a wrong dtype: not cast
-        check_stored_dtypes(weights, open_safetensors(weights))
+        existing(path / "cfg.json")
+        weights = existing(path / "sae_weights.safetensors")
+        check_stored_dtypes(weights, open_safetensors(weights))  # sae-lens would cast it
         try:
             sae = SAE.load_from_disk(str(path), device="cpu")
         except (KeyError, ValueError, RuntimeError, OSError) as error:

@@ -4,10 +4,9 @@
     root/layers.{l}.mlp/sae.safetensors   encoder.weight [F, D], encoder.bias [F], W_dec [F, D],
                                           b_dec [D], W_skip [D, D] (skip_connection)
 
-(``h.{l}.mlp`` for GPT-2.) It reads the MLP module's input and predicts its output
-(``mlp.hook_in`` / ``mlp.hook_out``): ``relu(x @ W_enc.T + b_enc)``, the ``k`` largest per
-token, decoded plus ``x @ W_skip.T``. Files from before sparsify stored ``transcode``
-subtracted ``b_dec`` from the input first: folded exactly into ``b_enc - W_enc @ b_dec``.
+(``h.{l}.mlp`` for GPT-2.) It reads ``mlp.hook_in`` and predicts ``mlp.hook_out``: the ``k``
+largest of ``relu(x @ W_enc.T + b_enc)``, decoded plus ``x @ W_skip.T``. Files from before
+``transcode`` was stored subtracted ``b_dec`` from the input: folded exactly into ``b_enc``.
 ``transcode: false`` (a plain SAE) is refused."""
 
 from __future__ import annotations
@@ -23,9 +22,12 @@ from .common import (
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
+    existing,
+    in_layer_order,
     mmap_tensor,
     named_layers,
     open_safetensors,
+    read_json_object,
     read_tensors,
     shapes_of,
 )
@@ -73,13 +75,9 @@ def _header(weights: Path, skip: bool, width: int | None = None) -> int:
 
 
 def _config(sub: Path) -> dict:
-    cfg_file, weights = sub / "cfg.json", sub / "sae.safetensors"
-    if not weights.exists():
-        raise TranscoderFormatError(f"missing file {weights}")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as error:
-        raise TranscoderFormatError(f"{cfg_file} is not JSON: {error}") from None
+    cfg_file = sub / "cfg.json"
+    existing(sub / "sae.safetensors")
+    cfg = read_json_object(cfg_file)
     if cfg.get("transcode") is False:
         raise TranscoderFormatError(f"{cfg_file}: transcode is false — a sparse autoencoder, "
                                     "not a transcoder")
@@ -101,9 +99,7 @@ def _read(sub: Path, cfg: dict, lazy_decoder: bool,
                            features, AXES)
     handles = []
     if lazy_decoder:
-        tensors["W_dec"], mapped = mmap_tensor(weights, "W_dec")
-        if features is not None:
-            tensors["W_dec"] = tensors["W_dec"][features[0]:features[1]]  # a view: nothing read
+        tensors["W_dec"], mapped = mmap_tensor(weights, "W_dec", features)
         handles.append(mapped)
     b_enc = tensors["encoder.bias"]
     if "transcode" not in cfg:  # the input was x - b_dec: fold it into the encoder's bias
@@ -119,25 +115,21 @@ def load(source: str | Path, *, dtype: torch.dtype = torch.float32,
          model_name: str = "", scan: str | None = None,
          shard: tuple[int, int] | None = None, **_ignored) -> Transcoder:
     """A per-layer TopK set from a sparsify run directory (one subdirectory per layer's MLP).
-    ``shard=(rank, world)`` reads only that rank's rows of ``encoder.weight``, ``encoder.bias``
-    and ``W_dec`` (``get_slice``), never a whole encoder or decoder; its top-k is then a
+    ``shard=(rank, world)`` reads only that rank's features (``get_slice``); its top-k is then a
     collective over the ranks."""
     root = Path(source).expanduser()
     found = _hookpoints(root)
     if not found:
         raise TranscoderFormatError(f"{root}: no <layers|h>.<l>.mlp directories with cfg.json")
-    missing = sorted(set(range(max(found) + 1)) - set(found))
-    if missing:
-        raise TranscoderFormatError(f"{root}: no transcoder for layer(s) {missing}")
     layers, ks = [], set()
     features = width = None
-    for layer in range(len(found)):
-        cfg = _config(found[layer])
+    for sub in in_layer_order(found, f"{root}: no transcoder"):
+        cfg = _config(sub)
         if shard is not None:
-            width = _header(found[layer] / "sae.safetensors",
-                            bool(cfg.get("skip_connection", False)), width)
+            width = _header(sub / "sae.safetensors", bool(cfg.get("skip_connection", False)),
+                            width)
             features = features or shard_features(width, shard)
-        layers.append(_read(found[layer], cfg, lazy_decoder, features))
+        layers.append(_read(sub, cfg, lazy_decoder, features))
         ks.add(cfg.get("k"))
     if len(ks) != 1 or not isinstance(next(iter(ks)), int):
         raise TranscoderFormatError(f"{root}: layers disagree on k or lack it: "
