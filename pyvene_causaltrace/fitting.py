@@ -208,10 +208,12 @@ def transcoder_dir(settings: FitSettings = FitSettings()) -> Path:
 
 
 @contextmanager
-def phase(name: str, progress: bool, seconds: dict) -> Iterator[None]:
-    """A one-step bar for a phase without steps of its own; its seconds go to ``seconds``."""
+def phase(name: str, progress: bool, seconds: dict, desc: str | None = None) -> Iterator[None]:
+    """A one-step bar (saying ``desc``, default ``name``) for a phase without steps of its own
+    (``progress=False`` for one with a bar of its own); its seconds go to ``seconds[name]``."""
     start = time.perf_counter()
-    with tqdm(total=1, desc=name, disable=not progress, bar_format="{desc}: {elapsed}") as bar:
+    with tqdm(total=1, desc=desc or name, disable=not progress,
+              bar_format="{desc}: {elapsed}") as bar:
         yield
         bar.update(1)
     seconds[name] = round(time.perf_counter() - start, 1)
@@ -220,18 +222,16 @@ def phase(name: str, progress: bool, seconds: dict) -> Iterator[None]:
 def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: int,
                    progress: bool = False, *, record: int = 0,
                    dtype: torch.dtype = GENERATED_PAIRS):
-    """``(texts, x, y)``: ``n`` texts the model writes itself — each of :data:`STARTS` in turn,
-    continued by ``new_tokens`` sampled tokens (temperature 1, seeded; the caller's random
-    state is left as it was; starts of one token length share batches of up to
-    :data:`GENERATION_BATCH`, as even as they can be, so nothing is padded) — and the pairs of
-    the first ``record`` texts, read from the generation's own forwards
-    (:func:`~.transcoders.hooks.keeping_states`): ``hook_resid_mid`` and ``hook_mlp_out``,
-    ``[tokens, L, D]`` in ``dtype``, at every position but BOS and the last token (which no
-    forward reads); None when ``record`` is 0."""
-    starts = [STARTS[i % len(STARTS)] for i in range(n)]
+    """``(texts, x, y)``: ``n`` texts the model writes itself — :data:`STARTS` in turn, each
+    continued by ``new_tokens`` sampled tokens (temperature 1, seeded, the caller's random state
+    kept; starts of one token length share batches of up to :data:`GENERATION_BATCH`, as even as
+    they can be, so nothing is padded) — and the pairs of the first ``record`` texts from the
+    generation's own forwards (:func:`~.transcoders.hooks.keeping_states`): ``hook_resid_mid``
+    and ``hook_mlp_out``, ``[tokens, L, D]`` in ``dtype``, at every position but BOS and the
+    last token (which no forward reads); None when ``record`` is 0."""
     groups: dict[int, list[tuple[int, list[int]]]] = {}
-    for i, start in enumerate(starts):
-        ids = tokenizer(start)["input_ids"]
+    for i in range(n):
+        ids = tokenizer(STARTS[i % len(STARTS)])["input_ids"]
         groups.setdefault(len(ids), []).append((i, ids))
     first = first_position(tokenizer, BOS)
     lengths = {i: len(ids) + new_tokens - 1 - first for group in groups.values()
@@ -297,16 +297,6 @@ def _data_identity(data: str) -> str:
     return f"{path} sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
 
 
-def _asked(settings: FitSettings, fingerprint: str) -> dict:
-    return dict(asdict(settings), k=settings.fit_k, data=_data_identity(settings.data),
-                recipe=dict(RECIPE), model_fingerprint=fingerprint)
-
-
-def _differences(recorded: dict, asked: dict) -> list[str]:
-    return [f"{k} {recorded.get(k)!r} (asked {v!r})" for k, v in asked.items()
-            if recorded.get(k) != v]
-
-
 @checked
 def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | None = None,
                    refit: bool = False, progress: bool = True,
@@ -330,12 +320,14 @@ def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | Non
         record = None if refit else output.record()  # a damaged one refused before loading
         seconds: dict[str, float] = {}
         if model is None:
-            with phase(f"loading {settings.model}", progress, seconds):
+            with phase("load model", progress, seconds, f"loading {settings.model}"):
                 model, tokenizer = load_model(settings.model)
-            seconds["load model"] = seconds.pop(f"loading {settings.model}")
-        asked = _asked(settings, model_fingerprint(model))
+        asked = dict(asdict(settings), k=settings.fit_k, data=_data_identity(settings.data),
+                     recipe=dict(RECIPE), model_fingerprint=model_fingerprint(model))
         if record is not None:
-            differ = _differences(record["settings"], asked)
+            recorded = record["settings"]
+            differ = [f"{k} {recorded.get(k)!r} (asked {v!r})" for k, v in asked.items()
+                      if recorded.get(k) != v]
             if differ:
                 raise InputError(f"{path} holds a transcoder fitted with other settings: "
                                  f"{'; '.join(differ)}. Pass refit=True (--refit) to replace "
@@ -364,7 +356,6 @@ def available_bytes(device) -> int:
 def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progress: bool,
          seconds: dict) -> tuple:
     """Gather text, collect, fit and check: ``(transcoder, the record fit.json will hold)``."""
-    model = bound.model
     n_held = held_out_texts(settings.texts)
     have = available_bytes(bound.device)
     options = KINDS[settings.kind][0]
@@ -380,38 +371,34 @@ def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progr
                        f"{settings.features} features per layer: about {need / 2**20:,.0f} MB "
                        f"of the {have / 2**20:,.0f} MB available", file=sys.stderr)
 
-    start = time.perf_counter()
     if generated:  # the pairs are read from the generation's own forwards: one pass
         longest = max(len(tokenizer(opening)["input_ids"]) for opening in STARTS)
-        check_memory(settings.texts * (longest + settings.new_tokens),
-                     f"{settings.texts} generated texts of up to "
-                     f"{longest + settings.new_tokens} tokens")
-        texts, x, y = generate_pairs(bound, tokenizer, settings.texts + n_held,
-                                     settings.new_tokens, settings.seed, progress,
-                                     record=settings.texts, dtype=pair_dtype)
-        seconds["generate text, collect activations"] = round(time.perf_counter() - start, 1)
-        train, held_out = texts[:-n_held], texts[-n_held:]
+        longest += settings.new_tokens
+        check_memory(settings.texts * longest,
+                     f"{settings.texts} generated texts of up to {longest} tokens")
+        with phase("generate text, collect activations", False, seconds):  # its own bar
+            texts, x, y = generate_pairs(bound, tokenizer, settings.texts + n_held,
+                                         settings.new_tokens, settings.seed, progress,
+                                         record=settings.texts, dtype=pair_dtype)
     else:
         with phase("gathering text", progress, seconds):
             texts = read_texts(settings.data, settings.texts + n_held)
             n_held = max(1, len(texts) // 11) if len(texts) < settings.texts + n_held else n_held
-        train, held_out = texts[:-n_held], texts[-n_held:]
-        check_memory(sum(len(ids) for ids in tokenizer(train)["input_ids"]),
-                     f"{len(train)} texts of {settings.data}")
-        start = time.perf_counter()
-        x, y = collect_pairs(model, tokenizer, train, progress=progress)
-        seconds["collect activations"] = round(time.perf_counter() - start, 1)
-    start = time.perf_counter()
+        check_memory(sum(len(ids) for ids in tokenizer(texts[:-n_held])["input_ids"]),
+                     f"{len(texts) - n_held} texts of {settings.data}")
+        with phase("collect activations", False, seconds):
+            x, y = collect_pairs(bound.model, tokenizer, texts[:-n_held], progress=progress)
+    train, held_out = texts[:-n_held], texts[-n_held:]
     bf16 = fast_bf16(bound.device)  # the steps' products: twice as fast where native
-    transcoder, stats = fit_pairs(x, y, settings.model, d_transcoder=settings.features,
-                                  steps=settings.steps, lr=settings.lr, seed=settings.seed,
-                                  activation=settings.activation, k=settings.fit_k,
-                                  progress=progress, memory_bytes=have, consume=True,
-                                  bf16=bf16, **options, **RECIPE)
-    seconds["fit"] = round(time.perf_counter() - start, 1)
+    with phase("fit", False, seconds):
+        transcoder, stats = fit_pairs(x, y, settings.model, d_transcoder=settings.features,
+                                      steps=settings.steps, lr=settings.lr, seed=settings.seed,
+                                      activation=settings.activation, k=settings.fit_k,
+                                      progress=progress, memory_bytes=have, consume=True,
+                                      bf16=bf16, **options, **RECIPE)
     del x, y
     with phase("held-out pairing check", progress, seconds):
-        pairing = check_pairing(model, tokenizer, transcoder, held_out)
+        pairing = check_pairing(bound.model, tokenizer, transcoder, held_out)
     if not (math.isfinite(stats.train_fvu) and math.isfinite(pairing.fvu)):
         raise NonFiniteError(f"the fit's FVU is not finite (train {stats.train_fvu}, held-out "
                              f"{pairing.fvu}): nothing saved; lower lr (it was {settings.lr:g})")
