@@ -1,22 +1,17 @@
 """The first transcoder for a model: gather text, collect its MLPs' inputs and outputs, fit,
-check on held-out text, save under a name that says what it is.
+check on held-out text, save under a name that says what it is (docs/transcoders.md, "A first
+transcoder", gives the recipe, its settings and what is refused).
 
     report = fit_transcoder()  # saved at transcoder_dir(): .../smollm2-135m-skip-plt-256-top16
     clt = load_transcoder(report.path)
 
-The default is the fit that reached the best held-out pairing FVU per CPU minute on SmolLM2-135M
-(examples/results/first_graph.json): a per-layer set with a skip path (``skip_plt``), the skip
-solved in closed form by least squares (the linear part of each MLP) and 128 ReLU features per
-layer trained on what it leaves, on text the model generates itself from a few generic starts
-(offline, and on its own distribution). ``data`` may instead name ``known_1000`` (fetched once)
-or a file: one text per line, or facts as JSON / JSONL (``prompt`` + ``attribute``).
-
-The directory holds the transcoder and ``fit.json``, the settings it was fitted with (and the
-model's fingerprint): a later call with the same settings reuses it; with other settings it is
-refused, naming what differs, unless ``refit=True`` replaces it. Fit writes only into a new
-directory or one holding its own ``fit.json``, one fit at a time, and swaps a refit in whole
-(:mod:`.fit_output`). Sizes are bounded (:data:`LIMITS`) and checked against memory before
-anything large is allocated; the model runs in eval mode, its mode restored afterwards.
+The default: a per-layer set with a skip path (``skip_plt``), the skip solved in closed form by
+least squares (each MLP's linear part) and 256 TopK features per layer trained on what it
+leaves, on text the model generates itself from a few generic starts (offline, and on its own
+distribution). ``fit.json`` beside it records the settings and the model's fingerprint: the
+same settings reuse it, others are refused unless ``refit=True``; :mod:`.fit_output` keeps the
+directory fit's own and swaps a refit in whole. Sizes are bounded (:data:`LIMITS`) and checked
+against memory before anything large is allocated; the model runs in eval mode.
 """
 
 from __future__ import annotations

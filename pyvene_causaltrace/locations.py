@@ -63,11 +63,7 @@ def _resolve_position(item: Any, prompt: TokenizedPrompt, path: str) -> list[int
         raise SpecError(path, f"unknown position name {item!r}")
     if isinstance(item, int):
         return [_index(item, n, path, "position")]
-    start = _index(item["start"], n + 1, path + ".start", "position")
-    stop = _index(item["stop"], n + 1, path + ".stop", "position")
-    if stop <= start:
-        raise SpecError(path, f"empty position range [{start}, {stop})")
-    return list(range(start, stop))
+    return _span(item, n, path, "position")
 
 
 def resolve_layers(value: Any, n_layers: int, path: str) -> list[int]:
@@ -81,10 +77,15 @@ def resolve_layers(value: Any, n_layers: int, path: str) -> list[int]:
     if "center" in value:
         center = _index(value["center"], n_layers, path + ".center", "layer")
         return window_layers(center, value["window"], n_layers)
-    start = _index(value["start"], n_layers + 1, path + ".start", "layer")
-    stop = _index(value["stop"], n_layers + 1, path + ".stop", "layer")
+    return _span(value, n_layers, path, "layer")
+
+
+def _span(value: dict, size: int, path: str, what: str) -> list[int]:
+    """``{"start", "stop"}`` as the indices ``[start, stop)`` of ``size`` (stop may be ``size``)."""
+    start = _index(value["start"], size + 1, path + ".start", what)
+    stop = _index(value["stop"], size + 1, path + ".stop", what)
     if stop <= start:
-        raise SpecError(path, f"empty layer range [{start}, {stop})")
+        raise SpecError(path, f"empty {what} range [{start}, {stop})")
     return list(range(start, stop))
 
 

@@ -2,24 +2,18 @@
 without a skip path): enough to exercise the pairing check, the anchor and attribution on a
 dictionary that really belongs to its model (random weights cannot show any of them works).
 
-Three activations, all trained with Adam (an optional linear warm-up, then a linear decay to
-zero; clipped gradients) on normalised reconstruction error:
-
-- ``"relu"`` (default): JumpReLU with every threshold at 0, with an L1 penalty on activations
-  weighted by decoder norms. Continuous in its input.
-- ``"jumprelu"``: learned per-feature thresholds ``theta`` (``a = z * 1[z > theta]``, as in the
-  published CLTs), trained with straight-through estimates of the step's derivative (a
-  rectangle kernel of width ``bandwidth``) and an L0 penalty, the Gemma Scope / circuit-tracing
-  recipe. A feature that crosses its threshold jumps to at least ``theta``, which is what makes
-  such a dictionary fail loudly on an input it was not trained for.
-- ``"relu_topk"``: each layer's ``k`` largest of ``relu(z)`` per token (sparsify's TopK), no
-  penalty: the sparsity is set, not traded against the error.
+Three activations (:data:`FIT_ACTIVATIONS`), trained with Adam on normalised reconstruction
+error (docs/transcoders.md, "Fitting"): ``"relu"`` (default; thresholds at 0, an L1 penalty
+weighted by decoder norms), ``"jumprelu"`` (learned thresholds ``theta``, straight-through
+estimates of the step's derivative — a rectangle of width ``bandwidth`` — and an L0 penalty,
+the published CLTs' recipe: a feature that fires jumps to at least ``theta``, so such a
+dictionary fails loudly on an input it was not trained for) and ``"relu_topk"`` (each layer's
+``k`` largest of ``relu(z)`` a token, sparsify's TopK: the sparsity set, not traded).
 
 Encoders read ``hook_resid_mid``; a CLT's decoders write every later layer's ``hook_mlp_out``, a
-per-layer set's only their own layer's (``kind="per_layer"``), beside a linear ``W_skip`` from
-the layer's input with ``skip=True`` (initialised at zero, so the dictionary starts as a plain
-PLT); position 0 is left out when it is BOS — when the tokenizer adds one
-(:func:`~..prompts.first_position`) — and fitted like any token otherwise.
+per-layer set's (``kind="per_layer"``) their own layer's, beside a linear ``W_skip`` from its
+input with ``skip=True``; position 0 is left out only when it is BOS
+(:func:`~..prompts.first_position`).
 
     clt, stats = fit_clt(model, tokenizer, texts, d_transcoder=256, steps=400)
     plt, stats = fit_clt(model, tokenizer, texts, kind="per_layer", skip=True)

@@ -98,14 +98,10 @@ def normalize(x: torch.Tensor, kind: str, eps: float, frozen: bool = False) -> t
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     if kind == "layer":
         xf = xf - xf.mean(-1, keepdim=True)
-        scale = (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
-    elif kind in ("rms", "rms_offset"):
-        scale = (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
-    else:
+    elif kind not in ("rms", "rms_offset"):
         raise InputError(f"unknown norm kind {kind!r}")
-    if frozen:
-        scale = scale.detach()
-    return (xf * scale).to(x.dtype)
+    scale = (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    return (xf * (scale.detach() if frozen else scale)).to(x.dtype)
 
 
 def hook_states(model: nn.Module | BoundModel, ids: torch.Tensor,
@@ -123,10 +119,9 @@ def hook_states(model: nn.Module | BoundModel, ids: torch.Tensor,
                     run=run)
     out = {}
     for key, ps in paths.items():
-        states = [found[p][0] for p in ps]
         norms = [norm_settings(bound, hooks[key], layer) for layer in range(len(ps))]
-        out[key] = torch.stack([x if norm is None else normalize(x, **norm)
-                                for x, norm in zip(states, norms, strict=True)])
+        out[key] = torch.stack([found[p][0] if norm is None else normalize(found[p][0], **norm)
+                                for p, norm in zip(ps, norms, strict=True)])
     return out
 
 
