@@ -100,11 +100,10 @@ class FitOutput:
         if not self.path.parent.is_dir():
             return
         if not self.path.exists():
-            for kind in ("partial", "old"):
-                done = [p for p in self._leftovers(kind) if _complete(p)]
-                if done:
-                    done[0].rename(self.path)
-                    break
+            done = [p for kind in ("partial", "old") for p in self._leftovers(kind)
+                    if _complete(p)]
+            if done:
+                done[0].rename(self.path)
         for kind in ("partial", "old"):
             for leftover in self._leftovers(kind):
                 remove_owned(leftover)

@@ -41,7 +41,6 @@ from .models import OFFLINE_DEFAULT, cache_dir, load_model
 from .prompts import first_position
 from .transcoders.checks import POOR_FIT_FVU, check_pairing
 from .transcoders.fit import (
-    FIT_ACTIVATIONS,
     check_fit_fits,
     check_settings,
     collect_pairs,
@@ -87,7 +86,6 @@ QUALITIES = {"quick": {}, "long": {"texts": 2048, "features": 1024, "k": 32, "st
 #: The largest value each size setting takes: far past any fit a machine here could hold (the
 #: memory check refuses what does not fit), so a typo's extra zeros are refused at once.
 LIMITS = {"features": 2**20, "k": 2**20, "steps": 10**7, "texts": 10**7, "new_tokens": 8192}
-SEED_RANGE = (0, 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -121,15 +119,11 @@ class FitSettings:
             raise InputError(f"lr must be a finite number above 0 and at most 1 (Adam moves each "
                              f"weight by about lr a step), got {lr!r}")
         seed = self.seed
-        if isinstance(seed, bool) or not isinstance(seed, int) or \
-                not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise InputError(f"seed must be an integer from 0 to 2**63-1, got {seed!r}")
         if self.data not in ("self", "known_1000") and not Path(self.data).expanduser().is_file():
             raise InputError(f"data must be 'self', 'known_1000' or a text/JSON file; no file "
                              f"at {self.data}")
-        if self.activation not in FIT_ACTIVATIONS:
-            raise InputError(f"activation must be one of {', '.join(FIT_ACTIVATIONS)}, got "
-                             f"{self.activation!r}")
         options = KINDS[self.kind][0]
         if options["kind"] == "cross_layer" and self.activation == "relu_topk":
             raise InputError("a cross-layer transcoder is saved in the mntss layout, which holds "
