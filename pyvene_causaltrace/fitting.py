@@ -172,28 +172,19 @@ def fit_words(median: float) -> str:
             f"worth reading leaves at most {READABLE_FVU:.0%}")
 
 
-def held_out_texts(texts: int) -> int:
-    """How many texts beside ``texts`` training texts are held out for the pairing FVU."""
-    return min(32, max(4, texts // 10))
-
-
-def model_slug(model: str) -> str:
-    """A model's name as a folder name: the bundled one's, else the path's or hub id's last
-    parts."""
-    name = model if model == OFFLINE_DEFAULT else "--".join(Path(model).expanduser().parts[-2:])
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.") or "model"
-
-
 def transcoder_dir(settings: FitSettings = FitSettings()) -> Path:
     """Where :func:`fit_transcoder` writes:
     ``cache_dir()/transcoders/<model>-<kind>-<features>[-<activation>]`` (``top<k>`` for
     ``relu_topk``, nothing for ``relu``), e.g.
-    ``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16``."""
+    ``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16``; ``<model>``:
+    the bundled model's name, else the path's or hub id's last two parts."""
+    model = settings.model
+    name = model if model == OFFLINE_DEFAULT else "--".join(Path(model).expanduser().parts[-2:])
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.") or "model"
     tag = KINDS[settings.kind][1] if settings.kind in KINDS else settings.kind
     activation = {"relu": "", "relu_topk": f"-top{settings.fit_k}"}.get(
         settings.activation, f"-{settings.activation}")
-    return cache_dir() / "transcoders" / (f"{model_slug(settings.model)}-{tag}-"
-                                          f"{settings.features}{activation}")
+    return cache_dir() / "transcoders" / f"{slug}-{tag}-{settings.features}{activation}"
 
 
 @contextmanager
@@ -218,14 +209,14 @@ def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: 
     generation's own forwards (:func:`~.transcoders.hooks.keeping_states`): ``hook_resid_mid``
     and ``hook_mlp_out``, ``[tokens, L, D]`` in ``dtype``, at every position but BOS and the
     last token (which no forward reads); None when ``record`` is 0."""
+    first = first_position(tokenizer, BOS)
     groups: dict[int, list[tuple[int, list[int]]]] = {}
+    lengths = []  # the positions kept of each text
     for i in range(n):
         ids = tokenizer(STARTS[i % len(STARTS)])["input_ids"]
         groups.setdefault(len(ids), []).append((i, ids))
-    first = first_position(tokenizer, BOS)
-    lengths = {i: len(ids) + new_tokens - 1 - first for group in groups.values()
-               for i, ids in group}
-    offsets = [0, *itertools.accumulate(lengths[i] for i in range(min(record, n)))]
+        lengths.append(len(ids) + new_tokens - 1 - first)
+    offsets = [0, *itertools.accumulate(lengths[:record])]
     x = torch.empty(offsets[-1], bound.n_layers, bound.d_model, dtype=dtype) if record else None
     y = torch.empty_like(x) if record else None
     texts: list[str] = [""] * n
@@ -345,7 +336,7 @@ def available_bytes(device) -> int:
 def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progress: bool,
          seconds: dict) -> tuple:
     """Gather text, collect, fit and check: ``(transcoder, the record fit.json will hold)``."""
-    n_held = held_out_texts(settings.texts)
+    n_held = min(32, max(4, settings.texts // 10))  # held out for the pairing FVU
     have = available_bytes(bound.device)
     options = KINDS[settings.kind][0]
     generated = settings.data == "self"
