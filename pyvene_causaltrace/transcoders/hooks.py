@@ -3,13 +3,9 @@
 Transcoder configs name their hooks as TransformerLens does (``hook_resid_mid``,
 ``ln2.hook_normalized``, ``hook_mlp_out``, circuit-tracer's ``mlp.hook_in``/``mlp.hook_out``), with
 or without a ``blocks.{l}.`` prefix. :data:`HOOKS` names each one's site in the adapter's
-vocabulary (:data:`~pyvene_causaltrace.models.SITES`). Two need care:
-
-- ``ln2.hook_normalized`` is the MLP norm's input *normalised but before its gain* (``x / rms(x)``,
-  or ``(x - mean) / std`` for LayerNorm) — not the norm module's output. The site is the norm's
-  input, and :func:`normalize` computes the value (GemmaScope transcoders read it);
-- ``hook_mlp_out`` is what the MLP adds to the residual stream: after Gemma's post-feedforward
-  norm, the MLP's own output elsewhere; ``mlp.hook_out`` is always the MLP module's output.
+vocabulary (:data:`~pyvene_causaltrace.models.SITES`); docs/transcoders.md, "Hooks", says what
+each reads. ``ln2.hook_normalized`` is not the norm module's output: its site is the norm's
+input, and :func:`normalize` computes the value (normalised, before the gain).
 
 :func:`hook_states` and :func:`transcoder_states` read these hooks' values at every layer of a
 model, in one forward; :func:`keeping_states` keeps them from every forward in a block (a
