@@ -149,10 +149,9 @@ class FitReport:
     record: dict = field(default_factory=dict)
 
     def summary(self) -> str:
-        pairing, seconds, settings = (self.record[key] for key in ("pairing", "seconds",
-                                                                     "settings"))
+        pairing, settings = self.record["pairing"], self.record["settings"]
         how = "reused" if self.reused else "fitted in " + ", ".join(
-            f"{k} {v:.0f} s" for k, v in seconds.items())
+            f"{k} {v:.0f} s" for k, v in self.record["seconds"].items())
         median = pairing["median_layer_fvu"]
         top = f" (top {settings['k']} a token)" if settings.get("k") else ""
         # the pooled FVU weighs each layer by its output's variance (the last layers' and

@@ -126,8 +126,7 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozens
             if isinstance(action, argparse._SubParsersAction):
                 stack.extend(action.choices.values())
     namespace, _ = parser.parse_known_args(list(argv))
-    command = namespace.command
-    options = {a.dest for a in _subparser(parser, command)._actions if a.option_strings}
+    options = {a.dest for a in _subparser(parser, namespace.command)._actions if a.option_strings}
     return frozenset(set(vars(namespace)) & options)
 
 
