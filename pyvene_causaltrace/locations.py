@@ -50,17 +50,13 @@ def _resolve_position(item: Any, prompt: TokenizedPrompt, path: str) -> list[int
         if prompt.subject_range is None:
             raise SpecError(path, f"{item!r} needs a subject")
         start, stop = prompt.subject_range
-        if item == "subject":
-            return list(range(start, stop))
-        if item == "first_subject":
-            return [start]
-        if item == "last_subject":
-            return [stop - 1]
-        if item == "after_subject":
-            if stop >= n:
-                raise SpecError(path, "the subject ends the prompt: no token follows it")
-            return [stop]
-        raise SpecError(path, f"unknown position name {item!r}")
+        if item == "after_subject" and stop >= n:
+            raise SpecError(path, "the subject ends the prompt: no token follows it")
+        named = {"subject": list(range(start, stop)), "first_subject": [start],
+                 "last_subject": [stop - 1], "after_subject": [stop]}
+        if item not in named:
+            raise SpecError(path, f"unknown position name {item!r}")
+        return named[item]
     if isinstance(item, int):
         return [_index(item, n, path, "position")]
     return _span(item, n, path, "position")
