@@ -2,9 +2,9 @@
 resumable run stores beside its rows and must match to resume. They identify content, not
 names (another spelling of a path is the same model; other weights there are not).
 :func:`model_fingerprint` hashes every parameter's name, shape, dtype and a fixed sample of at
-most 4,096 evenly spaced values (cheap, yet it changes when an edit touches a tensor near its
-sample; before 2026-12 a large tensor's last elements went unsampled);
-:func:`tokenizer_fingerprint` the vocabulary and special tokens; :func:`package_version`."""
+most 4,096 evenly spaced values, the whole tensor spanned (cheap, yet it changes when an edit
+touches a tensor near its sample); :func:`tokenizer_fingerprint` the vocabulary and special
+tokens; :func:`package_version`."""
 
 from __future__ import annotations
 

@@ -44,9 +44,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` holds no NaN/inf: one ``aminmax`` pass (NaN propagates to both ends,
     inf reaches one), about as fast as reading the memory; ``isfinite().all()`` took 50x longer
     on this CPU build, and a mask the size of the tensor."""
-    if tensor.numel() == 0:
-        return True
-    if not tensor.is_floating_point():
+    if tensor.numel() == 0 or not tensor.is_floating_point():
         return True  # integers hold no NaN/inf (what may be integer is for the caller to say)
     lo, hi = torch.aminmax(tensor)
     return math.isfinite(float(lo)) and math.isfinite(float(hi))

@@ -32,17 +32,16 @@ MARK = ".pvct-fit"  # "this directory was made by fit": written first into every
 def read_record(path: Path) -> dict:
     """``path``'s ``fit.json`` as a dict, or :class:`DamagedFileError` naming it and why."""
     record_path = path / RECORD
+    fix = f"remove {path} or pass --refit (refit=True) to fit it again"
     try:
         record = json.loads(record_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise DamagedFileError(
-            f"{record_path} is not JSON ({error}): a damaged fit record; remove {path} or "
-            "pass --refit (refit=True) to fit it again") from None
+        raise DamagedFileError(f"{record_path} is not JSON ({error}): a damaged fit record; "
+                               f"{fix}") from None
     if not isinstance(record, dict) or not isinstance(record.get("settings"), dict):
         what = type(record).__name__ if not isinstance(record, dict) else "no settings"
-        raise DamagedFileError(
-            f"{record_path} is not a fit record (a JSON object with settings; it holds {what}):"
-            f" remove {path} or pass --refit (refit=True) to fit it again")
+        raise DamagedFileError(f"{record_path} is not a fit record (a JSON object with "
+                               f"settings; it holds {what}): {fix}")
     return record
 
 
@@ -52,10 +51,6 @@ def _complete(path: Path) -> bool:
     except (DamagedFileError, OSError):
         return False
     return True
-
-
-def _owned(path: Path) -> bool:
-    return (path / MARK).is_file() or (path / RECORD).is_file()
 
 
 def check_owned(path: Path) -> None:
@@ -76,7 +71,8 @@ def check_owned(path: Path) -> None:
 def remove_owned(path: Path) -> None:
     """Delete a directory fit made: everything but its marks first, then ``fit.json``, then
     :data:`MARK`, so one cut short is still recognised as fit's (and removed) next time."""
-    if not path.is_dir() or (any(path.iterdir()) and not _owned(path)):
+    marked = (path / MARK).is_file() or (path / RECORD).is_file()
+    if not path.is_dir() or (any(path.iterdir()) and not marked):
         return
     for entry in path.iterdir():
         if entry.name not in (RECORD, MARK):
@@ -104,11 +100,10 @@ class FitOutput:
         if not self.path.parent.is_dir():
             return
         if not self.path.exists():
-            for kind in ("partial", "old"):
-                done = [p for p in self._leftovers(kind) if _complete(p)]
-                if done:
-                    done[0].rename(self.path)
-                    break
+            done = [p for kind in ("partial", "old") for p in self._leftovers(kind)
+                    if _complete(p)]
+            if done:
+                done[0].rename(self.path)
         for kind in ("partial", "old"):
             for leftover in self._leftovers(kind):
                 remove_owned(leftover)

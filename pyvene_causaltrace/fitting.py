@@ -1,22 +1,17 @@
 """The first transcoder for a model: gather text, collect its MLPs' inputs and outputs, fit,
-check on held-out text, save under a name that says what it is.
+check on held-out text, save under a name that says what it is (docs/transcoders.md, "A first
+transcoder", gives the recipe, its settings and what is refused).
 
     report = fit_transcoder()  # saved at transcoder_dir(): .../smollm2-135m-skip-plt-256-top16
     clt = load_transcoder(report.path)
 
-The default is the fit that reached the best held-out pairing FVU per CPU minute on SmolLM2-135M
-(examples/results/first_graph.json): a per-layer set with a skip path (``skip_plt``), the skip
-solved in closed form by least squares (the linear part of each MLP) and 128 ReLU features per
-layer trained on what it leaves, on text the model generates itself from a few generic starts
-(offline, and on its own distribution). ``data`` may instead name ``known_1000`` (fetched once)
-or a file: one text per line, or facts as JSON / JSONL (``prompt`` + ``attribute``).
-
-The directory holds the transcoder and ``fit.json``, the settings it was fitted with (and the
-model's fingerprint): a later call with the same settings reuses it; with other settings it is
-refused, naming what differs, unless ``refit=True`` replaces it. Fit writes only into a new
-directory or one holding its own ``fit.json``, one fit at a time, and swaps a refit in whole
-(:mod:`.fit_output`). Sizes are bounded (:data:`LIMITS`) and checked against memory before
-anything large is allocated; the model runs in eval mode, its mode restored afterwards.
+The default: a per-layer set with a skip path (``skip_plt``), the skip solved in closed form by
+least squares (each MLP's linear part) and 256 TopK features per layer trained on what it
+leaves, on text the model generates itself from a few generic starts (offline, and on its own
+distribution). ``fit.json`` beside it records the settings and the model's fingerprint: the
+same settings reuse it, others are refused unless ``refit=True``; :mod:`.fit_output` keeps the
+directory fit's own and swaps a refit in whole. Sizes are bounded (:data:`LIMITS`) and checked
+against memory before anything large is allocated; the model runs in eval mode.
 """
 
 from __future__ import annotations
@@ -46,7 +41,6 @@ from .models import OFFLINE_DEFAULT, cache_dir, load_model
 from .prompts import first_position
 from .transcoders.checks import POOR_FIT_FVU, check_pairing
 from .transcoders.fit import (
-    FIT_ACTIVATIONS,
     check_fit_fits,
     check_settings,
     collect_pairs,
@@ -92,7 +86,6 @@ QUALITIES = {"quick": {}, "long": {"texts": 2048, "features": 1024, "k": 32, "st
 #: The largest value each size setting takes: far past any fit a machine here could hold (the
 #: memory check refuses what does not fit), so a typo's extra zeros are refused at once.
 LIMITS = {"features": 2**20, "k": 2**20, "steps": 10**7, "texts": 10**7, "new_tokens": 8192}
-SEED_RANGE = (0, 2**63 - 1)
 
 
 @dataclass(frozen=True)
@@ -126,15 +119,11 @@ class FitSettings:
             raise InputError(f"lr must be a finite number above 0 and at most 1 (Adam moves each "
                              f"weight by about lr a step), got {lr!r}")
         seed = self.seed
-        if isinstance(seed, bool) or not isinstance(seed, int) or \
-                not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise InputError(f"seed must be an integer from 0 to 2**63-1, got {seed!r}")
         if self.data not in ("self", "known_1000") and not Path(self.data).expanduser().is_file():
             raise InputError(f"data must be 'self', 'known_1000' or a text/JSON file; no file "
                              f"at {self.data}")
-        if self.activation not in FIT_ACTIVATIONS:
-            raise InputError(f"activation must be one of {', '.join(FIT_ACTIVATIONS)}, got "
-                             f"{self.activation!r}")
         options = KINDS[self.kind][0]
         if options["kind"] == "cross_layer" and self.activation == "relu_topk":
             raise InputError("a cross-layer transcoder is saved in the mntss layout, which holds "
@@ -160,10 +149,9 @@ class FitReport:
     record: dict = field(default_factory=dict)
 
     def summary(self) -> str:
-        pairing, seconds, settings = (self.record[key] for key in ("pairing", "seconds",
-                                                                     "settings"))
+        pairing, settings = self.record["pairing"], self.record["settings"]
         how = "reused" if self.reused else "fitted in " + ", ".join(
-            f"{k} {v:.0f} s" for k, v in seconds.items())
+            f"{k} {v:.0f} s" for k, v in self.record["seconds"].items())
         median = pairing["median_layer_fvu"]
         top = f" (top {settings['k']} a token)" if settings.get("k") else ""
         # the pooled FVU weighs each layer by its output's variance (the last layers' and
@@ -183,35 +171,28 @@ def fit_words(median: float) -> str:
             f"worth reading leaves at most {READABLE_FVU:.0%}")
 
 
-def held_out_texts(texts: int) -> int:
-    """How many texts beside ``texts`` training texts are held out for the pairing FVU."""
-    return min(32, max(4, texts // 10))
-
-
-def model_slug(model: str) -> str:
-    """A model's name as a folder name: the bundled one's, else the path's or hub id's last
-    parts."""
-    name = model if model == OFFLINE_DEFAULT else "--".join(Path(model).expanduser().parts[-2:])
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.") or "model"
-
-
 def transcoder_dir(settings: FitSettings = FitSettings()) -> Path:
     """Where :func:`fit_transcoder` writes:
     ``cache_dir()/transcoders/<model>-<kind>-<features>[-<activation>]`` (``top<k>`` for
     ``relu_topk``, nothing for ``relu``), e.g.
-    ``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16``."""
+    ``~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16``; ``<model>``:
+    the bundled model's name, else the path's or hub id's last two parts."""
+    model = settings.model
+    name = model if model == OFFLINE_DEFAULT else "--".join(Path(model).expanduser().parts[-2:])
+    slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip("-.") or "model"
     tag = KINDS[settings.kind][1] if settings.kind in KINDS else settings.kind
     activation = {"relu": "", "relu_topk": f"-top{settings.fit_k}"}.get(
         settings.activation, f"-{settings.activation}")
-    return cache_dir() / "transcoders" / (f"{model_slug(settings.model)}-{tag}-"
-                                          f"{settings.features}{activation}")
+    return cache_dir() / "transcoders" / f"{slug}-{tag}-{settings.features}{activation}"
 
 
 @contextmanager
-def phase(name: str, progress: bool, seconds: dict) -> Iterator[None]:
-    """A one-step bar for a phase without steps of its own; its seconds go to ``seconds``."""
+def phase(name: str, progress: bool, seconds: dict, desc: str | None = None) -> Iterator[None]:
+    """A one-step bar (saying ``desc``, default ``name``) for a phase without steps of its own
+    (``progress=False`` for one with a bar of its own); its seconds go to ``seconds[name]``."""
     start = time.perf_counter()
-    with tqdm(total=1, desc=name, disable=not progress, bar_format="{desc}: {elapsed}") as bar:
+    with tqdm(total=1, desc=desc or name, disable=not progress,
+              bar_format="{desc}: {elapsed}") as bar:
         yield
         bar.update(1)
     seconds[name] = round(time.perf_counter() - start, 1)
@@ -220,23 +201,21 @@ def phase(name: str, progress: bool, seconds: dict) -> Iterator[None]:
 def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: int,
                    progress: bool = False, *, record: int = 0,
                    dtype: torch.dtype = GENERATED_PAIRS):
-    """``(texts, x, y)``: ``n`` texts the model writes itself — each of :data:`STARTS` in turn,
-    continued by ``new_tokens`` sampled tokens (temperature 1, seeded; the caller's random
-    state is left as it was; starts of one token length share batches of up to
-    :data:`GENERATION_BATCH`, as even as they can be, so nothing is padded) — and the pairs of
-    the first ``record`` texts, read from the generation's own forwards
-    (:func:`~.transcoders.hooks.keeping_states`): ``hook_resid_mid`` and ``hook_mlp_out``,
-    ``[tokens, L, D]`` in ``dtype``, at every position but BOS and the last token (which no
-    forward reads); None when ``record`` is 0."""
-    starts = [STARTS[i % len(STARTS)] for i in range(n)]
-    groups: dict[int, list[tuple[int, list[int]]]] = {}
-    for i, start in enumerate(starts):
-        ids = tokenizer(start)["input_ids"]
-        groups.setdefault(len(ids), []).append((i, ids))
+    """``(texts, x, y)``: ``n`` texts the model writes itself — :data:`STARTS` in turn, each
+    continued by ``new_tokens`` sampled tokens (temperature 1, seeded, the caller's random state
+    kept; starts of one token length share batches of up to :data:`GENERATION_BATCH`, as even as
+    they can be, so nothing is padded) — and the pairs of the first ``record`` texts from the
+    generation's own forwards (:func:`~.transcoders.hooks.keeping_states`): ``hook_resid_mid``
+    and ``hook_mlp_out``, ``[tokens, L, D]`` in ``dtype``, at every position but BOS and the
+    last token (which no forward reads); None when ``record`` is 0."""
     first = first_position(tokenizer, BOS)
-    lengths = {i: len(ids) + new_tokens - 1 - first for group in groups.values()
-               for i, ids in group}
-    offsets = [0, *itertools.accumulate(lengths[i] for i in range(min(record, n)))]
+    groups: dict[int, list[tuple[int, list[int]]]] = {}
+    lengths = []  # the positions kept of each text
+    for i in range(n):
+        ids = tokenizer(STARTS[i % len(STARTS)])["input_ids"]
+        groups.setdefault(len(ids), []).append((i, ids))
+        lengths.append(len(ids) + new_tokens - 1 - first)
+    offsets = [0, *itertools.accumulate(lengths[:record])]
     x = torch.empty(offsets[-1], bound.n_layers, bound.d_model, dtype=dtype) if record else None
     y = torch.empty_like(x) if record else None
     texts: list[str] = [""] * n
@@ -297,16 +276,6 @@ def _data_identity(data: str) -> str:
     return f"{path} sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
 
 
-def _asked(settings: FitSettings, fingerprint: str) -> dict:
-    return dict(asdict(settings), k=settings.fit_k, data=_data_identity(settings.data),
-                recipe=dict(RECIPE), model_fingerprint=fingerprint)
-
-
-def _differences(recorded: dict, asked: dict) -> list[str]:
-    return [f"{k} {recorded.get(k)!r} (asked {v!r})" for k, v in asked.items()
-            if recorded.get(k) != v]
-
-
 @checked
 def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | None = None,
                    refit: bool = False, progress: bool = True,
@@ -330,12 +299,14 @@ def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | Non
         record = None if refit else output.record()  # a damaged one refused before loading
         seconds: dict[str, float] = {}
         if model is None:
-            with phase(f"loading {settings.model}", progress, seconds):
+            with phase("load model", progress, seconds, f"loading {settings.model}"):
                 model, tokenizer = load_model(settings.model)
-            seconds["load model"] = seconds.pop(f"loading {settings.model}")
-        asked = _asked(settings, model_fingerprint(model))
+        asked = dict(asdict(settings), k=settings.fit_k, data=_data_identity(settings.data),
+                     recipe=dict(RECIPE), model_fingerprint=model_fingerprint(model))
         if record is not None:
-            differ = _differences(record["settings"], asked)
+            recorded = record["settings"]
+            differ = [f"{k} {recorded.get(k)!r} (asked {v!r})" for k, v in asked.items()
+                      if recorded.get(k) != v]
             if differ:
                 raise InputError(f"{path} holds a transcoder fitted with other settings: "
                                  f"{'; '.join(differ)}. Pass refit=True (--refit) to replace "
@@ -364,8 +335,7 @@ def available_bytes(device) -> int:
 def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progress: bool,
          seconds: dict) -> tuple:
     """Gather text, collect, fit and check: ``(transcoder, the record fit.json will hold)``."""
-    model = bound.model
-    n_held = held_out_texts(settings.texts)
+    n_held = min(32, max(4, settings.texts // 10))  # held out for the pairing FVU
     have = available_bytes(bound.device)
     options = KINDS[settings.kind][0]
     generated = settings.data == "self"
@@ -380,38 +350,34 @@ def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progr
                        f"{settings.features} features per layer: about {need / 2**20:,.0f} MB "
                        f"of the {have / 2**20:,.0f} MB available", file=sys.stderr)
 
-    start = time.perf_counter()
     if generated:  # the pairs are read from the generation's own forwards: one pass
         longest = max(len(tokenizer(opening)["input_ids"]) for opening in STARTS)
-        check_memory(settings.texts * (longest + settings.new_tokens),
-                     f"{settings.texts} generated texts of up to "
-                     f"{longest + settings.new_tokens} tokens")
-        texts, x, y = generate_pairs(bound, tokenizer, settings.texts + n_held,
-                                     settings.new_tokens, settings.seed, progress,
-                                     record=settings.texts, dtype=pair_dtype)
-        seconds["generate text, collect activations"] = round(time.perf_counter() - start, 1)
-        train, held_out = texts[:-n_held], texts[-n_held:]
+        longest += settings.new_tokens
+        check_memory(settings.texts * longest,
+                     f"{settings.texts} generated texts of up to {longest} tokens")
+        with phase("generate text, collect activations", False, seconds):  # its own bar
+            texts, x, y = generate_pairs(bound, tokenizer, settings.texts + n_held,
+                                         settings.new_tokens, settings.seed, progress,
+                                         record=settings.texts, dtype=pair_dtype)
     else:
         with phase("gathering text", progress, seconds):
             texts = read_texts(settings.data, settings.texts + n_held)
             n_held = max(1, len(texts) // 11) if len(texts) < settings.texts + n_held else n_held
-        train, held_out = texts[:-n_held], texts[-n_held:]
-        check_memory(sum(len(ids) for ids in tokenizer(train)["input_ids"]),
-                     f"{len(train)} texts of {settings.data}")
-        start = time.perf_counter()
-        x, y = collect_pairs(model, tokenizer, train, progress=progress)
-        seconds["collect activations"] = round(time.perf_counter() - start, 1)
-    start = time.perf_counter()
+        check_memory(sum(len(ids) for ids in tokenizer(texts[:-n_held])["input_ids"]),
+                     f"{len(texts) - n_held} texts of {settings.data}")
+        with phase("collect activations", False, seconds):
+            x, y = collect_pairs(bound.model, tokenizer, texts[:-n_held], progress=progress)
+    train, held_out = texts[:-n_held], texts[-n_held:]
     bf16 = fast_bf16(bound.device)  # the steps' products: twice as fast where native
-    transcoder, stats = fit_pairs(x, y, settings.model, d_transcoder=settings.features,
-                                  steps=settings.steps, lr=settings.lr, seed=settings.seed,
-                                  activation=settings.activation, k=settings.fit_k,
-                                  progress=progress, memory_bytes=have, consume=True,
-                                  bf16=bf16, **options, **RECIPE)
-    seconds["fit"] = round(time.perf_counter() - start, 1)
+    with phase("fit", False, seconds):
+        transcoder, stats = fit_pairs(x, y, settings.model, d_transcoder=settings.features,
+                                      steps=settings.steps, lr=settings.lr, seed=settings.seed,
+                                      activation=settings.activation, k=settings.fit_k,
+                                      progress=progress, memory_bytes=have, consume=True,
+                                      bf16=bf16, **options, **RECIPE)
     del x, y
     with phase("held-out pairing check", progress, seconds):
-        pairing = check_pairing(model, tokenizer, transcoder, held_out)
+        pairing = check_pairing(bound.model, tokenizer, transcoder, held_out)
     if not (math.isfinite(stats.train_fvu) and math.isfinite(pairing.fvu)):
         raise NonFiniteError(f"the fit's FVU is not finite (train {stats.train_fvu}, held-out "
                              f"{pairing.fvu}): nothing saved; lower lr (it was {settings.lr:g})")

@@ -50,24 +50,16 @@ def _resolve_position(item: Any, prompt: TokenizedPrompt, path: str) -> list[int
         if prompt.subject_range is None:
             raise SpecError(path, f"{item!r} needs a subject")
         start, stop = prompt.subject_range
-        if item == "subject":
-            return list(range(start, stop))
-        if item == "first_subject":
-            return [start]
-        if item == "last_subject":
-            return [stop - 1]
-        if item == "after_subject":
-            if stop >= n:
-                raise SpecError(path, "the subject ends the prompt: no token follows it")
-            return [stop]
-        raise SpecError(path, f"unknown position name {item!r}")
+        if item == "after_subject" and stop >= n:
+            raise SpecError(path, "the subject ends the prompt: no token follows it")
+        named = {"subject": list(range(start, stop)), "first_subject": [start],
+                 "last_subject": [stop - 1], "after_subject": [stop]}
+        if item not in named:
+            raise SpecError(path, f"unknown position name {item!r}")
+        return named[item]
     if isinstance(item, int):
         return [_index(item, n, path, "position")]
-    start = _index(item["start"], n + 1, path + ".start", "position")
-    stop = _index(item["stop"], n + 1, path + ".stop", "position")
-    if stop <= start:
-        raise SpecError(path, f"empty position range [{start}, {stop})")
-    return list(range(start, stop))
+    return _span(item, n, path, "position")
 
 
 def resolve_layers(value: Any, n_layers: int, path: str) -> list[int]:
@@ -81,10 +73,15 @@ def resolve_layers(value: Any, n_layers: int, path: str) -> list[int]:
     if "center" in value:
         center = _index(value["center"], n_layers, path + ".center", "layer")
         return window_layers(center, value["window"], n_layers)
-    start = _index(value["start"], n_layers + 1, path + ".start", "layer")
-    stop = _index(value["stop"], n_layers + 1, path + ".stop", "layer")
+    return _span(value, n_layers, path, "layer")
+
+
+def _span(value: dict, size: int, path: str, what: str) -> list[int]:
+    """``{"start", "stop"}`` as the indices ``[start, stop)`` of ``size`` (stop may be ``size``)."""
+    start = _index(value["start"], size + 1, path + ".start", what)
+    stop = _index(value["stop"], size + 1, path + ".stop", what)
     if stop <= start:
-        raise SpecError(path, f"empty layer range [{start}, {stop})")
+        raise SpecError(path, f"empty {what} range [{start}, {stop})")
     return list(range(start, stop))
 
 

@@ -62,15 +62,11 @@ def _subject_span(prompt: str, subject: str, occurrence: int, offsets) -> tuple[
     for _ in range(occurrence + 1):
         start = prompt.find(subject, start + 1)
         if start < 0:
-            raise SubjectNotFoundError(
-                f"subject {subject!r} occurs fewer than {occurrence + 1} time(s) in "
-                f"prompt {prompt!r}"
-            )
+            raise SubjectNotFoundError(f"subject {subject!r} occurs fewer than "
+                                       f"{occurrence + 1} time(s) in prompt {prompt!r}")
     stop = start + len(subject)
-    inside = [
-        i for i, (a, b) in enumerate(offsets)
-        if b > a and a < stop and b > start  # special tokens have empty offsets
-    ]
+    inside = [i for i, (a, b) in enumerate(offsets)  # special tokens have empty offsets
+              if b > a and a < stop and b > start]
     if not inside:
         raise SubjectNotFoundError(f"no token of {prompt!r} covers subject {subject!r}")
     return inside[0], inside[-1] + 1
@@ -89,11 +85,8 @@ def answer_token_id(tokenizer: Tokenizer, answer: str, strict: bool = False) -> 
             raise MultiTokenAnswerError(
                 f"answer {answer!r} is {len(ids)} tokens {pieces}; attribution explains one "
                 f"logit: give a single-token answer (e.g. {pieces[0]!r})")
-        warnings.warn(
-            f"answer {answer!r} is {len(ids)} tokens {pieces}; the target is its first token "
-            f"{pieces[0]!r}",
-            stacklevel=2,
-        )
+        warnings.warn(f"answer {answer!r} is {len(ids)} tokens {pieces}; the target is its "
+                      f"first token {pieces[0]!r}", stacklevel=2)
     return int(ids[0])
 
 

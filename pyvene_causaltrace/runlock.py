@@ -24,7 +24,6 @@ LOCK_NAME = ".pvct.lock"
 def single_writer(directory: str | Path) -> Iterator[None]:
     """Hold ``directory``'s lock for the block (creating the directory); refuse at once if
     another process holds it."""
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     with exclusive(directory / LOCK_NAME, directory):

@@ -70,21 +70,20 @@ def dataset_command(args) -> int:
         if not records:
             raise InputError(f"no record could be read from {args.data}"
                              + (f": {errors[0]}" if errors else ""))
-    run_settings = dataset_settings(args, default_known)  # checked before the model loads
-    options = {"settings": run_settings, "progress": not args.no_progress}
-    settings = graph_settings(args)
+    settings = dataset_settings(args, default_known)  # checked before the model loads
+    graphs = graph_settings(args)
     shard = None if launch is None else (launch.rank, launch.world)
     check_run_directory(run_path(args.out, shard))
     # the transcoder's files are read before the model loads: a wrong --clt costs no model load
-    transcoder = load_transcoder(args.clt, format=args.format) if settings else None
+    options = {} if graphs is None else {
+        "transcoder": load_transcoder(args.clt, format=args.format), "graph_options": graphs}
     for error in errors[:10]:
         print(f"skipping malformed record {error}", file=sys.stderr)
     if len(errors) > 10:
         print(f"... and {len(errors) - 10} more malformed records", file=sys.stderr)
     model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
-    if settings is not None:
-        options.update(transcoder=transcoder, graph_options=settings)
     result = trace_dataset_distributed(model, tokenizer, records, out=args.out, errors=errors,
+                                       settings=settings, progress=not args.no_progress,
                                        **options)
     if result is not None:  # rank 0, or a single process
         write_dataset_report(result, args.out)

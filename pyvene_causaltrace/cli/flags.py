@@ -126,20 +126,14 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozens
             if isinstance(action, argparse._SubParsersAction):
                 stack.extend(action.choices.values())
     namespace, _ = parser.parse_known_args(list(argv))
-    command = namespace.command
-    options = {a.dest for a in _subparser(parser, command)._actions if a.option_strings}
+    options = {a.dest for a in _subparser(parser, namespace.command)._actions if a.option_strings}
     return frozenset(set(vars(namespace)) & options)
-
-
-def mode_of(command: str, given: frozenset[str]) -> Mode:
-    """The mode of ``command`` the ``given`` flags choose."""
-    return next(m for m in MODES[command] if m.selects is None or m.selects in given)
 
 
 def check_flags(parser: argparse.ArgumentParser, command: str, given: frozenset[str]) -> None:
     """Refuse (:class:`InputError`) the first given flag that ``command``'s mode does not read,
     or that :data:`NEEDS` or :data:`IGNORED_WITH` say is not read here."""
-    mode = mode_of(command, given)
+    mode = next(m for m in MODES[command] if m.selects is None or m.selects in given)
     for dest in sorted(given):
         flag = flag_name(parser, command, dest)
         if dest not in mode.flags:

@@ -55,8 +55,6 @@ TEXT = flag(Text)
 
 _TRANSCODER_HELP = ("transcoder: an mntss CLT directory, a circuit-tracer config.yaml, a "
                     "GemmaScope / sae-lens / sparsify directory, or a hub id")
-
-
 _BOS_HELP = ("how position 0 is treated: auto - as BOS (not spliced, no features, not "
              "scored) only when the tokenizer prepends one (SmolLM2's adds none); always - as "
              "BOS whatever the tokenizer does (circuit-tracer's convention); never - like any "

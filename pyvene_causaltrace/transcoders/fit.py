@@ -2,24 +2,18 @@
 without a skip path): enough to exercise the pairing check, the anchor and attribution on a
 dictionary that really belongs to its model (random weights cannot show any of them works).
 
-Three activations, all trained with Adam (an optional linear warm-up, then a linear decay to
-zero; clipped gradients) on normalised reconstruction error:
-
-- ``"relu"`` (default): JumpReLU with every threshold at 0, with an L1 penalty on activations
-  weighted by decoder norms. Continuous in its input.
-- ``"jumprelu"``: learned per-feature thresholds ``theta`` (``a = z * 1[z > theta]``, as in the
-  published CLTs), trained with straight-through estimates of the step's derivative (a
-  rectangle kernel of width ``bandwidth``) and an L0 penalty, the Gemma Scope / circuit-tracing
-  recipe. A feature that crosses its threshold jumps to at least ``theta``, which is what makes
-  such a dictionary fail loudly on an input it was not trained for.
-- ``"relu_topk"``: each layer's ``k`` largest of ``relu(z)`` per token (sparsify's TopK), no
-  penalty: the sparsity is set, not traded against the error.
+Three activations (:data:`FIT_ACTIVATIONS`), trained with Adam on normalised reconstruction
+error (docs/transcoders.md, "Fitting"): ``"relu"`` (default; thresholds at 0, an L1 penalty
+weighted by decoder norms), ``"jumprelu"`` (learned thresholds ``theta``, straight-through
+estimates of the step's derivative — a rectangle of width ``bandwidth`` — and an L0 penalty,
+the published CLTs' recipe: a feature that fires jumps to at least ``theta``, so such a
+dictionary fails loudly on an input it was not trained for) and ``"relu_topk"`` (each layer's
+``k`` largest of ``relu(z)`` a token, sparsify's TopK: the sparsity set, not traded).
 
 Encoders read ``hook_resid_mid``; a CLT's decoders write every later layer's ``hook_mlp_out``, a
-per-layer set's only their own layer's (``kind="per_layer"``), beside a linear ``W_skip`` from
-the layer's input with ``skip=True`` (initialised at zero, so the dictionary starts as a plain
-PLT); position 0 is left out when it is BOS — when the tokenizer adds one
-(:func:`~..prompts.first_position`) — and fitted like any token otherwise.
+per-layer set's (``kind="per_layer"``) their own layer's, beside a linear ``W_skip`` from its
+input with ``skip=True``; position 0 is left out only when it is BOS
+(:func:`~..prompts.first_position`).
 
     clt, stats = fit_clt(model, tokenizer, texts, d_transcoder=256, steps=400)
     plt, stats = fit_clt(model, tokenizer, texts, kind="per_layer", skip=True)
@@ -190,15 +184,9 @@ def linear_skip(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-4, *, chunk:
     return solution.float(), (y_mean - torch.einsum("ld,lod->lo", x_mean, solution)).float()
 
 
-def fit_clt(
-    model: nn.Module,
-    tokenizer: Tokenizer,
-    texts: Sequence[str],
-    *,
-    model_name: str | None = None,
-    progress: bool = False,
-    **settings,
-) -> tuple[Transcoder, FitStats]:
+def fit_clt(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str], *,
+            model_name: str | None = None, progress: bool = False,
+            **settings) -> tuple[Transcoder, FitStats]:
     """Fit a transcoder on the MLPs of ``model`` over ``texts`` (:func:`fit_pairs` takes the
     settings); returns it (float32, in memory) and the fitting statistics."""
     check_settings(**{name: settings[name] for name in ("activation", "kind", "skip", "k")
@@ -208,13 +196,6 @@ def fit_clt(
     transcoder, stats = fit_pairs(x, y, model_name or name_of(model), progress=progress,
                                   **settings)
     return transcoder, replace(stats, seconds=time.perf_counter() - start)
-
-
-def _check_step(loss: torch.Tensor, step: int, lr: float) -> None:
-    """Stop a fit whose loss went NaN/inf (every 20 steps: a check is a device sync)."""
-    if not bool(torch.isfinite(loss)):
-        raise NonFiniteError(f"the fit diverged: its loss is {loss.item()} at step {step}; "
-                             f"lower lr (it was {lr:g})")
 
 
 #: The activations a fit trains (module docstring).
@@ -266,30 +247,12 @@ def _units(x: torch.Tensor, y: torch.Tensor, y_mean: torch.Tensor, g: torch.Gene
 
 
 def fit_pairs(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    model_name: str,
-    *,
-    d_transcoder: int = 128,
-    steps: int = 300,
-    batch_size: int = 256,
-    lr: float = 5e-3,
-    l1: float = 1e-3,
-    activation: str = "relu",
-    k: int | None = None,
-    l0: float = 1e-3,
-    bandwidth: float = 0.05,
-    init_threshold: float = 0.05,
-    seed: int = 0,
-    kind: str = "cross_layer",
-    skip: bool = False,
-    skip_init: str = "zero",
-    warmup: int = 0,
-    normalize: bool = False,
-    bf16: bool = False,
-    consume: bool = False,
-    progress: bool = False,
-    memory_bytes: int | None = None,
+    x: torch.Tensor, y: torch.Tensor, model_name: str, *, d_transcoder: int = 128,
+    steps: int = 300, batch_size: int = 256, lr: float = 5e-3, l1: float = 1e-3,
+    activation: str = "relu", k: int | None = None, l0: float = 1e-3, bandwidth: float = 0.05,
+    init_threshold: float = 0.05, seed: int = 0, kind: str = "cross_layer", skip: bool = False,
+    skip_init: str = "zero", warmup: int = 0, normalize: bool = False, bf16: bool = False,
+    consume: bool = False, progress: bool = False, memory_bytes: int | None = None,
 ) -> tuple[Transcoder, FitStats]:
     """Fit a transcoder (``kind`` ``"cross_layer"`` or ``"per_layer"``, ``skip`` for a per-layer
     skip path) to the pairs ``x`` (``hook_resid_mid``) and ``y`` (``hook_mlp_out``), each
@@ -300,20 +263,16 @@ def fit_pairs(
     starts ``W_skip`` at zero and trains it with the features; ``"lstsq"`` sets it (and
     ``b_dec``) to the least-squares linear map first (:func:`linear_skip`) and trains the
     features on what it leaves, ``W_skip`` fixed — the linear part of an MLP in closed form,
-    the features' steps spent on the rest. ``consume``: ``x`` and ``y`` are the caller's to
-    lose — what the skip leaves is written over ``y``, and with ``normalize`` both are put in
-    the fit's units in place. The learning rate rises linearly over ``warmup`` steps,
-    then falls linearly to zero. ``normalize``: train in units where each layer's input (less
-    its median token) and target have a typical size of 1 (:func:`_units`), with the decoder
-    starting at zero, folded back into the weights at the end — one learning rate then suits
-    every layer; without it a layer of large states (or a first position hundreds of times the
-    rest) starts with its features on those tokens alone and most never fire again. ``bf16``:
-    the training steps' products in bfloat16 (float32 sums; weights, Adam and the loss in
-    float32) — about twice as fast where the hardware has it (:func:`fast_bf16`). A fit whose
-    estimate (:func:`fit_bytes`) passes ``memory_bytes`` (default :func:`device_bytes`) is
-    refused before its weights are allocated, and one whose loss or weights go NaN/inf stops
-    with :class:`~..errors.NonFiniteError`. ``train_fvu`` is scored on up to 8192 of the
-    tokens, evenly spaced."""
+    the features' steps spent on the rest. ``consume``: ``x`` and ``y`` may be overwritten (by
+    what the skip leaves, and with ``normalize`` by the pairs in the fit's units). The learning
+    rate rises linearly over ``warmup`` steps, then falls linearly to zero. ``normalize``:
+    train where each layer's input (less its median token) and target have a typical size of 1
+    (:func:`_units`), the decoder starting at zero, folded back at the end — one learning rate
+    suits every layer, and large states (a first position hundreds of times the rest) do not
+    claim the features. ``bf16``: the steps' products in bfloat16 (:func:`fast_bf16`). A fit
+    whose estimate (:func:`fit_bytes`) passes ``memory_bytes`` (default :func:`device_bytes`) is
+    refused before allocating; NaN/inf loss or weights raise :class:`~..errors.NonFiniteError`.
+    ``train_fvu`` is scored on up to 8192 tokens, evenly spaced."""
     check_settings(activation, kind, skip, k, d_transcoder)
     if skip_init not in ("zero", "lstsq"):
         raise InputError(f"skip_init must be 'zero' or 'lstsq', got {skip_init!r}")
@@ -333,40 +292,36 @@ def fit_pairs(
                    device_bytes(x.device) if memory_bytes is None else memory_bytes,
                    f"a fit of {d_transcoder} features per layer on {n_tokens} tokens")
     g = torch.Generator().manual_seed(seed)
-    chunks = range(0, n_tokens, 4096)
     fast = [bf16]  # off for the final score
 
     def product(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         with torch.autocast(a.device.type, dtype=torch.bfloat16, enabled=fast[0]):
             return torch.einsum(equation, a, b).float()
 
-    y_mean = (sum(y[i:i + 4096].float().sum(0).double() for i in chunks) / n_tokens).float()
-    y_var = (sum((y[i:i + 4096].float() - y_mean).square_().sum((0, 2)).double()
-                 for i in chunks) / (n_tokens * d_model)).float()  # [L]: what FVU divides by
+    y_mean = (sum(part.float().sum(0).double() for part in y.split(4096)) / n_tokens).float()
+    y_var = (sum((part.float() - y_mean).square_().sum((0, 2)).double() for part in y.split(4096))
+             / (n_tokens * d_model)).float()  # [L]: what FVU divides by
     closed_form = skip and skip_init == "lstsq"
+    train_skip = skip and not closed_form
     if closed_form:  # the features fit what the fixed skip leaves, its bias the new mean
         W_lin, y_mean = linear_skip(x, y)
         left = y if consume else torch.empty_like(y)
-        for i in chunks:
-            part = slice(i, i + 4096)
-            left[part] = y[part].float() - torch.einsum("bld,lod->blo", x[part].float(), W_lin)
+        for xs, ys, out in zip(x.split(4096), y.split(4096), left.split(4096), strict=True):
+            out.copy_(ys.float() - torch.einsum("bld,lod->blo", xs.float(), W_lin))
         y = left
     if normalize:
         x_center, x_unit, y_unit = _units(x, y, y_mean, g)
         init_scale, y_base = x_unit, y_mean
     else:
-        x_center, x_unit, y_unit = (torch.zeros(n_layers, d_model), torch.ones(n_layers, 1),
-                                    torch.ones(n_layers, 1))
-        init_scale = (sum(x[i:i + 4096].float().square().sum((0, 2)).double()
-                          for i in chunks)
+        x_center, y_base = torch.zeros(n_layers, d_model), torch.zeros(n_layers, d_model)
+        x_unit = y_unit = torch.ones(n_layers, 1)
+        init_scale = (sum(part.float().square().sum((0, 2)).double() for part in x.split(4096))
                       / (n_tokens * d_model)).sqrt().float()[:, None]
-        y_base = torch.zeros(n_layers, d_model)
     y_var_fit = y_var / y_unit[:, 0].pow(2)
     ready = consume and normalize  # the pairs put in the fit's units once, in place
-    for i in chunks if ready else ():
-        part = slice(i, i + 4096)
-        x[part] = (x[part].float() - x_center) / x_unit
-        y[part] = (y[part].float() - y_base) / y_unit
+    for xs, ys in zip(x.split(4096), y.split(4096), strict=True) if ready else ():
+        xs.copy_((xs.float() - x_center) / x_unit)
+        ys.copy_((ys.float() - y_base) / y_unit)
 
     def batch(index):
         """The pairs at ``index`` in the fit's units."""
@@ -390,15 +345,14 @@ def fit_pairs(
                       for layer in range(n_layers)]
 
     def decoders() -> list[torch.Tensor]:
-        return [W_dec_all[layer, :, None] for layer in range(n_layers)] if per_layer \
-            else dec_params
+        return list(W_dec_all[:, :, None]) if per_layer else dec_params
 
     W_skip = nn.Parameter(torch.zeros(n_layers, d_model, d_model) if skip else torch.zeros(0))
     b_dec = nn.Parameter(torch.zeros(n_layers, d_model) if normalize else y_mean.clone())
     log_theta = nn.Parameter(torch.full((n_layers, d_transcoder), float(init_threshold)).log())
     params = [W_enc, b_enc, b_dec, *dec_params] \
         + ([log_theta] if activation == "jumprelu" else []) \
-        + ([W_skip] if skip and not closed_form else [])
+        + ([W_skip] if train_skip else [])
     optimizer = torch.optim.Adam(params, lr=lr, fused=True)  # one pass: 8x faster on a CPU
     # warm-up, then linear decay to zero, and clipped gradients: rare tokens with huge MLP
     # outputs otherwise knock the fit off course late in training
@@ -408,7 +362,7 @@ def fit_pairs(
         """``(z, acts, recon)``, float32."""
         z = product("bld,lfd->blf", xb, W_enc) + b_enc  # [B, L, F]
         recon = b_dec.expand(xb.shape[0], -1, -1)
-        if skip and not closed_form:
+        if train_skip:
             recon = recon + product("bld,lod->blo", xb, W_skip)  # x @ W_skip[l].T
         if activation == "relu_topk":
             values, index = z.topk(k, dim=-1)
@@ -443,7 +397,9 @@ def fit_pairs(
         optimizer.step()
         schedule.step()
         if step % 20 == 0 or step == steps - 1:
-            _check_step(loss, step, lr)
+            if not bool(torch.isfinite(loss)):  # every 20 steps: a check is a device sync
+                raise NonFiniteError(f"the fit diverged: its loss is {loss.item()} at step "
+                                     f"{step}; lower lr (it was {lr:g})")
             bar.set_postfix(loss=f"{loss.item():.4f}", fvu=f"{mse.item():.4f}")
             logger.debug("step %d loss %.4f mse %.4f", step, loss.item(), mse.item())
     fast[0] = False
@@ -466,7 +422,7 @@ def fit_pairs(
         dec = [w * y_unit[layer:layer + n_targets[layer]] for layer, w in enumerate(decoders())]
         b_dec_out = y_base + b_dec * y_unit
         skip_out = W_lin if closed_form else W_skip * y_unit[:, :, None] / x_unit[:, :, None]
-        if skip and not closed_form:  # the trained skip read x less x_center
+        if train_skip:  # the trained skip read x less x_center
             b_dec_out = b_dec_out - torch.einsum("lod,ld->lo", skip_out, x_center)
     threshold = (log_theta.detach().exp() if activation == "jumprelu"
                  else torch.zeros(n_layers, d_transcoder))

@@ -3,13 +3,9 @@
 Transcoder configs name their hooks as TransformerLens does (``hook_resid_mid``,
 ``ln2.hook_normalized``, ``hook_mlp_out``, circuit-tracer's ``mlp.hook_in``/``mlp.hook_out``), with
 or without a ``blocks.{l}.`` prefix. :data:`HOOKS` names each one's site in the adapter's
-vocabulary (:data:`~pyvene_causaltrace.models.SITES`). Two need care:
-
-- ``ln2.hook_normalized`` is the MLP norm's input *normalised but before its gain* (``x / rms(x)``,
-  or ``(x - mean) / std`` for LayerNorm) — not the norm module's output. The site is the norm's
-  input, and :func:`normalize` computes the value (GemmaScope transcoders read it);
-- ``hook_mlp_out`` is what the MLP adds to the residual stream: after Gemma's post-feedforward
-  norm, the MLP's own output elsewhere; ``mlp.hook_out`` is always the MLP module's output.
+vocabulary (:data:`~pyvene_causaltrace.models.SITES`); docs/transcoders.md, "Hooks", says what
+each reads. ``ln2.hook_normalized`` is not the norm module's output: its site is the norm's
+input, and :func:`normalize` computes the value (normalised, before the gain).
 
 :func:`hook_states` and :func:`transcoder_states` read these hooks' values at every layer of a
 model, in one forward; :func:`keeping_states` keeps them from every forward in a block (a
@@ -98,14 +94,10 @@ def normalize(x: torch.Tensor, kind: str, eps: float, frozen: bool = False) -> t
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     if kind == "layer":
         xf = xf - xf.mean(-1, keepdim=True)
-        scale = (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
-    elif kind in ("rms", "rms_offset"):
-        scale = (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
-    else:
+    elif kind not in ("rms", "rms_offset"):
         raise InputError(f"unknown norm kind {kind!r}")
-    if frozen:
-        scale = scale.detach()
-    return (xf * scale).to(x.dtype)
+    scale = (xf.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    return (xf * (scale.detach() if frozen else scale)).to(x.dtype)
 
 
 def hook_states(model: nn.Module | BoundModel, ids: torch.Tensor,
@@ -123,10 +115,9 @@ def hook_states(model: nn.Module | BoundModel, ids: torch.Tensor,
                     run=run)
     out = {}
     for key, ps in paths.items():
-        states = [found[p][0] for p in ps]
         norms = [norm_settings(bound, hooks[key], layer) for layer in range(len(ps))]
-        out[key] = torch.stack([x if norm is None else normalize(x, **norm)
-                                for x, norm in zip(states, norms, strict=True)])
+        out[key] = torch.stack([found[p][0] if norm is None else normalize(found[p][0], **norm)
+                                for p, norm in zip(ps, norms, strict=True)])
     return out
 
 
