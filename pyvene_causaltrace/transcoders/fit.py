@@ -184,9 +184,15 @@ def linear_skip(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-4, *, chunk:
     return solution.float(), (y_mean - torch.einsum("ld,lod->lo", x_mean, solution)).float()
 
 
-def fit_clt(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str], *,
-            model_name: str | None = None, progress: bool = False,
-            **settings) -> tuple[Transcoder, FitStats]:
+def fit_clt(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    texts: Sequence[str],
+    *,
+    model_name: str | None = None,
+    progress: bool = False,
+    **settings,
+) -> tuple[Transcoder, FitStats]:
     """Fit a transcoder on the MLPs of ``model`` over ``texts`` (:func:`fit_pairs` takes the
     settings); returns it (float32, in memory) and the fitting statistics."""
     check_settings(**{name: settings[name] for name in ("activation", "kind", "skip", "k")
@@ -247,12 +253,30 @@ def _units(x: torch.Tensor, y: torch.Tensor, y_mean: torch.Tensor, g: torch.Gene
 
 
 def fit_pairs(
-    x: torch.Tensor, y: torch.Tensor, model_name: str, *, d_transcoder: int = 128,
-    steps: int = 300, batch_size: int = 256, lr: float = 5e-3, l1: float = 1e-3,
-    activation: str = "relu", k: int | None = None, l0: float = 1e-3, bandwidth: float = 0.05,
-    init_threshold: float = 0.05, seed: int = 0, kind: str = "cross_layer", skip: bool = False,
-    skip_init: str = "zero", warmup: int = 0, normalize: bool = False, bf16: bool = False,
-    consume: bool = False, progress: bool = False, memory_bytes: int | None = None,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    model_name: str,
+    *,
+    d_transcoder: int = 128,
+    steps: int = 300,
+    batch_size: int = 256,
+    lr: float = 5e-3,
+    l1: float = 1e-3,
+    activation: str = "relu",
+    k: int | None = None,
+    l0: float = 1e-3,
+    bandwidth: float = 0.05,
+    init_threshold: float = 0.05,
+    seed: int = 0,
+    kind: str = "cross_layer",
+    skip: bool = False,
+    skip_init: str = "zero",
+    warmup: int = 0,
+    normalize: bool = False,
+    bf16: bool = False,
+    consume: bool = False,
+    progress: bool = False,
+    memory_bytes: int | None = None,
 ) -> tuple[Transcoder, FitStats]:
     """Fit a transcoder (``kind`` ``"cross_layer"`` or ``"per_layer"``, ``skip`` for a per-layer
     skip path) to the pairs ``x`` (``hook_resid_mid``) and ``y`` (``hook_mlp_out``), each
