@@ -21,6 +21,9 @@ ALLOWED = {
         "an intervention type called outside pyvene: a programming error",
     ("attribution/reading.py", "influence did not converge"):
         "a numerical failure of ours, not the user's input",
+    ("fitting.py", "the generation's forwards read"):
+        "an invariant of ours (generate's forwards cover every position once), not the user's "
+        "input",
     ("interventions/base.py", ""): "the abstract method of the base class",
     ("interventions/registry.py", "is not a pyvene Intervention"):
         "a plugin author registering a non-intervention: a programming error",

@@ -90,6 +90,8 @@ ALIASES = {("attribution/targets.py", "kind"): "target",
 OTHER_SETTINGS = {
     ("transcoders/fit.py", "batch_size"): "tokens per optimiser step of a transcoder fit, not "
                                           "attribution rows per backward",
+    ("fitting.py", "k"): "FitSettings.k, the TopK features a first transcoder keeps per token, "
+                         "not a graph's top features",
     ("attribution/edges.py", "scale"): "Closure.scale, what a closure residual is relative to, "
                                        "not noise",
     ("interventions/noise.py", "seeds"): "a bare noise_add's seed list ([0]), not a trace's "
@@ -442,6 +444,8 @@ DEFAULTS_ELSEWHERE = {
                                                                      "distribution")],
     ("transcoders/checks.py", "BOS"): NOT_A_METHOD_SETTING[("transcoders/checks.py", "bos")],
     ("transcoders/fit.py", "BOS"): NOT_A_METHOD_SETTING[("transcoders/fit.py", "bos")],
+    ("fitting.py", "BOS"): "the first transcoder's generated pairs leave out position 0 as "
+                           "collect_pairs' default does (transcoders/fit.py)",
 }
 
 
