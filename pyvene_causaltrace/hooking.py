@@ -1,12 +1,8 @@
-"""Hooks we put on a model for one block, and take off again whatever ends it.
+"""Hooks we put on a model, and take off again whatever ends their run.
 
-    with installed([(block, "forward", read), (norm, "forward_pre", edit)]) as handles:
-        model(**inputs)
-
-Each hook is ``(module, kind, fn)``, ``kind`` one of :data:`KINDS` (torch's registrations),
-registered in the order given and removed, only they, when the block ends. Every hook of the
-package goes through :func:`register` (torch's public methods; off only through its handle) and
-acts only on the forwards of the thread that installed it; :func:`thread_gate` and
+Every hook of the package goes through :func:`register` (torch's public methods; off only
+through its handle, :func:`release`), called by the one applier (:mod:`.applier`), and acts
+only on the forwards of the thread that installed it; :func:`thread_gate` and
 :func:`thread_view` do the same for a replaced ``forward`` and a switched setting. Per context,
 :func:`recording` removes at a measurement's end any hook registered in it that is still there,
 and :func:`silenced` turns the package's hooks on given modules off (:mod:`.tracing.replay`).
@@ -23,16 +19,6 @@ from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-
-#: kind -> (the module's registration method, with_kwargs)
-KINDS: dict[str, tuple[str, bool]] = {
-    "forward": ("register_forward_hook", False),
-    "forward_with_kwargs": ("register_forward_hook", True),
-    "forward_pre": ("register_forward_pre_hook", False),
-    "forward_pre_with_kwargs": ("register_forward_pre_hook", True),
-}
-
-Hook = tuple[nn.Module, str, Callable]
 
 _ident = threading.get_ident
 _NAMES = ("__name__", "__qualname__", "__doc__")
@@ -144,24 +130,6 @@ def thread_gate() -> Callable[[], bool]:
     owner = _ident()
     return lambda: _ident() == owner
 
-
-@contextlib.contextmanager
-def installed(hooks: Iterable[Hook]) -> Iterator[list[RemovableHandle]]:
-    """Register ``hooks`` for the block (module docstring); yields their handles, in order.
-    Each acts only on this thread's forwards (:func:`register`)."""
-    hooks = list(hooks)
-    for _, kind, _ in hooks:
-        if kind not in KINDS:
-            raise ValueError(f"unknown hook kind {kind!r}; kinds: {', '.join(KINDS)}")
-    handles: list[RemovableHandle] = []
-    try:
-        for module, kind, fn in hooks:
-            method, with_kwargs = KINDS[kind]
-            handles.append(register(getattr(module, method), fn, with_kwargs=with_kwargs))
-        yield handles
-    finally:
-        for handle in handles:
-            release(handle)
 
 
 # ------------------------------------------------------------ settings switched for one thread

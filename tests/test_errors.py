@@ -29,7 +29,6 @@ ALLOWED = {
         "a plugin author registering a non-intervention: a programming error",
     ("attribution/replacement.py", "() got transcoder= and clt="):
         "a call giving one argument twice: Python's own TypeError convention",
-    ("hooking.py", "unknown hook kind"): "an internal caller's mistake: a programming error",
     ("graph_schema.py", ":"):
         "the package's own graph.schema.json saying more than its fast check reads: a packaging "
         "error, raised at import",

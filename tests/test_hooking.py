@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _support.hooks import installed
 from torch import nn
-
-from pyvene_causaltrace.hooking import installed
 
 
 def _model() -> nn.Sequential:

@@ -8,12 +8,12 @@ import threading
 
 import pytest
 import torch
+from _support.hooks import installed
 from _support.models import PROMPT, SUBJECT, make_tiny_model, prompt_ids
 from clt_fixtures import random_clt_tensors, write_clt
 
 from pyvene_causaltrace import Tracer, attribute, run_spec, trace
 from pyvene_causaltrace.cli import main
-from pyvene_causaltrace.hooking import installed
 from pyvene_causaltrace.model_guard import measuring
 from pyvene_causaltrace.pyvene_boundary.intervenable import IntervenableModel
 from pyvene_causaltrace.transcoders import load_from_disk

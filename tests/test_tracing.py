@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from _support.data import SPEC_DIR
+from _support.hooks import installed
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 from reference import reference_kind_cell
 
-from pyvene_causaltrace.hooking import installed
 from pyvene_causaltrace.models import get_adapter, get_module
 from pyvene_causaltrace.prompts import SubjectNotFoundError
 from pyvene_causaltrace.specs import SpecError, load_spec
