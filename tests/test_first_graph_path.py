@@ -121,7 +121,13 @@ def test_a_second_fit_reuses_only_the_same_settings(fresh_home, capsys):
 
 def test_fitted_settings_are_refused_before_any_model_loads(fresh_home):
     for changes, match in (({"kind": "sae"}, "kind must be"), ({"features": 0}, "features"),
-                           ({"data": "nowhere.txt"}, "no file at")):
+                           ({"data": "nowhere.txt"}, "no file at"),
+                           # the TopK fields: a bool, float or string is never a count
+                           ({"k": True}, "k must be"), ({"k": 2.0}, "k must be"),
+                           ({"k": "16"}, "k must be"), ({"k": 0}, "k must be"),
+                           ({"activation": 1}, "activation must be"),
+                           ({"activation": "topk"}, "activation must be"),
+                           ({"kind": "clt"}, "--activation relu")):
         with pytest.raises(InputError, match=match):
             fitting.fit_transcoder(progress=False, **changes)
 

@@ -50,8 +50,8 @@ def plot_trace(result, path: str | None = None, value: str = "prob", ax=None):
 
 
 def plot_head_trace(result, path: str | None = None, value: str = "ie", ax=None):
-    """Heat map of a :class:`~.results.HeadTraceResult`: layers down, heads across, the seed
-    mean of ``value`` (``"ie"``, ``"recovery"`` or ``"prob"``). Saves to ``path`` if given;
+    """Heat map of a :class:`~.results.HeadTraceResult`: layers down, heads across, the mean
+    over seeds of ``value`` (``"ie"``, ``"recovery"`` or ``"prob"``). Saves to ``path`` if given;
     returns the figure."""
     grid = result.grid(value)  # [layer, head]
     fig, ax = _axes(ax, max(4.0, result.n_heads * 0.45 + 2), len(result.layers) * 0.32 + 1.4)

@@ -192,7 +192,7 @@ class TraceResult(_Effects):
 
     def peaks(self) -> dict[str, dict[str, Any]]:
         """Per-seed peak layer and recovery of each site, the span of those layers, and the peak of
-        the seed-mean curve. Sites (docs/tracing.md): :meth:`subject_sites`, ``subject_mean``
+        the mean curve over seeds. Sites (docs/tracing.md): :meth:`subject_sites`, ``subject_mean``
         (averaged over the subject's tokens) and ``last`` (its last layer left out for residual
         kinds, where it reproduces any donor); token sites give their ``position`` and ``token``."""
         start, stop = self.subject_range
