@@ -29,7 +29,7 @@ from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer
 from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
-from .common import EIFFEL, number_or_name, out_dir, settings_of
+from .common import fact_default, number_or_name, out_dir, settings_of
 
 #: The attribution settings a spec may hold that are also flags: given both ways, refused.
 SPEC_KEYS = ("target", "other", "k", "node_threshold", "edge_threshold", "validate")
@@ -113,9 +113,8 @@ def attribute_request(args) -> AttributeRequest:
             spec.answer
     elif args.prompts is not None:  # each line gives its prompt and answer
         prompt = answer = None
-    elif answer is None and prompt == EIFFEL["prompt"] and args.direction is None \
-            and args.max_n_logits is None and args.desired_logit_prob is None:
-        answer = EIFFEL["answer"]
+    elif args.direction is None and args.max_n_logits is None and args.desired_logit_prob is None:
+        answer = fact_default("answer", prompt, answer)
     if prompt is not None and not prompt:
         raise InputError("the prompt is empty")
     direction = {"file": str(args.direction)} if args.direction is not None \
@@ -162,9 +161,7 @@ def cross_check_request(args, request: AttributeRequest) -> CrossCheckRequest | 
     """The ``--cross-check`` settings, checked before anything loads (None without it)."""
     if not args.cross_check:
         return None
-    subject = args.subject
-    if subject is None and request.prompt == EIFFEL["prompt"]:
-        subject = EIFFEL["subject"]
+    subject = fact_default("subject", request.prompt, args.subject)
     if not subject:
         raise InputError("--cross-check needs --subject: the part of the prompt the trace "
                          "noises")
@@ -404,11 +401,9 @@ def clt_check_command(args) -> int:
     pairing = check_pairing(model, tokenizer, transcoder, texts, bos=args.bos)
     print(pairing.verdict())
     print("FVU per layer: " + " ".join(f"{v:.3f}" for v in pairing.fvu_per_layer))
-    answer = args.answer
-    if answer is None and args.prompt == EIFFEL["prompt"]:
-        answer = EIFFEL["answer"]
     anchor = replacement_anchor(model, tokenizer, transcoder, texts, prompt=args.prompt,
-                                answer=answer, bos=args.bos)
+                                answer=fact_default("answer", args.prompt, args.answer),
+                                bos=args.bos)
     print(anchor.summary())
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,11 @@ EIFFEL = {
 }
 
 
+def fact_default(key: str, prompt: str | None, given: str | None) -> str | None:
+    """``given``, or else the default fact's ``key`` when ``prompt`` is the default prompt."""
+    return EIFFEL[key] if given is None and prompt == EIFFEL["prompt"] else given
+
+
 def number_or_name(text: str):
     try:
         return float(text)

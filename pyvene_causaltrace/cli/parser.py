@@ -61,6 +61,13 @@ _BOS_HELP = ("how position 0 is treated: auto - as BOS (not spliced, no features
              f"token (default {BOS})")
 _FORMAT_HELP = ("the transcoder's layout: mntss, circuit_tracer, gemmascope, sae_lens or "
                 "sparsify (default: detected)")
+_BOS_MODES = ("auto", "always", "never")  # prompts.BOS_MODES, which imports torch
+# the help of a flag several commands share, written once
+_MODEL_HELP = "default: smollm2-135m (bundled)"
+_PROGRESS_HELP = "no progress bar (tqdm, on stderr)"
+_SIGMA_HELP = f"rome | embedding_matrix | a number (default {SIGMA})"
+_BUDGET_HELP = f"memory budget for one batch of rows (default {TRACE_MEMORY_MB:g})"
+_BOOT_HELP = f"bootstrap resamples (default {N_BOOT})"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -91,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a trace spec (intervention_specs/trace_*.json); with it only "
                             "--model/--out/--budget-mb/--controls/--no-progress apply (the "
                             "others are refused)")
-    trace.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    trace.add_argument("--model", default=None, help=_MODEL_HELP)
     trace.add_argument("--prompt", type=TEXT, default=EIFFEL["prompt"])
     trace.add_argument("--subject", type=TEXT, default=EIFFEL["subject"])
     trace.add_argument("--answer", type=TEXT, default=None,
@@ -106,16 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"noise in units of sigma (default {NOISE_SCALE:g}, ROME's), or "
                             "'auto' (sweep 1-10 sigma, take the smallest whose worst seed "
                             "leaves P(answer) below 5%% of clean)")
-    trace.add_argument("--sigma", default=SIGMA,
-                       help=f"rome | embedding_matrix | a number (default {SIGMA})")
+    trace.add_argument("--sigma", default=SIGMA, help=_SIGMA_HELP)
     trace.add_argument("--window", type=POSITIVE_INT, default=WINDOW,
                        help=f"layers per window of mlp and attn (default {WINDOW}, ROME's)")
-    trace.add_argument("--budget-mb", type=MEMORY_MB, default=TRACE_MEMORY_MB,
-                       help=f"memory budget for one batch of rows (default {TRACE_MEMORY_MB:g})")
+    trace.add_argument("--budget-mb", type=MEMORY_MB, default=TRACE_MEMORY_MB, help=_BUDGET_HELP)
     trace.add_argument("--controls", action="store_true",
                        help="also run the controls (corrupted-donor, window vs single layer)")
-    trace.add_argument("--no-progress", action="store_true",
-                       help="no progress bar (tqdm, on stderr)")
+    trace.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     trace.add_argument("--out", type=Path, default=None,
                        help="write trace_<kind>.json and trace_<kind>.png here")
 
@@ -145,8 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--prompt", type=TEXT, default=EIFFEL["prompt"])
     check.add_argument("--answer", type=TEXT, default=None)
     check.add_argument("--out", type=Path, default=None, help="write clt_check.json here")
-    check.add_argument("--bos", default=BOS, choices=("auto", "always", "never"),
-                       help=_BOS_HELP)
+    check.add_argument("--bos", default=BOS, choices=_BOS_MODES, help=_BOS_HELP)
 
     data = commands.add_parser(
         "dataset", help="average indirect effects over a fact dataset or a task (resumable)")
@@ -156,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "known_1000.json-style JSON / JSONL file of {prompt, subject, "
                              "attribute}")
     source.add_argument("--task", help="a built-in task: agreement | retrieval | arithmetic")
-    data.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    data.add_argument("--model", default=None, help=_MODEL_HELP)
     data.add_argument("--limit", type=POSITIVE_INT, default=None,
                       help="facts to trace (after the screen)")
     data.add_argument("--kinds", default=",".join(DATASET_KINDS),
@@ -165,20 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"noise seeds 0..N-1 per fact (default {DATASET_SEEDS})")
     data.add_argument("--scale", type=POSITIVE_FLOAT, default=NOISE_SCALE,
                       help=f"noise in units of sigma (default {NOISE_SCALE:g})")
-    data.add_argument("--sigma", default=SIGMA,
-                      help=f"rome | embedding_matrix | a number (default {SIGMA})")
+    data.add_argument("--sigma", default=SIGMA, help=_SIGMA_HELP)
     data.add_argument("--window", type=POSITIVE_INT, default=WINDOW,
                       help=f"layers per window of mlp and attn (default {WINDOW})")
     data.add_argument("--known", default=None, choices=("argmax", "none"),
                       help="argmax: trace only facts whose clean prediction is the target; "
                            f"none: every well-formed one (default {KNOWN}; a built-in task may "
                            "default to none)")
-    data.add_argument("--budget-mb", type=MEMORY_MB, default=TRACE_MEMORY_MB,
-                      help=f"memory budget for one batch of rows (default {TRACE_MEMORY_MB:g})")
-    data.add_argument("--boot", type=POSITIVE_INT, default=N_BOOT,
-                      help=f"bootstrap resamples (default {N_BOOT})")
-    data.add_argument("--no-progress", action="store_true",
-                      help="no progress bar (tqdm, on stderr)")
+    data.add_argument("--budget-mb", type=MEMORY_MB, default=TRACE_MEMORY_MB, help=_BUDGET_HELP)
+    data.add_argument("--boot", type=POSITIVE_INT, default=N_BOOT, help=_BOOT_HELP)
+    data.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     data.add_argument("--graphs", action="store_true",
                       help="also build each kept fact's attribution graph through the --clt "
                            "transcoder: graphs.jsonl, graphs.csv and a graph panel beside the "
@@ -191,8 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--graph-memory-mb", type=MEMORY_MB, default=None,
                       help=f"with --graphs: memory cap of one graph (default "
                            f"{GRAPH_MEMORY_MB:g})")
-    data.add_argument("--bos", default=None, choices=("auto", "always", "never"),
-                      help="with --graphs: " + _BOS_HELP)
+    data.add_argument("--bos", default=None, choices=_BOS_MODES, help="with --graphs: " + _BOS_HELP)
     data.add_argument("--save-graphs", action="store_true",
                       help="with --graphs: keep each graph as graphs/<index>.safetensors")
     data.add_argument("--out", type=Path, required=True,
@@ -200,8 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     agg = commands.add_parser("aggregate", help="aggregate a dataset run directory")
     agg.add_argument("out", type=Path)
-    agg.add_argument("--boot", type=POSITIVE_INT, default=N_BOOT,
-                     help=f"bootstrap resamples (default {N_BOOT})")
+    agg.add_argument("--boot", type=POSITIVE_INT, default=N_BOOT, help=_BOOT_HELP)
 
     graph = commands.add_parser(
         "attribute", parents=[plugins],
@@ -210,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an attribution spec (intervention_specs/attribution_graph.json); "
                             "the flags given override it, but --prompt and --answer (and a "
                             "setting it holds, e.g. --node-threshold) are refused")
-    graph.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    graph.add_argument("--model", default=None, help=_MODEL_HELP)
     graph.add_argument("--clt", default=None, help=_TRANSCODER_HELP)
     graph.add_argument("--format", default=None, help=_FORMAT_HELP)
     graph.add_argument("--labels", type=Path, default=None,
@@ -241,8 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "drop: constants, as circuit-tracer's graphs (only where position 0 "
                             "is BOS: with --bos always on a tokenizer that adds none) (default "
                             f"{GRAPH_BOS_ERRORS})")
-    graph.add_argument("--bos", default=None, choices=("auto", "always", "never"),
-                       help=_BOS_HELP)
+    graph.add_argument("--bos", default=None, choices=_BOS_MODES, help=_BOS_HELP)
     graph.add_argument("--memory-mb", type=MEMORY_MB, default=None,
                        help="cap on the forward graph, batched gradient rows and stored rows "
                             f"(default {GRAPH_MEMORY_MB:g})")
@@ -357,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a steering spec (intervention_specs/feature_steering.json: "
                             "clt_splice with error, feature_ablate with value); --model/--clt/"
                             "--max-new-tokens/--out apply to it")
-    steer.add_argument("--model", default=None, help="default: smollm2-135m (bundled)")
+    steer.add_argument("--model", default=None, help=_MODEL_HELP)
     steer.add_argument("--clt", default=None, help=_TRANSCODER_HELP)
     steer.add_argument("--format", default=None, help=_FORMAT_HELP)
     steer.add_argument("--prompt", type=TEXT, default=None, help=f"default: {EIFFEL['prompt']!r}")
@@ -380,8 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "holding it at the clean run's")
     steer.add_argument("--freeze-attention", action="store_true",
                        help="hold the prompt's attention patterns at the clean run's")
-    steer.add_argument("--bos", default=None, choices=("auto", "always", "never"),
-                       help=_BOS_HELP)
+    steer.add_argument("--bos", default=None, choices=_BOS_MODES, help=_BOS_HELP)
     steer.add_argument("--top-k", type=POSITIVE_INT, default=STEER_TOP_K,
                        help=f"top tokens per run (default {STEER_TOP_K})")
     steer.add_argument("--out", type=Path, default=None,

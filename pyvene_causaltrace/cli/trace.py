@@ -13,7 +13,7 @@ from ..specs import load_spec
 from ..tracing.engine import get_kind
 from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer, tracer_from_spec
-from .common import EIFFEL, number_or_name, out_dir
+from .common import fact_default, number_or_name, out_dir
 
 
 def trace_command(args) -> int:
@@ -26,11 +26,8 @@ def trace_command(args) -> int:
         get_kind(kind)
     settings = trace_settings(args)
     model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
-    answer = args.answer
-    if answer is None and args.prompt == EIFFEL["prompt"]:
-        answer = EIFFEL["answer"]
-    tracer = Tracer(model, tokenizer, args.prompt, args.subject, answer=answer,
-                    settings=settings)
+    tracer = Tracer(model, tokenizer, args.prompt, args.subject,
+                    answer=fact_default("answer", args.prompt, args.answer), settings=settings)
     return report_traces(tracer, kinds, settings.window, args.out, args.controls,
                          progress=not args.no_progress)
 
