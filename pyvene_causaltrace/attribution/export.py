@@ -20,14 +20,12 @@ from typing import Any
 from .. import __version__
 from ..atomic import write_text
 from ..errors import InputError
-from ..graph_schema import SCHEMA, validate
+from ..graph_schema import validate
 from .identity import check_labels, graph_identity, text_digest
 from .settings import ReadingSettings
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
 
-#: Neuronpedia's attribution-graph schema (``graph.schema.json``; see :mod:`..graph_schema`).
-NEURONPEDIA_SCHEMA: dict[str, Any] = SCHEMA
 #: The node kinds (``feature_type``) the export writes: circuit-tracer's four and ``steering``.
 KINDS = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit", "steering")
 
