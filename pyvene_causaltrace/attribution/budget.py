@@ -57,10 +57,11 @@ def active_counts(model: BoundModel, transcoder, input_ids: torch.Tensor,
                              for layer in range(transcoder.n_layers)])
 
 
-def forward_estimate(model: BoundModel, transcoder, input_ids: torch.Tensor,
-                     counts: torch.Tensor) -> tuple[int, int]:
-    """``(decoder_bytes, activation_bytes)`` the local replacement forward will keep: the
-    decoder and encoder rows of the active features, and the model's activations."""
+def check_forward_fits(model: BoundModel, transcoder, input_ids: torch.Tensor, memory_mb: float,
+                       counts: torch.Tensor) -> int:
+    """Raise :class:`MemoryCapError` unless the forward graph fits ``memory_mb``; returns its
+    estimated bytes: what the local replacement forward will keep, the decoder and encoder rows
+    of the active features, and the model's activations."""
     n_layers, d_model = transcoder.n_layers, transcoder.cfg.d_model
     item = torch.empty(0, dtype=transcoder.dtype).element_size()
     targets = torch.tensor([transcoder.cfg.n_targets(layer) + 1 for layer in range(n_layers)])
@@ -68,14 +69,6 @@ def forward_estimate(model: BoundModel, transcoder, input_ids: torch.Tensor,
     n_pos = int(input_ids.shape[-1])
     activations = ACTIVATION_UNITS * n_pos * n_layers * d_model * 4 \
         + 2 * n_pos * n_pos * model.n_heads * n_layers * 4
-    return decoder, activations
-
-
-def check_forward_fits(model: BoundModel, transcoder, input_ids: torch.Tensor, memory_mb: float,
-                       counts: torch.Tensor) -> int:
-    """Raise :class:`MemoryCapError` unless the forward graph fits ``memory_mb``; returns its
-    estimated bytes."""
-    decoder, activations = forward_estimate(model, transcoder, input_ids, counts)
     need = decoder + activations
     if need > memory_mb * 2**20:
         raise MemoryCapError(
