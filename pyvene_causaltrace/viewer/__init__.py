@@ -238,12 +238,6 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
     return Handler
 
 
-def _check_port(port: object) -> int:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise InputError(f"--port {port}: not a port (0 to 65535; 0 picks a free one)")
-    return port
-
-
 @checked
 def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1",
                 max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
@@ -253,7 +247,8 @@ def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1"
     save request over ``max_save_bytes`` is refused (413). Raises :class:`InputError` for a bad
     port or a directory without graphs, ``OSError`` (naming the port) when the port cannot be
     had."""
-    port = _check_port(port)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InputError(f"--port {port}: not a port (0 to 65535; 0 picks a free one)")
     for name, value in (("max_bytes", max_bytes), ("max_depth", max_depth),
                         ("max_save_bytes", max_save_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
