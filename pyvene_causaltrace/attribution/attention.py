@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tqdm.auto import tqdm
+
 from ..arguments import Fraction, MemoryMB, NonNegativeInt, PositiveInt, checked
 from ..bound import BoundModel
 from ..errors import InputError
@@ -130,12 +132,8 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
     for source, target in edges:
         by_target.setdefault(target, []).append(source)
     links: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
-    targets = by_target.items()
-    if progress:
-        from tqdm.auto import tqdm  # a progress bar only when asked for one
-
-        targets = tqdm(targets, total=len(by_target), desc="heads (targets)")
-    for target, sources in targets:
+    for target, sources in tqdm(by_target.items(), total=len(by_target), desc="heads (targets)",
+                                disable=not progress):
         _, _, parts, _ = node_loadings(replay, target, layers)
         for source in sources:
             column = parts[:, :, source]
