@@ -35,8 +35,6 @@ if TYPE_CHECKING:  # annotations only
 #: Head parts kept per link, QK terms and marginals kept per head.
 TOP_HEADS = 3
 TOP_TERMS = 10
-#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
-_READING = ReadingSettings()
 
 
 @dataclass
@@ -113,8 +111,8 @@ def crossing_edges(graph: AttributionGraph, pruned: PruneResult) -> list[tuple[i
 
 @measured
 def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
-                          *, node_threshold: Fraction = _READING.node_threshold,
-                          edge_threshold: Fraction = _READING.edge_threshold,
+                          *, node_threshold: Fraction = ReadingSettings.node_threshold,
+                          edge_threshold: Fraction = ReadingSettings.edge_threshold,
                           max_edges: NonNegativeInt = 200, top_heads: PositiveInt = TOP_HEADS,
                           max_qk: NonNegativeInt = 16, memory_mb: MemoryMB | None = None,
                           progress: bool = False,

@@ -13,9 +13,6 @@ import torch
 
 from .settings import ReadingSettings
 
-#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
-_READING = ReadingSettings()
-
 
 def _positions(graph, keep) -> dict[int, tuple[float, float]]:
     cells: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -34,8 +31,8 @@ def _positions(graph, keep) -> dict[int, tuple[float, float]]:
 
 
 def plot_graph(graph, path: str | Path | None = None,
-               node_threshold: float = _READING.node_threshold,
-               edge_threshold: float = _READING.edge_threshold, max_nodes: int = 60,
+               node_threshold: float = ReadingSettings.node_threshold,
+               edge_threshold: float = ReadingSettings.edge_threshold, max_nodes: int = 60,
                max_edges: int = 300, *, settings: ReadingSettings | None = None):
     """Figure of ``graph`` pruned at the thresholds (or ``settings``, a
     :class:`~.settings.ReadingSettings`; module docstring); saved to ``path`` when given.
