@@ -227,9 +227,7 @@ def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size
     if spread is not None:
         budget = int(spread.ranks.all_reduce(torch.tensor([budget]), "agreeing on the budget",
                                              op="min"))
-    layout = Layout(run.n_features, run.n_layers * run.n_pos, run.n_pos, len(top.weights),
-                    run.n_steering)
-    ranking = _Ranking(run, layout, top.weights, budget,
+    ranking = _Ranking(run, replace(run.layout, n_logits=len(top.weights)), top.weights, budget,
                        max(update_interval * size, -(-budget // RERANKS)))
     return _Plan(size, budget, ranking, {"freeze": freeze, "budget": budget, "batch": size,
                                          "loop": loop, "update_interval": update_interval})
