@@ -78,11 +78,13 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
             self._guarded(self._post)
 
         def _guarded(self, handle) -> None:
-            """``handle()``; an exception it lets out is answered 500 with a JSON reason (not
-            an empty reply) and logged with its traceback: a bug, not a user's mistake."""
+            """``handle()`` of a request for a loopback ``Host`` (:meth:`_host_ok`); an exception
+            it lets out is answered 500 with a JSON reason (not an empty reply) and logged with
+            its traceback: a bug, not a user's mistake."""
             self._answered = False
             try:
-                handle()
+                if self._host_ok():
+                    handle()
             except Exception as error:
                 log.error("viewer: %s %s failed", self.command, self.path, exc_info=True)
                 if self._answered:
@@ -95,8 +97,6 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                     self.close_connection = True
 
         def _get(self) -> None:
-            if not self._host_ok():
-                return
             url = urlparse(self.path)
             if url.path in ("/", "/index.html"):
                 self._send(PAGE.read_bytes(), "text/html; charset=utf-8")
@@ -116,8 +116,6 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 self._fail(404, f"nothing here ({url.path})")
 
         def _post(self) -> None:
-            if not self._host_ok():
-                return
             url = urlparse(self.path)
             if url.path != "/api/save":
                 self._fail(404, "nothing to POST to here (saves go to /api/save?name=PATH)")
