@@ -132,14 +132,6 @@ def row_feature_bounds(run) -> torch.Tensor:
     return below.cumsum(1)[layers, positions]
 
 
-def row_entry_bounds(run) -> torch.Tensor:
-    """``[n_features]``: at most how many nonzero entries each feature's row has — the active
-    features, errors and tokens in its causal cone (earlier layers, same or earlier
-    positions)."""
-    layers, positions = run.feature_layer.cpu(), run.feature_position.cpu()
-    return row_feature_bounds(run) + layers * (positions + 1) + positions + 1
-
-
 def _ranking_bytes(feature_cones: torch.Tensor, rows: int) -> float:
     """At most what a ranking's influence holds with ``rows`` feature rows: each row has at
     most ``min(its cone's features, rows)`` entries whose source has a row."""
@@ -154,8 +146,12 @@ def feature_budget(run, memory_mb: float, batch: int, requested: int | None,
     ``n_features`` counts its ranking too. :class:`MemoryCapError` when not one row (or not the
     requested rows) fits."""
     n = run.n_features
-    bounds = row_entry_bounds(run)[order.cpu()].double()
-    cones = row_feature_bounds(run)[order.cpu()]
+    cones = row_feature_bounds(run)
+    # at most how many nonzero entries each feature's row has: the active features, errors and
+    # tokens in its causal cone (earlier layers, same or earlier positions)
+    layers, positions = run.feature_layer.cpu(), run.feature_position.cpu()
+    bounds = (cones + layers * (positions + 1) + positions + 1)[order.cpu()].double()
+    cones = cones[order.cpu()]
     encoder = run.encoder_rows.numel() * run.encoder_rows.element_size()
     free = memory_mb * 2**20 - run.forward_bytes - encoder - batch * row_bytes(run)
     entries = bounds.cumsum(0)
