@@ -79,9 +79,8 @@ def plot_graph(graph, path: str | Path | None = None,
                        label=kind, zorder=2, edgecolors="none")
     ax.set_xticks(range(graph.n_pos))
     ax.set_xticklabels([repr(t) for t in graph.tokens], rotation=45, ha="right", fontsize=8)
-    ax.set_yticks([-1, *range(0, graph.n_layers, max(1, graph.n_layers // 8)), graph.n_layers])
-    ax.set_yticklabels(["emb", *[str(v) for v in range(0, graph.n_layers,
-                                                      max(1, graph.n_layers // 8))], "logit"])
+    layers = range(0, graph.n_layers, max(1, graph.n_layers // 8))
+    ax.set_yticks([-1, *layers, graph.n_layers], ["emb", *map(str, layers), "logit"])
     ax.set_ylabel("layer")
     more = f" (+{graph.n_logits - 1} more logits)" if graph.n_logits > 1 else ""
     ax.set_title(f"{graph.prompt!r} -> {graph.answer!r}{more}: pruned graph "
