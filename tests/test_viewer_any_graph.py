@@ -27,7 +27,7 @@ from clt_fixtures import random_clt_tensors, write_clt
 from test_viewer import _chromium
 
 from pyvene_causaltrace import attribute, graph_schema
-from pyvene_causaltrace.attribution.export import NEURONPEDIA_SCHEMA, check_graph_json
+from pyvene_causaltrace.attribution.export import check_graph_json
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.viewer import GraphIndex, annotations, listing, make_server
@@ -253,7 +253,6 @@ def test_circuit_tracers_own_saved_strings_are_listed():
 
 
 def test_the_schema_is_written_once_and_the_item_checks_agree_with_it():
-    assert NEURONPEDIA_SCHEMA is graph_schema.SCHEMA
     assert graph_schema.SCHEMA["$schema"] == "http://json-schema.org/draft-07/schema#"
     assert graph_schema.SCHEMA["title"] == "Anthropic Attribution Graph"
     graph_schema.validate(circuit_tracer_graph())

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tqdm.auto import tqdm
+
 from ..arguments import Fraction, MemoryMB, NonNegativeInt, PositiveInt, checked
 from ..bound import BoundModel
 from ..errors import InputError
@@ -33,8 +35,6 @@ if TYPE_CHECKING:  # annotations only
 #: Head parts kept per link, QK terms and marginals kept per head.
 TOP_HEADS = 3
 TOP_TERMS = 10
-#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
-_READING = ReadingSettings()
 
 
 @dataclass
@@ -111,8 +111,8 @@ def crossing_edges(graph: AttributionGraph, pruned: PruneResult) -> list[tuple[i
 
 @measured
 def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
-                          *, node_threshold: Fraction = _READING.node_threshold,
-                          edge_threshold: Fraction = _READING.edge_threshold,
+                          *, node_threshold: Fraction = ReadingSettings.node_threshold,
+                          edge_threshold: Fraction = ReadingSettings.edge_threshold,
                           max_edges: NonNegativeInt = 200, top_heads: PositiveInt = TOP_HEADS,
                           max_qk: NonNegativeInt = 16, memory_mb: MemoryMB | None = None,
                           progress: bool = False,
@@ -130,12 +130,8 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
     for source, target in edges:
         by_target.setdefault(target, []).append(source)
     links: dict[tuple[int, int], list[tuple[int, int, float]]] = {}
-    targets = by_target.items()
-    if progress:
-        from tqdm.auto import tqdm  # a progress bar only when asked for one
-
-        targets = tqdm(targets, total=len(by_target), desc="heads (targets)")
-    for target, sources in targets:
+    for target, sources in tqdm(by_target.items(), total=len(by_target), desc="heads (targets)",
+                                disable=not progress):
         _, _, parts, _ = node_loadings(replay, target, layers)
         for source in sources:
             column = parts[:, :, source]

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from ..arguments import MemoryMB, PositiveInt, Probability, Text
 from ..errors import InputError
@@ -226,9 +227,7 @@ def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size
     if spread is not None:
         budget = int(spread.ranks.all_reduce(torch.tensor([budget]), "agreeing on the budget",
                                              op="min"))
-    layout = Layout(run.n_features, run.n_layers * run.n_pos, run.n_pos, len(top.weights),
-                    run.n_steering)
-    ranking = _Ranking(run, layout, top.weights, budget,
+    ranking = _Ranking(run, replace(run.layout, n_logits=len(top.weights)), top.weights, budget,
                        max(update_interval * size, -(-budget // RERANKS)))
     return _Plan(size, budget, ranking, {"freeze": freeze, "budget": budget, "batch": size,
                                          "loop": loop, "update_interval": update_interval})
@@ -282,12 +281,8 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
         done = torch.zeros(n, dtype=torch.bool)
         done[store.nodes[store.nodes < n]] = True
 
-        bar = None
-        if progress and writer:
-            from tqdm.auto import tqdm  # a progress bar only when asked for one
-
-            bar = tqdm(total=plan.budget, initial=int(done.sum()), desc="feature rows",
-                       unit="row")
+        bar = tqdm(total=plan.budget, initial=int(done.sum()), desc="feature rows", unit="row",
+                   disable=not (progress and writer))
         compute = feature_rows_loop if loop else feature_rows
         on = run.feature_layer.device
         in_flight = pending[:0]  # rows being computed: back in the queue if Ctrl-C comes
@@ -315,13 +310,11 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
                 in_flight = pending[:0]
                 done[chunk] = True
                 store_file.maybe_save(store, pending)
-                if bar is not None:
-                    bar.update(len(chunk))
+                bar.update(len(chunk))
         except KeyboardInterrupt:  # keep every finished row; the unfinished ones come first next
             store_file.maybe_save(store, torch.cat([in_flight, pending]), force=True)
             raise
-        if bar is not None:
-            bar.close()
+        bar.close()
         store_file.maybe_save(store, pending, force=True)
     if checkpoint is not None and not keep_checkpoint and writer:
         remove_checkpoint(checkpoint)

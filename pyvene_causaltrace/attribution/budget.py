@@ -57,10 +57,11 @@ def active_counts(model: BoundModel, transcoder, input_ids: torch.Tensor,
                              for layer in range(transcoder.n_layers)])
 
 
-def forward_estimate(model: BoundModel, transcoder, input_ids: torch.Tensor,
-                     counts: torch.Tensor) -> tuple[int, int]:
-    """``(decoder_bytes, activation_bytes)`` the local replacement forward will keep: the
-    decoder and encoder rows of the active features, and the model's activations."""
+def check_forward_fits(model: BoundModel, transcoder, input_ids: torch.Tensor, memory_mb: float,
+                       counts: torch.Tensor) -> int:
+    """Raise :class:`MemoryCapError` unless the forward graph fits ``memory_mb``; returns its
+    estimated bytes: what the local replacement forward will keep, the decoder and encoder rows
+    of the active features, and the model's activations."""
     n_layers, d_model = transcoder.n_layers, transcoder.cfg.d_model
     item = torch.empty(0, dtype=transcoder.dtype).element_size()
     targets = torch.tensor([transcoder.cfg.n_targets(layer) + 1 for layer in range(n_layers)])
@@ -68,14 +69,6 @@ def forward_estimate(model: BoundModel, transcoder, input_ids: torch.Tensor,
     n_pos = int(input_ids.shape[-1])
     activations = ACTIVATION_UNITS * n_pos * n_layers * d_model * 4 \
         + 2 * n_pos * n_pos * model.n_heads * n_layers * 4
-    return decoder, activations
-
-
-def check_forward_fits(model: BoundModel, transcoder, input_ids: torch.Tensor, memory_mb: float,
-                       counts: torch.Tensor) -> int:
-    """Raise :class:`MemoryCapError` unless the forward graph fits ``memory_mb``; returns its
-    estimated bytes."""
-    decoder, activations = forward_estimate(model, transcoder, input_ids, counts)
     need = decoder + activations
     if need > memory_mb * 2**20:
         raise MemoryCapError(
@@ -139,14 +132,6 @@ def row_feature_bounds(run) -> torch.Tensor:
     return below.cumsum(1)[layers, positions]
 
 
-def row_entry_bounds(run) -> torch.Tensor:
-    """``[n_features]``: at most how many nonzero entries each feature's row has — the active
-    features, errors and tokens in its causal cone (earlier layers, same or earlier
-    positions)."""
-    layers, positions = run.feature_layer.cpu(), run.feature_position.cpu()
-    return row_feature_bounds(run) + layers * (positions + 1) + positions + 1
-
-
 def _ranking_bytes(feature_cones: torch.Tensor, rows: int) -> float:
     """At most what a ranking's influence holds with ``rows`` feature rows: each row has at
     most ``min(its cone's features, rows)`` entries whose source has a row."""
@@ -161,8 +146,12 @@ def feature_budget(run, memory_mb: float, batch: int, requested: int | None,
     ``n_features`` counts its ranking too. :class:`MemoryCapError` when not one row (or not the
     requested rows) fits."""
     n = run.n_features
-    bounds = row_entry_bounds(run)[order.cpu()].double()
-    cones = row_feature_bounds(run)[order.cpu()]
+    cones = row_feature_bounds(run)
+    # at most how many nonzero entries each feature's row has: the active features, errors and
+    # tokens in its causal cone (earlier layers, same or earlier positions)
+    layers, positions = run.feature_layer.cpu(), run.feature_position.cpu()
+    bounds = (cones + layers * (positions + 1) + positions + 1)[order.cpu()].double()
+    cones = cones[order.cpu()]
     encoder = run.encoder_rows.numel() * run.encoder_rows.element_size()
     free = memory_mb * 2**20 - run.forward_bytes - encoder - batch * row_bytes(run)
     entries = bounds.cumsum(0)

@@ -20,14 +20,12 @@ from typing import Any
 from .. import __version__
 from ..atomic import write_text
 from ..errors import InputError
-from ..graph_schema import SCHEMA, validate
+from ..graph_schema import validate
 from .identity import check_labels, graph_identity, text_digest
 from .settings import ReadingSettings
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
 
-#: Neuronpedia's attribution-graph schema (``graph.schema.json``; see :mod:`..graph_schema`).
-NEURONPEDIA_SCHEMA: dict[str, Any] = SCHEMA
 #: The node kinds (``feature_type``) the export writes: circuit-tracer's four and ``steering``.
 KINDS = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit", "steering")
 
@@ -93,14 +91,10 @@ def node_id(graph, i: int) -> str:
     return f"{graph.n_layers + 1}_{feature}_{pos}"
 
 
-#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
-_READING = ReadingSettings()
-
-
 def graph_json(graph, slug: str | None = None,
-               node_threshold: float = _READING.node_threshold,
-               edge_threshold: float = _READING.edge_threshold,
-               max_links: int | None = _READING.max_links,
+               node_threshold: float = ReadingSettings.node_threshold,
+               edge_threshold: float = ReadingSettings.edge_threshold,
+               max_links: int | None = ReadingSettings.max_links,
                labels: Mapping[tuple[int, int], str] | None = None,
                attention=None, *, settings: ReadingSettings | None = None) -> dict[str, Any]:
     """The viewer's JSON for ``graph`` pruned at the two thresholds (or ``settings``), at most

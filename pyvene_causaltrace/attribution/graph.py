@@ -28,9 +28,6 @@ from .reading import Layout, PruneResult, graph_scores, influence, logit_weights
 from .settings import ReadingSettings
 from .store import RowStore
 
-#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
-_READING = ReadingSettings()
-
 
 @dataclass
 class AttributionGraph:
@@ -318,8 +315,8 @@ class AttributionGraph:
         return parts
 
     @checked
-    def prune(self, node_threshold: Fraction = _READING.node_threshold,
-              edge_threshold: Fraction = _READING.edge_threshold, *,
+    def prune(self, node_threshold: Fraction = ReadingSettings.node_threshold,
+              edge_threshold: Fraction = ReadingSettings.edge_threshold, *,
               settings: ReadingSettings | None = None) -> PruneResult:
         """circuit-tracer's pruning (:func:`~.reading.prune`), memoised per thresholds (each
         a cumulative-influence fraction in [0, 1]; or ``settings``, a

@@ -68,8 +68,7 @@ class HeadLoadings:
     def of(self, source: int, layer: int | None = None) -> pd.DataFrame:
         """Source ``source``'s edge by (layer, head), with a ``bypass`` row per layer:
         ``part`` and ``share`` (of the edge)."""
-        if not 0 <= source < len(self.edges):
-            raise InputError(f"source {source} is not a source node (0..{len(self.edges) - 1})")
+        check_index("source", source, len(self.edges), "source nodes")
         edge = float(self.edges[source])
         layers = self.layers if layer is None else [layer]
         rows = []
@@ -166,9 +165,7 @@ def node_loadings(replay: Replay, node: int, layers: Sequence[int]
     n_heads, n_sources]`` and constant parts ``[len(layers), n_heads]`` of each head (module
     docstring); the row checked against the graph's."""
     run, graph = replay.run, replay.graph
-    if not 0 <= node < graph.layout.n_nodes:
-        raise InputError(f"target {node} is not a node of the graph "
-                         f"(0..{graph.layout.n_nodes - 1})")
+    node = check_index("target", node, graph.layout.n_nodes, "nodes of the graph")
     output, seed = row_output(run, graph, node)
     rows, constants = edges_from_grads(run, leaf_grads(run, output, seed[None]), batch=1)
     edges, constant = rows[0].detach().cpu(), float(constants[0])

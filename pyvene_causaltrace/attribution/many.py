@@ -17,6 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tqdm.auto import tqdm
+
 from ..atomic import write_text
 from ..bound import BoundModel
 from ..distributed import alone, current
@@ -113,19 +115,14 @@ def attribute_many(model: BoundModel, tokenizer: PreTrainedTokenizerBase,
     check_done(out, wanted)  # every rank, before any graph: all refuse or none
     out.mkdir(parents=True, exist_ok=True)
     mine = [i for i in range(len(prompts)) if i % world == rank]
-    bar = None
-    if progress and rank == 0:
-        from tqdm.auto import tqdm  # a progress bar only when asked for one
-
-        bar = tqdm(total=len(mine), desc=f"prompts (rank {rank} of {world})", unit="graph")
+    bar = tqdm(total=len(mine), desc=f"prompts (rank {rank} of {world})", unit="graph",
+               disable=not (progress and rank == 0))
     with alone():
         for i in mine:
             _one(model, tokenizer, transcoder, prompts[i], out / f"{i:05d}", settings,
                  wanted[i])
-            if bar is not None:
-                bar.update(1)
-    if bar is not None:
-        bar.close()
+            bar.update(1)
+    bar.close()
     if ranks is not None:
         ranks.barrier("waiting for every rank's prompts")
         if not ranks.first:

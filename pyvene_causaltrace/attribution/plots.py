@@ -13,9 +13,6 @@ import torch
 
 from .settings import ReadingSettings
 
-#: The reading keywords' defaults: :class:`~.settings.ReadingSettings`' fields.
-_READING = ReadingSettings()
-
 
 def _positions(graph, keep) -> dict[int, tuple[float, float]]:
     cells: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -34,8 +31,8 @@ def _positions(graph, keep) -> dict[int, tuple[float, float]]:
 
 
 def plot_graph(graph, path: str | Path | None = None,
-               node_threshold: float = _READING.node_threshold,
-               edge_threshold: float = _READING.edge_threshold, max_nodes: int = 60,
+               node_threshold: float = ReadingSettings.node_threshold,
+               edge_threshold: float = ReadingSettings.edge_threshold, max_nodes: int = 60,
                max_edges: int = 300, *, settings: ReadingSettings | None = None):
     """Figure of ``graph`` pruned at the thresholds (or ``settings``, a
     :class:`~.settings.ReadingSettings`; module docstring); saved to ``path`` when given.
@@ -82,9 +79,8 @@ def plot_graph(graph, path: str | Path | None = None,
                        label=kind, zorder=2, edgecolors="none")
     ax.set_xticks(range(graph.n_pos))
     ax.set_xticklabels([repr(t) for t in graph.tokens], rotation=45, ha="right", fontsize=8)
-    ax.set_yticks([-1, *range(0, graph.n_layers, max(1, graph.n_layers // 8)), graph.n_layers])
-    ax.set_yticklabels(["emb", *[str(v) for v in range(0, graph.n_layers,
-                                                      max(1, graph.n_layers // 8))], "logit"])
+    layers = range(0, graph.n_layers, max(1, graph.n_layers // 8))
+    ax.set_yticks([-1, *layers, graph.n_layers], ["emb", *map(str, layers), "logit"])
     ax.set_ylabel("layer")
     more = f" (+{graph.n_logits - 1} more logits)" if graph.n_logits > 1 else ""
     ax.set_title(f"{graph.prompt!r} -> {graph.answer!r}{more}: pruned graph "

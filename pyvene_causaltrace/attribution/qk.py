@@ -182,8 +182,7 @@ def score_terms(replay: Replay, layer: int, head: int, query_pos: int,
     """:func:`qk_attribution` on a replay that kept the queries and keys."""
     bound, graph = replay.bound, replay.graph
     check_qk_supported(bound)
-    if not 0 <= head < bound.n_heads:
-        raise InputError(f"head {head} is not a head of the model (0..{bound.n_heads - 1})")
+    head = check_index("head", head, bound.n_heads, "heads of the model")
     query_pos, key_pos = _positions(graph, query_pos, key_pos)
     query, key, kwargs = replay.qk[layer]
     kv_head = head // (query.shape[1] // key.shape[1])  # grouped-query: the shared key head

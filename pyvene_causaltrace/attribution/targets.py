@@ -11,7 +11,7 @@ circuit-tracer's salient logits (:func:`salient_logits`), each weighted by its p
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -153,8 +153,7 @@ def salient_logits(logits: torch.Tensor, probabilities: torch.Tensor, *, max_n_l
     cutoff = int(torch.searchsorted(top_p.cumsum(0), torch.tensor(desired_logit_prob))) + 1
     out = []
     for p, token in zip(top_p[:cutoff].tolist(), top_idx[:cutoff].tolist(), strict=True):
-        goal = demeaned_logit(logits, token, k)
-        out.append(Target(goal.name, goal.token, goal.coefficients, prob=p, weight=p))
+        out.append(replace(demeaned_logit(logits, token, k), prob=p, weight=p))
     return out
 
 
@@ -197,13 +196,10 @@ def make_targets(logits: torch.Tensor, probabilities: torch.Tensor,
             target = direction_target(target.coefficients, output=target.output,
                                       position=target.position, name=target.name,
                                       weight=target.weight)
-        token = target.token if target.is_logit else vocab
-        return [Target(target.name, token, target.coefficients, target.output, target.position,
-                       target.prob, target.weight)]
+        return [replace(target, token=target.token if target.is_logit else vocab)]
     if answer is not None or target == "difference":
         goal = make_target(logits, tokenizer, answer, kind=target, other=other, k=k)
-        return [Target(goal.name, goal.token, goal.coefficients,
-                       prob=float(probabilities[goal.token]))]
+        return [replace(goal, prob=float(probabilities[goal.token]))]
     if target not in ("demeaned", "demeaned_vocab"):
         raise InputError(f"target kind must be demeaned, demeaned_vocab or difference, got "
                          f"{target!r}")

@@ -14,9 +14,9 @@ from torch import nn
 
 from ..arguments import MemoryMB, NonNegativeInt, PositiveInt, Text
 from ..bound import BoundModel, bind
-from ..dataset.plan import machine_memory
 from ..errors import InputError, MemoryCapError, NonFiniteError
 from ..finite import check_finite, positive_number
+from ..fitting import available_bytes
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..interventions.frozen import FrozenAttention, attention_patterns
 from ..model_guard import measured
@@ -230,10 +230,8 @@ def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: i
     device = model.device
     if memory_mb is not None:
         budget = positive_number(memory_mb, "memory_mb")
-    elif device.type == "cuda":
-        budget = torch.cuda.get_device_properties(device).total_memory / 2**20
-    else:  # what this process may use of the machine's memory
-        budget = machine_memory() / 2**20
+    else:  # a GPU's memory, else what this process may use of the machine's
+        budget = available_bytes(device) / 2**20
     if generation_mb(model, transcoder, n_prompt + max_new_tokens) <= budget:
         return
     low, high = 0, max_new_tokens  # the most new tokens that fit: low fits, high does not
@@ -250,35 +248,28 @@ def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: i
         f"memory); at most {low} new tokens fit")
 
 
-def _greedy(step, ids: torch.Tensor, max_new_tokens: int, eos: int | None,
-            bar: Any = None) -> tuple[torch.Tensor, list[int]]:
+def _greedy(step, ids: torch.Tensor, max_new_tokens: int, eos: int | None, show: bool,
+            desc: str) -> tuple[torch.Tensor, list[int]]:
     """The last-position logits of ``step(ids)`` and up to ``max_new_tokens`` greedy tokens,
-    each step on the whole sequence so far (no key-value cache); stops after ``eos``. ``bar``
-    (a tqdm bar, or None) counts the tokens."""
+    each step on the whole sequence so far (no key-value cache); stops after ``eos``. With
+    ``show``, a tqdm bar ``desc`` on stderr counts the tokens."""
+    from tqdm.auto import tqdm  # loaded when a generation runs
+
     first, generated = None, []
-    for _ in range(max(1, max_new_tokens)):
-        logits = step(ids)[0, -1]
-        if first is None:
-            first = logits
-        if len(generated) == max_new_tokens:
-            break
-        token = int(logits.argmax())
-        generated.append(token)
-        if bar is not None:
+    with tqdm(total=max_new_tokens, desc=desc, unit="token", leave=False, disable=not show) as bar:
+        for _ in range(max(1, max_new_tokens)):
+            logits = step(ids)[0, -1]
+            if first is None:
+                first = logits
+            if len(generated) == max_new_tokens:
+                break
+            token = int(logits.argmax())
+            generated.append(token)
             bar.update(1)
-        ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
-        if token == eos:
-            break
+            ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
+            if token == eos:
+                break
     return first, generated
-
-
-def _bar(show: bool, total: int, desc: str) -> Any:
-    """A tqdm bar of ``total`` tokens on stderr, or None."""
-    if not show:
-        return None
-    from tqdm.auto import tqdm  # a progress bar only on a long generation
-
-    return tqdm(total=total, desc=desc, unit="token", leave=False)
 
 
 def _top(logits: torch.Tensor, tokenizer, run: str, k: int) -> list[dict[str, Any]]:
@@ -352,8 +343,8 @@ def intervene_features(
     show = steps >= LONG_GENERATION if progress is None else progress and steps > 0
 
     with torch.no_grad():
-        bar = _bar(show, steps, "clean generation")
-        clean, clean_new = _greedy(lambda x: model(input_ids=x).logits, ids, steps, eos, bar)
+        clean, clean_new = _greedy(lambda x: model(input_ids=x).logits, ids, steps, eos, show,
+                                   "clean generation")
         errors = clean_errors(bound, transcoder, ids, start) if hold_errors else None
         reps = clt_splice_representations(
             bound, transcoder, from_position=start, ablations=_ablations(items), errors=errors,
@@ -362,13 +353,9 @@ def intervene_features(
             reps += [{"component": bound.site("attn_output", layer),
                       "intervention": FrozenAttention(pattern=pattern, pattern_from="clean")}
                      for layer, pattern in enumerate(attention_patterns(bound, ids))]
-        if bar is not None:
-            bar.close()
-        bar = _bar(show, steps, "steered generation")
         with intervened(bound, reps) as spliced:
-            steered, new = _greedy(lambda x: spliced(input_ids=x).logits, ids, steps, eos, bar)
-        if bar is not None:
-            bar.close()
+            steered, new = _greedy(lambda x: spliced(input_ids=x).logits, ids, steps, eos, show,
+                                   "steered generation")
     check_finite(steered, "the intervened run's logits", "a value this large overflows")
     source = transcoder.source
     spec = None if source is None else feature_spec(

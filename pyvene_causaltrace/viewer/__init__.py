@@ -78,11 +78,13 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
             self._guarded(self._post)
 
         def _guarded(self, handle) -> None:
-            """``handle()``; an exception it lets out is answered 500 with a JSON reason (not
-            an empty reply) and logged with its traceback: a bug, not a user's mistake."""
+            """``handle()`` of a request for a loopback ``Host`` (:meth:`_host_ok`); an exception
+            it lets out is answered 500 with a JSON reason (not an empty reply) and logged with
+            its traceback: a bug, not a user's mistake."""
             self._answered = False
             try:
-                handle()
+                if self._host_ok():
+                    handle()
             except Exception as error:
                 log.error("viewer: %s %s failed", self.command, self.path, exc_info=True)
                 if self._answered:
@@ -95,8 +97,6 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                     self.close_connection = True
 
         def _get(self) -> None:
-            if not self._host_ok():
-                return
             url = urlparse(self.path)
             if url.path in ("/", "/index.html"):
                 self._send(PAGE.read_bytes(), "text/html; charset=utf-8")
@@ -116,8 +116,6 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
                 self._fail(404, f"nothing here ({url.path})")
 
         def _post(self) -> None:
-            if not self._host_ok():
-                return
             url = urlparse(self.path)
             if url.path != "/api/save":
                 self._fail(404, "nothing to POST to here (saves go to /api/save?name=PATH)")
@@ -238,12 +236,6 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
     return Handler
 
 
-def _check_port(port: object) -> int:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise InputError(f"--port {port}: not a port (0 to 65535; 0 picks a free one)")
-    return port
-
-
 @checked
 def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1",
                 max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
@@ -253,7 +245,8 @@ def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1"
     save request over ``max_save_bytes`` is refused (413). Raises :class:`InputError` for a bad
     port or a directory without graphs, ``OSError`` (naming the port) when the port cannot be
     had."""
-    port = _check_port(port)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InputError(f"--port {port}: not a port (0 to 65535; 0 picks a free one)")
     for name, value in (("max_bytes", max_bytes), ("max_depth", max_depth),
                         ("max_save_bytes", max_save_bytes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
