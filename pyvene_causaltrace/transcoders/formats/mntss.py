@@ -23,9 +23,9 @@ from .common import (
     check_dtype,
     check_weight,
     hub_snapshot,
-    mmap_tensor,
     named_layers,
     open_safetensors,
+    read_decoders,
     read_features,
     read_yaml_mapping,
     reading,
@@ -147,26 +147,15 @@ def load_from_disk(
         threshold = None if cfg.activation == "relu" else torch.stack(each("threshold"))
         b_dec = torch.stack(each("b_dec", None))
         W_enc = None if lazy_encoder else torch.stack([w.to(dtype) for w in each("W_enc")])
-        if lazy_decoder or features is None:
-            maps = [mmap_tensor(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}")
-                    for layer in range(L)]
-            lo, hi = features or (0, cfg.d_transcoder)
-            W_dec = [tensor[lo:hi] for tensor, _ in maps]  # views: nothing read
-        else:  # resident slices, read through safetensors
-            maps = []
-            W_dec = [_read(open_safetensors(root / f"W_dec_{layer}.safetensors"),
-                           f"W_dec_{layer}", features, root / f"W_dec_{layer}.safetensors"
-                           ).to(device, dtype, copy=True) for layer in range(L)]
-    if not lazy_decoder and features is None:  # the maps read whole here: checked here
-        W_dec = [check_weight(w, *handle.origin).to(device, dtype).clone()
-                 for w, (_, handle) in zip(W_dec, maps, strict=True)]
-
+        W_dec, maps = read_decoders(
+            [(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}") for layer in range(L)],
+            features, lazy_decoder=lazy_decoder, device=device, dtype=dtype)
     clt = Transcoder(
         cfg, b_enc=b_enc, threshold=threshold, b_dec=b_dec, W_enc=W_enc, W_dec=W_dec,
         encoder_loader=EncoderFiles(root, features), dtype=dtype, device=device,
         source=str(root), features=features)
     if lazy_decoder:  # one map per layer; rows are checked as they are read
-        clt._handles = [handle for _, handle in maps]
+        clt._handles = maps
     return clt
 
 
