@@ -194,12 +194,6 @@ def _slice_plan(files: list[Path], shard) -> tuple[tuple[int, int], int] | None:
     return shard_features(widths[0][0], shard), widths[0][0]
 
 
-def _read_layer(path: Path, lazy_decoder: bool) -> tuple[LayerTensors, int | None]:
-    if path.suffix == ".npz":
-        return read_npz(path), None
-    return read_layer_file(path, lazy_decoder=lazy_decoder)
-
-
 def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | None) -> list[Path]:
     entries = meta.get("transcoders")
     if entries is None:  # circuit-tracer's default: layer_{l}.safetensors beside the config
@@ -286,8 +280,8 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     slicer = LayerSlicer(shard if plan is None else None)  # files read whole: cut one by one
     layers, ks = [], set()
     for path in files:
-        layer, k = _read_layer(path, lazy_decoder) if plan is None else \
-            read_layer_file(path, lazy_decoder=lazy_decoder, features=plan[0])
+        layer, k = (read_npz(path), None) if path.suffix == ".npz" else read_layer_file(
+            path, lazy_decoder=lazy_decoder, features=None if plan is None else plan[0])
         layers.append(slicer(layer))
         ks.add(k)
     has_threshold = layers[0].threshold is not None

@@ -27,6 +27,7 @@ from .common import (
     open_safetensors,
     read_decoders,
     read_features,
+    read_tensors,
     read_yaml_mapping,
     reading,
     refuse_shard,
@@ -103,19 +104,13 @@ class EncoderFiles:
         self.root, self.features = root, features
 
     def __call__(self, layer: int) -> torch.Tensor:
-        path = self.root / f"W_enc_{layer}.safetensors"
-        with open_safetensors(path) as handle:
-            weight = _read(handle, f"W_enc_{layer}", self.features, path)
+        path, name = self.root / f"W_enc_{layer}.safetensors", f"W_enc_{layer}"
+        with open_safetensors(path) as handle:  # checked as read (dtype, NaN/inf)
+            weight = check_weight(read_features(handle, name, self.features), path, name)
             return weight if self.features is None else weight.clone()
 
     def sliced(self, lo: int, hi: int) -> EncoderFiles:
         return EncoderFiles(self.root, (lo, hi))
-
-
-def _read(handle, name: str, features: tuple[int, int] | None, path: Path) -> torch.Tensor:
-    """Tensor ``name`` of ``path`` (its rows ``[lo, hi)`` with ``features``: a view, to copy
-    before keeping), checked as it is read (dtype, NaN/inf)."""
-    return check_weight(read_features(handle, name, features), path, name)
 
 
 @checked
@@ -136,11 +131,11 @@ def load_from_disk(
     cfg = read_config(root)
     features = shard_features(cfg.d_transcoder, shard)
     L = cfg.n_layers
-    enc = [root / f"W_enc_{layer}.safetensors" for layer in range(L)]
-    enc_handles = [open_safetensors(path) for path in enc]
 
     def each(name: str, part=features) -> list[torch.Tensor]:
-        return [_read(h, f"{name}_{i}", part, enc[i]) for i, h in enumerate(enc_handles)]
+        """Tensor ``{name}_{l}`` of each layer's encoder file (its rows ``part``), checked."""
+        return [read_tensors(root / f"W_enc_{layer}.safetensors", [f"{name}_{layer}"], part,
+                             {f"{name}_{layer}": 0})[f"{name}_{layer}"] for layer in range(L)]
 
     with reading(root):
         b_enc = torch.stack(each("b_enc"))
