@@ -144,8 +144,10 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True,
             shape = tuple(shapes[ours])
             transposed = ours in ("W_enc", "W_dec") and shape == (d_model, d_transcoder) \
                 and d_model != d_transcoder
-            if ours in ("b_dec", "W_skip", "k"):
-                tensors[ours] = _checked(handle.get_tensor(theirs), path, theirs)
+            if ours in SETTING_TENSORS:  # k: a setting, not a weight
+                tensors[ours] = handle.get_tensor(theirs)
+            elif ours in ("b_dec", "W_skip"):
+                tensors[ours] = check_weight(handle.get_tensor(theirs), path, theirs)
             elif transposed:  # [D, F]: columns; rows of a transposed map are not rows
                 tensors[ours] = check_weight(
                     read_features(handle, theirs, features, 1).T.contiguous(), path, theirs)
@@ -161,11 +163,6 @@ def read_layer_file(path: Path, *, lazy_decoder: bool = True,
                          threshold=tensors.get("threshold"), W_skip=tensors.get("W_skip"),
                          handles=handles)
     return layer, None if k is None else int(k.reshape(-1)[0])
-
-
-def _checked(tensor, path: Path, name: str):
-    """A weight as read, checked (dtype, NaN/inf); a setting (``k``) as it is."""
-    return tensor if name in SETTING_TENSORS else check_weight(tensor, path, name)
 
 
 def _widths(path: Path) -> tuple[int, int] | None:
