@@ -27,14 +27,7 @@ from transcoder_fixtures import (
 
 from pyvene_causaltrace.errors import InputError, TranscoderFormatError
 from pyvene_causaltrace.transcoders import Transcoder, feature_range, load_transcoder
-from pyvene_causaltrace.transcoders.formats import (
-    bytedance,
-    circuit_tracer,
-    common,
-    gemmascope2,
-    mntss,
-    sparsify,
-)
+from pyvene_causaltrace.transcoders.formats import circuit_tracer, common, sparsify
 
 L, D, F = 3, 32, 47  # 47 features: uneven over 2 and 3 ranks
 WORLDS = (1, 2, 3)
@@ -271,7 +264,7 @@ def test_a_sharded_load_never_reads_a_whole_encoder_or_decoder(source, guarded, 
     if not lazy_decoder:  # resident slices come through get_slice, never a map of the decoder
         def no_map(*args, **kwargs):
             raise AssertionError("the decoder was mapped for a resident sharded load")
-        monkeypatch.setattr(mntss, "mmap_tensor", no_map)
+        monkeypatch.setattr(common, "mmap_tensor", no_map)  # mntss's decoders (read_decoders)
         monkeypatch.setattr(circuit_tracer, "mmap_tensor", no_map)
     part = load_transcoder(source.path, shard=(1, 3), lazy_decoder=lazy_decoder)
     n_local = part.n_local
@@ -502,7 +495,7 @@ DECODERS = {"sparsify": r"W_dec", "bytedance": r"W_dec_\d+", "gemmascope2": r"w_
 class Sliced(NamedTuple):
     layout: str  # a key of FEATURE_AXES
     path: Path
-    module: object  # the loader's module (its mmap_tensor)
+    module: object  # the module whose mmap_tensor maps the decoders
 
 
 @pytest.fixture(params=["sparsify", "sparsify_legacy", "bytedance", "gs2_clt",
@@ -519,18 +512,18 @@ def sliced(request, tmp_path) -> Sliced:
     if name == "bytedance":
         return Sliced("bytedance", write_bytedance(tmp_path / "bd",
                                                    bytedance_tensors(L, D, F, k=2, seed=9)),
-                      bytedance)
+                      common)
     layers = gs2_tensors(L, D, F, affine=True, clt=True, seed=10)
     if name == "gs2_clt_trimmed":  # target t of source l at t - l
         layers = [{**t, "w_dec": t["w_dec"][:, layer:]} for layer, t in enumerate(layers)]
     root = write_gs2_clt(tmp_path / "clt", layers)
     if name != "gs2_clt_config":
-        return Sliced("gemmascope2", root, gemmascope2)
+        return Sliced("gemmascope2", root, common)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({
         "model_name": "tiny", "model_kind": "cross_layer_transcoder",
         "feature_input_hook": "mlp.hook_in", "feature_output_hook": "hook_mlp_out",
         "transcoders": [str(root / f"params_layer_{layer}.safetensors") for layer in range(L)]}))
-    return Sliced("gemmascope2", tmp_path / "config.yaml", gemmascope2)
+    return Sliced("gemmascope2", tmp_path / "config.yaml", common)
 
 
 

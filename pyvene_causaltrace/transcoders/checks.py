@@ -153,8 +153,9 @@ def check_pairing(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder
     check_fits(model, transcoder)
     start = first_position(tokenizer, bos)
     device = model.device  # bound by @measured
-    totals = {k: torch.zeros(transcoder.n_layers, dtype=torch.float64)
-              for k in ("err", "dev", "err_pre", "dev_pre")}
+    # per layer (squared error, squared deviation): the fit, and the earlier-hook control
+    totals = {k: torch.zeros(2, transcoder.n_layers, dtype=torch.float64)
+              for k in ("fit", "wrong_hook")}
     wrong_layer = torch.zeros(2, dtype=torch.float64)
     l0 = l0_pre = 0.0
     n_tokens = 0
@@ -162,14 +163,10 @@ def check_pairing(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder
         states = transcoder_states(model, transcoder, _ids(tokenizer, text, device), control=True)
         acts = transcoder.encode_all(states["input"], zero_bos=start > 0)
         recon = transcoder.reconstruct(acts, states["input"])
-        err, dev = _fvu_parts(recon, states["output"], start)
-        totals["err"] += err
-        totals["dev"] += dev
+        totals["fit"] += torch.stack(_fvu_parts(recon, states["output"], start))
         acts_pre = transcoder.encode_all(states["control"], zero_bos=start > 0)
-        err, dev = _fvu_parts(transcoder.reconstruct(acts_pre, states["control"]), states["output"],
-                              start)
-        totals["err_pre"] += err
-        totals["dev_pre"] += dev
+        totals["wrong_hook"] += torch.stack(_fvu_parts(
+            transcoder.reconstruct(acts_pre, states["control"]), states["output"], start))
         err, dev = _fvu_parts(recon[:-1], states["output"][1:], start)
         wrong_layer += torch.stack([err.sum(), dev.sum()])
         n_tokens += acts.shape[1] - start
@@ -178,10 +175,10 @@ def check_pairing(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder
     if n_tokens == 0:
         raise InputError("the pairing check's texts hold no token past position 0 (BOS)")
     return PairingReport(
-        fvu_per_layer=(totals["err"] / totals["dev"]).tolist(),
-        fvu=float(totals["err"].sum() / totals["dev"].sum()),
+        fvu_per_layer=(totals["fit"][0] / totals["fit"][1]).tolist(),
+        fvu=float(totals["fit"][0].sum() / totals["fit"][1].sum()),
         mean_l0=l0 / n_tokens,
-        fvu_wrong_hook=float(totals["err_pre"].sum() / totals["dev_pre"].sum()),
+        fvu_wrong_hook=float(totals["wrong_hook"][0].sum() / totals["wrong_hook"][1].sum()),
         mean_l0_wrong_hook=l0_pre / n_tokens,
         fvu_wrong_layer=float(wrong_layer[0] / wrong_layer[1]),
         n_tokens=n_tokens,

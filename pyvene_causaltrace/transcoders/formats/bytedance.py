@@ -20,9 +20,9 @@ from .common import (
     TranscoderFormatError,
     check_dtype,
     check_stored_dtypes,
-    mmap_tensor,
     named_layers,
     open_safetensors,
+    read_decoders,
     read_json_object,
     read_tensors,
     shapes_of,
@@ -114,16 +114,9 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     W_enc = torch.stack([read_tensors(root / f"W_enc_{layer}.safetensors", None, features,
                                       {f"W_enc_{layer}": 0})[f"W_enc_{layer}"].to(dtype)
                          for layer in range(n_layers)])
-    handles, W_dec = [], []
-    for layer in range(n_layers):
-        path = root / f"W_dec_{layer}.safetensors"
-        if lazy_decoder:
-            w, mapped = mmap_tensor(path, f"W_dec_{layer}", features)
-            handles.append(mapped)
-        else:
-            w = read_tensors(path, [f"W_dec_{layer}"], features, {f"W_dec_{layer}": 0})[
-                f"W_dec_{layer}"].to(device, dtype, copy=features is not None)
-        W_dec.append(w)
+    W_dec, handles = read_decoders(
+        [(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}") for layer in range(n_layers)],
+        features, lazy_decoder=lazy_decoder, device=device, dtype=dtype)
     model_name = next((str(meta[key]) for key in MODEL_KEYS if isinstance(meta.get(key), str)),
                       "")
     cfg = transcoder_config(root / CONFIG, model_name, n_layers, d_model, width, INPUT_HOOK,

@@ -41,6 +41,7 @@ from .common import (
     mmap_tensor,
     named_layers,
     open_safetensors,
+    read_features,
     read_yaml_mapping,
     reading,
     refuse_shard,
@@ -116,55 +117,16 @@ def _native_shapes(path: Path, handle) -> dict[str, tuple[int, ...]]:
 
 def read_layer_file(path: Path, *, lazy_decoder: bool = True,
                     features: tuple[int, int] | None = None) -> tuple[LayerTensors, int | None]:
-    """One per-layer safetensors file in our orientation, and its ``k`` (None if absent);
-    with ``features=(lo, hi)`` only those features of a circuit-tracer file are read."""
+    """One per-layer safetensors file in our orientation, and its ``k`` (None if absent), after
+    checking every full shape from the header; with ``features=(lo, hi)`` only those features of
+    a circuit-tracer file are read, through ``get_slice`` (rows of an ``[F, D]`` tensor, columns
+    of a ``[D, F]`` one; the decoder a view of its memory map with ``lazy_decoder``)."""
     handle = open_safetensors(path)
     if "w_enc" in handle.keys():  # GemmaScope-2: oriented by name, not by shape
         if features is not None:
             raise InputError(f"{path}: GemmaScope-2 files are not read in slices")
         return gemmascope2.read_layer(path, lazy_decoder=lazy_decoder), None
     shapes = _native_shapes(path, handle)
-    if features is not None:
-        return _read_layer_slice(path, handle, shapes, features, lazy_decoder)
-    d_transcoder, d_model = shapes["b_enc"][0], shapes["b_dec"][0]
-    names = {_RENAMES.get(key, key): key for key in handle.keys()}
-    with reading(path):
-        tensors = {ours: _checked(handle.get_tensor(theirs), path, theirs)
-                   for ours, theirs in names.items() if ours != "W_dec" or not lazy_decoder}
-    handles = []
-    if lazy_decoder:
-        tensors["W_dec"], mapped = mmap_tensor(path, names["W_dec"])
-        handles.append(mapped)
-    for name in ("W_enc", "W_dec"):  # [F, D] is ours; [D, F] is transposed
-        shape = tuple(tensors[name].shape)
-        if shape == (d_model, d_transcoder) and d_model != d_transcoder:
-            tensors[name] = tensors[name].T
-            if name == "W_dec" and lazy_decoder:  # rows of a transposed map are not rows
-                tensors[name] = check_weight(tensors[name].contiguous(), path, names[name])
-                handles = []
-    return _layer(path, tensors, handles)
-
-
-def _layer(path: Path, tensors: dict, handles: list) -> tuple[LayerTensors, int | None]:
-    """A file's tensors (by our names) as one layer, and its ``k`` (None if absent)."""
-    k = tensors.pop("k", None)
-    layer = LayerTensors(str(path), W_enc=tensors["W_enc"], W_dec=tensors["W_dec"],
-                         b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
-                         threshold=tensors.get("threshold"), W_skip=tensors.get("W_skip"),
-                         handles=handles)
-    return layer, None if k is None else int(k.reshape(-1)[0])
-
-
-def _checked(tensor, path: Path, name: str):
-    """A weight as read, checked (dtype, NaN/inf); a setting (``k``) as it is."""
-    return tensor if name in SETTING_TENSORS else check_weight(tensor, path, name)
-
-
-def _read_layer_slice(path: Path, handle, shapes: dict, features: tuple[int, int],
-                      lazy_decoder: bool) -> tuple[LayerTensors, int | None]:
-    """Features ``[lo, hi)`` of a circuit-tracer file, read through ``get_slice`` (rows of an
-    ``[F, D]`` tensor, columns of a ``[D, F]`` one; the decoder a view of its memory map with
-    ``lazy_decoder``) after checking every full shape from the header."""
     d_transcoder, d_model = shapes["b_enc"][0], shapes["b_dec"][0]
     oriented = {(d_transcoder, d_model), (d_model, d_transcoder)}
     want = {"W_enc": oriented, "W_dec": oriented, "b_enc": {(d_transcoder,)},
@@ -176,24 +138,31 @@ def _read_layer_slice(path: Path, handle, shapes: dict, features: tuple[int, int
             f"{path}: shapes {wrong} disagree with b_enc/b_dec (d_transcoder {d_transcoder}, "
             f"d_model {d_model}; W_enc and W_dec are [F, D] or [D, F])")
     names = {_RENAMES.get(key, key): key for key in handle.keys()}
-    lo, hi = features
     tensors, handles = {}, []
     with reading(path):
         for ours, theirs in names.items():
             shape = tuple(shapes[ours])
             transposed = ours in ("W_enc", "W_dec") and shape == (d_model, d_transcoder) \
                 and d_model != d_transcoder
-            if ours in ("b_dec", "W_skip", "k"):
-                tensors[ours] = _checked(handle.get_tensor(theirs), path, theirs)
+            if ours in SETTING_TENSORS:  # k: a setting, not a weight
+                tensors[ours] = handle.get_tensor(theirs)
+            elif ours in ("b_dec", "W_skip"):
+                tensors[ours] = check_weight(handle.get_tensor(theirs), path, theirs)
             elif transposed:  # [D, F]: columns; rows of a transposed map are not rows
-                tensors[ours] = check_weight(handle.get_slice(theirs)[:, lo:hi].T.contiguous(),
-                                             path, theirs)
+                tensors[ours] = check_weight(
+                    read_features(handle, theirs, features, 1).T.contiguous(), path, theirs)
             elif ours == "W_dec" and lazy_decoder:
                 tensors[ours], mapped = mmap_tensor(path, theirs, features)
                 handles.append(mapped)
             else:  # a view of the file's map (only these rows are read): assemble_set copies
-                tensors[ours] = check_weight(handle.get_slice(theirs)[lo:hi], path, theirs)
-    return _layer(path, tensors, handles)
+                tensors[ours] = check_weight(read_features(handle, theirs, features), path,
+                                             theirs)
+    k = tensors.pop("k", None)
+    layer = LayerTensors(str(path), W_enc=tensors["W_enc"], W_dec=tensors["W_dec"],
+                         b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
+                         threshold=tensors.get("threshold"), W_skip=tensors.get("W_skip"),
+                         handles=handles)
+    return layer, None if k is None else int(k.reshape(-1)[0])
 
 
 def _widths(path: Path) -> tuple[int, int] | None:
@@ -220,12 +189,6 @@ def _slice_plan(files: list[Path], shard) -> tuple[tuple[int, int], int] | None:
                 f"{path} (layer {index}): d_transcoder {got[0]}, d_model {got[1]} disagree "
                 f"with layer 0 (d_transcoder {widths[0][0]}, d_model {widths[0][1]})")
     return shard_features(widths[0][0], shard), widths[0][0]
-
-
-def _read_layer(path: Path, lazy_decoder: bool) -> tuple[LayerTensors, int | None]:
-    if path.suffix == ".npz":
-        return read_npz(path), None
-    return read_layer_file(path, lazy_decoder=lazy_decoder)
 
 
 def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | None) -> list[Path]:
@@ -314,8 +277,8 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     slicer = LayerSlicer(shard if plan is None else None)  # files read whole: cut one by one
     layers, ks = [], set()
     for path in files:
-        layer, k = _read_layer(path, lazy_decoder) if plan is None else \
-            read_layer_file(path, lazy_decoder=lazy_decoder, features=plan[0])
+        layer, k = (read_npz(path), None) if path.suffix == ".npz" else read_layer_file(
+            path, lazy_decoder=lazy_decoder, features=None if plan is None else plan[0])
         layers.append(slicer(layer))
         ks.add(k)
     has_threshold = layers[0].threshold is not None

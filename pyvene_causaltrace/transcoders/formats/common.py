@@ -231,6 +231,29 @@ def mmap_tensor(path: Path, name: str, features: tuple[int, int] | None = None
     return tensor, MappedFile(mapped, (str(path), name))
 
 
+def read_decoders(files: list[tuple[Path, str]], features: tuple[int, int] | None, *,
+                  lazy_decoder: bool, device: str | torch.device, dtype: torch.dtype,
+                  first_targets: list[int] | None = None
+                  ) -> tuple[list[torch.Tensor], list[MappedFile]]:
+    """A CLT's decoders, ``(file, tensor name)`` per layer in layer order: each one's rows
+    ``[lo, hi)`` with ``features`` (only those are read), its targets from
+    ``first_targets[layer]`` on when given (a file holding every layer's). With
+    ``lazy_decoder`` each is a view of its file's memory map (:func:`mmap_tensor`; the maps are
+    returned, one per layer, for ``Transcoder._handles``), else read, checked and copied to
+    ``device`` and ``dtype`` (no maps)."""
+    W_dec, maps = [], []
+    for layer, (path, name) in enumerate(files):
+        if lazy_decoder:
+            w, mapped = mmap_tensor(path, name, features)
+            maps.append(mapped)
+        else:  # a view of safetensors' map of the file: copied below
+            w = read_tensors(path, [name], features, {name: 0})[name]
+        if first_targets is not None:
+            w = w[:, first_targets[layer]:]
+        W_dec.append(w if lazy_decoder else w.to(device, dtype, copy=True))
+    return W_dec, maps
+
+
 # ------------------------------------------------------------------------------------- hub
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() not in ("0", "", "false", "no")

@@ -28,6 +28,7 @@ from .common import (
     mmap_tensor,
     named_layers,
     open_safetensors,
+    read_decoders,
     read_json_object,
     read_tensors,
     shapes_of,
@@ -73,16 +74,23 @@ def is_layout(path: Path) -> bool:
 
 
 # ------------------------------------------------------------------------------ reading
-def _read_config(path: Path) -> dict:
+def _read_config(path: Path, kind: str) -> dict:
+    """config.json of a jump_relu ``kind`` (its ``type``: ``transcoder`` or ``clt``)."""
     meta = read_json_object(path)
     if meta.get("architecture", "jump_relu") != "jump_relu":
         raise TranscoderFormatError(f"{path}: architecture {meta['architecture']!r}; "
                                     "GemmaScope-2 transcoders are jump_relu")
+    if meta.get("type", kind) != kind:
+        raise TranscoderFormatError(f"{path}: type {meta.get('type')!r}, not a {kind}")
     return meta
 
 
-def _hook(meta: dict, field: str, role: str, layer: int | None, where: Path) -> str:
-    """The TransformerLens hook of config.json's ``hf_hook_point_in``/``_out``."""
+def _hook(meta: dict, field: str, role: str, layer: int | None, where: Path,
+          default: str | None = None) -> str:
+    """The TransformerLens hook of config.json's ``hf_hook_point_in``/``_out`` (``default``,
+    when given, where config.json has no such field)."""
+    if default is not None and field not in meta:
+        return default
     point = meta.get(field)
     match = HF_POINT.match(point) if isinstance(point, str) else None
     if match is None or match.group(2) not in HF_POINTS \
@@ -119,7 +127,12 @@ def _check_shapes(path: Path, shapes: dict, want: dict) -> None:
                                     "[d_model, width], w_dec [width, ...])")
 
 
-def _affine_named(folder: Path) -> bool | None:
+def _skip(meta: dict, folder: Path) -> bool | None:
+    """Whether the files hold the affine skip: config.json's ``affine_connection``, else True
+    for a folder named ``*_affine`` (None: not known)."""
+    affine = meta.get("affine_connection")
+    if affine is not None:
+        return bool(affine)
     return True if folder.name.endswith("_affine") else None
 
 
@@ -185,16 +198,13 @@ def load(source: str | Path | list, *, device: str | torch.device = "cpu",
     slicer = LayerSlicer(shard)
     for layer, folder in enumerate(folders):
         config = existing(folder / CONFIG)
-        meta = _read_config(config)
-        if meta.get("type", "transcoder") != "transcoder":
-            raise TranscoderFormatError(f"{config}: type {meta.get('type')!r}, not a transcoder")
+        meta = _read_config(config, "transcoder")
         hooks.add((feature_input_hook or _hook(meta, "hf_hook_point_in", "input", layer, config),
                    feature_output_hook
                    or _hook(meta, "hf_hook_point_out", "output", layer, config)))
         names.add(str(meta.get("model_name") or ""))
-        affine = meta.get("affine_connection")
-        skip = bool(affine) if affine is not None else _affine_named(folder)
-        layers.append(slicer(read_layer(folder / PARAMS, lazy_decoder=lazy_decoder, skip=skip)))
+        layers.append(slicer(read_layer(folder / PARAMS, lazy_decoder=lazy_decoder,
+                                        skip=_skip(meta, folder))))
     if len(hooks) != 1:
         raise TranscoderFormatError(f"{source}: the layers' config.json name different hooks "
                                     f"{sorted(hooks)}")
@@ -222,21 +232,14 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
         root = Path(source).expanduser()
         files = in_layer_order(_clt_files(root),
                                f"{root}: missing params_layer_<l>.safetensors")
-    meta: dict = {}
-    config = (root / CONFIG) if root is not None else files[0].parent / CONFIG
-    if config.exists():
-        meta = _read_config(config)
-        if meta.get("type", "clt") != "clt":
-            raise TranscoderFormatError(f"{config}: type {meta.get('type')!r}, not a clt")
-    input_hook = feature_input_hook or (
-        _hook(meta, "hf_hook_point_in", "input", None, config) if "hf_hook_point_in" in meta
-        else DEFAULT_HOOKS[0])
-    output_hook = feature_output_hook or (
-        _hook(meta, "hf_hook_point_out", "output", None, config) if "hf_hook_point_out" in meta
-        else DEFAULT_HOOKS[1])
-    affine = meta.get("affine_connection")
-    skip = bool(affine) if affine is not None else (
-        _affine_named(root if root is not None else files[0].parent))
+    folder = root if root is not None else files[0].parent
+    config = folder / CONFIG
+    meta = _read_config(config, "clt") if config.exists() else {}
+    input_hook = feature_input_hook or _hook(meta, "hf_hook_point_in", "input", None, config,
+                                             DEFAULT_HOOKS[0])
+    output_hook = feature_output_hook or _hook(meta, "hf_hook_point_out", "output", None,
+                                               config, DEFAULT_HOOKS[1])
+    skip = _skip(meta, folder)
     n_layers = len(files)
     shapes = [shapes_of(open_safetensors(path)) for path in files]
     skip = _check_keys(files[0], shapes[0], skip)
@@ -246,7 +249,7 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
     first = open_safetensors(files[0])
     check_stored_dtypes(files[0], first)
     disk_dtype = str(first.get_slice("w_enc").get_dtype())
-    full = []
+    first_targets = []
     for layer, (path, shape) in enumerate(zip(files, shapes, strict=True)):
         _check_keys(path, shape, skip)
         targets = shape["w_dec"][1] if len(shape["w_dec"]) == 3 else None
@@ -255,24 +258,17 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
                 f"{path}: w_dec has shape {shape['w_dec']}; with {n_layers} layer files it "
                 f"must be [{width}, {n_layers}, {d_model}] (or [{width}, {n_layers - layer}, "
                 f"{d_model}])")
-        full.append(targets == n_layers)
+        first_targets.append(layer if targets == n_layers else 0)
         _check_shapes(path, shape, {
             "w_enc": (d_model, width), "b_enc": (width,), "threshold": (width,),
             "b_dec": (d_model,), "w_dec": (width, targets, d_model)}
             | ({SKIP: (d_model, d_model)} if skip else {}))
     features = shard_features(width, shard)
-    names = ["w_enc", "b_enc", "threshold", "b_dec"] + ([SKIP] if skip else []) \
-        + ([] if lazy_decoder else ["w_dec"])
+    names = ["w_enc", "b_enc", "threshold", "b_dec"] + ([SKIP] if skip else [])
     tensors = [read_tensors(path, names, features, CLT_AXES) for path in files]
-    handles, W_dec = [], []
-    for layer, path in enumerate(files):
-        if lazy_decoder:
-            w, mapped = mmap_tensor(path, "w_dec", features)
-            handles.append(mapped)
-        else:
-            w = tensors[layer]["w_dec"]
-        w = w[:, layer:] if full[layer] else w
-        W_dec.append(w if lazy_decoder else w.to(device, dtype).clone())
+    W_dec, handles = read_decoders([(path, "w_dec") for path in files], features,
+                                   lazy_decoder=lazy_decoder, device=device, dtype=dtype,
+                                   first_targets=first_targets)
     cfg = transcoder_config(source, model_name or str(meta.get("model_name") or ""), n_layers,
                             d_model, width, input_hook, output_hook, CROSS_LAYER,
                             DTYPE_NAMES.get(disk_dtype, disk_dtype), "jumprelu", None, skip,

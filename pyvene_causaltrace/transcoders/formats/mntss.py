@@ -23,10 +23,11 @@ from .common import (
     check_dtype,
     check_weight,
     hub_snapshot,
-    mmap_tensor,
     named_layers,
     open_safetensors,
+    read_decoders,
     read_features,
+    read_tensors,
     read_yaml_mapping,
     reading,
     refuse_shard,
@@ -103,19 +104,13 @@ class EncoderFiles:
         self.root, self.features = root, features
 
     def __call__(self, layer: int) -> torch.Tensor:
-        path = self.root / f"W_enc_{layer}.safetensors"
-        with open_safetensors(path) as handle:
-            weight = _read(handle, f"W_enc_{layer}", self.features, path)
+        path, name = self.root / f"W_enc_{layer}.safetensors", f"W_enc_{layer}"
+        with open_safetensors(path) as handle:  # checked as read (dtype, NaN/inf)
+            weight = check_weight(read_features(handle, name, self.features), path, name)
             return weight if self.features is None else weight.clone()
 
     def sliced(self, lo: int, hi: int) -> EncoderFiles:
         return EncoderFiles(self.root, (lo, hi))
-
-
-def _read(handle, name: str, features: tuple[int, int] | None, path: Path) -> torch.Tensor:
-    """Tensor ``name`` of ``path`` (its rows ``[lo, hi)`` with ``features``: a view, to copy
-    before keeping), checked as it is read (dtype, NaN/inf)."""
-    return check_weight(read_features(handle, name, features), path, name)
 
 
 @checked
@@ -136,37 +131,26 @@ def load_from_disk(
     cfg = read_config(root)
     features = shard_features(cfg.d_transcoder, shard)
     L = cfg.n_layers
-    enc = [root / f"W_enc_{layer}.safetensors" for layer in range(L)]
-    enc_handles = [open_safetensors(path) for path in enc]
 
     def each(name: str, part=features) -> list[torch.Tensor]:
-        return [_read(h, f"{name}_{i}", part, enc[i]) for i, h in enumerate(enc_handles)]
+        """Tensor ``{name}_{l}`` of each layer's encoder file (its rows ``part``), checked."""
+        return [read_tensors(root / f"W_enc_{layer}.safetensors", [f"{name}_{layer}"], part,
+                             {f"{name}_{layer}": 0})[f"{name}_{layer}"] for layer in range(L)]
 
     with reading(root):
         b_enc = torch.stack(each("b_enc"))
         threshold = None if cfg.activation == "relu" else torch.stack(each("threshold"))
         b_dec = torch.stack(each("b_dec", None))
         W_enc = None if lazy_encoder else torch.stack([w.to(dtype) for w in each("W_enc")])
-        if lazy_decoder or features is None:
-            maps = [mmap_tensor(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}")
-                    for layer in range(L)]
-            lo, hi = features or (0, cfg.d_transcoder)
-            W_dec = [tensor[lo:hi] for tensor, _ in maps]  # views: nothing read
-        else:  # resident slices, read through safetensors
-            maps = []
-            W_dec = [_read(open_safetensors(root / f"W_dec_{layer}.safetensors"),
-                           f"W_dec_{layer}", features, root / f"W_dec_{layer}.safetensors"
-                           ).to(device, dtype, copy=True) for layer in range(L)]
-    if not lazy_decoder and features is None:  # the maps read whole here: checked here
-        W_dec = [check_weight(w, *handle.origin).to(device, dtype).clone()
-                 for w, (_, handle) in zip(W_dec, maps, strict=True)]
-
+        W_dec, maps = read_decoders(
+            [(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}") for layer in range(L)],
+            features, lazy_decoder=lazy_decoder, device=device, dtype=dtype)
     clt = Transcoder(
         cfg, b_enc=b_enc, threshold=threshold, b_dec=b_dec, W_enc=W_enc, W_dec=W_dec,
         encoder_loader=EncoderFiles(root, features), dtype=dtype, device=device,
         source=str(root), features=features)
     if lazy_decoder:  # one map per layer; rows are checked as they are read
-        clt._handles = [handle for _, handle in maps]
+        clt._handles = maps
     return clt
 
 
