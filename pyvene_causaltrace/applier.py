@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from .errors import InputError
 from .hooking import in_context, register, release
 
-__all__ = ["Call", "Edit", "Site", "applying", "edits_on", "handle_ids", "only", "reader"]
+__all__ = ["Call", "Edit", "Site", "applying", "handle_ids", "only", "reader"]
 
 
 @dataclass(frozen=True)
@@ -196,13 +196,6 @@ def applying(model: nn.Module, edits: Iterable[Edit]) -> Iterator[list[Edit]]:
                 per_thread.pop(threading.get_ident(), None)
                 if not per_thread:
                     del _appliers[model]
-
-
-def edits_on(model: nn.Module, module: nn.Module) -> int:
-    """How many edits of this thread sit on ``module``'s input and output now."""
-    applier = _appliers.get(model, {}).get(threading.get_ident(), _Applier())
-    return sum(len(hook.edits) for (key, _), hook in applier.sites.items()
-               if key == id(module))
 
 
 def only(modules: Iterable[nn.Module], groups: Iterable[str]) -> in_context:
