@@ -27,9 +27,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .errors import InputError
-from .hooking import register, release
+from .hooking import in_context, register, release
 
-__all__ = ["Call", "Edit", "Site", "applying", "edits_on", "handle_ids", "only", "reader"]
+__all__ = ["Call", "Edit", "Site", "applying", "handle_ids", "only", "reader"]
 
 
 @dataclass(frozen=True)
@@ -198,22 +198,10 @@ def applying(model: nn.Module, edits: Iterable[Edit]) -> Iterator[list[Edit]]:
                     del _appliers[model]
 
 
-def edits_on(model: nn.Module, module: nn.Module) -> int:
-    """How many edits of this thread sit on ``module``'s input and output now."""
-    applier = _appliers.get(model, {}).get(threading.get_ident(), _Applier())
-    return sum(len(hook.edits) for (key, _), hook in applier.sites.items()
-               if key == id(module))
-
-
-@contextlib.contextmanager
-def only(modules: Iterable[nn.Module], groups: Iterable[str]) -> Iterator[None]:
+def only(modules: Iterable[nn.Module], groups: Iterable[str]) -> in_context:
     """Inside the block, in this context, the edits at ``modules`` other than those of
     ``groups`` do nothing (a replayed block's stored output already holds them)."""
-    token = _ONLY.set((frozenset(id(m) for m in modules), frozenset(groups)))
-    try:
-        yield
-    finally:
-        _ONLY.reset(token)
+    return in_context(_ONLY, (frozenset(id(m) for m in modules), frozenset(groups)))
 
 
 def reader(site: Site, store: dict, key: Any) -> Edit:

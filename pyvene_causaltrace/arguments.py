@@ -23,8 +23,8 @@ The rules, one per annotation (nothing is coerced):
   whitespace).
 - A class: an instance of it; :class:`~.bound.BoundModel` also takes the ``nn.Module`` the
   boundary binds. Annotations that name what this module cannot import (a TYPE_CHECKING name)
-  or ``Any`` are not checked: :func:`unchecked` lists them, and the fuzz test
-  (tests/test_arguments_fuzz.py) holds that list to what the package documents.
+  or ``Any`` are not checked: the fuzz test (tests/test_arguments_fuzz.py) lists them and
+  holds that list to what the package documents.
 
 Ranges that depend on the model (a layer below its layer count, a position inside the prompt)
 are checked in the body with :func:`check_index`, by the same message shape. Settings
@@ -52,7 +52,7 @@ from .errors import InputError
 
 __all__ = ["NONBLANK", "Fraction", "MemoryMB", "NonNegativeInt", "Port", "PositiveFloat",
            "PositiveInt", "Probability", "Range", "Seed", "Text", "check_fields", "check_index",
-           "check_value", "call_checker", "checked", "flag", "unchecked"]
+           "check_value", "call_checker", "checked", "flag"]
 
 #: The largest memory cap taken, in MB (an exabyte): a larger one is a typo, not a machine.
 MAX_MEMORY_MB = 1e12
@@ -313,7 +313,7 @@ def _resolve(annotation: object, namespace: dict) -> object:
             return eval(annotation, names)  # noqa: S307 -- the package's own annotations
         except NameError as missing:
             if missing.name not in _DEFERRED or missing.name in names:
-                return Any  # a TYPE_CHECKING name: not checked (see unchecked())
+                return Any  # a TYPE_CHECKING name: not checked (module docstring)
             module = import_module(f"{__package__}.{_DEFERRED[missing.name]}")
             names[missing.name] = getattr(module, missing.name)
         except Exception:  # noqa: BLE001 -- an annotation this module cannot evaluate
@@ -380,15 +380,6 @@ def checked(function: Callable) -> Callable:
 
     wrapper.__checked__ = True  # type: ignore[attr-defined]
     return wrapper
-
-
-def unchecked(function: Callable) -> list[str]:
-    """The parameters of ``function`` whose annotation admits anything (or names what the
-    module imports only for type checkers)."""
-    checks = _checks_of(function)
-    return [name for name, p in inspect.signature(function).parameters.items()
-            if name not in checks and name not in ("self", "cls")
-            and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
 def check_fields(settings: object) -> None:

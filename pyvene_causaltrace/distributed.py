@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import DistributedError, InputError
+from .hooking import in_context
 
 #: A collective waits at most this long for the other ranks (``init`` sets it on the group it
 #: makes; a user's own group keeps its own): a hung rank fails the others within it.
@@ -121,15 +122,10 @@ def current() -> Ranks | None:
     return None if world == 1 else Ranks(dist.get_rank(), world)
 
 
-@contextlib.contextmanager
-def alone() -> Iterator[None]:
+def alone() -> in_context:
     """Inside the block this thread's methods run as one process (no collectives), whatever
     the process group: each rank on its own work (its own prompts)."""
-    token = _ALONE.set(True)
-    try:
-        yield
-    finally:
-        _ALONE.reset(token)
+    return in_context(_ALONE, True)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ through its handle, :func:`release`), called by the one applier (:mod:`.applier`
 only on the forwards of the thread that installed it; :func:`thread_gate` and
 :func:`thread_view` do the same for a replaced ``forward`` and a switched setting. Per context,
 :func:`recording` removes at a measurement's end any hook registered in it that is still there,
-and :func:`silenced` turns the package's hooks on given modules off (:mod:`.tracing.replay`).
+and :func:`silenced` turns the package's hooks on given modules off (:mod:`.tracing.replay`);
+:class:`in_context` is the context-variable switch they (and the package's others) share.
 Imports nothing from the package."""
 
 from __future__ import annotations
@@ -32,6 +33,21 @@ _RECORD: contextvars.ContextVar[HookRecord | None] = contextvars.ContextVar("pvc
                                                                            default=None)
 #: the attribute that marks a hook as the package's; its handle's id once registered
 _MARK = "pvct_handle_id"
+
+
+class in_context(contextlib.AbstractContextManager):  # noqa: N801 - used like a function
+    """Inside the block, context variable ``var`` holds ``value`` (the block's ``as`` target),
+    set back on every exit: the one body of the package's per-context switches."""
+
+    def __init__(self, var: contextvars.ContextVar, value: Any) -> None:
+        self.var, self.value = var, value
+
+    def __enter__(self) -> Any:
+        self.token = self.var.set(self.value)
+        return self.value
+
+    def __exit__(self, *exc: object) -> None:
+        self.var.reset(self.token)
 
 
 def is_ours(hook: Callable) -> bool:
@@ -69,11 +85,10 @@ def recording() -> Iterator[HookRecord]:
     """Note every hook :func:`register` adds in this context inside the block; at its end
     remove those still registered (``record.left``: how many were)."""
     record = HookRecord(_RECORD.get())
-    token = _RECORD.set(record)
     try:
-        yield record
+        with in_context(_RECORD, record):
+            yield record
     finally:
-        _RECORD.reset(token)
         record.left = record.remove_all()
 
 
@@ -111,17 +126,12 @@ def release(handle: RemovableHandle) -> None:
         record.release(handle)
 
 
-@contextlib.contextmanager
-def silenced(modules: Iterable[nn.Module], keep: Iterable[int] = ()) -> Iterator[None]:
+def silenced(modules: Iterable[nn.Module], keep: Iterable[int] = ()) -> in_context:
     """Inside the block, in this context, the package's hooks (:func:`is_ours`) on ``modules``
     return None — change nothing, record nothing — except those whose handle ids are in
     ``keep``. Anyone else's hook is untouched: the caller checks there is none
     (:mod:`.tracing.replay`)."""
-    token = _SILENT.set((frozenset(id(module) for module in modules), frozenset(keep)))
-    try:
-        yield
-    finally:
-        _SILENT.reset(token)
+    return in_context(_SILENT, (frozenset(id(module) for module in modules), frozenset(keep)))
 
 
 def thread_gate() -> Callable[[], bool]:

@@ -20,14 +20,10 @@ from .errors import OutputLockedError
 LOCK_NAME = ".pvct.lock"
 
 
-@contextlib.contextmanager
-def single_writer(directory: str | Path) -> Iterator[None]:
+def single_writer(directory: str | Path) -> contextlib.AbstractContextManager[None]:
     """Hold ``directory``'s lock for the block (creating the directory); refuse at once if
     another process holds it."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with exclusive(directory / LOCK_NAME, directory):
-        yield
+    return exclusive(Path(directory) / LOCK_NAME, Path(directory))
 
 
 @contextlib.contextmanager

@@ -32,12 +32,13 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import pytest
 import torch
+from _support.arguments import unchecked
 from _support.data import tool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyvene_causaltrace._settings import Settings
-from pyvene_causaltrace.arguments import NONBLANK, Range, _resolve, unchecked
+from pyvene_causaltrace.arguments import NONBLANK, Range, _resolve
 from pyvene_causaltrace.cli import main
 from pyvene_causaltrace.cli.parser import build_parser
 from pyvene_causaltrace.errors import CausalTraceError

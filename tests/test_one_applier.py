@@ -15,12 +15,12 @@ from __future__ import annotations
 import pytest
 import torch
 from _support.forwards import observe, snapshot
-from _support.hooks import installed
+from _support.hooks import edits_on, installed
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
 
 from pyvene_causaltrace import Tracer, trace
-from pyvene_causaltrace.applier import Edit, Site, applying, edits_on, only, reader
+from pyvene_causaltrace.applier import Edit, Site, applying, only, reader
 from pyvene_causaltrace.attribution import attribute
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.transcoders import load_from_disk

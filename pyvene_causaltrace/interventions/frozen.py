@@ -45,7 +45,7 @@ from ..applier import Call, Edit, applying
 from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError, SpecError, UnsupportedModelError
-from ..hooking import thread_view
+from ..hooking import in_context, thread_view
 from ..models import get_module
 from ..pyvene_boundary.calls import announced_call
 from .base import CausalTraceIntervention
@@ -239,17 +239,12 @@ def _frozen_qk_attention(module, query, key, value, attention_mask, **kwargs):
                                   **kwargs)
 
 
-@contextmanager
-def watching_qk(callback: Callable) -> Iterator[None]:
+def watching_qk(callback: Callable) -> in_context:
     """Inside the block, every frozen attention calls ``callback(module, query, key, kwargs)``
     with its live queries ``[B, heads, P, d]`` and keys ``[B, kv_heads, P, d]`` (after every
     transform: projections, q/k norms, rotary) and the attention function's keyword arguments
     (``scaling``, ``softcap``, ...), before it detaches them."""
-    token = _qk_watcher.set(callback)
-    try:
-        yield
-    finally:
-        _qk_watcher.reset(token)
+    return in_context(_qk_watcher, callback)
 
 
 def _held_pattern_attention(module, query, key, value, attention_mask, **kwargs):
@@ -293,13 +288,9 @@ def _attention_function(attention: torch.nn.Module,
     else:
         inner = ALL_ATTENTION_FUNCTIONS[original]
     name = FROZEN_QK if pattern is None else HELD_PATTERN
-    tokens = _inner_attention.set(inner), _held_pattern.set(pattern)
-    try:
-        with thread_view(config, _attn_implementation_internal=name):  # this thread's alone
-            yield
-    finally:
-        _inner_attention.reset(tokens[0])
-        _held_pattern.reset(tokens[1])
+    with in_context(_inner_attention, inner), in_context(_held_pattern, pattern), \
+            thread_view(config, _attn_implementation_internal=name):  # this thread's alone
+        yield
 
 
 def attention_patterns(model: torch.nn.Module | BoundModel,

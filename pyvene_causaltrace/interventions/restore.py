@@ -142,11 +142,14 @@ def _window(donor: torch.Tensor, offset: int, seq_len: int, mask: torch.Tensor,
     return window
 
 
-def _site_schema(required: list[str], **extra: Any) -> dict[str, Any]:
-    return {"additionalProperties": False, "required": required, "properties": {
-        "type": True, "component": {"$ref": "#/$defs/component"},
-        "layers": {"$ref": "#/$defs/layers"}, "positions": {"$ref": "#/$defs/positions"},
-        **extra}}
+def _site_schema(required: list[str], defaults: dict[str, str], **extra: Any) -> dict[str, Any]:
+    """The schema of an entry naming ``component``, ``layers`` and ``positions`` (``defaults``:
+    those that have one), with ``extra`` fields."""
+    sites = {name: {"$ref": f"#/$defs/{name}"} for name in ("component", "layers", "positions")}
+    for name, default in defaults.items():
+        sites[name]["default"] = default
+    return {"additionalProperties": False, "required": required,
+            "properties": {"type": True, **sites, **extra}}
 
 
 class CleanRestore(_Overwrite):
@@ -156,10 +159,7 @@ class CleanRestore(_Overwrite):
 
     @classmethod
     def spec_schema(cls) -> dict[str, Any]:
-        schema = _site_schema(["positions"])
-        schema["properties"]["component"] = {"$ref": "#/$defs/component",
-                                             "default": "block_output"}
-        return schema
+        return _site_schema(["positions"], {"component": "block_output"})
 
     @classmethod
     def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
@@ -212,11 +212,8 @@ class Freeze(_Overwrite):
 
     @classmethod
     def spec_schema(cls) -> dict[str, Any]:
-        schema = _site_schema(["component"], run={"enum": ["corrupted", "clean"],
-                                                  "default": "corrupted"})
-        schema["properties"]["layers"]["default"] = "all"
-        schema["properties"]["positions"]["default"] = "all"
-        return schema
+        return _site_schema(["component"], {"layers": "all", "positions": "all"},
+                            run={"enum": ["corrupted", "clean"], "default": "corrupted"})
 
     @classmethod
     def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:

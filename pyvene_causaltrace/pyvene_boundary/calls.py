@@ -9,10 +9,8 @@ pyvene's own class announces nothing: there those types refuse (:func:`announced
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError, PyveneModelError
+from ..hooking import in_context
 
 
 @dataclass(frozen=True)
@@ -56,18 +55,13 @@ _CALL: contextvars.ContextVar[PyveneCall | None] = contextvars.ContextVar("pvct_
                                                                           default=None)
 
 
-@contextlib.contextmanager
 def calling(module: nn.Module, args: tuple, kwargs: dict | None, unit_locations: Any = None,
-            owner: Any = None, key: str = "") -> Iterator[None]:
+            owner: Any = None, key: str = "") -> in_context:
     """Inside the block :func:`pyvene_call` returns this call (:class:`PyveneCall`'s fields):
     for a hook of ours that applies an intervention itself, to the whole value by default
     (:func:`~pyvene_causaltrace.runtime.intervened`, the trace engine, a user's edits)."""
-    token = _CALL.set(PyveneCall(module, tuple(args), dict(kwargs or {}), unit_locations, owner,
-                                 key))
-    try:
-        yield
-    finally:
-        _CALL.reset(token)
+    return in_context(_CALL, PyveneCall(module, tuple(args), dict(kwargs or {}), unit_locations,
+                                        owner, key))
 
 
 def applied(intervention: nn.Module, value: torch.Tensor, call: Any) -> torch.Tensor:

@@ -5,14 +5,13 @@ applied through :func:`steering_edit` routes its constant part ``f(0)`` through 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..hooking import in_context
 from .calls import apply_like_pyvene, calling
 
 
@@ -71,20 +70,14 @@ _STEERING: contextvars.ContextVar[list | None] = contextvars.ContextVar("pvct_st
                                                                        default=None)
 
 
-@contextlib.contextmanager
-def collect_steering() -> Iterator[list[SteeringLeaf]]:
+def collect_steering() -> in_context:
     """Inside the block, every call of a user's intervention applied by
     :func:`~.user_edits.applied_interventions` appends a :class:`SteeringLeaf` to the yielded
     list and, where a gradient is recorded, routes its value through the leaf (outside, ``f(0)``
     is not even computed). Each intervention our runs accept (zero, addition, subtraction, a
     constant source, ``noise_add``, restores with states) is affine, ``f(x) = A x + c``, so the
     leaf holds all of the edit that is not a path from ``x``."""
-    collected: list[SteeringLeaf] = []
-    token = _STEERING.set(collected)
-    try:
-        yield collected
-    finally:
-        _STEERING.reset(token)
+    return in_context(_STEERING, [])
 
 
 def steering_edit(intervention: nn.Module, site: SteeringSite):

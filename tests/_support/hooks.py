@@ -1,15 +1,18 @@
 """``installed``: a block's hooks ``(module, kind, fn)`` through the package's one registration
 (:func:`pyvene_causaltrace.hooking.register`), taken off when the block ends. The tests' own
-hooks (the package installs through :mod:`pyvene_causaltrace.applier`)."""
+hooks (the package installs through :mod:`pyvene_causaltrace.applier`); :func:`edits_on` counts
+the applier's edits on a module."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from pyvene_causaltrace.applier import _Applier, _appliers
 from pyvene_causaltrace.hooking import register, release
 
 #: kind -> (the module's registration method, with_kwargs)
@@ -40,3 +43,10 @@ def installed(hooks: Iterable[Hook]) -> Iterator[list[RemovableHandle]]:
     finally:
         for handle in handles:
             release(handle)
+
+
+def edits_on(model: nn.Module, module: nn.Module) -> int:
+    """How many edits of this thread sit on ``module``'s input and output now."""
+    applier = _appliers.get(model, {}).get(threading.get_ident(), _Applier())
+    return sum(len(hook.edits) for (key, _), hook in applier.sites.items()
+               if key == id(module))
