@@ -6,8 +6,8 @@ attribute`` (SmolLM2-135M-Instruct's own text, pairs read from the generation's 
 ``--layers`` (per-layer transcoders are fitted independently, so a few layers stand for all), and
 fits the default kind (``skip_plt``, the package's ``RECIPE``) on the first ``n`` texts for each
 ``n`` in ``--texts``. Each fit is scored on the same held-out texts two ways: per text, as the
-pairing check (``transcoders/checks.py``: deviation from each text's own mean), and pooled
-(deviation from each layer's mean over all held-out tokens, as the fit's ``train_fvu``). Also
+pairing check (``transcoders/checks.py``: deviation from each text's own mean), and centred on
+one mean over all held-out tokens (``all_tokens``, as the fit's ``train_fvu``). Also
 the FVU of the skip path alone (features off), and the train FVU. One JSON line per fit.
 
     python benchmarks/fit_scaling.py --texts 320,640,1024 --features 1024 --k 32 --steps 2000 \\
@@ -33,8 +33,8 @@ from pyvene_causaltrace.transcoders.fit import fast_bf16, fit_pairs
 
 
 def held_out_fvu(transcoder, texts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-    """Per-layer FVU on ``texts`` (``(x, y)`` of one text each, ``[P, L, D]``): per text and
-    pooled, with the features and with the skip path alone."""
+    """Per-layer FVU on ``texts`` (``(x, y)`` of one text each, ``[P, L, D]``): centred per text
+    and on all tokens' mean, with the features and with the skip path alone."""
     n_layers = texts[0][0].shape[1]
     err, err_skip, dev_text = (torch.zeros(n_layers, dtype=torch.float64) for _ in range(3))
     total = torch.zeros(n_layers, texts[0][1].shape[2], dtype=torch.float64)
@@ -51,8 +51,8 @@ def held_out_fvu(transcoder, texts: list[tuple[torch.Tensor, torch.Tensor]]) -> 
             total += y.sum(1)
             square += y.pow(2).sum((1, 2))
             count += y.shape[1]
-    dev_pooled = square - total.pow(2).sum(1) / count
-    return {"per_text": (err / dev_text).tolist(), "pooled": (err / dev_pooled).tolist(),
+    dev_all = square - total.pow(2).sum(1) / count
+    return {"per_text": (err / dev_text).tolist(), "all_tokens": (err / dev_all).tolist(),
             "skip_only_per_text": (err_skip / dev_text).tolist(), "tokens": count}
 
 
@@ -99,7 +99,7 @@ def main() -> None:
                "k": args.k, "steps": args.steps, "train_fvu": stats.train_fvu,
                "held_out_texts": args.held, "held_out_tokens": scores.pop("tokens"),
                "mean_per_text": sum(scores["per_text"]) / len(layers),
-               "mean_pooled": sum(scores["pooled"]) / len(layers), **scores,
+               "mean_all_tokens": sum(scores["all_tokens"]) / len(layers), **scores,
                "generate_s": round(generate_s, 1), "fit_s": round(fit_s, 1),
                "load": os.getloadavg()[0], "torch_threads": torch.get_num_threads()}
         print(json.dumps(row), flush=True)

@@ -7,8 +7,11 @@
   the first position and at all), ``b_dec`` only and MLPs zeroed, the share of the clean-to-zero
   gap the splice recovers; answer probability, top-1 and KL on a prompt.
 
-FVU = squared error / squared deviation from each layer's mean, from the first position that
-is not BOS (BOS is no dictionary's business)."""
+FVU = squared error / squared deviation from each text's mean at that layer (summed over the
+texts, then divided), from the first position that is not BOS (BOS is no dictionary's
+business). Centring per text leaves out the spread between texts' means, so on 50-token texts it
+reads a few hundredths above the FVU centred on one mean over all the texts' tokens, which a
+fit's ``train_fvu`` and sae-lens report (``benchmarks/fit_scaling.py`` prints both)."""
 
 from __future__ import annotations
 
