@@ -12,7 +12,11 @@ the FVU of the skip path alone (features off), and the train FVU. One JSON line 
 
     python benchmarks/fit_scaling.py --texts 320,640,1024 --features 1024 --k 32 --steps 2000 \\
         --out benchmarks/results/fvu52/fit_scaling.jsonl
+    python benchmarks/fit_scaling.py --transcoder DIR --held 64 --seed 7  # score a fitted one
     SMOKE=1 python benchmarks/fit_scaling.py                       # a 1-minute check that it runs
+
+``--transcoder DIR`` fits nothing: it scores a saved transcoder (every layer) on ``--held`` texts
+generated with ``--seed`` (a seed other than its fit's: text it has not seen).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.defaults import BOS
 from pyvene_causaltrace.fitting import KINDS, RECIPE, STARTS, generate_pairs
 from pyvene_causaltrace.prompts import first_position
+from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.transcoders.fit import fast_bf16, fit_pairs
 
 
@@ -68,8 +73,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8 if smoke else 48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append one JSON line per fit here")
+    parser.add_argument("--transcoder", default=None, help="score this one instead of fitting")
     args = parser.parse_args()
-    sizes = sorted(int(n) for n in args.texts.split(","))
+    sizes = [0] if args.transcoder else sorted(int(n) for n in args.texts.split(","))
     layers = [int(layer) for layer in args.layers.split(",")]
 
     model, tokenizer = load_model("smollm2-135m")
@@ -79,13 +85,28 @@ def main() -> None:
     _, x, y = generate_pairs(bound, tokenizer, n_texts, args.new_tokens, args.seed,
                              record=n_texts)
     generate_s = time.perf_counter() - start
+    if args.transcoder:
+        layers = list(range(bound.n_layers))
     x, y = x[:, layers].clone(), y[:, layers].clone()  # [tokens, len(layers), D]
     first = first_position(tokenizer, BOS)  # each text's kept positions, as generate_pairs
     lengths = [len(tokenizer(STARTS[i % len(STARTS)])["input_ids"]) + args.new_tokens - 1 - first
                for i in range(n_texts)]
     ends = torch.tensor(lengths).cumsum(0).tolist()
-    held = [(x[b:e], y[b:e]) for b, e in zip(ends[sizes[-1] - 1:-1], ends[sizes[-1]:],
+    held = [(x[b:e], y[b:e]) for b, e in zip([0, *ends][sizes[-1]:-1], ends[sizes[-1]:],
                                              strict=True)]
+    if args.transcoder:
+        scores = held_out_fvu(load_transcoder(args.transcoder), held)
+        per_text, all_tokens = (torch.tensor(scores[key]) for key in ("per_text", "all_tokens"))
+        row = {"transcoder": args.transcoder, "held_out_texts": args.held, "seed": args.seed,
+               "median_per_text": float(per_text.quantile(0.5)),
+               "median_all_tokens": float(all_tokens.quantile(0.5)),
+               "mean_per_text": float(per_text.mean()),
+               "mean_all_tokens": float(all_tokens.mean()), **scores}
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a", encoding="utf-8") as file:
+                file.write(json.dumps(row) + "\n")
+        return
     for n in sizes:
         tokens = ends[n - 1]
         start = time.perf_counter()
