@@ -32,6 +32,18 @@ def package_versions() -> dict[str, str]:
                                               "transformers")}
 
 
+def finite_or_none(value):
+    """``value`` with every NaN and infinity (in dicts, lists and tuples: those as lists) as
+    ``None``, for strict JSON, which has neither."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
 @dataclass(frozen=True)
 class SpecRunResult:
     """One spec's run: P(answer) clean, with noise only, and intervened — one row per seed.
