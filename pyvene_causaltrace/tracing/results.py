@@ -14,7 +14,7 @@ import numpy as np
 from ..arguments import checked
 from ..errors import InputError
 from .plots import plot_head_trace, plot_trace
-from .roles import token_roles
+from .roles import token_role
 
 
 @functools.cache
@@ -191,7 +191,8 @@ class TraceResult(_Effects):
 
     @property
     def roles(self) -> list[str]:
-        return token_roles(self.subject_range, len(self.tokens))
+        return [token_role(p, self.subject_range, len(self.tokens))
+                for p in range(len(self.tokens))]
 
     def subject_sites(self) -> dict[str, int]:
         """Positions of the subject's two token sites: ``subject_best``, the subject token
