@@ -35,9 +35,6 @@ from .settings import TraceSettings
 #: after "... is in the city of": 0.02-0.05 at every scale from 2 to 10 sigma), so the
 #: criterion is relative: every seed removes at least 95% of the answer's probability.
 COLLAPSE_FRACTION = 0.05
-#: The keyword defaults (the scales a sweep tries, the noise's distribution):
-#: :class:`~.settings.TraceSettings`' fields.
-_DEFAULT = TraceSettings()
 
 
 @dataclass(frozen=True)
@@ -113,9 +110,9 @@ def sweep_noise_scale(
     sigma: float,
     *,
     sigma_method: str = "given",
-    scales: Sequence[float] = _DEFAULT.scales,
+    scales: Sequence[float] = TraceSettings.scales,
     threshold: float | None = None,
-    distribution: str = _DEFAULT.distribution,
+    distribution: str = TraceSettings.distribution,
 ) -> NoiseScaleSweep:
     """Corrupted P(answer) for every scale and seed (one forward of ``len(seeds)`` rows per
     scale). ``threshold`` defaults to ``COLLAPSE_FRACTION`` x the clean probability."""
