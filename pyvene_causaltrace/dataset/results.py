@@ -20,7 +20,7 @@ from ..strict_json import loads
 from ..tracing.results import finite_or_none, package_versions
 from .plots import plot_role_curves, plot_role_heatmaps
 
-__all__ = ["DatasetResult", "aggregate_schema", "package_versions"]
+__all__ = ["DatasetResult", "aggregate_schema"]
 
 
 def aggregate_schema() -> dict:
