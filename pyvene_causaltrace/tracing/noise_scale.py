@@ -17,9 +17,7 @@ from ..arguments import checked
 from ..bound import BoundModel, bind
 from ..finite import NonFiniteError
 from ..interventions.noise import (  # noqa: F401 - re-exported
-    SIGMA_METHODS,
     NoiseAdd,
-    embedding_matrix_sigma,
     resolve_sigma,
     rome_sigma,
     subject_sigma,
