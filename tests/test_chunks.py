@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _support.chunks_reference import plan_chunks_reference
+from _support.chunks_reference import cost_of, plan_chunks_reference
 
 from pyvene_causaltrace.tracing.chunks import ChunkCost, plan_chunks
 
@@ -20,7 +20,7 @@ def _rows(seed: int, n: int = 300):
 
 
 def _cost(plan, cost):
-    return sum(cost.of(c.rows.numel(), T - c.prefix, L - c.first_layer) for c in plan)
+    return sum(cost_of(cost, c.rows.numel(), T - c.prefix, L - c.first_layer) for c in plan)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -62,10 +62,10 @@ def test_the_plan_costs_no_more_than_the_obvious_plans(seed):
     cost = ChunkCost(40.0, 300.0)
     plan = plan_chunks(positions, firsts, n_layers=L, seq_len=T, max_rows=lambda p: 10**6,
                        cost=cost)
-    per_group = sum(cost.of(int(((positions == p) & (firsts == c)).sum()), T - p, L - c)
+    per_group = sum(cost_of(cost, int(((positions == p) & (firsts == c)).sum()), T - p, L - c)
                     for p in range(T) for c in range(L + 1)
                     if bool(((positions == p) & (firsts == c)).any()))
-    per_position = sum(cost.of(int((positions == p).sum()), T - p,
+    per_position = sum(cost_of(cost, int((positions == p).sum()), T - p,
                                L - int(firsts[positions == p].min()))
                        for p in range(T) if bool((positions == p).any()))
     assert _cost(plan, cost) <= min(per_group, per_position) + 1e-6
@@ -125,8 +125,8 @@ def _random_case(seed: int):
 
 def _total(plan, settings):
     """A plan's estimated cost, each chunk from its own prefix and first layer."""
-    return sum(settings["cost"].of(c.rows.numel(), settings["seq_len"] - c.prefix,
-                                   settings["n_layers"] - c.first_layer) for c in plan)
+    return sum(cost_of(settings["cost"], c.rows.numel(), settings["seq_len"] - c.prefix,
+                       settings["n_layers"] - c.first_layer) for c in plan)
 
 
 @pytest.mark.parametrize("block", range(6))

@@ -8,6 +8,7 @@ import hashlib
 import json
 
 import pytest
+from _support.data import fetch_file_urls
 
 from pyvene_causaltrace.dataset import read_records, sources
 from pyvene_causaltrace.dataset.sources import (
@@ -32,6 +33,7 @@ def mirror(tmp_path, monkeypatch):
                            sha256=hashlib.sha256(data).hexdigest(), filename="tiny.json",
                            env="PVCT_TINY", licence="test")
     monkeypatch.setitem(sources.DATASETS, "tiny", source)
+    fetch_file_urls(monkeypatch)
     return tmp_path, source
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _support.data import PROJECT_FACTS, ROOT
+from _support.data import PROJECT_FACTS, ROOT, fetch_file_urls
 from _support.docs_world import N_LAYERS, PAGES, stand_in
 from clt_fixtures import random_clt_tensors, write_clt
 
@@ -67,6 +67,7 @@ def test_block_runs(world, page, index, code, monkeypatch, tmp_path):
     monkeypatch.setitem(sources.DATASETS, "known_1000", sources.DatasetSource(
         PROJECT_FACTS.as_uri(), hashlib.sha256(data).hexdigest(), "known_1000.json",
         "PVCT_DOCS_UNUSED", "test"))
+    fetch_file_urls(monkeypatch)
     monkeypatch.setenv("PYVENE_CAUSALTRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     Path("intervention_specs").symlink_to(ROOT / "intervention_specs")

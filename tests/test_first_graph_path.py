@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _support.data import PROJECT_FACTS, ROOT
+from _support.data import PROJECT_FACTS, ROOT, fetch_file_urls
 from _support.docs_world import PAGES
 from _support.docs_world import stand_in as docs_stand_in
 
@@ -84,6 +84,7 @@ def test_readme_blocks_run_in_order_after_the_fit(fresh_home, tmp_path, monkeypa
     monkeypatch.setitem(sources.DATASETS, "known_1000", sources.DatasetSource(
         PROJECT_FACTS.as_uri(), hashlib.sha256(data).hexdigest(), "known_1000.json",
         "PVCT_DOCS_UNUSED", "test"))
+    fetch_file_urls(monkeypatch)
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)

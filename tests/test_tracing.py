@@ -22,7 +22,7 @@ from pyvene_causaltrace.tracing.head import ReusedHead
 from pyvene_causaltrace.tracing.metrics import token_probs
 from pyvene_causaltrace.tracing.noise_scale import NoiseScaleSweep
 from pyvene_causaltrace.tracing.results import TraceResult
-from pyvene_causaltrace.tracing.roles import token_roles
+from pyvene_causaltrace.tracing.roles import token_role
 from pyvene_causaltrace.tracing.tracer import Tracer, trace, tracer_from_spec
 
 N_LAYERS, SEQ, SCALE, SIGMA, ANSWER = 4, 7, 3.0, 0.5, 11
@@ -441,7 +441,7 @@ def test_auto_scale_refuses_when_nothing_collapses(tokenizer):
     ((0, 2), 3, ["First subject token", "Last subject token", "Last token"]),
 ])
 def test_token_roles(subject_range, seq_len, expected):
-    assert token_roles(subject_range, seq_len) == expected
+    assert [token_role(p, subject_range, seq_len) for p in range(seq_len)] == expected
 
 
 def test_bad_requests(tokenizer):

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..arguments import checked
 from ..atomic import write_text
-from ..tracing.results import package_versions
+from ..tracing.results import finite_or_none, package_versions
 from .plots import plot_cross_check
 from .sites import pearson, spearman
 
@@ -140,7 +140,7 @@ class CrossCheckResult:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["subject_range"] = list(self.subject_range)
-        return _finite_or_none(data)
+        return finite_or_none(data)
 
     @checked
     def to_json(self, path: str | Path | None = None) -> str:
@@ -192,14 +192,3 @@ class CrossCheckResult:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None or value != value else f"{value:+.3f}"
-
-
-def _finite_or_none(value):
-    """NaN and infinities as None (JSON has neither)."""
-    if isinstance(value, float) and not np.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite_or_none(v) for v in value]
-    return value

@@ -20,7 +20,7 @@ from ..arguments import checked
 from ..errors import InputError
 from ..tracing.roles import BEFORE_SUBJECT, ROLES, role_positions
 from .plan import check_boot_fits
-from .results import DatasetResult, package_versions
+from .results import DatasetResult
 
 ROLE_ORDER = (BEFORE_SUBJECT, *ROLES)
 
@@ -118,5 +118,4 @@ def aggregate_rows(rows: Iterable[dict], *, kinds: Sequence[str], manifest: dict
         ci_low={k: v.tolist() for k, v in low.items()},
         ci_high={k: v.tolist() for k, v in high.items()},
         n_facts=n_facts, effects=totals, level=level, n_boot=n_boot,
-        screen=dict(sorted(reasons.items())), manifest=dict(manifest or {}),
-        versions=package_versions())
+        screen=dict(sorted(reasons.items())), manifest=dict(manifest or {}))

@@ -17,26 +17,16 @@ import numpy as np
 
 from ..arguments import checked
 from ..strict_json import loads
-from ..tracing.results import package_versions
+from ..tracing.results import finite_or_none, package_versions
 from .plots import plot_role_curves, plot_role_heatmaps
 
-__all__ = ["DatasetResult", "aggregate_schema", "package_versions"]
+__all__ = ["DatasetResult", "aggregate_schema"]
 
 
 def aggregate_schema() -> dict:
     """The JSON Schema of :meth:`DatasetResult.to_json` (``aggregate.json``)."""
     return json.loads(files("pyvene_causaltrace.dataset").joinpath("aggregate.schema.json")
                       .read_text())
-
-
-def _nan_to_none(value):
-    if isinstance(value, float) and value != value:
-        return None
-    if isinstance(value, dict):
-        return {k: _nan_to_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_nan_to_none(v) for v in value]
-    return value
 
 
 @dataclass(frozen=True)
@@ -129,7 +119,7 @@ class DatasetResult:
 
     def to_json(self) -> str:
         """Strict JSON: a role no fact has is ``null`` (NaN in the arrays)."""
-        return json.dumps(_nan_to_none(asdict(self)), indent=2, allow_nan=False)
+        return json.dumps(finite_or_none(asdict(self)), indent=2, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> DatasetResult:

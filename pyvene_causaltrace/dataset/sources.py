@@ -8,10 +8,8 @@ copy instead (checked the same way). Offline, the error says where to put the fi
 from __future__ import annotations
 
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 from ..errors import DatasetUnavailableError, InputError
 from ..models import cache_dir
@@ -62,9 +60,7 @@ def dataset_path(name: str, *, progress: bool = False) -> Path:
     folder = cache_dir() / "data"
     try:
         fetched = pooch.retrieve(source.url, known_hash=f"sha256:{source.sha256}",
-                                 fname=source.filename, path=folder, progressbar=progress,
-                                 downloader=_file_downloader if source.url.startswith("file:")
-                                 else None)
+                                 fname=source.filename, path=folder, progressbar=progress)
     except ValueError as error:  # pooch's checksum mismatch
         raise DatasetUnavailableError(f"{name} from {source.url} failed its checksum: "
                                       f"{str(error).splitlines()[0]}") from None
@@ -74,17 +70,3 @@ def dataset_path(name: str, *, progress: bool = False) -> Path:
             f"download it by hand to {folder / source.filename}, or set {source.env} to a local "
             "copy") from None
     return Path(fetched)
-
-
-def _file_downloader(url: str, output_file, pooch_instance=None, check_only: bool = False):
-    """A pooch downloader for ``file://`` URLs (a mirror on disk)."""
-    source = Path(urlparse(url).path)
-    if check_only:
-        return source.is_file()
-    if not source.is_file():
-        raise FileNotFoundError(f"no file at {url}")
-    if hasattr(output_file, "write"):
-        output_file.write(source.read_bytes())
-    else:
-        shutil.copyfile(source, output_file)
-    return None

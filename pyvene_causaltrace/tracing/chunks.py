@@ -77,9 +77,6 @@ class ChunkCost:
         return cls(layer=(speed.layer_overhead + layer_bytes / speed.bandwidth) / token,
                    forward=(speed.forward_overhead + head_bytes / speed.bandwidth) / token)
 
-    def of(self, rows: int, span: int, layers: int, forwards: int = 1) -> float:
-        return forwards * (self.forward + layers * self.layer) + layers * rows * span
-
 
 class Chunk(NamedTuple):
     """Rows computed together: positions ``>= prefix``, layers ``>= first_layer``. (A named
@@ -248,7 +245,7 @@ _SCRATCH = _Scratch()
 @dataclass(frozen=True)
 class _LayerRuns:
     """The first-layer programme of a set of position bands, one column each: split a band's
-    first layers into runs, a run costing :meth:`ChunkCost.of` from its smallest first layer.
+    first layers into runs, a run costing its :class:`ChunkCost` from its smallest first layer.
 
     The programme runs over every first layer, present in the band or not: a run's first layer
     is its smallest present one and an empty run costs 0, so its least costs are the
@@ -283,7 +280,7 @@ class _LayerRuns:
         for layer in range(n_firsts - 2, -1, -1):
             np.maximum(layers[layer], layers[layer + 1], out=layers[layer])
         fixed = np.multiply(layers, cost.layer, out=_SCRATCH.take(layers.shape))
-        fixed += cost.forward  # forward + layers * layer, as ChunkCost.of
+        fixed += cost.forward  # forward + layers * layer, as the reference adds them
         return cls(below=below, fixed=fixed, per_row=np.multiply(layers, spans, out=layers),
                    limits=limits.astype(np.float64))
 
@@ -319,8 +316,8 @@ class _LayerRuns:
 
     def _candidates(self, rows: np.ndarray, fixed: np.ndarray, per_row: np.ndarray,
                     best: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``best + ChunkCost.of(rows, ...)`` with ``of``'s order of operations (the reference's
-        floats, bit for bit); overwrites ``rows``."""
+        """``best + forwards * (forward + layers * layer) + layers * rows * span`` in the
+        reference's order of operations (its floats, bit for bit); overwrites ``rows``."""
         value = np.divide(rows, self.limits, out=out)
         np.ceil(value, out=value)  # forwards
         value *= fixed

@@ -17,9 +17,7 @@ from ..arguments import checked
 from ..bound import BoundModel, bind
 from ..finite import NonFiniteError
 from ..interventions.noise import (  # noqa: F401 - re-exported
-    SIGMA_METHODS,
     NoiseAdd,
-    embedding_matrix_sigma,
     resolve_sigma,
     rome_sigma,
     subject_sigma,
@@ -35,9 +33,6 @@ from .settings import TraceSettings
 #: after "... is in the city of": 0.02-0.05 at every scale from 2 to 10 sigma), so the
 #: criterion is relative: every seed removes at least 95% of the answer's probability.
 COLLAPSE_FRACTION = 0.05
-#: The keyword defaults (the scales a sweep tries, the noise's distribution):
-#: :class:`~.settings.TraceSettings`' fields.
-_DEFAULT = TraceSettings()
 
 
 @dataclass(frozen=True)
@@ -113,9 +108,9 @@ def sweep_noise_scale(
     sigma: float,
     *,
     sigma_method: str = "given",
-    scales: Sequence[float] = _DEFAULT.scales,
+    scales: Sequence[float] = TraceSettings.scales,
     threshold: float | None = None,
-    distribution: str = _DEFAULT.distribution,
+    distribution: str = TraceSettings.distribution,
 ) -> NoiseScaleSweep:
     """Corrupted P(answer) for every scale and seed (one forward of ``len(seeds)`` rows per
     scale). ``threshold`` defaults to ``COLLAPSE_FRACTION`` x the clean probability."""

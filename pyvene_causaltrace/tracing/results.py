@@ -14,7 +14,7 @@ import numpy as np
 from ..arguments import checked
 from ..errors import InputError
 from .plots import plot_head_trace, plot_trace
-from .roles import token_roles
+from .roles import token_role
 
 
 @functools.cache
@@ -30,6 +30,18 @@ def package_versions() -> dict[str, str]:
     the metadata lookup costs milliseconds, a tiny model's whole trace only tens)."""
     return {name: _version(name) for name in ("pyvene-causaltrace", "pyvene", "torch",
                                               "transformers")}
+
+
+def finite_or_none(value):
+    """``value`` with every NaN and infinity (in dicts, lists and tuples: those as lists) as
+    ``None``, for strict JSON, which has neither."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -179,7 +191,8 @@ class TraceResult(_Effects):
 
     @property
     def roles(self) -> list[str]:
-        return token_roles(self.subject_range, len(self.tokens))
+        return [token_role(p, self.subject_range, len(self.tokens))
+                for p in range(len(self.tokens))]
 
     def subject_sites(self) -> dict[str, int]:
         """Positions of the subject's two token sites: ``subject_best``, the subject token

@@ -44,10 +44,6 @@ def token_role(position: int, subject_range: tuple[int, int], seq_len: int) -> s
     return BEFORE_SUBJECT
 
 
-def token_roles(subject_range: tuple[int, int], seq_len: int) -> list[str]:
-    return [token_role(p, subject_range, seq_len) for p in range(seq_len)]
-
-
 def role_positions(subject_range: tuple[int, int], seq_len: int) -> dict[str, list[int]]:
     """ROME's bucketing for averaging over facts: the positions each role averages over.
     Unlike :func:`token_role`'s, buckets may share a position or be empty, as in ROME's code (a

@@ -25,7 +25,7 @@ from ..errors import InputError
 from ..finite import positive_number
 from ..interventions.noise import DISTRIBUTIONS, check_sigma, seed_list
 
-__all__ = ["TraceSettings", "check_window", "seed_count"]
+__all__ = ["TraceSettings", "seed_count"]
 
 
 def seed_count(seeds: int | Sequence[int]) -> int:
@@ -37,14 +37,6 @@ def seed_count(seeds: int | Sequence[int]) -> int:
             raise InputError(f"seeds must be a positive count or a non-empty list, got {seeds}")
         return seeds
     return len(seed_list(seeds))
-
-
-def check_window(window: object) -> int:
-    """``window`` as an ``int`` if it is a positive integer (a NumPy one too: layers per
-    window), else :class:`~..errors.InputError`."""
-    if isinstance(window, bool) or not isinstance(window, Integral) or window <= 0:
-        raise InputError(f"window (--window) must be a positive integer, got {window!r}")
-    return int(window)
 
 
 @dataclass(frozen=True)
@@ -80,7 +72,10 @@ class TraceSettings(Settings):
         if self.distribution not in DISTRIBUTIONS:
             raise InputError(f"distribution must be one of {DISTRIBUTIONS}, got "
                              f"{self.distribution!r}")
-        object.__setattr__(self, "window", check_window(self.window))
+        window = self.window  # layers per window: a positive integer (a NumPy one too)
+        if isinstance(window, bool) or not isinstance(window, Integral) or window <= 0:
+            raise InputError(f"window (--window) must be a positive integer, got {window!r}")
+        object.__setattr__(self, "window", int(window))
         positive_number(self.memory_budget_mb, "memory_budget_mb (--budget-mb)")
 
     @property

@@ -14,6 +14,12 @@ from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.tracing.chunks import MAX_POSITION_BAND, Chunk, ChunkCost
 
 
+def cost_of(cost: ChunkCost, rows: int, span: int, layers: int, forwards: int = 1) -> float:
+    """The cost of ``forwards`` forwards of ``rows`` rows of ``span`` positions through
+    ``layers`` layers (:class:`ChunkCost`), in the order of operations the planners share."""
+    return forwards * (cost.forward + layers * cost.layer) + layers * rows * span
+
+
 def plan_chunks_reference(
     positions: Sequence[int] | torch.Tensor,
     first_layers: Sequence[int] | torch.Tensor,
@@ -56,7 +62,8 @@ def plan_chunks_reference(
             for start in range(end - 1, -1, -1):
                 rows += band_counts[present[start]]
                 layers = n_layers - layer_keys[present[start]]
-                total = best[start] + cost.of(rows, span, layers, math.ceil(rows / limit))
+                total = best[start] + cost_of(cost, rows, span, layers,
+                                              math.ceil(rows / limit))
                 if total < best[end]:
                     best[end], cut[end] = total, start
         bands, end = [], len(present)

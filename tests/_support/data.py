@@ -6,8 +6,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
+from urllib.parse import urlparse
 
 import pytest
 
@@ -40,3 +42,30 @@ def known_facts() -> Path:
 def fact_texts() -> list[str]:
     """"prompt attribute" of each of the project's own facts (1,200)."""
     return [f"{f['prompt']} {f['attribute']}" for f in json.loads(PROJECT_FACTS.read_text())]
+
+
+def fetch_file_urls(monkeypatch) -> None:
+    """pooch fetches ``file://`` URLs (a mirror on disk, never the network) by copying them,
+    for tests that point a named dataset's source at one; any other URL as before."""
+    import pooch.core
+
+    choose = pooch.core.choose_downloader
+
+    def chooser(url: str, progressbar: bool = False):
+        return _copy_file if url.startswith("file:") else choose(url, progressbar=progressbar)
+
+    monkeypatch.setattr(pooch.core, "choose_downloader", chooser)
+
+
+def _copy_file(url: str, output_file, pooch_instance=None, check_only: bool = False):
+    """A pooch downloader for ``file://`` URLs (was ``dataset.sources._file_downloader``)."""
+    source = Path(urlparse(url).path)
+    if check_only:
+        return source.is_file()
+    if not source.is_file():
+        raise FileNotFoundError(f"no file at {url}")
+    if hasattr(output_file, "write"):
+        output_file.write(source.read_bytes())
+    else:
+        shutil.copyfile(source, output_file)
+    return None
