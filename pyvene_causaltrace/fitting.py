@@ -35,7 +35,7 @@ from .bound import BoundModel, bind
 from .defaults import BOS
 from .errors import InputError, NonFiniteError
 from .fingerprint import model_fingerprint
-from .fit_output import RECORD, fit_output
+from .fit_output import fit_output
 from .model_guard import measuring
 from .models import OFFLINE_DEFAULT, cache_dir, load_model
 from .prompts import first_position
@@ -67,7 +67,6 @@ STARTS = (
     "The song", "The street", "The station", "The painter", "The king of", "The football club",
     "The lake", "The castle",
 )
-FIT_RECORD = RECORD
 #: Texts generated together (one batch of the model's forwards per new token).
 GENERATION_BATCH = 64
 #: How the pairs read from generated text are held: half float32's memory, float32's range
