@@ -1,8 +1,8 @@
 """The directory a fit writes: only its own, one fit at a time, replaced whole or not at all.
 
-    with fit_output(path, refit) as out:   # refuses a folder fit did not write; locks it
-        record = out.record()              # the fit there (None when there is none)
-        out.commit(write)                  # write(tmp) fills a fresh directory; swapped in
+    with fit_output(path) as out:          # refuses a folder fit did not write; locks it
+        old = out.record()                 # the fit there (None when there is none)
+        out.commit(write, record)          # write(tmp) fills a fresh directory; swapped in
 
 ``path`` is written only when absent or holding ``fit.json`` (a user's folder, even empty, is
 refused: nothing else is ever deleted). ``.<name>.fit.lock`` beside it (beside: a refit renames

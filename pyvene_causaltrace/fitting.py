@@ -35,7 +35,7 @@ from .bound import BoundModel, bind
 from .defaults import BOS
 from .errors import InputError, NonFiniteError
 from .fingerprint import model_fingerprint
-from .fit_output import RECORD, fit_output
+from .fit_output import fit_output
 from .model_guard import measuring
 from .models import OFFLINE_DEFAULT, cache_dir, load_model
 from .prompts import first_position
@@ -67,7 +67,6 @@ STARTS = (
     "The song", "The street", "The station", "The painter", "The king of", "The football club",
     "The lake", "The castle",
 )
-FIT_RECORD = RECORD
 #: Texts generated together (one batch of the model's forwards per new token).
 GENERATION_BATCH = 64
 #: How the pairs read from generated text are held: half float32's memory, float32's range
@@ -199,7 +198,7 @@ def phase(name: str, progress: bool, seconds: dict, desc: str | None = None) -> 
 
 
 def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: int,
-                   progress: bool = False, *, record: int = 0,
+                   progress: bool = False, *, record: int,
                    dtype: torch.dtype = GENERATED_PAIRS):
     """``(texts, x, y)``: ``n`` texts the model writes itself — :data:`STARTS` in turn, each
     continued by ``new_tokens`` sampled tokens (temperature 1, seeded, the caller's random state
@@ -207,7 +206,7 @@ def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: 
     they can be, so nothing is padded) — and the pairs of the first ``record`` texts from the
     generation's own forwards (:func:`~.transcoders.hooks.keeping_states`): ``hook_resid_mid``
     and ``hook_mlp_out``, ``[tokens, L, D]`` in ``dtype``, at every position but BOS and the
-    last token (which no forward reads); None when ``record`` is 0."""
+    last token (which no forward reads)."""
     first = first_position(tokenizer, BOS)
     groups: dict[int, list[tuple[int, list[int]]]] = {}
     lengths = []  # the positions kept of each text
@@ -216,15 +215,13 @@ def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: 
         groups.setdefault(len(ids), []).append((i, ids))
         lengths.append(len(ids) + new_tokens - 1 - first)
     offsets = [0, *itertools.accumulate(lengths[:record])]
-    x = torch.empty(offsets[-1], bound.n_layers, bound.d_model, dtype=dtype) if record else None
-    y = torch.empty_like(x) if record else None
+    x = torch.empty(offsets[-1], bound.n_layers, bound.d_model, dtype=dtype)
+    y = torch.empty_like(x)
     texts: list[str] = [""] * n
-    hooks = {"x": "hook_resid_mid", "y": "hook_mlp_out"} if record else {}
     with torch.random.fork_rng(devices=[]), torch.no_grad(), \
-            keeping_states(bound, hooks, dtype) as take, \
-            tqdm(total=n, desc="generating text" + (", reading its activations" if record
-                                                    else ""),
-                 unit="text", disable=not progress) as bar:
+            keeping_states(bound, {"x": "hook_resid_mid", "y": "hook_mlp_out"}, dtype) as take, \
+            tqdm(total=n, desc="generating text, reading its activations", unit="text",
+                 disable=not progress) as bar:
         torch.manual_seed(seed)
         for _, group in sorted(groups.items()):
             size = math.ceil(len(group) / math.ceil(len(group) / GENERATION_BATCH))
@@ -235,7 +232,7 @@ def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: 
                     input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                     temperature=1.0, top_k=0, max_new_tokens=new_tokens,
                     min_new_tokens=new_tokens, pad_token_id=tokenizer.eos_token_id)
-                pairs = take() if record else {}
+                pairs = take()
                 for row, (i, _) in enumerate(chunk):
                     texts[i] = tokenizer.decode(out[row], skip_special_tokens=True)
                     if i < record:

@@ -20,7 +20,7 @@ from _support.docs_world import PAGES
 from _support.docs_world import stand_in as docs_stand_in
 
 import pyvene_causaltrace
-from pyvene_causaltrace import fitting
+from pyvene_causaltrace import fit_output, fitting
 from pyvene_causaltrace import models as model_module
 from pyvene_causaltrace.cli import attribute as cli_attribute
 from pyvene_causaltrace.cli import main as cli
@@ -79,7 +79,7 @@ def test_readme_blocks_run_in_order_after_the_fit(fresh_home, tmp_path, monkeypa
     path = Path(DEFAULT).expanduser()
     assert cli(["fit", *FEW, "--features", "8", "--out", str(path)]) == 0
     assert "held-out pairing FVU" in capsys.readouterr().out
-    assert (path / fitting.FIT_RECORD).is_file()
+    assert (path / fit_output.RECORD).is_file()
     data = PROJECT_FACTS.read_bytes()  # known_1000 by name: the project's facts, no network
     monkeypatch.setitem(sources.DATASETS, "known_1000", sources.DatasetSource(
         PROJECT_FACTS.as_uri(), hashlib.sha256(data).hexdigest(), "known_1000.json",
