@@ -36,6 +36,7 @@ from .defaults import BOS
 from .errors import InputError, NonFiniteError
 from .fingerprint import model_fingerprint
 from .fit_output import fit_output
+from .memory import device_bytes
 from .model_guard import measuring
 from .models import OFFLINE_DEFAULT, cache_dir, load_model
 from .prompts import first_position
@@ -44,7 +45,6 @@ from .transcoders.fit import (
     check_fit_fits,
     check_settings,
     collect_pairs,
-    device_bytes,
     fast_bf16,
     fit_bytes,
     fit_pairs,
@@ -321,19 +321,11 @@ def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | Non
     return FitReport(path, False, record)
 
 
-def available_bytes(device) -> int:
-    """Memory a fit on ``device`` may use: a GPU's, else what this process may use of the
-    machine's (its control group's limit)."""
-    from .dataset.plan import machine_memory  # the dataset floor loads only for a fit
-
-    return device_bytes(device) if device.type == "cuda" else machine_memory()
-
-
 def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progress: bool,
          seconds: dict) -> tuple:
     """Gather text, collect, fit and check: ``(transcoder, the record fit.json will hold)``."""
     n_held = min(32, max(4, settings.texts // 10))  # held out for the pairing FVU
-    have = available_bytes(bound.device)
+    have = device_bytes(bound.device)
     options = KINDS[settings.kind][0]
     generated = settings.data == "self"
     pair_dtype = GENERATED_PAIRS if generated else torch.float32

@@ -15,7 +15,7 @@ import pytest
 import torch
 from _support.models import CORPUS, make_tiny_model
 
-from pyvene_causaltrace import fit_output, fitting
+from pyvene_causaltrace import fit_output, fitting, memory
 from pyvene_causaltrace.cli import main
 from pyvene_causaltrace.errors import (
     DamagedFileError,
@@ -154,7 +154,7 @@ def test_sizes_past_their_bound_are_refused(tmp_path, no_model_load, name, value
 
 
 def test_a_fit_past_memory_is_refused_before_allocating(fit, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(fitting, "available_bytes", lambda device: 50 * 2**20)
+    monkeypatch.setattr(fitting, "device_bytes", lambda device: 50 * 2**20)
 
     def no_collect(*args, **kwargs):
         raise AssertionError("collected before the memory check")
@@ -169,6 +169,25 @@ def test_a_fit_past_memory_is_refused_before_allocating(fit, tmp_path, monkeypat
     with pytest.raises(MemoryCapError, match="GB"):  # the machine's memory by default
         transcoder_fit.fit_pairs(torch.randn(64, 2, 8), torch.randn(64, 2, 8), "m",
                                  d_transcoder=2**40)
+
+
+def test_a_control_groups_limit_bounds_every_size_check(monkeypatch):
+    """A container's limit, not the machine's memory, is what a direct fit_pairs (as well as
+    fit, a bootstrap and steering) may use: fit_pairs once read the machine's physical memory
+    and passed fits the container would kill."""
+    pairs = torch.randn(64, 2, 8), torch.randn(64, 2, 8)
+    size = 2**17  # a fit of about 16 MB: far below any machine's memory
+    transcoder_fit.fit_pairs(*pairs, "m", d_transcoder=size, steps=1)  # the control: it runs
+    read_text = Path.read_text
+
+    def limited(path, *args, **kwargs):
+        if path.name in ("memory.max", "memory.limit_in_bytes"):
+            return f"{2**20}\n"  # a 1 MB control group
+        return read_text(path, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", limited)
+    assert memory.device_bytes() == memory.device_bytes(torch.device("cpu")) == 2**20
+    with pytest.raises(MemoryCapError, match="MB"):
+        transcoder_fit.fit_pairs(*pairs, "m", d_transcoder=size, steps=1)
 
 
 def test_progress_says_the_estimate_and_counts_steps(fit, tmp_path, capsys):

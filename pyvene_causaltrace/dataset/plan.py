@@ -7,24 +7,9 @@ A seed count is checked as a count (``seeds=100000000`` is refused without build
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 from ..errors import MemoryCapError
-
-
-def machine_memory() -> int:
-    """Bytes of memory this process may use: the machine's, or its control group's limit."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for limit in (Path("/sys/fs/cgroup/memory.max"),
-                  Path("/sys/fs/cgroup/memory/memory.limit_in_bytes")):
-        try:
-            text = limit.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))
-    return total
+from ..memory import device_bytes
 
 
 def bootstrap_bytes(n_boot: int, n_facts: int, n_values: int) -> int:
@@ -35,7 +20,7 @@ def bootstrap_bytes(n_boot: int, n_facts: int, n_values: int) -> int:
 
 def check_boot_fits(n_boot: int, n_facts: int, n_values: int) -> None:
     """Refuse, before allocating, a bootstrap that cannot fit this machine's memory."""
-    need, have = bootstrap_bytes(n_boot, n_facts, n_values), machine_memory()
+    need, have = bootstrap_bytes(n_boot, n_facts, n_values), device_bytes()
     if need > have:
         most = max(1, have // max(1, bootstrap_bytes(1, n_facts, n_values)))
         raise MemoryCapError(

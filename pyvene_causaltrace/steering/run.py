@@ -16,9 +16,9 @@ from ..arguments import MemoryMB, NonNegativeInt, PositiveInt, Text
 from ..bound import BoundModel, bind
 from ..errors import InputError, MemoryCapError, NonFiniteError
 from ..finite import check_finite, positive_number
-from ..fitting import available_bytes
 from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..interventions.frozen import FrozenAttention, attention_patterns
+from ..memory import device_bytes
 from ..model_guard import measured
 from ..models import model_name
 from ..prompts import first_position, tokenize_prompt
@@ -231,7 +231,7 @@ def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: i
     if memory_mb is not None:
         budget = positive_number(memory_mb, "memory_mb")
     else:  # a GPU's memory, else what this process may use of the machine's
-        budget = available_bytes(device) / 2**20
+        budget = device_bytes(device) / 2**20
     if generation_mb(model, transcoder, n_prompt + max_new_tokens) <= budget:
         return
     low, high = 0, max_new_tokens  # the most new tokens that fit: low fits, high does not

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ from tqdm import tqdm
 
 from ..defaults import BOS
 from ..errors import InputError, MemoryCapError, NonFiniteError
+from ..memory import device_bytes
 from ..model_guard import measuring
 from ..models import model_name as name_of
 from ..prompts import first_position
@@ -117,14 +117,6 @@ def collect_pairs(model: nn.Module, tokenizer: Tokenizer, texts: Sequence[str],
             raise NonFiniteError(f"the model's {what} on these texts hold NaN/inf: a fit to "
                                  "them would be NaN (check the model's weights and dtype)")
     return x, y
-
-
-def device_bytes(device: torch.device) -> int:
-    """Memory on ``device``: a GPU's, else the machine's physical memory (:mod:`..fitting`
-    checks a control group's limit too)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def fit_bytes(n_tokens: int, n_layers: int, d_model: int, d_transcoder: int, *,
@@ -294,8 +286,9 @@ def fit_pairs(
     (:func:`_units`), the decoder starting at zero, folded back at the end — one learning rate
     suits every layer, and large states (a first position hundreds of times the rest) do not
     claim the features. ``bf16``: the steps' products in bfloat16 (:func:`fast_bf16`). A fit
-    whose estimate (:func:`fit_bytes`) passes ``memory_bytes`` (default :func:`device_bytes`) is
-    refused before allocating; NaN/inf loss or weights raise :class:`~..errors.NonFiniteError`.
+    whose estimate (:func:`fit_bytes`) passes ``memory_bytes`` (default: what this process may
+    use, :func:`~..memory.device_bytes`, a control group's limit included) is refused before
+    allocating; NaN/inf loss or weights raise :class:`~..errors.NonFiniteError`.
     ``train_fvu`` is scored on up to 8192 tokens, evenly spaced."""
     check_settings(activation, kind, skip, k, d_transcoder)
     if skip_init not in ("zero", "lstsq"):
