@@ -28,7 +28,7 @@ _NUMBER_OR_NULL = (int, float, type(None))
 #: Keys (and their types) a line of each file must have.
 ROW_FIELDS = {
     RESULTS: {"index": int, "fact": str, "kind": str, "seed": int, "subject_range": list,
-              "clean": (int, float), "corrupt": (int, float), "restored": list},
+              "clean": _NUMBER, "corrupt": _NUMBER, "restored": list},
     SCREEN: {"fact": (str, type(None)), "kept": bool},
     GRAPHS: {"index": int, "fact": str, "tokens": list, "subject_range": list, "answer": str,
              "n_features": int, "n_explored": int, "closure": _NUMBER,
