@@ -13,6 +13,8 @@ from _support.models import PROMPT, SUBJECT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
 
 from pyvene_causaltrace.cli import main
+from pyvene_causaltrace.cli.dataset import DATASET_FLAGS
+from pyvene_causaltrace.cli.trace import TRACE_FLAGS
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +294,41 @@ def test_a_user_mistake_is_one_error_line_and_exit_2(root, capsys, command, args
     errors = [line for line in captured.err.splitlines() if "error:" in line]
     assert len(errors) == 1 and needle in errors[0], captured.err
     assert "Traceback" not in captured.err + captured.out
+
+
+#: One bad value for each ``trace`` and ``dataset`` flag that sets a settings field (argparse
+#: dest -> value; ``dataset``'s graph flags need ``--graphs --clt``): argparse or the settings
+#: refuse it, and either way the error names the flag.
+SETTINGS_FLAG_MISTAKES = {
+    "trace": {"seeds": "0", "scale": "big", "sigma": "loud", "window": "0", "budget_mb": "-1"},
+    "dataset": {"kinds": "residul", "seeds": "0", "scale": "nan", "sigma": "loud", "window": "0",
+                "known": "some", "limit": "0", "budget_mb": "0", "boot": "0",
+                "max_feature_nodes": "-3", "graph_memory_mb": "nan", "bos": "sometimes"},
+}
+GRAPH_DESTS = {"max_feature_nodes", "graph_memory_mb", "bos"}  # save_graphs: a switch
+
+
+def test_every_settings_flag_has_a_mistake():
+    assert set(SETTINGS_FLAG_MISTAKES["trace"]) == set(TRACE_FLAGS)
+    assert set(SETTINGS_FLAG_MISTAKES["dataset"]) == set(DATASET_FLAGS) | GRAPH_DESTS
+
+
+@pytest.mark.parametrize("command,dest,value", [
+    (command, dest, value) for command, rows in SETTINGS_FLAG_MISTAKES.items()
+    for dest, value in rows.items()])
+def test_a_refused_setting_names_its_flag(root, capsys, command, dest, value):
+    flag = "--" + dest.replace("_", "-")
+    argv = [command, flag, value]
+    if command == "dataset":
+        argv += ["--data", str(root / "facts.json"), "--out", str(root / f"flag_{dest}")]
+        argv += ["--graphs", "--clt", str(root / "clt")] if dest in GRAPH_DESTS else []
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and flag in errors[0], err
 
 
 def test_validate_reports_every_file(root, capsys):

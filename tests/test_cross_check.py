@@ -33,7 +33,7 @@ from pyvene_causaltrace.crosscheck import (
     spearman,
     total_effects,
 )
-from pyvene_causaltrace.crosscheck.sites import reachable_cells, top_k_overlap
+from pyvene_causaltrace.crosscheck.sites import reachable_cells, top_cells, top_k_overlap
 from pyvene_causaltrace.errors import InputError, PyveneModelError
 from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.transcoders import load_transcoder
@@ -152,10 +152,11 @@ def test_rank_statistics_by_hand():
     assert spearman(a, b) == pytest.approx(0.8)
     grid_a = np.arange(6.0).reshape(2, 3)
     grid_b = grid_a[::-1].copy()
-    assert top_k_overlap(grid_a, grid_a, 2) == 1.0
-    assert top_k_overlap(grid_a, grid_b, 2) == 0.0
+    assert top_k_overlap(top_cells(grid_a, 2), top_cells(grid_a, 2)) == 1.0
+    assert top_k_overlap(top_cells(grid_a, 2), top_cells(grid_b, 2)) == 0.0
     mask = np.array([[False, True, True], [False, True, True]])
-    assert top_k_overlap(grid_a, grid_a, 10, mask) == 1.0
+    assert top_k_overlap(top_cells(grid_a, 10, mask), top_cells(grid_a, 10, mask)) == 1.0
+    assert np.isnan(top_k_overlap([], []))
 
 
 def test_the_json_follows_its_schema_and_round_trips(world, tmp_path):

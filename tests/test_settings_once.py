@@ -669,7 +669,7 @@ def _said(value: object) -> str:
 def test_the_trace_and_dataset_flags_are_the_settings_fields(command, flags, settings):
     parser = _commands()[command]
     fields = {f.name: f.default for f in dataclasses.fields(settings)}
-    mapped = dict(flags)
+    mapped = flags
     assert set(mapped.values()) <= set(fields)  # each mapped flag is a field
     dests = {action.dest for action in parser._actions}
     assert set(mapped) <= dests
@@ -704,13 +704,13 @@ def test_the_trace_and_dataset_flags_are_the_settings_fields(command, flags, set
 #: Each command's settings objects: ``(class, {argparse dest: field}, {field: why it is not a
 #: flag})``; every field is one or the other.
 COMMAND_SETTINGS = {
-    "trace": [(TraceSettings, dict(TRACE_FLAGS), {
+    "trace": [(TraceSettings, TRACE_FLAGS, {
         "scales": "the auto sweep's scales: a Python-level choice",
         "distribution": "uniform noise is a Python-level and spec option",
         "reuse_prefix": "an exact engine shortcut, turned off only to compare (benchmarks)",
         "replay_layers": "an exact engine shortcut, turned off only to compare (benchmarks)"})],
     "dataset": [
-        (DatasetSettings, dict(DATASET_FLAGS), {}),
+        (DatasetSettings, DATASET_FLAGS, {}),
         (GraphSettings, {"max_feature_nodes": "max_feature_nodes",
                          "graph_memory_mb": "memory_mb", "bos": "bos", "save_graphs": "save"},
          {"target": "a dataset graph explains the fact's answer, demeaned by the top k",

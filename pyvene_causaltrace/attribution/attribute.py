@@ -41,17 +41,16 @@ from .edges import (
 from .graph import AttributionGraph
 from .reading import Layout, influence, logit_weights
 from .replacement import ReplacementRun
-from .replacement_model import PreparedPrompt, ReplacementModel, transcoder_metadata
-from .settings import BOS_ERRORS, AttributionSettings
+from .replacement_model import PreparedPrompt, ReplacementModel
+from .settings import AttributionSettings
 from .spread import Spread
 from .store import RowStore
-from .targets import TARGET_KINDS, Target, make_target
+from .targets import Target, make_target
 
 if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations need it
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["BOS_ERRORS", "TARGET_KINDS", "attribute", "make_target", "steering_metadata",
-           "transcoder_metadata"]
+__all__ = ["attribute", "make_target", "steering_metadata"]
 
 #: ``attribute()``'s keyword defaults: :class:`~.settings.AttributionSettings`'.
 _DEFAULT = AttributionSettings()

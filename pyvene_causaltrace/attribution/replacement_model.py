@@ -86,7 +86,6 @@ class ReplacementModel:
         self.bound.check_weights()
         self.tokenizer = tokenizer
         self.transcoder = transcoder
-        self.adapter = self.bound.adapter
         self.device = self.bound.device
         #: how position 0 is treated (:data:`~..prompts.BOS_MODES`) and so the first position
         #: spliced and attributed: 1 when position 0 is BOS, else 0

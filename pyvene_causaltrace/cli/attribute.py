@@ -249,11 +249,10 @@ def attribute_command(args) -> int:
         distributed.finish()
         return 0
     with distributed.alone() if ranks is not None else contextlib.nullcontext():
-        code = _write_outputs(args, request, graph, model, transcoder, tracer, labels,
-                              checkpoint)
+        _write_outputs(args, request, graph, model, transcoder, tracer, labels, checkpoint)
     if ranks is not None:
         distributed.finish()
-    return code
+    return 0
 
 
 def _many_command(args, request: AttributeRequest) -> int:
@@ -282,7 +281,7 @@ def _many_command(args, request: AttributeRequest) -> int:
 
 
 def _write_outputs(args, request: AttributeRequest, graph, model, transcoder, tracer, labels,
-                   checkpoint: Path) -> int:
+                   checkpoint: Path) -> None:
     """Print the graph's reading and write every output file (rank 0 of a distributed run)."""
     out, reading = args.out, request.reading
     if graph.metadata["rows_resumed"]:
@@ -353,7 +352,6 @@ def _write_outputs(args, request: AttributeRequest, graph, model, transcoder, tr
     remove_checkpoint(checkpoint)
     print(f"wrote {out}/graph.json, graph.safetensors, nodes.csv, edges.csv, graph.png, "
           "summary.json" + (", cross_check.json, cross_check.png" if tracer else ""))
-    return 0
 
 
 def read_texts(path: Path, limit: int) -> list[str]:

@@ -26,7 +26,7 @@ from ..dataset.store import check_run_directory
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
 from ..transcoders import load_transcoder
-from .common import number_or_name, out_dir
+from .common import number_or_name, out_dir, settings_of
 
 
 def graph_settings(args) -> GraphSettings | None:
@@ -43,20 +43,20 @@ def graph_settings(args) -> GraphSettings | None:
 
 
 #: The ``dataset`` flags that are :class:`~..dataset.settings.DatasetSettings`' fields:
-#: ``(argparse dest, field)`` (the other flags: the data, the model, the output, the graphs').
-DATASET_FLAGS = (("kinds", "kinds"), ("seeds", "seeds"), ("scale", "scale"), ("sigma", "sigma"),
-                 ("window", "window"), ("known", "known"), ("limit", "limit"),
-                 ("budget_mb", "memory_budget_mb"), ("boot", "n_boot"))
+#: argparse dest -> field (the other flags: the data, the model, the output, the graphs').
+DATASET_FLAGS = {"kinds": "kinds", "seeds": "seeds", "scale": "scale", "sigma": "sigma",
+                 "window": "window", "known": "known", "limit": "limit",
+                 "budget_mb": "memory_budget_mb", "boot": "n_boot"}
 
 
 def dataset_settings(args, default_known: str) -> DatasetSettings:
     """The :class:`~..dataset.settings.DatasetSettings` the flags ask for (checked: a flag it
-    refuses is refused before the model loads); ``--known`` not given is ``default_known``
-    (a built-in task's)."""
-    given = {field: getattr(args, dest) for dest, field in DATASET_FLAGS}
+    refuses is refused before the model loads, naming the flag); ``--known`` not given is
+    ``default_known`` (a built-in task's)."""
+    given = {field: getattr(args, dest) for dest, field in DATASET_FLAGS.items()}
     given.update(kinds=args.kinds.split(","), sigma=number_or_name(args.sigma),
                  known=args.known or default_known)
-    return DatasetSettings(**given)
+    return settings_of(DatasetSettings, given, DATASET_FLAGS)
 
 
 def dataset_command(args) -> int:

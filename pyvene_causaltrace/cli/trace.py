@@ -13,7 +13,7 @@ from ..specs import load_spec
 from ..tracing.engine import get_kind
 from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer, tracer_from_spec
-from .common import fact_default, number_or_name, out_dir
+from .common import fact_default, number_or_name, out_dir, settings_of
 
 
 def trace_command(args) -> int:
@@ -33,18 +33,18 @@ def trace_command(args) -> int:
 
 
 #: The ``trace`` flags that are :class:`~..tracing.settings.TraceSettings`' fields:
-#: ``(argparse dest, field)`` (the other flags: the spec, the model, the prompt and its
+#: argparse dest -> field (the other flags: the spec, the model, the prompt and its
 #: answer, the kinds, the controls and the output).
-TRACE_FLAGS = (("seeds", "seeds"), ("scale", "scale"), ("sigma", "sigma"), ("window", "window"),
-               ("budget_mb", "memory_budget_mb"))
+TRACE_FLAGS = {"seeds": "seeds", "scale": "scale", "sigma": "sigma", "window": "window",
+               "budget_mb": "memory_budget_mb"}
 
 
 def trace_settings(args) -> TraceSettings:
     """The :class:`~..tracing.settings.TraceSettings` the flags ask for (checked: a flag it
-    refuses is refused before the model loads)."""
-    given = {field: getattr(args, dest) for dest, field in TRACE_FLAGS}
+    refuses is refused before the model loads, naming the flag)."""
+    given = {field: getattr(args, dest) for dest, field in TRACE_FLAGS.items()}
     given.update(scale=number_or_name(args.scale), sigma=number_or_name(args.sigma))
-    return TraceSettings(**given)
+    return settings_of(TraceSettings, given, TRACE_FLAGS)
 
 
 def trace_spec(path: Path, model_name: str | None, out: Path | None, budget_mb: float,

@@ -92,10 +92,9 @@ def top_cells(grid: np.ndarray, k: int, mask: np.ndarray | None = None) -> list[
     return [tuple(int(i) for i in np.unravel_index(int(j), grid.shape)) for j in flat[:min(k, n)]]
 
 
-def top_k_overlap(a: np.ndarray, b: np.ndarray, k: int,
-                  mask: np.ndarray | None = None) -> float:
-    """Share of ``a``'s top-``k`` cells that are among ``b``'s top-``k`` (within ``mask``)."""
-    top_a, top_b = top_cells(a, k, mask), top_cells(b, k, mask)
+def top_k_overlap(top_a: list[tuple[int, int]], top_b: list[tuple[int, int]]) -> float:
+    """Share of one grid's top cells ``top_a`` that are among the other's ``top_b`` (each
+    :func:`top_cells`); NaN when ``top_a`` is empty."""
     if not top_a:
         return float("nan")
     return len(set(top_a) & set(top_b)) / len(top_a)
@@ -109,9 +108,10 @@ def compare_grids(graph_grid: np.ndarray, trace_grid: np.ndarray, mask: np.ndarr
     if graph_grid.shape != trace_grid.shape:
         raise InputError(f"the graph's grid is {graph_grid.shape}, the trace's "
                          f"{trace_grid.shape}: not the same prompt and model")
+    graph_top, trace_top = top_cells(graph_grid, k, mask), top_cells(trace_grid, k, mask)
     return {"spearman": spearman(graph_grid[mask], trace_grid[mask]),
             "pearson": pearson(graph_grid[mask], trace_grid[mask]),
-            "top_k": k, "top_k_overlap": top_k_overlap(graph_grid, trace_grid, k, mask),
-            "graph_top": [list(c) for c in top_cells(graph_grid, k, mask)],
-            "trace_top": [list(c) for c in top_cells(trace_grid, k, mask)],
+            "top_k": k, "top_k_overlap": top_k_overlap(graph_top, trace_top),
+            "graph_top": [list(c) for c in graph_top],
+            "trace_top": [list(c) for c in trace_top],
             "n_cells": int(mask.sum())}

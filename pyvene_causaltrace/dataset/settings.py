@@ -68,7 +68,10 @@ class DatasetSettings(Settings):
         if not kinds:
             raise InputError("kinds: give at least one trace kind")
         for kind in kinds:
-            get_kind(kind)
+            try:
+                get_kind(kind)
+            except InputError as error:  # named as the setting it is (the CLI: its flag)
+                raise InputError(f"kinds: {error}") from None
         if len(set(kinds)) != len(kinds):
             raise InputError(f"kinds repeat: {','.join(kinds)}")
         positive_number(self.scale, "scale (a dataset run needs one fixed noise scale)")

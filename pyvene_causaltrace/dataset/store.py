@@ -28,7 +28,7 @@ _NUMBER_OR_NULL = (int, float, type(None))
 #: Keys (and their types) a line of each file must have.
 ROW_FIELDS = {
     RESULTS: {"index": int, "fact": str, "kind": str, "seed": int, "subject_range": list,
-              "clean": (int, float), "corrupt": (int, float), "restored": list},
+              "clean": _NUMBER, "corrupt": _NUMBER, "restored": list},
     SCREEN: {"fact": (str, type(None)), "kept": bool},
     GRAPHS: {"index": int, "fact": str, "tokens": list, "subject_range": list, "answer": str,
              "n_features": int, "n_explored": int, "closure": _NUMBER,
@@ -155,13 +155,14 @@ def has_rows(directory: Path) -> list[str]:
     return found + shards
 
 
-def check_run_directory(directory: Path) -> None:
+def check_run_directory(directory: Path) -> dict | None:
     """Refuse, before a model is loaded, a directory whose rows no run may resume: rows with
     no manifest, or a damaged manifest. A directory that does not exist, or holds no rows and
-    no manifest, is a fresh start."""
+    no manifest, is a fresh start (None); else its manifest."""
     directory = Path(directory)
     if directory.is_dir() and ((directory / MANIFEST).exists() or has_rows(directory)):
-        read_manifest(directory)  # refuses rows without a manifest, or a damaged one
+        return read_manifest(directory)  # refuses rows without a manifest, or a damaged one
+    return None
 
 
 def _differences(previous: dict, manifest: dict, skip: Sequence[str] = ("about",)) -> str:
@@ -205,16 +206,15 @@ class RunDirectory:
         self._lock.close()
 
     def _open(self, manifest: dict) -> None:
-        check_run_directory(self.path)
-        stored = self.path / MANIFEST
-        if stored.exists():
-            detail = _differences(read_manifest(self.path), manifest)
+        previous = check_run_directory(self.path)
+        if previous is not None:
+            detail = _differences(previous, manifest)
             if detail:
                 raise ManifestMismatchError(
                     f"{self.path} holds a run with other settings or inputs ({detail}); resume "
                     "with the same ones or choose another output directory")
         else:
-            write_text(json.dumps(manifest, indent=2, sort_keys=True), stored)
+            write_text(json.dumps(manifest, indent=2, sort_keys=True), self.path / MANIFEST)
         self.manifest = manifest
         for name in (SCREEN, RESULTS, GRAPHS):
             _drop_partial_line(self.path / name)
