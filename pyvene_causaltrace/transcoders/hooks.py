@@ -56,7 +56,7 @@ CONTROL_HOOKS = {"hook_resid_mid": "hook_resid_pre", "ln2.hook_normalized": "ln1
 def hook_name(hook: str) -> str:
     """``hook`` without a ``blocks.{l}.`` prefix (sae-lens configs carry one)."""
     parts = hook.split(".")
-    if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit():
+    if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdecimal():
         return ".".join(parts[2:])
     return hook
 
