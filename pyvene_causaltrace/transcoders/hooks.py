@@ -25,7 +25,7 @@ from ..applier import Edit, Site, applying
 from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError
-from ..models import get_module
+from ..models import get_module, norm_eps
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,7 @@ def norm_settings(bound: BoundModel, hook: str, layer: int) -> dict | None:
         return None
     adapter = bound.adapter
     module = get_module(bound.model, adapter.site(site.site, layer).rpartition(".")[0])
-    eps = next((float(getattr(module, name)) for name in ("eps", "variance_epsilon")
-                if hasattr(module, name)), None)
-    if eps is None:
-        raise InputError(f"{type(module).__name__} has no eps / variance_epsilon")
-    return {"kind": adapter.norm_kind, "eps": eps}
+    return {"kind": adapter.norm_kind, "eps": norm_eps(module)}
 
 
 def hook_value(x: torch.Tensor, norm: dict | None, frozen: bool = False) -> torch.Tensor:
