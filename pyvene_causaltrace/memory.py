@@ -25,6 +25,6 @@ def device_bytes(device: torch.device | None = None) -> int:
             text = limit.read_text().strip()
         except OSError:
             continue
-        if text.isdigit():
+        if text.isdecimal():
             total = min(total, int(text))
     return total

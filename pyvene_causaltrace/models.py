@@ -270,6 +270,14 @@ def get_module(model: nn.Module, path: str) -> nn.Module:
 # ---------------------------------------------------------------------------------- loading
 
 
+def norm_eps(module: nn.Module) -> float:
+    """The epsilon of norm ``module`` (``eps``; Llama's RMSNorm calls it ``variance_epsilon``)."""
+    for name in ("eps", "variance_epsilon"):
+        if hasattr(module, name):
+            return float(getattr(module, name))
+    raise InputError(f"{type(module).__name__} has no eps / variance_epsilon")
+
+
 def cache_dir() -> Path:
     """Where converted models are cached (``$PYVENE_CAUSALTRACE_CACHE`` or ``~/.cache``)."""
     root = os.environ.get("PYVENE_CAUSALTRACE_CACHE")

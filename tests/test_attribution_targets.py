@@ -19,6 +19,7 @@ from dense_reading import prune as dense_prune
 
 from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.attribution.export import check_graph_json
+from pyvene_causaltrace.attribution.replacement import state_module
 from pyvene_causaltrace.attribution.targets import direction_target
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.capture import capture
@@ -263,3 +264,10 @@ def test_spec_fields_for_logits_directions_and_bos_errors():
                              "vector": [1.0], "output": "mlp_out.3"}}})):
         with pytest.raises(SpecError, match=re.escape(path)):
             validate_spec({**direction, **change})
+
+
+def test_a_residual_state_whose_layer_is_a_digit_but_no_number_is_refused(setup):
+    """``resid_pre.²``: ``str.isdigit`` said yes and ``int()`` raised a bare ValueError."""
+    model, _ = setup
+    with pytest.raises(InputError, match="unknown residual state"):
+        state_module(bind(model), "resid_pre.\u00b2")

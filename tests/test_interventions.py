@@ -12,7 +12,8 @@ from reference import add_at, edit_output, recipe_noise, set_positions
 
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.capture import capture
-from pyvene_causaltrace.interventions.frozen import FrozenLayerNorm
+from pyvene_causaltrace.errors import InputError
+from pyvene_causaltrace.interventions.frozen import FrozenLayerNorm, frozen_norm
 from pyvene_causaltrace.interventions.noise import NoiseAdd, noise_recipe
 from pyvene_causaltrace.interventions.restore import (
     CleanRestore,
@@ -23,6 +24,7 @@ from pyvene_causaltrace.interventions.restore import (
 from pyvene_causaltrace.models import PyveneModelError, get_adapter, get_module
 from pyvene_causaltrace.pyvene_boundary.intervenable import intervenable_model_class
 from pyvene_causaltrace.pyvene_boundary.quiet_import import import_pyvene
+from pyvene_causaltrace.transcoders.hooks import norm_settings
 
 pv = import_pyvene()
 SEQ = 7
@@ -251,6 +253,21 @@ def test_frozen_layernorm_outside_pyvene_is_a_clear_error():
         FrozenLayerNorm(kind="rms")(torch.zeros(1, 2, 4))
     with pytest.raises(ValueError, match="kind"):
         FrozenLayerNorm(kind="batch")
+
+
+def test_a_norm_without_an_eps_is_one_input_error_naming_it():
+    """The frozen norms and a normalised hook read a norm's eps through one lookup: a norm
+    without one is an InputError naming its class (the frozen norms raised an AttributeError)."""
+    model = make_tiny_model("llama")
+    bound = bind(model)
+    norm = get_module(model, bound.adapter.module_path("pre_mlp_norm", 0))
+    x = torch.randn(1, 3, bound.d_model)
+    torch.testing.assert_close(frozen_norm(norm, x, norm(x), "rms"), norm(x))  # the control
+    del norm.variance_epsilon
+    for call in (lambda: frozen_norm(norm, x, x, "rms"),
+                 lambda: norm_settings(bound, "ln2.hook_normalized", 0)):
+        with pytest.raises(InputError, match="LlamaRMSNorm has no eps / variance_epsilon"):
+            call()
 
 
 def test_frozen_layernorm_refuses_gathered_positions():

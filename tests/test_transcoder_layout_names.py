@@ -152,3 +152,36 @@ def test_one_layout_and_a_config_that_lists_its_files_load(tmp_path):
         "transcoders": [f"params_layer_{layer}.safetensors" for layer in range(L)]}))
     assert detect_format(root) == "circuit_tracer"
     assert load_transcoder(root).n_layers == L
+
+
+# ------------------------------------------------------------ digits that are not a number
+ODD = "\u00b2"  # '²': str.isdigit() says yes, int() refuses it
+ODD_NAMES = {  # a good transcoder plus a name whose "layer number" is '²'
+    "gemmascope": lambda r: (write_gemmascope(r, random_set(L, D, F)) / f"layer_{ODD}"
+                             / "width_16k").mkdir(parents=True),
+    "circuit_tracer": lambda r: _empty(write_circuit_tracer(r, random_set(L, D, F)).parent
+                                       / f"layer_{ODD}.safetensors"),
+    "mntss": lambda r: _empty(write_clt(r, random_clt_tensors(L, D, F))
+                              / f"W_enc_{ODD}.safetensors"),
+    "bytedance": lambda r: _empty(write_bytedance(r, bytedance_tensors(L, D, F, k=2))
+                                  / f"W_enc_{ODD}.safetensors"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(ODD_NAMES))
+def test_a_name_with_a_digit_that_is_no_number_is_not_a_layer_file(layout, tmp_path):
+    """``layer_²`` passed ``str.isdigit`` and ``int()`` then raised a bare ValueError while the
+    layout was detected; it is simply not a layer file."""
+    ODD_NAMES[layout](tmp_path)
+    assert detect_format(tmp_path) == layout
+    assert load_transcoder(tmp_path).n_layers == L
+
+
+def test_a_sae_lens_hook_with_a_digit_that_is_no_number_is_refused(tmp_path):
+    write_sae_lens(tmp_path, random_set(L, D, F))
+    cfg = tmp_path / "transcoder_layer_1" / "cfg.json"
+    meta = json.loads(cfg.read_text())
+    meta["metadata"]["hook_name"] = f"blocks.{ODD}.hook_resid_mid"
+    cfg.write_text(json.dumps(meta))
+    with pytest.raises(TranscoderFormatError, match="does not name a layer"):
+        load_transcoder(tmp_path, format="sae_lens")

@@ -118,7 +118,7 @@ class AttributionGraph:
         layer = site.get("layer")
         if layer is None:
             return -1
-        block_input = site.get("input") and site.get("module", "").split(".")[-1].isdigit()
+        block_input = site.get("input") and site.get("module", "").split(".")[-1].isdecimal()
         return int(layer) - 1 if block_input else int(layer)
 
     @property

@@ -298,7 +298,7 @@ def state_module(bound: BoundModel, name: str) -> nn.Module:
         return bound.module("unembed")
     layer = name.removeprefix("resid_pre.")
     n_layers = bound.n_layers
-    if name == layer or not layer.isdigit() or int(layer) > n_layers:
+    if name == layer or not layer.isdecimal() or int(layer) > n_layers:
         raise InputError(f"unknown residual state {name!r}: 'unembed_input' or "
                          f"'resid_pre.<layer>' with layer in 0..{n_layers}")
     part = "final_norm" if int(layer) == n_layers else "pre_attn_norm"

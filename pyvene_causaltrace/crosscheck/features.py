@@ -34,7 +34,7 @@ from ..interventions.frozen import (
 from ..interventions.noise import NoiseAdd
 from ..interventions.splice_session import SpliceSession
 from ..runtime import intervened
-from ..transcoders.hooks import hook_component, norm_settings, normalize
+from ..transcoders.hooks import hook_component, hook_value, norm_settings
 from ..transcoders.transcoder import Transcoder
 
 if TYPE_CHECKING:  # annotations only (an import cycle otherwise)
@@ -95,8 +95,7 @@ def _transcoder_inputs(bound: BoundModel, transcoder: Transcoder, layers: Sequen
     found = capture(bound.model, {}, list(paths.values()), run=run)
     out = {}
     for layer, path in paths.items():
-        norm = norm_settings(bound, hook, layer)
-        out[layer] = found[path] if norm is None else normalize(found[path], **norm)
+        out[layer] = hook_value(found[path], norm_settings(bound, hook, layer))
     return out
 
 

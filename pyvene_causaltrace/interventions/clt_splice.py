@@ -49,7 +49,7 @@ from ..distributed import current
 from ..errors import InputError, SpecError
 from ..locations import resolve_layers
 from ..transcoders.formats import load_transcoder
-from ..transcoders.hooks import norm_settings, normalize, transcoder_states
+from ..transcoders.hooks import hook_value, norm_settings, transcoder_states
 from ..transcoders.transcoder import check_fits
 from .feature_ablate import FeatureAblate
 from .spec_entry import Site, SpecContext
@@ -239,8 +239,7 @@ class CLTSplice(SpliceIntervention):
     def _input(self, base: torch.Tensor, frozen: bool = False) -> torch.Tensor:
         """The transcoder's input from the hook's value: itself, or normalised before the
         norm's gain (``ln2.hook_normalized``; frozen statistic in leaf mode)."""
-        norm = self._config.get("normalize")
-        return base if norm is None else normalize(base, norm["kind"], norm["eps"], frozen)
+        return hook_value(base, self._config.get("normalize"), frozen)
 
     def _leaf_forward(self, base: torch.Tensor, transcoder, layer: int, start: int,
                       leaves: dict) -> torch.Tensor:

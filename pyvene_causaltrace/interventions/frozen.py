@@ -46,19 +46,12 @@ from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError, SpecError, UnsupportedModelError
 from ..hooking import in_context, thread_view
-from ..models import get_module
+from ..models import get_module, norm_eps
 from ..pyvene_boundary.calls import announced_call
 from .base import CausalTraceIntervention
 from .spec_entry import Site, SpecContext
 
 NORM_KINDS = ("layer", "rms", "rms_offset")
-
-
-def _eps(module: torch.nn.Module) -> float:
-    for name in ("eps", "variance_epsilon"):
-        if hasattr(module, name):
-            return float(getattr(module, name))
-    raise AttributeError(f"{type(module).__name__} has no eps / variance_epsilon")
 
 
 class FrozenLayerNorm(CausalTraceIntervention):
@@ -116,9 +109,9 @@ class FrozenLayerNorm(CausalTraceIntervention):
         with torch.no_grad():
             xf = x.double()
             w = module.weight.double()
-            rms = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + _eps(module))
+            rms = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + norm_eps(module))
             centred = xf - xf.mean(-1, keepdim=True)
-            std = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + _eps(module))
+            std = torch.sqrt(centred.pow(2).mean(-1, keepdim=True) + norm_eps(module))
             bias = getattr(module, "bias", None)
             bias = bias.double() if isinstance(bias, torch.Tensor) else 0.0
             candidates = {"layer": w * centred / std + bias, "rms": w * xf / rms,
@@ -145,7 +138,7 @@ class FrozenLayerNorm(CausalTraceIntervention):
             raise InputError(f"a held norm scale for {held.shape[0]} rows, the batch has "
                              f"{xf.shape[0]}")
         n = min(held.shape[1], xf.shape[1])
-        live = _statistic(xf.detach(), kind, _eps(module))
+        live = _statistic(xf.detach(), kind, norm_eps(module))
         scale = torch.cat([held[:, :n].expand(xf.shape[0], -1, -1), live[:, n:]], dim=1)
         weight = module.weight.to(xf.dtype)
         weight = 1.0 + weight if kind == "rms_offset" else weight
@@ -168,7 +161,7 @@ def frozen_norm(module: torch.nn.Module, x: torch.Tensor, base: torch.Tensor,
         dx = dx - dx.mean(-1, keepdim=True)
     elif kind == "rms_offset":
         weight = 1.0 + weight
-    linear = weight.detach() * dx / _statistic(xf.detach(), kind, _eps(module))
+    linear = weight.detach() * dx / _statistic(xf.detach(), kind, norm_eps(module))
     bias = getattr(module, "bias", None)
     if isinstance(bias, torch.Tensor):
         linear = linear + (bias - bias.detach())  # zero in value; a constant node's gradient
@@ -216,7 +209,7 @@ def norm_scales(bound: BoundModel, input_ids: torch.Tensor,
     for component, module in modules.items():
         x = inputs[component.rpartition(".")[0] + ".input"]
         x = x.to(torch.promote_types(x.dtype, torch.float32))
-        out[component] = _statistic(x, kind, _eps(module))
+        out[component] = _statistic(x, kind, norm_eps(module))
     return out
 
 

@@ -31,7 +31,7 @@ class SteeringSite:
     def layer(self) -> int | None:
         """The block index in the module's name (``model.layers.1.mlp`` -> 1), None outside
         the blocks (embeddings, final norm)."""
-        numbers = [int(part) for part in self.module.split(".") if part.isdigit()]
+        numbers = [int(part) for part in self.module.split(".") if part.isdecimal()]
         return numbers[0] if numbers else None
 
     def describe(self) -> dict:

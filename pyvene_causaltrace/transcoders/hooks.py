@@ -5,7 +5,7 @@ Transcoder configs name their hooks as TransformerLens does (``hook_resid_mid``,
 or without a ``blocks.{l}.`` prefix. :data:`HOOKS` names each one's site in the adapter's
 vocabulary (:data:`~pyvene_causaltrace.models.SITES`); docs/transcoders.md, "Hooks", says what
 each reads. ``ln2.hook_normalized`` is not the norm module's output: its site is the norm's
-input, and :func:`normalize` computes the value (normalised, before the gain).
+input, and :func:`hook_value` computes the value (normalised, before the gain).
 
 :func:`hook_states` and :func:`transcoder_states` read these hooks' values at every layer of a
 model, in one forward; :func:`keeping_states` keeps them from every forward in a block (a
@@ -25,7 +25,7 @@ from ..applier import Edit, Site, applying
 from ..bound import BoundModel, bind
 from ..capture import capture
 from ..errors import InputError
-from ..models import get_module
+from ..models import get_module, norm_eps
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ CONTROL_HOOKS = {"hook_resid_mid": "hook_resid_pre", "ln2.hook_normalized": "ln1
 def hook_name(hook: str) -> str:
     """``hook`` without a ``blocks.{l}.`` prefix (sae-lens configs carry one)."""
     parts = hook.split(".")
-    if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdigit():
+    if len(parts) > 2 and parts[0] == "blocks" and parts[1].isdecimal():
         return ".".join(parts[2:])
     return hook
 
@@ -80,17 +80,17 @@ def norm_settings(bound: BoundModel, hook: str, layer: int) -> dict | None:
         return None
     adapter = bound.adapter
     module = get_module(bound.model, adapter.site(site.site, layer).rpartition(".")[0])
-    eps = next((float(getattr(module, name)) for name in ("eps", "variance_epsilon")
-                if hasattr(module, name)), None)
-    if eps is None:
-        raise InputError(f"{type(module).__name__} has no eps / variance_epsilon")
-    return {"kind": adapter.norm_kind, "eps": eps}
+    return {"kind": adapter.norm_kind, "eps": norm_eps(module)}
 
 
-def normalize(x: torch.Tensor, kind: str, eps: float, frozen: bool = False) -> torch.Tensor:
-    """``x`` normalised as the norm ``kind`` does before its gain, in float32 (as TransformerLens
-    and Gemma compute it), returned in ``x``'s dtype. ``frozen``: the statistic is a constant
-    for autograd (the attribution graph's frozen norms), so the result is linear in ``x``."""
+def hook_value(x: torch.Tensor, norm: dict | None, frozen: bool = False) -> torch.Tensor:
+    """A hook's value from its site's ``x``: ``x``, or with ``norm`` (:func:`norm_settings`) ``x``
+    normalised as the norm ``kind`` does before its gain, in float32 (as TransformerLens and Gemma
+    compute it), in ``x``'s dtype. ``frozen``: the statistic is a constant for autograd (the
+    attribution graph's frozen norms), so the result is linear in ``x``."""
+    if norm is None:
+        return x
+    kind, eps = norm["kind"], norm["eps"]
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     if kind == "layer":
         xf = xf - xf.mean(-1, keepdim=True)
@@ -116,7 +116,7 @@ def hook_states(model: nn.Module | BoundModel, ids: torch.Tensor,
     out = {}
     for key, ps in paths.items():
         norms = [norm_settings(bound, hooks[key], layer) for layer in range(len(ps))]
-        out[key] = torch.stack([found[p][0] if norm is None else normalize(found[p][0], **norm)
+        out[key] = torch.stack([hook_value(found[p][0], norm)
                                 for p, norm in zip(ps, norms, strict=True)])
     return out
 

@@ -67,7 +67,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
                    if isinstance(meta.get(key), int)), None)
     layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
                                   for p in root.glob("W_enc_*.safetensors")
-                                  if p.stem.removeprefix("W_enc_").isdigit()},
+                                  if p.stem.removeprefix("W_enc_").isdecimal()},
                                  stated, str(root / CONFIG)))
     if not layers or layers != list(range(len(layers))):
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "

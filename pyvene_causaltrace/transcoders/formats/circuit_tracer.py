@@ -201,7 +201,7 @@ def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | No
             root = config.parent
         found = named_layers({int(p.stem.removeprefix("layer_")): p
                               for p in root.glob("layer_*.safetensors")
-                              if p.stem.removeprefix("layer_").isdigit()})
+                              if p.stem.removeprefix("layer_").isdecimal()})
         if not found:
             raise TranscoderFormatError(f"{config}: no 'transcoders' list and no "
                                         "layer_<l>.safetensors files beside it")

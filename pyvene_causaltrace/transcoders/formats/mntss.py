@@ -57,7 +57,7 @@ def read_config(path: str | Path) -> TranscoderConfig:
                              f"expected {CROSS_LAYER!r}")
     layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
                                   for p in root.glob("W_enc_*.safetensors")
-                                  if p.stem.removeprefix("W_enc_").isdigit()}))
+                                  if p.stem.removeprefix("W_enc_").isdecimal()}))
     if not layers or layers != list(range(len(layers))):
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected 0..L-1")
     n_layers = len(layers)

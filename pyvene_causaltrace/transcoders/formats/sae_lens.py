@@ -136,7 +136,7 @@ def is_layout(path: Path) -> bool:
 
 def _layer_of(hook: str | None, origin: str) -> int:
     parts = (hook or "").split(".")
-    if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
+    if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdecimal():
         raise TranscoderFormatError(f"{origin}: hook_name {hook!r} does not name a layer "
                                     "(blocks.<l>.<hook>)")
     layer = int(parts[1])
