@@ -198,7 +198,7 @@ def applying(model: nn.Module, edits: Iterable[Edit]) -> Iterator[list[Edit]]:
                     del _appliers[model]
 
 
-def only(modules: Iterable[nn.Module], groups: Iterable[str]) -> in_context:
+def only(modules: Iterable[nn.Module], groups: Iterable[str]) -> contextlib.AbstractContextManager:
     """Inside the block, in this context, the edits at ``modules`` other than those of
     ``groups`` do nothing (a replayed block's stored output already holds them)."""
     return in_context(_ONLY, (frozenset(id(m) for m in modules), frozenset(groups)))

@@ -122,7 +122,7 @@ def current() -> Ranks | None:
     return None if world == 1 else Ranks(dist.get_rank(), world)
 
 
-def alone() -> in_context:
+def alone() -> contextlib.AbstractContextManager:
     """Inside the block this thread's methods run as one process (no collectives), whatever
     the process group: each rank on its own work (its own prompts)."""
     return in_context(_ALONE, True)

@@ -6,7 +6,7 @@ only on the forwards of the thread that installed it; :func:`thread_gate` and
 :func:`thread_view` do the same for a replaced ``forward`` and a switched setting. Per context,
 :func:`recording` removes at a measurement's end any hook registered in it that is still there,
 and :func:`silenced` turns the package's hooks on given modules off (:mod:`.tracing.replay`);
-:class:`in_context` is the context-variable switch they (and the package's others) share.
+:func:`in_context` is the context-variable switch they (and the package's others) share.
 Imports nothing from the package."""
 
 from __future__ import annotations
@@ -35,19 +35,15 @@ _RECORD: contextvars.ContextVar[HookRecord | None] = contextvars.ContextVar("pvc
 _MARK = "pvct_handle_id"
 
 
-class in_context(contextlib.AbstractContextManager):  # noqa: N801 - used like a function
+@contextlib.contextmanager
+def in_context(var: contextvars.ContextVar, value: Any) -> Iterator[Any]:
     """Inside the block, context variable ``var`` holds ``value`` (the block's ``as`` target),
     set back on every exit: the one body of the package's per-context switches."""
-
-    def __init__(self, var: contextvars.ContextVar, value: Any) -> None:
-        self.var, self.value = var, value
-
-    def __enter__(self) -> Any:
-        self.token = self.var.set(self.value)
-        return self.value
-
-    def __exit__(self, *exc: object) -> None:
-        self.var.reset(self.token)
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)
 
 
 def is_ours(hook: Callable) -> bool:
@@ -126,7 +122,8 @@ def release(handle: RemovableHandle) -> None:
         record.release(handle)
 
 
-def silenced(modules: Iterable[nn.Module], keep: Iterable[int] = ()) -> in_context:
+def silenced(modules: Iterable[nn.Module],
+             keep: Iterable[int] = ()) -> contextlib.AbstractContextManager:
     """Inside the block, in this context, the package's hooks (:func:`is_ours`) on ``modules``
     return None — change nothing, record nothing — except those whose handle ids are in
     ``keep``. Anyone else's hook is untouched: the caller checks there is none

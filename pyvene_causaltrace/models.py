@@ -267,15 +267,15 @@ def get_module(model: nn.Module, path: str) -> nn.Module:
     return module
 
 
-# ---------------------------------------------------------------------------------- loading
-
-
 def norm_eps(module: nn.Module) -> float:
     """The epsilon of norm ``module`` (``eps``; Llama's RMSNorm calls it ``variance_epsilon``)."""
     for name in ("eps", "variance_epsilon"):
         if hasattr(module, name):
             return float(getattr(module, name))
     raise InputError(f"{type(module).__name__} has no eps / variance_epsilon")
+
+
+# ---------------------------------------------------------------------------------- loading
 
 
 def cache_dir() -> Path:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from contextvars import ContextVar
 from typing import Any
 
@@ -232,7 +232,7 @@ def _frozen_qk_attention(module, query, key, value, attention_mask, **kwargs):
                                   **kwargs)
 
 
-def watching_qk(callback: Callable) -> in_context:
+def watching_qk(callback: Callable) -> AbstractContextManager:
     """Inside the block, every frozen attention calls ``callback(module, query, key, kwargs)``
     with its live queries ``[B, heads, P, d]`` and keys ``[B, kv_heads, P, d]`` (after every
     transform: projections, q/k norms, rotary) and the attention function's keyword arguments

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ _CALL: contextvars.ContextVar[PyveneCall | None] = contextvars.ContextVar("pvct_
 
 
 def calling(module: nn.Module, args: tuple, kwargs: dict | None, unit_locations: Any = None,
-            owner: Any = None, key: str = "") -> in_context:
+            owner: Any = None, key: str = "") -> AbstractContextManager:
     """Inside the block :func:`pyvene_call` returns this call (:class:`PyveneCall`'s fields):
     for a hook of ours that applies an intervention itself, to the whole value by default
     (:func:`~pyvene_causaltrace.runtime.intervened`, the trace engine, a user's edits)."""

@@ -6,6 +6,7 @@ applied through :func:`steering_edit` routes its constant part ``f(0)`` through 
 from __future__ import annotations
 
 import contextvars
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ _STEERING: contextvars.ContextVar[list | None] = contextvars.ContextVar("pvct_st
                                                                        default=None)
 
 
-def collect_steering() -> in_context:
+def collect_steering() -> AbstractContextManager:
     """Inside the block, every call of a user's intervention applied by
     :func:`~.user_edits.applied_interventions` appends a :class:`SteeringLeaf` to the yielded
     list and, where a gradient is recorded, routes its value through the leaf (outside, ``f(0)``
