@@ -150,7 +150,8 @@ def salient_logits(logits: torch.Tensor, probabilities: torch.Tensor, *, max_n_l
     target on ``logits`` (pre-soft-cap; :func:`demeaned_logit` by ``k``), weighted by its
     probability (from ``probabilities``, the real model's ``[V]``)."""
     top_p, top_idx = probabilities.float().topk(min(max_n_logits, probabilities.numel()))
-    cutoff = int(torch.searchsorted(top_p.cumsum(0), torch.tensor(desired_logit_prob))) + 1
+    reach = torch.tensor(desired_logit_prob, device=top_p.device)  # CUDA's searchsorted: one device
+    cutoff = int(torch.searchsorted(top_p.cumsum(0), reach)) + 1
     out = []
     for p, token in zip(top_p[:cutoff].tolist(), top_idx[:cutoff].tolist(), strict=True):
         out.append(replace(demeaned_logit(logits, token, k), prob=p, weight=p))
