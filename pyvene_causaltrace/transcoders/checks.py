@@ -157,9 +157,9 @@ def check_pairing(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder
     start = first_position(tokenizer, bos)
     device = model.device  # bound by @measured
     # per layer (squared error, squared deviation): the fit, and the earlier-hook control
-    totals = {k: torch.zeros(2, transcoder.n_layers, dtype=torch.float64)
+    totals = {k: torch.zeros(2, transcoder.n_layers, dtype=torch.float64, device=device)
               for k in ("fit", "wrong_hook")}
-    wrong_layer = torch.zeros(2, dtype=torch.float64)
+    wrong_layer = torch.zeros(2, dtype=torch.float64, device=device)
     l0 = l0_pre = 0.0
     n_tokens = 0
     for text in texts:
