@@ -215,7 +215,7 @@ def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: 
         groups.setdefault(len(ids), []).append((i, ids))
         lengths.append(len(ids) + new_tokens - 1 - first)
     offsets = [0, *itertools.accumulate(lengths[:record])]
-    x = torch.empty(offsets[-1], bound.n_layers, bound.d_model, dtype=dtype)
+    x = torch.empty(offsets[-1], bound.n_layers, bound.d_model, dtype=dtype, device=bound.device)
     y = torch.empty_like(x)
     texts: list[str] = [""] * n
     with torch.random.fork_rng(devices=[]), torch.no_grad(), \

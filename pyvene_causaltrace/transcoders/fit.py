@@ -160,15 +160,15 @@ def linear_skip(x: torch.Tensor, y: torch.Tensor, ridge: float = 1e-4, *, chunk:
     n_tokens, n_layers, d_in = x.shape
     x_mean = sum(part.float().sum(0).double() for part in x.split(chunk)) / n_tokens  # [L, D]
     y_mean = sum(part.float().sum(0).double() for part in y.split(chunk)) / n_tokens
-    gram = torch.zeros(n_layers, d_in, d_in, dtype=torch.float64)
-    cross = torch.zeros(n_layers, d_in, y.shape[2], dtype=torch.float64)
+    gram = torch.zeros(n_layers, d_in, d_in, dtype=torch.float64, device=x.device)
+    cross = torch.zeros(n_layers, d_in, y.shape[2], dtype=torch.float64, device=x.device)
     for xs, ys in zip(x.split(chunk), y.split(chunk), strict=True):
         xc = (xs.float() - x_mean.float()).transpose(0, 1)  # [L, n, D]
         gram += torch.bmm(xc.transpose(1, 2), xc).double()
         cross += torch.bmm(xc.transpose(1, 2), (ys.float() - y_mean.float()).transpose(0, 1))
     scale = gram.diagonal(dim1=1, dim2=2).mean(1)[:, None, None]
-    factor, info = torch.linalg.cholesky_ex(gram + ridge * scale * torch.eye(d_in,
-                                                                              dtype=gram.dtype))
+    factor, info = torch.linalg.cholesky_ex(gram + ridge * scale * torch.eye(
+        d_in, dtype=gram.dtype, device=gram.device))
     if bool((info != 0).any()):
         raise NonFiniteError("the least-squares skip's Gram matrix is not positive definite "
                              "(NaN/inf in the pairs?): no skip can be solved from them")
@@ -308,7 +308,8 @@ def fit_pairs(
                              element_bytes=x.element_size(), pieces=False),
                    device_bytes(x.device) if memory_bytes is None else memory_bytes,
                    f"a fit of {d_transcoder} features per layer on {n_tokens} tokens")
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # on the CPU: the same draws on every device
+    device = x.device  # every tensor of the fit lives with the pairs
     fast = [bf16]  # off for the final score
 
     def product(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -330,8 +331,8 @@ def fit_pairs(
         x_center, x_unit, y_unit = _units(x, y, y_mean, g)
         init_scale, y_base = x_unit, y_mean
     else:
-        x_center, y_base = torch.zeros(n_layers, d_model), torch.zeros(n_layers, d_model)
-        x_unit = y_unit = torch.ones(n_layers, 1)
+        x_center = y_base = torch.zeros(n_layers, d_model, device=device)
+        x_unit = y_unit = torch.ones(n_layers, 1, device=device)
         init_scale = (sum(part.float().square().sum((0, 2)).double() for part in x.split(4096))
                       / (n_tokens * d_model)).sqrt().float()[:, None]
     y_var_fit = y_var / y_unit[:, 0].pow(2)
@@ -346,27 +347,30 @@ def fit_pairs(
             return x[index].float(), y[index].float()
         return (x[index].float() - x_center) / x_unit, (y[index].float() - y_base) / y_unit
 
-    W_enc = nn.Parameter(torch.randn(n_layers, d_transcoder, d_model, generator=g)
+    W_enc = nn.Parameter(torch.randn(n_layers, d_transcoder, d_model, generator=g).to(device)
                          / d_model**0.5 / init_scale[:, :, None])
-    b_enc = nn.Parameter(torch.zeros(n_layers, d_transcoder))
+    b_enc = nn.Parameter(torch.zeros(n_layers, d_transcoder, device=device))
     per_layer = kind == "per_layer"
     n_targets = [1 if per_layer else n_layers - layer for layer in range(n_layers)]
     dec_scale = 0.0 if normalize else 0.1 / d_transcoder**0.5
     if per_layer:  # one tensor, one batched product
         W_dec_all = nn.Parameter(torch.randn(n_layers, d_transcoder, d_model, generator=g)
-                                 * dec_scale)
+                                 .to(device) * dec_scale)
         dec_params = [W_dec_all]
     else:
         dec_params = [nn.Parameter(torch.randn(d_transcoder, n_targets[layer], d_model,
-                                               generator=g) * dec_scale)
+                                               generator=g).to(device) * dec_scale)
                       for layer in range(n_layers)]
 
     def decoders() -> list[torch.Tensor]:
         return list(W_dec_all[:, :, None]) if per_layer else dec_params
 
-    W_skip = nn.Parameter(torch.zeros(n_layers, d_model, d_model) if skip else torch.zeros(0))
-    b_dec = nn.Parameter(torch.zeros(n_layers, d_model) if normalize else y_mean.clone())
-    log_theta = nn.Parameter(torch.full((n_layers, d_transcoder), float(init_threshold)).log())
+    W_skip = nn.Parameter(torch.zeros((n_layers, d_model, d_model) if skip else 0,
+                                      device=device))
+    b_dec = nn.Parameter(torch.zeros(n_layers, d_model, device=device) if normalize
+                         else y_mean.clone())
+    log_theta = nn.Parameter(torch.full((n_layers, d_transcoder), float(init_threshold),
+                                        device=device).log())
     params = [W_enc, b_enc, b_dec, *dec_params] \
         + ([log_theta] if activation == "jumprelu" else []) \
         + ([W_skip] if train_skip else [])
@@ -394,7 +398,7 @@ def fit_pairs(
             recon[:, layer:layer + n_targets[layer]] += product("bf,ftd->btd", acts[:, layer], w)
         return z, acts, recon
 
-    loss = torch.tensor(0.0)
+    loss = torch.tensor(0.0, device=device)
     bar = tqdm(range(steps), desc=f"fitting {kind} transcoder", unit="step", disable=not progress)
     for step in bar:
         xb, yb = batch(torch.randint(0, n_tokens, (min(batch_size, n_tokens),), generator=g))
@@ -422,7 +426,7 @@ def fit_pairs(
     fast[0] = False
     with torch.no_grad():  # on up to 8192 tokens, in chunks, in float32
         scored = torch.linspace(0, n_tokens - 1, min(n_tokens, 8192)).long()
-        errors = torch.zeros(n_layers, dtype=torch.float64)
+        errors = torch.zeros(n_layers, dtype=torch.float64, device=device)
         for part in scored.split(4096):
             xb, yb = batch(part)
             errors += (forward(xb)[2] - yb).double().pow(2).sum((0, 2))
@@ -442,11 +446,11 @@ def fit_pairs(
         if train_skip:  # the trained skip read x less x_center
             b_dec_out = b_dec_out - torch.einsum("lod,ld->lo", skip_out, x_center)
     threshold = (log_theta.detach().exp() if activation == "jumprelu"
-                 else torch.zeros(n_layers, d_transcoder))
+                 else torch.zeros(n_layers, d_transcoder, device=device))
     transcoder = Transcoder.from_tensors(
         model_name, enc.detach(), b_enc_out.detach(), threshold, b_dec_out.detach(),
         [w.detach() for w in dec], list(skip_out.detach()) if skip else None,
         model_kind="cross_layer_transcoder" if kind == "cross_layer" else "transcoder_set",
-        **({"activation": "relu_topk", "k": k} if activation == "relu_topk" else {}))
+        device=device, **({"activation": "relu_topk", "k": k} if activation == "relu_topk" else {}))
     stats = FitStats(n_tokens, steps, time.perf_counter() - start, loss.item(), fvu)
     return transcoder, stats
