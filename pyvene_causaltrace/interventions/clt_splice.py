@@ -146,7 +146,7 @@ class CLTSplice(SpliceIntervention):
         key = ("transcoder", entry["clt"])
         if key not in ctx.cache:  # read once per run
             try:
-                ctx.cache[key] = load_transcoder(entry["clt"])
+                ctx.cache[key] = load_transcoder(entry["clt"], device=ctx.bound.device)
             except (OSError, ValueError) as error:
                 raise SpecError(ctx.path(index, "clt"), str(error)) from None
         clt = ctx.cache[key]
