@@ -64,6 +64,8 @@ def test_the_spy_refuses_what_cuda_refuses_and_passes_what_it_allows():
             x @ torch.ones(3, 2)
         with pytest.raises(DeviceMix, match="add"):
             x + torch.ones(3)
+        with pytest.raises(DeviceMix, match="generator"):
+            torch.randn(3, device=SPY, generator=torch.Generator().manual_seed(0))
         here = torch.searchsorted(sorted_row, torch.tensor(2.0, device=x.device))
         assert isinstance(here, Spied) and int(here) == 2
         y = x * torch.tensor(2.0) + 1  # a 0-dim CPU tensor in a pointwise op: a scalar

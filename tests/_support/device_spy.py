@@ -129,6 +129,8 @@ def _run(func, args, kwargs):
         wrap = torch.device(kwargs["device"]).type == SPY.type
         if wrap:
             kwargs["device"] = _CPU
+            if kwargs.get("generator") is not None:  # a CPU generator cannot draw on CUDA
+                raise DeviceMix(f"{func} draws on the model's device from a CPU generator")
     if spied and func not in _MOVES:
         scan = (args[:1] + args[2:], kwargs) if func in _INDEXING else (args, kwargs)
         scalars_ok = torch.Tag.pointwise in func.tags
