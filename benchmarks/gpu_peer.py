@@ -100,12 +100,14 @@ def build(work: Path, shape: str, lengths: list[int], per_position: float, clt_f
         """``W_enc [L, F, D]`` and thresholds ``[L, F]``: per layer, in the widest gap between
         the ``count``-th and ``1.25 count``-th largest pre-activations (a feature at the
         threshold would fire or not on rounding alone); and in the last layer, feature ``i``
-        aligned with the residual at the last position of the ``i``-th prompt, firing there
-        alone (circuit-tracer 0.5's CLT reconstruction takes its positions from the last
-        active one: a prompt whose last position has no active feature fails there)."""
+        aligned with the residual at the last position of the ``i``-th prompt (less the mean
+        over positions), firing there (and wherever it exceeds its value there):
+        circuit-tracer 0.5's CLT reconstruction takes its positions from the last active one,
+        and a prompt whose last position has no active feature fails there."""
         w = torch.randn(n_layers, n_features, d_model, generator=g, device=device) / d_model**.5
+        centred = mid[-1] - mid[-1, 1:].mean(0)
         for i, n in enumerate(lengths):
-            w[-1, i] = mid[-1, n - 1] / mid[-1, n - 1].norm()
+            w[-1, i] = centred[n - 1] / centred[n - 1].norm()
         z = torch.einsum("lpd,lfd->lpf", mid[:, 1:], w)  # [L, P - 1, F]
         top = z.flatten(1).topk(count + count // 4 + 2, dim=1).values  # [L, k], descending
         gaps = top[:, count - 1:-1] - top[:, count:]
@@ -114,8 +116,9 @@ def build(work: Path, shape: str, lengths: list[int], per_position: float, clt_f
         threshold = threshold.contiguous()
         for i, n in enumerate(lengths):
             values = z[-1, :, i].sort(descending=True).values
-            assert values[0] == z[-1, n - 2, i], "the aligned feature peaks elsewhere"
-            threshold[-1, i] = (values[0] + values[1]) / 2
+            rank = int((values >= z[-1, n - 2, i]).sum())  # it fires at this many positions
+            threshold[-1, i] = (values[rank - 1] + values[rank]) / 2
+            print(f"the {n}-token prompt's last-position feature fires at {rank} positions")
         return w.cpu(), threshold.cpu()
 
     W_enc, threshold = encoder(clt_features)
