@@ -20,10 +20,11 @@ circuit-tracer: ``batch_size=512``), then one per ``--batches`` entry; seconds o
 ``attribute`` call (synchronised), load seconds, and peak GPU memory (peak statistics reset
 before each graph). Both build the same graph: circuit-tracer's salient logits (10 up to
 p = 0.95), every active feature explored (``max_feature_nodes=None``, its default), ours with its
-conventions (``target="demeaned_vocab"``, ``bos_errors="drop"``, as tests_peer). The defaults
-graph of each side is saved and compared as tests_peer does: the same input ids, active
-features (layer, position, id) in order, activations, logit tokens and probabilities, and every
-edge of every feature and logit row within ``EDGE_TOLERANCE`` of the row's largest ``|edge|``.
+conventions (``target="demeaned_vocab"``, ``bos_errors="drop"``, as tests_peer). The first
+graph each side builds (the defaults', unless they failed) is saved and compared as tests_peer
+does: the same input ids, active features (layer, position, id) in order, activations, logit
+tokens and probabilities, and every edge of every feature and logit row within
+``EDGE_TOLERANCE`` of the row's largest ``|edge|``.
 
 circuit-tracer runs on its nnsight backend (its wheels and their needs: gpu_prepare.sh; the
 TransformerLens backend needs datasets, multiprocess, dill and more on the machine, not carried).
@@ -195,6 +196,7 @@ def run_cell(work: Path, library: str, length: int, batches: list[int], device: 
     start = time.perf_counter()
     loaded = _load_ours(work, device) if library == "ours" else None
     model_s = time.perf_counter() - start
+    transcoder = None
     for kind in TRANSCODERS:
         reset_peak(device)
         start = time.perf_counter()
@@ -222,13 +224,14 @@ def run_cell(work: Path, library: str, length: int, batches: list[int], device: 
                 synchronize(device)
                 line.update(seconds=round(time.perf_counter() - start, 3), batch_used=used,
                             peak_mb=peak_mb(device), **_sizes(graph, library))
-                if batch is None:
-                    torch.save(_dense(graph, library), work / f"{library}-{length}-{kind}.pt")
+                saved = work / f"{library}-{length}-{kind}.pt"
+                if not saved.exists():  # the first graph built (any batch: the same graph)
+                    torch.save(_dense(graph, library), saved)
             except Exception as error:  # noqa: BLE001 (circuit-tracer OOM at 2,048: a result)
                 line.update(error=_short(error), peak_mb=peak_mb(device))
             graph = None
             note(line)
-        runner = None
+        runner = transcoder = None  # freed before the next transcoder loads
 
 
 def _short(error: BaseException) -> str:
