@@ -52,7 +52,7 @@
 # none of them in all).
 # A CPU smoke of every step with tiny shapes (no GPU, no wheels; a few minutes on 2 cores):
 #   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/gpu_smoke bash benchmarks/gpu_check.sh
-#   SMOKE=1 PYTHON=.venv/bin/python PEER_PYTHON=/work/ciclone/.venv-peer/bin/python \
+#   SMOKE=1 BUDGET=2400 PYTHON=.venv/bin/python PEER_PYTHON=/work/ciclone/.venv-peer/bin/python \
 #       OUT=/tmp/gpu_smoke_peer bash benchmarks/gpu_check.sh issue54
 set -u
 SECTION=${1:-all}
@@ -149,20 +149,25 @@ fi
 if want54 peer; then
     # circuit-tracer's stack apart from /tmp/site (it pins transformers 4.57.3); ours runs there
     # too (the oldest transformers we support), each (length, library) in a process of its own
-    if [ "${SMOKE:-0}" = 1 ]; then
+    if [ "${SMOKE:-0}" = 1 ]; then  # a busy 2-core machine takes minutes per process
         PEER=(env "PYTHONPATH=$PWD" "${PEER_PYTHON:-$PY}")
+        PEER_LIMIT=1500; PEER_ARGS=(--limits 400,400 --build-limit 300)
     else
+        PEER_LIMIT=260; PEER_ARGS=()
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/peer-site .whl/peer/*.whl .whl/pyvene-*.whl || exit 1
         PEER=(env "PYTHONPATH=/tmp/peer-site:$PWD" python3)
     fi
-    step peer 260 "${PEER[@]}" benchmarks/gpu_peer.py --device $DEV --json "$OUT/peer.json"
+    step peer $PEER_LIMIT "${PEER[@]}" benchmarks/gpu_peer.py --device $DEV \
+        ${PEER_ARGS[@]+"${PEER_ARGS[@]}"} --json "$OUT/peer.json"
 fi
 if want54 ranks; then
     # issue 54 item 6: 2 ranks sharing the one GPU (gloo, CUDA tensors; NCCL refuses two ranks
     # on a device) against one process, the transcoder sharded by feature and the rows split
-    if [ "${SMOKE:-0}" = 1 ]; then RANKS_F=256; else RANKS_F=1024; fi
-    step ranks 70 "$PY" benchmarks/distributed_attribution.py --model random:$SMALL \
+    if [ "${SMOKE:-0}" = 1 ]; then RANKS_F=256; RANKS_LIMIT=900
+    else RANKS_F=1024; RANKS_LIMIT=70
+    fi
+    step ranks $RANKS_LIMIT "$PY" benchmarks/distributed_attribution.py --model random:$SMALL \
         --features $RANKS_F --rows 1000 --resident --worlds 1 2 --json "$OUT/ranks.json"
 fi
 if [ "$SECTION" = issue54 ]; then
