@@ -151,7 +151,7 @@ if want54 peer; then
     # too (the oldest transformers we support), each (length, library) in a process of its own
     if [ "${SMOKE:-0}" = 1 ]; then  # a busy 2-core machine takes minutes per process
         PEER=(env "PYTHONPATH=$PWD" "${PEER_PYTHON:-$PY}")
-        PEER_LIMIT=1500; PEER_ARGS=(--limits 400,400 --build-limit 300)
+        PEER_LIMIT=1500; PEER_ARGS=(--lengths 16 --limits 600 --build-limit 400)
     else
         PEER_LIMIT=260; PEER_ARGS=()
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
