@@ -441,8 +441,10 @@ def table(runs: list[dict], comparisons: list[dict]) -> None:
     for r in runs:
         peak = "-" if r.get("peak_mb") is None else f"{r['peak_mb']:,.0f}"
         seconds = r.get("error", "")[:40] if "error" in r else f"{r['seconds']:.2f}"
+        batch = f"{r['batch']}" if r["batch"] != "default" else \
+            f"def {r['batch_used']}" if "batch_used" in r else "default"
         print(f"{r['length']:>5} {r['transcoder']:>4} {r['library']:>14} "
-              f"{str(r.get('batch_used', r.get('batch', '-'))):>8} {r.get('features', '-'):>6} "
+              f"{batch:>8} {r.get('features', '-'):>6} "
               f"{seconds:>8} {peak:>8} {r.get('setup_s', '-'):>7}")
     for c in comparisons:
         print(f"compare {c['length']:>5} {c['transcoder']}: equal={c['equal']} "
