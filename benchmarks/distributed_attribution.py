@@ -40,6 +40,9 @@ sys.path.insert(1, str(ROOT / "benchmarks"))  # synthetic_clt
 N_FEATURES = 1120
 PROMPT, ANSWER = "The Eiffel Tower is in the city of", " Paris"
 MB = 2**20
+#: Ranks against one process: activations and edges within this much of the largest (the
+#: rows' reductions run in another order; tests/test_distributed.py holds 1e-6 on the CPU).
+TOLERANCE = 1e-5
 
 
 def load(name: str, device: str = "cpu"):
@@ -55,8 +58,9 @@ def load(name: str, device: str = "cpu"):
     from synthetic_clt import SHAPES, known_facts_tokenizer
 
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(tf.LlamaConfig(**SHAPES[name.removeprefix("random:")][0]))
-    return model.to(device).eval(), known_facts_tokenizer()
+    with torch.device(device):  # initialised where it runs: a 1B model in seconds on a GPU
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SHAPES[name.removeprefix("random:")][0]))
+    return model.eval(), known_facts_tokenizer()
 
 
 def write_clt(path: Path, per_position: float, name: str = "smollm2-135m",
@@ -67,11 +71,13 @@ def write_clt(path: Path, per_position: float, name: str = "smollm2-135m",
 
     from pyvene_causaltrace.transcoders.checks import hook_states
 
-    model, tokenizer = load(name)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"  # the weights the ranks hold
+    model, tokenizer = load(name, device)
     n_layers, d_model = model.config.num_hidden_layers, model.config.hidden_size
-    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"].to(device)
     with torch.no_grad():
-        mid = hook_states(model, ids, {"mid": "hook_resid_mid"})["mid"]  # [L, P, D]
+        mid = hook_states(model, ids, {"mid": "hook_resid_mid"})["mid"].cpu()  # [L, P, D]
+    del model
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     count = max(1, int(round(per_position * (mid.shape[1] - 1))))
@@ -99,10 +105,15 @@ def worker(args) -> None:
     from pyvene_causaltrace.transcoders import load_transcoder
 
     torch.set_num_threads(1)
-    ranks = distributed.init()
+    gpus = torch.cuda.device_count()
+    # NCCL: one rank per GPU; more ranks than GPUs share them over gloo (CUDA tensors staged
+    # through the CPU by the collectives, distributed._wire)
+    backend = args.backend or ("nccl" if gpus and int(os.environ.get("WORLD_SIZE", "1")) <= gpus
+                               else "gloo")
+    ranks = distributed.init(backend=backend)
     rank, world = (0, 1) if ranks is None else (ranks.rank, ranks.world)
     shard = {"shard": (rank, world)} if ranks is not None and args.mode == "features" else {}
-    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0')) % gpus}" if gpus else "cpu"
     model, tokenizer = load(args.model, device)
     start = time.perf_counter()
     clt = load_transcoder(args.dir, lazy_decoder=not args.resident, device=device, **shard)
@@ -117,18 +128,42 @@ def worker(args) -> None:
             "forward_s": seconds["forward"], "total_s": seconds["total"], "load_s": load_s,
             "transcoder_mb": clt.resident_bytes() / MB,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "batch": graph.metadata["batch_size"]}
+            "batch": graph.metadata["batch_size"], "device": device,
+            "backend": backend if ranks is not None else None}
     with open(args.report, "a") as out:
         out.write(json.dumps(line) + "\n")
+    if rank == 0:  # the graph, for the equality with one process (compare())
+        nodes = graph.rows.nodes.sort().values
+        torch.save({"features": torch.stack([graph.feature_layer, graph.feature_position,
+                                             graph.feature_id], 1).cpu(),
+                    "activation": graph.activation.cpu(), "nodes": nodes.cpu(),
+                    "rows": graph.rows.dense(graph.rows.row_of_node(graph.layout.n_nodes)[nodes])
+                    .cpu()}, Path(args.report).parent / f"graph-{world}-{line['mode']}.pt")
     if ranks is not None:
         distributed.finish()
+
+
+def compare(one: dict, many: dict) -> dict:
+    """A graph of several ranks against one process's: the same active features and computed
+    rows, activations and every edge within ``TOLERANCE`` of the largest (its row's)."""
+    same = torch.equal(one["features"], many["features"]) and torch.equal(one["nodes"],
+                                                                            many["nodes"])
+    if not same:
+        return {"same_nodes": False, "equal": False}
+    moved = float((one["activation"] - many["activation"]).abs().max()
+                  / one["activation"].abs().max().clamp(min=1e-30))
+    scale = one["rows"].abs().amax(1, keepdim=True).clamp(min=1e-30)
+    edges = float(((one["rows"] - many["rows"]).abs() / scale).max())
+    return {"same_nodes": True, "activation_diff": moved, "edge_diff": edges,
+            "equal": moved <= TOLERANCE and edges <= TOLERANCE}
 
 
 def launch(args, world: int, mode: str, report: Path) -> float:
     """One configuration in fresh processes; returns its wall seconds."""
     own = [str(Path(__file__).resolve()), "--worker", "--dir", str(args.dir), "--mode", mode,
            "--rows", str(args.rows), "--report", str(report), "--model", args.model] \
-        + (["--resident"] if args.resident else [])
+        + (["--resident"] if args.resident else []) \
+        + (["--backend", args.backend] if args.backend else [])
     command = [sys.executable, *own] if world == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc_per_node={world}", *own]
@@ -158,6 +193,8 @@ def main() -> None:
                         help="decoders resident (default: memory-mapped, as loaded by default)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--modes", nargs="+", default=["features", "rows"])
+    parser.add_argument("--backend", default=None, help="gloo or nccl (default: NCCL with a "
+                        "GPU per rank, else gloo, CUDA tensors too)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.worker:
@@ -183,9 +220,22 @@ def main() -> None:
         print(f"{line['world']:>5} {line['mode']:>11} {line['rank']:>4} {line['rows']:>5} "
               f"{line['rows_per_s']:>7.1f} {line['forward_s']:>9.1f} "
               f"{line['transcoder_mb']:>13.1f} {line['peak_rss_mb']:>11.0f}")
+    checks = []
+    if (report.parent / "graph-1-one process.pt").exists():
+        one = torch.load(report.parent / "graph-1-one process.pt")
+        for wall in walls:
+            if wall["world"] > 1:
+                many = torch.load(report.parent / f"graph-{wall['world']}-{wall['mode']}.pt")
+                checks.append({"world": wall["world"], "mode": wall["mode"],
+                               **compare(one, many)})
+                print(f"{wall['world']} ranks, {wall['mode']}: equal to one process "
+                      f"{checks[-1]['equal']} ({checks[-1]})")
     if args.json:
         args.json.write_text(json.dumps({"resident": args.resident, "rows": args.rows,
-                                         "ranks": lines, "launches": walls}, indent=1))
+                                         "ranks": lines, "launches": walls,
+                                         "equal_to_one_process": checks}, indent=1))
+    if not all(c["equal"] for c in checks):
+        sys.exit("a graph of several ranks differs from one process's")
 
 
 if __name__ == "__main__":

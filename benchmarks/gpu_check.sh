@@ -22,6 +22,23 @@
 #               distributed_attribution.py, a random-init Llama-3.2-1B shape with a synthetic CLT
 #               of 16 x 4,096): rows/s, transcoder bytes and peak memory per rank; skipped with
 #               fewer than 2 GPUs. Its table lands in $OUT/distributed.json.
+# Issue 54 (section issue54, not in all; one call of its own, ~9 device minutes with the start):
+#   6. peer     circuit-tracer 0.5.0 (nnsight backend, wheels in .whl/peer installed into
+#               /tmp/peer-site with pyvene: it pins transformers 4.57.3) beside ours on a
+#               random-init Llama-3.2-1B with a synthetic CLT (16 x 2,048) and a per-layer set
+#               (16 x 8,192) in circuit-tracer's layout, prompts of 64, 512 and 2,048 tokens:
+#               seconds per graph with each library's default batch and with 64 and 128,
+#               peak GPU memory, the graphs' edges compared (benchmarks/gpu_peer.py; a process
+#               per length and library, 25/30/45 s each: an OOM or a timeout is a result).
+#               $OUT/peer.json.
+#   7. ranks    2 ranks on the one GPU (gloo, CUDA tensors) against one process, both splits
+#               (benchmarks/distributed_attribution.py: exits non-zero unless equal).
+#               $OUT/ranks.json.
+#   8-10.       later: gpu_entry_points.py, bf16_deviation.py, long_prompts.py (30 s each
+#               reserved below).
+#   Plan: install ~15 s, peer 260 s, ranks 70 s, 3 x 30 s = ~435 s of BUDGET=450, + the
+#   machine's start (~1.5 min): run(command="BUDGET=450 bash benchmarks/gpu_check.sh issue54",
+#   carry=[".whl", ".devdata"], timeout_s=560).
 # Every step has its own time limit and the whole fits BUDGET seconds (default 560): a step that
 # would not fit is skipped and shows as '-' in the table. $OUT gets three files (the tool returns
 # at most 8): log.txt (every step's output), summary.txt and results.json (every step's numbers).
@@ -30,10 +47,13 @@
 # git-ignored .whl with pyvene 0.1.8 and transformers 5.24.0, .devdata with known_1000.json).
 # The tool sends the checkout the session was started in, so run it from there (merged):
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".devdata"], timeout_s=600)
-# Sections: bash benchmarks/gpu_check.sh [all|trace|fit|attribution|distributed|dataset]  (dataset: issue 5's
-# throughput run, not in all).
+# Sections: bash benchmarks/gpu_check.sh [all|trace|fit|attribution|distributed|dataset|issue54|
+# peer|ranks]  (dataset: issue 5's throughput run; issue54 = peer + ranks + the later steps;
+# none of them in all).
 # A CPU smoke of every step with tiny shapes (no GPU, no wheels; a few minutes on 2 cores):
 #   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/gpu_smoke bash benchmarks/gpu_check.sh
+#   SMOKE=1 BUDGET=2400 PYTHON=.venv/bin/python PEER_PYTHON=/work/ciclone/.venv-peer/bin/python \
+#       OUT=/tmp/gpu_smoke_peer bash benchmarks/gpu_check.sh issue54
 set -u
 SECTION=${1:-all}
 OUT=${OUT:-/tmp/gpu_check}
@@ -81,6 +101,7 @@ step() {
     echo "   ($name: exit ${PIPESTATUS[0]}, $((SECONDS - START)) s in)"
 }
 want() { [ "$SECTION" = all ] || [ "$SECTION" = "$1" ]; }
+want54() { [ "$SECTION" = issue54 ] || [ "$SECTION" = "$1" ]; }
 
 if want trace; then
     step trace_llama1b 120 "$PY" benchmarks/gpu_trace.py --device $DEV --shape $SMALL \
@@ -124,6 +145,39 @@ if want distributed; then
             --features $DIST_F --rows 2000 --resident --worlds "${WORLDS[@]}" \
             --json "$OUT/distributed.json"
     fi
+fi
+if want54 peer; then
+    # circuit-tracer's stack apart from /tmp/site (it pins transformers 4.57.3); ours runs there
+    # too (the oldest transformers we support), each (length, library) in a process of its own
+    if [ "${SMOKE:-0}" = 1 ]; then  # a busy 2-core machine takes minutes per process
+        PEER=(env "PYTHONPATH=$PWD" "${PEER_PYTHON:-$PY}")
+        PEER_LIMIT=1500; PEER_ARGS=(--lengths 16 --limits 600 --build-limit 400)
+    else
+        PEER_LIMIT=260; PEER_ARGS=()
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/peer-site .whl/peer/*.whl .whl/pyvene-*.whl || exit 1
+        PEER=(env "PYTHONPATH=/tmp/peer-site:$PWD" python3)
+    fi
+    step peer $PEER_LIMIT "${PEER[@]}" benchmarks/gpu_peer.py --device $DEV \
+        ${PEER_ARGS[@]+"${PEER_ARGS[@]}"} --json "$OUT/peer.json"
+fi
+if want54 ranks; then
+    # issue 54 item 6: 2 ranks sharing the one GPU (gloo, CUDA tensors; NCCL refuses two ranks
+    # on a device) against one process, the transcoder sharded by feature and the rows split
+    if [ "${SMOKE:-0}" = 1 ]; then RANKS_F=256; RANKS_LIMIT=900
+    else RANKS_F=1024; RANKS_LIMIT=70
+    fi
+    step ranks $RANKS_LIMIT "$PY" benchmarks/distributed_attribution.py --model random:$SMALL \
+        --features $RANKS_F --rows 1000 --resident --worlds 1 2 --json "$OUT/ranks.json"
+fi
+if [ "$SECTION" = issue54 ]; then
+    # the place for issue 54's other steps (30 s each reserved in the plan above), e.g.
+    #   step entry_points 30 "$PY" benchmarks/gpu_entry_points.py --device $DEV ...
+    #   step bf16_deviation 30 "$PY" benchmarks/bf16_deviation.py --device $DEV ...
+    #   step long_prompts 30 "$PY" benchmarks/long_prompts.py --device $DEV ...
+    for later in gpu_entry_points bf16_deviation long_prompts; do
+        [ -f "benchmarks/$later.py" ] || echo "== $later: not here yet"
+    done
 fi
 if [ "$SECTION" = dataset ]; then
     echo "== dataset throughput, residual, 3 seeds (issue 5)"

@@ -54,27 +54,29 @@ class Ranks:
                    op: str = "sum") -> torch.Tensor:
         """``tensor`` summed (or ``op="min"``/``"max"``) over ranks: a new tensor, the same
         on every rank."""
-        out = tensor.detach().clone().contiguous()
+        out = tensor.detach().to(_wire(), copy=True).contiguous()
         reduce = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                   "max": dist.ReduceOp.MAX}[op]
         with collective(self, what):
             dist.all_reduce(out, op=reduce)
-        return out
+        return out.to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor, what: str = "a gather over ranks"
                    ) -> list[torch.Tensor]:
         """Every rank's ``tensor``, in rank order; first dimensions may differ between ranks
         (the rest must agree)."""
-        tensor = tensor.contiguous()
+        wire = _wire()
         with collective(self, what):
-            sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.world)]
-            dist.all_gather(sizes, torch.tensor([tensor.shape[0]], dtype=torch.long))
+            sizes = [torch.zeros(1, dtype=torch.long, device=wire) for _ in range(self.world)]
+            dist.all_gather(sizes, torch.tensor([tensor.shape[0]], dtype=torch.long,
+                                                device=wire))
             longest = max(int(s) for s in sizes)
-            padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+            padded = tensor.new_zeros((longest, *tensor.shape[1:]), device=wire)
             padded[:tensor.shape[0]] = tensor
             parts = [torch.empty_like(padded) for _ in range(self.world)]
             dist.all_gather(parts, padded)
-        return [part[:int(size)] for part, size in zip(parts, sizes, strict=True)]
+        return [part[:int(size)].to(tensor.device) for part, size in zip(parts, sizes,
+                                                                           strict=True)]
 
     def broadcast_object(self, value: object, what: str = "a broadcast from rank 0") -> object:
         """Rank 0's ``value`` on every rank (pickled)."""
@@ -105,6 +107,15 @@ class Ranks:
     def barrier(self, what: str = "waiting for every rank") -> None:
         with collective(self, what):
             dist.barrier()
+
+
+def _wire() -> torch.device:
+    """Where the group's collectives take their tensors: NCCL's on this rank's GPU (it has no
+    CPU collectives), gloo's on the CPU (a rank's CUDA tensors are copied there and back:
+    gloo's CUDA support stops at broadcast and all_reduce, torch's backend table)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _short(value: object) -> str:
@@ -249,7 +260,8 @@ def init(timeout_s: float = TIMEOUT_S, rendezvous_s: float = RENDEZVOUS_TIMEOUT_
             gpus = torch.cuda.device_count()
             if launch.local_rank >= gpus:
                 raise InputError(f"LOCAL_RANK={launch.local_rank}: this machine has {gpus} "
-                                 f"GPUs, so it must be in 0..{gpus - 1}")
+                                 f"GPUs, so it must be in 0..{gpus - 1} (NCCL takes one rank "
+                                 "per GPU; ranks sharing a GPU need backend='gloo')")
             torch.cuda.set_device(launch.local_rank)
         store = _store(launch, rendezvous_s)
         store.set_timeout(timedelta(seconds=timeout_s))

@@ -10,6 +10,7 @@ import socket
 import time
 
 import pytest
+import torch
 
 from pyvene_causaltrace import distributed
 from pyvene_causaltrace.cli import main
@@ -97,3 +98,35 @@ def test_a_port_in_use_fails_at_once_and_a_silent_one_within_the_bound(monkeypat
         assert time.perf_counter() - start < 10
     finally:
         holder.close()
+
+
+def test_collectives_take_their_tensors_on_the_backends_device(monkeypatch):
+    """NCCL has no CPU collectives and gloo's CUDA ones stop at broadcast and all_reduce: every
+    collective hands torch its tensors on ``distributed._wire()`` (the rank's GPU under NCCL,
+    the CPU under gloo) and returns them on the caller's device. torch's collectives are
+    replaced by recorders here: no process group, no GPU."""
+    seen = []
+
+    def all_reduce(tensor, op=None):
+        seen.append(("all_reduce", tensor.device))
+        tensor.mul_(2)
+
+    def all_gather(parts, tensor):
+        seen.append(("all_gather", tensor.device, *(p.device for p in parts)))
+        for part in parts:
+            part.copy_(tensor)
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(distributed.dist, "all_gather", all_gather)
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda: "gloo")
+    ranks = distributed.Ranks(0, 2)
+    x = torch.tensor([1.0, 2.0])
+    assert torch.equal(ranks.all_reduce(x), torch.tensor([2.0, 4.0]))
+    assert torch.equal(x, torch.tensor([1.0, 2.0])), "the caller's tensor was summed in place"
+    gathered = ranks.all_gather(torch.arange(6.0).reshape(3, 2))
+    assert [g.shape for g in gathered] == [(3, 2), (3, 2)]
+    assert all(d == torch.device("cpu") for entry in seen for d in entry[1:])
+
+    monkeypatch.setattr(distributed.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert distributed._wire() == torch.device("cuda", 1)
