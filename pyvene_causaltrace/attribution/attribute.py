@@ -23,6 +23,7 @@ from ..arguments import MemoryMB, PositiveInt, Probability, Text
 from ..errors import InputError
 from ..fingerprint import package_version
 from ..finite import check_finite
+from ..meter import phase
 from ..model_guard import measured
 from ..runlock import single_writer
 from ..transcoders.transcoder import Transcoder
@@ -130,9 +131,11 @@ def attribute(
         prepared = replace(prepared, active_counts=spread.ranks.all_reduce(
             prepared.active_counts, "counting the active features"))
     replacement.check_memory(prepared.input_ids, s.memory_mb, prepared.active_counts)
-    run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
-                          bos_errors=s.bos_errors)
-    top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)
+    with phase("forward"):
+        run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
+                              bos_errors=s.bos_errors)
+    with phase("target_rows"):
+        top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)
     forward_s = time.perf_counter() - start
     plan = _plan(run, top, memory_mb=s.memory_mb, batch_size=s.batch_size,
                  max_batch=s.max_batch, max_feature_nodes=s.max_feature_nodes,
@@ -289,23 +292,26 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
             while int(done.sum()) < plan.budget:
                 if len(pending) == 0:
                     start = time.perf_counter()
-                    pending = plan.ranking.next_queue(store, done)
+                    with phase("ranking"):
+                        pending = plan.ranking.next_queue(store, done)
                     if spread is not None:  # rank 0's choice: ranks must not drift apart
                         pending = spread.ranks.broadcast_object(pending, "sharing the queue")
                     ranking_s += time.perf_counter() - start
                 chunk, pending = pending[:plan.size], pending[plan.size:]
                 in_flight = chunk
-                if spread is None:
-                    rows, constants = compute(run, chunk.to(on))
-                else:
-                    rows, constants = spread.rows(compute, run, chunk.to(on))
+                with phase("rows"):
+                    if spread is None:
+                        rows, constants = compute(run, chunk.to(on))
+                    else:
+                        rows, constants = spread.rows(compute, run, chunk.to(on))
                 check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
                 with torch.no_grad():
                     targets, magnitudes = feature_targets_and_magnitudes(run, chunk.to(on))
                 if check_closure:
                     _check_rows(run, chunk, rows, constants, targets, magnitudes, freeze,
                                 top.hidden)
-                store.append(chunk, rows, constants, targets, magnitudes)
+                with phase("store"):
+                    store.append(chunk, rows, constants, targets, magnitudes)
                 in_flight = pending[:0]
                 done[chunk] = True
                 store_file.maybe_save(store, pending)

@@ -70,6 +70,8 @@ class ReplacementRun:
     encoder_inputs: list[torch.Tensor]
     encoder_rows: torch.Tensor
     forward_bytes: int
+    #: Of ``forward_bytes``, the saved tensors ``[..., P, P]`` (attention patterns, masks).
+    pattern_bytes: int = 0
     logit_softcap: float | None = None
     steering: list[SteeringLeaf] = field(default_factory=list)
     #: Live residual-stream states a direction target reads, by output name
@@ -270,7 +272,8 @@ def replacement_forward(
         encoder_inputs=[leaves["inputs"][layer] for layer in range(n_layers)],
         encoder_rows=torch.cat([transcoder.encoder_weight(layer)[f.feature]
                                 for layer, f in enumerate(features)]),
-        forward_bytes=saved["bytes"], logit_softcap=cap, steering=steering, states=captured)
+        forward_bytes=saved["bytes"], pattern_bytes=saved["patterns"], logit_softcap=cap,
+        steering=steering, states=captured)
     if transcoder.features is not None:
         _gather_features(run, transcoder)
     return run
@@ -370,15 +373,18 @@ def _no_grad_inside(model: nn.Module, modules: list[nn.Module]) -> Iterator[None
 @contextmanager
 def _count_saved_bytes(model: nn.Module) -> Iterator[dict]:
     """Bytes of the distinct tensors autograd saves for the backward inside the block (the
-    model's own weights, which exist anyway, not counted)."""
+    model's own weights, which exist anyway, not counted); ``patterns``: those of square
+    tensors ``[..., n, n]`` (attention patterns and masks)."""
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    total = {"bytes": 0}
+    total = {"bytes": 0, "patterns": 0}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total["bytes"] += storage.nbytes()
+            if tensor.dim() >= 2 and tensor.shape[-1] == tensor.shape[-2] > 1:
+                total["patterns"] += storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
