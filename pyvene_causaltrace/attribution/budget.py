@@ -85,7 +85,7 @@ def row_bytes(run) -> int:
     accumulated), its dense edge row, and an eighth of the forward's saved activations. On
     SmolLM2 (9 tokens) 2.2-4.6 MB were measured against this estimate's 9.3 MB
     (benchmarks/attribution_speed.py)."""
-    activations = max(0, run.forward_bytes - run.decoder_bytes)
+    activations = run.forward_bytes
     gradients = sum(x.numel() * x.element_size() for x in run.inputs())
     return 2 * gradients + 8 * run.n_columns + activations // 8
 

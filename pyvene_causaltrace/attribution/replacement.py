@@ -141,8 +141,9 @@ class ReplacementRun:
 
     @property
     def decoder_bytes(self) -> int:
-        """Bytes of the active features' decoder rows the forward keeps for the backward."""
-        return sum(f.decoder.numel() * f.decoder.element_size() for f in self.features)
+        """Bytes of the active features' decoder rows: gathered when needed, not kept
+        (:class:`~..interventions.clt_splice.ActiveFeatures`)."""
+        return sum(f.value.numel() * f.row_bytes for f in self.features)
 
     @property
     def n_layers(self) -> int:
