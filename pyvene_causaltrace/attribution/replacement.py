@@ -55,7 +55,9 @@ class ReplacementRun:
     """One forward of the local replacement model: live outputs and every leaf.
 
     Feature nodes are ordered layer, then position, then feature id (``feature_layer`` etc.,
-    ``activation`` their values). ``errors[l]``, ``embeddings`` (token, and position, embedding
+    ``activation`` their values). ``logits`` are the last position's, ``[1, 1, V]`` (every
+    logit target reads it; all positions' when a state ``"unembed_input"`` is kept).
+    ``errors[l]``, ``embeddings`` (token, and position, embedding
     outputs) and ``encoder_inputs[l]`` (the live input of layer ``l``'s encoders) are ``[1, P,
     D]``; ``constants`` the model's bias parameters; ``steering`` one node per (user
     intervention call, position where its constant is nonzero), between errors and tokens."""
@@ -257,7 +259,11 @@ def replacement_forward(
                 capturing_states(bound, states) as captured, \
                 (frozen_qk_norms(bound) if qk_norms else nullcontext()), \
                 intervened(bound, reps, keep_model_gradients=True):
-            out = model(input_ids=input_ids, use_cache=False)
+            # the last position's logits alone: every logit target reads it, and the whole
+            # [P, vocabulary] (and its gradient per target row) grew with the prompt; all of
+            # them where a direction target reads the unembedding's input at any position
+            out = model(input_ids=input_ids, use_cache=False,
+                        logits_to_keep=0 if "unembed_input" in states else 1)
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)

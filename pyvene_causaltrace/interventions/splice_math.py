@@ -16,7 +16,6 @@ from ..distributed import current
 from ..errors import InputError
 from .splice_session import SpliceSession
 
-
 #: Bytes of decoder rows gathered at a time (:meth:`ActiveFeatures.cells`): the active features'
 #: rows are never held, only gathered by the forward's writes and each batch's backward.
 GATHER_BYTES = 1 << 28
