@@ -27,7 +27,7 @@ from ..meter import phase
 from ..model_guard import measured
 from ..runlock import single_writer
 from ..transcoders.transcoder import Transcoder
-from .budget import batch_size_for, check_batch_fits, feature_budget
+from .budget import batch_size_for, check_batch_fits, feature_budget, store_bytes
 from .checkpoint import Checkpoint, remove_checkpoint, tensor_digest
 from .edges import (
     CLOSURE_TOLERANCE,
@@ -214,17 +214,20 @@ def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size
           freeze: bool, loop: bool, spread: Spread | None = None) -> _Plan:
     """Fit the batch and the feature budget to ``memory_mb`` (:mod:`.budget`); across ranks,
     the smallest rank's."""
-    if batch_size is not None:
-        check_batch_fits(run, memory_mb, batch_size)
-    size = batch_size or batch_size_for(run, memory_mb, max_batch)
-    if spread is not None:
-        size = int(spread.ranks.all_reduce(torch.tensor([size]), "agreeing on the batch",
-                                           op="min"))
     # the first queue's order: circuit-tracer's partial influence of the logit rows alone
     logit_rows = top.rows.detach().abs().double().cpu()
     normalized = logit_rows / logit_rows.sum(1, keepdim=True).clamp(min=1e-30)
     first_guess = (top.weights[:, None] * normalized[:, :run.n_features]).sum(0) \
         .argsort(descending=True)
+    if batch_size is not None:
+        check_batch_fits(run, memory_mb, batch_size)
+    # a budget's rows first, where they share the device (the CPU), then the batch
+    reserve = 0 if max_feature_nodes is None else store_bytes(run, max_feature_nodes,
+                                                              first_guess)
+    size = batch_size or batch_size_for(run, memory_mb, max_batch, reserve)
+    if spread is not None:
+        size = int(spread.ranks.all_reduce(torch.tensor([size]), "agreeing on the batch",
+                                           op="min"))
     budget = feature_budget(run, memory_mb, size, max_feature_nodes, first_guess)
     if spread is not None:
         budget = int(spread.ranks.all_reduce(torch.tensor([budget]), "agreeing on the budget",
