@@ -34,6 +34,8 @@ def one(args) -> dict:
     from synthetic_clt import SHAPES, known_facts_tokenizer, synthetic_clt_for
 
     from pyvene_causaltrace.attribution import MemoryCapError, ReplacementModel, attribute
+    from pyvene_causaltrace.attribution.budget import forward_parts, row_bytes, store_bytes
+    from pyvene_causaltrace.memory import device_bytes
     from pyvene_causaltrace.meter import metered
 
     device = torch.device(args.device)
@@ -59,13 +61,27 @@ def one(args) -> dict:
                 "decoder_rows_mb": run.decoder_bytes / 2**20,
                 "attention_patterns_mb": run.pattern_bytes / 2**20,
                 "active_features": run.n_features}
+            # the planner's formulas (docs/attribution.md, "Memory on long prompts")
+            parts = forward_parts(replacement.bound, clt, ids.shape[1],
+                                  torch.bincount(run.feature_layer, minlength=run.n_layers))
+            record["planned_mb"] = {
+                **{k: v / 2**20 for k, v in parts.items()},
+                "row": row_bytes(run) / 2**20,
+                # the largest cones first: the bound for any order ranking may choose
+                "store": store_bytes(run, args.budget, torch.argsort(
+                    run.feature_layer * run.n_pos + run.feature_position, descending=True))
+                / 2**20}
             del run
         record["forward_graph"]["live_peak_mb"] = forward.peak / 2**20
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    memory = {} if args.memory_mb is None else {"memory_mb": args.memory_mb}
+    memory_mb = args.memory_mb
+    if memory_mb is None and device.type == "cuda":  # the GPU's memory, as circuit-tracer's
+        memory_mb = 0.97 * device_bytes(device) / 2**20
+    memory = {} if memory_mb is None else {"memory_mb": memory_mb}
+    record["memory_mb"] = memory_mb
     start = time.perf_counter()
     try:
         with metered("cpu") if device.type == "cpu" else _nothing() as report:
@@ -106,7 +122,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--features-per-position", type=float, default=10.0)
     parser.add_argument("--memory-mb", type=float, default=None,
-                        help="the planner's cap (default: the device's memory)")
+                        help="the planner's cap (default: 97%% of a GPU's memory; on the "
+                        "CPU attribute()'s default)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, default=0, help=argparse.SUPPRESS)
