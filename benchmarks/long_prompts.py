@@ -15,6 +15,7 @@ rows of active features, attention patterns) from one extra replacement forward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -84,7 +85,7 @@ def one(args) -> dict:
     record["memory_mb"] = memory_mb
     start = time.perf_counter()
     try:
-        with metered("cpu") if device.type == "cpu" else _nothing() as report:
+        with metered("cpu") if device.type == "cpu" else contextlib.nullcontext() as report:
             graph = attribute(model, tokenizer, clt, prompt, ANSWER, max_feature_nodes=args.budget,
                               batch_size=args.batch, **memory)
     except MemoryCapError as error:
@@ -103,14 +104,6 @@ def one(args) -> dict:
             "forward_mb": graph.metadata["forward_mb"], "rows_mb": graph.metadata["rows_mb"],
             "stored_entries": graph.rows.nnz, "target_closure": graph.closure.relative,
             "max_row_closure": float(closures)}
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main() -> None:
