@@ -407,7 +407,8 @@ def test_a_batch_size_that_cannot_fit_is_refused(world, tokenizer):
                                    memory_mb=64)
 
 
-def _fake_run(n_features: int, n_layers: int = 4, n_pos: int = 10, forward_mb: float = 10):
+def _fake_run(n_features: int, n_layers: int = 4, n_pos: int = 10, forward_mb: float = 10,
+              device: str = "cpu"):
     """What the planner reads of a run: feature coordinates and the forward's size."""
     g = torch.Generator().manual_seed(0)
     return SimpleNamespace(
@@ -415,7 +416,8 @@ def _fake_run(n_features: int, n_layers: int = 4, n_pos: int = 10, forward_mb: f
         feature_layer=torch.randint(0, n_layers, (n_features,), generator=g),
         feature_position=torch.randint(0, n_pos, (n_features,), generator=g),
         encoder_rows=torch.zeros(0), forward_bytes=int(forward_mb * 2**20), decoder_bytes=0,
-        n_columns=n_features + n_layers * n_pos + n_pos, inputs=lambda: [torch.zeros(100)])
+        n_columns=n_features + n_layers * n_pos + n_pos, inputs=lambda: [torch.zeros(100)],
+        logits=torch.zeros(1, device=device))
 
 
 def test_the_feature_budget_counts_what_ranking_reads(monkeypatch):
@@ -435,6 +437,21 @@ def test_the_feature_budget_counts_what_ranking_reads(monkeypatch):
     assert feature_budget(run, memory_mb, 1, budget, order) == budget
     with pytest.raises(MemoryCapError, match=" 0 MB to rank them"):  # every row: no ranking
         feature_budget(run, memory_mb, 1, run.n_features, order)
+
+
+def test_a_gpu_runs_rows_are_planned_in_the_hosts_memory():
+    """On the CPU the row store shares memory_mb with the forward (and a budget's store is
+    kept out of the batch); a GPU's run stores its rows on the host, so memory_mb (the GPU's)
+    does not refuse them (the 2,048-token refusal of issue 54)."""
+    run = _fake_run(5000)
+    order = torch.arange(run.n_features)
+    memory_mb = 10 + 1 + row_bytes(run) / 2**20  # 1 MB beside the forward and a row
+    with pytest.raises(MemoryCapError, match="max_feature_nodes=5000"):
+        feature_budget(run, memory_mb, 1, run.n_features, order)
+    assert budget_module.store_bytes(run, 5000, order) > 2**20
+    gpu = _fake_run(5000, device="meta")
+    assert feature_budget(gpu, memory_mb, 1, gpu.n_features, order) == 5000
+    assert budget_module.store_bytes(gpu, 5000, order) == 0
 
 
 # ------------------------------------------------------------------ labels

@@ -23,10 +23,11 @@ from ..arguments import MemoryMB, PositiveInt, Probability, Text
 from ..errors import InputError
 from ..fingerprint import package_version
 from ..finite import check_finite
+from ..meter import phase
 from ..model_guard import measured
 from ..runlock import single_writer
 from ..transcoders.transcoder import Transcoder
-from .budget import batch_size_for, check_batch_fits, feature_budget
+from .budget import batch_size_for, check_batch_fits, feature_budget, store_bytes
 from .checkpoint import Checkpoint, remove_checkpoint, tensor_digest
 from .edges import (
     CLOSURE_TOLERANCE,
@@ -130,9 +131,11 @@ def attribute(
         prepared = replace(prepared, active_counts=spread.ranks.all_reduce(
             prepared.active_counts, "counting the active features"))
     replacement.check_memory(prepared.input_ids, s.memory_mb, prepared.active_counts)
-    run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
-                          bos_errors=s.bos_errors)
-    top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)
+    with phase("forward"):
+        run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
+                              bos_errors=s.bos_errors)
+    with phase("target_rows"):
+        top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)
     forward_s = time.perf_counter() - start
     plan = _plan(run, top, memory_mb=s.memory_mb, batch_size=s.batch_size,
                  max_batch=s.max_batch, max_feature_nodes=s.max_feature_nodes,
@@ -211,17 +214,20 @@ def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size
           freeze: bool, loop: bool, spread: Spread | None = None) -> _Plan:
     """Fit the batch and the feature budget to ``memory_mb`` (:mod:`.budget`); across ranks,
     the smallest rank's."""
-    if batch_size is not None:
-        check_batch_fits(run, memory_mb, batch_size)
-    size = batch_size or batch_size_for(run, memory_mb, max_batch)
-    if spread is not None:
-        size = int(spread.ranks.all_reduce(torch.tensor([size]), "agreeing on the batch",
-                                           op="min"))
     # the first queue's order: circuit-tracer's partial influence of the logit rows alone
     logit_rows = top.rows.detach().abs().double().cpu()
     normalized = logit_rows / logit_rows.sum(1, keepdim=True).clamp(min=1e-30)
     first_guess = (top.weights[:, None] * normalized[:, :run.n_features]).sum(0) \
         .argsort(descending=True)
+    if batch_size is not None:
+        check_batch_fits(run, memory_mb, batch_size)
+    # a budget's rows first, where they share the device (the CPU), then the batch
+    reserve = 0 if max_feature_nodes is None else store_bytes(run, max_feature_nodes,
+                                                              first_guess)
+    size = batch_size or batch_size_for(run, memory_mb, max_batch, reserve)
+    if spread is not None:
+        size = int(spread.ranks.all_reduce(torch.tensor([size]), "agreeing on the batch",
+                                           op="min"))
     budget = feature_budget(run, memory_mb, size, max_feature_nodes, first_guess)
     if spread is not None:
         budget = int(spread.ranks.all_reduce(torch.tensor([budget]), "agreeing on the budget",
@@ -289,23 +295,26 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
             while int(done.sum()) < plan.budget:
                 if len(pending) == 0:
                     start = time.perf_counter()
-                    pending = plan.ranking.next_queue(store, done)
+                    with phase("ranking"):
+                        pending = plan.ranking.next_queue(store, done)
                     if spread is not None:  # rank 0's choice: ranks must not drift apart
                         pending = spread.ranks.broadcast_object(pending, "sharing the queue")
                     ranking_s += time.perf_counter() - start
                 chunk, pending = pending[:plan.size], pending[plan.size:]
                 in_flight = chunk
-                if spread is None:
-                    rows, constants = compute(run, chunk.to(on))
-                else:
-                    rows, constants = spread.rows(compute, run, chunk.to(on))
+                with phase("rows"):
+                    if spread is None:
+                        rows, constants = compute(run, chunk.to(on))
+                    else:
+                        rows, constants = spread.rows(compute, run, chunk.to(on))
                 check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
                 with torch.no_grad():
                     targets, magnitudes = feature_targets_and_magnitudes(run, chunk.to(on))
                 if check_closure:
                     _check_rows(run, chunk, rows, constants, targets, magnitudes, freeze,
                                 top.hidden)
-                store.append(chunk, rows, constants, targets, magnitudes)
+                with phase("store"):
+                    store.append(chunk, rows, constants, targets, magnitudes)
                 in_flight = pending[:0]
                 done[chunk] = True
                 store_file.maybe_save(store, pending)

@@ -62,22 +62,19 @@ def feature_grads(run: ReplacementRun, error_grads: list[torch.Tensor | None],
 
 def _layer_grads(active: ActiveFeatures, layer: int, flat: torch.Tensor, n_pos: int,
                  d_model: int) -> torch.Tensor | None:
-    """``[batch, n]``: one layer's feature gradients (:func:`feature_grads`). Its features come
-    sorted by batch row, then position (``nonzero`` order), so each cell's decoder rows are one
-    block."""
+    """``[batch, n]``: one layer's feature gradients (:func:`feature_grads`), one matrix
+    product per (batch row, position) cell of its features' decoder rows, gathered now
+    (:meth:`~..interventions.clt_splice.ActiveFeatures.cells`)."""
     n = active.value.numel()
-    width = min(active.decoder.shape[1], flat.shape[-1] // d_model - layer)
+    width = min(active.row_bytes // (d_model * active.value.element_size()),
+                flat.shape[-1] // d_model - layer)
     if n == 0 or width <= 0:
         return None
-    decoder = active.decoder.reshape(n, -1)[:, :width * d_model]  # targets with a gradient
-    targets = flat[:, :, layer * d_model:(layer + width) * d_model].to(decoder.dtype)
-    cells = active.row * n_pos + active.position
-    counts = torch.bincount(cells, minlength=flat.shape[1]).tolist()
-    out = decoder.new_empty(n, flat.shape[0])
-    offset = 0
-    for cell, count in enumerate(counts):
-        if count:
-            torch.mm(decoder[offset:offset + count], targets[:, cell].T,
-                     out=out[offset:offset + count])
-            offset += count
+    targets = flat[:, :, layer * d_model:(layer + width) * d_model]  # targets with a gradient
+    out = None
+    for cell, offset, count, rows in active.cells(n_pos):
+        decoder = rows.reshape(count, -1)[:, :width * d_model]
+        if out is None:
+            out = decoder.new_empty(n, flat.shape[0])
+        torch.mm(decoder, targets[:, cell].T.to(decoder.dtype), out=out[offset:offset + count])
     return out.T

@@ -55,7 +55,9 @@ class ReplacementRun:
     """One forward of the local replacement model: live outputs and every leaf.
 
     Feature nodes are ordered layer, then position, then feature id (``feature_layer`` etc.,
-    ``activation`` their values). ``errors[l]``, ``embeddings`` (token, and position, embedding
+    ``activation`` their values). ``logits`` are the last position's, ``[1, 1, V]`` (every
+    logit target reads it; all positions' when a state ``"unembed_input"`` is kept).
+    ``errors[l]``, ``embeddings`` (token, and position, embedding
     outputs) and ``encoder_inputs[l]`` (the live input of layer ``l``'s encoders) are ``[1, P,
     D]``; ``constants`` the model's bias parameters; ``steering`` one node per (user
     intervention call, position where its constant is nonzero), between errors and tokens."""
@@ -70,6 +72,8 @@ class ReplacementRun:
     encoder_inputs: list[torch.Tensor]
     encoder_rows: torch.Tensor
     forward_bytes: int
+    #: Of ``forward_bytes``, the saved tensors ``[..., P, P]`` (attention patterns, masks).
+    pattern_bytes: int = 0
     logit_softcap: float | None = None
     steering: list[SteeringLeaf] = field(default_factory=list)
     #: Live residual-stream states a direction target reads, by output name
@@ -139,8 +143,9 @@ class ReplacementRun:
 
     @property
     def decoder_bytes(self) -> int:
-        """Bytes of the active features' decoder rows the forward keeps for the backward."""
-        return sum(f.decoder.numel() * f.decoder.element_size() for f in self.features)
+        """Bytes of the active features' decoder rows: gathered when needed, not kept
+        (:class:`~..interventions.clt_splice.ActiveFeatures`)."""
+        return sum(f.value.numel() * f.row_bytes for f in self.features)
 
     @property
     def n_layers(self) -> int:
@@ -254,7 +259,11 @@ def replacement_forward(
                 capturing_states(bound, states) as captured, \
                 (frozen_qk_norms(bound) if qk_norms else nullcontext()), \
                 intervened(bound, reps, keep_model_gradients=True):
-            out = model(input_ids=input_ids, use_cache=False)
+            # the last position's logits alone: every logit target reads it, and the whole
+            # [P, vocabulary] (and its gradient per target row) grew with the prompt; all of
+            # them where a direction target reads the unembedding's input at any position
+            out = model(input_ids=input_ids, use_cache=False,
+                        logits_to_keep=0 if "unembed_input" in states else 1)
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
@@ -270,7 +279,8 @@ def replacement_forward(
         encoder_inputs=[leaves["inputs"][layer] for layer in range(n_layers)],
         encoder_rows=torch.cat([transcoder.encoder_weight(layer)[f.feature]
                                 for layer, f in enumerate(features)]),
-        forward_bytes=saved["bytes"], logit_softcap=cap, steering=steering, states=captured)
+        forward_bytes=saved["bytes"], pattern_bytes=saved["patterns"], logit_softcap=cap,
+        steering=steering, states=captured)
     if transcoder.features is not None:
         _gather_features(run, transcoder)
     return run
@@ -370,15 +380,18 @@ def _no_grad_inside(model: nn.Module, modules: list[nn.Module]) -> Iterator[None
 @contextmanager
 def _count_saved_bytes(model: nn.Module) -> Iterator[dict]:
     """Bytes of the distinct tensors autograd saves for the backward inside the block (the
-    model's own weights, which exist anyway, not counted)."""
+    model's own weights, which exist anyway, not counted); ``patterns``: those of square
+    tensors ``[..., n, n]`` (attention patterns and masks)."""
     seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    total = {"bytes": 0}
+    total = {"bytes": 0, "patterns": 0}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             total["bytes"] += storage.nbytes()
+            if tensor.dim() >= 2 and tensor.shape[-1] == tensor.shape[-2] > 1:
+                total["patterns"] += storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

@@ -46,8 +46,9 @@ if TYPE_CHECKING:  # transformers takes seconds to import; only the annotations 
 class PreparedPrompt:
     """A tokenized prompt, the clean model's logits on it and the targets they fix.
 
-    ``logits`` are the real model's (soft-capped, if it caps); ``target_logits`` are what the
-    graph explains: the pre-cap logits (the same tensor without a cap, ``softcap`` None).
+    ``logits`` are the real model's at the last position (soft-capped, if it caps);
+    ``target_logits`` are what the graph explains: the pre-cap logits (the same tensor
+    without a cap, ``softcap`` None).
     ``targets`` are the graph's logit nodes, in node order (:func:`~.targets.make_targets`)."""
 
     text: str
@@ -111,10 +112,12 @@ class ReplacementModel:
         with torch.no_grad():
             counts = active_counts(  # one forward: logits and counts
                 self.bound, self.transcoder, ids, from_position=self.from_position,
-                run=lambda: box.setdefault("logits", self.model(input_ids=ids).logits))
-            clean = box["logits"]
+                run=lambda: box.setdefault("logits", self.model(
+                    input_ids=ids, logits_to_keep=1).logits))
+            clean = box["logits"]  # [1, 1, V]: the targets read the last position alone
             with self.bound.pre_softcap() as cap:
-                uncapped = clean if cap is None else self.model(input_ids=ids).logits
+                uncapped = clean if cap is None else \
+                    self.model(input_ids=ids, logits_to_keep=1).logits
         check_finite(clean, "the clean run's logits",
                      "the weights are finite, so the activations overflow")
         probabilities = clean[0, -1].float().softmax(-1)

@@ -39,6 +39,7 @@ loaded find it again, and their transcoder by its path: :mod:`.splice_session`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -250,10 +251,10 @@ class CLTSplice(SpliceIntervention):
                 acts = transcoder.encode(x, layer, chosen)
                 acts[:, :start] = 0
                 row, position, feature = acts.nonzero(as_tuple=True)
-                unique, inverse = feature.unique(return_inverse=True)
-                decoder = transcoder.decoder_rows(layer, unique)[inverse]
             value = acts[row, position, feature].detach().requires_grad_(True)
-            active = ActiveFeatures(row, position, feature, value, decoder)
+            active = ActiveFeatures(
+                row, position, feature, value, functools.partial(transcoder.decoder_rows, layer),
+                transcoder.cfg.n_targets(layer) * transcoder.cfg.d_model * value.element_size())
             leaves["features"][layer] = active
             leaves["writes"][layer] = leaf_writes(active, base.shape[:2],
                                               transcoder.cfg.n_targets(layer),

@@ -7,6 +7,7 @@ into later layers (:func:`leaf_writes`), summed over ranks for a shard (:func:`s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -15,17 +16,46 @@ from ..distributed import current
 from ..errors import InputError
 from .splice_session import SpliceSession
 
+#: Bytes of decoder rows gathered at a time (:meth:`ActiveFeatures.cells`): the active features'
+#: rows are never held, only gathered by the forward's writes and each batch's backward.
+GATHER_BYTES = 1 << 28
+
 
 @dataclass
 class ActiveFeatures:
     """The active features of one layer in a leaf-mode splice: batch row, position, feature id
-    and value (an autograd leaf) of each, and their decoder rows ``[n, L - layer, D]``."""
+    and value (an autograd leaf) of each; ``gather`` gives the decoder rows ``[n, L - layer,
+    D]`` of feature ids, ``row_bytes`` one row's bytes. The rows are gathered when needed
+    (:meth:`cells`), not kept: on long prompts they were the forward graph's largest part
+    (docs/attribution.md, "Memory")."""
 
     row: torch.Tensor
     position: torch.Tensor
     feature: torch.Tensor
     value: torch.Tensor
-    decoder: torch.Tensor
+    gather: Callable[[torch.Tensor], torch.Tensor]
+    row_bytes: int
+
+    def decoder(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The decoder rows ``[stop - start, L - layer, D]`` of features ``start:stop``."""
+        return self.gather(self.feature[start:stop])
+
+    def cells(self, n_pos: int) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """``(cell, offset, count, rows)`` per (batch row, position) cell with features:
+        ``cell = row * n_pos + position``, its features ``offset:offset + count`` (they come
+        sorted by row, then position: ``nonzero`` order) and their decoder rows ``[count,
+        L - layer, D]``, gathered :data:`GATHER_BYTES` at a time."""
+        cells = (self.row * n_pos + self.position).tolist()
+        limit = max(1, GATHER_BYTES // max(1, self.row_bytes))
+        start, block, offset = 0, None, 0
+        while offset < len(cells):
+            count = 1
+            while offset + count < len(cells) and cells[offset + count] == cells[offset]:
+                count += 1
+            if block is None or offset + count > start + len(block):
+                start, block = offset, self.decoder(offset, offset + max(limit, count))
+            yield cells[offset], offset, count, block[offset - start:offset - start + count]
+            offset += count
 
 
 def summed_over_ranks(written: torch.Tensor | None, like: torch.Tensor,
@@ -110,22 +140,32 @@ def leaf_writes(active: ActiveFeatures, shape: tuple[int, int], n_targets: int,
                 d_model: int) -> tuple[torch.Tensor, ...] | None:
     """What one layer's leaf features write into each later layer: ``n_targets`` tensors
     ``[B, P, D]``. One matrix product per (row, position) (features there times their decoder
-    rows), so that the backward pass — run once per adjacency row — is a few matrix products
-    that read each decoder row once per batch of rows, not an elementwise product per (source,
-    target) layer pair. Features come sorted by row, then position (``nonzero`` order)."""
+    rows), so that the backward pass reads each decoder row once; the rows are gathered again
+    for it (:class:`_Writes`), not saved."""
     if active.value.numel() == 0:
         return None
-    batch, n_pos = shape
-    cells = active.row * n_pos + active.position
-    counts = torch.bincount(cells, minlength=batch * n_pos).tolist()
-    zeros = active.decoder.new_zeros(n_targets * d_model)
-    per_position, offset = [], 0
-    for count in counts:
-        if count == 0:
-            per_position.append(zeros)
-            continue
-        values = active.value[offset:offset + count]
-        rows = active.decoder[offset:offset + count].reshape(count, -1)
-        per_position.append(values @ rows)
-        offset += count
-    return torch.stack(per_position).reshape(batch, n_pos, n_targets, d_model).unbind(2)
+    written = _Writes.apply(active.value, active, shape, n_targets, d_model)
+    return written.unbind(2)
+
+
+class _Writes(torch.autograd.Function):
+    """``[B, P, n_targets, D]``: each cell's feature values times their decoder rows; the
+    backward gathers the rows again instead of keeping them from the forward."""
+
+    @staticmethod
+    def forward(ctx, value, active, shape, n_targets, d_model):
+        ctx.active, ctx.n_pos = active, shape[1]
+        out = value.new_zeros(shape[0] * shape[1], n_targets * d_model)
+        for cell, offset, count, rows in active.cells(shape[1]):
+            torch.mm(value[None, offset:offset + count], rows.reshape(count, -1),
+                     out=out[cell:cell + 1])
+        return out.reshape(*shape, n_targets, d_model)
+
+    @staticmethod
+    def backward(ctx, grad):
+        active = ctx.active
+        flat = grad.reshape(-1, grad.shape[-2] * grad.shape[-1])
+        # out of place: under is_grads_batched the gradient is vmapped, the features are not
+        out = torch.cat([rows.reshape(count, -1) @ flat[cell]
+                         for cell, _, count, rows in active.cells(ctx.n_pos)])
+        return out, None, None, None, None
