@@ -151,10 +151,12 @@ class TraceEngine:
 
         with torch.no_grad():
             states = capture(model, {}, every, run=reference_runs)
-            # every layer's block outputs (and keys and values) in one tensor: a chunk gathers
-            # its rows' stored ones in one op, not one per layer
-            self._block_states = torch.stack([states.pop(p) for p in self._paths["block"]])
-            states.update(zip(self._paths["block"], self._block_states, strict=True))
+            # every layer's outputs of a part (and keys and values) in one tensor: a chunk
+            # gathers its rows' stored ones in one op, not one per layer
+            self._stacked = {part: torch.stack([states.pop(p) for p in self._paths[part]])
+                             for part in parts}  # [layers, 1 + seeds, seq, hidden]
+            for part, stacked in self._stacked.items():
+                states.update(zip(self._paths[part], stacked, strict=True))
             out = box["out"]
             cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
             kv = [torch.stack([layer.keys[1:], layer.values[1:]]) for layer in cache.layers]
@@ -417,6 +419,8 @@ class _RunHooks:
                                             - np.bincount(hi, minlength=engine.n_layers + 1)))
         restored = set(restored.tolist())
         state_rows = seed_rows if self.donor == "corrupted" else None
+        if kind.sever is not None:  # each row's seed's corrupted output at its position
+            frozen = engine._stacked[kind.sever][:, 1 + seed_rows, rows.position[index]]
         # block j computes the first counts[j] rows; ragged, it returns the first
         # counts[j + 1] (the rows that have started by then), and the last block all n
         if self.ragged:
@@ -444,8 +448,7 @@ class _RunHooks:
                 k = counts[layer]
                 if k:  # below, the block returns the corrupted run's output
                     made = self.freezes[layer]
-                    made.retarget(at[:k], engine.corrupt_states[component][:, prefix:],
-                                  seed_rows[:k])
+                    made.retarget(at[:k], frozen[layer, :k, None].expand(-1, span, -1))
                 self.active[component] = made
         self.noise_on = first == 0
         if self.noise_on:
@@ -459,7 +462,7 @@ class _RunHooks:
         if self.ragged:
             # each row's stored output below its first layer (rows computed from the
             # embeddings take an unused one): the rows joining at block j are a slice
-            stored = engine._block_states[rows.first[index] - 1, 1 + seed_rows, prefix:]
+            stored = engine._stacked["block"][rows.first[index] - 1, 1 + seed_rows, prefix:]
             self.layers.counts = counts
             self.layers.stored = lambda _layer, k, end: stored[k:end]
             lower_blocks = contextlib.nullcontext()
