@@ -39,6 +39,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE), str(HERE.parent / "tests")]
 
 from _support.ops import OURS, OpCounter, per_chunk, plain_forward  # noqa: E402
 
+from pyvene_causaltrace.tracing.chunks import ChunkCost  # noqa: E402
 from pyvene_causaltrace.tracing.engine import KINDS, TraceEngine  # noqa: E402
 
 SMOKE = os.environ.get("SMOKE") == "1"
@@ -69,9 +70,7 @@ def model_of(shape: str, width: int, vocab: int):
 def real_plan(shape: str, tokens: int, budget_mb: float):
     """(cost, rows per chunk) the engine would plan with at ``shape``'s real width in bf16 on a
     GPU (gpu_trace.py's shapes; built on the meta device), so that every width plans alike."""
-    import gpu_trace
-
-    from pyvene_causaltrace.tracing.chunks import ChunkCost
+    import gpu_trace  # its real shapes; it imports transformers' configs on load
 
     name = {"tiny": None, "smollm2": None}.get(shape, shape)
     if name is None:  # trace_speed.py's tiny and SmolLM2-135M's width
@@ -142,6 +141,8 @@ def count_trace(model, ids, subject, seeds, plan=None, answer=7) -> dict:
     found["ours_per_chunk_per_layer"] = {
         key: value / engine.n_layers for key, value in found["ours_per_chunk"].items()}
     found["engine_launches"] = (sum(v for (o, launch), v in whole.counts.items() if launch))
+    # the floor: every row (skipped ones too) as plain forwards at the engine's rows per forward
+    found["floor_forwards"] = -(-len(cells) * len(seeds) // engine.rows_per_chunk(0))
     return found
 
 
@@ -162,8 +163,11 @@ def print_counts(name: str, found: dict) -> None:
           f"{'' if plain['same_at_every_batch'] else '  (differs by batch: max shown)'}")
     engine_launches = found["engine_launches"]
     floor = plain["launches"] * found["chunks"]
-    print(f"launches in the whole engine run {engine_launches}; the same number of plain "
-          f"forwards {floor} ({engine_launches / floor:.2f}x)")
+    floor_launches = plain["launches"] * found["floor_forwards"]
+    print(f"launches in the whole engine run {engine_launches}; as many plain forwards as "
+          f"chunks {floor} ({engine_launches / floor:.2f}x); the floor's "
+          f"{found['floor_forwards']} forwards {floor_launches} "
+          f"({engine_launches / floor_launches:.2f}x)")
 
 
 def ops(args) -> dict:
@@ -188,17 +192,17 @@ def ops(args) -> dict:
 
 def timed_model(name: str, device: str):
     """(model, tokenizer, prompt, subject, answer) for the time split."""
-    from trace_speed import ANSWER, PROMPT, SUBJECT, setup, tiny_tokenizer
+    from trace_speed import ANSWER, PROMPT, SUBJECT, setup, tiny_tokenizer  # the timed models
 
     if name == "smollm2":
-        from pyvene_causaltrace.models import load_model
+        from pyvene_causaltrace.models import load_model  # SmolLM2 only: the bundled weights
 
         model, tokenizer = load_model("smollm2-135m")
         return model.to(device), tokenizer, PROMPT, SUBJECT, ANSWER
     if name == "tiny":
         model = setup("tiny")[0]
         return model.to(device), tiny_tokenizer(), PROMPT, SUBJECT, " city"
-    import gpu_trace
+    import gpu_trace  # the real shapes, built at full width on the device
 
     config_class, shape = gpu_trace.SHAPES[name]
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -211,12 +215,15 @@ def timed_model(name: str, device: str):
 def time_split(name: str, args) -> dict:
     """Seconds of the public ``trace()`` split into the model's forwards (chunks, reference
     runs), our hooks inside them, and the rest (our Python: planning, masks, readouts); and the
-    plain floor: the same rows as plain forwards at its best batch."""
-    from trace_speed import plain_rows
+    plain floor: the same rows as plain forwards at its best batch. On the CPU the clock is
+    this process's CPU time (run with one torch thread: a busy machine's other work does not
+    count); on CUDA wall time between synchronizations."""
+    from trace_speed import plain_rows  # the floor as trace_speed.py runs it
 
-    from pyvene_causaltrace import applier, trace
+    from pyvene_causaltrace import applier, trace  # the public call, and its hook runner timed
 
     cuda = args.device.startswith("cuda")
+    clock = time.perf_counter if cuda else time.process_time
     model, tokenizer, prompt, subject, answer = timed_model(name, args.device)
     seeds = 2 if SMOKE else args.seeds
 
@@ -229,19 +236,19 @@ def time_split(name: str, args) -> dict:
 
     def model_call(self, *a, **k):
         sync()
-        start = time.perf_counter()
+        start = clock()
         try:
             return own_call(self, *a, **k)
         finally:
             sync()
-            spent["forward"] += time.perf_counter() - start
+            spent["forward"] += clock() - start
 
     def hook_run(hook, value, call):
-        start = time.perf_counter()
+        start = clock()
         try:
             return own_run(hook, value, call)
         finally:
-            spent["hooks"] += time.perf_counter() - start
+            spent["hooks"] += clock() - start
 
     def public():
         return trace(model, tokenizer, prompt, subject, answer=answer, seeds=seeds,
@@ -255,10 +262,10 @@ def time_split(name: str, args) -> dict:
     floor = {}
     for batch in batches:
         sync()
-        start = time.perf_counter()
+        start = clock()
         plain_rows(model, ids, n_rows, batch)
         sync()
-        floor[batch] = time.perf_counter() - start
+        floor[batch] = clock() - start
     best = min(floor, key=floor.get)
     runs = []
     for _ in range(repeats):
@@ -266,17 +273,17 @@ def time_split(name: str, args) -> dict:
         type(model).__call__, applier._Applier._run = model_call, staticmethod(hook_run)
         try:
             sync()
-            start = time.perf_counter()
+            start = clock()
             public()
             sync()
-            total = time.perf_counter() - start
+            total = clock() - start
         finally:
             type(model).__call__, applier._Applier._run = own_call, staticmethod(own_run)
         sync()
-        start = time.perf_counter()
+        start = clock()
         plain_rows(model, ids, n_rows, best)
         sync()
-        plain = time.perf_counter() - start
+        plain = clock() - start
         runs.append({"trace": total, "forwards": spent["forward"], "hooks": spent["hooks"],
                      "plain": plain})
     median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
