@@ -26,6 +26,7 @@ import inspect
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -150,13 +151,22 @@ class TraceEngine:
 
         with torch.no_grad():
             states = capture(model, {}, every, run=reference_runs)
+            # every layer's outputs of a part (and keys and values) in one tensor: a chunk
+            # gathers its rows' stored ones in one op, not one per layer
+            self._stacked = {part: torch.stack([states.pop(p) for p in self._paths[part]])
+                             for part in parts}  # [layers, 1 + seeds, seq, hidden]
+            for part, stacked in self._stacked.items():
+                states.update(zip(self._paths[part], stacked, strict=True))
+            out = box["out"]
+            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            kv = [torch.stack([layer.keys[1:], layer.values[1:]]) for layer in cache.layers]
+            self._kv_stack = (torch.stack(kv) if len({(t.shape, t.dtype) for t in kv}) == 1
+                              else None)  # [layers, 2, seeds, kv_heads, seq, head_dim]
         self.clean_states = {path: value[:1] for path, value in states.items()}
         self.corrupt_states = {path: value[1:] for path, value in states.items()}
-        out = box["out"]
         probs = out.logits[:, -1].double().softmax(-1).cpu()
         self.clean_probs, self.corrupt_probs = probs[0], probs[1:]
-        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        self._kv = [(layer.keys[1:], layer.values[1:]) for layer in cache.layers]
+        self._kv = list(self._kv_stack.unbind(0) if self._kv_stack is not None else kv)
         self._returns_tuple = bool(box.get("tuple", False))
         weights = list(self.blocks[0].parameters())
         head = get_module(model, self.adapter.module_path("unembed")).weight
@@ -312,7 +322,10 @@ class _RunHooks:
     def __init__(self, engine: TraceEngine, kind: TraceKind, donor: str, rows: _Rows) -> None:
         self.engine, self.kind, self.donor = engine, kind, donor
         self.rows = rows.on(engine.device)
-        self.lo, self.hi = rows.lo, rows.hi  # on the CPU: which layers a chunk restores
+        # on the host: which layers a chunk restores, where its rows start (no device sync)
+        self.lo, self.hi, self.first = rows.lo.numpy(), rows.hi.numpy(), rows.first.numpy()
+        self.layer_ids = torch.arange(engine.n_layers, device=engine.device)
+        self.span_ids = torch.arange(engine.seq_len, device=engine.device)
         self.states = engine.clean_states if donor == "clean" else engine.corrupt_states
         self.noise_on = False
         self.active: dict[str, nn.Module | None] = {}
@@ -389,24 +402,32 @@ class _RunHooks:
 
     def forward(self, chunk: Chunk, index: torch.Tensor) -> torch.Tensor:
         """P(answer) of the chunk's rows (``index``: their row indices on the device; sorted by
-        first layer when ragged)."""
+        first layer when ragged). The chunk's masks, keys and values and stored rows are each
+        made in one op for every layer (its layers take views): few launches per layer."""
         engine, kind, rows = self.engine, self.kind, self.rows
-        prefix = chunk.prefix
+        prefix, on_host = chunk.prefix, chunk.rows.numpy()
         n, span = index.numel(), engine.seq_len - prefix
         seed_rows = rows.seed[index]
-        at = (torch.arange(span, device=engine.device)[None, :]
-              == (rows.position[index] - prefix)[:, None])  # [n, span]: each row's column
-        lo, hi = rows.lo[index], rows.hi[index]
-        restored = range(int(self.lo[chunk.rows].min()), int(self.hi[chunk.rows].max()))
+        at = self.span_ids[:span] == (rows.position[index] - prefix)[:, None]  # [n, span]
+        lo, hi = self.lo[on_host], self.hi[on_host]
+        # the layers some row restores, and each row's masks at them: [n, layers, span]
+        low = int(lo.min())
+        layers = self.layer_ids[low:int(hi.max())]
+        masks = (((rows.lo[index, None] <= layers) & (layers < rows.hi[index, None]))[:, :, None]
+                 & at[:, None])
+        restored = np.flatnonzero(np.cumsum(np.bincount(lo, minlength=engine.n_layers + 1)
+                                            - np.bincount(hi, minlength=engine.n_layers + 1)))
+        restored = set(restored.tolist())
         state_rows = seed_rows if self.donor == "corrupted" else None
+        if kind.sever is not None:  # each row's seed's corrupted output at its position
+            frozen = engine._stacked[kind.sever][:, 1 + seed_rows, rows.position[index]]
         # block j computes the first counts[j] rows; ragged, it returns the first
         # counts[j + 1] (the rows that have started by then), and the last block all n
         if self.ragged:
-            firsts = rows.first[index]
+            firsts = self.first[on_host]
             first = int(firsts[0])
-            counts = torch.searchsorted(firsts, torch.arange(engine.n_layers,
-                                                             device=firsts.device),
-                                        right=True).tolist() + [n]
+            counts = np.searchsorted(firsts, np.arange(engine.n_layers), side="right").tolist()
+            counts.append(n)
         else:
             first = chunk.first_layer
             counts = [0 if layer < first else n for layer in range(engine.n_layers)] + [n]
@@ -418,8 +439,7 @@ class _RunHooks:
                 # its block returns (all n under LayerReplay: restored layers are >= first - 1)
                 k = counts[layer + 1] if kind.restore == "block" else counts[layer]
                 made = self.restores[layer]
-                made.retarget((((lo <= layer) & (layer < hi))[:, None] & at)[:k],
-                              self.states[component][:, prefix:],
+                made.retarget(masks[:k, layer - low], self.states[component][:, prefix:],
                               None if state_rows is None else state_rows[:k])
             self.active[component] = made
             if kind.sever is not None:
@@ -428,29 +448,23 @@ class _RunHooks:
                 k = counts[layer]
                 if k:  # below, the block returns the corrupted run's output
                     made = self.freezes[layer]
-                    made.retarget(at[:k], engine.corrupt_states[component][:, prefix:],
-                                  seed_rows[:k])
+                    made.retarget(at[:k], frozen[layer, :k, None].expand(-1, span, -1))
                 self.active[component] = made
         self.noise_on = first == 0
         if self.noise_on:
             engine.noise.retarget(engine._noise_delta, seed_rows, prefix)
 
-        base = {"input_ids": engine.ids[:, prefix:].expand(n, -1), "logits_to_keep": 1}
+        # no cache to fill unless the chunk starts from the corrupted run's (two copies a layer)
+        base = {"input_ids": engine.ids[:, prefix:].expand(n, -1), "logits_to_keep": 1,
+                "use_cache": bool(prefix)}
         if prefix:
-            from transformers import DynamicCache  # slow to import: loaded when a model is
-
-            base[engine._cache_kw] = DynamicCache(ddp_cache_data=[
-                (k[:, :, :prefix].index_select(0, seed_rows[:count].to(k.device)),
-                 v[:, :, :prefix].index_select(0, seed_rows[:count].to(v.device))) if count
-                else (k[:1, :, :prefix], v[:1, :, :prefix])  # never read: a stored block
-                for count, (k, v) in zip(counts[:-1], engine._kv, strict=True)],
-                config=engine.bound.decoder_config)
+            base[engine._cache_kw] = self._cache(prefix, seed_rows, counts)
         if self.ragged:
-            blocks = engine.corrupt_states
-            paths = engine._paths["block"]
+            # each row's stored output below its first layer (rows computed from the
+            # embeddings take an unused one): the rows joining at block j are a slice
+            stored = engine._stacked["block"][rows.first[index] - 1, 1 + seed_rows, prefix:]
             self.layers.counts = counts
-            self.layers.stored = lambda layer, k, end: blocks[paths[layer]][
-                :, prefix:].index_select(0, seed_rows[k:end].to(blocks[paths[layer]].device))
+            self.layers.stored = lambda _layer, k, end: stored[k:end]
             lower_blocks = contextlib.nullcontext()
         else:
             replayed = None
@@ -461,3 +475,21 @@ class _RunHooks:
         with torch.no_grad(), lower_blocks:
             logits = engine.model(**base).logits[:, -1]
         return token_probs(logits, engine.answer_id)
+
+    def _cache(self, prefix: int, seed_rows: torch.Tensor, counts: list[int]):
+        """The corrupted run's keys and values before ``prefix`` for the chunk's rows, block
+        ``j`` the first ``counts[j]`` (one gather for every layer where they share a shape)."""
+        from transformers import DynamicCache  # slow to import: loaded when a model is
+
+        engine = self.engine
+        stack = engine._kv_stack
+        if stack is not None:
+            kv = stack[..., :prefix, :].index_select(2, seed_rows.to(stack.device)).unbind(0)
+        else:
+            kv = [torch.stack([k[:, :, :prefix].index_select(0, seed_rows.to(k.device)),
+                               v[:, :, :prefix].index_select(0, seed_rows.to(v.device))])
+                  for k, v in engine._kv]
+        return DynamicCache(ddp_cache_data=[  # a block whose rows are all stored reads none
+            (keys[:max(count, 1)], values[:max(count, 1)])
+            for count, (keys, values) in zip(counts[:-1], kv, strict=True)],
+            config=engine.bound.decoder_config)
