@@ -202,3 +202,55 @@ def test_each_setting_default_is_one_constant_of_defaults():
     for f in fields:
         name = f"FAITH_{f.name.upper()}".replace("BATCH_SIZE", "BATCH")
         assert f.default is constants[name], f.name
+
+
+@pytest.fixture(scope="module")
+def on_disk(tmp_path_factory, tokenizer):
+    """A tiny Llama (and another, seed 1) and two CLTs on disk, and a graph of the first pair."""
+    from pyvene_causaltrace.models import load_model
+
+    root = tmp_path_factory.mktemp("faith_cli")
+    for name, seed in (("llama", 0), ("other", 1)):
+        make_tiny_model("llama", seed=seed).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    for name, seed in (("clt", 0), ("other_clt", 1)):
+        write_clt(root / name, random_clt_tensors(3, 32, 48, seed=seed, threshold=0.1))
+    model, tok = load_model(str(root / "llama"))
+    attribute(model, tok, load_from_disk(str(root / "clt")), PROMPT).save(root / "g.safetensors")
+    return root
+
+
+CF = "The Space Needle is in the city of"  # as many tokens as PROMPT
+
+
+def test_evaluate_writes_the_curve(on_disk, tmp_path, capsys):
+    from pyvene_causaltrace.cli import main
+
+    out = tmp_path / "faith"
+    assert main(["evaluate", str(on_disk / "g.safetensors"), "--model", str(on_disk / "llama"),
+                 "--clt", str(on_disk / "clt"), "--counterfactual", CF, "--draws", "2",
+                 "--sizes", "10,50,100", "--out", str(out)]) == 0
+    assert "CPR" in capsys.readouterr().out
+    for name in ("faithfulness.json", "faithfulness.csv", "faithfulness.png"):
+        assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--counterfactual": "The city of"}, "error: counterfactual: it is"),
+    ({"--sizes": "0,10"}, "error: --sizes: sizes must be percentages in (0, 100]"),
+    ({"--sizes": "10,100.5"}, "error: --sizes: sizes must be percentages in (0, 100]"),
+    ({"--model": "other"}, "error: graph: it was built on another model"),
+    ({"--clt": "other_clt"}, "error: graph: it was built with another transcoder"),
+])
+def test_evaluate_refusals_are_one_error_line(on_disk, capsys, change, message):
+    from pyvene_causaltrace.cli import main
+
+    flags = {"--model": "llama", "--clt": "clt", "--counterfactual": CF, **change}
+    for name in ("--model", "--clt"):
+        flags[name] = str(on_disk / flags[name])
+    argv = ["evaluate", str(on_disk / "g.safetensors"), "--draws", "1"]
+    assert main(argv + [x for pair in flags.items() for x in pair]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(message), err
+    assert "Traceback" not in err

@@ -33,6 +33,7 @@ import pandas as pd
 import torch
 
 from ..arguments import checked
+from ..atomic import write_text
 from ..bound import BoundModel
 from ..errors import InputError
 from ..fingerprint import transcoder_fingerprint
@@ -110,7 +111,7 @@ class FaithfulnessCurve:
         """The curve as a JSON object (written to ``path`` when given)."""
         out = self.to_dict()
         if path is not None:
-            Path(path).write_text(json.dumps(out, indent=1))
+            write_text(json.dumps(out, indent=1, allow_nan=False), path)
         return out
 
     @checked

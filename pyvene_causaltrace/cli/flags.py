@@ -41,6 +41,8 @@ _ATTRIBUTE_COMMON = ("plugins model clt format target other k max_n_logits desir
 _ATTRIBUTE_ONE = ("labels direction node_threshold edge_threshold max_links validate heads "
                   "split cross_check subject seeds scale check_features check_window "
                   "check_modes")
+FAITHFULNESS = ("counterfactual reference foil sizes level rank_by ablation errors metric draws "
+                "seed circuits_per_forward")
 _STEER_COMMON = "plugins model clt format max_new_tokens memory_mb no_progress top_k out"
 
 #: command -> its modes, the first whose ``selects`` flag is given first (the default last).
@@ -83,6 +85,8 @@ MODES: dict[str, tuple[Mode, ...]] = {
               f"{_STEER_COMMON} prompt set no_hold_errors freeze_attention bos", ""),
     ),
     "serve": (_mode("serve", None, "dir port no_open", "d"),),
+    "evaluate": (_mode("evaluate", None, f"graph model clt format out {FAITHFULNESS}",
+                       "g.safetensors --clt c"),),
 }
 
 #: command -> {flag: (the flag it needs, what that flag does)}: read only beside it.
