@@ -254,3 +254,22 @@ def test_evaluate_refusals_are_one_error_line(on_disk, capsys, change, message):
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(message), err
     assert "Traceback" not in err
+
+
+def test_attribute_faithfulness_carries_the_scores_into_graph_json(on_disk, tmp_path, capsys):
+    import json
+
+    from pyvene_causaltrace.cli import main
+
+    out = tmp_path / "graph"
+    base = ["attribute", "--model", str(on_disk / "llama"), "--clt", str(on_disk / "clt"),
+            "--prompt", PROMPT, "--answer", " the", "--out", str(out)]
+    assert main(base + ["--counterfactual", CF]) == 2  # read only with --faithfulness
+    assert "--counterfactual is read only with --faithfulness" in capsys.readouterr().err
+    assert main(base + ["--faithfulness", "--counterfactual", CF, "--draws", "2",
+                        "--sizes", "10,50,100"]) == 0
+    curve = json.loads((out / "faithfulness.json").read_text())
+    info = json.loads((out / "graph.json").read_text())["metadata"]["info"]
+    assert info["faithfulness"]["cpr"] == curve["cpr"] and len(curve["random_cpr"]) == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["metadata"]["faithfulness"]["cmd"] == curve["cmd"]

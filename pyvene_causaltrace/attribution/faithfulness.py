@@ -96,6 +96,15 @@ class FaithfulnessCurve:
         """Whether CPR is below every random ranking's."""
         return self.cpr < min(self.random_cpr)
 
+    def summary(self) -> dict:
+        """The scores a graph's metadata carries: CPR, CMD, the random rankings' and how
+        they were measured."""
+        return {"cpr": self.cpr, "cmd": self.cmd, "random_cpr": self.random_cpr,
+                "random_cmd": self.random_cmd, "metric_full": self.metric_full,
+                "metric_empty": self.metric_empty, "foil": self.foil,
+                **{k: self.settings[k] for k in ("level", "rank_by", "ablation", "errors",
+                                                 "metric", "draws")}}
+
     def to_dataframe(self) -> pd.DataFrame:
         rand = torch.tensor(self.random, dtype=torch.float64).reshape(len(self.random), -1)
         return pd.DataFrame({"size_pct": self.settings["sizes"], "k": self.counts, "f": self.f,

@@ -299,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
                             f"score (default {MAX_LINKS}, ~25 MB)")
     graph.add_argument("--validate", action="store_true",
                        help="ablate the top 5/10/20 features vs 10 random draws of as many")
+    graph.add_argument("--faithfulness", action="store_true",
+                       help="MIB's faithfulness curve of the graph (as `evaluate`, with its "
+                            "flags): faithfulness.json/.csv/.png, CPR and CMD in summary.json "
+                            "and graph.json's metadata.info")
     graph.add_argument("--heads", action="store_true",
                        help="split the kept edges that cross positions by attention head and "
                             "decompose their leading heads' scores into QK terms (graph.json "
@@ -338,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where the patches are measured: spliced (attention and norms "
                             "live), replacement (held: the local replacement model) (default "
                             f"{','.join(CROSS_CHECK_MODES)})")
+    _faithfulness_flags(graph.add_argument_group(
+        "faithfulness", "with --faithfulness: the curve's settings (as `evaluate`'s)"))
     graph.add_argument("--out", type=Path, required=True,
                        help="writes graph.json (viewer format), graph.safetensors, "
                             "nodes.csv, edges.csv, graph.png, summary.json; rows computed so "
