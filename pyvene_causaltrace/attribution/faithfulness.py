@@ -70,13 +70,15 @@ def mib_areas(fractions: list[float], f: list[float]) -> tuple[float, float]:
 class FaithfulnessCurve:
     """One ranking's f(k) at each size, with ``random`` (one curve per draw) as the floor;
     ``metric_full``/``metric_empty`` the metric of the model and of the empty circuit;
-    ``counts`` the items kept at each size out of ``n_items``; ``forwards`` run for it all."""
+    ``counts`` the items kept at each size out of ``n_items`` and ``nodes_kept`` the feature nodes
+left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it all."""
 
     answer: str
     foil: str | None
     settings: dict
     n_items: int
     counts: list[int]
+    nodes_kept: list[int]
     metric_full: float
     metric_empty: float
     f: list[float]
@@ -107,7 +109,8 @@ class FaithfulnessCurve:
 
     def to_dataframe(self) -> pd.DataFrame:
         rand = torch.tensor(self.random, dtype=torch.float64).reshape(len(self.random), -1)
-        return pd.DataFrame({"size_pct": self.settings["sizes"], "k": self.counts, "f": self.f,
+        return pd.DataFrame({"size_pct": self.settings["sizes"], "k": self.counts,
+                             "nodes_kept": self.nodes_kept, "f": self.f,
                              "random_mean": rand.mean(0).tolist(),
                              "random_min": rand.min(0).values.tolist(),
                              "random_max": rand.max(0).values.tolist()})
@@ -411,7 +414,8 @@ def faithfulness(model: BoundModel, transcoder: Transcoder, graph: AttributionGr
     return FaithfulnessCurve(
         answer=graph.answer, foil=None if tokenizer is None or foil_id is None
         else tokenizer.decode([foil_id]), settings=settings_dict, n_items=n_items,
-        counts=counts, metric_full=m_full, metric_empty=m_empty, f=f[0], random=f[1:],
+        counts=counts, nodes_kept=keep[1:1 + len(counts)].sum(1).tolist(), metric_full=m_full,
+        metric_empty=m_empty, f=f[0], random=f[1:],
         cpr=areas[0][0], cmd=areas[0][1], random_cpr=[a[0] for a in areas[1:]],
         random_cmd=[a[1] for a in areas[1:]], forwards=forwards,
         seconds=time.perf_counter() - started)
