@@ -44,6 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draws", type=int, default=5)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--levels", default="nodes,edges")
     parser.add_argument("--record", type=Path, default=None)
     args = parser.parse_args()
     if os.environ.get("SMOKE"):
@@ -58,15 +59,16 @@ def main() -> None:
     print(f"{graph!r} ({time.perf_counter() - start:.1f} s)")
     foil = None if answer is not None else 5
     rows = []
-    for level in ("nodes", "edges"):
+    for level in args.levels.split(","):
         for _ in range(2):
             curve = faithfulness(model, clt, graph, counterfactual, tokenizer=tokenizer,
                                  foil=foil, level=level, draws=args.draws,
                                  batch_size=args.batch)
-        rows.append({"level": level, "items": curve.n_items, "circuits": 1 + (1 + args.draws)
-                     * len(curve.counts), "forwards": curve.forwards,
+        rows.append({"level": level, "batch": args.batch, "items": curve.n_items,
+                     "circuits": 1 + (1 + args.draws) * len(curve.counts),
+                     "forwards": curve.forwards,
                      "seconds": round(curve.seconds, 2), "cpr": round(curve.cpr, 4),
-                     "cmd": round(curve.cmd, 4),
+                     "cmd": round(curve.cmd, 4), "nodes_kept": curve.nodes_kept,
                      "random_cpr": [round(c, 4) for c in curve.random_cpr],
                      "f": [round(v, 4) for v in curve.f], "foil": curve.foil})
         print(json.dumps(rows[-1]))

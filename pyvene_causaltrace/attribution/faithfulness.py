@@ -194,8 +194,8 @@ def edge_circuit(graph: AttributionGraph, target: torch.Tensor, source: torch.Te
             return reach[:graph.n_features]
 
 
-def circuits(graph: AttributionGraph, s: FaithfulnessSettings, counts: list[int],
-             order: torch.Tensor, edges: tuple | None) -> torch.Tensor:
+def circuits(graph: AttributionGraph, counts: list[int], order: torch.Tensor,
+             edges: tuple | None) -> torch.Tensor:
     """Bool ``[len(counts), n_features]``: the feature nodes kept by the top ``k`` of
     ``order`` (node or edge indices) for each ``k``."""
     out = torch.zeros(len(counts), graph.n_features, dtype=torch.bool)
@@ -399,7 +399,7 @@ def faithfulness(model: BoundModel, transcoder: Transcoder, graph: AttributionGr
     g = torch.Generator().manual_seed(s.seed)
     orders = [order] + [torch.randperm(n_items, generator=g) for _ in range(s.draws)]
     keep = torch.cat([torch.zeros(1, graph.n_features, dtype=torch.bool)]
-                     + [circuits(graph, s, counts, o, edges) for o in orders])
+                     + [circuits(graph, counts, o, edges) for o in orders])
     logits, forwards = run_circuits(model, transcoder, graph, keep, ablated, s.batch_size)
     m = metric_of(logits, s.metric, answer, foil_id, full_logits)
     m_full = float(metric_of(full_logits[None], s.metric, answer, foil_id, full_logits)[0])
