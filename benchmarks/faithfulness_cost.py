@@ -61,9 +61,8 @@ def main() -> None:
     rows = []
     for level in args.levels.split(","):
         for _ in range(2):
-            curve = faithfulness(model, clt, graph, counterfactual, tokenizer=tokenizer,
-                                 foil=foil, level=level, draws=args.draws,
-                                 batch_size=args.batch)
+            curve = faithfulness(model, tokenizer, clt, graph, counterfactual, foil=foil,
+                                 level=level, draws=args.draws, batch_size=args.batch)
         rows.append({"level": level, "batch": args.batch, "items": curve.n_items,
                      "circuits": 1 + (1 + args.draws) * len(curve.counts),
                      "forwards": curve.forwards,

@@ -74,7 +74,7 @@ def _hand_curve(model, clt, graph, counterfactual, circuits: list[set[int]]) -> 
 
 def test_node_curve_is_explicit_ablation_forwards(setup):
     model, clt, graph, counterfactual = setup
-    curve = faithfulness(model, clt, graph, counterfactual, foil=FOIL, sizes=SIZES, draws=1,
+    curve = faithfulness(model, None, clt, graph, counterfactual, foil=FOIL, sizes=SIZES, draws=1,
                          batch_size=3)
     n = graph.n_features
     assert curve.n_items == n and curve.counts == [int(s / 100 * n) for s in SIZES]
@@ -94,7 +94,7 @@ def test_node_curve_is_explicit_ablation_forwards(setup):
 
 def test_edge_curve_keeps_the_features_that_reach_the_logit(setup):
     model, clt, graph, counterfactual = setup
-    curve = faithfulness(model, clt, graph, counterfactual, foil=FOIL, sizes=(0.2, 2.0),
+    curve = faithfulness(model, None, clt, graph, counterfactual, foil=FOIL, sizes=(0.2, 2.0),
                          level="edges", draws=1)
     lay = graph.layout
     dense = torch.zeros(lay.n_nodes, lay.n_nodes, dtype=torch.float64)
@@ -148,20 +148,20 @@ def test_a_reversed_ranking_falls_below_the_random_band(setup, monkeypatch):
     # zero ablation: on this random-init model, counterfactual patching spreads the random
     # rankings' CPR over 0.05-0.94, a band no ranking can fall below
     kwargs = {"foil": FOIL, "draws": 5, "batch_size": 64, "ablation": "zero"}
-    good = faithfulness(model, clt, graph, counterfactual, **kwargs)
+    good = faithfulness(model, None, clt, graph, counterfactual, **kwargs)
     assert good.cpr > sum(good.random_cpr) / len(good.random_cpr)
     module = sys.modules["pyvene_causaltrace.attribution.faithfulness"]
     ranked = module.node_order
     monkeypatch.setattr(module, "node_order", lambda g, r: ranked(g, r).flip(0))
-    bad = faithfulness(model, clt, graph, counterfactual, **kwargs)
+    bad = faithfulness(model, None, clt, graph, counterfactual, **kwargs)
     assert bad.random_cpr == good.random_cpr  # the floor does not move
     assert bad.below_random() and bad.cpr < min(bad.random_cpr)
 
 
 def test_results_read_back(setup, tmp_path):
     model, clt, graph, counterfactual = setup
-    curve = faithfulness(model, clt, graph, ablation="zero", metric="prob", sizes=(50.0, 100.0),
-                         draws=2)
+    curve = faithfulness(model, None, clt, graph, ablation="zero", metric="prob",
+                         sizes=(50.0, 100.0), draws=2)
     frame = curve.to_dataframe()
     assert list(frame.k) == curve.counts and frame.random_min.le(frame.random_max).all()
     assert curve.to_json(tmp_path / "c.json")["cpr"] == curve.cpr
@@ -172,21 +172,21 @@ def test_results_read_back(setup, tmp_path):
 def test_refusals_name_the_argument(setup):
     model, clt, graph, counterfactual = setup
     with pytest.raises(InputError, match="counterfactual: it is 7 tokens"):
-        faithfulness(model, clt, graph, counterfactual[:-1], foil=FOIL)
+        faithfulness(model, None, clt, graph, counterfactual[:-1], foil=FOIL)
     with pytest.raises(InputError, match="counterfactual: ablation='counterfactual'"):
-        faithfulness(model, clt, graph, foil=FOIL)
+        faithfulness(model, None, clt, graph, foil=FOIL)
     for sizes in ((0.0, 10.0), (10.0, 100.5), (-1.0,), (10.0, 5.0)):
         with pytest.raises(InputError, match="sizes"):
-            faithfulness(model, clt, graph, counterfactual, foil=FOIL, sizes=sizes)
+            faithfulness(model, None, clt, graph, counterfactual, foil=FOIL, sizes=sizes)
     moved = type(graph)(**{**{f: getattr(graph, f) for f in graph.__dataclass_fields__
                               if f != "_memo"},
                            "metadata": {**graph.metadata, "fingerprints": {
                                **graph.metadata["fingerprints"], "transcoder": "elsewhere"}}})
     with pytest.raises(InputError, match="graph: it was built with another transcoder"):
-        faithfulness(model, clt, moved, counterfactual, foil=FOIL)
+        faithfulness(model, None, clt, moved, counterfactual, foil=FOIL)
     other = make_tiny_model("qwen3", init=0.2, n_layers=3, seed=1)
     with pytest.raises(InputError, match="graph: it was built on another model"):
-        faithfulness(other, clt, graph, counterfactual, foil=FOIL)
+        faithfulness(other, None, clt, graph, counterfactual, foil=FOIL)
 
 
 def test_each_setting_default_is_one_constant_of_defaults():

@@ -50,6 +50,8 @@ from .reading import logit_weights, row_denominators
 from .settings import FaithfulnessSettings
 
 if TYPE_CHECKING:  # annotations only
+    from transformers import PreTrainedTokenizerBase
+
     from .graph import AttributionGraph
 
 __all__ = ["FaithfulnessCurve", "FaithfulnessSettings", "faithfulness", "mib_areas"]
@@ -322,7 +324,7 @@ def _ids(bound: BoundModel, name: str, prompt, tokenizer) -> torch.Tensor:
     """``prompt`` (text, read with ``tokenizer``, or token ids) as ``[1, P]`` on the model."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise InputError(f"{name}: a text needs tokenizer= (or give token ids)")
+            raise InputError(f"{name}: a text needs the tokenizer (or give token ids)")
         prompt = tokenizer(prompt)["input_ids"]
     ids = torch.tensor([list(prompt)], device=bound.device)
     bound.check_inputs(ids)
@@ -336,7 +338,7 @@ def _foil(bound, tokenizer, foil, counterfactual, answer: int, metric: str) -> i
         return None
     if isinstance(foil, str):
         if tokenizer is None:
-            raise InputError("foil: a text needs tokenizer= (or give its token id)")
+            raise InputError("foil: a text needs the tokenizer (or give its token id)")
         foil = tokenizer(foil, add_special_tokens=False)["input_ids"][0]
     elif foil is None:
         if counterfactual is None:
@@ -351,14 +353,16 @@ def _foil(bound, tokenizer, foil, counterfactual, answer: int, metric: str) -> i
 
 
 @measured
-def faithfulness(model: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
+def faithfulness(model: BoundModel, tokenizer: PreTrainedTokenizerBase | None,
+                 transcoder: Transcoder, graph: AttributionGraph,
                  counterfactual: str | list[int] | None = None, *,
                  reference: list[str] | None = None, foil: str | int | None = None,
-                 tokenizer=None, settings: FaithfulnessSettings | None = None,
+                 settings: FaithfulnessSettings | None = None,
                  **keywords) -> FaithfulnessCurve:
     """MIB's faithfulness curve of ``graph`` (module docstring): f(k) at each size for its
-    ranking and for ``draws`` random ones, CPR and CMD. ``counterfactual``: a prompt of the
-    graph's prompt's length (text with ``tokenizer``, or token ids), whose features (and
+    ranking and for ``draws`` random ones, CPR and CMD. ``tokenizer`` reads the prompts and
+    the foil given as text (None: give token ids). ``counterfactual``: a prompt of the
+    graph's prompt's length (text, or token ids), whose features (and
     errors, with ``errors="ablated"``) replace the ablated ones; ``reference``: prompts whose
     mean is used with ``ablation="mean"``; ``foil``: the logit difference's other token
     (default: the model's top token on ``counterfactual``). Settings: a

@@ -44,9 +44,9 @@ def reference_prompts(path: Path | None) -> list[str] | None:
 def run_faithfulness(args, settings: FaithfulnessSettings, model, tokenizer, transcoder,
                      graph: AttributionGraph, out: Path | None) -> FaithfulnessCurve:
     """The curve, printed and (with ``out``) written as faithfulness.json/.csv/.png."""
-    curve = faithfulness(model, transcoder, graph, args.counterfactual,
+    curve = faithfulness(model, tokenizer, transcoder, graph, args.counterfactual,
                          reference=reference_prompts(args.reference), foil=args.foil,
-                         tokenizer=tokenizer, settings=settings)
+                         settings=settings)
     print(curve.to_dataframe().to_string(index=False))
     low, high = min(curve.random_cpr), max(curve.random_cpr)
     print(f"CPR {curve.cpr:.4f} (random {low:.4f}..{high:.4f}), CMD {curve.cmd:.4f}; "
