@@ -97,3 +97,19 @@ GRAPH_UPDATE_INTERVAL = 4
 GRAPH_FREEZE = True
 GRAPH_LOOP = False
 GRAPH_CHECK_CLOSURE = True
+
+#: Faithfulness curves (``faithfulness``, ``evaluate``): MIB's circuit sizes, in percent of the
+#: ranked items (its ``percentages`` 0.001 ... 1 as fractions); what is ranked (``"nodes"``:
+#: feature nodes, ``"edges"``), by what (``"influence"`` or ``"direct"``), what the features
+#: outside the circuit are set to (MIB's default: the counterfactual prompt's values), whether
+#: the error nodes are held at the clean run's or ablated like the features, the metric, the
+#: random rankings drawn for the floor, and the circuits per forward.
+FAITH_SIZES = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+FAITH_LEVEL = "nodes"
+FAITH_RANK_BY = "influence"
+FAITH_ABLATION = "counterfactual"
+FAITH_ERRORS = "held"
+FAITH_METRIC = "logit_diff"
+FAITH_DRAWS = 5
+FAITH_SEED = 0
+FAITH_BATCH = 16

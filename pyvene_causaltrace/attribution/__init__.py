@@ -8,7 +8,8 @@
 Data flows one way: :mod:`.replacement_model` -> :mod:`.replacement` (the local replacement
 forward) -> :mod:`.edges` (rows, closure; :mod:`.budget`) -> :mod:`.store` -> :mod:`.graph`
 (:mod:`.graph_file`, :mod:`.checkpoint`, :mod:`.spread`) -> :mod:`.reading`, :mod:`.export`,
-:mod:`.plots`; :mod:`.validate` ablates top features; :mod:`.heads` and :mod:`.qk` decompose
+:mod:`.plots`; :mod:`.validate` ablates top features, :mod:`.faithfulness` measures MIB's
+faithfulness curve (f(k), CPR, CMD); :mod:`.heads` and :mod:`.qk` decompose
 edges and scores on the replayed run (:mod:`.graph_replay`), :mod:`.attention` exports them."""
 
 from ..errors import GraphFileError
@@ -17,6 +18,7 @@ from .attribute import attribute, make_target
 from .budget import MemoryCapError
 from .checkpoint import remove_checkpoint
 from .edges import CLOSURE_TOLERANCE, Closure, ClosureError
+from .faithfulness import FaithfulnessCurve, FaithfulnessSettings, faithfulness
 from .graph import AttributionGraph
 from .heads import HeadLoadings, head_loadings
 from .qk import QKAttribution, qk_attribution
@@ -32,6 +34,8 @@ __all__ = [
     "AttributionSettings",
     "Closure",
     "ClosureError",
+    "FaithfulnessCurve",
+    "FaithfulnessSettings",
     "GraphFileError",
     "HeadLoadings",
     "MemoryCapError",
@@ -45,6 +49,7 @@ __all__ = [
     "attention_annotations",
     "attribute",
     "demeaned_logit",
+    "faithfulness",
     "head_loadings",
     "logit_difference",
     "make_target",

@@ -2,20 +2,32 @@
 graph is read (:class:`ReadingSettings`: pruning and the export's link cap, taken by
 ``graph.prune()``, ``graph.to_json()``, ``graph.plot()``, ``attention_annotations()``), as
 typed, frozen objects checked when made. Inputs (prompt, answer) and this call's files and
-display (``checkpoint``, ``keep_checkpoint``, ``progress``) are not settings. Defaults come
-from :mod:`pyvene_causaltrace.defaults`, shared with the command line and specs."""
+display (``checkpoint``, ``keep_checkpoint``, ``progress``) are not settings.
+:class:`FaithfulnessSettings`: how :func:`~.faithfulness.faithfulness` measures a curve.
+Defaults come from :mod:`pyvene_causaltrace.defaults`, shared with the command line and
+specs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from .._settings import Settings
-from ..arguments import Fraction, MemoryMB, PositiveInt, Probability
+from ..arguments import Fraction, MemoryMB, PositiveInt, Probability, Seed
 from ..defaults import (
     BOS,
     EDGE_THRESHOLD,
+    FAITH_ABLATION,
+    FAITH_BATCH,
+    FAITH_DRAWS,
+    FAITH_ERRORS,
+    FAITH_LEVEL,
+    FAITH_METRIC,
+    FAITH_RANK_BY,
+    FAITH_SEED,
+    FAITH_SIZES,
     GRAPH_BOS_ERRORS,
     GRAPH_CHECK_CLOSURE,
     GRAPH_DESIRED_LOGIT_PROB,
@@ -33,7 +45,7 @@ from ..errors import InputError
 from ..prompts import check_bos_mode
 from .targets import TARGET_KINDS, Target
 
-__all__ = ["BOS_ERRORS", "AttributionSettings", "ReadingSettings"]
+__all__ = ["BOS_ERRORS", "AttributionSettings", "FaithfulnessSettings", "ReadingSettings"]
 
 #: How the position-0 errors are treated: ``"keep"`` (nodes) or ``"drop"`` (constants,
 #: circuit-tracer's convention: its graphs zero the BOS error vectors).
@@ -156,3 +168,32 @@ class ReadingSettings(Settings):
     node_threshold: Fraction = NODE_THRESHOLD
     edge_threshold: Fraction = EDGE_THRESHOLD
     max_links: PositiveInt | None = MAX_LINKS
+
+
+@dataclass(frozen=True)
+class FaithfulnessSettings(Settings):
+    """How a faithfulness curve is measured (module docstring): ``sizes`` in percent of the
+    ranked items, each in (0, 100], increasing; ``level`` ``"nodes"`` or ``"edges"``;
+    ``rank_by`` ``"influence"`` or ``"direct"`` (a node's signed direct effect on the target, an
+    edge's ``|weight|``); ``ablation`` ``"counterfactual"``, ``"mean"`` or ``"zero"``;
+    ``errors`` ``"held"`` or ``"ablated"``; ``metric`` ``"logit_diff"``, ``"prob"`` or ``"kl"``;
+    ``draws`` random rankings (seeded by ``seed``); ``batch_size`` circuits per forward."""
+
+    sizes: tuple[float, ...] = FAITH_SIZES
+    level: Literal["nodes", "edges"] = FAITH_LEVEL
+    rank_by: Literal["influence", "direct"] = FAITH_RANK_BY
+    ablation: Literal["counterfactual", "mean", "zero"] = FAITH_ABLATION
+    errors: Literal["held", "ablated"] = FAITH_ERRORS
+    metric: Literal["logit_diff", "prob", "kl"] = FAITH_METRIC
+    draws: PositiveInt = FAITH_DRAWS
+    seed: Seed = FAITH_SEED
+    batch_size: PositiveInt = FAITH_BATCH
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        sizes = tuple(self.sizes)
+        if not sizes or any(not 0 < s <= 100 for s in sizes):
+            raise InputError(f"sizes must be percentages in (0, 100], got {list(sizes)}")
+        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+            raise InputError(f"sizes must increase, got {list(sizes)}")
+        object.__setattr__(self, "sizes", tuple(float(s) for s in sizes))

@@ -4,6 +4,7 @@
     pyvene-causaltrace run intervention_specs/residual_trace.json --out out/
     pyvene-causaltrace dataset --data known_1000.json --limit 200 --out runs/known
     pyvene-causaltrace attribute --clt DIR --prompt "..." --answer " Paris" --out out/
+    pyvene-causaltrace evaluate out/graph.safetensors --clt DIR --counterfactual "..."
 
 A flag the command's mode does not read is refused (:mod:`.flags`). A user's mistake
 (:class:`~pyvene_causaltrace.errors.CausalTraceError`, or an ``OSError``) ends in one
@@ -30,6 +31,7 @@ COMMANDS = {
     "aggregate": ("dataset", "aggregate_command"),
     "attribute": ("attribute", "attribute_command"),
     "clt-check": ("attribute", "clt_check_command"),
+    "evaluate": ("evaluate", "evaluate_command"),
     "serve": ("serve", "serve_command"),
     "steer": ("steer", "steer_command"),
     "fit": ("fit", "fit_command"),

@@ -30,6 +30,7 @@ from ..tracing.tracer import Tracer
 from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
 from .common import fact_default, number_or_name, out_dir, settings_of
+from .evaluate import faithfulness_settings, run_faithfulness
 
 #: The attribution settings a spec may hold that are also flags: given both ways, refused.
 SPEC_KEYS = ("target", "other", "k", "node_threshold", "edge_threshold", "validate")
@@ -226,10 +227,13 @@ def attribute_command(args) -> int:
     if args.prompts is not None:
         return _many_command(args, request)
     sharded = ranks is not None and args.split == "features"
-    if sharded and (request.validate or request.cross_check is not None or args.heads):
-        raise InputError("--validate, --cross-check and --heads run the whole transcoder: with "
-                         "more than one rank pass --split rows (the transcoder whole on every "
-                         "rank)")
+    faith = faithfulness_settings(args) if args.faithfulness else None
+    if sharded and (request.validate or request.cross_check is not None or args.heads
+                    or faith is not None):
+        raise InputError("--validate, --cross-check, --heads and --faithfulness run the whole "
+                         "transcoder: with "
+                         "more than one rank pass --split rows (the transcoder whole on "
+                         "every rank)")
     transcoder = load_transcoder(request.transcoder, format=request.format,
                                  **({"shard": (ranks.rank, ranks.world)} if sharded else {}))
     labels = None if request.labels is None else read_labels(
@@ -249,6 +253,9 @@ def attribute_command(args) -> int:
         distributed.finish()
         return 0
     with distributed.alone() if ranks is not None else contextlib.nullcontext():
+        if faith is not None:  # before graph.json, whose metadata carries the scores
+            curve = run_faithfulness(args, faith, model, tokenizer, transcoder, graph, out)
+            graph.metadata["faithfulness"] = curve.summary()
         _write_outputs(args, request, graph, model, transcoder, tracer, labels, checkpoint)
     if ranks is not None:
         distributed.finish()

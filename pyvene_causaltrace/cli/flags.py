@@ -36,11 +36,13 @@ def _mode(name, selects, flags: str, example: str, why: str = "") -> Mode:
 
 _TRACE_SPEC = "plugins spec model out budget_mb controls no_progress"
 _TRACE_FLAGS = "prompt subject answer kind seeds scale sigma window"
+FAITHFULNESS = ("counterfactual reference foil sizes level rank_by ablation errors metric draws "
+                "seed circuits_per_forward")
 _ATTRIBUTE_COMMON = ("plugins model clt format target other k max_n_logits desired_logit_prob "
                      "bos_errors bos memory_mb max_feature_nodes out")
 _ATTRIBUTE_ONE = ("labels direction node_threshold edge_threshold max_links validate heads "
                   "split cross_check subject seeds scale check_features check_window "
-                  "check_modes")
+                  "check_modes faithfulness " + FAITHFULNESS)
 _STEER_COMMON = "plugins model clt format max_new_tokens memory_mb no_progress top_k out"
 
 #: command -> its modes, the first whose ``selects`` flag is given first (the default last).
@@ -83,6 +85,8 @@ MODES: dict[str, tuple[Mode, ...]] = {
               f"{_STEER_COMMON} prompt set no_hold_errors freeze_attention bos", ""),
     ),
     "serve": (_mode("serve", None, "dir port no_open", "d"),),
+    "evaluate": (_mode("evaluate", None, f"graph model clt format out {FAITHFULNESS}",
+                       "g.safetensors --clt c"),),
 }
 
 #: command -> {flag: (the flag it needs, what that flag does)}: read only beside it.
@@ -90,9 +94,12 @@ NEEDS: dict[str, dict[str, tuple[str, str]]] = {
     "dataset": {name: ("graphs", "add --graphs to build each fact's attribution graph")
                 for name in ("clt", "format", "max_feature_nodes", "graph_memory_mb", "bos",
                              "save_graphs")},
-    "attribute": {name: ("cross_check", "add --cross-check to trace the prompt and compare")
-                  for name in ("subject", "seeds", "scale", "check_features", "check_window",
-                               "check_modes")},
+    "attribute": {**{name: ("cross_check", "add --cross-check to trace the prompt and compare")
+                     for name in ("subject", "seeds", "scale", "check_features", "check_window",
+                                  "check_modes")},
+                  **{name: ("faithfulness", "add --faithfulness to measure the graph's "
+                                            "faithfulness curve")
+                     for name in FAITHFULNESS.split()}},
 }
 
 #: command -> {flag: (the flag that makes it moot, why)}.

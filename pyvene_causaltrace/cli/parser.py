@@ -25,6 +25,15 @@ from ..defaults import (
     DATASET_KINDS,
     DATASET_SEEDS,
     EDGE_THRESHOLD,
+    FAITH_ABLATION,
+    FAITH_BATCH,
+    FAITH_DRAWS,
+    FAITH_ERRORS,
+    FAITH_LEVEL,
+    FAITH_METRIC,
+    FAITH_RANK_BY,
+    FAITH_SEED,
+    FAITH_SIZES,
     GRAPH_BOS_ERRORS,
     GRAPH_DESIRED_LOGIT_PROB,
     GRAPH_K,
@@ -77,6 +86,40 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         command = self.prog.removeprefix("pyvene-causaltrace").strip()
         self.exit(2, f"error: {command + ': ' if command else ''}{message} (see --help)\n")
+
+
+def _faithfulness_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a faithfulness curve (``evaluate``, ``attribute --faithfulness``)."""
+    parser.add_argument("--counterfactual", type=TEXT, default=None,
+                        help="a prompt of the graph's prompt's length in tokens: the features "
+                             "outside the circuit take their values on it (MIB's patching)")
+    parser.add_argument("--reference", type=Path, default=None,
+                        help="with --ablation mean: a text file, one prompt per line")
+    parser.add_argument("--foil", type=TEXT, default=None,
+                        help="the logit difference's other token (default: the model's top "
+                             "token on --counterfactual)")
+    parser.add_argument("--sizes", default=",".join(f"{s:g}" for s in FAITH_SIZES),
+                        help="circuit sizes, percent of the ranked nodes or edges, each in "
+                             "(0, 100] (default MIB's: %(default)s)")
+    parser.add_argument("--level", default=FAITH_LEVEL, choices=("nodes", "edges"),
+                        help=f"rank feature nodes or edges (default {FAITH_LEVEL})")
+    parser.add_argument("--rank-by", default=FAITH_RANK_BY, choices=("influence", "direct"),
+                        help=f"the graph's ranking (default {FAITH_RANK_BY})")
+    parser.add_argument("--ablation", default=FAITH_ABLATION,
+                        choices=("counterfactual", "mean", "zero"),
+                        help=f"what features outside the circuit are set to (default "
+                             f"{FAITH_ABLATION})")
+    parser.add_argument("--errors", default=FAITH_ERRORS, choices=("held", "ablated"),
+                        help=f"error nodes: the clean run's, or ablated like the features "
+                             f"(default {FAITH_ERRORS})")
+    parser.add_argument("--metric", default=FAITH_METRIC, choices=("logit_diff", "prob", "kl"),
+                        help=f"default {FAITH_METRIC}")
+    parser.add_argument("--draws", type=POSITIVE_INT, default=FAITH_DRAWS,
+                        help=f"random rankings, the floor (default {FAITH_DRAWS})")
+    parser.add_argument("--seed", type=SEED, default=FAITH_SEED,
+                        help=f"the random rankings' seed (default {FAITH_SEED})")
+    parser.add_argument("--circuits-per-forward", type=POSITIVE_INT, default=FAITH_BATCH,
+                        help=f"circuits run in one batched forward (default {FAITH_BATCH})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,6 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
                             f"score (default {MAX_LINKS}, ~25 MB)")
     graph.add_argument("--validate", action="store_true",
                        help="ablate the top 5/10/20 features vs 10 random draws of as many")
+    graph.add_argument("--faithfulness", action="store_true",
+                       help="MIB's faithfulness curve of the graph (as `evaluate`, with its "
+                            "flags): faithfulness.json/.csv/.png, CPR and CMD in summary.json "
+                            "and graph.json's metadata.info")
     graph.add_argument("--heads", action="store_true",
                        help="split the kept edges that cross positions by attention head and "
                             "decompose their leading heads' scores into QK terms (graph.json "
@@ -295,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where the patches are measured: spliced (attention and norms "
                             "live), replacement (held: the local replacement model) (default "
                             f"{','.join(CROSS_CHECK_MODES)})")
+    _faithfulness_flags(graph.add_argument_group(
+        "faithfulness", "with --faithfulness: the curve's settings (as `evaluate`'s)"))
     graph.add_argument("--out", type=Path, required=True,
                        help="writes graph.json (viewer format), graph.safetensors, "
                             "nodes.csv, edges.csv, graph.png, summary.json; rows computed so "
@@ -382,6 +431,17 @@ def build_parser() -> argparse.ArgumentParser:
     steer.add_argument("--out", type=Path, default=None,
                        help="write steering.json (the result) and spec.json (the spec that "
                             "reproduces it) here")
+
+    evaluate = commands.add_parser(
+        "evaluate", help="how far to trust a graph: MIB's faithfulness curve f(k), CPR and CMD "
+                         "(docs/attribution.md, 'Faithfulness')")
+    evaluate.add_argument("graph", type=Path, help="a graph.safetensors written by attribute")
+    evaluate.add_argument("--model", default=None, help=_MODEL_HELP)
+    evaluate.add_argument("--clt", required=True, help=_TRANSCODER_HELP)
+    evaluate.add_argument("--format", default=None, help=_FORMAT_HELP)
+    _faithfulness_flags(evaluate)
+    evaluate.add_argument("--out", type=Path, default=None,
+                          help="write faithfulness.json, faithfulness.csv, faithfulness.png")
 
     commands.add_parser("interventions", parents=[plugins],
                         help="list the registered intervention types")

@@ -13,7 +13,10 @@ recomputes the sequence, every generated position too). ``scale`` and ``value`` 
 other; with neither, the features are zeroed. ``features="all"`` switches the whole layer off
 (its decoders then add nothing, leaving ``b_dec``). ``row_values`` (Python only, not a spec
 field) gives each row of a batch of copies of one prompt its own value, ``None`` leaving a row
-as it is: many single-feature patches in one forward (``crosscheck``).
+as it is: many single-feature patches in one forward (``crosscheck``). ``keep`` and ``outside``
+(Python only, with ``features="all"``): a bool ``[B, P, F]`` mask and values ``[1 or B, P, F]``;
+every feature where ``keep`` is False is set to ``outside``, the rest stay as encoded: one
+circuit per batch row (``attribution.faithfulness``).
 """
 
 from __future__ import annotations
@@ -54,13 +57,16 @@ class FeatureAblate(SpliceIntervention):
     ``positions`` (None: all) inside a splice (see module docstring)."""
 
     registered_name = "feature_ablate"
+    tensor_fields = ("keep", "outside")
 
     def _setup(self, clt_layer: int, features: list[int] | str,
                positions: list[int] | None = None, scale: float | None = None,
                value: float | list[float] | None = None,
                row_values: list[float | None] | None = None, source: str | None = None,
-               session: str | None = None) -> None:
+               session: str | None = None, keep: torch.Tensor | None = None,
+               outside: torch.Tensor | None = None) -> None:
         source = source if source is not None else self._source_of()
+        self._set_circuit(keep, outside, features, positions, scale, value, row_values)
         if scale is not None and value is not None:
             raise InputError(f"feature_ablate takes scale or value, not both (got scale={scale}, "
                              f"value={value}): scale multiplies the features, value sets them")
@@ -88,6 +94,28 @@ class FeatureAblate(SpliceIntervention):
                         "scale": 0.0 if scale is None and value is None else scale,
                         "value": value, "row_values": row_values, "source": source,
                         "session": self._session_id(session, source)}
+
+    def _set_circuit(self, keep, outside, features, positions, scale, value,
+                     row_values) -> None:
+        """Check and hold ``keep`` and ``outside`` (module docstring)."""
+        if keep is None and outside is None:
+            self._set_tensor("keep", None)
+            self._set_tensor("outside", None)
+            return
+        if keep is None or outside is None:
+            raise InputError("feature_ablate keep and outside come together: the mask of the "
+                             "features kept and the values of the others")
+        if features != "all" or positions is not None or any(
+                v is not None for v in (scale, value, row_values)):
+            raise InputError("feature_ablate keep/outside act on every feature and position "
+                             "(features='all'), without positions, scale, value or row_values")
+        if keep.dtype != torch.bool or keep.dim() != 3 or outside.dim() != 3 or \
+                outside.shape[0] not in (1, keep.shape[0]) or outside.shape[1:] != keep.shape[1:]:
+            raise InputError(f"feature_ablate keep must be bool [B, P, F] and outside [1 or B, "
+                             f"P, F], got {keep.dtype} {tuple(keep.shape)} and "
+                             f"{tuple(outside.shape)}")
+        self._set_tensor("keep", keep)
+        self._set_tensor("outside", outside)
 
     # -- spec entry: read by the spec's clt_splice, which places it after its layer's encoder
     spec_requires = ("clt_splice",)
@@ -131,9 +159,9 @@ class FeatureAblate(SpliceIntervention):
         return []  # built by the clt_splice entry
 
     def to_spec(self, site: Site) -> dict[str, Any]:
-        if self._config.get("row_values") is not None:
-            raise InputError("a feature_ablate with row_values (one value per batch row) is not "
-                             "a spec entry")
+        if self._config.get("row_values") is not None or self.keep is not None:
+            raise InputError("a feature_ablate with row_values or keep/outside (one circuit "
+                             "per batch row) is not a spec entry")
         keys = ("clt_layer", "features", "positions",
                 "value" if self._config.get("value") is not None else "scale")
         return {"type": self.registered_name,
@@ -155,6 +183,13 @@ class FeatureAblate(SpliceIntervention):
             raise InputError(f"position {max(positions)} is outside a sequence of "
                              f"{acts.shape[1]} tokens")
         columns = slice(None) if features == "all" else features
+        if self.keep is not None:
+            if self.keep.shape[1:] != acts.shape[1:] or self.keep.shape[0] != acts.shape[0]:
+                raise InputError(f"feature_ablate keep is {tuple(self.keep.shape)}, the layer's "
+                                 f"features {tuple(acts.shape)} (batch, positions, features)")
+            session[layer] = torch.where(self.keep.to(acts.device), acts,
+                                         self.outside.to(acts.device, acts.dtype))
+            return base
         if self._config.get("row_values") is not None:
             session[layer] = self._set_rows(acts, positions, columns)
             return base

@@ -1,0 +1,71 @@
+"""``evaluate``: a saved graph's faithfulness curve (MIB's f(k), CPR, CMD), and the part of
+``attribute --faithfulness`` that reads the flags and writes the files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..atomic import replacing
+from ..attribution.faithfulness import FaithfulnessCurve, faithfulness
+from ..attribution.graph import AttributionGraph
+from ..attribution.settings import FaithfulnessSettings
+from ..errors import InputError
+from ..models import OFFLINE_DEFAULT, load_model
+from ..transcoders import load_transcoder
+from .common import out_dir, settings_of
+
+#: The flags that are FaithfulnessSettings' fields, ``{argparse dest: field}``.
+FAITHFULNESS_FLAGS = {"sizes": "sizes", "level": "level", "rank_by": "rank_by",
+                      "ablation": "ablation", "errors": "errors", "metric": "metric",
+                      "draws": "draws", "seed": "seed", "circuits_per_forward": "batch_size"}
+
+
+def faithfulness_settings(args) -> FaithfulnessSettings:
+    """The settings of the flags, checked (a refusal names the flag)."""
+    try:
+        sizes = tuple(float(s) for s in str(args.sizes).split(","))
+    except ValueError:
+        raise InputError(f"--sizes: give percentages separated by commas, got "
+                         f"{args.sizes!r}") from None
+    values = {field: getattr(args, dest) for dest, field in FAITHFULNESS_FLAGS.items()}
+    return settings_of(FaithfulnessSettings, {**values, "sizes": sizes}, FAITHFULNESS_FLAGS)
+
+
+def reference_prompts(path: Path | None) -> list[str] | None:
+    """``--reference``: one prompt per non-blank line."""
+    if path is None:
+        return None
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise InputError(f"--reference {path} holds no prompt")
+    return lines
+
+
+def run_faithfulness(args, settings: FaithfulnessSettings, model, tokenizer, transcoder,
+                     graph: AttributionGraph, out: Path | None) -> FaithfulnessCurve:
+    """The curve, printed and (with ``out``) written as faithfulness.json/.csv/.png."""
+    curve = faithfulness(model, tokenizer, transcoder, graph, args.counterfactual,
+                         reference=reference_prompts(args.reference), foil=args.foil,
+                         settings=settings)
+    print(curve.to_dataframe().to_string(index=False))
+    low, high = min(curve.random_cpr), max(curve.random_cpr)
+    print(f"CPR {curve.cpr:.4f} (random {low:.4f}..{high:.4f}), CMD {curve.cmd:.4f}; "
+          f"{curve.forwards} forwards, {curve.seconds:.1f} s")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        curve.to_json(out / "faithfulness.json")
+        with replacing(out / "faithfulness.csv") as tmp:
+            curve.to_dataframe().to_csv(tmp, index=False)
+        with replacing(out / "faithfulness.png") as tmp:
+            curve.plot(tmp)
+    return curve
+
+
+def evaluate_command(args) -> int:
+    settings = faithfulness_settings(args)  # refused before anything loads
+    out = out_dir(args.out)
+    graph = AttributionGraph.load(args.graph)
+    transcoder = load_transcoder(args.clt, format=args.format)
+    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+    run_faithfulness(args, settings, model, tokenizer, transcoder, graph, out)
+    return 0
