@@ -22,8 +22,13 @@
 #               distributed_attribution.py, a random-init Llama-3.2-1B shape with a synthetic CLT
 #               of 16 x 4,096): rows/s, transcoder bytes and peak memory per rank; skipped with
 #               fewer than 2 GPUs. Its table lands in $OUT/distributed.json.
-# Issue 54 (section issue54, not in all; one call of its own, ~9 device minutes with the start):
-#   6. peer     circuit-tracer 0.5.0 (nnsight backend, wheels in .whl/peer installed into
+# Issue 54: two sections, two calls of the device tool in one session (15 device minutes: the
+# first call ~1.5 min of machine start + BUDGET=440, the second on the warm machine, BUDGET=300):
+#   issue54 (first: the scale results)
+#   6. long     a 7,500-node graph of 2,048, 4,096 and 8,192 tokens on the 1B shape with the
+#               synthetic 16 x 32,768 CLT at 10 features per position, a process per length:
+#               time, peak GPU memory, closure (benchmarks/long_prompts.py). $OUT/long_*.json.
+#   7. peer     circuit-tracer 0.5.0 (nnsight backend, wheels in .whl/peer installed into
 #               /tmp/peer-site with pyvene: it pins transformers 4.57.3) beside ours on a
 #               random-init Llama-3.2-1B with a synthetic CLT (16 x 2,048) and a per-layer set
 #               (16 x 8,192) in circuit-tracer's layout, prompts of 64, 512 and 2,048 tokens:
@@ -31,14 +36,22 @@
 #               peak GPU memory, the graphs' edges compared (benchmarks/gpu_peer.py; a process
 #               per length and library, 25/30/45 s each: an OOM or a timeout is a result).
 #               $OUT/peer.json.
-#   7. ranks    2 ranks on the one GPU (gloo, CUDA tensors) against one process, both splits
+#   issue54b (second)
+#   8. entry_points  every public function and CLI command with its defaults on a CUDA model
+#               (benchmarks/gpu_entry_points.py; exits non-zero if one fails). $OUT/entry_points.json.
+#   9. bf16     a bf16 graph against the float32 one, deterministic runs identical
+#               (benchmarks/bf16_deviation.py). $OUT/bf16.json.
+#  10. ranks    2 ranks on the one GPU (gloo, CUDA tensors) against one process, both splits
 #               (benchmarks/distributed_attribution.py: exits non-zero unless equal).
 #               $OUT/ranks.json.
-#   8-10.       later: gpu_entry_points.py, bf16_deviation.py, long_prompts.py (30 s each
-#               reserved below).
-#   Plan: install ~15 s, peer 260 s, ranks 70 s, 3 x 30 s = ~435 s of BUDGET=450, + the
-#   machine's start (~1.5 min): run(command="BUDGET=450 bash benchmarks/gpu_check.sh issue54",
-#   carry=[".whl", ".devdata"], timeout_s=560).
+#  11. launches the trace's time split (engine, our Python, plain forward) at both shapes
+#               (benchmarks/trace_launches.py). $OUT/trace_launches.json.
+#   Plan: install ~15 s, long 50 + 80 + 110 s, peer 170 s (it writes each cell as it ends) =
+#   ~425 s; then entry_points 120, bf16 60, ranks 70, launches 60 = 310 s (what does not fit
+#   BUDGET is skipped and named). Calls: run(command="BUDGET=440 bash benchmarks/gpu_check.sh
+#   issue54", carry=[".whl", ".devdata"], timeout_s=540), then, on the warm machine,
+#   run(command="BUDGET=300 bash benchmarks/gpu_check.sh issue54b", carry=[".whl", ".devdata"],
+#   timeout_s=330): ~1.5 + 7.3 + 5 = ~14 of the session's 15 device minutes.
 # Every step has its own time limit and the whole fits BUDGET seconds (default 560): a step that
 # would not fit is skipped and shows as '-' in the table. $OUT gets three files (the tool returns
 # at most 8): log.txt (every step's output), summary.txt and results.json (every step's numbers).
@@ -48,8 +61,8 @@
 # The tool sends the checkout the session was started in, so run it from there (merged):
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl", ".devdata"], timeout_s=600)
 # Sections: bash benchmarks/gpu_check.sh [all|trace|fit|attribution|distributed|dataset|issue54|
-# peer|ranks]  (dataset: issue 5's throughput run; issue54 = peer + ranks + the later steps;
-# none of them in all).
+# issue54b|long|peer|entry_points|bf16|ranks|launches]  (dataset: issue 5's throughput run;
+# issue54 = long + peer, issue54b = entry_points + bf16 + ranks + launches; none of them in all).
 # A CPU smoke of every step with tiny shapes (no GPU, no wheels; a few minutes on 2 cores):
 #   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/gpu_smoke bash benchmarks/gpu_check.sh
 #   SMOKE=1 BUDGET=2400 PYTHON=.venv/bin/python PEER_PYTHON=/work/ciclone/.venv-peer/bin/python \
@@ -102,6 +115,7 @@ step() {
 }
 want() { [ "$SECTION" = all ] || [ "$SECTION" = "$1" ]; }
 want54() { [ "$SECTION" = issue54 ] || [ "$SECTION" = "$1" ]; }
+want54b() { [ "$SECTION" = issue54b ] || [ "$SECTION" = "$1" ]; }
 
 if want trace; then
     step trace_llama1b 120 "$PY" benchmarks/gpu_trace.py --device $DEV --shape $SMALL \
@@ -146,6 +160,17 @@ if want distributed; then
             --json "$OUT/distributed.json"
     fi
 fi
+if want54 long; then
+    # issue 54 item 3: one process per length, so a length that runs out of memory or time
+    # loses only itself
+    if [ "${SMOKE:-0}" = 1 ]; then LONG=(64 128); LONG_LIMITS=(300 300)
+    else LONG=(2048 4096 8192); LONG_LIMITS=(50 80 110)
+    fi
+    for i in "${!LONG[@]}"; do
+        step "long_${LONG[$i]}" "${LONG_LIMITS[$i]}" "$PY" benchmarks/long_prompts.py \
+            --device $DEV --tokens "${LONG[$i]}" --out "$OUT/long_${LONG[$i]}.json"
+    done
+fi
 if want54 peer; then
     # circuit-tracer's stack apart from /tmp/site (it pins transformers 4.57.3); ours runs there
     # too (the oldest transformers we support), each (length, library) in a process of its own
@@ -153,7 +178,7 @@ if want54 peer; then
         PEER=(env "PYTHONPATH=$PWD" "${PEER_PYTHON:-$PY}")
         PEER_LIMIT=1500; PEER_ARGS=(--lengths 16 --limits 600 --build-limit 400)
     else
-        PEER_LIMIT=260; PEER_ARGS=()
+        PEER_LIMIT=170; PEER_ARGS=()
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/peer-site .whl/peer/*.whl .whl/pyvene-*.whl || exit 1
         PEER=(env "PYTHONPATH=/tmp/peer-site:$PWD" python3)
@@ -161,7 +186,7 @@ if want54 peer; then
     step peer $PEER_LIMIT "${PEER[@]}" benchmarks/gpu_peer.py --device $DEV \
         ${PEER_ARGS[@]+"${PEER_ARGS[@]}"} --json "$OUT/peer.json"
 fi
-if want54 ranks; then
+if want54b ranks; then
     # issue 54 item 6: 2 ranks sharing the one GPU (gloo, CUDA tensors; NCCL refuses two ranks
     # on a device) against one process, the transcoder sharded by feature and the rows split
     if [ "${SMOKE:-0}" = 1 ]; then RANKS_F=256; RANKS_LIMIT=900
@@ -170,14 +195,18 @@ if want54 ranks; then
     step ranks $RANKS_LIMIT "$PY" benchmarks/distributed_attribution.py --model random:$SMALL \
         --features $RANKS_F --rows 1000 --resident --worlds 1 2 --json "$OUT/ranks.json"
 fi
-if [ "$SECTION" = issue54 ]; then
-    # the place for issue 54's other steps (30 s each reserved in the plan above), e.g.
-    #   step entry_points 30 "$PY" benchmarks/gpu_entry_points.py --device $DEV ...
-    #   step bf16_deviation 30 "$PY" benchmarks/bf16_deviation.py --device $DEV ...
-    #   step long_prompts 30 "$PY" benchmarks/long_prompts.py --device $DEV ...
-    for later in gpu_entry_points bf16_deviation long_prompts; do
-        [ -f "benchmarks/$later.py" ] || echo "== $later: not here yet"
-    done
+if want54b entry_points; then
+    step entry_points $([ "${SMOKE:-0}" = 1 ] && echo 600 || echo 120) "$PY" \
+        benchmarks/gpu_entry_points.py --device $DEV --out "$OUT/entry_points.json"
+fi
+if want54b bf16; then
+    step bf16 $([ "${SMOKE:-0}" = 1 ] && echo 300 || echo 60) "$PY" benchmarks/bf16_deviation.py \
+        --device $DEV --out "$OUT/bf16.json"
+fi
+if want54b launches; then
+    step launches $([ "${SMOKE:-0}" = 1 ] && echo 300 || echo 60) "$PY" \
+        benchmarks/trace_launches.py --device $DEV --times-only --time-models $SMALL \
+        --repeats 3 --json "$OUT/trace_launches.json"
 fi
 if [ "$SECTION" = dataset ]; then
     echo "== dataset throughput, residual, 3 seeds (issue 5)"
