@@ -37,7 +37,7 @@ def _mode(name, selects, flags: str, example: str, why: str = "") -> Mode:
 _TRACE_SPEC = "plugins spec model out budget_mb controls no_progress"
 _TRACE_FLAGS = "prompt subject answer kind seeds scale sigma window"
 _ATTRIBUTE_COMMON = ("plugins model clt format target other k max_n_logits desired_logit_prob "
-                     "bos_errors bos memory_mb max_feature_nodes out")
+                     "bos_errors bos memory_mb max_feature_nodes dtype deterministic out")
 _ATTRIBUTE_ONE = ("labels direction node_threshold edge_threshold max_links validate heads "
                   "split cross_check subject seeds scale check_features check_window "
                   "check_modes")
