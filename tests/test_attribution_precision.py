@@ -17,7 +17,7 @@ from pyvene_causaltrace.attribution.compare import graph_deviation
 from pyvene_causaltrace.attribution.edges import BF16_CLOSURE_TOLERANCE, CLOSURE_TOLERANCE
 from pyvene_causaltrace.cli import attribute as cli_attribute
 from pyvene_causaltrace.cli.parser import build_parser
-from pyvene_causaltrace.errors import InputError
+from pyvene_causaltrace.errors import ClosureError, InputError
 from pyvene_causaltrace.transcoders import load_from_disk
 
 #: The stated deviation of a bfloat16 graph from the float32 one on the tiny models (measured
@@ -64,9 +64,28 @@ def test_a_bfloat16_graph_is_within_the_stated_deviation_of_the_float32_one(grap
     assert same["edges"]["graph"] == 0 and same["top_overlap"] == 1
 
 
+def test_a_bfloat16_model_gives_a_bfloat16_graph_within_the_same_tolerance(world, tokenizer,
+                                                                           graphs):
+    """dtype=None: the model's; a bfloat16 model's graph (its salient logits chosen by the
+    bfloat16 model, here in another order than the float32 model's: logit nodes are matched by
+    target) is held to the bfloat16
+    tolerances, without autocast."""
+    model, clt, _ = world
+    half = make_tiny_model("llama", init=0.2).to(torch.bfloat16)
+    half.load_state_dict({k: v.to(torch.bfloat16) for k, v in model.state_dict().items()})
+    graph = attribute(half, tokenizer, clt, PROMPT)
+    assert graph.metadata["dtype"]["compute"] == "bfloat16"
+    assert graph.metadata["dtype"]["autocast"] is False
+    deviation = graph_deviation(graph, graphs[0])
+    assert deviation["edges"]["graph"] < EDGE_TOLERANCE, deviation
+    assert deviation["top_overlap"] >= TOP_OVERLAP, deviation
+    assert deviation["closure"]["graph"]["feature_rows"] <= BF16_CLOSURE_TOLERANCE
+
+
 def test_the_deviation_tolerance_catches_a_real_error(world, tokenizer, graphs, tmp_path):
-    """Control: a transcoder whose layer-0 decoder is 25% off (a wrong scale, as a bad
-    loader would give) is outside the stated tolerance, in float32 as in bfloat16."""
+    """Controls: a transcoder whose layer-0 decoder is 25% off (a wrong scale, as a bad
+    loader would give) is outside the stated tolerance, in float32 as in bfloat16; an
+    unfrozen forward fails the bfloat16 closure check."""
     model, _, tensors = world
     wrong = {**tensors, "W_dec": [tensors["W_dec"][0] * 1.25, *tensors["W_dec"][1:]]}
     clt = load_from_disk(str(write_clt(tmp_path / "wrong", wrong)))
@@ -74,6 +93,10 @@ def test_the_deviation_tolerance_catches_a_real_error(world, tokenizer, graphs, 
         off = attribute(model, tokenizer, clt, PROMPT, dtype=dtype)
         deviation = graph_deviation(off, graphs[0])
         assert deviation["edges"]["graph"] > EDGE_TOLERANCE, deviation
+    # and the bfloat16 closure tolerance still refuses a forward the graph does not explain:
+    # live attention and norms (freeze=False) miss the target by 0.16 of its scale here
+    with pytest.raises(ClosureError, match="tolerance 0.04"):
+        attribute(model, tokenizer, world[1], PROMPT, dtype="bfloat16", freeze=False)
 
 
 def test_a_bfloat16_graph_keeps_its_tolerance_through_a_file(graphs, tmp_path):

@@ -6,8 +6,9 @@ float32 one (:mod:`.precision`), or any two runs.
 
 Nodes are matched by what they are, not by index: a feature by (layer, position, id), so a
 feature active in one graph only (a pre-activation that rounding moved across its threshold)
-is a node of the union whose edges in the other graph are 0; errors, steering, tokens and
-logits by their place, which the same prompt and targets fix. Edge errors are relative to the
+is a node of the union whose edges in the other graph are 0; a logit node by its target (the
+salient logits of a bfloat16 model can come in another order); errors, steering and tokens by
+their place, which the same prompt fixes. Edge errors are relative to the
 largest ``|edge|`` (per row: the row's, of either graph; over the graph: the graph's), the
 measure tests_peer compares circuit-tracer's graphs by."""
 
@@ -28,11 +29,15 @@ def _keys(graph: AttributionGraph, width: int) -> torch.Tensor:
             + graph.feature_id.long())
 
 
+def _name(target: dict) -> str:
+    """A logit node's identity: its target's name (token and kind, or the direction's)."""
+    return str(target.get("name"))
+
+
 def _check_same(graph: AttributionGraph, reference: AttributionGraph) -> None:
     """Refuse two graphs of different prompts, targets or non-feature nodes."""
     same = (list(graph.input_ids) == list(reference.input_ids)
-            and [t.get("token") for t in graph.targets] == [t.get("token")
-                                                            for t in reference.targets]
+            and sorted(map(_name, graph.targets)) == sorted(map(_name, reference.targets))
             and graph.layout.n_nodes - graph.n_features
             == reference.layout.n_nodes - reference.n_features)
     if not same:
@@ -59,10 +64,12 @@ def graph_deviation(graph: AttributionGraph, reference: AttributionGraph,
     union, inverse = torch.unique(torch.cat([_keys(graph, width), _keys(reference, width)]),
                                   return_inverse=True)
     n_union = len(union)
-    maps = []
+    maps, names = [], [_name(t) for t in reference.targets]
     for g, features in ((graph, inverse[:graph.n_features]),
                         (reference, inverse[graph.n_features:])):
         rest = n_union + torch.arange(g.layout.n_nodes - g.n_features)
+        order = [names.index(_name(t)) for t in g.targets]  # logit nodes: by target
+        rest[len(rest) - len(order):] = rest[len(rest) - len(order):][0] + torch.tensor(order)
         maps.append(torch.cat([features, rest]))
     n_nodes = n_union + graph.layout.n_nodes - graph.n_features
     n_columns = n_nodes - graph.layout.n_logits
