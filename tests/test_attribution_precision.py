@@ -143,6 +143,8 @@ def test_a_bad_dtype_is_refused_naming_the_field(world, tokenizer):
     half = make_tiny_model("llama", init=0.2).to(torch.bfloat16)
     with pytest.raises(InputError, match="dtype='float32'"):
         attribute(half, tokenizer, clt, PROMPT, dtype="float32")
+    with pytest.raises(InputError, match="dtype='float32'"):  # autocast cannot raise it either
+        attribute(half.double(), tokenizer, clt, PROMPT, dtype="float32")
 
 
 def test_the_command_takes_dtype_and_deterministic():

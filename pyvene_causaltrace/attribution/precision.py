@@ -54,15 +54,16 @@ def dtype_name(value: object) -> str | None:
 
 
 def compute_dtype(model_dtype: torch.dtype, dtype: str | None) -> torch.dtype:
-    """The dtype a graph is computed in: ``dtype``'s, or the model's (``None``). Refuses a
-    dtype wider than the model's weights, which rounding has already cost their precision."""
+    """The dtype a graph is computed in: ``dtype``'s, or the model's (``None``). float32 needs
+    a float32 model (a lower dtype's weights have lost their precision already; autocast
+    lowers, never raises); bfloat16 a bfloat16, float32 or float64 one."""
     if dtype is None:
         return model_dtype
     wanted = DTYPES[dtype]
-    if wanted != model_dtype and model_dtype not in _WIDE:
-        raise InputError(f"dtype={dtype!r}: the model's weights are {model_dtype}; a {dtype} "
-                         f"graph needs a float32 model (model.float()) or dtype=None (the "
-                         "model's)")
+    if wanted != model_dtype and (wanted == torch.float32 or model_dtype not in _WIDE):
+        raise InputError(f"dtype={dtype!r}: the model's weights are {model_dtype}; pass "
+                         f"dtype=None (the model's) or a {dtype} graph's model: "
+                         f"model.to(torch.{dtype})")
     return wanted
 
 
@@ -70,7 +71,7 @@ def precision(device: torch.device, model_dtype: torch.dtype,
               dtype: torch.dtype) -> AbstractContextManager:
     """The context a forward of the local replacement model runs in: nothing where ``dtype``
     is the model's, else autocast to ``dtype`` on ``device`` (module docstring)."""
-    if dtype == model_dtype or dtype in _WIDE:
+    if dtype == model_dtype:
         return nullcontext()
     return torch.autocast(device.type, dtype=dtype)
 
