@@ -32,7 +32,7 @@ from .targets import Target
 def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
                      batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [B, n_nodes], constant [B])`` from gradients on ``run.inputs()`` (leading batch
-    dim ``B`` when ``batch`` is given; ``None`` gradients are zeros), in the leaves' dtype."""
+    dim ``B`` when ``batch`` is given; ``None`` gradients are zeros), float32 at least."""
     inputs = run.inputs()
     lead = () if batch is None else (batch,)
     grads = [torch.zeros(*lead, *x.shape, dtype=x.dtype, device=x.device) if g is None else g
