@@ -86,7 +86,7 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         for mode, deterministic in (("plain", False), ("deterministic", True)):
             for run in (1, 2):
-                graph, facts = _graph(model, tokenizer, clt, args.device, dtype=dtype,
+                graph, facts = _graph(model, tokenizer, clt, args.device, compute_dtype=dtype,
                                       deterministic=deterministic, **budget)
                 made[dtype, mode, run] = graph
                 result["graphs"][f"{dtype} {mode} {run}"] = facts

@@ -41,7 +41,7 @@ def world(tmp_path_factory):
 def graphs(world, tokenizer):
     model, clt, _ = world
     return (attribute(model, tokenizer, clt, PROMPT),
-            attribute(model, tokenizer, clt, PROMPT, dtype=torch.bfloat16))
+            attribute(model, tokenizer, clt, PROMPT, compute_dtype=torch.bfloat16))
 
 
 def test_a_bfloat16_graph_is_within_the_stated_deviation_of_the_float32_one(graphs):
@@ -90,13 +90,13 @@ def test_the_deviation_tolerance_catches_a_real_error(world, tokenizer, graphs, 
     wrong = {**tensors, "W_dec": [tensors["W_dec"][0] * 1.25, *tensors["W_dec"][1:]]}
     clt = load_from_disk(str(write_clt(tmp_path / "wrong", wrong)))
     for dtype in (None, "bfloat16"):
-        off = attribute(model, tokenizer, clt, PROMPT, dtype=dtype)
+        off = attribute(model, tokenizer, clt, PROMPT, compute_dtype=dtype)
         deviation = graph_deviation(off, graphs[0])
         assert deviation["edges"]["graph"] > EDGE_TOLERANCE, deviation
     # and the bfloat16 closure tolerance still refuses a forward the graph does not explain:
     # live attention and norms (freeze=False) miss the target by 0.16 of its scale here
     with pytest.raises(ClosureError, match="tolerance 0.04"):
-        attribute(model, tokenizer, world[1], PROMPT, dtype="bfloat16", freeze=False)
+        attribute(model, tokenizer, world[1], PROMPT, compute_dtype="bfloat16", freeze=False)
 
 
 def test_a_bfloat16_graph_keeps_its_tolerance_through_a_file(graphs, tmp_path):
@@ -136,21 +136,21 @@ def test_a_bad_dtype_is_refused_naming_the_field(world, tokenizer):
     model, clt, _ = world
     for bad in ("float16", torch.float16, "bf16", 16):
         with pytest.raises(InputError, match="dtype"):
-            AttributionSettings(dtype=bad)
+            AttributionSettings(compute_dtype=bad)
     with pytest.raises(InputError, match="dtype"):
-        attribute(model, tokenizer, clt, PROMPT, dtype=torch.float16)
-    assert AttributionSettings(dtype=torch.bfloat16).dtype == "bfloat16"
+        attribute(model, tokenizer, clt, PROMPT, compute_dtype=torch.float16)
+    assert AttributionSettings(compute_dtype=torch.bfloat16).compute_dtype == "bfloat16"
     half = make_tiny_model("llama", init=0.2).to(torch.bfloat16)
     with pytest.raises(InputError, match="dtype='float32'"):
-        attribute(half, tokenizer, clt, PROMPT, dtype="float32")
+        attribute(half, tokenizer, clt, PROMPT, compute_dtype="float32")
     with pytest.raises(InputError, match="dtype='float32'"):  # autocast cannot raise it either
-        attribute(half.double(), tokenizer, clt, PROMPT, dtype="float32")
+        attribute(half.double(), tokenizer, clt, PROMPT, compute_dtype="float32")
 
 
 def test_the_command_takes_dtype_and_deterministic():
     args = build_parser().parse_args(["attribute", "--out", "o", "--clt", "c", "--dtype",
                                       "bfloat16", "--deterministic"])
     made = cli_attribute.attribute_request(args).attribution
-    assert (made.dtype, made.deterministic) == ("bfloat16", True)
+    assert (made.compute_dtype, made.deterministic) == ("bfloat16", True)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["attribute", "--out", "o", "--clt", "c", "--dtype", "half"])

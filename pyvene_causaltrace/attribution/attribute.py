@@ -98,7 +98,7 @@ def attribute(
     freeze: bool = _DEFAULT.freeze, loop: bool = _DEFAULT.loop, progress: bool = False,
     checkpoint: str | Path | None = None, keep_checkpoint: bool = True,
     check_closure: bool = _DEFAULT.check_closure,
-    dtype: str | torch.dtype | None = _DEFAULT.dtype,
+    compute_dtype: str | torch.dtype | None = _DEFAULT.compute_dtype,
     deterministic: bool = _DEFAULT.deterministic, settings: AttributionSettings | None = None,
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next token through ``transcoder``.
@@ -113,7 +113,7 @@ def attribute(
     ``keep_checkpoint=False``. On a ``pv.IntervenableModel`` the graph is of the model with its
     interventions applied, their constant parts as steering nodes. Every row must close to
     :data:`~.edges.CLOSURE_TOLERANCE` or :class:`~.edges.ClosureError` is raised
-    (``check_closure=False`` returns the graph anyway); a ``dtype="bfloat16"`` graph's
+    (``check_closure=False`` returns the graph anyway); a ``compute_dtype="bfloat16"`` graph's
     rows to :data:`~.edges.BF16_CLOSURE_TOLERANCE` (:mod:`.precision`). ``deterministic``:
     torch's deterministic algorithms on for the call, so two runs are bit-identical. Details:
     docs/attribution.md."""
@@ -124,7 +124,7 @@ def attribute(
         desired_logit_prob=desired_logit_prob, bos_errors=bos_errors, bos=bos,
         max_feature_nodes=max_feature_nodes, memory_mb=memory_mb, batch_size=batch_size,
         max_batch=max_batch, update_interval=update_interval, freeze=freeze, loop=loop,
-        check_closure=check_closure, dtype=dtype_name(dtype),
+        check_closure=check_closure, compute_dtype=dtype_name(compute_dtype),
         deterministic=deterministic).check_answer(answer)
     with deterministic_algorithms() if s.deterministic else contextlib.nullcontext():
         return _attribute(model, tokenizer, transcoder, prompt, answer, s, progress=progress,
@@ -147,7 +147,7 @@ def _attribute(model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder:
             prepared.active_counts, "counting the active features"))
     replacement.check_memory(prepared.input_ids, s.memory_mb, prepared.active_counts)
     run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
-                          bos_errors=s.bos_errors, dtype=s.dtype)
+                          bos_errors=s.bos_errors, compute_dtype=s.compute_dtype)
     top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)
     forward_s = time.perf_counter() - start
     plan = _plan(run, top, memory_mb=s.memory_mb, batch_size=s.batch_size,

@@ -1,19 +1,19 @@
 """The precision and the determinism of a graph: :class:`~.settings.AttributionSettings`'
-``dtype`` and ``deterministic``.
+``compute_dtype`` and ``deterministic``.
 
-``dtype="bfloat16"`` on a float32 (or float64) model runs the local replacement forward under
-``torch.autocast``: the matrix products, the model's and the transcoder's, in bfloat16; what
-autocast keeps in float32 (the residual stream's additions, norms, softmax) in float32. The
-backward follows the forward's dtypes. The user's model is not cast or copied. Where sums feed
-the edges and the closure check they are float32 or wider: each edge ``x_i * g_i`` and the
-error and token edges' sums over ``d_model`` in float32 (:func:`~.edges.edges_from_grads`),
-the feature leaves' gradients from the transcoder's own (float32) decoder rows
+``compute_dtype="bfloat16"`` on a float32 (or float64) model runs the local replacement forward
+under ``torch.autocast``: the matrix products, the model's and the transcoder's, in bfloat16;
+what autocast keeps in float32 (the residual stream's additions, norms, softmax) in float32.
+The backward follows the forward's dtypes. The user's model is not cast or copied. Where sums
+feed the edges and the closure check they are float32 or wider: each edge ``x_i * g_i`` and the
+error and token edges' sums over ``d_model`` in float32 (:func:`~.edges.edges_from_grads`), the
+feature leaves' gradients from the transcoder's own (float32) decoder rows
 (:mod:`.leaf_grads`), each row's closure in float64 against the feature's pre-activation
-recomputed in float32 from its live input (:func:`~.edges.feature_targets_and_magnitudes`).
-So a bfloat16 graph's closure measures bfloat16's own rounding in the forward and backward;
-it is checked against :data:`~.edges.BF16_CLOSURE_TOLERANCE`. The clean forward that picks the
-targets runs in the model's dtype, so a bfloat16 graph explains the same logits as the
-float32 graph of the prompt (:func:`~.compare.graph_deviation` compares the two).
+recomputed in float32 from its live input (:func:`~.edges.feature_targets_and_magnitudes`). So
+a bfloat16 graph's closure measures bfloat16's own rounding in the forward and backward; it is
+checked against :data:`~.edges.BF16_CLOSURE_TOLERANCE`. The clean forward that picks the
+targets runs in the model's dtype, so a bfloat16 graph explains the same logits as the float32
+graph of the prompt (:func:`~.compare.graph_deviation` compares the two).
 
 ``deterministic=True`` (:func:`deterministic_algorithms`) turns torch's deterministic
 algorithms on for the call and sets ``CUBLAS_WORKSPACE_CONFIG`` where it is unset, restoring
@@ -49,8 +49,8 @@ def dtype_name(value: object) -> str | None:
     for name, dtype in DTYPES.items():
         if value == name or value is dtype:
             return name
-    raise InputError(f"dtype must be one of {', '.join(DTYPES)} (or a torch dtype among them; "
-                     f"None: the model's), got {value!r}")
+    raise InputError(f"compute_dtype (--dtype) must be one of {', '.join(DTYPES)} (or a torch "
+                     f"dtype among them; None: the model's), got {value!r}")
 
 
 def compute_dtype(model_dtype: torch.dtype, dtype: str | None) -> torch.dtype:
@@ -61,7 +61,7 @@ def compute_dtype(model_dtype: torch.dtype, dtype: str | None) -> torch.dtype:
         return model_dtype
     wanted = DTYPES[dtype]
     if wanted != model_dtype and (wanted == torch.float32 or model_dtype not in _WIDE):
-        raise InputError(f"dtype={dtype!r}: the model's weights are {model_dtype}; pass "
+        raise InputError(f"compute_dtype={dtype!r}: the model's weights are {model_dtype}; pass "
                          f"dtype=None (the model's) or a {dtype} graph's model: "
                          f"model.to(torch.{dtype})")
     return wanted

@@ -44,7 +44,7 @@ ROWS_PARTIAL = "rows.partial"
 #: tests/test_settings_once.py checks each against its field.
 ATTRIBUTION_FLAGS = {name: name for name in (
     "target", "other", "k", "max_n_logits", "desired_logit_prob", "bos_errors", "bos",
-    "memory_mb", "max_feature_nodes", "dtype", "deterministic")}
+    "memory_mb", "max_feature_nodes", "deterministic")} | {"dtype": "compute_dtype"}
 READING_FLAGS = {"node_threshold": "node_threshold", "edge_threshold": "edge_threshold",
                  "max_links": "max_links"}
 CROSS_CHECK_FLAGS = {"check_window": "window", "check_features": "top_n",
