@@ -97,6 +97,11 @@ GRAPH_UPDATE_INTERVAL = 4
 GRAPH_FREEZE = True
 GRAPH_LOOP = False
 GRAPH_CHECK_CLOSURE = True
+#: The dtype the replacement forward and backward run in (``None``: the model's; ``"bfloat16"``
+#: on a float32 model: under autocast), and whether two runs must be bit-identical (torch's
+#: deterministic algorithms on, docs/attribution.md, "Precision and determinism").
+GRAPH_DTYPE = None
+GRAPH_DETERMINISTIC = False
 
 #: Faithfulness curves (``faithfulness``, ``evaluate``): MIB's circuit sizes, in percent of the
 #: ranked items (its ``percentages`` 0.001 ... 1 as fractions); what is ranked (``"nodes"``:

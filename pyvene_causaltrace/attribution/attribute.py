@@ -30,9 +30,9 @@ from ..transcoders.transcoder import Transcoder
 from .budget import batch_size_for, check_batch_fits, feature_budget, store_bytes
 from .checkpoint import Checkpoint, remove_checkpoint, tensor_digest
 from .edges import (
-    CLOSURE_TOLERANCE,
     Closure,
     closure_error,
+    closure_tolerance,
     feature_rows,
     feature_rows_loop,
     feature_targets_and_magnitudes,
@@ -40,6 +40,7 @@ from .edges import (
     target_rows,
 )
 from .graph import AttributionGraph
+from .precision import deterministic_algorithms, dtype_name
 from .reading import Layout, influence, logit_weights
 from .replacement import ReplacementRun
 from .replacement_model import PreparedPrompt, ReplacementModel
@@ -97,7 +98,9 @@ def attribute(
     update_interval: PositiveInt = _DEFAULT.update_interval,
     freeze: bool = _DEFAULT.freeze, loop: bool = _DEFAULT.loop, progress: bool = False,
     checkpoint: str | Path | None = None, keep_checkpoint: bool = True,
-    check_closure: bool = _DEFAULT.check_closure, settings: AttributionSettings | None = None,
+    check_closure: bool = _DEFAULT.check_closure,
+    compute_dtype: str | torch.dtype | None = _DEFAULT.compute_dtype,
+    deterministic: bool = _DEFAULT.deterministic, settings: AttributionSettings | None = None,
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next token through ``transcoder``.
 
@@ -111,7 +114,10 @@ def attribute(
     ``keep_checkpoint=False``. On a ``pv.IntervenableModel`` the graph is of the model with its
     interventions applied, their constant parts as steering nodes. Every row must close to
     :data:`~.edges.CLOSURE_TOLERANCE` or :class:`~.edges.ClosureError` is raised
-    (``check_closure=False`` returns the graph anyway). Details: docs/attribution.md."""
+    (``check_closure=False`` returns the graph anyway); a ``compute_dtype="bfloat16"`` graph's
+    rows to :data:`~.edges.BF16_CLOSURE_TOLERANCE` (:mod:`.precision`). ``deterministic``:
+    torch's deterministic algorithms on for the call, so two runs are bit-identical. Details:
+    docs/attribution.md."""
     if not prompt:
         raise InputError("the prompt is empty")
     s = AttributionSettings.merged(
@@ -119,7 +125,17 @@ def attribute(
         desired_logit_prob=desired_logit_prob, bos_errors=bos_errors, bos=bos,
         max_feature_nodes=max_feature_nodes, memory_mb=memory_mb, batch_size=batch_size,
         max_batch=max_batch, update_interval=update_interval, freeze=freeze, loop=loop,
-        check_closure=check_closure).check_answer(answer)
+        check_closure=check_closure, compute_dtype=dtype_name(compute_dtype),
+        deterministic=deterministic).check_answer(answer)
+    with deterministic_algorithms() if s.deterministic else contextlib.nullcontext():
+        return _attribute(model, tokenizer, transcoder, prompt, answer, s, progress=progress,
+                          checkpoint=checkpoint, keep_checkpoint=keep_checkpoint)
+
+
+def _attribute(model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder,
+               prompt: str, answer: str | None, s: AttributionSettings, *, progress: bool,
+               checkpoint: str | Path | None, keep_checkpoint: bool) -> AttributionGraph:
+    """:func:`attribute` of merged, checked settings ``s``."""
     target, freeze, check_closure = s.target, s.freeze, s.check_closure
     max_n_logits, desired_logit_prob = s.salient()
     start = time.perf_counter()
@@ -133,7 +149,7 @@ def attribute(
     replacement.check_memory(prepared.input_ids, s.memory_mb, prepared.active_counts)
     with phase("forward"):
         run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
-                              bos_errors=s.bos_errors)
+                              bos_errors=s.bos_errors, compute_dtype=s.compute_dtype)
     with phase("target_rows"):
         top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)
     forward_s = time.perf_counter() - start
@@ -235,7 +251,8 @@ def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size
     ranking = _Ranking(run, replace(run.layout, n_logits=len(top.weights)), top.weights, budget,
                        max(update_interval * size, -(-budget // RERANKS)))
     return _Plan(size, budget, ranking, {"freeze": freeze, "budget": budget, "batch": size,
-                                         "loop": loop, "update_interval": update_interval})
+                                         "loop": loop, "update_interval": update_interval,
+                                         "dtype": str(run.compute_dtype)})
 
 
 def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Target, ...],
@@ -368,9 +385,23 @@ def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: Replace
                                              - prepared.target_logits).abs().max()),
                   "steering": steering_metadata(run, top.weighted()),
                   "closure_checked": check_closure, "rows_resumed": resumed,
+                  "dtype": precision_metadata(run, replacement.model,
+                                              top.closures[0].tolerance),
+                  "deterministic": torch.are_deterministic_algorithms_enabled(),
                   "rows_computed": store.n_rows - resumed,
                   "distributed": None if spread is None
                   else spread.describe(replacement.transcoder)})
+
+
+def precision_metadata(run: ReplacementRun, model: nn.Module, tolerance: float) -> dict:
+    """What a graph's metadata says of its precision (:mod:`.precision`): the dtype it was
+    computed in, whether under autocast (a lower dtype than the model's), where it sums wider
+    and the closure tolerance its rows were held to."""
+    model_dtype = next(model.parameters()).dtype
+    name = str(run.compute_dtype).removeprefix("torch.")
+    return {"compute": name, "model": str(model_dtype).removeprefix("torch."),
+            "autocast": run.compute_dtype != model_dtype, "closure_tolerance": tolerance,
+            "sums": "edges and their sums in float32 at least, closures in float64"}
 
 
 def steering_metadata(run: ReplacementRun, logit_row: torch.Tensor) -> list[dict]:
@@ -402,12 +433,13 @@ def _check_rows(run: ReplacementRun, chunk: torch.Tensor, rows: torch.Tensor,
     close."""
     relative = row_closures(rows, constants, targets, magnitudes)
     worst = int(relative.argmax())
-    if float(relative[worst]) <= CLOSURE_TOLERANCE:
+    tolerance = closure_tolerance(run.compute_dtype)
+    if float(relative[worst]) <= tolerance:
         return
     row = rows[worst].detach().double()
     closure = Closure(float(targets[worst]), float(row.sum()), float(constants[worst]),
                       float(row.abs().sum() + abs(constants[worst]) + abs(targets[worst])
-                            + magnitudes[worst]))
+                            + magnitudes[worst]), tolerance)
     node = int(chunk[worst])
     name = (f"the row of feature {int(run.feature_id[node])} (layer "
             f"{int(run.feature_layer[node])}, position {int(run.feature_position[node])})")

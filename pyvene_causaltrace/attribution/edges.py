@@ -7,7 +7,9 @@ biases) contribute is kept beside it, so ``row.sum() + constant == target`` is a
 summed (:attr:`Closure.scale`, plus for a feature row its pre-activation's terms ``sum_i |w_i
 x_i|``), not the target, which can be near zero while its terms are not. float32 rounding leaves
 ~1e-7..1e-5 of it; :data:`CLOSURE_TOLERANCE` (1e-4) is ten times the worst seen, so more means
-the forward changed in a way the graph has no node for.
+the forward changed in a way the graph has no node for. A bfloat16 graph (:mod:`.precision`)
+rounds its forward and backward to 8 bits of mantissa; its closures are checked against
+:data:`BF16_CLOSURE_TOLERANCE` instead (:func:`closure_tolerance`).
 
 :func:`feature_rows` batches gradient seeds on one forward graph (the feature leaves' gradients
 from the error leaves', :mod:`.leaf_grads`); :func:`feature_rows_loop` is the one backward per
@@ -30,7 +32,7 @@ from .targets import Target
 def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
                      batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rows [B, n_nodes], constant [B])`` from gradients on ``run.inputs()`` (leading batch
-    dim ``B`` when ``batch`` is given; ``None`` gradients are zeros), in the leaves' dtype."""
+    dim ``B`` when ``batch`` is given; ``None`` gradients are zeros), float32 at least."""
     inputs = run.inputs()
     lead = () if batch is None else (batch,)
     grads = [torch.zeros(*lead, *x.shape, dtype=x.dtype, device=x.device) if g is None else g
@@ -42,23 +44,24 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
                             len(run.embeddings))))
     feature_grads, error_grads, steer_grads, emb_grads, bias_grads = (
         grads[start:end] for start, end in zip([0, *ends], [*ends, None], strict=True))
-    parts = [(v.detach() * g) for v, g in zip(run.feature_values, feature_grads, strict=True)]
+    parts = [_wide(v) * _wide(g) for v, g in zip(run.feature_values, feature_grads, strict=True)]
     dropped = []  # bos_errors="drop": the BOS errors' edges join the constant instead
     for e, g in zip(run.errors, error_grads, strict=True):
-        edges = (e.detach() * g).sum(-1).reshape(g.shape[0], -1)
+        edges = (_wide(e) * _wide(g)).sum(-1).reshape(g.shape[0], -1)
         if run.bos_errors == "drop":
             dropped.append(edges[:, 0].clone())
             edges[:, 0] = 0
         parts.append(edges)
     for s, positions, g in zip(steering, run.steering_positions, steer_grads, strict=True):
         leaf = s.leaf.detach()
-        per_position = (leaf * g).reshape(g.shape[0], leaf.shape[0], leaf.shape[1], -1)
+        per_position = (_wide(leaf) * _wide(g)).reshape(g.shape[0], leaf.shape[0],
+                                                        leaf.shape[1], -1)
         parts.append(per_position.sum((1, 3))[:, positions.to(g.device)])
-    tokens = sum((e.detach() * g).sum(-1).reshape(g.shape[0], -1)
+    tokens = sum((_wide(e) * _wide(g)).sum(-1).reshape(g.shape[0], -1)
                  for e, g in zip(run.embeddings, emb_grads, strict=True))
     parts.append(tokens)
     rows = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
-    constant = sum((c.detach() * g).reshape(g.shape[0], -1).sum(1)
+    constant = sum((_wide(c) * _wide(g)).reshape(g.shape[0], -1).sum(1)
                    for c, g in zip([run.b_dec, *run.constants], bias_grads, strict=True))
     constant = constant + sum(dropped)
     if run.shard is not None:  # this rank's feature columns, then everyone's: the whole row
@@ -66,21 +69,39 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
     return rows, torch.as_tensor(constant, dtype=rows.dtype).reshape(-1)
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """``x`` detached, in float32 at least: a bfloat16 gradient's or leaf's edges are formed
+    and summed in float32 (:mod:`.precision`); a float32 or float64 tensor as it is."""
+    x = x.detach()
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 #: Largest closure residual a graph may have, relative to :attr:`Closure.scale` (module
 #: docstring): float32 rounding stays below a tenth of it.
 CLOSURE_TOLERANCE = 1e-4
+#: The same for a bfloat16 graph (:mod:`.precision`): ten times the worst row seen on the tiny
+#: test models and on SmolLM2 (docs/attribution.md, "Precision and determinism").
+BF16_CLOSURE_TOLERANCE = 4e-2
+
+
+def closure_tolerance(dtype: torch.dtype | None) -> float:
+    """The closure tolerance of a graph computed in ``dtype`` (None: float32's)."""
+    return BF16_CLOSURE_TOLERANCE if dtype in (torch.bfloat16, torch.float16) \
+        else CLOSURE_TOLERANCE
 
 
 @dataclass(frozen=True)
 class Closure:
     """How well a row's edges (plus constants) add up to its target: ``relative`` is the
     residual over ``scale`` (``sum |edges| + |constant| + |target|``, not ``|target|``, which can
-    be near zero), ``ok`` whether it is within :data:`CLOSURE_TOLERANCE`."""
+    be near zero), ``ok`` whether it is within ``tolerance`` (:func:`closure_tolerance` of the
+    graph's dtype)."""
 
     target: float
     edges: float
     constant: float
     scale: float = 0.0
+    tolerance: float = CLOSURE_TOLERANCE
 
     @property
     def residual(self) -> float:
@@ -93,12 +114,12 @@ class Closure:
 
     @property
     def ok(self) -> bool:
-        return self.relative <= CLOSURE_TOLERANCE
+        return self.relative <= self.tolerance
 
     def to_dict(self) -> dict:
         return {"target": self.target, "edges": self.edges, "constant": self.constant,
                 "residual": self.residual, "scale": self.scale, "relative": self.relative,
-                "tolerance": CLOSURE_TOLERANCE}
+                "tolerance": self.tolerance}
 
 
 def row_closures(rows: torch.Tensor, constants: torch.Tensor, targets: torch.Tensor,
@@ -140,8 +161,8 @@ def closure_error(what: str, closure: Closure, *, freeze: bool,
         "dropout or other randomness: put the model in eval mode (model.eval())"]
     return ClosureError(
         f"{what} does not close: residual {closure.residual:+.3g} is {closure.relative:.2e} of "
-        f"what is summed, above the tolerance {CLOSURE_TOLERANCE:g} (float32 rounding stays "
-        "below 1e-5), so the graph would credit the difference to no node: the forward holds "
+        f"what is summed, above the tolerance {closure.tolerance:g} (rounding stays below a "
+        "tenth of it), so the graph would credit the difference to no node: the forward holds "
         "something the graph cannot see (most likely a hook or edit on the model: make it a "
         "pyvene intervention so its constant becomes a steering node; a non-linear "
         "intervention; dropout in train mode); attribute(..., check_closure=False) returns it "
@@ -170,10 +191,11 @@ def target_rows(run: ReplacementRun,
             rows[i], constants[i] = group_rows[j], group_constants[j]
     rows, constants = torch.stack(rows), torch.stack(constants)
     closures = []
+    tolerance = closure_tolerance(run.compute_dtype)
     for row, constant, value in zip(rows, constants, values, strict=True):
         edges, const = float(row.double().sum()), float(constant)
         scale = float(row.double().abs().sum()) + abs(const) + abs(value)
-        closures.append(Closure(value, edges, const, scale))
+        closures.append(Closure(value, edges, const, scale, tolerance))
     return rows, constants, closures
 
 

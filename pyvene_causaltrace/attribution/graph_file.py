@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from ..atomic import replacing
 from ..errors import GraphFileError, InputError
-from .edges import Closure
+from .edges import CLOSURE_TOLERANCE, Closure
 from .store import RowStore
 
 #: The graph class (:class:`~.graph.AttributionGraph`, which imports this module).
@@ -93,7 +93,7 @@ def load_graph(path: str | Path, cls: type[G]) -> G:
     if not c.scale:  # written before the scale was kept: the logit row's
         logit_row = int(graph.rows.row_of_node(lay.n_nodes)[graph.logit_node])
         scale = float(graph.rows.abs_sums()[logit_row]) + abs(c.constant) + abs(c.target)
-        graph.closure = Closure(c.target, c.edges, c.constant, scale)
+        graph.closure = Closure(c.target, c.edges, c.constant, scale, c.tolerance)
     return graph
 
 
@@ -117,6 +117,7 @@ def _from_file(cls: type[G], meta: dict, tensors: dict[str, torch.Tensor]) -> G:
                n_layers=header["n_layers"], **{name: tensors[name] for name in FEATURE_TENSORS},
                rows=RowStore.from_state(header["n_columns"], tensors,
                                         n_logits=max(1, len(targets))),
-               closure=Closure(c["target"], c["edges"], c["constant"], c.get("scale", 0.0)),
+               closure=Closure(c["target"], c["edges"], c["constant"], c.get("scale", 0.0),
+                               c.get("tolerance", CLOSURE_TOLERANCE)),
                metadata=header["metadata"], steering=header.get("steering", []),
                targets=targets)

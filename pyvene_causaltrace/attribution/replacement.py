@@ -86,6 +86,9 @@ class ReplacementRun:
     #: (``features`` and ``feature_values`` are this rank's, the ``feature_*``, ``activation``
     #: and ``encoder_rows`` the whole graph's, :mod:`.sharded`).
     shard: FeatureShard | None = None
+    #: The dtype the forward ran in (:mod:`.precision`; None: the model's, float32's closure
+    #: tolerance).
+    compute_dtype: torch.dtype | None = None
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)
     feature_id: torch.Tensor = field(init=False)

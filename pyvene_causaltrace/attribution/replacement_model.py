@@ -31,6 +31,8 @@ from ..models import model_name
 from ..prompts import bos_metadata, first_position, tokenizer_adds_bos
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, check_forward_fits
+from .precision import compute_dtype as dtype_for
+from .precision import precision
 from .replacement import ReplacementRun, check_batch, replacement_forward, state_module
 from .settings import BOS_ERRORS, AttributionSettings
 from .targets import Target, make_targets
@@ -155,21 +157,26 @@ class ReplacementModel:
 
     def run(self, input_ids: torch.Tensor, *, freeze: bool = _DEFAULT.freeze,
             from_position: int | None = None, states: Sequence[str] = (),
-            bos_errors: str = _DEFAULT.bos_errors) -> ReplacementRun:
+            bos_errors: str = _DEFAULT.bos_errors,
+            compute_dtype: str | None = _DEFAULT.compute_dtype) -> ReplacementRun:
         """One forward of the local replacement model
         (:func:`~.replacement.run_local_replacement`, without checking the fit again), spliced
         from ``from_position`` (default :attr:`from_position`, the ``bos`` rule's), keeping
         the residual ``states`` a direction target reads; ``bos_errors="drop"`` makes the
         position-0 errors constants instead of nodes — only where position 0 is BOS (not
-        spliced): elsewhere they are what the dictionary misses of a real token."""
+        spliced): elsewhere they are what the dictionary misses of a real token. ``compute_dtype``
+        (:data:`~.precision.DTYPES`; None: the model's) is the forward's (:mod:`.precision`)."""
         check_batch(input_ids)
         if bos_errors not in BOS_ERRORS:
             raise InputError(f"bos_errors must be 'keep' or 'drop', got {bos_errors!r}")
         from_position = self.from_position if from_position is None else from_position
         self.check_bos_errors(bos_errors, from_position)
-        run = replacement_forward(self.bound, self.transcoder, input_ids,
-                                  freeze=freeze, from_position=from_position, states=states)
-        run.bos_errors = bos_errors
+        model_dtype = next(self.model.parameters()).dtype
+        wanted = dtype_for(model_dtype, compute_dtype)
+        with precision(self.device, model_dtype, wanted):
+            run = replacement_forward(self.bound, self.transcoder, input_ids,
+                                      freeze=freeze, from_position=from_position, states=states)
+        run.bos_errors, run.compute_dtype = bos_errors, wanted
         return run
 
     def check_bos_errors(self, bos_errors: str, from_position: int | None = None) -> None:

@@ -31,6 +31,8 @@ from ..defaults import (
     GRAPH_BOS_ERRORS,
     GRAPH_CHECK_CLOSURE,
     GRAPH_DESIRED_LOGIT_PROB,
+    GRAPH_DETERMINISTIC,
+    GRAPH_DTYPE,
     GRAPH_FREEZE,
     GRAPH_K,
     GRAPH_LOOP,
@@ -43,6 +45,7 @@ from ..defaults import (
 )
 from ..errors import InputError
 from ..prompts import check_bos_mode
+from .precision import dtype_name
 from .targets import TARGET_KINDS, Target
 
 __all__ = ["BOS_ERRORS", "AttributionSettings", "FaithfulnessSettings", "ReadingSettings"]
@@ -68,11 +71,17 @@ class AttributionSettings(Settings):
     rows); ``batch_size`` fixes the rows per backward (``None``: as many as fit, at most
     ``max_batch`` or :data:`~.budget.DEFAULT_MAX_BATCH`); ``update_interval`` batches between
     rankings. ``freeze`` the attention patterns and norm scales, ``loop`` one backward per node
-    (the reference), ``check_closure`` refuse a row that does not close.
+    (the reference), ``check_closure`` refuse a row that does not close. ``compute_dtype``: the
+    replacement forward's and backward's, ``"float32"``, ``"bfloat16"`` (or the torch dtype;
+    on a float32 model under autocast, float32 sums where edges and closure need them,
+    :mod:`.precision`) or ``None`` (the model's); ``deterministic``: two runs bit-identical
+    (torch's deterministic algorithms on for the call,
+    :func:`~.precision.deterministic_algorithms`).
 
     Refused when made (:class:`~..errors.InputError`): a value its annotation does not admit, an
     unknown target kind, ``other`` missing for or given without ``"difference"``, salient-logit
-    settings beside a difference or direction, an unknown ``bos_errors`` or ``bos``."""
+    settings beside a difference or direction, an unknown ``bos_errors`` or ``bos``, a
+    ``compute_dtype`` not in :data:`~.precision.DTYPES`."""
 
     target: str | Target | torch.Tensor = GRAPH_TARGET
     other: str | None = None
@@ -93,9 +102,13 @@ class AttributionSettings(Settings):
     freeze: bool = GRAPH_FREEZE
     loop: bool = GRAPH_LOOP
     check_closure: bool = GRAPH_CHECK_CLOSURE
+    compute_dtype: str | torch.dtype | None = GRAPH_DTYPE
+    deterministic: bool = GRAPH_DETERMINISTIC
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # a name, as JSON and the flag hold it
+        object.__setattr__(self, "compute_dtype", dtype_name(self.compute_dtype))
         if self.bos_errors not in BOS_ERRORS:
             raise InputError(f"bos_errors must be one of {', '.join(BOS_ERRORS)}, got "
                              f"{self.bos_errors!r}")

@@ -45,7 +45,7 @@ ROWS_PARTIAL = "rows.partial"
 #: tests/test_settings_once.py checks each against its field.
 ATTRIBUTION_FLAGS = {name: name for name in (
     "target", "other", "k", "max_n_logits", "desired_logit_prob", "bos_errors", "bos",
-    "memory_mb", "max_feature_nodes")}
+    "memory_mb", "max_feature_nodes", "deterministic")} | {"dtype": "compute_dtype"}
 READING_FLAGS = {"node_threshold": "node_threshold", "edge_threshold": "edge_threshold",
                  "max_links": "max_links"}
 CROSS_CHECK_FLAGS = {"check_window": "window", "check_features": "top_n",
@@ -53,7 +53,7 @@ CROSS_CHECK_FLAGS = {"check_window": "window", "check_features": "top_n",
 CROSS_CHECK_TRACE_FLAGS = {"seeds": "seeds", "scale": "scale"}
 #: The flags whose ``None`` default leaves the setting to the spec, then to its field.
 _UNSET_IS_DEFAULT = ("max_n_logits", "desired_logit_prob", "bos_errors", "bos", "memory_mb",
-                     "max_feature_nodes")
+                     "max_feature_nodes", "dtype")
 #: The ablation test ``--validate`` runs.
 VALIDATE = {"sizes": [5, 10, 20], "draws": 10}
 

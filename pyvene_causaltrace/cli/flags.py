@@ -39,7 +39,7 @@ _TRACE_FLAGS = "prompt subject answer kind seeds scale sigma window"
 FAITHFULNESS = ("counterfactual reference foil sizes level rank_by ablation errors metric draws "
                 "seed circuits_per_forward")
 _ATTRIBUTE_COMMON = ("plugins model clt format target other k max_n_logits desired_logit_prob "
-                     "bos_errors bos memory_mb max_feature_nodes out")
+                     "bos_errors bos memory_mb max_feature_nodes dtype deterministic out")
 _ATTRIBUTE_ONE = ("labels direction node_threshold edge_threshold max_links validate heads "
                   "split cross_check subject seeds scale check_features check_window "
                   "check_modes faithfulness " + FAITHFULNESS)

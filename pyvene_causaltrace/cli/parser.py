@@ -288,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--max-feature-nodes", type=POSITIVE_INT, default=None,
                        help="compute rows for at most this many features, the most "
                             "influential (default: every feature whose row fits --memory-mb)")
+    graph.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                       help="the replacement forward's and backward's dtype: bfloat16 on a "
+                            "float32 model runs under autocast, its closures held to a bfloat16 "
+                            "tolerance (docs/attribution.md, 'Precision and determinism') "
+                            "(default: the model's dtype)")
+    graph.add_argument("--deterministic", action="store_true",
+                       help="two runs bit-identical: torch's deterministic algorithms on (on "
+                            "CUDA slower; docs/attribution.md)")
     graph.add_argument("--node-threshold", type=FRACTION, default=NODE_THRESHOLD,
                        help="pruning: keep the nodes carrying this share of the cumulative "
                             f"influence (default {NODE_THRESHOLD:g})")
