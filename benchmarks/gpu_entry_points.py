@@ -6,10 +6,9 @@ error (type and message) and its seconds; the exit status is 1 if any failed.
 The model is a random-init Llama-3.2-1B shape (float32), saved once with a BPE tokenizer trained
 on known_1000's facts (no network); the transcoder a random CLT of 16 x 128 features calibrated
 to fire about 8 features per position, saved in the mntss layout. Both are loaded back through
-the public loaders onto the device. The command-line interface has no device option (every
-command loads its model and transcoder onto the CPU): here the commands run in this process with
-``load_model`` and ``load_transcoder`` placing what they load on ``--device``, so their code runs
-on the device as the API's does. Sizes the defaults would make long (the fit's texts and steps,
+the public loaders onto the device. The commands run in this process, each given ``--device``
+(every command that loads a model or a transcoder takes it), so their code runs on the device as
+the API's does. Sizes the defaults would make long (the fit's texts and steps,
 the dataset's facts) are cut; every device-relevant setting is the default.
 
     python benchmarks/gpu_entry_points.py --out entry_points.json       # on a CUDA machine
@@ -36,17 +35,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from synthetic_clt import SHAPES, known_facts_tokenizer, synthetic_clt_for  # noqa: E402
 
 import pyvene_causaltrace as pvct  # noqa: E402
-from pyvene_causaltrace import cli, fitting  # noqa: E402
+from pyvene_causaltrace import cli  # noqa: E402
 from pyvene_causaltrace.attribution import (  # noqa: E402
     attention_annotations,
     head_loadings,
     qk_attribution,
 )
 from pyvene_causaltrace.bound import bind  # noqa: E402
-from pyvene_causaltrace.cli import attribute as cli_attribute  # noqa: E402
-from pyvene_causaltrace.cli import dataset as cli_dataset  # noqa: E402
-from pyvene_causaltrace.cli import steer as cli_steer  # noqa: E402
-from pyvene_causaltrace.cli import trace as cli_trace  # noqa: E402
 from pyvene_causaltrace.dataset import FactRecord  # noqa: E402
 from pyvene_causaltrace.errors import InputError  # noqa: E402
 from pyvene_causaltrace.tracing import tracer_from_spec  # noqa: E402
@@ -80,30 +75,6 @@ def build(work: Path, shape: str, features: int, device: str) -> tuple[Path, Pat
     model.to(torch.bfloat16).save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
     return work / "model", work / "clt"
-
-
-def on_device(load, device):
-    @functools.wraps(load)
-    def placed(*args, **kwargs):
-        kwargs.setdefault("device", device)
-        return load(*args, **kwargs)
-    return placed
-
-
-@contextlib.contextmanager
-def cli_on(device: str):
-    """The CLI's loaders put what they load on ``device`` (it has no flag for it)."""
-    saved = []
-    for module in (cli_attribute, cli_dataset, cli_steer, cli_trace, fitting):
-        for name in ("load_model", "load_transcoder"):
-            if hasattr(module, name):
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, on_device(getattr(module, name), device))
-    try:
-        yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 def command(argv, verdicts: tuple[int, ...] = (0,)) -> None:
@@ -256,8 +227,10 @@ def main() -> int:
     }
     log = args.out.with_suffix(".log")  # what the commands print
     for name, argv in cli_calls.items():
+        if argv[0] not in ("aggregate", "interventions"):  # those load no model
+            argv = (*argv, "--device", args.device)
         # clt-check exits 1 when the transcoder is not paired (a random one is not)
-        calls[name] = functools.partial(_cli, argv, args.device, log,
+        calls[name] = functools.partial(_cli, argv, log,
                                         (0, 1) if argv[0] == "clt-check" else (0,))
 
     results = {}
@@ -290,8 +263,8 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def _cli(argv, device: str, log: Path, verdicts: tuple[int, ...]) -> None:
-    with cli_on(device), log.open("a") as out, contextlib.redirect_stdout(out), \
+def _cli(argv, log: Path, verdicts: tuple[int, ...]) -> None:
+    with log.open("a") as out, contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(out):
         print(f"$ pyvene-causaltrace {' '.join(map(str, argv))}", flush=True)
         command(argv, verdicts)

@@ -67,6 +67,10 @@ STEER_HOLD_ERRORS = True
 STEER_FREEZE_ATTENTION = False
 STEER_TOP_K = 10
 
+#: Where the command line loads the model and the transcoder (``--device``): ``"cpu"``,
+#: ``"cuda"``, ``"cuda:N"``, ``"mps"`` or ``"auto"`` (CUDA when available, else the CPU).
+DEVICE = "cpu"
+
 #: How position 0 is treated (:data:`~pyvene_causaltrace.prompts.BOS_MODES`): as BOS only when
 #: the tokenizer prepends one. For attribution graphs, steering, transcoder fits and checks.
 BOS = "auto"

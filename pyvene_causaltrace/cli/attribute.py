@@ -29,7 +29,7 @@ from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer
 from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
-from .common import fact_default, number_or_name, out_dir, settings_of
+from .common import fact_default, number_or_name, out_dir, resolve_device, settings_of
 from .evaluate import faithfulness_settings, run_faithfulness
 
 #: The attribution settings a spec may hold that are also flags: given both ways, refused.
@@ -217,6 +217,7 @@ def read_direction(entry: dict) -> object:
 def attribute_command(args) -> int:
     distributed.environment()  # first: a wrong WORLD_SIZE/RANK/... is named at once
     out_dir(args.out)
+    device = resolve_device(args.device)
     request = attribute_request(args)
     if request.labels is not None:  # its form now, before anything loads
         read_labels(request.labels)
@@ -225,7 +226,7 @@ def attribute_command(args) -> int:
         raise InputError("--split spreads a graph over the ranks of a torchrun: one process "
                          "does not read it; drop it (or run under torchrun)")
     if args.prompts is not None:
-        return _many_command(args, request)
+        return _many_command(args, request, device)
     sharded = ranks is not None and args.split == "features"
     faith = faithfulness_settings(args) if args.faithfulness else None
     if sharded and (request.validate or request.cross_check is not None or args.heads
@@ -234,11 +235,11 @@ def attribute_command(args) -> int:
                          "transcoder: with "
                          "more than one rank pass --split rows (the transcoder whole on "
                          "every rank)")
-    transcoder = load_transcoder(request.transcoder, format=request.format,
+    transcoder = load_transcoder(request.transcoder, format=request.format, device=device,
                                  **({"shard": (ranks.rank, ranks.world)} if sharded else {}))
     labels = None if request.labels is None else read_labels(
         request.labels, n_layers=transcoder.n_layers, n_features=transcoder.cfg.d_transcoder)
-    model, tokenizer = load_model(request.model or OFFLINE_DEFAULT)
+    model, tokenizer = load_model(request.model or OFFLINE_DEFAULT, device=device)
     tracer = None
     checking = request.cross_check
     if checking is not None:  # before the graph: a subject the tokens split is refused now
@@ -262,7 +263,7 @@ def attribute_command(args) -> int:
     return 0
 
 
-def _many_command(args, request: AttributeRequest) -> int:
+def _many_command(args, request: AttributeRequest, device: str) -> int:
     """``attribute --prompts FILE``: one graph per prompt, spread over the ranks."""
     prompts = read_prompts(args.prompts)  # checked before anything loads (--cross-check,
     settings = request.attribution  # --validate and the like: refused by .flags)
@@ -277,8 +278,8 @@ def _many_command(args, request: AttributeRequest) -> int:
             all((p["target"] or settings.target) != "demeaned" for p in prompts):
         raise InputError("--k sets the top-k logits of a demeaned target; no prompt of "
                          f"{args.prompts} has one: drop it")
-    transcoder = load_transcoder(request.transcoder, format=request.format)
-    model, tokenizer = load_model(request.model or OFFLINE_DEFAULT)
+    transcoder = load_transcoder(request.transcoder, format=request.format, device=device)
+    model, tokenizer = load_model(request.model or OFFLINE_DEFAULT, device=device)
     index = attribute_many(model, tokenizer, transcoder, prompts, args.out, settings=settings,
                            progress=True)
     if index is not None:
@@ -398,11 +399,12 @@ def read_texts(path: Path, limit: int) -> list[str]:
 
 def clt_check_command(args) -> int:
     out_dir(args.out)
+    device = resolve_device(args.device)
     if not args.prompt:
         raise InputError("--prompt is empty")
     texts = read_texts(args.data, args.limit)
-    transcoder = load_transcoder(args.clt, format=args.format)
-    model, tokenizer = load_model(args.model)
+    transcoder = load_transcoder(args.clt, format=args.format, device=device)
+    model, tokenizer = load_model(args.model, device=device)
     pairing = check_pairing(model, tokenizer, transcoder, texts, bos=args.bos)
     print(pairing.verdict())
     print("FVU per layer: " + " ".join(f"{v:.3f}" for v in pairing.fvu_per_layer))

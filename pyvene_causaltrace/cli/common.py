@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 from typing import TypeVar
@@ -15,6 +16,47 @@ EIFFEL = {
     "subject": "The Eiffel Tower",
     "answer": " Paris",
 }
+
+
+#: ``--device``'s values: the CPU, CUDA (the current device, or device N), Apple's MPS, or
+#: ``auto`` (CUDA when available, else the CPU).
+DEVICE_FORM = re.compile(r"^(cpu|cuda(:\d+)?|mps|auto)$")
+DEVICE_CHOICES = "cpu, cuda, cuda:N, mps or auto"
+
+
+def device_flag(text: str) -> str:
+    """``--device``'s argparse converter: the form only (the parser imports no torch; whether
+    the device exists is :func:`resolve_device`'s, in the handler)."""
+    if DEVICE_FORM.match(text.strip()) is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected {DEVICE_CHOICES}")
+    return text.strip()
+
+
+device_flag.example = "cpu"  # type: ignore[attr-defined]  # a value it takes (tests)
+
+
+def resolve_device(name: str) -> str:
+    """``--device`` as the loaders take it (``auto``: ``cuda`` when available, else ``cpu``);
+    a device this machine lacks is refused (:class:`InputError` naming ``--device``) before
+    anything loads, rather than as torch's error halfway through a load."""
+    import torch  # the handler's, not the parser's: --help imports no torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise InputError(f"--device {name}: no CUDA device on this machine "
+                             "(torch.cuda.is_available() is False); use --device cpu or auto")
+        index = int(name.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise InputError(f"--device {name}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                             f"cuda:{torch.cuda.device_count() - 1}")
+    if name == "mps" and not (hasattr(torch.backends, "mps")
+                              and torch.backends.mps.is_available()):
+        raise InputError("--device mps: MPS is not available on this machine; use --device cpu "
+                         "or auto")
+    return name
 
 
 def fact_default(key: str, prompt: str | None, given: str | None) -> str | None:

@@ -26,7 +26,7 @@ from ..dataset.store import check_run_directory
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
 from ..transcoders import load_transcoder
-from .common import number_or_name, out_dir, settings_of
+from .common import number_or_name, out_dir, resolve_device, settings_of
 
 
 def graph_settings(args) -> GraphSettings | None:
@@ -62,6 +62,7 @@ def dataset_settings(args, default_known: str) -> DatasetSettings:
 def dataset_command(args) -> int:
     launch = distributed.environment()  # first: a wrong WORLD_SIZE/RANK/... is named at once
     out_dir(args.out)
+    device = resolve_device(args.device)
     if args.task:
         task = get_task(args.task)
         records, errors, default_known = list(task.records), [], task.known
@@ -76,12 +77,13 @@ def dataset_command(args) -> int:
     check_run_directory(run_path(args.out, shard))
     # the transcoder's files are read before the model loads: a wrong --clt costs no model load
     options = {} if graphs is None else {
-        "transcoder": load_transcoder(args.clt, format=args.format), "graph_options": graphs}
+        "transcoder": load_transcoder(args.clt, format=args.format, device=device),
+        "graph_options": graphs}
     for error in errors[:10]:
         print(f"skipping malformed record {error}", file=sys.stderr)
     if len(errors) > 10:
         print(f"... and {len(errors) - 10} more malformed records", file=sys.stderr)
-    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT, device=device)
     result = trace_dataset_distributed(model, tokenizer, records, out=args.out, errors=errors,
                                        settings=settings, progress=not args.no_progress,
                                        **options)

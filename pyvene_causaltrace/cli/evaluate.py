@@ -12,7 +12,7 @@ from ..attribution.settings import FaithfulnessSettings
 from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
 from ..transcoders import load_transcoder
-from .common import out_dir, settings_of
+from .common import out_dir, resolve_device, settings_of
 
 #: The flags that are FaithfulnessSettings' fields, ``{argparse dest: field}``.
 FAITHFULNESS_FLAGS = {"sizes": "sizes", "level": "level", "rank_by": "rank_by",
@@ -64,8 +64,9 @@ def run_faithfulness(args, settings: FaithfulnessSettings, model, tokenizer, tra
 def evaluate_command(args) -> int:
     settings = faithfulness_settings(args)  # refused before anything loads
     out = out_dir(args.out)
+    device = resolve_device(args.device)
     graph = AttributionGraph.load(args.graph)
-    transcoder = load_transcoder(args.clt, format=args.format)
-    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+    transcoder = load_transcoder(args.clt, format=args.format, device=device)
+    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT, device=device)
     run_faithfulness(args, settings, model, tokenizer, transcoder, graph, out)
     return 0

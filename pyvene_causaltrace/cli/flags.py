@@ -34,16 +34,17 @@ def _mode(name, selects, flags: str, example: str, why: str = "") -> Mode:
     return Mode(name, selects, frozenset(flags.split()), why, tuple(example.split()))
 
 
-_TRACE_SPEC = "plugins spec model out budget_mb controls no_progress"
+_TRACE_SPEC = "plugins spec model device out budget_mb controls no_progress"
 _TRACE_FLAGS = "prompt subject answer kind seeds scale sigma window"
 FAITHFULNESS = ("counterfactual reference foil sizes level rank_by ablation errors metric draws "
                 "seed circuits_per_forward")
-_ATTRIBUTE_COMMON = ("plugins model clt format target other k max_n_logits desired_logit_prob "
-                     "bos_errors bos memory_mb max_feature_nodes dtype deterministic out")
+_ATTRIBUTE_COMMON = ("plugins model device clt format target other k max_n_logits "
+                     "desired_logit_prob bos_errors bos memory_mb max_feature_nodes dtype "
+                     "deterministic out")
 _ATTRIBUTE_ONE = ("labels direction node_threshold edge_threshold max_links validate heads "
                   "split cross_check subject seeds scale check_features check_window "
                   "check_modes faithfulness " + FAITHFULNESS)
-_STEER_COMMON = "plugins model clt format max_new_tokens memory_mb no_progress top_k out"
+_STEER_COMMON = "plugins model device clt format max_new_tokens memory_mb no_progress top_k out"
 
 #: command -> its modes, the first whose ``selects`` flag is given first (the default last).
 MODES: dict[str, tuple[Mode, ...]] = {
@@ -52,14 +53,14 @@ MODES: dict[str, tuple[Mode, ...]] = {
               "the spec gives the prompt, subject, answer, kind and noise settings"),
         _mode("trace", None, f"{_TRACE_SPEC} {_TRACE_FLAGS}", ""),
     ),
-    "run": (_mode("run", None, "plugins spec model out", "s.json"),),
-    "validate": (_mode("validate", None, "plugins specs model", "s.json"),),
+    "run": (_mode("run", None, "plugins spec model device out", "s.json"),),
+    "validate": (_mode("validate", None, "plugins specs model device", "s.json"),),
     "interventions": (_mode("interventions", None, "plugins", ""),),
     "clt-check": (_mode("clt-check", None,
-                        "model clt format data limit prompt answer out bos",
+                        "model device clt format data limit prompt answer out bos",
                         "--clt c --data d.txt"),),
     "dataset": (_mode("dataset", None,
-                      "data task model limit kinds seeds scale sigma window known budget_mb "
+                      "data task model device limit kinds seeds scale sigma window known budget_mb "
                       "boot no_progress graphs clt format max_feature_nodes graph_memory_mb "
                       "bos save_graphs out", "--data d.json --out o"),),
     "aggregate": (_mode("aggregate", None, "out boot", "o"),),
@@ -75,7 +76,7 @@ MODES: dict[str, tuple[Mode, ...]] = {
               f"{_ATTRIBUTE_COMMON} {_ATTRIBUTE_ONE} prompt answer", "--out o"),
     ),
     "fit": (_mode("fit", None,
-                  "model quality kind features activation k steps lr data texts seed out "
+                  "model device quality kind features activation k steps lr data texts seed out "
                   "refit no_progress", ""),),
     "steer": (
         _mode("steer --spec FILE", "spec", f"{_STEER_COMMON} spec", "--spec s.json",
@@ -85,12 +86,13 @@ MODES: dict[str, tuple[Mode, ...]] = {
               f"{_STEER_COMMON} prompt set no_hold_errors freeze_attention bos", ""),
     ),
     "serve": (_mode("serve", None, "dir port no_open", "d"),),
-    "evaluate": (_mode("evaluate", None, f"graph model clt format out {FAITHFULNESS}",
+    "evaluate": (_mode("evaluate", None, f"graph model device clt format out {FAITHFULNESS}",
                        "g.safetensors --clt c"),),
 }
 
 #: command -> {flag: (the flag it needs, what that flag does)}: read only beside it.
 NEEDS: dict[str, dict[str, tuple[str, str]]] = {
+    "validate": {"device": ("model", "add --model to check the specs on a model there")},
     "dataset": {name: ("graphs", "add --graphs to build each fact's attribution graph")
                 for name in ("clt", "format", "max_feature_nodes", "graph_memory_mb", "bos",
                              "save_graphs")},

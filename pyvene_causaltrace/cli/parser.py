@@ -24,6 +24,7 @@ from ..defaults import (
     CROSS_CHECK_WINDOW,
     DATASET_KINDS,
     DATASET_SEEDS,
+    DEVICE,
     EDGE_THRESHOLD,
     FAITH_ABLATION,
     FAITH_BATCH,
@@ -52,7 +53,7 @@ from ..defaults import (
     TRACE_SEEDS,
     WINDOW,
 )
-from .common import EIFFEL
+from .common import DEVICE_CHOICES, EIFFEL, device_flag
 
 # Every typed flag reads through the package's argument rules (arguments.flag): argparse then
 # names the flag in its one error: line, and a flag cannot take a value the API refuses.
@@ -77,6 +78,9 @@ _PROGRESS_HELP = "no progress bar (tqdm, on stderr)"
 _SIGMA_HELP = f"rome | embedding_matrix | a number (default {SIGMA})"
 _BUDGET_HELP = f"memory budget for one batch of rows (default {TRACE_MEMORY_MB:g})"
 _BOOT_HELP = f"bootstrap resamples (default {N_BOOT})"
+_DEVICE_HELP = (f"where the model and the transcoder load and run: {DEVICE_CHOICES} (auto: "
+                f"CUDA when available, else the CPU); a device this machine lacks is refused "
+                f"before anything loads (default {DEVICE})")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,6 +90,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         command = self.prog.removeprefix("pyvene-causaltrace").strip()
         self.exit(2, f"error: {command + ': ' if command else ''}{message} (see --help)\n")
+
+
+def _device(parser: argparse.ArgumentParser, help: str = _DEVICE_HELP) -> None:
+    """``--device``, for every command that loads a model or a transcoder."""
+    parser.add_argument("--device", type=device_flag, default=DEVICE, help=help)
 
 
 def _faithfulness_flags(parser: argparse.ArgumentParser) -> None:
@@ -139,9 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="causal trace: noise the subject, restore every (layer, position) cell")
     trace.add_argument("--spec", type=Path, default=None,
                        help="a trace spec (intervention_specs/trace_*.json); with it only "
-                            "--model/--out/--budget-mb/--controls/--no-progress apply (the "
-                            "others are refused)")
+                            "--model/--device/--out/--budget-mb/--controls/--no-progress apply "
+                            "(the others are refused)")
     trace.add_argument("--model", default=None, help=_MODEL_HELP)
+    _device(trace)
     trace.add_argument("--prompt", type=TEXT, default=EIFFEL["prompt"])
     trace.add_argument("--subject", type=TEXT, default=EIFFEL["subject"])
     trace.add_argument("--answer", type=TEXT, default=None,
@@ -170,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                               help="run a JSON spec and print its probabilities")
     run.add_argument("spec", type=Path)
     run.add_argument("--model", default=None, help="overrides the spec's model")
+    _device(run)
     run.add_argument("--out", type=Path, default=None, help="write result.json here")
 
     validate = commands.add_parser(
@@ -179,10 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("specs", type=Path, nargs="+")
     validate.add_argument("--model", default=None,
                           help="also resolve each spec on this model, without running it")
+    _device(validate, "with --model: " + _DEVICE_HELP)
 
     check = commands.add_parser(
         "clt-check", help="pairing check and replacement-model anchor of a CLT on a model")
     check.add_argument("--model", default="smollm2-135m")
+    _device(check)
     check.add_argument("--clt", required=True, help=_TRANSCODER_HELP)
     check.add_argument("--format", default=None, help=_FORMAT_HELP)
     check.add_argument("--data", type=Path, required=True,
@@ -203,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "attribute}")
     source.add_argument("--task", help="a built-in task: agreement | retrieval | arithmetic")
     data.add_argument("--model", default=None, help=_MODEL_HELP)
+    _device(data)
     data.add_argument("--limit", type=POSITIVE_INT, default=None,
                       help="facts to trace (after the screen)")
     data.add_argument("--kinds", default=",".join(DATASET_KINDS),
@@ -251,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "the flags given override it, but --prompt and --answer (and a "
                             "setting it holds, e.g. --node-threshold) are refused")
     graph.add_argument("--model", default=None, help=_MODEL_HELP)
+    _device(graph)
     graph.add_argument("--clt", default=None, help=_TRANSCODER_HELP)
     graph.add_argument("--format", default=None, help=_FORMAT_HELP)
     graph.add_argument("--labels", type=Path, default=None,
@@ -364,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "<model>-<kind>-<features>[-top<k>]")
     fit.add_argument("--model", default=None,
                      help="a local model directory or a hub id (default: smollm2-135m, bundled)")
+    _device(fit)
     fit.add_argument("--kind", default=None, choices=("skip_plt", "plt", "clt"),
                      help="skip_plt: per-layer with a skip path (default); plt: per-layer; "
                           "clt: cross-layer")
@@ -408,9 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
              "greedy continuation with the features held")
     steer.add_argument("--spec", type=Path, default=None,
                        help="a steering spec (intervention_specs/feature_steering.json: "
-                            "clt_splice with error, feature_ablate with value); --model/--clt/"
-                            "--max-new-tokens/--out apply to it")
+                            "clt_splice with error, feature_ablate with value); --model/--device/"
+                            "--clt/--max-new-tokens/--out apply to it")
     steer.add_argument("--model", default=None, help=_MODEL_HELP)
+    _device(steer)
     steer.add_argument("--clt", default=None, help=_TRANSCODER_HELP)
     steer.add_argument("--format", default=None, help=_FORMAT_HELP)
     steer.add_argument("--prompt", type=TEXT, default=None, help=f"default: {EIFFEL['prompt']!r}")
@@ -445,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(docs/attribution.md, 'Faithfulness')")
     evaluate.add_argument("graph", type=Path, help="a graph.safetensors written by attribute")
     evaluate.add_argument("--model", default=None, help=_MODEL_HELP)
+    _device(evaluate)
     evaluate.add_argument("--clt", required=True, help=_TRANSCODER_HELP)
     evaluate.add_argument("--format", default=None, help=_FORMAT_HELP)
     _faithfulness_flags(evaluate)

@@ -20,7 +20,7 @@ from ..models import OFFLINE_DEFAULT, load_model
 from ..specs import load_spec
 from ..steering import SteeringSettings, intervene_features
 from ..transcoders import load_transcoder
-from .common import EIFFEL, out_dir, settings_of
+from .common import EIFFEL, out_dir, resolve_device, settings_of
 
 _SET = re.compile(r"^(-?\d+):(-?\d+|all):(-?\d+)=(.+)$")
 _SET_FORM = "LAYER:POS:FEATURE=VALUE (POS an integer or 'all'), e.g. 20:-1:1234=10"
@@ -136,9 +136,10 @@ def steer_request(args) -> SteerRequest:
 
 def steer_command(args) -> int:
     out_dir(args.out)
+    device = resolve_device(args.device)
     request = steer_request(args)
-    transcoder = load_transcoder(request.transcoder, format=args.format)
-    model, tokenizer = load_model(request.model or OFFLINE_DEFAULT)
+    transcoder = load_transcoder(request.transcoder, format=args.format, device=device)
+    model, tokenizer = load_model(request.model or OFFLINE_DEFAULT, device=device)
     result = intervene_features(model, tokenizer, transcoder, request.prompt, request.items,
                                 settings=request.settings,
                                 progress=False if args.no_progress else None)

@@ -13,19 +13,20 @@ from ..specs import load_spec
 from ..tracing.engine import get_kind
 from ..tracing.settings import TraceSettings
 from ..tracing.tracer import Tracer, tracer_from_spec
-from .common import fact_default, number_or_name, out_dir, settings_of
+from .common import fact_default, number_or_name, out_dir, resolve_device, settings_of
 
 
 def trace_command(args) -> int:
     out_dir(args.out)
+    device = resolve_device(args.device)
     if args.spec is not None:
         return trace_spec(args.spec, args.model, args.out, args.budget_mb, args.controls,
-                          progress=not args.no_progress)
+                          progress=not args.no_progress, device=device)
     kinds = [k.strip() for k in args.kind.split(",")]
     for kind in kinds:  # every flag before the model loads
         get_kind(kind)
     settings = trace_settings(args)
-    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT)
+    model, tokenizer = load_model(args.model or OFFLINE_DEFAULT, device=device)
     tracer = Tracer(model, tokenizer, args.prompt, args.subject,
                     answer=fact_default("answer", args.prompt, args.answer), settings=settings)
     return report_traces(tracer, kinds, settings.window, args.out, args.controls,
@@ -48,9 +49,9 @@ def trace_settings(args) -> TraceSettings:
 
 
 def trace_spec(path: Path, model_name: str | None, out: Path | None, budget_mb: float,
-               controls: bool, *, progress: bool = True) -> int:
+               controls: bool, *, device: str, progress: bool = True) -> int:
     spec = load_spec(path)
-    model, tokenizer = load_model(model_name or spec.model or OFFLINE_DEFAULT)
+    model, tokenizer = load_model(model_name or spec.model or OFFLINE_DEFAULT, device=device)
     tracer = tracer_from_spec(spec, model, tokenizer, memory_budget_mb=budget_mb)
     window = spec.trace.get("window", TraceSettings.window)
     return report_traces(tracer, [spec.trace["kind"]], window, out, controls, progress=progress)
@@ -84,14 +85,15 @@ def report_traces(tracer, kinds: list[str], window: int, out: Path | None,
 
 def run_command(args) -> int:
     out_dir(args.out)
+    device = resolve_device(args.device)
     spec = load_spec(args.spec)
     if spec.trace is not None:
         return trace_spec(args.spec, args.model, args.out, budget_mb=TraceSettings.memory_budget_mb,
-                          controls=False)
+                          controls=False, device=device)
     if spec.attribution is not None:
         raise InputError(f"{args.spec} is an attribution spec: run "
                          f"pyvene-causaltrace attribute --spec {args.spec} --out DIR")
-    model, tokenizer = load_model(args.model or spec.model or OFFLINE_DEFAULT)
+    model, tokenizer = load_model(args.model or spec.model or OFFLINE_DEFAULT, device=device)
     result = run_spec(spec, model, tokenizer)
     print(result.summary())
     if args.out:
@@ -102,7 +104,8 @@ def run_command(args) -> int:
 
 
 def validate_command(args) -> int:
-    loaded = None if args.model is None else load_model(args.model)
+    loaded = None if args.model is None else load_model(
+        args.model, device=resolve_device(args.device))
     failed = 0
     for path in args.specs:
         try:
