@@ -19,8 +19,8 @@ The rules, one per annotation (nothing is coerced):
   string (not consumed); ``Callable``: callable; ``Literal[...]``: one of the values (``True``
   is not ``1``); ``X | Y``: either.
 - Annotated constraints: :class:`Range` (``PositiveInt``, ``NonNegativeInt``, ``Seed``,
-  ``PositiveFloat``, ``Fraction``, ``MemoryMB``) and :data:`NONBLANK` (``Text``: not empty or
-  whitespace).
+  ``PositiveFloat``, ``Fraction``, ``MemoryMB``), :data:`NONBLANK` (``Text``: not empty or
+  whitespace) and :class:`Pattern` (text matching a regular expression whole).
 - A class: an instance of it; :class:`~.bound.BoundModel` also takes the ``nn.Module`` the
   boundary binds. Annotations that name what this module cannot import (a TYPE_CHECKING name)
   or ``Any`` are not checked: the fuzz test (tests/test_arguments_fuzz.py) lists them and
@@ -40,6 +40,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -50,7 +51,7 @@ from typing import Annotated, Any, Literal
 
 from .errors import InputError
 
-__all__ = ["NONBLANK", "Fraction", "MemoryMB", "NonNegativeInt", "Port", "PositiveFloat",
+__all__ = ["NONBLANK", "Fraction", "MemoryMB", "NonNegativeInt", "Pattern", "Port", "PositiveFloat",
            "PositiveInt", "Probability", "Range", "Seed", "Text", "check_fields", "check_index",
            "check_value", "call_checker", "checked", "flag"]
 
@@ -75,6 +76,17 @@ class Range:
         low = "" if self.low is None else f"{'>' if self.low_open else '>='} {self.low:g}"
         high = "" if self.high is None else f"<= {self.high:g}"
         return " and ".join(part for part in (low, high) if part)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """Text that matches ``regex`` whole; ``expected`` names the forms in a refusal."""
+
+    regex: str
+    expected: str
+
+    def admits(self, value: str) -> bool:
+        return re.fullmatch(self.regex, value) is not None
 
 
 class _NonBlank:
@@ -216,7 +228,7 @@ def _union(members: list[_Check]) -> _Check:
 
 
 def _constrained(base: _Check, constraints: list[object]) -> _Check:
-    ranges = [c for c in constraints if isinstance(c, Range)]
+    ranges = [c for c in constraints if isinstance(c, Range | Pattern)]
     nonblank = any(c is NONBLANK for c in constraints)
 
     def run(value):
@@ -226,7 +238,8 @@ def _constrained(base: _Check, constraints: list[object]) -> _Check:
         if nonblank and not value.strip():
             raise _Refused
         return value
-    words = [str(r) for r in ranges] + (["not blank"] if nonblank else [])
+    words = [r.expected if isinstance(r, Pattern) else str(r) for r in ranges] \
+        + (["not blank"] if nonblank else [])
     return _Check(run, f"{base.expected}, {' and '.join(words)}" if words else base.expected)
 
 

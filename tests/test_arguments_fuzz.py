@@ -23,6 +23,7 @@ import dataclasses
 import inspect
 import math
 import os
+import re
 import types
 import typing
 from importlib import import_module
@@ -38,7 +39,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyvene_causaltrace._settings import Settings
-from pyvene_causaltrace.arguments import NONBLANK, Range, _resolve
+from pyvene_causaltrace.arguments import NONBLANK, Pattern, Range, _resolve
 from pyvene_causaltrace.cli import main
 from pyvene_causaltrace.cli.parser import build_parser
 from pyvene_causaltrace.errors import CausalTraceError
@@ -171,6 +172,8 @@ def admits(annotation, value) -> bool:  # noqa: PLR0911 -- one branch per form
                 if constraint.high is not None and value > constraint.high:
                     return False
             if constraint is NONBLANK and not value.strip():
+                return False
+            if isinstance(constraint, Pattern) and re.fullmatch(constraint.regex, value) is None:
                 return False
         return True
     if origin in (typing.Union, types.UnionType):  # noqa: TID251

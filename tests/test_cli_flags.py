@@ -36,8 +36,8 @@ def _tokens(action: argparse.Action) -> list[str]:
         return [flag]
     if action.choices:
         return [flag, str(list(action.choices)[0])]
-    if hasattr(action.type, "example"):  # a converter of a form (--device): its example
-        return [flag, action.type.example]
+    if flag == "--device":  # a form (arguments.Pattern), not any text
+        return [flag, "cpu"]
     annotation = getattr(action.type, "annotation", action.type)  # arguments.flag converters
     base = typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated \
         else annotation

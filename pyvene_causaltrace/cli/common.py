@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
+from ..arguments import Pattern
 from ..errors import InputError
 
 T = TypeVar("T")
@@ -19,20 +19,10 @@ EIFFEL = {
 
 
 #: ``--device``'s values: the CPU, CUDA (the current device, or device N), Apple's MPS, or
-#: ``auto`` (CUDA when available, else the CPU).
-DEVICE_FORM = re.compile(r"^(cpu|cuda(:\d+)?|mps|auto)$")
+#: ``auto`` (CUDA when available, else the CPU). The parser checks the form only (it imports no
+#: torch); whether the device exists is :func:`resolve_device`'s, in the handler.
 DEVICE_CHOICES = "cpu, cuda, cuda:N, mps or auto"
-
-
-def device_flag(text: str) -> str:
-    """``--device``'s argparse converter: the form only (the parser imports no torch; whether
-    the device exists is :func:`resolve_device`'s, in the handler)."""
-    if DEVICE_FORM.match(text.strip()) is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected {DEVICE_CHOICES}")
-    return text.strip()
-
-
-device_flag.example = "cpu"  # type: ignore[attr-defined]  # a value it takes (tests)
+Device = Annotated[str, Pattern(r"cpu|cuda(:\d+)?|mps|auto", f"one of {DEVICE_CHOICES}")]
 
 
 def resolve_device(name: str) -> str:

@@ -53,7 +53,7 @@ from ..defaults import (
     TRACE_SEEDS,
     WINDOW,
 )
-from .common import DEVICE_CHOICES, EIFFEL, device_flag
+from .common import DEVICE_CHOICES, EIFFEL, Device
 
 # Every typed flag reads through the package's argument rules (arguments.flag): argparse then
 # names the flag in its one error: line, and a flag cannot take a value the API refuses.
@@ -94,7 +94,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _device(parser: argparse.ArgumentParser, help: str = _DEVICE_HELP) -> None:
     """``--device``, for every command that loads a model or a transcoder."""
-    parser.add_argument("--device", type=device_flag, default=DEVICE, help=help)
+    parser.add_argument("--device", type=flag(Device), default=DEVICE, help=help)
 
 
 def _faithfulness_flags(parser: argparse.ArgumentParser) -> None:
