@@ -109,8 +109,9 @@ def build_model(args, root: Path):
 
 
 def _fill(module, generator, bias_std: float):
-    """Seeded weights: unit-norm decoder rows, encoders scaled so that TopK picks among
-    clearly positive pre-activations; biases N(0, bias_std) (zero by default)."""
+    """Seeded weights: decoder rows of norm 0.5 to 2 (TopK ranks ``hidden_pre`` times the
+    decoder norm, ``sparsity_include_decoder_norm``: unit norms would hide that), encoders of
+    unit-variance outputs, QK norms' weights near 1; biases N(0, bias_std), zero by default."""
     with torch.no_grad():
         for name, p in sorted(module.named_parameters()):
             if name.startswith("b_"):
@@ -121,8 +122,9 @@ def _fill(module, generator, bias_std: float):
                 p.fill_(math.log(0.05))
             else:
                 w = torch.randn(p.shape, generator=generator)
-                if name in ("W_D", "W_O"):  # (d_sae, d_model): unit-norm decoder rows
-                    w = w / w.norm(dim=-1, keepdim=True)
+                if name in ("W_D", "W_O"):  # (d_sae, d_model): decoder rows
+                    scale = 0.5 + 1.5 * torch.rand(p.shape[0], 1, generator=generator)
+                    w = w / w.norm(dim=-1, keepdim=True) * scale
                 else:
                     w = w / math.sqrt(module.cfg.d_model)
                 p.copy_(w)
