@@ -6,7 +6,7 @@ torch >= 2.11, TransformerLens 3 and a stack of its own. It imports nothing of t
 only the test suite's tiny models and tokenizer (``tests/_support``, ``tests_peer/peer.py``),
 so that our side can rebuild the same model and read the same files::
 
-    .venv-lorsa-peer/bin/python tests_peer/lorsa_peer_dump.py OUT [--arch qwen3] [--seed 0]
+    .venv-lorsa-peer/bin/python tests_peer/lorsa_peer_dump.py OUT [--seed 0] [--bias-std 0.1]
 
 ``OUT`` receives:
 
@@ -56,7 +56,9 @@ PROMPT = suite.PROMPT
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--arch", choices=("qwen3", "llama"), default="qwen3")
+    # Qwen3 only: a local Llama fails inside TransformerLens 3.2.1 as llamascopium loads it
+    # (convert_hf_model_config with hf_cfg given: UnboundLocalError on hf_config)
+    p.add_argument("--arch", choices=("qwen3",), default="qwen3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--bias-std", type=float, default=0.0,
