@@ -144,9 +144,9 @@ def test_activations_and_logits(dump):
             assert activation[node(n)] == 1.0
     # TopK: at most top_k active features per module and position, all of them positive
     per_site = Counter((n[0], n[1][0]) for n in dump["rows"] if n[0].endswith("feature_acts"))
-    top_k = {json.loads((dump["out"] / d / "config.json").read_text())["hook_point_out"]:
-             json.loads((dump["out"] / d / "config.json").read_text())["top_k"]
-             for d in dump["dictionaries"]}
+    configs = [json.loads((dump["out"] / d / "config.json").read_text())
+               for d in dump["dictionaries"]]
+    top_k = {cfg["hook_point_out"]: cfg["top_k"] for cfg in configs}
     for (key, _), count in per_site.items():
         assert count <= top_k[key.removesuffix(".sae.hook_feature_acts")]
     assert all(activation[node(n)] > 0 for n in dump["rows"] if n[0].endswith("feature_acts"))
