@@ -179,14 +179,18 @@ def test_the_command_line_refuses_in_one_line(files, tmp_path, capsys, flags, me
 def test_the_command_line_writes_the_aggregate(files, tmp_path, capsys):
     out = tmp_path / "cli"
     assert main(["dataset", "--data", str(files / "facts.jsonl"), "--model", str(files / "tiny"),
-                 "--graphs", "--clt", str(files / "clt"), "--faithfulness", "--ablation", "zero",
+                 "--graphs", "--clt", str(files / "clt"), "--faithfulness", "--ablation", "mean",
                  "--metric", "prob", "--sizes", "50,100", "--draws", "1", "--kinds", "residual",
-                 "--seeds", "1", "--known", "none", "--boot", "50", "--no-progress",
+                 "--seeds", "1", "--known", "none", "--limit", "3", "--boot", "50",
+                 "--no-progress",
                  "--out", str(out)]) == 0
-    assert "[graphs faithfulness] 4 facts" in capsys.readouterr().out
+    assert "[graphs faithfulness] 3 facts" in capsys.readouterr().out
     faith = json.loads((out / "aggregate.json").read_text())["graphs"]["faithfulness"]
-    assert faith["n_facts"] == 4 and faith["n_skipped"] == 0  # zero ablation: no partner needed
+    assert faith["n_facts"] == 3 and faith["n_skipped"] == 0  # the mean: over the other facts
     rows = list(read_jsonl(out / GRAPHS))
-    assert all(r["faithfulness"]["counterfactual"] is None for r in rows)
+    for row in rows:
+        assert row["faithfulness"]["counterfactual"] is None
+        others = [f["id"] for f in FACTS[:3] if f["id"] != row["fact"]]
+        assert sorted(row["faithfulness"]["reference"]) == others
     assert faith["cpr"]["mean"] == pytest.approx(
         float(np.mean([r["faithfulness"]["cpr"] for r in rows])), abs=1e-12)

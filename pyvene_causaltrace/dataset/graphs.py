@@ -20,8 +20,10 @@ f(k), the random band, CPR and CMD), measured before the row is written, so a re
 never loses or recomputes one. Its counterfactual (:func:`counterfactuals`): with MIB's
 ``ablation="counterfactual"``, the next kept fact in the run's order (wrapping around) whose
 prompt has as many tokens and another answer token, whose answer is the logit difference's foil;
-a fact without one gets ``"faithfulness": null`` and the reason. ``"mean"`` and ``"zero"`` need
-no other fact and no foil: they read ``metric="prob"`` or ``"kl"``.
+a fact without one gets ``"faithfulness": null`` and the reason. ``"mean"`` takes the mean over
+the next :data:`MEAN_REFERENCES` other kept facts' prompts (their tokens from the graph's first
+spliced position on), ``"zero"`` nothing; neither gives a foil, so both read ``metric="prob"``
+or ``"kl"``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ __all__ = ["GRAPH_DIR", "GRAPH_TARGETS", "GraphSettings", "check_faithfulness",
 
 #: Where ``GraphSettings(save=True)`` keeps each fact's graph, inside the run directory.
 GRAPH_DIR = "graphs"
+#: How many other kept facts' prompts (the next ones, wrapping around) a fact's
+#: ``ablation="mean"`` averages over.
+MEAN_REFERENCES = 8
 #: Targets a dataset graph may explain: both read only the fact's own answer.
 GRAPH_TARGETS = ("demeaned", "demeaned_vocab")
 
@@ -124,12 +129,17 @@ def check_faithfulness(settings: FaithfulnessSettings) -> None:
                          "metric 'prob' or 'kl', or ablation 'counterfactual'")
 
 
-def counterfactuals(tokenizer: Tokenizer, kept: list[dict],
-                    settings: FaithfulnessSettings) -> dict[str, dict | str | None]:
-    """Each kept fact's counterfactual (module docstring): ``{fact: its screen line}``, or the
-    reason there is none (a string); ``None`` for every fact when the ablation needs none."""
-    if settings.ablation != "counterfactual":
+def counterfactuals(tokenizer: Tokenizer, kept: list[dict], settings: FaithfulnessSettings
+                    ) -> dict[str, dict | list[dict] | str | None]:
+    """What each kept fact's curve is patched from (module docstring): ``{fact: the
+    counterfactual fact's screen line}``, or the reason there is none (a string); with
+    ``ablation="mean"`` the reference facts' lines (a list); ``None`` for ``"zero"``."""
+    if settings.ablation == "zero":
         return {line["fact"]: None for line in kept}
+    if settings.ablation == "mean":
+        n = min(MEAN_REFERENCES, len(kept) - 1)
+        return {line["fact"]: [kept[(i + step) % len(kept)] for step in range(1, n + 1)]
+                or "no other kept fact to average over" for i, line in enumerate(kept)}
     lengths = [len(ids) for ids in tokenizer([line["prompt"] for line in kept])["input_ids"]]
     answers = [line["target_id"] for line in kept]
     out: dict[str, dict | str | None] = {}
@@ -149,32 +159,36 @@ def _number(value: float) -> float | None:
 
 
 def _curve(model, tokenizer, transcoder, graph, settings: FaithfulnessSettings,
-           counterfactual: dict | str | None) -> dict:
+           counterfactual: dict | list[dict] | str | None) -> dict:
     """The row's ``faithfulness`` entries: the curve's summary (with the curve), the
-    counterfactual fact, the forwards run; or ``None`` and the reason."""
+    counterfactual fact (or the mean's reference facts), the forwards run; or ``None`` and the
+    reason."""
     if isinstance(counterfactual, str):
         return {"faithfulness": None, "faithfulness_skipped": counterfactual}
-    prompt = foil = None
-    if counterfactual is not None:
+    prompt = foil = reference = None
+    if isinstance(counterfactual, list):
+        reference = [line["prompt"] for line in counterfactual]
+    elif counterfactual is not None:
         prompt, foil = counterfactual["prompt"], int(counterfactual["target_id"])
     curve = measure_faithfulness(model, tokenizer, transcoder, graph, prompt,
+                                 reference=reference,
                                  foil=foil if settings.metric == "logit_diff" else None,
                                  settings=settings)
-    return {"faithfulness": {**curve.summary(), "n_items": curve.n_items,
-                             "forwards": curve.forwards,
-                             "counterfactual": None if counterfactual is None
-                             else counterfactual["fact"]}}
+    return {"faithfulness": {
+        **curve.summary(), "n_items": curve.n_items, "forwards": curve.forwards,
+        "counterfactual": counterfactual["fact"] if isinstance(counterfactual, dict) else None,
+        **({"reference": [line["fact"] for line in counterfactual]} if reference else {})}}
 
 
 def graph_row(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, line: dict,
               record: FactRecord, settings: GraphSettings,
               save_dir: Path | None = None, *,
               faithfulness: FaithfulnessSettings | None = None,
-              counterfactual: dict | str | None = None, built=None) -> dict:
+              counterfactual: dict | list[dict] | str | None = None, built=None) -> dict:
     """The ``graphs.jsonl`` line of the fact screened as ``line`` (module docstring); with
     ``save_dir``, the graph is first saved there as ``<index>.safetensors``; with
-    ``faithfulness``, its curve against ``counterfactual`` (a screen line, the reason there is
-    none, or None) is in the row and the saved graph's metadata. ``built()`` is called once the
+    ``faithfulness``, its curve against ``counterfactual`` (:func:`counterfactuals`' entry for
+    the fact) is in the row and the saved graph's metadata. ``built()`` is called once the
     graph is built (a progress step)."""
     tokenized = tokenize_prompt(tokenizer, line["prompt"], record.subject, record.occurrence)
     graph = attribute(model, tokenizer, transcoder, line["prompt"], line["target"],
