@@ -118,7 +118,7 @@ def _states(bound: BoundModel, tokenizer, texts: list[str], length: int) -> dict
 
 
 def fit_lorsa(model: nn.Module | BoundModel, tokenizer, texts: list[str], *, layers: list[int],
-              held_out: list[str], top_k: int = 64, per_qk_head: int | None = None,
+              held_out: list[str], top_k: int, per_qk_head: int | None = None,
               steps: int = 300, lr: float = 1e-3, batch: int = 16, length: int = 64,
               seed: int = 0) -> tuple[LorsaSet, dict]:
     """Fit a Lorsa at each of ``layers`` on ``texts`` (each cut to ``length`` tokens; shorter
