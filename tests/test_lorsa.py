@@ -233,3 +233,22 @@ def test_the_fit_starts_from_the_attention_layer_itself(tokenizer):
         assert 1e-3 < sparse < 1
     other = make_tiny_model("llama", init=0.2, seed=5)
     assert lorsa_fvu(other, tokenizer, exact, CORPUS[:4])[1] > 0.5
+
+
+def test_the_shipped_spec_runs_with_a_fixture_lorsa(tmp_path, tokenizer):
+    from _support.data import SPEC_DIR
+
+    data = json.loads((SPEC_DIR / "lorsa_splice.json").read_text())
+    _set(tmp_path / "lorsa", layers=(1, 2))
+    data["interventions"][0]["lorsa"] = str(tmp_path / "lorsa")
+    data["interventions"][0]["heads_off"] = list(range(48))  # the shipped 3 may be silent here
+    model = make_tiny_model("qwen3", n_layers=3, init=0.2)
+    result = run_spec(load_spec(data), model, tokenizer)
+    assert result.components == ["model.layers[1].input_layernorm.input",
+                                 "model.layers[2].input_layernorm.input",
+                                 "model.layers[1].self_attn.output",
+                                 "model.layers[2].self_attn.output"]
+    assert result.intervened_probs[0] != pytest.approx(result.clean_prob, rel=1e-4)
+    del data["interventions"][0]["heads_off"]
+    held = run_spec(load_spec(data), model, tokenizer)
+    assert held.intervened_probs[0] == pytest.approx(held.clean_prob, abs=1e-5)

@@ -1,6 +1,6 @@
 """Lorsa (low-rank sparse attention, arXiv 2504.20938): attention features, in llamascopium's
-layout (2.0.0b34's ``LowRankSparseAttention``; the conventions, with references into its source:
-docs/transcoders.md, "Lorsa").
+layout (2.0.0b34's ``LowRankSparseAttention``: docs/transcoders.md, "Lorsa: attention features";
+the file and line of theirs each convention follows is noted beside the code).
 
 One Lorsa replaces one layer's attention output. ``n_qk_heads`` QK heads, each shared by a group
 of ``n_ov_heads / n_qk_heads`` rank-1 OV heads (OV head ``h`` uses QK head ``h // group``):
