@@ -57,6 +57,8 @@ def test_every_shipped_spec_runs_and_shows_the_measured_structure(smollm2):
             continue
         if any(item.type == "clt_splice" for item in spec.interventions):
             continue  # needs a fitted CLT: test_clt_model.py runs it with a fixture CLT
+        if any(item.type == "lorsa_splice" for item in spec.interventions):
+            continue  # needs a fitted Lorsa: test_lorsa.py runs it with a fixture Lorsa
         result = run_spec(spec, model, tokenizer)
         assert len(result.recovery) == len(result.seeds) == 5
         recovery[path.stem] = _mean(result.recovery)

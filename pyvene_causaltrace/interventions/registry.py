@@ -94,11 +94,11 @@ def _register_builtins() -> None:
     if "noise_add" in _REGISTRY:
         return
     # the built-in types import pyvene: the registry module stays light for the lazy top level
-    from . import clt_splice, feature_ablate, frozen, leaf, noise, restore
+    from . import clt_splice, feature_ablate, frozen, leaf, lorsa_splice, noise, restore
 
     for cls in (noise.NoiseAdd, restore.CleanRestore, restore.WindowRestore, restore.Freeze,
                 frozen.FrozenLayerNorm, frozen.FrozenAttention, clt_splice.CLTSplice,
-                feature_ablate.FeatureAblate, leaf.GradientLeaf):
+                feature_ablate.FeatureAblate, leaf.GradientLeaf, lorsa_splice.LorsaSplice):
         register_intervention(cls.registered_name, cls)
 
 

@@ -45,6 +45,7 @@ HOOKS = {
     "mlp.hook_in": HookSite("mlp_input"),
     "mlp.hook_out": HookSite("mlp_output"),
     "hook_mlp_out": HookSite("mlp_contribution"),
+    "hook_attn_out": HookSite("attn_output"),
 }
 INPUT_HOOKS = ("hook_resid_mid", "ln2.hook_normalized", "mlp.hook_in")
 OUTPUT_HOOKS = ("hook_mlp_out", "mlp.hook_out")

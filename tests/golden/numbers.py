@@ -31,7 +31,22 @@ def fixture_clt(root: Path, model) -> Path:
     return write_clt(root / "clt", tensors, model_name="smollm2-135m")
 
 
-def spec_numbers(path: Path, model, tokenizer, clt: Path) -> dict:
+def fixture_lorsa(root: Path, model) -> Path:
+    """A small seeded random Lorsa set shaped for ``model``, in llamascopium's layout: layers 3
+    and 6, 9 QK heads of 64 dims, 72 OV heads (8 per QK head), TopK 8."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from lorsa_fixtures import peer_config, peer_tensors, write_peer_lorsa
+
+    d_model = model.config.hidden_size
+    for layer in (3, 6):
+        cfg = peer_config(layer=layer, d_model=d_model, n_qk=9, d_qk=64, expansion=72 / d_model,
+                          top_k=8, rotary_adjacent_pairs=False, rotary_dim=64, n_ctx=256,
+                          norm_activation="inference")
+        write_peer_lorsa(root / "lorsa" / f"L{layer}", cfg, peer_tensors(cfg, seed=layer))
+    return root / "lorsa"
+
+
+def spec_numbers(path: Path, model, tokenizer, clt: Path, lorsa: Path | None = None) -> dict:
     from pyvene_causaltrace import attribute, run_spec
     from pyvene_causaltrace.tracing.tracer import tracer_from_spec
 
@@ -62,6 +77,8 @@ def spec_numbers(path: Path, model, tokenizer, clt: Path) -> dict:
     for item in data["interventions"]:
         if item["type"] == "clt_splice":
             item["clt"] = str(clt)
+        if item["type"] == "lorsa_splice":
+            item["lorsa"] = str(lorsa)
         if item["type"] == "feature_ablate" and item["features"] != "all":
             item["features"] = list(range(len(item["features"])))
     result = run_spec(data, model, tokenizer)
@@ -94,8 +111,8 @@ def readme_pyvene_example(model, tokenizer) -> list[float]:
 
 
 def all_numbers(model, tokenizer, root: Path) -> dict:
-    clt = fixture_clt(root, model)
-    out = {spec.name: spec_numbers(spec, model, tokenizer, clt)
+    clt, lorsa = fixture_clt(root, model), fixture_lorsa(root, model)
+    out = {spec.name: spec_numbers(spec, model, tokenizer, clt, lorsa)
            for spec in sorted(SPECS.glob("*.json"))}
     out["README pyvene example"] = readme_pyvene_example(model, tokenizer)
     return out

@@ -1,0 +1,246 @@
+"""``lorsa_splice``: a layer's attention output replaced by its Lorsa's reconstruction.
+
+Two registered interventions per layer, built by :func:`lorsa_splice_representations`, sharing
+a :class:`~.splice_session.SpliceSession` as ``clt_splice``'s do:
+
+- ``role="encode"`` on the layer's residual stream entering attention (the pre-attention
+  norm's input): the Lorsa's input (``ln1.hook_normalized``: normalised, before the gain) and
+  its OV-head activations, kept in the session; the value passes unchanged;
+- ``role="decode"`` on the attention output (``hook_attn_out``): positions ``>= from_position``
+  replaced by ``acts @ W_O + b_D`` plus one error term: with ``add_error`` the frozen
+  ``(out - recon).detach()`` (the forward is the original one), a fixed ``error`` ``[1, P, D]``
+  (the clean run's, :func:`clean_lorsa_errors`), or none (the reconstruction alone).
+
+``heads_off`` (OV heads whose activations are zeroed before the decoder) is the splice's
+ablation: with a fixed clean error, zeroing head ``h`` changes the output by exactly
+``-act_h * W_O[h]``. The Lorsa is held by reference or by the path it was loaded from
+(``source``: serialised, read once per session). Composable with ``clt_splice`` (another
+session, other sites) in one forward or one spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..bound import BoundModel, bind
+from ..errors import InputError, SpecError
+from ..locations import resolve_layers
+from ..transcoders.hooks import hook_component, hook_value, norm_settings
+from ..transcoders.lorsa import (
+    INPUT_HOOK,
+    OUTPUT_HOOK,
+    LorsaSet,
+    check_lorsa_fits,
+    load_lorsa,
+    lorsa_states,
+)
+from .spec_entry import Site, SpecContext
+from .splice_session import SpliceIntervention, SpliceSession
+
+__all__ = ["LorsaSplice", "clean_lorsa_errors", "lorsa_splice_representations"]
+
+
+class LorsaSplice(SpliceIntervention):
+    """One role of a Lorsa splice at one layer (module docstring)."""
+
+    registered_name = "lorsa_splice"
+    tensor_fields = ("error",)
+    spec_unique = True
+
+    def _setup(self, role: str, lorsa_layer: int, from_position: int = 1,
+               add_error: bool = False, reset: bool = False, source: str | None = None,
+               error: torch.Tensor | None = None, normalize: dict | None = None,
+               session: str | None = None, error_from: str | None = None,
+               heads_off: list[int] | None = None) -> None:
+        source = source if source is not None else self._source_of()
+        if role not in ("encode", "decode"):
+            raise InputError(f"role must be 'encode' or 'decode', got {role!r}")
+        if from_position < 0:
+            raise InputError(f"from_position must be >= 0, got {from_position}")
+        if error is not None and (add_error or role != "decode"):
+            raise InputError("a fixed error goes on a decoder, instead of add_error")
+        if error_from not in (None, "clean"):
+            raise InputError(f"error_from must be None or 'clean', got {error_from!r}")
+        self._set_tensor("error", error)
+        self._config = {"role": role, "lorsa_layer": int(lorsa_layer),
+                        "from_position": int(from_position), "add_error": bool(add_error),
+                        "reset": bool(reset), "source": source,
+                        "normalize": None if normalize is None else dict(normalize),
+                        "session": self._session_id(session, source), "error_from": error_from,
+                        "heads_off": sorted(int(h) for h in heads_off or [])}
+
+    @property
+    def clt(self) -> LorsaSet:
+        """The Lorsa set given, else the one at the configured path, read once per session."""
+        if self._clt_object is not None:
+            return self._clt_object
+        source = self._config.get("source")
+        if source is None:
+            raise InputError("lorsa_splice needs a Lorsa (an object, or the path it was "
+                             "loaded from)")
+        found = self.session.transcoders.get(source)
+        if found is None:
+            found = self.session.transcoders[source] = load_lorsa(source)
+        return found
+
+    # -- spec entry ------------------------------------------------------------------------
+    @classmethod
+    def spec_schema(cls) -> dict[str, Any]:
+        return {"additionalProperties": False, "required": ["lorsa"], "properties": {
+            "type": True,
+            "lorsa": {"type": "string", "minLength": 1,
+                      "description": "A llamascopium Lorsa directory (config.json + "
+                                     "sae_weights.safetensors) or a directory of them."},
+            "layers": {"$ref": "#/$defs/layers", "default": "all",
+                       "description": "Spliced layers: among those the Lorsa set has."},
+            "from_position": {"type": "integer", "minimum": 0, "default": 1,
+                              "description": "First spliced position; 1 leaves BOS alone."},
+            "add_error": {"type": "boolean", "default": False,
+                          "description": "Add the frozen error so the forward is exact."},
+            "error": {"enum": ["clean"],
+                      "description": "Hold each layer's error at the clean run's (out - recon "
+                                     "on the prompt), so turning heads off changes the output "
+                                     "by what they wrote."},
+            "heads_off": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                          "uniqueItems": True,
+                          "description": "OV heads zeroed at every spliced layer."}}}
+
+    @classmethod
+    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
+        if "error" in entry and entry.get("add_error"):
+            raise SpecError(f"{path}.error", "add_error makes the forward the original one; "
+                                             "error replaces it: give one of them")
+
+    @classmethod
+    def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:
+        key = ("lorsa", entry["lorsa"])
+        if key not in ctx.cache:
+            try:
+                ctx.cache[key] = load_lorsa(entry["lorsa"], device=ctx.bound.device)
+            except (OSError, ValueError) as error:
+                raise SpecError(ctx.path(index, "lorsa"), str(error)) from None
+        lorsa = ctx.cache[key]
+        try:
+            check_lorsa_fits(ctx.bound, lorsa)
+        except InputError as error:
+            raise SpecError(ctx.path(index, "lorsa"), str(error)) from None
+        layers = resolve_layers(entry.get("layers", "all"), ctx.bound.n_layers,
+                                ctx.path(index, "layers"))
+        missing = sorted(set(layers) - set(lorsa.layers))
+        if entry.get("layers", "all") == "all":
+            layers = sorted(lorsa.layers)
+        elif missing:
+            raise SpecError(ctx.path(index, "layers"), f"no Lorsa for layer(s) {missing}; the "
+                                                       f"set has {sorted(lorsa.layers)}")
+        heads = entry.get("heads_off", [])
+        for layer in layers:
+            if heads and max(heads) >= lorsa[layer].cfg.n_ov_heads:
+                raise SpecError(ctx.path(index, "heads_off"), f"head {max(heads)} is outside "
+                                f"layer {layer}'s {lorsa[layer].cfg.n_ov_heads} OV heads")
+        errors = None
+        if entry.get("error") == "clean":
+            errors = clean_lorsa_errors(ctx.model, lorsa,
+                                        ctx.prompt.input_ids.to(ctx.bound.device),
+                                        entry.get("from_position", 1))
+        reps = lorsa_splice_representations(
+            ctx.model, lorsa, layers=layers, from_position=entry.get("from_position", 1),
+            add_error=entry.get("add_error", False), errors=errors, heads_off=heads)
+        return [Site(index, rep["component"], rep["intervention"].config()["lorsa_layer"],
+                     where=ctx.path(index, "lorsa"), made=rep["intervention"]) for rep in reps]
+
+    @classmethod
+    def from_spec(cls, entry: dict, site: Site, ctx: SpecContext, states=None):
+        return site.made
+
+    def to_spec(self, site: Site) -> dict[str, Any]:
+        config = self._config
+        if self.error is not None and config["error_from"] is None:
+            raise InputError("this splice holds an error tensor of its caller's; a spec can "
+                             "name only the clean run's errors ('error': 'clean')")
+        return {"type": self.registered_name, "lorsa": config["source"],
+                "layers": [config["lorsa_layer"]], "from_position": config["from_position"],
+                "add_error": config["add_error"],
+                **({"error": "clean"} if config["error_from"] else {}),
+                **({"heads_off": config["heads_off"]} if config["heads_off"] else {})}
+
+    # -- the forward ---------------------------------------------------------------------------
+    def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
+        config, session = self._config, self.session
+        layer, start = config["lorsa_layer"], config["from_position"]
+        if config["role"] == "encode":
+            if config["reset"]:
+                session.clear()
+            x = hook_value(base, config["normalize"])
+            acts = self.clt[layer].encode(x)
+            acts = torch.cat([torch.zeros_like(acts[:, :start]), acts[:, start:]], dim=1)
+            if config["heads_off"]:
+                acts = acts.clone()
+                acts[..., config["heads_off"]] = 0
+            session.acts[layer] = session.encoded[layer] = acts
+            session.inputs[layer] = x
+            return base
+        if layer not in session.acts:
+            raise InputError(f"the Lorsa decoder of layer {layer} needs its encoder, placed "
+                             "before it in the same forward")
+        recon = self.clt[layer].decode(session.acts[layer]).to(base.dtype)
+        held = self.error
+        if config["add_error"]:
+            recon = recon + (base - recon).detach()
+        elif held is not None:
+            if held.shape[-2] < base.shape[1]:
+                raise InputError(f"the fixed error of layer {layer} covers {held.shape[-2]} "
+                                 f"positions and the sequence has {base.shape[1]}")
+            recon = recon + held[..., :base.shape[1], :].to(base.dtype)
+        return torch.cat([base[:, :start], recon[:, start:]], dim=1)
+
+
+@torch.no_grad()
+def clean_lorsa_errors(model, lorsa: LorsaSet, input_ids: torch.Tensor,
+                       from_position: int = 1) -> dict[int, torch.Tensor]:
+    """The clean run's ``out - recon`` per spliced layer, ``{layer: [1, P, D]}``, features
+    before ``from_position`` zero (as the splice encodes them)."""
+    states = lorsa_states(model, lorsa, input_ids)
+    out = {}
+    for layer in lorsa.layers:
+        acts = lorsa[layer].encode(states["input"][layer][None])
+        acts[:, :from_position] = 0
+        recon = lorsa[layer].decode(acts)
+        out[layer] = states["output"][layer][None] - recon.to(states["output"].dtype)
+    return out
+
+
+def lorsa_splice_representations(
+    model: nn.Module | BoundModel, lorsa: LorsaSet, *, layers: list[int] | None = None,
+    from_position: int = 1, add_error: bool = False,
+    errors: dict[int, torch.Tensor] | None = None, heads_off: list[int] | None = None,
+    session: SpliceSession | None = None,
+) -> list[dict]:
+    """pyvene representation dicts that splice ``lorsa`` into ``model`` at ``layers`` (all the
+    set has, by default): an encoder per layer, then the decoders (module docstring).
+    ``errors`` (:func:`clean_lorsa_errors`) holds the clean run's errors fixed; ``heads_off``
+    zeroes those OV heads at every spliced layer."""
+    bound = bind(model)
+    check_lorsa_fits(bound, lorsa)
+    layers = sorted(lorsa.layers) if layers is None else sorted(layers)
+    missing = sorted(set(layers) - set(lorsa.layers))
+    if missing:
+        raise InputError(f"no Lorsa for layer(s) {missing}; the set has {sorted(lorsa.layers)}")
+    if add_error and errors is not None:
+        raise InputError("add_error makes the forward the original one; errors= replaces it")
+    session = SpliceSession() if session is None else session
+    common = {"clt": lorsa, "session": session, "from_position": from_position,
+              "add_error": add_error, "heads_off": heads_off,
+              "error_from": "clean" if errors is not None else None}
+    out = [{"component": hook_component(bound.adapter, INPUT_HOOK, layer),
+            "intervention": LorsaSplice(role="encode", lorsa_layer=layer, reset=index == 0,
+                                        normalize=norm_settings(bound, INPUT_HOOK, layer),
+                                        **common)}
+           for index, layer in enumerate(layers)]
+    out.extend({"component": hook_component(bound.adapter, OUTPUT_HOOK, layer),
+                "intervention": LorsaSplice(role="decode", lorsa_layer=layer, **common,
+                                            error=None if errors is None else errors[layer])}
+               for layer in layers)
+    return out

@@ -1,0 +1,351 @@
+"""Lorsa (low-rank sparse attention, arXiv 2504.20938): attention features, in llamascopium's
+layout (2.0.0b34's ``LowRankSparseAttention``: docs/transcoders.md, "Lorsa: attention features";
+the file and line of theirs each convention follows is noted beside the code).
+
+One Lorsa replaces one layer's attention output. ``n_qk_heads`` QK heads, each shared by a group
+of ``n_ov_heads / n_qk_heads`` rank-1 OV heads (OV head ``h`` uses QK head ``h // group``):
+
+    q = x @ W_Q + b_Q, k = x @ W_K + b_K      [P, n_qk, d_qk] (optional per-head RMS norm,
+                                              then rotary over the first rotary_dim dims)
+    pattern = softmax(causal(q . k / attn_scale))                     [n_qk, P, P]
+    pre[p, h] = sum_k pattern[h // group, p, k] * (x[k] @ W_V[h] + b_V[h])
+    acts = TopK_h(relu(pre * |W_O[h]|)) / |W_O[h]|   (the k largest per position; relu: no TopK;
+                                              without sparsity_include_decoder_norm no |W_O|)
+    out = acts @ W_O + b_D
+
+``x`` is the input hook's value (``ln1.hook_normalized``: the residual stream normalised, before
+the norm's gain, as TransformerLens's folded model gives it), ``out`` is ``hook_attn_out``.
+
+On disk a Lorsa is a directory: ``config.json`` (LorsaConfig's fields) and
+``sae_weights.safetensors``; a set is a directory of such directories, one per layer.
+:func:`load_lorsa` reads the configs and the files' headers (names, shapes, dtypes checked);
+a layer's tensors are read the first time it is used.
+
+    lorsa = load_lorsa("path/to/lorsa-dir-or-set")    # LorsaSet: lorsa[layer] -> Lorsa
+    acts = lorsa[3].encode(x)                          # [B, P, n_ov_heads]
+    fvu = lorsa_fvu(model, tokenizer, lorsa, texts)    # {layer: FVU}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..atomic import replacing, write_text
+from ..bound import BoundModel, bind
+from ..errors import InputError, TranscoderFormatError, TranscoderMismatchError
+from .formats.common import check_dtype, open_safetensors, read_json_object, read_tensors
+from .hooks import hook_site, hook_states
+from .lorsa_config import INPUT_HOOK, OUTPUT_HOOK, PEER_DEFAULTS, LorsaConfig
+
+WEIGHTS = ("sae_weights.safetensors", "checkpoints/pruned.safetensors",
+           "checkpoints/final.safetensors")
+NORM_KEY = "dataset_average_activation_norm."
+#: Buffers their state dict holds (their strict loader needs them; we recompute them).
+BUFFERS = ("mask", "IGNORE", "rotary_sin", "rotary_cos")
+
+
+def _rotate(x: torch.Tensor, cfg: LorsaConfig, sin: torch.Tensor,
+            cos: torch.Tensor) -> torch.Tensor:
+    """Rotary over the first rotary_dim dims (models/lorsa.py:525-575, 864-904)."""
+    rot, rest = x[..., :cfg.rotary_dim], x[..., cfg.rotary_dim:]
+    flip = torch.empty_like(rot)
+    if cfg.rotary_adjacent_pairs:
+        flip[..., ::2], flip[..., 1::2] = -rot[..., 1::2], rot[..., ::2]
+    else:
+        n = rot.shape[-1] // 2
+        flip[..., :n], flip[..., n:] = -rot[..., n:], rot[..., :n]
+    return torch.cat([rot * cos + flip * sin, rest], dim=-1)
+
+
+def rotary_tables(cfg: LorsaConfig, n_pos: int, dtype: torch.dtype,
+                  device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sin, cos)`` ``[n_pos, rotary_dim]`` as llamascopium computes them (float32, then
+    ``dtype``)."""
+    high = torch.float64 if dtype == torch.float64 else torch.float32
+    pos = torch.arange(n_pos, dtype=high, device=device)
+    dim = torch.arange(cfg.rotary_dim // 2, dtype=high, device=device)
+    freq = cfg.rotary_base ** (dim / (cfg.rotary_dim / 2))
+    freq = (freq.repeat_interleave(2) if cfg.rotary_adjacent_pairs else freq.repeat(2))
+    angles = pos[:, None] / freq[None, :]
+    return torch.sin(angles).to(dtype), torch.cos(angles).to(dtype)
+
+
+class Lorsa(nn.Module):
+    """One layer's Lorsa (module docstring): weights as buffers, read from ``path`` the first
+    time they are used unless given."""
+
+    def __init__(self, cfg: LorsaConfig, tensors: dict[str, torch.Tensor] | None = None, *,
+                 path: Path | None = None, dtype: torch.dtype = torch.float32,
+                 device=None) -> None:
+        super().__init__()
+        self.cfg, self.path, self.dtype, self._device = cfg, path, dtype, device
+        self._loaded = False
+        if tensors is not None:
+            self._take(tensors)
+
+    def _take(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name in self.cfg.shapes():
+            self.register_buffer(name.replace(".", "_"),
+                                 tensors[name].to(device=self._device, dtype=self.dtype))
+        self._loaded = True
+
+    def load(self) -> Lorsa:
+        """Read the weights (once)."""
+        if not self._loaded:
+            self._take(_read_weights(self.cfg, self.path))
+        return self
+
+    def attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pattern [B, n_qk, P, P], v [B, P, n_ov])`` of input ``x [B, P, D]``."""
+        self.load()
+        cfg = self.cfg
+        x = x.to(self.dtype)
+        q = torch.einsum("bpd,hde->bphe", x, self.W_Q) + self.b_Q
+        k = torch.einsum("bpd,hde->bphe", x, self.W_K) + self.b_K
+        v = x @ self.W_V.T + self.b_V
+        if cfg.use_post_qk_ln:  # RMSNormPerHead, models/lorsa.py:1046-1052
+            q, k = (_head_rms(t, w, cfg.eps) for t, w in ((q, self.ln_q_w), (k, self.ln_k_w)))
+        n_pos = x.shape[1]
+        if n_pos > cfg.n_ctx:
+            raise InputError(f"the sequence has {n_pos} positions; this Lorsa's n_ctx is "
+                             f"{cfg.n_ctx}")
+        if cfg.rotary:
+            sin, cos = rotary_tables(cfg, n_pos, self.dtype, x.device)
+            q, k = _rotate(q, cfg, sin[:, None], cos[:, None]), _rotate(k, cfg, sin[:, None],
+                                                                        cos[:, None])
+        scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / cfg.attn_scale
+        causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        return scores.softmax(-1), v
+
+    def hidden_pre(self, x: torch.Tensor, pattern: torch.Tensor | None = None) -> torch.Tensor:
+        """OV heads' pre-activations ``[B, P, n_ov]`` (models/lorsa.py:918-934); ``pattern``:
+        the QK heads' patterns held (a fit's, or the clean run's), else computed from ``x``."""
+        if pattern is None:
+            pattern, v = self.attention(x)
+        else:
+            self.load()
+            v = x.to(self.dtype) @ self.W_V.T + self.b_V
+        b, p, _ = v.shape
+        grouped = v.view(b, p, self.cfg.n_qk_heads, self.cfg.group)
+        return torch.einsum("bhqk,bkhg->bqhg", pattern, grouped).reshape(b, p, -1)
+
+    def encode(self, x: torch.Tensor, pattern: torch.Tensor | None = None) -> torch.Tensor:
+        """OV-head activations ``[B, P, n_ov]``: ReLU, then the top_k per position (topk)."""
+        pre = self.hidden_pre(x, pattern)
+        norm = self.W_O.norm(dim=1) if self.cfg.sparsity_include_decoder_norm else None
+        scored = pre * norm if norm is not None else pre
+        scored = scored * scored.gt(0)  # utils/math.py topk after relu (sparse_dictionary:729)
+        if self.cfg.act_fn == "topk":
+            chosen = scored.topk(min(self.cfg.top_k, scored.shape[-1]), dim=-1).indices
+            mask = torch.zeros_like(scored, dtype=torch.bool).scatter_(-1, chosen, True)
+            scored = scored * mask
+        return scored / norm if norm is not None else scored
+
+    def decode(self, acts: torch.Tensor) -> torch.Tensor:
+        """``acts @ W_O + b_D`` ``[B, P, D]`` (models/lorsa.py:765-782)."""
+        self.load()
+        out = acts.to(self.dtype) @ self.W_O
+        return out + self.b_D if self.cfg.use_decoder_bias else out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        self.load()
+        return {name: getattr(self, name.replace(".", "_")) for name in self.cfg.shapes()}
+
+
+def _head_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf / (xf.pow(2).mean(-1, keepdim=True) + eps).sqrt() * weight.float()).to(x.dtype)
+
+
+def _weights_file(folder: Path) -> Path:
+    for name in WEIGHTS:
+        if (folder / name).is_file():
+            return folder / name
+    other = [p.name for p in folder.glob("sae_weights.*")]
+    raise TranscoderFormatError(f"{folder}: no {WEIGHTS[0]}" + (
+        f" ({', '.join(other)} is not read: save it as safetensors)" if other else ""))
+
+
+def _check_header(cfg: LorsaConfig, path: Path) -> None:
+    """Names, shapes and dtypes from the header alone; a truncated file fails here."""
+    handle = open_safetensors(path)
+    shapes = {key: tuple(handle.get_slice(key).get_shape()) for key in handle.keys()}
+    for name, shape in cfg.shapes().items():
+        if name not in shapes:
+            raise TranscoderFormatError(f"{path}: missing tensor {name}")
+        stored = shapes[name]
+        # a checkpoint may hold fewer QK heads, repeated on load (models/lorsa.py:970-978)
+        fewer = name in ("W_Q", "W_K", "b_Q", "b_K", "ln_q.w", "ln_k.w") and stored[1:] == \
+            shape[1:] and stored[0] >= 1 and shape[0] % stored[0] == 0
+        if stored != shape and not fewer:
+            raise TranscoderFormatError(f"{path}: tensor {name} has shape {list(stored)}; the "
+                                        f"config.json gives {list(shape)}")
+        code = str(handle.get_slice(name).get_dtype())
+        if code not in ("F32", "F16", "BF16", "F64"):
+            raise TranscoderFormatError(f"{path}: tensor {name} is stored as {code}, not floats")
+
+
+def _read_weights(cfg: LorsaConfig, path: Path) -> dict[str, torch.Tensor]:
+    tensors = read_tensors(path, names=list(cfg.shapes()))
+    for name in ("W_Q", "W_K", "b_Q", "b_K", "ln_q.w", "ln_k.w"):
+        if name in tensors and tensors[name].shape[0] != cfg.n_qk_heads:
+            tensors[name] = tensors[name].repeat_interleave(
+                cfg.n_qk_heads // tensors[name].shape[0], dim=0)
+    norms = read_tensors(path, names=[f"{NORM_KEY}{cfg.peer['hook_point_in']}",
+                                      f"{NORM_KEY}{cfg.peer['hook_point_out']}"]) \
+        if cfg.peer.get("norm_activation", PEER_DEFAULTS["norm_activation"]) == "dataset-wise" \
+        else None
+    if norms is not None:  # standardize_parameters_of_dataset_norm, models/lorsa.py:621-640
+        root = math.sqrt(cfg.d_model)
+        into, out = (root / float(norms[f"{NORM_KEY}{cfg.peer[key]}"])
+                     for key in ("hook_point_in", "hook_point_out"))
+        for name in ("W_Q", "W_K", "W_V"):
+            tensors[name] = tensors[name] * into
+        tensors["W_O"] = tensors["W_O"] / out
+        if "b_D" in tensors:
+            tensors["b_D"] = tensors["b_D"] / out
+    return tensors
+
+
+@dataclass
+class LorsaSet:
+    """Lorsas by layer, read from ``source`` (a Lorsa directory or a directory of them)."""
+
+    layers: dict[int, Lorsa]
+    source: str | None = None
+    model_name: str | None = None
+
+    def __getitem__(self, layer: int) -> Lorsa:
+        if layer not in self.layers:
+            raise InputError(f"no Lorsa for layer {layer}; this set has layers "
+                             f"{sorted(self.layers)}")
+        return self.layers[layer].load()
+
+    @property
+    def d_model(self) -> int:
+        return next(iter(self.layers.values())).cfg.d_model
+
+
+def _read_one(folder: Path, dtype: torch.dtype, device) -> tuple[Lorsa, str | None]:
+    cfg = LorsaConfig.from_peer(read_json_object(folder / "config.json"), folder / "config.json")
+    weights = _weights_file(folder)
+    _check_header(cfg, weights)
+    lm = folder / "lm_config.json"
+    name = read_json_object(lm).get("model_name") if lm.is_file() else None
+    return Lorsa(cfg, path=weights, dtype=dtype, device=device), name
+
+
+def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device | None = None) -> LorsaSet:
+    """A Lorsa directory (config.json + sae_weights.safetensors) or a directory of them (one
+    per layer), checked and lazy (module docstring). Refusals are
+    :class:`~..errors.TranscoderFormatError` naming the file and field."""
+    check_dtype(dtype)
+    root = Path(path).expanduser()
+    if (root / "config.json").is_file():
+        folders = [root]
+    else:
+        folders = sorted(p.parent for p in root.glob("*/config.json")) if root.is_dir() else []
+        if not folders:
+            raise TranscoderFormatError(f"{root}: no Lorsa here (a directory with config.json, "
+                                        "or directories of them)")
+    layers: dict[int, Lorsa] = {}
+    names = set()
+    for folder in folders:
+        lorsa, name = _read_one(folder, dtype, device)
+        layer = lorsa.cfg.layer
+        if layer in layers:
+            raise TranscoderFormatError(f"{folder / 'config.json'}: hook_point_in names layer "
+                                        f"{layer}, as {layers[layer].path.parent} does")
+        layers[layer] = lorsa
+        names.add(name)
+    widths = {lorsa.cfg.d_model for lorsa in layers.values()}
+    if len(widths) > 1:
+        raise TranscoderFormatError(f"{root}: the Lorsas' d_model differ ({sorted(widths)})")
+    model_name = names.pop() if len(names) == 1 else None
+    return LorsaSet(dict(sorted(layers.items())), source=str(root), model_name=model_name)
+
+
+def save_lorsa(lorsa: Lorsa, folder: str | Path, model_name: str | None = None) -> Path:
+    """Write ``lorsa`` as llamascopium does (config.json, sae_weights.safetensors with the
+    buffers its strict loader wants, lm_config.json when ``model_name`` is given)."""
+    from safetensors.torch import save_file  # reason: only writers need it
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = lorsa.cfg
+    tensors = {k: v.detach().float().contiguous().cpu() for k, v in lorsa.tensors().items()}
+    sin, cos = rotary_tables(cfg, cfg.n_ctx, torch.float32)
+    tensors.update({"mask": torch.ones(cfg.n_ctx, cfg.n_ctx, dtype=torch.bool).tril(),
+                    "IGNORE": torch.tensor(float("-inf")), "rotary_sin": sin,
+                    "rotary_cos": cos})
+    for key in ("hook_point_in", "hook_point_out"):  # unused in inference mode; written as theirs
+        tensors[f"{NORM_KEY}{cfg.to_peer()[key]}"] = torch.tensor(math.sqrt(cfg.d_model))
+    write_text(json.dumps(cfg.to_peer(), indent=4), folder / "config.json")
+    with replacing(folder / WEIGHTS[0]) as out:
+        save_file(tensors, str(out))
+    if model_name is not None:
+        write_text(json.dumps({"model_name": model_name}, indent=4), folder / "lm_config.json")
+    return folder
+
+
+def check_lorsa_fits(bound: BoundModel, lorsa: LorsaSet) -> None:
+    """Refuse (:class:`~..errors.TranscoderMismatchError`, naming the file and field) a Lorsa
+    of another width or a layer the bound model does not have."""
+    for layer, one in lorsa.layers.items():
+        where = one.path.parent / "config.json" if one.path is not None else f"layer {layer}"
+        if one.cfg.d_model != bound.d_model:
+            raise TranscoderMismatchError(f"{where}: d_model is {one.cfg.d_model}; the model's "
+                                          f"is {bound.d_model}: a Lorsa of another model")
+        if layer >= bound.n_layers:
+            raise TranscoderMismatchError(f"{where}: hook_point_in names layer {layer}; the "
+                                          f"model has {bound.n_layers} layers")
+    if bound.adapter.post_attn_norm is not None:
+        raise TranscoderMismatchError("this model normalises its attention output before the "
+                                      "residual add; Lorsa is read on models without one")
+    for hook in (INPUT_HOOK, OUTPUT_HOOK):
+        hook_site(hook)
+
+
+def lorsa_states(model, lorsa: LorsaSet, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``{"input", "output"}`` ``[L, P, D]``: every layer's Lorsa input and attention output."""
+    return hook_states(model, ids, {"input": INPUT_HOOK, "output": OUTPUT_HOOK})
+
+
+@torch.no_grad()
+def lorsa_fvu(model, tokenizer, lorsa: LorsaSet, texts: list[str],
+              from_position: int = 1) -> dict[int, float]:
+    """The pairing check: per layer, the fraction of the attention output's variance (about
+    its mean, positions ``>= from_position`` of every text) the Lorsa's reconstruction misses.
+    A Lorsa paired with its model gives well under 1; one of another model, about 1 or more."""
+    bound = bind(model)
+    check_lorsa_fits(bound, lorsa)
+    errors = {layer: [] for layer in lorsa.layers}
+    outputs = {layer: [] for layer in lorsa.layers}
+    for text in texts:
+        ids = tokenizer(text, return_tensors="pt")["input_ids"].to(bound.device)
+        states = lorsa_states(bound, lorsa, ids)
+        for layer in lorsa.layers:
+            out = states["output"][layer, from_position:].float()
+            recon = lorsa[layer](states["input"][layer][None])[0, from_position:].float()
+            errors[layer].append(out - recon)
+            outputs[layer].append(out)
+    result = {}
+    for layer in lorsa.layers:
+        out, err = torch.cat(outputs[layer]), torch.cat(errors[layer])
+        result[layer] = float(err.pow(2).sum() / (out - out.mean(0)).pow(2).sum())
+    return result
+
+
+__all__ = ["INPUT_HOOK", "OUTPUT_HOOK", "Lorsa", "LorsaConfig", "LorsaSet", "check_lorsa_fits",
+           "load_lorsa", "lorsa_fvu", "lorsa_states", "rotary_tables", "save_lorsa"]
