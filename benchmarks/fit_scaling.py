@@ -1,9 +1,10 @@
 """How the first transcoder's held-out FVU moves with the amount of text, the dictionary size and
 ``k`` (issue 52, item 2): is the quick or long recipe short of data or of capacity?
 
-Generates ``max(--texts) + --held`` texts once, as ``fitting.generate_pairs`` does for ``make
-attribute`` (SmolLM2-135M-Instruct's own text, pairs read from the generation's forwards), keeps
-``--layers`` (per-layer transcoders are fitted independently, so a few layers stand for all), and
+Generates ``max(--texts) + --held`` texts once, as ``make attribute`` does
+(``fit_text.generate_ids``: SmolLM2-135M-Instruct's own text, sampled in batches), reading the
+pairs of ``--layers`` only from the generation's forwards (per-layer transcoders are fitted
+independently, so a few layers stand for all; memory is those layers' pairs), and
 fits the default kind (``skip_plt``, the package's ``RECIPE``) on the first ``n`` texts for each
 ``n`` in ``--texts``. Each fit is scored on the same held-out texts two ways: per text, as the
 pairing check (``transcoders/checks.py``: deviation from each text's own mean), and centred on
@@ -31,7 +32,8 @@ import torch
 from pyvene_causaltrace import load_model
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.defaults import BOS
-from pyvene_causaltrace.fitting import KINDS, RECIPE, STARTS, generate_pairs
+from pyvene_causaltrace.fit_text import generate_ids
+from pyvene_causaltrace.fitting import KINDS, RECIPE
 from pyvene_causaltrace.prompts import first_position
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.transcoders.fit import fast_bf16, fit_pairs
@@ -81,17 +83,18 @@ def main() -> None:
     model, tokenizer = load_model("smollm2-135m")
     bound = bind(model)
     n_texts = sizes[-1] + args.held
-    start = time.perf_counter()
-    _, x, y = generate_pairs(bound, tokenizer, n_texts, args.new_tokens, args.seed,
-                             record=n_texts)
-    generate_s = time.perf_counter() - start
     if args.transcoder:
         layers = list(range(bound.n_layers))
-    x, y = x[:, layers].clone(), y[:, layers].clone()  # [tokens, len(layers), D]
-    first = first_position(tokenizer, BOS)  # each text's kept positions, as generate_pairs
-    lengths = [len(tokenizer(STARTS[i % len(STARTS)])["input_ids"]) + args.new_tokens - 1 - first
-               for i in range(n_texts)]
+    first = first_position(tokenizer, BOS)
+    start = time.perf_counter()
+    ids, x, y = generate_ids(bound, tokenizer, n_texts, args.new_tokens, args.seed, first=first,
+                             keep=layers, record=n_texts, progress=True)
+    generate_s = time.perf_counter() - start
+    lengths = [len(row) - 1 - first for row in ids]  # each text's kept positions
     ends = torch.tensor(lengths).cumsum(0).tolist()
+    print(json.dumps({"generated_texts": n_texts, "tokens": ends[-1], "layers": layers,
+                      "generate_s": round(generate_s, 1),
+                      "tokens_per_s": round(ends[-1] / generate_s, 1)}), flush=True)
     held = [(x[b:e], y[b:e]) for b, e in zip([0, *ends][sizes[-1]:-1], ends[sizes[-1]:],
                                              strict=True)]
     if args.transcoder:
