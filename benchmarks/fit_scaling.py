@@ -15,6 +15,7 @@ the FVU of the skip path alone (features off), and the train FVU. One JSON line 
         --out benchmarks/results/fvu52/fit_scaling.jsonl
     python benchmarks/fit_scaling.py --transcoder DIR --held 64 --seed 7  # score a fitted one
     SMOKE=1 python benchmarks/fit_scaling.py                       # a 1-minute check that it runs
+    python benchmarks/fit_scaling.py --device cuda --texts 2048,4096,8192 --features 2048  # a GPU
 
 ``--transcoder DIR`` fits nothing: it scores a saved transcoder (every layer) on ``--held`` texts
 generated with ``--seed`` (a seed other than its fit's: text it has not seen).
@@ -42,10 +43,11 @@ from pyvene_causaltrace.transcoders.fit import fast_bf16, fit_pairs
 def held_out_fvu(transcoder, texts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
     """Per-layer FVU on ``texts`` (``(x, y)`` of one text each, ``[P, L, D]``): centred per text
     and on all tokens' mean, with the features and with the skip path alone."""
-    n_layers = texts[0][0].shape[1]
-    err, err_skip, dev_text = (torch.zeros(n_layers, dtype=torch.float64) for _ in range(3))
-    total = torch.zeros(n_layers, texts[0][1].shape[2], dtype=torch.float64)
-    square = torch.zeros(n_layers, dtype=torch.float64)
+    n_layers, device = texts[0][0].shape[1], texts[0][0].device
+    err, err_skip, dev_text = (torch.zeros(n_layers, dtype=torch.float64, device=device)
+                               for _ in range(3))
+    total = torch.zeros(n_layers, texts[0][1].shape[2], dtype=torch.float64, device=device)
+    square = torch.zeros(n_layers, dtype=torch.float64, device=device)
     count = 0
     with torch.no_grad():
         for x, y in texts:
@@ -76,11 +78,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append one JSON line per fit here")
     parser.add_argument("--transcoder", default=None, help="score this one instead of fitting")
+    parser.add_argument("--device", default="cpu", help="where the model and the fits run")
     args = parser.parse_args()
     sizes = [0] if args.transcoder else sorted(int(n) for n in args.texts.split(","))
     layers = [int(layer) for layer in args.layers.split(",")]
 
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model("smollm2-135m", device=args.device)
     bound = bind(model)
     n_texts = sizes[-1] + args.held
     if args.transcoder:
@@ -98,7 +101,7 @@ def main() -> None:
     held = [(x[b:e], y[b:e]) for b, e in zip([0, *ends][sizes[-1]:-1], ends[sizes[-1]:],
                                              strict=True)]
     if args.transcoder:
-        scores = held_out_fvu(load_transcoder(args.transcoder), held)
+        scores = held_out_fvu(load_transcoder(args.transcoder, device=args.device), held)
         per_text, all_tokens = (torch.tensor(scores[key]) for key in ("per_text", "all_tokens"))
         row = {"transcoder": args.transcoder, "held_out_texts": args.held, "seed": args.seed,
                "median_per_text": float(per_text.quantile(0.5)),
