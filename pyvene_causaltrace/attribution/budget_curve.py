@@ -147,7 +147,8 @@ class BudgetCurve:
             ax.set_xscale("log")
             ax.set_xlabel(f"features kept live (of {self.n_active} active)")
             ax.set_ylabel(name)
-        axes[0].set_yscale("symlog", linthresh=1e-3)
+        axes[0].set_yscale("symlog", linthresh=1e-3)  # KL reaches 0 at all features
+        axes[0].set_ylim(bottom=0)
         axes[1].axhline(self.prob_full, color="black", lw=0.5, ls="--", label="model")
         axes[0].legend(loc="best", fontsize=8)
         axes[1].legend(loc="best", fontsize=8)
