@@ -239,3 +239,46 @@ def test_ground_truth_budget_curve(truth, monkeypatch):
     monkeypatch.setattr(module, "node_order", lambda g, r: ranked(g, r).flip(0))
     reversed_ = budget_curve(gt.model, None, gt.transcoder, graph, **kwargs)
     assert max(reversed_.prob[:4]) < 0.01 and reversed_.random_prob == curve.random_prob
+
+
+# ------------------------------------------------------------------------- the results page
+
+
+def test_the_results_page_json_reads_back():
+    """examples/results/faithfulness/*.json: each budget curve reads back and its "random
+    features needed" are what its own random draws give."""
+    from pathlib import Path
+
+    folder = Path(__file__).parent.parent / "examples" / "results" / "faithfulness"
+    for name in ("budget_zero", "budget_counterfactual"):
+        curve = BudgetCurve.from_json(folder / f"{name}.json")
+        mean = torch.tensor(curve.random_kl, dtype=torch.float64).mean(0).tolist()
+        assert curve.matched[:-1] == [random_needed(curve.grid, mean, t)
+                                      for t in curve.kl[:-1]]
+        assert curve.kl[-1] < 1e-6 and curve.kept[-1] == curve.n_active
+
+
+def test_smollm2_budget_curve_points_are_explicit_forwards(smollm2, tmp_path):
+    """On the real model (a fixture CLT of its shape): two points recomputed by explicit
+    ablation forwards, and all features live is the model."""
+    model, tokenizer = smollm2
+    clt = load_from_disk(str(write_clt(tmp_path / "clt", random_clt_tensors(
+        30, 576, 64, threshold=0.6, seed=3), model_name="smollm2-135m")))
+    graph = attribute(model, tokenizer, clt, PROMPT, " Paris", max_feature_nodes=40)
+    counterfactual = tokenizer("The Colosseum is in the city of")["input_ids"]
+    curve = budget_curve(model, tokenizer, clt, graph, "The Colosseum is in the city of",
+                         budgets=(10, 50), draws=1)
+    start = graph.from_position
+    clean = _acts(model, clt, graph.input_ids, start)
+    cf_acts = _acts(model, clt, counterfactual, start)
+    order = _hand_order(clt, graph, clean)
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([graph.input_ids])).logits[0, -1].double()
+    answer = int(graph.target["token"])
+    for i, k in enumerate(curve.kept[:2]):
+        kl, prob = _kl_and_prob(full, _explicit(model, clt, graph, cf_acts, clean,
+                                                set(order[:k])), answer)
+        assert curve.kl[i] == pytest.approx(kl, abs=1e-5)
+        assert curve.prob[i] == pytest.approx(prob, abs=1e-6)
+    # float32 through 30 layers: the spliced model is the model to ~1e-4 in P
+    assert curve.kl[-1] < 1e-6 and curve.prob[-1] == pytest.approx(curve.prob_full, abs=1e-4)
