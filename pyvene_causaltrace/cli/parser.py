@@ -481,17 +481,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--format", default=None, help=_FORMAT_HELP)
     _faithfulness_flags(evaluate)
     evaluate.add_argument("--budget", action="store_true",
-                          help="the feature-budget curve instead of f(k): KL and P(answer) with "
-                               "only the top K active features live, beside K random ones, and "
-                               "the random features needed to match (--sizes, --level and "
-                               "--metric unused)")
+                          help="the feature-budget curve instead: KL and P(answer) with the top "
+                               "K active features live, beside K random ones")
     evaluate.add_argument("--budgets", default=",".join(str(k) for k in FAITH_BUDGETS),
-                          help="with --budget: the numbers K of features kept, whole numbers "
-                               "> 0, increasing; every active feature is added (default "
-                               "%(default)s)")
-    evaluate.add_argument("--out", type=Path, default=None,
-                          help="write faithfulness.json, faithfulness.csv, faithfulness.png "
-                               "(with --budget: budget_curve.json/.csv/.png)")
+                          help="with --budget: the K, whole numbers > 0, increasing; all "
+                               "active features added (default %(default)s)")
+    evaluate.add_argument("--out", type=Path, default=None, help="write faithfulness.json, "
+                          ".csv, .png (with --budget: budget_curve.json, .csv, .png)")
 
     commands.add_parser("interventions", parents=[plugins],
                         help="list the registered intervention types")
