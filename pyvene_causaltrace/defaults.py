@@ -122,3 +122,6 @@ FAITH_METRIC = "logit_diff"
 FAITH_DRAWS = 5
 FAITH_SEED = 0
 FAITH_BATCH = 16
+#: Feature-budget curves (``budget_curve``, ``evaluate --budget``): the numbers K of
+#: transcoder features kept live (PIE's; the curve adds every active feature, "all").
+FAITH_BUDGETS = (50, 100, 200, 400, 800)

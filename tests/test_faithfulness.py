@@ -273,3 +273,41 @@ def test_attribute_faithfulness_carries_the_scores_into_graph_json(on_disk, tmp_
     assert info["faithfulness"]["cpr"] == curve["cpr"] and len(curve["random_cpr"]) == 2
     summary = json.loads((out / "summary.json").read_text())
     assert summary["metadata"]["faithfulness"]["cmd"] == curve["cmd"]
+
+
+def test_evaluate_budget_writes_the_curve(on_disk, tmp_path, capsys):
+    import json
+
+    from pyvene_causaltrace.attribution import BudgetCurve
+    from pyvene_causaltrace.cli import main
+
+    out = tmp_path / "budget"
+    assert main(["evaluate", str(on_disk / "g.safetensors"), "--model", str(on_disk / "llama"),
+                 "--clt", str(on_disk / "clt"), "--budget", "--counterfactual", CF,
+                 "--budgets", "5,50", "--draws", "2", "--out", str(out)]) == 0
+    assert "active features" in capsys.readouterr().out
+    curve = BudgetCurve.from_json(json.loads((out / "budget_curve.json").read_text()))
+    assert curve.budgets[:2] == [5, 50] and curve.settings["ablation"] == "counterfactual"
+    for name in ("budget_curve.csv", "budget_curve.png"):
+        assert (out / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--budget", "--budgets", "0,50"], "error: --budgets: budgets must be whole numbers of "
+                                        "features K > 0"),
+    (["--budget", "--budgets", "-5"], "error: --budgets: budgets must be whole numbers"),
+    (["--budget", "--budgets", "100,50"], "error: --budgets: budgets must increase"),
+    (["--budget", "--budgets", "ten"], "error: --budgets: give whole numbers"),
+    (["--budget", "--metric", "kl"], "error: --metric"),
+    (["--budgets", "50"], "error: --budgets does not apply to `evaluate` (--budgets sets"),
+])
+def test_evaluate_budget_refusals_are_one_error_line(on_disk, capsys, extra, message):
+    from pyvene_causaltrace.cli import main
+
+    argv = ["evaluate", str(on_disk / "g.safetensors"), "--model", str(on_disk / "llama"),
+            "--clt", str(on_disk / "clt"), "--counterfactual", CF, *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(message), err
+    assert "Traceback" not in err

@@ -9,13 +9,15 @@ Data flows one way: :mod:`.replacement_model` -> :mod:`.replacement` (the local 
 forward) -> :mod:`.edges` (rows, closure; :mod:`.budget`) -> :mod:`.store` -> :mod:`.graph`
 (:mod:`.graph_file`, :mod:`.checkpoint`, :mod:`.spread`) -> :mod:`.reading`, :mod:`.export`,
 :mod:`.plots`; :mod:`.validate` ablates top features, :mod:`.faithfulness` measures MIB's
-faithfulness curve (f(k), CPR, CMD); :mod:`.heads` and :mod:`.qk` decompose
-edges and scores on the replayed run (:mod:`.graph_replay`), :mod:`.attention` exports them."""
+faithfulness curve (f(k), CPR, CMD), :mod:`.budget_curve` the feature-budget curve (PIE's);
+:mod:`.heads` and :mod:`.qk` decompose edges and scores on the replayed run
+(:mod:`.graph_replay`), :mod:`.attention` exports them."""
 
 from ..errors import GraphFileError
 from .attention import AttentionAnnotations, attention_annotations
 from .attribute import attribute, make_target
 from .budget import MemoryCapError
+from .budget_curve import BudgetCurve, budget_curve
 from .checkpoint import remove_checkpoint
 from .edges import CLOSURE_TOLERANCE, Closure, ClosureError
 from .faithfulness import FaithfulnessCurve, FaithfulnessSettings, faithfulness
@@ -32,6 +34,7 @@ __all__ = [
     "AttentionAnnotations",
     "AttributionGraph",
     "AttributionSettings",
+    "BudgetCurve",
     "Closure",
     "ClosureError",
     "FaithfulnessCurve",
@@ -48,6 +51,7 @@ __all__ = [
     "pre_softcap_logits",
     "attention_annotations",
     "attribute",
+    "budget_curve",
     "demeaned_logit",
     "faithfulness",
     "head_loadings",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -248,10 +249,12 @@ def circuits(graph: AttributionGraph, counts: list[int], order: torch.Tensor,
 @dataclass
 class _Ablated:
     """What the features and errors outside the circuit are set to: per-layer feature values
-    ``[L, P, F]`` and the decoders' errors ``[L, 1, P, D]``."""
+    ``[L, P, F]`` and the decoders' errors ``[L, 1, P, D]``; ``clean`` the clean run's features
+    ``[L, P, F]`` (zero before the graph's first position)."""
 
     features: torch.Tensor
     errors: torch.Tensor
+    clean: torch.Tensor
 
 
 def _features_and_errors(bound: BoundModel, transcoder: Transcoder, ids: torch.Tensor,
@@ -282,7 +285,30 @@ def ablated_values(bound: BoundModel, transcoder: Transcoder, graph: Attribution
         features = features.expand(-1, n_pos, -1).clone()
         errors = errors.expand(-1, -1, n_pos, -1).clone()
         features[:, :start] = 0
-    return _Ablated(features, held if s.errors == "held" else errors)
+    return _Ablated(features, held if s.errors == "held" else errors, clean_acts)
+
+
+def run_masks(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
+              blocks: Iterable[tuple[int, dict[int, torch.Tensor]]], outside: torch.Tensor,
+              errors: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Last-position logits ``[C, V]`` of the spliced model, one forward per block of
+    ``blocks``: ``(B, {layer: keep})`` with ``keep`` bool ``[B, P, F]`` (one circuit per batch
+    row; a layer left out is live), every feature where ``keep`` is False set to ``outside[layer]
+    [P, F]``, the decoders' ``errors`` added; and the number of forwards."""
+    ids = torch.tensor([graph.input_ids], device=bound.device)
+    selection = clean_selection(bound, transcoder, ids) if transcoder.cfg.joint else None
+    out, forwards = [], 0
+    for rows, block in blocks:
+        ablations = [{"clt_layer": lay, "features": "all", "keep": keep.to(bound.device),
+                      "outside": outside[lay][None]} for lay, keep in sorted(block.items())]
+        reps = clt_splice_representations(bound, transcoder, errors=errors,
+                                          from_position=graph.from_position,
+                                          ablations=ablations, selection=selection)
+        with torch.no_grad(), intervened(bound, reps) as spliced:
+            logits = spliced(input_ids=ids.expand(rows, -1)).logits[:, -1]
+        out.append(logits.float().cpu())
+        forwards += 1
+    return torch.cat(out), forwards
 
 
 def run_circuits(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph,
@@ -291,31 +317,22 @@ def run_circuits(bound: BoundModel, transcoder: Transcoder, graph: AttributionGr
     """Last-position logits ``[C, V]`` of the spliced model with each circuit of ``keep``
     (bool ``[C, n_features]``) live and the graph's other features ablated, ``batch_size``
     circuits per forward; and the number of forwards."""
-    ids = torch.tensor([graph.input_ids], device=bound.device)
     layer = graph.feature_layer.long()
     position, feature = graph.feature_position.long(), graph.feature_id.long()
     n_layers, n_pos, width = ablated.features.shape
-    selection = clean_selection(bound, transcoder, ids) if transcoder.cfg.joint else None
-    out, forwards = [], 0
-    for first in range(0, len(keep), batch_size):
-        block = keep[first:first + batch_size]
-        ablations = []
-        for lay in range(n_layers):
-            mine = layer == lay
-            if not mine.any():
-                continue
-            live = torch.ones(len(block), n_pos, width, dtype=torch.bool)
-            live[:, position[mine], feature[mine]] = block[:, mine]
-            ablations.append({"clt_layer": lay, "features": "all", "keep": live.to(bound.device),
-                              "outside": ablated.features[lay][None]})
-        reps = clt_splice_representations(bound, transcoder, errors=ablated.errors,
-                                          from_position=graph.from_position,
-                                          ablations=ablations, selection=selection)
-        with torch.no_grad(), intervened(bound, reps) as spliced:
-            logits = spliced(input_ids=ids.expand(len(block), -1)).logits[:, -1]
-        out.append(logits.float().cpu())
-        forwards += 1
-    return torch.cat(out), forwards
+
+    def blocks():
+        for first in range(0, len(keep), batch_size):
+            block, masks = keep[first:first + batch_size], {}
+            for lay in range(n_layers):
+                mine = layer == lay
+                if mine.any():
+                    live = torch.ones(len(block), n_pos, width, dtype=torch.bool)
+                    live[:, position[mine], feature[mine]] = block[:, mine]
+                    masks[lay] = live
+            yield len(block), masks
+
+    return run_masks(bound, transcoder, graph, blocks(), ablated.features, ablated.errors)
 
 
 def metric_of(logits: torch.Tensor, metric: str, answer: int, foil: int | None,
@@ -334,7 +351,7 @@ def metric_of(logits: torch.Tensor, metric: str, answer: int, foil: int | None,
 # ------------------------------------------------------------------------- the curve
 
 
-def _check_graph(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph) -> None:
+def check_graph(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph) -> None:
     if graph.targets and graph.targets[0].get("output", "logits") != "logits":
         raise InputError(f"graph: it explains a direction ({graph.targets[0]['name']}), not a "
                          "logit; faithfulness reads the answer's logit")
@@ -359,6 +376,26 @@ def _ids(bound: BoundModel, name: str, prompt, tokenizer) -> torch.Tensor:
     ids = torch.tensor([list(prompt)], device=bound.device)
     bound.check_inputs(ids)
     return ids
+
+
+def ablation_prompts(bound: BoundModel, tokenizer, graph: AttributionGraph,
+                     s: FaithfulnessSettings, counterfactual, reference
+                     ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """The counterfactual prompt ``[1, P]`` (or None) and the reference prompts, checked
+    against the graph's prompt and the ablation."""
+    n_pos, cf = len(graph.input_ids), None
+    if counterfactual is not None:
+        cf = _ids(bound, "counterfactual", counterfactual, tokenizer)
+        if cf.shape[1] != n_pos:
+            raise InputError(f"counterfactual: it is {cf.shape[1]} tokens and the graph's "
+                             f"prompt {n_pos}; a counterfactual prompt patches position by "
+                             "position: give one of the same length")
+    if s.ablation == "counterfactual" and cf is None:
+        raise InputError("counterfactual: ablation='counterfactual' (MIB's default) needs a "
+                         "counterfactual prompt; or ablation='mean' with reference=, or 'zero'")
+    if s.ablation == "mean" and not reference:
+        raise InputError("reference: ablation='mean' needs reference prompts")
+    return cf, [_ids(bound, "reference", r, tokenizer) for r in reference or []]
 
 
 def _foil(bound, tokenizer, foil, counterfactual, answer: int, metric: str) -> int | None:
@@ -401,21 +438,9 @@ def faithfulness(model: BoundModel, tokenizer: PreTrainedTokenizerBase | None,
     transcoder, an ablation without its prompts."""
     started = time.perf_counter()
     s = FaithfulnessSettings.merged(settings, **keywords)
-    _check_graph(model, transcoder, graph)
-    n_pos, answer = len(graph.input_ids), int(graph.target["token"])
-    cf = None
-    if counterfactual is not None:
-        cf = _ids(model, "counterfactual", counterfactual, tokenizer)
-        if cf.shape[1] != n_pos:
-            raise InputError(f"counterfactual: it is {cf.shape[1]} tokens and the graph's "
-                             f"prompt {n_pos}; a counterfactual prompt patches position by "
-                             "position: give one of the same length")
-    if s.ablation == "counterfactual" and cf is None:
-        raise InputError("counterfactual: ablation='counterfactual' (MIB's default) needs a "
-                         "counterfactual prompt; or ablation='mean' with reference=, or 'zero'")
-    if s.ablation == "mean" and not reference:
-        raise InputError("reference: ablation='mean' needs reference prompts")
-    refs = [_ids(model, "reference", r, tokenizer) for r in reference or []]
+    check_graph(model, transcoder, graph)
+    answer = int(graph.target["token"])
+    cf, refs = ablation_prompts(model, tokenizer, graph, s, counterfactual, reference)
     foil_id = _foil(model, tokenizer, foil, cf, answer, s.metric)
     ids = torch.tensor([graph.input_ids], device=model.device)
     with torch.no_grad():

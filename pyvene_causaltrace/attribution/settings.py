@@ -21,6 +21,7 @@ from ..defaults import (
     EDGE_THRESHOLD,
     FAITH_ABLATION,
     FAITH_BATCH,
+    FAITH_BUDGETS,
     FAITH_DRAWS,
     FAITH_ERRORS,
     FAITH_LEVEL,
@@ -190,7 +191,9 @@ class FaithfulnessSettings(Settings):
     ``rank_by`` ``"influence"`` or ``"direct"`` (a node's signed direct effect on the target, an
     edge's ``|weight|``); ``ablation`` ``"counterfactual"``, ``"mean"`` or ``"zero"``;
     ``errors`` ``"held"`` or ``"ablated"``; ``metric`` ``"logit_diff"``, ``"prob"`` or ``"kl"``;
-    ``draws`` random rankings (seeded by ``seed``); ``batch_size`` circuits per forward."""
+    ``draws`` random rankings (seeded by ``seed``); ``batch_size`` circuits per forward;
+    ``budgets`` the numbers K of features a feature-budget curve keeps (positive, increasing;
+    :mod:`.budget_curve`)."""
 
     sizes: tuple[float, ...] = FAITH_SIZES
     level: Literal["nodes", "edges"] = FAITH_LEVEL
@@ -201,9 +204,18 @@ class FaithfulnessSettings(Settings):
     draws: PositiveInt = FAITH_DRAWS
     seed: Seed = FAITH_SEED
     batch_size: PositiveInt = FAITH_BATCH
+    budgets: tuple[int, ...] = FAITH_BUDGETS
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        budgets = tuple(self.budgets)
+        if not budgets or any(isinstance(k, bool) or not isinstance(k, int) or k <= 0
+                              for k in budgets):
+            raise InputError(f"budgets must be whole numbers of features K > 0, got "
+                             f"{list(budgets)}")
+        if any(b <= a for a, b in zip(budgets, budgets[1:], strict=False)):
+            raise InputError(f"budgets must increase, got {list(budgets)}")
+        object.__setattr__(self, "budgets", budgets)
         sizes = tuple(self.sizes)
         if not sizes or any(not 0 < s <= 100 for s in sizes):
             raise InputError(f"sizes must be percentages in (0, 100], got {list(sizes)}")

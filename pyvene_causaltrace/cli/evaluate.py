@@ -1,11 +1,13 @@
-"""``evaluate``: a saved graph's faithfulness curve (MIB's f(k), CPR, CMD), and the part of
-``attribute --faithfulness`` that reads the flags and writes the files."""
+"""``evaluate``: a saved graph's faithfulness curve (MIB's f(k), CPR, CMD) or, with
+``--budget``, its feature-budget curve; and the part of ``attribute --faithfulness`` that reads
+the flags and writes the files."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..atomic import replacing
+from ..attribution.budget_curve import BudgetCurve, budget_curve
 from ..attribution.faithfulness import FaithfulnessCurve, faithfulness
 from ..attribution.graph import AttributionGraph
 from ..attribution.settings import FaithfulnessSettings
@@ -28,7 +30,16 @@ def faithfulness_settings(args) -> FaithfulnessSettings:
         raise InputError(f"--sizes: give percentages separated by commas, got "
                          f"{args.sizes!r}") from None
     values = {field: getattr(args, dest) for dest, field in FAITHFULNESS_FLAGS.items()}
-    return settings_of(FaithfulnessSettings, {**values, "sizes": sizes}, FAITHFULNESS_FLAGS)
+    values["sizes"] = sizes
+    flags = FAITHFULNESS_FLAGS
+    if getattr(args, "budgets", None) is not None:  # evaluate's, not attribute's
+        try:
+            values["budgets"] = tuple(int(k) for k in str(args.budgets).split(","))
+        except ValueError:
+            raise InputError(f"--budgets: give whole numbers of features separated by "
+                             f"commas, got {args.budgets!r}") from None
+        flags = {**flags, "budgets": "budgets"}
+    return settings_of(FaithfulnessSettings, values, flags)
 
 
 def reference_prompts(path: Path | None) -> list[str] | None:
@@ -61,6 +72,26 @@ def run_faithfulness(args, settings: FaithfulnessSettings, model, tokenizer, tra
     return curve
 
 
+def run_budget_curve(args, settings: FaithfulnessSettings, model, tokenizer, transcoder,
+                     graph: AttributionGraph, out: Path | None) -> BudgetCurve:
+    """The feature-budget curve, printed and (with ``out``) written as
+    budget_curve.json/.csv/.png."""
+    curve = budget_curve(model, tokenizer, transcoder, graph, args.counterfactual,
+                         reference=reference_prompts(args.reference), settings=settings)
+    print(curve.to_dataframe().to_string(index=False))
+    print(f"{curve.n_active} active features ({curve.n_graph} graph nodes ranked first); "
+          f"P(answer) {curve.prob_full:.4f} in the model, {curve.prob_empty:.4f} with none "
+          f"live; {curve.forwards} forwards, {curve.seconds:.1f} s")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        curve.to_json(out / "budget_curve.json")
+        with replacing(out / "budget_curve.csv") as tmp:
+            curve.to_dataframe().to_csv(tmp, index=False)
+        with replacing(out / "budget_curve.png") as tmp:
+            curve.plot(tmp)
+    return curve
+
+
 def evaluate_command(args) -> int:
     settings = faithfulness_settings(args)  # refused before anything loads
     out = out_dir(args.out)
@@ -68,5 +99,6 @@ def evaluate_command(args) -> int:
     graph = AttributionGraph.load(args.graph)
     transcoder = load_transcoder(args.clt, format=args.format, device=device)
     model, tokenizer = load_model(args.model or OFFLINE_DEFAULT, device=device)
-    run_faithfulness(args, settings, model, tokenizer, transcoder, graph, out)
+    run = run_budget_curve if args.budget else run_faithfulness
+    run(args, settings, model, tokenizer, transcoder, graph, out)
     return 0

@@ -88,8 +88,17 @@ MODES: dict[str, tuple[Mode, ...]] = {
               f"{_STEER_COMMON} prompt set no_hold_errors freeze_attention bos", ""),
     ),
     "serve": (_mode("serve", None, "dir port no_open", "d"),),
-    "evaluate": (_mode("evaluate", None, f"graph model device clt format out {FAITHFULNESS}",
-                       "g.safetensors --clt c"),),
+    "evaluate": (
+        _mode("evaluate --budget", "budget",
+              "graph model device clt format out counterfactual reference rank_by ablation "
+              "errors draws seed circuits_per_forward budget budgets",
+              "g.safetensors --clt c --budget",
+              "the budget curve keeps K features and reads KL and P(answer): no sizes, level, "
+              "metric or foil"),
+        _mode("evaluate", None, f"graph model device clt format out {FAITHFULNESS}",
+              "g.safetensors --clt c", "--budgets sets the K of the feature-budget curve, "
+              "which --budget measures"),
+    ),
 }
 
 #: command -> {flag: (the flag it needs, what that flag does)}: read only beside it.

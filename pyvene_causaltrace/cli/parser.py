@@ -28,6 +28,7 @@ from ..defaults import (
     EDGE_THRESHOLD,
     FAITH_ABLATION,
     FAITH_BATCH,
+    FAITH_BUDGETS,
     FAITH_DRAWS,
     FAITH_ERRORS,
     FAITH_LEVEL,
@@ -479,8 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--clt", required=True, help=_TRANSCODER_HELP)
     evaluate.add_argument("--format", default=None, help=_FORMAT_HELP)
     _faithfulness_flags(evaluate)
-    evaluate.add_argument("--out", type=Path, default=None,
-                          help="write faithfulness.json, faithfulness.csv, faithfulness.png")
+    evaluate.add_argument("--budget", action="store_true",
+                          help="the feature-budget curve instead: KL and P(answer) with the top "
+                               "K active features live, beside K random ones")
+    evaluate.add_argument("--budgets", default=",".join(str(k) for k in FAITH_BUDGETS),
+                          help="with --budget: the K, whole numbers > 0, increasing; all "
+                               "active features added (default %(default)s)")
+    evaluate.add_argument("--out", type=Path, default=None, help="write faithfulness.json, "
+                          ".csv, .png (with --budget: budget_curve.json, .csv, .png)")
 
     commands.add_parser("interventions", parents=[plugins],
                         help="list the registered intervention types")

@@ -110,13 +110,15 @@ def graph_manifest(model: nn.Module, transcoder: Transcoder, settings: GraphSett
                    faithfulness: FaithfulnessSettings | None = None) -> dict:
     """The manifest keys of a run with graphs, once ``transcoder`` is checked to fit ``model``
     (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError` if not); with
-    ``faithfulness``, its settings (all but ``batch_size``, which changes no number) under
-    ``graphs.faithfulness``, so a resume with other (or no) curves is refused."""
+    ``faithfulness``, its settings (all but ``batch_size`` and the budget curve's ``budgets``,
+    which change no number here) under ``graphs.faithfulness``, so a resume with other (or no)
+    curves is refused."""
     check_fits(model, transcoder)
     graphs = settings.to_manifest()
     if faithfulness is not None:
         graphs["faithfulness"] = {**{k: v for k, v in asdict(faithfulness).items()
-                                     if k != "batch_size"}, "sizes": list(faithfulness.sizes)}
+                                     if k not in ("batch_size", "budgets")},
+                                  "sizes": list(faithfulness.sizes)}
     return {"transcoder": transcoder_fingerprint(transcoder), "graphs": graphs}
 
 
