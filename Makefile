@@ -33,7 +33,7 @@ VENV_PEER ?= .venv-peer
 # VENV_OLDEST=.venv-transformers4 gives it an environment of its own.
 VENV_OLDEST ?= $(VENV_PEER)
 
-.PHONY: setup trace test test-extra test-all test-numerics test-oldest test-peer lint attribute
+.PHONY: setup trace test test-extra test-all test-numerics test-oldest test-peer peer-lorsa-env lint attribute
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -81,6 +81,28 @@ $(VENV_PEER)/.installed: pyproject.toml
 		"circuit-tracer==$(PEER_CIRCUIT_TRACER)" "nnsight==$(PEER_NNSIGHT)" \
 		"transformer-lens==$(PEER_TRANSFORMER_LENS)"
 	touch $@
+
+# The Lorsa peer (issue 56): llamascopium, OpenMOSS's attribution through Lorsa and transcoders,
+# in an environment of its own (it needs torch >= 2.11, transformer-lens >= 2.16.2 and a heavy
+# stack: datasets, wandb, pymongo, openai). Torch goes in first from TORCH_SPEC (the CPU build);
+# llamascopium's `torch>=2.11` is then already met and pip pulls no CUDA torch. Not part of
+# `make test-peer` or CI yet: tests_peer/lorsa_peer_dump.py runs in it (tests_peer/test_lorsa_peer.py).
+PEER_LLAMASCOPIUM ?= 2.0.0b34
+PEER_LORSA_TRANSFORMER_LENS ?= 3.2.1
+PEER_LORSA_TRANSFORMERS ?= 4.57.3
+VENV_LORSA_PEER ?= .venv-lorsa-peer
+
+$(VENV_LORSA_PEER)/.installed:
+	python3 -m venv $(VENV_LORSA_PEER)
+	$(VENV_LORSA_PEER)/bin/python -m pip install $(PIP_FLAGS) --upgrade pip
+	$(VENV_LORSA_PEER)/bin/python -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)"
+	$(VENV_LORSA_PEER)/bin/python -m pip install $(PIP_FLAGS) "$(TORCH_SPEC)" \
+		"llamascopium==$(PEER_LLAMASCOPIUM)" "transformer-lens==$(PEER_LORSA_TRANSFORMER_LENS)" \
+		"transformers==$(PEER_LORSA_TRANSFORMERS)" pytest
+	$(VENV_LORSA_PEER)/bin/python -c "import torch; assert torch.version.cuda is None, torch.__version__"
+	touch $@
+
+peer-lorsa-env: $(VENV_LORSA_PEER)/.installed
 
 ifneq ($(VENV_OLDEST),$(VENV_PEER))
 $(VENV_OLDEST)/.installed: pyproject.toml

@@ -154,3 +154,52 @@ def test_the_command_takes_dtype_and_deterministic():
     assert (made.compute_dtype, made.deterministic) == ("bfloat16", True)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["attribute", "--out", "o", "--clt", "c", "--dtype", "half"])
+
+
+def _dense_edges(graph, reference):
+    """The plain path: both graphs' rows dense at once over the union of their nodes (the
+    matching of nodes as ``graph_deviation`` does it, checked by the tests above)."""
+    from pyvene_causaltrace.attribution.compare import _keys, _name
+
+    width = 1 + max(int(g.feature_id.max()) for g in (graph, reference))
+    union, inverse = torch.unique(torch.cat([_keys(graph, width), _keys(reference, width)]),
+                                  return_inverse=True)
+    names, maps = [_name(t) for t in reference.targets], []
+    for g, features in ((graph, inverse[:graph.n_features]),
+                        (reference, inverse[graph.n_features:])):
+        rest = len(union) + torch.arange(g.layout.n_nodes - g.n_features)
+        order = torch.tensor([names.index(_name(t)) for t in g.targets])
+        rest[len(rest) - len(order):] = rest[len(rest) - len(order)] + order
+        maps.append(torch.cat([features, rest]))
+    n_nodes = len(union) + graph.layout.n_nodes - graph.n_features
+    n_columns = n_nodes - graph.layout.n_logits
+    a, b = (torch.zeros(n_nodes, n_columns, dtype=torch.float64) for _ in range(2))
+    for out, g, m in ((a, graph, maps[0]), (b, reference, maps[1])):
+        out[m[g.rows.nodes][:, None], m[:g.rows.n_columns][None, :]] = g.rows.dense(
+            torch.arange(g.rows.n_rows)).double()
+    both = torch.zeros(n_nodes, dtype=torch.long)
+    for m in maps:
+        both[m] += 1
+    rows = torch.zeros(n_nodes, dtype=torch.bool)
+    for g, m in ((graph, maps[0]), (reference, maps[1])):
+        rows[m[g.rows.nodes]] = True
+    rows &= both == 2
+    a, b = (x[rows][:, (both == 2)[:n_columns]] for x in (a, b))
+    delta = (a - b).abs()
+    scale = torch.maximum(a.abs().amax(1), b.abs().amax(1))
+    per_row = delta.amax(1)[scale > 0] / scale[scale > 0]
+    return {"graph": float(delta.max() / scale.max()), "row_max": float(per_row.max()),
+            "row_median": float(per_row.median()), "rows": int(rows.sum())}
+
+
+def test_the_deviation_made_a_few_rows_at_a_time_equals_all_rows_at_once(graphs):
+    """``graph_deviation`` makes ``chunk`` rows dense at a time (a long graph's rows never all
+    dense): every chunk size gives the numbers of one chunk, and those equal a plain
+    recomputation with every row dense at once."""
+    reference, graph = graphs
+    whole = graph_deviation(graph, reference, chunk=10**6)
+    for chunk in (1, 3, 7):
+        assert graph_deviation(graph, reference, chunk=chunk) == whole
+    plain = _dense_edges(graph, reference)
+    assert {k: whole["edges"][k] for k in plain} == pytest.approx(plain, rel=1e-12)
+    assert whole["features"]["only_in_graph"] > 0  # the union matters here

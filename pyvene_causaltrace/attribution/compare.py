@@ -47,7 +47,7 @@ def _check_same(graph: AttributionGraph, reference: AttributionGraph) -> None:
 
 @checked
 def graph_deviation(graph: AttributionGraph, reference: AttributionGraph,
-                    top: PositiveInt = 100) -> dict:
+                    top: PositiveInt = 100, chunk: PositiveInt = 1024) -> dict:
     """How ``graph`` deviates from ``reference`` (module docstring).
 
     ``edges``, between the nodes both graphs have: ``graph``, max ``|Δedge|`` over the largest
@@ -56,7 +56,8 @@ def graph_deviation(graph: AttributionGraph, reference: AttributionGraph,
     ``top_overlap``: the share of ``reference``'s ``top`` source nodes by influence that are
     among ``graph``'s. ``target``: each graph's target value and their relative difference.
     ``closure``: each graph's target-row and worst feature-row closure, and its tolerance.
-    ``features``: each graph's count and those only one has. Refused
+    ``features``: each graph's count and those only one has. ``chunk`` rows are
+    made dense at a time (float64), so a long graph's rows are never all dense. Refused
     (:class:`~..errors.InputError`): graphs of different prompts or targets."""
     _check_same(graph, reference)
     width = 1 + max((int(g.feature_id.max()) for g in (graph, reference) if g.n_features),
@@ -77,24 +78,35 @@ def graph_deviation(graph: AttributionGraph, reference: AttributionGraph,
                                         zip((graph, reference), maps, strict=True)]))
     where = torch.full((n_nodes,), -1, dtype=torch.long)
     where[row_nodes] = torch.arange(len(row_nodes))
-    dense = []
-    for g, m in zip((graph, reference), maps, strict=True):
-        out = torch.zeros(len(row_nodes), n_columns, dtype=torch.float64)
-        rows = g.rows.dense(torch.arange(g.rows.n_rows)).double()
-        out[where[m[g.rows.nodes]][:, None], m[:g.rows.n_columns][None, :]] = rows
-        dense.append(out)
-    a, b = dense
-    delta = (a - b).abs()
-    whole = float(delta.max() / torch.maximum(a.abs().max(), b.abs().max()).clamp(min=1e-30))
     both = torch.zeros(n_nodes, 2, dtype=torch.bool)  # nodes each graph has
     for j, m in enumerate(maps):
         both[m, j] = True
     both = both.all(1)
     rows_both, columns_both = both[row_nodes], both[:n_columns]
-    delta, a, b = (x[rows_both][:, columns_both] for x in (delta, a, b))
-    scale = torch.maximum(a.abs().amax(1), b.abs().amax(1))
+    slots = [where[m[g.rows.nodes]] for g, m in zip((graph, reference), maps, strict=True)]
+    whole_delta = whole_scale = 0.0
+    deltas, scales = [], []
+    for start in range(0, len(row_nodes), chunk):  # rows a chunk at a time: no [rows, columns]
+        stop = min(start + chunk, len(row_nodes))
+        dense = []
+        for g, m, slot in zip((graph, reference), maps, slots, strict=True):
+            out = torch.zeros(stop - start, n_columns, dtype=torch.float64)
+            mine = ((slot >= start) & (slot < stop)).nonzero().reshape(-1)
+            out[(slot[mine] - start)[:, None], m[:g.rows.n_columns][None, :]] = (
+                g.rows.dense(mine).double())
+            dense.append(out)
+        a, b = dense
+        delta = (a - b).abs()
+        whole_delta = max(whole_delta, float(delta.max()))
+        whole_scale = max(whole_scale, float(torch.maximum(a.abs().max(), b.abs().max())))
+        keep = rows_both[start:stop]
+        delta, a, b = (x[keep][:, columns_both] for x in (delta, a, b))
+        deltas.append(delta.amax(1))
+        scales.append(torch.maximum(a.abs().amax(1), b.abs().amax(1)))
+    whole = whole_delta / max(whole_scale, 1e-30)
+    delta, scale = torch.cat(deltas), torch.cat(scales)
     has = scale > 0
-    per_row = delta.amax(1)[has] / scale[has]
+    per_row = delta[has] / scale[has]
     influence = []
     for g, m in zip((graph, reference), maps, strict=True):
         score = g.influence()[:g.rows.n_columns].double()
@@ -105,7 +117,7 @@ def graph_deviation(graph: AttributionGraph, reference: AttributionGraph,
     value["relative"] = abs(value["graph"] - value["reference"]) / max(
         abs(value["reference"]), 1e-30)
     return {
-        "edges": {"graph": float(delta.max() / scale.max().clamp(min=1e-30)),
+        "edges": {"graph": float(delta.max()) / max(float(scale.max()), 1e-30),
                   "row_max": float(per_row.max()) if len(per_row) else 0.0,
                   "row_median": float(per_row.median()) if len(per_row) else 0.0,
                   "rows": int(rows_both.sum()), "with_unshared": whole},
