@@ -1,0 +1,120 @@
+"""Attribution through Lorsa (issue 56 item 3): ``attribute(..., attention=lorsa)`` with a
+cross-layer transcoder on a tiny Llama. The replacement forward is the model; every row
+closes (the target's, a transcoder feature's, a Lorsa head's); batched rows equal the
+one-backward-per-node loop; a head's row target is its activation less ``b_V``; dropping the
+Lorsa error nodes breaks closure (the control); the graph's nodes, save/load and JSON carry
+the ``lorsa`` and ``lorsa error`` kinds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _support.models import PROMPT, make_tiny_model
+from clt_fixtures import random_clt_tensors, write_clt
+from lorsa_fixtures import peer_config, peer_tensors, write_peer_lorsa
+
+from pyvene_causaltrace.attribution import AttributionGraph, attribute
+from pyvene_causaltrace.attribution.edges import (
+    feature_rows,
+    feature_rows_loop,
+    feature_targets,
+    row_closures,
+    target_row,
+)
+from pyvene_causaltrace.attribution.export import check_graph_json
+from pyvene_causaltrace.attribution.replacement import replacement_forward
+from pyvene_causaltrace.attribution.targets import demeaned_logit
+from pyvene_causaltrace.bound import bind
+from pyvene_causaltrace.transcoders import load_from_disk
+from pyvene_causaltrace.transcoders.lorsa import load_lorsa
+
+LAYERS = (0, 2)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer):
+    tmp = tmp_path_factory.mktemp("lorsa-attr")
+    model = make_tiny_model("llama", init=0.2, n_layers=3)
+    clt = load_from_disk(str(write_clt(tmp / "clt", random_clt_tensors(3, 32, 48,
+                                                                       threshold=0.1))))
+    for layer in LAYERS:
+        cfg = peer_config(layer=layer)
+        write_peer_lorsa(tmp / "lorsa" / f"L{layer}", cfg, peer_tensors(cfg, seed=layer),
+                         (2.5, 0.7))
+    lorsa = load_lorsa(tmp / "lorsa")
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    return model, clt, lorsa, ids
+
+
+@pytest.mark.numerics
+def test_the_lorsa_replacement_is_the_model_and_every_row_closes(setup):
+    model, clt, lorsa, ids = setup
+    clean = model(input_ids=ids).logits
+    run = replacement_forward(bind(model), clt, ids, lorsa=lorsa)
+    n_tc = run.n_transcoder_features
+    assert run.lorsa_layers == list(LAYERS) and run.n_features - n_tc > 20
+    assert (run.logits.detach() - clean[:, -1:]).abs().max() < 1e-5
+    target = demeaned_logit(clean, int(clean[0, -1].argmax()), 10)
+    row, constant, closure = target_row(run, target)
+    assert closure.relative < 1e-6, closure
+    # the control: the Lorsa error nodes (after the MLP errors) carry what Lorsa misses;
+    # without them the row does not close
+    start = run.n_features + run.n_layers * run.n_pos
+    dropped = row.clone()
+    dropped[start:start + len(LAYERS) * run.n_pos] = 0
+    assert float(row_closures(dropped[None], torch.tensor([constant]),
+                              torch.tensor([closure.target]))[0]) > 1e-3
+    # rows of transcoder features and Lorsa heads: batched == loop, each closes
+    index = torch.cat([torch.arange(n_tc - 6, n_tc),
+                       torch.arange(n_tc, run.n_features, 3)])
+    loop_rows, loop_constants = feature_rows_loop(run, index)
+    rows, constants = feature_rows(run, index)
+    torch.testing.assert_close(rows, loop_rows, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(constants, loop_constants, atol=1e-5, rtol=0)
+    values = feature_targets(run, index).detach()
+    assert (rows.double().sum(1) + constants - values).abs().max() < 1e-5
+    # a head's target is its activation less b_V (the pattern's rows sum to 1)
+    heads = index[index >= n_tc]
+    b_v = torch.stack([lorsa[int(run.feature_layer[i])].b_V[int(run.feature_id[i])]
+                       for i in heads])
+    torch.testing.assert_close(run.activation[heads] - values[-len(heads):], b_v,
+                               atol=1e-5, rtol=1e-4)
+    # a Lorsa head at layer 2 reads the layer-0 Lorsa heads (through the residual stream)
+    layer0 = (run.feature_layer[n_tc:] == 0).nonzero().squeeze(-1) + n_tc
+    late = heads[run.feature_layer[heads] == 2]
+    assert rows[-len(heads):][run.feature_layer[heads] == 2][:, layer0].abs().sum() > 0
+    assert len(late) > 0
+
+
+@pytest.mark.numerics
+def test_attribute_with_attention_lorsa_builds_a_closed_graph_with_both_kinds(setup, tokenizer,
+                                                                             tmp_path):
+    model, clt, lorsa, _ = setup
+    graph = attribute(model, tokenizer, clt, PROMPT, attention=lorsa, max_feature_nodes=60,
+                      batch_size=16)
+    n_heads = graph.n_features - graph.first_lorsa_node
+    assert n_heads > 20 and graph.n_explored == 60
+    assert float(graph.row_closures().max()) < 1e-4
+    nodes = graph.nodes()
+    kinds = nodes["kind"].value_counts()
+    assert kinds["lorsa"] == n_heads
+    assert kinds["lorsa error"] == len(LAYERS) * graph.n_pos
+    assert set(nodes.loc[nodes["kind"] == "lorsa error", "layer"]) == set(LAYERS)
+    explored = nodes[nodes["explored"] & nodes["kind"].isin(["feature", "lorsa"])]
+    assert set(explored["kind"]) == {"feature", "lorsa"}  # the budget ranks both kinds
+    graph.save(tmp_path / "g.safetensors")
+    again = AttributionGraph.load(tmp_path / "g.safetensors")
+    assert again.nodes()["kind"].tolist() == nodes["kind"].tolist()
+    payload = graph.to_json(node_threshold=0.9, edge_threshold=0.99)
+    check_graph_json(payload)
+    types = {n["feature_type"] for n in payload["nodes"]}
+    assert {"lorsa", "cross layer transcoder"} <= types
+    ids = [n["node_id"] for n in payload["nodes"]]
+    assert len(ids) == len(set(ids))
+    layers = {n["feature_type"]: set() for n in payload["nodes"]}
+    for n in payload["nodes"]:
+        layers[n["feature_type"]].add(n["layer"])
+    assert all(int(x) % 2 == 0 for x in layers["lorsa"])  # OpenMOSS sublayers
+    assert all(int(x) % 2 == 1 for x in layers["cross layer transcoder"])
+    info = payload["metadata"]["info"]
+    assert info["source_sets"]["lorsa"] == "lorsa" and info["lorsa"]["layers"] == list(LAYERS)
