@@ -22,6 +22,7 @@ from pyvene_causaltrace.attribution.edges import (
     target_row,
 )
 from pyvene_causaltrace.attribution.export import check_graph_json
+from pyvene_causaltrace.attribution.lorsa_qk import lorsa_qk_tracing, trace_lorsa_qk
 from pyvene_causaltrace.attribution.replacement import replacement_forward
 from pyvene_causaltrace.attribution.targets import demeaned_logit
 from pyvene_causaltrace.bound import bind
@@ -84,6 +85,23 @@ def test_the_lorsa_replacement_is_the_model_and_every_row_closes(setup):
     late = heads[run.feature_layer[heads] == 2]
     assert rows[-len(heads):][run.feature_layer[heads] == 2][:, layer0].abs().sum() > 0
     assert len(late) > 0
+    # QK tracing: each side's parts close on the score, which is the Lorsa's own
+    for node in (n_tc, int(late[0]), run.n_features - 1):
+        traced = lorsa_qk_tracing(run, lorsa, node, top_k=5)
+        one, slot = lorsa[traced["layer"]], LAYERS.index(traced["layer"])
+        q, k = one.queries_keys(run.lorsa_inputs[slot].detach())
+        h, p, kp = traced["qk_head"], traced["position"], traced["key_position"]
+        score = float(q[0, p, h] @ k[0, kp, h]) / one.cfg.attn_scale
+        assert abs(traced["score"] - score) < 1e-5 * max(1.0, abs(score))
+        assert abs(traced["q_total"] - score) < 1e-5 * max(1.0, abs(score))
+        assert abs(traced["k_total"] - score) < 1e-5 * max(1.0, abs(score))
+        assert kp == int(run.lorsa_heads[slot].pattern[h, p].argmax())
+        assert 0 < len(traced["q_marginal"]) <= 5 and 0 < len(traced["pairs"]) <= 5
+        # causal: nothing at a later position or layer feeds the query
+        for column, _ in traced["q_marginal"] + traced["k_marginal"]:
+            if 0 <= column < run.n_features:
+                assert int(run.feature_position[column]) <= p
+                assert int(run.feature_layer[column]) <= traced["layer"]
 
 
 @pytest.mark.numerics
@@ -105,6 +123,8 @@ def test_attribute_with_attention_lorsa_builds_a_closed_graph_with_both_kinds(se
     graph.save(tmp_path / "g.safetensors")
     again = AttributionGraph.load(tmp_path / "g.safetensors")
     assert again.nodes()["kind"].tolist() == nodes["kind"].tolist()
+    traced = trace_lorsa_qk(model, clt, lorsa, graph, top_k=4)
+    assert traced and graph.metadata["qk_tracing_results"] is traced
     payload = graph.to_json(node_threshold=0.9, edge_threshold=0.99)
     check_graph_json(payload)
     types = {n["feature_type"] for n in payload["nodes"]}
@@ -116,5 +136,9 @@ def test_attribute_with_attention_lorsa_builds_a_closed_graph_with_both_kinds(se
         layers[n["feature_type"]].add(n["layer"])
     assert all(int(x) % 2 == 0 for x in layers["lorsa"])  # OpenMOSS sublayers
     assert all(int(x) % 2 == 1 for x in layers["cross layer transcoder"])
+    shown = set(ids)
+    assert set(payload["qk_tracing_results"]) <= shown
+    named = {n for r in payload["qk_tracing_results"].values() for n, _ in r["q_marginal"]}
+    assert named - {"constants"} <= shown | set(payload["qk_only_nodes"])
     info = payload["metadata"]["info"]
     assert info["source_sets"]["lorsa"] == "lorsa" and info["lorsa"]["layers"] == list(LAYERS)

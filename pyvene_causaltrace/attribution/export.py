@@ -22,7 +22,7 @@ from ..atomic import write_text
 from ..errors import InputError
 from ..graph_schema import validate
 from .identity import check_labels, graph_identity, text_digest
-from .lorsa_nodes import lorsa_info
+from .lorsa_nodes import lorsa_info, qk_tracing_json
 from .settings import ReadingSettings
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
@@ -222,7 +222,8 @@ def graph_json(graph, slug: str | None = None,
     }
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",
                 "sg_pos": ""}
-    payload = {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
+    payload = {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links,
+               **qk_tracing_json(graph, node_id, set(ids.values()))}
     return payload if attention is None else attention.annotate(payload, graph, identity)
 
 

@@ -36,7 +36,7 @@ def lorsa_leaves(lorsa: LorsaSet | None, session: SpliceSession) -> dict:
                                  ("inputs", "inputs"), ("biases", "b_D"))}}
 
 
-def _slots(run, index: torch.Tensor) -> list[int]:
+def slots_of(run, index: torch.Tensor) -> list[int]:
     """The ``run.lorsa_*`` slot of each Lorsa node in ``index`` (graph feature indices)."""
     slots = {layer: slot for slot, layer in enumerate(run.lorsa_layers)}
     return [slots[layer] for layer in run.feature_layer[index].tolist()]
@@ -57,7 +57,7 @@ def lorsa_targets_and_magnitudes(run, index: torch.Tensor
     """Activations without ``b_V`` of Lorsa nodes ``index`` from the live inputs, and the sums
     of their terms' magnitudes (float64), as :func:`~.edges.feature_targets_and_magnitudes`."""
     targets, magnitudes = [], []
-    for node, slot in zip(index.tolist(), _slots(run, index), strict=True):
+    for node, slot in zip(index.tolist(), slots_of(run, index), strict=True):
         x = run.lorsa_inputs[slot][0]
         terms = lorsa_seed(run, node, slot) * x.to(run.encoder_rows.dtype)
         targets.append(terms.sum())
@@ -70,7 +70,7 @@ def lorsa_seeds(run, index: torch.Tensor, rows: torch.Tensor, batch: int
     """Batched gradient seeds of Lorsa nodes ``index``, which are rows ``rows`` of a batch of
     ``batch``: per Lorsa input they read, that input and a ``[batch, 1, P, D]`` seed."""
     outputs, seeds = [], []
-    slots = torch.tensor(_slots(run, index), dtype=torch.long)
+    slots = torch.tensor(slots_of(run, index), dtype=torch.long)
     for slot in slots.unique().tolist():
         state = run.lorsa_inputs[slot]
         seed = torch.zeros(batch, *state.shape, dtype=state.dtype, device=state.device)
@@ -118,3 +118,29 @@ def lorsa_info(graph) -> dict:
                                              "2 l + 1 transcoder features and MLP errors, "
                                              "2 L logits; feature = layer * 10^ceil(log10 "
                                              "n_ov_heads) + head"}}
+
+
+def qk_tracing_json(graph, node_id, shown: set[str]) -> dict:
+    """The graph JSON's ``qk_tracing_results`` (by target node id: ``q_marginal`` and
+    ``k_marginal`` ``[[node id, value]]``, ``pairs`` ``[[q node id, k node id, value]]``,
+    the constants named ``"constants"``; :func:`~.lorsa_qk.trace_lorsa_qk`) and
+    ``qk_only_nodes`` (the ids they name that the pruned graph does not show); empty without
+    results."""
+    results = graph.metadata.get("qk_tracing_results") or []
+    if not results:
+        return {}
+
+    def name(column: int) -> str:
+        return "constants" if column < 0 else node_id(graph, column)
+
+    out, named = {}, set()
+    for r in results:
+        entry = {"qk_head": r["qk_head"], "k_pos": r["key_position"], "score": r["score"],
+                 "q_marginal": [[name(c), v] for c, v in r["q_marginal"]],
+                 "k_marginal": [[name(c), v] for c, v in r["k_marginal"]],
+                 "pairs": [[name(q), name(k), v] for q, k, v in r["pairs"]]}
+        out[node_id(graph, r["node"])] = entry
+        named |= {n for side in ("q_marginal", "k_marginal") for n, _ in entry[side]}
+        named |= {n for q, k, _ in entry["pairs"] for n in (q, k)}
+    return {"qk_tracing_results": out,
+            "qk_only_nodes": sorted(named - shown - {"constants"})}
