@@ -1,5 +1,5 @@
 """Attribution through Lorsa (issue 56 item 3): ``attribute(..., attention=lorsa)`` with a
-cross-layer transcoder on a tiny Llama. The replacement forward is the model; every row
+cross-layer transcoder on a tiny Llama (and beside per-layer skip and TopK sets). The replacement forward is the model; every row
 closes (the target's, a transcoder feature's, a Lorsa head's); batched rows equal the
 one-backward-per-node loop; a head's row target is its activation less ``b_V``; dropping the
 Lorsa error nodes breaks closure (the control); the graph's nodes, save/load and JSON carry
@@ -7,11 +7,14 @@ the ``lorsa`` and ``lorsa error`` kinds."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
 from lorsa_fixtures import peer_config, peer_tensors, write_peer_lorsa
+from transcoder_fixtures import random_set, write_circuit_tracer, write_sparsify
 
 from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.attribution.edges import (
@@ -26,7 +29,7 @@ from pyvene_causaltrace.attribution.lorsa_qk import lorsa_qk_tracing, trace_lors
 from pyvene_causaltrace.attribution.replacement import replacement_forward
 from pyvene_causaltrace.attribution.targets import demeaned_logit
 from pyvene_causaltrace.bound import bind
-from pyvene_causaltrace.transcoders import load_from_disk
+from pyvene_causaltrace.transcoders import load_from_disk, load_transcoder
 from pyvene_causaltrace.transcoders.lorsa import load_lorsa
 
 LAYERS = (0, 2)
@@ -142,3 +145,31 @@ def test_attribute_with_attention_lorsa_builds_a_closed_graph_with_both_kinds(se
     assert named - {"constants"} <= shown | set(payload["qk_only_nodes"])
     info = payload["metadata"]["info"]
     assert info["source_sets"]["lorsa"] == "lorsa" and info["lorsa"]["layers"] == list(LAYERS)
+
+
+@pytest.mark.parametrize("layout", ["set_skip", "topk"])
+@pytest.mark.numerics
+def test_lorsa_beside_per_layer_skip_and_topk_transcoders_closes(setup, layout, tmp_path):
+    """The same with a per-layer set with a skip path (circuit-tracer JumpReLU) and a sparsify
+    TopK set with a skip path: the model's logits, the target row and mixed rows close."""
+    model, _, lorsa, ids = setup
+    if layout == "set_skip":
+        tensors = random_set(3, 32, 48, skip=True, threshold=0.05, seed=1)
+        path = write_circuit_tracer(tmp_path / "ct", tensors)
+    else:
+        tensors = random_set(3, 32, 48, activation="relu_topk", k=8, skip=True, seed=3)
+        path = write_sparsify(tmp_path / "sp", tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        transcoder = load_transcoder(path)
+    clean = model(input_ids=ids).logits
+    run = replacement_forward(bind(model), transcoder, ids, lorsa=lorsa)
+    assert (run.logits.detach() - clean[:, -1:]).abs().max() < 1e-5
+    _, _, closure = target_row(run, demeaned_logit(clean, int(clean[0, -1].argmax()), 10))
+    assert closure.relative < 1e-6, closure
+    n_tc = run.n_transcoder_features
+    index = torch.cat([torch.arange(max(0, n_tc - 4), n_tc),
+                       torch.arange(n_tc, run.n_features, 5)])
+    rows, constants = feature_rows(run, index)
+    values = feature_targets(run, index).detach()
+    assert float(row_closures(rows, constants, values).max()) < 1e-5
