@@ -1,6 +1,6 @@
 """Attribution through Lorsa (issue 56 item 3): ``attribute(..., attention=lorsa)`` with a
-cross-layer transcoder on a tiny Llama (and beside per-layer skip and TopK sets). The replacement forward is the model; every row
-closes (the target's, a transcoder feature's, a Lorsa head's); batched rows equal the
+cross-layer transcoder on a tiny Llama (and beside per-layer skip and TopK sets). The
+replacement forward is the model; every row closes (the target's, a transcoder feature's, a Lorsa head's); batched rows equal the
 one-backward-per-node loop; a head's row target is its activation less ``b_V``; dropping the
 Lorsa error nodes breaks closure (the control); the graph's nodes, save/load and JSON carry
 the ``lorsa`` and ``lorsa error`` kinds."""
