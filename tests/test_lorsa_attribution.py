@@ -1,9 +1,10 @@
 """Attribution through Lorsa (issue 56 item 3): ``attribute(..., attention=lorsa)`` with a
 cross-layer transcoder on a tiny Llama (and beside per-layer skip and TopK sets). The
-replacement forward is the model; every row closes (the target's, a transcoder feature's, a Lorsa head's); batched rows equal the
-one-backward-per-node loop; a head's row target is its activation less ``b_V``; dropping the
-Lorsa error nodes breaks closure (the control); the graph's nodes, save/load and JSON carry
-the ``lorsa`` and ``lorsa error`` kinds."""
+replacement forward is the model; every row closes (the target's, a transcoder feature's, a
+Lorsa head's); batched rows equal the one-backward-per-node loop; a head's row target is its
+activation less ``b_V``; dropping the Lorsa error nodes breaks closure (the control); QK
+tracing's sides close on the Lorsa's own score; the graph's nodes, save/load and JSON carry
+the ``lorsa`` and ``lorsa error`` kinds and ``qk_tracing_results``."""
 
 from __future__ import annotations
 
