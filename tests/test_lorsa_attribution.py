@@ -142,7 +142,8 @@ def test_attribute_with_attention_lorsa_builds_a_closed_graph_with_both_kinds(se
     assert all(int(x) % 2 == 1 for x in layers["cross layer transcoder"])
     shown = set(ids)
     assert set(payload["qk_tracing_results"]) <= shown
-    named = {n for r in payload["qk_tracing_results"].values() for n, _ in r["q_marginal"]}
+    named = {n for r in payload["qk_tracing_results"].values()
+             for n, _ in r["top_q_marginal_contributors"]}
     assert named - {"constants"} <= shown | set(payload["qk_only_nodes"])
     info = payload["metadata"]["info"]
     assert info["source_sets"]["lorsa"] == "lorsa" and info["lorsa"]["layers"] == list(LAYERS)

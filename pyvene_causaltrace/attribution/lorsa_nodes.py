@@ -121,9 +121,11 @@ def lorsa_info(graph) -> dict:
 
 
 def qk_tracing_json(graph, node_id, shown: set[str]) -> dict:
-    """The graph JSON's ``qk_tracing_results`` (by target node id: ``q_marginal`` and
-    ``k_marginal`` ``[[node id, value]]``, ``pairs`` ``[[q node id, k node id, value]]``,
-    the constants named ``"constants"``; :func:`~.lorsa_qk.trace_lorsa_qk`) and
+    """The graph JSON's ``qk_tracing_results`` (by target node id, in Neuronpedia CRM's QK
+    lists as :mod:`.attention` writes them: ``top_q_marginal_contributors`` and
+    ``top_k_marginal_contributors`` ``[[node id, value]]``, ``pair_wise_contributors``
+    ``[[q node id, k node id, value]]``, the constants named ``"constants"``; with the QK
+    head, key position and score; :func:`~.lorsa_qk.trace_lorsa_qk`) and
     ``qk_only_nodes`` (the ids they name that the pruned graph does not show); empty without
     results."""
     results = graph.metadata.get("qk_tracing_results") or []
@@ -136,11 +138,12 @@ def qk_tracing_json(graph, node_id, shown: set[str]) -> dict:
     out, named = {}, set()
     for r in results:
         entry = {"qk_head": r["qk_head"], "k_pos": r["key_position"], "score": r["score"],
-                 "q_marginal": [[name(c), v] for c, v in r["q_marginal"]],
-                 "k_marginal": [[name(c), v] for c, v in r["k_marginal"]],
-                 "pairs": [[name(q), name(k), v] for q, k, v in r["pairs"]]}
+                 "top_q_marginal_contributors": [[name(c), v] for c, v in r["q_marginal"]],
+                 "top_k_marginal_contributors": [[name(c), v] for c, v in r["k_marginal"]],
+                 "pair_wise_contributors": [[name(q), name(k), v] for q, k, v in r["pairs"]]}
         out[node_id(graph, r["node"])] = entry
-        named |= {n for side in ("q_marginal", "k_marginal") for n, _ in entry[side]}
-        named |= {n for q, k, _ in entry["pairs"] for n in (q, k)}
+        named |= {n for side in ("top_q_marginal_contributors", "top_k_marginal_contributors")
+                  for n, _ in entry[side]}
+        named |= {n for q, k, _ in entry["pair_wise_contributors"] for n in (q, k)}
     return {"qk_tracing_results": out,
             "qk_only_nodes": sorted(named - shown - {"constants"})}
