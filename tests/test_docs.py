@@ -5,7 +5,8 @@ known_1000). Here ``load_model`` gives a tiny 30-layer Llama, ``load_transcoder`
 CLT of its shape whatever it is asked for, ``load_lorsa`` a fixture Lorsa set (layers 2, 5, 8),
 and ``known_1000`` is the project's own fact file served from a file URL — so each block
 exercises the calls and names it shows. A block whose first line is ``# name.py`` is also a
-module file: written beside every block of its page (on ``sys.path``) so the others import it. Types a block registers stay in that block.
+module file: written beside every block of its page (on ``sys.path``) so the others import it.
+Types a block registers stay in that block.
 """
 
 from __future__ import annotations
