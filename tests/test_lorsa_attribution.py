@@ -175,3 +175,23 @@ def test_lorsa_beside_per_layer_skip_and_topk_transcoders_closes(setup, layout, 
     rows, constants = feature_rows(run, index)
     values = feature_targets(run, index).detach()
     assert float(row_closures(rows, constants, values).max()) < 1e-5
+
+
+@pytest.mark.numerics
+def test_qk_tracing_through_a_post_qk_norm_closes_on_the_score(setup, tmp_path):
+    """A Lorsa with a per-head RMS norm on q and k (frozen at its clean statistic) and NeoX
+    rotary over half the head: each side's parts still close, on the Lorsa's own score."""
+    model, clt, _, ids = setup
+    cfg = peer_config(layer=1, use_post_qk_ln=True, normalization_type="RMS",
+                      rotary_adjacent_pairs=False, rotary_dim=4)
+    lorsa = load_lorsa(write_peer_lorsa(tmp_path / "qkln", cfg, peer_tensors(cfg, seed=5),
+                                        (2.5, 0.7)))
+    run = replacement_forward(bind(model), clt, ids, lorsa=lorsa)
+    one = lorsa[1]
+    q, k = one.queries_keys(run.lorsa_inputs[0].detach())
+    for node in range(run.n_transcoder_features, run.n_features, 9):
+        traced = lorsa_qk_tracing(run, lorsa, node, key_pos=0)
+        h, p = traced["qk_head"], traced["position"]
+        score = float(q[0, p, h] @ k[0, 0, h]) / one.cfg.attn_scale
+        for value in (traced["score"], traced["q_total"], traced["k_total"]):
+            assert abs(value - score) < 1e-5 * max(1.0, abs(score))

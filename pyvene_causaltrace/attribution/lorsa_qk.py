@@ -2,7 +2,8 @@
 the graph's nodes on the query side and on the key side, as :mod:`.qk` does for the model's
 heads. The query and key of the head's QK head are linear in the residual stream (the input's
 norm statistic and the post-QK norm's frozen, rotary linear), so each is the sum of its
-columns' parts plus constants (one batched backward per side, checked to sum to the vector);
+columns' parts plus constants (one batched backward per side, the features' gradients from
+the errors' as for rows, :mod:`.leaf_grads`; checked to sum to the vector);
 the score ``q . k / attn_scale`` is the sum of the bilinear terms. Conventions against
 llamascopium's (``compute_qk_tracing``): one key per target (the clean pattern's argmax, as
 theirs) unless given; marginals and pairs ranked by magnitude (theirs: the signed top-k, so
@@ -21,10 +22,11 @@ import torch
 from ..bound import BoundModel, bind
 from ..errors import ClosureError, InputError
 from ..model_guard import measured
-from ..transcoders.lorsa import Lorsa, LorsaSet, _head_rms, _rotate, rotary_tables
+from ..transcoders.lorsa import Lorsa, LorsaSet, _rotate, rotary_tables
 from ..transcoders.transcoder import Transcoder
 from .edges import CLOSURE_TOLERANCE, edges_from_grads
 from .graph_replay import graph_run
+from .leaf_grads import leaf_grads
 from .lorsa_nodes import slots_of
 
 if TYPE_CHECKING:  # annotations only
@@ -37,39 +39,38 @@ QK_TOP_K = 10
 
 
 def _qk_vectors(lorsa: Lorsa, x: torch.Tensor, qk_head: int, query: int, key: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The query at ``query`` and key at ``key`` of QK head ``qk_head`` (post-QK norm with its
-    statistic frozen, rotary) from the live input ``x [1, P, D]``, and ``b_Q``, ``b_K`` as leaf
-    constants: both vectors are linear in the graph's nodes plus constants."""
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(query, its b_Q part), (key, its b_K part)]``: QK head ``qk_head``'s query at
+    ``query`` and key at ``key`` (post-QK norm with its statistic frozen, rotary) from the live
+    input ``x [1, P, D]``, each linear in the graph's nodes plus constants, and what its bias
+    alone contributes through the same (frozen) transform (a constant)."""
     cfg = lorsa.cfg
     x = x[0].to(lorsa.dtype)
     sides = []
     for weight, bias, norm, at in ((lorsa.W_Q, lorsa.b_Q, "ln_q_w", query),
                                    (lorsa.W_K, lorsa.b_K, "ln_k_w", key)):
-        leaf = bias[qk_head].detach().clone().requires_grad_(True)
-        vector = x @ weight[qk_head] + leaf
-        if cfg.use_post_qk_ln:
-            vector = _head_rms(vector, getattr(lorsa, norm)[qk_head], cfg.eps, frozen=True)
+        pre = x @ weight[qk_head] + bias[qk_head]
+        parts = [pre, bias[qk_head].expand_as(pre)]
+        if cfg.use_post_qk_ln:  # RMSNormPerHead (models/lorsa.py:1046-1052), statistic frozen
+            root = (pre.float().pow(2).mean(-1, keepdim=True) + cfg.eps).sqrt().detach()
+            gain = getattr(lorsa, norm)[qk_head].float()
+            parts = [(t.float() / root * gain).to(pre.dtype) for t in parts]
         if cfg.rotary:
             sin, cos = rotary_tables(cfg, x.shape[0], lorsa.dtype, x.device)
-            vector = _rotate(vector, cfg, sin, cos)
-        sides.append((vector[at], leaf))
-    (q, b_q), (k, b_k) = sides
-    return q, k, b_q, b_k
+            parts = [_rotate(t, cfg, sin, cos) for t in parts]
+        sides.append((parts[0][at], parts[1][at].detach()))
+    return sides
 
 
-def _side(run, vector: torch.Tensor, bias: torch.Tensor, what: str) -> torch.Tensor:
-    """``[n_columns + 1, d]``: each graph column's part of ``vector`` (autograd on every leaf,
-    one batched backward), the last row the constants'; refused unless they sum to it."""
+def _side(run, vector: torch.Tensor, bias_part: torch.Tensor, what: str) -> torch.Tensor:
+    """``[n_columns + 1, d]``: each graph column's part of ``vector`` (one batched backward,
+    :func:`~.leaf_grads.leaf_grads`), the last row the constants' (the model's biases,
+    ``b_dec``, ``b_D`` and ``bias_part``); refused unless they sum to it."""
     d = vector.shape[0]
     seeds = torch.eye(d, dtype=vector.dtype, device=vector.device)
-    inputs = [*run.inputs(), bias]
-    grads = torch.autograd.grad(vector, inputs, seeds, retain_graph=True, allow_unused=True,
-                                is_grads_batched=True)
-    rows, constants = edges_from_grads(run, grads[:-1], batch=d)
-    if grads[-1] is not None:
-        constants = constants + (bias.detach() * grads[-1]).sum(-1).to(constants.dtype)
-    parts = torch.cat([rows.T.double(), constants.double()[None]]).cpu()
+    rows, constants = edges_from_grads(run, leaf_grads(run, vector, seeds), batch=d)
+    constants = constants.double() + bias_part.double().to(constants.device)
+    parts = torch.cat([rows.T.double(), constants[None]]).cpu()
     value = vector.detach().double().cpu()
     scale = float(parts.abs().sum(0).max()) + float(value.abs().max())
     worst = float((parts.sum(0) - value).abs().max())
@@ -102,8 +103,9 @@ def lorsa_qk_tracing(run, lorsa: LorsaSet, node: int, *, key_pos: int | None = N
         raise InputError(f"key_pos {key_pos} is outside 0..{position} (the query's position)")
     one = lorsa[layer]
     with torch.enable_grad():
-        q, k, b_q, b_k = _qk_vectors(one, run.lorsa_inputs[slot], qk_head, position, key_pos)
-        q_parts, k_parts = _side(run, q, b_q, "query"), _side(run, k, b_k, "key")
+        (q, q_bias), (k, k_bias) = _qk_vectors(one, run.lorsa_inputs[slot], qk_head,
+                                               position, key_pos)
+        q_parts, k_parts = _side(run, q, q_bias, "query"), _side(run, k, k_bias, "key")
     scale = 1.0 / float(one.cfg.attn_scale)
     q_marg = scale * (q_parts @ k_parts.sum(0))
     k_marg = scale * (k_parts @ q_parts.sum(0))
