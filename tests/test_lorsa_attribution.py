@@ -195,3 +195,42 @@ def test_qk_tracing_through_a_post_qk_norm_closes_on_the_score(setup, tmp_path):
         score = float(q[0, p, h] @ k[0, 0, h]) / one.cfg.attn_scale
         for value in (traced["score"], traced["q_total"], traced["k_total"]):
             assert abs(value - score) < 1e-5 * max(1.0, abs(score))
+
+
+@pytest.mark.browser
+def test_the_viewer_draws_lorsa_nodes(setup, tokenizer, tmp_path):
+    """The viewer lists a graph with Lorsa nodes, draws every node (``lorsa`` as features,
+    ``lorsa error`` as errors) and lists a Lorsa node's inputs when it is clicked."""
+    import threading
+
+    from test_viewer import _chromium
+
+    from pyvene_causaltrace.viewer import make_server
+
+    chromium = _chromium()
+    from playwright.sync_api import sync_playwright
+
+    model, clt, lorsa, _ = setup
+    graph = attribute(model, tokenizer, clt, PROMPT, attention=lorsa)
+    (tmp_path / "g").mkdir()
+    payload = graph.to_json(tmp_path / "g" / "graph.json", node_threshold=0.9)
+    lorsa_ids = [n["node_id"] for n in payload["nodes"] if n["feature_type"] == "lorsa"]
+    targets = {link["target"] for link in payload["links"]}
+    clicked = next(i for i in lorsa_ids if i in targets)
+    server = make_server(tmp_path, port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    errors: list[str] = []
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+            page = browser.new_page()
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"http://127.0.0.1:{server.server_address[1]}/")
+            page.wait_for_selector(".node")
+            assert page.locator(".node").count() == len(payload["nodes"])
+            page.locator(f'.node[data-id="{clicked}"]').click()
+            assert page.locator("#inputs li").count() > 0
+            browser.close()
+    finally:
+        server.shutdown()
+    assert not errors, errors
