@@ -26,10 +26,13 @@ from pyvene_causaltrace.attribution.edges import (
     target_row,
 )
 from pyvene_causaltrace.attribution.export import check_graph_json
+from pyvene_causaltrace.attribution.faithfulness import faithfulness
 from pyvene_causaltrace.attribution.lorsa_qk import lorsa_qk_tracing, trace_lorsa_qk
 from pyvene_causaltrace.attribution.replacement import replacement_forward
 from pyvene_causaltrace.attribution.targets import demeaned_logit
+from pyvene_causaltrace.attribution.validate import ablation_test
 from pyvene_causaltrace.bound import bind
+from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_from_disk, load_transcoder
 from pyvene_causaltrace.transcoders.lorsa import load_lorsa
 
@@ -124,6 +127,10 @@ def test_attribute_with_attention_lorsa_builds_a_closed_graph_with_both_kinds(se
     assert set(nodes.loc[nodes["kind"] == "lorsa error", "layer"]) == set(LAYERS)
     explored = nodes[nodes["explored"] & nodes["kind"].isin(["feature", "lorsa"])]
     assert set(explored["kind"]) == {"feature", "lorsa"}  # the budget ranks both kinds
+    for check in (ablation_test, faithfulness):  # they splice the transcoder alone: refused
+        with pytest.raises(InputError, match="Lorsa"):
+            check(model, clt, graph) if check is ablation_test else check(model, tokenizer,
+                                                                            clt, graph)
     graph.save(tmp_path / "g.safetensors")
     again = AttributionGraph.load(tmp_path / "g.safetensors")
     assert again.nodes()["kind"].tolist() == nodes["kind"].tolist()
