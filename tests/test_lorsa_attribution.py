@@ -94,7 +94,7 @@ def test_the_lorsa_replacement_is_the_model_and_every_row_closes(setup):
     assert len(late) > 0
     # QK tracing: each side's parts close on the score, which is the Lorsa's own
     for node in (n_tc, int(late[0]), run.n_features - 1):
-        traced = lorsa_qk_tracing(run, lorsa, node, top_k=5)
+        traced = lorsa_qk_tracing(run, lorsa, node, n_top=5)
         one, slot = lorsa[traced["layer"]], LAYERS.index(traced["layer"])
         q, k = one.queries_keys(run.lorsa_inputs[slot].detach())
         h, p, kp = traced["qk_head"], traced["position"], traced["key_position"]
@@ -134,7 +134,7 @@ def test_attribute_with_attention_lorsa_builds_a_closed_graph_with_both_kinds(se
     graph.save(tmp_path / "g.safetensors")
     again = AttributionGraph.load(tmp_path / "g.safetensors")
     assert again.nodes()["kind"].tolist() == nodes["kind"].tolist()
-    traced = trace_lorsa_qk(model, clt, lorsa, graph, top_k=4)
+    traced = trace_lorsa_qk(model, clt, lorsa, graph, n_top=4)
     assert traced and graph.metadata["qk_tracing_results"] is traced
     payload = graph.to_json(node_threshold=0.9, edge_threshold=0.99)
     check_graph_json(payload)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..bound import BoundModel, bind
+from ..bound import BoundModel
 from ..errors import ClosureError, InputError
 from ..model_guard import measured
 from ..transcoders.lorsa import Lorsa, LorsaSet, _rotate, rotary_tables
@@ -32,10 +32,10 @@ from .lorsa_nodes import slots_of
 if TYPE_CHECKING:  # annotations only
     from .graph import AttributionGraph
 
-__all__ = ["QK_TOP_K", "lorsa_qk_tracing", "trace_lorsa_qk"]
+__all__ = ["QK_TOP", "lorsa_qk_tracing", "trace_lorsa_qk"]
 
 #: QK tracing's top-k per side and of pairs (llamascopium's ``qk_topk`` default is 10).
-QK_TOP_K = 10
+QK_TOP = 10
 
 
 def _qk_vectors(lorsa: Lorsa, x: torch.Tensor, qk_head: int, query: int, key: int
@@ -81,14 +81,14 @@ def _side(run, vector: torch.Tensor, bias_part: torch.Tensor, what: str) -> torc
 
 
 def lorsa_qk_tracing(run, lorsa: LorsaSet, node: int, *, key_pos: int | None = None,
-                     top_k: int = QK_TOP_K) -> dict:
+                     n_top: int = QK_TOP) -> dict:
     """QK tracing of Lorsa node ``node`` (a graph feature index past the transcoder's): its QK
     head's pre-softmax score at (its position, ``key_pos``; default the key the clean pattern
     weights most, llamascopium's one key per target) split over the graph's columns on the
-    query side and on the key side. ``q_marginal``/``k_marginal``: the ``top_k`` columns of
+    query side and on the key side. ``q_marginal``/``k_marginal``: the ``n_top`` columns of
     largest ``|part . other side| / attn_scale`` (column -1: the constants, ``b_Q``/``b_K`` and
     the model's biases); each side's marginals over every column sum to ``score``. ``pairs``:
-    the ``top_k`` largest ``|q part . k part| / attn_scale`` among the ``4 top_k`` largest
+    the ``n_top`` largest ``|q part . k part| / attn_scale`` among the ``4 n_top`` largest
     marginals of each side."""
     if node < run.n_transcoder_features or node >= run.n_features:
         raise InputError(f"node {node} is not a Lorsa node (those are {run.n_transcoder_features}"
@@ -116,15 +116,15 @@ def lorsa_qk_tracing(run, lorsa: LorsaSet, node: int, *, key_pos: int | None = N
         live = values.ne(0).nonzero().squeeze(-1)
         return live[values[live].abs().argsort(descending=True)[:n]]
 
-    qi, ki = top(q_marg, 4 * top_k), top(k_marg, 4 * top_k)
+    qi, ki = top(q_marg, 4 * n_top), top(k_marg, 4 * n_top)
     pair = scale * q_parts[qi] @ k_parts[ki].T
     flat = pair.flatten()
-    best = flat.abs().argsort(descending=True)[:top_k]
+    best = flat.abs().argsort(descending=True)[:n_top]
     return {"node": node, "layer": layer, "position": position, "head": head,
             "qk_head": qk_head, "key_position": key_pos,
             "score": scale * float(q_parts.sum(0) @ k_parts.sum(0)),
-            "q_marginal": [[int(columns[i]), float(q_marg[i])] for i in top(q_marg, top_k)],
-            "k_marginal": [[int(columns[i]), float(k_marg[i])] for i in top(k_marg, top_k)],
+            "q_marginal": [[int(columns[i]), float(q_marg[i])] for i in top(q_marg, n_top)],
+            "k_marginal": [[int(columns[i]), float(k_marg[i])] for i in top(k_marg, n_top)],
             "pairs": [[int(columns[qi[b // len(ki)]]), int(columns[ki[b % len(ki)]]),
                        float(flat[b])] for b in best.tolist()],
             "q_total": float(q_marg.sum()), "k_total": float(k_marg.sum())}
@@ -133,7 +133,7 @@ def lorsa_qk_tracing(run, lorsa: LorsaSet, node: int, *, key_pos: int | None = N
 @measured
 def trace_lorsa_qk(model: BoundModel, transcoder: Transcoder, lorsa: LorsaSet,
                    graph: AttributionGraph, nodes: list[int] | None = None, *,
-                   top_k: int = QK_TOP_K) -> list[dict]:
+                   n_top: int = QK_TOP) -> list[dict]:
     """:func:`lorsa_qk_tracing` of ``graph``'s Lorsa ``nodes`` (default: those its default
     pruning keeps) on the graph's replayed forward (refused unless its nodes are the graph's,
     :func:`~.graph_replay.graph_run`); the results are also kept in
@@ -145,8 +145,8 @@ def trace_lorsa_qk(model: BoundModel, transcoder: Transcoder, lorsa: LorsaSet,
     if nodes is None:
         kept = graph.prune().node_mask.nonzero().squeeze(-1)
         nodes = [int(i) for i in kept if graph.node_kind(int(i)) == "lorsa"]
-    run = graph_run(bind(model), transcoder, graph, lorsa=lorsa)
-    results = [lorsa_qk_tracing(run, lorsa, int(node), top_k=top_k) for node in nodes]
+    run = graph_run(model, transcoder, graph, lorsa=lorsa)
+    results = [lorsa_qk_tracing(run, lorsa, int(node), n_top=n_top) for node in nodes]
     graph.metadata["qk_tracing_results"] = results
     return results
 

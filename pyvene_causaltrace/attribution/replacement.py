@@ -120,8 +120,9 @@ class ReplacementRun:
 
     @property
     def n_transcoder_features(self) -> int:
-        """Feature nodes ``[0, n)`` are the transcoder's, the rest Lorsa OV heads."""
-        return sum(int(f.value.numel()) for f in self.features)
+        """Feature nodes ``[0, n)`` are the transcoder's (every rank's, with a sharded one), the
+        rest Lorsa OV heads."""
+        return self.n_features - sum(int(h.value.numel()) for h in self.lorsa_heads)
 
     def output(self, name: str) -> torch.Tensor:
         """The live output a target reads: ``"logits"`` or a captured state."""
