@@ -1,9 +1,10 @@
 """How the first transcoder's held-out FVU moves with the amount of text, the dictionary size and
 ``k`` (issue 52, item 2): is the quick or long recipe short of data or of capacity?
 
-Generates ``max(--texts) + --held`` texts once, as ``fitting.generate_pairs`` does for ``make
-attribute`` (SmolLM2-135M-Instruct's own text, pairs read from the generation's forwards), keeps
-``--layers`` (per-layer transcoders are fitted independently, so a few layers stand for all), and
+Generates ``max(--texts) + --held`` texts once, as ``make attribute`` does
+(``fit_text.generate_ids``: SmolLM2-135M-Instruct's own text, sampled in batches), reading the
+pairs of ``--layers`` only from the generation's forwards (per-layer transcoders are fitted
+independently, so a few layers stand for all; memory is those layers' pairs), and
 fits the default kind (``skip_plt``, the package's ``RECIPE``) on the first ``n`` texts for each
 ``n`` in ``--texts``. Each fit is scored on the same held-out texts two ways: per text, as the
 pairing check (``transcoders/checks.py``: deviation from each text's own mean), and centred on
@@ -14,6 +15,7 @@ the FVU of the skip path alone (features off), and the train FVU. One JSON line 
         --out benchmarks/results/fvu52/fit_scaling.jsonl
     python benchmarks/fit_scaling.py --transcoder DIR --held 64 --seed 7  # score a fitted one
     SMOKE=1 python benchmarks/fit_scaling.py                       # a 1-minute check that it runs
+    python benchmarks/fit_scaling.py --device cuda --texts 2048,4096,8192 --features 2048  # a GPU
 
 ``--transcoder DIR`` fits nothing: it scores a saved transcoder (every layer) on ``--held`` texts
 generated with ``--seed`` (a seed other than its fit's: text it has not seen).
@@ -31,7 +33,8 @@ import torch
 from pyvene_causaltrace import load_model
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.defaults import BOS
-from pyvene_causaltrace.fitting import KINDS, RECIPE, STARTS, generate_pairs
+from pyvene_causaltrace.fit_text import generate_ids
+from pyvene_causaltrace.fitting import KINDS, RECIPE
 from pyvene_causaltrace.prompts import first_position
 from pyvene_causaltrace.transcoders import load_transcoder
 from pyvene_causaltrace.transcoders.fit import fast_bf16, fit_pairs
@@ -40,10 +43,11 @@ from pyvene_causaltrace.transcoders.fit import fast_bf16, fit_pairs
 def held_out_fvu(transcoder, texts: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
     """Per-layer FVU on ``texts`` (``(x, y)`` of one text each, ``[P, L, D]``): centred per text
     and on all tokens' mean, with the features and with the skip path alone."""
-    n_layers = texts[0][0].shape[1]
-    err, err_skip, dev_text = (torch.zeros(n_layers, dtype=torch.float64) for _ in range(3))
-    total = torch.zeros(n_layers, texts[0][1].shape[2], dtype=torch.float64)
-    square = torch.zeros(n_layers, dtype=torch.float64)
+    n_layers, device = texts[0][0].shape[1], texts[0][0].device
+    err, err_skip, dev_text = (torch.zeros(n_layers, dtype=torch.float64, device=device)
+                               for _ in range(3))
+    total = torch.zeros(n_layers, texts[0][1].shape[2], dtype=torch.float64, device=device)
+    square = torch.zeros(n_layers, dtype=torch.float64, device=device)
     count = 0
     with torch.no_grad():
         for x, y in texts:
@@ -74,28 +78,30 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append one JSON line per fit here")
     parser.add_argument("--transcoder", default=None, help="score this one instead of fitting")
+    parser.add_argument("--device", default="cpu", help="where the model and the fits run")
     args = parser.parse_args()
     sizes = [0] if args.transcoder else sorted(int(n) for n in args.texts.split(","))
     layers = [int(layer) for layer in args.layers.split(",")]
 
-    model, tokenizer = load_model("smollm2-135m")
+    model, tokenizer = load_model("smollm2-135m", device=args.device)
     bound = bind(model)
     n_texts = sizes[-1] + args.held
-    start = time.perf_counter()
-    _, x, y = generate_pairs(bound, tokenizer, n_texts, args.new_tokens, args.seed,
-                             record=n_texts)
-    generate_s = time.perf_counter() - start
     if args.transcoder:
         layers = list(range(bound.n_layers))
-    x, y = x[:, layers].clone(), y[:, layers].clone()  # [tokens, len(layers), D]
-    first = first_position(tokenizer, BOS)  # each text's kept positions, as generate_pairs
-    lengths = [len(tokenizer(STARTS[i % len(STARTS)])["input_ids"]) + args.new_tokens - 1 - first
-               for i in range(n_texts)]
+    first = first_position(tokenizer, BOS)
+    start = time.perf_counter()
+    ids, x, y = generate_ids(bound, tokenizer, n_texts, args.new_tokens, args.seed, first=first,
+                             keep=layers, record=n_texts, progress=True)
+    generate_s = time.perf_counter() - start
+    lengths = [len(row) - 1 - first for row in ids]  # each text's kept positions
     ends = torch.tensor(lengths).cumsum(0).tolist()
+    print(json.dumps({"generated_texts": n_texts, "tokens": ends[-1], "layers": layers,
+                      "generate_s": round(generate_s, 1),
+                      "tokens_per_s": round(ends[-1] / generate_s, 1)}), flush=True)
     held = [(x[b:e], y[b:e]) for b, e in zip([0, *ends][sizes[-1]:-1], ends[sizes[-1]:],
                                              strict=True)]
     if args.transcoder:
-        scores = held_out_fvu(load_transcoder(args.transcoder), held)
+        scores = held_out_fvu(load_transcoder(args.transcoder, device=args.device), held)
         per_text, all_tokens = (torch.tensor(scores[key]) for key in ("per_text", "all_tokens"))
         row = {"transcoder": args.transcoder, "held_out_texts": args.held, "seed": args.seed,
                "median_per_text": float(per_text.quantile(0.5)),

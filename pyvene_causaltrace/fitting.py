@@ -8,7 +8,9 @@ transcoder", gives the recipe, its settings and what is refused).
 The default: a per-layer set with a skip path (``skip_plt``), the skip solved in closed form by
 least squares (each MLP's linear part) and 256 TopK features per layer trained on what it
 leaves, on text the model generates itself from a few generic starts (offline, and on its own
-distribution). ``fit.json`` beside it records the settings and the model's fingerprint: the
+distribution; :mod:`.fit_text` samples it in batches and keeps token ids, and a per-layer set
+is fitted a group of layers at a time, so memory is one group's pairs however much text).
+``fit.json`` beside it records the settings and the model's fingerprint: the
 same settings reuse it, others are refused unless ``refit=True``; :mod:`.fit_output` keeps the
 directory fit's own and swaps a refit in whole. Sizes are bounded (:data:`LIMITS`) and checked
 against memory before anything large is allocated; the model runs in eval mode.
@@ -17,7 +19,6 @@ against memory before anything large is allocated; the model runs in eval mode.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 import os
 import sys
@@ -36,6 +37,7 @@ from .defaults import BOS
 from .errors import InputError, NonFiniteError
 from .fingerprint import model_fingerprint
 from .fit_output import fit_output
+from .fit_text import GENERATED_PAIRS, STARTS, generate_ids, read_pairs
 from .memory import device_bytes
 from .model_guard import measuring
 from .models import OFFLINE_DEFAULT, cache_dir, load_model
@@ -50,7 +52,7 @@ from .transcoders.fit import (
     fit_pairs,
 )
 from .transcoders.formats import load_transcoder, save_transcoder
-from .transcoders.hooks import keeping_states
+from .transcoders.transcoder import Transcoder
 
 #: kind -> (fit_pairs settings, the name's tag)
 KINDS = {
@@ -58,27 +60,17 @@ KINDS = {
     "plt": ({"kind": "per_layer", "skip": False}, "plt"),
     "clt": ({"kind": "cross_layer", "skip": False}, "clt"),
 }
-#: Where the model's own text starts: generic openings of encyclopedic sentences.
-STARTS = (
-    "The city of", "The capital of", "The river", "The museum", "The famous", "He was born in",
-    "She is a", "The company", "The language of", "The team", "In 1990,", "The mountain",
-    "The university", "The album", "The tower", "The bridge", "The president of", "The church",
-    "The island of", "The film", "The author", "The novel", "The airport", "The country",
-    "The song", "The street", "The station", "The painter", "The king of", "The football club",
-    "The lake", "The castle",
-)
-#: Texts generated together (one batch of the model's forwards per new token).
-GENERATION_BATCH = 64
-#: How the pairs read from generated text are held: half float32's memory, float32's range
-#: (SmolLM2's first position reaches ~2e4, a third of float16's largest), and an error (2**-9
-#: relative) far below any fit's.
-GENERATED_PAIRS = torch.bfloat16
 #: The fit's fixed parts (:func:`~.transcoders.fit.fit_pairs`); ``fit.json`` records them
 #: beside the settings, so a transcoder fitted another way is never reused.
 RECIPE = {"batch_size": 256, "warmup": 20, "normalize": True}
 #: The median layer FVU at or below which a first transcoder counts as worth reading; from
 #: :data:`~.transcoders.checks.POOR_FIT_FVU` on it is a poor fit, between the two a rough one.
 READABLE_FVU = 0.3
+#: The most bytes one group of layers' pairs may take: a per-layer set is fitted a group of
+#: layers at a time (:func:`layer_groups`), the last group's pairs read while generating and
+#: the others' by forwards over the texts kept as token ids (:mod:`.fit_text`), so a fit on
+#: more text needs more forwards, not more memory.
+GROUP_PAIR_BYTES = 3 * 2**30
 #: ``make attribute QUALITY=...`` (``examples/first_graph.py --quality``, ``fit --quality``):
 #: changes to :class:`FitSettings`' defaults.
 QUALITIES = {"quick": {}, "long": {"texts": 2048, "features": 1024, "k": 32, "steps": 2000}}
@@ -188,63 +180,41 @@ def transcoder_dir(settings: FitSettings = FitSettings()) -> Path:
 @contextmanager
 def phase(name: str, progress: bool, seconds: dict, desc: str | None = None) -> Iterator[None]:
     """A one-step bar (saying ``desc``, default ``name``) for a phase without steps of its own
-    (``progress=False`` for one with a bar of its own); its seconds go to ``seconds[name]``."""
+    (``progress=False`` for one with a bar of its own); its seconds are added to
+    ``seconds[name]``."""
     start = time.perf_counter()
     with tqdm(total=1, desc=desc or name, disable=not progress,
               bar_format="{desc}: {elapsed}") as bar:
         yield
         bar.update(1)
-    seconds[name] = round(time.perf_counter() - start, 1)
+    seconds[name] = round(seconds.get(name, 0) + time.perf_counter() - start, 1)
 
 
-def generate_pairs(bound: BoundModel, tokenizer, n: int, new_tokens: int, seed: int,
-                   progress: bool = False, *, record: int,
-                   dtype: torch.dtype = GENERATED_PAIRS):
-    """``(texts, x, y)``: ``n`` texts the model writes itself — :data:`STARTS` in turn, each
-    continued by ``new_tokens`` sampled tokens (temperature 1, seeded, the caller's random state
-    kept; starts of one token length share batches of up to :data:`GENERATION_BATCH`, as even as
-    they can be, so nothing is padded) — and the pairs of the first ``record`` texts from the
-    generation's own forwards (:func:`~.transcoders.hooks.keeping_states`): ``hook_resid_mid``
-    and ``hook_mlp_out``, ``[tokens, L, D]`` in ``dtype``, at every position but BOS and the
-    last token (which no forward reads)."""
-    first = first_position(tokenizer, BOS)
-    groups: dict[int, list[tuple[int, list[int]]]] = {}
-    lengths = []  # the positions kept of each text
-    for i in range(n):
-        ids = tokenizer(STARTS[i % len(STARTS)])["input_ids"]
-        groups.setdefault(len(ids), []).append((i, ids))
-        lengths.append(len(ids) + new_tokens - 1 - first)
-    offsets = [0, *itertools.accumulate(lengths[:record])]
-    x = torch.empty(offsets[-1], bound.n_layers, bound.d_model, dtype=dtype, device=bound.device)
-    y = torch.empty_like(x)
-    texts: list[str] = [""] * n
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), \
-            keeping_states(bound, {"x": "hook_resid_mid", "y": "hook_mlp_out"}, dtype) as take, \
-            tqdm(total=n, desc="generating text, reading its activations", unit="text",
-                 disable=not progress) as bar:
-        torch.manual_seed(seed)
-        for _, group in sorted(groups.items()):
-            size = math.ceil(len(group) / math.ceil(len(group) / GENERATION_BATCH))
-            for begin in range(0, len(group), size):
-                chunk = group[begin:begin + size]
-                ids = torch.tensor([ids for _, ids in chunk], device=bound.device)
-                out = bound.model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                    temperature=1.0, top_k=0, max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, pad_token_id=tokenizer.eos_token_id)
-                pairs = take()
-                for row, (i, _) in enumerate(chunk):
-                    texts[i] = tokenizer.decode(out[row], skip_special_tokens=True)
-                    if i < record:
-                        if pairs["x"].shape[1] - first != lengths[i]:
-                            raise RuntimeError(f"the generation's forwards read "
-                                               f"{pairs['x'].shape[1]} positions of a text of "
-                                               f"{out.shape[1]} tokens")
-                        x[offsets[i]:offsets[i + 1]] = pairs["x"][row, first:]
-                        y[offsets[i]:offsets[i + 1]] = pairs["y"][row, first:]
-                del pairs
-                bar.update(len(chunk))
-    return texts, x, y
+def layer_groups(n_layers: int, per_layer: bool, pair_bytes: int) -> list[list[int]]:
+    """The layers fitted together, as even as they can be: all of them for a cross-layer
+    transcoder (every layer writes to those after it); for a per-layer set as many as keep
+    one group's pairs (``pair_bytes`` a layer) within :data:`GROUP_PAIR_BYTES`."""
+    size = n_layers if not per_layer else max(1, min(n_layers, GROUP_PAIR_BYTES // pair_bytes))
+    count = math.ceil(n_layers / size)
+    bounds = [round(n_layers * g / count) for g in range(count + 1)]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _join(parts: list[Transcoder]) -> Transcoder:
+    """One per-layer set from sets fitted on consecutive groups of layers."""
+    if len(parts) == 1:
+        return parts[0]
+    cfg = parts[0].cfg
+
+    def cat(name: str) -> torch.Tensor:
+        return torch.cat([getattr(part, name) for part in parts])
+
+    return Transcoder.from_tensors(
+        cfg.model_name, cat("W_enc"), cat("b_enc"), cat("threshold"), cat("b_dec"),
+        [w for part in parts for w in part.W_dec],
+        [w for part in parts for w in part.W_skip] if cfg.skip else None,
+        model_kind=cfg.model_kind, activation=cfg.activation, k=cfg.k,
+        device=parts[0].device_)
 
 
 def read_texts(data: str, n: int) -> list[str]:
@@ -330,48 +300,71 @@ def _fit(bound: BoundModel, tokenizer, settings: FitSettings, asked: dict, progr
     generated = settings.data == "self"
     pair_dtype = GENERATED_PAIRS if generated else torch.float32
 
-    def check_memory(n_tokens: int, what: str) -> None:
-        need = fit_bytes(n_tokens, bound.n_layers, bound.d_model, settings.features, **options,
+    def check_memory(n_tokens: int, n_layers: int, what: str) -> None:
+        need = fit_bytes(n_tokens, n_layers, bound.d_model, settings.features, **options,
                          element_bytes=pair_dtype.itemsize, pieces=not generated)
         check_fit_fits(need, have, what)
         if progress:
-            tqdm.write(f"fit: {n_tokens:,} tokens x {bound.n_layers} layers, "
+            tqdm.write(f"fit: {n_tokens:,} tokens x {n_layers} layers, "
                        f"{settings.features} features per layer: about {need / 2**20:,.0f} MB "
                        f"of the {have / 2**20:,.0f} MB available", file=sys.stderr)
 
-    if generated:  # the pairs are read from the generation's own forwards: one pass
+    def fit(x, y) -> tuple:
+        return fit_pairs(x, y, settings.model, d_transcoder=settings.features,
+                         steps=settings.steps, lr=settings.lr, seed=settings.seed,
+                         activation=settings.activation, k=settings.fit_k, progress=progress,
+                         memory_bytes=have, consume=True, bf16=bf16, **options, **RECIPE)
+
+    bf16 = fast_bf16(bound.device)  # the steps' products: twice as fast where native
+    parts, fvus = [], []
+    if generated:  # the last group's pairs read while generating, the others' by forwards
+        first = first_position(tokenizer, BOS)
         longest = max(len(tokenizer(opening)["input_ids"]) for opening in STARTS)
         longest += settings.new_tokens
-        check_memory(settings.texts * longest,
+        n_tokens = settings.texts * longest
+        groups = layer_groups(bound.n_layers, options["kind"] == "per_layer",
+                              2 * n_tokens * bound.d_model * pair_dtype.itemsize)
+        check_memory(n_tokens, max(map(len, groups)),
                      f"{settings.texts} generated texts of up to {longest} tokens")
         with phase("generate text, collect activations", False, seconds):  # its own bar
-            texts, x, y = generate_pairs(bound, tokenizer, settings.texts + n_held,
-                                         settings.new_tokens, settings.seed, progress,
-                                         record=settings.texts, dtype=pair_dtype)
+            ids, x, y = generate_ids(bound, tokenizer, settings.texts + n_held,
+                                     settings.new_tokens, settings.seed, first=first,
+                                     keep=groups[-1], record=settings.texts, dtype=pair_dtype,
+                                     progress=progress)
+        texts = [tokenizer.decode(row, skip_special_tokens=True) for row in ids]
+        for number, group in enumerate([groups[-1], *groups[:-1]]):
+            if number:
+                with phase("collect activations", False, seconds):
+                    x, y = read_pairs(bound, ids[:settings.texts], group, first=first,
+                                      dtype=pair_dtype, progress=progress)
+            with phase("fit", False, seconds):
+                transcoder, stats = fit(x, y)
+            del x, y
+            parts.append(transcoder)
+            fvus += [stats.train_fvu] * len(group)
+        parts = parts[1:] + parts[:1]  # back in the layers' order
     else:
         with phase("gathering text", progress, seconds):
             texts = read_texts(settings.data, settings.texts + n_held)
             n_held = max(1, len(texts) // 11) if len(texts) < settings.texts + n_held else n_held
         check_memory(sum(len(ids) for ids in tokenizer(texts[:-n_held])["input_ids"]),
-                     f"{len(texts) - n_held} texts of {settings.data}")
+                     bound.n_layers, f"{len(texts) - n_held} texts of {settings.data}")
         with phase("collect activations", False, seconds):
             x, y = collect_pairs(bound.model, tokenizer, texts[:-n_held], progress=progress)
+        with phase("fit", False, seconds):
+            transcoder, stats = fit(x, y)
+        del x, y
+        parts, fvus = [transcoder], [stats.train_fvu]
+    transcoder = _join(parts)
+    train_fvu = sum(fvus) / len(fvus)  # the mean over layers, as one fit's
     train, held_out = texts[:-n_held], texts[-n_held:]
-    bf16 = fast_bf16(bound.device)  # the steps' products: twice as fast where native
-    with phase("fit", False, seconds):
-        transcoder, stats = fit_pairs(x, y, settings.model, d_transcoder=settings.features,
-                                      steps=settings.steps, lr=settings.lr, seed=settings.seed,
-                                      activation=settings.activation, k=settings.fit_k,
-                                      progress=progress, memory_bytes=have, consume=True,
-                                      bf16=bf16, **options, **RECIPE)
-    del x, y
     with phase("held-out pairing check", progress, seconds):
         pairing = check_pairing(bound.model, tokenizer, transcoder, held_out)
-    if not (math.isfinite(stats.train_fvu) and math.isfinite(pairing.fvu)):
-        raise NonFiniteError(f"the fit's FVU is not finite (train {stats.train_fvu}, held-out "
+    if not (math.isfinite(train_fvu) and math.isfinite(pairing.fvu)):
+        raise NonFiniteError(f"the fit's FVU is not finite (train {train_fvu}, held-out "
                              f"{pairing.fvu}): nothing saved; lower lr (it was {settings.lr:g})")
     record = {"settings": asked, "train_tokens": stats.n_tokens, "train_texts": len(train),
-              "held_out_texts": len(held_out), "train_fvu": stats.train_fvu,
+              "held_out_texts": len(held_out), "train_fvu": train_fvu,
               "products": "bfloat16" if bf16 else "float32",
               "pairing": pairing.to_dict(), "seconds": seconds}
     return transcoder, record

@@ -21,7 +21,7 @@ ALLOWED = {
         "an intervention type called outside pyvene: a programming error",
     ("attribution/reading.py", "influence did not converge"):
         "a numerical failure of ours, not the user's input",
-    ("fitting.py", "the generation's forwards read"):
+    ("fit_text.py", "the generation's forwards read"):
         "an invariant of ours (generate's forwards cover every position once), not the user's "
         "input",
     ("interventions/base.py", ""): "the abstract method of the base class",

@@ -1,8 +1,8 @@
 """The first transcoder's recipe, each fast path against a simple one: a TopK fit (its decoder
 an embedding bag) beats a ReLU fit at the same L0 and round-trips through circuit-tracer's
 layout to the same outputs; a fit in normalised units folds back into the weights it reports;
-the chunked least-squares skip equals a direct solve; the pairs read from a generation's own
-forwards equal a fresh forward over the text it wrote."""
+the chunked least-squares skip equals a direct solve; the pairs of texts generated and read
+in padded batches equal a forward of each text alone."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from _support.models import make_tiny_model
 
-from pyvene_causaltrace import fitting
+from pyvene_causaltrace import fit_text, fitting
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.prompts import first_position
 from pyvene_causaltrace.transcoders import load_transcoder, save_transcoder
@@ -100,42 +100,80 @@ def test_the_chunked_skip_equals_a_direct_solve():
     assert (held - W).abs().max() < 0.05
 
 
-def test_pairs_read_while_generating_equal_a_fresh_forward(tokenizer, monkeypatch):
-    """``generate_pairs`` reads (resid_mid, mlp_out) from ``generate``'s own forwards (a
-    prompt, then one position a step, through the KV cache); the same ids run again in one
-    forward give the same pairs, text by text, in the same order."""
+def test_pairs_of_batched_generation_and_forwards_equal_each_text_alone(tokenizer, monkeypatch):
+    """Texts sampled together (starts of different lengths padded on the left, through the KV
+    cache) and the pairs read from those forwards, or again from right-padded batches of whole
+    texts stopped after a group's last layer, equal a forward of each text alone, text by text
+    in order; greedy texts sampled together equal each sampled alone."""
     model = make_tiny_model("llama")
-    outputs = []
-    generate = model.generate
-
-    def kept(*args, **kwargs):
-        out = generate(*args, **kwargs)
-        outputs.append(out)
-        return out
-
-    monkeypatch.setattr(model, "generate", kept, raising=False)
-    monkeypatch.setattr(fitting, "STARTS", ("The city of", "A", "The river", "In 1990,"))
-    monkeypatch.setattr(fitting, "GENERATION_BATCH", 2)
-    texts, x, y = fitting.generate_pairs(bind(model), tokenizer, 7, 5, seed=3, record=5,
-                                         dtype=torch.float32)
-    assert len(texts) == 7 and all(texts)
-    # the batches: starts of one token length together, shortest first, texts in order
-    length = [len(tokenizer(fitting.STARTS[i % 4])["input_ids"]) for i in range(7)]
-    order = sorted(range(7), key=lambda i: (length[i], i))
-    rows = dict(zip(order, [row for out in outputs for row in out], strict=True))
-    ids = [rows[i] for i in range(7)]
-    assert all(len(row) == length[i] + 5 for i, row in enumerate(ids))
+    bound = bind(model)
+    monkeypatch.setattr(fit_text, "STARTS", ("The city of", "A", "The river", "In 1990,"))
+    lengths = [len(tokenizer(fit_text.STARTS[i % 4])["input_ids"]) for i in range(7)]
+    assert len(set(lengths)) > 1  # the batches mix lengths: padding is exercised
     first = first_position(tokenizer, "auto")
-    want_x, want_y = [], []
-    for row in ids[:5]:
-        states = hook_states(model, row[None, :-1], {"x": "hook_resid_mid", "y": "hook_mlp_out"})
-        want_x.append(states["x"].transpose(0, 1)[first:])
-        want_y.append(states["y"].transpose(0, 1)[first:])
-    assert x.shape == torch.cat(want_x).shape and x.dtype == torch.float32
-    assert torch.allclose(x, torch.cat(want_x), atol=1e-5)
-    assert torch.allclose(y, torch.cat(want_y), atol=1e-5)
-    with keeping_states(bind(model), {"x": "hook_resid_mid"}) as take, torch.no_grad():
-        model(input_ids=ids[0][None])
-        model(input_ids=ids[1][None])
+    ids, x, y = fit_text.generate_ids(bound, tokenizer, 7, 5, seed=3, first=first, keep=[0, 2],
+                                      record=5, dtype=torch.float32, batch=4)
+    assert [len(row) for row in ids] == [n + 5 for n in lengths]
+    assert all(row[:n] == tokenizer(fit_text.STARTS[i % 4])["input_ids"]
+               for i, (row, n) in enumerate(zip(ids, lengths, strict=True)))
+    alone = [hook_states(model, torch.tensor([row[:-1]]),
+                         {"x": "hook_resid_mid", "y": "hook_mlp_out"}) for row in ids]
+
+    def want(layers, texts):
+        return [torch.cat([s[key][layers].transpose(0, 1)[first:] for s in alone[:texts]])
+                for key in ("x", "y")]
+
+    want_x, want_y = want([0, 2], 5)
+    assert x.shape == want_x.shape and x.dtype == torch.float32
+    assert torch.allclose(x, want_x, atol=1e-5) and torch.allclose(y, want_y, atol=1e-5)
+    for layers, batch_tokens in (([1], 16), ([0, 1, 2], 10**4)):  # stopped early; one forward
+        x, y = fit_text.read_pairs(bound, ids, layers, first=first, dtype=torch.float32,
+                                   batch_tokens=batch_tokens)
+        want_x, want_y = want(layers, 7)
+        assert torch.allclose(x, want_x, atol=1e-5) and torch.allclose(y, want_y, atol=1e-5)
+    greedy = {"do_sample": False, "top_k": None, "temperature": None}
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: generate(**{**kw, **greedy}),
+                        raising=False)
+    together = fit_text.generate_ids(bound, tokenizer, 4, 5, seed=0, batch=4)[0]
+    assert together == [fit_text.generate_ids(bound, tokenizer, i + 1, 5, seed=0, batch=1)[0][i]
+                        for i in range(4)]
+    with keeping_states(bound, {"x": "hook_resid_mid"}) as take, torch.no_grad():
+        model(input_ids=torch.tensor([ids[0]]))
+        model(input_ids=torch.tensor([ids[1]]))
         joined = take()["x"]
     assert joined.shape == (1, len(ids[0]) + len(ids[1]), 3, x.shape[-1])  # along positions
+
+
+def test_a_set_fitted_a_group_of_layers_at_a_time_is_each_groups_own_fit(tokenizer, tmp_path,
+                                                                        monkeypatch):
+    """With room for one layer's pairs, each layer is fitted alone (the last one on the pairs
+    read while generating, the others on forwards over the kept ids): layer by layer, the saved
+    set equals a fit of that layer's pairs alone."""
+    model = make_tiny_model("llama")
+    monkeypatch.setattr(fitting, "fast_bf16", lambda device: False)
+    monkeypatch.setattr(fitting, "GENERATED_PAIRS", torch.float32)  # no rounding to 16 bits
+    room = fitting.GROUP_PAIR_BYTES // 12  # 12 layers' pairs fit: 3 even groups of 10
+    assert fitting.layer_groups(30, True, room) == [list(range(a, a + 10)) for a in (0, 10, 20)]
+    assert fitting.layer_groups(30, True, 1) == [list(range(30))]  # all fit: one group
+    monkeypatch.setattr(fitting, "GROUP_PAIR_BYTES", 1)
+    assert fitting.layer_groups(3, True, 1) == [[0], [1], [2]]
+    assert fitting.layer_groups(3, False, 1) == [[0, 1, 2]]  # a cross-layer set: one group
+    options = {"texts": 6, "steps": 3, "features": 8, "k": 2, "new_tokens": 4, "seed": 1}
+    report = fitting.fit_transcoder(model=model, tokenizer=tokenizer, out=tmp_path / "t",
+                                    progress=False, **options)
+    got = load_transcoder(report.path)
+    ids = fit_text.generate_ids(bind(model), tokenizer, 6 + 4, 4, seed=1)[0]  # 4 held out
+    x, y = fit_text.read_pairs(bind(model), ids[:6], range(3), dtype=torch.float32,
+                               first=first_position(tokenizer, "auto"))
+    assert report.record["train_tokens"] == x.shape[0]
+    close = {"rtol": 1e-4, "atol": 1e-4}  # pairs from the generation's forwards: float rounding
+    for layer in range(3):
+        want, _ = fit_pairs(x[:, [layer]].clone(), y[:, [layer]].clone(), "tiny",
+                            d_transcoder=8, steps=3, seed=1, activation="relu_topk", k=2,
+                            **fitting.KINDS["skip_plt"][0], **fitting.RECIPE)
+        for name in ("W_enc", "b_enc", "b_dec"):
+            torch.testing.assert_close(getattr(got, name)[layer], getattr(want, name)[0],
+                                       **close, msg=lambda m, layer=layer: f"layer {layer}: {m}")
+        torch.testing.assert_close(got.W_dec[layer], want.W_dec[0], **close)
+        torch.testing.assert_close(got.W_skip[layer], want.W_skip[0], **close)

@@ -25,6 +25,7 @@ from pyvene_causaltrace.specs import load_spec
 from pyvene_causaltrace.transcoders.lorsa import (
     LorsaConfig,
     LorsaSet,
+    check_lorsa_fits,
     load_lorsa,
     lorsa_fvu,
     lorsa_states,
@@ -132,6 +133,8 @@ def test_refusals_name_the_file_and_the_field(tmp_path):
     wide = _set(tmp_path / "wide", layers=(0,), d_model=48)
     with pytest.raises(InputError, match=r"L0/config\.json: d_model is 48.*another model"):
         lorsa_splice_representations(model, wide)
+    with pytest.raises(InputError, match=r"L0/config\.json: d_model is 48"):
+        check_lorsa_fits(bind(model), wide)
     deep = _set(tmp_path / "deep", layers=(5,))
     with pytest.raises(InputError, match=r"L5/config\.json: hook_point_in names layer 5; "
                                          r"the model has 3 layers"):
@@ -225,7 +228,7 @@ def test_the_fit_starts_from_the_attention_layer_itself(tokenizer):
     qwen2 (q/k/v biases); with TopK it is a real approximation; on another model it fails."""
     for arch in ("llama", "qwen2"):
         model = make_tiny_model(arch, init=0.2)
-        start = attention_init(model, 1, top_k=8)
+        start = attention_init(bind(model), 1, top_k=8)
         whole = LorsaConfig(**{**start.cfg.__dict__, "top_k": start.cfg.n_ov_heads})
         exact = LorsaSet({1: type(start)(whole, start.tensors())})
         assert lorsa_fvu(model, tokenizer, exact, CORPUS[:4])[1] < 1e-6

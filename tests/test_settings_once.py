@@ -652,12 +652,15 @@ def test_attribute_with_settings_builds_the_keywords_graph(tokenizer, tmp_path):
 
 
 #: The flags of ``trace`` and ``dataset`` that are not a setting of the run: inputs, outputs,
-#: display (and, for ``dataset``, the graphs' flags: GraphSettings' or the transcoder's).
+#: display (and, for ``dataset``, the graphs' flags: GraphSettings' or the transcoder's, and
+#: the faithfulness curves': FaithfulnessSettings', as ``evaluate``'s).
 FLAG_INPUTS = {
     "trace": {"help", "plugins", "spec", "model", "device", "prompt", "subject", "answer",
               "kind", "controls", "no_progress", "out"},
     "dataset": {"help", "data", "task", "model", "device", "no_progress", "out", "graphs", "clt",
-                "format", "max_feature_nodes", "graph_memory_mb", "bos", "save_graphs"},
+                "format", "max_feature_nodes", "graph_memory_mb", "bos", "save_graphs",
+                "faithfulness", "sizes", "level", "rank_by", "ablation", "errors", "metric",
+                "draws", "seed", "circuits_per_forward"},
 }
 def _said(value: object) -> str:
     """A default as a help text states it (a tuple of kinds as the flag's comma list)."""

@@ -54,7 +54,8 @@ if TYPE_CHECKING:  # annotations only
 
     from .graph import AttributionGraph
 
-__all__ = ["FaithfulnessCurve", "FaithfulnessSettings", "faithfulness", "mib_areas"]
+__all__ = ["FaithfulnessCurve", "FaithfulnessSettings", "curve_json", "faithfulness",
+           "mib_areas"]
 
 
 def mib_areas(fractions: list[float], f: list[float]) -> tuple[float, float]:
@@ -66,6 +67,29 @@ def mib_areas(fractions: list[float], f: list[float]) -> tuple[float, float]:
         cpr += width * (f[i] + f[i + 1]) / 2
         cmd += width * (abs(1.0 - f[i]) + abs(1.0 - f[i + 1])) / 2
     return cpr, cmd
+
+
+def curve_json(title: str, sizes: list[float], f: list[float], random: list[list[float]], *,
+               cpr: float, cmd: float, x_label: str, y_label: str,
+               counts: list[int] | None = None, random_cpr: list[float] | None = None) -> dict:
+    """A curve as a graph JSON's ``metadata.info`` carries it and the viewer draws it (one
+    panel per ``metadata.info`` entry holding a ``curve``; docs/attribution.md, "The
+    viewer"): ``sizes`` (the x values, drawn on a log axis), ``f`` per size, the random
+    draws' band per size (``random``: one curve per draw, kept as min, mean and max), CPR
+    and CMD (and the random draws' CPR). Any curve of this shape (a feature budget, a
+    trace's) plugs in."""
+    if any(len(draw) != len(sizes) for draw in [f, *random]):
+        raise InputError(f"curve: {len(sizes)} sizes, but a curve of another length")
+    band = torch.tensor(random, dtype=torch.float64).reshape(len(random), len(sizes))
+    return {"title": title, "x_label": x_label, "y_label": y_label,
+            "sizes": [float(s) for s in sizes], "f": [float(v) for v in f],
+            "random": {"draws": len(random),
+                       **({"min": band.min(0).values.tolist(), "mean": band.mean(0).tolist(),
+                           "max": band.max(0).values.tolist()} if random else
+                          {"min": [], "mean": [], "max": []})},
+            "cpr": float(cpr), "cmd": float(cmd),
+            **({} if counts is None else {"counts": [int(c) for c in counts]}),
+            **({} if random_cpr is None else {"random_cpr": [float(c) for c in random_cpr]})}
 
 
 @dataclass(frozen=True)
@@ -101,13 +125,19 @@ left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it
         return self.cpr < min(self.random_cpr)
 
     def summary(self) -> dict:
-        """The scores a graph's metadata carries: CPR, CMD, the random rankings' and how
-        they were measured."""
+        """What a graph's metadata carries: CPR, CMD, the random rankings', how they were
+        measured, and the ``curve`` itself (:func:`curve_json`: what the viewer draws)."""
+        level, metric = self.settings["level"], self.settings["metric"]
         return {"cpr": self.cpr, "cmd": self.cmd, "random_cpr": self.random_cpr,
                 "random_cmd": self.random_cmd, "metric_full": self.metric_full,
                 "metric_empty": self.metric_empty, "foil": self.foil,
                 **{k: self.settings[k] for k in ("level", "rank_by", "ablation", "errors",
-                                                 "metric", "draws")}}
+                                                 "metric", "draws")},
+                "curve": curve_json(
+                    "faithfulness f(k) (MIB)", self.settings["sizes"], self.f, self.random,
+                    cpr=self.cpr, cmd=self.cmd, x_label=f"circuit size (% of {level})",
+                    y_label=f"f(k) ({metric})", counts=self.counts,
+                    random_cpr=self.random_cpr)}
 
     def to_dataframe(self) -> pd.DataFrame:
         rand = torch.tensor(self.random, dtype=torch.float64).reshape(len(self.random), -1)

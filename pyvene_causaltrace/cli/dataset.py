@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import distributed
 from ..atomic import replacing, write_text
 from ..dataset import get_task, read_records
-from ..dataset.graphs import GraphSettings
+from ..dataset.graphs import GraphSettings, check_faithfulness
 from ..dataset.run import (
     load_dataset_result,
     merge_shards,
@@ -27,6 +27,7 @@ from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
 from ..transcoders import load_transcoder
 from .common import number_or_name, out_dir, resolve_device, settings_of
+from .evaluate import faithfulness_settings
 
 
 def graph_settings(args) -> GraphSettings | None:
@@ -73,12 +74,19 @@ def dataset_command(args) -> int:
                              + (f": {errors[0]}" if errors else ""))
     settings = dataset_settings(args, default_known)  # checked before the model loads
     graphs = graph_settings(args)
+    faith = None
+    if args.faithfulness:  # --faithfulness without --graphs: refused by .flags
+        faith = faithfulness_settings(args)
+        try:
+            check_faithfulness(faith)
+        except InputError as error:
+            raise InputError(f"--{error}") from None  # "--metric: ..."
     shard = None if launch is None else (launch.rank, launch.world)
     check_run_directory(run_path(args.out, shard))
     # the transcoder's files are read before the model loads: a wrong --clt costs no model load
     options = {} if graphs is None else {
         "transcoder": load_transcoder(args.clt, format=args.format, device=device),
-        "graph_options": graphs}
+        "graph_options": graphs, **({} if faith is None else {"faithfulness": faith})}
     for error in errors[:10]:
         print(f"skipping malformed record {error}", file=sys.stderr)
     if len(errors) > 10:

@@ -36,8 +36,9 @@ def _mode(name, selects, flags: str, example: str, why: str = "") -> Mode:
 
 _TRACE_SPEC = "plugins spec model device out budget_mb controls no_progress"
 _TRACE_FLAGS = "prompt subject answer kind seeds scale sigma window"
-FAITHFULNESS = ("counterfactual reference foil sizes level rank_by ablation errors metric draws "
-                "seed circuits_per_forward")
+FAITHFULNESS_SETTINGS = ("sizes level rank_by ablation errors metric draws seed "
+                         "circuits_per_forward")
+FAITHFULNESS = "counterfactual reference foil " + FAITHFULNESS_SETTINGS
 _ATTRIBUTE_COMMON = ("plugins model device clt format target other k max_n_logits "
                      "desired_logit_prob bos_errors bos memory_mb max_feature_nodes dtype "
                      "deterministic out")
@@ -62,7 +63,8 @@ MODES: dict[str, tuple[Mode, ...]] = {
     "dataset": (_mode("dataset", None,
                       "data task model device limit kinds seeds scale sigma window known budget_mb "
                       "boot no_progress graphs clt format max_feature_nodes graph_memory_mb "
-                      "bos save_graphs out", "--data d.json --out o"),),
+                      "bos save_graphs faithfulness out " + FAITHFULNESS_SETTINGS,
+                      "--data d.json --out o"),),
     "aggregate": (_mode("aggregate", None, "out boot", "o"),),
     "attribute": (
         _mode("attribute --prompts FILE", "prompts", f"{_ATTRIBUTE_COMMON} prompts",
@@ -95,7 +97,9 @@ NEEDS: dict[str, dict[str, tuple[str, str]]] = {
     "validate": {"device": ("model", "add --model to check the specs on a model there")},
     "dataset": {name: ("graphs", "add --graphs to build each fact's attribution graph")
                 for name in ("clt", "format", "max_feature_nodes", "graph_memory_mb", "bos",
-                             "save_graphs")},
+                             "save_graphs", "faithfulness")}
+    | {name: ("faithfulness", "add --faithfulness to measure each graph's faithfulness curve")
+       for name in FAITHFULNESS_SETTINGS.split()},
     "attribute": {**{name: ("cross_check", "add --cross-check to trace the prompt and compare")
                      for name in ("subject", "seeds", "scale", "check_features", "check_window",
                                   "check_modes")},

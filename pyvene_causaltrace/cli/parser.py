@@ -97,16 +97,19 @@ def _device(parser: argparse.ArgumentParser, help: str = _DEVICE_HELP) -> None:
     parser.add_argument("--device", type=flag(Device), default=DEVICE, help=help)
 
 
-def _faithfulness_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of a faithfulness curve (``evaluate``, ``attribute --faithfulness``)."""
-    parser.add_argument("--counterfactual", type=TEXT, default=None,
-                        help="a prompt of the graph's prompt's length in tokens: the features "
-                             "outside the circuit take their values on it (MIB's patching)")
-    parser.add_argument("--reference", type=Path, default=None,
-                        help="with --ablation mean: a text file, one prompt per line")
-    parser.add_argument("--foil", type=TEXT, default=None,
-                        help="the logit difference's other token (default: the model's top "
-                             "token on --counterfactual)")
+def _faithfulness_flags(parser: argparse.ArgumentParser, prompts: bool = True) -> None:
+    """The flags of a faithfulness curve (``evaluate``, ``attribute --faithfulness``; without
+    the prompts', ``dataset --faithfulness``, which takes them from the facts)."""
+    if prompts:
+        parser.add_argument("--counterfactual", type=TEXT, default=None,
+                            help="a prompt of the graph's prompt's length in tokens: the "
+                                 "features outside the circuit take their values on it (MIB's "
+                                 "patching)")
+        parser.add_argument("--reference", type=Path, default=None,
+                            help="with --ablation mean: a text file, one prompt per line")
+        parser.add_argument("--foil", type=TEXT, default=None,
+                            help="the logit difference's other token (default: the model's "
+                                 "top token on --counterfactual)")
     parser.add_argument("--sizes", default=",".join(f"{s:g}" for s in FAITH_SIZES),
                         help="circuit sizes, percent of the ranked nodes or edges, each in "
                              "(0, 100] (default MIB's: %(default)s)")
@@ -250,6 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--bos", default=None, choices=_BOS_MODES, help="with --graphs: " + _BOS_HELP)
     data.add_argument("--save-graphs", action="store_true",
                       help="with --graphs: keep each graph as graphs/<index>.safetensors")
+    data.add_argument("--faithfulness", action="store_true",
+                      help="with --graphs: each graph's faithfulness curve (MIB's f(k), CPR, "
+                           "CMD; as `evaluate`, with its flags) in its graphs.jsonl row, CPR "
+                           "and CMD per fact and their mean in aggregate.json; --ablation "
+                           "counterfactual patches from the next kept fact of the same length "
+                           "in tokens (another answer: the foil); mean and zero need "
+                           "--metric prob or kl")
+    _faithfulness_flags(data.add_argument_group(
+        "faithfulness", "with --faithfulness: the curves' settings (as `evaluate`'s)"),
+        prompts=False)
     data.add_argument("--out", type=Path, required=True,
                       help="run directory: rows stream here; rerun to resume")
 

@@ -20,7 +20,7 @@ from ..locations import window_layers
 from .aggregate import ROLE_ORDER, _nanmean, bootstrap_interval, role_curves
 from .plan import check_boot_fits
 
-__all__ = ["COMPARED_KINDS", "TraceGrids", "aggregate_graphs"]
+__all__ = ["COMPARED_KINDS", "TraceGrids", "aggregate_graphs", "faithfulness_summary"]
 
 #: Trace kinds a graph is ranked against.
 COMPARED_KINDS = ("residual", "mlp")
@@ -111,7 +111,9 @@ def aggregate_graphs(rows: Iterable[dict], *, n_layers: int, kinds: Sequence[str
     ``ci_low``/``ci_high``; ``n_role_facts[role]``; ``spearman[kind]`` (``n_facts``,
     ``n_undefined``, ``mean``, ``median``, ``ci``); ``quality`` (mean active and explored
     features, largest closure residuals, mean error share, replacement and completeness
-    scores); ``per_fact`` (index, fact, the Spearman values and those scores)."""
+    scores); ``per_fact`` (index, fact, the Spearman values and those scores); in a run with
+    faithfulness curves, ``faithfulness`` (:func:`faithfulness_summary`) and each fact's CPR and
+    CMD in ``per_fact``."""
     by_index = _unique(rows)
     if not by_index:
         return None
@@ -140,7 +142,8 @@ def aggregate_graphs(rows: Iterable[dict], *, n_layers: int, kinds: Sequence[str
                          for k, v in rho.items()},
             **{key: row.get(key) for key in ("n_features", "n_explored", "closure",
                                              "feature_closure", "error_share", "replacement",
-                                             "completeness")}})
+                                             "completeness")},
+            **({"faithfulness": _fact_curve(row)} if "faithfulness" in row else {})})
     stacked = {part: np.stack(curves[part]) for part in SITE_PARTS}  # [F, R, L]
     intervals = {part: bootstrap_interval(stacked[part], n_boot=n_boot, level=level)
                  for part in SITE_PARTS}
@@ -153,7 +156,40 @@ def aggregate_graphs(rows: Iterable[dict], *, n_layers: int, kinds: Sequence[str
         "spearman": {kind: _summary(rhos[kind], n_boot, level) for kind in kinds},
         "quality": _quality([by_index[i] for i in facts]),
         "per_fact": per_fact,
+        **({"faithfulness": faithfulness_summary(per_fact, n_boot, level)}
+           if any("faithfulness" in by_index[i] for i in facts) else {}),
     }
+
+
+def _fact_curve(row: dict) -> dict:
+    """A fact's CPR, CMD, its random rankings' mean CPR and CMD and its counterfactual fact,
+    from its row's curve (numbers ``None`` when it has none, ``skipped`` saying why)."""
+    curve = row["faithfulness"]
+    if curve is None:
+        return {"cpr": None, "cmd": None, "random_cpr": None, "random_cmd": None,
+                "counterfactual": None, "skipped": str(row.get("faithfulness_skipped"))}
+    try:
+        values = {key: float(curve[key]) for key in ("cpr", "cmd")}
+        values.update({f"random_{key}": float(np.mean(curve[f"random_{key}"]))
+                       for key in ("cpr", "cmd")})
+    except (KeyError, TypeError, ValueError):
+        raise InputError(f"fact {row['fact']}: its faithfulness entry is not a curve (no "
+                         "cpr, cmd, random_cpr and random_cmd numbers)") from None
+    return {**values, "counterfactual": curve.get("counterfactual"), "skipped": None}
+
+
+def faithfulness_summary(per_fact: list[dict], n_boot: int, level: float) -> dict:
+    """Over the facts with a curve: CPR, CMD and the random rankings' mean CPR and CMD (each
+    :func:`_summary`: mean, median, bootstrap interval), how many facts have none, and the
+    first reasons."""
+    curves = [p["faithfulness"] for p in per_fact if p.get("faithfulness") is not None]
+    scored = [c for c in curves if c["cpr"] is not None]
+    skipped = [(p["fact"], p["faithfulness"]["skipped"]) for p in per_fact
+               if p.get("faithfulness") is not None and p["faithfulness"]["cpr"] is None]
+    return {"n_facts": len(scored), "n_skipped": len(skipped),
+            "skipped": [{"fact": fact, "reason": why} for fact, why in skipped[:10]],
+            **{key: _summary([c[key] for c in scored], n_boot, level)
+               for key in ("cpr", "cmd", "random_cpr", "random_cmd")}}
 
 
 def _mean_of(rows: list[dict], key: str) -> float | None:

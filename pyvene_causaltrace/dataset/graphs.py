@@ -13,12 +13,23 @@ so grids of different prompts average). ``settings.save`` also keeps each graph 
 ``graphs/<index>.safetensors``, written before its row. The manifest records the transcoder's
 fingerprint and :meth:`GraphSettings.to_manifest`, so a resume that differs is refused
 (docs/datasets.md, "Attribution graphs beside the traces").
+
+With ``faithfulness`` (a :class:`~..attribution.settings.FaithfulnessSettings`) each fact's row
+also carries its graph's faithfulness curve (:func:`~..attribution.faithfulness.faithfulness`:
+f(k), the random band, CPR and CMD), measured before the row is written, so a resumed run
+never loses or recomputes one. Its counterfactual (:func:`counterfactuals`): with MIB's
+``ablation="counterfactual"``, the next kept fact in the run's order (wrapping around) whose
+prompt has as many tokens and another answer token, whose answer is the logit difference's foil;
+a fact without one gets ``"faithfulness": null`` and the reason. ``"mean"`` takes the mean over
+the next :data:`MEAN_REFERENCES` other kept facts' prompts (their tokens from the graph's first
+spliced position on), ``"zero"`` nothing; neither gives a foil, so both read ``metric="prob"``
+or ``"kl"``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +38,8 @@ from torch import nn
 from .._settings import Settings
 from ..arguments import MemoryMB, PositiveInt
 from ..attribution import attribute
-from ..attribution.settings import AttributionSettings
+from ..attribution.faithfulness import faithfulness as measure_faithfulness
+from ..attribution.settings import AttributionSettings, FaithfulnessSettings
 from ..crosscheck.sites import SITE_PARTS, site_influence
 from ..defaults import DATASET_SAVE_GRAPHS
 from ..errors import InputError
@@ -39,10 +51,14 @@ from .records import FactRecord
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
     from transformers import PreTrainedTokenizerBase as Tokenizer
 
-__all__ = ["GRAPH_DIR", "GRAPH_TARGETS", "GraphSettings", "graph_manifest", "graph_row"]
+__all__ = ["GRAPH_DIR", "GRAPH_TARGETS", "GraphSettings", "check_faithfulness",
+           "counterfactuals", "graph_manifest", "graph_row"]
 
 #: Where ``GraphSettings(save=True)`` keeps each fact's graph, inside the run directory.
 GRAPH_DIR = "graphs"
+#: How many other kept facts' prompts (the next ones, wrapping around) a fact's
+#: ``ablation="mean"`` averages over.
+MEAN_REFERENCES = 8
 #: Targets a dataset graph may explain: both read only the fact's own answer.
 GRAPH_TARGETS = ("demeaned", "demeaned_vocab")
 
@@ -90,11 +106,50 @@ class GraphSettings(Settings):
                 "memory_mb": float(self.memory_mb), "bos": self.bos}
 
 
-def graph_manifest(model: nn.Module, transcoder: Transcoder, settings: GraphSettings) -> dict:
+def graph_manifest(model: nn.Module, transcoder: Transcoder, settings: GraphSettings,
+                   faithfulness: FaithfulnessSettings | None = None) -> dict:
     """The manifest keys of a run with graphs, once ``transcoder`` is checked to fit ``model``
-    (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError` if not)."""
+    (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError` if not); with
+    ``faithfulness``, its settings (all but ``batch_size``, which changes no number) under
+    ``graphs.faithfulness``, so a resume with other (or no) curves is refused."""
     check_fits(model, transcoder)
-    return {"transcoder": transcoder_fingerprint(transcoder), "graphs": settings.to_manifest()}
+    graphs = settings.to_manifest()
+    if faithfulness is not None:
+        graphs["faithfulness"] = {**{k: v for k, v in asdict(faithfulness).items()
+                                     if k != "batch_size"}, "sizes": list(faithfulness.sizes)}
+    return {"transcoder": transcoder_fingerprint(transcoder), "graphs": graphs}
+
+
+def check_faithfulness(settings: FaithfulnessSettings) -> None:
+    """Refuse what a dataset run cannot measure: the logit difference without a counterfactual
+    fact (its foil is that fact's answer)."""
+    if settings.ablation != "counterfactual" and settings.metric == "logit_diff":
+        raise InputError(f"metric: the logit difference's foil is the counterfactual fact's "
+                         f"answer; with ablation={settings.ablation!r} there is none: choose "
+                         "metric 'prob' or 'kl', or ablation 'counterfactual'")
+
+
+def counterfactuals(tokenizer: Tokenizer, kept: list[dict], settings: FaithfulnessSettings
+                    ) -> dict[str, dict | list[dict] | str | None]:
+    """What each kept fact's curve is patched from (module docstring): ``{fact: the
+    counterfactual fact's screen line}``, or the reason there is none (a string); with
+    ``ablation="mean"`` the reference facts' lines (a list); ``None`` for ``"zero"``."""
+    if settings.ablation == "zero":
+        return {line["fact"]: None for line in kept}
+    if settings.ablation == "mean":
+        n = min(MEAN_REFERENCES, len(kept) - 1)
+        return {line["fact"]: [kept[(i + step) % len(kept)] for step in range(1, n + 1)]
+                or "no other kept fact to average over" for i, line in enumerate(kept)}
+    lengths = [len(ids) for ids in tokenizer([line["prompt"] for line in kept])["input_ids"]]
+    answers = [line["target_id"] for line in kept]
+    out: dict[str, dict | str | None] = {}
+    for i, line in enumerate(kept):
+        others = [(i + step) % len(kept) for step in range(1, len(kept))]
+        match = next((j for j in others if lengths[j] == lengths[i]
+                      and answers[j] != answers[i]), None)
+        out[line["fact"]] = kept[match] if match is not None else (
+            f"no other kept fact has a {lengths[i]}-token prompt and another answer")
+    return out
 
 
 def _number(value: float) -> float | None:
@@ -103,17 +158,51 @@ def _number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _curve(model, tokenizer, transcoder, graph, settings: FaithfulnessSettings,
+           counterfactual: dict | list[dict] | str | None) -> dict:
+    """The row's ``faithfulness`` entries: the curve's summary (with the curve), the
+    counterfactual fact (or the mean's reference facts), the forwards run; or ``None`` and the
+    reason."""
+    if isinstance(counterfactual, str):
+        return {"faithfulness": None, "faithfulness_skipped": counterfactual}
+    prompt = foil = reference = None
+    if isinstance(counterfactual, list):
+        reference = [line["prompt"] for line in counterfactual]
+    elif counterfactual is not None:
+        prompt, foil = counterfactual["prompt"], int(counterfactual["target_id"])
+    curve = measure_faithfulness(model, tokenizer, transcoder, graph, prompt,
+                                 reference=reference,
+                                 foil=foil if settings.metric == "logit_diff" else None,
+                                 settings=settings)
+    return {"faithfulness": {
+        **curve.summary(), "n_items": curve.n_items, "forwards": curve.forwards,
+        "counterfactual": counterfactual["fact"] if isinstance(counterfactual, dict) else None,
+        **({"reference": [line["fact"] for line in counterfactual]} if reference else {})}}
+
+
 def graph_row(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, line: dict,
               record: FactRecord, settings: GraphSettings,
-              save_dir: Path | None = None) -> dict:
+              save_dir: Path | None = None, *,
+              faithfulness: FaithfulnessSettings | None = None,
+              counterfactual: dict | list[dict] | str | None = None, built=None) -> dict:
     """The ``graphs.jsonl`` line of the fact screened as ``line`` (module docstring); with
-    ``save_dir``, the graph is first saved there as ``<index>.safetensors``."""
+    ``save_dir``, the graph is first saved there as ``<index>.safetensors``; with
+    ``faithfulness``, its curve against ``counterfactual`` (:func:`counterfactuals`' entry for
+    the fact) is in the row and the saved graph's metadata. ``built()`` is called once the
+    graph is built (a progress step)."""
     tokenized = tokenize_prompt(tokenizer, line["prompt"], record.subject, record.occurrence)
     graph = attribute(model, tokenizer, transcoder, line["prompt"], line["target"],
                       settings=settings.attribution())
     if graph.n_pos != tokenized.seq_len:
         raise InputError(f"fact {record.id}: the graph reads {graph.n_pos} tokens, the trace "
                          f"{tokenized.seq_len}")
+    curve = {}
+    if faithfulness is not None:
+        if built is not None:
+            built()
+        curve = _curve(model, tokenizer, transcoder, graph, faithfulness, counterfactual)
+        if curve["faithfulness"] is not None:
+            graph.metadata["faithfulness"] = curve["faithfulness"]
     if save_dir is not None:
         save_dir.mkdir(parents=True, exist_ok=True)
         graph.save(save_dir / f"{line['index']}.safetensors")
@@ -131,4 +220,5 @@ def graph_row(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, li
         "seconds": float(graph.metadata["seconds"]["total"]),
         "influence": {part: site_influence(graph, part, share=True).tolist()
                       for part in SITE_PARTS},
+        **curve,
     }

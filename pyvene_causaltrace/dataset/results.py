@@ -165,4 +165,13 @@ def _graph_summary(graphs: dict, level: float) -> str:
                      f"{number(s['mean'])}, median {number(s['median'])} "
                      f"({100 * level:.0f}% CI {number(ci[0])}..{number(ci[1])})"
                      + (f"; undefined for {s['n_undefined']}" if s["n_undefined"] else ""))
+    faith = graphs.get("faithfulness")
+    if faith is not None:
+        cpr, cmd, floor = faith["cpr"], faith["cmd"], faith["random_cpr"]
+        lines.append(f"[graphs faithfulness] {faith['n_facts']} facts: CPR mean "
+                     f"{number(cpr['mean'])} ({100 * level:.0f}% CI {number(cpr['ci'][0])}.."
+                     f"{number(cpr['ci'][1])}), random rankings {number(floor['mean'])}; CMD "
+                     f"mean {number(cmd['mean'])} ({number(cmd['ci'][0])}.."
+                     f"{number(cmd['ci'][1])})"
+                     + (f"; no curve for {faith['n_skipped']}" if faith["n_skipped"] else ""))
     return "\n".join(lines)

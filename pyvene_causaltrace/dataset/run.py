@@ -36,6 +36,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..arguments import PositiveInt, checked
+from ..attribution.settings import FaithfulnessSettings
 from ..bound import BoundModel, bind
 from ..errors import DamagedFileError, InputError, ManifestMismatchError
 from ..fingerprint import package_version, tokenizer_fingerprint
@@ -49,7 +50,14 @@ from ..tracing.tracer import Tracer
 from ..transcoders import Transcoder
 from .aggregate import ROLE_ORDER, aggregate_rows
 from .graph_aggregate import TraceGrids, aggregate_graphs
-from .graphs import GRAPH_DIR, GraphSettings, graph_manifest, graph_row
+from .graphs import (
+    GRAPH_DIR,
+    GraphSettings,
+    check_faithfulness,
+    counterfactuals,
+    graph_manifest,
+    graph_row,
+)
 from .plan import check_boot_fits
 from .records import FactRecord, RecordError
 from .results import DatasetResult
@@ -157,6 +165,7 @@ def trace_dataset(
     n_boot: int = _DEFAULT.n_boot,
     transcoder: Transcoder | None = None,
     graph_options: GraphSettings | None = None,
+    faithfulness: FaithfulnessSettings | None = None,
     settings: DatasetSettings | None = None,
 ) -> DatasetResult:
     """Trace ``records`` (see module docstring); returns the aggregate of what ``out`` holds
@@ -169,7 +178,10 @@ def trace_dataset(
     ``transcoder``: also build each kept fact's attribution graph with ``graph_options``
     (default :class:`~.graphs.GraphSettings`); a transcoder that does not fit ``model`` is
     refused (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError`) before anything is
-    written."""
+    written. ``faithfulness``: also measure each graph's faithfulness curve with these settings
+    (:mod:`.graphs`: the counterfactual is another kept fact of the same length, or the
+    ablation needs none); refused when the metric needs a foil the ablation does not give, or
+    when no fact of this run has a counterfactual."""
     run_settings = DatasetSettings.merged(
         settings, kinds=kinds, seeds=seeds, scale=scale, sigma=sigma, window=window, known=known,
         limit=limit, memory_budget_mb=memory_budget_mb, n_boot=n_boot)
@@ -182,9 +194,15 @@ def trace_dataset(
     if graph_options is not None and transcoder is None:
         raise InputError("graph_options without a transcoder: pass transcoder= (--clt) to "
                          "build graphs")
+    if faithfulness is not None:
+        if transcoder is None:
+            raise InputError("faithfulness: a graph's curve needs the graph: pass "
+                             "transcoder= (--graphs --clt)")
+        check_faithfulness(faithfulness)
     settings = (graph_options or GraphSettings()) if transcoder is not None else None
     model = bind(model)  # the architecture, resolved once for every fact
-    graphs = graph_manifest(model, transcoder, settings) if settings is not None else {}
+    graphs = graph_manifest(model, transcoder, settings, faithfulness) \
+        if settings is not None else {}
     _check_sizes(model, tokenizer, records, run_settings)
     seeds = seed_list(seeds)
     out = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="pvct-dataset-"))
@@ -215,10 +233,20 @@ def trace_dataset(
         todo = [(line, [k for k in kinds if any((line["fact"], k, s) not in done for s in seeds)],
                  graphed is not None and line["fact"] not in graphed)
                 for line in mine]
-        steps = len(kinds) + (settings is not None)  # a fact's traces, and its graph
+        partners = {} if faithfulness is None else counterfactuals(tokenizer, kept, faithfulness)
+        if partners and all(isinstance(partners[line["fact"]], str) for line in mine):
+            raise InputError(f"faithfulness: ablation 'counterfactual' patches from another "
+                                 f"kept fact of the same length in tokens with another answer; "
+                                 f"none of the {len(mine)} facts has one (e.g. "
+                                 f"{partners[mine[0]['fact']]}): use ablation 'mean' or "
+                                 "'zero' (with metric 'prob' or 'kl'), or more facts")
+        # a fact's traces, its graph, and its curve
+        per_graph = (settings is not None) + (faithfulness is not None)
+        steps = len(kinds) + per_graph
         bar = tqdm(total=len(mine) * steps,
-                   initial=sum(steps - len(t) - g for _, t, g in todo),
-                   desc="dataset trace" + (" + graphs" if settings else ""), unit="step",
+                   initial=sum(steps - len(t) - per_graph * g for _, t, g in todo),
+                   desc="dataset trace" + (" + graphs" if settings else "")
+                   + (" + faithfulness" if faithfulness is not None else ""), unit="step",
                    disable=not progress)
         with bar:  # closed (its line ended) on an error or Ctrl-C too
             for line, todo_kinds, needs_graph in todo:
@@ -228,8 +256,10 @@ def trace_dataset(
                                 bar, run_settings.trace(sigma=sigma_value))
                 if needs_graph:
                     save_dir = run.path / GRAPH_DIR if settings.save else None
-                    run.append(GRAPHS, [graph_row(model, tokenizer, transcoder, line, record,
-                                                  settings, save_dir)])
+                    run.append(GRAPHS, [graph_row(
+                        model, tokenizer, transcoder, line, record, settings, save_dir,
+                        faithfulness=faithfulness, counterfactual=partners.get(line["fact"]),
+                        built=lambda: bar.update(1))])
                     bar.update(1)
     return load_dataset_result(run.path, n_boot=run_settings.n_boot)
 

@@ -14,7 +14,7 @@ generation's, so the text a model writes gives its activations without a second 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -135,19 +135,21 @@ def transcoder_states(model: nn.Module, transcoder, ids: torch.Tensor,
 
 @contextmanager
 def keeping_states(bound: BoundModel, hooks: dict[str, str],
-                   dtype: torch.dtype = torch.float32) -> Iterator[Callable[[], dict]]:
+                   dtype: torch.dtype = torch.float32,
+                   layers: Sequence[int] | None = None) -> Iterator[Callable[[], dict]]:
     """Keep the values of TransformerLens ``hooks`` (``{key: hook name}``, plain sites only) at
-    every layer from each forward of the bound model in the block, in ``dtype``; yields ``take()``,
-    which hands over ``{key: [batch, positions, L, D]}`` — the forwards since the last take
-    joined along positions (a generation's prompt, then one position a step) — and forgets
-    them. Readers of the one applier (:mod:`~..applier`), gone when the block ends."""
-    kept: dict[str, list[list[torch.Tensor]]] = {key: [[] for _ in range(bound.n_layers)]
-                                                 for key in hooks}
+    ``layers`` (default every layer) from each forward of the bound model in the block, in
+    ``dtype``; yields ``take()``, which hands over ``{key: [batch, positions, len(layers), D]}``
+    — the forwards since the last take joined along positions (a generation's prompt, then one
+    position a step) — and forgets them. Readers of the one applier (:mod:`~..applier`), gone
+    when the block ends."""
+    layers = list(range(bound.n_layers)) if layers is None else list(layers)
+    kept: dict[str, list[list[torch.Tensor]]] = {key: [[] for _ in layers] for key in hooks}
     edits = []
     for key, hook in hooks.items():
         if hook_site(hook).normalized:
             raise InputError(f"{hook} is computed from its site, not read: use hook_states")
-        for layer, parts in enumerate(kept[key]):
+        for layer, parts in zip(layers, kept[key], strict=True):
             path, _, where = hook_component(bound.adapter, hook, layer).rpartition(".")
             edits.append(Edit(Site(get_module(bound.model, path), where),
                               lambda value, _call, parts=parts: parts.append(

@@ -45,11 +45,10 @@ def _rope_base(model: nn.Module, head_dim: int) -> float:
 
 
 @torch.no_grad()
-def attention_init(model: nn.Module | BoundModel, layer: int, *, top_k: int, n_ctx: int = 2048,
+def attention_init(bound: BoundModel, layer: int, *, top_k: int, n_ctx: int = 2048,
                    per_qk_head: int | None = None) -> Lorsa:
     """Layer ``layer``'s attention as a Lorsa (module docstring): ``per_qk_head`` OV heads per
     QK head (default ``2 * head_dim``, exact without TopK; fewer keeps the largest parts)."""
-    bound = bind(model)
     attn, norm = bound.module("attn", layer), bound.module("pre_attn_norm", layer)
     if bound.adapter.norm_kind != "rms" or any(hasattr(attn, name) for name in ("q_norm",
                                                                                  "k_norm")):
