@@ -2,10 +2,11 @@
 
 The blocks are written for the real thing (SmolLM2, a fitted or published transcoder, ROME's
 known_1000). Here ``load_model`` gives a tiny 30-layer Llama, ``load_transcoder`` a random fixture
-CLT of its shape whatever it is asked for, and ``known_1000`` is the project's own fact file
-served from a file URL — so each block exercises the calls and names it shows. A block whose first
-line is ``# name.py`` is also a module file: written beside every block of its page (on
-``sys.path``) so the others import it. Types a block registers stay in that block.
+CLT of its shape whatever it is asked for, ``load_lorsa`` a fixture Lorsa set (layers 2, 5, 8),
+and ``known_1000`` is the project's own fact file served from a file URL — so each block
+exercises the calls and names it shows. A block whose first line is ``# name.py`` is also a
+module file: written beside every block of its page (on ``sys.path``) so the others import it.
+Types a block registers stay in that block.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from _support.data import PROJECT_FACTS, ROOT, fetch_file_urls
 from _support.docs_world import N_LAYERS, PAGES, stand_in
 from clt_fixtures import random_clt_tensors, write_clt
+from lorsa_fixtures import peer_config, peer_tensors, write_peer_lorsa
 
 import pyvene_causaltrace
 from pyvene_causaltrace import models as model_module
@@ -26,6 +28,7 @@ from pyvene_causaltrace import transcoders
 from pyvene_causaltrace.dataset import sources
 from pyvene_causaltrace.interventions import registry
 from pyvene_causaltrace.transcoders import formats
+from pyvene_causaltrace.transcoders import lorsa as lorsa_module
 
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 MODULE = re.compile(r"# (\w+)\.py\n")  # a block that is a module file: "# my_steer.py"
@@ -51,7 +54,7 @@ def test_the_docs_have_blocks_to_run():
                          ids=[f"{page.name}-{i}" for page, i, _ in BLOCKS])
 def test_block_runs(world, page, index, code, monkeypatch, tmp_path):
     model, tokenizer, clt = world
-    real_load = formats.load_transcoder
+    real_load, real_lorsa = formats.load_transcoder, lorsa_module.load_lorsa
 
     def load_model(*args, **kwargs):
         return model, tokenizer
@@ -63,6 +66,15 @@ def test_block_runs(world, page, index, code, monkeypatch, tmp_path):
         monkeypatch.setattr(module, "load_model", load_model, raising=False)
     for module in (formats, transcoders, pyvene_causaltrace):
         monkeypatch.setattr(module, "load_transcoder", load_transcoder, raising=False)
+
+    def load_lorsa(*args, **kwargs):  # a fixture Lorsa at layers 2, 5 and 8, whatever is asked
+        for layer in (2, 5, 8):
+            cfg = peer_config(layer=layer, d_model=32)
+            write_peer_lorsa(tmp_path / "lorsa" / f"L{layer}", cfg,
+                             peer_tensors(cfg, seed=layer), (2.5, 0.7))
+        return real_lorsa(tmp_path / "lorsa")
+
+    monkeypatch.setattr(lorsa_module, "load_lorsa", load_lorsa)
     data = PROJECT_FACTS.read_bytes()
     monkeypatch.setitem(sources.DATASETS, "known_1000", sources.DatasetSource(
         PROJECT_FACTS.as_uri(), hashlib.sha256(data).hexdigest(), "known_1000.json",

@@ -23,6 +23,7 @@ from .edges import CLOSURE_TOLERANCE, Closure, ClosureError
 from .faithfulness import FaithfulnessCurve, FaithfulnessSettings, faithfulness
 from .graph import AttributionGraph
 from .heads import HeadLoadings, head_loadings
+from .lorsa_qk import trace_lorsa_qk
 from .qk import QKAttribution, qk_attribution
 from .replacement import ReplacementRun, pre_softcap_logits, run_local_replacement
 from .replacement_model import PreparedPrompt, ReplacementModel
@@ -60,4 +61,5 @@ __all__ = [
     "qk_attribution",
     "remove_checkpoint",
     "run_local_replacement",
+    "trace_lorsa_qk",
 ]

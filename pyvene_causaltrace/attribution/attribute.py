@@ -26,6 +26,7 @@ from ..finite import check_finite
 from ..meter import phase
 from ..model_guard import measured
 from ..runlock import single_writer
+from ..transcoders.lorsa import LorsaSet
 from ..transcoders.transcoder import Transcoder
 from .budget import batch_size_for, check_batch_fits, feature_budget, store_bytes
 from .checkpoint import Checkpoint, remove_checkpoint, tensor_digest
@@ -40,6 +41,7 @@ from .edges import (
     target_rows,
 )
 from .graph import AttributionGraph
+from .lorsa_nodes import lorsa_metadata
 from .precision import deterministic_algorithms, dtype_name
 from .reading import Layout, influence, logit_weights
 from .replacement import ReplacementRun
@@ -101,6 +103,7 @@ def attribute(
     check_closure: bool = _DEFAULT.check_closure,
     compute_dtype: str | torch.dtype | None = _DEFAULT.compute_dtype,
     deterministic: bool = _DEFAULT.deterministic, settings: AttributionSettings | None = None,
+    attention: LorsaSet | None = None,
 ) -> AttributionGraph:
     """The attribution graph of ``prompt``'s next token through ``transcoder``.
 
@@ -116,7 +119,10 @@ def attribute(
     :data:`~.edges.CLOSURE_TOLERANCE` or :class:`~.edges.ClosureError` is raised
     (``check_closure=False`` returns the graph anyway); a ``compute_dtype="bfloat16"`` graph's
     rows to :data:`~.edges.BF16_CLOSURE_TOLERANCE` (:mod:`.precision`). ``deterministic``:
-    torch's deterministic algorithms on for the call, so two runs are bit-identical. Details:
+    torch's deterministic algorithms on for the call, so two runs are bit-identical.
+    ``attention`` (a :func:`~..transcoders.lorsa.load_lorsa` set) replaces those layers'
+    attention by Lorsa: its OV heads are feature nodes, its errors error nodes
+    (:mod:`.lorsa_nodes`). Details:
     docs/attribution.md."""
     if not prompt:
         raise InputError("the prompt is empty")
@@ -129,17 +135,19 @@ def attribute(
         deterministic=deterministic).check_answer(answer)
     with deterministic_algorithms() if s.deterministic else contextlib.nullcontext():
         return _attribute(model, tokenizer, transcoder, prompt, answer, s, progress=progress,
-                          checkpoint=checkpoint, keep_checkpoint=keep_checkpoint)
+                          checkpoint=checkpoint, keep_checkpoint=keep_checkpoint,
+                          attention=attention)
 
 
 def _attribute(model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder: Transcoder,
                prompt: str, answer: str | None, s: AttributionSettings, *, progress: bool,
-               checkpoint: str | Path | None, keep_checkpoint: bool) -> AttributionGraph:
+               checkpoint: str | Path | None, keep_checkpoint: bool,
+               attention: LorsaSet | None = None) -> AttributionGraph:
     """:func:`attribute` of merged, checked settings ``s``."""
     target, freeze, check_closure = s.target, s.freeze, s.check_closure
     max_n_logits, desired_logit_prob = s.salient()
     start = time.perf_counter()
-    replacement = ReplacementModel(model, tokenizer, transcoder, bos=s.bos)
+    replacement = ReplacementModel(model, tokenizer, transcoder, bos=s.bos, attention=attention)
     replacement.check_bos_errors(s.bos_errors)
     spread = Spread.of(replacement, prompt, answer, s)
     prepared = replacement.prepare(prompt, answer, settings=s)
@@ -175,7 +183,8 @@ def _attribute(model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder:
     return _graph(replacement, prepared, run, top, store, plan, resumed=resumed,
                   seconds=seconds, freeze=freeze, check_closure=check_closure,
                   selection=selection, spread=spread,
-                  fingerprints={name: key[name] for name in ("model", "transcoder")})
+                  fingerprints={name: key[name] for name in ("model", "transcoder", "lorsa")
+                                if name in key})
 
 
 @dataclass(frozen=True)
@@ -389,6 +398,7 @@ def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: Replace
                                               top.closures[0].tolerance),
                   "deterministic": torch.are_deterministic_algorithms_enabled(),
                   "rows_computed": store.n_rows - resumed,
+                  "lorsa": lorsa_metadata(replacement.lorsa, run),
                   "distributed": None if spread is None
                   else spread.describe(replacement.transcoder)})
 
@@ -408,7 +418,7 @@ def steering_metadata(run: ReplacementRun, logit_row: torch.Tensor) -> list[dict
     """What a graph's reader needs to know about the user's interventions: each one's class,
     component, module, layer, steering node count and direct contribution to the target; one
     without a node says why."""
-    out, start = [], run.n_features + run.n_layers * run.n_pos
+    out, start = [], run.layout.steering.start
     leaves = iter(run.steering_positions)
     for s in run.steering:
         entry = s.site.describe()

@@ -145,8 +145,10 @@ def row_feature_bounds(run) -> torch.Tensor:
     n_layers, n_pos = run.n_layers, run.n_pos
     grid = torch.zeros(n_layers, n_pos, dtype=torch.long)
     grid.index_put_((layers, positions), torch.ones_like(layers), accumulate=True)
-    # cone[l, p] = features at layers < l and positions <= p
-    below = torch.cat([torch.zeros(1, n_pos, dtype=torch.long), grid.cumsum(0)[:-1]])
+    # cone[l, p] = features at layers < l and positions <= p; with Lorsa heads (attention
+    # features, :mod:`.lorsa_nodes`) a layer-l feature also reads layer l's heads: <= l
+    below = grid.cumsum(0) if getattr(run, "lorsa_layers", None) else torch.cat(
+        [torch.zeros(1, n_pos, dtype=torch.long), grid.cumsum(0)[:-1]])
     return below.cumsum(1)[layers, positions]
 
 
@@ -164,7 +166,8 @@ def _store_costs(run, order: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     # at most how many nonzero entries each feature's row has: the active features, errors and
     # tokens in its causal cone (earlier layers, same or earlier positions)
     layers, positions = run.feature_layer.cpu(), run.feature_position.cpu()
-    bounds = (cones + layers * (positions + 1) + positions + 1)[order.cpu()].double()
+    error_layers = layers + len(getattr(run, "lorsa_layers", None) or [])  # Lorsa errors
+    bounds = (cones + error_layers * (positions + 1) + positions + 1)[order.cpu()].double()
     entries = bounds.cumsum(0)
     cost = entries * ENTRY_BYTES + 64 * torch.arange(1, n + 1) \
         + CHUNK_BYTES * entries.clamp(max=CHUNK_ENTRIES)

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ClosureError, InputError
 from .leaf_grads import leaf_grads
+from .lorsa_nodes import lorsa_seeds, lorsa_targets_and_magnitudes
 from .replacement import ReplacementRun
 from .targets import Target
 
@@ -39,14 +40,18 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
              for x, g in zip(inputs, grads, strict=True)]
     if batch is None:
         grads = [g[None] for g in grads]
-    steering = run.steering_leaves  # run.inputs() order: features, errors, steering, ...
-    ends = list(accumulate((len(run.feature_values), run.n_layers, len(steering),
-                            len(run.embeddings))))
-    feature_grads, error_grads, steer_grads, emb_grads, bias_grads = (
+    # run.inputs() order: features, Lorsa heads, errors, Lorsa errors, steering, ...
+    steering = run.steering_leaves
+    ends = list(accumulate((len(run.feature_values), len(run.lorsa_heads), run.n_layers,
+                            len(run.lorsa_errors), len(steering), len(run.embeddings))))
+    feature_grads, head_grads, error_grads, lorsa_grads, steer_grads, emb_grads, bias_grads = (
         grads[start:end] for start, end in zip([0, *ends], [*ends, None], strict=True))
-    parts = [_wide(v) * _wide(g) for v, g in zip(run.feature_values, feature_grads, strict=True)]
+    values = [*run.feature_values, *[h.value for h in run.lorsa_heads]]
+    parts = [_wide(v) * _wide(g) for v, g in zip(values, [*feature_grads, *head_grads],
+                                                 strict=True)]
     dropped = []  # bos_errors="drop": the BOS errors' edges join the constant instead
-    for e, g in zip(run.errors, error_grads, strict=True):
+    for e, g in zip([*run.errors, *run.lorsa_errors], [*error_grads, *lorsa_grads],
+                    strict=True):
         edges = (_wide(e) * _wide(g)).sum(-1).reshape(g.shape[0], -1)
         if run.bos_errors == "drop":
             dropped.append(edges[:, 0].clone())
@@ -62,7 +67,8 @@ def edges_from_grads(run: ReplacementRun, grads: Sequence[torch.Tensor | None],
     parts.append(tokens)
     rows = torch.cat([p.reshape(p.shape[0], -1) for p in parts], dim=1)
     constant = sum((_wide(c) * _wide(g)).reshape(g.shape[0], -1).sum(1)
-                   for c, g in zip([run.b_dec, *run.constants], bias_grads, strict=True))
+                   for c, g in zip([run.b_dec, *run.lorsa_biases, *run.constants], bias_grads,
+                                   strict=True))
     constant = constant + sum(dropped)
     if run.shard is not None:  # this rank's feature columns, then everyone's: the whole row
         rows = run.shard.gather_columns(rows)
@@ -215,19 +221,33 @@ def feature_targets_and_magnitudes(run: ReplacementRun, index: torch.Tensor
     """The pre-activations of feature nodes (:func:`feature_targets`) and, from the same
     products, ``sum_i |W_enc[l, f, i] x[l, pos, i]|`` (float64): the size of the terms each
     sums, which its float32 rounding is relative to (module docstring)."""
+    lorsa = index >= run.n_transcoder_features
+    if bool(lorsa.any()):  # Lorsa heads (:mod:`.lorsa_nodes`) beside transcoder features
+        plain = feature_targets_and_magnitudes(run, index[~lorsa])
+        heads = lorsa_targets_and_magnitudes(run, index[lorsa])
+        targets = plain[0].new_empty(len(index))
+        magnitudes = plain[1].new_empty(len(index))
+        targets[~lorsa], magnitudes[~lorsa] = plain
+        targets[lorsa], magnitudes[lorsa] = heads[0].to(targets.dtype), heads[1]
+        return targets, magnitudes
     layers, positions = run.feature_layer[index], run.feature_position[index]
-    states = torch.stack([run.encoder_inputs[layer][0, pos]
-                          for layer, pos in zip(layers.tolist(), positions.tolist(), strict=True)])
+    states = [run.encoder_inputs[layer][0, pos]
+              for layer, pos in zip(layers.tolist(), positions.tolist(), strict=True)]
+    states = torch.stack(states) if states else run.encoder_rows[:0]
     terms = states.to(run.encoder_rows.dtype) * run.encoder_rows[index]
     return terms.sum(-1), terms.abs().sum(-1, dtype=torch.float64)
 
 
 def _seeds(run: ReplacementRun, index: torch.Tensor) -> tuple[list, list]:
     """Batched gradient seeds: for each layer the rows of ``index`` live in, a
-    ``[B, 1, P, D]`` tensor holding each row's encoder vector at its position."""
-    layers = run.feature_layer[index]
-    outputs, seeds = [], []
+    ``[B, 1, P, D]`` tensor holding each row's encoder vector at its position; for Lorsa
+    heads, one per Lorsa input (:func:`~.lorsa_nodes.lorsa_seeds`)."""
+    lorsa = index >= run.n_transcoder_features
+    outputs, seeds = lorsa_seeds(run, index[lorsa], lorsa.nonzero().squeeze(-1), len(index))
+    layers = run.feature_layer[index].masked_fill(lorsa, -1)
     for layer in layers.unique().tolist():
+        if layer < 0:
+            continue
         state = run.encoder_inputs[layer]
         seed = torch.zeros(len(index), *state.shape, dtype=state.dtype, device=state.device)
         rows = (layers == layer).nonzero().squeeze(-1)

@@ -22,12 +22,15 @@ from ..atomic import write_text
 from ..errors import InputError
 from ..graph_schema import validate
 from .identity import check_labels, graph_identity, text_digest
+from .lorsa_nodes import lorsa_info, qk_tracing_json
 from .settings import ReadingSettings
 
 log = logging.getLogger("pyvene_causaltrace.attribution")
 
-#: The node kinds (``feature_type``) the export writes: circuit-tracer's four and ``steering``.
-KINDS = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit", "steering")
+#: The node kinds (``feature_type``) the export writes: circuit-tracer's four, ``steering``,
+#: and Neuronpedia's attention kinds ``lorsa`` and ``lorsa error`` (:mod:`.lorsa_nodes`).
+KINDS = ("cross layer transcoder", "mlp reconstruction error", "embedding", "logit", "steering",
+         "lorsa", "lorsa error")
 
 
 def check_graph_json(payload: dict) -> None:
@@ -76,10 +79,26 @@ def _node(node_id: str, feature: int, layer: str, pos: int, kind: str, js_id: st
             "influence": _num(influence), "activation": _num(activation)}
 
 
+def sublayer(graph, layer: int, kind: str) -> int:
+    """The exported layer of a node at ``layer``: itself, or in a graph with Lorsa nodes the
+    OpenMOSS server's sublayers (``2 l`` attention: Lorsa heads and errors; ``2 l + 1`` the
+    MLP: transcoder features and errors; ``2 L`` the logits), so that ids of a Lorsa head and
+    a transcoder feature never coincide and attention sits below the MLP in the viewer."""
+    if not graph.lorsa_layers:
+        return layer
+    return 2 * layer if kind in ("lorsa", "lorsa error") else 2 * layer + 1
+
+
 def node_id(graph, i: int) -> str:
-    """Node ``i``'s exported id."""
+    """Node ``i``'s exported id (with Lorsa nodes, the OpenMOSS server's: ``{sublayer}_{feature
+    or head}_{pos}``, ``{sublayer}_error_{pos}``, logits ``{2 L}_{token}_{pos}``)."""
     kind = graph.node_kind(i)
     layer, pos, feature, _ = graph.coordinates(i, kind)
+    if graph.lorsa_layers and kind != "token" and kind != "steering":
+        if kind == "logit":
+            return f"{2 * graph.n_layers}_{feature}_{pos}"
+        middle = "error" if kind.endswith("error") else feature
+        return f"{sublayer(graph, layer, kind)}_{middle}_{pos}"
     if kind == "feature":
         return f"{layer}_{feature}_{pos}"
     if kind == "error":
@@ -133,14 +152,21 @@ def graph_json(graph, slug: str | None = None,
         kind = graph.node_kind(i)
         layer, pos, feature, activation = graph.coordinates(i, kind)
         influence = float(pruned.cumulative_scores[i])
+        shown_layer = str(sublayer(graph, layer, kind)) if layer is not None else "E"
         if kind == "feature":
-            nodes.append(_node(ids[i], feature_index(layer, feature, d_transcoder), str(layer), pos,
-                               "cross layer transcoder", f"{layer}_{feature}-0",
+            nodes.append(_node(ids[i], feature_index(layer, feature, d_transcoder), shown_layer,
+                               pos, "cross layer transcoder", f"{shown_layer}_{feature}-0",
                                influence=influence, activation=activation,
                                clerp=(labels or {}).get((layer, feature), "")))
-        elif kind == "error":
-            nodes.append(_node(ids[i], -1, str(layer), pos, "mlp reconstruction error",
-                               f"{layer}_-1-{pos}", influence=influence))
+        elif kind == "lorsa":  # feature: the head, numbered per layer as features are
+            width = int(graph.metadata["lorsa"]["n_ov_heads"][str(layer)])
+            nodes.append(_node(ids[i], feature_index(layer, feature, width), shown_layer, pos,
+                               "lorsa", f"{shown_layer}_{feature}-0", influence=influence,
+                               activation=activation, clerp=f"Lorsa L{layer} head {feature}"))
+        elif kind in ("error", "lorsa error"):
+            nodes.append(_node(ids[i], -1, shown_layer, pos,
+                               "mlp reconstruction error" if kind == "error" else kind,
+                               f"{shown_layer}_-1-{pos}", influence=influence))
         elif kind == "steering":  # layer: the one whose output it joins ("E": the embeddings)
             nodes.append(_node(ids[i], feature, "E" if layer < 0 else str(layer), pos,
                                "steering", f"S{feature}-{pos}", influence=influence,
@@ -154,7 +180,8 @@ def graph_json(graph, slug: str | None = None,
             prob = goal.get("prob")
             text = f'Output "{_clean(goal["text"])}"' + ("" if prob is None else
                                                          f" (p={prob:.3f})")
-            nodes.append(_node(ids[i], feature, str(graph.n_layers + 1), pos, "logit",
+            logit_layer = 2 * graph.n_layers if graph.lorsa_layers else graph.n_layers + 1
+            nodes.append(_node(ids[i], feature, str(logit_layer), pos, "logit",
                                f"L_{feature}-{pos}", token_prob=0.0 if prob is None else prob,
                                is_target=j == 0, clerp=text))
     links = [{"source": ids[s], "target": ids[t], "weight": _num(w)}
@@ -175,6 +202,7 @@ def graph_json(graph, slug: str | None = None,
                  "transcoder": graph.metadata.get("transcoder"),
                  "logit_softcap": graph.metadata.get("logit_softcap"),
                  "steering": [{"id": f"S{j}", **site} for j, site in enumerate(graph.steering)],
+                 **lorsa_info(graph),
                  "feature_nodes": {"active": graph.n_features, "explored": graph.n_explored},
                  "inputs": {"graph": identity, "prompt_sha256": text_digest(graph.prompt),
                             **(graph.metadata.get("fingerprints") or {})},
@@ -194,7 +222,8 @@ def graph_json(graph, slug: str | None = None,
     }
     q_params = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",
                 "sg_pos": ""}
-    payload = {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links}
+    payload = {"metadata": metadata, "qParams": q_params, "nodes": nodes, "links": links,
+               **qk_tracing_json(graph, node_id, set(ids.values()))}
     return payload if attention is None else attention.annotate(payload, graph, identity)
 
 

@@ -352,6 +352,10 @@ def metric_of(logits: torch.Tensor, metric: str, answer: int, foil: int | None,
 
 
 def check_graph(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph) -> None:
+    if graph.lorsa_layers:
+        raise InputError("graph: it has Lorsa nodes (attention=lorsa); faithfulness ablates "
+                         "transcoder features in the model spliced with the transcoder alone "
+                         "and does not splice Lorsa yet")
     if graph.targets and graph.targets[0].get("output", "logits") != "logits":
         raise InputError(f"graph: it explains a direction ({graph.targets[0]['name']}), not a "
                          "logit; faithfulness reads the answer's logit")

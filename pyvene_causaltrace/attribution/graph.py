@@ -91,9 +91,21 @@ class AttributionGraph:
         return len(self.targets)
 
     @property
+    def lorsa_layers(self) -> list[int]:
+        """The layers whose attention a Lorsa replaced (:mod:`.lorsa_nodes`): their OV heads
+        are the feature nodes from ``metadata["lorsa"]["first_node"]`` on, their errors the
+        error nodes after the MLP errors, in this order."""
+        return list((self.metadata.get("lorsa") or {}).get("layers", []))
+
+    @property
+    def first_lorsa_node(self) -> int:
+        """The first Lorsa OV-head node (``n_features`` without a Lorsa)."""
+        return int((self.metadata.get("lorsa") or {}).get("first_node", self.n_features))
+
+    @property
     def layout(self) -> Layout:
-        return Layout(self.n_features, self.n_layers * self.n_pos, self.n_pos, self.n_logits,
-                      self.n_steering)
+        return Layout(self.n_features, (self.n_layers + len(self.lorsa_layers)) * self.n_pos,
+                      self.n_pos, self.n_logits, self.n_steering)
 
     def logit_weights(self) -> torch.Tensor:
         """``[n_logits]`` float64: each logit node's weight in influence and pruning (its
@@ -172,9 +184,10 @@ class AttributionGraph:
     def node_kind(self, index: int) -> str:
         lay = self.layout
         if index < lay.n_features:
-            return "feature"
+            return "feature" if index < self.first_lorsa_node else "lorsa"
         if index < lay.steering.start:
-            return "error"
+            return "error" if index < lay.n_features + self.n_layers * self.n_pos \
+                else "lorsa error"
         if index < lay.tokens.start:
             return "steering"
         return "token" if index < lay.logits.start else "logit"
@@ -186,11 +199,13 @@ class AttributionGraph:
         :meth:`steering_layer`, its "feature" the index of its intervention in
         :attr:`steering`)."""
         lay = self.layout
-        if kind == "feature":
+        if kind in ("feature", "lorsa"):
             return (int(self.feature_layer[i]), int(self.feature_position[i]),
                     int(self.feature_id[i]), float(self.activation[i]))
-        if kind == "error":
+        if kind in ("error", "lorsa error"):
             layer, pos = divmod(i - lay.n_features, self.n_pos)
+            if layer >= self.n_layers:
+                layer = self.lorsa_layers[layer - self.n_layers]
             return layer, pos, None, None
         if kind == "steering":
             j, pos = self.steering_node(i)
@@ -210,8 +225,12 @@ class AttributionGraph:
         token = repr(self.tokens[pos])
         if kind == "feature":
             return f"F L{layer}/#{feature} @{pos} {token}"
+        if kind == "lorsa":
+            return f"LORSA L{layer}/H{feature} @{pos} {token}"
         if kind == "error":
             return f"ERR L{layer} @{pos} {token}"
+        if kind == "lorsa error":
+            return f"LORSA-ERR L{layer} @{pos} {token}"
         if kind == "steering":
             return f"STEER {self.steering_site(feature)} @{pos} {token}"
         if kind == "token":
@@ -236,14 +255,18 @@ class AttributionGraph:
         activation, whether its row was computed, label, direct effect on the (weighted) target,
         influence, and each logit node's probability (``token_prob``)."""
         lay, n = self.layout, self.layout.n_nodes
-        kind = (["feature"] * lay.n_features + ["error"] * lay.n_errors
+        first, n_mlp = self.first_lorsa_node, self.n_layers * self.n_pos
+        kind = (["feature"] * first + ["lorsa"] * (lay.n_features - first)
+                + ["error"] * n_mlp + ["lorsa error"] * (lay.n_errors - n_mlp)
                 + ["steering"] * lay.n_steering + ["token"] * lay.n_tokens
                 + ["logit"] * lay.n_logits)
         logit = [self.coordinates(i, "logit") for i in range(lay.logits.start, n)]
         errors = torch.arange(lay.n_errors)
         steer = [self.coordinates(i, "steering") for i in range(lay.steering.start,
                                                                 lay.steering.stop)]
-        layer = torch.cat([self.feature_layer.float(), (errors // self.n_pos).float(),
+        error_layer = torch.tensor(list(range(self.n_layers)) + self.lorsa_layers,
+                                   dtype=torch.long)[errors // self.n_pos]
+        layer = torch.cat([self.feature_layer.float(), error_layer.float(),
                            torch.tensor([float(c[0]) for c in steer]),
                            torch.full((lay.n_tokens,), float("nan")),
                            torch.full((lay.n_logits,), float(self.n_layers))])

@@ -20,6 +20,7 @@ from ..arguments import check_index
 from ..bound import BoundModel
 from ..errors import InputError
 from ..interventions.frozen import watching_qk
+from ..transcoders.lorsa import LorsaSet
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import batch_size_for
 from .edges import edges_from_grads
@@ -54,9 +55,13 @@ def graph_target(graph: AttributionGraph, logit: int) -> Target:
 
 
 def graph_run(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph, *,
-               qk_norms: bool = False) -> ReplacementRun:
-    """The local replacement forward ``graph`` was built from, refused unless its active
-    features are the graph's."""
+              qk_norms: bool = False, lorsa: LorsaSet | None = None) -> ReplacementRun:
+    """The local replacement forward ``graph`` was built from (with ``lorsa``, the Lorsa set
+    of a graph with Lorsa nodes), refused unless its active features are the graph's."""
+    if bool(graph.lorsa_layers) != (lorsa is not None):
+        raise InputError("the graph has Lorsa nodes: pass the Lorsa set it was built with"
+                         if graph.lorsa_layers else "the graph has no Lorsa nodes: pass no "
+                         "Lorsa set")
     if not graph.metadata.get("frozen", True):
         raise InputError("this graph was built with freeze=False (a control): heads and QK "
                          "terms decompose the frozen local replacement model only")
@@ -76,7 +81,7 @@ def graph_run(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph
     bound.check_inputs(ids)
     states = [t["output"] for t in graph.targets if t.get("output", "logits") != "logits"]
     run = replacement_forward(bound, transcoder, ids, from_position=graph.from_position,
-                              states=states, qk_norms=qk_norms)
+                              states=states, qk_norms=qk_norms, lorsa=lorsa)
     if str(graph.metadata.get("bos_errors", "kept")).startswith("dropped"):
         run.bos_errors = "drop"
     same = run.n_features == graph.n_features and all(

@@ -27,13 +27,13 @@ def leaf_grads(run: ReplacementRun, outputs: torch.Tensor | Sequence[torch.Tenso
     """Gradients of ``outputs`` with the batched ``seeds`` (leading dim: one per row) on every
     tensor of ``run.inputs()``, in that order (``None`` where no gradient reaches); the graph is
     kept for the next batch."""
-    n_features, n_layers = len(run.features), run.n_layers
+    n_features, n_layers, n_heads = len(run.features), run.n_layers, len(run.lorsa_heads)
     batch = len(seeds) if isinstance(seeds, torch.Tensor) else len(seeds[0])
-    others = run.inputs()[n_features:]
+    others = run.inputs()[n_features:]  # Lorsa heads (by autograd), errors, ...
     grads = torch.autograd.grad(outputs, others, seeds, retain_graph=True, allow_unused=True,
                                 is_grads_batched=True)
-    features, errors = feature_grads(run, list(grads[:n_layers]), batch)
-    return [*features, *errors, *grads[n_layers:]]
+    features, errors = feature_grads(run, list(grads[n_heads:n_heads + n_layers]), batch)
+    return [*features, *grads[:n_heads], *errors, *grads[n_heads + n_layers:]]
 
 
 def feature_grads(run: ReplacementRun, error_grads: list[torch.Tensor | None],

@@ -69,6 +69,7 @@ def plot_graph(graph, path: str | Path | None = None,
         ax.plot([x0, x1], [y0, y1], color="tab:blue" if w > 0 else "tab:red",
                 linewidth=0.3 + 2.5 * strength, alpha=0.15 + 0.75 * strength, zorder=1)
     style = {"feature": ("o", "tab:orange"), "error": ("s", "0.55"),
+             "lorsa": ("o", "tab:cyan"), "lorsa error": ("s", "0.75"),
              "steering": ("D", "tab:purple"), "token": ("^", "black"),
              "logit": ("*", "tab:green")}
     for kind, (marker, colour) in style.items():

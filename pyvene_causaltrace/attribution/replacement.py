@@ -42,9 +42,12 @@ from ..interventions.clt_splice import (
 )
 from ..interventions.frozen import FrozenAttention, FrozenLayerNorm, frozen_qk_norms
 from ..interventions.leaf import GradientLeaf
+from ..interventions.lorsa_splice import lorsa_splice_representations
 from ..pyvene_boundary.steering import SteeringLeaf, collect_steering
 from ..runtime import intervened
+from ..transcoders.lorsa import LorsaSet
 from ..transcoders.transcoder import Transcoder, check_fits
+from .lorsa_nodes import lorsa_leaves
 from .reading import Layout
 from .settings import AttributionSettings
 from .sharded import FeatureShard, globalize
@@ -89,17 +92,37 @@ class ReplacementRun:
     #: The dtype the forward ran in (:mod:`.precision`; None: the model's, float32's closure
     #: tolerance).
     compute_dtype: torch.dtype | None = None
+    #: With ``attention=`` a Lorsa set (:mod:`.lorsa_nodes`): its layers, and per layer its
+    #: active OV heads (feature nodes after the transcoder's), its error leaf ``[1, P, D]``
+    #: (error nodes after the MLP errors), its live input ``[1, P, D]`` and its ``b_D`` leaf.
+    lorsa_layers: list[int] = field(default_factory=list)
+    lorsa_heads: list = field(default_factory=list)
+    lorsa_errors: list[torch.Tensor] = field(default_factory=list)
+    lorsa_inputs: list[torch.Tensor] = field(default_factory=list)
+    lorsa_biases: list[torch.Tensor] = field(default_factory=list)
     feature_layer: torch.Tensor = field(init=False)
     feature_position: torch.Tensor = field(init=False)
     feature_id: torch.Tensor = field(init=False)
     activation: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        self.feature_layer = torch.cat([torch.full_like(f.position, layer)
-                                        for layer, f in enumerate(self.features)])
-        self.feature_position = torch.cat([f.position for f in self.features])
-        self.feature_id = torch.cat([f.feature for f in self.features])
-        self.activation = torch.cat([v.detach() for v in self.feature_values])
+        heads = self.lorsa_heads
+        self.feature_layer = torch.cat(
+            [torch.full_like(f.position, layer) for layer, f in enumerate(self.features)]
+            + [torch.full_like(h.position, layer)
+               for layer, h in zip(self.lorsa_layers, heads, strict=True)])
+        self.feature_position = torch.cat([f.position for f in self.features]
+                                          + [h.position for h in heads])
+        self.feature_id = torch.cat([f.feature for f in self.features] + [h.head for h in heads])
+        self.activation = torch.cat([v.detach() for v in self.feature_values]
+                                    + [h.value.detach().to(self.features[0].value.dtype)
+                                       for h in heads])
+
+    @property
+    def n_transcoder_features(self) -> int:
+        """Feature nodes ``[0, n)`` are the transcoder's (every rank's, with a sharded one), the
+        rest Lorsa OV heads."""
+        return self.n_features - sum(int(h.value.numel()) for h in self.lorsa_heads)
 
     def output(self, name: str) -> torch.Tensor:
         """The live output a target reads: ``"logits"`` or a captured state."""
@@ -137,12 +160,13 @@ class ReplacementRun:
     @property
     def n_columns(self) -> int:
         """Source nodes of a row: features, errors (layer x position), steering, tokens."""
-        return self.n_features + (self.n_layers + 1) * self.n_pos + self.n_steering
+        return (self.n_features + (self.n_layers + len(self.lorsa_layers) + 1) * self.n_pos
+                + self.n_steering)
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.n_features, self.n_layers * self.n_pos, self.n_pos, 1,
-                      self.n_steering)
+        return Layout(self.n_features, (self.n_layers + len(self.lorsa_layers)) * self.n_pos,
+                      self.n_pos, 1, self.n_steering)
 
     @property
     def decoder_bytes(self) -> int:
@@ -159,29 +183,32 @@ class ReplacementRun:
         return int(self.input_ids.shape[1])
 
     def node_inputs(self) -> list[torch.Tensor]:
-        """Leaves whose edges are graph columns: features (one tensor per layer), errors,
-        steering constants, embeddings."""
-        return [*self.feature_values, *self.errors,
-                *[s.leaf for s in self.steering_leaves], *self.embeddings]
+        """Leaves whose edges are graph columns: features (one tensor per layer), Lorsa heads
+        (one per Lorsa layer), errors, Lorsa errors, steering constants, embeddings."""
+        return [*self.feature_values, *[h.value for h in self.lorsa_heads], *self.errors,
+                *self.lorsa_errors, *[s.leaf for s in self.steering_leaves], *self.embeddings]
 
     def inputs(self) -> list[torch.Tensor]:
-        """Every tensor the logits depend on linearly: node leaves, then ``b_dec`` and the
-        model's bias constants."""
-        return [*self.node_inputs(), self.b_dec, *self.constants]
+        """Every tensor the logits depend on linearly: node leaves, then ``b_dec``, the
+        Lorsas' ``b_D`` and the model's bias constants."""
+        return [*self.node_inputs(), self.b_dec, *self.lorsa_biases, *self.constants]
 
 
-def _freeze_representations(bound: BoundModel, replaced: set[str] = frozenset()) -> list[dict]:
+def _freeze_representations(bound: BoundModel, replaced: set[str] = frozenset(),
+                            lorsa_layers: Sequence[int] = ()) -> list[dict]:
     """``frozen_layernorm`` on every norm in the residual path, ``frozen_attention`` on every
-    attention module; not on norms whose output the splice replaces (``replaced``: Gemma's
-    post-feedforward norm when the transcoder writes TransformerLens's ``hook_mlp_out``)."""
+    attention module but those a Lorsa replaces (``lorsa_layers``); not on norms whose output
+    the splice replaces (``replaced``: Gemma's post-feedforward norm when the transcoder writes
+    TransformerLens's ``hook_mlp_out``)."""
     reps, adapter = [], bound.adapter
     for layer in range(bound.n_layers):
         for component in adapter.norm_sites(layer):
             if component not in replaced:
                 reps.append({"component": component,
                              "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
-        reps.append({"component": adapter.site("attn_output", layer),
-                     "intervention": FrozenAttention()})
+        if layer not in lorsa_layers:
+            reps.append({"component": adapter.site("attn_output", layer),
+                         "intervention": FrozenAttention()})
     reps.append({"component": adapter.site("final_norm"),
                  "intervention": FrozenLayerNorm(kind=adapter.norm_kind)})
     return reps
@@ -223,14 +250,19 @@ def run_local_replacement(
 def replacement_forward(
     bound: BoundModel, transcoder: Transcoder, input_ids: torch.Tensor, *,
     freeze: bool = AttributionSettings.freeze, from_position: int = 1, states: Sequence[str] = (),
-    qk_norms: bool = False,
+    qk_norms: bool = False, lorsa: LorsaSet | None = None,
 ) -> ReplacementRun:
     """:func:`run_local_replacement` of a ``transcoder`` already checked to fit the bound
     model; ``states`` names residual-stream states to keep live
     (:func:`capturing_states`); ``qk_norms`` freezes the per-head query and key norms as well
     (:func:`~..interventions.frozen.frozen_qk_norms`), which makes the live queries and keys
-    linear in the leaves (:mod:`.heads`; edges never see them: queries and keys are detached)."""
+    linear in the leaves (:mod:`.heads`; edges never see them: queries and keys are detached);
+    ``lorsa`` replaces those layers' attention outputs by Lorsa reconstructions
+    (:mod:`.lorsa_nodes`)."""
     model, adapter = bound.model, bound.adapter
+    if lorsa is not None and transcoder.features is not None:
+        raise InputError("attention= (a Lorsa set) with a transcoder sharded by feature is not "
+                         "supported: load the transcoder whole")
     n_layers = transcoder.n_layers
     embed_leaves = [GradientLeaf()]
     reps = [{"component": adapter.site("embed"), "intervention": embed_leaves[0]}]
@@ -240,7 +272,11 @@ def replacement_forward(
                      "intervention": embed_leaves[1]})
     if freeze:
         outputs = {transcoder.cfg.hf_hooks(adapter, layer)["output"] for layer in range(n_layers)}
-        reps += _freeze_representations(bound, outputs)
+        reps += _freeze_representations(bound, outputs, [] if lorsa is None else lorsa.layers)
+    lorsa_session = SpliceSession()
+    if lorsa is not None:
+        reps += lorsa_splice_representations(bound, lorsa, from_position=from_position,
+                                             session=lorsa_session, leaves=True)
     session = SpliceSession()
     selection = clean_selection(bound, transcoder, input_ids) if transcoder.cfg.joint else None
     reps += clt_splice_representations(bound, transcoder, from_position=from_position,
@@ -283,7 +319,10 @@ def replacement_forward(
         encoder_rows=torch.cat([transcoder.encoder_weight(layer)[f.feature]
                                 for layer, f in enumerate(features)]),
         forward_bytes=saved["bytes"], pattern_bytes=saved["patterns"], logit_softcap=cap,
-        steering=steering, states=captured)
+        steering=steering, states=captured, **lorsa_leaves(lorsa, lorsa_session))
+    if lorsa is not None:
+        run.encoder_rows = torch.cat([run.encoder_rows, *[
+            h.w_v.to(run.encoder_rows.dtype) for h in run.lorsa_heads]])
     if transcoder.features is not None:
         _gather_features(run, transcoder)
     return run

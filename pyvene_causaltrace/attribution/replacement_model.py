@@ -29,8 +29,10 @@ from ..fingerprint import transcoder_fingerprint
 from ..finite import check_finite
 from ..models import model_name
 from ..prompts import bos_metadata, first_position, tokenizer_adds_bos
+from ..transcoders.lorsa import LorsaSet, check_lorsa_fits
 from ..transcoders.transcoder import Transcoder, check_fits
 from .budget import active_counts, check_forward_fits
+from .lorsa_nodes import lorsa_fingerprint
 from .precision import compute_dtype as dtype_for
 from .precision import precision
 from .replacement import ReplacementRun, check_batch, replacement_forward, state_module
@@ -81,7 +83,8 @@ class ReplacementModel:
     :class:`~..errors.UnsupportedModelError` for an architecture without an adapter."""
 
     def __init__(self, model: nn.Module | BoundModel, tokenizer: PreTrainedTokenizerBase,
-                 transcoder: Transcoder, *, bos: str = _DEFAULT.bos) -> None:
+                 transcoder: Transcoder, *, bos: str = _DEFAULT.bos,
+                 attention: LorsaSet | None = None) -> None:
         #: the model bound once (its architecture, dimensions); ``model`` is its module
         self.bound = bind(model)
         check_fits(self.bound, transcoder)
@@ -89,6 +92,10 @@ class ReplacementModel:
         self.bound.check_weights()
         self.tokenizer = tokenizer
         self.transcoder = transcoder
+        #: the Lorsa set replacing attention at its layers (:mod:`.lorsa_nodes`), or None
+        self.lorsa = attention
+        if attention is not None:
+            check_lorsa_fits(self.bound, attention)
         self.device = self.bound.device
         #: how position 0 is treated (:data:`~..prompts.BOS_MODES`) and so the first position
         #: spliced and attributed: 1 when position 0 is BOS, else 0
@@ -175,7 +182,8 @@ class ReplacementModel:
         wanted = dtype_for(model_dtype, compute_dtype)
         with precision(self.device, model_dtype, wanted):
             run = replacement_forward(self.bound, self.transcoder, input_ids,
-                                      freeze=freeze, from_position=from_position, states=states)
+                                      freeze=freeze, from_position=from_position, states=states,
+                                      lorsa=self.lorsa)
         run.bos_errors, run.compute_dtype = bos_errors, wanted
         return run
 
@@ -194,8 +202,11 @@ class ReplacementModel:
 
     def fingerprints(self) -> dict[str, str]:
         """The model's and the transcoder's weight fingerprints."""
-        return {"model": self.bound.fingerprint,
-                "transcoder": transcoder_fingerprint(self.transcoder)}
+        out = {"model": self.bound.fingerprint,
+               "transcoder": transcoder_fingerprint(self.transcoder)}
+        if self.lorsa is not None:
+            out["lorsa"] = lorsa_fingerprint(self.lorsa)
+        return out
 
     def describe(self, input_ids: torch.Tensor | None = None) -> dict:
         """What a graph's metadata says about the model, the transcoder and position 0 (of

@@ -91,6 +91,10 @@ def ablation_test(model: BoundModel, transcoder: Transcoder, graph: AttributionG
     ``sizes``, at most the number of active features) in the model spliced with
     ``transcoder``. The probability read is the first logit node's (the answer's, or the most
     probable of several). ``model`` is bound once (``@measured``) for every spliced run."""
+    if graph.lorsa_layers:
+        raise InputError("the graph has Lorsa nodes (attention=lorsa); the ablation test "
+                         "ablates transcoder features in the model spliced with the "
+                         "transcoder alone and does not splice Lorsa yet")
     if graph.targets[0].get("output", "logits") != "logits":
         raise InputError("the ablation test reads the answer's probability; this graph explains "
                          f"a direction ({graph.targets[0]['name']}), not a logit")

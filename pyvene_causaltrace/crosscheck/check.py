@@ -43,6 +43,9 @@ NOISE_TOLERANCE = 1e-4
 @checked
 def check_pair(graph: AttributionGraph, tracer: Tracer) -> None:
     """Refuse a graph and a tracer of different prompts, answers or models."""
+    if graph.lorsa_layers:
+        raise InputError("the graph has Lorsa nodes (attention=lorsa); the cross-check "
+                         "noises transcoder features only and does not splice Lorsa yet")
     if tracer.with_interventions or graph.steering:
         raise PyveneModelError("cross_check compares the bare model's graph and trace: build "
                                "both without a pyvene IntervenableModel")

@@ -38,4 +38,6 @@ class GradientLeaf(CausalTraceIntervention):
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         leaf = base.detach().clone().requires_grad_(True)
         self.__dict__["leaf"] = leaf
-        return leaf
+        # a copy the model reads: an edit of a stream input downstream (a Lorsa encoder on
+        # layer 0's residual) writes into what it reads, which a leaf refuses
+        return leaf.clone()

@@ -11,6 +11,14 @@ a :class:`~.splice_session.SpliceSession` as ``clt_splice``'s do:
   ``(out - recon).detach()`` (the forward is the original one), a fixed ``error`` ``[1, P, D]``
   (the clean run's, :func:`clean_lorsa_errors`), or none (the reconstruction alone).
 
+With ``leaves=True`` (the attribution graph's local replacement model,
+:mod:`~..attribution.lorsa_nodes`) the encoder reads its input with the norm's statistic
+frozen, fixes the QK patterns and the TopK active set at this (the clean) run, and keeps
+each active OV head's activation as an autograd leaf (:class:`LorsaHeads`); the decoder
+writes ``acts @ W_O + b_D`` (``b_D`` a leaf constant) plus the error ``out - recon`` as a
+leaf: the value is the model's own output, and the gradient reaches the heads, the error
+and ``b_D``. Every position is spliced (BOS's heads are zero, its output all error).
+
 ``heads_off`` (OV heads whose activations are zeroed before the decoder) is the splice's
 ablation: with a fixed clean error, zeroing head ``h`` changes the output by exactly
 ``-act_h * W_O[h]``. The Lorsa is held by reference or by the path it was loaded from
@@ -20,6 +28,7 @@ session, other sites) in one forward or one spec.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +49,21 @@ from ..transcoders.lorsa import (
 from .spec_entry import Site, SpecContext
 from .splice_session import SpliceIntervention, SpliceSession
 
-__all__ = ["LorsaSplice", "clean_lorsa_errors", "lorsa_splice_representations"]
+__all__ = ["LorsaHeads", "LorsaSplice", "clean_lorsa_errors", "lorsa_splice_representations"]
+
+
+@dataclass
+class LorsaHeads:
+    """One layer's active OV heads in a leaf-mode splice: position, head and value (an
+    autograd leaf) of each, nonzero order; ``pattern`` ``[n_qk, P, P]`` the clean run's QK
+    patterns, ``group`` OV heads per QK head, ``w_v`` ``[n, D]`` the heads' value rows."""
+
+    position: torch.Tensor
+    head: torch.Tensor
+    value: torch.Tensor
+    pattern: torch.Tensor
+    group: int
+    w_v: torch.Tensor
 
 
 class LorsaSplice(SpliceIntervention):
@@ -54,7 +77,7 @@ class LorsaSplice(SpliceIntervention):
                add_error: bool = False, reset: bool = False, source: str | None = None,
                error: torch.Tensor | None = None, normalize: dict | None = None,
                session: str | None = None, error_from: str | None = None,
-               heads_off: list[int] | None = None) -> None:
+               heads_off: list[int] | None = None, leaves: bool = False) -> None:
         source = source if source is not None else self._source_of()
         if role not in ("encode", "decode"):
             raise InputError(f"role must be 'encode' or 'decode', got {role!r}")
@@ -62,6 +85,9 @@ class LorsaSplice(SpliceIntervention):
             raise InputError(f"from_position must be >= 0, got {from_position}")
         if error is not None and (add_error or role != "decode"):
             raise InputError("a fixed error goes on a decoder, instead of add_error")
+        if leaves and (error is not None or add_error or heads_off):
+            raise InputError("a leaf-mode Lorsa splice keeps its error as a leaf: no error, "
+                             "add_error or heads_off with it")
         if error_from not in (None, "clean"):
             raise InputError(f"error_from must be None or 'clean', got {error_from!r}")
         self._set_tensor("error", error)
@@ -70,7 +96,8 @@ class LorsaSplice(SpliceIntervention):
                         "reset": bool(reset), "source": source,
                         "normalize": None if normalize is None else dict(normalize),
                         "session": self._session_id(session, source), "error_from": error_from,
-                        "heads_off": sorted(int(h) for h in heads_off or [])}
+                        "heads_off": sorted(int(h) for h in heads_off or []),
+                        "leaves": bool(leaves)}
 
     @property
     def clt(self) -> LorsaSet:
@@ -170,9 +197,11 @@ class LorsaSplice(SpliceIntervention):
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         config, session = self._config, self.session
         layer, start = config["lorsa_layer"], config["from_position"]
+        if config["role"] == "encode" and config["reset"]:
+            session.clear()
+        if config.get("leaves"):
+            return self._leaf_forward(base, layer, start)
         if config["role"] == "encode":
-            if config["reset"]:
-                session.clear()
             x = hook_value(base, config["normalize"])
             acts = self.clt[layer].encode(x)
             acts = torch.cat([torch.zeros_like(acts[:, :start]), acts[:, start:]], dim=1)
@@ -197,6 +226,37 @@ class LorsaSplice(SpliceIntervention):
         return torch.cat([base[:, :start], recon[:, start:]], dim=1)
 
 
+    def _leaf_forward(self, base: torch.Tensor, layer: int, start: int) -> torch.Tensor:
+        """The leaf mode (module docstring); leaves in ``session.leaves``: ``heads``,
+        ``inputs``, ``errors`` and ``b_D`` by layer."""
+        leaves = self.session.leaves
+        if not leaves:
+            leaves.update({"heads": {}, "inputs": {}, "errors": {}, "b_D": {}})
+        lorsa = self.clt[layer]
+        if self._config["role"] == "encode":
+            x = hook_value(base, self._config["normalize"], frozen=True)
+            with torch.no_grad():
+                pattern, _ = lorsa.attention(x)
+                acts = lorsa.encode(x, pattern)
+                acts[:, :start] = 0
+                _, position, head = acts.nonzero(as_tuple=True)
+            value = acts[0, position, head].detach().requires_grad_(True)
+            leaves["heads"][layer] = LorsaHeads(position, head, value, pattern[0],
+                                                lorsa.cfg.group, lorsa.W_V[head])
+            leaves["inputs"][layer] = x
+            return base
+        heads = leaves["heads"][layer]
+        bias = lorsa.b_D if lorsa.cfg.use_decoder_bias else lorsa.W_O.new_zeros(lorsa.cfg.d_model)
+        leaves["b_D"][layer] = bias = bias.detach().clone().requires_grad_(True)
+        acts = heads.value.new_zeros(base.shape[1], lorsa.cfg.n_ov_heads)
+        acts = acts.index_put((heads.position, heads.head), heads.value)
+        recon = (acts.to(lorsa.dtype) @ lorsa.W_O + bias)[None].to(base.dtype)
+        error = (base - recon).detach().requires_grad_(True)
+        leaves["errors"][layer] = error
+        spliced = recon + error
+        return base.detach() + (spliced - spliced.detach())
+
+
 @torch.no_grad()
 def clean_lorsa_errors(model, lorsa: LorsaSet, input_ids: torch.Tensor,
                        from_position: int = 1) -> dict[int, torch.Tensor]:
@@ -216,12 +276,13 @@ def lorsa_splice_representations(
     model: nn.Module | BoundModel, lorsa: LorsaSet, *, layers: list[int] | None = None,
     from_position: int = 1, add_error: bool = False,
     errors: dict[int, torch.Tensor] | None = None, heads_off: list[int] | None = None,
-    session: SpliceSession | None = None,
+    session: SpliceSession | None = None, leaves: bool = False,
 ) -> list[dict]:
     """pyvene representation dicts that splice ``lorsa`` into ``model`` at ``layers`` (all the
     set has, by default): an encoder per layer, then the decoders (module docstring).
     ``errors`` (:func:`clean_lorsa_errors`) holds the clean run's errors fixed; ``heads_off``
-    zeroes those OV heads at every spliced layer."""
+    zeroes those OV heads at every spliced layer; ``leaves=True``: the attribution graph's
+    leaf mode (module docstring)."""
     bound = bind(model)
     check_lorsa_fits(bound, lorsa)
     layers = sorted(lorsa.layers) if layers is None else sorted(layers)
@@ -233,7 +294,7 @@ def lorsa_splice_representations(
     session = SpliceSession() if session is None else session
     common = {"clt": lorsa, "session": session, "from_position": from_position,
               "add_error": add_error, "heads_off": heads_off,
-              "error_from": "clean" if errors is not None else None}
+              "error_from": "clean" if errors is not None else None, "leaves": leaves}
     out = [{"component": hook_component(bound.adapter, INPUT_HOOK, layer),
             "intervention": LorsaSplice(role="encode", lorsa_layer=layer, reset=index == 0,
                                         normalize=norm_settings(bound, INPUT_HOOK, layer),

@@ -101,26 +101,33 @@ class Lorsa(nn.Module):
             self._take(_read_weights(self.cfg, self.path))
         return self
 
-    def attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(pattern [B, n_qk, P, P], v [B, P, n_ov])`` of input ``x [B, P, D]``."""
+    def queries_keys(self, x: torch.Tensor, frozen: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys ``[B, P, n_qk, d_qk]`` after the post-QK norm and rotary;
+        ``frozen``: the norm's statistic a constant for autograd (QK tracing)."""
         self.load()
         cfg = self.cfg
         x = x.to(self.dtype)
         q = torch.einsum("bpd,hde->bphe", x, self.W_Q) + self.b_Q
         k = torch.einsum("bpd,hde->bphe", x, self.W_K) + self.b_K
-        v = x @ self.W_V.T + self.b_V
         if cfg.use_post_qk_ln:  # RMSNormPerHead, models/lorsa.py:1046-1052
-            q, k = (_head_rms(t, w, cfg.eps) for t, w in ((q, self.ln_q_w), (k, self.ln_k_w)))
+            q, k = (_head_rms(t, w, cfg.eps, frozen)
+                    for t, w in ((q, self.ln_q_w), (k, self.ln_k_w)))
         n_pos = x.shape[1]
         if n_pos > cfg.n_ctx:
             raise InputError(f"the sequence has {n_pos} positions; this Lorsa's n_ctx is "
                              f"{cfg.n_ctx}")
         if cfg.rotary:
-            sin, cos = rotary_tables(cfg, n_pos, self.dtype, x.device)
-            q, k = _rotate(q, cfg, sin[:, None], cos[:, None]), _rotate(k, cfg, sin[:, None],
-                                                                        cos[:, None])
-        scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / cfg.attn_scale
-        causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=x.device).tril()
+            sin, cos = (t[:, None] for t in rotary_tables(cfg, n_pos, self.dtype, x.device))
+            q, k = _rotate(q, cfg, sin, cos), _rotate(k, cfg, sin, cos)
+        return q, k
+
+    def attention(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pattern [B, n_qk, P, P], v [B, P, n_ov])`` of input ``x [B, P, D]``."""
+        q, k = self.queries_keys(x)
+        v = x.to(self.dtype) @ self.W_V.T + self.b_V
+        scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / self.cfg.attn_scale
+        causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool, device=x.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
         return scores.softmax(-1), v
 
@@ -162,9 +169,11 @@ class Lorsa(nn.Module):
         return {name: getattr(self, name.replace(".", "_")) for name in self.cfg.shapes()}
 
 
-def _head_rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _head_rms(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              frozen: bool = False) -> torch.Tensor:
     xf = x.float()
-    return (xf / (xf.pow(2).mean(-1, keepdim=True) + eps).sqrt() * weight.float()).to(x.dtype)
+    root = (xf.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return (xf / (root.detach() if frozen else root) * weight.float()).to(x.dtype)
 
 
 def _weights_file(folder: Path) -> Path:
