@@ -122,3 +122,15 @@ FAITH_METRIC = "logit_diff"
 FAITH_DRAWS = 5
 FAITH_SEED = 0
 FAITH_BATCH = 16
+
+#: A trace's faithfulness (``trace_faithfulness``, ``trace --faithfulness``, ``dataset
+#: --faithfulness``): circuit sizes in percent of the trace's cells (CPR and CMD integrate over
+#: these), the small absolute numbers of top cells reported beside them, the random rankings
+#: drawn for the floor (seeded), the rows (seed x circuit) per forward, and which cells are
+#: ranked (``"all"``, or ``"subject"``: those at the noised subject's positions).
+TRACE_FAITH_CELLS = "all"
+TRACE_FAITH_SIZES = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+TRACE_FAITH_TOP = (1, 2, 5, 10, 20)
+TRACE_FAITH_DRAWS = 5
+TRACE_FAITH_SEED = 0
+TRACE_FAITH_ROWS = 64

@@ -1,0 +1,168 @@
+"""A trace's faithfulness (``tracing/faithfulness.py``): k = 0 and every cell are the noised and
+clean runs exactly, each point equals a batch-1 forward with plain torch hooks, refusals, the
+result's round trip; on SmolLM2 the reversed ranking falls below the trace's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from _support.models import PROMPT, SUBJECT, make_tiny_model
+from reference import add_at, corrupted_states, recipe_noise, set_positions, _all
+
+from pyvene_causaltrace.bound import bind
+from pyvene_causaltrace.errors import InputError
+from pyvene_causaltrace.models import get_adapter
+from pyvene_causaltrace.tracing import Tracer
+from pyvene_causaltrace.tracing.engine import get_kind
+from pyvene_causaltrace.tracing.faithfulness import (
+    TraceFaithfulness,
+    TraceFaithfulnessSettings,
+    circuit_probs,
+    trace_faithfulness,
+)
+
+
+@pytest.fixture(scope="module")
+def traced(tokenizer):
+    """``traced(arch)``: a tiny model's tracer (2 seeds) and its residual and mlp traces."""
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            model = make_tiny_model(arch, init=0.2)
+            tracer = Tracer(model, tokenizer, PROMPT, SUBJECT, seeds=2, window=2)
+            made[arch] = (model, tracer, {kind: tracer.trace(kind, progress=False)
+                                          for kind in ("residual", "mlp")})
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_no_cell_is_the_noised_run_and_every_cell_the_clean_run_exactly(traced, arch):
+    _, tracer, _ = traced(arch)
+    engine = tracer.engine
+    n = engine.n_layers * engine.seq_len
+    circuits = torch.stack([torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)])
+    clean = engine.clean_probs[engine.answer_id].expand(len(engine.seeds))
+    noised = engine.corrupt_probs[:, engine.answer_id]
+    suff, nec, forwards = circuit_probs(engine, get_kind("residual"), None, circuits,
+                                        rows_per_forward=3)
+    assert forwards == 0  # both are known without a forward, as the engine's corners are
+    assert torch.equal(suff[0], noised) and torch.equal(nec[0], clean)
+    assert torch.equal(suff[1], clean) and torch.equal(nec[1], noised)
+    # and the forwards give them too (float32 rounding of another batch size apart)
+    for rows in (3, 64):
+        suff, nec, forwards = circuit_probs(engine, get_kind("residual"), None, circuits,
+                                            rows_per_forward=rows, known=False)
+        assert forwards == -(-4 * len(engine.seeds) // rows)
+        for got, want in ((suff[0], noised), (nec[0], clean), (suff[1], clean),
+                          (nec[1], noised)):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def _reference(model, engine, kind, window, cells, seed_index: int) -> tuple[float, float]:
+    """P(answer) with ``cells`` restored in the seed's noised run, and noised in the clean run:
+    batch 1, plain torch hooks, recipe noise, states captured by plain hooks."""
+    adapter, n_layers = get_adapter(model), bind(model).n_layers
+    seed = engine.seeds[seed_index]
+    scale, sigma = engine.noise.config()["scale"], engine.noise.config()["sigma"]
+    paths = [adapter.module_path(kind.restore, layer) for layer in range(n_layers)]
+    clean = corrupted_states(model, engine.ids, seed, [], scale, sigma, paths)  # no noise
+    noised = corrupted_states(model, engine.ids, seed, engine.noise_positions, scale, sigma,
+                              paths)
+    sites = {(layer, position) for layer, position in cells
+             for layer in engine.restore_layers(kind, layer, window or 1)}
+
+    def run(states: dict, noise: bool) -> float:
+        edits = [(paths[layer], set_positions(states[paths[layer]], [position]))
+                 for layer, position in sorted(sites)]
+        if noise:
+            delta = recipe_noise(seed, len(engine.noise_positions), bind(model).d_model,
+                                 scale, sigma)
+            edits.insert(0, (adapter.embed, add_at(delta, list(engine.noise_positions))))
+        with torch.no_grad(), _all(model, edits):
+            logits = model(input_ids=engine.ids).logits
+        return float(logits[0, -1].double().softmax(-1)[engine.answer_id])
+
+    return run(clean, True), run(noised, False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["residual", "mlp"])
+def test_each_point_equals_plain_hooks_batch_one(traced, arch, kind):
+    model, tracer, results = traced(arch)
+    result = results[kind]
+    curve = trace_faithfulness(tracer, result, sizes=(10, 50), top=(1, 3), draws=1,
+                               rows_per_forward=5)
+    engine = tracer.engine
+    n_pos = engine.seq_len
+    total = curve.clean_prob - np.asarray(curve.corrupt_probs)
+    for point, k in enumerate(curve.counts):
+        cells = [(c // n_pos, c % n_pos) for c in curve.ranking[:k]]
+        for s in range(len(engine.seeds)):
+            restored, noised = _reference(model, engine, get_kind(kind), result.window, cells, s)
+            want_f = (restored - curve.corrupt_probs[s]) / total[s]
+            want_lost = (curve.clean_prob - noised) / total[s]
+            assert abs(curve.sufficiency_per_seed[s][point] - want_f) * abs(total[s]) < 1e-6
+            assert abs(curve.necessity_per_seed[s][point] - want_lost) * abs(total[s]) < 1e-6
+
+
+def test_curve_reads_the_ranking_and_the_result_round_trips(traced, tmp_path):
+    _, tracer, results = traced("llama")
+    result = results["residual"]
+    curve = trace_faithfulness(tracer, result, draws=2)
+    grid = result.grid("ie").reshape(-1)
+    assert np.all(np.diff(grid[curve.ranking]) <= 0)  # best first
+    assert curve.counts[-len(curve.settings["top"]):] == [1, 2, 5, 10, 20]
+    # every cell restored: the clean run (f = 1), noised: the noised run (lost = 1)
+    assert curve.sufficiency[curve.counts.index(curve.n_cells)] == pytest.approx(1, abs=1e-12)
+    assert curve.necessity[curve.counts.index(curve.n_cells)] == pytest.approx(1, abs=1e-12)
+    assert len(curve.random_sufficiency) == 2 and len(curve.random_cpr) == 2
+    again = TraceFaithfulness.from_json(curve.to_json(tmp_path / "f.json"))
+    assert again == curve and json.loads((tmp_path / "f.json").read_text())["kind"] == "residual"
+    frame = curve.to_dataframe()
+    assert list(frame.k) == curve.counts and frame.in_area.sum() == len(curve.fractions)
+    curve.plot(tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0
+    subject = trace_faithfulness(tracer, result, cells="subject", draws=1)
+    start, stop = result.subject_range
+    assert subject.n_cells == tracer.engine.n_layers * (stop - start)
+    assert all(start <= c % len(result.tokens) < stop for c in subject.ranking)
+    assert set(subject.top_roles(3)) <= {"First subject token", "Middle subject tokens",
+                                         "Last subject token"}
+
+
+def test_refusals(traced, tokenizer):
+    _, tracer, results = traced("llama")
+    severed = tracer.trace("severed-mlp", progress=False)
+    with pytest.raises(InputError, match="result: a severed-mlp trace"):
+        trace_faithfulness(tracer, severed)
+    other = Tracer(make_tiny_model("llama", init=0.2), tokenizer, PROMPT, SUBJECT, seeds=3)
+    with pytest.raises(InputError, match="not this tracer's trace"):
+        trace_faithfulness(other, results["residual"])
+    for bad, match in (({"sizes": (0,)}, "sizes"), ({"sizes": (5, 2)}, "increase"),
+                       ({"top": (3, 2)}, "top"), ({"draws": 0}, "draws"),
+                       ({"cells": "some"}, "cells")):
+        with pytest.raises(InputError, match=match):
+            TraceFaithfulnessSettings(**bad)
+
+
+@pytest.mark.real_model
+def test_reversed_ranking_falls_below_the_trace_on_smollm2(smollm2):
+    model, tokenizer = smollm2
+    tracer = Tracer(model, tokenizer, "The Eiffel Tower is in the city of", "The Eiffel Tower",
+                    answer=" Paris", seeds=3)
+    result = tracer.trace("residual", progress=False)
+    # the mirrored trace: every indirect effect negated, so its ranking is the trace's reversed
+    mirrored = dataclasses.replace(
+        result, restored_probs=2 * result.corrupt_probs[:, None, None] - result.restored_probs)
+    for cells in ("all", "subject"):
+        curve = trace_faithfulness(tracer, result, cells=cells, draws=3)
+        reverse = trace_faithfulness(tracer, mirrored, cells=cells, draws=3)
+        assert reverse.cpr < curve.cpr - 0.05
+        assert curve.cpr > max(curve.random_cpr)
