@@ -34,7 +34,10 @@ def _mode(name, selects, flags: str, example: str, why: str = "") -> Mode:
     return Mode(name, selects, frozenset(flags.split()), why, tuple(example.split()))
 
 
-_TRACE_SPEC = "plugins spec model device out budget_mb controls no_progress"
+#: ``--faithfulness``'s settings (``trace``, ``dataset``).
+TRACE_FAITHFULNESS = "faith_sizes faith_top faith_draws faith_seed faith_rows faith_cells"
+_TRACE_SPEC = ("plugins spec model device out budget_mb controls no_progress faithfulness "
+               + TRACE_FAITHFULNESS)
 _TRACE_FLAGS = "prompt subject answer kind seeds scale sigma window"
 FAITHFULNESS = ("counterfactual reference foil sizes level rank_by ablation errors metric draws "
                 "seed circuits_per_forward")
@@ -92,6 +95,8 @@ MODES: dict[str, tuple[Mode, ...]] = {
 
 #: command -> {flag: (the flag it needs, what that flag does)}: read only beside it.
 NEEDS: dict[str, dict[str, tuple[str, str]]] = {
+    "trace": {name: ("faithfulness", "add --faithfulness to measure the traces' faithfulness")
+              for name in TRACE_FAITHFULNESS.split()},
     "validate": {"device": ("model", "add --model to check the specs on a model there")},
     "dataset": {name: ("graphs", "add --graphs to build each fact's attribution graph")
                 for name in ("clt", "format", "max_feature_nodes", "graph_memory_mb", "bos",
