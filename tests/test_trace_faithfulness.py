@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from _support.models import PROMPT, SUBJECT, make_tiny_model
-from reference import add_at, corrupted_states, recipe_noise, set_positions, _all
+from reference import _all, add_at, corrupted_states, recipe_noise, set_positions
 
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.cli import main

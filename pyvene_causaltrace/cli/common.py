@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 from typing import Annotated, TypeVar
 
-from ..arguments import Pattern
+from ..arguments import Pattern, PositiveInt, Seed, flag
+from ..defaults import (
+    TRACE_FAITH_CELLS,
+    TRACE_FAITH_DRAWS,
+    TRACE_FAITH_ROWS,
+    TRACE_FAITH_SEED,
+    TRACE_FAITH_SIZES,
+    TRACE_FAITH_TOP,
+)
 from ..errors import InputError
 
 T = TypeVar("T")
@@ -80,3 +89,22 @@ def out_dir(path: Path | None) -> Path | None:
     if path is not None and path.exists() and not path.is_dir():
         raise InputError(f"--out {path} is a file; give a directory")
     return path
+
+
+def trace_faithfulness_flags(parser: argparse.ArgumentParser) -> None:
+    """``--faithfulness`` and its settings (``trace``): docs/tracing.md, "Faithfulness"."""
+    parser.add_argument("--faithfulness", action="store_true",
+                        help="also each trace's top cells restored together in the noised run "
+                             "(sufficiency) and noised in the clean run (necessity), beside "
+                             "random cells; CPR and CMD")
+    group = parser.add_argument_group("faithfulness", "with --faithfulness")
+    for name, default, convert, text in (
+            ("sizes", ",".join(f"{s:g}" for s in TRACE_FAITH_SIZES), str,
+             "circuit sizes, percent of the ranked cells (CPR and CMD integrate over them)"),
+            ("top", ",".join(map(str, TRACE_FAITH_TOP)), str, "numbers of top cells beside"),
+            ("draws", TRACE_FAITH_DRAWS, flag(PositiveInt), "random rankings, the floor"),
+            ("seed", TRACE_FAITH_SEED, flag(Seed), "the random rankings' seed"),
+            ("rows", TRACE_FAITH_ROWS, flag(PositiveInt), "rows (seed x circuit) per forward"),
+            ("cells", TRACE_FAITH_CELLS, str, "rank every cell ('all') or the subject's")):
+        group.add_argument(f"--faith-{name}", type=convert, default=default,
+                           help=f"{text} (default %(default)s)")

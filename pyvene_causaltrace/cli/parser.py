@@ -49,17 +49,11 @@ from ..defaults import (
     SIGMA,
     STEER_MAX_NEW_TOKENS,
     STEER_TOP_K,
-    TRACE_FAITH_CELLS,
-    TRACE_FAITH_DRAWS,
-    TRACE_FAITH_ROWS,
-    TRACE_FAITH_SEED,
-    TRACE_FAITH_SIZES,
-    TRACE_FAITH_TOP,
     TRACE_MEMORY_MB,
     TRACE_SEEDS,
     WINDOW,
 )
-from .common import DEVICE_CHOICES, EIFFEL, Device
+from .common import DEVICE_CHOICES, EIFFEL, Device, trace_faithfulness_flags
 
 # Every typed flag reads through the package's argument rules (arguments.flag): argparse then
 # names the flag in its one error: line, and a flag cannot take a value the API refuses.
@@ -137,30 +131,6 @@ def _faithfulness_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"circuits run in one batched forward (default {FAITH_BATCH})")
 
 
-def _trace_faithfulness_flags(parser: argparse.ArgumentParser) -> None:
-    """``--faithfulness`` and its settings (``trace``, ``dataset``): a trace's top cells
-    restored together, and noised together (docs/tracing.md, "Faithfulness")."""
-    parser.add_argument("--faithfulness", action="store_true",
-                        help="also measure each trace's faithfulness: its top cells restored "
-                             "together in the noised run (sufficiency) and noised in the clean "
-                             "run (necessity), beside random cells; CPR and CMD")
-    group = parser.add_argument_group("faithfulness", "with --faithfulness")
-    group.add_argument("--faith-sizes", default=",".join(f"{s:g}" for s in TRACE_FAITH_SIZES),
-                       help="circuit sizes, percent of the ranked cells, each in (0, 100] "
-                            "(default %(default)s); CPR and CMD integrate over them")
-    group.add_argument("--faith-top", default=",".join(str(k) for k in TRACE_FAITH_TOP),
-                       help="numbers of top cells reported beside them (default %(default)s)")
-    group.add_argument("--faith-draws", type=POSITIVE_INT, default=TRACE_FAITH_DRAWS,
-                       help=f"random rankings, the floor (default {TRACE_FAITH_DRAWS})")
-    group.add_argument("--faith-seed", type=SEED, default=TRACE_FAITH_SEED,
-                       help=f"the random rankings' seed (default {TRACE_FAITH_SEED})")
-    group.add_argument("--faith-rows", type=POSITIVE_INT, default=TRACE_FAITH_ROWS,
-                       help=f"rows (seed x circuit) per forward (default {TRACE_FAITH_ROWS})")
-    group.add_argument("--faith-cells", default=TRACE_FAITH_CELLS, choices=("all", "subject"),
-                       help="rank every cell, or only the subject's (default "
-                            f"{TRACE_FAITH_CELLS})")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pyvene-causaltrace",
@@ -204,9 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run the controls (corrupted-donor, window vs single layer)")
     trace.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     trace.add_argument("--out", type=Path, default=None,
-                       help="write trace_<kind>.json and trace_<kind>.png here (with "
-                            "--faithfulness also faithfulness_<kind>.json/.csv/.png)")
-    _trace_faithfulness_flags(trace)
+                       help="write trace_<kind>.json and trace_<kind>.png here")
+    trace_faithfulness_flags(trace)
 
     run = commands.add_parser("run", parents=[plugins],
                               help="run a JSON spec and print its probabilities")

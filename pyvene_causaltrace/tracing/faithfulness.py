@@ -21,7 +21,7 @@ the trace's, or (``cells="subject"``) those at the noised positions only. ``k`` 
 rankings (seeded) are the floor. Rows (seed x circuit x mode) run ``rows_per_forward`` at a
 time through the one applier (``runtime.intervened``): ``noise_add`` on the embeddings (the
 seed's noise, or none) and one ``clean_restore`` per layer whose donor row is the clean run
-or the seed's noised run."""
+or that seed's noised run."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ class TraceFaithfulness:
     of ``n_cells``; ``in_area``: a ``sizes`` point, the ones CPR and CMD integrate), for the
     trace's ranking (``ranking``: cell indices ``layer * positions + position``, best first)
     and for ``draws`` random ones (``random_*``: ``[draw][point]``); per-seed values in
-    ``*_per_seed`` (``[seed][point]``); ``n_cells``: the ranked cells. ``forwards`` and ``rows`` ran in ``seconds``."""
+    ``*_per_seed`` (``[seed][point]``); ``n_cells``: the ranked cells. ``forwards`` and
+    ``rows`` ran in ``seconds``."""
 
     kind: str
     window: int | None
@@ -226,7 +227,7 @@ def circuit_probs(engine: TraceEngine, kind: TraceKind, window: int | None,
     rows whose P a forward would only round take the reference runs' (as the engine's
     ``skip_unchanged``): an empty circuit is the run itself, and a residual circuit holding
     the last block's output at the last position gives its donor's logits."""
-    bound, n_seeds = engine.bound, len(engine.seeds)
+    n_seeds = len(engine.seeds)
     masks = cell_masks(engine, kind, window, circuits)  # [C, L, P]
     n_circuits = len(circuits)
     # rows circuit-major, then seed, then mode (0: sufficiency, 1: necessity)
