@@ -166,10 +166,10 @@ def test_reversed_ranking_falls_below_the_trace_on_smollm2(smollm2):
         curve = trace_faithfulness(tracer, result, cells=cells, draws=2)
         reverse = trace_faithfulness(tracer, mirrored, cells=cells, draws=2)
         assert reverse.cpr < curve.cpr - 0.05
-    # over every cell the trace's ranking also beats random ones (its top cells sit at the last
-    # position, late); over the subject's cells alone it need not: its top cells are one
-    # token's adjacent layers, which carry the same information (the results page)
-    assert curve.cpr > max(curve.random_cpr) or cells == "subject"
+        # over every cell the trace's ranking also beats random ones (its top cells sit at the
+        # last position, late); over the subject's cells alone it need not: its top cells are
+        # one token's adjacent layers, which carry the same information (the results page)
+        assert curve.cpr > max(curve.random_cpr) or cells == "subject"
 
 
 @pytest.fixture
