@@ -15,7 +15,9 @@ from reference import _all, add_at, corrupted_states, recipe_noise, set_position
 
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.cli import main
-from pyvene_causaltrace.errors import InputError
+from pyvene_causaltrace.dataset import read_records, trace_dataset
+from pyvene_causaltrace.dataset.faithfulness import DatasetFaithfulness, load_faithfulness
+from pyvene_causaltrace.errors import InputError, ManifestMismatchError
 from pyvene_causaltrace.models import get_adapter
 from pyvene_causaltrace.tracing import Tracer
 from pyvene_causaltrace.tracing.engine import get_kind
@@ -205,3 +207,63 @@ def test_trace_faithfulness_refusals_exit_2(model_dir, capsys, args, message):
     assert main(["trace", "--model", str(model_dir), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("error:") == 1
+
+
+def _facts(tmp_path, n: int):
+    subjects = ["The Space Needle", "Miles Davis", "Danielle Darrieux", "The Eiffel Tower"]
+    path = tmp_path / "facts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"f{i}", "prompt": f"{s} is in the city of",
+                                        "subject": s, "attribute": "France"}) + "\n"
+                            for i, s in enumerate(subjects[:n])))
+    return path
+
+
+def test_dataset_faithfulness_rows_aggregate_and_resume(tmp_path, tokenizer):
+    model = make_tiny_model("llama", init=0.2)
+    records, _ = read_records(_facts(tmp_path, 3))
+    faith = TraceFaithfulnessSettings(draws=2, top=(1,))
+    out = tmp_path / "run"
+    trace_dataset(model, tokenizer, records, out=out, known="none", progress=False,
+                  n_boot=50, seeds=2, kinds=("residual", "severed-mlp"), faithfulness=faith)
+    rows = [json.loads(line) for line in (out / "faithfulness.jsonl").open()]
+    assert sorted((r["fact"], r["kind"]) for r in rows) == [(f"f{i}", "residual")
+                                                           for i in range(3)]
+    assert all(r["n_cells"] == 3 * len(tokenizer(records[r["index"]].prompt)["input_ids"])
+               for r in rows)  # every cell of the fact's trace
+    for row in rows:
+        # the roles split each size's top cells (none at a size of 0 cells)
+        assert np.allclose(np.sum(row["roles"], 0), np.array(row["counts"]) > 0)
+    agg = load_faithfulness(out, n_boot=50)
+    assert agg.kinds == ["residual"] and agg.n_facts == {"residual": 3}
+    cpr = np.array([r["cpr"] for r in sorted(rows, key=lambda r: r["index"])])
+    assert agg.scores["residual"]["cpr"]["mean"] == pytest.approx(cpr.mean())
+    low, high = agg.scores["residual"]["cpr"]["low"], agg.scores["residual"]["cpr"]["high"]
+    assert cpr.min() - 1e-12 <= low <= high <= cpr.max() + 1e-12
+    assert DatasetFaithfulness.from_json(agg.to_json()) == agg
+    assert set(agg.to_dataframe().what) >= {"sufficiency", "necessity", "role:Last token"}
+    # a resumed run with the rows written does nothing; a lost row is made again, the same
+    (out / "faithfulness.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    trace_dataset(model, tokenizer, records, out=out, known="none", progress=False,
+                  n_boot=50, seeds=2, kinds=("residual", "severed-mlp"), faithfulness=faith)
+    again = [json.loads(line) for line in (out / "faithfulness.jsonl").open()]
+    assert len(again) == 3
+    assert {k: v for k, v in again[2].items() if k != "seconds"} == \
+        {k: v for k, v in rows[2].items() if k != "seconds"}
+    with pytest.raises(ManifestMismatchError):  # other faithfulness settings: another run
+        trace_dataset(model, tokenizer, records, out=out, known="none", progress=False,
+                      n_boot=50, seeds=2, kinds=("residual", "severed-mlp"),
+                      faithfulness=TraceFaithfulnessSettings(draws=3))
+
+
+def test_dataset_faithfulness_flag(model_dir, tmp_path, capsys):
+    out = tmp_path / "d"
+    assert main(["dataset", "--model", str(model_dir), "--data", str(_facts(tmp_path, 2)),
+                 "--known", "none", "--kinds", "residual", "--seeds", "2", "--boot", "50",
+                 "--no-progress", "--faithfulness", "--faith-draws", "2", "--out",
+                 str(out)]) == 0
+    assert "trace faithfulness over facts" in capsys.readouterr().out
+    agg = DatasetFaithfulness.from_json((out / "faithfulness.json").read_text())
+    assert agg.n_facts == {"residual": 2} and (out / "faithfulness.csv").exists()
+    assert main(["dataset", "--model", str(model_dir), "--data", str(_facts(tmp_path, 2)),
+                 "--faith-cells", "subject", "--out", str(tmp_path / "e")]) == 2
+    assert "--faithfulness" in capsys.readouterr().err

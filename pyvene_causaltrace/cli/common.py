@@ -92,7 +92,8 @@ def out_dir(path: Path | None) -> Path | None:
 
 
 def trace_faithfulness_flags(parser: argparse.ArgumentParser) -> None:
-    """``--faithfulness`` and its settings (``trace``): docs/tracing.md, "Faithfulness"."""
+    """``--faithfulness`` and its settings (``trace``, ``dataset``): docs/tracing.md,
+    "Faithfulness"."""
     parser.add_argument("--faithfulness", action="store_true",
                         help="also each trace's top cells restored together in the noised run "
                              "(sufficiency) and noised in the clean run (necessity), beside "

@@ -65,7 +65,8 @@ MODES: dict[str, tuple[Mode, ...]] = {
     "dataset": (_mode("dataset", None,
                       "data task model device limit kinds seeds scale sigma window known budget_mb "
                       "boot no_progress graphs clt format max_feature_nodes graph_memory_mb "
-                      "bos save_graphs out", "--data d.json --out o"),),
+                      "bos save_graphs out faithfulness " + TRACE_FAITHFULNESS,
+                      "--data d.json --out o"),),
     "aggregate": (_mode("aggregate", None, "out boot", "o"),),
     "attribute": (
         _mode("attribute --prompts FILE", "prompts", f"{_ATTRIBUTE_COMMON} prompts",
@@ -98,9 +99,11 @@ NEEDS: dict[str, dict[str, tuple[str, str]]] = {
     "trace": {name: ("faithfulness", "add --faithfulness to measure the traces' faithfulness")
               for name in TRACE_FAITHFULNESS.split()},
     "validate": {"device": ("model", "add --model to check the specs on a model there")},
-    "dataset": {name: ("graphs", "add --graphs to build each fact's attribution graph")
-                for name in ("clt", "format", "max_feature_nodes", "graph_memory_mb", "bos",
-                             "save_graphs")},
+    "dataset": {**{name: ("graphs", "add --graphs to build each fact's attribution graph")
+                   for name in ("clt", "format", "max_feature_nodes", "graph_memory_mb", "bos",
+                                "save_graphs")},
+                **{name: ("faithfulness", "add --faithfulness to measure each trace's "
+                                          "faithfulness") for name in TRACE_FAITHFULNESS.split()}},
     "attribute": {**{name: ("cross_check", "add --cross-check to trace the prompt and compare")
                      for name in ("subject", "seeds", "scale", "check_features", "check_window",
                                   "check_modes")},

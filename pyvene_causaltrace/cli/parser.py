@@ -236,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--budget-mb", type=MEMORY_MB, default=TRACE_MEMORY_MB, help=_BUDGET_HELP)
     data.add_argument("--boot", type=POSITIVE_INT, default=N_BOOT, help=_BOOT_HELP)
     data.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
+    trace_faithfulness_flags(data)
     data.add_argument("--graphs", action="store_true",
                       help="also build each kept fact's attribution graph through the --clt "
                            "transcoder: graphs.jsonl, graphs.csv and a graph panel beside the "
