@@ -96,12 +96,15 @@ def _reference(model, engine, kind, window, cells, seed_index: int) -> tuple[flo
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-@pytest.mark.parametrize("kind", ["residual", "mlp"])
-def test_each_point_equals_plain_hooks_batch_one(traced, arch, kind):
+@pytest.mark.parametrize("kind, cells", [("residual", "subject"), ("mlp", "all")])
+def test_each_point_equals_plain_hooks_batch_one(traced, arch, kind, cells):
+    # every residual circuit over all cells holds the last layer's last position (the top
+    # cell): known without a forward; the subject's cells make it run forwards
     model, tracer, results = traced(arch)
     result = results[kind]
     curve = trace_faithfulness(tracer, result, sizes=(10, 50), top=(1, 3), draws=1,
-                               rows_per_forward=5)
+                               rows_per_forward=5, cells=cells)
+    assert curve.forwards > 0
     engine = tracer.engine
     n_pos = engine.seq_len
     total = curve.clean_prob - np.asarray(curve.corrupt_probs)
