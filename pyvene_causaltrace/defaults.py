@@ -134,3 +134,6 @@ TRACE_FAITH_TOP = (1, 2, 5, 10, 20)
 TRACE_FAITH_DRAWS = 5
 TRACE_FAITH_SEED = 0
 TRACE_FAITH_ROWS = 64
+#: The same, by field, for the torch-free parser's flags.
+TRACE_FAITH = {"sizes": TRACE_FAITH_SIZES, "top": TRACE_FAITH_TOP, "draws": TRACE_FAITH_DRAWS,
+               "seed": TRACE_FAITH_SEED, "rows": TRACE_FAITH_ROWS, "cells": TRACE_FAITH_CELLS}

@@ -15,6 +15,8 @@ from reference import _all, add_at, corrupted_states, recipe_noise, set_position
 
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.cli import main
+from pyvene_causaltrace.cli.parser import build_parser
+from pyvene_causaltrace.cli.trace import faithfulness_settings
 from pyvene_causaltrace.dataset import read_records, trace_dataset
 from pyvene_causaltrace.dataset.faithfulness import DatasetFaithfulness, load_faithfulness
 from pyvene_causaltrace.errors import InputError, ManifestMismatchError
@@ -61,7 +63,7 @@ def test_no_cell_is_the_noised_run_and_every_cell_the_clean_run_exactly(traced, 
     # and the forwards give them too (float32 rounding of another batch size apart)
     for rows in (3, 64):
         suff, nec, forwards = circuit_probs(engine, get_kind("residual"), None, circuits,
-                                            rows_per_forward=rows, known=False)
+                                            rows_per_forward=rows, shortcut=False)
         assert forwards == -(-4 * len(engine.seeds) // rows)
         for got, want in ((suff[0], noised), (nec[0], clean), (suff[1], clean),
                           (nec[1], noised)):
@@ -270,3 +272,12 @@ def test_dataset_faithfulness_flag(model_dir, tmp_path, capsys):
     assert main(["dataset", "--model", str(model_dir), "--data", str(_facts(tmp_path, 2)),
                  "--faith-cells", "subject", "--out", str(tmp_path / "e")]) == 2
     assert "--faithfulness" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["trace", "dataset"])
+def test_the_flags_defaults_are_the_settings(command):
+    extra = ["--data", "x", "--out", "o"] if command == "dataset" else []
+    args = build_parser().parse_args([command, *extra, "--faithfulness"])
+    assert faithfulness_settings(args) == TraceFaithfulnessSettings()
+    args = build_parser().parse_args([command, *extra])
+    assert faithfulness_settings(args) is None

@@ -8,14 +8,6 @@ from pathlib import Path
 from typing import Annotated, TypeVar
 
 from ..arguments import Pattern, PositiveInt, Seed, flag
-from ..defaults import (
-    TRACE_FAITH_CELLS,
-    TRACE_FAITH_DRAWS,
-    TRACE_FAITH_ROWS,
-    TRACE_FAITH_SEED,
-    TRACE_FAITH_SIZES,
-    TRACE_FAITH_TOP,
-)
 from ..errors import InputError
 
 T = TypeVar("T")
@@ -91,21 +83,21 @@ def out_dir(path: Path | None) -> Path | None:
     return path
 
 
-def trace_faithfulness_flags(parser: argparse.ArgumentParser) -> None:
-    """``--faithfulness`` and its settings (``trace``, ``dataset``): docs/tracing.md,
-    "Faithfulness"."""
+def trace_faithfulness_flags(parser: argparse.ArgumentParser, given: dict) -> None:
+    """``--faithfulness`` and its settings (``trace``, ``dataset``; ``given``: the parser's
+    ``defaults.TRACE_FAITH``): docs/tracing.md, "Faithfulness"."""
     parser.add_argument("--faithfulness", action="store_true",
                         help="also each trace's top cells restored together in the noised run "
                              "(sufficiency) and noised in the clean run (necessity), beside "
                              "random cells; CPR and CMD")
     group = parser.add_argument_group("faithfulness", "with --faithfulness")
     for name, default, convert, text in (
-            ("sizes", ",".join(f"{s:g}" for s in TRACE_FAITH_SIZES), str,
+            ("sizes", ",".join(f"{s:g}" for s in given["sizes"]), str,
              "circuit sizes, percent of the ranked cells (CPR and CMD integrate over them)"),
-            ("top", ",".join(map(str, TRACE_FAITH_TOP)), str, "numbers of top cells beside"),
-            ("draws", TRACE_FAITH_DRAWS, flag(PositiveInt), "random rankings, the floor"),
-            ("seed", TRACE_FAITH_SEED, flag(Seed), "the random rankings' seed"),
-            ("rows", TRACE_FAITH_ROWS, flag(PositiveInt), "rows (seed x circuit) per forward"),
-            ("cells", TRACE_FAITH_CELLS, str, "rank every cell ('all') or the subject's")):
+            ("top", ",".join(map(str, given["top"])), str, "numbers of top cells beside"),
+            ("draws", given["draws"], flag(PositiveInt), "random rankings, the floor"),
+            ("seed", given["seed"], flag(Seed), "the random rankings' seed"),
+            ("rows", given["rows"], flag(PositiveInt), "rows (seed x circuit) per forward"),
+            ("cells", given["cells"], str, "rank every cell ('all') or the subject's")):
         group.add_argument(f"--faith-{name}", type=convert, default=default,
                            help=f"{text} (default %(default)s)")

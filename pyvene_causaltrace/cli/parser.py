@@ -49,6 +49,7 @@ from ..defaults import (
     SIGMA,
     STEER_MAX_NEW_TOKENS,
     STEER_TOP_K,
+    TRACE_FAITH,
     TRACE_MEMORY_MB,
     TRACE_SEEDS,
     WINDOW,
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     trace.add_argument("--out", type=Path, default=None,
                        help="write trace_<kind>.json and trace_<kind>.png here")
-    trace_faithfulness_flags(trace)
+    trace_faithfulness_flags(trace, TRACE_FAITH)
 
     run = commands.add_parser("run", parents=[plugins],
                               help="run a JSON spec and print its probabilities")
@@ -236,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--budget-mb", type=MEMORY_MB, default=TRACE_MEMORY_MB, help=_BUDGET_HELP)
     data.add_argument("--boot", type=POSITIVE_INT, default=N_BOOT, help=_BOOT_HELP)
     data.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
-    trace_faithfulness_flags(data)
+    trace_faithfulness_flags(data, TRACE_FAITH)
     data.add_argument("--graphs", action="store_true",
                       help="also build each kept fact's attribution graph through the --clt "
                            "transcoder: graphs.jsonl, graphs.csv and a graph panel beside the "

@@ -219,11 +219,11 @@ def cell_masks(engine: TraceEngine, kind: TraceKind, window: int | None,
 
 
 def circuit_probs(engine: TraceEngine, kind: TraceKind, window: int | None,
-                  circuits: torch.Tensor, *, rows_per_forward: int, known: bool = True
+                  circuits: torch.Tensor, *, rows_per_forward: int, shortcut: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """P(answer) ``[C, seeds]`` of each circuit (bool ``[C, cells]``) restored in each seed's
     noised run (sufficiency) and noised in the clean run (necessity); and the forwards run.
-    Rows run ``rows_per_forward`` at a time through ``runtime.intervened``. With ``known``, the
+    Rows run ``rows_per_forward`` at a time through ``runtime.intervened``. With ``shortcut``, the
     rows whose P a forward would only round take the reference runs' (as the engine's
     ``skip_unchanged``): an empty circuit is the run itself, and a residual circuit holding
     the last block's output at the last position gives its donor's logits."""
@@ -238,7 +238,7 @@ def circuit_probs(engine: TraceEngine, kind: TraceKind, window: int | None,
     noised = engine.corrupt_probs[:, engine.answer_id][seed]
     out = torch.where(mode == 0, noised, clean)  # the value of a row with an empty circuit
     todo = torch.ones(len(mode), dtype=torch.bool)
-    if known:
+    if shortcut:
         empty = ~masks.flatten(1).any(1)[circuit]
         donor_logits = (masks[:, -1, -1][circuit] if kind.restore == "block"
                         else torch.zeros_like(empty))
