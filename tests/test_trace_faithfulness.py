@@ -131,6 +131,12 @@ def test_curve_reads_the_ranking_and_the_result_round_trips(traced, tmp_path):
     assert curve.sufficiency[curve.counts.index(curve.n_cells)] == pytest.approx(1, abs=1e-12)
     assert curve.necessity[curve.counts.index(curve.n_cells)] == pytest.approx(1, abs=1e-12)
     assert len(curve.random_sufficiency) == 2 and len(curve.random_cpr) == 2
+    # the curve: the seeds' mean P over their mean total effect
+    total = curve.clean_prob - np.array(curve.corrupt_probs)
+    for name in ("sufficiency", "necessity"):
+        shares = np.array(getattr(curve, f"{name}_per_seed"))  # [seed, point]
+        np.testing.assert_allclose(getattr(curve, name),
+                                   (shares * total[:, None]).mean(0) / total.mean(), atol=1e-12)
     again = TraceFaithfulness.from_json(curve.to_json(tmp_path / "f.json"))
     assert again == curve and json.loads((tmp_path / "f.json").read_text())["kind"] == "residual"
     frame = curve.to_dataframe()

@@ -10,7 +10,8 @@ draws: the engine's, made once) two runs per circuit:
 - **necessity**: the clean run with only the circuit's cells set to that seed's noised-run
   states; ``lost(k) = (p(clean) - p(run)) / (p(clean) - p(noised))``, the share lost.
 
-Both per seed, then averaged over seeds (as the trace's recovery is). A cell restores what the
+The curves divide the seeds' mean P by their mean total effect (a seed whose noise barely
+moves P would blow its own ratio up); per-seed shares are kept beside. A cell restores what the
 trace's row did: the residual's block output at (layer, position); for ``mlp``/``attn`` the
 sublayer's outputs at the position over the window of layers centred on the layer (a circuit
 restores the union of its cells' windows). Severed kinds are refused. The ranked cells are all
@@ -347,7 +348,12 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
     recovered = ((suff - corrupt) / total).view(len(orders), len(unique), -1)[:, at]
     lost = ((clean - nec) / total).view(len(orders), len(unique), -1)[:, at]
     recovered, lost = recovered.transpose(1, 2), lost.transpose(1, 2)
-    f, gone = recovered.mean(1), lost.mean(1)  # [rankings, points]
+    # the curves: the seeds' mean P over their mean total effect (a seed whose noise leaves P
+    # near clean would blow its own ratio up; its share is in *_per_seed)
+    grid = (len(orders), len(unique), -1)
+    mean_total = float(total.mean())
+    f = ((suff.view(grid).mean(-1) - corrupt.mean()) / mean_total)[:, at]  # [rankings, points]
+    gone = ((clean - nec.view(grid).mean(-1)) / mean_total)[:, at]
     area = [i for i, a in enumerate(in_area) if a]
     fractions = [round(size / 100, 12) for size in s.sizes]
     suff_areas = [mib_areas(fractions, curve[area].tolist()) for curve in f]
