@@ -91,13 +91,15 @@ def trace_faithfulness_flags(parser: argparse.ArgumentParser, given: dict) -> No
                              "(sufficiency) and noised in the clean run (necessity), beside "
                              "random cells; CPR and CMD")
     group = parser.add_argument_group("faithfulness", "with --faithfulness")
-    for name, default, convert, text in (
-            ("sizes", ",".join(f"{s:g}" for s in given["sizes"]), str,
+    for name, default, extra, text in (
+            ("sizes", ",".join(f"{s:g}" for s in given["sizes"]), {},
              "circuit sizes, percent of the ranked cells (CPR and CMD integrate over them)"),
-            ("top", ",".join(map(str, given["top"])), str, "numbers of top cells beside"),
-            ("draws", given["draws"], flag(PositiveInt), "random rankings, the floor"),
-            ("seed", given["seed"], flag(Seed), "the random rankings' seed"),
-            ("rows", given["rows"], flag(PositiveInt), "rows (seed x circuit) per forward"),
-            ("cells", given["cells"], str, "rank every cell ('all') or the subject's")):
-        group.add_argument(f"--faith-{name}", type=convert, default=default,
+            ("top", ",".join(map(str, given["top"])), {}, "numbers of top cells beside"),
+            ("draws", given["draws"], {"type": flag(PositiveInt)}, "random rankings, the floor"),
+            ("seed", given["seed"], {"type": flag(Seed)}, "the random rankings' seed"),
+            ("rows", given["rows"], {"type": flag(PositiveInt)},
+             "rows (seed x circuit) per forward"),
+            ("cells", given["cells"], {"choices": ("all", "subject")},
+             "rank every cell, or the subject's")):
+        group.add_argument(f"--faith-{name}", default=default, **extra,
                            help=f"{text} (default %(default)s)")

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..arguments import checked
+from ..arguments import NonNegativeInt, checked
 from ..atomic import write_text
 from ..attribution.faithfulness import mib_areas
 from ..errors import InputError
@@ -107,7 +107,8 @@ class TraceFaithfulness:
         """Whether the sufficiency CPR is below every random ranking's."""
         return self.cpr < min(self.random_cpr)
 
-    def top_roles(self, k: int) -> dict[str, float]:
+    @checked
+    def top_roles(self, k: NonNegativeInt) -> dict[str, float]:
         """The share of the top ``k`` cells at each token role (:func:`~.roles.token_role`)."""
         n_pos = len(self.tokens)
         roles = [token_role(cell % n_pos, self.subject_range, n_pos)
