@@ -125,3 +125,18 @@ FAITH_BATCH = 16
 #: Feature-budget curves (``budget_curve``, ``evaluate --budget``): the numbers K of
 #: transcoder features kept live (PIE's; the curve adds every active feature, "all").
 FAITH_BUDGETS = (50, 100, 200, 400, 800)
+
+#: A trace's faithfulness (``trace_faithfulness``, ``trace --faithfulness``, ``dataset
+#: --faithfulness``): circuit sizes in percent of the trace's cells (CPR and CMD integrate over
+#: these), the small absolute numbers of top cells reported beside them, the random rankings
+#: drawn for the floor (seeded), the rows (seed x circuit) per forward, and which cells are
+#: ranked (``"all"``, or ``"subject"``: those at the noised subject's positions).
+TRACE_FAITH_CELLS = "all"
+TRACE_FAITH_SIZES = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+TRACE_FAITH_TOP = (1, 2, 5, 10, 20)
+TRACE_FAITH_DRAWS = 5
+TRACE_FAITH_SEED = 0
+TRACE_FAITH_ROWS = 64
+#: The same, by field, for the torch-free parser's flags.
+TRACE_FAITH = {"sizes": TRACE_FAITH_SIZES, "top": TRACE_FAITH_TOP, "draws": TRACE_FAITH_DRAWS,
+               "seed": TRACE_FAITH_SEED, "rows": TRACE_FAITH_ROWS, "cells": TRACE_FAITH_CELLS}

@@ -13,7 +13,14 @@ from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
 
 from pyvene_causaltrace.cli import main
-from pyvene_causaltrace.cli.flags import IGNORED_WITH, MODES, NEEDS, check_flags, given_flags
+from pyvene_causaltrace.cli.flags import (
+    IGNORED_WITH,
+    MODES,
+    NEEDS,
+    NEEDS_TOO,
+    check_flags,
+    given_flags,
+)
 from pyvene_causaltrace.cli.parser import build_parser
 
 ANSWER = " city"  # one token of the fixture tokenizer
@@ -59,8 +66,14 @@ def test_the_table_names_every_flag_of_every_command_and_no_other():
     for command, modes in MODES.items():
         named = set().union(*(m.flags for m in modes))
         assert named == _dests(command), command
-        for table in (NEEDS, IGNORED_WITH):
+        for table in (NEEDS, NEEDS_TOO, IGNORED_WITH):
             assert set(table.get(command, {})) <= named
+
+
+def _needs(command: str, dest: str) -> list[str]:
+    """The flags ``dest`` is read only beside (dataset --sizes: --faithfulness, --graphs)."""
+    return [table[command][dest][0] for table in (NEEDS, NEEDS_TOO)
+            if dest in table.get(command, {})]
 
 
 CASES = [(command, mode) for command, modes in MODES.items() for mode in modes]
@@ -88,14 +101,16 @@ def test_every_flag_is_read_or_refused_in_every_mode(capsys, command, mode):
             line = _refusal(capsys, argv)
             assert action.option_strings[-1] in line and f"`{mode.name}`" in line, line
             continue
-        needed = NEEDS.get(command, {}).get(dest, (None,))[0]
-        if needed is not None:
+        needed, first = _needs(command, dest), True
+        while needed:  # refused until every flag it needs (and what they need) is given
             line = _refusal(capsys, argv)
-            assert action.option_strings[-1] in line and "read only with" in line, line
-        while needed is not None:  # and what that flag needs (dataset: --sizes, --faithfulness)
-            argv += _tokens(next(a for a in parser._actions if a.dest == needed))
+            assert "read only with" in line and (action.option_strings[-1] in line
+                                                 or not first), line
+            flag, first = needed.pop(0), False
+            argv += _tokens(next(a for a in parser._actions if a.dest == flag))
             given = given_flags(build_parser(), argv)
-            needed = NEEDS.get(command, {}).get(needed, (None,))[0]
+            needed += [n for n in _needs(command, flag) if n not in given and n not in needed]
+            needed = [n for n in needed if n not in given]
         moot = IGNORED_WITH.get(command, {}).get(dest, (None,))[0]
         if moot is not None and moot in mode.flags:
             moot_argv = argv + _tokens(next(a for a in parser._actions if a.dest == moot))

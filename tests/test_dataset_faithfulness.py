@@ -84,13 +84,13 @@ def test_curves_per_fact_the_aggregate_and_a_resume(files, model, tokenizer, mon
 
     monkeypatch.setattr(dataset_graphs, "measure_faithfulness", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _run(files, model, tokenizer, out, faithfulness=FAITH)
+        _run(files, model, tokenizer, out, graph_faithfulness=FAITH)
     first = list(read_jsonl(out / GRAPHS))
     assert [r["fact"] for r in first] == ["f0"]  # the first curve is kept, nothing half-written
     measured.clear()
     monkeypatch.setattr(dataset_graphs, "measure_faithfulness",
                         lambda *a, **k: measured.append(a[3].prompt) or real(*a, **k))
-    result = _run(files, model, tokenizer, out, faithfulness=FAITH)
+    result = _run(files, model, tokenizer, out, graph_faithfulness=FAITH)
     assert FACTS[0]["prompt"] not in measured and len(measured) == 2  # f1 and f3; f2 has none
     rows = {r["fact"]: r for r in read_jsonl(out / GRAPHS)}
     assert rows["f0"] == first[0]  # not recomputed, not lost
@@ -138,28 +138,30 @@ def test_curves_per_fact_the_aggregate_and_a_resume(files, model, tokenizer, mon
     with pytest.raises(ManifestMismatchError):
         _run(files, model, tokenizer, out)
     with pytest.raises(ManifestMismatchError):
-        _run(files, model, tokenizer, out, faithfulness=FaithfulnessSettings(
+        _run(files, model, tokenizer, out, graph_faithfulness=FaithfulnessSettings(
             sizes=(10.0, 50.0, 100.0), draws=3))
 
 
 def test_the_api_refuses_what_it_cannot_measure(files, model, tokenizer, tmp_path):
     with pytest.raises(InputError, match="metric: the logit difference's foil"):
         _run(files, model, tokenizer, tmp_path / "a",
-             faithfulness=FaithfulnessSettings(ablation="zero"))
+             graph_faithfulness=FaithfulnessSettings(ablation="zero"))
     records, _ = read_records(files / "facts.jsonl")
-    with pytest.raises(InputError, match="faithfulness: a graph's curve needs the graph"):
+    with pytest.raises(InputError, match="graph_faithfulness: a graph's curve needs the graph"):
         trace_dataset(model, tokenizer, records, out=tmp_path / "b", progress=False,
-                      faithfulness=FAITH)
+                      graph_faithfulness=FAITH)
     # only facts of different lengths: none has a counterfactual
     with pytest.raises(InputError, match="none of the 2 facts has one"):
         trace_dataset(model, tokenizer, read_records(files / "facts.jsonl")[0][1:3],
                       out=tmp_path / "c", kinds=("residual",), seeds=1, known="none",
                       progress=False, transcoder=load_transcoder(files / "clt"),
-                      faithfulness=FAITH)
+                      graph_faithfulness=FAITH)
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--faithfulness"], "error: --faithfulness is read only with --graphs"),
+    (["--ablation", "zero"], "error: --ablation is read only with --faithfulness"),
+    # the graphs' curve flags, with --faithfulness (the traces' curves) but no graph
+    (["--faithfulness", "--sizes", "10,50"], "error: --sizes is read only with --graphs"),
     (["--graphs", "--clt", "CLT", "--ablation", "zero"],
      "error: --ablation is read only with --faithfulness"),
     (["--graphs", "--clt", "CLT", "--faithfulness", "--ablation", "mean"],
@@ -176,15 +178,25 @@ def test_the_command_line_refuses_in_one_line(files, tmp_path, capsys, flags, me
     assert len(lines) == 1 and lines[0].startswith(message), err
 
 
-def test_the_command_line_writes_the_aggregate(files, tmp_path, capsys):
+def test_the_command_line_measures_the_traces_and_the_graphs(files, tmp_path, capsys):
+    """``--faithfulness --graphs``: one flag, the faithfulness of everything the run builds:
+    each trace's curves (faithfulness.jsonl, .json) and each graph's (graphs.jsonl)."""
     out = tmp_path / "cli"
     assert main(["dataset", "--data", str(files / "facts.jsonl"), "--model", str(files / "tiny"),
                  "--graphs", "--clt", str(files / "clt"), "--faithfulness", "--ablation", "mean",
                  "--metric", "prob", "--sizes", "50,100", "--draws", "1", "--kinds", "residual",
+                 "--faith-sizes", "10,100", "--faith-top", "1", "--faith-draws", "1",
                  "--seeds", "1", "--known", "none", "--limit", "3", "--boot", "50",
                  "--no-progress",
                  "--out", str(out)]) == 0
-    assert "[graphs faithfulness] 3 facts" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "[graphs faithfulness] 3 facts" in printed
+    assert "trace faithfulness over facts" in printed
+    traced = list(read_jsonl(out / "faithfulness.jsonl"))  # the traces' curves, by their flags
+    assert sorted((r["fact"], r["kind"]) for r in traced) == [
+        (f["id"], "residual") for f in FACTS[:3]]
+    assert all(r["sizes"] == [10.0, 100.0] and len(r["sufficiency"]) == 2 for r in traced)
+    assert json.loads((out / "faithfulness.json").read_text())["n_facts"] == {"residual": 3}
     faith = json.loads((out / "aggregate.json").read_text())["graphs"]["faithfulness"]
     assert faith["n_facts"] == 3 and faith["n_skipped"] == 0  # the mean: over the other facts
     rows = list(read_jsonl(out / GRAPHS))

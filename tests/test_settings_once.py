@@ -653,14 +653,18 @@ def test_attribute_with_settings_builds_the_keywords_graph(tokenizer, tmp_path):
 
 #: The flags of ``trace`` and ``dataset`` that are not a setting of the run: inputs, outputs,
 #: display (and, for ``dataset``, the graphs' flags: GraphSettings' or the transcoder's, and
-#: the faithfulness curves': FaithfulnessSettings', as ``evaluate``'s).
+#: the graphs' faithfulness curves': FaithfulnessSettings', as ``evaluate``'s).
+#: ``--faithfulness`` and its flags: TraceFaithfulnessSettings' fields (their defaults are
+#: checked in tests/test_trace_faithfulness.py).
+TRACE_FAITH_FLAGS = {"faithfulness", "faith_sizes", "faith_top", "faith_draws", "faith_seed",
+                     "faith_rows", "faith_cells"}
 FLAG_INPUTS = {
     "trace": {"help", "plugins", "spec", "model", "device", "prompt", "subject", "answer",
-              "kind", "controls", "no_progress", "out"},
+              "kind", "controls", "no_progress", "out", *TRACE_FAITH_FLAGS},
     "dataset": {"help", "data", "task", "model", "device", "no_progress", "out", "graphs", "clt",
                 "format", "max_feature_nodes", "graph_memory_mb", "bos", "save_graphs",
-                "faithfulness", "sizes", "level", "rank_by", "ablation", "errors", "metric",
-                "draws", "seed", "circuits_per_forward"},
+                "sizes", "level", "rank_by", "ablation", "errors", "metric", "draws", "seed",
+                "circuits_per_forward", *TRACE_FAITH_FLAGS},
 }
 def _said(value: object) -> str:
     """A default as a help text states it (a tuple of kinds as the flag's comma list)."""

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 from typing import Annotated, TypeVar
 
-from ..arguments import Pattern
+from ..arguments import Pattern, PositiveInt, Seed, flag
 from ..errors import InputError
 
 T = TypeVar("T")
@@ -80,3 +81,39 @@ def out_dir(path: Path | None) -> Path | None:
     if path is not None and path.exists() and not path.is_dir():
         raise InputError(f"--out {path} is a file; give a directory")
     return path
+
+
+_TRACE_FAITH_HELP = ("also each trace's top cells restored together in the noised run "
+                     "(sufficiency) and noised in the clean run (necessity), beside random "
+                     "cells; CPR and CMD")
+#: ``dataset --faithfulness``: the faithfulness of everything the run builds.
+_DATASET_FAITH_HELP = (
+    "measure the faithfulness of everything the run builds: each traced kind's curves "
+    "(residual, mlp, attn; the --faith-* flags) in faithfulness.jsonl/.json/.csv, and with "
+    "--graphs each graph's curve too (MIB's f(k), CPR, CMD; as `evaluate`, with its flags) in "
+    "its graphs.jsonl row, CPR and CMD per fact and their mean in aggregate.json; --ablation "
+    "counterfactual patches from the next kept fact of the same length in tokens (another "
+    "answer: the foil); mean and zero need --metric prob or kl")
+
+
+def trace_faithfulness_flags(parser: argparse.ArgumentParser, given: dict,
+                             dataset: bool = False) -> None:
+    """``--faithfulness`` and its settings (``trace``, ``dataset``; ``given``: the parser's
+    ``defaults.TRACE_FAITH``): docs/tracing.md, "Faithfulness"; ``dataset``'s also sets the
+    graphs' curves (docs/datasets.md)."""
+    parser.add_argument("--faithfulness", action="store_true",
+                        help=_DATASET_FAITH_HELP if dataset else _TRACE_FAITH_HELP)
+    group = parser.add_argument_group("trace faithfulness" if dataset else "faithfulness",
+                                      "with --faithfulness")
+    for name, default, extra, text in (
+            ("sizes", ",".join(f"{s:g}" for s in given["sizes"]), {},
+             "circuit sizes, percent of the ranked cells (CPR and CMD integrate over them)"),
+            ("top", ",".join(map(str, given["top"])), {}, "numbers of top cells beside"),
+            ("draws", given["draws"], {"type": flag(PositiveInt)}, "random rankings, the floor"),
+            ("seed", given["seed"], {"type": flag(Seed)}, "the random rankings' seed"),
+            ("rows", given["rows"], {"type": flag(PositiveInt)},
+             "rows (seed x circuit) per forward"),
+            ("cells", given["cells"], {"choices": ("all", "subject")},
+             "rank every cell, or the subject's")):
+        group.add_argument(f"--faith-{name}", default=default, **extra,
+                           help=f"{text} (default %(default)s)")

@@ -14,6 +14,7 @@ from pathlib import Path
 from .. import distributed
 from ..atomic import replacing, write_text
 from ..dataset import get_task, read_records
+from ..dataset.faithfulness import load_faithfulness
 from ..dataset.graphs import GraphSettings, check_faithfulness
 from ..dataset.run import (
     load_dataset_result,
@@ -27,7 +28,8 @@ from ..errors import InputError
 from ..models import OFFLINE_DEFAULT, load_model
 from ..transcoders import load_transcoder
 from .common import number_or_name, out_dir, resolve_device, settings_of
-from .evaluate import faithfulness_settings
+from .evaluate import faithfulness_settings as graph_faithfulness_settings
+from .trace import faithfulness_settings as trace_faithfulness_settings
 
 
 def graph_settings(args) -> GraphSettings | None:
@@ -74,19 +76,26 @@ def dataset_command(args) -> int:
                              + (f": {errors[0]}" if errors else ""))
     settings = dataset_settings(args, default_known)  # checked before the model loads
     graphs = graph_settings(args)
-    faith = None
-    if args.faithfulness:  # --faithfulness without --graphs: refused by .flags
-        faith = faithfulness_settings(args)
+    faithfulness = trace_faithfulness_settings(args)  # None without --faithfulness
+    graph_faith = None
+    if faithfulness is not None and graphs is not None:  # and each graph's curve
+        graph_faith = graph_faithfulness_settings(args)
         try:
-            check_faithfulness(faith)
+            check_faithfulness(graph_faith)
         except InputError as error:
             raise InputError(f"--{error}") from None  # "--metric: ..."
     shard = None if launch is None else (launch.rank, launch.world)
+    if faithfulness is not None and shard is not None:
+        raise InputError("--faithfulness: a sharded run does not merge its rows yet; run it in "
+                         "one process")
     check_run_directory(run_path(args.out, shard))
     # the transcoder's files are read before the model loads: a wrong --clt costs no model load
     options = {} if graphs is None else {
         "transcoder": load_transcoder(args.clt, format=args.format, device=device),
-        "graph_options": graphs, **({} if faith is None else {"faithfulness": faith})}
+        "graph_options": graphs,
+        **({} if graph_faith is None else {"graph_faithfulness": graph_faith})}
+    if faithfulness is not None:
+        options["faithfulness"] = faithfulness
     for error in errors[:10]:
         print(f"skipping malformed record {error}", file=sys.stderr)
     if len(errors) > 10:
@@ -97,6 +106,13 @@ def dataset_command(args) -> int:
                                        **options)
     if result is not None:  # rank 0, or a single process
         write_dataset_report(result, args.out)
+    if faithfulness is not None:
+        faithful = load_faithfulness(args.out, n_boot=settings.n_boot)
+        write_text(faithful.to_json(), args.out / "faithfulness.json")
+        with replacing(args.out / "faithfulness.csv") as tmp:
+            faithful.to_dataframe().to_csv(tmp, index=False)
+        print(faithful.summary())
+        print(f"wrote faithfulness.json and faithfulness.csv to {args.out}")
     return 0
 
 

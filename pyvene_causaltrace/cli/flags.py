@@ -4,7 +4,9 @@ refused (one ``error:`` line naming the flag and the mode), never ignored.
 A command has one mode or several, chosen by a flag (``attribute --prompts FILE`` builds one
 graph per prompt; ``attribute --spec FILE`` takes its prompt from the spec). Each mode lists
 every flag it reads; :data:`NEEDS` lists the flags read only beside another (``dataset --clt``
-only with ``--graphs``), :data:`IGNORED_WITH` those another makes moot. tests/test_cli_flags.py
+only with ``--graphs``), :data:`NEEDS_TOO` those read only beside a second one as well
+(``dataset --sizes``: with ``--faithfulness`` and ``--graphs``), :data:`IGNORED_WITH` those
+another makes moot. tests/test_cli_flags.py
 checks that every flag of the parser is in this table, so a new flag cannot be silently ignored.
 """
 
@@ -34,7 +36,10 @@ def _mode(name, selects, flags: str, example: str, why: str = "") -> Mode:
     return Mode(name, selects, frozenset(flags.split()), why, tuple(example.split()))
 
 
-_TRACE_SPEC = "plugins spec model device out budget_mb controls no_progress"
+#: ``--faithfulness``'s settings (``trace``, ``dataset``).
+TRACE_FAITHFULNESS = "faith_sizes faith_top faith_draws faith_seed faith_rows faith_cells"
+_TRACE_SPEC = ("plugins spec model device out budget_mb controls no_progress faithfulness "
+               + TRACE_FAITHFULNESS)
 _TRACE_FLAGS = "prompt subject answer kind seeds scale sigma window"
 FAITHFULNESS_SETTINGS = ("sizes level rank_by ablation errors metric draws seed "
                          "circuits_per_forward")
@@ -63,7 +68,8 @@ MODES: dict[str, tuple[Mode, ...]] = {
     "dataset": (_mode("dataset", None,
                       "data task model device limit kinds seeds scale sigma window known budget_mb "
                       "boot no_progress graphs clt format max_feature_nodes graph_memory_mb "
-                      "bos save_graphs faithfulness out " + FAITHFULNESS_SETTINGS,
+                      "bos save_graphs faithfulness out " + FAITHFULNESS_SETTINGS + " "
+                      + TRACE_FAITHFULNESS,
                       "--data d.json --out o"),),
     "aggregate": (_mode("aggregate", None, "out boot", "o"),),
     "attribute": (
@@ -103,10 +109,14 @@ MODES: dict[str, tuple[Mode, ...]] = {
 
 #: command -> {flag: (the flag it needs, what that flag does)}: read only beside it.
 NEEDS: dict[str, dict[str, tuple[str, str]]] = {
+    "trace": {name: ("faithfulness", "add --faithfulness to measure the traces' faithfulness")
+              for name in TRACE_FAITHFULNESS.split()},
     "validate": {"device": ("model", "add --model to check the specs on a model there")},
     "dataset": {name: ("graphs", "add --graphs to build each fact's attribution graph")
                 for name in ("clt", "format", "max_feature_nodes", "graph_memory_mb", "bos",
-                             "save_graphs", "faithfulness")}
+                             "save_graphs")}
+    | {name: ("faithfulness", "add --faithfulness to measure each trace's faithfulness")
+       for name in TRACE_FAITHFULNESS.split()}
     | {name: ("faithfulness", "add --faithfulness to measure each graph's faithfulness curve")
        for name in FAITHFULNESS_SETTINGS.split()},
     "attribute": {**{name: ("cross_check", "add --cross-check to trace the prompt and compare")
@@ -115,6 +125,13 @@ NEEDS: dict[str, dict[str, tuple[str, str]]] = {
                   **{name: ("faithfulness", "add --faithfulness to measure the graph's "
                                             "faithfulness curve")
                      for name in FAITHFULNESS.split()}},
+}
+
+#: command -> {flag: (a second flag it needs, what that flag does)}: read only beside both.
+NEEDS_TOO: dict[str, dict[str, tuple[str, str]]] = {
+    "dataset": {name: ("graphs", "it sets the graphs' faithfulness curves: add --graphs to "
+                                 "build each fact's attribution graph")
+                for name in FAITHFULNESS_SETTINGS.split()},
 }
 
 #: command -> {flag: (the flag that makes it moot, why)}.
@@ -154,17 +171,19 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> frozens
 
 def check_flags(parser: argparse.ArgumentParser, command: str, given: frozenset[str]) -> None:
     """Refuse (:class:`InputError`) the first given flag that ``command``'s mode does not read,
-    or that :data:`NEEDS` or :data:`IGNORED_WITH` say is not read here."""
+    or that :data:`NEEDS`, :data:`NEEDS_TOO` or :data:`IGNORED_WITH` say is not read here."""
     mode = next(m for m in MODES[command] if m.selects is None or m.selects in given)
     for dest in sorted(given):
         flag = flag_name(parser, command, dest)
         if dest not in mode.flags:
             why = f" ({mode.why})" if mode.why else ""
             raise InputError(f"{flag} does not apply to `{mode.name}`{why}: drop {flag}")
-        needed, what = NEEDS.get(command, {}).get(dest, (None, ""))
-        if needed is not None and needed not in given:
-            raise InputError(f"{flag} is read only with {flag_name(parser, command, needed)}: "
-                             f"`{mode.name}` without it would ignore it ({what})")
+        for table in (NEEDS, NEEDS_TOO):
+            needed, what = table.get(command, {}).get(dest, (None, ""))
+            if needed is not None and needed not in given:
+                raise InputError(f"{flag} is read only with "
+                                 f"{flag_name(parser, command, needed)}: `{mode.name}` without "
+                                 f"it would ignore it ({what})")
         moot, why = IGNORED_WITH.get(command, {}).get(dest, (None, ""))
         if moot is not None and moot in given:
             raise InputError(f"{flag} does not apply to `{mode.name} "

@@ -50,11 +50,12 @@ from ..defaults import (
     SIGMA,
     STEER_MAX_NEW_TOKENS,
     STEER_TOP_K,
+    TRACE_FAITH,
     TRACE_MEMORY_MB,
     TRACE_SEEDS,
     WINDOW,
 )
-from .common import DEVICE_CHOICES, EIFFEL, Device
+from .common import DEVICE_CHOICES, EIFFEL, Device, trace_faithfulness_flags
 
 # Every typed flag reads through the package's argument rules (arguments.flag): argparse then
 # names the flag in its one error: line, and a flag cannot take a value the API refuses.
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
     trace.add_argument("--out", type=Path, default=None,
                        help="write trace_<kind>.json and trace_<kind>.png here")
+    trace_faithfulness_flags(trace, TRACE_FAITH)
 
     run = commands.add_parser("run", parents=[plugins],
                               help="run a JSON spec and print its probabilities")
@@ -239,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--budget-mb", type=MEMORY_MB, default=TRACE_MEMORY_MB, help=_BUDGET_HELP)
     data.add_argument("--boot", type=POSITIVE_INT, default=N_BOOT, help=_BOOT_HELP)
     data.add_argument("--no-progress", action="store_true", help=_PROGRESS_HELP)
+    trace_faithfulness_flags(data, TRACE_FAITH, dataset=True)
     data.add_argument("--graphs", action="store_true",
                       help="also build each kept fact's attribution graph through the --clt "
                            "transcoder: graphs.jsonl, graphs.csv and a graph panel beside the "
@@ -254,16 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--bos", default=None, choices=_BOS_MODES, help="with --graphs: " + _BOS_HELP)
     data.add_argument("--save-graphs", action="store_true",
                       help="with --graphs: keep each graph as graphs/<index>.safetensors")
-    data.add_argument("--faithfulness", action="store_true",
-                      help="with --graphs: each graph's faithfulness curve (MIB's f(k), CPR, "
-                           "CMD; as `evaluate`, with its flags) in its graphs.jsonl row, CPR "
-                           "and CMD per fact and their mean in aggregate.json; --ablation "
-                           "counterfactual patches from the next kept fact of the same length "
-                           "in tokens (another answer: the foil); mean and zero need "
-                           "--metric prob or kl")
     _faithfulness_flags(data.add_argument_group(
-        "faithfulness", "with --faithfulness: the curves' settings (as `evaluate`'s)"),
-        prompts=False)
+        "graph faithfulness", "with --faithfulness --graphs: the graphs' curves' settings (as "
+        "`evaluate`'s)"), prompts=False)
     data.add_argument("--out", type=Path, required=True,
                       help="run directory: rows stream here; rerun to resume")
 

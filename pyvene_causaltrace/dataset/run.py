@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,11 +44,13 @@ from ..interventions.noise import seed_list
 from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
 from ..runlock import single_writer
 from ..tracing.chunks import check_seeds_fit
+from ..tracing.faithfulness import FAITHFUL_KINDS, trace_faithfulness
 from ..tracing.noise_scale import resolve_sigma, subject_sigma
-from ..tracing.settings import TraceSettings
+from ..tracing.settings import TraceFaithfulnessSettings, TraceSettings
 from ..tracing.tracer import Tracer
 from ..transcoders import Transcoder
 from .aggregate import ROLE_ORDER, aggregate_rows
+from .faithfulness import faithfulness_row
 from .graph_aggregate import TraceGrids, aggregate_graphs
 from .graphs import (
     GRAPH_DIR,
@@ -62,7 +64,16 @@ from .plan import check_boot_fits
 from .records import FactRecord, RecordError
 from .results import DatasetResult
 from .settings import KNOWN_RULES, DatasetSettings
-from .store import GRAPHS, MANIFEST, RESULTS, SCREEN, RunDirectory, read_jsonl, read_manifest
+from .store import (
+    FAITHFULNESS,
+    GRAPHS,
+    MANIFEST,
+    RESULTS,
+    SCREEN,
+    RunDirectory,
+    read_jsonl,
+    read_manifest,
+)
 
 if TYPE_CHECKING:  # transformers is slow to import; annotations only
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -165,7 +176,8 @@ def trace_dataset(
     n_boot: int = _DEFAULT.n_boot,
     transcoder: Transcoder | None = None,
     graph_options: GraphSettings | None = None,
-    faithfulness: FaithfulnessSettings | None = None,
+    faithfulness: TraceFaithfulnessSettings | None = None,
+    graph_faithfulness: FaithfulnessSettings | None = None,
     settings: DatasetSettings | None = None,
 ) -> DatasetResult:
     """Trace ``records`` (see module docstring); returns the aggregate of what ``out`` holds
@@ -178,10 +190,14 @@ def trace_dataset(
     ``transcoder``: also build each kept fact's attribution graph with ``graph_options``
     (default :class:`~.graphs.GraphSettings`); a transcoder that does not fit ``model`` is
     refused (:class:`~pyvene_causaltrace.errors.TranscoderMismatchError`) before anything is
-    written. ``faithfulness``: also measure each graph's faithfulness curve with these settings
-    (:mod:`.graphs`: the counterfactual is another kept fact of the same length, or the
-    ablation needs none); refused when the metric needs a foil the ablation does not give, or
-    when no fact of this run has a counterfactual."""
+    written. ``graph_faithfulness``: also measure each graph's faithfulness curve with these
+    settings (:mod:`.graphs`: the counterfactual is another kept fact of the same length, or
+    the ablation needs none); refused when the metric needs a foil the ablation does not give,
+    or when no fact of this run has a counterfactual.
+
+    ``faithfulness``: also each traced kind's faithfulness curves (residual, mlp, attn;
+    :mod:`..tracing.faithfulness`), one row per (fact, kind) in ``faithfulness.jsonl``
+    (:func:`.faithfulness.load_faithfulness` averages them); one process only."""
     run_settings = DatasetSettings.merged(
         settings, kinds=kinds, seeds=seeds, scale=scale, sigma=sigma, window=window, known=known,
         limit=limit, memory_budget_mb=memory_budget_mb, n_boot=n_boot)
@@ -194,14 +210,17 @@ def trace_dataset(
     if graph_options is not None and transcoder is None:
         raise InputError("graph_options without a transcoder: pass transcoder= (--clt) to "
                          "build graphs")
-    if faithfulness is not None:
+    if graph_faithfulness is not None:
         if transcoder is None:
-            raise InputError("faithfulness: a graph's curve needs the graph: pass "
+            raise InputError("graph_faithfulness: a graph's curve needs the graph: pass "
                              "transcoder= (--graphs --clt)")
-        check_faithfulness(faithfulness)
+        check_faithfulness(graph_faithfulness)
+    if faithfulness is not None and world > 1:
+        raise InputError("faithfulness: a sharded run does not merge faithfulness rows yet; "
+                         "run it in one process")
     settings = (graph_options or GraphSettings()) if transcoder is not None else None
     model = bind(model)  # the architecture, resolved once for every fact
-    graphs = graph_manifest(model, transcoder, settings, faithfulness) \
+    graphs = graph_manifest(model, transcoder, settings, graph_faithfulness) \
         if settings is not None else {}
     _check_sizes(model, tokenizer, records, run_settings)
     seeds = seed_list(seeds)
@@ -214,6 +233,9 @@ def trace_dataset(
         "known": known, "limit": limit, "shard": [rank, world],
         "about": {"model_name": model.name}, **graphs,
     }
+    if faithfulness is not None:  # a run without it keeps its manifest as before
+        manifest["faithfulness"] = {**asdict(faithfulness), "sizes": list(faithfulness.sizes),
+                                    "top": list(faithfulness.top)}
     if transcoder is not None:
         manifest["about"]["transcoder"] = transcoder.source or transcoder.cfg.model_name
     with RunDirectory(run_path(out, shard), manifest) as run:
@@ -229,36 +251,41 @@ def trace_dataset(
 
         mine = kept[rank::world]
         done = run.done()
+        faithful = run.faithfulness_done() if faithfulness is not None else None
         graphed = run.graphs_done() if settings is not None else None
-        todo = [(line, [k for k in kinds if any((line["fact"], k, s) not in done for s in seeds)],
+        todo = [(line, [k for k in kinds if any((line["fact"], k, s) not in done for s in seeds)
+                        or (faithful is not None and k in FAITHFUL_KINDS
+                            and (line["fact"], k) not in faithful)],
                  graphed is not None and line["fact"] not in graphed)
                 for line in mine]
-        partners = {} if faithfulness is None else counterfactuals(tokenizer, kept, faithfulness)
+        partners = {} if graph_faithfulness is None \
+            else counterfactuals(tokenizer, kept, graph_faithfulness)
         if partners and all(isinstance(partners[line["fact"]], str) for line in mine):
-            raise InputError(f"faithfulness: ablation 'counterfactual' patches from another "
-                                 f"kept fact of the same length in tokens with another answer; "
-                                 f"none of the {len(mine)} facts has one (e.g. "
-                                 f"{partners[mine[0]['fact']]}): use ablation 'mean' or "
-                                 "'zero' (with metric 'prob' or 'kl'), or more facts")
-        # a fact's traces, its graph, and its curve
-        per_graph = (settings is not None) + (faithfulness is not None)
+            raise InputError(f"graph_faithfulness: ablation 'counterfactual' patches from "
+                             f"another kept fact of the same length in tokens with another "
+                             f"answer; none of the {len(mine)} facts has one (e.g. "
+                             f"{partners[mine[0]['fact']]}): use ablation 'mean' or 'zero' "
+                             "(with metric 'prob' or 'kl'), or more facts")
+        # a fact's traces (with their curves), its graph, and its graph's curve
+        per_graph = (settings is not None) + (graph_faithfulness is not None)
         steps = len(kinds) + per_graph
         bar = tqdm(total=len(mine) * steps,
                    initial=sum(steps - len(t) - per_graph * g for _, t, g in todo),
                    desc="dataset trace" + (" + graphs" if settings else "")
-                   + (" + faithfulness" if faithfulness is not None else ""), unit="step",
+                   + (" + faithfulness" if faithfulness is not None
+                      or graph_faithfulness is not None else ""), unit="step",
                    disable=not progress)
         with bar:  # closed (its line ended) on an error or Ctrl-C too
             for line, todo_kinds, needs_graph in todo:
                 record = by_id[line["fact"]]
                 if todo_kinds:
                     _trace_fact(model, tokenizer, run, line, record, todo_kinds, seeds, done,
-                                bar, run_settings.trace(sigma=sigma_value))
+                                bar, run_settings.trace(sigma=sigma_value), faithfulness)
                 if needs_graph:
                     save_dir = run.path / GRAPH_DIR if settings.save else None
                     run.append(GRAPHS, [graph_row(
                         model, tokenizer, transcoder, line, record, settings, save_dir,
-                        faithfulness=faithfulness, counterfactual=partners.get(line["fact"]),
+                        faithfulness=graph_faithfulness, counterfactual=partners.get(line["fact"]),
                         built=lambda: bar.update(1))])
                     bar.update(1)
     return load_dataset_result(run.path, n_boot=run_settings.n_boot)
@@ -266,9 +293,10 @@ def trace_dataset(
 
 def _trace_fact(model: BoundModel, tokenizer: Tokenizer, run: RunDirectory, line: dict,
                 record: FactRecord, todo_kinds: list[str], seeds, done, bar,
-                settings: TraceSettings) -> None:
+                settings: TraceSettings,
+                faithfulness: TraceFaithfulnessSettings | None = None) -> None:
     """Trace a fact's kinds still to do and append their missing rows (``settings``: the
-    run's, with the sigma it resolved)."""
+    run's, with the sigma it resolved); with ``faithfulness``, each kind's curves' row."""
     # every seed, as an uninterrupted run: a corrupted run and restore chunks of the
     # same rows round the same way; rows already written are not written again
     tracer = Tracer(model, tokenizer, line["prompt"], record.subject, answer=line["target"],
@@ -283,6 +311,9 @@ def _trace_fact(model: BoundModel, tokenizer: Tokenizer, run: RunDirectory, line
             "corrupt": float(result.corrupt_probs[i]), "scale": float(scale),
             "sigma": sigma_value, "restored": result.restored_probs[i].tolist(),
         } for i, seed in enumerate(seeds) if (record.id, kind, seed) not in done])
+        if faithfulness is not None and kind in FAITHFUL_KINDS:
+            curve = trace_faithfulness(tracer, result, settings=faithfulness)
+            run.append(FAITHFULNESS, [faithfulness_row(line["index"], record.id, curve)])
         bar.update(1)
 
 

@@ -22,6 +22,7 @@ from ..strict_json import loads
 
 MANIFEST, SCREEN, RESULTS = "manifest.json", "screen.jsonl", "results.jsonl"
 GRAPHS = "graphs.jsonl"
+FAITHFULNESS = "faithfulness.jsonl"  # a trace's faithfulness per (fact, kind)
 _NUMBER = (int, float)
 _NUMBER_OR_NULL = (int, float, type(None))
 
@@ -149,7 +150,7 @@ def has_rows(directory: Path) -> list[str]:
     """Names in ``directory`` that hold rows: a non-empty screen or results file, or shard
     directories of a sharded run."""
     directory = Path(directory)
-    found = [name for name in (SCREEN, RESULTS, GRAPHS)
+    found = [name for name in (SCREEN, RESULTS, GRAPHS, FAITHFULNESS)
              if (directory / name).exists() and (directory / name).stat().st_size > 0]
     shards = sorted(p.name for p in directory.glob("shard-*-of-*") if p.is_dir())
     return found + shards
@@ -216,7 +217,7 @@ class RunDirectory:
         else:
             write_text(json.dumps(manifest, indent=2, sort_keys=True), self.path / MANIFEST)
         self.manifest = manifest
-        for name in (SCREEN, RESULTS, GRAPHS):
+        for name in (SCREEN, RESULTS, GRAPHS, FAITHFULNESS):
             _drop_partial_line(self.path / name)
 
     def append(self, name: str, rows: list[dict]) -> None:
@@ -247,6 +248,10 @@ class RunDirectory:
     def done(self) -> set[tuple[str, str, int]]:
         """``(fact, kind, seed)`` keys already written."""
         return {(row["fact"], row["kind"], row["seed"]) for row in self.rows(RESULTS)}
+
+    def faithfulness_done(self) -> set[tuple[str, str]]:
+        """``(fact, kind)`` whose faithfulness row is already written."""
+        return {(row["fact"], row["kind"]) for row in self.rows(FAITHFULNESS)}
 
     def graphs_done(self) -> set[str]:
         """Facts whose graph row is already written."""

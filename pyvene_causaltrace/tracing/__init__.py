@@ -14,4 +14,6 @@ __getattr__, __all__ = lazy_exports(__name__, {
     "HeadRestorer": ".head_restore",
     "KINDS": ".engine", "TraceEngine": ".engine", "sweep_noise_scale": ".noise_scale",
     "NoiseScaleSweep": ".noise_scale", "token_role": ".roles", "ROLES": ".roles",
+    "trace_faithfulness": ".faithfulness", "TraceFaithfulness": ".faithfulness",
+    "TraceFaithfulnessSettings": ".settings",
 })

@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
+from typing import Literal
 
 from .._settings import Settings
+from ..arguments import PositiveInt, Seed
 from ..defaults import (
     DISTRIBUTION,
     NOISE_SCALE,
@@ -17,6 +19,12 @@ from ..defaults import (
     REPLAY_LAYERS,
     REUSE_PREFIX,
     SIGMA,
+    TRACE_FAITH_CELLS,
+    TRACE_FAITH_DRAWS,
+    TRACE_FAITH_ROWS,
+    TRACE_FAITH_SEED,
+    TRACE_FAITH_SIZES,
+    TRACE_FAITH_TOP,
     TRACE_MEMORY_MB,
     TRACE_SEEDS,
     WINDOW,
@@ -25,7 +33,7 @@ from ..errors import InputError
 from ..finite import positive_number
 from ..interventions.noise import DISTRIBUTIONS, check_sigma, seed_list
 
-__all__ = ["TraceSettings", "seed_count"]
+__all__ = ["TraceFaithfulnessSettings", "TraceSettings", "seed_count"]
 
 
 def seed_count(seeds: int | Sequence[int]) -> int:
@@ -82,3 +90,36 @@ class TraceSettings(Settings):
     def n_seeds(self) -> int:
         """How many seeds (:func:`seed_count`)."""
         return seed_count(self.seeds)
+
+
+@dataclass(frozen=True)
+class TraceFaithfulnessSettings(Settings):
+    """How a trace's faithfulness is measured (:mod:`.faithfulness`): ``sizes`` in percent of
+    the trace's cells, each in (0, 100], increasing (a circuit of ``int(size / 100 * cells)``
+    cells, MIB's rounding; CPR and CMD integrate over them); ``top``: small numbers of top cells
+    reported beside them (increasing, positive; those above the cells dropped); ``draws``
+    random rankings (seeded by ``seed``) as the floor; ``rows_per_forward``: rows (seed x
+    circuit x mode) per forward; ``cells``: ``"all"`` the trace's cells, or ``"subject"`` only
+    those at the noised subject's positions (a residual trace's last-position cells late in the
+    model restore the whole effect by construction: ``"subject"`` asks about the subject site
+    alone)."""
+
+    sizes: tuple[float, ...] = TRACE_FAITH_SIZES
+    top: tuple[int, ...] = TRACE_FAITH_TOP
+    draws: PositiveInt = TRACE_FAITH_DRAWS
+    seed: Seed = TRACE_FAITH_SEED
+    rows_per_forward: PositiveInt = TRACE_FAITH_ROWS
+    cells: Literal["all", "subject"] = TRACE_FAITH_CELLS
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        sizes, top = tuple(self.sizes), tuple(self.top)
+        if not sizes or any(not 0 < s <= 100 for s in sizes):
+            raise InputError(f"sizes must be percentages in (0, 100], got {list(sizes)}")
+        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
+            raise InputError(f"sizes must increase, got {list(sizes)}")
+        if any(isinstance(k, bool) or not isinstance(k, Integral) or k <= 0 for k in top) or \
+                any(b <= a for a, b in zip(top, top[1:], strict=False)):
+            raise InputError(f"top must be increasing positive cell counts, got {list(top)}")
+        object.__setattr__(self, "sizes", tuple(float(s) for s in sizes))
+        object.__setattr__(self, "top", tuple(int(k) for k in top))
