@@ -107,6 +107,8 @@ def test_the_heads_of_a_link_and_their_qk_terms_in_headless_chromium(graphs):
         try:
             page.goto(f"http://127.0.0.1:{port}/")
             page.select_option("#picker", "heads/graph.json")
+            # the first graph's load (the page opens on it) may end after this one's
+            page.wait_for_function("() => state.name === 'heads/graph.json'")
             page.wait_for_selector("#svg .node")
             _click(page, link["target"])
             assert page.locator("#heads-panel").is_hidden()
@@ -200,3 +202,37 @@ def test_the_heads_of_a_link_and_their_qk_terms_in_headless_chromium(graphs):
         finally:
             browser.close()
     assert not errors, errors
+
+
+@pytest.mark.browser
+def test_the_graph_picked_last_is_shown_when_an_earlier_load_ends_after_it(graphs):
+    """The page opens on its first graph; a graph picked while that one still loads is the one
+    shown, even when the first one's answer arrives after it (held back here)."""
+    chromium = _chromium()
+    from playwright.sync_api import sync_playwright
+
+    held = []
+
+    def hold_the_first(route):
+        if not held:
+            held.append(route)  # answered below, after the picked graph's
+        else:
+            route.continue_()
+
+    with running(graphs) as port, sync_playwright() as p:
+        browser, page, errors = _browser(p, chromium)
+        try:
+            page.route("**/api/graph?*", hold_the_first)
+            page.goto(f"http://127.0.0.1:{port}/")
+            page.wait_for_function("() => document.querySelectorAll('#picker option').length > 2")
+            first = page.eval_on_selector("#picker", "p => p.options[0].value")
+            other = next(n for n in ("plain/graph.json", "heads/graph.json") if n != first)
+            page.select_option("#picker", other)
+            page.wait_for_function(f"() => state.name === '{other}'")
+            held[0].continue_()
+            page.wait_for_timeout(500)  # its answer arrives and is dropped
+            assert page.evaluate("state.name") == other
+            assert page.eval_on_selector("#picker", "p => p.value") == other
+            assert not errors
+        finally:
+            browser.close()
