@@ -366,14 +366,20 @@ def metric_of(logits: torch.Tensor, metric: str, answer: int, foil: int | None,
 # ------------------------------------------------------------------------- the curve
 
 
-def check_graph(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph) -> None:
+def check_logit_graph(graph: AttributionGraph, method: str) -> None:
+    """Refuse a graph ``method`` cannot ablate: one with Lorsa nodes or of a direction."""
     if graph.lorsa_layers:
-        raise InputError("graph: it has Lorsa nodes (attention=lorsa); faithfulness ablates "
+        raise InputError(f"graph: it has Lorsa nodes (attention=lorsa); {method} ablates "
                          "transcoder features in the model spliced with the transcoder alone "
                          "and does not splice Lorsa yet")
     if graph.targets and graph.targets[0].get("output", "logits") != "logits":
         raise InputError(f"graph: it explains a direction ({graph.targets[0]['name']}), not a "
-                         "logit; faithfulness reads the answer's logit")
+                         f"logit; {method} reads the answer's logit")
+
+
+def check_graph(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph) -> None:
+    """:func:`check_logit_graph`, and refuse a graph of another model or transcoder."""
+    check_logit_graph(graph, "faithfulness")
     if transcoder.n_layers != graph.n_layers:
         raise InputError(f"graph: it has {graph.n_layers} layers, the transcoder "
                          f"{transcoder.n_layers}: pass the transcoder it was built with")
