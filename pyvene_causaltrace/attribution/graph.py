@@ -222,20 +222,12 @@ class AttributionGraph:
         ``LOGIT ' Paris'``."""
         kind = self.node_kind(i)
         layer, pos, feature, _ = self.coordinates(i, kind)
-        token = repr(self.tokens[pos])
-        if kind == "feature":
-            return f"F L{layer}/#{feature} @{pos} {token}"
-        if kind == "lorsa":
-            return f"LORSA L{layer}/H{feature} @{pos} {token}"
-        if kind == "error":
-            return f"ERR L{layer} @{pos} {token}"
-        if kind == "lorsa error":
-            return f"LORSA-ERR L{layer} @{pos} {token}"
-        if kind == "steering":
-            return f"STEER {self.steering_site(feature)} @{pos} {token}"
-        if kind == "token":
-            return f"TOK @{pos} {token}"
-        return f"LOGIT {self.targets[i - self.layout.logits.start]['text']!r}"
+        if kind == "logit":
+            return f"LOGIT {self.targets[i - self.layout.logits.start]['text']!r}"
+        what = f"STEER {self.steering_site(feature)}" if kind == "steering" else {
+            "feature": f"F L{layer}/#{feature}", "lorsa": f"LORSA L{layer}/H{feature}",
+            "error": f"ERR L{layer}", "lorsa error": f"LORSA-ERR L{layer}", "token": "TOK"}[kind]
+        return f"{what} @{pos} {self.tokens[pos]!r}"
 
     @checked
     def steering_site(self, j: int) -> str:
