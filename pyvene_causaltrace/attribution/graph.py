@@ -341,16 +341,14 @@ class AttributionGraph:
         key = ("prune", s.node_threshold, s.edge_threshold)
         if key not in self._memo:
             self._memo[key] = prune(self.rows, self.layout, s.node_threshold, s.edge_threshold,
-                                    probabilities=self.logit_weights(),
-                                    node_influence=self.influence())
+                                    self.logit_weights(), self.influence())
         return self._memo[key]
 
     def scores(self) -> dict[str, float]:
         """Replacement and completeness scores, the error nodes' share of the target, and the
         share of influence that ends on unexplored features."""
         if "scores" not in self._memo:
-            out = graph_scores(self.rows, self.layout, self.logit_weights(),
-                               node_influence=self.influence())
+            out = graph_scores(self.rows, self.layout, self.logit_weights(), self.influence())
             out["error_share"] = self.decomposition()["error_share"]
             leaf = self.influence()[:self.n_features][~self.explored].sum()
             out["unexplored_influence"] = float(leaf / self.influence().sum().clamp(min=1e-30))
