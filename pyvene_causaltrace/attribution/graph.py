@@ -193,12 +193,13 @@ class AttributionGraph:
         return "token" if index < lay.logits.start else "logit"
 
     @checked
-    def coordinates(self, i: int, kind: str) -> tuple[int | None, int, int | None, float | None]:
-        """``(layer, position, feature, activation)`` of node ``i`` of ``kind`` (``None`` where
-        a kind has none; the logit's "feature" is its token id; a steering node's layer is
-        :meth:`steering_layer`, its "feature" the index of its intervention in
-        :attr:`steering`)."""
-        lay = self.layout
+    def coordinates(self, i: int, kind: str | None = None
+                    ) -> tuple[int | None, int, int | None, float | None]:
+        """``(layer, position, feature, activation)`` of node ``i`` (of ``kind``, default
+        :meth:`node_kind`'s; ``None`` where a kind has none; the logit's "feature" is its token
+        id; a steering node's layer is :meth:`steering_layer`, its "feature" the index of its
+        intervention in :attr:`steering`)."""
+        lay, kind = self.layout, kind or self.node_kind(i)
         if kind in ("feature", "lorsa"):
             return (int(self.feature_layer[i]), int(self.feature_position[i]),
                     int(self.feature_id[i]), float(self.activation[i]))
