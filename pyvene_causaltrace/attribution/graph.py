@@ -360,17 +360,13 @@ class AttributionGraph:
         """Per computed row: ``row.sum() + constant - target`` (float64)."""
         return self.rows.sums() + self.rows.constants - self.rows.targets
 
-    def closure_scales(self) -> torch.Tensor:
-        """Per computed row, the scale of what it sums: ``sum |row| + |constant| + |target|``
-        plus the terms a feature's pre-activation sums (float64; :attr:`~.edges.Closure.scale`,
-        :func:`~.edges.feature_targets_and_magnitudes`)."""
-        return (self.rows.abs_sums() + self.rows.constants.abs() + self.rows.targets.abs()
-                + self.rows.magnitudes)
-
     def row_closures(self) -> torch.Tensor:
-        """Per computed row, ``|closure residual|`` over :meth:`closure_scales` (the rows'
-        :attr:`~.edges.Closure.relative`)."""
-        return self.closures().abs() / self.closure_scales().clamp(min=1e-30)
+        """Per computed row, ``|closure residual|`` over the scale of what it sums, ``sum |row|
+        + |constant| + |target|`` plus the terms a feature's pre-activation sums (float64; the
+        rows' :attr:`~.edges.Closure.relative`, :func:`~.edges.feature_targets_and_magnitudes`)."""
+        scale = (self.rows.abs_sums() + self.rows.constants.abs() + self.rows.targets.abs()
+                 + self.rows.magnitudes)
+        return self.closures().abs() / scale.clamp(min=1e-30)
 
     def feature_closure(self) -> float:
         """Largest :meth:`row_closures` over the feature rows: each residual relative to the
