@@ -46,6 +46,7 @@ from .faithfulness import (
     run_masks,
     settings_json,
 )
+from .plots import finish, subplots
 from .settings import FaithfulnessSettings
 
 if TYPE_CHECKING:  # annotations only
@@ -112,12 +113,7 @@ class BudgetCurve(CurveFile):
     def plot(self, path: str | Path | None = None):
         """KL (log) and P(answer) against ``K`` (log), the ranked features beside the random
         band (min to max over the draws, the mean drawn); saved to ``path`` when given."""
-        import matplotlib  # matplotlib loads only when a figure is drawn
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # after the backend is chosen
-
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        fig, axes = subplots(1, 2, figsize=(10, 4))
         for ax, ranked, random, name in ((axes[0], self.kl, self.random_kl, "KL(model || run)"),
                                          (axes[1], self.prob, self.random_prob, "P(answer)")):
             table = torch.tensor(random, dtype=torch.float64)
@@ -133,10 +129,7 @@ class BudgetCurve(CurveFile):
         axes[1].axhline(self.prob_full, color="black", lw=0.5, ls="--", label="model")
         axes[0].legend(loc="best", fontsize=8)
         axes[1].legend(loc="best", fontsize=8)
-        fig.tight_layout()
-        if path is not None:
-            fig.savefig(path)
-        return fig
+        return finish(fig, path)
 
 
 def features_ranked(transcoder: Transcoder, graph: AttributionGraph, clean: torch.Tensor,

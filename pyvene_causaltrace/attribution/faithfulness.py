@@ -48,6 +48,7 @@ from ..runtime import intervened
 from ..strict_json import loads
 from ..transcoders.hooks import transcoder_states
 from ..transcoders.transcoder import Transcoder
+from .plots import finish, subplots
 from .reading import logit_weights, row_denominators
 from .settings import FaithfulnessSettings
 
@@ -178,13 +179,8 @@ left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it
     def plot(self, path: str | Path | None = None):
         """f(k) against the size (log axis) with the random rankings' band; saved to ``path``
         when given. Returns the figure."""
-        import matplotlib  # matplotlib loads only when a figure is drawn
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # after the backend is chosen
-
         frame = self.to_dataframe()
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = subplots(figsize=(6, 4))
         ax.fill_between(frame.size_pct, frame.random_min, frame.random_max, alpha=0.25,
                         color="gray", label=f"random ({len(self.random)} draws)")
         ax.plot(frame.size_pct, frame.random_mean, color="gray", lw=1)
@@ -195,10 +191,7 @@ left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it
         ax.set_xlabel(f"circuit size (% of {self.settings['level']})")
         ax.set_ylabel(f"faithfulness f(k) ({self.settings['metric']})")
         ax.legend(loc="best", fontsize=8)
-        fig.tight_layout()
-        if path is not None:
-            fig.savefig(path)
-        return fig
+        return finish(fig, path)
 
 
 # ------------------------------------------------------------------------- rankings
