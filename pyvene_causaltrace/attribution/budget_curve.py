@@ -36,7 +36,7 @@ from ..bound import BoundModel
 from ..model_guard import measured
 from ..transcoders.transcoder import Transcoder
 from .faithfulness import (
-    CurveFile,
+    _CurveFile,
     ablated_values,
     ablation_prompts,
     band,
@@ -58,7 +58,7 @@ __all__ = ["BudgetCurve", "budget_curve", "features_ranked", "random_needed"]
 
 
 @dataclass(frozen=True)
-class BudgetCurve(CurveFile):
+class BudgetCurve(_CurveFile):
     """KL and P(answer) with the top ``kept[i]`` features live (``budgets``: the ``K`` asked,
     then every active feature, ``n_active``; ``kept`` = ``min(K, n_active)``), the random
     orders' at each ``grid`` point (``random_kl[draw][j]``), the model's P(answer)

@@ -57,8 +57,8 @@ if TYPE_CHECKING:  # annotations only
 
     from .graph import AttributionGraph
 
-__all__ = ["CurveFile", "FaithfulnessCurve", "FaithfulnessSettings", "curve_json",
-           "faithfulness", "mib_areas"]
+__all__ = ["FaithfulnessCurve", "FaithfulnessSettings", "curve_json", "faithfulness",
+           "mib_areas"]
 
 
 def mib_areas(fractions: list[float], f: list[float]) -> tuple[float, float]:
@@ -98,7 +98,7 @@ def band(draws: list[list[float]], n: int) -> tuple[list[float], list[float], li
     return table.min(0).values.tolist(), table.mean(0).tolist(), table.max(0).values.tolist()
 
 
-class CurveFile:
+class _CurveFile:
     """A curve dataclass's JSON (:class:`FaithfulnessCurve`, :class:`~.budget_curve.BudgetCurve`):
     every field, written and read back whole."""
 
@@ -127,7 +127,7 @@ def settings_json(s: FaithfulnessSettings) -> dict:
 
 
 @dataclass(frozen=True)
-class FaithfulnessCurve(CurveFile):
+class FaithfulnessCurve(_CurveFile):
     """One ranking's f(k) at each size, with ``random`` (one curve per draw) as the floor;
     ``metric_full``/``metric_empty`` the metric of the model and of the empty circuit;
     ``counts`` the items kept at each size out of ``n_items`` and ``nodes_kept`` the feature nodes

@@ -17,7 +17,7 @@ from .settings import ReadingSettings
 def subplots(*args, **kwargs):
     """``plt.subplots(...)`` with the Agg backend chosen first (matplotlib loads here, only when
     a figure is drawn)."""
-    import matplotlib
+    import matplotlib  # matplotlib loads only when a figure is drawn
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt  # after the backend is chosen
