@@ -16,9 +16,10 @@ are left to their own loader.
 |W_D[f]|`` and the activation is ``pre``. TopK is our ``relu_topk`` ranked by ``score_weight =
 |W_D[f]|``; JumpReLU's threshold becomes ``exp(log_threshold) / |W_D[f]|``.
 ``norm_activation="dataset-wise"`` is folded as their ``standardize_parameters_of_dataset_norm``
-folds it. Refused (:class:`TranscoderFormatError`, naming the file and field): a GLU encoder,
-``batchtopk``, token- or batch-wise normalisation, an SAE (one hook in and out), a transcoder
-whose hooks name two layers."""
+folds it (not with JumpReLU, whose threshold their fold leaves unscaled). Refused
+(:class:`TranscoderFormatError`, naming the file and field): a GLU encoder, ``batchtopk``,
+token- or batch-wise normalisation, an SAE (one hook in and out), a transcoder whose hooks
+name two layers."""
 
 from __future__ import annotations
 
@@ -105,6 +106,11 @@ def _check(meta: dict, file: Path) -> dict:
         "norm_activation": (meta["norm_activation"] not in ("inference", "dataset-wise"),
                             "token- or batch-wise input scaling is not a fixed map"),
     }
+    if meta["act_fn"] == "jumprelu" and meta["norm_activation"] == "dataset-wise":
+        # their fold scales b_E and W_D but not the threshold: folded and unfolded disagree
+        refusals["norm_activation"] = (True, "with jumprelu, their own fold changes which "
+                                       "features fire; fold it with their save_pretrained("
+                                       "fold_activation_scale=True) to choose theirs")
     for key, (refused, why) in refusals.items():
         if refused:
             raise TranscoderFormatError(f"{file}: {key} {meta[key]!r}: {why}")
