@@ -188,3 +188,42 @@ def test_a_missing_layer_and_a_set_of_two_kinds_are_refused(tmp_path):
         load_transcoder(root, format="llamascopium")
     with pytest.raises(TranscoderFormatError, match="no llamascopium transcoder"):
         load_transcoder(tmp_path, format="llamascopium")  # sets below, none here
+
+
+class _Ranks:
+    """Two ranks' all_gather played back in one process: each shard's top-k candidates are
+    recorded on a first pass, then every shard is handed both."""
+
+    def __init__(self, sent: dict | None = None):
+        self.sent, self.seen = sent, []
+
+    def all_gather(self, tensor, what):
+        self.seen.append(tensor)
+        return [tensor] if self.sent is None else [self.sent[0], self.sent[1]]
+
+
+def test_a_sharded_ranked_set_keeps_the_whole_sets_features(tmp_path, monkeypatch):
+    """Shards of a set ranked by decoder norms (``score_weight`` cut with the features) pick,
+    over both ranks, what the whole set picks; control: unweighted ranking picks others."""
+    from pyvene_causaltrace import distributed
+
+    root, _, _ = write_set(tmp_path / "set", lorsa=False)
+    whole = load_transcoder(root)
+    x = torch.randn(5, D, generator=torch.Generator().manual_seed(3))
+    shards = [load_transcoder(root, shard=(rank, 2)) for rank in range(2)]
+    assert [s.score_weight.shape for s in shards] == [(L, F // 2)] * 2
+    for layer in range(L):
+        sent = {}
+        for rank, shard in enumerate(shards):
+            fake = _Ranks()
+            monkeypatch.setattr(distributed, "current", lambda fake=fake: fake)
+            shard.encode(x, layer)
+            sent[rank] = fake.seen[0]
+        parts = []
+        for shard in shards:
+            monkeypatch.setattr(distributed, "current", lambda sent=sent: _Ranks(sent))
+            parts.append(shard.encode(x, layer))
+        assert torch.equal(torch.cat(parts, -1), whole.encode(x, layer)), layer
+    whole.score_weight = None
+    assert any(not torch.equal(whole.encode(x, layer) != 0, load_transcoder(root).encode(
+        x, layer) != 0) for layer in range(L))
