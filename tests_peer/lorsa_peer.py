@@ -34,6 +34,7 @@ RESULTS: dict[str, str] = {}
 
 def run_dump(out: Path, *options: str) -> dict:
     """The dump script in the peer's venv, one thread; its ``graph.json`` and tensors."""
+    assert PYTHON.exists(), MISSING  # required (make test-peer) but not built
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="passive",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     env.pop("PYTHONPATH", None)  # the peer's venv imports nothing of ours
