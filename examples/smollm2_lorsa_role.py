@@ -2,7 +2,7 @@
 
     python examples/first_graph.py                                         # the transcoder
     python examples/fit_smollm2_lorsa.py --layers 23 --texts 192 --steps 300   # the Lorsa
-    python examples/smollm2_lorsa_role.py                                  # ~5 min on 2 cores
+    python examples/smollm2_lorsa_role.py                                  # 2-10 min, 2 busy cores
 
 The graph of " Paris" after "The Eiffel Tower is in the city of" through the first transcoder
 (``smollm2-135m-skip-plt-256-top16``) with the Lorsa's OV heads as feature nodes
@@ -18,7 +18,9 @@ position (or ``--node``):
   held (unablated the forward is the model's own): the head zeroed at every position
   (``heads_off``), at the last position only, set to 2x and 4x there; the same zeroing of
   ``--random`` heads active at the last position with activations nearest to its (log ratio);
-  the model's own attention head (the Lorsa head's QK head) zeroed at the last position.
+  the model's own attention head (the Lorsa head's QK head) zeroed at the last position;
+- the same head on seven other prompts (``OTHER_PROMPTS``): its activation at the last position
+  and P(answer) with it zeroed.
 
 Writes ``examples/results/lorsa/`` (``graph.json`` for the viewer, ``nodes.csv`` of the pruned
 graph's nodes, ``summary.json`` with every figure the page quotes).
@@ -51,6 +53,14 @@ from pyvene_causaltrace.transcoders.lorsa import load_lorsa, lorsa_states
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT, ANSWER = "The Eiffel Tower is in the city of", " Paris"
 CACHE = "~/.cache/pyvene_causaltrace"
+#: Other prompts for the chosen head: French places, other countries' cities, French not a place.
+OTHER_PROMPTS = (("The Louvre is in the city of", " Paris"),
+                 ("Notre-Dame Cathedral is in the city of", " Paris"),
+                 ("Mont Saint-Michel is in the region of", " Normandy"),
+                 ("The Colosseum is in the city of", " Rome"),
+                 ("The Brandenburg Gate is in the city of", " Berlin"),
+                 ("Big Ben is in the city of", " London"),
+                 ("The mother tongue of Danielle Darrieux is", " French"))
 
 
 @contextmanager
@@ -242,6 +252,27 @@ def main() -> None:
     top_last = [int(r["node"]) for r in out["top_lorsa_last"][:5]]
     iv["top5_last_zeroed_all_positions"] = prob([g.coordinates(n, "lorsa")[2] for n in top_last])
     out["interventions"] = iv
+
+    # -- the same head on other prompts (no graphs: its activation at the last position, and
+    # P(answer) with it zeroed at every position, the clean errors of that prompt held) ---------
+    others_out = []
+    for prompt, ans in OTHER_PROMPTS:
+        o_ids = tok(prompt, return_tensors="pt")["input_ids"]
+        o_ans = tok(ans)["input_ids"][0]
+        o_x = lorsa_states(model, lorsa, o_ids)["input"][layer][None]
+        o_acts = one.encode(o_x)[0]
+        o_err = clean_lorsa_errors(model, lorsa, o_ids)
+        ps = []
+        for off in (None, [head]):
+            reps = lorsa_splice_representations(model, lorsa, layers=[layer],
+                                                errors={layer: o_err[layer]}, heads_off=off)
+            with torch.no_grad(), intervened(bound, reps) as m:
+                ps.append(float(m(input_ids=o_ids).logits[0, -1].softmax(-1)[o_ans]))
+        others_out.append({"prompt": prompt, "answer": ans, "activation_last": float(o_acts[-1, head]),
+                           "rank_last": int((o_acts[-1] > o_acts[-1, head]).sum()) + 1
+                           if o_acts[-1, head] > 0 else None,
+                           "p": ps[0], "p_zeroed": ps[1]})
+    out["other_prompts"] = others_out
 
     # -- files ------------------------------------------------------------------------------------
     args.out.mkdir(parents=True, exist_ok=True)
