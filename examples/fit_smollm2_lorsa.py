@@ -4,15 +4,17 @@ layers on this machine, check them, and save them outside the repository.
     python examples/fit_smollm2_lorsa.py --layers 2 5 8 --top-k 32 --steps 200   # ~15 min CPU
     SMOKE=1 python examples/fit_smollm2_lorsa.py                                  # tiny, 1 min
 
-Text: the model's own (fitting.generate_pairs' starts, sampled), cut to 64 tokens; held out:
-the first 40 facts of tests/data/facts.json. Each Lorsa starts from its layer's attention
-(transcoders/lorsa_fit.py: QK = the model's heads, 2 x head_dim rank-1 OV heads per QK head,
-exact before TopK), TopK keeps ``--top-k`` OV heads per position, and Adam trains the OV side.
-Reported: held-out FVU of each layer's attention output at the start (TopK applied to the
-exact split) and after training, and the spliced model's P(answer) on four facts with and
-without the error term. Saves ``~/.cache/pyvene_causaltrace/lorsas/smollm2-135m-lorsa-k<k>``
-(one ``L<layer>`` directory per layer, each llamascopium's config.json +
-sae_weights.safetensors + lm_config.json) and ``examples/results/smollm2_lorsa_fit.json``.
+The fit is ``fit-lorsa``'s (:func:`pyvene_causaltrace.lorsa_fitting.fit_lorsa_set`, which calls
+:func:`~pyvene_causaltrace.transcoders.lorsa_fit.fit_lorsa`): the model's own text (the first
+transcoder's starts, sampled), cut to 64 tokens, a tenth as many more texts held out. Each Lorsa
+starts from its layer's attention (transcoders/lorsa_fit.py: QK = the model's heads, 2 x head_dim
+rank-1 OV heads per QK head, exact before TopK), TopK keeps ``--top-k`` OV heads per position, and
+Adam trains the OV side. Reported beside the fit's held-out FVU: the FVU on the first 40 facts of
+tests/data/facts.json, and the spliced model's P(answer) on four facts with and without the error
+term. Saves ``~/.cache/pyvene_causaltrace/lorsas/smollm2-135m-lorsa-k<k>`` (one ``L<layer>``
+directory per layer, each llamascopium's config.json + sae_weights.safetensors + lm_config.json,
+and fit.json) and ``examples/results/smollm2_lorsa_fit.json``. The same from the command line:
+``pyvene-causaltrace fit-lorsa --layers 2,5,8 --top-k 32 --steps 200``.
 """
 
 from __future__ import annotations
@@ -20,19 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
 
 from pyvene_causaltrace import load_model
 from pyvene_causaltrace.bound import bind
-from pyvene_causaltrace.fitting import generate_pairs
 from pyvene_causaltrace.interventions.lorsa_splice import lorsa_splice_representations
-from pyvene_causaltrace.models import cache_dir
+from pyvene_causaltrace.lorsa_fitting import LorsaFitSettings, fit_lorsa_set, lorsa_dir
 from pyvene_causaltrace.runtime import intervened
-from pyvene_causaltrace.transcoders.lorsa import load_lorsa, lorsa_fvu, save_lorsa
-from pyvene_causaltrace.transcoders.lorsa_fit import fit_lorsa
+from pyvene_causaltrace.transcoders.lorsa import load_lorsa, lorsa_fvu
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTS = [("The Eiffel Tower is in the city of", " Paris"),
@@ -65,24 +64,20 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=16 if smoke else 256)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
-    torch.manual_seed(0)
     model, tokenizer = load_model("smollm2-135m")
-    start = time.perf_counter()
-    texts, _, _ = generate_pairs(bind(model), tokenizer, args.texts, 64, seed=0, record=0)
-    generated = time.perf_counter() - start
+    settings = LorsaFitSettings(layers=tuple(args.layers), top_k=args.top_k, steps=args.steps,
+                                texts=args.texts, batch=args.batch, length=64)
+    out = lorsa_dir(settings)
+    if smoke:
+        out = out.with_name(out.name + "-smoke")
+    fitted = fit_lorsa_set(settings, out=out, model=model, tokenizer=tokenizer)
+    print(fitted.summary())
     facts = json.loads((ROOT / "tests" / "data" / "facts.json").read_text())
     held_out = [f"{f['prompt']}{f['attribute']}" for f in facts[:8 if smoke else 40]]
-    lorsa, report = fit_lorsa(model, tokenizer, texts, layers=args.layers, held_out=held_out,
-                              top_k=args.top_k, steps=args.steps, batch=args.batch, length=64)
-    fitted = time.perf_counter() - start - generated
-    out = cache_dir() / "lorsas" / f"smollm2-135m-lorsa-k{args.top_k}{'-smoke' if smoke else ''}"
-    for layer, one in lorsa.layers.items():
-        save_lorsa(one, out / f"L{layer}", model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
     again = load_lorsa(out)
-    report.update({"path": str(out), "layers": args.layers, "texts": args.texts,
-                   "seconds_generating": round(generated, 1), "seconds_fitting": round(fitted, 1),
-                   "fvu_reloaded": lorsa_fvu(model, tokenizer, again, held_out),
-                   "facts": answer_probs(model, tokenizer, again), "smoke": smoke})
+    report = {**fitted.record, "path": str(out), "smoke": smoke,
+              "fvu_facts": lorsa_fvu(model, tokenizer, again, held_out),
+              "facts": answer_probs(model, tokenizer, again)}
     print(json.dumps(report, indent=2))
     if not smoke:
         (ROOT / "examples" / "results" / "smollm2_lorsa_fit.json").write_text(
