@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-from .bound import bind
+from .bound import BoundModel
 from .errors import InputError
 from .fingerprint import model_fingerprint
 from .fit_output import fit_output
 from .fit_text import generate_ids
 from .fitting import _data_identity, read_texts
-from .model_guard import measuring
+from .model_guard import measured
 from .models import OFFLINE_DEFAULT, cache_dir, load_model, model_name
-from .transcoders.lorsa import load_lorsa, save_lorsa
+from .transcoders.lorsa import LorsaSet, load_lorsa, save_lorsa
 from .transcoders.lorsa_fit import fit_lorsa
 
 #: The largest value each size setting takes (a typo's extra zeros refused at once).
@@ -129,6 +129,24 @@ def lorsa_texts(bound, tokenizer, settings: LorsaFitSettings) -> tuple[list[str]
     return texts[:len(texts) - held], texts[len(texts) - held:]
 
 
+@measured
+def _fit(model: BoundModel, tokenizer, settings: LorsaFitSettings) -> tuple[LorsaSet, dict, int]:
+    """Text, the fit, and the number of held-out texts, on the bound model (eval mode)."""
+    beyond = [layer for layer in settings.layers if layer >= model.n_layers]
+    if beyond:
+        raise InputError(f"layers {beyond}: the model has {model.n_layers} layers "
+                         f"(0..{model.n_layers - 1})")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.seed)
+        texts, held = lorsa_texts(model, tokenizer, settings)
+        lorsa, fit = fit_lorsa(model, tokenizer, texts, layers=list(settings.layers),
+                               held_out=held, top_k=settings.top_k,
+                               per_qk_head=settings.per_qk_head, steps=settings.steps,
+                               lr=settings.lr, batch=settings.batch, length=settings.length,
+                               seed=settings.seed)
+    return lorsa, fit, len(held)
+
+
 def fit_lorsa_set(settings: LorsaFitSettings, *, out: str | Path | None = None,
                   refit: bool = False, model=None, tokenizer=None) -> LorsaFitReport:
     """Fit a Lorsa at each of ``settings.layers`` and save the set in ``out`` (default
@@ -140,14 +158,10 @@ def fit_lorsa_set(settings: LorsaFitSettings, *, out: str | Path | None = None,
         record = None if refit else output.record()
         if model is None:
             model, tokenizer = load_model(settings.model)
-        bound = bind(model)
-        beyond = [layer for layer in settings.layers if layer >= bound.n_layers]
-        if beyond:
-            raise InputError(f"layers {beyond}: the model has {bound.n_layers} layers "
-                             f"(0..{bound.n_layers - 1})")
+        plain = model.model if isinstance(model, BoundModel) else model
         asked = dict(asdict(settings), layers=list(settings.layers),
                      data=_data_identity(settings.data),
-                     model_fingerprint=model_fingerprint(bound.model))
+                     model_fingerprint=model_fingerprint(plain))
         if record is not None:
             recorded = record["settings"]
             differ = [f"{k} {recorded.get(k)!r} (asked {v!r})" for k, v in asked.items()
@@ -157,17 +171,10 @@ def fit_lorsa_set(settings: LorsaFitSettings, *, out: str | Path | None = None,
                                  "Pass --refit (refit=True) to replace it, or another out")
             return LorsaFitReport(path, True, record)
         start = time.perf_counter()
-        with measuring(bound.model), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(settings.seed)
-            texts, held = lorsa_texts(bound, tokenizer, settings)
-            lorsa, fit = fit_lorsa(bound, tokenizer, texts, layers=list(settings.layers),
-                                   held_out=held, top_k=settings.top_k,
-                                   per_qk_head=settings.per_qk_head, steps=settings.steps,
-                                   lr=settings.lr, batch=settings.batch, length=settings.length,
-                                   seed=settings.seed)
-        record = {"settings": asked, "fit": fit, "held_out": len(held),
+        lorsa, fit, n_held = _fit(model, tokenizer, settings)
+        record = {"settings": asked, "fit": fit, "held_out": n_held,
                   "seconds": round(time.perf_counter() - start, 1)}
-        name = model_name(bound.model) or None
+        name = model_name(plain) or None
 
         def write(tmp: Path) -> None:
             for layer, one in lorsa.layers.items():

@@ -5,9 +5,10 @@ scores (docs/attribution.md, "Attention features beside head loadings")."""
 from __future__ import annotations
 
 from ..attribution.lorsa_qk import trace_lorsa_qk
-from ..bound import bind
+from ..bound import BoundModel
 from ..errors import InputError
 from ..lorsa_fitting import LorsaFitSettings, fit_lorsa_set
+from ..model_guard import measured
 from ..transcoders.lorsa import LorsaSet, check_lorsa_fits, load_lorsa
 from .common import settings_of
 
@@ -44,10 +45,11 @@ def load_attention(args, device: str) -> LorsaSet | None:
     return load_lorsa(args.lorsa, device=device)
 
 
-def check_attention(model, lorsa: LorsaSet | None) -> None:
+@measured
+def check_attention(model: BoundModel, lorsa: LorsaSet | None) -> None:
     """A Lorsa of another model or of a layer the model lacks: refused before the graph."""
     if lorsa is not None:
-        check_lorsa_fits(bind(model), lorsa)
+        check_lorsa_fits(model, lorsa)
 
 
 def qk_tracing(args, model, transcoder, lorsa: LorsaSet | None, graph, pruned) -> list[dict]:
