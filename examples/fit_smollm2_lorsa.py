@@ -15,6 +15,8 @@ without the error term. Saves ``~/.cache/pyvene_causaltrace/lorsas/smollm2-135m-
 (one ``L<layer>`` directory per layer, each llamascopium's config.json +
 sae_weights.safetensors + lm_config.json) and ``examples/results/smollm2_lorsa_fit.json``; layers
 other than 2 5 8 get their own names (``...-k<k>-L23``, ``smollm2_lorsa_fit_L23.json``).
+The command line's ``pyvene-causaltrace fit-lorsa`` runs the same fit (``fit_lorsa``) with
+its own split of the model's text into training and held-out texts.
 """
 
 from __future__ import annotations

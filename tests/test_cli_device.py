@@ -38,7 +38,8 @@ def loads(monkeypatch):
         if hasattr(module, "load_transcoder"):
             monkeypatch.setattr(module, "load_transcoder", load_transcoder)
         monkeypatch.setattr(module, "load_model", load_model)
-    monkeypatch.setattr(evaluate, "AttributionGraph", SimpleNamespace(load=lambda path: None))
+    monkeypatch.setattr(evaluate, "AttributionGraph", SimpleNamespace(
+        load=lambda path: SimpleNamespace(lorsa_layers=[])))  # a graph without Lorsa nodes
     monkeypatch.setattr(fit, "fit_transcoder", lambda *a, **kw: (_ for _ in ()).throw(_Loaded))
     return calls
 

@@ -101,6 +101,8 @@ OTHER_SETTINGS = {
     ("cli/parser.py", "limit"): "clt-check --limit: held-out texts, not a dataset run's facts "
                                 "(whose default is None, all)",
     ("transcoders/formats/__init__.py", "limit"): "files named in an error message, not facts",
+    ("lorsa_fitting.py", "top_k"): "LorsaFitSettings.top_k, the OV heads a Lorsa keeps per "
+                                   "position, not steering's top tokens",
     ("dataset/graph_aggregate.py", "kinds"): "the trace kinds a graph aggregate is ranked "
                                              "against (none unless given), not a run's kinds",
 }

@@ -5,6 +5,8 @@
     pyvene-causaltrace dataset --data known_1000.json --limit 200 --out runs/known
     pyvene-causaltrace attribute --clt DIR --prompt "..." --answer " Paris" --out out/
     pyvene-causaltrace evaluate out/graph.safetensors --clt DIR --counterfactual "..."
+    pyvene-causaltrace fit-lorsa --layers 2,5,8 && pyvene-causaltrace attribute --clt DIR \
+        --lorsa ~/.cache/pyvene_causaltrace/lorsas/smollm2-135m-lorsa-k32 --qk-tracing --out out/
 
 A flag the command's mode does not read is refused (:mod:`.flags`). A user's mistake
 (:class:`~pyvene_causaltrace.errors.CausalTraceError`, or an ``OSError``) ends in one
@@ -35,6 +37,7 @@ COMMANDS = {
     "serve": ("serve", "serve_command"),
     "steer": ("steer", "steer_command"),
     "fit": ("fit", "fit_command"),
+    "fit-lorsa": ("lorsa", "fit_lorsa_command"),
 }
 
 

@@ -31,6 +31,7 @@ from ..transcoders import load_transcoder
 from ..transcoders.checks import check_pairing, replacement_anchor
 from .common import fact_default, number_or_name, out_dir, resolve_device, settings_of
 from .evaluate import faithfulness_settings, run_faithfulness
+from .lorsa import check_attention, load_attention, qk_tracing
 
 #: The attribution settings a spec may hold that are also flags: given both ways, refused.
 SPEC_KEYS = ("target", "other", "k", "node_threshold", "edge_threshold", "validate")
@@ -239,7 +240,9 @@ def attribute_command(args) -> int:
                                  **({"shard": (ranks.rank, ranks.world)} if sharded else {}))
     labels = None if request.labels is None else read_labels(
         request.labels, n_layers=transcoder.n_layers, n_features=transcoder.cfg.d_transcoder)
+    lorsa = load_attention(args, device)  # its files checked before the model loads
     model, tokenizer = load_model(request.model or OFFLINE_DEFAULT, device=device)
+    check_attention(model, lorsa)  # another model's Lorsa: refused before the graph
     tracer = None
     checking = request.cross_check
     if checking is not None:  # before the graph: a subject the tokens split is refused now
@@ -249,7 +252,8 @@ def attribute_command(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = out / ROWS_PARTIAL  # an interrupted run resumes; removed once all is written
     graph = attribute(model, tokenizer, transcoder, request.prompt, request.answer,
-                      settings=request.attribution, progress=True, checkpoint=checkpoint)
+                      settings=request.attribution, progress=True, checkpoint=checkpoint,
+                      attention=lorsa)
     if ranks is not None and not ranks.first:  # rank 0 writes every file
         distributed.finish()
         return 0
@@ -257,7 +261,8 @@ def attribute_command(args) -> int:
         if faith is not None:  # before graph.json, whose metadata carries the scores
             curve = run_faithfulness(args, faith, model, tokenizer, transcoder, graph, out)
             graph.metadata["faithfulness"] = curve.summary()
-        _write_outputs(args, request, graph, model, transcoder, tracer, labels, checkpoint)
+        _write_outputs(args, request, graph, model, transcoder, tracer, labels, checkpoint,
+                       lorsa)
     if ranks is not None:
         distributed.finish()
     return 0
@@ -289,7 +294,7 @@ def _many_command(args, request: AttributeRequest, device: str) -> int:
 
 
 def _write_outputs(args, request: AttributeRequest, graph, model, transcoder, tracer, labels,
-                   checkpoint: Path) -> None:
+                   checkpoint: Path, lorsa=None) -> None:
     """Print the graph's reading and write every output file (rank 0 of a distributed run)."""
     out, reading = args.out, request.reading
     if graph.metadata["rows_resumed"]:
@@ -317,6 +322,7 @@ def _write_outputs(args, request: AttributeRequest, graph, model, transcoder, tr
                                           progress=True)
         print(f"heads: {len(attention.links)} edges across positions split by head, "
               f"{len(attention.qk)} heads' QK terms")
+    traced = qk_tracing(args, model, transcoder, lorsa, graph, pruned)  # into graph.metadata
     # each file is written whole or not at all (atomic.replacing); a cross-check of an earlier
     # run is removed, not left beside this graph
     if tracer is None:
@@ -337,7 +343,8 @@ def _write_outputs(args, request: AttributeRequest, graph, model, transcoder, tr
                "pruned": {"nodes": pruned.n_nodes, "edges": pruned.n_edges},
                "distributed": graph.metadata.get("distributed"),
                "heads": None if attention is None else {
-                   "edges": len(attention.links), "qk": len(attention.qk)}}
+                   "edges": len(attention.links), "qk": len(attention.qk)},
+               "qk_tracing": len(traced) if args.qk_tracing else None}
     if request.validate:
         validate = request.validate
         result = ablation_test(model, transcoder, graph, sizes=tuple(validate.get("sizes", (5,))),

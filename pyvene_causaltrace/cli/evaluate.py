@@ -97,6 +97,11 @@ def evaluate_command(args) -> int:
     out = out_dir(args.out)
     device = resolve_device(args.device)
     graph = AttributionGraph.load(args.graph)
+    if graph.lorsa_layers:  # before anything loads (the API refuses it too, later)
+        curve = "budget curve" if args.budget else "faithfulness curve"
+        raise InputError(f"{args.graph}: the graph has Lorsa nodes (attribute --lorsa); the "
+                         f"{curve} ablates transcoder features in the model spliced with the "
+                         "transcoder alone and does not splice Lorsa yet")
     transcoder = load_transcoder(args.clt, format=args.format, device=device)
     model, tokenizer = load_model(args.model or OFFLINE_DEFAULT, device=device)
     run = run_budget_curve if args.budget else run_faithfulness

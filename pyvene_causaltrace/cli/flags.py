@@ -48,8 +48,8 @@ _ATTRIBUTE_COMMON = ("plugins model device clt format target other k max_n_logit
                      "desired_logit_prob bos_errors bos memory_mb max_feature_nodes dtype "
                      "deterministic out")
 _ATTRIBUTE_ONE = ("labels direction node_threshold edge_threshold max_links validate heads "
-                  "split cross_check subject seeds scale check_features check_window "
-                  "check_modes faithfulness " + FAITHFULNESS)
+                  "lorsa qk_tracing split cross_check subject seeds scale check_features "
+                  "check_window check_modes faithfulness " + FAITHFULNESS)
 _STEER_COMMON = "plugins model device clt format max_new_tokens memory_mb no_progress top_k out"
 
 #: command -> its modes, the first whose ``selects`` flag is given first (the default last).
@@ -77,12 +77,14 @@ MODES: dict[str, tuple[Mode, ...]] = {
               "--prompts p.jsonl --out o",
               "each line gives a prompt, its answer and target; each graph is saved as "
               "graph.safetensors and summary.json: no graph.json, pruning, labels, spec, "
-              "direction, validation, heads or cross-check"),
+              "direction, validation, heads, Lorsa or cross-check"),
         _mode("attribute --spec FILE", "spec", f"{_ATTRIBUTE_COMMON} {_ATTRIBUTE_ONE} spec",
               "--spec s.json --out o", "the spec gives the prompt and the answer"),
         _mode("attribute", None,
               f"{_ATTRIBUTE_COMMON} {_ATTRIBUTE_ONE} prompt answer", "--out o"),
     ),
+    "fit-lorsa": (_mode("fit-lorsa", None, "model layers top_k per_qk_head steps lr batch "
+                        "length texts data seed out refit", "--layers 1"),),
     "fit": (_mode("fit", None,
                   "model device quality kind features activation k steps lr data texts seed out "
                   "refit no_progress", ""),),
@@ -124,7 +126,8 @@ NEEDS: dict[str, dict[str, tuple[str, str]]] = {
                                   "check_modes")},
                   **{name: ("faithfulness", "add --faithfulness to measure the graph's "
                                             "faithfulness curve")
-                     for name in FAITHFULNESS.split()}},
+                     for name in FAITHFULNESS.split()},
+                  "qk_tracing": ("lorsa", "add --lorsa DIR: QK tracing reads Lorsa heads")},
 }
 
 #: command -> {flag: (a second flag it needs, what that flag does)}: read only beside both.
@@ -137,7 +140,11 @@ NEEDS_TOO: dict[str, dict[str, tuple[str, str]]] = {
 #: command -> {flag: (the flag that makes it moot, why)}.
 IGNORED_WITH: dict[str, dict[str, tuple[str, str]]] = {
     "attribute": {name: ("direction", "--direction explains a direction, not a logit target")
-                  for name in ("target", "k")},
+                  for name in ("target", "k")}
+    | {name: ("lorsa", "it ablates, patches or splits by head in the model spliced with the "
+                       "transcoder alone, and does not splice Lorsa yet; --qk-tracing explains "
+                       "the Lorsa heads' attention")
+       for name in ("validate", "cross_check", "faithfulness", "heads")},
 }
 
 

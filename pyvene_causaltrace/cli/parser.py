@@ -56,6 +56,7 @@ from ..defaults import (
     WINDOW,
 )
 from .common import DEVICE_CHOICES, EIFFEL, Device, trace_faithfulness_flags
+from .lorsa_parser import add_fit_lorsa, lorsa_attribute_flags
 
 # Every typed flag reads through the package's argument rules (arguments.flag): argparse then
 # names the flag in its one error: line, and a flag cannot take a value the API refuses.
@@ -352,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "features); rows keeps it whole on every rank and splits each batch "
                             "of rows (default features; docs/attribution.md, 'Beyond one "
                             "device')")
+    lorsa_attribute_flags(graph)
     check = graph.add_argument_group(
         "cross-check", "trace the same prompt and compare (cross_check.json, cross_check.png)")
     check.add_argument("--cross-check", action="store_true",
@@ -428,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "another refused)")
     fit.add_argument("--no-progress", action="store_true", help="no progress bars")
 
+    add_fit_lorsa(commands, _MODEL_HELP)
     steer = commands.add_parser(
         "steer", parents=[plugins],
         help="set transcoder features to values: top tokens against the clean run, and a "

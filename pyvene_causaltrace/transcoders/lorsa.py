@@ -52,6 +52,7 @@ from ..bound import BoundModel, bind
 from ..errors import InputError, TranscoderFormatError, TranscoderMismatchError
 from .formats.common import check_dtype, open_safetensors, read_json_object, read_tensors
 from .hooks import hook_site, hook_states
+from .lorsa_checks import check_lorsa_model
 from .lorsa_config import (
     HEAD_TENSORS,
     INPUT_HOOK,
@@ -425,7 +426,8 @@ def save_lorsa(lorsa: Lorsa, folder: str | Path, model_name: str | None = None) 
 
 def check_lorsa_fits(bound: BoundModel, lorsa: LorsaSet) -> None:
     """Refuse (:class:`~..errors.TranscoderMismatchError`, naming the file and field) a Lorsa
-    of another width or a layer the bound model does not have."""
+    of another width, model name or head width (:mod:`.lorsa_checks`), or a layer the bound
+    model does not have."""
     for layer, one in lorsa.layers.items():
         where = one.path.parent / "config.json" if one.path is not None else f"layer {layer}"
         if one.cfg.d_model != bound.d_model:
@@ -434,6 +436,7 @@ def check_lorsa_fits(bound: BoundModel, lorsa: LorsaSet) -> None:
         if layer >= bound.n_layers:
             raise TranscoderMismatchError(f"{where}: hook_point_in names layer {layer}; the "
                                           f"model has {bound.n_layers} layers")
+    check_lorsa_model(bound, lorsa)
     if bound.adapter.post_attn_norm is not None:
         raise TranscoderMismatchError("this model normalises its attention output before the "
                                       "residual add; Lorsa is read on models without one")

@@ -4,6 +4,7 @@ the OV heads (:func:`head_range`). The maths and the loader: :mod:`.lorsa`."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,17 @@ PEER_DEFAULTS = {"positional_embedding_type": "rotary", "rotary_base": 10000,
                  "top_k": 50}
 REQUIRED = ("sae_type", "d_model", "expansion_factor", "hook_point_in", "hook_point_out",
             "n_qk_heads", "d_qk_head", "rotary_dim", "n_ctx")
+#: The kind of value each field read here must hold (``None`` allowed where its default is).
+FIELD_KINDS = {**{key: "int" for key in ("d_model", "n_qk_heads", "d_qk_head", "rotary_dim",
+                                          "n_ctx", "top_k")},
+               **{key: "number" for key in ("expansion_factor", "rotary_base", "rotary_scale",
+                                            "eps", "attn_scale")},
+               **{key: "bool" for key in ("rotary_adjacent_pairs", "use_NTK_by_parts_rope",
+                                          "use_post_qk_ln", "use_decoder_bias",
+                                          "sparsity_include_decoder_norm")},
+               **{key: "str" for key in ("sae_type", "hook_point_in", "hook_point_out",
+                                         "act_fn", "positional_embedding_type",
+                                         "norm_activation")}}
 #: Where it reads and writes, as TransformerLens names them.
 INPUT_HOOK, OUTPUT_HOOK = "ln1.hook_normalized", "hook_attn_out"
 #: The tensors with one row per OV head: what a shard holds a slice of
@@ -51,6 +63,22 @@ def shard_arg(shard) -> tuple[int, int] | None:
     if shard is not None and (not isinstance(shard, tuple | list) or len(shard) != 2):
         raise InputError(f"shard must be (rank, world), got {shard!r}")
     return None if shard is None else (shard[0], shard[1])
+
+
+def _check_kinds(cfg: dict, where: Path) -> None:
+    """Refuse a field of the wrong kind (a string where a number belongs), naming it."""
+    for key, kind in FIELD_KINDS.items():
+        value = cfg.get(key)
+        if value is None and PEER_DEFAULTS.get(key, 0) is None:
+            continue
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+              "number": number and math.isfinite(value),
+              "bool": isinstance(value, bool), "str": isinstance(value, str)}[kind]
+        if not ok:
+            what = {"int": "a whole number", "number": "a finite number", "bool": "true or false",
+                    "str": "a string"}[kind]
+            raise TranscoderFormatError(f"{where}: field {key} must be {what}, got {value!r}")
 
 
 def _layer_of(hook: str, where: Path, name: str) -> int:
@@ -114,6 +142,11 @@ class LorsaConfig:
         if raw["sae_type"] != "lorsa":
             raise TranscoderFormatError(f"{where}: sae_type is {raw['sae_type']!r}, not 'lorsa'")
         cfg = {**PEER_DEFAULTS, **raw}
+        _check_kinds(cfg, where)
+        n_ov = cfg["d_model"] * cfg["expansion_factor"]
+        if n_ov != int(n_ov):
+            raise TranscoderFormatError(f"{where}: d_model x expansion_factor ({n_ov:g}) is the "
+                                        "number of OV heads: it must be a whole number")
         refusals = {"positional_embedding_type": ("rotary", "none"), "rotary_scale": (1,),
                     "use_NTK_by_parts_rope": (False,), "norm_activation": ("dataset-wise",
                                                                            "inference")}
