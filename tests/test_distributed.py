@@ -440,6 +440,20 @@ def test_the_command_line_under_torchrun(tmp_path, tokenizer):
                     MANY[1]["answer"])
     assert_same_graph(one, AttributionGraph.load(out / "graph.safetensors"))
     assert not (out / "rows.partial").exists()
+    # --lorsa beside --split features: each rank holds its OV heads; the one process's graph
+    folder = _case_dir(tmp_path, tokenizer, "llama", "lorsa")
+    done = subprocess.run([*launch[:-4], "--model", str(folder / "model"), "--clt",
+                           str(folder / "transcoder"), "--lorsa", str(folder / "lorsa"),
+                           "--prompt", MANY[1]["prompt"], "--answer", MANY[1]["answer"],
+                           "--out", str(tmp_path / "lorsa")],
+                          env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
+    one = attribute(model, AutoTokenizer.from_pretrained(folder / "model"),
+                    load_transcoder(str(folder / "transcoder")), MANY[1]["prompt"],
+                    MANY[1]["answer"], attention=load_lorsa(folder / "lorsa"))
+    assert one.first_lorsa_node < one.n_features  # Lorsa heads among the nodes
+    assert_same_graph(one, AttributionGraph.load(tmp_path / "lorsa" / "graph.safetensors"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in MANY))
     # --prompt and --answer are refused beside --prompts (each line gives its own)

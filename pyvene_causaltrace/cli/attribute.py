@@ -231,16 +231,15 @@ def attribute_command(args) -> int:
     sharded = ranks is not None and args.split == "features"
     faith = faithfulness_settings(args) if args.faithfulness else None
     if sharded and (request.validate or request.cross_check is not None or args.heads
-                    or faith is not None):
-        raise InputError("--validate, --cross-check, --heads and --faithfulness run the whole "
-                         "transcoder: with "
-                         "more than one rank pass --split rows (the transcoder whole on "
-                         "every rank)")
+                    or faith is not None or getattr(args, "qk_tracing", False)):
+        raise InputError("--validate, --cross-check, --heads, --faithfulness and --qk-tracing "
+                         "run the whole transcoder and Lorsa: with more than one rank pass "
+                         "--split rows (both whole on every rank)")
     transcoder = load_transcoder(request.transcoder, format=request.format, device=device,
                                  **({"shard": (ranks.rank, ranks.world)} if sharded else {}))
     labels = None if request.labels is None else read_labels(
         request.labels, n_layers=transcoder.n_layers, n_features=transcoder.cfg.d_transcoder)
-    lorsa = load_attention(args, device)  # its files checked before the model loads
+    lorsa = load_attention(args, device, (ranks.rank, ranks.world) if sharded else None)
     model, tokenizer = load_model(request.model or OFFLINE_DEFAULT, device=device)
     check_attention(model, lorsa)  # another model's Lorsa: refused before the graph
     tracer = None

@@ -37,12 +37,13 @@ def fit_lorsa_command(args) -> int:
     return 0
 
 
-def load_attention(args, device: str) -> LorsaSet | None:
+def load_attention(args, device: str, shard: tuple[int, int] | None = None) -> LorsaSet | None:
     """``--lorsa DIR`` read and checked (its files now, before the model loads; a damaged one
-    is refused naming the file and the field), or None without it."""
+    is refused naming the file and the field), or None without it; ``shard``: this rank's OV
+    heads, beside a transcoder sharded by feature (``--split features``)."""
     if args.lorsa is None:
         return None
-    return load_lorsa(args.lorsa, device=device)
+    return load_lorsa(args.lorsa, device=device, shard=shard)
 
 
 @measured
