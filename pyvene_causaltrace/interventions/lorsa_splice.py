@@ -79,17 +79,10 @@ class LorsaSplice(SpliceIntervention):
                session: str | None = None, error_from: str | None = None,
                heads_off: list[int] | None = None, leaves: bool = False) -> None:
         source = source if source is not None else self._source_of()
-        if role not in ("encode", "decode"):
-            raise InputError(f"role must be 'encode' or 'decode', got {role!r}")
-        if from_position < 0:
-            raise InputError(f"from_position must be >= 0, got {from_position}")
-        if error is not None and (add_error or role != "decode"):
-            raise InputError("a fixed error goes on a decoder, instead of add_error")
+        self._check_roles(role, from_position, error, add_error, error_from)
         if leaves and (error is not None or add_error or heads_off):
             raise InputError("a leaf-mode Lorsa splice keeps its error as a leaf: no error, "
                              "add_error or heads_off with it")
-        if error_from not in (None, "clean"):
-            raise InputError(f"error_from must be None or 'clean', got {error_from!r}")
         self._set_tensor("error", error)
         self._config = {"role": role, "lorsa_layer": int(lorsa_layer),
                         "from_position": int(from_position), "add_error": bool(add_error),
@@ -134,12 +127,6 @@ class LorsaSplice(SpliceIntervention):
             "heads_off": {"type": "array", "items": {"type": "integer", "minimum": 0},
                           "uniqueItems": True,
                           "description": "OV heads zeroed at every spliced layer."}}}
-
-    @classmethod
-    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
-        if "error" in entry and entry.get("add_error"):
-            raise SpecError(f"{path}.error", "add_error makes the forward the original one; "
-                                             "error replaces it: give one of them")
 
     @classmethod
     def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, SpecError
 from ..pyvene_boundary.calls import announced_call
 from ..transcoders.formats import load_transcoder
 from .base import CausalTraceIntervention
@@ -150,3 +150,23 @@ class SpliceIntervention(CausalTraceIntervention):
 
     def _source_of(self) -> str | None:
         return self._clt_object.source if self._clt_object is not None else None
+
+    @staticmethod
+    def _check_roles(role: str, from_position: int, error: torch.Tensor | None,
+                     add_error: bool, error_from: str | None) -> None:
+        """The settings every splice's ``_setup`` checks alike."""
+        if role not in ("encode", "decode"):
+            raise InputError(f"role must be 'encode' or 'decode', got {role!r}")
+        if from_position < 0:
+            raise InputError(f"from_position must be >= 0, got {from_position}")
+        if error is not None and (add_error or role != "decode"):
+            raise InputError("a fixed error goes on a decoder, instead of add_error")
+        if error_from not in (None, "clean"):
+            raise InputError(f"error_from must be None or 'clean', got {error_from!r}")
+
+    @classmethod
+    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
+        if "error" in entry and entry.get("add_error"):
+            raise SpecError(f"{path}.error", "add_error makes the forward the original one "
+                                             "whatever the features; error replaces it: give "
+                                             "one of them")
