@@ -123,10 +123,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
                             OUTPUT_HOOK, CROSS_LAYER, DTYPE_NAMES[disk_dtype], "joint_topk",
                             n_layers * meta["k"], False, scan)
     zeros = torch.zeros(n_layers, hi - lo)
-    clt = Transcoder(cfg, b_enc=zeros, threshold=None, b_dec=torch.zeros(n_layers, d_model),
-                     W_enc=W_enc, W_dec=W_dec, score_weight=score if features is None
-                     else score.clone(), dtype=dtype, device=device, source=str(root),
-                     features=features)
-    if lazy_decoder:
-        clt._handles = handles
-    return clt
+    return Transcoder(cfg, b_enc=zeros, threshold=None, b_dec=torch.zeros(n_layers, d_model),
+                      W_enc=W_enc, W_dec=W_dec, score_weight=score if features is None
+                      else score.clone(), dtype=dtype, device=device, source=str(root),
+                      features=features, handles=handles)

@@ -368,15 +368,13 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
         W_dec = [check_weight(w, *layer.handles[0].origin) if layer.handles else w
                  for w, layer in zip(W_dec, layers, strict=True)]
         W_dec = [w.to(device, dtype).clone() for w in W_dec]
-    transcoder = Transcoder(
+    return Transcoder(
         cfg, b_enc=torch.stack([layer.b_enc.to(dtype) for layer in layers]), threshold=thresholds,
         b_dec=torch.stack([layer.b_dec.to(dtype) for layer in layers]),
         W_enc=torch.stack([layer.W_enc.to(dtype) for layer in layers]), W_dec=W_dec,
         W_skip=[layer.W_skip for layer in layers] if has_skip else None,
-        dtype=dtype, device=device, source=source, features=features)
-    if mapped:  # one map per layer, in layer order (decoder_rows names its file)
-        transcoder._handles = [layer.handles[0] for layer in layers]
-    return transcoder
+        dtype=dtype, device=device, source=source, features=features,
+        handles=[layer.handles[0] for layer in layers] if mapped else None)
 
 
 def read_yaml_mapping(path: Path, what: str = "a mapping") -> dict:

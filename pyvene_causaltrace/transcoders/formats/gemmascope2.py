@@ -273,14 +273,11 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
                             d_model, width, input_hook, output_hook, CROSS_LAYER,
                             DTYPE_NAMES.get(disk_dtype, disk_dtype), "jumprelu", None, skip,
                             scan)
-    clt = Transcoder(
+    return Transcoder(
         cfg, b_enc=torch.stack([t["b_enc"].to(dtype) for t in tensors]),
         threshold=torch.stack([t["threshold"].to(dtype).clamp(min=0) for t in tensors]),
         b_dec=torch.stack([t["b_dec"].to(dtype) for t in tensors]),
         W_enc=torch.stack([t["w_enc"].to(dtype).T for t in tensors]), W_dec=W_dec,
         W_skip=[t[SKIP].to(dtype).T for t in tensors] if skip else None,
         dtype=dtype, device=device, source=str(source if root is None else root),
-        features=features)
-    if lazy_decoder:
-        clt._handles = handles
-    return clt
+        features=features, handles=handles)

@@ -145,13 +145,10 @@ def load_from_disk(
         W_dec, maps = read_decoders(
             [(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}") for layer in range(L)],
             features, lazy_decoder=lazy_decoder, device=device, dtype=dtype)
-    clt = Transcoder(
+    return Transcoder(
         cfg, b_enc=b_enc, threshold=threshold, b_dec=b_dec, W_enc=W_enc, W_dec=W_dec,
         encoder_loader=EncoderFiles(root, features), dtype=dtype, device=device,
-        source=str(root), features=features)
-    if lazy_decoder:  # one map per layer; rows are checked as they are read
-        clt._handles = maps
-    return clt
+        source=str(root), features=features, handles=maps)
 
 
 @checked
