@@ -94,6 +94,18 @@ def named_layers(found: dict[int, Path], limit: int | None = None,
     return found
 
 
+def encoder_layers(root: Path, limit: int | None = None, source: str = "") -> int:
+    """How many layers' ``W_enc_{l}.safetensors`` (mntss's and ByteDance's encoders) ``root``
+    holds, once they are layers 0..L-1 (``limit``, ``source``: :func:`named_layers`')."""
+    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
+                                  for p in root.glob("W_enc_*.safetensors")
+                                  if p.stem.removeprefix("W_enc_").isdecimal()}, limit, source))
+    if not layers or layers != list(range(len(layers))):
+        raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "
+                                    "W_enc_0 .. W_enc_<L-1>")
+    return len(layers)
+
+
 def in_layer_order(found: dict, what: str) -> list:
     """``found``'s values (``{layer: item}``) in layer order once its layers are 0..L-1; else a
     :class:`TranscoderFormatError`: ``what`` (the folder and the files it lacks) "for layer(s)"

@@ -22,8 +22,8 @@ from .common import (
     TranscoderFormatError,
     check_dtype,
     check_weight,
+    encoder_layers,
     hub_snapshot,
-    named_layers,
     open_safetensors,
     read_decoders,
     read_features,
@@ -55,12 +55,7 @@ def read_config(path: str | Path) -> TranscoderConfig:
     if meta["model_kind"] != CROSS_LAYER:
         raise TranscoderFormatError(f"{config_file}: model_kind is {meta['model_kind']!r}, "
                              f"expected {CROSS_LAYER!r}")
-    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
-                                  for p in root.glob("W_enc_*.safetensors")
-                                  if p.stem.removeprefix("W_enc_").isdecimal()}))
-    if not layers or layers != list(range(len(layers))):
-        raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected 0..L-1")
-    n_layers = len(layers)
+    n_layers = encoder_layers(root)
     d_transcoder = d_model = disk_dtype = thresholds = None
     for layer in range(n_layers):
         enc = open_safetensors(root / f"W_enc_{layer}.safetensors")
