@@ -40,11 +40,9 @@ def seed_count(seeds: int | Sequence[int]) -> int:
     """How many seeds ``seeds`` names (a count is not expanded into a list: ``10**8`` seeds
     would fill memory); a list is checked by
     :func:`~pyvene_causaltrace.interventions.noise.seed_list` (distinct integers)."""
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
-        if seeds <= 0:
-            raise InputError(f"seeds must be a positive count or a non-empty list, got {seeds}")
+    if isinstance(seeds, int) and not isinstance(seeds, bool) and seeds > 0:
         return seeds
-    return len(seed_list(seeds))
+    return len(seed_list(seeds))  # refuses a count below 1 as it refuses a bad list
 
 
 @dataclass(frozen=True)
