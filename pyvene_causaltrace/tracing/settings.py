@@ -116,8 +116,8 @@ class TraceFaithfulnessSettings(Settings):
             raise InputError(f"sizes must be percentages in (0, 100], got {list(sizes)}")
         if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
             raise InputError(f"sizes must increase, got {list(sizes)}")
-        if any(isinstance(k, bool) or not isinstance(k, Integral) or k <= 0 for k in top) or \
-                any(b <= a for a, b in zip(top, top[1:], strict=False)):
+        # (their items' types: checked, NumPy integers made int, by super().__post_init__)
+        if any(k <= 0 for k in top) or any(b <= a for a, b in zip(top, top[1:], strict=False)):
             raise InputError(f"top must be increasing positive cell counts, got {list(top)}")
         object.__setattr__(self, "sizes", tuple(float(s) for s in sizes))
-        object.__setattr__(self, "top", tuple(int(k) for k in top))
+        object.__setattr__(self, "top", top)
