@@ -357,8 +357,9 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
     gone = ((clean - nec.view(grid).mean(-1)) / mean_total)[:, at]
     area = [i for i, a in enumerate(in_area) if a]
     fractions = [round(size / 100, 12) for size in s.sizes]
-    suff_areas = [mib_areas(fractions, curve[area].tolist()) for curve in f]
-    nec_areas = [mib_areas(fractions, curve[area].tolist()) for curve in gone]
+    # (CPR, CMD) of each ranking's curve: the trace's first, then the random ones
+    (cpr, cmd), *suff_areas = [mib_areas(fractions, curve[area].tolist()) for curve in f]
+    (nec_cpr, nec_cmd), *nec_areas = [mib_areas(fractions, curve[area].tolist()) for curve in gone]
     return TraceFaithfulness(
         kind=result.kind, window=result.window, answer=result.answer,
         tokens=list(result.tokens), subject_range=tuple(result.subject_range),
@@ -369,10 +370,9 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
         sufficiency=f[0].tolist(), necessity=gone[0].tolist(),
         sufficiency_per_seed=recovered[0].tolist(), necessity_per_seed=lost[0].tolist(),
         random_sufficiency=f[1:].tolist(), random_necessity=gone[1:].tolist(),
-        cpr=suff_areas[0][0], cmd=suff_areas[0][1], necessity_cpr=nec_areas[0][0],
-        necessity_cmd=nec_areas[0][1], random_cpr=[a[0] for a in suff_areas[1:]],
-        random_cmd=[a[1] for a in suff_areas[1:]],
-        random_necessity_cpr=[a[0] for a in nec_areas[1:]],
-        random_necessity_cmd=[a[1] for a in nec_areas[1:]],
+        cpr=cpr, cmd=cmd, necessity_cpr=nec_cpr, necessity_cmd=nec_cmd,
+        random_cpr=[a[0] for a in suff_areas], random_cmd=[a[1] for a in suff_areas],
+        random_necessity_cpr=[a[0] for a in nec_areas],
+        random_necessity_cmd=[a[1] for a in nec_areas],
         forwards=forwards, rows=2 * len(engine.seeds) * circuits.shape[0] * circuits.shape[1],
         seconds=time.perf_counter() - started)
