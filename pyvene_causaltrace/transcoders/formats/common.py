@@ -140,6 +140,16 @@ def refuse_shard(transcoder: Transcoder) -> None:
                          f"{transcoder.cfg.d_transcoder} per layer); write the whole one")
 
 
+def check_shapes(where: object, shapes: dict, want: dict, what: str) -> None:
+    """Refuse, naming ``where``, tensors whose shapes (``shapes``) are not ``want``'s or that
+    ``want`` does not name: they disagree with ``what``."""
+    wrong = {name: shapes.get(name) for name in [*want, *shapes]
+             if shapes.get(name) != want.get(name)}
+    if wrong:
+        raise TranscoderFormatError(f"{where}: shapes {wrong} disagree with {what} (expected "
+                                    f"{want})")
+
+
 def check_dtype(dtype: torch.dtype) -> None:
     if dtype not in FLOAT_DTYPES:
         raise InputError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
@@ -352,12 +362,9 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
             want["threshold"] = (width,)
         if layer.W_skip is not None:
             want["W_skip"] = (d_model, d_model)
-        got = {name: tuple(getattr(layer, name).shape) for name in want}
-        if got != want:
-            wrong = {name: got[name] for name in want if got[name] != want[name]}
-            raise TranscoderFormatError(
-                f"{layer.origin} (layer {index}): shapes {wrong} disagree with layer 0 "
-                f"(d_transcoder {width}, d_model {d_model}; expected {want})")
+        check_shapes(f"{layer.origin} (layer {index})",
+                     {name: tuple(getattr(layer, name).shape) for name in want}, want,
+                     f"layer 0 (d_transcoder {width}, d_model {d_model})")
         if (layer.W_skip is not None) != has_skip:
             raise TranscoderFormatError(f"{layer.origin} (layer {index}): W_skip "
                                         f"{'present' if layer.W_skip is not None else 'missing'}"

@@ -21,6 +21,7 @@ from .common import (
     DTYPE_NAMES,
     TranscoderFormatError,
     check_dtype,
+    check_shapes,
     check_weight,
     encoder_layers,
     hub_snapshot,
@@ -73,22 +74,16 @@ def read_config(path: str | Path) -> TranscoderConfig:
         want = {f"W_enc_{layer}": (d_transcoder, d_model), f"b_enc_{layer}": (d_transcoder,),
                 f"b_dec_{layer}": (d_model,)} \
             | ({f"threshold_{layer}": (d_transcoder,)} if thresholds else {})
-        _check_shapes(f"W_enc_{layer}.safetensors", shapes, want)
+        check_shapes(f"W_enc_{layer}.safetensors", shapes, want, "the other layers")
         dec = open_safetensors(root / f"W_dec_{layer}.safetensors")
-        _check_shapes(f"W_dec_{layer}.safetensors", shapes_of(dec),
-                      {f"W_dec_{layer}": (d_transcoder, n_layers - layer, d_model)})
+        check_shapes(f"W_dec_{layer}.safetensors", shapes_of(dec),
+                     {f"W_dec_{layer}": (d_transcoder, n_layers - layer, d_model)},
+                     "the other layers")
     return transcoder_config(config_file, meta["model_name"], n_layers, d_model, d_transcoder,
                              meta["feature_input_hook"], meta["feature_output_hook"],
                              CROSS_LAYER, DTYPE_NAMES.get(disk_dtype, disk_dtype),
                              activation="jumprelu" if thresholds else "relu",
                              scan=meta.get("scan"))
-
-
-def _check_shapes(name: str, shapes: dict, want: dict) -> None:
-    if shapes != want:
-        wrong = {k: shapes.get(k) for k in want if shapes.get(k) != want[k]}
-        raise TranscoderFormatError(f"{name}: shapes {wrong} disagree with the other layers "
-                             f"(expected {want})")
 
 
 class EncoderFiles:
