@@ -72,6 +72,7 @@ class LorsaSplice(SpliceIntervention):
     registered_name = "lorsa_splice"
     tensor_fields = ("error",)
     spec_unique = True
+    _holds, _load = "a Lorsa", staticmethod(load_lorsa)  # the clt property reads it by path
 
     def _setup(self, role: str, lorsa_layer: int, from_position: int = 1,
                add_error: bool = False, reset: bool = False, source: str | None = None,
@@ -91,20 +92,6 @@ class LorsaSplice(SpliceIntervention):
                         "session": self._session_id(session, source), "error_from": error_from,
                         "heads_off": sorted(int(h) for h in heads_off or []),
                         "leaves": bool(leaves)}
-
-    @property
-    def clt(self) -> LorsaSet:
-        """The Lorsa set given, else the one at the configured path, read once per session."""
-        if self._clt_object is not None:
-            return self._clt_object
-        source = self._config.get("source")
-        if source is None:
-            raise InputError("lorsa_splice needs a Lorsa (an object, or the path it was "
-                             "loaded from)")
-        found = self.session.transcoders.get(source)
-        if found is None:
-            found = self.session.transcoders[source] = load_lorsa(source)
-        return found
 
     # -- spec entry ------------------------------------------------------------------------
     @classmethod
