@@ -287,14 +287,6 @@ def _forwards(engine: TraceEngine, kind: TraceKind, masks: torch.Tensor, seed: t
     return out, forwards
 
 
-def _points(s: TraceFaithfulnessSettings, n_cells: int) -> tuple[list[int], list[bool]]:
-    """Each point's ``k`` and whether it is a ``sizes`` point: the sizes' in order, then the
-    ``top`` counts not above ``n_cells``."""
-    counts = [int(round(size / 100, 12) * n_cells) for size in s.sizes]
-    extra = [k for k in s.top if k <= n_cells]
-    return counts + extra, [True] * len(counts) + [False] * len(extra)
-
-
 def _check(tracer: Tracer, result: TraceResult) -> TraceKind:
     if result.kind not in FAITHFUL_KINDS:
         raise InputError(f"result: a {result.kind} trace holds a sublayer at every layer; "
@@ -326,7 +318,11 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
         candidates = candidates[torch.isin(candidates % engine.seq_len,
                                            torch.tensor(engine.noise_positions))]
     n_cells = len(candidates)
-    counts, in_area = _points(s, n_cells)
+    # each point's k: the sizes' (the area points), then the top counts not above n_cells
+    fractions = [round(size / 100, 12) for size in s.sizes]
+    extra = [k for k in s.top if k <= n_cells]
+    counts = [int(fraction * n_cells) for fraction in fractions] + extra
+    in_area = [True] * len(fractions) + [False] * len(extra)
     ie = torch.as_tensor(result.grid("ie")).reshape(-1)[candidates]
     order = candidates[(-ie).argsort(stable=True)]
     g = torch.Generator().manual_seed(s.seed)
@@ -355,8 +351,7 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
     mean_total = float(total.mean())
     f = ((suff.view(grid).mean(-1) - corrupt.mean()) / mean_total)[:, at]  # [rankings, points]
     gone = ((clean - nec.view(grid).mean(-1)) / mean_total)[:, at]
-    area = [i for i, a in enumerate(in_area) if a]
-    fractions = [round(size / 100, 12) for size in s.sizes]
+    area = slice(len(fractions))  # the area points come first
     # (CPR, CMD) of each ranking's curve: the trace's first, then the random ones
     (cpr, cmd), *suff_areas = [mib_areas(fractions, curve[area].tolist()) for curve in f]
     (nec_cpr, nec_cmd), *nec_areas = [mib_areas(fractions, curve[area].tolist()) for curve in gone]
