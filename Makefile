@@ -85,8 +85,9 @@ $(VENV_PEER)/.installed: pyproject.toml
 # The Lorsa peer (issue 56): llamascopium, OpenMOSS's attribution through Lorsa and transcoders,
 # in an environment of its own (it needs torch >= 2.11, transformer-lens >= 2.16.2 and a heavy
 # stack: datasets, wandb, pymongo, openai). Torch goes in first from TORCH_SPEC (the CPU build);
-# llamascopium's `torch>=2.11` is then already met and pip pulls no CUDA torch. Not part of
-# `make test-peer` or CI yet: tests_peer/lorsa_peer_dump.py runs in it (tests_peer/test_lorsa_peer.py).
+# llamascopium's `torch>=2.11` is then already met and pip pulls no CUDA torch.
+# tests_peer/lorsa_peer_dump.py runs in it (a subprocess of `make test-peer`, which builds it):
+# llamascopium's graph, which tests_peer/test_lorsa_peer_equality.py compares with ours.
 PEER_LLAMASCOPIUM ?= 2.0.0b34
 PEER_LORSA_TRANSFORMER_LENS ?= 3.2.1
 PEER_LORSA_TRANSFORMERS ?= 4.57.3
@@ -120,8 +121,11 @@ test-oldest: $(VENV_OLDEST)/.installed
 	$(VENV_OLDEST)/bin/python -m pytest $(XDIST) -m "($(DEFAULT_TIER)) and not real_model" \
 		--ignore=tests/test_distributed.py $(PYTEST_FLAGS) $(ARGS)
 
-test-peer: $(VENV_PEER)/.installed
-	$(VENV_PEER)/bin/python -m pytest -q tests_peer $(ARGS)
+# circuit-tracer's graphs in .venv-peer, llamascopium's (Lorsa) made in .venv-lorsa-peer: both
+# built here, and a missing Lorsa peer fails rather than skips (PVCT_LORSA_PEER_REQUIRED)
+test-peer: $(VENV_PEER)/.installed $(VENV_LORSA_PEER)/.installed
+	PVCT_LORSA_PEER_VENV=$(abspath $(VENV_LORSA_PEER)) PVCT_LORSA_PEER_REQUIRED=1 \
+		$(VENV_PEER)/bin/python -m pytest -q tests_peer $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check pyvene_causaltrace tests tests_peer benchmarks examples tools

@@ -4,9 +4,13 @@ the first transcoder (``make attribute``) and the quick Lorsa fit
 ``attribute(..., attention=lorsa)``, the kinds' direct effects, the top Lorsa heads, QK tracing of
 the kept Lorsa nodes, and the graph JSON (``out/lorsa_graph.json``).
 
-    python examples/smollm2_lorsa_graph.py
+    python examples/smollm2_lorsa_graph.py                 # the layers 2, 5, 8 fit
+    python examples/smollm2_lorsa_graph.py ~/.cache/pyvene_causaltrace/lorsas/smollm2-135m-lorsa-k32-L23
+
+The layer-23 Lorsa's graph, written out and read for one head: examples/smollm2_lorsa_role.py.
 """
 # ruff: noqa: E501, E702
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from pyvene_causaltrace.transcoders.lorsa import load_lorsa
 
 model, tok = load_model("smollm2-135m")
 clt = load_transcoder("~/.cache/pyvene_causaltrace/transcoders/smollm2-135m-skip-plt-256-top16")
-lorsa = load_lorsa("~/.cache/pyvene_causaltrace/lorsas/smollm2-135m-lorsa-k32")
+lorsa = load_lorsa(sys.argv[1] if len(sys.argv) > 1 else "~/.cache/pyvene_causaltrace/lorsas/smollm2-135m-lorsa-k32")
 t = time.perf_counter()
 g = attribute(model, tok, clt, "The Eiffel Tower is in the city of", " Paris", attention=lorsa, max_feature_nodes=400)
 sec = time.perf_counter() - t

@@ -89,13 +89,8 @@ class Pattern:
         return re.fullmatch(self.regex, value) is not None
 
 
-class _NonBlank:
-    def __repr__(self) -> str:
-        return "NONBLANK"
-
-
 #: A string constraint: not empty and not only whitespace.
-NONBLANK = _NonBlank()
+NONBLANK = Pattern(r"(?s).*\S.*", "not blank")
 
 PositiveInt = Annotated[int, Range(1)]
 NonNegativeInt = Annotated[int, Range(0)]
@@ -229,17 +224,13 @@ def _union(members: list[_Check]) -> _Check:
 
 def _constrained(base: _Check, constraints: list[object]) -> _Check:
     ranges = [c for c in constraints if isinstance(c, Range | Pattern)]
-    nonblank = any(c is NONBLANK for c in constraints)
 
     def run(value):
         value = base.run(value)
         if any(not r.admits(value) for r in ranges):
             raise _Refused
-        if nonblank and not value.strip():
-            raise _Refused
         return value
-    words = [r.expected if isinstance(r, Pattern) else str(r) for r in ranges] \
-        + (["not blank"] if nonblank else [])
+    words = [r.expected if isinstance(r, Pattern) else str(r) for r in ranges]
     return _Check(run, f"{base.expected}, {' and '.join(words)}" if words else base.expected)
 
 

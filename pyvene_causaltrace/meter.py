@@ -93,14 +93,12 @@ def _phases(times: list[int], live: list[int], ranges: list[tuple[int, int, str]
     """Per range name: its repeats, the live bytes at its start, its peak and its rise."""
     out: dict[str, Phase] = {}
     for begin, end, name in ranges:
-        first = bisect.bisect_left(times, begin)
-        last = bisect.bisect_right(times, end)
-        start = live[first - 1] if first > 0 else 0
-        peak = max(live[first:last], default=start)
+        first, last = bisect.bisect_left(times, begin), bisect.bisect_right(times, end)
+        start, window = (live[first - 1] if first else 0), live[first:last]
+        phase = Phase(1, start, max(window, default=start), max(0, max(window, default=0) - start))
         seen = out.get(name)
-        count = 1 if seen is None else seen.count + 1
         if seen is not None:
-            start, peak = max(start, seen.start), max(peak, seen.peak)
-        rise = max(0, max(live[first:last], default=0) - (live[first - 1] if first else 0))
-        out[name] = Phase(count, start, peak, max(rise, 0 if seen is None else seen.transient))
+            phase = Phase(seen.count + 1, max(phase.start, seen.start),
+                          max(phase.peak, seen.peak), max(phase.transient, seen.transient))
+        out[name] = phase
     return out

@@ -124,11 +124,11 @@ def _describe_one(key: str, made: nn.Module, representation: Any) -> dict[str, A
                       "function holds no state a spec can carry)")
     if made._forward_hooks or made._forward_pre_hooks:
         raise _refuse(f"{key}: the intervention has forward hooks of its own")
-    entry: dict[str, Any] = {"class": _class_path(key, made)}
+    head: dict[str, Any] = {"class": _class_path(key, made)}  # then "init", then the state
     for name in REPRESENTATION_FIELDS:
         value = getattr(representation, name, None)
         if value is not None:
-            entry[name] = _as_json(key, f"its representation's {name}", value)
+            head[name] = _as_json(key, f"its representation's {name}", value)
     ours = _registered_name(made) is not None
     settings: dict[str, Any] = {}
     tensor_attributes: dict[str, Any] = {}
@@ -140,28 +140,25 @@ def _describe_one(key: str, made: nn.Module, representation: Any) -> dict[str, A
         else:
             settings[name] = _as_json(key, f"attribute {name!r}", value)
     settings["training"] = made.training
-    entry["settings"] = settings
-    entry["tensors"] = {name: _encode(key, f"state {name!r}", tensor)
-                        for name, tensor in made.state_dict().items()}
-    if tensor_attributes:
-        entry["tensor_attributes"] = tensor_attributes
+    state = {"settings": settings,
+             "tensors": {name: _encode(key, f"state {name!r}", tensor)
+                         for name, tensor in made.state_dict().items()},
+             **({"tensor_attributes": tensor_attributes} if tensor_attributes else {})}
     # rebuild it from the entry; write the entry only if that gives the same module back
     reasons = []
     for init in _init_candidates(made, representation):
-        trial = {**entry, **({"init": init} if init else {})}
+        trial = {**head, **({"init": init} if init else {}), **state}
         try:
-            rebuilt = _build(trial, f"{key}", None)
+            rebuilt = _build(trial, key, None)
         except (SpecError, TypeError, ValueError, RuntimeError, AttributeError, KeyError
                 ) as error:
             reasons.append(f"rebuilding it with {init or 'no arguments'} failed: {error}")
             continue
         difference = _difference(made, rebuilt, ours)
         if difference is None:
-            order = ["class", *REPRESENTATION_FIELDS, "init", "settings", "tensors",
-                     "tensor_attributes"]
-            return {name: trial[name] for name in order if name in trial}
+            return trial
         reasons.append(difference)
-    raise _refuse(f"{key}: {entry['class']} cannot be rebuilt from what a spec holds "
+    raise _refuse(f"{key}: {head['class']} cannot be rebuilt from what a spec holds "
                   f"(its class, constructor keywords, JSON attributes and tensors): "
                   f"{reasons[-1]}")
 

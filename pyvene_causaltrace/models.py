@@ -57,6 +57,7 @@ SITES: dict[str, tuple[str, str]] = {
     "final_norm": ("final_norm", "output"),
 }
 _MODEL_PARTS = ("embed", "position_embed", "final_norm", "unembed")  # the parts without layers
+_BLOCK_PARTS = ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm", "post_attn_norm", "post_mlp_norm")
 
 
 @dataclass(frozen=True)
@@ -111,26 +112,21 @@ class ArchAdapter:
         block parts."""
         if part == "mlp_contribution":
             part = "post_mlp_norm" if self.post_mlp_norm else "mlp"
+        if part in ("q_norm", "k_norm"):
+            path = self.qk_norms and f"{self.attn}.{self.qk_norms[part == 'k_norm']}"
+        elif part in ("block", "attn_out"):
+            path = "" if part == "block" else f"{self.attn}.{self.attn_out}"
+        elif part in _MODEL_PARTS or part in _BLOCK_PARTS:
+            path = getattr(self, part)
+        else:
+            raise InputError(f"unknown part {part!r}")
+        if path is None:
+            raise InputError(f"{self.model_type} has no {part}")
         if part in _MODEL_PARTS:
-            if getattr(self, part) is None:
-                raise InputError(f"{self.model_type} has no {part}")
-            return getattr(self, part)
+            return path
         if layer is None:
             raise InputError(f"part {part!r} needs a layer")
-        if part == "block":
-            return f"{self.blocks}[{layer}]"
-        if part == "attn_out":
-            return f"{self.blocks}[{layer}].{self.attn}.{self.attn_out}"
-        if part in ("q_norm", "k_norm"):
-            if self.qk_norms is None:
-                raise InputError(f"{self.model_type} has no {part}")
-            return f"{self.blocks}[{layer}].{self.attn}.{self.qk_norms[part == 'k_norm']}"
-        if part in ("attn", "mlp", "pre_attn_norm", "pre_mlp_norm", "post_attn_norm",
-                    "post_mlp_norm"):
-            if getattr(self, part) is None:
-                raise InputError(f"{self.model_type} has no {part}")
-            return f"{self.blocks}[{layer}].{getattr(self, part)}"
-        raise InputError(f"unknown part {part!r}")
+        return f"{self.blocks}[{layer}]" + (f".{path}" if path else "")
 
     def site(self, name: str, layer: int | None = None) -> str:
         """The pyvene component of site ``name`` (:data:`SITES`) at ``layer``, e.g.

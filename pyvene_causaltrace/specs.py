@@ -159,24 +159,13 @@ def validate_spec(data: Any) -> None:
     """Raise :class:`SpecError` for the first problem in ``data``, naming its JSON path: the
     spec's fields against the schema, each intervention against its registered type's
     ``spec_schema()`` and rules, so a plugin's type is checked exactly as a built-in is."""
-    import jsonschema  # slow to import: only validation needs it
-
     check_depth(data)
-    validator = jsonschema.Draft202012Validator(_spec_level_schema())
-    errors = sorted(validator.iter_errors(data), key=lambda e: -len(e.absolute_path))
-    if errors:
-        error = _most_specific(errors[0])
-        raise SpecError(error.json_path, _expected(error))
+    _check_schema(_spec_level_schema(), data, "$")
     entries = [(f"$.interventions[{i}]", item, _entry(item["type"], f"$.interventions[{i}].type"))
                for i, item in enumerate(data["interventions"])]
     defs = spec_schema()["$defs"]
     for path, item, entry in entries:
-        schema = {"type": "object", **entry.spec_schema(), "$defs": defs}
-        found = sorted(jsonschema.Draft202012Validator(schema).iter_errors(item),
-                       key=lambda e: -len(e.absolute_path))
-        if found:
-            error = _most_specific(found[0])
-            raise SpecError(path + error.json_path[1:], _expected(error))
+        _check_schema({"type": "object", **entry.spec_schema(), "$defs": defs}, item, path)
     types = [item["type"] for item in data["interventions"]]
     for path, item, entry in entries:
         if entry.spec_unique and types.count(item["type"]) > 1:
@@ -224,6 +213,17 @@ def _entry(kind: str, path: str) -> SpecEntry:
     if entry.spec_refusal:
         raise SpecError(path, entry.spec_refusal)
     return entry
+
+
+def _check_schema(schema: dict[str, Any], data: Any, path: str) -> None:
+    """Raise the deepest violation of ``schema`` by ``data`` (found at JSON path ``path``)."""
+    import jsonschema  # slow to import: only validation needs it
+
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(data),
+                    key=lambda e: -len(e.absolute_path))
+    if errors:
+        error = _most_specific(errors[0])
+        raise SpecError(path + error.json_path[1:], _expected(error))
 
 
 def _most_specific(error):

@@ -280,5 +280,6 @@ def test_smollm2_budget_curve_points_are_explicit_forwards(smollm2, tmp_path):
                                                 set(order[:k])), answer)
         assert curve.kl[i] == pytest.approx(kl, abs=1e-5)
         assert curve.prob[i] == pytest.approx(prob, abs=1e-6)
-    # float32 through 30 layers: the spliced model is the model to ~1e-4 in P
-    assert curve.kl[-1] < 1e-6 and curve.prob[-1] == pytest.approx(curve.prob_full, abs=1e-4)
+    # float32 through 30 layers, a random CLT's reconstruction and its error cancelling: the
+    # spliced model is the model to ~1e-4 in P (2.7e-4 on another CPU, KL 2.8e-7)
+    assert curve.kl[-1] < 1e-6 and curve.prob[-1] == pytest.approx(curve.prob_full, abs=5e-4)

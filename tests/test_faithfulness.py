@@ -82,7 +82,9 @@ def test_node_curve_is_explicit_ablation_forwards(setup):
     hand = _hand_curve(model, clt, graph, counterfactual,
                        [set(order[:k]) for k in curve.counts])
     assert curve.f == pytest.approx(hand, abs=1e-6)
-    assert curve.f[-1] == pytest.approx(1.0, abs=1e-6)  # every node live, errors held: the model
+    # every node live, errors held: the model, to the float32 rounding of the spliced forward
+    # over the margin's span (3.0e-6 on one CPU, under 1e-6 on another)
+    assert curve.f[-1] == pytest.approx(1.0, abs=1e-5)
     # the random floor: the same seeded permutation, recomputed by hand
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
     random = _hand_curve(model, clt, graph, counterfactual, [set(perm[:k]) for k in curve.counts])

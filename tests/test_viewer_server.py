@@ -191,7 +191,7 @@ def test_the_listing_reads_an_unchanged_file_once(hostile, monkeypatch):
     assert _within(STEP_S, index.names) == ["eiffel/graph.json"]
     assert len(parsed) == 4  # the graph, secrets, deep and deep_marked: FIFO and links unread
     assert _within(STEP_S, index.names) == ["eiffel/graph.json"]
-    assert index.read("eiffel/graph.json") is not None
+    assert index.load("eiffel/graph.json") is not None
     assert len(parsed) == 4
     graph = hostile / "eiffel" / "graph.json"
     stat = graph.stat()

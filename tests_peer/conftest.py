@@ -10,9 +10,11 @@ in a temporary directory.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import lorsa_peer
 import pytest
 import torch
 from peer import RESULTS, make_tokenizer, suite
@@ -82,8 +84,23 @@ def transcoder_files(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def lorsa_dump(tmp_path_factory):
+    """llamascopium's graph of the Lorsa fixture (:mod:`lorsa_peer`), made once per session
+    in its own venv (about 35 s, most of it importing llamascopium); ``PVCT_LORSA_PEER_DUMP``
+    names one already made."""
+    made = os.environ.get("PVCT_LORSA_PEER_DUMP")
+    if made:
+        return lorsa_peer.read_dump(Path(made))
+    return lorsa_peer.run_dump(tmp_path_factory.mktemp("lorsa-peer"))
+
+
 def pytest_terminal_summary(terminalreporter):
     """The comparison's numbers, one line per case (also when a case failed)."""
+    if lorsa_peer.RESULTS:
+        terminalreporter.section("ours vs llamascopium (Lorsa + transcoders)")
+        for name, value in lorsa_peer.RESULTS.items():
+            terminalreporter.write_line(f"{name:44} {value}")
     if not RESULTS:
         return
     write = terminalreporter.write_line

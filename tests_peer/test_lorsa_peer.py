@@ -1,33 +1,26 @@
-"""The Lorsa peer's own graph (issue 56 item 4, groundwork): llamascopium's ``attribute`` run by
-``tests_peer/lorsa_peer_dump.py`` in ``.venv-lorsa-peer`` (``make peer-lorsa-env``), and checks
-of that dump's internal consistency — the files in llamascopium's layout, the node spaces, every
-row's closure, QK tracing against the attention score. Our side of the comparison (the same
-active nodes, every edge within 1e-5 of its row's largest) lands with Lorsa attribution.
+"""The Lorsa peer's own graph (issue 56 item 4): llamascopium's ``attribute`` run by
+``tests_peer/lorsa_peer_dump.py`` in ``.venv-lorsa-peer`` (``make test-peer`` builds it), and
+checks of that dump's internal consistency — the files in llamascopium's layout, the node
+spaces, every row's closure, QK tracing against the attention score. Our graph against it:
+``test_lorsa_peer_equality.py``.
 
-Skipped unless the Lorsa peer's venv exists (``PVCT_LORSA_PEER_VENV`` names another): neither
-CI nor ``make test-peer`` builds it yet, so this file costs them a skip. Only torch and
-safetensors are needed on this side; the dump runs in a subprocess (about 30 s, most of it
-llamascopium's imports).
+The dump is made once per session (the ``lorsa_dump`` fixture, conftest; about 35 s, most of it
+llamascopium's imports). Skipped unless the Lorsa peer's venv exists (``PVCT_LORSA_PEER_VENV``
+names another); under ``make test-peer`` (``PVCT_LORSA_PEER_REQUIRED``) a missing venv fails.
+Only torch and safetensors are needed on this side.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
+from lorsa_peer import MISSING, SKIP, node
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-VENV = Path(os.environ.get("PVCT_LORSA_PEER_VENV", ROOT / ".venv-lorsa-peer"))
-PYTHON = VENV / "bin" / "python"
-pytestmark = pytest.mark.skipif(
-    not PYTHON.exists(), reason=f"the Lorsa peer's venv {VENV} is missing (make peer-lorsa-env)")
+pytestmark = pytest.mark.skipif(SKIP, reason=MISSING)
 
 #: A row's edges sum to its activation within this much of the row's largest |edge| (float32).
 CLOSURE_TOLERANCE = 1e-5
@@ -35,34 +28,9 @@ CLOSURE_TOLERANCE = 1e-5
 QK_TOPK = 32
 
 
-def run_dump(out: Path, *options: str) -> dict:
-    """The dump script in the peer's venv, one thread; its ``graph.json`` and tensors."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="passive",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    done = subprocess.run([str(PYTHON), str(ROOT / "tests_peer" / "lorsa_peer_dump.py"), str(out),
-                           *options], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    sys.stdout.write(done.stdout)
-    graph = json.loads((out / "graph.json").read_text())
-    graph["tensors"] = load_file(str(out / "graph.safetensors"))
-    graph["out"] = out
-    return graph
-
-
 @pytest.fixture(scope="module")
-def dump(tmp_path_factory):
-    """The dump, made once per module (``PVCT_LORSA_PEER_DUMP`` names one already made)."""
-    made = os.environ.get("PVCT_LORSA_PEER_DUMP")
-    if made:
-        graph = json.loads((Path(made) / "graph.json").read_text())
-        return graph | {"tensors": load_file(str(Path(made) / "graph.safetensors")),
-                        "out": Path(made)}
-    return run_dump(tmp_path_factory.mktemp("lorsa-peer"))
-
-
-def node(entry) -> tuple:
-    """``[key, [index...]]`` as a hashable node."""
-    return (entry[0], *entry[1])
+def dump(lorsa_dump):
+    return lorsa_dump
 
 
 def row_closure(graph) -> torch.Tensor:

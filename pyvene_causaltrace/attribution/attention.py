@@ -103,8 +103,7 @@ def crossing_edges(graph: AttributionGraph, pruned: PruneResult) -> list[tuple[i
     edges = []
     for i in order.tolist():
         source, target = int(pruned.edge_source[i]), int(pruned.edge_target[i])
-        positions = [graph.coordinates(n, graph.node_kind(n))[1] for n in (source, target)]
-        if positions[0] != positions[1]:
+        if graph.coordinates(source)[1] != graph.coordinates(target)[1]:
             edges.append((source, target))
     return edges
 
@@ -139,14 +138,10 @@ def attention_annotations(model: BoundModel, transcoder: Transcoder, graph: Attr
             links[(source, target)] = [(layers[int(i) // column.shape[1]],
                                         int(i) % column.shape[1], float(column.flatten()[i]))
                                        for i in order if float(column.flatten()[i]) != 0.0]
-    wanted = []
-    for (source, target), heads in links.items():
-        if heads:
-            layer, head, _ = heads[0]
-            key = (layer, head, graph.coordinates(target, graph.node_kind(target))[1],
-                   graph.coordinates(source, graph.node_kind(source))[1])
-            if key not in wanted:
-                wanted.append(key)
-    qk = [score_terms(replay, *key) for key in wanted[:max_qk]]
+    # each leading head once, at its edge's (query, key) positions, in the edges' order
+    wanted = dict.fromkeys((heads[0][0], heads[0][1], graph.coordinates(target)[1],
+                            graph.coordinates(source)[1])
+                           for (source, target), heads in links.items() if heads)
+    qk = [score_terms(replay, *key) for key in list(wanted)[:max_qk]]
     return AttentionAnnotations(graph_identity(graph), links, qk)
 

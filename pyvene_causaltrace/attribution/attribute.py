@@ -144,7 +144,6 @@ def _attribute(model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder:
                checkpoint: str | Path | None, keep_checkpoint: bool,
                attention: LorsaSet | None = None) -> AttributionGraph:
     """:func:`attribute` of merged, checked settings ``s``."""
-    target, freeze, check_closure = s.target, s.freeze, s.check_closure
     max_n_logits, desired_logit_prob = s.salient()
     start = time.perf_counter()
     replacement = ReplacementModel(model, tokenizer, transcoder, bos=s.bos, attention=attention)
@@ -156,33 +155,29 @@ def _attribute(model: nn.Module, tokenizer: PreTrainedTokenizerBase, transcoder:
             prepared.active_counts, "counting the active features"))
     replacement.check_memory(prepared.input_ids, s.memory_mb, prepared.active_counts)
     with phase("forward"):
-        run = replacement.run(prepared.input_ids, freeze=freeze, states=prepared.states,
+        run = replacement.run(prepared.input_ids, freeze=s.freeze, states=prepared.states,
                               bos_errors=s.bos_errors, compute_dtype=s.compute_dtype)
     with phase("target_rows"):
-        top = _target_rows(run, prepared.targets, freeze=freeze, check_closure=check_closure)
+        top = _target_rows(run, prepared.targets, s)
     forward_s = time.perf_counter() - start
-    plan = _plan(run, top, memory_mb=s.memory_mb, batch_size=s.batch_size,
-                 max_batch=s.max_batch, max_feature_nodes=s.max_feature_nodes,
-                 update_interval=s.update_interval, freeze=freeze, loop=s.loop, spread=spread)
+    plan = _plan(run, top, s, spread)
     key = _run_key(replacement, run, prepared.targets, plan.settings, spread)
     store, resumed, ranking_s = _feature_rows(
-        run, top, plan, key, checkpoint=checkpoint, keep_checkpoint=keep_checkpoint,
-        loop=s.loop, progress=progress, check_closure=check_closure, freeze=freeze,
-        spread=spread)
+        run, top, plan, key, s, checkpoint=checkpoint, keep_checkpoint=keep_checkpoint,
+        progress=progress, spread=spread)
     seconds = {"total": time.perf_counter() - start, "forward": forward_s, "ranking": ranking_s}
     seconds["rows"] = seconds["total"] - seconds["forward"] - seconds["ranking"]
     goal = prepared.target
     if not goal.is_logit:
         selection = {"direction": goal.name, "output": goal.output, "position": goal.position}
-    elif answer is not None or target == "difference":
-        selection = {"answer": answer, "kind": target}
+    elif answer is not None or s.target == "difference":
+        selection = {"answer": answer, "kind": s.target}
     else:
-        selection = {"kind": target, "max_n_logits": max_n_logits,
+        selection = {"kind": s.target, "max_n_logits": max_n_logits,
                      "desired_logit_prob": desired_logit_prob, "chosen": len(prepared.targets),
                      "probability": float(sum(t.prob for t in prepared.targets))}
-    return _graph(replacement, prepared, run, top, store, plan, resumed=resumed,
-                  seconds=seconds, freeze=freeze, check_closure=check_closure,
-                  selection=selection, spread=spread,
+    return _graph(replacement, prepared, run, top, store, plan, s, resumed=resumed,
+                  seconds=seconds, selection=selection, spread=spread,
                   fingerprints={name: key[name] for name in ("model", "transcoder", "lorsa")
                                 if name in key})
 
@@ -205,20 +200,20 @@ class _TargetRows:
         return (weights[:, None] * self.rows.detach().double().cpu()).sum(0)
 
 
-def _target_rows(run: ReplacementRun, goals: tuple[Target, ...], *, freeze: bool,
-                 check_closure: bool) -> _TargetRows:
-    """The targets' rows by one batched backward, checked finite and (with ``check_closure``)
-    closed."""
+def _target_rows(run: ReplacementRun, goals: tuple[Target, ...],
+                 s: AttributionSettings) -> _TargetRows:
+    """The targets' rows by one batched backward, checked finite and (with
+    ``s.check_closure``) closed."""
     rows, constants, closures = target_rows(run, goals)
     check_finite(rows, "the targets' attribution rows",
                  "the transcoder's features or the replacement model's gradients overflow")
-    hidden = [f"{s.site.key} ({s.site.intervention} at {s.site.component or s.site.module})"
-              for s in run.steering if not s.reached]
-    if check_closure:
+    hidden = [f"{e.site.key} ({e.site.intervention} at {e.site.component or e.site.module})"
+              for e in run.steering if not e.reached]
+    if s.check_closure:
         for goal, closure in zip(goals, closures, strict=True):
             if not closure.ok:
                 what = "the target row" if len(goals) == 1 else f"the row of target {goal.name}"
-                raise closure_error(what, closure, freeze=freeze, hidden=hidden)
+                raise closure_error(what, closure, freeze=s.freeze, hidden=hidden)
     weights = torch.tensor([g.weight for g in goals], dtype=torch.float64)
     return _TargetRows(rows, constants, closures, weights, hidden)
 
@@ -234,33 +229,32 @@ class _Plan:
     settings: dict
 
 
-def _plan(run: ReplacementRun, top: _TargetRows, *, memory_mb: float, batch_size: int | None,
-          max_batch: int | None, max_feature_nodes: int | None, update_interval: int,
-          freeze: bool, loop: bool, spread: Spread | None = None) -> _Plan:
-    """Fit the batch and the feature budget to ``memory_mb`` (:mod:`.budget`); across ranks,
+def _plan(run: ReplacementRun, top: _TargetRows, s: AttributionSettings,
+          spread: Spread | None = None) -> _Plan:
+    """Fit the batch and the feature budget to ``s.memory_mb`` (:mod:`.budget`); across ranks,
     the smallest rank's."""
     # the first queue's order: circuit-tracer's partial influence of the logit rows alone
     logit_rows = top.rows.detach().abs().double().cpu()
     normalized = logit_rows / logit_rows.sum(1, keepdim=True).clamp(min=1e-30)
     first_guess = (top.weights[:, None] * normalized[:, :run.n_features]).sum(0) \
         .argsort(descending=True)
-    if batch_size is not None:
-        check_batch_fits(run, memory_mb, batch_size)
+    if s.batch_size is not None:
+        check_batch_fits(run, s.memory_mb, s.batch_size)
     # a budget's rows first, where they share the device (the CPU), then the batch
-    reserve = 0 if max_feature_nodes is None else store_bytes(run, max_feature_nodes,
-                                                              first_guess)
-    size = batch_size or batch_size_for(run, memory_mb, max_batch, reserve)
+    reserve = 0 if s.max_feature_nodes is None else store_bytes(run, s.max_feature_nodes,
+                                                                first_guess)
+    size = s.batch_size or batch_size_for(run, s.memory_mb, s.max_batch, reserve)
     if spread is not None:
         size = int(spread.ranks.all_reduce(torch.tensor([size]), "agreeing on the batch",
                                            op="min"))
-    budget = feature_budget(run, memory_mb, size, max_feature_nodes, first_guess)
+    budget = feature_budget(run, s.memory_mb, size, s.max_feature_nodes, first_guess)
     if spread is not None:
         budget = int(spread.ranks.all_reduce(torch.tensor([budget]), "agreeing on the budget",
                                              op="min"))
     ranking = _Ranking(run, replace(run.layout, n_logits=len(top.weights)), top.weights, budget,
-                       max(update_interval * size, -(-budget // RERANKS)))
-    return _Plan(size, budget, ranking, {"freeze": freeze, "budget": budget, "batch": size,
-                                         "loop": loop, "update_interval": update_interval,
+                       max(s.update_interval * size, -(-budget // RERANKS)))
+    return _Plan(size, budget, ranking, {"freeze": s.freeze, "budget": budget, "batch": size,
+                                         "loop": s.loop, "update_interval": s.update_interval,
                                          "dtype": str(run.compute_dtype)})
 
 
@@ -284,9 +278,9 @@ def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Ta
                          for s in run.steering]}
 
 
-def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict, *,
-                  checkpoint: str | Path | None, keep_checkpoint: bool, loop: bool,
-                  progress: bool, check_closure: bool, freeze: bool,
+def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
+                  s: AttributionSettings, *, checkpoint: str | Path | None,
+                  keep_checkpoint: bool, progress: bool,
                   spread: Spread | None = None) -> tuple[RowStore, int, float]:
     """The target rows and ``plan.budget`` feature rows in a store, resumed from and saved to
     ``checkpoint``; returns the store, the rows it resumed and the seconds spent ranking.
@@ -314,7 +308,7 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
 
         bar = tqdm(total=plan.budget, initial=int(done.sum()), desc="feature rows", unit="row",
                    disable=not (progress and writer))
-        compute = feature_rows_loop if loop else feature_rows
+        compute = feature_rows_loop if s.loop else feature_rows
         on = run.feature_layer.device
         in_flight = pending[:0]  # rows being computed: back in the queue if Ctrl-C comes
         try:
@@ -336,8 +330,8 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
                 check_finite(rows, f"the attribution rows of features {chunk[:4].tolist()}...")
                 with torch.no_grad():
                     targets, magnitudes = feature_targets_and_magnitudes(run, chunk.to(on))
-                if check_closure:
-                    _check_rows(run, chunk, rows, constants, targets, magnitudes, freeze,
+                if s.check_closure:
+                    _check_rows(run, chunk, rows, constants, targets, magnitudes, s.freeze,
                                 top.hidden)
                 with phase("store"):
                     store.append(chunk, rows, constants, targets, magnitudes)
@@ -356,9 +350,9 @@ def _feature_rows(run: ReplacementRun, top: _TargetRows, plan: _Plan, key: dict,
 
 
 def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: ReplacementRun,
-           top: _TargetRows, store: RowStore, plan: _Plan, *, resumed: int, seconds: dict,
-           freeze: bool, check_closure: bool, selection: dict,
-           spread: Spread | None = None, fingerprints: dict | None = None) -> AttributionGraph:
+           top: _TargetRows, store: RowStore, plan: _Plan, s: AttributionSettings, *,
+           resumed: int, seconds: dict, selection: dict, spread: Spread | None = None,
+           fingerprints: dict | None = None) -> AttributionGraph:
     """The graph of the computed rows, with what its reader needs to know in ``metadata``."""
     tokenizer, ids, goals, cap = (replacement.tokenizer, prepared.input_ids, prepared.targets,
                                   prepared.softcap)
@@ -375,11 +369,11 @@ def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: Replace
         n_layers=run.n_layers, feature_layer=run.feature_layer.cpu(),
         feature_position=run.feature_position.cpu(), feature_id=run.feature_id.cpu(),
         activation=run.activation.float().cpu(), rows=store, closure=top.closures[0],
-        steering=[{**s.site.describe(), "positions": positions.tolist()}
-                  for s, positions in zip(run.steering_leaves, run.steering_positions,
-                                          strict=True)],
+        steering=[{**edit.site.describe(), "positions": positions.tolist()}
+                  for edit, positions in zip(run.steering_leaves, run.steering_positions,
+                                             strict=True)],
         targets=targets,
-        metadata={**replacement.describe(ids), "frozen": freeze, "fingerprints": fingerprints,
+        metadata={**replacement.describe(ids), "frozen": s.freeze, "fingerprints": fingerprints,
                   "logit_softcap": None if cap is None else {
                       "cap": cap, "target": "pre-soft-cap logits (cap off while the graph was "
                                             "built, restored after)"},
@@ -393,7 +387,7 @@ def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: Replace
                   "max_logit_change": float((run.logits.detach()
                                              - prepared.target_logits).abs().max()),
                   "steering": steering_metadata(run, top.weighted()),
-                  "closure_checked": check_closure, "rows_resumed": resumed,
+                  "closure_checked": s.check_closure, "rows_resumed": resumed,
                   "dtype": precision_metadata(run, replacement.model,
                                               top.closures[0].tolerance),
                   "deterministic": torch.are_deterministic_algorithms_enabled(),

@@ -22,10 +22,9 @@ per forward): ``1 + len(budgets) + 1 + draws * len(grid)`` circuits, the first o
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,19 +32,21 @@ import pandas as pd
 import torch
 
 from ..arguments import checked
-from ..atomic import write_text
 from ..bound import BoundModel
 from ..model_guard import measured
-from ..strict_json import loads
 from ..transcoders.transcoder import Transcoder
 from .faithfulness import (
+    _CurveFile,
     ablated_values,
     ablation_prompts,
+    band,
     check_graph,
     metric_of,
     node_order,
     run_masks,
+    settings_json,
 )
+from .plots import finish, subplots
 from .settings import FaithfulnessSettings
 
 if TYPE_CHECKING:  # annotations only
@@ -57,7 +58,7 @@ __all__ = ["BudgetCurve", "budget_curve", "features_ranked", "random_needed"]
 
 
 @dataclass(frozen=True)
-class BudgetCurve:
+class BudgetCurve(_CurveFile):
     """KL and P(answer) with the top ``kept[i]`` features live (``budgets``: the ``K`` asked,
     then every active feature, ``n_active``; ``kept`` = ``min(K, n_active)``), the random
     orders' at each ``grid`` point (``random_kl[draw][j]``), the model's P(answer)
@@ -90,10 +91,9 @@ class BudgetCurve:
 
     def _band(self, values: list[list[float]]) -> tuple[list[float], ...]:
         """Mean, min and max over the draws at each ``kept`` (a grid point each)."""
-        table = torch.tensor(values, dtype=torch.float64)
         at = [self.grid.index(k) for k in self.kept]
-        return (table.mean(0)[at].tolist(), table.min(0).values[at].tolist(),
-                table.max(0).values[at].tolist())
+        low, mean, high = band(values, len(self.grid))
+        return [mean[j] for j in at], [low[j] for j in at], [high[j] for j in at]
 
     def to_dataframe(self) -> pd.DataFrame:
         """One row per ``K`` ("all" last): kept, KL and P(answer), the random band's, and the
@@ -109,34 +109,11 @@ class BudgetCurve:
             "random_needed": [nan if m is None else m for m in self.matched],
             "ratio": [nan if r is None else r for r in self.ratio]})
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @checked
-    def to_json(self, path: str | Path | None = None) -> dict:
-        """The curve as a JSON object (written to ``path`` when given)."""
-        out = self.to_dict()
-        if path is not None:
-            write_text(json.dumps(out, indent=1, allow_nan=False), path)
-        return out
-
-    @classmethod
-    def from_json(cls, source: str | Path | dict) -> BudgetCurve:
-        """A curve from :meth:`to_json`'s object or file."""
-        data = source if isinstance(source, dict) else \
-            loads(Path(source).read_text(encoding="utf-8"))
-        return cls(**data)
-
     @checked
     def plot(self, path: str | Path | None = None):
         """KL (log) and P(answer) against ``K`` (log), the ranked features beside the random
         band (min to max over the draws, the mean drawn); saved to ``path`` when given."""
-        import matplotlib  # matplotlib loads only when a figure is drawn
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # after the backend is chosen
-
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        fig, axes = subplots(1, 2, figsize=(10, 4))
         for ax, ranked, random, name in ((axes[0], self.kl, self.random_kl, "KL(model || run)"),
                                          (axes[1], self.prob, self.random_prob, "P(answer)")):
             table = torch.tensor(random, dtype=torch.float64)
@@ -152,10 +129,7 @@ class BudgetCurve:
         axes[1].axhline(self.prob_full, color="black", lw=0.5, ls="--", label="model")
         axes[0].legend(loc="best", fontsize=8)
         axes[1].legend(loc="best", fontsize=8)
-        fig.tight_layout()
-        if path is not None:
-            fig.savefig(path)
-        return fig
+        return finish(fig, path)
 
 
 def features_ranked(transcoder: Transcoder, graph: AttributionGraph, clean: torch.Tensor,
@@ -264,8 +238,7 @@ def budget_curve(model: BoundModel, tokenizer: PreTrainedTokenizerBase | None,
                                                              float(t))
                for k, t in zip(kept, kl[1:n].tolist(), strict=True)]
     return BudgetCurve(
-        answer=graph.answer, settings={**asdict(s), "sizes": list(s.sizes),
-                                       "budgets": list(s.budgets)},
+        answer=graph.answer, settings=settings_json(s),
         n_active=n_active, n_graph=n_graph, budgets=budgets, kept=kept,
         kl=kl[1:n].tolist(), prob=prob[1:n].tolist(), grid=grid,
         random_kl=random_kl.tolist(), random_prob=prob[n:].reshape(s.draws, len(grid)).tolist(),

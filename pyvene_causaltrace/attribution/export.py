@@ -272,13 +272,10 @@ _TEXT_COLUMNS = ("label", "clerp", "description")
 def _index(value: object) -> int | None:
     """``value`` as a non-negative integer if it is exactly one (``3``, ``"3"``, ``"3.0"``,
     ``3.0``), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
         return value if value >= 0 else None
-    if isinstance(value, float):
-        return int(value) if math.isfinite(value) and value.is_integer() and value >= 0 \
-            else None
     if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
         return int(value.strip().split(".")[0])
     return None

@@ -45,8 +45,10 @@ from ..interventions.clt_splice import (
 )
 from ..model_guard import measured
 from ..runtime import intervened
+from ..strict_json import loads
 from ..transcoders.hooks import transcoder_states
 from ..transcoders.transcoder import Transcoder
+from .plots import finish, subplots
 from .reading import logit_weights, row_denominators
 from .settings import FaithfulnessSettings
 
@@ -81,20 +83,51 @@ def curve_json(title: str, sizes: list[float], f: list[float], random: list[list
     trace's) plugs in."""
     if any(len(draw) != len(sizes) for draw in [f, *random]):
         raise InputError(f"curve: {len(sizes)} sizes, but a curve of another length")
-    band = torch.tensor(random, dtype=torch.float64).reshape(len(random), len(sizes))
+    low, mean, high = band(random, len(sizes)) if random else ([], [], [])
     return {"title": title, "x_label": x_label, "y_label": y_label,
             "sizes": [float(s) for s in sizes], "f": [float(v) for v in f],
-            "random": {"draws": len(random),
-                       **({"min": band.min(0).values.tolist(), "mean": band.mean(0).tolist(),
-                           "max": band.max(0).values.tolist()} if random else
-                          {"min": [], "mean": [], "max": []})},
+            "random": {"draws": len(random), "min": low, "mean": mean, "max": high},
             "cpr": float(cpr), "cmd": float(cmd),
             **({} if counts is None else {"counts": [int(c) for c in counts]}),
             **({} if random_cpr is None else {"random_cpr": [float(c) for c in random_cpr]})}
 
 
+def band(draws: list[list[float]], n: int) -> tuple[list[float], list[float], list[float]]:
+    """Min, mean and max over the random ``draws`` (each a curve of ``n`` points) per point."""
+    table = torch.tensor(draws, dtype=torch.float64).reshape(len(draws), n)
+    return table.min(0).values.tolist(), table.mean(0).tolist(), table.max(0).values.tolist()
+
+
+class _CurveFile:
+    """A curve dataclass's JSON (:class:`FaithfulnessCurve`, :class:`~.budget_curve.BudgetCurve`):
+    every field, written and read back whole."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @checked
+    def to_json(self, path: str | Path | None = None) -> dict:
+        """The curve as a JSON object (written to ``path`` when given)."""
+        out = self.to_dict()
+        if path is not None:
+            write_text(json.dumps(out, indent=1, allow_nan=False), path)
+        return out
+
+    @classmethod
+    def from_json(cls, source: str | Path | dict):
+        """A curve from :meth:`to_json`'s object or file."""
+        data = source if isinstance(source, dict) else \
+            loads(Path(source).read_text(encoding="utf-8"))
+        return cls(**data)
+
+
+def settings_json(s: FaithfulnessSettings) -> dict:
+    """``s`` as a curve records it (its tuples as lists, as JSON reads them back)."""
+    return {**asdict(s), "sizes": list(s.sizes), "budgets": list(s.budgets)}
+
+
 @dataclass(frozen=True)
-class FaithfulnessCurve:
+class FaithfulnessCurve(_CurveFile):
     """One ranking's f(k) at each size, with ``random`` (one curve per draw) as the floor;
     ``metric_full``/``metric_empty`` the metric of the model and of the empty circuit;
     ``counts`` the items kept at each size out of ``n_items`` and ``nodes_kept`` the feature nodes
@@ -117,10 +150,6 @@ left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it
     forwards: int
     seconds: float = field(default=0.0, compare=False)
 
-    @property
-    def fractions(self) -> list[float]:
-        return [round(s / 100, 12) for s in self.settings["sizes"]]
-
     def below_random(self) -> bool:
         """Whether CPR is below every random ranking's."""
         return self.cpr < min(self.random_cpr)
@@ -141,35 +170,17 @@ left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it
                     random_cpr=self.random_cpr)}
 
     def to_dataframe(self) -> pd.DataFrame:
-        rand = torch.tensor(self.random, dtype=torch.float64).reshape(len(self.random), -1)
+        low, mean, high = band(self.random, len(self.f))
         return pd.DataFrame({"size_pct": self.settings["sizes"], "k": self.counts,
-                             "nodes_kept": self.nodes_kept, "f": self.f,
-                             "random_mean": rand.mean(0).tolist(),
-                             "random_min": rand.min(0).values.tolist(),
-                             "random_max": rand.max(0).values.tolist()})
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @checked
-    def to_json(self, path: str | Path | None = None) -> dict:
-        """The curve as a JSON object (written to ``path`` when given)."""
-        out = self.to_dict()
-        if path is not None:
-            write_text(json.dumps(out, indent=1, allow_nan=False), path)
-        return out
+                             "nodes_kept": self.nodes_kept, "f": self.f, "random_mean": mean,
+                             "random_min": low, "random_max": high})
 
     @checked
     def plot(self, path: str | Path | None = None):
         """f(k) against the size (log axis) with the random rankings' band; saved to ``path``
         when given. Returns the figure."""
-        import matplotlib  # matplotlib loads only when a figure is drawn
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # after the backend is chosen
-
         frame = self.to_dataframe()
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = subplots(figsize=(6, 4))
         ax.fill_between(frame.size_pct, frame.random_min, frame.random_max, alpha=0.25,
                         color="gray", label=f"random ({len(self.random)} draws)")
         ax.plot(frame.size_pct, frame.random_mean, color="gray", lw=1)
@@ -180,10 +191,7 @@ left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it
         ax.set_xlabel(f"circuit size (% of {self.settings['level']})")
         ax.set_ylabel(f"faithfulness f(k) ({self.settings['metric']})")
         ax.legend(loc="best", fontsize=8)
-        fig.tight_layout()
-        if path is not None:
-            fig.savefig(path)
-        return fig
+        return finish(fig, path)
 
 
 # ------------------------------------------------------------------------- rankings
@@ -351,14 +359,20 @@ def metric_of(logits: torch.Tensor, metric: str, answer: int, foil: int | None,
 # ------------------------------------------------------------------------- the curve
 
 
-def check_graph(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph) -> None:
+def check_logit_graph(graph: AttributionGraph, method: str) -> None:
+    """Refuse a graph ``method`` cannot ablate: one with Lorsa nodes or of a direction."""
     if graph.lorsa_layers:
-        raise InputError("graph: it has Lorsa nodes (attention=lorsa); faithfulness ablates "
+        raise InputError(f"graph: it has Lorsa nodes (attention=lorsa); {method} ablates "
                          "transcoder features in the model spliced with the transcoder alone "
                          "and does not splice Lorsa yet")
     if graph.targets and graph.targets[0].get("output", "logits") != "logits":
         raise InputError(f"graph: it explains a direction ({graph.targets[0]['name']}), not a "
-                         "logit; faithfulness reads the answer's logit")
+                         f"logit; {method} reads the answer's logit")
+
+
+def check_graph(bound: BoundModel, transcoder: Transcoder, graph: AttributionGraph) -> None:
+    """:func:`check_logit_graph`, and refuse a graph of another model or transcoder."""
+    check_logit_graph(graph, "faithfulness")
     if transcoder.n_layers != graph.n_layers:
         raise InputError(f"graph: it has {graph.n_layers} layers, the transcoder "
                          f"{transcoder.n_layers}: pass the transcoder it was built with")
@@ -473,10 +487,9 @@ def faithfulness(model: BoundModel, tokenizer: PreTrainedTokenizerBase | None,
                          "counterfactual or ablation")
     f = ((m[1:] - m_empty) / (m_full - m_empty)).reshape(len(orders), len(counts)).tolist()
     areas = [mib_areas(fractions, curve) for curve in f]
-    settings_dict = {**asdict(s), "sizes": list(s.sizes)}
     return FaithfulnessCurve(
         answer=graph.answer, foil=None if tokenizer is None or foil_id is None
-        else tokenizer.decode([foil_id]), settings=settings_dict, n_items=n_items,
+        else tokenizer.decode([foil_id]), settings=settings_json(s), n_items=n_items,
         counts=counts, nodes_kept=keep[1:1 + len(counts)].sum(1).tolist(), metric_full=m_full,
         metric_empty=m_empty, f=f[0], random=f[1:],
         cpr=areas[0][0], cmd=areas[0][1], random_cpr=[a[0] for a in areas[1:]],

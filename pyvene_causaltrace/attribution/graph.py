@@ -193,12 +193,13 @@ class AttributionGraph:
         return "token" if index < lay.logits.start else "logit"
 
     @checked
-    def coordinates(self, i: int, kind: str) -> tuple[int | None, int, int | None, float | None]:
-        """``(layer, position, feature, activation)`` of node ``i`` of ``kind`` (``None`` where
-        a kind has none; the logit's "feature" is its token id; a steering node's layer is
-        :meth:`steering_layer`, its "feature" the index of its intervention in
-        :attr:`steering`)."""
-        lay = self.layout
+    def coordinates(self, i: int, kind: str | None = None
+                    ) -> tuple[int | None, int, int | None, float | None]:
+        """``(layer, position, feature, activation)`` of node ``i`` (of ``kind``, default
+        :meth:`node_kind`'s; ``None`` where a kind has none; the logit's "feature" is its token
+        id; a steering node's layer is :meth:`steering_layer`, its "feature" the index of its
+        intervention in :attr:`steering`)."""
+        lay, kind = self.layout, kind or self.node_kind(i)
         if kind in ("feature", "lorsa"):
             return (int(self.feature_layer[i]), int(self.feature_position[i]),
                     int(self.feature_id[i]), float(self.activation[i]))
@@ -222,20 +223,12 @@ class AttributionGraph:
         ``LOGIT ' Paris'``."""
         kind = self.node_kind(i)
         layer, pos, feature, _ = self.coordinates(i, kind)
-        token = repr(self.tokens[pos])
-        if kind == "feature":
-            return f"F L{layer}/#{feature} @{pos} {token}"
-        if kind == "lorsa":
-            return f"LORSA L{layer}/H{feature} @{pos} {token}"
-        if kind == "error":
-            return f"ERR L{layer} @{pos} {token}"
-        if kind == "lorsa error":
-            return f"LORSA-ERR L{layer} @{pos} {token}"
-        if kind == "steering":
-            return f"STEER {self.steering_site(feature)} @{pos} {token}"
-        if kind == "token":
-            return f"TOK @{pos} {token}"
-        return f"LOGIT {self.targets[i - self.layout.logits.start]['text']!r}"
+        if kind == "logit":
+            return f"LOGIT {self.targets[i - self.layout.logits.start]['text']!r}"
+        what = f"STEER {self.steering_site(feature)}" if kind == "steering" else {
+            "feature": f"F L{layer}/#{feature}", "lorsa": f"LORSA L{layer}/H{feature}",
+            "error": f"ERR L{layer}", "lorsa error": f"LORSA-ERR L{layer}", "token": "TOK"}[kind]
+        return f"{what} @{pos} {self.tokens[pos]!r}"
 
     @checked
     def steering_site(self, j: int) -> str:
@@ -349,16 +342,14 @@ class AttributionGraph:
         key = ("prune", s.node_threshold, s.edge_threshold)
         if key not in self._memo:
             self._memo[key] = prune(self.rows, self.layout, s.node_threshold, s.edge_threshold,
-                                    probabilities=self.logit_weights(),
-                                    node_influence=self.influence())
+                                    self.logit_weights(), self.influence())
         return self._memo[key]
 
     def scores(self) -> dict[str, float]:
         """Replacement and completeness scores, the error nodes' share of the target, and the
         share of influence that ends on unexplored features."""
         if "scores" not in self._memo:
-            out = graph_scores(self.rows, self.layout, self.logit_weights(),
-                               node_influence=self.influence())
+            out = graph_scores(self.rows, self.layout, self.logit_weights(), self.influence())
             out["error_share"] = self.decomposition()["error_share"]
             leaf = self.influence()[:self.n_features][~self.explored].sum()
             out["unexplored_influence"] = float(leaf / self.influence().sum().clamp(min=1e-30))
@@ -369,17 +360,13 @@ class AttributionGraph:
         """Per computed row: ``row.sum() + constant - target`` (float64)."""
         return self.rows.sums() + self.rows.constants - self.rows.targets
 
-    def closure_scales(self) -> torch.Tensor:
-        """Per computed row, the scale of what it sums: ``sum |row| + |constant| + |target|``
-        plus the terms a feature's pre-activation sums (float64; :attr:`~.edges.Closure.scale`,
-        :func:`~.edges.feature_targets_and_magnitudes`)."""
-        return (self.rows.abs_sums() + self.rows.constants.abs() + self.rows.targets.abs()
-                + self.rows.magnitudes)
-
     def row_closures(self) -> torch.Tensor:
-        """Per computed row, ``|closure residual|`` over :meth:`closure_scales` (the rows'
-        :attr:`~.edges.Closure.relative`)."""
-        return self.closures().abs() / self.closure_scales().clamp(min=1e-30)
+        """Per computed row, ``|closure residual|`` over the scale of what it sums, ``sum |row|
+        + |constant| + |target|`` plus the terms a feature's pre-activation sums (float64; the
+        rows' :attr:`~.edges.Closure.relative`, :func:`~.edges.feature_targets_and_magnitudes`)."""
+        scale = (self.rows.abs_sums() + self.rows.constants.abs() + self.rows.targets.abs()
+                 + self.rows.magnitudes)
+        return self.closures().abs() / scale.clamp(min=1e-30)
 
     def feature_closure(self) -> float:
         """Largest :meth:`row_closures` over the feature rows: each residual relative to the

@@ -32,6 +32,7 @@ from .edges import edges_from_grads
 from .export import write_json
 from .graph_replay import Replay, check_row, chosen_layers, replay_graph, replay_rows, row_output
 from .leaf_grads import leaf_grads
+from .plots import finish
 
 if TYPE_CHECKING:  # annotations only
     from .graph import AttributionGraph
@@ -142,10 +143,7 @@ class HeadLoadings:
         ax.set_title(f"{self.labels[source]} → {self.target_label}\n"
                      f"edge {float(self.edges[source]):+.4g}", fontsize=9)
         fig.colorbar(image, ax=ax)
-        fig.tight_layout()
-        if path is not None:
-            fig.savefig(path, dpi=120)
-        return fig
+        return finish(fig, path, dpi=120)
 
 
 def _split_layer(replay: Replay, z: torch.Tensor, g: torch.Tensor, n_heads: int

@@ -95,10 +95,8 @@ def attribute_many(model: BoundModel, tokenizer: PreTrainedTokenizerBase,
                    progress: bool = False) -> list[dict] | None:
     """Every prompt's graph in ``out/<index>/``, the prompts spread over the ranks (module
     docstring); returns the index on rank 0 (and in one process), None on the other ranks."""
-    if not isinstance(prompts, str | Path):
-        prompts = [check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
-    else:
-        prompts = read_prompts(prompts)
+    prompts = read_prompts(prompts) if isinstance(prompts, str | Path) else [
+        check_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
     if transcoder.features is not None:
         raise InputError("attribute_many builds each prompt's graph on one rank, which needs "
                          "the whole transcoder: load it without shard=")

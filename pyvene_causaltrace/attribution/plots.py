@@ -14,6 +14,25 @@ import torch
 from .settings import ReadingSettings
 
 
+def subplots(*args, **kwargs):
+    """``plt.subplots(...)`` with the Agg backend chosen first (matplotlib loads here, only when
+    a figure is drawn)."""
+    import matplotlib  # matplotlib loads only when a figure is drawn
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt  # after the backend is chosen
+
+    return plt.subplots(*args, **kwargs)
+
+
+def finish(fig, path: str | Path | None, **savefig):
+    """``fig`` laid out tight, and saved to ``path`` when given (``savefig``: its options)."""
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, **savefig)
+    return fig
+
+
 def _positions(graph, keep) -> dict[int, tuple[float, float]]:
     cells: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i in keep:
@@ -37,11 +56,6 @@ def plot_graph(graph, path: str | Path | None = None,
     """Figure of ``graph`` pruned at the thresholds (or ``settings``, a
     :class:`~.settings.ReadingSettings`; module docstring); saved to ``path`` when given.
     Returns the figure."""
-    import matplotlib  # matplotlib loads only when a figure is drawn
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt  # matplotlib loads only when a figure is drawn
-
     pruned = graph.prune(settings=ReadingSettings.merged(
         settings, node_threshold=node_threshold, edge_threshold=edge_threshold))
     lay = graph.layout
@@ -59,7 +73,7 @@ def plot_graph(graph, path: str | Path | None = None,
     keep = sorted(set(target[order].tolist()) | set(source[order].tolist())
                   | set(range(lay.tokens.start, lay.n_nodes)))
     xy = _positions(graph, keep)
-    fig, ax = plt.subplots(figsize=(max(6.0, graph.n_pos * 1.1),
+    fig, ax = subplots(figsize=(max(6.0, graph.n_pos * 1.1),
                                     max(5.0, graph.n_layers * 0.3 + 2)), dpi=100)
     top = float(weights.abs().max()) if len(weights) else 1.0
     for k in reversed(order.tolist()):
@@ -88,7 +102,4 @@ def plot_graph(graph, path: str | Path | None = None,
                  f"{pruned.n_nodes} nodes, {pruned.n_edges} edges; "
                  f"drawn {len(keep)} nodes, {len(order)} edges", fontsize=9)
     ax.legend(loc="upper left", fontsize=7, frameon=False)
-    fig.tight_layout()
-    if path is not None:
-        fig.savefig(str(path))
-    return fig
+    return finish(fig, path)

@@ -28,6 +28,7 @@ from ..transcoders.transcoder import Transcoder
 from .edges import CLOSURE_TOLERANCE
 from .export import write_json
 from .graph_replay import Replay, chosen_layers, replay_graph, replay_rows
+from .plots import finish
 
 if TYPE_CHECKING:  # annotations only
     from .graph import AttributionGraph
@@ -139,10 +140,7 @@ class QKAttribution:
         ax.set_title(f"L{self.layer} H{self.head}: query @{self.query_pos}, key "
                      f"@{self.key_pos}, score {self.score:+.4g}", fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
-        fig.tight_layout()
-        if path is not None:
-            fig.savefig(path, dpi=120)
-        return fig
+        return finish(fig, path, dpi=120)
 
 
 def _side_parts(replay: Replay, vector_of: torch.Tensor, index: tuple, what: str

@@ -61,10 +61,11 @@ class Layout:
         return slice(self.n_nodes - self.n_logits, self.n_nodes)
 
 
-def logit_weights(layout: Layout, probabilities: torch.Tensor | None = None) -> torch.Tensor:
-    """Weights on the logit nodes (their probabilities; 1 for a single target), float64."""
+def logit_weights(layout: Layout, probabilities: torch.Tensor) -> torch.Tensor:
+    """``[n_nodes]`` float64: ``probabilities``, each logit node's weight (its probability; 1
+    for a single target), on the logit nodes, 0 elsewhere."""
     weights = torch.zeros(layout.n_nodes, dtype=torch.float64)
-    weights[layout.logits] = 1.0 if probabilities is None else probabilities.double()
+    weights[layout.logits] = probabilities.double()
     return weights
 
 
@@ -205,14 +206,11 @@ class PruneResult:
 
 
 def prune(store: RowStore, layout: Layout, node_threshold: float, edge_threshold: float,
-          probabilities: torch.Tensor | None = None,
-          node_influence: torch.Tensor | None = None) -> PruneResult:
+          probabilities: torch.Tensor, node_influence: torch.Tensor) -> PruneResult:
     """Prune as circuit-tracer's ``prune_graph`` does (module docstring; the thresholds'
-    defaults are :class:`~.settings.ReadingSettings`'); ``node_influence``: the unpruned
-    graph's influence, if already computed."""
+    defaults are :class:`~.settings.ReadingSettings`'), given the logit nodes' weights
+    ``probabilities`` and the unpruned graph's ``node_influence``."""
     weights = logit_weights(layout, probabilities)
-    if node_influence is None:
-        node_influence = influence(store, weights)
     # thresholds are float32 values: compare float32 scores with them
     node_mask = node_influence.float() >= threshold_for(node_influence, node_threshold)
     node_mask[layout.tokens.start:] = True  # tokens and logits always stay
@@ -259,12 +257,11 @@ def prune(store: RowStore, layout: Layout, node_threshold: float, edge_threshold
     return PruneResult(node_mask, target, source, weight, edge_score, cumulative)
 
 
-def graph_scores(store: RowStore, layout: Layout, probabilities: torch.Tensor | None = None,
-                 node_influence: torch.Tensor | None = None) -> dict[str, float]:
-    """circuit-tracer's replacement and completeness scores of the unpruned graph."""
+def graph_scores(store: RowStore, layout: Layout, probabilities: torch.Tensor,
+                 node_influence: torch.Tensor) -> dict[str, float]:
+    """circuit-tracer's replacement and completeness scores of the unpruned graph (arguments as
+    :func:`prune`'s)."""
     weights = logit_weights(layout, probabilities)
-    if node_influence is None:
-        node_influence = influence(store, weights)
     token = node_influence[layout.tokens].sum() + node_influence[layout.steering].sum()
     error = node_influence[layout.errors].sum()
     is_error = torch.zeros(layout.n_nodes, dtype=torch.bool)

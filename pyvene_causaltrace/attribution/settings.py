@@ -208,17 +208,15 @@ class FaithfulnessSettings(Settings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        budgets = tuple(self.budgets)
+        budgets, sizes = tuple(self.budgets), tuple(self.sizes)
         if not budgets or any(isinstance(k, bool) or not isinstance(k, int) or k <= 0
                               for k in budgets):
             raise InputError(f"budgets must be whole numbers of features K > 0, got "
                              f"{list(budgets)}")
-        if any(b <= a for a, b in zip(budgets, budgets[1:], strict=False)):
-            raise InputError(f"budgets must increase, got {list(budgets)}")
-        object.__setattr__(self, "budgets", budgets)
-        sizes = tuple(self.sizes)
         if not sizes or any(not 0 < s <= 100 for s in sizes):
             raise InputError(f"sizes must be percentages in (0, 100], got {list(sizes)}")
-        if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
-            raise InputError(f"sizes must increase, got {list(sizes)}")
+        for name, values in (("budgets", budgets), ("sizes", sizes)):
+            if any(b <= a for a, b in zip(values, values[1:], strict=False)):
+                raise InputError(f"{name} must increase, got {list(values)}")
+        object.__setattr__(self, "budgets", budgets)
         object.__setattr__(self, "sizes", tuple(float(s) for s in sizes))

@@ -18,6 +18,8 @@ from ..errors import InputError
 
 #: Entries per chunk handed to readers: bounds their transient memory (4 M entries).
 CHUNK_ENTRIES = 1 << 22
+#: A :class:`RowBlock`'s arrays, as :meth:`RowStore.state` writes them (``rows.<name>``).
+ARRAYS = ("nodes", "counts", "columns", "values", "constants", "targets", "magnitudes")
 
 
 @dataclass
@@ -169,28 +171,25 @@ class RowStore:
         return out
 
     # ----------------------------------------------------------------- safetensors
-    def state(self, prefix: str = "rows.") -> dict[str, torch.Tensor]:
+    def state(self) -> dict[str, torch.Tensor]:
         """Flat tensors for safetensors (blocks concatenated)."""
-        names = ("nodes", "counts", "columns", "values", "constants", "targets", "magnitudes")
-        return {f"{prefix}{name}": torch.cat([getattr(b, name) for b in self.blocks]).contiguous()
-                if self.blocks else torch.zeros(0) for name in names}
+        return {f"rows.{name}": torch.cat([getattr(b, name) for b in self.blocks]).contiguous()
+                if self.blocks else torch.zeros(0) for name in ARRAYS}
 
     @classmethod
     def from_state(cls, n_columns: int, tensors: dict[str, torch.Tensor],
-                   prefix: str = "rows.", n_logits: int = 1) -> RowStore:
+                   n_logits: int = 1) -> RowStore:
         """Inverse of :meth:`state`, refusing (:class:`InputError`, saying what) arrays that
         cannot be rows of a graph of ``n_columns`` source and ``n_logits`` logit nodes: missing, of
         the wrong kind or length, inconsistent counts, nodes or columns out of range or repeated,
         non-finite values. A file written before ``magnitudes`` were kept reads them as 0."""
-        names = ("nodes", "counts", "columns", "values", "constants", "targets")
-        missing = [f"{prefix}{name}" for name in names if f"{prefix}{name}" not in tensors]
+        missing = [f"rows.{name}" for name in ARRAYS[:-1] if f"rows.{name}" not in tensors]
         if missing:
             raise InputError(f"no row arrays {', '.join(missing)}")
-        t = {name: tensors[f"{prefix}{name}"] for name in names}
-        t["magnitudes"] = tensors.get(f"{prefix}magnitudes",
+        t = {name: tensors[f"rows.{name}"] for name in ARRAYS[:-1]}
+        t["magnitudes"] = tensors.get("rows.magnitudes",
                                       torch.zeros(len(t["nodes"]), dtype=torch.float64))
-        names += ("magnitudes",)
-        if any(t[name].dim() != 1 for name in names):
+        if any(t[name].dim() != 1 for name in ARRAYS):
             raise InputError("row arrays that are not one-dimensional")
         integral = ("nodes", "counts", "columns")
         if any(t[name].numel() and (t[name].is_floating_point() or t[name].is_complex()

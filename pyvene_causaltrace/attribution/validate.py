@@ -18,6 +18,7 @@ from ..interventions.clt_splice import clean_errors, clt_splice_representations
 from ..model_guard import measured
 from ..runtime import intervened
 from ..transcoders.transcoder import Transcoder
+from .faithfulness import check_logit_graph
 
 if TYPE_CHECKING:  # annotations only
     from .graph import AttributionGraph
@@ -91,13 +92,7 @@ def ablation_test(model: BoundModel, transcoder: Transcoder, graph: AttributionG
     ``sizes``, at most the number of active features) in the model spliced with
     ``transcoder``. The probability read is the first logit node's (the answer's, or the most
     probable of several). ``model`` is bound once (``@measured``) for every spliced run."""
-    if graph.lorsa_layers:
-        raise InputError("the graph has Lorsa nodes (attention=lorsa); the ablation test "
-                         "ablates transcoder features in the model spliced with the "
-                         "transcoder alone and does not splice Lorsa yet")
-    if graph.targets[0].get("output", "logits") != "logits":
-        raise InputError("the ablation test reads the answer's probability; this graph explains "
-                         f"a direction ({graph.targets[0]['name']}), not a logit")
+    check_logit_graph(graph, "the ablation test")
     ids = torch.tensor([graph.input_ids], device=model.device)
     errors = clean_errors(model, transcoder, ids, graph.from_position)
     token = int(graph.target["token"])

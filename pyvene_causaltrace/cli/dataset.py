@@ -90,12 +90,8 @@ def dataset_command(args) -> int:
                          "one process")
     check_run_directory(run_path(args.out, shard))
     # the transcoder's files are read before the model loads: a wrong --clt costs no model load
-    options = {} if graphs is None else {
-        "transcoder": load_transcoder(args.clt, format=args.format, device=device),
-        "graph_options": graphs,
-        **({} if graph_faith is None else {"graph_faithfulness": graph_faith})}
-    if faithfulness is not None:
-        options["faithfulness"] = faithfulness
+    transcoder = None if graphs is None else load_transcoder(args.clt, format=args.format,
+                                                             device=device)
     for error in errors[:10]:
         print(f"skipping malformed record {error}", file=sys.stderr)
     if len(errors) > 10:
@@ -103,7 +99,8 @@ def dataset_command(args) -> int:
     model, tokenizer = load_model(args.model or OFFLINE_DEFAULT, device=device)
     result = trace_dataset_distributed(model, tokenizer, records, out=args.out, errors=errors,
                                        settings=settings, progress=not args.no_progress,
-                                       **options)
+                                       transcoder=transcoder, graph_options=graphs,
+                                       graph_faithfulness=graph_faith, faithfulness=faithfulness)
     if result is not None:  # rank 0, or a single process
         write_dataset_report(result, args.out)
     if faithfulness is not None:

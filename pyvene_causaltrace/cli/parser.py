@@ -71,8 +71,8 @@ _BOS_HELP = ("how position 0 is treated: auto - as BOS (not spliced, no features
              "scored) only when the tokenizer prepends one (SmolLM2's adds none); always - as "
              "BOS whatever the tokenizer does (circuit-tracer's convention); never - like any "
              f"token (default {BOS})")
-_FORMAT_HELP = ("the transcoder's layout: mntss, circuit_tracer, gemmascope, sae_lens or "
-                "sparsify (default: detected)")
+_FORMAT_HELP = ("the transcoder's layout: mntss, circuit_tracer, gemmascope, gemmascope2, "
+                "bytedance, sae_lens, sparsify or llamascopium (default: detected)")
 _BOS_MODES = ("auto", "always", "never")  # prompts.BOS_MODES, which imports torch
 # the help of a flag several commands share, written once
 _MODEL_HELP = "default: smollm2-135m (bundled)"

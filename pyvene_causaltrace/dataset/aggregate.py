@@ -6,10 +6,12 @@ ROME); a role's curve is its mean over the role's positions
 over the facts with the role, with a percentile bootstrap interval. The total effect is
 ``clean - corrupt`` per fact. Values are kept by (fact, kind, seed) and combined in sorted
 order, so a merged or resumed run gives exactly an uninterrupted one's numbers; a key given
-twice must agree. Only per-fact role curves are held, never grids."""
+twice must agree. Only per-fact role curves are held, never grids; a bootstrap that cannot fit
+this machine's memory is refused before it allocates (:func:`check_boot_fits`)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -17,9 +19,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..arguments import checked
-from ..errors import InputError
+from ..errors import InputError, MemoryCapError
+from ..memory import device_bytes
 from ..tracing.roles import BEFORE_SUBJECT, ROLES, role_positions
-from .plan import check_boot_fits
 from .results import DatasetResult
 
 ROLE_ORDER = (BEFORE_SUBJECT, *ROLES)
@@ -66,6 +68,28 @@ def bootstrap_interval(values: np.ndarray, *, n_boot: int, level: float = 0.95,
         low = np.nanquantile(boots, tail, axis=0)
         high = np.nanquantile(boots, 1 - tail, axis=0)
     return low.reshape(values.shape[1:]), high.reshape(values.shape[1:])
+
+
+def bootstrap_bytes(n_boot: int, n_facts: int, n_values: int) -> int:
+    """Bytes a percentile bootstrap of ``n_values`` means over ``n_facts`` holds at once:
+    resample weights and draws, the resampled means and the quantiles' working copies."""
+    return 8 * n_boot * (2 * n_facts + 4 * n_values)
+
+
+def check_boot_fits(n_boot: int, n_facts: int, n_values: int) -> None:
+    """Refuse, before allocating, a bootstrap that cannot fit this machine's memory."""
+    need, have = bootstrap_bytes(n_boot, n_facts, n_values), device_bytes()
+    if need > have:
+        most = max(1, have // max(1, bootstrap_bytes(1, n_facts, n_values)))
+        raise MemoryCapError(
+            f"n_boot (--boot) {n_boot}: the bootstrap over {n_facts} fact(s) would hold "
+            f"{_size(need)}, more than this machine's {_size(have)}; use at most {most} "
+            "resamples (1000 is the usual)")
+
+
+def _size(n_bytes: float) -> str:
+    power = min(4, int(math.log(max(n_bytes, 1), 1024)))
+    return f"{n_bytes / 1024 ** power:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[power]}"
 
 
 @checked

@@ -17,8 +17,7 @@ from ..arguments import checked
 from ..crosscheck.sites import SITE_PARTS, reachable_cells, spearman, window_sum
 from ..errors import InputError
 from ..locations import window_layers
-from .aggregate import ROLE_ORDER, _nanmean, bootstrap_interval, role_curves
-from .plan import check_boot_fits
+from .aggregate import ROLE_ORDER, _nanmean, bootstrap_interval, check_boot_fits, role_curves
 
 __all__ = ["COMPARED_KINDS", "TraceGrids", "aggregate_graphs", "faithfulness_summary"]
 

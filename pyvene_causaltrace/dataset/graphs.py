@@ -28,7 +28,6 @@ or ``"kl"``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,6 +44,7 @@ from ..defaults import DATASET_SAVE_GRAPHS
 from ..errors import InputError
 from ..fingerprint import transcoder_fingerprint
 from ..prompts import tokenize_prompt
+from ..tracing.results import finite_or_none
 from ..transcoders import Transcoder, check_fits
 from .records import FactRecord
 
@@ -154,12 +154,6 @@ def counterfactuals(tokenizer: Tokenizer, kept: list[dict], settings: Faithfulne
     return out
 
 
-def _number(value: float) -> float | None:
-    """``value`` as a JSON number, ``None`` for NaN (a target of exactly 0 has no shares)."""
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
 def _curve(model, tokenizer, transcoder, graph, settings: FaithfulnessSettings,
            counterfactual: dict | list[dict] | str | None) -> dict:
     """The row's ``faithfulness`` entries: the curve's summary (with the curve), the
@@ -215,10 +209,8 @@ def graph_row(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder, li
         "answer_prob": float(graph.answer_prob), "n_features": graph.n_features,
         "n_explored": graph.n_explored, "closure": float(graph.closure.relative),
         "feature_closure": float(graph.feature_closure()),
-        "error_share": _number(scores["error_share"]),
-        "replacement": _number(scores["replacement"]),
-        "completeness": _number(scores["completeness"]),
-        "unexplored_influence": _number(scores["unexplored_influence"]),
+        **{key: finite_or_none(float(scores[key]))  # NaN (a target of 0 has no shares): null
+           for key in ("error_share", "replacement", "completeness", "unexplored_influence")},
         "seconds": float(graph.metadata["seconds"]["total"]),
         "influence": {part: site_influence(graph, part, share=True).tolist()
                       for part in SITE_PARTS},

@@ -49,7 +49,7 @@ from ..tracing.noise_scale import resolve_sigma, subject_sigma
 from ..tracing.settings import TraceFaithfulnessSettings, TraceSettings
 from ..tracing.tracer import Tracer
 from ..transcoders import Transcoder
-from .aggregate import ROLE_ORDER, aggregate_rows
+from .aggregate import ROLE_ORDER, aggregate_rows, check_boot_fits
 from .faithfulness import faithfulness_row
 from .graph_aggregate import TraceGrids, aggregate_graphs
 from .graphs import (
@@ -60,7 +60,6 @@ from .graphs import (
     graph_manifest,
     graph_row,
 )
-from .plan import check_boot_fits
 from .records import FactRecord, RecordError
 from .results import DatasetResult
 from .settings import KNOWN_RULES, DatasetSettings

@@ -257,7 +257,8 @@ def _read_one(folder: Path, dtype: torch.dtype, device) -> tuple[Lorsa, str | No
 def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device | None = None) -> LorsaSet:
     """A Lorsa directory (config.json + sae_weights.safetensors) or a directory of them (one
-    per layer), checked and lazy (module docstring). Refusals are
+    per layer; directories of other ``sae_type`` beside them are skipped), checked and lazy
+    (module docstring). Refusals are
     :class:`~..errors.TranscoderFormatError` naming the file and field."""
     check_dtype(dtype)
     root = Path(path).expanduser()
@@ -265,6 +266,10 @@ def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
         folders = [root]
     else:
         folders = sorted(p.parent for p in root.glob("*/config.json")) if root.is_dir() else []
+        # the other dictionaries of a replacement model beside them (sae_type "sae": their
+        # transcoders, load_transcoder's) are left out
+        folders = [f for f in folders
+                   if read_json_object(f / "config.json").get("sae_type", "lorsa") == "lorsa"]
         if not folders:
             raise TranscoderFormatError(f"{root}: no Lorsa here (a directory with config.json, "
                                         "or directories of them)")

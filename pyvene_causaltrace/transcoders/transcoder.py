@@ -7,8 +7,9 @@ layer ``l`` writes: ``L - l`` for a cross-layer transcoder, 1 for a per-layer se
 - ``W_dec[l]`` ``[F, T_l, D]``: feature ``f`` born at layer ``l`` writes ``W_dec[l][f, t - l]``
   into target layer ``t``;
 - ``W_skip[l]`` ``[D, D]`` (optional, either kind): ``skip_l(x) = x @ W_skip[l].T``;
-- ``score_weight`` ``[L, F]`` (``joint_topk`` only): what each feature's ``relu(z)`` is multiplied
-  by to rank it (ByteDance's decoder norms; ones when absent).
+- ``score_weight`` ``[L, F]`` (``joint_topk``; optional for ``relu_topk``): what each feature's
+  ``relu(z)`` is multiplied by to rank it, the activation staying ``relu(z)`` (ByteDance's and
+  llamascopium's decoder norms; ones when absent).
 
 Encode: ``z = x @ W_enc[l].T + b_enc[l]`` with ``x`` the input hook's value at layer ``l``, then
 the activation (:mod:`.config`); ``joint_topk``'s features need every layer's input, so only
@@ -156,8 +157,10 @@ class Transcoder(nn.Module):
         self.register_buffer("b_enc", b_enc.to(self.device_, dtype))
         self.register_buffer("threshold", threshold.to(self.device_, dtype))
         self.register_buffer("b_dec", b_dec.to(self.device_, dtype))
-        if (score_weight is not None) != cfg.joint:
-            raise InputError("score_weight goes with a joint_topk transcoder (ones if unknown)")
+        if cfg.joint and score_weight is None or score_weight is not None and not (
+                cfg.joint or cfg.activation == "relu_topk"):
+            raise InputError("score_weight goes with a joint_topk transcoder (ones if unknown) "
+                             "or ranks a relu_topk one's features")
         self.register_buffer("score_weight", None if score_weight is None
                              else score_weight.to(self.device_, dtype))
         self.W_enc = None if W_enc is None else W_enc.to(self.device_, dtype)
@@ -286,13 +289,15 @@ class Transcoder(nn.Module):
                     "input alone: use encode_all, or pass selection= (joint_selection of every "
                     "layer's input, e.g. the clean run's)")
             return torch.relu(z) * selection.to(z.device)
+        weight = None if self.score_weight is None else self.score_weight[layer]
         if self.features is not None and self.cfg.activation in RANKED_ACTIVATIONS:
             source = torch.relu(z) if self.cfg.activation == "relu_topk" else z
+            ranked = source if weight is None else source * weight
             ids = torch.arange(self.n_local, device=z.device) + self.feature_offset
-            keep = self._global_topk(source.reshape(-1, self.n_local), ids,
+            keep = self._global_topk(ranked.reshape(-1, self.n_local), ids,
                                      f"layer {layer}'s top-k over ranks")
             return torch.where(keep.reshape(source.shape), source, torch.zeros_like(source))
-        return activate(z, self.cfg.activation, self.threshold[layer], self.cfg.k)
+        return activate(z, self.cfg.activation, self.threshold[layer], self.cfg.k, weight)
 
     def joint_selection(self, inputs: torch.Tensor) -> torch.Tensor:
         """Bool ``[L, ..., F]``: the features the joint top-k keeps given every layer's input
@@ -431,8 +436,9 @@ def sliced_loader(loader: Callable[[int], torch.Tensor], lo: int, hi: int
 
 
 def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = None,
-             k: int | None = None) -> torch.Tensor:
-    """Feature activations from pre-activations ``z [..., F]``."""
+             k: int | None = None, score_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Feature activations from pre-activations ``z [..., F]``; ``relu_topk`` ranks
+    ``relu(z) * score_weight`` when given."""
     if activation == "jumprelu":
         return z * (z > threshold)
     if activation == "relu":
@@ -442,6 +448,9 @@ def activate(z: torch.Tensor, activation: str, threshold: torch.Tensor | None = 
                          "Transcoder.encode(..., selection=)")
     if activation in ("topk", "relu_topk"):
         source = torch.relu(z) if activation == "relu_topk" else z
+        if score_weight is not None:
+            index = (source * score_weight).topk(k, dim=-1).indices
+            return torch.zeros_like(z).scatter(-1, index, source.gather(-1, index))
         values, index = source.topk(k, dim=-1)
         return torch.zeros_like(z).scatter(-1, index, values)
     raise InputError(f"unknown activation {activation!r}")

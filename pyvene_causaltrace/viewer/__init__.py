@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
-from ..arguments import checked
+from ..arguments import PositiveInt, checked
 from ..errors import InputError
 from .annotations import MAX_SAVE_BYTES, AnnotationError, save, version
 from .listing import MAX_BYTES, MAX_DEPTH, GraphIndex, find_graphs
@@ -238,19 +238,15 @@ def _handler(index: GraphIndex, max_save_bytes: int) -> type[BaseHTTPRequestHand
 
 @checked
 def make_server(directory: str | Path, port: int = 8765, host: str = "127.0.0.1",
-                max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH,
-                max_save_bytes: int = MAX_SAVE_BYTES) -> ThreadingHTTPServer:
+                max_bytes: PositiveInt = MAX_BYTES, max_depth: PositiveInt = MAX_DEPTH,
+                max_save_bytes: PositiveInt = MAX_SAVE_BYTES) -> ThreadingHTTPServer:
     """The viewer's server for ``directory`` (not yet serving); ``port=0`` picks a free port.
     Graph files over ``max_bytes`` bytes or nested deeper than ``max_depth`` are skipped; a
     save request over ``max_save_bytes`` is refused (413). Raises :class:`InputError` for a bad
     port or a directory without graphs, ``OSError`` (naming the port) when the port cannot be
     had."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+    if not 0 <= port <= 65535:
         raise InputError(f"--port {port}: not a port (0 to 65535; 0 picks a free one)")
-    for name, value in (("max_bytes", max_bytes), ("max_depth", max_depth),
-                        ("max_save_bytes", max_save_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} {value!r}: a positive whole number")
     directory = Path(directory).expanduser()
     if not directory.is_dir():
         raise FileNotFoundError(f"no directory {directory}")

@@ -217,12 +217,6 @@ class GraphIndex:
                     if problem != _NOT_A_GRAPH]
 
     @checked
-    def read(self, name: str) -> bytes | None:
-        """The bytes of graph ``name`` (one of :meth:`names`), or None when it is not listed."""
-        loaded = self.load(name)
-        return None if loaded is None else loaded[0]
-
-    @checked
     def load(self, name: str) -> tuple[bytes, Key] | None:
         """The bytes of graph ``name`` and the key (mode, device, inode, size, mtime) of the
         file they were read from, or None when it is not listed."""

@@ -1,11 +1,11 @@
 """Loaders, one per on-disk layout, looked up by name in :data:`FORMATS` (sae-lens's
 convention): ``mntss`` (:mod:`.mntss`), ``circuit_tracer`` (:mod:`.circuit_tracer`),
 ``gemmascope`` (:mod:`.gemmascope`), ``gemmascope2`` (:mod:`.gemmascope2`), ``bytedance``
-(:mod:`.bytedance`), ``sae_lens`` (:mod:`.sae_lens`), ``sparsify`` (:mod:`.sparsify`); each
-module's docstring draws its files. Each loader (:class:`TranscoderLoader`) and detector
-(:class:`LayoutDetector`) checks everything before it returns: a missing file or layer, mixed
-widths, an unknown activation or hook, a ``W_skip`` of the wrong shape raise
-:class:`~pyvene_causaltrace.errors.TranscoderFormatError` naming the file.
+(:mod:`.bytedance`), ``sae_lens`` (:mod:`.sae_lens`), ``sparsify`` (:mod:`.sparsify`),
+``llamascopium`` (:mod:`.llamascopium`); each module's docstring draws its files. Each loader
+(:class:`TranscoderLoader`) and detector (:class:`LayoutDetector`) checks everything before it
+returns: a missing file or layer, mixed widths, an unknown activation or hook, a ``W_skip`` of
+the wrong shape raise :class:`~pyvene_causaltrace.errors.TranscoderFormatError` naming the file.
 
     tc = load_transcoder("mntss/clt-llama-3.2-1b-524k")          # layout detected
     tc = load_transcoder("path/to/config.yaml", format="circuit_tracer")"""
@@ -20,7 +20,16 @@ import torch
 from ...arguments import checked
 from ...errors import InputError, TranscoderFormatError
 from ..transcoder import Transcoder, register_layouts
-from . import bytedance, circuit_tracer, gemmascope, gemmascope2, mntss, sae_lens, sparsify
+from . import (
+    bytedance,
+    circuit_tracer,
+    gemmascope,
+    gemmascope2,
+    llamascopium,
+    mntss,
+    sae_lens,
+    sparsify,
+)
 from .common import hub_snapshot
 
 
@@ -51,13 +60,14 @@ FORMATS: dict[str, TranscoderLoader] = {
     "bytedance": bytedance.load,
     "sae_lens": sae_lens.load,
     "sparsify": sparsify.load,
+    "llamascopium": llamascopium.load,
 }
 #: Which layout a local path holds (every one is tried: two are refused).
 _DETECTORS: tuple[tuple[str, LayoutDetector], ...] = (
     ("mntss", mntss.is_layout), ("circuit_tracer", circuit_tracer.is_layout),
     ("bytedance", bytedance.is_layout), ("gemmascope2", gemmascope2.is_layout),
     ("sparsify", sparsify.is_layout), ("gemmascope", gemmascope.is_layout),
-    ("sae_lens", sae_lens.is_layout))
+    ("sae_lens", sae_lens.is_layout), ("llamascopium", llamascopium.is_layout))
 #: Files that make a directory look like a transcoder, for the error naming what was found.
 _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".yaml", ".yml", ".json")
 

@@ -307,6 +307,10 @@ def save(transcoder: Transcoder, path: str | Path) -> None:
     refuse_shard(transcoder)
     if cfg.cross_layer:
         raise InputError("a cross-layer transcoder is written in the mntss layout")
+    if transcoder.score_weight is not None:
+        raise InputError(f"this {cfg.activation} set ranks its features by weights "
+                         "(score_weight, e.g. llamascopium's decoder norms) that circuit-tracer's "
+                         "layout cannot hold: written there it would pick other features")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, cfg.disk_dtype)

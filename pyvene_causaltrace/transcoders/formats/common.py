@@ -345,9 +345,11 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
                  scan: str | None = None, source: str | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                  lazy_decoder: bool = True, features: tuple[int, int] | None = None,
-                 d_transcoder: int | None = None) -> Transcoder:
+                 d_transcoder: int | None = None,
+                 score_weight: torch.Tensor | None = None) -> Transcoder:
     """A per-layer set from its layers, every shape and dtype checked first. With ``features=
-    (lo, hi)`` the layers hold only those features of ``d_transcoder`` per layer: a shard."""
+    (lo, hi)`` the layers hold only those features of ``d_transcoder`` per layer: a shard.
+    ``score_weight [L, F]``: a ``relu_topk`` set's ranking weights (:mod:`..transcoder`)."""
     check_dtype(dtype)
     if not layers:
         raise TranscoderFormatError(f"{source}: no layers")
@@ -392,7 +394,7 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
         b_dec=torch.stack([layer.b_dec.to(dtype) for layer in layers]),
         W_enc=torch.stack([layer.W_enc.to(dtype) for layer in layers]), W_dec=W_dec,
         W_skip=[layer.W_skip for layer in layers] if has_skip else None,
-        dtype=dtype, device=device, source=source, features=features,
+        score_weight=score_weight, dtype=dtype, device=device, source=source, features=features,
         handles=[layer.handles[0] for layer in layers] if mapped else None)
 
 
