@@ -38,11 +38,7 @@ from ..atomic import write_text
 from ..bound import BoundModel
 from ..errors import InputError
 from ..fingerprint import transcoder_fingerprint
-from ..interventions.clt_splice import (
-    clean_errors,
-    clean_selection,
-    clt_splice_representations,
-)
+from ..interventions.clt_splice import clean_errors, clean_selection, clt_splice_representations
 from ..model_guard import measured
 from ..runtime import intervened
 from ..strict_json import loads
@@ -149,6 +145,11 @@ left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it
     random_cmd: list[float]
     forwards: int
     seconds: float = field(default=0.0, compare=False)
+
+    @property
+    def fractions(self) -> list[float]:
+        """The sizes as fractions (what CPR and CMD integrate over), as the trace's curve."""
+        return [round(s / 100, 12) for s in self.settings["sizes"]]
 
     def below_random(self) -> bool:
         """Whether CPR is below every random ranking's."""
