@@ -109,6 +109,30 @@ class Ranks:
             dist.barrier()
 
 
+def topk_over_ranks(ranks: Ranks, source: torch.Tensor, ids: torch.Tensor, k: int,
+                    what: str) -> torch.Tensor:
+    """Bool ``[N, M]``: which of this rank's columns of ``source [N, M]`` (global ids ``ids
+    [M]``, increasing) are among the ``k`` largest of every rank's, row by row: each rank sends
+    its ``k`` best (value, id) and all pick the same ``k``, ties to the lower global id (a
+    sharded transcoder's top-k, a sharded Lorsa's TopK over OV heads)."""
+    n_rows, width = source.shape
+    best = source.sort(dim=-1, descending=True, stable=True)  # ties: lower id first
+    mine = min(k, width)
+    candidates = torch.stack([best.values[:, :mine].double(),
+                              ids[best.indices[:, :mine]].double()], -1)  # [N, k, 2]
+    # float64 holds every value of the compute dtypes and ids below 2**53 exactly
+    gathered = torch.cat(ranks.all_gather(candidates.transpose(0, 1), what))  # [R*k, N, 2]
+    values, global_ids = gathered.transpose(0, 1).unbind(-1)  # [N, R*k]
+    by_id = global_ids.argsort(dim=-1)
+    values, global_ids = values.gather(-1, by_id), global_ids.gather(-1, by_id)
+    top = values.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+    chosen = global_ids.gather(-1, top).long()  # [N, k] global ids, every rank the same
+    column = torch.searchsorted(ids, chosen).clamp(max=width - 1)
+    column = torch.where(ids[column] == chosen, column, width)  # others' -> a spare column
+    keep = torch.zeros(n_rows, width + 1, dtype=torch.bool, device=source.device)
+    return keep.scatter_(-1, column, True)[:, :width]
+
+
 def _wire() -> torch.device:
     """Where the group's collectives take their tensors: NCCL's on this rank's GPU (it has no
     CPU collectives), gloo's on the CPU (a rank's CUDA tensors are copied there and back:

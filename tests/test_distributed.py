@@ -3,7 +3,8 @@
 Two ``torchrun`` launches (2 and 3 ranks) run every case of a tiny Llama and GPT-2 with a CLT
 and a per-layer set with skip, the transcoder sharded by feature (uneven: 47 features) or whole
 with the rows split, and (3 ranks) on Llama a per-layer TopK set and a ByteDance joint TopK CLT
-sharded by feature (their top-k a collective over the ranks); the graphs are compared here with one
+sharded by feature (their top-k a collective over the ranks), and (2 ranks) a CLT with a Lorsa
+on two layers (``attention=``) sharded by OV head beside it; the graphs are compared here with one
 process's: the same active features in the same order, the same logit nodes and rows computed,
 every edge within 1e-6 of its row's largest, the same closure and the same nodes kept by
 pruning. Then the faults: a rank killed mid-rows makes the other exit with one error line, no
@@ -25,8 +26,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _support.distributed_worker import lorsa_inputs
 from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
+from lorsa_fixtures import peer_config, peer_tensors, write_peer_lorsa
+from safetensors.torch import load_file
 from transcoder_fixtures import (
     bytedance_tensors,
     random_set,
@@ -38,6 +42,7 @@ from pyvene_causaltrace.attribution import AttributionGraph, attribute
 from pyvene_causaltrace.attribution.many import INDEX, attribute_many, read_prompts
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_transcoder
+from pyvene_causaltrace.transcoders.lorsa import head_range, load_lorsa
 
 #: Every test here but the prompts file's line checks starts processes; the graph equality and
 #: the prompts spread over ranks stay in the default tier (core: the issue's acceptance), the
@@ -48,6 +53,9 @@ WORKER = Path(__file__).parent / "_support" / "distributed_worker.py"
 ROOT = Path(__file__).parent.parent
 #: Features per layer: 47 splits unevenly over 2 and 3 ranks.
 FEATURES = 47
+#: The Lorsa case: OV heads per layer (45 = 32 x 1.40625: 23 + 22 over 2 ranks), QK heads (3:
+#: groups of 15, so rank 0's last group is cut), its layers.
+LORSA_HEADS, LORSA_QK, LORSA_LAYERS = 45, 3, (0, 2)
 
 
 def _case_dir(root: Path, tokenizer, arch: str, kind: str) -> Path:
@@ -55,7 +63,7 @@ def _case_dir(root: Path, tokenizer, arch: str, kind: str) -> Path:
     model = make_tiny_model(arch, init=0.2, n_layers=3)
     model.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
-    if kind == "clt":
+    if kind in ("clt", "lorsa"):
         write_clt(folder / "transcoder", random_clt_tensors(3, 32, FEATURES, threshold=0.1))
     elif kind == "topk":  # per-layer TopK: each position's 5 best of a layer's 47
         write_circuit_tracer(folder / "transcoder",
@@ -65,6 +73,11 @@ def _case_dir(root: Path, tokenizer, arch: str, kind: str) -> Path:
     else:
         write_circuit_tracer(folder / "transcoder",
                              random_set(3, 32, FEATURES, skip=True, threshold=0.05))
+    if kind == "lorsa":  # a Lorsa on two layers beside the CLT
+        for layer in LORSA_LAYERS:
+            cfg = peer_config(layer=layer, n_qk=LORSA_QK, expansion=LORSA_HEADS / 32)
+            write_peer_lorsa(folder / "lorsa" / f"L{layer}", cfg, peer_tensors(cfg, seed=layer),
+                             (2.5, 0.7))
     return folder
 
 
@@ -117,6 +130,10 @@ def launched(tmp_path_factory, tokenizer):
         if world == 2:
             cases.append({"dir": str(folders["llama", "set"]), "many": MANY,
                           "out": str(tmp / "many")})
+            folders["llama", "lorsa"] = _case_dir(tmp, tokenizer, "llama", "lorsa")
+            cases += [{"dir": str(folders["llama", "lorsa"]), "split": "features",
+                       "prompt": PROMPT, "lorsa": True},
+                      {"dir": str(folders["llama", "lorsa"]), "lorsa_encode": True}]
             launches.append(_torchrun(world, cases, tmp))
         else:  # plain processes with the env:// variables: a user's own launcher
             launches += _spawn(world, cases, tmp, f"cases_w{world}")
@@ -135,7 +152,8 @@ def _budget(arch: str, kind: str) -> tuple:
 
 @functools.cache
 def _single(folder: Path, tokenizer_dir: Path, budget: tuple = ()) -> AttributionGraph:
-    """One process's graph of a case (built once per case)."""
+    """One process's graph of a case (built once per case; through ``folder/lorsa`` where
+    there is one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # seconds: only when used
 
     budget = dict(budget)
@@ -143,8 +161,10 @@ def _single(folder: Path, tokenizer_dir: Path, budget: tuple = ()) -> Attributio
     model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     transcoder = load_transcoder(str(folder / "transcoder"))
+    lorsa = load_lorsa(folder / "lorsa") if (folder / "lorsa").is_dir() else None
     return attribute(model, tokenizer, transcoder, PROMPT,
-                     max_feature_nodes=budget.get("budget"), batch_size=budget.get("batch"))
+                     max_feature_nodes=budget.get("budget"), batch_size=budget.get("batch"),
+                     attention=lorsa)
 
 
 def _plain(value: object) -> object:
@@ -212,6 +232,48 @@ def test_ranks_build_the_one_process_graph(launched, arch, kind, split, world):
         assert max(held["transcoder_bytes_per_rank"]) < whole
     else:
         assert held["transcoder_bytes_per_rank"] == [whole] * world
+
+
+@pytest.mark.core
+def test_ranks_build_the_one_process_graph_through_a_sharded_lorsa(launched):
+    """A CLT sharded by feature and a Lorsa sharded by OV head (issue 56 item 1): the graph
+    of one process with the whole of both, Lorsa heads and errors included; each rank held
+    its slice of the Lorsa's OV-head tensors."""
+    folder = launched["llama", "lorsa"]
+    one = _single(folder, folder / "model")
+    many = AttributionGraph.load(folder / "graph_features_w2.safetensors")
+    assert one.lorsa_layers == list(LORSA_LAYERS) == many.lorsa_layers
+    assert one.n_features - one.first_lorsa_node > 10, "too few Lorsa nodes to compare"
+    assert one.first_lorsa_node == many.first_lorsa_node
+    assert_same_graph(one, many)
+    held = json.loads((folder / "graph_features_w2.json").read_text())
+    lorsa = load_lorsa(folder / "lorsa")
+    whole = sum(lorsa[layer].resident_bytes() for layer in lorsa.layers)
+    assert held["mode"] == "features" and len(held["lorsa_bytes_per_rank"]) == 2
+    assert max(held["lorsa_bytes_per_rank"]) < whole
+
+
+@pytest.mark.core
+def test_a_sharded_lorsa_encodes_and_decodes_as_the_whole_over_two_ranks(launched):
+    """Each rank's shard (rank 0's cuts a QK group) encodes its OV heads with the TopK a
+    collective, and the partial decodes summed are the whole's output. The control: each
+    shard's own top-k alone would keep more heads than the whole's TopK."""
+    folder = launched["llama", "lorsa"]
+    got = load_file(str(folder / "lorsa_encode_w2.safetensors"))
+    whole = load_lorsa(folder / "lorsa")
+    for layer in LORSA_LAYERS:
+        one = whole[layer]
+        assert one.cfg.n_ov_heads == LORSA_HEADS
+        assert head_range(LORSA_HEADS, 0, 2)[1] % one.cfg.group != 0
+        x = lorsa_inputs(one.cfg.d_model)
+        acts = one.encode(x)
+        assert torch.equal(got[f"acts.{layer}"] != 0, acts != 0)
+        torch.testing.assert_close(got[f"acts.{layer}"], acts, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[f"out.{layer}"], one.decode(acts), rtol=1e-5, atol=1e-6)
+        scored = torch.relu(one.hidden_pre(x) * one.W_O.norm(dim=1))
+        alone = sum(scored[..., slice(*head_range(LORSA_HEADS, rank, 2))].ne(0).sum(-1)
+                    .clamp(max=one.cfg.top_k) for rank in range(2))
+        assert bool((alone > acts.ne(0).sum(-1)).any())
 
 
 @pytest.mark.core

@@ -269,6 +269,9 @@ def _run_key(replacement: ReplacementModel, run: ReplacementRun, goals: tuple[Ta
         if spread.mode == "features":
             fingerprints["transcoder"] = spread.ranks.gather_objects(
                 fingerprints["transcoder"], "gathering the transcoder shards' fingerprints")
+            if "lorsa" in fingerprints:
+                fingerprints["lorsa"] = spread.ranks.gather_objects(
+                    fingerprints["lorsa"], "gathering the Lorsa shards' fingerprints")
     return {"input_ids": run.input_ids[0].tolist(),
             "target": [goal.describe() for goal in goals], "bos_errors": run.bos_errors,
             "from_position": replacement.from_position, "distributed": distributed,
@@ -394,7 +397,7 @@ def _graph(replacement: ReplacementModel, prepared: PreparedPrompt, run: Replace
                   "rows_computed": store.n_rows - resumed,
                   "lorsa": lorsa_metadata(replacement.lorsa, run),
                   "distributed": None if spread is None
-                  else spread.describe(replacement.transcoder)})
+                  else spread.describe(replacement.transcoder, replacement.lorsa)})
 
 
 def precision_metadata(run: ReplacementRun, model: nn.Module, tolerance: float) -> dict:

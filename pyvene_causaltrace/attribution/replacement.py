@@ -89,6 +89,9 @@ class ReplacementRun:
     #: (``features`` and ``feature_values`` are this rank's, the ``feature_*``, ``activation``
     #: and ``encoder_rows`` the whole graph's, :mod:`.sharded`).
     shard: FeatureShard | None = None
+    #: With a Lorsa sharded by OV head beside it: every rank's active heads (the graph's Lorsa
+    #: nodes; ``lorsa_heads`` are this rank's).
+    lorsa_nodes: int | None = None
     #: The dtype the forward ran in (:mod:`.precision`; None: the model's, float32's closure
     #: tolerance).
     compute_dtype: torch.dtype | None = None
@@ -122,7 +125,10 @@ class ReplacementRun:
     def n_transcoder_features(self) -> int:
         """Feature nodes ``[0, n)`` are the transcoder's (every rank's, with a sharded one), the
         rest Lorsa OV heads."""
-        return self.n_features - sum(int(h.value.numel()) for h in self.lorsa_heads)
+        heads = self.lorsa_nodes
+        if heads is None:
+            heads = sum(int(h.value.numel()) for h in self.lorsa_heads)
+        return self.n_features - heads
 
     def output(self, name: str) -> torch.Tensor:
         """The live output a target reads: ``"logits"`` or a captured state."""
@@ -260,9 +266,8 @@ def replacement_forward(
     ``lorsa`` replaces those layers' attention outputs by Lorsa reconstructions
     (:mod:`.lorsa_nodes`)."""
     model, adapter = bound.model, bound.adapter
-    if lorsa is not None and transcoder.features is not None:
-        raise InputError("attention= (a Lorsa set) with a transcoder sharded by feature is not "
-                         "supported: load the transcoder whole")
+    if lorsa is not None and lorsa.sharded != (transcoder.features is not None):
+        raise InputError(LORSA_SHARDED_ALIKE)
     n_layers = transcoder.n_layers
     embed_leaves = [GradientLeaf()]
     reps = [{"component": adapter.site("embed"), "intervention": embed_leaves[0]}]
@@ -324,20 +329,37 @@ def replacement_forward(
         run.encoder_rows = torch.cat([run.encoder_rows, *[
             h.w_v.to(run.encoder_rows.dtype) for h in run.lorsa_heads]])
     if transcoder.features is not None:
-        _gather_features(run, transcoder)
+        _gather_features(run, transcoder, lorsa)
     return run
 
 
-def _gather_features(run: ReplacementRun, transcoder: Transcoder) -> None:
-    """Make ``run``'s feature nodes the whole graph's (every rank's, :mod:`.sharded`), its
-    features and leaves staying this rank's."""
+#: Why a Lorsa set and a transcoder split differently over ranks are refused.
+LORSA_SHARDED_ALIKE = ("attention= (a Lorsa set) is split over ranks as the transcoder is: "
+                       "both whole, or the transcoder by feature (load_transcoder(..., shard=)) "
+                       "and the Lorsa by OV head (load_lorsa(..., shard=)), with the same "
+                       "(rank, world)")
+
+
+def _gather_features(run: ReplacementRun, transcoder: Transcoder,
+                     lorsa: LorsaSet | None = None) -> None:
+    """Make ``run``'s feature nodes the whole graph's (every rank's transcoder features, then
+    every rank's Lorsa heads, :mod:`.sharded`), its features and leaves staying this rank's."""
     ranks = current()
     if ranks is None:
         raise InputError(SHARD_ALONE)
+    n = sum(int(f.value.numel()) for f in run.features)  # this rank's transcoder features
     found, run.shard = globalize(
-        ranks, run.feature_layer, run.feature_position,
-        run.feature_id + transcoder.feature_offset, run.activation, run.encoder_rows,
-        run.n_pos, transcoder.cfg.d_transcoder)
+        ranks, run.feature_layer[:n], run.feature_position[:n],
+        run.feature_id[:n] + transcoder.feature_offset, run.activation[:n],
+        run.encoder_rows[:n], run.n_pos, transcoder.cfg.d_transcoder)
+    if lorsa is not None:  # head ids are global already
+        width = max(one.cfg.n_ov_heads for one in lorsa.layers.values())
+        heads, shard = globalize(ranks, run.feature_layer[n:], run.feature_position[n:],
+                                 run.feature_id[n:], run.activation[n:], run.encoder_rows[n:],
+                                 run.n_pos, width)
+        run.lorsa_nodes = len(heads["id"])
+        found = {name: torch.cat([found[name], heads[name]]) for name in found}
+        run.shard = run.shard.followed_by(shard)
     run.feature_layer, run.feature_position = found["layer"], found["position"]
     run.feature_id, run.activation = found["id"], found["activation"]
     run.encoder_rows = found["encoder_rows"]

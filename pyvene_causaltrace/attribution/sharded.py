@@ -4,7 +4,9 @@ Each rank holds features ``[lo, hi)`` of every layer; the ranks sum their partia
 reconstructions once per layer, so every rank runs the one process's forward (to float
 rounding) with only its own features as leaves. :func:`globalize` gives every rank the whole
 feature list in node order and a :class:`FeatureShard` naming its own; each rank fills its own
-features' columns of the replicated rows and :meth:`FeatureShard.gather_columns` joins them."""
+features' columns of the replicated rows and :meth:`FeatureShard.gather_columns` joins them.
+A Lorsa sharded by OV head beside it (:mod:`.lorsa_nodes`) is globalized the same way, its
+heads after every rank's features (:meth:`FeatureShard.followed_by`)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,14 @@ class FeatureShard:
         for index, part in zip(self.indices, parts, strict=True):
             full[:, index.to(full.device)] = part.T.to(full.dtype)
         return torch.cat([full, rest], dim=1)
+
+    def followed_by(self, other: FeatureShard) -> FeatureShard:
+        """The nodes of this shard, then ``other``'s (a sharded Lorsa's heads after the
+        transcoder's features): every rank's local columns in that order too."""
+        return FeatureShard(self.ranks, tuple(
+            torch.cat([mine, theirs + self.n_global])
+            for mine, theirs in zip(self.indices, other.indices, strict=True)),
+            self.n_global + other.n_global)
 
 
 def globalize(ranks: Ranks, layers: torch.Tensor, positions: torch.Tensor,

@@ -15,9 +15,13 @@ import torch
 from ..distributed import Ranks, current
 from ..errors import InputError
 from ..fingerprint import tensors_fingerprint, transcoder_fingerprint
+from ..interventions.lorsa_splice import LORSA_SUM_ALONE
 from ..interventions.splice_math import SHARD_ALONE
+from ..transcoders.lorsa import LorsaSet
+from ..transcoders.lorsa_config import HEAD_TENSORS, head_range
 from ..transcoders.transcoder import Transcoder, feature_range
-from .replacement import ReplacementRun
+from .lorsa_nodes import lorsa_fingerprint
+from .replacement import LORSA_SHARDED_ALIKE, ReplacementRun
 
 if TYPE_CHECKING:  # annotations only
     from .replacement_model import ReplacementModel
@@ -43,12 +47,16 @@ class Spread:
            settings: AttributionSettings) -> Spread | None:
         """The run's spread (None: one process), after checking that every rank holds the
         same model, transcoder, prompt and settings."""
-        ranks, transcoder = current(), replacement.transcoder
+        ranks, transcoder, lorsa = current(), replacement.transcoder, replacement.lorsa
         if ranks is None:
             if transcoder.features is not None:
                 raise InputError(SHARD_ALONE)
+            if lorsa is not None and lorsa.sharded:
+                raise InputError(LORSA_SUM_ALONE)
             return None
         sharded = transcoder.features is not None
+        if lorsa is not None:
+            _check_lorsa(lorsa, sharded, ranks)
         if sharded and transcoder.features != feature_range(transcoder.cfg.d_transcoder,
                                                            ranks.rank, ranks.world):
             raise InputError(
@@ -58,6 +66,8 @@ class Spread:
         ranks.agree("mode (a sharded transcoder or a whole one)", sharded)
         ranks.agree("model weights", replacement.bound.fingerprint)
         ranks.agree("transcoder", (transcoder.cfg.yaml_dict(), shared_fingerprint(transcoder)))
+        if lorsa is not None:
+            ranks.agree("Lorsa", lorsa_shared_fingerprint(lorsa))
         ranks.agree("prompt and answer", (prompt, answer))
         ranks.agree("settings", repr(settings))
         return cls(ranks, "features" if sharded else "rows")
@@ -74,12 +84,39 @@ class Spread:
         full = torch.cat(self.ranks.all_gather(both.detach(), "gathering the rows"))
         return full[:, :-1], full[:, -1]
 
-    def describe(self, transcoder: Transcoder) -> dict:
+    def describe(self, transcoder: Transcoder, lorsa: LorsaSet | None = None) -> dict:
         """What ``summary.json`` and the graph's metadata say about the run's ranks."""
         held = self.ranks.gather_objects(transcoder.resident_bytes(),
                                          "gathering the transcoder bytes per rank")
-        return {"world": self.ranks.world, "mode": self.mode,
-                "transcoder_bytes_per_rank": held}
+        out = {"world": self.ranks.world, "mode": self.mode, "transcoder_bytes_per_rank": held}
+        if lorsa is not None:
+            out["lorsa_bytes_per_rank"] = self.ranks.gather_objects(
+                sum(lorsa[layer].resident_bytes() for layer in lorsa.layers),
+                "gathering the Lorsa bytes per rank")
+        return out
+
+
+def _check_lorsa(lorsa: LorsaSet, sharded: bool, ranks: Ranks) -> None:
+    """Refuse a Lorsa set split otherwise than the transcoder, or holding other OV heads than
+    this rank's share."""
+    if lorsa.sharded != sharded:
+        raise InputError(LORSA_SHARDED_ALIKE)
+    for layer, one in lorsa.layers.items():
+        share = head_range(one.cfg.n_ov_heads, ranks.rank, ranks.world)
+        if sharded and one.heads != share:
+            raise InputError(f"rank {ranks.rank} of {ranks.world} holds layer {layer}'s OV heads "
+                             f"{one.heads}, not its share {share}: load the Lorsa with "
+                             "shard=(rank, world) of this run")
+
+
+def lorsa_shared_fingerprint(lorsa: LorsaSet) -> str:
+    """What every rank's Lorsa set must share: the whole set's fingerprint, or for shards
+    what every rank holds alike (the QK side, ``b_D``) and the source."""
+    if not lorsa.sharded:
+        return lorsa_fingerprint(lorsa)
+    return f"{lorsa.source}:" + tensors_fingerprint([
+        (f"{layer}.{name}", tensor) for layer in sorted(lorsa.layers)
+        for name, tensor in lorsa[layer].tensors().items() if name not in HEAD_TENSORS])
 
 
 def shared_fingerprint(transcoder: Transcoder) -> str:

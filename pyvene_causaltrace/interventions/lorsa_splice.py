@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ..bound import BoundModel, bind
+from ..distributed import current
 from ..errors import InputError, SpecError
 from ..locations import resolve_layers
 from ..transcoders.hooks import hook_component, hook_value, norm_settings
@@ -49,14 +50,21 @@ from ..transcoders.lorsa import (
 from .spec_entry import Site, SpecContext
 from .splice_session import SpliceIntervention, SpliceSession
 
+#: Why a Lorsa shard's leaf splice is refused outside a distributed run.
+LORSA_SUM_ALONE = ("this Lorsa is one rank's shard of its OV heads (load_lorsa(..., shard=)): "
+                   "alone it reconstructs the layer's attention from a part of its heads, which "
+                   "gives wrong numbers; run it under torchrun with every rank holding its shard "
+                   "(attribute), or load the whole Lorsa")
+
 __all__ = ["LorsaHeads", "LorsaSplice", "clean_lorsa_errors", "lorsa_splice_representations"]
 
 
 @dataclass
 class LorsaHeads:
-    """One layer's active OV heads in a leaf-mode splice: position, head and value (an
-    autograd leaf) of each, nonzero order; ``pattern`` ``[n_qk, P, P]`` the clean run's QK
-    patterns, ``group`` OV heads per QK head, ``w_v`` ``[n, D]`` the heads' value rows."""
+    """One layer's active OV heads in a leaf-mode splice: position, head (its global id) and
+    value (an autograd leaf) of each, nonzero order; ``pattern`` ``[n_qk, P, P]`` the clean
+    run's QK patterns, ``group`` OV heads per QK head, ``w_v`` ``[n, D]`` the heads' value rows.
+    A Lorsa sharded by OV head keeps this rank's heads (every rank's QK patterns)."""
 
     position: torch.Tensor
     head: torch.Tensor
@@ -215,20 +223,33 @@ class LorsaSplice(SpliceIntervention):
                 acts[:, :start] = 0
                 _, position, head = acts.nonzero(as_tuple=True)
             value = acts[0, position, head].detach().requires_grad_(True)
-            leaves["heads"][layer] = LorsaHeads(position, head, value, pattern[0],
-                                                lorsa.cfg.group, lorsa.W_V[head])
+            leaves["heads"][layer] = LorsaHeads(position, head + lorsa.head_offset, value,
+                                                pattern[0], lorsa.cfg.group, lorsa.W_V[head])
             leaves["inputs"][layer] = x
             return base
         heads = leaves["heads"][layer]
         bias = lorsa.b_D if lorsa.cfg.use_decoder_bias else lorsa.W_O.new_zeros(lorsa.cfg.d_model)
         leaves["b_D"][layer] = bias = bias.detach().clone().requires_grad_(True)
-        acts = heads.value.new_zeros(base.shape[1], lorsa.cfg.n_ov_heads)
-        acts = acts.index_put((heads.position, heads.head), heads.value)
-        recon = (acts.to(lorsa.dtype) @ lorsa.W_O + bias)[None].to(base.dtype)
+        acts = heads.value.new_zeros(base.shape[1], lorsa.n_local)
+        acts = acts.index_put((heads.position, heads.head - lorsa.head_offset), heads.value)
+        written = acts.to(lorsa.dtype) @ lorsa.W_O
+        if lorsa.heads is not None:  # a shard: every rank's heads write this layer
+            written = _summed_over_ranks(written, layer)
+        recon = (written + bias)[None].to(base.dtype)
         error = (base - recon).detach().requires_grad_(True)
         leaves["errors"][layer] = error
         spliced = recon + error
         return base.detach() + (spliced - spliced.detach())
+
+
+def _summed_over_ranks(written: torch.Tensor, layer: int) -> torch.Tensor:
+    """What every rank's OV heads write (one sum over ranks): the value the sum, the gradient
+    this rank's head leaves' alone (as a sharded transcoder's features', :mod:`.splice_math`)."""
+    ranks = current()
+    if ranks is None:
+        raise InputError(LORSA_SUM_ALONE)
+    total = ranks.all_reduce(written, f"summing layer {layer}'s Lorsa output over ranks")
+    return total + (written - written.detach())
 
 
 @torch.no_grad()

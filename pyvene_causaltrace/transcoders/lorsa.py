@@ -21,9 +21,19 @@ On disk a Lorsa is a directory: ``config.json`` (LorsaConfig's fields) and
 :func:`load_lorsa` reads the configs and the files' headers (names, shapes, dtypes checked);
 a layer's tensors are read the first time it is used.
 
+Sharded by OV head (docs/transcoders.md, "Lorsa sharded by OV head"): ``load_lorsa(...,
+shard=(rank, world))`` or :meth:`Lorsa.shard` keeps OV heads :func:`head_range` of each layer
+(``W_V``, ``W_O``, ``b_V``: only those rows are read from the file); the QK side (``W_Q``,
+``W_K``, their biases and norms) and ``b_D`` stay whole on every rank, so a range need not
+hold whole QK groups. A shard's ``encode`` gives its heads (local ids; global = local +
+``head_offset``), its TopK a collective over the ranks, ties to the lower global id (only
+there may it differ from the whole's ``torch.topk``); outside a distributed run a TopK shard
+refuses to encode. ``decode(acts, partial=True)`` is its part of ``acts @ W_O``, without ``b_D``.
+
     lorsa = load_lorsa("path/to/lorsa-dir-or-set")    # LorsaSet: lorsa[layer] -> Lorsa
     acts = lorsa[3].encode(x)                          # [B, P, n_ov_heads]
     fvu = lorsa_fvu(model, tokenizer, lorsa, texts)    # {layer: FVU}
+    part = load_lorsa("path", shard=(rank, world))     # OV heads head_range(...) per layer
 """
 
 from __future__ import annotations
@@ -36,19 +46,28 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .. import distributed
 from ..atomic import replacing, write_text
 from ..bound import BoundModel, bind
 from ..errors import InputError, TranscoderFormatError, TranscoderMismatchError
 from .formats.common import check_dtype, open_safetensors, read_json_object, read_tensors
 from .hooks import hook_site, hook_states
-from .lorsa_config import INPUT_HOOK, OUTPUT_HOOK, PEER_DEFAULTS, LorsaConfig
+from .lorsa_config import (
+    HEAD_TENSORS,
+    INPUT_HOOK,
+    LORSA_SHARD_ALONE,
+    OUTPUT_HOOK,
+    PEER_DEFAULTS,
+    LorsaConfig,
+    head_range,
+    shard_arg,
+)
 
 WEIGHTS = ("sae_weights.safetensors", "checkpoints/pruned.safetensors",
            "checkpoints/final.safetensors")
 NORM_KEY = "dataset_average_activation_norm."
 #: Buffers their state dict holds (their strict loader needs them; we recompute them).
 BUFFERS = ("mask", "IGNORE", "rotary_sin", "rotary_cos")
-
 
 def _rotate(x: torch.Tensor, cfg: LorsaConfig, sin: torch.Tensor,
             cos: torch.Tensor) -> torch.Tensor:
@@ -78,28 +97,67 @@ def rotary_tables(cfg: LorsaConfig, n_pos: int, dtype: torch.dtype,
 
 class Lorsa(nn.Module):
     """One layer's Lorsa (module docstring): weights as buffers, read from ``path`` the first
-    time they are used unless given."""
+    time they are used unless given. ``heads=(lo, hi)`` makes it a shard: ``W_V``, ``W_O`` and
+    ``b_V`` hold OV heads ``[lo, hi)`` alone, ``cfg`` describes the whole."""
 
     def __init__(self, cfg: LorsaConfig, tensors: dict[str, torch.Tensor] | None = None, *,
                  path: Path | None = None, dtype: torch.dtype = torch.float32,
-                 device=None) -> None:
+                 device=None, heads: tuple[int, int] | None = None) -> None:
         super().__init__()
+        if heads is not None:
+            lo, hi = heads
+            if not 0 <= lo < hi <= cfg.n_ov_heads:
+                raise InputError(f"heads {heads} is not a range [lo, hi) within the Lorsa's "
+                                 f"{cfg.n_ov_heads} OV heads")
+            heads = (int(lo), int(hi))
         self.cfg, self.path, self.dtype, self._device = cfg, path, dtype, device
+        self.heads = heads
         self._loaded = False
         if tensors is not None:
             self._take(tensors)
 
     def _take(self, tensors: dict[str, torch.Tensor]) -> None:
         for name in self.cfg.shapes():
+            if name in HEAD_TENSORS and tensors[name].shape[0] != self.n_local:
+                raise InputError(f"{name} holds {tensors[name].shape[0]} OV heads; this Lorsa "
+                                 f"{'shard ' if self.heads else ''}holds {self.n_local}")
             self.register_buffer(name.replace(".", "_"),
                                  tensors[name].to(device=self._device, dtype=self.dtype))
         self._loaded = True
 
     def load(self) -> Lorsa:
-        """Read the weights (once)."""
+        """Read the weights (once; a shard's OV-head rows alone)."""
         if not self._loaded:
-            self._take(_read_weights(self.cfg, self.path))
+            self._take(_read_weights(self.cfg, self.path, self.heads))
         return self
+
+    @property
+    def n_local(self) -> int:
+        """OV heads this object holds (``cfg.n_ov_heads`` unless a shard)."""
+        return self.cfg.n_ov_heads if self.heads is None else self.heads[1] - self.heads[0]
+
+    @property
+    def head_offset(self) -> int:
+        """Global id of local OV head 0 (0 unless a shard)."""
+        return 0 if self.heads is None else self.heads[0]
+
+    def shard(self, rank: int, world: int) -> Lorsa:
+        """OV heads :func:`head_range` ``(n_ov_heads, rank, world)`` (module docstring): not
+        yet read, it will read only their rows; read, a copy of them; the QK side and ``b_D``
+        shared."""
+        if self.heads is not None:
+            raise InputError(f"this Lorsa is already a shard (OV heads {self.heads}); shard the "
+                             "whole Lorsa")
+        lo, hi = head_range(self.cfg.n_ov_heads, rank, world)
+        tensors = None if not self._loaded else {
+            name: t[lo:hi].clone() if name in HEAD_TENSORS else t
+            for name, t in self.tensors().items()}
+        return Lorsa(self.cfg, tensors, path=self.path, dtype=self.dtype, device=self._device,
+                     heads=(lo, hi))
+
+    def resident_bytes(self) -> int:
+        """Bytes of the weights this object holds (read now if not yet)."""
+        return sum(t.nbytes for t in self.tensors().values())
 
     def queries_keys(self, x: torch.Tensor, frozen: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,31 +198,66 @@ class Lorsa(nn.Module):
             self.load()
             v = x.to(self.dtype) @ self.W_V.T + self.b_V
         b, p, _ = v.shape
-        grouped = v.view(b, p, self.cfg.n_qk_heads, self.cfg.group)
-        return torch.einsum("bhqk,bkhg->bqhg", pattern, grouped).reshape(b, p, -1)
+        group = self.cfg.group
+        if self.heads is None:
+            grouped = v.view(b, p, self.cfg.n_qk_heads, group)
+            return torch.einsum("bhqk,bkhg->bqhg", pattern, grouped).reshape(b, p, -1)
+        # a shard: its heads padded to the whole QK groups they fall in, those groups' patterns
+        lo, hi = self.heads
+        first, last = lo // group, (hi - 1) // group + 1
+        padded = v.new_zeros(b, p, (last - first) * group)
+        padded[..., lo - first * group:hi - first * group] = v
+        grouped = padded.view(b, p, last - first, group)
+        out = torch.einsum("bhqk,bkhg->bqhg", pattern[:, first:last], grouped).reshape(b, p, -1)
+        return out[..., lo - first * group:hi - first * group]
 
     def encode(self, x: torch.Tensor, pattern: torch.Tensor | None = None) -> torch.Tensor:
-        """OV-head activations ``[B, P, n_ov]``: ReLU, then the top_k per position (topk)."""
+        """OV-head activations ``[B, P, n_ov]`` (a shard's ``n_local``, local ids): ReLU, then
+        the top_k per position (topk; a shard's a collective, module docstring)."""
         pre = self.hidden_pre(x, pattern)
         norm = self.W_O.norm(dim=1) if self.cfg.sparsity_include_decoder_norm else None
         scored = pre * norm if norm is not None else pre
         scored = scored * scored.gt(0)  # utils/math.py topk after relu (sparse_dictionary:729)
         if self.cfg.act_fn == "topk":
-            chosen = scored.topk(min(self.cfg.top_k, scored.shape[-1]), dim=-1).indices
-            mask = torch.zeros_like(scored, dtype=torch.bool).scatter_(-1, chosen, True)
+            k = min(self.cfg.top_k, self.cfg.n_ov_heads)
+            if self.heads is None:
+                chosen = scored.topk(k, dim=-1).indices
+                mask = torch.zeros_like(scored, dtype=torch.bool).scatter_(-1, chosen, True)
+            else:
+                mask = self._topk_over_ranks(scored, k)
             scored = scored * mask
         return scored / norm if norm is not None else scored
 
-    def decode(self, acts: torch.Tensor) -> torch.Tensor:
-        """``acts @ W_O + b_D`` ``[B, P, D]`` (models/lorsa.py:765-782)."""
+    def _topk_over_ranks(self, scored: torch.Tensor, k: int) -> torch.Tensor:
+        """Bool like ``scored [..., n_local]``: this shard's heads among each position's ``k``
+        best of every rank's (:func:`~..distributed.topk_over_ranks`)."""
+        ranks = distributed.current()
+        if ranks is None:
+            raise InputError(LORSA_SHARD_ALONE.format(k=k))
+        ids = torch.arange(self.n_local, device=scored.device) + self.head_offset
+        keep = distributed.topk_over_ranks(ranks, scored.detach().reshape(-1, self.n_local), ids,
+                                           k, f"layer {self.cfg.layer}'s Lorsa TopK over ranks")
+        return keep.reshape(scored.shape)
+
+    def decode(self, acts: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        """``acts @ W_O + b_D`` ``[B, P, D]`` (models/lorsa.py:765-782); ``partial``: without
+        ``b_D``, a shard's part of the sum (summed over every shard, plus ``b_D`` once)."""
         self.load()
+        if acts.shape[-1] != self.n_local:
+            raise InputError(f"acts hold {acts.shape[-1]} OV heads; this Lorsa "
+                             f"{'shard ' if self.heads else ''}holds {self.n_local}")
+        if self.heads is not None and not partial:
+            raise InputError("a Lorsa shard's OV heads are a part of the layer's: its decode is "
+                             "partial (decode(acts, partial=True), summed over every shard, plus "
+                             "b_D once); load the whole Lorsa for the whole reconstruction")
         out = acts.to(self.dtype) @ self.W_O
-        return out + self.b_D if self.cfg.use_decoder_bias else out
+        return out + self.b_D if self.cfg.use_decoder_bias and not partial else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x))
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """Every weight by its file name (a shard's OV-head rows alone)."""
         self.load()
         return {name: getattr(self, name.replace(".", "_")) for name in self.cfg.shapes()}
 
@@ -204,8 +297,10 @@ def _check_header(cfg: LorsaConfig, path: Path) -> None:
             raise TranscoderFormatError(f"{path}: tensor {name} is stored as {code}, not floats")
 
 
-def _read_weights(cfg: LorsaConfig, path: Path) -> dict[str, torch.Tensor]:
-    tensors = read_tensors(path, names=list(cfg.shapes()))
+def _read_weights(cfg: LorsaConfig, path: Path,
+                  heads: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    tensors = read_tensors(path, names=list(cfg.shapes()), features=heads,
+                           axes=dict.fromkeys(HEAD_TENSORS, 0))
     for name in ("W_Q", "W_K", "b_Q", "b_K", "ln_q.w", "ln_k.w"):
         if name in tensors and tensors[name].shape[0] != cfg.n_qk_heads:
             tensors[name] = tensors[name].repeat_interleave(
@@ -244,6 +339,16 @@ class LorsaSet:
     def d_model(self) -> int:
         return next(iter(self.layers.values())).cfg.d_model
 
+    @property
+    def sharded(self) -> bool:
+        """Whether its Lorsas are shards of their OV heads (:meth:`shard`)."""
+        return any(one.heads is not None for one in self.layers.values())
+
+    def shard(self, rank: int, world: int) -> LorsaSet:
+        """Every layer's :meth:`Lorsa.shard` (module docstring)."""
+        return LorsaSet({layer: one.shard(rank, world) for layer, one in self.layers.items()},
+                        source=self.source, model_name=self.model_name)
+
 
 def _read_one(folder: Path, dtype: torch.dtype, device) -> tuple[Lorsa, str | None]:
     cfg = LorsaConfig.from_peer(read_json_object(folder / "config.json"), folder / "config.json")
@@ -255,12 +360,14 @@ def _read_one(folder: Path, dtype: torch.dtype, device) -> tuple[Lorsa, str | No
 
 
 def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device | None = None) -> LorsaSet:
+               device: str | torch.device | None = None, shard=None) -> LorsaSet:
     """A Lorsa directory (config.json + sae_weights.safetensors) or a directory of them (one
     per layer; directories of other ``sae_type`` beside them are skipped), checked and lazy
-    (module docstring). Refusals are
-    :class:`~..errors.TranscoderFormatError` naming the file and field."""
+    (module docstring). Refusals are :class:`~..errors.TranscoderFormatError` naming the file
+    and field. ``shard=(rank, world)``: each layer's OV heads :func:`head_range` alone (module
+    docstring)."""
     check_dtype(dtype)
+    shard = shard_arg(shard)
     root = Path(path).expanduser()
     if (root / "config.json").is_file():
         folders = [root]
@@ -287,7 +394,8 @@ def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
     if len(widths) > 1:
         raise TranscoderFormatError(f"{root}: the Lorsas' d_model differ ({sorted(widths)})")
     model_name = names.pop() if len(names) == 1 else None
-    return LorsaSet(dict(sorted(layers.items())), source=str(root), model_name=model_name)
+    found = LorsaSet(dict(sorted(layers.items())), source=str(root), model_name=model_name)
+    return found if shard is None else found.shard(*shard)
 
 
 def save_lorsa(lorsa: Lorsa, folder: str | Path, model_name: str | None = None) -> Path:
@@ -295,6 +403,8 @@ def save_lorsa(lorsa: Lorsa, folder: str | Path, model_name: str | None = None) 
     buffers its strict loader wants, lm_config.json when ``model_name`` is given)."""
     from safetensors.torch import save_file  # reason: only writers need it
 
+    if lorsa.heads is not None:
+        raise InputError(f"this Lorsa is a shard (OV heads {lorsa.heads}): save the whole Lorsa")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cfg = lorsa.cfg
@@ -362,4 +472,5 @@ def lorsa_fvu(model, tokenizer, lorsa: LorsaSet, texts: list[str],
 
 
 __all__ = ["INPUT_HOOK", "OUTPUT_HOOK", "Lorsa", "LorsaConfig", "LorsaSet", "check_lorsa_fits",
-           "load_lorsa", "lorsa_fvu", "lorsa_states", "rotary_tables", "save_lorsa"]
+           "head_range", "load_lorsa", "lorsa_fvu", "lorsa_states", "rotary_tables",
+           "save_lorsa"]

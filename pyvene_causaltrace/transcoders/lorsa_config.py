@@ -1,6 +1,6 @@
 """What a Lorsa is, apart from its weights: llamascopium's ``config.json`` read and checked
-(:class:`LorsaConfig`), and written back (:meth:`LorsaConfig.to_peer`). The maths and the
-loader: :mod:`.lorsa`."""
+(:class:`LorsaConfig`), and written back (:meth:`LorsaConfig.to_peer`); how a shard splits
+the OV heads (:func:`head_range`). The maths and the loader: :mod:`.lorsa`."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import InputError, TranscoderFormatError
 from .hooks import hook_name
+from .transcoder import feature_range
 
 #: llamascopium's defaults of the LorsaConfig fields a config.json may leave out
 #: (models/lorsa.py:45-73, models/sparse_dictionary.py:104-133).
@@ -23,6 +24,33 @@ REQUIRED = ("sae_type", "d_model", "expansion_factor", "hook_point_in", "hook_po
             "n_qk_heads", "d_qk_head", "rotary_dim", "n_ctx")
 #: Where it reads and writes, as TransformerLens names them.
 INPUT_HOOK, OUTPUT_HOOK = "ln1.hook_normalized", "hook_attn_out"
+#: The tensors with one row per OV head: what a shard holds a slice of
+#: (:mod:`.lorsa`, "Sharded by OV head").
+HEAD_TENSORS = ("W_V", "W_O", "b_V")
+#: Why a TopK shard refuses to encode outside a distributed run.
+LORSA_SHARD_ALONE = ("this Lorsa is one rank's shard of its OV heads (Lorsa.shard, "
+                     "load_lorsa(..., shard=)) and its TopK ranks them against the other ranks' "
+                     "heads: alone it cannot tell which {k} are kept; encode it under torchrun "
+                     "with every rank holding its shard (attribute), or load the whole Lorsa")
+
+
+def head_range(n_ov_heads: int, rank: int, world: int) -> tuple[int, int]:
+    """OV heads ``[lo, hi)`` that rank ``rank`` of ``world`` holds: contiguous, the first
+    ``n_ov_heads % world`` ranks one more (:func:`~.transcoder.feature_range`'s split).
+
+    >>> [head_range(45, rank, 2) for rank in range(2)]
+    [(0, 23), (23, 45)]"""
+    if isinstance(world, int) and not isinstance(world, bool) and world > n_ov_heads:
+        raise InputError(f"world={world} ranks cannot share n_ov_heads={n_ov_heads} OV heads: "
+                         "some would hold none")
+    return feature_range(n_ov_heads, rank, world)
+
+
+def shard_arg(shard) -> tuple[int, int] | None:
+    """A loader's ``shard=(rank, world)``, checked for its form (None: the whole)."""
+    if shard is not None and (not isinstance(shard, tuple | list) or len(shard) != 2):
+        raise InputError(f"shard must be (rank, world), got {shard!r}")
+    return None if shard is None else (shard[0], shard[1])
 
 
 def _layer_of(hook: str, where: Path, name: str) -> int:
@@ -151,4 +179,5 @@ class LorsaConfig:
                                     if k not in ("norm_activation",)}, **ours}
 
 
-__all__ = ["INPUT_HOOK", "OUTPUT_HOOK", "PEER_DEFAULTS", "REQUIRED", "LorsaConfig"]
+__all__ = ["HEAD_TENSORS", "INPUT_HOOK", "LORSA_SHARD_ALONE", "OUTPUT_HOOK", "PEER_DEFAULTS",
+           "REQUIRED", "LorsaConfig", "head_range", "shard_arg"]

@@ -10,7 +10,11 @@ Rank 0 saves each case's graph as ``dir/graph_<split>_w<world>.safetensors`` and
 metadata beside it; an error of the package is one line on stderr and exit status 1. With
 ``slow_rows`` each batch of rows sleeps that long (a window for the fault tests to kill a rank
 mid-rows); with ``checkpoint`` the rows are checkpointed there after every batch; with
-``hang_rank`` that rank sleeps before its first collective.
+``hang_rank`` that rank sleeps before its first collective. With ``"lorsa": true`` the graph
+goes through ``dir/lorsa`` (``attention=``; sharded by OV head with ``split="features"``);
+``{"dir", "lorsa_encode": true}`` encodes and decodes :func:`lorsa_inputs` with each rank's
+shard of ``dir/lorsa`` and rank 0 saves every layer's gathered activations and summed output
+as ``dir/lorsa_encode_w<world>.safetensors``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,27 @@ from pyvene_causaltrace.attribution import attribute
 from pyvene_causaltrace.attribution.many import attribute_many
 from pyvene_causaltrace.errors import CausalTraceError
 from pyvene_causaltrace.transcoders import load_transcoder
+from pyvene_causaltrace.transcoders.lorsa import load_lorsa
+
+
+def lorsa_inputs(d_model: int) -> torch.Tensor:
+    """The inputs the ``lorsa_encode`` case encodes (the test builds the same)."""
+    return torch.randn(2, 9, d_model, generator=torch.Generator().manual_seed(5))
+
+
+def _lorsa_encode(ranks, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    lorsa = load_lorsa(folder / "lorsa", shard=(ranks.rank, ranks.world))
+    out = {}
+    for layer in lorsa.layers:
+        part = lorsa[layer]
+        acts = part.encode(lorsa_inputs(part.cfg.d_model))
+        gathered = ranks.all_gather(acts.movedim(-1, 0).contiguous(), "gathering the heads")
+        out[f"acts.{layer}"] = torch.cat(gathered).movedim(0, -1).contiguous()
+        out[f"out.{layer}"] = ranks.all_reduce(part.decode(acts, partial=True)) + part.b_D
+    if ranks.first:
+        save_file(out, str(folder / f"lorsa_encode_w{ranks.world}.safetensors"))
 
 
 def _slow(seconds: float) -> None:
@@ -68,6 +93,9 @@ def run_cases(ranks, cases: list[dict]) -> None:
             attribute_many(model, tokenizer, load_transcoder(str(folder / "transcoder")),
                            case["many"], case["out"])
             continue
+        if case.get("lorsa_encode"):
+            _lorsa_encode(ranks, folder)
+            continue
         if case.get("slow_rows"):
             _slow(case["slow_rows"])
         model = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
@@ -76,12 +104,13 @@ def run_cases(ranks, cases: list[dict]) -> None:
         source = case.get("transcoder_by_rank", {}).get(str(ranks.rank),
                                                         str(folder / "transcoder"))
         transcoder = load_transcoder(source, **shard)
+        lorsa = load_lorsa(folder / "lorsa", **shard) if case.get("lorsa") else None
         print(f"rank {ranks.rank}: pid {os.getpid()}", flush=True)
         if case.get("hang_rank") == ranks.rank:  # a rank that hangs: the others time out
             time.sleep(3600)
         graph = attribute(model, tokenizer, transcoder, case["prompt"],
                           max_feature_nodes=case.get("budget"), batch_size=case.get("batch"),
-                          checkpoint=case.get("checkpoint"))
+                          checkpoint=case.get("checkpoint"), attention=lorsa)
         if ranks.first:
             name = f"graph_{case['split']}_w{ranks.world}"
             graph.save(folder / f"{name}.safetensors")
