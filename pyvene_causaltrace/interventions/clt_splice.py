@@ -92,16 +92,9 @@ class CLTSplice(SpliceIntervention):
                session: str | None = None, live_error: bool = False,
                error_from: str | None = None) -> None:
         source = source if source is not None else self._source_of()
-        if role not in ("encode", "decode"):
-            raise InputError(f"role must be 'encode' or 'decode', got {role!r}")
-        if from_position < 0:
-            raise InputError(f"from_position must be >= 0, got {from_position}")
-        if error is not None and (add_error or role != "decode"):
-            raise InputError("a fixed error goes on a decoder, instead of add_error")
+        self._check_roles(role, from_position, error, add_error, error_from)
         if live_error and (add_error or leaves):
             raise InputError("live_error replaces add_error (and leaf mode's error): give one")
-        if error_from not in (None, "clean"):
-            raise InputError(f"error_from must be None or 'clean', got {error_from!r}")
         self._set_tensor("error", error)
         self._config = {"role": role, "clt_layer": int(clt_layer),
                         "from_position": int(from_position), "add_error": bool(add_error),
@@ -134,13 +127,6 @@ class CLTSplice(SpliceIntervention):
                                      "model's own MLP output plus what the changed features "
                                      "change (circuit-tracer's feature interventions). Absent: "
                                      "the reconstruction alone (or add_error's)."}}}
-
-    @classmethod
-    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
-        if "error" in entry and entry.get("add_error"):
-            raise SpecError(f"{path}.error", "add_error makes the forward the original one "
-                                             "whatever the features; error replaces it: give "
-                                             "one of them")
 
     @classmethod
     def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:

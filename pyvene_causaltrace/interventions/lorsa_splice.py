@@ -80,6 +80,7 @@ class LorsaSplice(SpliceIntervention):
     registered_name = "lorsa_splice"
     tensor_fields = ("error",)
     spec_unique = True
+    _holds, _load = "a Lorsa", staticmethod(load_lorsa)  # the clt property reads it by path
 
     def _setup(self, role: str, lorsa_layer: int, from_position: int = 1,
                add_error: bool = False, reset: bool = False, source: str | None = None,
@@ -87,17 +88,10 @@ class LorsaSplice(SpliceIntervention):
                session: str | None = None, error_from: str | None = None,
                heads_off: list[int] | None = None, leaves: bool = False) -> None:
         source = source if source is not None else self._source_of()
-        if role not in ("encode", "decode"):
-            raise InputError(f"role must be 'encode' or 'decode', got {role!r}")
-        if from_position < 0:
-            raise InputError(f"from_position must be >= 0, got {from_position}")
-        if error is not None and (add_error or role != "decode"):
-            raise InputError("a fixed error goes on a decoder, instead of add_error")
+        self._check_roles(role, from_position, error, add_error, error_from)
         if leaves and (error is not None or add_error or heads_off):
             raise InputError("a leaf-mode Lorsa splice keeps its error as a leaf: no error, "
                              "add_error or heads_off with it")
-        if error_from not in (None, "clean"):
-            raise InputError(f"error_from must be None or 'clean', got {error_from!r}")
         self._set_tensor("error", error)
         self._config = {"role": role, "lorsa_layer": int(lorsa_layer),
                         "from_position": int(from_position), "add_error": bool(add_error),
@@ -106,20 +100,6 @@ class LorsaSplice(SpliceIntervention):
                         "session": self._session_id(session, source), "error_from": error_from,
                         "heads_off": sorted(int(h) for h in heads_off or []),
                         "leaves": bool(leaves)}
-
-    @property
-    def clt(self) -> LorsaSet:
-        """The Lorsa set given, else the one at the configured path, read once per session."""
-        if self._clt_object is not None:
-            return self._clt_object
-        source = self._config.get("source")
-        if source is None:
-            raise InputError("lorsa_splice needs a Lorsa (an object, or the path it was "
-                             "loaded from)")
-        found = self.session.transcoders.get(source)
-        if found is None:
-            found = self.session.transcoders[source] = load_lorsa(source)
-        return found
 
     # -- spec entry ------------------------------------------------------------------------
     @classmethod
@@ -142,12 +122,6 @@ class LorsaSplice(SpliceIntervention):
             "heads_off": {"type": "array", "items": {"type": "integer", "minimum": 0},
                           "uniqueItems": True,
                           "description": "OV heads zeroed at every spliced layer."}}}
-
-    @classmethod
-    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
-        if "error" in entry and entry.get("add_error"):
-            raise SpecError(f"{path}.error", "add_error makes the forward the original one; "
-                                             "error replaces it: give one of them")
 
     @classmethod
     def spec_sites(cls, entry: dict, index: int, ctx: SpecContext) -> list[Site]:

@@ -111,12 +111,6 @@ def subject_sigma(bound: BoundModel, tokenizer: Tokenizer, subjects: Sequence[st
     return sigma
 
 
-@torch.no_grad()
-def embedding_matrix_sigma(bound: BoundModel) -> float:
-    """Std of the input-embedding weight matrix."""
-    return float(bound.module("embed").weight.float().std())
-
-
 def resolve_sigma(sigma: str | float, bound: BoundModel, tokenizer: Tokenizer,
                   subject: str | None) -> tuple[str, float]:
     """``(method, value)`` for ``sigma`` given as ``"rome"``, ``"embedding_matrix"`` or a
@@ -128,7 +122,8 @@ def resolve_sigma(sigma: str | float, bound: BoundModel, tokenizer: Tokenizer,
         if subject is None:
             raise InputError("sigma 'rome' needs a subject")
         return "rome", subject_sigma(bound, tokenizer, [subject])
-    return "embedding_matrix", embedding_matrix_sigma(bound)
+    with torch.no_grad():  # the std of the input-embedding weight matrix
+        return "embedding_matrix", float(bound.module("embed").weight.float().std())
 
 
 class NoiseAdd(CausalTraceIntervention):

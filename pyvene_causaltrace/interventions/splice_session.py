@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError
+from ..errors import InputError, SpecError
 from ..pyvene_boundary.calls import announced_call
 from ..transcoders.formats import load_transcoder
 from .base import CausalTraceIntervention
@@ -55,11 +55,12 @@ class SpliceSession:
     selection: torch.Tensor | None = None
     transcoders: dict[str, Any] = field(default_factory=dict)
 
-    def transcoder(self, source: str):
-        """The transcoder at ``source``: read the first time this session is asked for it."""
+    def transcoder(self, source: str, load=None):
+        """The transcoder (or Lorsa set) at ``source``: read by ``load`` (default
+        ``load_transcoder``) the first time this session is asked for it."""
         found = self.transcoders.get(source)
         if found is None:
-            found = self.transcoders[source] = load_transcoder(source)
+            found = self.transcoders[source] = (load or load_transcoder)(source)
         return found
 
     def clear(self) -> None:
@@ -100,6 +101,10 @@ def bind_sessions(interventions: Iterable[Any]) -> None:
 class SpliceIntervention(CausalTraceIntervention):
     """Base of the splice's types: a transcoder (object or path) and a shared session."""
 
+    #: What a subclass splices (for the refusal without one) and reads it from a path with
+    #: (None: ``load_transcoder``).
+    _holds, _load = "a transcoder", None
+
     def __init__(self, clt=None, session: SpliceSession | None = None, **kwargs: Any) -> None:
         # plain references, not submodules: they must not enter pyvene's state dicts
         self.__dict__["_clt_object"] = clt
@@ -114,9 +119,9 @@ class SpliceIntervention(CausalTraceIntervention):
             return self._clt_object
         source = self._config.get("source")
         if source is None:
-            raise InputError(f"{self.registered_name} needs a transcoder (an object, or the path "
+            raise InputError(f"{self.registered_name} needs {self._holds} (an object, or the path "
                              "it was loaded from)")
-        return self.session.transcoder(source)
+        return self.session.transcoder(source, self._load)
 
     #: What an ``IntervenableModel`` of ours, or our runs applying a user's, call with all its
     #: interventions.
@@ -150,3 +155,23 @@ class SpliceIntervention(CausalTraceIntervention):
 
     def _source_of(self) -> str | None:
         return self._clt_object.source if self._clt_object is not None else None
+
+    @staticmethod
+    def _check_roles(role: str, from_position: int, error: torch.Tensor | None,
+                     add_error: bool, error_from: str | None) -> None:
+        """The settings every splice's ``_setup`` checks alike."""
+        if role not in ("encode", "decode"):
+            raise InputError(f"role must be 'encode' or 'decode', got {role!r}")
+        if from_position < 0:
+            raise InputError(f"from_position must be >= 0, got {from_position}")
+        if error is not None and (add_error or role != "decode"):
+            raise InputError("a fixed error goes on a decoder, instead of add_error")
+        if error_from not in (None, "clean"):
+            raise InputError(f"error_from must be None or 'clean', got {error_from!r}")
+
+    @classmethod
+    def check_spec(cls, entry: dict, spec: dict, path: str) -> None:
+        if "error" in entry and entry.get("add_error"):
+            raise SpecError(f"{path}.error", "add_error makes the forward the original one "
+                                             "whatever the features; error replaces it: give "
+                                             "one of them")

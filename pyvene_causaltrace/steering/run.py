@@ -3,6 +3,7 @@ docstring of :mod:`pyvene_causaltrace.steering`)."""
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import operator
@@ -234,13 +235,9 @@ def check_generation_fits(model: BoundModel, transcoder: Transcoder, n_prompt: i
         budget = device_bytes(device) / 2**20
     if generation_mb(model, transcoder, n_prompt + max_new_tokens) <= budget:
         return
-    low, high = 0, max_new_tokens  # the most new tokens that fit: low fits, high does not
-    while high - low > 1:
-        middle = (low + high) // 2
-        if generation_mb(model, transcoder, n_prompt + middle) <= budget:
-            low = middle
-        else:
-            high = middle
+    # the most new tokens that fit (the size grows with the length): bisected
+    low = max(0, bisect.bisect_right(range(max_new_tokens), budget, key=lambda new: generation_mb(
+        model, transcoder, n_prompt + new)) - 1)
     raise MemoryCapError(
         f"max_new_tokens={max_new_tokens}: the last step reruns {n_prompt + max_new_tokens} "
         f"tokens and would hold {generation_mb(model, transcoder, n_prompt + max_new_tokens):,.0f}"

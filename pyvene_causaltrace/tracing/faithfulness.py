@@ -287,14 +287,6 @@ def _forwards(engine: TraceEngine, kind: TraceKind, masks: torch.Tensor, seed: t
     return out, forwards
 
 
-def _points(s: TraceFaithfulnessSettings, n_cells: int) -> tuple[list[int], list[bool]]:
-    """Each point's ``k`` and whether it is a ``sizes`` point: the sizes' in order, then the
-    ``top`` counts not above ``n_cells``."""
-    counts = [int(round(size / 100, 12) * n_cells) for size in s.sizes]
-    extra = [k for k in s.top if k <= n_cells]
-    return counts + extra, [True] * len(counts) + [False] * len(extra)
-
-
 def _check(tracer: Tracer, result: TraceResult) -> TraceKind:
     if result.kind not in FAITHFUL_KINDS:
         raise InputError(f"result: a {result.kind} trace holds a sublayer at every layer; "
@@ -326,7 +318,11 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
         candidates = candidates[torch.isin(candidates % engine.seq_len,
                                            torch.tensor(engine.noise_positions))]
     n_cells = len(candidates)
-    counts, in_area = _points(s, n_cells)
+    # each point's k: the sizes' (the area points), then the top counts not above n_cells
+    fractions = [round(size / 100, 12) for size in s.sizes]
+    extra = [k for k in s.top if k <= n_cells]
+    counts = [int(fraction * n_cells) for fraction in fractions] + extra
+    in_area = [True] * len(fractions) + [False] * len(extra)
     ie = torch.as_tensor(result.grid("ie")).reshape(-1)[candidates]
     order = candidates[(-ie).argsort(stable=True)]
     g = torch.Generator().manual_seed(s.seed)
@@ -355,10 +351,10 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
     mean_total = float(total.mean())
     f = ((suff.view(grid).mean(-1) - corrupt.mean()) / mean_total)[:, at]  # [rankings, points]
     gone = ((clean - nec.view(grid).mean(-1)) / mean_total)[:, at]
-    area = [i for i, a in enumerate(in_area) if a]
-    fractions = [round(size / 100, 12) for size in s.sizes]
-    suff_areas = [mib_areas(fractions, curve[area].tolist()) for curve in f]
-    nec_areas = [mib_areas(fractions, curve[area].tolist()) for curve in gone]
+    area = slice(len(fractions))  # the area points come first
+    # (CPR, CMD) of each ranking's curve: the trace's first, then the random ones
+    (cpr, cmd), *suff_areas = [mib_areas(fractions, curve[area].tolist()) for curve in f]
+    (nec_cpr, nec_cmd), *nec_areas = [mib_areas(fractions, curve[area].tolist()) for curve in gone]
     return TraceFaithfulness(
         kind=result.kind, window=result.window, answer=result.answer,
         tokens=list(result.tokens), subject_range=tuple(result.subject_range),
@@ -369,10 +365,9 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
         sufficiency=f[0].tolist(), necessity=gone[0].tolist(),
         sufficiency_per_seed=recovered[0].tolist(), necessity_per_seed=lost[0].tolist(),
         random_sufficiency=f[1:].tolist(), random_necessity=gone[1:].tolist(),
-        cpr=suff_areas[0][0], cmd=suff_areas[0][1], necessity_cpr=nec_areas[0][0],
-        necessity_cmd=nec_areas[0][1], random_cpr=[a[0] for a in suff_areas[1:]],
-        random_cmd=[a[1] for a in suff_areas[1:]],
-        random_necessity_cpr=[a[0] for a in nec_areas[1:]],
-        random_necessity_cmd=[a[1] for a in nec_areas[1:]],
+        cpr=cpr, cmd=cmd, necessity_cpr=nec_cpr, necessity_cmd=nec_cmd,
+        random_cpr=[a[0] for a in suff_areas], random_cmd=[a[1] for a in suff_areas],
+        random_necessity_cpr=[a[0] for a in nec_areas],
+        random_necessity_cmd=[a[1] for a in nec_areas],
         forwards=forwards, rows=2 * len(engine.seeds) * circuits.shape[0] * circuits.shape[1],
         seconds=time.perf_counter() - started)

@@ -144,6 +144,15 @@ class _Effects:
     def to_json(self) -> str:
         return json.dumps(self.to_dict())  # type: ignore[attr-defined]
 
+    def _dict(self, **kind: Any) -> dict[str, Any]:
+        """The fields both results write first and in this order, ``kind``'s among them."""
+        return {"tokens": self.tokens, "subject_range": list(self.subject_range),
+                "noise_positions": self.noise_positions, "answer": self.answer,
+                "answer_id": self.answer_id, **kind, "scale": self.scale, "sigma": self.sigma,
+                "sigma_method": self.sigma_method, "seeds": self.seeds,
+                "clean_prob": self.clean_prob, "corrupt_probs": self.corrupt_probs.tolist(),
+                "restored_probs": self.restored_probs.tolist()}
+
 
 def _fields(text: str, derived: tuple[str, ...]) -> dict[str, Any]:
     """A result's fields from its JSON: the ``derived`` keys dropped, arrays as float64."""
@@ -278,13 +287,7 @@ class TraceResult(_Effects):
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "tokens": self.tokens, "subject_range": list(self.subject_range),
-            "noise_positions": self.noise_positions, "answer": self.answer,
-            "answer_id": self.answer_id, "kind": self.kind, "window": self.window,
-            "scale": self.scale, "sigma": self.sigma, "sigma_method": self.sigma_method,
-            "seeds": self.seeds, "clean_prob": self.clean_prob,
-            "corrupt_probs": self.corrupt_probs.tolist(),
-            "restored_probs": self.restored_probs.tolist(),
+            **self._dict(kind=self.kind, window=self.window),
             "recovery": self.recovery.tolist(),
             "mean_recovery": self.grid().tolist(),
             "total_effect": self.total_effect.tolist(),
@@ -419,13 +422,8 @@ class HeadTraceResult(_Effects):
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "tokens": self.tokens, "subject_range": list(self.subject_range),
-            "noise_positions": self.noise_positions, "answer": self.answer,
-            "answer_id": self.answer_id, "kind": "heads", "layers": self.layers,
-            "position": self.position, "n_heads": self.n_heads, "scale": self.scale,
-            "sigma": self.sigma, "sigma_method": self.sigma_method, "seeds": self.seeds,
-            "clean_prob": self.clean_prob, "corrupt_probs": self.corrupt_probs.tolist(),
-            "restored_probs": self.restored_probs.tolist(),
+            **self._dict(kind="heads", layers=self.layers, position=self.position,
+                         n_heads=self.n_heads),
             "indirect_effect": self.indirect_effect.tolist(),
             "mean_indirect_effect": self.grid("ie").tolist(),
             "versions": self.versions,

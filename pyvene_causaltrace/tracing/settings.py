@@ -40,11 +40,9 @@ def seed_count(seeds: int | Sequence[int]) -> int:
     """How many seeds ``seeds`` names (a count is not expanded into a list: ``10**8`` seeds
     would fill memory); a list is checked by
     :func:`~pyvene_causaltrace.interventions.noise.seed_list` (distinct integers)."""
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
-        if seeds <= 0:
-            raise InputError(f"seeds must be a positive count or a non-empty list, got {seeds}")
+    if isinstance(seeds, int) and not isinstance(seeds, bool) and seeds > 0:
         return seeds
-    return len(seed_list(seeds))
+    return len(seed_list(seeds))  # refuses a count below 1 as it refuses a bad list
 
 
 @dataclass(frozen=True)
@@ -118,8 +116,8 @@ class TraceFaithfulnessSettings(Settings):
             raise InputError(f"sizes must be percentages in (0, 100], got {list(sizes)}")
         if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
             raise InputError(f"sizes must increase, got {list(sizes)}")
-        if any(isinstance(k, bool) or not isinstance(k, Integral) or k <= 0 for k in top) or \
-                any(b <= a for a, b in zip(top, top[1:], strict=False)):
+        # (their items' types: checked, NumPy integers made int, by super().__post_init__)
+        if any(k <= 0 for k in top) or any(b <= a for a, b in zip(top, top[1:], strict=False)):
             raise InputError(f"top must be increasing positive cell counts, got {list(top)}")
         object.__setattr__(self, "sizes", tuple(float(s) for s in sizes))
-        object.__setattr__(self, "top", tuple(int(k) for k in top))
+        object.__setattr__(self, "top", top)

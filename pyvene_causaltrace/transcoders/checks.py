@@ -248,12 +248,6 @@ def _logits(bound: BoundModel, representations, ids) -> torch.Tensor:
         return spliced(input_ids=ids).logits
 
 
-def _next_token_ce(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
-    logprobs = logits[0, :-1].double().log_softmax(-1)  # every next-token target counts
-    targets = ids[0, 1:]
-    return float(-logprobs.gather(1, targets[:, None]).sum()), int(targets.numel())
-
-
 @torch.no_grad()
 @measured
 def replacement_anchor(model: nn.Module, tokenizer: Tokenizer, transcoder: Transcoder,
@@ -271,12 +265,11 @@ def replacement_anchor(model: nn.Module, tokenizer: Tokenizer, transcoder: Trans
     for text in texts:
         ids = _ids(tokenizer, text, device)
         for name in ANCHOR_CONDITIONS:
-            ce, n = _next_token_ce(
-                _logits(bound, _condition_representations(name, bound, transcoder, ids.shape[1],
-                                                          start), ids),
-                ids)
-            totals[name] += ce
-        n_tokens += n
+            logits = _logits(bound, _condition_representations(name, bound, transcoder,
+                                                               ids.shape[1], start), ids)
+            logprobs = logits[0, :-1].double().log_softmax(-1)  # every next-token target counts
+            totals[name] -= float(logprobs.gather(1, ids[0, 1:, None]).sum())
+        n_tokens += ids.shape[1] - 1
     ce = {name: total / n_tokens for name, total in totals.items()}
     gap = (ce["mlp_zero"] - ce["clt"]) / (ce["mlp_zero"] - ce["clean"])
     report = None

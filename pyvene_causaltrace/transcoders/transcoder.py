@@ -111,7 +111,9 @@ class Transcoder(nn.Module):
     layout; :meth:`from_pretrained` is the same) or :meth:`from_tensors`.
 
     ``features=(lo, hi)`` makes it a shard (module docstring): the tensors given hold only
-    features ``[lo, hi)`` of each layer, ``cfg`` describes the whole."""
+    features ``[lo, hi)`` of each layer, ``cfg`` describes the whole. ``handles``: a
+    memory-mapped decoder's file maps, one per layer, in layer order (they keep it valid, and
+    name a bad row's file)."""
 
     def __init__(
         self,
@@ -129,6 +131,7 @@ class Transcoder(nn.Module):
         device: str | torch.device = "cpu",
         source: str | None = None,
         features: tuple[int, int] | None = None,
+        handles: list | None = None,
     ) -> None:
         super().__init__()
         if features is not None:
@@ -169,7 +172,7 @@ class Transcoder(nn.Module):
         self.W_skip = None if W_skip is None else [w.to(self.device_, dtype) for w in W_skip]
         # Decoders are not buffers: a mmapped one must not be copied by .to() or state_dict().
         self.W_dec = W_dec
-        self._handles: list = []  # one file map per layer that keeps its mmapped decoder valid
+        self._handles: list = list(handles or [])
 
     # ----------------------------------------------------------------------- building
     @classmethod
@@ -214,7 +217,7 @@ class Transcoder(nn.Module):
                              "shard the whole transcoder")
         lo, hi = feature_range(self.cfg.d_transcoder, rank, world)
         mapped = bool(self._handles)
-        part = Transcoder(
+        return Transcoder(
             self.cfg, b_enc=self.b_enc[:, lo:hi].clone(),
             threshold=self.threshold[:, lo:hi].clone(), b_dec=self.b_dec,
             W_enc=None if self.W_enc is None else self.W_enc[:, lo:hi].clone(),
@@ -224,9 +227,8 @@ class Transcoder(nn.Module):
             else sliced_loader(self._encoder_loader, lo, hi),
             score_weight=None if self.score_weight is None
             else self.score_weight[:, lo:hi].clone(),
-            dtype=self.dtype, device=self.device_, source=self.source, features=(lo, hi))
-        part._handles = list(self._handles)
-        return part
+            dtype=self.dtype, device=self.device_, source=self.source, features=(lo, hi),
+            handles=self._handles)
 
     def resident_bytes(self) -> int:
         """Bytes of the tensors this object holds in memory: buffers, ``W_enc``, ``W_skip`` and

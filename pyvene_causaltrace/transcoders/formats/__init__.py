@@ -2,11 +2,10 @@
 convention): ``mntss`` (:mod:`.mntss`), ``circuit_tracer`` (:mod:`.circuit_tracer`),
 ``gemmascope`` (:mod:`.gemmascope`), ``gemmascope2`` (:mod:`.gemmascope2`), ``bytedance``
 (:mod:`.bytedance`), ``sae_lens`` (:mod:`.sae_lens`), ``sparsify`` (:mod:`.sparsify`),
-``llamascopium`` (:mod:`.llamascopium`); each
-module's docstring draws its files. Each loader and detector follows :mod:`.protocol` and
-checks everything before it returns: a missing file or layer, mixed widths, an unknown
-activation or hook, a ``W_skip`` of the wrong shape raise
-:class:`~pyvene_causaltrace.errors.TranscoderFormatError` naming the file.
+``llamascopium`` (:mod:`.llamascopium`); each module's docstring draws its files. Each loader
+(:class:`TranscoderLoader`) and detector (:class:`LayoutDetector`) checks everything before it
+returns: a missing file or layer, mixed widths, an unknown activation or hook, a ``W_skip`` of
+the wrong shape raise :class:`~pyvene_causaltrace.errors.TranscoderFormatError` naming the file.
 
     tc = load_transcoder("mntss/clt-llama-3.2-1b-524k")          # layout detected
     tc = load_transcoder("path/to/config.yaml", format="circuit_tracer")"""
@@ -14,6 +13,9 @@ activation or hook, a ``W_skip`` of the wrong shape raise
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
+
+import torch
 
 from ...arguments import checked
 from ...errors import InputError, TranscoderFormatError
@@ -29,7 +31,24 @@ from . import (
     sparsify,
 )
 from .common import hub_snapshot
-from .protocol import LayoutDetector, TranscoderLoader
+
+
+class TranscoderLoader(Protocol):
+    """Reads one layout into a checked :class:`~..transcoder.Transcoder`, or raises
+    :class:`~pyvene_causaltrace.errors.TranscoderFormatError` naming the file. ``source`` is a
+    local path (or, where the layout takes them, a hub reference or a list of per-layer files);
+    layout options (``lazy_decoder``, ``revision``, ``scan``, ...) may follow ``device`` and
+    ``dtype``."""
+
+    def __call__(self, source: str | Path, /, *, device: str | torch.device = ...,
+                 dtype: torch.dtype = ...) -> Transcoder: ...
+
+
+class LayoutDetector(Protocol):
+    """Whether a local path (a directory or a config file) holds the layout."""
+
+    def __call__(self, path: Path, /) -> bool: ...
+
 
 #: Loader by layout name: ``loader(source, *, device, dtype, lazy_decoder, ...) -> Transcoder``;
 #: add one to read another layout with ``format=``.

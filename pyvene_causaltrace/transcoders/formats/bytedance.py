@@ -20,7 +20,7 @@ from .common import (
     TranscoderFormatError,
     check_dtype,
     check_stored_dtypes,
-    named_layers,
+    encoder_layers,
     open_safetensors,
     read_decoders,
     read_json_object,
@@ -65,14 +65,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     meta = _config(root / CONFIG)
     stated = next((meta[key] for key in ("n_layers", "num_layers")
                    if isinstance(meta.get(key), int)), None)
-    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
-                                  for p in root.glob("W_enc_*.safetensors")
-                                  if p.stem.removeprefix("W_enc_").isdecimal()},
-                                 stated, str(root / CONFIG)))
-    if not layers or layers != list(range(len(layers))):
-        raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "
-                                    "W_enc_0 .. W_enc_<L-1>")
-    n_layers, width = len(layers), meta["d_feature"]
+    n_layers, width = encoder_layers(root, stated, str(root / CONFIG)), meta["d_feature"]
     first = root / "W_enc_0.safetensors"
     enc_0 = open_safetensors(first)
     enc_shape = shapes_of(enc_0).get("W_enc_0")
@@ -123,10 +116,7 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
                             OUTPUT_HOOK, CROSS_LAYER, DTYPE_NAMES[disk_dtype], "joint_topk",
                             n_layers * meta["k"], False, scan)
     zeros = torch.zeros(n_layers, hi - lo)
-    clt = Transcoder(cfg, b_enc=zeros, threshold=None, b_dec=torch.zeros(n_layers, d_model),
-                     W_enc=W_enc, W_dec=W_dec, score_weight=score if features is None
-                     else score.clone(), dtype=dtype, device=device, source=str(root),
-                     features=features)
-    if lazy_decoder:
-        clt._handles = handles
-    return clt
+    return Transcoder(cfg, b_enc=zeros, threshold=None, b_dec=torch.zeros(n_layers, d_model),
+                      W_enc=W_enc, W_dec=W_dec, score_weight=score if features is None
+                      else score.clone(), dtype=dtype, device=device, source=str(root),
+                      features=features, handles=handles)

@@ -62,28 +62,27 @@ def _config_file(path: Path) -> Path | None:
     return None
 
 
+def _parsed(path: Path):
+    """The YAML of ``path``'s config: None without one, ``...`` when it does not parse."""
+    config = _config_file(path)
+    try:
+        return None if config is None else yaml.safe_load(config.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return ...
+
+
 def is_layout(path: Path) -> bool:
     """A circuit-tracer config (or a directory holding one) that is not an mntss CLT directory
     (those :mod:`.mntss` reads). A ``config.yaml`` that does not parse is taken as one, so that
     loading it says what is wrong with it (no other layout has a ``config.yaml``)."""
-    config = _config_file(path)
-    if config is None:
-        return False
-    try:
-        meta = yaml.safe_load(config.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, UnicodeDecodeError):
-        return True
-    return isinstance(meta, dict) and meta.get("model_kind") in MODEL_KINDS
+    meta = _parsed(path)
+    return meta is ... or isinstance(meta, dict) and meta.get("model_kind") in MODEL_KINDS
 
 
 def lists_files(path: Path) -> bool:
     """Whether ``path``'s config lists its files (``transcoders``): then other layouts' files
     beside it are the ones it names, not a second transcoder."""
-    config = _config_file(path)
-    try:
-        meta = yaml.safe_load(config.read_text(encoding="utf-8")) if config else None
-    except (yaml.YAMLError, UnicodeDecodeError):
-        return False
+    meta = _parsed(path)
     return isinstance(meta, dict) and meta.get("transcoders") is not None
 
 

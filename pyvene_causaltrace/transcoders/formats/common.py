@@ -94,6 +94,18 @@ def named_layers(found: dict[int, Path], limit: int | None = None,
     return found
 
 
+def encoder_layers(root: Path, limit: int | None = None, source: str = "") -> int:
+    """How many layers' ``W_enc_{l}.safetensors`` (mntss's and ByteDance's encoders) ``root``
+    holds, once they are layers 0..L-1 (``limit``, ``source``: :func:`named_layers`')."""
+    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
+                                  for p in root.glob("W_enc_*.safetensors")
+                                  if p.stem.removeprefix("W_enc_").isdecimal()}, limit, source))
+    if not layers or layers != list(range(len(layers))):
+        raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "
+                                    "W_enc_0 .. W_enc_<L-1>")
+    return len(layers)
+
+
 def in_layer_order(found: dict, what: str) -> list:
     """``found``'s values (``{layer: item}``) in layer order once its layers are 0..L-1; else a
     :class:`TranscoderFormatError`: ``what`` (the folder and the files it lacks) "for layer(s)"
@@ -126,6 +138,16 @@ def refuse_shard(transcoder: Transcoder) -> None:
     if transcoder.features is not None:
         raise InputError(f"this transcoder is a shard (features {transcoder.features} of "
                          f"{transcoder.cfg.d_transcoder} per layer); write the whole one")
+
+
+def check_shapes(where: object, shapes: dict, want: dict, what: str) -> None:
+    """Refuse, naming ``where``, tensors whose shapes (``shapes``) are not ``want``'s or that
+    ``want`` does not name: they disagree with ``what``."""
+    wrong = {name: shapes.get(name) for name in [*want, *shapes]
+             if shapes.get(name) != want.get(name)}
+    if wrong:
+        raise TranscoderFormatError(f"{where}: shapes {wrong} disagree with {what} (expected "
+                                    f"{want})")
 
 
 def check_dtype(dtype: torch.dtype) -> None:
@@ -342,12 +364,9 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
             want["threshold"] = (width,)
         if layer.W_skip is not None:
             want["W_skip"] = (d_model, d_model)
-        got = {name: tuple(getattr(layer, name).shape) for name in want}
-        if got != want:
-            wrong = {name: got[name] for name in want if got[name] != want[name]}
-            raise TranscoderFormatError(
-                f"{layer.origin} (layer {index}): shapes {wrong} disagree with layer 0 "
-                f"(d_transcoder {width}, d_model {d_model}; expected {want})")
+        check_shapes(f"{layer.origin} (layer {index})",
+                     {name: tuple(getattr(layer, name).shape) for name in want}, want,
+                     f"layer 0 (d_transcoder {width}, d_model {d_model})")
         if (layer.W_skip is not None) != has_skip:
             raise TranscoderFormatError(f"{layer.origin} (layer {index}): W_skip "
                                         f"{'present' if layer.W_skip is not None else 'missing'}"
@@ -370,15 +389,13 @@ def assemble_set(layers: list[LayerTensors], *, model_name: str, activation: str
         W_dec = [check_weight(w, *layer.handles[0].origin) if layer.handles else w
                  for w, layer in zip(W_dec, layers, strict=True)]
         W_dec = [w.to(device, dtype).clone() for w in W_dec]
-    transcoder = Transcoder(
+    return Transcoder(
         cfg, b_enc=torch.stack([layer.b_enc.to(dtype) for layer in layers]), threshold=thresholds,
         b_dec=torch.stack([layer.b_dec.to(dtype) for layer in layers]),
         W_enc=torch.stack([layer.W_enc.to(dtype) for layer in layers]), W_dec=W_dec,
         W_skip=[layer.W_skip for layer in layers] if has_skip else None,
-        score_weight=score_weight, dtype=dtype, device=device, source=source, features=features)
-    if mapped:  # one map per layer, in layer order (decoder_rows names its file)
-        transcoder._handles = [layer.handles[0] for layer in layers]
-    return transcoder
+        score_weight=score_weight, dtype=dtype, device=device, source=source, features=features,
+        handles=[layer.handles[0] for layer in layers] if mapped else None)
 
 
 def read_yaml_mapping(path: Path, what: str = "a mapping") -> dict:

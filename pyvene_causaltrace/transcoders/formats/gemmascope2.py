@@ -22,6 +22,7 @@ from .common import (
     TranscoderFormatError,
     assemble_set,
     check_dtype,
+    check_shapes,
     check_stored_dtypes,
     existing,
     in_layer_order,
@@ -120,11 +121,8 @@ def _check_keys(path: Path, shapes: dict, skip: bool | None) -> bool:
     return have_skip
 
 
-def _check_shapes(path: Path, shapes: dict, want: dict) -> None:
-    wrong = {k: shapes[k] for k in want if shapes[k] != want[k]}
-    if wrong:
-        raise TranscoderFormatError(f"{path}: shapes {wrong}, expected {want} (w_enc is "
-                                    "[d_model, width], w_dec [width, ...])")
+#: What a GemmaScope-2 file's shapes disagree with, in its refusal.
+ORIENTATION = "GemmaScope-2's orientation (w_enc is [d_model, width], w_dec [width, ...])"
 
 
 def _skip(meta: dict, folder: Path) -> bool | None:
@@ -146,7 +144,7 @@ def read_layer(path: Path, *, lazy_decoder: bool = True, skip: bool | None = Non
     want = {"w_enc": (d_model, width), "b_enc": (width,), "threshold": (width,),
             "w_dec": (width, d_model), "b_dec": (d_model,)} \
         | ({SKIP: (d_model, d_model)} if has_skip else {})
-    _check_shapes(path, shapes, want)
+    check_shapes(path, shapes, want, ORIENTATION)
     tensors = read_tensors(path, sorted(set(want) - ({"w_dec"} if lazy_decoder else set())))
     handles = []
     if lazy_decoder:
@@ -259,10 +257,10 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
                 f"must be [{width}, {n_layers}, {d_model}] (or [{width}, {n_layers - layer}, "
                 f"{d_model}])")
         first_targets.append(layer if targets == n_layers else 0)
-        _check_shapes(path, shape, {
+        check_shapes(path, shape, {
             "w_enc": (d_model, width), "b_enc": (width,), "threshold": (width,),
             "b_dec": (d_model,), "w_dec": (width, targets, d_model)}
-            | ({SKIP: (d_model, d_model)} if skip else {}))
+            | ({SKIP: (d_model, d_model)} if skip else {}), ORIENTATION)
     features = shard_features(width, shard)
     names = ["w_enc", "b_enc", "threshold", "b_dec"] + ([SKIP] if skip else [])
     tensors = [read_tensors(path, names, features, CLT_AXES) for path in files]
@@ -273,14 +271,11 @@ def load_clt(source: str | Path | list, *, device: str | torch.device = "cpu",
                             d_model, width, input_hook, output_hook, CROSS_LAYER,
                             DTYPE_NAMES.get(disk_dtype, disk_dtype), "jumprelu", None, skip,
                             scan)
-    clt = Transcoder(
+    return Transcoder(
         cfg, b_enc=torch.stack([t["b_enc"].to(dtype) for t in tensors]),
         threshold=torch.stack([t["threshold"].to(dtype).clamp(min=0) for t in tensors]),
         b_dec=torch.stack([t["b_dec"].to(dtype) for t in tensors]),
         W_enc=torch.stack([t["w_enc"].to(dtype).T for t in tensors]), W_dec=W_dec,
         W_skip=[t[SKIP].to(dtype).T for t in tensors] if skip else None,
         dtype=dtype, device=device, source=str(source if root is None else root),
-        features=features)
-    if lazy_decoder:
-        clt._handles = handles
-    return clt
+        features=features, handles=handles)

@@ -21,9 +21,10 @@ from .common import (
     DTYPE_NAMES,
     TranscoderFormatError,
     check_dtype,
+    check_shapes,
     check_weight,
+    encoder_layers,
     hub_snapshot,
-    named_layers,
     open_safetensors,
     read_decoders,
     read_features,
@@ -55,12 +56,7 @@ def read_config(path: str | Path) -> TranscoderConfig:
     if meta["model_kind"] != CROSS_LAYER:
         raise TranscoderFormatError(f"{config_file}: model_kind is {meta['model_kind']!r}, "
                              f"expected {CROSS_LAYER!r}")
-    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
-                                  for p in root.glob("W_enc_*.safetensors")
-                                  if p.stem.removeprefix("W_enc_").isdecimal()}))
-    if not layers or layers != list(range(len(layers))):
-        raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected 0..L-1")
-    n_layers = len(layers)
+    n_layers = encoder_layers(root)
     d_transcoder = d_model = disk_dtype = thresholds = None
     for layer in range(n_layers):
         enc = open_safetensors(root / f"W_enc_{layer}.safetensors")
@@ -78,22 +74,16 @@ def read_config(path: str | Path) -> TranscoderConfig:
         want = {f"W_enc_{layer}": (d_transcoder, d_model), f"b_enc_{layer}": (d_transcoder,),
                 f"b_dec_{layer}": (d_model,)} \
             | ({f"threshold_{layer}": (d_transcoder,)} if thresholds else {})
-        _check_shapes(f"W_enc_{layer}.safetensors", shapes, want)
+        check_shapes(f"W_enc_{layer}.safetensors", shapes, want, "the other layers")
         dec = open_safetensors(root / f"W_dec_{layer}.safetensors")
-        _check_shapes(f"W_dec_{layer}.safetensors", shapes_of(dec),
-                      {f"W_dec_{layer}": (d_transcoder, n_layers - layer, d_model)})
+        check_shapes(f"W_dec_{layer}.safetensors", shapes_of(dec),
+                     {f"W_dec_{layer}": (d_transcoder, n_layers - layer, d_model)},
+                     "the other layers")
     return transcoder_config(config_file, meta["model_name"], n_layers, d_model, d_transcoder,
                              meta["feature_input_hook"], meta["feature_output_hook"],
                              CROSS_LAYER, DTYPE_NAMES.get(disk_dtype, disk_dtype),
                              activation="jumprelu" if thresholds else "relu",
                              scan=meta.get("scan"))
-
-
-def _check_shapes(name: str, shapes: dict, want: dict) -> None:
-    if shapes != want:
-        wrong = {k: shapes.get(k) for k in want if shapes.get(k) != want[k]}
-        raise TranscoderFormatError(f"{name}: shapes {wrong} disagree with the other layers "
-                             f"(expected {want})")
 
 
 class EncoderFiles:
@@ -145,13 +135,10 @@ def load_from_disk(
         W_dec, maps = read_decoders(
             [(root / f"W_dec_{layer}.safetensors", f"W_dec_{layer}") for layer in range(L)],
             features, lazy_decoder=lazy_decoder, device=device, dtype=dtype)
-    clt = Transcoder(
+    return Transcoder(
         cfg, b_enc=b_enc, threshold=threshold, b_dec=b_dec, W_enc=W_enc, W_dec=W_dec,
         encoder_loader=EncoderFiles(root, features), dtype=dtype, device=device,
-        source=str(root), features=features)
-    if lazy_decoder:  # one map per layer; rows are checked as they are read
-        clt._handles = maps
-    return clt
+        source=str(root), features=features, handles=maps)
 
 
 @checked

@@ -22,6 +22,7 @@ from .common import (
     LayerTensors,
     TranscoderFormatError,
     assemble_set,
+    check_shapes,
     existing,
     in_layer_order,
     mmap_tensor,
@@ -67,10 +68,8 @@ def _header(weights: Path, skip: bool, width: int | None = None) -> int:
     want = {"encoder.weight": (width, d_model), "encoder.bias": (width,),
             "W_dec": (width, d_model), "b_dec": (d_model,)} \
         | ({"W_skip": (d_model, d_model)} if skip else {})
-    wrong = {name: shapes[name] for name in want if shapes[name] != want[name]}
-    if wrong:
-        raise TranscoderFormatError(f"{weights}: shapes {wrong} disagree with the first "
-                                    f"layer's {width} features (expected {want})")
+    check_shapes(weights, {name: shapes[name] for name in want}, want,
+                 f"the first layer's {width} features")
     return width
 
 
