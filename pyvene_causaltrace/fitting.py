@@ -79,6 +79,29 @@ QUALITIES = {"quick": {}, "long": {"texts": 2048, "features": 1024, "k": 32, "st
 LIMITS = {"features": 2**20, "k": 2**20, "steps": 10**7, "texts": 10**7, "new_tokens": 8192}
 
 
+def check_fit_fields(settings, limits: dict[str, int]) -> None:
+    """The fields a transcoder fit and a Lorsa fit share: ``model``, the integers of
+    ``limits`` (1 to the limit), ``lr``, ``seed`` and ``data``."""
+    if not isinstance(settings.model, str) or not settings.model:
+        raise InputError(f"model must be a model name or directory, got {settings.model!r}")
+    for name, most in limits.items():
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise InputError(f"{name} must be an integer from 1 to {most:,}, got {value!r}")
+    lr = settings.lr
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
+            or not 0 < lr <= 1:
+        raise InputError(f"lr must be a finite number above 0 and at most 1 (Adam moves each "
+                         f"weight by about lr a step), got {lr!r}")
+    seed = settings.seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise InputError(f"seed must be an integer from 0 to 2**63-1, got {seed!r}")
+    data = settings.data
+    if data not in ("self", "known_1000") and not Path(data).expanduser().is_file():
+        raise InputError(f"data must be 'self', 'known_1000' or a text/JSON file; no file "
+                         f"at {data}")
+
+
 @dataclass(frozen=True)
 class FitSettings:
     """What a first transcoder is fitted with; ``fit.json`` records them."""
@@ -98,23 +121,7 @@ class FitSettings:
     def check(self) -> None:
         if self.kind not in KINDS:
             raise InputError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if not isinstance(self.model, str) or not self.model:
-            raise InputError(f"model must be a model name or directory, got {self.model!r}")
-        for name, most in LIMITS.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
-                raise InputError(f"{name} must be an integer from 1 to {most:,}, got {value!r}")
-        lr = self.lr
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) \
-                or not 0 < lr <= 1:
-            raise InputError(f"lr must be a finite number above 0 and at most 1 (Adam moves each "
-                             f"weight by about lr a step), got {lr!r}")
-        seed = self.seed
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise InputError(f"seed must be an integer from 0 to 2**63-1, got {seed!r}")
-        if self.data not in ("self", "known_1000") and not Path(self.data).expanduser().is_file():
-            raise InputError(f"data must be 'self', 'known_1000' or a text/JSON file; no file "
-                             f"at {self.data}")
+        check_fit_fields(self, LIMITS)
         options = KINDS[self.kind][0]
         if options["kind"] == "cross_layer" and self.activation == "relu_topk":
             raise InputError("a cross-layer transcoder is saved in the mntss layout, which holds "

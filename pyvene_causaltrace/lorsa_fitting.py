@@ -16,7 +16,6 @@ side trained briefly (docs/attribution.md, "Attention features beside head loadi
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from .errors import InputError
 from .fingerprint import model_fingerprint
 from .fit_output import fit_output
 from .fit_text import generate_ids
-from .fitting import _data_identity, read_texts
+from .fitting import _data_identity, check_fit_fields, read_texts
 from .model_guard import measured
 from .models import OFFLINE_DEFAULT, cache_dir, load_model, model_name
 from .transcoders.lorsa import LorsaSet, load_lorsa, save_lorsa
@@ -61,25 +60,10 @@ class LorsaFitSettings:
                 or not layers:
             raise InputError(f"layers must be one or more layer numbers >= 0, got {layers!r}")
         object.__setattr__(self, "layers", tuple(sorted(set(layers))))
-        if not isinstance(self.model, str) or not self.model:
-            raise InputError(f"model must be a model name or directory, got {self.model!r}")
-        for name, most in LIMITS.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
-                raise InputError(f"{name} must be an integer from 1 to {most:,}, got {value!r}")
+        check_fit_fields(self, LIMITS)
         per = self.per_qk_head
         if per is not None and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
             raise InputError(f"per_qk_head must be an integer >= 1, got {per!r}")
-        lr = self.lr
-        if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) \
-                or not 0 < lr <= 1:
-            raise InputError(f"lr must be a finite number above 0 and at most 1, got {lr!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
-                or not 0 <= self.seed < 2**63:
-            raise InputError(f"seed must be an integer from 0 to 2**63-1, got {self.seed!r}")
-        if self.data not in ("self", "known_1000") and not Path(self.data).expanduser().is_file():
-            raise InputError(f"data must be 'self', 'known_1000' or a text/JSON file; no file "
-                             f"at {self.data}")
 
     @property
     def held_out(self) -> int:
