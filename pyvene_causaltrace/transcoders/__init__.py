@@ -19,6 +19,7 @@ from .formats import (
     save_transcoder,
 )
 from .formats.mntss import from_pretrained, load_from_disk, read_config, save_model
+from .lorsa import load_lorsa, lorsa_fvu, save_lorsa
 from .transcoder import Transcoder, check_fits, feature_range
 
 __all__ = [
@@ -34,8 +35,11 @@ __all__ = [
     "feature_range",
     "from_pretrained",
     "load_from_disk",
+    "load_lorsa",
     "load_transcoder",
+    "lorsa_fvu",
     "read_config",
+    "save_lorsa",
     "save_model",
     "save_transcoder",
 ]

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from .. import distributed
+from ..arguments import checked
 from ..atomic import replacing, write_text
 from ..bound import BoundModel, bind
 from ..errors import InputError, TranscoderFormatError, TranscoderMismatchError
@@ -61,7 +62,6 @@ from .lorsa_config import (
     PEER_DEFAULTS,
     LorsaConfig,
     head_range,
-    shard_arg,
 )
 
 WEIGHTS = ("sae_weights.safetensors", "checkpoints/pruned.safetensors",
@@ -360,15 +360,16 @@ def _read_one(folder: Path, dtype: torch.dtype, device) -> tuple[Lorsa, str | No
     return Lorsa(cfg, path=weights, dtype=dtype, device=device), name
 
 
+@checked
 def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
-               device: str | torch.device | None = None, shard=None) -> LorsaSet:
+               device: str | torch.device | None = None,
+               shard: tuple[int, int] | None = None) -> LorsaSet:
     """A Lorsa directory (config.json + sae_weights.safetensors) or a directory of them (one
     per layer; directories of other ``sae_type`` beside them are skipped), checked and lazy
     (module docstring). Refusals are :class:`~..errors.TranscoderFormatError` naming the file
     and field. ``shard=(rank, world)``: each layer's OV heads :func:`head_range` alone (module
     docstring)."""
     check_dtype(dtype)
-    shard = shard_arg(shard)
     root = Path(path).expanduser()
     if (root / "config.json").is_file():
         folders = [root]
@@ -399,6 +400,7 @@ def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
     return found if shard is None else found.shard(*shard)
 
 
+@checked
 def save_lorsa(lorsa: Lorsa, folder: str | Path, model_name: str | None = None) -> Path:
     """Write ``lorsa`` as llamascopium does (config.json, sae_weights.safetensors with the
     buffers its strict loader wants, lm_config.json when ``model_name`` is given)."""
@@ -450,7 +452,8 @@ def lorsa_states(model, lorsa: LorsaSet, ids: torch.Tensor) -> dict[str, torch.T
 
 
 @torch.no_grad()
-def lorsa_fvu(model, tokenizer, lorsa: LorsaSet, texts: list[str],
+@checked
+def lorsa_fvu(model: nn.Module | BoundModel, tokenizer, lorsa: LorsaSet, texts: list[str],
               from_position: int = 1) -> dict[int, float]:
     """The pairing check: per layer, the fraction of the attention output's variance (about
     its mean, positions ``>= from_position`` of every text) the Lorsa's reconstruction misses.

@@ -58,13 +58,6 @@ def head_range(n_ov_heads: int, rank: int, world: int) -> tuple[int, int]:
     return feature_range(n_ov_heads, rank, world)
 
 
-def shard_arg(shard) -> tuple[int, int] | None:
-    """A loader's ``shard=(rank, world)``, checked for its form (None: the whole)."""
-    if shard is not None and (not isinstance(shard, tuple | list) or len(shard) != 2):
-        raise InputError(f"shard must be (rank, world), got {shard!r}")
-    return None if shard is None else (shard[0], shard[1])
-
-
 def _check_kinds(cfg: dict, where: Path) -> None:
     """Refuse a field of the wrong kind (a string where a number belongs), naming it."""
     for key, kind in FIELD_KINDS.items():
@@ -213,4 +206,4 @@ class LorsaConfig:
 
 
 __all__ = ["HEAD_TENSORS", "INPUT_HOOK", "LORSA_SHARD_ALONE", "OUTPUT_HOOK", "PEER_DEFAULTS",
-           "REQUIRED", "LorsaConfig", "head_range", "shard_arg"]
+           "REQUIRED", "LorsaConfig", "head_range"]
