@@ -112,6 +112,17 @@ class FitOutput:
         """The fit at ``path`` (:func:`read_record`), or None when there is none."""
         return read_record(self.path) if self.path.exists() else None
 
+    def refuse_other_settings(self, record: dict, asked: dict, what: str) -> None:
+        """Refuse reusing ``record`` (the fit at ``path``) for ``asked`` settings that differ,
+        naming each setting; ``what``: the fit it holds, for the message."""
+        recorded = record["settings"]
+        differ = [f"{k} {recorded.get(k)!r} (asked {v!r})" for k, v in asked.items()
+                  if recorded.get(k) != v]
+        if differ:
+            raise InputError(f"{self.path} holds {what} with other settings: "
+                             f"{'; '.join(differ)}. Pass refit=True (--refit) to replace it, "
+                             "or another out")
+
     def commit(self, write: Callable[[Path], None], record: dict) -> None:
         """``write(tmp)`` the transcoder into a fresh directory, add ``record`` as ``fit.json``,
         and swap it in for whatever fit wrote at ``path`` (module docstring)."""

@@ -278,13 +278,7 @@ def fit_transcoder(settings: FitSettings | None = None, *, out: str | Path | Non
         asked = dict(asdict(settings), k=settings.fit_k, data=_data_identity(settings.data),
                      recipe=dict(RECIPE), model_fingerprint=model_fingerprint(model))
         if record is not None:
-            recorded = record["settings"]
-            differ = [f"{k} {recorded.get(k)!r} (asked {v!r})" for k, v in asked.items()
-                      if recorded.get(k) != v]
-            if differ:
-                raise InputError(f"{path} holds a transcoder fitted with other settings: "
-                                 f"{'; '.join(differ)}. Pass refit=True (--refit) to replace "
-                                 "it, or another out")
+            output.refuse_other_settings(record, asked, "a transcoder fitted")
             return FitReport(path, True, record)
         with measuring(model):  # eval mode (no dropout) for every forward; modes restored
             transcoder, record = _fit(bind(model), tokenizer, settings, asked, progress, seconds)

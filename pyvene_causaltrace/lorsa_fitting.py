@@ -147,12 +147,7 @@ def fit_lorsa_set(settings: LorsaFitSettings, *, out: str | Path | None = None,
                      data=_data_identity(settings.data),
                      model_fingerprint=model_fingerprint(plain))
         if record is not None:
-            recorded = record["settings"]
-            differ = [f"{k} {recorded.get(k)!r} (asked {v!r})" for k, v in asked.items()
-                      if recorded.get(k) != v]
-            if differ:
-                raise InputError(f"{path} holds a fit with other settings: {'; '.join(differ)}. "
-                                 "Pass --refit (refit=True) to replace it, or another out")
+            output.refuse_other_settings(record, asked, "a Lorsa fit")
             return LorsaFitReport(path, True, record)
         start = time.perf_counter()
         lorsa, fit, n_held = _fit(model, tokenizer, settings)

@@ -219,7 +219,7 @@ def test_fit_lorsa_writes_a_set_attribute_reads_and_reuses_or_refuses_it(root, t
     assert record["settings"]["layers"] == list(LAYERS) and record["settings"]["steps"] == 2
     assert main(_fit(root, out)) == 0 and "reused" in capsys.readouterr().out
     line = _refusal(capsys, _fit(root, out, "--steps", "3"))
-    assert "holds a fit with other settings: steps 2 (asked 3)" in line and "--refit" in line
+    assert "holds a Lorsa fit with other settings: steps 2 (asked 3)" in line and "--refit" in line
     model, _ = load_model(str(root / "llama"))
     check_lorsa_fits(bind(model), lorsa)  # named for the model it was fitted on: attribute reads it
     assert lorsa.model_name == str(root / "llama")
