@@ -37,8 +37,6 @@ BELOW_THE_API = {
     ("interventions/lorsa_splice.py", "lorsa_splice_representations"):
         "users build pyvene configs from a plain model with it, as clt_splice's (issue 56 item 3 "
         "exports the Lorsa API)",
-    ("transcoders/lorsa.py", "lorsa_fvu"): "the Lorsa pairing check, run on a plain model by "
-                                           "users and examples (exported with issue 56 item 3)",
     ("transcoders/lorsa_fit.py", "fit_lorsa"): "fits from a plain model in examples (exported "
                                                "with issue 56 item 3)",
     ("interventions/frozen.py", "attention_patterns"):
