@@ -157,6 +157,9 @@ def test_a_ranked_set_is_not_written_in_circuit_tracers_layout(tmp_path):
     ({"top_k": 0}, "top_k"),
     # their fold leaves a JumpReLU threshold unscaled: folded and unfolded fire differently
     ({"act_fn": "jumprelu", "norm_activation": "dataset-wise"}, "their own fold"),
+    # the config against the tensors (W_E [16, 40]): their strict loader refuses these too
+    ({"d_model": 99}, r"d_model 99 gives 99; W_E \[16, 40\] holds 16"),
+    ({"expansion_factor": 8}, r"expansion_factor 8 gives 128; W_E \[16, 40\] holds 40"),
 ])
 def test_what_we_cannot_represent_is_refused_naming_the_file(tmp_path, changes, match):
     root, _, _ = write_set(tmp_path / "set", lorsa=False)
@@ -174,6 +177,29 @@ def test_what_we_cannot_represent_is_refused_naming_the_file(tmp_path, changes, 
     with pytest.raises(TranscoderFormatError, match=match) as error:
         load_transcoder(root, format="llamascopium")
     assert "transcoder-L1" in str(error.value)
+
+
+@pytest.mark.parametrize("act_fn", ["topk", "relu"])
+@pytest.mark.parametrize("norms", [(-2.5, 7.0), (0.0, 7.0), (2.5, 0.0)])
+def test_a_dataset_norm_that_is_not_positive_is_refused(tmp_path, act_fn, norms):
+    """A negative input norm folded (``b_E / into``, ``W_D * into``) is not their forward
+    (``relu`` does not commute with a negative scale: the reconstruction was off by more than
+    its size); a zero one divided by zero. Refused, naming the file and the tensor."""
+    root, _, _ = write_set(tmp_path / "set", norms, lorsa=False, act_fn=act_fn,
+                           norm_activation="dataset-wise")
+    hook = "ln2.hook_normalized" if norms[0] <= 0 else "hook_mlp_out"
+    with pytest.raises(TranscoderFormatError, match=rf"transcoder-L0/sae_weights\.safetensors: "
+                                                    rf"dataset_average_activation_norm\.blocks"
+                                                    rf"\.0\.{hook} is .*not a positive norm"):
+        load_transcoder(root)
+
+
+def test_a_top_k_past_the_features_is_refused_when_read_not_when_encoding(tmp_path):
+    """top_k 41 of 40 features once loaded and failed in torch.topk at the first encode."""
+    root, _, _ = write_set(tmp_path / "set", lorsa=False, top_k=F + 1)
+    with pytest.raises(TranscoderFormatError, match=r"transcoder-L0/sae_weights\.safetensors: "
+                                                    r"top_k 41 is more than the 40 features"):
+        load_transcoder(root)
 
 
 def test_a_missing_layer_and_a_set_of_two_kinds_are_refused(tmp_path):

@@ -51,7 +51,13 @@ from ..arguments import checked
 from ..atomic import replacing, write_text
 from ..bound import BoundModel, bind
 from ..errors import InputError, TranscoderFormatError, TranscoderMismatchError
-from .formats.common import check_dtype, open_safetensors, read_json_object, read_tensors
+from .formats.common import (
+    check_dtype,
+    norm_factor,
+    open_safetensors,
+    read_json_object,
+    read_tensors,
+)
 from .hooks import hook_site, hook_states
 from .lorsa_checks import check_lorsa_model
 from .lorsa_config import (
@@ -227,7 +233,10 @@ class Lorsa(nn.Module):
             else:
                 mask = self._topk_over_ranks(scored, k)
             scored = scored * mask
-        return scored / norm if norm is not None else scored
+        if norm is None:
+            return scored
+        # a dead head (W_O row zero) scores relu(pre * 0) = 0: its activation 0, not 0 / 0
+        return scored / norm.masked_fill(norm == 0, 1)
 
     def _topk_over_ranks(self, scored: torch.Tensor, k: int) -> torch.Tensor:
         """Bool like ``scored [..., n_local]``: this shard's heads among each position's ``k``
@@ -311,8 +320,7 @@ def _read_weights(cfg: LorsaConfig, path: Path,
         if cfg.peer.get("norm_activation", PEER_DEFAULTS["norm_activation"]) == "dataset-wise" \
         else None
     if norms is not None:  # standardize_parameters_of_dataset_norm, models/lorsa.py:621-640
-        root = math.sqrt(cfg.d_model)
-        into, out = (root / float(norms[f"{NORM_KEY}{cfg.peer[key]}"])
+        into, out = (norm_factor(path, f"{NORM_KEY}{cfg.peer[key]}", norms, cfg.d_model)
                      for key in ("hook_point_in", "hook_point_out"))
         for name in ("W_Q", "W_K", "W_V"):
             tensors[name] = tensors[name] * into

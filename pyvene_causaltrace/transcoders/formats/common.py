@@ -5,6 +5,7 @@ one checked :class:`~..transcoder.Transcoder`."""
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import warnings
@@ -181,6 +182,17 @@ def read_tensors(path: Path, names=None, features: tuple[int, int] | None = None
         return {name: check_weight(read_features(handle, name, features, axes.get(name)),
                                    path, name)
                 for name in (names or handle.keys())}
+
+
+def norm_factor(path: Path, name: str, tensors: dict, d_model: int) -> float:
+    """llamascopium's ``sqrt(d_model) / norm`` of the dataset's average norm ``tensors[name]``
+    (``dataset_average_activation_norm.<hook>``), refused unless the norm is positive (0
+    divides by zero, a negative one flips the signs the fold keeps)."""
+    norm = float(tensors[name])
+    if not norm > 0:
+        raise TranscoderFormatError(f"{path}: {name} is {norm:g}: not a positive norm (a "
+                                    "damaged file)")
+    return math.sqrt(d_model) / norm
 
 
 @contextmanager

@@ -23,7 +23,6 @@ name two layers."""
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from .common import (
     assemble_set,
     in_layer_order,
     named_layers,
+    norm_factor,
     read_json_object,
     read_tensors,
 )
@@ -120,6 +120,24 @@ def _check(meta: dict, file: Path) -> dict:
     return meta
 
 
+def _check_widths(meta: dict, shape: torch.Size, file: Path) -> None:
+    """Refuse a config whose ``d_model``, ``d_sae`` (``d_model * expansion_factor``) or TopK
+    ``top_k`` disagree with ``W_E [D, F]`` (their strict loader refuses such a file; we read
+    the tensors)."""
+    d_model, width = shape
+    fields = {"d_model": (meta.get("d_model"), d_model)}
+    if isinstance(meta.get("d_model"), int) and isinstance(meta.get("expansion_factor"),
+                                                            int | float):
+        fields["expansion_factor"] = (int(meta["d_model"] * meta["expansion_factor"]), width)
+    for key, (said, held) in fields.items():
+        if said is not None and said != held:
+            raise TranscoderFormatError(f"{file}: {key} {meta[key]!r} gives {said}; W_E "
+                                        f"{list(shape)} holds {held}")
+    if meta["act_fn"] == "topk" and meta["top_k"] > width:
+        raise TranscoderFormatError(f"{file}: top_k {meta['top_k']} is more than the {width} "
+                                    "features W_E holds")
+
+
 def read_layer(folder: Path, meta: dict) -> tuple[LayerTensors, torch.Tensor | None]:
     """One layer in our orientation, folded (module docstring), and its ranking weights (the
     decoder norms: TopK under ``sparsity_include_decoder_norm``; else None)."""
@@ -133,10 +151,11 @@ def read_layer(folder: Path, meta: dict) -> tuple[LayerTensors, torch.Tensor | N
     if W_E.dim() != 2 or W_D.shape != W_E.T.shape:
         raise TranscoderFormatError(f"{file}: W_E {list(W_E.shape)} and W_D "
                                     f"{list(W_D.shape)} are not [D, F] and [F, D]")
+    _check_widths(meta, W_E.shape, file)
     b_E = tensors["b_E"]
     b_D = tensors.get("b_D", torch.zeros(W_E.shape[0], dtype=W_E.dtype))
     if meta["norm_activation"] == "dataset-wise":  # models/sae.py, standardize_parameters_...
-        into, out = (math.sqrt(W_E.shape[0]) / float(tensors[NORM_KEY + meta[key]])
+        into, out = (norm_factor(file, NORM_KEY + meta[key], tensors, W_E.shape[0])
                      for key in ("hook_point_in", "hook_point_out"))
         b_E, b_D, W_D = b_E / into, b_D / out, W_D * (into / out)
     norm = W_D.norm(dim=1) if meta["sparsity_include_decoder_norm"] else None
