@@ -255,3 +255,79 @@ def test_the_shipped_spec_runs_with_a_fixture_lorsa(tmp_path, tokenizer):
     del data["interventions"][0]["heads_off"]
     held = run_spec(load_spec(data), model, tokenizer)
     assert held.intervened_probs[0] == pytest.approx(held.clean_prob, abs=1e-5)
+
+
+# -- the audit's probes (silent wrong numbers found and fixed) ---------------------------------
+
+def test_a_head_with_a_zero_decoder_row_writes_nothing_and_is_not_nan(tmp_path):
+    """A dead OV head (its W_O row zero, as a pruned checkpoint may hold) scores
+    ``relu(pre * 0) = 0``: it never fires and the output is the other heads', as if its value
+    row were zero (the reference). Dividing by ``|W_O| = 0`` once made every position NaN."""
+    dead = [3, 7]
+    for name, changes in (("topk", {}), ("relu", {"act_fn": "relu"})):
+        cfg = peer_config(layer=0, **changes)
+        tensors = peer_tensors(cfg)
+        tensors["W_O"][dead] = 0
+        lorsa = load_lorsa(write_peer_lorsa(tmp_path / name, cfg, tensors, NORMS))[0]
+        x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(3))
+        acts = lorsa.encode(x)
+        assert acts.isfinite().all() and not acts[..., dead].any()
+        silent = dict(tensors, W_V=tensors["W_V"].clone(), b_V=tensors["b_V"].clone(),
+                      W_O=tensors["W_O"].clone())
+        silent["W_V"][dead], silent["b_V"][dead], silent["W_O"][dead] = 0, 0, 1
+        torch.testing.assert_close(lorsa.decode(acts), peer_forward(cfg, silent, x, NORMS)[1],
+                                   atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norms", [(0.0, 0.7), (-2.5, 0.7), (2.5, 0.0)])
+def test_a_dataset_norm_that_is_not_positive_is_refused_naming_the_tensor(tmp_path, norms):
+    """An average norm of 0 divided by zero (a ZeroDivisionError); a negative one flips signs.
+    Either is a damaged file: refused, naming the file and the tensor."""
+    cfg = peer_config(layer=0)
+    folder = write_peer_lorsa(tmp_path / "L0", cfg, peer_tensors(cfg), norms)
+    hook = cfg["hook_point_in"] if norms[0] <= 0 else cfg["hook_point_out"]
+    with pytest.raises(TranscoderFormatError, match=rf"sae_weights\.safetensors: "
+                                                    rf"dataset_average_activation_norm\.{hook}"
+                                                    r" is .*: not a positive norm"):
+        load_lorsa(folder)[0]
+
+
+def test_heads_off_outside_the_heads_are_refused_not_wrapped(tmp_path):
+    """heads_off=[-1] once zeroed the last OV head (a negative index wraps) and one past the
+    last failed inside the forward; both are refused when the splice is built."""
+    lorsa = _set(tmp_path)
+    model = make_tiny_model("llama", init=0.2)
+    for heads in ([-1], [64]):
+        with pytest.raises(InputError, match=rf"heads_off {heads[0]} is outside"):
+            lorsa_splice_representations(model, lorsa, heads_off=heads)
+    lorsa_splice_representations(model, lorsa, heads_off=[0, 63])  # the edges: accepted
+
+
+def test_clean_errors_of_a_batch_are_refused_not_the_first_rows(tmp_path):
+    """The clean errors are one prompt's ``[1, P, D]``; a batch of two prompts once gave the
+    first prompt's errors (the second row silently dropped): refused."""
+    lorsa = _set(tmp_path)
+    model = make_tiny_model("llama", init=0.2)
+    ids = torch.randint(1, 400, (2, 9), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(InputError, match=r"one prompt.*2 rows"):
+        clean_lorsa_errors(model, lorsa, ids)
+
+
+def test_the_fit_refuses_a_layer_with_a_sliding_window_shorter_than_its_context():
+    """A sliding-window layer attends to its last ``window`` tokens; a Lorsa attends to every
+    earlier one. The fit's start is then not the layer (FVU ~0.3 on 12 tokens, window 4):
+    refused. A window as long as the Lorsa's n_ctx changes nothing: accepted."""
+    import transformers
+
+    common = dict(vocab_size=420, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=256, initializer_range=0.2)
+    for window, refused in ((4, True), (2048, False)):
+        config = transformers.MistralConfig(**common, sliding_window=window)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        if refused:
+            with pytest.raises(InputError, match=r"layer 1 attends over a sliding window of "
+                                                 r"4 tokens.*n_ctx 2048"):
+                attention_init(bind(model), 1, top_k=8, n_ctx=2048)
+        else:
+            assert attention_init(bind(model), 1, top_k=8, n_ctx=2048).cfg.n_ctx == 2048

@@ -286,6 +286,12 @@ def lorsa_splice_representations(
         raise InputError(f"no Lorsa for layer(s) {missing}; the set has {sorted(lorsa.layers)}")
     if add_error and errors is not None:
         raise InputError("add_error makes the forward the original one; errors= replaces it")
+    for layer in layers:  # a negative head would wrap to another one
+        n_ov = lorsa.layers[layer].cfg.n_ov_heads
+        for head in heads_off or []:
+            if not 0 <= head < n_ov:
+                raise InputError(f"heads_off {head} is outside layer {layer}'s {n_ov} OV heads "
+                                 f"(0..{n_ov - 1})")
     session = SpliceSession() if session is None else session
     common = {"clt": lorsa, "session": session, "from_position": from_position,
               "add_error": add_error, "heads_off": heads_off,

@@ -59,6 +59,13 @@ def attention_init(bound: BoundModel, layer: int, *, top_k: int, n_ctx: int = 20
         raise InputError("the fit reads q_proj, k_proj, v_proj and o_proj from the attention "
                          "module; this model has other names") from None
     q_proj, k_proj, v_proj, o_proj = projections
+    config = getattr(bound.model, "config", None)
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    if window is not None and window < n_ctx and (types is None
+                                                  or types[layer] == "sliding_attention"):
+        raise InputError(f"layer {layer} attends over a sliding window of {window} tokens; a "
+                         f"Lorsa attends over every earlier position (n_ctx {n_ctx}), so its "
+                         "start would not be the layer")
     heads, dh, d = bound.n_heads, bound.head_dim, bound.d_model
     kv = bound.kv_width // dh
     rep = heads // kv
