@@ -331,3 +331,29 @@ def test_the_fit_refuses_a_layer_with_a_sliding_window_shorter_than_its_context(
                 attention_init(bind(model), 1, top_k=8, n_ctx=2048)
         else:
             assert attention_init(bind(model), 1, top_k=8, n_ctx=2048).cfg.n_ctx == 2048
+
+
+@pytest.mark.parametrize(("change", "field"), [({"attn_scale": -2.0}, "attn_scale must be > 0"),
+                                               ({"attn_scale": 0}, "attn_scale must be > 0"),
+                                               ({"rotary_base": -10000}, "rotary_base"),
+                                               ({"eps": -1e-6}, "eps must be >= 0")])
+def test_a_scale_base_or_eps_out_of_range_is_refused(tmp_path, change, field):
+    """attn_scale -2 once read as a Lorsa attending to its least similar keys (no error); 0,
+    a negative rotary base or eps gave NaN."""
+    cfg = peer_config(layer=0, **change)
+    with pytest.raises(TranscoderFormatError, match=rf"config\.json: {field}"):
+        load_lorsa(write_peer_lorsa(tmp_path / "L0", cfg, peer_tensors(cfg), NORMS))
+
+
+def test_a_set_whose_lorsas_name_two_models_is_refused(tmp_path):
+    """One set, layers naming different models: its model_name was None, which let the set
+    past check_lorsa_fits' name check on any model. Refused; one named, one not: the name."""
+    for layer, name in ((0, "smollm2-135m"), (2, "qwen3-8b")):
+        cfg = peer_config(layer=layer)
+        folder = write_peer_lorsa(tmp_path / f"L{layer}", cfg, peer_tensors(cfg), NORMS)
+        (folder / "lm_config.json").write_text(json.dumps({"model_name": name}))
+    with pytest.raises(TranscoderFormatError, match=r"name different models "
+                                                    r"\(qwen3-8b, smollm2-135m\)"):
+        load_lorsa(tmp_path)
+    (tmp_path / "L2" / "lm_config.json").unlink()
+    assert load_lorsa(tmp_path).model_name == "smollm2-135m"

@@ -403,7 +403,11 @@ def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
     widths = {lorsa.cfg.d_model for lorsa in layers.values()}
     if len(widths) > 1:
         raise TranscoderFormatError(f"{root}: the Lorsas' d_model differ ({sorted(widths)})")
-    model_name = names.pop() if len(names) == 1 else None
+    known = {name for name in names if name}
+    if len(known) > 1:  # None here would skip check_lorsa_model's name check for every layer
+        raise TranscoderFormatError(f"{root}: the Lorsas' lm_config.json name different models "
+                                    f"({', '.join(sorted(known))})")
+    model_name = known.pop() if known else None
     found = LorsaSet(dict(sorted(layers.items())), source=str(root), model_name=model_name)
     return found if shard is None else found.shard(*shard)
 

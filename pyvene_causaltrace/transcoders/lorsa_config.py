@@ -121,6 +121,14 @@ class LorsaConfig:
                              f"got {self.rotary_dim}")
         if self.attn_scale is None:  # models/lorsa.py:104-105
             object.__setattr__(self, "attn_scale", self.d_qk_head ** 0.5)
+        # a negative scale attends to the least similar keys; a base <= 0 or eps < 0 gives NaN
+        limits = {"attn_scale": (self.attn_scale, 0.0), "eps": (self.eps, None)}
+        if self.rotary:
+            limits["rotary_base"] = (self.rotary_base, 0.0)
+        for name, (value, floor) in limits.items():
+            if not (value > floor if floor is not None else value >= 0):
+                raise InputError(f"{name} must be {'> 0' if floor is not None else '>= 0'}, "
+                                 f"got {value!r}")
 
     @property
     def group(self) -> int:
