@@ -357,3 +357,22 @@ def test_a_set_whose_lorsas_name_two_models_is_refused(tmp_path):
         load_lorsa(tmp_path)
     (tmp_path / "L2" / "lm_config.json").unlink()
     assert load_lorsa(tmp_path).model_name == "smollm2-135m"
+
+
+def test_a_bfloat16_file_is_folded_in_float32_not_in_its_own_dtype(tmp_path):
+    """A bfloat16 Lorsa read as float32: the dataset-norm fold (``W * sqrt(d) / norm``) was
+    done in bfloat16 before the cast, rounding every weight again (2**-9): the reconstruction
+    off by 0.006 under relu and by 0.6 (as large as the output) under TopK, where the rounding
+    flipped which heads were kept. The reference: their forward in float64 on the stored
+    weights."""
+    for name, changes in (("relu", {"act_fn": "relu"}), ("topk", {})):
+        cfg = peer_config(layer=0, **changes)
+        tensors = {k: v.to(torch.bfloat16) for k, v in peer_tensors(cfg).items()}
+        lorsa = load_lorsa(write_peer_lorsa(tmp_path / name, cfg, tensors, (3.3, 1.7)))[0]
+        x = torch.randn(3, 12, 32, generator=torch.Generator().manual_seed(1),
+                        dtype=torch.float64)
+        acts, want = peer_forward(cfg, {k: v.double() for k, v in tensors.items()}, x,
+                                  (3.3, 1.7))
+        ours = lorsa.encode(x)
+        assert torch.equal(ours != 0, acts != 0)
+        torch.testing.assert_close(lorsa.decode(ours).double(), want, atol=2e-6, rtol=1e-5)

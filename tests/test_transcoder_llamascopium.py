@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from lorsa_fixtures import peer_config, peer_tensors, write_peer_lorsa
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from pyvene_causaltrace.errors import InputError, TranscoderFormatError
 from pyvene_causaltrace.transcoders import load_transcoder, save_transcoder
@@ -25,6 +25,7 @@ from pyvene_causaltrace.transcoders.lorsa import load_lorsa
 L, D, F, K = 3, 16, 40, 4
 #: dataset norms that fold to nothing (sqrt(d_model))
 UNIT = (math.sqrt(D), math.sqrt(D))
+NORM = "dataset_average_activation_norm."
 
 
 def sae_config(layer: int, **changes) -> dict:
@@ -253,3 +254,29 @@ def test_a_sharded_ranked_set_keeps_the_whole_sets_features(tmp_path, monkeypatc
     whole.score_weight = None
     assert any(not torch.equal(whole.encode(x, layer) != 0, load_transcoder(root).encode(
         x, layer) != 0) for layer in range(L))
+
+
+@pytest.mark.parametrize("act_fn", ["topk", "relu"])
+def test_a_bfloat16_file_is_folded_in_float32(tmp_path, act_fn):
+    """A bfloat16 set read as float32 was folded (``b_E / into``, ``W_D * into / out``) in
+    bfloat16 before the cast: every folded weight rounded again, the TopK ranking moved. The
+    reference: their forward in float64 on the stored weights."""
+    norms = (3.3, 7.0)
+    root, configs, _ = write_set(tmp_path / "set", norms, lorsa=False, act_fn=act_fn,
+                                 norm_activation="dataset-wise")
+    stored = []
+    for layer in range(L):
+        file = root / f"transcoder-L{layer}" / "sae_weights.safetensors"
+        state = {k: v.to(torch.bfloat16) for k, v in load_file(str(file)).items()}
+        save_file(state, str(file))
+        stored.append({k: v.double() for k, v in state.items()})
+    tc = load_transcoder(root)
+    x = torch.randn(2, 7, D, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for layer in range(L):
+        cfg, weights = configs[layer], stored[layer]
+        acts, recon = theirs(cfg, weights, x, [float(weights[f"{NORM}{cfg[key]}"])
+                                               for key in ("hook_point_in", "hook_point_out")])
+        mine = tc.encode(x.float(), layer)
+        assert torch.equal(mine != 0, acts != 0), layer
+        ours = (mine @ tc.W_dec[layer][:, 0] + tc.b_dec[layer]).double()
+        torch.testing.assert_close(ours, recon, atol=1e-5, rtol=1e-5)

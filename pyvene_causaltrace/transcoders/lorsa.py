@@ -57,6 +57,7 @@ from .formats.common import (
     open_safetensors,
     read_json_object,
     read_tensors,
+    widened,
 )
 from .hooks import hook_site, hook_states
 from .lorsa_checks import check_lorsa_model
@@ -322,11 +323,11 @@ def _read_weights(cfg: LorsaConfig, path: Path,
     if norms is not None:  # standardize_parameters_of_dataset_norm, models/lorsa.py:621-640
         into, out = (norm_factor(path, f"{NORM_KEY}{cfg.peer[key]}", norms, cfg.d_model)
                      for key in ("hook_point_in", "hook_point_out"))
-        for name in ("W_Q", "W_K", "W_V"):
-            tensors[name] = tensors[name] * into
-        tensors["W_O"] = tensors["W_O"] / out
+        for name in ("W_Q", "W_K", "W_V"):  # in float32 at least: bf16 rounded twice flips TopK
+            tensors[name] = widened(tensors[name]) * into
+        tensors["W_O"] = widened(tensors["W_O"]) / out
         if "b_D" in tensors:
-            tensors["b_D"] = tensors["b_D"] / out
+            tensors["b_D"] = widened(tensors["b_D"]) / out
     return tensors
 
 

@@ -195,6 +195,12 @@ def norm_factor(path: Path, name: str, tensors: dict, d_model: int) -> float:
     return math.sqrt(d_model) / norm
 
 
+def widened(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32 at least (float64 kept): what a fold of stored weights is
+    computed in, so a half-precision file is rounded once, at the cast to the dtype asked."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
 @contextmanager
 def reading(path: Path):
     """Errors of reading tensors (a truncated data section surfaces only then) as a

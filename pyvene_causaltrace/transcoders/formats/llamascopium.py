@@ -39,6 +39,7 @@ from .common import (
     norm_factor,
     read_json_object,
     read_tensors,
+    widened,
 )
 
 CONFIG, WEIGHTS = "config.json", "sae_weights.safetensors"
@@ -157,7 +158,8 @@ def read_layer(folder: Path, meta: dict) -> tuple[LayerTensors, torch.Tensor | N
     if meta["norm_activation"] == "dataset-wise":  # models/sae.py, standardize_parameters_...
         into, out = (norm_factor(file, NORM_KEY + meta[key], tensors, W_E.shape[0])
                      for key in ("hook_point_in", "hook_point_out"))
-        b_E, b_D, W_D = b_E / into, b_D / out, W_D * (into / out)
+        b_E, b_D, W_D = (widened(b_E) / into, widened(b_D) / out,  # not in bf16 (lorsa's)
+                         widened(W_D) * (into / out))
     norm = W_D.norm(dim=1) if meta["sparsity_include_decoder_norm"] else None
     threshold = None
     if meta["act_fn"] == "jumprelu":
