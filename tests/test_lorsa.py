@@ -376,3 +376,30 @@ def test_a_bfloat16_file_is_folded_in_float32_not_in_its_own_dtype(tmp_path):
         ours = lorsa.encode(x)
         assert torch.equal(ours != 0, acts != 0)
         torch.testing.assert_close(lorsa.decode(ours).double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_a_cached_generation_step_is_refused_and_an_uncached_one_is_the_whole_run(tmp_path):
+    """generate(intervene_on_prompt=True) with a KV cache hands each step's attention the
+    newest token alone: the Lorsa attended over that one position (tokens 2-4 of 4 differed
+    from the spliced forward on the whole sequence). Refused; without the cache every step
+    is the whole run (the reference: greedy spliced forwards on the grown sequence)."""
+    from pyvene_causaltrace import IntervenableModel
+
+    lorsa = _set(tmp_path)
+    model = make_tiny_model("llama", init=0.2)
+    ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(0))
+    want = ids
+    for _ in range(4):
+        with torch.no_grad(), intervened(bind(model), lorsa_splice_representations(
+                model, lorsa)) as m:
+            want = torch.cat([want, m(input_ids=want).logits[:, -1].argmax(-1, True)], 1)
+    for cache in (True, False):
+        pv = IntervenableModel(lorsa_splice_representations(model, lorsa), model)
+        run = lambda pv=pv, cache=cache: pv.generate(  # noqa: E731
+            {"input_ids": ids}, intervene_on_prompt=True, max_new_tokens=4, do_sample=False,
+            use_cache=cache)[1]
+        if cache:
+            with pytest.raises(InputError, match=r"handed 1 of the 7 positions .*KV cache"):
+                run()
+        else:
+            assert torch.equal(run(), want)

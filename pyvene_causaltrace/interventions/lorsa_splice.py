@@ -38,6 +38,7 @@ from ..bound import BoundModel, bind
 from ..distributed import current
 from ..errors import InputError, SpecError
 from ..locations import resolve_layers
+from ..pyvene_boundary.calls import pyvene_call
 from ..transcoders.hooks import hook_component, hook_value, norm_settings
 from ..transcoders.lorsa import (
     INPUT_HOOK,
@@ -196,6 +197,7 @@ class LorsaSplice(SpliceIntervention):
         if layer not in session.acts:
             raise InputError(f"the Lorsa decoder of layer {layer} needs its encoder, placed "
                              "before it in the same forward")
+        _refuse_cached_step(base, layer)
         recon = self.clt[layer].decode(session.acts[layer]).to(base.dtype)
         held = self.error
         if config["add_error"]:
@@ -240,6 +242,21 @@ class LorsaSplice(SpliceIntervention):
         leaves["errors"][layer] = error
         spliced = recon + error
         return base.detach() + (spliced - spliced.detach())
+
+
+def _refuse_cached_step(base: torch.Tensor, layer: int) -> None:
+    """Refuse a forward that hands the attention the newest positions alone, the earlier ones
+    in its KV cache (``generate``'s steps): a Lorsa attends over every position, so its
+    reconstruction there would read the newest alone (read from the announced call's
+    ``cache``; none announced, nothing to read)."""
+    call = pyvene_call()
+    cache = None if call is None else call.kwargs.get("cache", call.kwargs.get("past_key_values"))
+    held = cache.get_seq_length(layer) if hasattr(cache, "get_seq_length") else 0
+    if held > base.shape[1]:
+        raise InputError(f"layer {layer}'s attention is handed {base.shape[1]} of the {held} "
+                         "positions (the rest in its KV cache, a cached generation step); a "
+                         "Lorsa splice attends over every position: generate with "
+                         "use_cache=False, or run the whole sequence")
 
 
 def _summed_over_ranks(written: torch.Tensor, layer: int) -> torch.Tensor:
