@@ -403,3 +403,24 @@ def test_a_cached_generation_step_is_refused_and_an_uncached_one_is_the_whole_ru
                 run()
         else:
             assert torch.equal(run(), want)
+
+
+def test_a_padded_batch_is_refused_and_an_unpadded_mask_is_not(tmp_path):
+    """Left-padded, the second prompt's real tokens were reconstructed by a Lorsa that also
+    attended to its pads, its first token spliced as if past BOS (its logits differed from
+    the prompt run alone by 5.5, as large as they are; the model's own by 2e-6).
+    Refused; an all-ones mask (sdpa: no mask; eager: the causal one) splices as before."""
+    lorsa = _set(tmp_path)
+    ids = torch.randint(1, 400, (2, 7), generator=torch.Generator().manual_seed(0))
+    pads = torch.tensor([[1] * 7, [0, 0] + [1] * 5])
+    for attention in ("sdpa", "eager"):
+        model = make_tiny_model("llama", init=0.2)
+        model.config._attn_implementation = attention
+        with torch.no_grad(), intervened(bind(model),
+                                         lorsa_splice_representations(model, lorsa)) as m:
+            with pytest.raises(InputError, match=r"mask hides positions.*run each prompt "
+                                                 r"alone, unpadded"):
+                m(input_ids=ids, attention_mask=pads)
+            both = m(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+            alone = m(input_ids=ids[1:]).logits
+        torch.testing.assert_close(both[1:], alone, atol=1e-5, rtol=0)

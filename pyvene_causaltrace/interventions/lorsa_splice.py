@@ -197,7 +197,7 @@ class LorsaSplice(SpliceIntervention):
         if layer not in session.acts:
             raise InputError(f"the Lorsa decoder of layer {layer} needs its encoder, placed "
                              "before it in the same forward")
-        _refuse_cached_step(base, layer)
+        _refuse_partial_attention(base, layer)
         recon = self.clt[layer].decode(session.acts[layer]).to(base.dtype)
         held = self.error
         if config["add_error"]:
@@ -244,19 +244,30 @@ class LorsaSplice(SpliceIntervention):
         return base.detach() + (spliced - spliced.detach())
 
 
-def _refuse_cached_step(base: torch.Tensor, layer: int) -> None:
-    """Refuse a forward that hands the attention the newest positions alone, the earlier ones
-    in its KV cache (``generate``'s steps): a Lorsa attends over every position, so its
-    reconstruction there would read the newest alone (read from the announced call's
-    ``cache``; none announced, nothing to read)."""
+def _refuse_partial_attention(base: torch.Tensor, layer: int) -> None:
+    """Refuse a forward whose attention is not plain causal over what the splice is handed
+    (read from the announced call's ``cache`` and ``attention_mask``; none announced, nothing
+    to read): earlier positions held in a KV cache (``generate``'s steps), or a mask that
+    hides positions causality keeps (padding, a sliding window). A Lorsa attends over every
+    earlier position it is handed: its reconstruction there would be another sequence's."""
     call = pyvene_call()
-    cache = None if call is None else call.kwargs.get("cache", call.kwargs.get("past_key_values"))
-    held = cache.get_seq_length(layer) if hasattr(cache, "get_seq_length") else 0
-    if held > base.shape[1]:
-        raise InputError(f"layer {layer}'s attention is handed {base.shape[1]} of the {held} "
+    kwargs = {} if call is None else call.kwargs
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    held, n_pos = (cache.get_seq_length(layer) if hasattr(cache, "get_seq_length") else 0,
+                   base.shape[1])
+    if held > n_pos:
+        raise InputError(f"layer {layer}'s attention is handed {n_pos} of the {held} "
                          "positions (the rest in its KV cache, a cached generation step); a "
                          "Lorsa splice attends over every position: generate with "
                          "use_cache=False, or run the whole sequence")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2:] == (n_pos, n_pos):
+        kept = mask if mask.dtype == torch.bool else mask == 0  # additive: 0 where attended
+        causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=mask.device).tril()
+        if not torch.equal(kept, causal.expand_as(kept)):
+            raise InputError(f"layer {layer}'s attention mask hides positions a causal mask "
+                             "keeps (padding, or a sliding window); a Lorsa splice attends over "
+                             "every earlier position: run each prompt alone, unpadded")
 
 
 def _summed_over_ranks(written: torch.Tensor, layer: int) -> torch.Tensor:
