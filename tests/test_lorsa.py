@@ -424,3 +424,11 @@ def test_a_padded_batch_is_refused_and_an_unpadded_mask_is_not(tmp_path):
             both = m(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             alone = m(input_ids=ids[1:]).logits
         torch.testing.assert_close(both[1:], alone, atol=1e-5, rtol=0)
+
+
+def test_lorsa_fvu_refuses_a_negative_from_position(tmp_path, tokenizer):
+    """from_position=-1 once measured the last position alone (a slice from the end)."""
+    lorsa = _set(tmp_path)
+    model = make_tiny_model("llama", init=0.2)
+    with pytest.raises(InputError, match="from_position"):
+        lorsa_fvu(model, tokenizer, lorsa, CORPUS[:2], from_position=-1)

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..arguments import checked
+from ..arguments import NonNegativeInt, checked
 from ..atomic import replacing, write_text
 from ..bound import BoundModel, bind
 from ..errors import InputError, TranscoderFormatError, TranscoderMismatchError
@@ -467,7 +467,7 @@ def lorsa_states(model, lorsa: LorsaSet, ids: torch.Tensor) -> dict[str, torch.T
 @torch.no_grad()
 @checked
 def lorsa_fvu(model: nn.Module | BoundModel, tokenizer, lorsa: LorsaSet, texts: list[str],
-              from_position: int = 1) -> dict[int, float]:
+              from_position: NonNegativeInt = 1) -> dict[int, float]:
     """The pairing check: per layer, the fraction of the attention output's variance (about
     its mean, positions ``>= from_position`` of every text) the Lorsa's reconstruction misses.
     A Lorsa paired with its model gives well under 1; one of another model, about 1 or more."""
