@@ -305,12 +305,16 @@ def test_heads_off_outside_the_heads_are_refused_not_wrapped(tmp_path):
 
 def test_clean_errors_of_a_batch_are_refused_not_the_first_rows(tmp_path):
     """The clean errors are one prompt's ``[1, P, D]``; a batch of two prompts once gave the
-    first prompt's errors (the second row silently dropped): refused."""
+    first prompt's errors (the second row silently dropped): refused. One prompt repeated (a
+    row per noise seed) is that prompt's."""
     lorsa = _set(tmp_path)
     model = make_tiny_model("llama", init=0.2)
     ids = torch.randint(1, 400, (2, 9), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(InputError, match=r"one prompt.*2 rows"):
+    with pytest.raises(InputError, match=r"one prompt.*2 rows, not all the same"):
         clean_lorsa_errors(model, lorsa, ids)
+    same = clean_lorsa_errors(model, lorsa, ids[:1].repeat(2, 1))  # one prompt per noise seed
+    assert all(torch.equal(same[k], v) for k, v in clean_lorsa_errors(model, lorsa,
+                                                                      ids[:1]).items())
 
 
 def test_the_fit_refuses_a_layer_with_a_sliding_window_shorter_than_its_context():

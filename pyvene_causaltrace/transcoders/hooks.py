@@ -108,9 +108,10 @@ def hook_states(model: nn.Module | BoundModel, ids: torch.Tensor,
     ``{"out": "hook_mlp_out"}``) at every layer for one prompt ``ids [1, P]``:
     ``{key: [L, P, D]}``, one forward (``run()``, when given, performs it: a forward the
     caller needs anyway)."""
-    if ids.dim() != 2 or ids.shape[0] != 1:  # [0] below would keep the first row alone
-        raise InputError(f"hook states are read for one prompt (input_ids [1, P]); these "
-                         f"input_ids {list(ids.shape)} hold {ids.shape[0]} rows")
+    if ids.dim() != 2 or not bool((ids == ids[:1]).all()):  # [0] below keeps the first row
+        raise InputError(f"hook states are read for one prompt (input_ids [1, P], or rows of "
+                         f"it repeated); these input_ids {list(ids.shape)} hold "
+                         f"{len(ids)} rows, not all the same")
     bound = bind(model)
     paths = {key: [hook_component(bound.adapter, hook, layer)
                    for layer in range(bound.n_layers)]
