@@ -422,12 +422,25 @@ def test_a_padded_batch_is_refused_and_an_unpadded_mask_is_not(tmp_path):
         model.config._attn_implementation = attention
         with torch.no_grad(), intervened(bind(model),
                                          lorsa_splice_representations(model, lorsa)) as m:
-            with pytest.raises(InputError, match=r"mask hides positions.*run each prompt "
-                                                 r"alone, unpadded"):
+            with pytest.raises(InputError, match=r"mask hides earlier positions \(padding\)"
+                                                 r".*run each prompt alone, unpadded"):
                 m(input_ids=ids, attention_mask=pads)
             both = m(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
             alone = m(input_ids=ids[1:]).logits
         torch.testing.assert_close(both[1:], alone, atol=1e-5, rtol=0)
+    # a model's sliding window (3 of 7 positions) is the model's: the Lorsa's splice runs
+    import transformers
+
+    config = transformers.MistralConfig(
+        vocab_size=420, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=3,
+        attn_implementation="eager")
+    windowed = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad(), intervened(bind(windowed),
+                                     lorsa_splice_representations(windowed, lorsa)) as m:
+        assert m(input_ids=ids).logits.isfinite().all()
+        with pytest.raises(InputError, match=r"\(padding\)"):
+            m(input_ids=ids, attention_mask=pads)
 
 
 def test_lorsa_fvu_refuses_a_negative_from_position(tmp_path, tokenizer):

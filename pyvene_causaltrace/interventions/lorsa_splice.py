@@ -248,8 +248,9 @@ def _refuse_partial_attention(base: torch.Tensor, layer: int) -> None:
     """Refuse a forward whose attention is not plain causal over what the splice is handed
     (read from the announced call's ``cache`` and ``attention_mask``; none announced, nothing
     to read): earlier positions held in a KV cache (``generate``'s steps), or a mask that
-    hides positions causality keeps (padding, a sliding window). A Lorsa attends over every
-    earlier position it is handed: its reconstruction there would be another sequence's."""
+    hides earlier positions other than a sliding window's (padding). A Lorsa attends over
+    every earlier position it is handed: its reconstruction there would be another
+    sequence's."""
     call = pyvene_call()
     kwargs = {} if call is None else call.kwargs
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -263,11 +264,16 @@ def _refuse_partial_attention(base: torch.Tensor, layer: int) -> None:
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2:] == (n_pos, n_pos):
         kept = mask if mask.dtype == torch.bool else mask == 0  # additive: 0 where attended
-        causal = torch.ones(n_pos, n_pos, dtype=torch.bool, device=mask.device).tril()
-        if not torch.equal(kept, causal.expand_as(kept)):
-            raise InputError(f"layer {layer}'s attention mask hides positions a causal mask "
-                             "keeps (padding, or a sliding window); a Lorsa splice attends over "
-                             "every earlier position: run each prompt alone, unpadded")
+        back = torch.arange(n_pos, device=mask.device)
+        back = back[:, None] - back[None, :]  # how far back each key is
+        hidden = (back >= 0) & ~kept
+        # the model's sliding window hides every key from some distance on (the Lorsa's own
+        # attention is not the model's: that is no concern of its); padding hides others
+        if hidden.any() and not torch.equal(hidden, (back >= back.expand_as(hidden)[hidden]
+                                                     .min()).expand_as(hidden)):
+            raise InputError(f"layer {layer}'s attention mask hides earlier positions (padding); "
+                             "a Lorsa splice attends over every earlier position: run each "
+                             "prompt alone, unpadded")
 
 
 def _summed_over_ranks(written: torch.Tensor, layer: int) -> torch.Tensor:
