@@ -132,16 +132,21 @@ def _fit(model: BoundModel, tokenizer, settings: LorsaFitSettings) -> tuple[Lors
 
 
 def fit_lorsa_set(settings: LorsaFitSettings, *, out: str | Path | None = None,
-                  refit: bool = False, model=None, tokenizer=None) -> LorsaFitReport:
+                  refit: bool = False, model=None, tokenizer=None,
+                  device: str | torch.device | None = None) -> LorsaFitReport:
     """Fit a Lorsa at each of ``settings.layers`` and save the set in ``out`` (default
     :func:`lorsa_dir`), or reuse the one there fitted with the same settings (module
-    docstring). ``model``/``tokenizer``: an already loaded model (else ``settings.model`` is
-    loaded on the CPU)."""
+    docstring). ``model``/``tokenizer``: an already loaded model, fitted on its device (else
+    ``settings.model`` is loaded on ``device``, default the CPU); the whole fit runs on the
+    model's device, the set is saved from there."""
+    if model is not None and device is not None:
+        raise InputError("device= is where fit_lorsa_set loads settings.model; a loaded model "
+                         "is fitted on its own device (move it there first)")
     path = Path(out).expanduser() if out is not None else lorsa_dir(settings)
     with fit_output(path) as output:
         record = None if refit else output.record()
         if model is None:
-            model, tokenizer = load_model(settings.model)
+            model, tokenizer = load_model(settings.model, device=device or "cpu")
         plain = model.model if isinstance(model, BoundModel) else model
         asked = dict(asdict(settings), layers=list(settings.layers),
                      data=_data_identity(settings.data),

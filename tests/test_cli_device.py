@@ -13,6 +13,7 @@ import torch
 from _support.data import PROJECT_FACTS, SPEC_DIR
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 
+from pyvene_causaltrace import lorsa_fitting
 from pyvene_causaltrace.cli import attribute, dataset, evaluate, fit, main, steer, trace
 
 
@@ -34,7 +35,7 @@ def loads(monkeypatch):
         calls.append(("model", kwargs.get("device")))
         raise _Loaded
 
-    for module in (trace, attribute, dataset, steer, evaluate, fit):
+    for module in (trace, attribute, dataset, steer, evaluate, fit, lorsa_fitting):
         if hasattr(module, "load_transcoder"):
             monkeypatch.setattr(module, "load_transcoder", load_transcoder)
         monkeypatch.setattr(module, "load_model", load_model)
@@ -77,11 +78,12 @@ def _commands(f) -> dict[str, tuple[list[str], list[str]]]:
         "steer": (["--clt", "c", "--set", "0:-1:0=1"], ["transcoder", "model"]),
         "evaluate": (["g.safetensors", "--clt", "c"], ["transcoder", "model"]),
         "fit": (["--out", out], ["model"]),
+        "fit-lorsa": (["--layers", "0", "--out", out], ["model"]),
     }
 
 
 NAMES = ["trace", "trace --spec", "run", "validate --model", "clt-check", "dataset", "attribute",
-         "attribute --prompts", "steer", "evaluate", "fit"]
+         "attribute --prompts", "steer", "evaluate", "fit", "fit-lorsa"]
 
 
 def _run(name: str, argv: list[str], device: str | None) -> None:

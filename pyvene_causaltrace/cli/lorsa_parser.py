@@ -30,14 +30,15 @@ def lorsa_attribute_flags(graph: argparse.ArgumentParser) -> None:
     graph.add_argument("--qk-tracing", action="store_true", help=_QK_HELP)
 
 
-def add_fit_lorsa(commands, model_help: str) -> None:
-    """``fit-lorsa``: :func:`~..lorsa_fitting.fit_lorsa_set` from flags."""
+def add_fit_lorsa(commands, model_help: str) -> argparse.ArgumentParser:
+    """``fit-lorsa``: :func:`~..lorsa_fitting.fit_lorsa_set` from flags (its ``--device`` is
+    added by :mod:`.parser`, as every command's)."""
     fit = commands.add_parser(
         "fit-lorsa",
         help="fit Lorsas (attention features) for some of a model's attention layers, each "
              "started from the layer's own heads, and save the set `attribute --lorsa` reads "
-             "(default under ~/.cache/pyvene_causaltrace/lorsas/<model>-lorsa-k<top-k>); on "
-             "the CPU")
+             "(default under ~/.cache/pyvene_causaltrace/lorsas/<model>-lorsa-k<top-k>); the "
+             "whole fit runs on --device")
     fit.add_argument("--model", default=None, help=model_help)
     fit.add_argument("--layers", required=True, metavar="L[,L...]",
                      help="the attention layers to fit, comma-separated (e.g. 2,5,8)")
@@ -67,3 +68,4 @@ def add_fit_lorsa(commands, model_help: str) -> None:
     fit.add_argument("--refit", action="store_true",
                      help="replace a set fitted there with other settings (without it, one "
                           "with the same settings is reused and another refused)")
+    return fit

@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "another refused)")
     fit.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    add_fit_lorsa(commands, _MODEL_HELP)
+    _device(add_fit_lorsa(commands, _MODEL_HELP))  # its --device: where the fit runs
     steer = commands.add_parser(
         "steer", parents=[plugins],
         help="set transcoder features to values: top tokens against the clean run, and a "
