@@ -156,7 +156,8 @@ def fit_lorsa_set(settings: LorsaFitSettings, *, out: str | Path | None = None,
             return LorsaFitReport(path, True, record)
         start = time.perf_counter()
         lorsa, fit, n_held = _fit(model, tokenizer, settings)
-        record = {"settings": asked, "fit": fit, "held_out": n_held,
+        dtype = str(next(plain.parameters()).dtype).removeprefix("torch.")  # the fingerprint's
+        record = {"settings": asked, "fit": fit, "held_out": n_held, "model_dtype": dtype,
                   "seconds": round(time.perf_counter() - start, 1)}
         name = model_name(plain) or None
 
