@@ -120,7 +120,8 @@ def _fit(model: BoundModel, tokenizer, settings: LorsaFitSettings) -> tuple[Lors
     if beyond:
         raise InputError(f"layers {beyond}: the model has {model.n_layers} layers "
                          f"(0..{model.n_layers - 1})")
-    with torch.random.fork_rng(devices=[]):
+    # the seed reaches the model's device's generator too: its state is put back after as well
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
         torch.manual_seed(settings.seed)
         texts, held = lorsa_texts(model, tokenizer, settings)
         lorsa, fit = fit_lorsa(model, tokenizer, texts, layers=list(settings.layers),
