@@ -67,6 +67,7 @@ def add_fit_lorsa(commands, model_help: str) -> argparse.ArgumentParser:
                      help="where to save: a new directory, or one fit-lorsa wrote (holding "
                           "fit.json); another folder is refused")
     fit.add_argument("--refit", action="store_true",
-                     help="replace a set fitted there with other settings (without it, one "
-                          "with the same settings is reused and another refused)")
+                     help="replace a set fitted there with other settings, swapped in whole "
+                          "(without it, one with the same settings is reused and another "
+                          "refused)")
     return fit
