@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .arguments import checked
 from .bound import BoundModel
 from .errors import InputError
 from .fingerprint import model_fingerprint
@@ -132,6 +133,7 @@ def _fit(model: BoundModel, tokenizer, settings: LorsaFitSettings) -> tuple[Lors
     return lorsa, fit, len(held)
 
 
+@checked
 def fit_lorsa_set(settings: LorsaFitSettings, *, out: str | Path | None = None,
                   refit: bool = False, model=None, tokenizer=None,
                   device: str | torch.device | None = None) -> LorsaFitReport:
@@ -157,8 +159,7 @@ def fit_lorsa_set(settings: LorsaFitSettings, *, out: str | Path | None = None,
             return LorsaFitReport(path, True, record)
         start = time.perf_counter()
         lorsa, fit, n_held = _fit(model, tokenizer, settings)
-        dtype = str(next(plain.parameters()).dtype).removeprefix("torch.")  # the fingerprint's
-        record = {"settings": asked, "fit": fit, "held_out": n_held, "model_dtype": dtype,
+        record = {"settings": asked, "fit": fit, "held_out": n_held,
                   "seconds": round(time.perf_counter() - start, 1)}
         name = model_name(plain) or None
 

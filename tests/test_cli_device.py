@@ -169,3 +169,22 @@ def test_a_tiny_trace_runs_on_the_device_asked_for(device, tmp_path, tokenizer, 
                  SUBJECT, "--seeds", "1", "--window", "1", "--no-progress",
                  "--device", device])
     assert code == 0 and "residual trace" in capsys.readouterr().out
+
+
+def test_load_model_refuses_a_device_this_machine_lacks_before_loading(monkeypatch):
+    """The API's ``load_model(device=...)`` refuses as ``--device`` does (it raised torch's
+    AssertionError after loading the weights); ``"auto"`` is the CPU without CUDA."""
+    import transformers
+
+    from pyvene_causaltrace import load_model
+    from pyvene_causaltrace.errors import InputError
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded before the device was checked")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    with pytest.raises(InputError, match=r"^device=cuda:1: no CUDA device"):
+        load_model("smollm2-135m", device="cuda:1")
+    with pytest.raises(InputError, match="loaded before"):  # the control: auto goes on to load
+        load_model("smollm2-135m", device="auto")

@@ -270,13 +270,11 @@ def test_fit_lorsa_on_device_cpu_is_the_default_fit(root, tmp_path, capsys):
 
 def test_a_fitted_lorsa_is_known_by_its_models_weights_not_by_the_folders_name(root, tmp_path,
                                                                                capsys, tokenizer):
-    """fit.json's fingerprint of the model it was fitted on decides before the names: the same
-    model copied to a folder of another name is accepted (old code: refused, "model_name is
-    '.../llama'; the model is '.../my-copy'"), another model of the same shapes in a folder of
-    the fit's name is refused (old code: accepted, the names match). In another dtype the
-    fingerprint cannot tell, and the names decide as without a fit.json."""
-    import re
-
+    """fit.json's fingerprint of the model it was fitted on settles it before the names: the
+    same model copied to a folder of another name is accepted (old code: refused, "model_name is
+    '.../llama'; the model is '.../my-copy'"). Other weights (a fine-tuned or edited copy,
+    another dtype) are not refused for that alone, as no transcoder is: the names decide, as
+    without a fit.json, and a model of another name is still refused."""
     fitted = tmp_path / "fitted"
     assert main(_fit(root, fitted)) == 0
     copy = tmp_path / "elsewhere" / "my-copy"
@@ -293,14 +291,9 @@ def test_a_fitted_lorsa_is_known_by_its_models_weights_not_by_the_folders_name(r
     other = tmp_path / "other" / "llama"
     make_tiny_model("llama", init=0.2, seed=5).save_pretrained(other)
     tokenizer.save_pretrained(other)
-    message = (r"fitted/fit\.json: model_fingerprint is \w+; the model's is \w+ \(float32, as "
-               r"the fit's\): the Lorsa was fitted on other weights, a Lorsa of another model")
-    line = _refusal(capsys, [*argv, "--model", str(other), "--out", str(tmp_path / "no")])
-    assert re.search(message, line), line
-    assert not (tmp_path / "no").exists()
     model, _ = load_model(str(other))
-    with pytest.raises(TranscoderMismatchError, match=message):
-        check_lorsa_fits(bind(model), load_lorsa(fitted))
+    assert bind(model).fingerprint != load_lorsa(fitted).fitted_on
+    check_lorsa_fits(bind(model), load_lorsa(fitted))  # other weights under the fit's name
 
     same, _ = load_model(str(root / "llama"), dtype=torch.bfloat16)
     check_lorsa_fits(bind(same), load_lorsa(fitted))  # the fit's name

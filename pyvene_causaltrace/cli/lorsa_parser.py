@@ -16,9 +16,9 @@ _LORSA_HELP = (
     "config.json and sae_weights.safetensors, or a directory of them, one per layer; "
     "`fit-lorsa` writes one). Its OV heads are feature nodes beside the transcoder's "
     "('lorsa' in graph.json), what it misses an error node per layer and position ('lorsa "
-    "error'); a Lorsa of another model (the weights fit-lorsa's fit.json fingerprinted, else "
-    "lm_config.json's model_name; d_model, QK head width) or of a layer the model lacks is "
-    "refused before the graph")
+    "error'); a Lorsa of another model (lm_config.json's model_name unless fit-lorsa's "
+    "fit.json fingerprinted the model's own weights; d_model, QK head width) or of a layer "
+    "the model lacks is refused before the graph")
 _QK_HELP = ("with --lorsa: QK tracing of the Lorsa nodes the pruning keeps: why each head "
             "attends where it does, its QK score split over the graph's nodes on the query and "
             "the key side (graph.json's qk_tracing_results and qk_only_nodes, summary.json's "

@@ -325,12 +325,13 @@ def _read_weights(cfg: LorsaConfig, path: Path,
 @dataclass
 class LorsaSet:
     """Lorsas by layer, read from ``source`` (a Lorsa directory or a directory of them);
-    ``fitted_on``: the model ``fit-lorsa`` fitted them on (:func:`~.lorsa_checks.fitted_on`)."""
+    ``fitted_on``: the fingerprint of the model ``fit-lorsa`` fitted them on
+    (:func:`~.lorsa_checks.fitted_on`)."""
 
     layers: dict[int, Lorsa]
     source: str | None = None
     model_name: str | None = None
-    fitted_on: dict | None = None
+    fitted_on: str | None = None
 
     def __getitem__(self, layer: int) -> Lorsa:
         if layer not in self.layers:
