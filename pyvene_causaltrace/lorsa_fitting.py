@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from .arguments import checked
 from .bound import BoundModel
 from .errors import InputError
 from .fingerprint import model_fingerprint
@@ -120,7 +121,8 @@ def _fit(model: BoundModel, tokenizer, settings: LorsaFitSettings) -> tuple[Lors
     if beyond:
         raise InputError(f"layers {beyond}: the model has {model.n_layers} layers "
                          f"(0..{model.n_layers - 1})")
-    with torch.random.fork_rng(devices=[]):
+    # the seed reaches the model's device's generator too: its state is put back after as well
+    with torch.random.fork_rng(devices=[model.device] if model.device.type == "cuda" else []):
         torch.manual_seed(settings.seed)
         texts, held = lorsa_texts(model, tokenizer, settings)
         lorsa, fit = fit_lorsa(model, tokenizer, texts, layers=list(settings.layers),
@@ -131,17 +133,23 @@ def _fit(model: BoundModel, tokenizer, settings: LorsaFitSettings) -> tuple[Lors
     return lorsa, fit, len(held)
 
 
+@checked
 def fit_lorsa_set(settings: LorsaFitSettings, *, out: str | Path | None = None,
-                  refit: bool = False, model=None, tokenizer=None) -> LorsaFitReport:
+                  refit: bool = False, model=None, tokenizer=None,
+                  device: str | torch.device | None = None) -> LorsaFitReport:
     """Fit a Lorsa at each of ``settings.layers`` and save the set in ``out`` (default
     :func:`lorsa_dir`), or reuse the one there fitted with the same settings (module
-    docstring). ``model``/``tokenizer``: an already loaded model (else ``settings.model`` is
-    loaded on the CPU)."""
+    docstring). ``model``/``tokenizer``: an already loaded model, fitted on its device (else
+    ``settings.model`` is loaded on ``device``, default the CPU); the whole fit runs on the
+    model's device, the set is saved from there."""
+    if model is not None and device is not None:
+        raise InputError("device= is where fit_lorsa_set loads settings.model; a loaded model "
+                         "is fitted on its own device (move it there first)")
     path = Path(out).expanduser() if out is not None else lorsa_dir(settings)
     with fit_output(path) as output:
         record = None if refit else output.record()
         if model is None:
-            model, tokenizer = load_model(settings.model)
+            model, tokenizer = load_model(settings.model, device=device or "cpu")
         plain = model.model if isinstance(model, BoundModel) else model
         asked = dict(asdict(settings), layers=list(settings.layers),
                      data=_data_identity(settings.data),

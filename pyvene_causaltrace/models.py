@@ -282,6 +282,28 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pyvene_causaltrace"
 
 
+def resolve_device(name: str | torch.device, label: str = "device=") -> str | torch.device:
+    """``name`` as the loaders take it (``"auto"``: ``"cuda"`` when available, else ``"cpu"``);
+    a device this machine lacks is refused (:class:`InputError` opening with ``label``) before
+    anything loads, rather than as torch's error halfway through a load."""
+    text = str(name)
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if text.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise InputError(f"{label}{text}: no CUDA device on this machine "
+                             "(torch.cuda.is_available() is False); use cpu or auto")
+        index = int(text.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise InputError(f"{label}{text}: this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
+                             f"cuda:{torch.cuda.device_count() - 1}")
+    if text == "mps" and not (hasattr(torch.backends, "mps")
+                              and torch.backends.mps.is_available()):
+        raise InputError(f"{label}{text}: MPS is not available on this machine; use cpu or auto")
+    return name
+
+
 @checked
 def load_model(
     name_or_path: str = OFFLINE_DEFAULT,
@@ -299,13 +321,15 @@ def load_model(
     - a local directory holding a transformers checkpoint;
     - a Hugging Face hub id (needs a network, or a filled hub cache with ``HF_HUB_OFFLINE=1``).
 
-    The architecture must be in :data:`ADAPTERS`.
+    The architecture must be in :data:`ADAPTERS`. ``device`` may be ``"auto"``; one this
+    machine lacks is refused before anything loads (:func:`resolve_device`).
     """
     from transformers import (  # transformers is slow to import: it loads when a model does
         AutoModelForCausalLM,
         AutoTokenizer,
     )
 
+    device = resolve_device(device)
     if name_or_path == OFFLINE_DEFAULT:
         source = _smollm2_cached_dir()
     else:

@@ -13,6 +13,7 @@ import torch
 from _support.data import PROJECT_FACTS, SPEC_DIR
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 
+from pyvene_causaltrace import lorsa_fitting
 from pyvene_causaltrace.cli import attribute, dataset, evaluate, fit, main, steer, trace
 
 
@@ -34,7 +35,7 @@ def loads(monkeypatch):
         calls.append(("model", kwargs.get("device")))
         raise _Loaded
 
-    for module in (trace, attribute, dataset, steer, evaluate, fit):
+    for module in (trace, attribute, dataset, steer, evaluate, fit, lorsa_fitting):
         if hasattr(module, "load_transcoder"):
             monkeypatch.setattr(module, "load_transcoder", load_transcoder)
         monkeypatch.setattr(module, "load_model", load_model)
@@ -77,11 +78,12 @@ def _commands(f) -> dict[str, tuple[list[str], list[str]]]:
         "steer": (["--clt", "c", "--set", "0:-1:0=1"], ["transcoder", "model"]),
         "evaluate": (["g.safetensors", "--clt", "c"], ["transcoder", "model"]),
         "fit": (["--out", out], ["model"]),
+        "fit-lorsa": (["--layers", "0", "--out", out], ["model"]),
     }
 
 
 NAMES = ["trace", "trace --spec", "run", "validate --model", "clt-check", "dataset", "attribute",
-         "attribute --prompts", "steer", "evaluate", "fit"]
+         "attribute --prompts", "steer", "evaluate", "fit", "fit-lorsa"]
 
 
 def _run(name: str, argv: list[str], device: str | None) -> None:
@@ -167,3 +169,22 @@ def test_a_tiny_trace_runs_on_the_device_asked_for(device, tmp_path, tokenizer, 
                  SUBJECT, "--seeds", "1", "--window", "1", "--no-progress",
                  "--device", device])
     assert code == 0 and "residual trace" in capsys.readouterr().out
+
+
+def test_load_model_refuses_a_device_this_machine_lacks_before_loading(monkeypatch):
+    """The API's ``load_model(device=...)`` refuses as ``--device`` does (it raised torch's
+    AssertionError after loading the weights); ``"auto"`` is the CPU without CUDA."""
+    import transformers
+
+    from pyvene_causaltrace import load_model
+    from pyvene_causaltrace.errors import InputError
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded before the device was checked")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    with pytest.raises(InputError, match=r"^device=cuda:1: no CUDA device"):
+        load_model("smollm2-135m", device="cuda:1")
+    with pytest.raises(InputError, match="loaded before"):  # the control: auto goes on to load
+        load_model("smollm2-135m", device="auto")

@@ -31,7 +31,7 @@ from pyvene_causaltrace.transcoders.lorsa import (
     lorsa_states,
     save_lorsa,
 )
-from pyvene_causaltrace.transcoders.lorsa_fit import attention_init
+from pyvene_causaltrace.transcoders.lorsa_fit import attention_init, fit_lorsa
 
 NORMS = (2.5, 0.7)  # dataset-wise average norms of the input and output hooks
 
@@ -236,6 +236,40 @@ def test_the_fit_starts_from_the_attention_layer_itself(tokenizer):
         assert 1e-3 < sparse < 1
     other = make_tiny_model("llama", init=0.2, seed=5)
     assert lorsa_fvu(other, tokenizer, exact, CORPUS[:4])[1] > 0.5
+
+
+class _TokenizerOnCpu:
+    """The tokenizer, its ids made on the CPU whatever the default device (the fit moves them
+    to the model's device itself)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __call__(self, *args, **kwargs):
+        with torch.device("cpu"):
+            return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_the_fit_makes_every_tensor_on_the_models_device(tokenizer):
+    """``fit-lorsa --device``: each tensor the fit makes is made on the model's device. Under
+    ``torch.device("meta")`` a tensor made without ``device=`` lands on ``meta``, and torch
+    refuses to mix it with the model's CPU tensors; the fit must still run and give what it
+    gives without the trap. Old code: zeros, the random spare heads and the batch draws were
+    made on the CPU (under a GPU model a mix or a silent copy); it fails here."""
+    model = make_tiny_model("llama", init=0.2)
+    per = 2 * bind(model).head_dim + 2  # two spare heads per QK head: the random start too
+    kwargs = dict(layers=[0, 2], held_out=CORPUS[8:12], top_k=8, per_qk_head=per, steps=3,
+                  length=6, batch=4)
+    want, want_fit = fit_lorsa(model, tokenizer, CORPUS[:8], **kwargs)
+    with torch.device("meta"):
+        got, got_fit = fit_lorsa(model, _TokenizerOnCpu(tokenizer), CORPUS[:8], **kwargs)
+    assert got_fit == want_fit
+    for layer in (0, 2):
+        for name, tensor in got[layer].tensors().items():
+            assert tensor.device.type == "cpu" and torch.equal(tensor, want[layer].tensors()[name])
 
 
 def test_the_shipped_spec_runs_with_a_fixture_lorsa(tmp_path, tokenizer):

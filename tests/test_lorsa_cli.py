@@ -13,6 +13,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from _support.models import CORPUS, PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
 from lorsa_fixtures import peer_config, peer_tensors, write_peer_lorsa
@@ -241,3 +242,62 @@ def test_fit_lorsa_will_not_write_into_a_folder_it_did_not_make(root, tmp_path, 
     line = _refusal(capsys, _fit(root, tmp_path / "mine"))
     assert "holds other files and no fit.json" in line
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_fit_lorsa_on_device_cpu_is_the_default_fit(root, tmp_path, capsys):
+    """``--device cpu`` fits what the default does (the same weights, the same FVU); the API's
+    ``device=`` is where it loads the model, refused beside a model already loaded."""
+    from safetensors.torch import load_file
+
+    from pyvene_causaltrace.errors import InputError
+    from pyvene_causaltrace.lorsa_fitting import LorsaFitSettings, fit_lorsa_set
+
+    default, cpu = tmp_path / "default", tmp_path / "cpu"
+    assert main(_fit(root, default)) == 0 and main(_fit(root, cpu, "--device", "cpu")) == 0
+    for layer in LAYERS:
+        want = load_file(default / f"L{layer}" / "sae_weights.safetensors")
+        got = load_file(cpu / f"L{layer}" / "sae_weights.safetensors")
+        assert want.keys() == got.keys()
+        assert all(torch.equal(got[name], want[name]) for name in want)
+    records = [json.loads((path / "fit.json").read_text()) for path in (default, cpu)]
+    assert records[0]["fit"] == records[1]["fit"]
+    model, tokenizer = load_model(str(root / "llama"))
+    with pytest.raises(InputError, match="a loaded model is fitted on its own device"):
+        fit_lorsa_set(LorsaFitSettings(layers=(0,), model=str(root / "llama")),
+                      out=tmp_path / "api", model=model, tokenizer=tokenizer, device="cpu")
+    assert not (tmp_path / "api").exists()
+
+
+def test_a_fitted_lorsa_is_known_by_its_models_weights_not_by_the_folders_name(root, tmp_path,
+                                                                               capsys, tokenizer):
+    """fit.json's fingerprint of the model it was fitted on settles it before the names: the
+    same model copied to a folder of another name is accepted (old code: refused, "model_name is
+    '.../llama'; the model is '.../my-copy'"). Other weights (a fine-tuned or edited copy,
+    another dtype) are not refused for that alone, as no transcoder is: the names decide, as
+    without a fit.json, and a model of another name is still refused."""
+    fitted = tmp_path / "fitted"
+    assert main(_fit(root, fitted)) == 0
+    copy = tmp_path / "elsewhere" / "my-copy"
+    shutil.copytree(root / "llama", copy)
+    argv = ["attribute", "--clt", str(root / "clt"), "--prompt", PROMPT, "--answer", ANSWER,
+            "--lorsa", str(fitted)]
+    out = tmp_path / "graph"
+    assert main([*argv, "--model", str(copy), "--out", str(out)]) == 0
+    assert (out / "graph.json").is_file()
+    model, _ = load_model(str(copy))
+    check_lorsa_fits(bind(model), load_lorsa(fitted))
+    check_lorsa_fits(bind(model), load_lorsa(fitted / "L2"))  # one layer's directory alike
+
+    other = tmp_path / "other" / "llama"
+    make_tiny_model("llama", init=0.2, seed=5).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    model, _ = load_model(str(other))
+    assert bind(model).fingerprint != load_lorsa(fitted).fitted_on
+    check_lorsa_fits(bind(model), load_lorsa(fitted))  # other weights under the fit's name
+
+    same, _ = load_model(str(root / "llama"), dtype=torch.bfloat16)
+    check_lorsa_fits(bind(same), load_lorsa(fitted))  # the fit's name
+    shutil.copytree(other, tmp_path / "qwen")
+    named_other, _ = load_model(str(tmp_path / "qwen"), dtype=torch.bfloat16)
+    with pytest.raises(TranscoderMismatchError, match=r"L0/lm_config\.json: model_name is"):
+        check_lorsa_fits(bind(named_other), load_lorsa(fitted))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _support.models import PROMPT, make_tiny_model
+from _support.reads import record_reads
 from clt_fixtures import random_clt_tensors, write_clt
 from lorsa_fixtures import peer_config, peer_tensors, write_peer_lorsa
 
@@ -18,7 +19,6 @@ from pyvene_causaltrace.attribution.replacement import replacement_forward
 from pyvene_causaltrace.bound import bind
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_from_disk
-from pyvene_causaltrace.transcoders.formats import common
 from pyvene_causaltrace.transcoders.lorsa import head_range, load_lorsa, save_lorsa
 
 #: OV heads (32 x 1.40625), QK heads (groups of 15).
@@ -35,42 +35,9 @@ def _write(tmp_path, act_fn: str = "topk", layers=(0,)):
     return tmp_path / "lorsa"
 
 
-class Recorder:
-    """A safetensors handle recording ``(name, shape)`` of every tensor read from it, whole
-    or sliced (as tests/test_transcoder_shard.py's)."""
-
-    def __init__(self, handle, reads: list) -> None:
-        self.handle, self.reads = handle, reads
-
-    def get_tensor(self, name: str):
-        tensor = self.handle.get_tensor(name)
-        self.reads.append((name, tuple(tensor.shape)))
-        return tensor
-
-    def get_slice(self, name: str):
-        part, reads = self.handle.get_slice(name), self.reads
-
-        class Sliced:
-            def __getitem__(self, key):
-                tensor = part[key]
-                reads.append((name, tuple(tensor.shape)))
-                return tensor
-
-            def __getattr__(self, attribute):
-                return getattr(part, attribute)
-
-        return Sliced()
-
-    def __getattr__(self, name: str):
-        return getattr(self.handle, name)
-
-
 @pytest.fixture
 def recorded(monkeypatch) -> list:
-    reads: list = []
-    real = common.safe_open
-    monkeypatch.setattr(common, "safe_open", lambda *a, **k: Recorder(real(*a, **k), reads))
-    return reads
+    return record_reads(monkeypatch)
 
 
 def test_head_range_covers_every_head_once_and_refuses_bad_splits():

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 import yaml
+from _support.reads import RecordedSlice, Recorder, record_reads
 from clt_fixtures import random_clt_tensors, write_clt
 from safetensors.torch import load_file, save_file
 from test_transcoder_layouts_new import gs2_tensors, write_gs2_clt
@@ -72,44 +73,6 @@ def source(request, tmp_path) -> Source:
         return Source(_mntss(tmp_path, name.removeprefix("mntss_")), True)
     transposed = name.endswith("transposed")
     return Source(_circuit_tracer(tmp_path, transposed=transposed), not transposed)
-
-
-class Recorder:
-    """A safetensors handle that records ``(name, shape)`` of every tensor read from it: whole
-    (``get_tensor``) or a slice (``get_slice(name)[...]``)."""
-
-    def __init__(self, handle, reads: list) -> None:
-        self.handle, self.reads = handle, reads
-
-    def get_tensor(self, name: str):
-        tensor = self.handle.get_tensor(name)
-        self.reads.append((name, tuple(tensor.shape)))
-        return tensor
-
-    def get_slice(self, name: str):
-        return RecordedSlice(self.handle.get_slice(name), name, self.reads)
-
-    def __getattr__(self, name: str):
-        return getattr(self.handle, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return self.handle.__exit__(*exc)
-
-
-class RecordedSlice:
-    def __init__(self, part, name: str, reads: list) -> None:
-        self.part, self.name, self.reads = part, name, reads
-
-    def __getitem__(self, key):
-        tensor = self.part[key]
-        self.reads.append((self.name, tuple(tensor.shape)))
-        return tensor
-
-    def __getattr__(self, name: str):
-        return getattr(self.part, name)
 
 
 class Guard(Recorder):
@@ -531,10 +494,7 @@ def sliced(request, tmp_path) -> Sliced:
 @pytest.fixture
 def recorded(monkeypatch) -> list:
     """Every safetensors file opened through the recorder; returns the list of reads."""
-    reads: list = []
-    real = common.safe_open
-    monkeypatch.setattr(common, "safe_open", lambda *a, **k: Recorder(real(*a, **k), reads))
-    return reads
+    return record_reads(monkeypatch)
 
 
 def _features_read(reads: list, layout: str, pattern: str = ".*") -> list[int]:
@@ -597,8 +557,7 @@ def test_sliced_layouts_read_no_more_features_than_the_slice(sliced, recorded, m
     assert decoders == ([] if lazy_decoder else [16] * L), recorded
     monkeypatch.undo()  # the control: an unsharded load, recorded the same way
     recorded.clear()
-    monkeypatch.setattr(common, "safe_open",
-                        lambda *a, real=common.safe_open, **k: Recorder(real(*a, **k), recorded))
+    record_reads(monkeypatch, recorded)
     load_transcoder(sliced.path, lazy_decoder=False)
     assert _features_read(recorded, sliced.layout, ENCODERS[sliced.layout]) == [F] * L
     assert _features_read(recorded, sliced.layout, DECODERS[sliced.layout]) == [F] * L

@@ -27,27 +27,11 @@ Device = Annotated[str, Pattern(r"cpu|cuda(:\d+)?|mps|auto", f"one of {DEVICE_CH
 
 
 def resolve_device(name: str) -> str:
-    """``--device`` as the loaders take it (``auto``: ``cuda`` when available, else ``cpu``);
-    a device this machine lacks is refused (:class:`InputError` naming ``--device``) before
-    anything loads, rather than as torch's error halfway through a load."""
-    import torch  # the handler's, not the parser's: --help imports no torch
+    """``--device`` as the loaders take it: :func:`~..models.resolve_device`, its refusal
+    naming the flag."""
+    from ..models import resolve_device as resolve  # imports torch: the handler's, not --help's
 
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise InputError(f"--device {name}: no CUDA device on this machine "
-                             "(torch.cuda.is_available() is False); use --device cpu or auto")
-        index = int(name.partition(":")[2] or 0)
-        if index >= torch.cuda.device_count():
-            raise InputError(f"--device {name}: this machine has "
-                             f"{torch.cuda.device_count()} CUDA device(s), cuda:0 to "
-                             f"cuda:{torch.cuda.device_count() - 1}")
-    if name == "mps" and not (hasattr(torch.backends, "mps")
-                              and torch.backends.mps.is_available()):
-        raise InputError("--device mps: MPS is not available on this machine; use --device cpu "
-                         "or auto")
-    return name
+    return resolve(name, "--device ")
 
 
 def fact_default(key: str, prompt: str | None, given: str | None) -> str | None:

@@ -83,7 +83,7 @@ MODES: dict[str, tuple[Mode, ...]] = {
         _mode("attribute", None,
               f"{_ATTRIBUTE_COMMON} {_ATTRIBUTE_ONE} prompt answer", "--out o"),
     ),
-    "fit-lorsa": (_mode("fit-lorsa", None, "model layers top_k per_qk_head steps lr batch "
+    "fit-lorsa": (_mode("fit-lorsa", None, "model device layers top_k per_qk_head steps lr batch "
                         "length texts data seed out refit", "--layers 1"),),
     "fit": (_mode("fit", None,
                   "model device quality kind features activation k steps lr data texts seed out "

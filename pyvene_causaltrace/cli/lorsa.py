@@ -10,7 +10,7 @@ from ..errors import InputError
 from ..lorsa_fitting import LorsaFitSettings, fit_lorsa_set
 from ..model_guard import measured
 from ..transcoders.lorsa import LorsaSet, check_lorsa_fits, load_lorsa
-from .common import settings_of
+from .common import resolve_device, settings_of
 
 #: ``fit-lorsa``'s flags that are :class:`LorsaFitSettings` fields, ``{argparse dest: field}``.
 FIT_LORSA_FLAGS = {name: name for name in ("model", "layers", "top_k", "per_qk_head", "steps",
@@ -31,8 +31,9 @@ def fit_lorsa_settings(args) -> LorsaFitSettings:
 
 
 def fit_lorsa_command(args) -> int:
+    device = resolve_device(args.device)  # a device this machine lacks: refused first
     settings = fit_lorsa_settings(args)  # refused before a model loads
-    report = fit_lorsa_set(settings, out=args.out, refit=args.refit)
+    report = fit_lorsa_set(settings, out=args.out, refit=args.refit, device=device)
     print(report.summary())
     return 0
 

@@ -16,8 +16,9 @@ _LORSA_HELP = (
     "config.json and sae_weights.safetensors, or a directory of them, one per layer; "
     "`fit-lorsa` writes one). Its OV heads are feature nodes beside the transcoder's "
     "('lorsa' in graph.json), what it misses an error node per layer and position ('lorsa "
-    "error'); a Lorsa of another model (its lm_config.json's model_name, d_model, QK head "
-    "width) or of a layer the model lacks is refused before the graph")
+    "error'); a Lorsa of another model (lm_config.json's model_name unless fit-lorsa's "
+    "fit.json fingerprinted the model's own weights; d_model, QK head width) or of a layer "
+    "the model lacks is refused before the graph")
 _QK_HELP = ("with --lorsa: QK tracing of the Lorsa nodes the pruning keeps: why each head "
             "attends where it does, its QK score split over the graph's nodes on the query and "
             "the key side (graph.json's qk_tracing_results and qk_only_nodes, summary.json's "
@@ -30,14 +31,15 @@ def lorsa_attribute_flags(graph: argparse.ArgumentParser) -> None:
     graph.add_argument("--qk-tracing", action="store_true", help=_QK_HELP)
 
 
-def add_fit_lorsa(commands, model_help: str) -> None:
-    """``fit-lorsa``: :func:`~..lorsa_fitting.fit_lorsa_set` from flags."""
+def add_fit_lorsa(commands, model_help: str) -> argparse.ArgumentParser:
+    """``fit-lorsa``: :func:`~..lorsa_fitting.fit_lorsa_set` from flags (its ``--device`` is
+    added by :mod:`.parser`, as every command's)."""
     fit = commands.add_parser(
         "fit-lorsa",
         help="fit Lorsas (attention features) for some of a model's attention layers, each "
              "started from the layer's own heads, and save the set `attribute --lorsa` reads "
-             "(default under ~/.cache/pyvene_causaltrace/lorsas/<model>-lorsa-k<top-k>); on "
-             "the CPU")
+             "(default under ~/.cache/pyvene_causaltrace/lorsas/<model>-lorsa-k<top-k>); the "
+             "whole fit runs on --device")
     fit.add_argument("--model", default=None, help=model_help)
     fit.add_argument("--layers", required=True, metavar="L[,L...]",
                      help="the attention layers to fit, comma-separated (e.g. 2,5,8)")
@@ -65,5 +67,7 @@ def add_fit_lorsa(commands, model_help: str) -> None:
                      help="where to save: a new directory, or one fit-lorsa wrote (holding "
                           "fit.json); another folder is refused")
     fit.add_argument("--refit", action="store_true",
-                     help="replace a set fitted there with other settings (without it, one "
-                          "with the same settings is reused and another refused)")
+                     help="replace a set fitted there with other settings, swapped in whole "
+                          "(without it, one with the same settings is reused and another "
+                          "refused)")
+    return fit

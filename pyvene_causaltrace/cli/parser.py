@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = commands.add_parser(
         "clt-check", help="pairing check and replacement-model anchor of a CLT on a model")
-    check.add_argument("--model", default="smollm2-135m")
+    check.add_argument("--model", default="smollm2-135m", help=_MODEL_HELP)
     _device(check)
     check.add_argument("--clt", required=True, help=_TRANSCODER_HELP)
     check.add_argument("--format", default=None, help=_FORMAT_HELP)
@@ -366,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seeds", type=POSITIVE_INT, default=TRACE_SEEDS,
                        help=f"noise seeds 0..N-1 of the trace (default {TRACE_SEEDS})")
     check.add_argument("--scale", default=str(NOISE_SCALE),
-                       help=f"noise in units of sigma, or 'auto' (default {NOISE_SCALE})")
+                       help=f"noise in units of sigma, or 'auto' (default {NOISE_SCALE:g})")
     check.add_argument("--check-features", type=POSITIVE_INT, default=CROSS_CHECK_FEATURES,
                        help="top features (by influence) patched to their noised values "
                             f"(default {CROSS_CHECK_FEATURES})")
@@ -430,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "another refused)")
     fit.add_argument("--no-progress", action="store_true", help="no progress bars")
 
-    add_fit_lorsa(commands, _MODEL_HELP)
+    _device(add_fit_lorsa(commands, _MODEL_HELP))  # its --device: where the fit runs
     steer = commands.add_parser(
         "steer", parents=[plugins],
         help="set transcoder features to values: top tokens against the clean run, and a "

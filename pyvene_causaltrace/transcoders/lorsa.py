@@ -60,7 +60,7 @@ from .formats.common import (
     widened,
 )
 from .hooks import hook_site, hook_states
-from .lorsa_checks import check_lorsa_model
+from .lorsa_checks import check_lorsa_model, fitted_on
 from .lorsa_config import (
     HEAD_TENSORS,
     INPUT_HOOK,
@@ -333,11 +333,14 @@ def _read_weights(cfg: LorsaConfig, path: Path,
 
 @dataclass
 class LorsaSet:
-    """Lorsas by layer, read from ``source`` (a Lorsa directory or a directory of them)."""
+    """Lorsas by layer, read from ``source`` (a Lorsa directory or a directory of them);
+    ``fitted_on``: the fingerprint of the model ``fit-lorsa`` fitted them on
+    (:func:`~.lorsa_checks.fitted_on`)."""
 
     layers: dict[int, Lorsa]
     source: str | None = None
     model_name: str | None = None
+    fitted_on: str | None = None
 
     def __getitem__(self, layer: int) -> Lorsa:
         if layer not in self.layers:
@@ -357,7 +360,8 @@ class LorsaSet:
     def shard(self, rank: int, world: int) -> LorsaSet:
         """Every layer's :meth:`Lorsa.shard` (module docstring)."""
         return LorsaSet({layer: one.shard(rank, world) for layer, one in self.layers.items()},
-                        source=self.source, model_name=self.model_name)
+                        source=self.source, model_name=self.model_name,
+                        fitted_on=self.fitted_on)
 
 
 def _read_one(folder: Path, dtype: torch.dtype, device) -> tuple[Lorsa, str | None]:
@@ -392,7 +396,7 @@ def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
             raise TranscoderFormatError(f"{root}: no Lorsa here (a directory with config.json, "
                                         "or directories of them)")
     layers: dict[int, Lorsa] = {}
-    names = set()
+    names, fits = set(), []
     for folder in folders:
         lorsa, name = _read_one(folder, dtype, device)
         layer = lorsa.cfg.layer
@@ -401,6 +405,7 @@ def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
                                         f"{layer}, as {layers[layer].path.parent} does")
         layers[layer] = lorsa
         names.add(name)
+        fits.append(fitted_on(folder, layer))
     widths = {lorsa.cfg.d_model for lorsa in layers.values()}
     if len(widths) > 1:
         raise TranscoderFormatError(f"{root}: the Lorsas' d_model differ ({sorted(widths)})")
@@ -409,7 +414,8 @@ def load_lorsa(path: str | Path, *, dtype: torch.dtype = torch.float32,
         raise TranscoderFormatError(f"{root}: the Lorsas' lm_config.json name different models "
                                     f"({', '.join(sorted(known))})")
     model_name = known.pop() if known else None
-    found = LorsaSet(dict(sorted(layers.items())), source=str(root), model_name=model_name)
+    found = LorsaSet(dict(sorted(layers.items())), source=str(root), model_name=model_name,
+                     fitted_on=fits[0] if all(fit == fits[0] for fit in fits) else None)
     return found if shard is None else found.shard(*shard)
 
 

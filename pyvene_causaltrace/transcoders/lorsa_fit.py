@@ -32,12 +32,13 @@ def _rope_base(model: nn.Module, head_dim: int) -> float:
     if not found:
         raise InputError("the model has no rotary inv_freq buffer: a Lorsa is fitted here on "
                          "rotary models")
-    inv = found[0].double().cpu()
+    inv = found[0].double()
     if inv.numel() != head_dim // 2:
         raise InputError(f"the model's rotary covers {2 * inv.numel()} of {head_dim} dims")
     base = float(inv[1] ** (-head_dim / 2))
     base = float(round(base)) if abs(base - round(base)) < 1e-3 * base else base
-    want = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    want = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=inv.device)
+                    / head_dim)
     if not torch.allclose(inv, want, rtol=1e-5):
         raise InputError("the model's rotary frequencies are scaled (not base ** (-2i/dim)); "
                          "llamascopium's rotary_base cannot state them")
@@ -70,21 +71,22 @@ def attention_init(bound: BoundModel, layer: int, *, top_k: int, n_ctx: int = 20
     kv = bound.kv_width // dh
     rep = heads // kv
     per = per_qk_head or 2 * dh
+    on = {"device": bound.device}  # every tensor made here: where the model is
     gain = norm.weight.float()
     W_Q = (gain[:, None] * q_proj.weight.float().T).view(d, heads, dh).permute(1, 0, 2)
     W_K = (gain[:, None] * k_proj.weight.float().T).view(d, -1, dh).permute(1, 0, 2)
     W_K = W_K.repeat_interleave(rep, dim=0)
 
     def bias(proj, shape):
-        return proj.bias.float().view(shape) if proj.bias is not None else torch.zeros(shape)
+        return proj.bias.float().view(shape) if proj.bias is not None else torch.zeros(shape, **on)
 
     b_Q, b_K = bias(q_proj, (heads, dh)), bias(k_proj, (kv, dh)).repeat_interleave(rep, 0)
     W_v = (gain[:, None] * v_proj.weight.float().T).view(d, -1, dh)
     b_v = bias(v_proj, (kv, dh))
     W_o = o_proj.weight.float().T.view(heads, dh, d)
     b_D = bias(o_proj, (d,)).clone()
-    W_V, W_O = torch.zeros(heads * per, d), torch.zeros(heads * per, d)
-    g = torch.Generator().manual_seed(layer)
+    W_V, W_O = torch.zeros(heads * per, d, **on), torch.zeros(heads * per, d, **on)
+    g = torch.Generator(**on).manual_seed(layer)
     for h in range(heads):
         ov = W_v[:, h // rep] @ W_o[h]  # [d, d], rank dh
         b_D += b_v[h // rep] @ W_o[h]   # a value bias passes softmax unchanged
@@ -98,14 +100,14 @@ def attention_init(bound: BoundModel, layer: int, *, top_k: int, n_ctx: int = 20
         spare = per - 2 * parts  # heads beyond the exact split start small and random
         if spare > 0:
             rows = slice(h * per + 2 * parts, (h + 1) * per)
-            W_V[rows] = torch.randn(spare, d, generator=g) / d ** 0.5
-            W_O[rows] = torch.randn(spare, d, generator=g) * 1e-3
+            W_V[rows] = torch.randn(spare, d, generator=g, **on) / d ** 0.5
+            W_O[rows] = torch.randn(spare, d, generator=g, **on) * 1e-3
     cfg = LorsaConfig(layer=layer, d_model=d, n_ov_heads=heads * per, n_qk_heads=heads,
                       d_qk_head=dh, rotary_dim=dh, n_ctx=n_ctx, top_k=top_k, act_fn="topk",
                       rotary=True, rotary_base=_rope_base(bound.model, dh),
                       rotary_adjacent_pairs=False)  # transformers' rotate_half
     tensors = {"W_Q": W_Q, "W_K": W_K, "W_V": W_V, "W_O": W_O, "b_Q": b_Q, "b_K": b_K,
-               "b_V": torch.zeros(heads * per), "b_D": b_D}
+               "b_V": torch.zeros(heads * per, **on), "b_D": b_D}
     return Lorsa(cfg, {k: v.contiguous() for k, v in tensors.items()})
 
 
@@ -136,7 +138,7 @@ def fit_lorsa(model: nn.Module | BoundModel, tokenizer, texts: list[str], *, lay
                                    n_ctx=max(2048, length)) for layer in layers}
     before = lorsa_fvu(bound, tokenizer, LorsaSet(start), held_out)
     fitted = {}
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(bound.device).manual_seed(seed)  # the batches drawn where they are used
     for layer, lorsa in start.items():
         x, y = states["x"][layer], states["y"][layer]
         with torch.no_grad():
@@ -148,7 +150,7 @@ def fit_lorsa(model: nn.Module | BoundModel, tokenizer, texts: list[str], *, lay
         optim = torch.optim.Adam([p for p in params.values() if p.requires_grad], lr=lr)
         scale = (y[:, 1:] - y[:, 1:].mean((0, 1))).pow(2).mean()
         for _ in range(steps):
-            pick = torch.randint(len(x), (min(batch, len(x)),), generator=g)
+            pick = torch.randint(len(x), (min(batch, len(x)),), generator=g, device=g.device)
             recon = trained.decode(trained.encode(x[pick], pattern=patterns[pick]))
             loss = (recon[:, 1:] - y[pick, 1:]).pow(2).mean() / scale
             optim.zero_grad()
