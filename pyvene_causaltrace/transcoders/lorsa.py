@@ -234,10 +234,8 @@ class Lorsa(nn.Module):
             else:
                 mask = self._topk_over_ranks(scored, k)
             scored = scored * mask
-        if norm is None:
-            return scored
         # a dead head (W_O row zero) scores relu(pre * 0) = 0: its activation 0, not 0 / 0
-        return scored / norm.masked_fill(norm == 0, 1)
+        return scored if norm is None else scored / norm.masked_fill(norm == 0, 1)
 
     def _topk_over_ranks(self, scored: torch.Tensor, k: int) -> torch.Tensor:
         """Bool like ``scored [..., n_local]``: this shard's heads among each position's ``k``
