@@ -437,10 +437,14 @@ def test_a_cached_generation_step_is_refused_and_an_uncached_one_is_the_whole_ru
             {"input_ids": ids}, intervene_on_prompt=True, max_new_tokens=4, do_sample=False,
             use_cache=cache)[1]
         if cache:
-            with pytest.raises(InputError, match=r"handed 1 of the 7 positions .*KV cache"):
+            with pytest.raises(InputError, match=r"handed 1 position\(s\) after a forward of 6 "
+                                                 r".*KV cache"):
                 run()
         else:
             assert torch.equal(run(), want)
+    with pytest.raises(InputError, match=r"unit_locations on each new token"):  # pyvene's default
+        IntervenableModel(lorsa_splice_representations(model, lorsa), model).generate(
+            {"input_ids": ids}, max_new_tokens=2, do_sample=False, use_cache=False)
 
 
 def test_a_padded_batch_is_refused_and_an_unpadded_mask_is_not(tmp_path):

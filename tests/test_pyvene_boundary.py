@@ -217,6 +217,46 @@ def test_noise_add_in_generate_noises_the_prompt_once(ours):
         pv_model.generate({"input_ids": ids}, max_new_tokens=2, do_sample=False)
 
 
+def test_clt_splice_in_generate_is_the_whole_sequences_or_refused(tmp_path):
+    """A splice rewrites every position from its from_position on: generate(...,
+    intervene_on_prompt=True, use_cache=False) runs each step on the whole sequence and equals
+    greedy spliced forwards of the grown sequence. A cached step (the newest token alone, read
+    as position 0) left the generated tokens unspliced ([296, 377, ...] against [296, 394,
+    ...]), and pyvene's default put unit location 0 on each step, splicing nothing (the plain
+    model's tokens): both refused."""
+    from clt_fixtures import random_clt_tensors, write_clt
+
+    from pyvene_causaltrace import IntervenableModel
+    from pyvene_causaltrace.errors import InputError
+    from pyvene_causaltrace.interventions.clt_splice import clt_splice_representations
+    from pyvene_causaltrace.runtime import intervened
+    from pyvene_causaltrace.transcoders import load_transcoder
+
+    model = make_tiny_model("llama", init=0.2)
+    clt = load_transcoder(write_clt(tmp_path / "clt", random_clt_tensors(
+        n_layers=model.config.num_hidden_layers, d_model=model.config.hidden_size)))
+    ids = torch.randint(1, 400, (1, 6), generator=torch.Generator().manual_seed(0))
+    want = ids
+    for _ in range(4):
+        with torch.no_grad(), intervened(bind(model), clt_splice_representations(model, clt)) as m:
+            want = torch.cat([want, m(input_ids=want).logits[:, -1].argmax(-1, True)], 1)
+    plain = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert not torch.equal(want, plain)  # the control: the splice changes the tokens
+
+    def generate(**options):
+        pv = IntervenableModel(clt_splice_representations(model, clt), model)
+        with torch.no_grad():
+            return pv.generate({"input_ids": ids}, max_new_tokens=4, do_sample=False,
+                               **options)[1]
+
+    assert torch.equal(generate(intervene_on_prompt=True, use_cache=False), want)
+    with pytest.raises(InputError, match=r"handed 1 position\(s\) after a forward of 6"):
+        generate(intervene_on_prompt=True, use_cache=True)
+    for cache in (True, False):
+        with pytest.raises(InputError, match="unit_locations on each new token"):
+            generate(use_cache=cache)
+
+
 # ------------------------------------- a user's model in our runs: clones (item 1)
 
 

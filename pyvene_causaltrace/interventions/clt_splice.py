@@ -186,6 +186,7 @@ class CLTSplice(SpliceIntervention):
         clt, layer = self.clt, self._config["clt_layer"]
         start = self._config["from_position"]
         session = self.session
+        self._whole_sequence(base.shape[1])
         if self._config["reset"] and self._config["role"] == "encode":
             session.clear()
         if self._config["leaves"]:

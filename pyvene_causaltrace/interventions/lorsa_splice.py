@@ -180,6 +180,7 @@ class LorsaSplice(SpliceIntervention):
     def forward(self, base: torch.Tensor, source=None, subspaces=None, **kwargs) -> torch.Tensor:
         config, session = self._config, self.session
         layer, start = config["lorsa_layer"], config["from_position"]
+        self._whole_sequence(base.shape[1])
         if config["role"] == "encode" and config["reset"]:
             session.clear()
         if config.get("leaves"):

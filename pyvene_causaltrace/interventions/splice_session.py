@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError, SpecError
-from ..pyvene_boundary.calls import announced_call
+from ..pyvene_boundary.calls import announced_call, pyvene_call
 from ..transcoders.formats import load_transcoder
 from .base import CausalTraceIntervention
 
@@ -126,6 +126,28 @@ class SpliceIntervention(CausalTraceIntervention):
     #: What an ``IntervenableModel`` of ours, or our runs applying a user's, call with all its
     #: interventions.
     bind_shared = staticmethod(bind_sessions)
+
+    def _whole_sequence(self, seq_len: int) -> None:
+        """Refuse a ``generate`` forward that is not the whole sequence: a splice rewrites every
+        position from ``from_position`` on, indexed from the sequence's start, so only
+        ``generate(..., intervene_on_prompt=True, use_cache=False)`` hands it what it needs. A
+        cached step holds the newest token alone, read as position 0 (left unspliced); pyvene's
+        default (``intervene_on_prompt=False``) puts unit location 0 on each step, so nothing
+        past position 0 was spliced either."""
+        call = pyvene_call()
+        if call is None or not call.generating:
+            return
+        how = ("generate with intervene_on_prompt=True and use_cache=False: each step is then "
+               "the whole sequence, spliced as a forward of it is")
+        if call.unit_locations is not None:
+            raise InputError(f"{self.registered_name} splices whole sequences, but pyvene is "
+                             f"generating with unit_locations on each new token: {how}")
+        round_, seen = getattr(self, "_generation_seen", (None, 0))
+        if round_ is call.generation_round and seq_len <= seen:
+            raise InputError(f"{self.registered_name} is handed {seq_len} position(s) after a "
+                             f"forward of {seen} in this generate call (a cached step: the KV "
+                             f"cache holds the rest): {how}")
+        self._generation_seen = (call.generation_round, seq_len)
 
     @property
     def session_id(self) -> str | None:
