@@ -241,6 +241,9 @@ def test_evaluate_writes_the_curve(on_disk, tmp_path, capsys):
     ({"--counterfactual": "The city of"}, "error: counterfactual: it is"),
     ({"--sizes": "0,10"}, "error: --sizes: sizes must be percentages in (0, 100]"),
     ({"--sizes": "10,100.5"}, "error: --sizes: sizes must be percentages in (0, 100]"),
+    ({"--sizes": "100"}, "error: --sizes: sizes: CPR and CMD integrate between sizes"),
+    ({"--counterfactual": PROMPT, "--metric": "prob"},
+     "error: graph: the empty circuit scores as the full model"),
     ({"--model": "other"}, "error: graph: it was built on another model"),
     ({"--clt": "other_clt"}, "error: graph: it was built with another transcoder"),
 ])

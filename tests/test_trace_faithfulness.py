@@ -223,6 +223,7 @@ def test_trace_faithfulness_flag_writes_the_curves(model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--faithfulness", "--kind", "severed-mlp"], "--faithfulness: a severed-mlp trace"),
     (["--faithfulness", "--faith-sizes", "0,50"], "sizes"),
+    (["--faithfulness", "--faith-sizes", "100"], "sizes: CPR and CMD integrate between"),
     (["--faithfulness", "--faith-sizes", "5,x"], "--faith-sizes: give numbers"),
     (["--faithfulness", "--faith-top", "3,2"], "top"),
     (["--faith-draws", "3"], "--faithfulness"),
