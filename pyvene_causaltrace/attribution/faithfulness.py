@@ -126,8 +126,8 @@ def settings_json(s: FaithfulnessSettings) -> dict:
 class FaithfulnessCurve(_CurveFile):
     """One ranking's f(k) at each size, with ``random`` (one curve per draw) as the floor;
     ``metric_full``/``metric_empty`` the metric of the model and of the empty circuit;
-    ``counts`` the items kept at each size out of ``n_items``, ``nodes_kept`` the feature nodes left
-    live (the same for nodes; an edge circuit's reach); ``forwards`` run for it all."""
+    ``counts`` the items kept at each size out of ``n_items`` and ``nodes_kept`` the feature nodes
+left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it all."""
 
     answer: str
     foil: str | None
