@@ -241,6 +241,9 @@ def test_evaluate_writes_the_curve(on_disk, tmp_path, capsys):
     ({"--counterfactual": "The city of"}, "error: counterfactual: it is"),
     ({"--sizes": "0,10"}, "error: --sizes: sizes must be percentages in (0, 100]"),
     ({"--sizes": "10,100.5"}, "error: --sizes: sizes must be percentages in (0, 100]"),
+    ({"--sizes": "100"}, "error: --sizes: sizes: CPR and CMD integrate between sizes"),
+    ({"--counterfactual": PROMPT, "--metric": "prob"},
+     "error: graph: the empty circuit scores as the full model"),
     ({"--model": "other"}, "error: graph: it was built on another model"),
     ({"--clt": "other_clt"}, "error: graph: it was built with another transcoder"),
 ])
@@ -313,3 +316,61 @@ def test_evaluate_budget_refusals_are_one_error_line(on_disk, capsys, extra, mes
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(message), err
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------- edge cases (audit)
+
+
+def test_one_size_is_refused_it_has_no_area():
+    # CPR and CMD integrate between sizes: one size gave CPR 0 and CMD 0 (a "perfect" CMD)
+    for sizes in ((100.0,), (10.0,)):
+        with pytest.raises(InputError, match="sizes: CPR and CMD integrate between sizes"):
+            FaithfulnessSettings(sizes=sizes)
+
+
+@pytest.mark.parametrize("metric", ["logit_diff", "prob", "kl"])
+def test_an_empty_circuit_that_scores_as_the_model_is_refused(setup, metric):
+    # the prompt as its own counterfactual: every ablation is the clean value, so m(empty) is
+    # m(full) up to the splice's rounding, and f(k) was rounding over rounding (f = -13.75)
+    model, clt, graph, _ = setup
+    with pytest.raises(InputError, match="the empty circuit scores as the full model does"):
+        faithfulness(model, None, clt, graph, list(graph.input_ids), foil=FOIL, metric=metric,
+                     sizes=(10.0, 50.0, 100.0), draws=1)
+    # control: a counterfactual that moves the metric is measured
+    faithfulness(model, None, clt, graph, setup[3], foil=FOIL, metric=metric,
+                 sizes=(10.0, 100.0), draws=1)
+
+
+def test_a_foil_outside_the_vocabulary_is_refused(setup, tokenizer):
+    # foil=-1 read the last token's logit (a wrong number), foil=vocab an IndexError
+    model, clt, graph, counterfactual = setup
+    vocab = model.config.vocab_size
+    for foil in (-1, vocab):
+        with pytest.raises(InputError, match="foil: token id"):
+            faithfulness(model, None, clt, graph, counterfactual, foil=foil, sizes=(10.0, 100.0),
+                         draws=1)
+    with pytest.raises(InputError, match="tokenizes to nothing"):
+        faithfulness(model, tokenizer, clt, graph, counterfactual, foil="", sizes=(10.0, 100.0),
+                     draws=1)
+    with pytest.warns(UserWarning, match="tokens"):  # only its first token is the foil
+        faithfulness(model, tokenizer, clt, graph, counterfactual, foil=" Paris is a city",
+                     sizes=(10.0, 100.0), draws=1)
+
+
+def test_a_reference_prompt_with_no_spliced_position_is_refused(setup, tokenizer):
+    # with position 0 as BOS (bos="always") one-token reference prompts have no position the
+    # mean reads: the mean was NaN and so was every f(k), without an error
+    model, clt, _, _ = setup
+    graph = attribute(model, tokenizer, clt, PROMPT, bos="always")
+    assert graph.from_position == 1
+    first = tokenizer.decode(graph.input_ids[:1])
+    with pytest.raises(InputError, match="reference: .* a token at or after .* position .1"):
+        faithfulness(model, tokenizer, clt, graph, reference=[first], ablation="mean",
+                     foil=FOIL, sizes=(10.0, 100.0), draws=1)
+    with pytest.raises(InputError, match="reference: ablation='mean' needs"):
+        faithfulness(model, tokenizer, clt, graph, ablation="mean", foil=FOIL, draws=1)
+    # a short prompt beside others adds no token to the mean: the mean is the others'
+    curves = [faithfulness(model, tokenizer, clt, graph, reference=refs, ablation="mean",
+                           foil=FOIL, sizes=(10.0, 100.0), draws=1)
+              for refs in ([PROMPT], [first, PROMPT])]
+    assert all(torch.isfinite(torch.tensor(curves[0].f))) and curves[0] == curves[1]

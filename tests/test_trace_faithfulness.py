@@ -166,6 +166,19 @@ def test_refusals(traced, tokenizer):
             TraceFaithfulnessSettings(**bad)
 
 
+def test_one_size_and_a_noise_that_does_not_move_p_are_refused(traced, tokenizer):
+    # one size has no area (CPR 0, CMD 0: a "perfect" CMD); a noise that leaves P(answer) as it
+    # is (total effect ~1e-9) made every share rounding over rounding (CPR 0.9, CMD 2e-10)
+    for sizes in ((100.0,), (10.0,)):
+        with pytest.raises(InputError, match="sizes: CPR and CMD integrate between sizes"):
+            TraceFaithfulnessSettings(sizes=sizes)
+    model, tracer, results = traced("llama")
+    quiet = Tracer(model, tokenizer, PROMPT, SUBJECT, seeds=2, window=2, scale=1e-7)
+    with pytest.raises(InputError, match="result: the noise barely moves P"):
+        trace_faithfulness(quiet, quiet.trace("residual", progress=False), draws=1)
+    trace_faithfulness(tracer, results["residual"], draws=1)  # control: the usual noise
+
+
 @pytest.mark.real_model
 def test_reversed_ranking_falls_below_the_trace_on_smollm2(smollm2):
     model, tokenizer = smollm2
@@ -210,6 +223,7 @@ def test_trace_faithfulness_flag_writes_the_curves(model_dir, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--faithfulness", "--kind", "severed-mlp"], "--faithfulness: a severed-mlp trace"),
     (["--faithfulness", "--faith-sizes", "0,50"], "sizes"),
+    (["--faithfulness", "--faith-sizes", "100"], "sizes: CPR and CMD integrate between"),
     (["--faithfulness", "--faith-sizes", "5,x"], "--faith-sizes: give numbers"),
     (["--faithfulness", "--faith-top", "3,2"], "top"),
     (["--faith-draws", "3"], "--faithfulness"),

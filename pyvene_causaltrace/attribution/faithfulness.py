@@ -40,6 +40,7 @@ from ..errors import InputError
 from ..fingerprint import transcoder_fingerprint
 from ..interventions.clt_splice import clean_errors, clean_selection, clt_splice_representations
 from ..model_guard import measured
+from ..prompts import answer_token_id
 from ..runtime import intervened
 from ..strict_json import loads
 from ..transcoders.hooks import transcoder_states
@@ -53,8 +54,7 @@ if TYPE_CHECKING:  # annotations only
 
     from .graph import AttributionGraph
 
-__all__ = ["FaithfulnessCurve", "FaithfulnessSettings", "curve_json", "faithfulness",
-           "mib_areas"]
+__all__ = ["FaithfulnessCurve", "FaithfulnessSettings", "curve_json", "faithfulness", "mib_areas"]
 
 
 def mib_areas(fractions: list[float], f: list[float]) -> tuple[float, float]:
@@ -167,8 +167,7 @@ left live (the same for nodes; an edge circuit's reach); ``forwards`` run for it
                 "curve": curve_json(
                     "faithfulness f(k) (MIB)", self.settings["sizes"], self.f, self.random,
                     cpr=self.cpr, cmd=self.cmd, x_label=f"circuit size (% of {level})",
-                    y_label=f"f(k) ({metric})", counts=self.counts,
-                    random_cpr=self.random_cpr)}
+                    y_label=f"f(k) ({metric})", counts=self.counts, random_cpr=self.random_cpr)}
 
     def to_dataframe(self) -> pd.DataFrame:
         low, mean, high = band(self.random, len(self.f))
@@ -412,26 +411,29 @@ def ablation_prompts(bound: BoundModel, tokenizer, graph: AttributionGraph,
     if s.ablation == "counterfactual" and cf is None:
         raise InputError("counterfactual: ablation='counterfactual' (MIB's default) needs a "
                          "counterfactual prompt; or ablation='mean' with reference=, or 'zero'")
-    if s.ablation == "mean" and not reference:
-        raise InputError("reference: ablation='mean' needs reference prompts")
-    return cf, [_ids(bound, "reference", r, tokenizer) for r in reference or []]
+    refs = [_ids(bound, "reference", r, tokenizer) for r in reference or []]
+    if s.ablation == "mean" and not any(r.shape[1] > graph.from_position for r in refs):
+        raise InputError("reference: ablation='mean' needs reference prompts with a token at or "
+                         f"after the graph's first spliced position ({graph.from_position})")
+    return cf, refs
 
 
 def _foil(bound, tokenizer, foil, counterfactual, answer: int, metric: str) -> int | None:
-    """The foil's token: ``foil`` (text or id), else the model's top token on the
-    counterfactual prompt."""
+    """The foil's token: ``foil`` (text or id), else the model's top token on the counterfactual."""
     if metric != "logit_diff":
         return None
     if isinstance(foil, str):
         if tokenizer is None:
             raise InputError("foil: a text needs the tokenizer (or give its token id)")
-        foil = tokenizer(foil, add_special_tokens=False)["input_ids"][0]
+        foil = answer_token_id(tokenizer, foil)  # its first token; a longer one warns
     elif foil is None:
         if counterfactual is None:
             raise InputError("foil: metric='logit_diff' needs a foil (the other answer) or a "
                              "counterfactual prompt whose top token is taken as it")
         with torch.no_grad():
             foil = int(bound.model(input_ids=counterfactual).logits[0, -1].argmax())
+    if not 0 <= int(foil) < bound.vocab_size:  # -1 read the vocabulary's last logit
+        raise InputError(f"foil: token id {foil} is outside the vocabulary ({bound.vocab_size})")
     if int(foil) == answer:
         raise InputError(f"foil: it is the answer's token ({answer}); the logit difference "
                          "would be 0 everywhere")
@@ -443,18 +445,18 @@ def faithfulness(model: BoundModel, tokenizer: PreTrainedTokenizerBase | None,
                  transcoder: Transcoder, graph: AttributionGraph,
                  counterfactual: str | list[int] | None = None, *,
                  reference: list[str] | None = None, foil: str | int | None = None,
-                 settings: FaithfulnessSettings | None = None,
-                 **keywords) -> FaithfulnessCurve:
-    """MIB's faithfulness curve of ``graph`` (module docstring): f(k) at each size for its
-    ranking and for ``draws`` random ones, CPR and CMD. ``tokenizer`` reads the prompts and
-    the foil given as text (None: give token ids). ``counterfactual``: a prompt of the
-    graph's prompt's length (text, or token ids), whose features (and
-    errors, with ``errors="ablated"``) replace the ablated ones; ``reference``: prompts whose
-    mean is used with ``ablation="mean"``; ``foil``: the logit difference's other token
-    (default: the model's top token on ``counterfactual``). Settings: a
-    :class:`FaithfulnessSettings` or its fields as keywords. Refused (:class:`InputError`
-    naming the argument): a counterfactual of another length, a graph from another model or
-    transcoder, an ablation without its prompts."""
+                 settings: FaithfulnessSettings | None = None, **keywords) -> FaithfulnessCurve:
+    """MIB's faithfulness curve of ``graph`` (module docstring): f(k) at each size for its ranking
+    and for ``draws`` random ones, CPR and CMD. ``tokenizer`` reads the prompts and the foil given
+    as text (None: give token ids). ``counterfactual``: a prompt of the graph's prompt's length
+    (text, or token ids), whose features (and errors, with ``errors="ablated"``) replace the
+    ablated ones; ``reference``: prompts whose mean is used with ``ablation="mean"``; ``foil``:
+    the logit difference's other token (default: the model's top token on ``counterfactual``).
+    Settings: a :class:`FaithfulnessSettings` or its fields as keywords. Refused
+    (:class:`InputError` naming the argument): a counterfactual of another length, a graph from
+    another model or transcoder, an ablation without its prompts (or a reference prompt with no
+    position from the graph's first), a foil outside the vocabulary, an empty circuit that
+    scores as the model does up to rounding (f(k) undefined)."""
     started = time.perf_counter()
     s = FaithfulnessSettings.merged(settings, **keywords)
     check_graph(model, transcoder, graph)
@@ -465,7 +467,6 @@ def faithfulness(model: BoundModel, tokenizer: PreTrainedTokenizerBase | None,
     with torch.no_grad():
         full_logits = model.model(input_ids=ids).logits[0, -1].float().cpu()
     ablated = ablated_values(model, transcoder, graph, s, cf, refs)
-
     if s.level == "nodes":
         order, edges, n_items = node_order(graph, s.rank_by), None, graph.n_features
     else:
@@ -482,10 +483,11 @@ def faithfulness(model: BoundModel, tokenizer: PreTrainedTokenizerBase | None,
     m = metric_of(logits, s.metric, answer, foil_id, full_logits)
     m_full = float(metric_of(full_logits[None], s.metric, answer, foil_id, full_logits)[0])
     m_empty = float(m[0])
-    if m_full == m_empty:
+    scale = 1e-5 if s.metric == "kl" else max(abs(m_full), abs(m_empty), s.metric != "prob")
+    if not abs(m_full - m_empty) > 1e-4 * scale:  # apart by rounding, or NaN: f(k) is noise
         raise InputError("graph: the empty circuit scores as the full model does "
-                         f"({s.metric} {m_full:g}): f(k) is undefined; try another "
-                         "counterfactual or ablation")
+                         f"({s.metric} {m_full:g} and {m_empty:g}): f(k) is undefined; try "
+                         "another counterfactual or ablation")
     f = ((m[1:] - m_empty) / (m_full - m_empty)).reshape(len(orders), len(counts)).tolist()
     areas = [mib_areas(fractions, curve) for curve in f]
     return FaithfulnessCurve(

@@ -215,6 +215,9 @@ class FaithfulnessSettings(Settings):
                              f"{list(budgets)}")
         if not sizes or any(not 0 < s <= 100 for s in sizes):
             raise InputError(f"sizes must be percentages in (0, 100], got {list(sizes)}")
+        if len(sizes) < 2:  # one point has no area: CPR 0 and CMD 0, a "perfect" CMD
+            raise InputError(f"sizes: CPR and CMD integrate between sizes; give two or more, "
+                             f"got {list(sizes)}")
         for name, values in (("budgets", budgets), ("sizes", sizes)):
             if any(b <= a for a, b in zip(values, values[1:], strict=False)):
                 raise InputError(f"{name} must increase, got {list(values)}")

@@ -307,7 +307,9 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
                        **keywords) -> TraceFaithfulness:
     """Sufficiency and necessity curves of ``result``'s ranking of its cells (module
     docstring), made by ``tracer`` (its model and noise draws), with ``draws`` random rankings;
-    settings: a :class:`TraceFaithfulnessSettings` or its fields as keywords."""
+    settings: a :class:`TraceFaithfulnessSettings` or its fields as keywords. Refused
+    (:class:`InputError`): a severed kind, another tracer's trace, a noise whose mean total
+    effect is within 1e-4 of P(answer) (every share would be rounding over rounding)."""
     started = time.perf_counter()
     s = TraceFaithfulnessSettings.merged(settings, **keywords)
     kind = _check(tracer, result)
@@ -333,13 +335,17 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
     for r, ranked in enumerate(orders):
         for i, k in enumerate(unique):
             circuits[r, i, ranked[:k]] = True
+    clean = float(engine.clean_probs[engine.answer_id])
+    corrupt = engine.corrupt_probs[:, engine.answer_id]  # [seeds]
+    total = clean - corrupt
+    if not abs(float(total.mean())) > 1e-4 * max(clean, float(corrupt.mean())):  # or NaN
+        raise InputError(f"result: the noise barely moves P(answer) (clean {clean:g}, noised "
+                         f"{float(corrupt.mean()):g} on average): the shares recovered and lost "
+                         "would be rounding over rounding; trace with a larger noise scale")
     with measurement(tracer.bound):
         suff, nec, forwards = circuit_probs(engine, kind, result.window,
                                             circuits.view(-1, every),
                                             rows_per_forward=s.rows_per_forward)
-    clean = float(engine.clean_probs[engine.answer_id])
-    corrupt = engine.corrupt_probs[:, engine.answer_id]  # [seeds]
-    total = clean - corrupt
     at = torch.tensor([unique.index(k) for k in counts])
     # [rankings, seeds, points]
     recovered = ((suff - corrupt) / total).view(len(orders), len(unique), -1)[:, at]

@@ -114,6 +114,9 @@ class TraceFaithfulnessSettings(Settings):
         sizes, top = tuple(self.sizes), tuple(self.top)
         if not sizes or any(not 0 < s <= 100 for s in sizes):
             raise InputError(f"sizes must be percentages in (0, 100], got {list(sizes)}")
+        if len(sizes) < 2:  # one point has no area: CPR 0 and CMD 0, a "perfect" CMD
+            raise InputError(f"sizes: CPR and CMD integrate between sizes; give two or more, "
+                             f"got {list(sizes)}")
         if any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)):
             raise InputError(f"sizes must increase, got {list(sizes)}")
         # (their items' types: checked, NumPy integers made int, by super().__post_init__)
