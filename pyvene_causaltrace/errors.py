@@ -40,6 +40,12 @@ class MultiTokenAnswerError(InputError):
     """The answer is several tokens where exactly one is needed."""
 
 
+class UndefinedCurveError(InputError):
+    """A faithfulness curve is undefined here: the empty circuit scores as the model does (or
+    the noise barely moves P(answer)) up to rounding, so every point would be rounding over
+    rounding. A dataset run records the fact without a curve and goes on."""
+
+
 class NonFiniteError(InputError):
     """NaN or inf where a number was needed."""
 

@@ -206,3 +206,30 @@ def test_the_command_line_measures_the_traces_and_the_graphs(files, tmp_path, ca
         assert sorted(row["faithfulness"]["reference"]) == others
     assert faith["cpr"]["mean"] == pytest.approx(
         float(np.mean([r["faithfulness"]["cpr"] for r in rows])), abs=1e-12)
+
+
+def test_a_fact_whose_curve_is_undefined_is_recorded_and_the_run_goes_on(files, model,
+                                                                          tokenizer, monkeypatch):
+    """faithfulness() refuses a curve that is rounding over rounding (UndefinedCurveError);
+    in a dataset run that is the fact's, not the run's: its row says why, the other facts get
+    their curves, a rerun does not try it again (it stopped the whole run)."""
+    from pyvene_causaltrace.errors import UndefinedCurveError
+
+    real, tried = dataset_graphs.measure_faithfulness, []
+
+    def undefined_for_f1(*args, **kwargs):
+        tried.append(args[3].prompt)
+        if args[3].prompt == FACTS[1]["prompt"]:
+            raise UndefinedCurveError("graph: the empty circuit scores as the full model does")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dataset_graphs, "measure_faithfulness", undefined_for_f1)
+    out = files / "undefined"
+    _run(files, model, tokenizer, out, graph_faithfulness=FAITH)
+    rows = {r["fact"]: r for r in read_jsonl(out / GRAPHS)}
+    assert rows["f1"]["faithfulness"] is None
+    assert rows["f1"]["faithfulness_skipped"].startswith("graph: the empty circuit")
+    assert rows["f0"]["faithfulness"]["cpr"] is not None and rows["f3"]["faithfulness"]
+    tried.clear()
+    _run(files, model, tokenizer, out, graph_faithfulness=FAITH)
+    assert tried == []

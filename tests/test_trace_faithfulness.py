@@ -301,3 +301,36 @@ def test_the_flags_defaults_are_the_settings(command):
     assert faithfulness_settings(args) == TraceFaithfulnessSettings()
     args = build_parser().parse_args([command, *extra])
     assert faithfulness_settings(args) is None
+
+
+def test_dataset_records_a_fact_whose_trace_curve_is_undefined(tmp_path, tokenizer, monkeypatch):
+    """A fact whose noise barely moves P(answer) (UndefinedCurveError) gets a row with the
+    reason instead of a curve; the run goes on (it stopped), the aggregate counts it apart, a
+    rerun does not try it again."""
+    import pyvene_causaltrace.dataset.run as dataset_run
+    from pyvene_causaltrace.errors import UndefinedCurveError
+
+    real, tried = dataset_run.trace_faithfulness, []
+
+    def undefined_for_f1(tracer, result, **kwargs):
+        tried.append(tracer.prompt.text)
+        if tracer.prompt.text.startswith("Miles Davis"):
+            raise UndefinedCurveError("result: the noise barely moves P(answer)")
+        return real(tracer, result, **kwargs)
+
+    monkeypatch.setattr(dataset_run, "trace_faithfulness", undefined_for_f1)
+    model = make_tiny_model("llama", init=0.2)
+    records, _ = read_records(_facts(tmp_path, 3))
+    options = dict(out=tmp_path / "run", known="none", progress=False, n_boot=50, seeds=2,
+                   kinds=("residual",), faithfulness=TraceFaithfulnessSettings(draws=2, top=(1,)))
+    trace_dataset(model, tokenizer, records, **options)
+    rows = {r["fact"]: r for r in map(json.loads, (tmp_path / "run" / "faithfulness.jsonl").open())}
+    assert rows["f1"] == {"index": 1, "fact": "f1", "kind": "residual",
+                          "skipped": "result: the noise barely moves P(answer)"}
+    agg = load_faithfulness(tmp_path / "run", n_boot=50)
+    assert agg.n_facts == {"residual": 2} and agg.skipped == {"residual": 1}
+    assert "(2 facts, no curve for 1)" in agg.summary()
+    assert DatasetFaithfulness.from_json(agg.to_json()) == agg
+    tried.clear()
+    trace_dataset(model, tokenizer, records, **options)
+    assert tried == []

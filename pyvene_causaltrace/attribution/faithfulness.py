@@ -36,7 +36,7 @@ import torch
 from ..arguments import checked
 from ..atomic import write_text
 from ..bound import BoundModel
-from ..errors import InputError
+from ..errors import InputError, UndefinedCurveError
 from ..fingerprint import transcoder_fingerprint
 from ..interventions.clt_splice import clean_errors, clean_selection, clt_splice_representations
 from ..model_guard import measured
@@ -485,9 +485,9 @@ def faithfulness(model: BoundModel, tokenizer: PreTrainedTokenizerBase | None,
     m_empty = float(m[0])
     scale = 1e-5 if s.metric == "kl" else max(abs(m_full), abs(m_empty), s.metric != "prob")
     if not abs(m_full - m_empty) > 1e-4 * scale:  # apart by rounding, or NaN: f(k) is noise
-        raise InputError("graph: the empty circuit scores as the full model does "
-                         f"({s.metric} {m_full:g} and {m_empty:g}): f(k) is undefined; try "
-                         "another counterfactual or ablation")
+        raise UndefinedCurveError("graph: the empty circuit scores as the full model does "
+                                  f"({s.metric} {m_full:g} and {m_empty:g}): f(k) is undefined; "
+                                  "try another counterfactual or ablation")
     f = ((m[1:] - m_empty) / (m_full - m_empty)).reshape(len(orders), len(counts)).tolist()
     areas = [mib_areas(fractions, curve) for curve in f]
     return FaithfulnessCurve(

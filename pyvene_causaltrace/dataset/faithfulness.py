@@ -10,7 +10,7 @@ positions of that role (0 for every role at a size of 0 cells)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +51,8 @@ class DatasetFaithfulness:
     ``necessity``, ``random_sufficiency``, ``random_necessity``) and ``roles[kind][role]``
     (share of the top cells) each ``{"mean": [point], "low": [point], "high": [point]}``;
     ``scores[kind][score]`` ``{"mean", "low", "high"}`` over facts; ``level``, ``n_boot``;
-    ``forwards`` and ``seconds`` summed over facts."""
+    ``forwards`` and ``seconds`` summed over facts; ``skipped[kind]``: facts without a curve
+    (:class:`~..errors.UndefinedCurveError`, the reason in their row)."""
 
     kinds: list[str]
     sizes: list[float]
@@ -63,6 +64,7 @@ class DatasetFaithfulness:
     n_boot: int
     forwards: int
     seconds: float
+    skipped: dict[str, int] = field(default_factory=dict)
 
     def to_dataframe(self):
         """Long form: ``kind, size_pct, what, mean, low, high`` (``what``: a curve, or
@@ -87,7 +89,9 @@ class DatasetFaithfulness:
         for kind in self.kinds:
             s = self.scores[kind]
             lines.append(
-                f"{kind} ({self.n_facts[kind]} facts): sufficiency CPR "
+                f"{kind} ({self.n_facts[kind]} facts"
+                f"{f', no curve for {self.skipped[kind]}' if self.skipped.get(kind) else ''}): "
+                "sufficiency CPR "
                 f"{s['cpr']['mean']:.3f} [{s['cpr']['low']:.3f}, {s['cpr']['high']:.3f}], "
                 f"random {s['random_cpr']['mean']:.3f}; necessity area "
                 f"{s['necessity_cpr']['mean']:.3f}, random "
@@ -116,13 +120,18 @@ def aggregate_faithfulness(rows: list[dict], *, n_boot: int,
     """The per-kind average of ``rows`` (:func:`faithfulness_row`; any order, one per (fact,
     kind): a second must agree)."""
     seen: dict[tuple[int, str], dict] = {}
+    skipped: dict[str, int] = {}
     for row in rows:
+        if "skipped" in row:  # a fact whose curve is undefined (its reason in the row)
+            skipped[row["kind"]] = skipped.get(row["kind"], 0) + 1
+            continue
         before = seen.setdefault((int(row["index"]), row["kind"]), row)
         if before is not row and before["sufficiency"] != row["sufficiency"]:
             raise InputError(f"fact {row['fact']}, kind {row['kind']}: two faithfulness rows "
                              "with different values")
     if not seen:
-        raise InputError("no faithfulness rows to aggregate (run with faithfulness=)")
+        raise InputError("no faithfulness rows to aggregate (run with faithfulness=)"
+                         + (f"; every fact's curve is undefined ({skipped})" if skipped else ""))
     sizes = next(iter(seen.values()))["sizes"]
     if any(row["sizes"] != sizes for row in seen.values()):
         raise InputError("faithfulness rows with different sizes: one run's rows only")
@@ -145,7 +154,7 @@ def aggregate_faithfulness(rows: list[dict], *, n_boot: int,
         kinds=kinds, sizes=list(sizes), n_facts=n_facts, curves=curves, roles=roles,
         scores=scores, level=level, n_boot=n_boot,
         forwards=sum(int(r["forwards"]) for r in every),
-        seconds=float(sum(r["seconds"] for r in every)))
+        seconds=float(sum(r["seconds"] for r in every)), skipped=skipped)
 
 
 @checked

@@ -41,7 +41,7 @@ from ..attribution.faithfulness import faithfulness as measure_faithfulness
 from ..attribution.settings import AttributionSettings, FaithfulnessSettings
 from ..crosscheck.sites import SITE_PARTS, site_influence
 from ..defaults import DATASET_SAVE_GRAPHS
-from ..errors import InputError
+from ..errors import InputError, UndefinedCurveError
 from ..fingerprint import transcoder_fingerprint
 from ..prompts import tokenize_prompt
 from ..tracing.results import finite_or_none
@@ -166,10 +166,13 @@ def _curve(model, tokenizer, transcoder, graph, settings: FaithfulnessSettings,
         reference = [line["prompt"] for line in counterfactual]
     elif counterfactual is not None:
         prompt, foil = counterfactual["prompt"], int(counterfactual["target_id"])
-    curve = measure_faithfulness(model, tokenizer, transcoder, graph, prompt,
-                                 reference=reference,
-                                 foil=foil if settings.metric == "logit_diff" else None,
-                                 settings=settings)
+    try:
+        curve = measure_faithfulness(model, tokenizer, transcoder, graph, prompt,
+                                     reference=reference,
+                                     foil=foil if settings.metric == "logit_diff" else None,
+                                     settings=settings)
+    except UndefinedCurveError as error:  # this fact's, not the run's: the others go on
+        return {"faithfulness": None, "faithfulness_skipped": str(error)}
     return {"faithfulness": {
         **curve.summary(), "n_items": curve.n_items, "forwards": curve.forwards,
         "counterfactual": counterfactual["fact"] if isinstance(counterfactual, dict) else None,

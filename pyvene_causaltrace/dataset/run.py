@@ -38,7 +38,7 @@ from tqdm import tqdm
 from ..arguments import PositiveInt, checked
 from ..attribution.settings import FaithfulnessSettings
 from ..bound import BoundModel, bind
-from ..errors import DamagedFileError, InputError, ManifestMismatchError
+from ..errors import DamagedFileError, InputError, ManifestMismatchError, UndefinedCurveError
 from ..fingerprint import package_version, tokenizer_fingerprint
 from ..interventions.noise import seed_list
 from ..prompts import SubjectNotFoundError, answer_token_id, tokenize_prompt
@@ -311,8 +311,13 @@ def _trace_fact(model: BoundModel, tokenizer: Tokenizer, run: RunDirectory, line
             "sigma": sigma_value, "restored": result.restored_probs[i].tolist(),
         } for i, seed in enumerate(seeds) if (record.id, kind, seed) not in done])
         if faithfulness is not None and kind in FAITHFUL_KINDS:
-            curve = trace_faithfulness(tracer, result, settings=faithfulness)
-            run.append(FAITHFULNESS, [faithfulness_row(line["index"], record.id, curve)])
+            try:
+                curve = trace_faithfulness(tracer, result, settings=faithfulness)
+                row = faithfulness_row(line["index"], record.id, curve)
+            except UndefinedCurveError as error:  # this fact's, not the run's: the others go on
+                row = {"index": line["index"], "fact": record.id, "kind": kind,
+                       "skipped": str(error)}
+            run.append(FAITHFULNESS, [row])
         bar.update(1)
 
 

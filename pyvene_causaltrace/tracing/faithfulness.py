@@ -38,7 +38,7 @@ import torch
 from ..arguments import NonNegativeInt, checked
 from ..atomic import write_text
 from ..attribution.faithfulness import mib_areas
-from ..errors import InputError
+from ..errors import InputError, UndefinedCurveError
 from ..interventions.noise import NoiseAdd
 from ..interventions.restore import CleanRestore
 from ..model_guard import measurement
@@ -339,9 +339,10 @@ def trace_faithfulness(tracer: Tracer, result: TraceResult, *,
     corrupt = engine.corrupt_probs[:, engine.answer_id]  # [seeds]
     total = clean - corrupt
     if not abs(float(total.mean())) > 1e-4 * max(clean, float(corrupt.mean())):  # or NaN
-        raise InputError(f"result: the noise barely moves P(answer) (clean {clean:g}, noised "
-                         f"{float(corrupt.mean()):g} on average): the shares recovered and lost "
-                         "would be rounding over rounding; trace with a larger noise scale")
+        raise UndefinedCurveError(
+            f"result: the noise barely moves P(answer) (clean {clean:g}, noised "
+            f"{float(corrupt.mean()):g} on average): the shares recovered and lost would be "
+            "rounding over rounding; trace with a larger noise scale")
     with measurement(tracer.bound):
         suff, nec, forwards = circuit_probs(engine, kind, result.window,
                                             circuits.view(-1, every),
