@@ -48,3 +48,40 @@ def test_sae_lens_input_normalisation_is_refused_not_ignored(tmp_path, mode):
     # (expected_average_only_in: the weights want x times a factor the files do not hold)
     with pytest.raises(TranscoderFormatError, match="normalize_activations"):
         load_transcoder(root, format="sae_lens")
+
+
+def test_circuit_tracer_config_contradicting_its_files_is_refused(tmp_path):
+    # k: the config's 5 against the files' 3 (read before: 5, silently)
+    tensors = random_set(L, D, F, activation="topk", k=3)
+    config = write_circuit_tracer(tmp_path / "k", tensors, k_in_files=True)
+    meta = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**meta, "activation": "topk", "k": 5}))
+    with pytest.raises(TranscoderFormatError, match="files hold k"):
+        load_transcoder(config)
+    config.write_text(yaml.safe_dump({**meta, "activation": "topk", "k": 3}))
+    assert load_transcoder(config).cfg.k == 3  # agreeing: read
+    # activation relu over files holding thresholds (read before: relu, thresholds dropped)
+    config = write_circuit_tracer(tmp_path / "act", random_set(L, D, F))
+    meta = yaml.safe_load(config.read_text())
+    for activation in ("relu", "topk"):
+        config.write_text(yaml.safe_dump({**meta, "activation": activation, "k": 3}))
+        with pytest.raises(TranscoderFormatError, match="JumpReLU thresholds"):
+            load_transcoder(config)
+
+
+def test_gemmascope_negative_thresholds_keep_the_relu(tmp_path):
+    # GemmaScope's JumpReLU is relu(z) * 1[z > threshold]: a negative threshold never lets a
+    # negative pre-activation through (it did: z * 1[z > threshold] read the files as they were)
+    tensors = random_set(L, D, F, threshold=-0.5)
+    root = write_gemmascope(tmp_path / "gs", tensors)
+    x = torch.randn(L, 6, D, generator=torch.Generator().manual_seed(1))
+    tc = load_transcoder(root, dtype=torch.float64)
+    acts = tc.encode_all(x.double())
+    W = [t["W_enc"].double() for t in tensors["layers"]]
+    z = torch.stack([x[layer].double() @ W[layer].T + tensors["layers"][layer]["b_enc"].double()
+                     for layer in range(L)])
+    thresholds = torch.stack([t["threshold"].double() for t in tensors["layers"]])
+    want = torch.relu(z) * (z > thresholds[:, None])
+    want[:, 0] = 0
+    assert (z[:, 1:] < 0).logical_and(z[:, 1:] > thresholds[:, None]).any()  # the case arises
+    torch.testing.assert_close(acts, want, atol=1e-12, rtol=0)

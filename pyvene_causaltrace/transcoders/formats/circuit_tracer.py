@@ -280,12 +280,19 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
             path, lazy_decoder=lazy_decoder, features=None if plan is None else plan[0])
         layers.append(slicer(layer))
         ks.add(k)
-    has_threshold = layers[0].threshold is not None
+    has_threshold = any(layer.threshold is not None for layer in layers)
     activation = meta.get("activation") or ("jumprelu" if has_threshold else "relu")
     activation = {"jump_relu": "jumprelu", "jumprelu": "jumprelu"}.get(activation, activation)
+    if has_threshold and activation != "jumprelu":  # circuit-tracer: thresholds make it one
+        raise TranscoderFormatError(f"{config}: activation {activation!r}, but the files hold "
+                                    "JumpReLU thresholds (activation_function.threshold): "
+                                    "reading them without would drop them")
     k = meta.get("k")
+    ks.discard(None)
+    if k is not None and ks and ks != {k}:
+        raise TranscoderFormatError(f"{config}: k {k!r}, but the files hold k "
+                                    f"{sorted(ks)}")
     if k is None and activation == "topk":
-        ks.discard(None)
         if len(ks) != 1:
             raise TranscoderFormatError(f"{config}: activation topk needs k (the config's or "
                                         f"the files'); found {sorted(ks) or 'none'}")
