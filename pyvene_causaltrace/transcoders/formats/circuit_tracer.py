@@ -25,7 +25,7 @@ import yaml
 from safetensors.torch import save_file
 
 from ...errors import InputError
-from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
+from ..config import ACTIVATIONS, CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
 from ..transcoder import Transcoder, shard_features
 from . import gemmascope2, mntss
 from .common import (
@@ -283,10 +283,6 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
     has_threshold = any(layer.threshold is not None for layer in layers)
     activation = meta.get("activation") or ("jumprelu" if has_threshold else "relu")
     activation = {"jump_relu": "jumprelu", "jumprelu": "jumprelu"}.get(activation, activation)
-    if has_threshold and activation != "jumprelu":  # circuit-tracer: thresholds make it one
-        raise TranscoderFormatError(f"{config}: activation {activation!r}, but the files hold "
-                                    "JumpReLU thresholds (activation_function.threshold): "
-                                    "reading them without would drop them")
     k = meta.get("k")
     ks.discard(None)
     if k is not None and ks and ks != {k}:
@@ -297,6 +293,10 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
             raise TranscoderFormatError(f"{config}: activation topk needs k (the config's or "
                                         f"the files'); found {sorted(ks) or 'none'}")
         k = ks.pop()
+    if has_threshold and activation in ACTIVATIONS and activation != "jumprelu":
+        raise TranscoderFormatError(f"{config}: activation {activation!r}, but the files hold "
+                                    "JumpReLU thresholds (activation_function.threshold), "
+                                    "which circuit-tracer applies: read as such, they are lost")
     return assemble_set(
         layers, model_name=str(meta.get("model_name") or ""), activation=activation, k=k,
         feature_input_hook=meta["feature_input_hook"],
