@@ -1,11 +1,12 @@
 """Files a reader must refuse, or read as their own project does, rather than return wrong
 numbers without an error (audit of the layout readers): sae-lens input normalisation,
 circuit-tracer configs contradicting their files, GemmaScope's ``relu(z) * 1[z > threshold]``
-with negative thresholds."""
+with negative thresholds, two files or folders naming one layer."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
 
 import pytest
@@ -17,6 +18,7 @@ from transcoder_fixtures import (
     write_circuit_tracer,
     write_gemmascope,
     write_sae_lens,
+    write_sparsify,
 )
 
 from pyvene_causaltrace.transcoders import TranscoderFormatError, load_transcoder
@@ -85,3 +87,24 @@ def test_gemmascope_negative_thresholds_keep_the_relu(tmp_path):
     want[:, 0] = 0
     assert (z[:, 1:] < 0).logical_and(z[:, 1:] > thresholds[:, None]).any()  # the case arises
     torch.testing.assert_close(acts, want, atol=1e-12, rtol=0)
+
+
+def test_two_files_naming_one_layer_are_refused_not_one_picked(tmp_path):
+    # layer_1 and layer_01 (or layers.1.mlp and model.layers.1.mlp) both parse as layer 1: one
+    # of them was read, which one by directory order, without a word
+    tensors, other = random_set(L, D, F), random_set(L, D, F, seed=5)
+    config = write_circuit_tracer(tmp_path / "ct", tensors)
+    write_circuit_tracer(tmp_path / "ct2", other)
+    shutil.copy(tmp_path / "ct2" / "layer_1.safetensors", tmp_path / "ct" / "layer_01.safetensors")
+    meta = yaml.safe_load(config.read_text())
+    meta.pop("transcoders", None)
+    config.write_text(yaml.safe_dump(meta))
+    root = write_gemmascope(tmp_path / "gs", tensors)
+    shutil.copytree(root / "layer_1", root / "layer_01")
+    topk = random_set(L, D, F, activation="topk", k=3)
+    sparse = write_sparsify(tmp_path / "sp", topk)
+    write_sparsify(tmp_path / "sp2", topk, prefix="model.layers")
+    shutil.copytree(tmp_path / "sp2" / "model.layers.1.mlp", sparse / "model.layers.1.mlp")
+    for source in (config, root, sparse):
+        with pytest.raises(TranscoderFormatError, match="both name layer 1"):
+            load_transcoder(source)

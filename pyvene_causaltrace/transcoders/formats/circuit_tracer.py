@@ -198,9 +198,9 @@ def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | No
             root = hub_snapshot(repo, revision, [f"{sub}layer_*.safetensors"]) / sub
         else:
             root = config.parent
-        found = named_layers({int(p.stem.removeprefix("layer_")): p
+        found = named_layers([(int(p.stem.removeprefix("layer_")), p)
                               for p in root.glob("layer_*.safetensors")
-                              if p.stem.removeprefix("layer_").isdecimal()})
+                              if p.stem.removeprefix("layer_").isdecimal()])
         if not found:
             raise TranscoderFormatError(f"{config}: no 'transcoders' list and no "
                                         "layer_<l>.safetensors files beside it")

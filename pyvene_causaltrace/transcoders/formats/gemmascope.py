@@ -65,8 +65,8 @@ def read_npz(path: Path) -> LayerTensors:
 
 
 def _layer_dirs(root: Path) -> dict[int, Path]:
-    return named_layers({int(p.name.removeprefix("layer_")): p for p in root.glob("layer_*")
-                         if p.is_dir() and p.name.removeprefix("layer_").isdecimal()})
+    return named_layers([(int(p.name.removeprefix("layer_")), p) for p in root.glob("layer_*")
+                         if p.is_dir() and p.name.removeprefix("layer_").isdecimal()])
 
 
 def is_layout(path: Path) -> bool:
