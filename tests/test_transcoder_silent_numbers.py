@@ -62,11 +62,18 @@ def test_circuit_tracer_config_contradicting_its_files_is_refused(tmp_path):
         load_transcoder(config)
     config.write_text(yaml.safe_dump({**meta, "activation": "topk", "k": 3}))
     assert load_transcoder(config).cfg.k == 3  # agreeing: read
+    # k without activation: topk (read before: relu, or jumprelu, k ignored)
+    relu = write_circuit_tracer(tmp_path / "relu", random_set(L, D, F, activation="relu"))
+    relu.write_text(yaml.safe_dump({**yaml.safe_load(relu.read_text()), "activation": None,
+                                    "k": 3}))
+    with pytest.raises(TranscoderFormatError, match="a top-k set says activation: topk"):
+        load_transcoder(relu)
     # activation relu over files holding thresholds (read before: relu, thresholds dropped)
     config = write_circuit_tracer(tmp_path / "act", random_set(L, D, F))
     meta = yaml.safe_load(config.read_text())
     for activation in ("relu", "topk"):
-        config.write_text(yaml.safe_dump({**meta, "activation": activation, "k": 3}))
+        config.write_text(yaml.safe_dump({**meta, "activation": activation}
+                                         | ({"k": 3} if activation == "topk" else {})))
         with pytest.raises(TranscoderFormatError, match="JumpReLU thresholds"):
             load_transcoder(config)
 

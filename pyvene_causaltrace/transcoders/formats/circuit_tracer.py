@@ -293,6 +293,11 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
             raise TranscoderFormatError(f"{config}: activation topk needs k (the config's or "
                                         f"the files'); found {sorted(ks) or 'none'}")
         k = ks.pop()
+    if meta.get("k") is not None and activation in ACTIVATIONS \
+            and not activation.endswith("topk"):
+        raise TranscoderFormatError(f"{config}: k {meta['k']!r} but activation {activation!r}"
+                                    f"{'' if meta.get('activation') else ' (the default)'}: "
+                                    "a top-k set says activation: topk")
     if has_threshold and activation in ACTIVATIONS and activation != "jumprelu":
         raise TranscoderFormatError(f"{config}: activation {activation!r}, but the files hold "
                                     "JumpReLU thresholds (activation_function.threshold), "
