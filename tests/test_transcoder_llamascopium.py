@@ -149,6 +149,7 @@ def test_a_ranked_set_is_not_written_in_circuit_tracers_layout(tmp_path):
 
 @pytest.mark.parametrize(("changes", "match"), [
     ({"use_glu_encoder": True}, "use_glu_encoder"),
+    ({"apply_decoder_bias_to_pre_encoder": True}, "apply_decoder_bias_to_pre_encoder"),
     ({"act_fn": "batchtopk"}, "act_fn 'batchtopk'"),
     ({"norm_activation": "token-wise"}, "norm_activation 'token-wise'"),
     ({"sae_type": "clt"}, "sae_type 'clt'"),

@@ -25,7 +25,7 @@ import yaml
 from safetensors.torch import save_file
 
 from ...errors import InputError
-from ..config import CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
+from ..config import ACTIVATIONS, CROSS_LAYER, MODEL_KINDS, TRANSCODER_SET
 from ..transcoder import Transcoder, shard_features
 from . import gemmascope2, mntss
 from .common import (
@@ -198,9 +198,9 @@ def _layer_files(meta: dict, config: Path, hub: tuple[str, str | None, str] | No
             root = hub_snapshot(repo, revision, [f"{sub}layer_*.safetensors"]) / sub
         else:
             root = config.parent
-        found = named_layers({int(p.stem.removeprefix("layer_")): p
+        found = named_layers([(int(p.stem.removeprefix("layer_")), p)
                               for p in root.glob("layer_*.safetensors")
-                              if p.stem.removeprefix("layer_").isdecimal()})
+                              if p.stem.removeprefix("layer_").isdecimal()])
         if not found:
             raise TranscoderFormatError(f"{config}: no 'transcoders' list and no "
                                         "layer_<l>.safetensors files beside it")
@@ -280,16 +280,28 @@ def load(source: str | Path, *, device: str | torch.device = "cpu",
             path, lazy_decoder=lazy_decoder, features=None if plan is None else plan[0])
         layers.append(slicer(layer))
         ks.add(k)
-    has_threshold = layers[0].threshold is not None
+    has_threshold = any(layer.threshold is not None for layer in layers)
     activation = meta.get("activation") or ("jumprelu" if has_threshold else "relu")
     activation = {"jump_relu": "jumprelu", "jumprelu": "jumprelu"}.get(activation, activation)
     k = meta.get("k")
+    ks.discard(None)
+    if k is not None and ks and ks != {k}:
+        raise TranscoderFormatError(f"{config}: k {k!r}, but the files hold k "
+                                    f"{sorted(ks)}")
     if k is None and activation == "topk":
-        ks.discard(None)
         if len(ks) != 1:
             raise TranscoderFormatError(f"{config}: activation topk needs k (the config's or "
                                         f"the files'); found {sorted(ks) or 'none'}")
         k = ks.pop()
+    if meta.get("k") is not None and activation in ACTIVATIONS \
+            and not activation.endswith("topk"):
+        raise TranscoderFormatError(f"{config}: k {meta['k']!r} but activation {activation!r}"
+                                    f"{'' if meta.get('activation') else ' (the default)'}: "
+                                    "a top-k set says activation: topk")
+    if has_threshold and activation in ACTIVATIONS and activation != "jumprelu":
+        raise TranscoderFormatError(f"{config}: activation {activation!r}, but the files hold "
+                                    "JumpReLU thresholds (activation_function.threshold), "
+                                    "which circuit-tracer applies: read as such, they are lost")
     return assemble_set(
         layers, model_name=str(meta.get("model_name") or ""), activation=activation, k=k,
         feature_input_hook=meta["feature_input_hook"],

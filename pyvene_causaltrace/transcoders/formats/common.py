@@ -80,11 +80,20 @@ class LayerSlicer:
 MAX_LAYERS = 1000
 
 
-def named_layers(found: dict[int, Path], limit: int | None = None,
+def named_layers(found: dict[int, Path] | list[tuple[int, Path]], limit: int | None = None,
                  source: str = "") -> dict[int, Path]:
-    """``found`` (``{layer number parsed from its name: path}``) once every number is below
-    :data:`MAX_LAYERS` and ``limit`` (a config's layer count, ``source`` saying which, where
-    known); else a :class:`TranscoderFormatError` naming the file."""
+    """``found`` (``{layer number parsed from its name: path}``, or its ``(layer, path)``
+    pairs) once every number is below :data:`MAX_LAYERS` and ``limit`` (a config's layer count,
+    ``source`` saying which, where known) and no two pairs name one layer (``layer_1`` and
+    ``layer_01``: one would be read, unsaid); else a :class:`TranscoderFormatError` naming the
+    files."""
+    if not isinstance(found, dict):
+        pairs, found = found, {}
+        for layer, path in sorted(pairs, key=lambda pair: str(pair[1])):
+            if layer in found:
+                raise TranscoderFormatError(f"{found[layer]} and {path} both name layer {layer};"
+                                            " remove one")
+            found[layer] = path
     bound = MAX_LAYERS if limit is None else min(limit, MAX_LAYERS)
     for layer, path in found.items():
         if layer >= bound:
@@ -98,9 +107,9 @@ def named_layers(found: dict[int, Path], limit: int | None = None,
 def encoder_layers(root: Path, limit: int | None = None, source: str = "") -> int:
     """How many layers' ``W_enc_{l}.safetensors`` (mntss's and ByteDance's encoders) ``root``
     holds, once they are layers 0..L-1 (``limit``, ``source``: :func:`named_layers`')."""
-    layers = sorted(named_layers({int(p.stem.removeprefix("W_enc_")): p
+    layers = sorted(named_layers([(int(p.stem.removeprefix("W_enc_")), p)
                                   for p in root.glob("W_enc_*.safetensors")
-                                  if p.stem.removeprefix("W_enc_").isdecimal()}, limit, source))
+                                  if p.stem.removeprefix("W_enc_").isdecimal()], limit, source))
     if not layers or layers != list(range(len(layers))):
         raise TranscoderFormatError(f"{root}: encoder files for layers {layers}; expected "
                                     "W_enc_0 .. W_enc_<L-1>")

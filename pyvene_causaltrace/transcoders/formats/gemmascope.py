@@ -3,9 +3,11 @@
     root/layer_{l}/width_16k/average_l0_{N}/params.npz
         W_enc [D, F]   W_dec [F, D]   b_enc [F]   b_dec [D]   threshold [F]
 
-JumpReLU (``z * 1[z > threshold]``), reading TransformerLens's ``ln2.hook_normalized`` (the MLP
-norm's input over its RMS, before the gain) and writing ``hook_mlp_out`` (after Gemma-2's
-post-feedforward norm) — circuit-tracer's and sae-lens's reading of these files. A root with
+JumpReLU (``relu(z) * 1[z > threshold]``, GemmaScope's and sae-lens's: our ``z * 1[z >
+threshold]`` once negative thresholds are raised to 0, done here), reading TransformerLens's
+``ln2.hook_normalized`` (the MLP norm's input over its RMS, before the gain) and writing
+``hook_mlp_out`` (after Gemma-2's post-feedforward norm) — circuit-tracer's and sae-lens's
+reading of these files. A root with
 several ``average_l0_*`` variants of a layer needs a choice: pass the files, one per layer.
 """
 
@@ -36,7 +38,8 @@ KEYS = ("W_enc", "W_dec", "b_enc", "b_dec", "threshold")
 
 
 def read_npz(path: Path) -> LayerTensors:
-    """One GemmaScope file in our orientation (``W_enc`` transposed to ``[F, D]``)."""
+    """One GemmaScope file in our orientation (``W_enc`` transposed to ``[F, D]``), thresholds
+    below 0 raised to 0."""
     try:
         with np.load(existing(path)) as data:
             arrays = {key.lower(): data[key] for key in data.files}
@@ -58,12 +61,12 @@ def read_npz(path: Path) -> LayerTensors:
         raise TranscoderFormatError(f"{path}: W_enc has shape {tuple(tensors['W_enc'].shape)}")
     return LayerTensors(str(path), W_enc=tensors["W_enc"].T, W_dec=tensors["W_dec"],
                         b_enc=tensors["b_enc"], b_dec=tensors["b_dec"],
-                        threshold=tensors["threshold"])
+                        threshold=tensors["threshold"].clamp(min=0))
 
 
 def _layer_dirs(root: Path) -> dict[int, Path]:
-    return named_layers({int(p.name.removeprefix("layer_")): p for p in root.glob("layer_*")
-                         if p.is_dir() and p.name.removeprefix("layer_").isdecimal()})
+    return named_layers([(int(p.name.removeprefix("layer_")), p) for p in root.glob("layer_*")
+                         if p.is_dir() and p.name.removeprefix("layer_").isdecimal()])
 
 
 def is_layout(path: Path) -> bool:

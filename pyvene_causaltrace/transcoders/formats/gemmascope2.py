@@ -55,17 +55,17 @@ DEFAULT_HOOKS = ("mlp.hook_in", "hook_mlp_out")
 # ------------------------------------------------------------------------------ detection
 def _layer_folders(root: Path) -> dict[str, dict[int, Path]]:
     """``{variant: {layer: folder}}`` of the ``layer_{l}_{variant}/params.safetensors`` folders."""
-    found: dict[str, dict[int, Path]] = {}
+    found: dict[str, list[tuple[int, Path]]] = {}
     for sub in root.iterdir() if root.is_dir() else ():
         match = LAYER_FOLDER.match(sub.name)
         if match and (sub / PARAMS).exists():
-            found.setdefault(match.group(2), {})[int(match.group(1))] = sub
+            found.setdefault(match.group(2), []).append((int(match.group(1)), sub))
     return {variant: named_layers(layers) for variant, layers in found.items()}
 
 
 def _clt_files(root: Path) -> dict[int, Path]:
-    return named_layers({int(m.group(1)): p for p in root.glob("params_layer_*.safetensors")
-                         if (m := CLT_FILE.match(p.name))} if root.is_dir() else {})
+    return named_layers([(int(m.group(1)), p) for p in root.glob("params_layer_*.safetensors")
+                         if (m := CLT_FILE.match(p.name))] if root.is_dir() else {})
 
 
 def is_layout(path: Path) -> bool:

@@ -17,7 +17,8 @@ are left to their own loader.
 |W_D[f]|``; JumpReLU's threshold becomes ``exp(log_threshold) / |W_D[f]|``.
 ``norm_activation="dataset-wise"`` is folded as their ``standardize_parameters_of_dataset_norm``
 folds it (not with JumpReLU, whose threshold their fold leaves unscaled). Refused
-(:class:`TranscoderFormatError`, naming the file and field): a GLU encoder, ``batchtopk``,
+(:class:`TranscoderFormatError`, naming the file and field): a GLU encoder, an encoder reading
+``x - b_D`` (``apply_decoder_bias_to_pre_encoder``), ``batchtopk``,
 token- or batch-wise normalisation, an SAE (one hook in and out), a transcoder whose hooks
 name two layers."""
 
@@ -49,7 +50,7 @@ ACTIVATIONS = {"topk": "relu_topk", "relu": "relu", "jumprelu": "jumprelu"}
 #: Their defaults (models/sparse_dictionary.py, models/sae.py) of what a config may leave out.
 DEFAULTS = {"act_fn": "relu", "norm_activation": "dataset-wise", "top_k": 50,
             "sparsity_include_decoder_norm": True, "use_decoder_bias": True,
-            "use_glu_encoder": False}
+            "use_glu_encoder": False, "apply_decoder_bias_to_pre_encoder": False}
 
 
 def _config(path: Path) -> dict | None:
@@ -102,6 +103,9 @@ def _check(meta: dict, file: Path) -> dict:
         "sae_type": (meta["sae_type"] != "sae", "only 'sae' (per-layer transcoders) is read "
                      "here; 'lorsa' is load_lorsa's, cross-layer kinds are not supported"),
         "use_glu_encoder": (meta["use_glu_encoder"], "a GLU encoder has no counterpart here"),
+        "apply_decoder_bias_to_pre_encoder": (
+            meta["apply_decoder_bias_to_pre_encoder"] and meta["use_decoder_bias"],
+            "their encoder reads x - b_D, which is not read here"),
         "act_fn": (meta["act_fn"] not in ACTIVATIONS,
                    f"known: {', '.join(ACTIVATIONS)} (batchtopk selects over a batch)"),
         "norm_activation": (meta["norm_activation"] not in ("inference", "dataset-wise"),

@@ -154,6 +154,11 @@ def _read(sae, origin: str, slicer: LayerSlicer, weights: str | None = None
     if architecture not in TRANSCODER_ARCHITECTURES:
         raise TranscoderFormatError(f"{origin}: architecture {architecture!r} is not a "
                                     f"transcoder ({', '.join(TRANSCODER_ARCHITECTURES)})")
+    for setting, plain in (("normalize_activations", "none"), ("reshape_activations", "none")):
+        value = getattr(sae.cfg, setting, plain)
+        if value != plain:  # sae-lens rescales (or reshapes) the input first: we would not
+            raise TranscoderFormatError(f"{origin}: {setting} {value!r} (sae-lens transforms "
+                                        f"the input before encoding); only {plain!r} is read")
     meta = sae.cfg.metadata
     hooks = {"input": meta.hook_name, "output": getattr(meta, "hook_name_out", None)}
     if hooks["output"] is None:

@@ -40,11 +40,11 @@ AXES = {"encoder.weight": 0, "encoder.bias": 0, "W_dec": 0}
 
 
 def _hookpoints(root: Path) -> dict[int, Path]:
-    found = {}
+    found = []
     for sub in root.iterdir() if root.is_dir() else ():
         match = HOOKPOINT.match(sub.name)
         if match and (sub / "cfg.json").exists():
-            found[int(match.group(1))] = sub
+            found.append((int(match.group(1)), sub))
     return named_layers(found)
 
 
