@@ -30,8 +30,9 @@ def _keys(graph: AttributionGraph, width: int) -> torch.Tensor:
 
 
 def _name(target: dict) -> str:
-    """A logit node's identity: its target's name (token and kind, or the direction's)."""
-    return str(target.get("name"))
+    """A logit node's identity: its target's name (the kind, or the direction's), token, output
+    and position (every salient logit has one name: the token tells them apart)."""
+    return "|".join(str(target.get(key)) for key in ("name", "token", "output", "position"))
 
 
 def _check_same(graph: AttributionGraph, reference: AttributionGraph) -> None:

@@ -1,0 +1,61 @@
+"""Adversarial probes of reading a graph (audit 6): comparing two graphs matches logit nodes by
+their token, not only by the target's kind name (every salient logit is named "demeaned logit
+(top-10)")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _support.models import PROMPT, make_tiny_model
+from clt_fixtures import random_clt_tensors, write_clt
+
+from pyvene_causaltrace.attribution import attribute
+from pyvene_causaltrace.attribution.compare import graph_deviation
+from pyvene_causaltrace.attribution.store import RowStore
+from pyvene_causaltrace.errors import InputError
+from pyvene_causaltrace.transcoders import load_from_disk
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    model = make_tiny_model("llama", init=0.2, n_layers=3)
+    tensors = random_clt_tensors(3, 32, 48, threshold=0.1)
+    return model, load_from_disk(str(write_clt(tmp_path_factory.mktemp("clt") / "clt", tensors)))
+
+
+def test_graphs_of_different_answers_are_not_compared(world, tokenizer):
+    """Two graphs of one prompt explaining different answers have targets of one name: they
+    were compared as if one target (deviation 0.40, no error); now refused."""
+    model, clt = world
+    the = attribute(model, tokenizer, clt, PROMPT, answer=" the")
+    city = attribute(model, tokenizer, clt, PROMPT, answer=" city")
+    assert the.targets[0]["name"] == city.targets[0]["name"]  # the name alone cannot tell
+    assert graph_deviation(the, the)["edges"]["graph"] == 0
+    with pytest.raises(InputError, match="same prompt and targets"):
+        graph_deviation(the, city)
+
+
+def test_salient_logits_in_another_order_are_matched_by_token(world, tokenizer):
+    """A graph against the same graph with its logit nodes in another order (as a bfloat16
+    model's salient logits can come): every logit row is matched to its own token's, so the
+    deviation is 0 (it was the rows of other tokens, all matched to the first)."""
+    model, clt = world
+    graph = attribute(model, tokenizer, clt, PROMPT)
+    assert graph.n_logits > 2
+    mirrored = attribute(model, tokenizer, clt, PROMPT)
+    lay, store = mirrored.layout, mirrored.rows
+    flip = list(range(mirrored.n_logits))[::-1]  # logit node j: the target n_logits - 1 - j
+    mirrored.targets = [mirrored.targets[j] for j in flip]
+    nodes = store.nodes
+    where = store.row_of_node(lay.n_nodes)
+    inner = (nodes < lay.logits.start).nonzero().squeeze(-1)
+    order = torch.cat([inner, where[lay.logits][flip]])  # the logit rows flipped
+    mirrored.rows = RowStore(store.n_columns)
+    mirrored.rows.append(torch.cat([nodes[inner], torch.arange(lay.n_nodes)[lay.logits]]),
+                         store.dense(order),
+                         store.constants[order], store.targets[order],
+                         store.magnitudes[order])
+    mirrored._memo.clear()
+    assert graph.targets[0]["token"] != mirrored.targets[0]["token"]
+    deviation = graph_deviation(mirrored, graph)
+    assert deviation["edges"]["graph"] == 0 and deviation["edges"]["row_max"] == 0, deviation
