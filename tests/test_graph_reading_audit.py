@@ -11,6 +11,7 @@ from clt_fixtures import random_clt_tensors, write_clt
 
 from pyvene_causaltrace.attribution import attribute
 from pyvene_causaltrace.attribution.compare import graph_deviation
+from pyvene_causaltrace.attribution.export import write_circuit_tracer_dir
 from pyvene_causaltrace.attribution.store import RowStore
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_from_disk
@@ -59,3 +60,17 @@ def test_salient_logits_in_another_order_are_matched_by_token(world, tokenizer):
     assert graph.targets[0]["token"] != mirrored.targets[0]["token"]
     deviation = graph_deviation(mirrored, graph)
     assert deviation["edges"]["graph"] == 0 and deviation["edges"]["row_max"] == 0, deviation
+
+
+@pytest.mark.parametrize("slug", ["../escaped", "sub/graph", "", "<absolute>"])
+def test_a_slug_that_is_not_a_file_name_is_refused_for_circuit_tracers_dir(slug, tmp_path):
+    """circuit-tracer serves DIR/<slug>.json: a slug with a separator wrote the graph outside
+    DIR (``../escaped.json`` beside it, an absolute path) or where its server never looks, and
+    an empty one a hidden ``.json``, silently."""
+    slug = str(tmp_path / "abs") if slug == "<absolute>" else slug
+    payload = {"metadata": {"slug": slug, "scan": "s", "prompt": "p", "prompt_tokens": ["p"],
+                            "node_threshold": 0.8, "transcoder_list": []},
+               "qParams": {}, "nodes": [], "links": []}
+    with pytest.raises(InputError, match="slug"):
+        write_circuit_tracer_dir(payload, tmp_path / "ct")
+    assert sorted(p.name for p in tmp_path.rglob("*")) in ([], ["ct"])

@@ -244,6 +244,9 @@ def write_circuit_tracer_dir(payload: dict, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     meta = payload["metadata"]
     slug = meta["slug"]
+    if not isinstance(slug, str) or not slug or Path(slug).name != slug or "\\" in slug:
+        raise InputError(f"slug {slug!r} is not a file name: circuit-tracer serves "
+                         "DIR/<slug>.json (no separators, not empty)")
     write_json(payload, directory / f"{slug}.json")
     index_path = directory / "graph-metadata.json"
     index = {"graphs": []}
