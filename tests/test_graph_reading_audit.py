@@ -1,6 +1,7 @@
-"""Adversarial probes of reading a graph (audit 6): comparing two graphs matches logit nodes by
-their token, not only by the target's kind name (every salient logit is named "demeaned logit
-(top-10)")."""
+"""Adversarial probes of reading and exporting a graph (audit 6): comparing two graphs matches
+logit nodes by their token, not only by the target's kind name (every salient logit is named
+"demeaned logit (top-10)"), and Lorsa heads apart from transcoder features; a circuit-tracer
+directory's slug must be a file name."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from _support.models import PROMPT, make_tiny_model
 from clt_fixtures import random_clt_tensors, write_clt
+from lorsa_fixtures import peer_config, peer_tensors, write_peer_lorsa
 
 from pyvene_causaltrace.attribution import attribute
 from pyvene_causaltrace.attribution.compare import graph_deviation
@@ -15,6 +17,7 @@ from pyvene_causaltrace.attribution.export import write_circuit_tracer_dir
 from pyvene_causaltrace.attribution.store import RowStore
 from pyvene_causaltrace.errors import InputError
 from pyvene_causaltrace.transcoders import load_from_disk
+from pyvene_causaltrace.transcoders.lorsa import load_lorsa
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +77,27 @@ def test_a_slug_that_is_not_a_file_name_is_refused_for_circuit_tracers_dir(slug,
     with pytest.raises(InputError, match="slug"):
         write_circuit_tracer_dir(payload, tmp_path / "ct")
     assert sorted(p.name for p in tmp_path.rglob("*")) in ([], ["ct"])
+
+
+def test_a_lorsa_head_and_a_feature_of_one_coordinate_stay_two_nodes(tmp_path, tokenizer):
+    """A Lorsa head (layer, position, head h) and a transcoder feature (layer, position,
+    feature h) had one key: the deviation of a Lorsa graph from itself merged them (its
+    'features' union one short per such pair, their rows written over each other)."""
+    model = make_tiny_model("llama", init=0.2, n_layers=3)
+    clt = load_from_disk(str(write_clt(tmp_path / "clt", random_clt_tensors(3, 32, 48,
+                                                                            threshold=0.1))))
+    for layer in (0, 2):
+        cfg = peer_config(layer=layer)
+        write_peer_lorsa(tmp_path / "lorsa" / f"L{layer}", cfg, peer_tensors(cfg, seed=layer),
+                         (2.5, 0.7))
+    graph = attribute(model, tokenizer, clt, PROMPT, attention=load_lorsa(tmp_path / "lorsa"),
+                      batch_size=16)
+    first = graph.first_lorsa_node
+    heads = {tuple(int(t[i]) for t in (graph.feature_layer, graph.feature_position,
+                                        graph.feature_id)) for i in range(first, graph.n_features)}
+    features = {tuple(int(t[i]) for t in (graph.feature_layer, graph.feature_position,
+                                           graph.feature_id)) for i in range(first)}
+    assert heads & features  # the coordinates coincide: only the kind tells them apart
+    same = graph_deviation(graph, graph)
+    assert same["features"]["only_in_graph"] == 0 == same["features"]["only_in_reference"]
+    assert same["edges"]["graph"] == 0 and same["edges"]["with_unshared"] == 0

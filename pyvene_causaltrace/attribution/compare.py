@@ -6,11 +6,11 @@ float32 one (:mod:`.precision`), or any two runs.
 
 Nodes are matched by what they are, not by index: a feature by (layer, position, id), so a
 feature active in one graph only (a pre-activation that rounding moved across its threshold)
-is a node of the union whose edges in the other graph are 0; a logit node by its target (the
-salient logits of a bfloat16 model can come in another order); errors, steering and tokens by
-their place, which the same prompt fixes. Edge errors are relative to the
-largest ``|edge|`` (per row: the row's, of either graph; over the graph: the graph's), the
-measure tests_peer compares circuit-tracer's graphs by."""
+is a node of the union whose edges in the other graph are 0 (a Lorsa head is never a
+feature); a logit node by its target (the salient logits of a bfloat16 model can come in
+another order); errors, steering and tokens by their place, which the same prompt fixes. Edge
+errors are relative to the largest ``|edge|`` (per row: the row's, of either graph; over the
+graph: the graph's), the measure tests_peer compares circuit-tracer's graphs by."""
 
 from __future__ import annotations
 
@@ -24,9 +24,11 @@ __all__ = ["graph_deviation"]
 
 
 def _keys(graph: AttributionGraph, width: int) -> torch.Tensor:
-    """One integer per feature node: ``(layer * n_pos + position) * width + id``."""
-    return ((graph.feature_layer.long() * graph.n_pos + graph.feature_position.long()) * width
-            + graph.feature_id.long())
+    """One integer per feature node: ``((lorsa * n_layers + layer) * n_pos + position) * width
+    + id`` (``lorsa``: 1 for a Lorsa head, whose coordinates can be a transcoder feature's)."""
+    lorsa = (torch.arange(graph.n_features) >= graph.first_lorsa_node).long()
+    layer = lorsa * graph.n_layers + graph.feature_layer.long()
+    return (layer * graph.n_pos + graph.feature_position.long()) * width + graph.feature_id.long()
 
 
 def _name(target: dict) -> str:
