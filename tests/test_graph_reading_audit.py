@@ -86,11 +86,12 @@ def test_a_lorsa_head_and_a_feature_of_one_coordinate_stay_two_nodes(tmp_path, t
     model = make_tiny_model("llama", init=0.2, n_layers=3)
     clt = load_from_disk(str(write_clt(tmp_path / "clt", random_clt_tensors(3, 32, 48,
                                                                             threshold=0.1))))
-    for layer in (0, 2):
-        cfg = peer_config(layer=layer)
-        write_peer_lorsa(tmp_path / "lorsa" / f"L{layer}", cfg, peer_tensors(cfg, seed=layer),
-                         (2.5, 0.7))
-    graph = attribute(model, tokenizer, clt, PROMPT, attention=load_lorsa(tmp_path / "lorsa"),
+    for name, layers in (("02", (0, 2)), ("01", (0, 1))):
+        for layer in layers:
+            cfg = peer_config(layer=layer)
+            write_peer_lorsa(tmp_path / name / f"L{layer}", cfg, peer_tensors(cfg, seed=layer),
+                             (2.5, 0.7))
+    graph = attribute(model, tokenizer, clt, PROMPT, attention=load_lorsa(tmp_path / "02"),
                       batch_size=16)
     first = graph.first_lorsa_node
     heads = {tuple(int(t[i]) for t in (graph.feature_layer, graph.feature_position,
@@ -101,3 +102,9 @@ def test_a_lorsa_head_and_a_feature_of_one_coordinate_stay_two_nodes(tmp_path, t
     same = graph_deviation(graph, graph)
     assert same["features"]["only_in_graph"] == 0 == same["features"]["only_in_reference"]
     assert same["edges"]["graph"] == 0 and same["edges"]["with_unshared"] == 0
+    # Lorsa at layers 0 and 1: as many error nodes, but layer 1's matched to layer 2's
+    other = attribute(model, tokenizer, clt, PROMPT, attention=load_lorsa(tmp_path / "01"),
+                      batch_size=16)
+    assert other.layout.n_nodes - other.n_features == graph.layout.n_nodes - graph.n_features
+    with pytest.raises(InputError, match="same prompt and targets"):
+        graph_deviation(other, graph)

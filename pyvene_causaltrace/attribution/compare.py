@@ -41,11 +41,13 @@ def _check_same(graph: AttributionGraph, reference: AttributionGraph) -> None:
     """Refuse two graphs of different prompts, targets or non-feature nodes."""
     same = (list(graph.input_ids) == list(reference.input_ids)
             and sorted(map(_name, graph.targets)) == sorted(map(_name, reference.targets))
+            and graph.lorsa_layers == reference.lorsa_layers
             and graph.layout.n_nodes - graph.n_features
             == reference.layout.n_nodes - reference.n_features)
     if not same:
         raise InputError("graph and reference must be graphs of the same prompt and targets "
-                         "(the same tokens, logit nodes, errors and steering nodes)")
+                         "(the same tokens, logit nodes, errors, Lorsa layers and steering "
+                         "nodes)")
 
 
 @checked
