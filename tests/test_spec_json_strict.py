@@ -1,0 +1,106 @@
+"""A spec file is read as written or refused: a duplicated key, NaN or infinity, a float where
+an integer is meant; a range's negative bounds count from the end as Python's do."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from _support.models import PROMPT, SUBJECT
+
+from pyvene_causaltrace.locations import resolve_layers, resolve_positions
+from pyvene_causaltrace.prompts import tokenize_prompt
+from pyvene_causaltrace.specs import SpecError, load_spec
+
+BASE = {
+    "schema_version": 1, "prompt": PROMPT, "subject": SUBJECT,
+    "interventions": [
+        {"type": "noise_add", "seeds": [0, 1], "scale": 3.0},
+        {"type": "clean_restore", "component": "block_output", "layers": 1,
+         "positions": "last_subject"},
+    ],
+}
+
+
+def test_negative_range_bounds_count_from_the_end_as_in_python(tokenizer):
+    prompt = tokenize_prompt(tokenizer, PROMPT, SUBJECT)
+    positions = list(range(prompt.seq_len))
+    for start, stop in ((-2, -1), (0, -1), (-3, 6), (1, -2)):
+        assert resolve_positions({"start": start, "stop": stop}, prompt, "$.p") \
+            == positions[start:stop], (start, stop)
+        assert resolve_layers({"start": start, "stop": stop}, 6, "$.l") \
+            == list(range(6))[start:stop], (start, stop)
+    assert resolve_layers({"start": 0, "stop": 6}, 6, "$.l") == list(range(6))
+    with pytest.raises(SpecError, match="outside") as error:
+        resolve_layers({"start": -7, "stop": 2}, 6, "$.l")
+    assert error.value.path == "$.l.start"
+    with pytest.raises(SpecError, match="empty"):
+        resolve_layers({"start": -1, "stop": -1}, 6, "$.l")
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    text = json.dumps(BASE).replace('"layers": 1,', '"layers": 1, "layers": 2,')
+    assert text.count('"layers"') == 2
+    (tmp_path / "dup.json").write_text(text)
+    with pytest.raises(SpecError, match="'layers' appears twice"):
+        load_spec(tmp_path / "dup.json")
+    (tmp_path / "ok.json").write_text(json.dumps(BASE))
+    assert load_spec(tmp_path / "ok.json").interventions[1].get("layers") == 1
+
+
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_non_finite_numbers_in_a_file_are_refused(tmp_path, text):
+    raw = json.dumps(BASE).replace('"scale": 3.0', f'"scale": {text}')
+    (tmp_path / "x.json").write_text(raw)
+    with pytest.raises(SpecError, match="finite"):
+        load_spec(tmp_path / "x.json")
+
+
+@pytest.mark.parametrize("where, value", [
+    (["interventions", 0, "scale"], float("nan")),
+    (["interventions", 0, "sigma"], float("inf")),
+    (["attribution"], {"clt": "x", "node_threshold": float("nan")}),
+    (["attribution"], {"clt": "x", "desired_logit_prob": float("nan")}),
+])
+def test_non_finite_numbers_in_a_dict_are_refused_at_their_path(where, value):
+    spec = copy.deepcopy(BASE)
+    if where[0] == "attribution":
+        spec["interventions"] = []
+        spec.pop("subject")
+    target = spec
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = value
+    with pytest.raises(SpecError, match="finite") as error:
+        load_spec(spec)
+    assert error.value.path.startswith("$." + ".".join(map(str, where[:1])))
+
+
+@pytest.mark.parametrize("change", [
+    {"layers": 1.0}, {"layers": [1.0]}, {"layers": {"start": 0.0, "stop": 2}},
+    {"positions": 2.0}, {"positions": [2.0]}, {"positions": {"start": 0, "stop": 2.0}},
+    {"layers": True},
+])
+def test_a_float_or_bool_where_an_integer_is_meant_is_refused(change):
+    spec = copy.deepcopy(BASE)
+    spec["interventions"][1].update(change)
+    with pytest.raises(SpecError) as error:
+        load_spec(spec)
+    assert error.value.path.startswith("$.interventions[1]." + next(iter(change)))
+
+
+@pytest.mark.parametrize("path, value", [
+    (["subject_occurrence"], 0.0), (["interventions", 0, "seeds"], 2.0),
+    (["interventions", 0, "seeds"], [0.0, 1.0]), (["trace"], {"kind": "mlp", "window": 2.0}),
+])
+def test_floats_in_other_integer_fields_are_refused(path, value):
+    spec = copy.deepcopy(BASE)
+    if path[0] == "trace":
+        spec["interventions"] = spec["interventions"][:1]
+    target = spec
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(SpecError, match="integer"):
+        load_spec(spec)
