@@ -104,3 +104,21 @@ def test_floats_in_other_integer_fields_are_refused(path, value):
     target[path[-1]] = value
     with pytest.raises(SpecError, match="integer"):
         load_spec(spec)
+
+
+def test_the_result_spec_names_the_model_it_ran_on_not_the_specs(tokenizer):
+    """A spec naming smollm2-135m run on another model: the result's spec, rerun, must not
+    claim smollm2-135m made these numbers."""
+    from _support.models import make_tiny_model
+
+    from pyvene_causaltrace.execute import run_spec
+
+    spec = {**BASE, "model": "smollm2-135m"}
+    model = make_tiny_model("llama")
+    result = run_spec(spec, model, tokenizer)
+    assert "model" not in result.spec  # a random-init model has no name
+    model.pvct_source = "tiny-llama"  # what load_model records
+    named = run_spec(spec, model, tokenizer)
+    assert named.spec["model"] == "tiny-llama"
+    assert named.spec == {**spec, "model": "tiny-llama"}
+    assert named.intervened_probs == result.intervened_probs
