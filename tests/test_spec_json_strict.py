@@ -122,3 +122,32 @@ def test_the_result_spec_names_the_model_it_ran_on_not_the_specs(tokenizer):
     assert named.spec["model"] == "tiny-llama"
     assert named.spec == {**spec, "model": "tiny-llama"}
     assert named.intervened_probs == result.intervened_probs
+
+
+@pytest.mark.parametrize("dtype, data", [
+    ("int64", [1.7, -2.9]), ("int32", [True, 0]), ("bool", [2, 0]), ("bool", [1.0, 0.0]),
+    ("float32", [True]), ("float32", [1e300]), ("float16", [1e6]), ("bfloat16", [1e39]),
+])
+def test_inline_tensor_data_its_dtype_would_round_is_refused(dtype, data):
+    """torch.tensor truncates 1.7 to an int64 1, makes 2 a True and 1e300 a float32 inf."""
+    from pyvene_causaltrace.spec_tensors import decode_tensor
+
+    with pytest.raises(SpecError, match="cannot hold") as error:
+        decode_tensor({"dtype": dtype, "shape": [len(data)], "data": data}, "$.t", None)
+    assert error.value.path == "$.t.data"
+
+
+def test_inline_tensors_written_by_encode_tensor_read_back_exactly():
+    import torch
+
+    from pyvene_causaltrace.spec_tensors import DTYPES, decode_tensor, encode_tensor
+
+    source = torch.tensor([[0.1, -3.0e38, 65504.0], [1.0, 0.0, -2.5]], dtype=torch.float64)
+    for name, dtype in DTYPES.items():
+        tensor = (source.abs() > 0.5) if dtype == torch.bool else (
+            source.clamp(-100, 100).to(dtype) if not dtype.is_floating_point
+            else source.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max).to(dtype))
+        again = decode_tensor(json.loads(json.dumps(encode_tensor(tensor))), "$.t", None)
+        assert again.dtype == tensor.dtype and torch.equal(again, tensor), name
+    assert decode_tensor({"dtype": "float32", "shape": [2], "data": [0.1, 1]}, "$.t",
+                         None).tolist() == [torch.tensor(0.1).item(), 1.0]
