@@ -151,3 +151,23 @@ def test_inline_tensors_written_by_encode_tensor_read_back_exactly():
         assert again.dtype == tensor.dtype and torch.equal(again, tensor), name
     assert decode_tensor({"dtype": "float32", "shape": [2], "data": [0.1, 1]}, "$.t",
                          None).tolist() == [torch.tensor(0.1).item(), 1.0]
+
+
+def test_a_tracers_spec_keeps_the_subject_occurrence(tokenizer):
+    """Tracer.spec left out ``occurrence``: its spec noised the subject's first appearance."""
+    import numpy as np
+    from _support.models import make_tiny_model
+
+    from pyvene_causaltrace.tracing import Tracer, tracer_from_spec
+
+    model = make_tiny_model("llama")
+    prompt = "the cat and the dog"
+    tracer = Tracer(model, tokenizer, prompt, "the", occurrence=1, seeds=2, scale=3.0)
+    first = Tracer(model, tokenizer, prompt, "the", seeds=2, scale=3.0)
+    assert tracer.noise_positions != first.noise_positions
+    spec = tracer.spec("residual")
+    assert spec["subject_occurrence"] == 1 and "subject_occurrence" not in first.spec("residual")
+    again = tracer_from_spec(load_spec(json.loads(json.dumps(spec))), model, tokenizer)
+    assert again.noise_positions == tracer.noise_positions
+    assert np.array_equal(again.trace("residual", progress=False).restored_probs,
+                          tracer.trace("residual", progress=False).restored_probs)
