@@ -171,3 +171,20 @@ def test_a_tracers_spec_keeps_the_subject_occurrence(tokenizer):
     assert again.noise_positions == tracer.noise_positions
     assert np.array_equal(again.trace("residual", progress=False).restored_probs,
                           tracer.trace("residual", progress=False).restored_probs)
+
+
+def test_tracer_from_spec_keeps_the_specs_window(tokenizer):
+    """tracer_from_spec left the spec's trace.window out: an mlp trace ran with window 10."""
+    import numpy as np
+    from _support.models import make_tiny_model
+
+    from pyvene_causaltrace.tracing import Tracer, tracer_from_spec
+
+    model = make_tiny_model("llama", n_layers=4)
+    tracer = Tracer(model, tokenizer, PROMPT, SUBJECT, seeds=2, scale=3.0, window=1)
+    spec = tracer.spec("mlp")
+    assert spec["trace"]["window"] == 1
+    again = tracer_from_spec(load_spec(json.loads(json.dumps(spec))), model, tokenizer)
+    assert again.settings.window == 1
+    assert np.array_equal(again.trace("mlp", progress=False).restored_probs,
+                          tracer.trace("mlp", progress=False).restored_probs)
