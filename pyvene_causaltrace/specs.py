@@ -47,8 +47,8 @@ def check_depth(data: Any, limit: int = MAX_DEPTH) -> None:
             raise SpecError(path, f"nested too deeply (a spec is at most {limit} levels deep)")
         if isinstance(value, float) and not math.isfinite(value) \
                 and not path.startswith("$.model_interventions"):  # tensors: saved to a file
-            raise SpecError(path, f"{value} is not a finite number (NaN and infinities are "
-                            "not JSON)")
+            raise SpecError(path, f"must be finite, got {value} (NaN and infinities are not "
+                            "JSON)")
         if isinstance(value, dict):
             stack.extend((v, f"{path}.{k}", depth + 1) for k, v in value.items())
         elif isinstance(value, list):
