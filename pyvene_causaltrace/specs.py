@@ -201,6 +201,9 @@ def validate_spec(data: Any) -> None:
             raise SpecError("$.model_interventions", "an attribution spec cannot carry its "
                             "model's pyvene interventions yet: attribute the IntervenableModel "
                             "in Python (attribute(pv_model, ...))")
+    if "subject_occurrence" in data and "subject" not in data:
+        raise SpecError("$.subject_occurrence", "picks an occurrence of the subject, and the "
+                        "spec has no subject")
     uses_subject = _mentions_subject([(item, entry) for _, item, entry in entries])
     if uses_subject and "subject" not in data:
         raise SpecError("$.subject", f"required by the position name {uses_subject!r}")

@@ -188,3 +188,14 @@ def test_tracer_from_spec_keeps_the_specs_window(tokenizer):
     assert again.settings.window == 1
     assert np.array_equal(again.trace("mlp", progress=False).restored_probs,
                           tracer.trace("mlp", progress=False).restored_probs)
+
+
+def test_a_subject_occurrence_without_a_subject_is_refused():
+    spec = copy.deepcopy(BASE)
+    spec.pop("subject")
+    spec["interventions"] = [{"type": "noise_add", "seeds": 1, "positions": "last",
+                              "sigma": 0.1}]
+    assert load_spec(spec).subject is None  # control: valid without the field
+    with pytest.raises(SpecError, match="no subject") as error:
+        load_spec({**spec, "subject_occurrence": 1})
+    assert error.value.path == "$.subject_occurrence"
