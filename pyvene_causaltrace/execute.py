@@ -21,7 +21,7 @@ such a spec rather than leave them out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +36,7 @@ from .interventions import get_intervention
 from .interventions.spec_entry import Site, SpecContext, SpecEntry, entry_of
 from .model_guard import measured, measurement
 from .model_interventions import describe, model_for_spec, rebuild
-from .models import get_module
+from .models import get_module, model_name
 from .prompts import TokenizedPrompt, answer_token_id, tokenize_prompt
 from .pyvene_boundary.intervenable import intervenable_model_class
 from .pyvene_boundary.quiet_import import import_pyvene
@@ -272,7 +272,8 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
     ``model`` may be a ``pv.IntervenableModel``: its interventions then act in every run
     (:func:`~pyvene_causaltrace.model_guard.measurement`), and the result's spec
     carries them (``model_interventions``; refused, before running, if it cannot). A spec with
-    ``model_interventions`` rebuilds them around the bare ``model``."""
+    ``model_interventions`` rebuilds them around the bare ``model``. The result's spec names the
+    model it ran on (``model_name``; no ``model`` when that is unknown), not the spec's."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     bound = model_for_spec(spec, bind(model, interventions=True))
     entries = describe(bound)
@@ -291,8 +292,9 @@ def run_spec(spec: ExperimentSpec | dict | str, model: nn.Module,
     else:
         corrupt = torch.full_like(probs, clean)
         rec = torch.full_like(probs, float("nan"))
-    written = plan.spec.to_dict()
-    written.pop("model_interventions", None)
+    # the model it ran on (as Tracer.spec names it), not the one the spec named
+    written = replace(plan.spec, model=model_name(bound.model) or None,
+                      model_interventions=None).to_dict()
     if entries:  # what the model held, inline (a file reference belongs to the spec's folder)
         written["model_interventions"] = entries
     return SpecRunResult(

@@ -77,12 +77,21 @@ def resolve_layers(value: Any, n_layers: int, path: str) -> list[int]:
 
 
 def _span(value: dict, size: int, path: str, what: str) -> list[int]:
-    """``{"start", "stop"}`` as the indices ``[start, stop)`` of ``size`` (stop may be ``size``)."""
-    start = _index(value["start"], size + 1, path + ".start", what)
-    stop = _index(value["stop"], size + 1, path + ".stop", what)
+    """``{"start", "stop"}`` as the indices ``[start, stop)`` of ``size`` (stop may be ``size``);
+    a negative bound counts from the end, as in Python's ``range(size)[start:stop]``."""
+    start = _bound(value["start"], size, path + ".start", what)
+    stop = _bound(value["stop"], size, path + ".stop", what)
     if stop <= start:
         raise SpecError(path, f"empty {what} range [{start}, {stop})")
     return list(range(start, stop))
+
+
+def _bound(value: int, size: int, path: str, what: str) -> int:
+    """A range bound: ``0..size``, or negative from the end (``-1`` is ``size - 1``)."""
+    index = value + size if value < 0 else value
+    if not 0 <= index <= size:
+        raise SpecError(path, f"{what} bound {value} is outside -{size}..{size}")
+    return index
 
 
 def _index(value: int, size: int, path: str, what: str) -> int:

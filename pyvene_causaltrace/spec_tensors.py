@@ -65,6 +65,10 @@ def decode_tensor(encoded: dict[str, Any], where: str, base_dir: str | Path | No
         if list(tensor.shape) != shape:
             raise SpecError(where + ".data", f"holds shape {list(tensor.shape)}, the entry says "
                             f"{shape}")
+        if not _exact(encoded["data"], tensor):
+            raise SpecError(where + ".data", f"holds values a {encoded['dtype']} cannot hold "
+                            "(a fraction or a boolean in integers, a number in booleans, a "
+                            "finite number that overflows): it would be rounded silently")
         return tensor
     tensor = _read_file_tensor(encoded, where, base_dir)
     if tensor.dtype != dtype or list(tensor.shape) != shape:
@@ -75,6 +79,25 @@ def decode_tensor(encoded: dict[str, Any], where: str, base_dir: str | Path | No
         raise SpecError(where, f"{encoded['file']}[{encoded['key']!r}] does not match its "
                         "sha256: the file was changed or belongs to another spec")
     return tensor
+
+
+def _exact(data: Any, tensor: torch.Tensor) -> bool:
+    """Whether inline ``data`` is what ``tensor`` (made from it) holds, up to a float dtype's
+    rounding: torch truncates 1.7 to an int64 1, makes 2 a True and 1e300 a float32 inf."""
+    values, stack = [], [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list):
+            stack.extend(value)
+        else:
+            values.append(value)
+    if tensor.dtype == torch.bool:
+        return all(isinstance(v, bool) for v in values)
+    if any(isinstance(v, bool) for v in values):
+        return False
+    if not tensor.dtype.is_floating_point:
+        return all(isinstance(v, int) for v in values)
+    return not bool((tensor.isinf() & torch.tensor(data, dtype=torch.float64).isfinite()).any())
 
 
 def _read_file_tensor(encoded: dict, where: str, base_dir: str | Path | None) -> torch.Tensor:

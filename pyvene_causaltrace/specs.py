@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -22,10 +23,11 @@ from safetensors.torch import save_file
 
 from .arguments import checked
 from .atomic import replacing, write_text
-from .errors import SpecError
+from .errors import NonFiniteError, SpecError
 from .interventions import get_intervention, list_interventions
 from .interventions.spec_entry import SpecEntry, entry_of, generic_schema
 from .spec_tensors import externalize
+from .strict_json import loads
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("spec.schema.json")
@@ -36,12 +38,17 @@ MAX_DEPTH = 64
 
 def check_depth(data: Any, limit: int = MAX_DEPTH) -> None:
     """Refuse JSON data nested deeper than ``limit``, naming the path where it gets too deep
-    (iterative: the check itself cannot hit the recursion limit)."""
+    (iterative: the check itself cannot hit the recursion limit), or holding NaN or an
+    infinity (Python's ``json`` reads them; a NaN passes every JSON Schema bound)."""
     stack = [(data, "$", 0)]
     while stack:
         value, path, depth = stack.pop()
         if depth > limit:
             raise SpecError(path, f"nested too deeply (a spec is at most {limit} levels deep)")
+        if isinstance(value, float) and not math.isfinite(value) \
+                and not path.startswith("$.model_interventions"):  # tensors: saved to a file
+            raise SpecError(path, f"must be finite, got {value} (NaN and infinities are not "
+                            "JSON)")
         if isinstance(value, dict):
             stack.extend((v, f"{path}.{k}", depth + 1) for k, v in value.items())
         elif isinstance(value, list):
@@ -194,6 +201,9 @@ def validate_spec(data: Any) -> None:
             raise SpecError("$.model_interventions", "an attribution spec cannot carry its "
                             "model's pyvene interventions yet: attribute the IntervenableModel "
                             "in Python (attribute(pv_model, ...))")
+    if "subject_occurrence" in data and "subject" not in data:
+        raise SpecError("$.subject_occurrence", "picks an occurrence of the subject, and the "
+                        "spec has no subject")
     uses_subject = _mentions_subject([(item, entry) for _, item, entry in entries])
     if uses_subject and "subject" not in data:
         raise SpecError("$.subject", f"required by the position name {uses_subject!r}")
@@ -219,7 +229,12 @@ def _check_schema(schema: dict[str, Any], data: Any, path: str) -> None:
     """Raise the deepest violation of ``schema`` by ``data`` (found at JSON path ``path``)."""
     import jsonschema  # slow to import: only validation needs it
 
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(data),
+    # an "integer" is an int: JSON Schema's 1.0 would reach a layer or range index as a float
+    checker = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool))
+    validator = jsonschema.validators.extend(jsonschema.Draft202012Validator,
+                                             type_checker=checker)
+    errors = sorted(validator(schema).iter_errors(data),
                     key=lambda e: -len(e.absolute_path))
     if errors:
         error = _most_specific(errors[0])
@@ -256,6 +271,18 @@ def _mentions_subject(entries: list[tuple[dict[str, Any], SpecEntry]]) -> str | 
     return None
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (``json`` keeps the last one silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise SpecError("$", f"the key {key!r} appears twice in one object (which one is "
+                                 "meant?)")
+        out[key] = value
+    return out
+
+
+
 @checked
 def load_spec(path_or_dict: str | Path | dict[str, Any], *,
               base_dir: str | Path | None = None) -> ExperimentSpec:
@@ -265,7 +292,9 @@ def load_spec(path_or_dict: str | Path | dict[str, Any], *,
         return ExperimentSpec.from_dict(path_or_dict, base_dir=base_dir)
     path = Path(path_or_dict)
     try:
-        data = json.loads(path.read_text())
+        data = loads(path.read_text(), object_pairs_hook=_unique_keys)
+    except NonFiniteError as error:
+        raise SpecError("$", f"{path}: {error}") from None
     except json.JSONDecodeError as error:
         raise SpecError("$", f"{path} is not valid JSON: {error}") from None
     except RecursionError:

@@ -115,6 +115,7 @@ class Tracer:
             bound.check_weights()
             self.model, self.tokenizer = model, tokenizer
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
+            self.occurrence = occurrence  # a spec written from this tracer repeats it
             self.noise_positions = list(range(*self.prompt.subject_range))
             bound.check_inputs(self.prompt.input_ids)
             # a count is checked before its list is made: 10^8 seeds would fill memory
@@ -233,6 +234,8 @@ class Tracer:
         if model:
             spec["model"] = model
         spec.update(prompt=self.prompt.text, subject=self.prompt.subject)
+        if self.occurrence:
+            spec["subject_occurrence"] = self.occurrence
         if self.answer_text is not None:  # otherwise the clean argmax, found again
             spec["answer"] = self.answer_text
         spec["interventions"] = [{"type": "noise_add", "positions": "subject",
@@ -280,8 +283,9 @@ def tracer_from_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokeni
                      **options) -> Tracer:
     """A :class:`Tracer` for a trace spec (one with ``"trace"``); ``options`` add Tracer
     keywords (``memory_budget_mb``), other noise settings default to
-    :class:`~.settings.TraceSettings`'. The spec's ``model_interventions`` are rebuilt around the
-    bare ``model`` and act in every run."""
+    :class:`~.settings.TraceSettings`'; the spec's ``trace.window`` is the tracer's window.
+    The spec's ``model_interventions`` are rebuilt around the bare ``model`` and act in every
+    run."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     if spec.trace is None:
         raise SpecError("$.trace", "not a trace spec: add {\"trace\": {\"kind\": ...}}")
@@ -295,6 +299,8 @@ def tracer_from_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokeni
     model = model_for_spec(spec, bind(model, interventions=True))
     given = {key: value for key in ("scale", "sigma", "distribution")
              if (value := noise.get(key)) is not None}
+    if "window" in spec.trace:  # the mlp and attn kinds' window: trace(kind) uses it
+        given["window"] = spec.trace["window"]
     return Tracer(
         model, tokenizer, spec.prompt, spec.subject, answer=spec.answer,
         seeds=noise.get("seeds"), occurrence=spec.subject_occurrence or 0, **given, **options)
