@@ -23,3 +23,20 @@ def test_auto_scale_is_the_smallest_that_collapses_whatever_the_order_given(toke
                              "rome")
     assert direct.chosen == 3.0
     assert "smaller scales fail: 1 sigma worst 0.5000" in direct.reason()
+
+
+def test_a_trace_spec_keeps_the_subjects_occurrence(tokenizer):
+    """A tracer on the subject's second appearance wrote a spec without
+    ``subject_occurrence``: rebuilt from it, the trace noised the first appearance."""
+    from pyvene_causaltrace.tracing.tracer import Tracer, tracer_from_spec
+
+    model = make_tiny_model("qwen3", n_layers=2)
+    tracer = Tracer(model, tokenizer, "Paris and Paris again are", "Paris", occurrence=1,
+                    seeds=2, sigma=0.5)
+    spec = tracer.spec("residual")
+    assert spec["subject_occurrence"] == 1
+    again = tracer_from_spec(spec, model, tokenizer)
+    assert again.noise_positions == tracer.noise_positions == [3]
+    assert (again.corrupt_probs == tracer.corrupt_probs).all()
+    first = Tracer(model, tokenizer, "Paris and Paris again are", "Paris", seeds=2, sigma=0.5)
+    assert "subject_occurrence" not in first.spec("residual")  # the default, as before

@@ -115,6 +115,7 @@ class Tracer:
             bound.check_weights()
             self.model, self.tokenizer = model, tokenizer
             self.prompt = tokenize_prompt(tokenizer, prompt, subject, occurrence)
+            self.occurrence = occurrence  # which appearance of the subject: a spec repeats it
             self.noise_positions = list(range(*self.prompt.subject_range))
             bound.check_inputs(self.prompt.input_ids)
             # a count is checked before its list is made: 10^8 seeds would fill memory
@@ -233,6 +234,8 @@ class Tracer:
         if model:
             spec["model"] = model
         spec.update(prompt=self.prompt.text, subject=self.prompt.subject)
+        if self.occurrence:  # else the first, the spec's default
+            spec["subject_occurrence"] = self.occurrence
         if self.answer_text is not None:  # otherwise the clean argmax, found again
             spec["answer"] = self.answer_text
         spec["interventions"] = [{"type": "noise_add", "positions": "subject",
