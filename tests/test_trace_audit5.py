@@ -40,3 +40,37 @@ def test_a_trace_spec_keeps_the_subjects_occurrence(tokenizer):
     assert (again.corrupt_probs == tracer.corrupt_probs).all()
     first = Tracer(model, tokenizer, "Paris and Paris again are", "Paris", seeds=2, sigma=0.5)
     assert "subject_occurrence" not in first.spec("residual")  # the default, as before
+
+
+def _row(index: int, restored: list, corrupt: float, seed: int = 0) -> dict:
+    return {"index": index, "fact": f"f{index}", "kind": "residual", "seed": seed,
+            "subject_range": [0, 1], "clean": 0.9, "corrupt": corrupt, "restored": restored}
+
+
+def test_one_fact_has_no_interval_not_a_zero_width_one():
+    """A percentile bootstrap of one fact resamples only that fact: its "95% interval" was
+    [x, x], a certainty no data supports. Now null, as for a role no fact has."""
+    import json
+
+    import numpy as np
+
+    from pyvene_causaltrace.dataset.aggregate import aggregate_rows, bootstrap_interval
+
+    grid = [[0.5, 0.2, 0.3], [0.6, 0.1, 0.4]]  # 2 layers x 3 positions
+    one = aggregate_rows([_row(0, grid, 0.1)], kinds=["residual"], n_boot=50)
+    assert one.effects["residual"]["total_effect"] == 0.9 - 0.1
+    assert all(np.isnan(v) for v in one.effects["residual"]["total_effect_ci"])
+    first = one.roles.index("First subject token")
+    assert np.isnan(one.ci_low["residual"][first]).all()
+    assert one.aie["residual"][first] == [0.5 - 0.1, 0.6 - 0.1]  # the mean itself is kept
+    assert json.loads(one.to_json())["effects"]["residual"]["total_effect_ci"] == [None, None]
+    one.summary()
+    other = [[0.7, 0.2, 0.3], [0.2, 0.1, 0.4]]
+    two = aggregate_rows([_row(0, grid, 0.1), _row(1, other, 0.1)], kinds=["residual"],
+                         n_boot=200)
+    low, high = two.ci_low["residual"][first], two.ci_high["residual"][first]
+    assert np.isfinite(low).all() and (np.asarray(high) > np.asarray(low)).all()
+    # a value present in one fact of many resamples to itself too
+    values = np.array([[1.0, np.nan], [2.0, np.nan], [3.0, 5.0]])
+    low, high = bootstrap_interval(values, n_boot=100)
+    assert np.isfinite(low[0]) and np.isnan(low[1]) and np.isnan(high[1])
