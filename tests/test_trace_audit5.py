@@ -3,6 +3,7 @@ number came out wrong without an error."""
 
 from __future__ import annotations
 
+import pytest
 from _support.models import PROMPT, SUBJECT, make_tiny_model
 
 from pyvene_causaltrace.prompts import tokenize_prompt
@@ -74,3 +75,23 @@ def test_one_fact_has_no_interval_not_a_zero_width_one():
     values = np.array([[1.0, np.nan], [2.0, np.nan], [3.0, 5.0]])
     low, high = bootstrap_interval(values, n_boot=100)
     assert np.isfinite(low[0]) and np.isnan(low[1]) and np.isnan(high[1])
+
+
+def test_embedding_matrix_sigma_is_in_the_units_the_noise_is_added_in():
+    """Gemma's embedding scales its rows by sqrt(hidden) and the noise is added to its output:
+    sigma 'embedding_matrix' was the raw weights' std, sqrt(hidden) times too small (on
+    Gemma-2-2B, 3 sigma acted as 1/16 of one). Unscaled embeddings are unchanged."""
+    import torch
+
+    from pyvene_causaltrace.bound import bind
+    from pyvene_causaltrace.interventions.noise import resolve_sigma
+
+    for arch, scale in (("gemma3_text", 32 ** 0.5), ("gemma2", 32 ** 0.5), ("llama", 1.0)):
+        bound = bind(make_tiny_model(arch, n_layers=2))
+        assert bound.d_model == 32
+        weight = bound.module("embed").weight.detach().float()
+        method, sigma = resolve_sigma("embedding_matrix", bound, None, None)
+        assert method == "embedding_matrix"
+        assert sigma == pytest.approx(float(weight.std()) * scale, rel=1e-5), arch
+        outputs = bound.module("embed")(torch.arange(weight.shape[0])).detach().float()
+        assert sigma == pytest.approx(float(outputs.std()), rel=1e-4), arch  # the outputs' own
