@@ -95,3 +95,32 @@ def test_embedding_matrix_sigma_is_in_the_units_the_noise_is_added_in():
         assert sigma == pytest.approx(float(weight.std()) * scale, rel=1e-5), arch
         outputs = bound.module("embed")(torch.arange(weight.shape[0])).detach().float()
         assert sigma == pytest.approx(float(outputs.std()), rel=1e-4), arch  # the outputs' own
+
+
+def test_a_shard_that_stopped_early_is_not_merged(tmp_path, tokenizer):
+    """A rank killed after its screen left a shard with a manifest and fewer rows: merged, the
+    aggregate covered fewer facts than the run, without an error."""
+    import json
+
+    from test_dataset import tiny_records, write_jsonl
+
+    from pyvene_causaltrace.dataset import read_records, trace_dataset
+    from pyvene_causaltrace.dataset.run import merge_shards, shard_dir
+
+    facts = tmp_path / "facts.jsonl"
+    write_jsonl(facts, tiny_records(4))
+    records, _ = read_records(facts)
+    model = make_tiny_model("gpt2")
+    out = tmp_path / "sharded"
+    for rank in range(2):
+        trace_dataset(model, tokenizer, records, out=out, shard=(rank, 2), known="none",
+                      kinds=("residual",), seeds=2, progress=False, n_boot=20)
+    whole = merge_shards(out, 2, n_boot=20)
+    assert whole.effects["residual"]["n_facts"] == 4
+    results = shard_dir(out, 1, 2) / "results.jsonl"
+    lines = results.read_text().splitlines(keepends=True)
+    assert len(lines) == 2 * 2  # two facts, two seeds
+    results.write_text("".join(lines[:2]))  # its second fact never written
+    with pytest.raises(ValueError, match="shard-01-of-02 is incomplete: 2 of its 4 rows"):
+        merge_shards(out, 2, n_boot=20)
+    assert json.loads((out / "manifest.json").read_text())["merged"] == 2  # left as it was
