@@ -124,3 +124,22 @@ def test_a_shard_that_stopped_early_is_not_merged(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="shard-01-of-02 is incomplete: 2 of its 4 rows"):
         merge_shards(out, 2, n_boot=20)
     assert json.loads((out / "manifest.json").read_text())["merged"] == 2  # left as it was
+
+
+def test_a_null_known_id_falls_back_to_the_index(tmp_path):
+    """``"known_id": null`` made a record whose id was None: the whole run traced it and then
+    refused its own results file as damaged (``fact`` must be a string)."""
+    import json
+
+    from pyvene_causaltrace.dataset import read_records
+
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps([
+        {"known_id": None, "prompt": "Paris is in the city of", "subject": "Paris",
+         "attribute": "France"},
+        {"known_id": None, "id": "x", "prompt": "Paris is in", "subject": "Paris",
+         "attribute": "France"},
+        {"known_id": 0, "prompt": "Paris is", "subject": "Paris", "attribute": "France"}]))
+    records, errors = read_records(path)
+    assert [r.id for r in records] == ["0", "x"]
+    assert [(e.id, e.reason) for e in errors] == [("0", "duplicate id")]
