@@ -143,3 +143,18 @@ def test_a_null_known_id_falls_back_to_the_index(tmp_path):
     records, errors = read_records(path)
     assert [r.id for r in records] == ["0", "x"]
     assert [(e.id, e.reason) for e in errors] == [("0", "duplicate id")]
+
+
+def test_a_tracer_from_a_spec_traces_with_the_specs_window(tokenizer):
+    """``tracer_from_spec(spec).trace(kind)`` used the default window (10), not the spec's
+    ``trace.window``: an mlp trace over other layers than the spec names."""
+    from pyvene_causaltrace.tracing.tracer import Tracer, tracer_from_spec
+
+    model = make_tiny_model("qwen3", n_layers=4)
+    tracer = Tracer(model, tokenizer, PROMPT, SUBJECT, seeds=2, sigma=0.5)
+    spec = tracer.spec("mlp", window=1)
+    again = tracer_from_spec(spec, model, tokenizer)
+    got = again.trace("mlp", progress=False)
+    assert got.window == 1
+    expected = tracer.trace("mlp", window=1, progress=False)
+    assert (got.restored_probs == expected.restored_probs).all()

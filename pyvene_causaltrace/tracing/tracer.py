@@ -283,8 +283,8 @@ def tracer_from_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokeni
                      **options) -> Tracer:
     """A :class:`Tracer` for a trace spec (one with ``"trace"``); ``options`` add Tracer
     keywords (``memory_budget_mb``), other noise settings default to
-    :class:`~.settings.TraceSettings`'. The spec's ``model_interventions`` are rebuilt around the
-    bare ``model`` and act in every run."""
+    :class:`~.settings.TraceSettings`'; its ``window`` is the spec's. The spec's
+    ``model_interventions`` are rebuilt around the bare ``model`` and act in every run."""
     spec = spec if isinstance(spec, ExperimentSpec) else load_spec(spec)
     if spec.trace is None:
         raise SpecError("$.trace", "not a trace spec: add {\"trace\": {\"kind\": ...}}")
@@ -298,6 +298,8 @@ def tracer_from_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokeni
     model = model_for_spec(spec, bind(model, interventions=True))
     given = {key: value for key in ("scale", "sigma", "distribution")
              if (value := noise.get(key)) is not None}
+    if spec.trace.get("window") is not None:  # trace(kind) without a window: the spec's
+        given["window"] = spec.trace["window"]
     return Tracer(
         model, tokenizer, spec.prompt, spec.subject, answer=spec.answer,
-        seeds=noise.get("seeds"), occurrence=spec.subject_occurrence or 0, **given, **options)
+        seeds=noise.get("seeds"), occurrence=spec.subject_occurrence or 0, **{**given, **options})
