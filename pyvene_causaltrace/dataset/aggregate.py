@@ -51,7 +51,8 @@ def role_curves(restored: np.ndarray | list, corrupt: float,
 def bootstrap_interval(values: np.ndarray, *, n_boot: int, level: float = 0.95,
                        seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Percentile bootstrap over the first axis of ``values [F, ...]`` (NaN = missing) of the
-    mean; returns ``(low, high)`` shaped ``values.shape[1:]``."""
+    mean; returns ``(low, high)`` shaped ``values.shape[1:]``, NaN where fewer than two values
+    are present (one value resamples only to itself: a zero-width interval, not a certainty)."""
     n = values.shape[0]
     flat = values.reshape(n, -1)
     present = ~np.isnan(flat)
@@ -67,6 +68,8 @@ def bootstrap_interval(values: np.ndarray, *, n_boot: int, level: float = 0.95,
         warnings.simplefilter("ignore", RuntimeWarning)
         low = np.nanquantile(boots, tail, axis=0)
         high = np.nanquantile(boots, 1 - tail, axis=0)
+    single = present.sum(0) < 2
+    low, high = np.where(single, np.nan, low), np.where(single, np.nan, high)
     return low.reshape(values.shape[1:]), high.reshape(values.shape[1:])
 
 

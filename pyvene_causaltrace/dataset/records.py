@@ -55,8 +55,8 @@ def parse_record(raw: object, index: int, where: str) -> FactRecord | RecordErro
     """One raw JSON object -> a record, or the error that names it."""
     if not isinstance(raw, dict):
         return RecordError(where, None, f"expected an object, got {type(raw).__name__}")
-    rid = raw.get("known_id", raw.get("id", index))
-    rid = None if rid is None else str(rid)
+    rid = raw.get("known_id")  # a null one is absent: the id, else the index
+    rid = str(next(v for v in (rid, raw.get("id"), index) if v is not None))
     for key in ("prompt", "subject", "attribute"):
         value = raw.get(key)
         if not isinstance(value, str) or not value.strip():

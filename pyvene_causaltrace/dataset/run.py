@@ -383,6 +383,7 @@ def merge_shards(out: str | Path, world: int, *,
     for path, manifest in zip(shards, manifests, strict=True):
         if {k: v for k, v in manifest.items() if k != "shard"} != base:
             raise ManifestMismatchError(f"shard {path} ran with other settings than {shards[0]}")
+    screen = _check_complete(shards, base)
     with single_writer(out):
         rows = (GRAPHS, RESULTS) if base.get("graphs") is not None else (RESULTS,)
         names = (MANIFEST, SCREEN, *rows)
@@ -397,7 +398,7 @@ def merge_shards(out: str | Path, world: int, *,
                 for graph in sorted((path / GRAPH_DIR).glob("*.safetensors")):
                     (out / GRAPH_DIR).mkdir(exist_ok=True)
                     shutil.copy2(graph, out / GRAPH_DIR / graph.name)
-            tmp[SCREEN].write_text((shards[0] / SCREEN).read_text())
+            tmp[SCREEN].write_text(screen.read_text())
             tmp[MANIFEST].write_text(json.dumps({**base, "shard": [0, 1], "merged": world},
                                                 indent=2, sort_keys=True))
             for name in names:
@@ -406,6 +407,25 @@ def merge_shards(out: str | Path, world: int, *,
             for path in tmp.values():
                 path.unlink(missing_ok=True)
     return load_dataset_result(out, n_boot=n_boot)
+
+
+def _check_complete(shards: list[Path], manifest: dict) -> Path:
+    """Refuse to merge shards missing rows of their kept facts (a rank that stopped early:
+    its rows merged alone gave an aggregate over fewer facts, without an error); the screen
+    file that saw the most records (every shard screens them all), which the merge keeps."""
+    screen = max((path / SCREEN for path in shards), key=lambda p: len(list(read_jsonl(p))))
+    kept = [line["fact"] for line in read_jsonl(screen) if line["kept"]]
+    for rank, path in enumerate(shards):
+        done = {(row["fact"], row["kind"], row["seed"]) for row in read_jsonl(path / RESULTS)}
+        need = [(fact, kind, seed) for fact in kept[rank::len(shards)]
+                for kind in manifest["kinds"] for seed in manifest["seeds"]]
+        missing = [key for key in need if key not in done]
+        if missing:
+            raise InputError(f"shard {path} is incomplete: {len(missing)} of its {len(need)} "
+                             f"rows are missing (first: fact {missing[0][0]!r}, kind "
+                             f"{missing[0][1]!r}, seed {missing[0][2]}); rerun rank {rank} with "
+                             "the same settings (it resumes), then merge")
+    return screen
 
 
 @checked

@@ -122,8 +122,23 @@ def resolve_sigma(sigma: str | float, bound: BoundModel, tokenizer: Tokenizer,
         if subject is None:
             raise InputError("sigma 'rome' needs a subject")
         return "rome", subject_sigma(bound, tokenizer, [subject])
-    with torch.no_grad():  # the std of the input-embedding weight matrix
-        return "embedding_matrix", float(bound.module("embed").weight.float().std())
+    return "embedding_matrix", matrix_sigma(bound)
+
+
+@torch.no_grad()
+def matrix_sigma(bound: BoundModel) -> float:
+    """The std of the input-embedding weight matrix, in the units of the embedding's outputs
+    (the noise is added to them): times the scale a scaled embedding applies (Gemma's
+    ``sqrt(hidden)``: in weight units, 3 sigma was 3/48 of that on Gemma-2-2B)."""
+    embed = bound.module("embed")
+    weight = embed.weight
+    rows = torch.arange(min(256, weight.shape[0]), device=weight.device)
+    scale = embed(rows).float().norm() / weight[rows].float().norm()
+    sigma = float(weight.float().std() * scale)
+    if not math.isfinite(sigma) or sigma <= 0:
+        raise NonFiniteError(f"the embedding matrix's sigma is {sigma}: its weights hold NaN/inf "
+                             "or its first rows are zero")
+    return sigma
 
 
 class NoiseAdd(CausalTraceIntervention):

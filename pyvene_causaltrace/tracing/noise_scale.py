@@ -63,8 +63,8 @@ class NoiseScaleSweep:
 
     @property
     def chosen(self) -> float | None:
-        return next((s for s, w in zip(self.scales, self.worst, strict=True)
-                     if w < self.threshold), None)
+        return min((s for s, w in zip(self.scales, self.worst, strict=True)
+                    if w < self.threshold), default=None)
 
     def reason(self) -> str:
         if self.chosen is None:
@@ -74,7 +74,7 @@ class NoiseScaleSweep:
                                                                     strict=True)) + ")")
         index = self.scales.index(self.chosen)
         below = [f"{s:g} sigma worst {w:.4f}" for s, w in
-                 zip(self.scales[:index], self.worst[:index], strict=True)]
+                 zip(self.scales, self.worst, strict=True) if s < self.chosen]
         return (f"{self.chosen:g} sigma: worst seed {self.worst[index]:.4f} < {self.threshold:.4f}"
                 f" (clean {self.clean_prob:.4f})" + (f"; smaller scales fail: {', '.join(below)}"
                                                      if below else ""))
@@ -123,7 +123,7 @@ def sweep_noise_scale(
         raise NonFiniteError("the clean run's probabilities hold NaN/inf: no noise scale can be "
                              "chosen against them")
     embed = bound.site("embed")
-    rows = []
+    rows, scales = [], sorted(scales)  # "the smallest scale that collapses": in any order given
     for scale in scales:
         noise = NoiseAdd(seeds=list(seeds), positions=list(noise_positions), scale=scale,
                          sigma=sigma, distribution=distribution)

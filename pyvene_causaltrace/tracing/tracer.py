@@ -299,7 +299,7 @@ def tracer_from_spec(spec: ExperimentSpec | dict | str, model: nn.Module, tokeni
     model = model_for_spec(spec, bind(model, interventions=True))
     given = {key: value for key in ("scale", "sigma", "distribution")
              if (value := noise.get(key)) is not None}
-    if "window" in spec.trace:  # the mlp and attn kinds' window: trace(kind) uses it
+    if spec.trace.get("window") is not None:  # the mlp and attn kinds': trace(kind) uses it
         given["window"] = spec.trace["window"]
     return Tracer(
         model, tokenizer, spec.prompt, spec.subject, answer=spec.answer,
