@@ -171,7 +171,7 @@ def test_a_tiny_trace_runs_on_the_device_asked_for(device, tmp_path, tokenizer, 
     assert code == 0 and "residual trace" in capsys.readouterr().out
 
 
-def test_load_model_refuses_a_device_this_machine_lacks_before_loading(monkeypatch):
+def test_load_model_refuses_a_device_this_machine_lacks_before_loading(monkeypatch, tmp_path):
     """The API's ``load_model(device=...)`` refuses as ``--device`` does (it raised torch's
     AssertionError after loading the weights); ``"auto"`` is the CPU without CUDA."""
     import transformers
@@ -183,8 +183,9 @@ def test_load_model_refuses_a_device_this_machine_lacks_before_loading(monkeypat
         raise AssertionError("loaded before the device was checked")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):
+        monkeypatch.setattr(auto, "from_pretrained", never)
     with pytest.raises(InputError, match=r"^device=cuda:1: no CUDA device"):
-        load_model("smollm2-135m", device="cuda:1")
+        load_model(str(tmp_path), device="cuda:1")
     with pytest.raises(InputError, match="loaded before"):  # the control: auto goes on to load
-        load_model("smollm2-135m", device="auto")
+        load_model(str(tmp_path), device="auto")
