@@ -270,8 +270,8 @@ def _refuse_partial_attention(base: torch.Tensor, layer: int) -> None:
         hidden = (back >= 0) & ~kept
         # the model's sliding window hides every key from some distance on (the Lorsa's own
         # attention is not the model's: that is no concern of its); padding hides others
-        if hidden.any() and not torch.equal(hidden, (back >= back.expand_as(hidden)[hidden]
-                                                     .min()).expand_as(hidden)):
+        window = back.expand_as(hidden)[hidden].min() if hidden.any() else None
+        if window is not None and not torch.equal(hidden, (back >= window).expand_as(hidden)):
             raise InputError(f"layer {layer}'s attention mask hides earlier positions (padding); "
                              "a Lorsa splice attends over every earlier position: run each "
                              "prompt alone, unpadded")
